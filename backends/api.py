@@ -1,0 +1,113 @@
+"""The Python API: compile a program, emit its forms, call them on NumPy arrays.
+
+    import backends as linrec
+    rec = linrec.load("examples/gla.lin")            # or linrec.compile("recurrence …")
+    res = rec.run(q=q, k=k, v=v, g=g, form="chunkwise")
+    res.outputs["o"], res.final_state["S"]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import compiler
+from compiler import Compiled
+from dsl.errors import LinrecError, RuntimeInputError
+
+from . import arrays, numpy_backend
+
+BACKENDS = {"numpy": numpy_backend}
+
+
+@dataclass
+class Result:
+    outputs: dict[str, np.ndarray]
+    final_state: dict[str, np.ndarray]
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class Recurrence:
+    """A checked program and its generated forms (built once per backend and form, then reused)."""
+
+    def __init__(self, compiled: Compiled):
+        self.compiled = compiled
+        self.program = compiled.program
+        self.derivation = compiled.derivation
+        self._modules: dict[tuple[str, str], object] = {}
+
+    @property
+    def name(self) -> str:
+        return self.program.name
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        return self.derivation.forms
+
+    # ---- code ----
+    def _check_form(self, form: str, backend: str):
+        if backend not in BACKENDS:
+            raise LinrecError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+        known = compiler.FORMS
+        if form not in known:
+            raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(known)}")
+        why = self.derivation.why_not(form)
+        if why:
+            raise LinrecError(f"'{self.name}' has no {form} form: {why}. The recurrent form always exists.")
+        if form not in BACKENDS[backend].EMITTERS:
+            raise LinrecError(f"the {backend} backend does not implement the {form} form yet")
+
+    def emit(self, form: str = "recurrent", backend: str = "numpy") -> str:
+        """The generated source of a form."""
+        self._check_form(form, backend)
+        return BACKENDS[backend].emit(self.compiled, form)
+
+    def module(self, form: str = "recurrent", backend: str = "numpy"):
+        self._check_form(form, backend)
+        key = (backend, form)
+        if key not in self._modules:
+            self._modules[key] = BACKENDS[backend].load(self.compiled, form)
+        return self._modules[key]
+
+    # ---- arrays ----
+    def default_params(self, heads: int, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+        """The file's parameter defaults for `heads` heads (float64; per-head ones as [H, *])."""
+        sizes = {d.name: d.default for d in self.program.dims} | dict(dims or {})
+        return self.module("recurrent").default_params(heads, sizes)
+
+    def random_inputs(self, batch: int = 2, tokens: int = 16, heads: int = 2, dims: dict | None = None,
+                      dtype=np.float64, seed: int = 0, decay_scale: float = 1.0) -> dict[str, np.ndarray]:
+        sizes = {d.name: d.default for d in self.program.dims} | dict(dims or {})
+        return arrays.random_inputs(self.program, batch, tokens, heads, sizes, dtype, seed, decay_scale)
+
+    def run(self, inputs: dict | None = None, *, form: str = "recurrent", backend: str = "numpy",
+            params: dict | None = None, initial_state: dict | None = None, chunk_size: int | None = None,
+            **named_inputs) -> Result:
+        """Run a form. Inputs [B, T, H, *] by DSL name (a dict, keywords, or both); initial states
+        [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *])."""
+        module = self.module(form, backend)
+        given = dict(inputs or {}) | named_inputs
+        checked, shape = arrays.check_inputs(self.program, given)
+        params = dict(params or {})
+        dims = arrays.resolve_dims(self.program, shape, params)
+        defaults = {k: v for k, v in module.default_params(shape.heads, dims).items()
+                    if k not in params}
+        used = arrays.check_params(self.program, params, defaults, shape, dims)
+        state0 = arrays.check_initial_state(self.program, initial_state, shape, dims)
+        if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
+            raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
+        outputs, final = module.forward(checked, used, state0, dims, chunk_size=chunk_size)
+        return Result(outputs, final, used)
+
+    __call__ = run
+
+
+def compile(source: str, filename: str = "<source>") -> Recurrence:  # noqa: A001 - the natural name
+    """Compile a program given as text."""
+    return Recurrence(compiler.compile_source(source, filename))
+
+
+def load(path: str | Path) -> Recurrence:
+    """Compile a program file (.lin)."""
+    return Recurrence(compiler.compile_file(path))

@@ -1,0 +1,182 @@
+"""Check and prepare the arrays of a call: names, shapes, dtypes, sizes, value ranges. Every problem is a
+RuntimeInputError naming the array, what was expected and what came."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from compiler import ir
+from dsl.errors import RuntimeInputError
+
+FLOAT_DTYPES = (np.float32, np.float64)
+
+
+@dataclass(frozen=True)
+class CallShape:
+    batch: int
+    tokens: int
+    heads: int
+    dims: dict[str, int]
+    dtype: np.dtype
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _float_array(name: str, value, what: str) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
+        raise RuntimeInputError(f"{what} '{name}' is not an array") from None
+    if arr.dtype.type not in FLOAT_DTYPES:
+        raise RuntimeInputError(f"{what} '{name}' has dtype {arr.dtype}; pass float32 or float64")
+    return arr
+
+
+def _bind(dims: dict[str, int], names: tuple[str, ...], actual: tuple[int, ...], where: str, expected: str):
+    for d, n in zip(names, actual):
+        if d in dims and dims[d] != n:
+            raise RuntimeInputError(f"{where} has shape {expected} with {d} = {n}, but {d} = {dims[d]} "
+                                    f"elsewhere (from the other arrays or the options)")
+        dims[d] = n
+
+
+def check_inputs(program: ir.Program, inputs: dict, dims: dict[str, int] | None = None) -> tuple[dict, CallShape]:
+    """Inputs [B, T, H, *] by DSL name → (arrays, sizes). Unknown names, missing inputs, wrong ranks,
+    dtypes or sizes are errors."""
+    declared = {x.name: x for x in program.inputs}
+    unknown = sorted(set(inputs) - set(declared))
+    if unknown:
+        raise RuntimeInputError(f"unknown input array(s) {', '.join(map(repr, unknown))}; the inputs of "
+                                f"'{program.name}' are {', '.join(declared) or 'none'}")
+    bound = dict(dims or {})
+    arrays, lead, dtype = {}, None, None
+    for x in program.inputs:
+        expected = "[B, T, H" + "".join(", " + d for d in x.shape) + "]"
+        if x.name not in inputs:
+            raise RuntimeInputError(f"missing input '{x.name}' (expected shape {expected})")
+        arr = _float_array(x.name, inputs[x.name], "input")
+        if arr.ndim != 3 + len(x.shape):
+            raise RuntimeInputError(f"input '{x.name}' should have shape {expected} but has shape "
+                                    f"{_fmt(arr.shape)}")
+        if lead is None:
+            lead, dtype, first = arr.shape[:3], arr.dtype, x.name
+        elif arr.shape[:3] != lead:
+            raise RuntimeInputError(f"input '{x.name}' has [B, T, H] = {_fmt(arr.shape[:3])} but '{first}' has "
+                                    f"{_fmt(lead)}")
+        elif arr.dtype != dtype:
+            raise RuntimeInputError(f"input '{x.name}' is {arr.dtype} but '{first}' is {dtype}; pass every "
+                                    f"input in one dtype")
+        _bind(bound, x.shape, arr.shape[3:], f"input '{x.name}'", _fmt(arr.shape))
+        _check_range(x, arr)
+        arrays[x.name] = arr
+    if lead is None:
+        raise RuntimeInputError("the program has no inputs to take B, T and H from")
+    if min(lead) <= 0:
+        raise RuntimeInputError(f"[B, T, H] = {_fmt(lead)}: every size must be at least 1")
+    return arrays, CallShape(*lead, bound, dtype)
+
+
+def _check_range(x: ir.Input, arr: np.ndarray):
+    if x.low is None and x.high is None:
+        return
+    bad = np.zeros(arr.shape, dtype=bool)
+    if x.low is not None:
+        bad |= (arr <= x.low) if x.low_open else (arr < x.low)
+    if x.high is not None:
+        bad |= (arr >= x.high) if x.high_open else (arr > x.high)
+    bad |= np.isnan(arr)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        lo = "(" if x.low_open else "["
+        hi = ")" if x.high_open else "]"
+        interval = f"{lo}{'-inf' if x.low is None else f'{x.low:g}'}, {'inf' if x.high is None else f'{x.high:g}'}{hi}"
+        raise RuntimeInputError(f"input '{x.name}' must lie in {interval} as declared; found {arr[where]!r} at "
+                                f"index {list(where)}")
+
+
+def resolve_dims(program: ir.Program, shape: CallShape, params: dict) -> dict[str, int]:
+    """Sizes not fixed by the inputs come from caller-supplied params, then from the file's defaults."""
+    dims = dict(shape.dims)
+    for prm in program.params:
+        if prm.name in params:
+            arr = np.asarray(params[prm.name])
+            offset = 1 if prm.per_head else 0
+            if arr.ndim == offset + len(prm.shape):
+                for d, n in zip(prm.shape, arr.shape[offset:]):
+                    dims.setdefault(d, n)
+    for d in program.dims:
+        dims.setdefault(d.name, d.default)
+    return dims
+
+
+def check_params(program: ir.Program, given: dict, defaults: dict, shape: CallShape, dims: dict) -> dict:
+    """Caller-supplied params override the file's defaults; per-head params are [H, *]."""
+    declared = {p.name: p for p in program.params}
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        raise RuntimeInputError(f"unknown parameter(s) {', '.join(map(repr, unknown))}; the parameters of "
+                                f"'{program.name}' are {', '.join(declared) or 'none'}")
+    out = {}
+    for prm in program.params:
+        expected = ((shape.heads,) if prm.per_head else ()) + tuple(dims[d] for d in prm.shape)
+        label = ("[H" + "".join(", " + d for d in prm.shape) + "]") if prm.per_head else \
+            ("[" + ", ".join(prm.shape) + "]" if prm.shape else "a scalar")
+        if prm.name in given:
+            arr = _float_array(prm.name, given[prm.name], "parameter")
+        elif defaults.get(prm.name) is not None:
+            arr = defaults[prm.name]
+        else:
+            raise RuntimeInputError(f"parameter '{prm.name}' has no default; pass it (shape {label})")
+        if arr.shape != expected:
+            raise RuntimeInputError(f"parameter '{prm.name}' should have shape {label} = {_fmt(expected)} but "
+                                    f"has shape {_fmt(arr.shape)}")
+        out[prm.name] = np.ascontiguousarray(arr, dtype=shape.dtype)
+    return out
+
+
+def check_initial_state(program: ir.Program, given: dict | None, shape: CallShape, dims: dict) -> dict:
+    """Initial states [B, H, *] (zeros when absent), copied in the inputs' dtype."""
+    given = dict(given or {})
+    declared = {s.name for s in program.states}
+    unknown = sorted(set(given) - declared)
+    if unknown:
+        raise RuntimeInputError(f"unknown state(s) {', '.join(map(repr, unknown))}; the states of "
+                                f"'{program.name}' are {', '.join(sorted(declared))}")
+    out = {}
+    for s in program.states:
+        expected = (shape.batch, shape.heads) + tuple(dims[d] for d in s.shape)
+        if s.name in given:
+            arr = _float_array(s.name, given[s.name], "initial state")
+            if arr.shape != expected:
+                label = "[B, H" + "".join(", " + d for d in s.shape) + "]"
+                raise RuntimeInputError(f"initial state '{s.name}' should have shape {label} = {_fmt(expected)} "
+                                        f"but has shape {_fmt(arr.shape)}")
+            out[s.name] = np.array(arr, dtype=shape.dtype, copy=True)
+        else:
+            out[s.name] = np.zeros(expected, dtype=shape.dtype)
+    return out
+
+
+def random_inputs(program: ir.Program, batch: int, tokens: int, heads: int, dims: dict[str, int],
+                  dtype=np.float64, seed: int = 0, decay_scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Seeded inputs that fit each input's declared role: intervals are sampled inside, one-sided bounds
+    (log-decays ≤ 0, step sizes > 0) get magnitudes scaled by `decay_scale`, the rest is standard normal."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for x in program.inputs:
+        size = (batch, tokens, heads) + tuple(dims[d] for d in x.shape)
+        if x.low is not None and x.high is not None:
+            lo, hi = x.low, x.high
+            span = hi - lo
+            value = rng.uniform(lo + 0.02 * span, hi - 0.02 * span, size)
+        elif x.high is not None:
+            value = x.high - decay_scale * 0.5 * np.abs(rng.standard_normal(size)) - (1e-3 if x.high_open else 0)
+        elif x.low is not None:
+            value = x.low + decay_scale * 0.5 * np.abs(rng.standard_normal(size)) + (1e-3 if x.low_open else 0)
+        else:
+            value = rng.standard_normal(size)
+        out[x.name] = value.astype(dtype)
+    return out

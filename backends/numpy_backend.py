@@ -1,0 +1,217 @@
+"""The NumPy backend: generated Python source that reads like hand-written NumPy, loaded as a module."""
+from __future__ import annotations
+
+import types
+from functools import lru_cache
+from importlib import resources
+
+import jinja2
+
+from compiler import Compiled, ir
+from compiler.analysis import inline_lets, states_in, to_text, variance
+
+from .names import Namer
+from .numpy_printer import NumpyPrinter
+
+VERSION = "0.1.0"
+
+
+@lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FunctionLoader(_template_source), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def _template_source(name: str) -> str:
+    return resources.files("backends").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
+
+
+def source_comment(compiled: Compiled) -> str:
+    return "Source program:\n" + "\n".join("    " + line for line in compiled.source.strip().splitlines())
+
+
+class Emitter:
+    """Shared naming and printing for one generated module."""
+
+    def __init__(self, compiled: Compiled):
+        self.c = compiled
+        self.p = compiled.program
+        self.name = Namer()
+        self.lets = self.p.lets
+        # state-free values are computed for all tokens at once before any loop
+        self.hoisted = {n for n, v in self.lets.items() if not states_in(inline_lets(v, self.lets))}
+
+    def printer(self, token_index: str | None, state_vars: dict[str, str] | None = None,
+                readout_vars: dict[int, str] | None = None) -> NumpyPrinter:
+        """token_index: None → arrays over all tokens ([B, T, H, *]); "t" → one token ([B, H, *])."""
+        def ref(node: ir.Expr) -> str:
+            if isinstance(node, ir.DimSize):
+                return self.name(node.dim)
+            if isinstance(node, ir.HeadIndex):
+                return "h"
+            if isinstance(node, ir.ParamRef):
+                return self.name(node.name)
+            if isinstance(node, ir.InputRef) or (isinstance(node, ir.LetRef) and node.name in self.hoisted):
+                return self.name(node.name) + (f"[:, {token_index}]" if token_index else "")
+            if isinstance(node, ir.LetRef):
+                return self.name(node.name)
+            if isinstance(node, ir.StateRef):
+                return (state_vars or {}).get(node.name, self.name(node.name))
+            if isinstance(node, ir.ReadoutRef):
+                return readout_vars[node.index]
+            raise TypeError(node)
+        return NumpyPrinter(ref)
+
+    # ---- pieces every form shares ----
+    def param_lines(self, helpers: set[str]) -> list[str]:
+        lines = ["h = np.arange(heads)"] if any(p.per_head for p in self.p.params) else []
+        lines += [f"{self.name(d.name)} = dims[\"{d.name}\"]" for d in self.p.dims
+                  if any(d.name in p.shape or _uses_dim(p.default, d.name) for p in self.p.params)]
+        printer = self.printer(None)
+        for prm in self.p.params:
+            var = self.name(prm.name)
+            if prm.default is None:
+                lines.append(f"{var} = None  # no default: the caller must pass '{prm.name}'")
+                continue
+            dims = (["heads"] if prm.per_head else []) + [self.name(d) for d in prm.shape]
+            shape = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+            code = _print_param(prm.default, printer, shape, prm.per_head)
+            if prm.shape and not prm.default.shape and variance(prm.default) != "const":
+                code = f"({code})" + "[..., " + ", ".join(["None"] * len(prm.shape)) + "]"  # per head → [H, 1…]
+            code = f"np.broadcast_to({code}, {shape}).astype(np.float64)"
+            lines.append(f"{var} = {code}  # {prm.name} = {to_text(prm.default)}")
+        helpers |= printer.helpers
+        return lines
+
+    def prologue(self) -> list[str]:
+        """Bind inputs, params, sizes and initial states to local names."""
+        p, n = self.p, self.name
+        lines = []
+        for x in p.inputs:
+            lines.append(f"{n(x.name)} = inputs[\"{x.name}\"]  # [B, T, H{''.join(', ' + d for d in x.shape)}]")
+        first = n(p.inputs[0].name) if p.inputs else None
+        lines.append(f"batch, tokens, heads = {first}.shape[:3]")
+        lines.append(f"dtype = {first}.dtype")
+        for d in p.dims:
+            lines.append(f"{n(d.name)} = dims[\"{d.name}\"]")
+        for prm in p.params:
+            lines.append(f"{n(prm.name)} = params[\"{prm.name}\"]" + ("  # per head" if prm.per_head else ""))
+        return lines
+
+    def hoisted_lets(self, printer: NumpyPrinter) -> list[str]:
+        lines = []
+        for step in self.p.steps:
+            if isinstance(step, ir.Let) and step.name in self.hoisted:
+                lines.append(f"{self.name(step.name)} = {printer(step.value)}  # {step.name} = {to_text(step.value)}")
+        return lines
+
+    def output_alloc(self) -> list[str]:
+        lines = []
+        for out in self.p.outputs:
+            dims = "".join(", " + self.name(d) for d in out.value.shape)
+            lines.append(f"{self.name(out.name)} = np.empty((batch, tokens, heads{dims}), dtype=dtype)")
+        return lines
+
+    def returns(self) -> str:
+        outs = ", ".join(f"\"{o.name}\": {self.name(o.name)}" for o in self.p.outputs)
+        states = ", ".join(f"\"{s.name}\": {self.name(s.name)}" for s in self.p.states)
+        return f"return {{{outs}}}, {{{states}}}"
+
+    def render(self, form: str, body: list[str], helpers: set[str]) -> str:
+        param_lines = self.param_lines(helpers)
+        return _environment().get_template("numpy_module.py.j2").render(
+            name=self.p.name, form=form, version=VERSION, filename=self.c.filename,
+            source_comment=source_comment(self.c), helpers=sorted(helpers), param_lines=param_lines,
+            param_names=[(prm.name, self.name(prm.name)) for prm in self.p.params], body=body)
+
+
+def _uses_dim(e, dim) -> bool:
+    from compiler.analysis import walk
+    return e is not None and any(isinstance(n, ir.DimSize) and n.dim == dim for n in walk(e))
+
+
+def _print_param(e: ir.Expr, printer: NumpyPrinter, shape: str, per_head: bool) -> str:
+    """Param defaults may hold seeded random draws; everything else prints as usual."""
+    from compiler.analysis import rebuild, walk
+    if not any(isinstance(n, ir.Random) for n in walk(e)):
+        return printer(e)
+    draws = {}
+
+    def swap(node):
+        if isinstance(node, ir.Random):
+            opts = dict(node.options)
+            full = shape
+            if node.kind == "normal":
+                code = f"np.random.default_rng({node.seed}).standard_normal({full}) * {opts['std']!r}"
+            else:
+                code = f"np.random.default_rng({node.seed}).uniform({opts['low']!r}, {opts['high']!r}, {full})"
+            key = f"__draw{len(draws)}"
+            draws[key] = code
+            return ir.LetRef(node.shape if not per_head else node.shape, key)
+        return node
+    swapped = rebuild(e, swap)
+    base_ref = printer.ref
+
+    def ref(node):
+        if isinstance(node, ir.LetRef) and node.name in draws:
+            return draws[node.name]
+        return base_ref(node)
+    printer.ref = ref
+    try:
+        return printer(swapped)
+    finally:
+        printer.ref = base_ref
+
+
+def emit_recurrent(compiled: Compiled) -> str:
+    """The recurrent form, statement by statement as the user wrote them: the living definition."""
+    em = Emitter(compiled)
+    p, n = em.p, em.name
+    helpers: set[str] = set()
+    prelude = em.printer(None)
+    loop = em.printer("t")
+    body = em.prologue()
+    hoisted = em.hoisted_lets(prelude)
+    if hoisted:
+        body += ["", "# values that do not depend on a state, for all tokens at once"] + hoisted
+    body += ["", "# states [B, H, *]"]
+    body += [f"{n(s.name)} = initial_state[\"{s.name}\"]" for s in p.states]
+    body += em.output_alloc()
+
+    def step_lines(steps, with_outputs=True, with_updates=True):
+        lines = []
+        for step in steps:
+            if isinstance(step, ir.Let) and step.name not in em.hoisted:
+                lines.append(f"{n(step.name)} = {loop(step.value)}")
+            elif isinstance(step, ir.Update) and with_updates:
+                lines.append(f"# {step.state}: {compiled.derivation.transition(step.state).kind}")
+                lines.append(f"{n(step.state)} = {loop(step.value)}")
+            elif isinstance(step, ir.Output) and with_outputs:
+                lines.append(f"{n(step.name)}[:, t] = {loop(step.value)}")
+        return lines
+
+    if p.causal:
+        body += ["", "for t in range(tokens):"] + ["    " + x for x in step_lines(p.steps)]
+    else:
+        body += ["", "# non-causal: every output reads the final state, so run the updates first",
+                 "for t in range(tokens):"] + ["    " + x for x in step_lines(p.steps, with_outputs=False)]
+        body += ["for t in range(tokens):"] + ["    " + x for x in step_lines(p.steps, with_updates=False)]
+    body += ["", em.returns()]
+    helpers |= prelude.helpers | loop.helpers
+    return em.render("recurrent", body, helpers)
+
+
+EMITTERS = {"recurrent": emit_recurrent}
+
+
+def emit(compiled: Compiled, form: str) -> str:
+    return EMITTERS[form](compiled)
+
+
+def load(compiled: Compiled, form: str):
+    """Compile the generated source into a module object (no files written)."""
+    source = emit(compiled, form)
+    module = types.ModuleType(f"linrec_generated_{compiled.name}_{form}")
+    module.__dict__["__source__"] = source
+    exec(compile(source, f"<linrec {compiled.filename} {form}>", "exec"), module.__dict__)
+    return module

@@ -1,0 +1,51 @@
+"""The linrec compiler: names and shapes, IR, classification of transitions, derivation of forms.
+
+    parse (dsl) → resolve (names, shapes → IR) → derive (transitions, readouts, forms)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsl import LinrecError, parse
+
+from . import ir
+from .derive import FORMS, Derivation, derive
+from .resolve import resolve
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A checked program: its source, IR and derivation."""
+
+    source: str
+    filename: str
+    program: ir.Program
+    derivation: Derivation
+
+    @property
+    def name(self) -> str:
+        return self.program.name
+
+
+def compile_source(source: str, filename: str = "<source>") -> Compiled:
+    """Parse, check and derive. Raises LinrecError with FILE:LINE:COL, the line and a caret."""
+    try:
+        program = resolve(parse(source, filename))
+        return Compiled(source, filename, program, derive(program))
+    except LinrecError as err:
+        raise err.located(source, filename) from None
+
+
+def compile_file(path: str | Path) -> Compiled:
+    path = Path(path)
+    try:
+        source = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise LinrecError(f"cannot read {path}: {err.strerror}", filename=str(path)) from None
+    except UnicodeDecodeError:
+        raise LinrecError(f"{path} is not UTF-8 text", filename=str(path)) from None
+    return compile_source(source, str(path))
+
+
+__all__ = ["Compiled", "FORMS", "LinrecError", "compile_file", "compile_source", "ir"]

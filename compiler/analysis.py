@@ -1,0 +1,112 @@
+"""Small pure functions over IR expressions: children, rebuilding, what an expression depends on."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+from . import ir
+
+_CHILD_FIELDS = {
+    ir.Apply: ("args",), ir.Neg: ("operand",), ir.Arith: ("left", "right"), ir.Dot: ("left", "right"),
+    ir.Outer: ("left", "right"), ir.Diag: ("operand",),
+}
+
+
+def children(e: ir.Expr) -> tuple[ir.Expr, ...]:
+    if isinstance(e, ir.Apply):
+        return e.args
+    return tuple(getattr(e, f) for f in _CHILD_FIELDS.get(type(e), ()))
+
+
+def rebuild(e: ir.Expr, fn: Callable[[ir.Expr], ir.Expr]) -> ir.Expr:
+    """Apply `fn` bottom-up: children first, then the node rebuilt from the new children."""
+    if isinstance(e, ir.Apply):
+        e = dataclasses.replace(e, args=tuple(rebuild(a, fn) for a in e.args))
+    elif type(e) in _CHILD_FIELDS:
+        e = dataclasses.replace(e, **{f: rebuild(getattr(e, f), fn) for f in _CHILD_FIELDS[type(e)]})
+    return fn(e)
+
+
+def walk(e: ir.Expr) -> Iterator[ir.Expr]:
+    yield e
+    for c in children(e):
+        yield from walk(c)
+
+
+def inline_lets(e: ir.Expr, lets: dict[str, ir.Expr]) -> ir.Expr:
+    """Replace every LetRef by its definition (recursively)."""
+    def sub(node):
+        if isinstance(node, ir.LetRef):
+            return inline_lets(lets[node.name], lets)
+        return node
+    return rebuild(e, sub)
+
+
+def states_in(e: ir.Expr) -> set[str]:
+    return {n.name for n in walk(e) if isinstance(n, ir.StateRef)}
+
+
+def contains_state(e: ir.Expr, state: str | None = None) -> bool:
+    return any(isinstance(n, ir.StateRef) and (state is None or n.name == state) for n in walk(e))
+
+
+def variance(e: ir.Expr, lets: dict[str, ir.Expr] | None = None) -> str:
+    """What a state-free expression varies over: "const", "head" or "token"."""
+    level = "const"
+    for n in walk(e if lets is None else inline_lets(e, lets)):
+        if isinstance(n, (ir.InputRef, ir.StateRef, ir.ReadoutRef)):
+            return "token"
+        if isinstance(n, ir.HeadIndex) or (isinstance(n, ir.ParamRef) and n.per_head):
+            level = "head"
+    return level
+
+
+def refs(e: ir.Expr, kind: type) -> list[str]:
+    """Names referenced by nodes of `kind` (InputRef, ParamRef, LetRef, StateRef), in first-seen order."""
+    seen: dict[str, None] = {}
+    for n in walk(e):
+        if isinstance(n, kind):
+            seen.setdefault(n.name, None)
+    return list(seen)
+
+
+def to_text(e: ir.Expr) -> str:
+    """The expression in the DSL's own notation (for `check` and for comments in generated code)."""
+    prec = {"add": 1, "sub": 1, "mul": 2, "div": 2, "dot": 2, "outer": 2, "neg": 3, "pow": 4}
+
+    def p(node, outer_prec=0):
+        if isinstance(node, ir.Const):
+            v = node.value
+            return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else f"{v:g}"
+        if isinstance(node, ir.DimSize):
+            return node.dim
+        if isinstance(node, ir.HeadIndex):
+            return "h"
+        if isinstance(node, (ir.InputRef, ir.ParamRef, ir.LetRef)):
+            return node.name
+        if isinstance(node, ir.StateRef):
+            return node.name
+        if isinstance(node, ir.ReadoutRef):
+            return f"r{node.index}"
+        if isinstance(node, ir.Identity):
+            return "I"
+        if isinstance(node, ir.Random):
+            args = ", ".join([f"seed={node.seed}"] + [f"{k}={v:g}" for k, v in node.options])
+            return f"{'randn' if node.kind == 'normal' else node.kind}({args})"
+        if isinstance(node, ir.Apply):
+            args = [p(a) for a in node.args] + [f"{k}={v:g}" for k, v in node.options]
+            return f"{node.function}({', '.join(args)})"
+        if isinstance(node, ir.Diag):
+            return f"diag({p(node.operand)})"
+        if isinstance(node, ir.Neg):
+            s = "−" + p(node.operand, prec["neg"])
+            return f"({s})" if outer_prec > prec["neg"] else s
+        if isinstance(node, (ir.Arith, ir.Dot, ir.Outer)):
+            op = node.op if isinstance(node, ir.Arith) else ("dot" if isinstance(node, ir.Dot) else "outer")
+            sym = {"add": " + ", "sub": " − ", "mul": "*", "div": "/", "pow": "^", "dot": "·", "outer": "⊗"}[op]
+            mine = prec[op]
+            right_prec = mine + 1 if op != "pow" else mine
+            s = p(node.left, mine if op != "pow" else mine + 1) + sym + p(node.right, right_prec)
+            return f"({s})" if outer_prec > mine else s
+        raise TypeError(type(node))
+    return p(e)

@@ -1,0 +1,85 @@
+"""From the IR to what the derived forms need: transitions, readouts, outputs over readouts, and which
+forms exist (with the reason when one does not)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import ir
+from .analysis import inline_lets, rebuild, states_in, to_text, walk
+from .transitions import Transition, classify
+
+FORMS = ("recurrent", "parallel", "chunkwise")
+
+
+@dataclass(frozen=True)
+class Readout:
+    """r = query·S, with S before (S_(t−1)) or after (S_t) this token's update."""
+
+    index: int
+    state: str
+    query: ir.Expr
+    before_update: bool
+
+    @property
+    def shape(self) -> ir.Shape:
+        return ()  # filled by the caller's state shape; kept for symmetry
+
+
+@dataclass(frozen=True)
+class Derivation:
+    transitions: tuple[Transition, ...]
+    readouts: tuple[Readout, ...]
+    outputs: tuple[tuple[str, ir.Expr], ...]   # output expressions over ReadoutRef and inputs
+    unavailable: tuple[tuple[str, str], ...]   # (form, reason)
+
+    def transition(self, state: str) -> Transition:
+        return next(t for t in self.transitions if t.state == state)
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        missing = {f for f, _ in self.unavailable}
+        return tuple(f for f in FORMS if f not in missing)
+
+    def why_not(self, form: str) -> str | None:
+        return next((r for f, r in self.unavailable if f == form), None)
+
+
+def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: list[str]):
+    def replace(node: ir.Expr) -> ir.Expr:
+        if isinstance(node, ir.Dot) and isinstance(node.right, ir.StateRef) and len(node.left.shape) == 1 \
+                and not states_in(node.left):
+            s = node.right
+            r = Readout(len(readouts), s.name, node.left, s.version == "prev" and program.causal)
+            for existing in readouts:  # the same readout written twice is computed once
+                if (existing.state, existing.query, existing.before_update) == (r.state, r.query,
+                                                                                r.before_update):
+                    return ir.ReadoutRef(node.shape, existing.index)
+            readouts.append(r)
+            return ir.ReadoutRef(node.shape, r.index)
+        return node
+
+    outputs = []
+    for out in program.outputs:
+        expr = rebuild(inline_lets(out.value, program.lets), replace)
+        for n in walk(expr):
+            if isinstance(n, ir.StateRef):
+                problems.append(f"output '{out.name}' uses state '{n.name}' other than through a readout "
+                                f"`q·{n.name}` with a state-free q (in `{to_text(out.value)}`)")
+                break
+        outputs.append((out.name, expr))
+    return tuple(outputs)
+
+
+def derive(program: ir.Program) -> Derivation:
+    updates = program.updates
+    transitions = tuple(classify(program, updates[s.name]) for s in program.states)
+    readouts: list[Readout] = []
+    problems: list[str] = []
+    outputs = _extract_readouts(program, readouts, problems)
+    for t in transitions:
+        problems.extend(f"state '{t.state}': {r}" for r in t.reasons)
+    unavailable = []
+    if problems:
+        reason = "; ".join(dict.fromkeys(problems))
+        unavailable = [("parallel", reason), ("chunkwise", reason)]
+    return Derivation(transitions, tuple(readouts), outputs, tuple(unavailable))

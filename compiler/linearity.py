@@ -1,0 +1,234 @@
+"""The algebra of state updates: write an update as Σ coef·L·S·R + (a state-free remainder).
+
+L and R are *factors*: the identity, diag(d), an outer product u⊗w, or a dense matrix. Products of factors
+collapse to a single factor (diag(a)·diag(b) = diag(a⊙b), diag(d)·(u⊗w) = (d⊙u)⊗w, (u1⊗w1)·(u2⊗w2) =
+(w1·u2)·u1⊗w2, …), so every update reduces to a short list of terms whatever way the user wrote it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsl.errors import LinrecError
+
+from . import ir
+from .analysis import contains_state, inline_lets, to_text
+
+ONE = ir.Const((), 1.0)
+
+
+# ---- small expression builders that keep the tree tidy ----------------------------------------
+def mul(a: ir.Expr, b: ir.Expr) -> ir.Expr:
+    if a == ONE:
+        return b
+    if b == ONE:
+        return a
+    if isinstance(a, ir.Const) and isinstance(b, ir.Const):
+        return ir.Const((), a.value * b.value)
+    if isinstance(a, ir.Const) and a.value == -1.0:
+        return neg(b)
+    if isinstance(b, ir.Const) and b.value == -1.0:
+        return neg(a)
+    if isinstance(a, ir.Neg):
+        return neg(mul(a.operand, b))
+    if isinstance(b, ir.Neg):
+        return neg(mul(a, b.operand))
+    return ir.Arith(a.shape or b.shape, "mul", a, b)
+
+
+def neg(a: ir.Expr) -> ir.Expr:
+    if isinstance(a, ir.Const):
+        return ir.Const((), -a.value)
+    if isinstance(a, ir.Neg):
+        return a.operand
+    return ir.Neg(a.shape, a)
+
+
+def add(a: ir.Expr | None, b: ir.Expr) -> ir.Expr:
+    if a is None:
+        return b
+    if isinstance(b, ir.Neg):
+        return ir.Arith(a.shape or b.shape, "sub", a, b.operand)
+    return ir.Arith(a.shape or b.shape, "add", a, b)
+
+
+def vdot(a: ir.Expr, b: ir.Expr) -> ir.Expr:
+    return ir.Dot((), a, b)
+
+
+# ---- factors and terms ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Factor:
+    kind: str                # "identity" | "diag" | "outer" | "dense"
+    u: ir.Expr | None = None  # diag: the diagonal; outer: the left vector; dense: the matrix
+    w: ir.Expr | None = None  # outer: the right vector
+
+
+IDENTITY = Factor("identity")
+
+
+@dataclass(frozen=True)
+class Term:
+    """coef · left · S · right (right None means no right factor)."""
+
+    coef: ir.Expr
+    left: Factor
+    right: Factor | None = None
+
+    def scaled(self, c: ir.Expr) -> "Term":
+        return Term(mul(c, self.coef), self.left, self.right)
+
+
+def _as_matrix(f: Factor, n: str) -> ir.Expr:
+    if f.kind == "identity":
+        return ir.Identity((n, n))
+    if f.kind == "diag":
+        return ir.Diag((f.u.shape[0],) * 2, f.u)
+    if f.kind == "outer":
+        return ir.Outer((f.u.shape[0], f.w.shape[0]), f.u, f.w)
+    return f.u
+
+
+def compose(a: Factor, b: Factor) -> tuple[ir.Expr, Factor]:
+    """a·b as (scalar coefficient, factor)."""
+    if a.kind == "identity":
+        return ONE, b
+    if b.kind == "identity":
+        return ONE, a
+    if a.kind == "diag" and b.kind == "diag":
+        return ONE, Factor("diag", mul(a.u, b.u))
+    if a.kind == "diag" and b.kind == "outer":
+        return ONE, Factor("outer", mul(a.u, b.u), b.w)
+    if a.kind == "outer" and b.kind == "diag":
+        return ONE, Factor("outer", a.u, mul(a.w, b.u))
+    if a.kind == "outer" and b.kind == "outer":
+        return vdot(a.w, b.u), Factor("outer", a.u, b.w)
+    left, right = _as_matrix(a, "n"), _as_matrix(b, "n")
+    return ONE, Factor("dense", ir.Dot((left.shape[0], right.shape[-1]), left, right))
+
+
+def operator_terms(m: ir.Expr) -> list[tuple[ir.Expr, Factor]]:
+    """A state-free matrix expression as a sum of coef·factor."""
+    if isinstance(m, ir.Identity):
+        return [(ONE, IDENTITY)]
+    if isinstance(m, ir.Diag):
+        return [(ONE, Factor("diag", m.operand))]
+    if isinstance(m, ir.Outer):
+        return [(ONE, Factor("outer", m.left, m.right))]
+    if isinstance(m, ir.Neg):
+        return [(neg(c), f) for c, f in operator_terms(m.operand)]
+    if isinstance(m, ir.Arith) and m.op in ("add", "sub"):
+        right = operator_terms(m.right)
+        if m.op == "sub":
+            right = [(neg(c), f) for c, f in right]
+        return operator_terms(m.left) + right
+    if isinstance(m, (ir.Arith, ir.Dot)) and (not m.left.shape or not m.right.shape):
+        if isinstance(m, ir.Arith) and m.op not in ("mul", "div"):
+            return [(ONE, Factor("dense", m))]
+        scalar, matrix = (m.left, m.right) if not m.left.shape else (m.right, m.left)
+        if isinstance(m, ir.Arith) and m.op == "div":
+            if not m.right.shape:
+                scalar = ir.Arith((), "div", ONE, m.right)
+            else:
+                return [(ONE, Factor("dense", m))]
+        return [(mul(scalar, c), f) for c, f in operator_terms(matrix)]
+    if isinstance(m, ir.Dot) and len(m.left.shape) == 2 and len(m.right.shape) == 2:
+        out = []
+        for ca, fa in operator_terms(m.left):
+            for cb, fb in operator_terms(m.right):
+                c, f = compose(fa, fb)
+                out.append((mul(mul(ca, cb), c), f))
+        return out
+    return [(ONE, Factor("dense", m))]
+
+
+def vector_terms(v: ir.Expr) -> list[tuple[ir.Expr, ir.Expr]]:
+    """A state-free vector expression as a sum of coef·vector (splitting sums and scalar factors)."""
+    if isinstance(v, ir.Neg):
+        return [(neg(c), x) for c, x in vector_terms(v.operand)]
+    if isinstance(v, ir.Arith) and v.op in ("add", "sub") and v.left.shape and v.right.shape:
+        right = vector_terms(v.right)
+        if v.op == "sub":
+            right = [(neg(c), x) for c, x in right]
+        return vector_terms(v.left) + right
+    return [(ONE, v)]
+
+
+class NotLinear(LinrecError):
+    pass
+
+
+class Unfactorable(Exception):
+    """Linear, but not in a shape the derived forms handle; the message says why."""
+
+
+def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
+    """Split `e` (lets already inlined) into terms linear in `state` and a state-free remainder.
+
+    Raises NotLinear when the state enters non-linearly, Unfactorable when it enters linearly in a way
+    the forms do not decompose (then only the recurrent form exists).
+    """
+    if not contains_state(e, state):
+        return [], e
+    if isinstance(e, ir.StateRef):
+        return [Term(ONE, IDENTITY)], None
+    if isinstance(e, ir.Neg):
+        terms, rem = linear_terms(e.operand, state)
+        return [t.scaled(ir.Const((), -1.0)) for t in terms], (neg(rem) if rem is not None else None)
+    if isinstance(e, ir.Arith) and e.op in ("add", "sub"):
+        lt, lr = linear_terms(e.left, state)
+        rt, rr = linear_terms(e.right, state)
+        if e.op == "sub":
+            rt = [t.scaled(ir.Const((), -1.0)) for t in rt]
+            rr = neg(rr) if rr is not None else None
+        rem = lr if rr is None else add(lr, rr)
+        return lt + rt, rem
+    if isinstance(e, (ir.Arith, ir.Dot, ir.Outer)):
+        in_left, in_right = contains_state(e.left, state), contains_state(e.right, state)
+        if in_left and in_right:
+            raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` multiplies the state by "
+                            f"itself", e.span)
+        if isinstance(e, ir.Arith) and (e.op == "pow" or (e.op == "div" and in_right)):
+            raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}`", e.span)
+        other = e.right if in_left else e.left
+        inner = e.left if in_left else e.right
+        terms, rem = linear_terms(inner, state)
+
+        def rebuilt(r):
+            if r is None:
+                return None
+            return type(e)(e.shape, *((e.op,) if isinstance(e, ir.Arith) else ()),
+                           *((r, other) if in_left else (other, r)))
+        if not other.shape:  # a scalar factor
+            c = ir.Arith((), "div", ONE, other) if isinstance(e, ir.Arith) and e.op == "div" else other
+            return [t.scaled(c) for t in terms], rebuilt(rem)
+        if isinstance(e, ir.Dot) and in_right and len(other.shape) == 2:  # M·X: a left factor
+            out = []
+            for c, f in operator_terms(other):
+                for t in terms:
+                    cc, ff = compose(f, t.left)
+                    out.append(Term(mul(mul(c, cc), t.coef), ff, t.right))
+            return out, rebuilt(rem)
+        if isinstance(e, ir.Dot) and in_left and len(other.shape) == 2:  # X·M: a right factor
+            out = []
+            for c, f in operator_terms(other):
+                for t in terms:
+                    cc, ff = compose(t.right or IDENTITY, f)
+                    out.append(Term(mul(mul(c, cc), t.coef), t.left, ff))
+            return out, rebuilt(rem)
+        if isinstance(e, ir.Outer) and in_right and isinstance(inner, ir.Dot) and len(inner.left.shape) == 1 \
+                and not contains_state(inner.left, state):
+            # u ⊗ (w·X) = (u⊗w)·X: the expanded form of a rank-one correction
+            return linear_terms(ir.Dot(e.shape, ir.Outer((e.left.shape[0], inner.left.shape[0]),
+                                                          e.left, inner.left), inner.right), state)
+        raise Unfactorable(f"`{to_text(e)}` is linear in '{state}' but not a product the forms can factor "
+                           f"(left factors such as a·S, diag(d)·S, (I − u⊗w)·S)")
+    raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` applies a function to the state",
+                    e.span)
+
+
+def check_linear(value: ir.Expr, state: str, lets: dict[str, ir.Expr]) -> None:
+    """Raise NotLinear (with the span of the offending part) unless `value` is affine in `state`."""
+    try:
+        linear_terms(inline_lets(value, lets), state)
+    except Unfactorable:
+        pass  # still linear: only the recurrent form exists, and `check` says why

@@ -1,0 +1,340 @@
+"""Name resolution and shape checking: dsl.ast.Program → compiler.ir.Program.
+
+Every error points at the offending source span and says how to fix it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from dsl import ast
+from dsl.errors import LinrecError, Span
+
+from . import ir
+from .analysis import rebuild
+from .builtins import BUILTINS, RANDOM, STRUCTURAL
+
+SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
+RESERVED = {"I", "h"} | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM)
+
+
+def _fmt(shape: ir.Shape) -> str:
+    return "scalar" if not shape else "[" + ", ".join(shape) + "]"
+
+
+def _settle(e: ir.Expr, n: str) -> ir.Expr:
+    """Give every placeholder-shaped node inside `e` (from `I`) the concrete size n."""
+    def fix(node):
+        if SQUARE in node.shape:
+            return dataclasses.replace(node, shape=tuple(n if d == SQUARE else d for d in node.shape))
+        return node
+    return rebuild(e, fix)
+
+
+class _Resolver:
+    def __init__(self, program: ast.Program):
+        self.p = program
+        self.dims: dict[str, ir.Dim] = {}
+        self.inputs: dict[str, ir.Input] = {}
+        self.params: dict[str, ir.Param] = {}
+        self.states: dict[str, ir.State] = {}
+        self.functions: dict[str, ast.FunctionDef] = {}
+        self.lets: dict[str, ir.Expr] = {}
+        self.outputs: dict[str, ir.Expr] = {}
+        self.updated: set[str] = set()
+        self.defined_at: dict[str, Span] = {}
+        self.steps: list[ir.Step] = []
+
+    # ---- names ----
+    def _define(self, name: str, span: Span, what: str):
+        if name in RESERVED:
+            raise LinrecError(f"'{name}' is a builtin name and cannot name {what}; choose another name", span)
+        if name in self.defined_at:
+            prev = self.defined_at[name]
+            raise LinrecError(f"'{name}' is already defined (line {prev.line}); each name is defined once"
+                              + (" — a state is updated by `NAME = …` after `state NAME[…]`"
+                                 if what == "a state" else ""), span)
+        self.defined_at[name] = span
+
+    def _check_shape(self, shape: tuple[str, ...], span: Span):
+        for d in shape:
+            if d not in self.dims:
+                known = ", ".join(self.dims) or "none"
+                raise LinrecError(f"unknown dimension '{d}' (declared: {known}); add it to the header, "
+                                  f"e.g. `recurrence {self.p.name}(…, {d} = 64)`", span)
+
+    # ---- program ----
+    def run(self) -> ir.Program:
+        for name, default, span in self.p.dims:
+            if name in self.dims:
+                raise LinrecError(f"dimension '{name}' is declared twice", span)
+            if default <= 0:
+                raise LinrecError(f"dimension '{name}' must have a positive default size", span)
+            self._define(name, span, "a dimension")
+            self.dims[name] = ir.Dim(name, default)
+        for st in self.p.statements:
+            getattr(self, "_" + type(st).__name__)(st)
+        for name, st in self.states.items():
+            if name not in self.updated:
+                raise LinrecError(f"state '{name}' is never updated; add a line `{name} = …` that says how it "
+                                  f"evolves per token", self.defined_at[name])
+        if not self.outputs:
+            raise LinrecError("the program has no output; add a line such as `output o = q·S`", self.p.span)
+        return ir.Program(self.p.name, self.p.causal, tuple(self.dims.values()), tuple(self.inputs.values()),
+                          tuple(self.params.values()), tuple(self.states.values()), tuple(self.steps))
+
+    def _InputDecl(self, st: ast.InputDecl):
+        self._define(st.name, st.span, "an input")
+        self._check_shape(st.shape, st.span)
+        c = st.constraint
+        self.inputs[st.name] = ir.Input(st.name, st.shape, *(
+            (c.low, c.high, c.low_open, c.high_open) if c else ()))
+
+    def _ParamDecl(self, st: ast.ParamDecl):
+        self._define(st.name, st.span, "a parameter")
+        self._check_shape(st.shape, st.span)
+        default = None
+        if st.default is not None:
+            self._param_shape = st.shape
+            default = self.expr(st.default, in_param=True)
+            if default.shape and default.shape != st.shape:  # a scalar default fills the shape
+                raise LinrecError(f"the default of '{st.name}' has shape {_fmt(default.shape)} but the "
+                                  f"parameter is declared {_fmt(st.shape)}", st.default.span)
+            if not st.per_head and any(isinstance(n, ir.HeadIndex) for n in _walk(default)):
+                raise LinrecError(f"'{st.name}' uses the head index h; declare it `param {st.name} per head`",
+                                  st.default.span)
+        self.params[st.name] = ir.Param(st.name, st.shape, st.per_head, default)
+
+    def _StateDecl(self, st: ast.StateDecl):
+        self._define(st.name, st.span, "a state")
+        self._check_shape(st.shape, st.span)
+        if len(st.shape) not in (1, 2):
+            raise LinrecError(f"state '{st.name}' must be a vector or a matrix, e.g. `state S[dk, dv]`", st.span)
+        self.states[st.name] = ir.State(st.name, st.shape)
+
+    def _FunctionDef(self, st: ast.FunctionDef):
+        self._define(st.name, st.span, "a function")
+        if len(set(st.params)) != len(st.params):
+            raise LinrecError(f"function '{st.name}' repeats a parameter name", st.span)
+        self.functions[st.name] = st
+
+    def _Assignment(self, st: ast.Assignment):
+        value = self.expr(st.value)
+        if st.target in self.states:
+            state = self.states[st.target]
+            if st.target in self.updated:
+                raise LinrecError(f"state '{st.target}' is updated twice; write its whole update in one line",
+                                  st.span)
+            if SQUARE in value.shape and len(state.shape) == 2 and state.shape[0] == state.shape[1]:
+                value = _settle(value, state.shape[0])
+            if value.shape != state.shape:
+                raise LinrecError(f"the update of '{st.target}' has shape {_fmt(value.shape)} but the state is "
+                                  f"declared {_fmt(state.shape)}", st.value.span)
+            from .linearity import check_linear  # linearity is its own module; imported late to keep order clear
+            check_linear(value, st.target, self.lets)
+            self.updated.add(st.target)
+            self.steps.append(ir.Update(st.target, value, st.span))
+            return
+        if st.target in self.inputs or st.target in self.params or st.target in self.dims:
+            raise LinrecError(f"'{st.target}' is an input, parameter or dimension and cannot be assigned; "
+                              f"give the new value another name", st.span)
+        self._define(st.target, st.span, "a value")
+        if SQUARE in value.shape:
+            raise LinrecError("cannot tell the size of I here; write it inside an expression with a sized "
+                              "matrix", st.value.span)
+        self.lets[st.target] = value
+        self.steps.append(ir.Let(st.target, value))
+
+    def _OutputDef(self, st: ast.OutputDef):
+        self._define(st.name, st.span, "an output")
+        value = self.expr(st.value)
+        if len(value.shape) > 1:
+            raise LinrecError(f"output '{st.name}' has shape {_fmt(value.shape)}; outputs are scalars or "
+                              f"vectors per token and head", st.value.span)
+        self.outputs[st.name] = value
+        self.steps.append(ir.Output(st.name, value))
+
+    # ---- expressions ----
+    def expr(self, e: ast.Expr, *, in_param: bool = False, bound=None) -> ir.Expr:
+        return self._expr(e, in_param, bound or {}, ())
+
+    def _expr(self, e, in_param, bound, stack) -> ir.Expr:
+        rec = lambda x: self._expr(x, in_param, bound, stack)  # noqa: E731
+        sp = e.span
+        if isinstance(e, ast.Number):
+            return ir.Const((), e.value, span=sp)
+        if isinstance(e, ast.Name):
+            return self._name(e, in_param, bound)
+        if isinstance(e, ast.Unary):
+            x = rec(e.operand)
+            return ir.Neg(x.shape, x, span=sp)
+        if isinstance(e, ast.Binary):
+            return self._binary(e, rec(e.left), rec(e.right))
+        if isinstance(e, ast.Call):
+            return self._call(e, in_param, bound, stack)
+        raise TypeError(e)
+
+    def _name(self, e: ast.Name, in_param, bound) -> ir.Expr:
+        n, sp = e.name, e.span
+        if n in bound:
+            return bound[n]
+        if n == "I":
+            return ir.Identity((SQUARE, SQUARE), span=sp)
+        if n == "h":
+            if not in_param:
+                raise LinrecError("the head index 'h' may only appear in a per-head parameter's default", sp)
+            return ir.HeadIndex((), span=sp)
+        if n in self.dims:
+            return ir.DimSize((), n, span=sp)
+        if n in self.params:
+            p = self.params[n]
+            return ir.ParamRef(p.shape, n, p.per_head, span=sp)
+        if in_param and n in (self.inputs.keys() | self.states.keys() | self.lets.keys()):
+            raise LinrecError(f"a parameter's default may use only numbers, dimensions, h and other "
+                              f"parameters, not '{n}'", sp)
+        if n in self.inputs:
+            return ir.InputRef(self.inputs[n].shape, n, span=sp)
+        if n in self.states:
+            version = "new" if n in self.updated else "prev"
+            return ir.StateRef(self.states[n].shape, n, version, span=sp)
+        if n in self.lets:
+            return ir.LetRef(self.lets[n].shape, n, span=sp)
+        if n in self.functions:
+            raise LinrecError(f"'{n}' is a function; call it, e.g. `{n}(x)`", sp)
+        if n in self.outputs:
+            raise LinrecError(f"'{n}' is an output and cannot be read; define the value with `{n}_value = …` "
+                              f"and output that", sp)
+        if n in BUILTINS or n in STRUCTURAL or n in RANDOM:
+            raise LinrecError(f"'{n}' is a builtin function; call it, e.g. `{n}(x)`", sp)
+        hint = _closest(n, list(self.defined_at) + list(BUILTINS))
+        raise LinrecError(f"unknown name '{n}'" + (f"; did you mean '{hint}'?" if hint else
+                                                   "; declare it as an input, param, state or value first"), sp)
+
+    def _binary(self, e: ast.Binary, a: ir.Expr, b: ir.Expr) -> ir.Expr:
+        sp, op = e.span, e.op
+        sa, sb = a.shape, b.shape
+        if SQUARE in sa and sb and SQUARE not in sb and len(sb) == 2 and op in ("add", "sub", "mul"):
+            a, sa = _settle(a, sb[0]), (sb[0], sb[0])
+        if SQUARE in sb and sa and SQUARE not in sa and len(sa) == 2 and op in ("add", "sub", "mul"):
+            b, sb = _settle(b, sa[0]), (sa[0], sa[0])
+        if op in ("add", "sub", "mul", "div"):
+            if sa == sb or not sa or not sb:
+                if op in ("add", "sub") and (sa != sb) and (SQUARE in sa or SQUARE in sb):
+                    raise LinrecError("cannot tell the size of I here: add it to a sized matrix", sp)
+                if op in ("add", "sub") and sa != sb and (len(sa) == 2 or len(sb) == 2):
+                    raise LinrecError(f"cannot add a scalar to a matrix ({_fmt(sa)} and {_fmt(sb)}); "
+                                      f"write `c·I` for a multiple of the identity", sp)
+                return ir.Arith(sa or sb, op, a, b, span=sp)
+            raise LinrecError(f"shape mismatch in '{_opname(op)}': {_fmt(sa)} and {_fmt(sb)}", sp)
+        if op == "pow":
+            if sb:
+                raise LinrecError(f"the exponent must be a scalar, not {_fmt(sb)}", e.right.span)
+            return ir.Arith(sa, op, a, b, span=sp)
+        if op == "outer":
+            if len(sa) != 1 or len(sb) != 1:
+                raise LinrecError(f"'⊗' takes two vectors, got {_fmt(sa)} and {_fmt(sb)}", sp)
+            return ir.Outer((sa[0], sb[0]), a, b, span=sp)
+        assert op == "dot"
+        if not sa or not sb:
+            return ir.Dot(sa or sb, a, b, span=sp)
+        if SQUARE in sa and SQUARE not in sb:
+            a, sa = _settle(a, sb[0]), (sb[0], sb[0])
+        if SQUARE in sb and SQUARE not in sa:
+            b, sb = _settle(b, sa[-1]), (sa[-1], sa[-1])
+        if sa[-1] != sb[0]:
+            raise LinrecError(f"shape mismatch in '·': {_fmt(sa)}·{_fmt(sb)} contracts '{sa[-1]}' with "
+                              f"'{sb[0]}', which are different dimensions", sp)
+        return ir.Dot(sa[:-1] + sb[1:], a, b, span=sp)
+
+    def _call(self, e: ast.Call, in_param, bound, stack) -> ir.Expr:
+        fn, sp = e.function, e.span
+        rec = lambda x: self._expr(x, in_param, bound, stack)  # noqa: E731
+        if fn in self.functions:
+            f = self.functions[fn]
+            if fn in stack:
+                raise LinrecError(f"function '{fn}' calls itself; recursion is not supported", sp)
+            if e.keywords or len(e.args) != len(f.params):
+                raise LinrecError(f"'{fn}' takes {len(f.params)} argument(s) ({', '.join(f.params)}), "
+                                  f"got {len(e.args) + len(e.keywords)}", sp)
+            args = {p: rec(a) for p, a in zip(f.params, e.args)}
+            return self._expr(f.body, in_param, args, stack + (fn,))
+        if fn in RANDOM:
+            if not in_param:
+                raise LinrecError(f"'{fn}' draws random numbers and may only give a parameter's default", sp)
+            kind, defaults = RANDOM[fn]
+            opts = self._options(e, dict(defaults) | {"seed": 0.0}, positional=[k for k, _ in defaults])
+            seed = opts.pop("seed")
+            return ir.Random(self._param_shape, kind, int(seed), tuple(opts.items()), span=sp)
+        if fn in STRUCTURAL:
+            if e.keywords or len(e.args) != STRUCTURAL[fn]:
+                raise LinrecError(f"'{fn}' takes {STRUCTURAL[fn]} argument(s)", sp)
+            args = [rec(a) for a in e.args]
+            if fn == "diag":
+                if len(args[0].shape) != 1:
+                    raise LinrecError(f"diag takes a vector, got {_fmt(args[0].shape)}", e.args[0].span)
+                n = args[0].shape[0]
+                return ir.Diag((n, n), args[0], span=sp)
+            return self._binary(ast.Binary(sp, "outer", e.args[0], e.args[1]), *args)
+        if fn in BUILTINS:
+            b = BUILTINS[fn]
+            if len(e.args) != b.arity:
+                raise LinrecError(f"'{fn}' takes {b.arity} argument(s), got {len(e.args)}", sp)
+            opts = self._options(e, dict(b.options), positional=[])
+            args = tuple(rec(a) for a in e.args)
+            x = args[0]
+            if b.kind == "elementwise":
+                shape = x.shape
+            else:
+                if len(x.shape) != 1:
+                    raise LinrecError(f"'{fn}' works on a vector, got {_fmt(x.shape)}", e.args[0].span)
+                shape = x.shape if b.kind == "vector" else ()
+            return ir.Apply(shape, fn, args, tuple(opts.items()), span=sp)
+        if fn in self.defined_at or fn in self.dims:
+            raise LinrecError(f"'{fn}' is not a function", e.name_span or sp)
+        hint = _closest(fn, list(self.functions) + list(BUILTINS) + list(STRUCTURAL))
+        raise LinrecError(f"unknown function '{fn}'" + (f"; did you mean '{hint}'?" if hint else
+                          "; define it first, e.g. `phi(x) = elu(x) + 1`"), e.name_span or sp)
+
+    def _options(self, e: ast.Call, defaults: dict, positional: list[str]) -> dict:
+        """Keyword options must be numbers; `positional` names the options that may also come by position."""
+        opts = dict(defaults)
+        values = list(e.args) if positional else []
+        if len(values) > len(positional):
+            raise LinrecError(f"'{e.function}' takes at most {len(positional)} positional argument(s)", e.span)
+        pairs = list(zip(positional, values)) + [(k.name, k.value) for k in e.keywords]
+        for name, value in pairs:
+            if name not in defaults:
+                raise LinrecError(f"'{e.function}' has no option '{name}' (options: {', '.join(defaults)})",
+                                  e.span)
+            v = _number(value)
+            if v is None:
+                raise LinrecError(f"option '{name}' must be a number", value.span)
+            opts[name] = v
+        return opts
+
+
+def _number(e: ast.Expr) -> float | None:
+    if isinstance(e, ast.Number):
+        return e.value
+    if isinstance(e, ast.Unary) and isinstance(e.operand, ast.Number):
+        return -e.operand.value
+    return None
+
+
+def _opname(op: str) -> str:
+    return {"add": "+", "sub": "−", "mul": "*", "div": "/"}.get(op, op)
+
+
+def _walk(e):
+    from .analysis import walk
+    return walk(e)
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    import difflib
+    found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def resolve(program: ast.Program) -> ir.Program:
+    """Check names and shapes; return the typed IR. Raises LinrecError pointing at the problem."""
+    return _Resolver(program).run()

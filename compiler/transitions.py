@@ -1,0 +1,128 @@
+"""Classify each state's transition and decompose its update for the derived forms.
+
+Every factorable update is brought to   S_t = D_t·S_(t−1) + Σ_r u_r⊗(w_r·S_(t−1)) + Σ_j key_j⊗value_j
+with D_t a positive scalar or diagonal decay carried in log space, a few rank-one corrections (u, w) and
+rank-one writes (key, value). Nothing here knows a variant by name: the class follows from the terms.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import ir
+from .analysis import inline_lets, states_in, to_text, variance
+from .linearity import ONE, NotLinear, Unfactorable, add, linear_terms, mul, operator_terms, vector_terms
+
+
+@dataclass(frozen=True)
+class Transition:
+    state: str
+    kind: str                                   # human-readable class, e.g. "diagonal decay"
+    decay: ir.Expr | None                       # D_t: scalar () or vector [n]; None when D = I
+    log_decay: ir.Expr | None                   # log D_t, simplified symbolically where possible
+    log_is_exact: bool                          # False: log(D) computed numerically (needs D > 0)
+    corrections: tuple[tuple[ir.Expr, ir.Expr], ...]  # (u, w): + u⊗(wᵀS_(t−1))
+    writes: tuple[tuple[ir.Expr, ir.Expr | None], ...]  # (key, value); value None for a vector state
+    reasons: tuple[str, ...]                    # why the parallel/chunkwise forms do not exist, if so
+
+    @property
+    def factorable(self) -> bool:
+        return not self.reasons
+
+
+def log_of(e: ir.Expr) -> tuple[ir.Expr, bool]:
+    """log(e) simplified so that strong decays stay exact (log(exp(x)) = x, not log of an underflow)."""
+    if isinstance(e, ir.Apply) and e.function == "exp":
+        return e.args[0], True
+    if isinstance(e, ir.Apply) and e.function == "sigmoid":
+        return ir.Apply(e.shape, "logsigmoid", e.args), True
+    if isinstance(e, ir.Const) and e.value > 0:
+        return ir.Const((), math.log(e.value)), True
+    if isinstance(e, (ir.Arith, ir.Dot)) and (not isinstance(e, ir.Arith) or e.op in ("mul", "div")) \
+            and (not e.left.shape or not e.right.shape or e.left.shape == e.right.shape):
+        (la, ea), (lb, eb) = log_of(e.left), log_of(e.right)
+        op = "sub" if isinstance(e, ir.Arith) and e.op == "div" else "add"
+        return ir.Arith(la.shape or lb.shape, op, la, lb), ea and eb
+    if isinstance(e, ir.Arith) and e.op == "pow" and not e.right.shape:
+        la, ea = log_of(e.left)
+        return mul(e.right, la), ea
+    return ir.Apply(e.shape, "log", (e,)), False
+
+
+def _describe(decay: ir.Expr | None, corrections) -> str:
+    if decay is None:
+        base = "identity"
+    elif decay.shape:
+        base = "diagonal decay"
+    else:
+        base = {"const": "constant scalar decay", "head": "per-head scalar decay",
+                "token": "data-dependent scalar decay"}[variance(decay)]
+    if not corrections:
+        return base
+    rank = "rank-one" if len(corrections) == 1 else f"rank-{len(corrections)}"
+    return f"{rank} correction" + ("" if decay is None else f" with {base}")
+
+
+def classify(program: ir.Program, update: ir.Update) -> Transition:
+    state = program.state(update.state)
+    value = inline_lets(update.value, program.lets)
+    reasons: list[str] = []
+    try:
+        terms, remainder = linear_terms(value, state.name)
+    except Unfactorable as why:
+        return Transition(state.name, "general linear map", None, None, True, (), (), (str(why),))
+    except NotLinear as why:  # checked at resolve time already; kept for direct callers
+        return Transition(state.name, "not linear", None, None, True, (), (), (why.message,))
+
+    scalar: ir.Expr | None = None
+    diagonal: ir.Expr | None = None
+    corrections = []
+    for t in terms:
+        if t.right is not None and t.right.kind != "identity":
+            reasons.append(f"a factor multiplies '{state.name}' from the right (`S·M`), acting on the value "
+                           f"axis; the forms need the transition on the left")
+            continue
+        kind = t.left.kind
+        if kind == "identity":
+            scalar = t.coef if scalar is None else add(scalar, t.coef)
+        elif kind == "diag":
+            diagonal = mul(t.coef, t.left.u) if diagonal is None else add(diagonal, mul(t.coef, t.left.u))
+        elif kind == "outer":
+            corrections.append((mul(t.coef, t.left.u), t.left.w))
+        else:
+            reasons.append(f"the transition contains the dense matrix `{to_text(t.left.u)}`, which has no "
+                           f"decay-plus-rank-one structure")
+    if scalar is not None and diagonal is not None:
+        decay = add(diagonal, scalar)
+    else:
+        decay = diagonal if diagonal is not None else scalar
+    if decay is None:
+        reasons.append(f"'{state.name}' does not carry over from one token to the next (no S term with a "
+                       f"nonzero decay)")
+    if decay == ONE:
+        decay = None
+    log_decay, exact = (None, True) if decay is None else log_of(decay)
+
+    writes = []
+    if remainder is not None:
+        others = states_in(remainder) - {state.name}
+        if others:
+            reasons.append(f"the update of '{state.name}' reads state(s) {', '.join(sorted(others))}")
+        elif len(state.shape) == 1:
+            writes = [(mul(c, x), None) for c, x in vector_terms(remainder)]
+        else:
+            for c, f in operator_terms(remainder):
+                if f.kind == "outer":
+                    writes.append((mul(c, f.u), f.w))
+                else:
+                    reasons.append(f"the added term `{to_text(remainder)}` is not a sum of outer products k⊗v")
+                    break
+    for u, w in corrections:
+        if states_in(u) | states_in(w):
+            reasons.append(f"a correction of '{state.name}' depends on a state")
+    if decay is not None and states_in(decay):
+        reasons.append(f"the decay of '{state.name}' depends on a state")
+    kind = _describe(decay, corrections) if not any("dense" in r or "right" in r for r in reasons) \
+        else "general linear map"
+    return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
+                      tuple(dict.fromkeys(reasons)))

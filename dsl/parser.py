@@ -1,0 +1,203 @@
+"""Parse linrec source text into the syntax tree of dsl.ast (lark LALR, positions kept)."""
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
+from . import ast
+from .errors import LinrecError, Span
+
+# Readable names for the grammar's terminals, used in "expected ..." messages.
+_TERMINAL_NAMES = {
+    "NAME": "a name", "NUMBER": "a number", "INT": "an integer", "LPAR": "'('", "RPAR": "')'",
+    "LSQB": "'['", "RSQB": "']'", "COMMA": "','", "EQUAL": "'='", "PLUS": "'+'", "MINUS": "'-'",
+    "STAR": "'*'", "SLASH": "'/'", "CIRCUMFLEX": "'^'", "DOT": "'·'", "OUTER": "'⊗'", "_NL": "end of line",
+    "MODE": "'causal' or 'noncausal'", "PER_HEAD": "'per head'", "COMPARE": "a comparison",
+    "IN": "'in'", "RECURRENCE": "'recurrence'", "$END": "end of file",
+}
+
+
+@lru_cache(maxsize=1)
+def _parser() -> Lark:
+    grammar = resources.files("dsl").joinpath("grammar.lark").read_text(encoding="utf-8")
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+def _span(meta_or_token) -> Span:
+    m = meta_or_token
+    if isinstance(m, Token):
+        return Span(m.line, m.column, m.end_line, m.end_column)
+    return Span(m.line, m.column, m.end_line, m.end_column)
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    def start(self, meta, children):
+        header, *statements = children
+        name, dims, causal, span = header
+        flat = []
+        for s in statements:  # `input a, b` and `state S, z` declare several names at once
+            flat.extend(s if isinstance(s, list) else [s])
+        return ast.Program(span, name, dims, causal, tuple(flat))
+
+    def header(self, meta, children):
+        name, *rest = children
+        mode = rest.pop() if rest else None
+        dims = tuple(d for d in rest if d is not None)
+        return (str(name), dims, mode != "noncausal", _span(meta))
+
+    def dim_default(self, meta, children):
+        name, value = children
+        return (str(name), int(value), _span(name))
+
+    # ---- declarations ----
+    def shape(self, meta, children):
+        return tuple(str(c) for c in children if c is not None)
+
+    def input_decl(self, meta, children):
+        return children
+
+    def input_item(self, meta, children):
+        name, shape, constraint = children
+        return ast.InputDecl(_span(name), str(name), shape or (), constraint)
+
+    def signed_number(self, meta, children):
+        sign, number = children
+        value = float(number)
+        return -value if sign is not None else value
+
+    def interval(self, meta, children):
+        lo_br, lo, hi, hi_br = children
+        return (lo, hi, lo_br == "(", hi_br == ")")
+
+    def range_constraint(self, meta, children):
+        lo, hi, lo_open, hi_open = children[0]
+        if not lo < hi:
+            raise LinrecError(f"empty interval: the lower end {lo:g} must be below the upper end {hi:g}",
+                              _span(meta))
+        return ast.Constraint(_span(meta), lo, hi, lo_open, hi_open)
+
+    def bound_constraint(self, meta, children):
+        op, value = children
+        op = {"≤": "<=", "≥": ">="}.get(str(op), str(op))
+        if op in ("<", "<="):
+            return ast.Constraint(_span(meta), None, value, True, op == "<")
+        return ast.Constraint(_span(meta), value, None, op == ">", True)
+
+    def param_decl(self, meta, children):
+        name, shape, per_head, default = children
+        return ast.ParamDecl(_span(name), str(name), shape or (), per_head is not None, default)
+
+    def state_decl(self, meta, children):
+        return children
+
+    def state_item(self, meta, children):
+        name, shape = children
+        return ast.StateDecl(_span(name), str(name), shape or ())
+
+    def function_def(self, meta, children):
+        name, *params, body = children
+        return ast.FunctionDef(_span(name), str(name), tuple(str(p) for p in params), body)
+
+    def output_def(self, meta, children):
+        name, value = children
+        return ast.OutputDef(_span(name), str(name), value)
+
+    def assignment(self, meta, children):
+        name, value = children
+        return ast.Assignment(_span(name), str(name), value)
+
+    # ---- expressions ----
+    def number(self, meta, children):
+        return ast.Number(_span(meta), float(children[0]))
+
+    def name(self, meta, children):
+        return ast.Name(_span(meta), str(children[0]))
+
+    def neg(self, meta, children):
+        return ast.Unary(_span(meta), "neg", children[-1])
+
+    def _binary(op):  # noqa: N805 - a factory for the methods below
+        def method(self, meta, children):
+            return ast.Binary(_span(meta), op, children[0], children[-1])
+        return method
+
+    add = _binary("add")
+    sub = _binary("sub")
+    mul = _binary("mul")
+    div = _binary("div")
+    pow = _binary("pow")
+    dot = _binary("dot")
+    outer = _binary("outer")
+
+    def keyword(self, meta, children):
+        name, value = children
+        return ast.Keyword(_span(meta), str(name), value)
+
+    def call(self, meta, children):
+        name, *arguments = children
+        arguments = [a for a in arguments if a is not None]
+        args = tuple(a for a in arguments if not isinstance(a, ast.Keyword))
+        keywords = tuple(a for a in arguments if isinstance(a, ast.Keyword))
+        seen_keyword = False
+        for a in arguments:
+            if isinstance(a, ast.Keyword):
+                seen_keyword = True
+            elif seen_keyword:
+                raise LinrecError("a positional argument cannot follow a keyword argument", a.span)
+        return ast.Call(_span(meta), str(name), args, keywords, _span(name))
+
+
+def _expected(tokens) -> str:
+    names = sorted({_TERMINAL_NAMES.get(t, repr(t) if len(t) < 3 else t.lower()) for t in tokens})
+    return ", ".join(names[:8])
+
+
+def _syntax_error(err: UnexpectedInput) -> LinrecError:
+    line, column = max(err.line, 1), max(err.column, 1)
+    if isinstance(err, UnexpectedCharacters):
+        char = err.char if hasattr(err, "char") else "?"
+        msg = f"unexpected character {char!r}"
+        if char in "×∗":
+            msg += " (write '*' for an elementwise product, '·' or '@' for a contraction)"
+        return LinrecError(msg, Span(line, column, line, column + 1))
+    if isinstance(err, UnexpectedEOF):
+        return LinrecError("unexpected end of file: the last statement is incomplete",
+                           Span(line, column, line, column + 1))
+    assert isinstance(err, UnexpectedToken)
+    tok = err.token
+    width = max(1, len(str(tok)))
+    if tok.type == "_NL" or tok.type == "$END":
+        what = "end of line"
+        width = 1
+    else:
+        what = repr(str(tok))
+    hint = ""
+    if tok.type == "NAME" and "EQUAL" in err.expected:
+        hint = " (each statement goes on its own line)"
+    elif str(tok) in ("recurrence", "input", "param", "state", "output"):
+        hint = f" ('{tok}' starts a statement of its own line)"
+    msg = f"unexpected {what}; expected {_expected(err.expected)}{hint}"
+    return LinrecError(msg, Span(line, column, line, column + width))
+
+
+def parse(source: str, filename: str = "<source>") -> ast.Program:
+    """Parse a program. Raises LinrecError (with file, line, column and caret) on bad syntax."""
+    text = source if source.endswith("\n") else source + "\n"
+    try:
+        tree = _parser().parse(text)
+        return _ToAst().transform(tree)
+    except VisitError as err:
+        inner = err.orig_exc
+        if isinstance(inner, LinrecError):
+            raise inner.located(source, filename) from None
+        raise
+    except UnexpectedInput as err:
+        if isinstance(err, UnexpectedToken) and err.token.type == "$END" and not source.strip():
+            raise LinrecError("empty program: start with `recurrence NAME(dk = 64, dv = 64)`",
+                              Span(1, 1, 1, 2)).located(source, filename) from None
+        raise _syntax_error(err).located(source, filename) from None
+
