@@ -1,6 +1,7 @@
 """The NumPy backend: generated Python source that reads like hand-written NumPy, loaded as a module."""
 from __future__ import annotations
 
+import dataclasses
 import types
 from functools import lru_cache
 from importlib import resources
@@ -8,12 +9,13 @@ from importlib import resources
 import jinja2
 
 from compiler import Compiled, ir
-from compiler.analysis import inline_lets, states_in, to_text, variance
+from compiler.analysis import children, inline_lets, states_in, to_text, variance
 
 from .names import Namer
 from .numpy_printer import NumpyPrinter
 
 VERSION = "0.1.0"
+SCAN_HELPERS = {"per_token", "log_decay", "parallel_scan", "chunkwise_scan"}
 
 
 @lru_cache(maxsize=None)
@@ -40,6 +42,19 @@ class Emitter:
         self.lets = self.p.lets
         # state-free values are computed for all tokens at once before any loop
         self.hoisted = {n for n, v in self.lets.items() if not states_in(inline_lets(v, self.lets))}
+        # derived expressions come with lets inlined: fold them back to the user's names
+        self._folds = {inline_lets(self.lets[n], self.lets): ir.LetRef(self.lets[n].shape, n) for n in self.hoisted}
+
+    def refold(self, e: ir.Expr) -> ir.Expr:
+        if e in self._folds:
+            return self._folds[e]
+        kids = children(e)
+        if not kids:
+            return e
+        if isinstance(e, ir.Apply):
+            return dataclasses.replace(e, args=tuple(self.refold(a) for a in e.args))
+        fields = [f.name for f in dataclasses.fields(e) if isinstance(getattr(e, f.name), ir.Expr)]
+        return dataclasses.replace(e, **{f: self.refold(getattr(e, f)) for f in fields})
 
     def printer(self, token_index: str | None, state_vars: dict[str, str] | None = None,
                 readout_vars: dict[int, str] | None = None) -> NumpyPrinter:
@@ -121,7 +136,8 @@ class Emitter:
         param_lines = self.param_lines(helpers)
         return _environment().get_template("numpy_module.py.j2").render(
             name=self.p.name, form=form, version=VERSION, filename=self.c.filename,
-            source_comment=source_comment(self.c), helpers=sorted(helpers), param_lines=param_lines,
+            source_comment=source_comment(self.c),
+            runtime_helpers=sorted(helpers - SCAN_HELPERS), scan_helpers=sorted(helpers & SCAN_HELPERS), param_lines=param_lines,
             param_names=[(prm.name, self.name(prm.name)) for prm in self.p.params], body=body)
 
 
@@ -215,3 +231,85 @@ def load(compiled: Compiled, form: str):
     module.__dict__["__source__"] = source
     exec(compile(source, f"<linrec {compiled.filename} {form}>", "exec"), module.__dict__)
     return module
+
+
+def emit_scan(compiled: Compiled, form: str) -> str:
+    """The parallel or chunkwise form, from the derived decomposition of every state's update."""
+    em = Emitter(compiled)
+    p, n, d = em.p, em.name, compiled.derivation
+    base = em.printer(None)
+    prelude = lambda e: base(em.refold(e))  # noqa: E731
+    prelude.helpers = base.helpers
+    body = em.prologue()
+    hoisted = em.hoisted_lets(base)
+    if hoisted:
+        body += ["", "# values that do not depend on a state, for all tokens at once"] + hoisted
+    scan = "parallel_scan" if form == "parallel" else "chunkwise_scan"
+    readout_vars = {}
+    for st in p.states:
+        t = d.transition(st.name)
+        s = n(st.name)
+        rows = st.shape[0]
+        cols = "1" if len(st.shape) == 1 else n(st.shape[1])
+        size = lambda e, width: f"(batch, tokens, heads, {width})"  # noqa: E731
+        tok = lambda e, width: (f"per_token({prelude(e)}, {size(e, width)}, dtype, "  # noqa: E731
+                                f"scalar={not e.shape})")
+        body += ["", f"# {st.name}: {t.kind}",
+                 f"#   {st.name}_t = {_canonical_text(t)}"]
+        if t.log_decay is None:
+            body.append(f"{s}_log_decay = None")
+        else:
+            width = n(rows) if t.log_decay.shape else "1"
+            code = tok(t.log_decay, width) if t.log_is_exact else \
+                f"per_token(log_decay({prelude(t.decay)}, \"{st.name}\"), {size(None, width)}, dtype, " \
+                f"scalar={not t.decay.shape})"
+            body.append(f"{s}_log_decay = {code}")
+        body.append(f"{s}_corrections = [" + ", ".join(
+            f"({tok(u, n(rows))}, {tok(w, n(rows))})" for u, w in t.corrections) + "]")
+        writes = []
+        for key, value in t.writes:
+            val = tok(value, cols) if value is not None else f"np.ones((batch, tokens, heads, 1), dtype)"
+            writes.append(f"({tok(key, n(rows))}, {val})")
+        body.append(f"{s}_writes = [" + ", ".join(writes) + "]")
+        mine = [r for r in d.readouts if r.state == st.name]
+        for r in mine:
+            readout_vars[r.index] = f"r{r.index}" + ("[..., 0]" if len(st.shape) == 1 else "")
+        queries = ", ".join(f"({tok(r.query, n(rows))}, {r.before_update})" for r in mine)
+        init = f"initial_state[\"{st.name}\"]" + ("[..., None]" if len(st.shape) == 1 else "")
+        targets = "".join(f"r{r.index}, " for r in mine)
+        body.append(f"[{targets}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, {s}_writes, "
+                    f"[{queries}], causal={p.causal}, chunk_size=chunk_size)"
+                    .replace("[], ", "_, ", 1) if not mine else
+                    f"[{targets.rstrip(', ')}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, "
+                    f"{s}_writes, [{queries}], causal={p.causal}, chunk_size=chunk_size)")
+        if len(st.shape) == 1:
+            body.append(f"{s} = {s}[..., 0]")
+    out_printer = em.printer(None, readout_vars=readout_vars)
+    body += ["", "# outputs from the readouts"]
+    for name, expr in d.outputs:
+        out = next(o for o in p.outputs if o.name == name)
+        code = out_printer(em.refold(expr))
+        body.append(f"{n(name)} = np.broadcast_to({code}, (batch, tokens, heads"
+                    + "".join(", " + n(x) for x in out.value.shape) + ")).astype(dtype)")
+    body += ["", em.returns()]
+    helpers = prelude.helpers | out_printer.helpers | {"per_token", scan}
+    if any(not t.log_is_exact for t in d.transitions):
+        helpers.add("log_decay")
+    return em.render(form, body, helpers)
+
+
+def _canonical_text(t) -> str:
+    parts = []
+    if t.decay is None:
+        parts.append(f"{t.state}_(t−1)")
+    else:
+        parts.append(f"{'diag(' + to_text(t.decay) + ')' if t.decay.shape else to_text(t.decay)}·{t.state}_(t−1)")
+    for u, w in t.corrections:
+        parts.append(f"({to_text(u)})⊗(({to_text(w)})·{t.state}_(t−1))")
+    for key, value in t.writes:
+        parts.append(f"({to_text(key)})" + (f"⊗({to_text(value)})" if value is not None else ""))
+    return " + ".join(parts)
+
+
+EMITTERS["parallel"] = lambda c: emit_scan(c, "parallel")
+EMITTERS["chunkwise"] = lambda c: emit_scan(c, "chunkwise")

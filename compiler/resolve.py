@@ -73,6 +73,8 @@ class _Resolver:
             self.dims[name] = ir.Dim(name, default)
         for st in self.p.statements:
             getattr(self, "_" + type(st).__name__)(st)
+        for f in self.functions.values():  # a function body is only resolved where it is called
+            self._check_function_names(f)
         for name, st in self.states.items():
             if name not in self.updated:
                 raise LinrecError(f"state '{name}' is never updated; add a line `{name} = …` that says how it "
@@ -116,6 +118,35 @@ class _Resolver:
         if len(set(st.params)) != len(st.params):
             raise LinrecError(f"function '{st.name}' repeats a parameter name", st.span)
         self.functions[st.name] = st
+
+    def _check_function_names(self, f: ast.FunctionDef):
+        """Unknown names in a function body are errors even when the function is never called."""
+        known = set(f.params) | set(self.defined_at) | set(self.dims) | {"I", "h"}
+        callable_ = set(self.functions) | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM)
+
+        def visit(e):
+            if isinstance(e, ast.Name):
+                if e.name not in known and e.name not in callable_:
+                    hint = _closest(e.name, sorted(known) + list(BUILTINS))
+                    raise LinrecError(f"unknown name '{e.name}' in the body of '{f.name}'"
+                                      + (f"; did you mean '{hint}'?" if hint else
+                                         f"; the parameters of '{f.name}' are {', '.join(f.params)}"), e.span)
+            elif isinstance(e, ast.Unary):
+                visit(e.operand)
+            elif isinstance(e, ast.Binary):
+                visit(e.left)
+                visit(e.right)
+            elif isinstance(e, ast.Call):
+                if e.function not in callable_:
+                    hint = _closest(e.function, list(self.functions) + list(BUILTINS) + list(STRUCTURAL))
+                    raise LinrecError(f"unknown function '{e.function}'"
+                                      + (f"; did you mean '{hint}'?" if hint else ""), e.name_span or e.span)
+                for a in e.args:
+                    visit(a)
+                for k in e.keywords:
+                    visit(k.value)
+
+        visit(f.body)
 
     def _Assignment(self, st: ast.Assignment):
         value = self.expr(st.value)

@@ -1,0 +1,189 @@
+"""The parallel and chunkwise forms of a decomposed linear recurrence, in NumPy.
+
+Generated code hands each state over in the canonical form the compiler derived (compiler.transitions):
+
+    S_t = diag(exp(l_t))·S_(t−1) + Σ_r u_r,t ⊗ (w_r,tᵀ S_(t−1)) + Σ_i κ_i,t ⊗ x_i,t
+
+with l_t the log-decay (absent, one value, or one per row), corrections (u, w) and writes (κ, x). With
+b_t = Σ_(s≤t) l_s every contribution N_j = Σ_r u_r,j p_r,jᵀ + Σ_i κ_i,j x_i,jᵀ reaches S_t scaled by
+exp(b_t − b_j) per row, so
+
+    S_t = Σ_(j≤t) diag(exp(b_t − b_j)) N_j + diag(exp(b_t)) S_0.
+
+The pseudo-values p_r,t = w_r,tᵀ S_(t−1) therefore solve a unit lower-triangular system (the UT transform
+of the delta rule, generalized to any decay and any number of corrections), and every readout q·S is a
+masked, decayed attention over the contributions. Exponents are always differences b_i − b_j ≤ 0 for
+decays ≤ 1 (forms.md §3): diagonal decays use sub-blocks so that each factor is ≤ 1.
+
+Arrays arrive [B, T, H, *] and are processed head-major [B, H, T, *].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dsl.errors import RuntimeInputError
+
+
+def per_token(x, shape: tuple[int, int, int, int], dtype, scalar: bool) -> np.ndarray:
+    """Broadcast a per-token, per-head or constant value to [B, T, H, size]; a scalar element gains
+    the last axis (of size 1, or broadcast to `size`)."""
+    x = np.asarray(x, dtype=dtype)
+    return np.broadcast_to(x[..., None] if scalar else x, shape)
+
+
+def log_decay(decay, state: str) -> np.ndarray:
+    """log of a decay that has no symbolic logarithm; the derived forms need it positive."""
+    decay = np.asarray(decay)
+    if np.any(decay <= 0) or np.any(np.isnan(decay)):
+        raise RuntimeInputError(f"the decay of state '{state}' is not positive (min {np.nanmin(decay)!r}); the "
+                                f"parallel and chunkwise forms work in log space — use the recurrent form")
+    return np.log(decay)
+
+
+def _head_major(x):
+    return None if x is None else np.ascontiguousarray(np.swapaxes(x, 1, 2))
+
+
+def _mask(n: int, strict: bool) -> np.ndarray:
+    return np.tril(np.ones((n, n), dtype=bool), -1 if strict else 0)
+
+
+def decayed_scores(q, bq, k, bk, strict: bool, block: int = 16) -> np.ndarray:
+    """A[t, j] = Σ_c q_tc k_jc exp(bq_tc − bk_jc) for j ≤ t (j < t when strict), else 0.
+
+    q, k: [B, H, n, d]; bq, bk: [B, H, n, 1 or d] cumulative log-decays, or None for no decay.
+    """
+    n = q.shape[-2]
+    mask = _mask(n, strict)
+    if bq is None:
+        return np.where(mask, q @ np.swapaxes(k, -1, -2), 0.0)
+    if bq.shape[-1] == 1:  # one decay per token: a mask on one GEMM
+        diff = np.where(mask, bq[..., :, None, 0] - bk[..., None, :, 0], -np.inf)
+        return (q @ np.swapaxes(k, -1, -2)) * np.exp(diff)
+    out = np.zeros(q.shape[:-2] + (n, n), dtype=q.dtype)
+    starts = list(range(0, n, block))
+    ends = [min(s + block, n) for s in starts]
+    for bi, (s, e) in enumerate(zip(starts, ends)):
+        # diagonal block, element-wise in log space
+        diff = bq[..., s:e, None, :] - bk[..., None, s:e, :]
+        local = _mask(e - s, strict)[..., None]
+        diff = np.where(local, diff, -np.inf)
+        out[..., s:e, s:e] = np.einsum("...tc,...jc,...tjc->...tj", q[..., s:e, :], k[..., s:e, :], np.exp(diff))
+        if bi == 0:
+            continue
+        # key blocks before: anchor r = b at the last token of the previous block, so that
+        # exp(bq − r) ≤ 1 and exp(r − bk) ≤ 1 (secondary chunking, GLA §4)
+        r = bk[..., s - 1:s, :]
+        q_hat = q[..., s:e, :] * np.exp(bq[..., s:e, :] - r)
+        k_hat = k[..., :s, :] * np.exp(r - bk[..., :s, :])
+        out[..., s:e, :s] = q_hat @ np.swapaxes(k_hat, -1, -2)
+    return out
+
+
+def _solve_unit_lower(m, rhs, block: int = 64):
+    """Solve M·X = rhs for unit lower-triangular M [.., n, n] by blocked forward substitution."""
+    n = m.shape[-1]
+    x = np.empty_like(rhs)
+    for s in range(0, n, block):
+        e = min(s + block, n)
+        r = rhs[..., s:e, :]
+        if s:
+            r = r - m[..., s:e, :s] @ x[..., :s, :]
+        x[..., s:e, :] = np.linalg.solve(m[..., s:e, s:e], r)
+    return x
+
+
+def _block(q, b_q, b_k, terms, strict, s0_term, block):
+    """Σ over terms of decayed_scores(q, b_q, κ, b_k)·x, plus the initial-state term."""
+    out = s0_term
+    for kappa, x in terms:
+        out = out + decayed_scores(q, b_q, kappa, b_k, strict, block) @ x
+    return out
+
+
+def _pseudo_values(corrections, writes, b, b_prev, s0, block):
+    """p_r,t = w_r,tᵀ S_(t−1) for the tokens of one segment, given the state s0 entering it."""
+    if not corrections:
+        return []
+    r_count = len(corrections)
+    n = b.shape[-2] if b is not None else corrections[0][0].shape[-2]
+    rows = []
+    rhs = []
+    for _, w in corrections:
+        w0 = w * np.exp(b_prev) if b is not None else w
+        rhs.append(_block(w, b_prev, b, writes, True, w0 @ s0, block))
+        rows.append([decayed_scores(w, b_prev, u, b, True, block) for u, _ in corrections])
+    if r_count == 1:
+        m = np.eye(n, dtype=s0.dtype) - rows[0][0]
+        return [_solve_unit_lower(m, rhs[0], block=64)]
+    # several corrections: interleave (t, r) so the system stays lower triangular in t
+    a = np.stack([np.stack(row, axis=-1) for row in rows], axis=-3)  # [.., n, R, n, R]
+    a = a.reshape(a.shape[:-4] + (n * r_count, n * r_count))
+    m = np.eye(n * r_count, dtype=s0.dtype) - a
+    stacked = np.stack(rhs, axis=-2).reshape(rhs[0].shape[:-2] + (n * r_count, rhs[0].shape[-1]))
+    sol = _solve_unit_lower(m, stacked, block=64 * r_count)
+    sol = sol.reshape(rhs[0].shape[:-2] + (n, r_count, rhs[0].shape[-1]))
+    return [sol[..., :, i, :] for i in range(r_count)]
+
+
+def _segment(s0, l, corrections, writes, readouts, causal, block):
+    """One segment (the whole sequence, or a chunk) starting from state s0.
+
+    Returns (readouts or None when non-causal, state after the segment)."""
+    b = None if l is None else np.cumsum(l, axis=-2)
+    b_prev = None if l is None else b - l
+    pseudo = _pseudo_values(corrections, writes, b, b_prev, s0, block)
+    terms = list(writes) + [(u, p) for (u, _), p in zip(corrections, pseudo)]
+    results = None
+    if causal:
+        results = []
+        for q, before in readouts:
+            bq = b_prev if before else b
+            s0_term = (q * np.exp(bq) if b is not None else q) @ s0
+            results.append(_block(q, bq, b, terms, before, s0_term, block))
+    if b is None:
+        end = s0 + sum(np.swapaxes(kappa, -1, -2) @ x for kappa, x in terms)
+    else:
+        b_end = b[..., -1:, :]
+        end = np.exp(np.swapaxes(b_end, -1, -2)) * s0 + sum(
+            np.swapaxes(kappa * np.exp(b_end - b), -1, -2) @ x for kappa, x in terms)
+    return results, end
+
+
+def _prepare(s0, log_decay, corrections, writes, readouts):
+    hm = _head_major
+    return (s0, hm(log_decay), [(hm(u), hm(w)) for u, w in corrections], [(hm(k), hm(x)) for k, x in writes],
+            [(hm(q), before) for q, before in readouts])
+
+
+def _finish(results, end, readouts_hm, causal):
+    if not causal:  # every readout reads the final state
+        results = [q @ end for q, _ in readouts_hm]
+    return [np.swapaxes(r, 1, 2) for r in results], end
+
+
+def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+    """The parallel form: every token against every earlier one, O(T²·(dk + dv)) work.
+
+    s0 [B, H, dk, dv]; log_decay None or [B, T, H, 1 | dk]; corrections [(u, w)] and writes [(κ, x)]
+    per token [B, T, H, *]; readouts [(query, before_update)]. Returns ([readout [B, T, H, dv]], S_T)."""
+    s0, l, corr, wr, rd = _prepare(s0, log_decay, corrections, writes, readouts)
+    results, end = _segment(s0, l, corr, wr, rd, causal, block=64)
+    return _finish(results, end, rd, causal)
+
+
+def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+    """The chunkwise form: state passing between chunks of C tokens, dense products inside a chunk."""
+    chunk = int(chunk_size or 64)
+    s0, l, corr, wr, rd = _prepare(s0, log_decay, corrections, writes, readouts)
+    tokens = (rd[0][0] if rd else wr[0][0] if wr else corr[0][0]).shape[-2]
+    state, pieces = s0, []
+    for s in range(0, tokens, chunk):
+        cut = slice(s, min(s + chunk, tokens))
+        results, state = _segment(
+            state, None if l is None else l[..., cut, :], [(u[..., cut, :], w[..., cut, :]) for u, w in corr],
+            [(k[..., cut, :], x[..., cut, :]) for k, x in wr], [(q[..., cut, :], b) for q, b in rd],
+            causal, block=16)
+        pieces.append(results)
+    results = [np.concatenate([p[i] for p in pieces], axis=-2) for i in range(len(rd))] if causal else None
+    return _finish(results, state, rd, causal)
