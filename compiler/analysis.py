@@ -54,7 +54,7 @@ def variance(e: ir.Expr, lets: dict[str, ir.Expr] | None = None) -> str:
     """What a state-free expression varies over: "const", "head" or "token"."""
     level = "const"
     for n in walk(e if lets is None else inline_lets(e, lets)):
-        if isinstance(n, (ir.InputRef, ir.StateRef, ir.ReadoutRef)):
+        if isinstance(n, (ir.InputRef, ir.StateRef, ir.ReadoutRef, ir.LetRef)):  # a LetRef left: assume the most
             return "token"
         if isinstance(n, ir.HeadIndex) or (isinstance(n, ir.ParamRef) and n.per_head):
             level = "head"

@@ -191,6 +191,11 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
             raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}`", e.span)
         other = e.right if in_left else e.left
         inner = e.left if in_left else e.right
+        if isinstance(e, ir.Outer) and in_right and isinstance(inner, ir.Dot) and len(inner.left.shape) == 1 \
+                and not contains_state(inner.left, state):
+            # u ⊗ (w·X) = (u⊗w)·X: the expanded form of a rank-one correction
+            return linear_terms(ir.Dot(e.shape, ir.Outer((e.left.shape[0], inner.left.shape[0]),
+                                                          e.left, inner.left), inner.right), state)
         terms, rem = linear_terms(inner, state)
 
         def rebuilt(r):
@@ -215,11 +220,6 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
                     cc, ff = compose(t.right or IDENTITY, f)
                     out.append(Term(mul(mul(c, cc), t.coef), t.left, ff))
             return out, rebuilt(rem)
-        if isinstance(e, ir.Outer) and in_right and isinstance(inner, ir.Dot) and len(inner.left.shape) == 1 \
-                and not contains_state(inner.left, state):
-            # u ⊗ (w·X) = (u⊗w)·X: the expanded form of a rank-one correction
-            return linear_terms(ir.Dot(e.shape, ir.Outer((e.left.shape[0], inner.left.shape[0]),
-                                                          e.left, inner.left), inner.right), state)
         raise Unfactorable(f"`{to_text(e)}` is linear in '{state}' but not a product the forms can factor "
                            f"(left factors such as a·S, diag(d)·S, (I − u⊗w)·S)")
     raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` applies a function to the state",

@@ -59,8 +59,8 @@ def _describe(decay: ir.Expr | None, corrections) -> str:
                 "token": "data-dependent scalar decay"}[variance(decay)]
     if not corrections:
         return base
-    rank = "rank-one" if len(corrections) == 1 else f"rank-{len(corrections)}"
-    return f"{rank} correction" + ("" if decay is None else f" with {base}")
+    rank = "rank-one correction" if len(corrections) == 1 else f"{len(corrections)} rank-one corrections"
+    return rank + ("" if decay is None else f" with {base}")
 
 
 def classify(program: ir.Program, update: ir.Update) -> Transition:
