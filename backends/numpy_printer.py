@@ -101,7 +101,8 @@ class NumpyPrinter:
             return (f"{d}[..., :, None] * {self._wrap(b, PRODUCT)}" if len(b.shape) == 2
                     else f"{d} * {self._wrap(b, PRODUCT)}"), PRODUCT
         if isinstance(b, ir.Diag):  # X·diag(d) scales X's columns
-            return f"{self._wrap(a, PRODUCT)} * {self._wrap(b.operand, ATOM)}", PRODUCT
+            col = "[..., None, :]" if len(a.shape) == 2 else ""
+            return f"{self._wrap(a, PRODUCT)} * {self._wrap(b.operand, ATOM)}{col}", PRODUCT
         la, lb = _LETTERS[:len(a.shape)], _LETTERS[len(a.shape) - 1:len(a.shape) - 1 + len(b.shape)]
         out = la[:-1] + lb[1:]
         return f"np.einsum('...{la},...{lb}->...{out}', {self(a)}, {self(b)})", ATOM
