@@ -1,0 +1,195 @@
+"""The derived forms (parallel, chunkwise) against the float64 recurrent form, on the shipped examples and
+on combinations of the same operators that no example uses. Tolerance: 1e-9 normwise relative error in
+float64 (observed ~1e-14), 2e-3 in float32 (see backends/verify.py for the reasoning)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import backends as linrec
+from backends.verify import _initial_state
+
+EXAMPLES = sorted(Path(__file__).resolve().parent.parent.joinpath("examples").glob("*.lin"))
+
+COMBINATIONS = {
+    # a per-channel decay composed with the delta rule, on either side of the rank-one factor
+    "diagonal_delta": """recurrence diagonal_delta(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+input beta in (0, 1)
+kn = l2norm(k)
+state S[dk, dv]
+S = diag(exp(g))·(I − beta·kn⊗kn)·S + beta·kn⊗v
+output o = q·S
+""",
+    "delta_then_diagonal": """recurrence delta_then_diagonal(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+input beta in (0, 1)
+kn = l2norm(k)
+state S[dk, dv]
+S = (I − beta·kn⊗kn)·diag(exp(g))·S + beta·kn⊗v
+output o = q·S
+""",
+    # the readout before the update, plus a current-token bonus term (RWKV-style)
+    "bonus_before_update": """recurrence bonus(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+param u[dk] per head = randn(seed=3)
+state S[dk, dv]
+output o = q·S + (q·(u*k))·v
+S = diag(exp(g))·S + k⊗v
+""",
+    # a normalizer state under the same scalar decay as the numerator
+    "decayed_normalizer": """recurrence decayed_normalizer(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], a in (0, 1)
+phi(x) = exp(x)
+state S[dk, dv], z[dk]
+S = a·S + phi(k)⊗v
+z = a·z + phi(k)
+output o = (phi(q)·S) / (phi(q)·z)
+""",
+    # keys tied to the decay: k = 1 − exp(g)
+    "tied_keys": """recurrence tied_keys(dk = 6, dv = 5)
+input q[dk], v[dv], x[dk]
+g = logsigmoid(x)
+state S[dk, dv]
+S = diag(exp(g))·S + (1 − exp(g))⊗v
+output o = q·S
+""",
+    # the delta rule written out term by term
+    "expanded_delta": """recurrence expanded_delta(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv]
+input beta in (0, 1)
+kn = l2norm(k)
+state S[dk, dv]
+S = S − beta·kn⊗(kn·S) + beta·kn⊗v
+output o = q·S
+""",
+    # two rank-one factors in a row: three corrections after expansion
+    "two_householders": """recurrence two_householders(dk = 6, dv = 5)
+input q[dk], k[dk], k2[dk], v[dv]
+input beta in (0, 1)
+kn = l2norm(k)
+kn2 = l2norm(k2)
+state S[dk, dv]
+S = (I − beta·kn⊗kn)·(I − 0.5·kn2⊗kn2)·S + beta·kn⊗v
+output o = q·S
+""",
+    "encoder": """recurrence encoder(dk = 6, dv = 5) noncausal
+input q[dk], k[dk], v[dv], g <= 0
+state S[dk, dv]
+S = exp(g)·S + k⊗v
+output o = q·S
+""",
+}
+
+
+def _load(key: str) -> linrec.Recurrence:
+    if key in COMBINATIONS:
+        return linrec.compile(COMBINATIONS[key], f"{key}.lin")
+    return linrec.load(key)
+
+
+_cache: dict[str, linrec.Recurrence] = {}
+
+
+def program(key: str) -> linrec.Recurrence:
+    if key not in _cache:
+        _cache[key] = _load(key)
+    return _cache[key]
+
+
+ALL = [str(p) for p in EXAMPLES] + list(COMBINATIONS)
+
+
+def _rel_err(got, ref) -> float:
+    return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / max(np.max(np.abs(ref)), 1e-300))
+
+
+def _check(rec, batch, tokens, heads, dims, decay_scale, chunk, dtype, tol, seed=0):
+    rng = np.random.default_rng(seed)
+    inputs = rec.random_inputs(batch, tokens, heads, dims, np.float64, seed=seed, decay_scale=decay_scale)
+    all_dims = {d.name: d.default for d in rec.program.dims} | dims
+    state0 = _initial_state(rec.program, batch, heads, all_dims, rng)
+    ref = rec.run(inputs, initial_state=state0)
+    cast = {k: v.astype(dtype) for k, v in inputs.items()}
+    s0 = {k: v.astype(dtype) for k, v in state0.items()}
+    params = {k: v.astype(dtype) for k, v in ref.params.items()}
+    for form in ("parallel", "chunkwise"):
+        res = rec.run(cast, form=form, initial_state=s0, params=params, chunk_size=chunk)
+        for name, value in ref.outputs.items():
+            assert res.outputs[name].dtype == np.dtype(dtype)
+            err = _rel_err(res.outputs[name], value)
+            assert err <= tol, f"{form} output {name}: rel err {err:.2e} > {tol:.0e}"
+        for name, value in ref.final_state.items():
+            err = _rel_err(res.final_state[name], value)
+            assert err <= tol, f"{form} final state {name}: rel err {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("key", ALL, ids=[Path(k).stem for k in ALL])
+def test_every_form_is_available(key):
+    assert program(key).forms == ("recurrent", "parallel", "chunkwise")
+
+
+@pytest.mark.parametrize("key", ALL, ids=[Path(k).stem for k in ALL])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 2), tokens=st.integers(1, 90), heads=st.integers(1, 3),
+       dk=st.integers(1, 9), dv=st.integers(1, 7), chunk=st.sampled_from([1, 3, 16, 64]),
+       decay_scale=st.sampled_from([0.1, 1.0, 10.0, 40.0]), seed=st.integers(0, 2**16))
+def test_forms_match_recurrent_float64(key, batch, tokens, heads, dk, dv, chunk, decay_scale, seed):
+    rec = program(key)
+    names = [d.name for d in rec.program.dims]
+    dims = dict(zip(names, [dk, dv, 4, 4]))
+    _check(rec, batch, tokens, heads, dims, decay_scale, chunk, np.float64, 1e-9, seed)
+
+
+@pytest.mark.parametrize("key", ALL, ids=[Path(k).stem for k in ALL])
+def test_forms_match_recurrent_float32(key):
+    _check(program(key), 2, 77, 2, {}, 1.0, 16, np.float32, 2e-3)
+
+
+@pytest.mark.parametrize("key", [str(p) for p in EXAMPLES], ids=[p.stem for p in EXAMPLES])
+def test_strong_decay_long_sequence_stays_finite_and_exact(key):
+    # log-decays around −20 per token over several thousand tokens: exponents stay differences ≤ 0
+    _check(program(key), 1, 3000, 1, {d.name: 4 for d in program(key).program.dims}, 40.0, 64,
+           np.float32, 2e-3)
+
+
+def test_chunk_size_does_not_change_the_result():
+    rec = program(str(EXAMPLES[0]))
+    inputs = rec.random_inputs(1, 100, 2, seed=4)
+    results = [rec.run(inputs, form="chunkwise", chunk_size=c).outputs for c in (1, 7, 64, 100, 1000)]
+    for other in results[1:]:
+        for name in other:
+            assert np.max(np.abs(other[name] - results[0][name])) < 1e-10
+
+
+def test_unfactorable_transition_has_only_the_recurrent_form():
+    rec = linrec.compile("""recurrence dense(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv]
+param M[dk, dk] = randn(seed=0)
+state S[dk, dv]
+S = M·S + k⊗v
+output o = q·S
+""", "dense.lin")
+    assert rec.forms == ("recurrent",)
+    why = rec.derivation.why_not("chunkwise")
+    assert "dense matrix" in why and "M" in why
+    with pytest.raises(linrec.LinrecError, match="has no chunkwise form"):
+        rec.run(rec.random_inputs(1, 3, 1), form="chunkwise")
+
+
+def test_nonpositive_decay_is_refused_in_log_space_forms():
+    rec = linrec.compile("""recurrence signed(dk = 3, dv = 3)
+input q[dk], k[dk], v[dv], a
+state S[dk, dv]
+S = a·S + k⊗v
+output o = q·S
+""", "signed.lin")
+    inputs = rec.random_inputs(1, 5, 1, seed=1)
+    inputs["a"][...] = -0.5
+    with pytest.raises(linrec.RuntimeInputError, match="not positive"):
+        rec.run(inputs, form="parallel")
+    assert np.all(np.isfinite(rec.run(inputs).outputs["o"]))
