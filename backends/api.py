@@ -50,7 +50,7 @@ class Recurrence:
         if backend not in BACKENDS:
             raise LinrecError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
         known = compiler.FORMS
-        if form not in known:
+        if form not in known and form != "auto":
             raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(known)}")
         why = self.derivation.why_not(form)
         if why:
@@ -81,17 +81,34 @@ class Recurrence:
         sizes = {d.name: d.default for d in self.program.dims} | dict(dims or {})
         return arrays.random_inputs(self.program, batch, tokens, heads, sizes, dtype, seed, decay_scale)
 
-    def run(self, inputs: dict | None = None, *, form: str = "recurrent", backend: str = "numpy",
+    def choose_form(self, backend: str, tokens: int) -> tuple[str, str]:
+        """The form `auto` picks, and why: a cost model over what each form costs on each backend."""
+        forms = self.forms
+        if backend == "numpy":
+            # NumPy pays ~10 µs of interpreter overhead per operation: the recurrent form does a few per
+            # token, the chunkwise form a few per chunk of 64 tokens on dense products
+            if "chunkwise" in forms and tokens > 8:
+                return "chunkwise", f"T = {tokens} > 8: per-chunk dense products beat per-token NumPy calls"
+            return "recurrent", "short sequence (or no chunkwise form): per-token steps are cheapest"
+        # compiled code has no per-token overhead; the recurrent form does the least arithmetic
+        # (~4·dk·dv flops per token and head) and streams the state through L1
+        return "recurrent", "compiled recurrent kernel: least arithmetic, state kept in cache"
+
+    def run(self, inputs: dict | None = None, *, form: str = "auto", backend: str = "numpy",
             params: dict | None = None, initial_state: dict | None = None, chunk_size: int | None = None,
             **named_inputs) -> Result:
         """Run a form. Inputs [B, T, H, *] by DSL name (a dict, keywords, or both); initial states
         [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *])."""
-        module = self.module(form, backend)
         given = dict(inputs or {}) | named_inputs
         checked, shape = arrays.check_inputs(self.program, given)
+        if form == "auto":
+            form, _ = self.choose_form(backend, shape.tokens)
+        module = self.module(form, backend)
         params = dict(params or {})
         dims = arrays.resolve_dims(self.program, shape, params)
-        defaults = {k: v for k, v in module.default_params(shape.heads, dims).items()
+        given_f64 = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()
+                     if k in {p.name for p in self.program.params}}
+        defaults = {k: v for k, v in module.default_params(shape.heads, dims, given_f64).items()
                     if k not in params}
         used = arrays.check_params(self.program, params, defaults, shape, dims)
         state0 = arrays.check_initial_state(self.program, initial_state, shape, dims)

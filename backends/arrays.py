@@ -69,7 +69,7 @@ def check_inputs(program: ir.Program, inputs: dict, dims: dict[str, int] | None 
         elif arr.dtype != dtype:
             raise RuntimeInputError(f"input '{x.name}' is {arr.dtype} but '{first}' is {dtype}; pass every "
                                     f"input in one dtype")
-        _bind(bound, x.shape, arr.shape[3:], f"input '{x.name}'", _fmt(arr.shape))
+        _bind(bound, x.shape, arr.shape[3:], f"input '{x.name}' (expected {expected})", _fmt(arr.shape))
         _check_range(x, arr)
         arrays[x.name] = arr
     if lead is None:
@@ -93,7 +93,7 @@ def _check_range(x: ir.Input, arr: np.ndarray):
         lo = "(" if x.low_open else "["
         hi = ")" if x.high_open else "]"
         interval = f"{lo}{'-inf' if x.low is None else f'{x.low:g}'}, {'inf' if x.high is None else f'{x.high:g}'}{hi}"
-        raise RuntimeInputError(f"input '{x.name}' must lie in {interval} as declared; found {arr[where]!r} at "
+        raise RuntimeInputError(f"input '{x.name}' must lie in {interval} as declared; found {float(arr[where]):g} at "
                                 f"index {list(where)}")
 
 

@@ -29,7 +29,8 @@ def _template_source(name: str) -> str:
 
 
 def source_comment(compiled: Compiled) -> str:
-    return "Source program:\n" + "\n".join("    " + line for line in compiled.source.strip().splitlines())
+    """The program as comment lines (comments cannot be broken by what the program's own comments hold)."""
+    return "# Source program:\n" + "\n".join("#     " + line for line in compiled.source.strip().splitlines())
 
 
 class Emitter:
@@ -86,7 +87,7 @@ class Emitter:
         for prm in self.p.params:
             var = self.name(prm.name)
             if prm.default is None:
-                lines.append(f"{var} = None  # no default: the caller must pass '{prm.name}'")
+                lines.append(f"{var} = given.get(\"{prm.name}\")  # no default: the caller must pass '{prm.name}'")
                 continue
             dims = (["heads"] if prm.per_head else []) + [self.name(d) for d in prm.shape]
             shape = "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
@@ -94,7 +95,8 @@ class Emitter:
             if prm.shape and not prm.default.shape and variance(prm.default) != "const":
                 code = f"({code})" + "[..., " + ", ".join(["None"] * len(prm.shape)) + "]"  # per head → [H, 1…]
             code = f"np.broadcast_to({code}, {shape}).astype(np.float64)"
-            lines.append(f"{var} = {code}  # {prm.name} = {to_text(prm.default)}")
+            lines.append(f"# {prm.name} = {to_text(prm.default)}")
+            lines.append(f"{var} = given[\"{prm.name}\"] if \"{prm.name}\" in given else {code}")
         helpers |= printer.helpers
         return lines
 

@@ -54,7 +54,7 @@ class NumpyPrinter:
             self.helpers.add("diag_matrix")
             return f"diag_matrix({self(e.operand)})", ATOM
         if isinstance(e, ir.Identity):
-            return f"np.eye({self.ref(ir.DimSize((), e.shape[0]))})", ATOM
+            return f"np.eye({self.ref(ir.DimSize((), e.shape[0]))}, dtype=dtype)", ATOM
         if isinstance(e, ir.Apply):
             return self._apply(e)
         if isinstance(e, ir.Random):

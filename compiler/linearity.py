@@ -184,6 +184,8 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
         return lt + rt, rem
     if isinstance(e, (ir.Arith, ir.Dot, ir.Outer)):
         in_left, in_right = contains_state(e.left, state), contains_state(e.right, state)
+        if isinstance(e, ir.Arith) and e.op == "div" and in_right:
+            raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` divides by the state", e.span)
         if in_left and in_right:
             raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` multiplies the state by "
                             f"itself", e.span)

@@ -152,11 +152,37 @@ class _ToAst(Transformer):
 
 
 def _expected(tokens) -> str:
-    names = sorted({_TERMINAL_NAMES.get(t, repr(t) if len(t) < 3 else t.lower()) for t in tokens})
-    return ", ".join(names[:8])
+    # The end of a line is usually the most useful alternative, so it comes first and is never cut off.
+    names = {_TERMINAL_NAMES.get(t, repr(t) if len(t) < 3 else repr(t.lower())) for t in tokens}
+    first = [n for n in ("end of line", "end of file") if n in names]
+    rest = sorted(names - set(first))
+    return ", ".join(first + rest[:12])
 
 
-def _syntax_error(err: UnexpectedInput) -> LinrecError:
+def _unclosed(source: str | None, line: int, column: int) -> tuple[str, int, int] | None:
+    """The innermost bracket still open at (line, column) in the statement there: (bracket, line, column)."""
+    if source is None:
+        return None
+    lines = source.splitlines()
+    if not 0 < line <= len(lines):
+        return None
+    first = line  # a statement may continue over lines ending in a backslash
+    while first > 1 and lines[first - 2].rstrip().endswith("\\"):
+        first -= 1
+    stack = []
+    for n in range(first, line + 1):
+        text = lines[n - 1].split("#", 1)[0]
+        if n == line:
+            text = text[:max(column - 1, 0)]
+        for c, ch in enumerate(text, start=1):
+            if ch in "([":
+                stack.append((ch, n, c))
+            elif ch in ")]" and stack:
+                stack.pop()
+    return stack[-1] if stack else None
+
+
+def _syntax_error(err: UnexpectedInput, source: str | None = None) -> LinrecError:
     line, column = max(err.line, 1), max(err.column, 1)
     if isinstance(err, UnexpectedCharacters):
         char = err.char if hasattr(err, "char") else "?"
@@ -176,9 +202,18 @@ def _syntax_error(err: UnexpectedInput) -> LinrecError:
     else:
         what = repr(str(tok))
     hint = ""
-    if tok.type == "NAME" and "EQUAL" in err.expected:
+    if "RECURRENCE" in err.expected and tok.type != "_NL":
+        return LinrecError(f"a program starts with its header, e.g. `recurrence NAME(dk = 64, dv = 64)`; "
+                           f"found {what}", Span(line, column, line, column + width))
+    if tok.type in ("_NL", "$END") and ({"RPAR", "RSQB"} & set(err.expected)):
+        opened = _unclosed(source, line, column)
+        if opened is not None:
+            bracket, at_line, at_col = opened
+            where = f"column {at_col}" if at_line == line else f"line {at_line}, column {at_col}"
+            hint = f" (the '{bracket}' at {where} is never closed)"
+    if not hint and tok.type == "NAME" and "EQUAL" in err.expected:
         hint = " (each statement goes on its own line)"
-    elif str(tok) in ("recurrence", "input", "param", "state", "output"):
+    elif not hint and str(tok) in ("recurrence", "input", "param", "state", "output"):
         hint = f" ('{tok}' starts a statement of its own line)"
     msg = f"unexpected {what}; expected {_expected(err.expected)}{hint}"
     return LinrecError(msg, Span(line, column, line, column + width))
@@ -199,5 +234,5 @@ def parse(source: str, filename: str = "<source>") -> ast.Program:
         if isinstance(err, UnexpectedToken) and err.token.type == "$END" and not source.strip():
             raise LinrecError("empty program: start with `recurrence NAME(dk = 64, dv = 64)`",
                               Span(1, 1, 1, 2)).located(source, filename) from None
-        raise _syntax_error(err).located(source, filename) from None
+        raise _syntax_error(err, text).located(source, filename) from None
 

@@ -1,0 +1,161 @@
+"""Independent reference implementations of the six example recurrences, written from the math.
+
+Nothing here imports linrec. Every function loops explicitly over batch b, head h and token t with plain
+NumPy in float64, following the conventions of /work/shared/reference/forms.md:
+
+    per-token arrays [B, T, H, *], states [B, H, *], S_t ∈ R^(dk×dv), readout o_t = S_tᵀ q_t.
+
+Each function takes the input arrays (a dict by DSL name), the parameters (per-head ones as [H]) and the
+initial states (a dict [B, H, *]), and returns (outputs, final_states) as dicts of float64 arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f64(d):
+    return {k: np.asarray(v, dtype=np.float64) for k, v in d.items()}
+
+
+def l2norm(x, eps=1e-6):
+    return x / np.sqrt(np.sum(x * x) + eps)
+
+
+def groupnorm(x, eps=1e-5):
+    """Zero mean, unit (population) variance over the vector, no affine."""
+    mu = x.mean()
+    var = ((x - mu) ** 2).mean()
+    return (x - mu) / np.sqrt(var + eps)
+
+
+def elu_plus_one(x):
+    # elu(x) + 1: x + 1 for x > 0, exp(x) otherwise
+    return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def gla(inputs, params, state0):
+    """S = diag(exp(g)) S + k vᵀ;  o = dk^(-1/2) qᵀ S."""
+    x = _f64(inputs)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    o = np.zeros((B, T, H, dv))
+    S_final = np.zeros((B, H, dk, dv))
+    for b in range(B):
+        for h in range(H):
+            S = np.array(state0["S"][b, h], dtype=np.float64)
+            for t in range(T):
+                S = np.diag(np.exp(g[b, t, h])) @ S + np.outer(k[b, t, h], v[b, t, h])
+                o[b, t, h] = dk ** -0.5 * (q[b, t, h] @ S)
+            S_final[b, h] = S
+    return {"o": o}, {"S": S_final}
+
+
+def retnet(inputs, params, state0):
+    """S = gamma_h S + k vᵀ;  o = groupnorm(dk^(-1/2) qᵀ S); gamma from params (per head [H])."""
+    x = _f64(inputs)
+    q, k, v = x["q"], x["k"], x["v"]
+    gamma = np.asarray(params["gamma"], dtype=np.float64)
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    o = np.zeros((B, T, H, dv))
+    S_final = np.zeros((B, H, dk, dv))
+    for b in range(B):
+        for h in range(H):
+            S = np.array(state0["S"][b, h], dtype=np.float64)
+            for t in range(T):
+                S = gamma[h] * S + np.outer(k[b, t, h], v[b, t, h])
+                o[b, t, h] = groupnorm(dk ** -0.5 * (q[b, t, h] @ S))
+            S_final[b, h] = S
+    return {"o": o}, {"S": S_final}
+
+
+def retnet_gamma(heads):
+    """RetNet's fixed per-head decay γ_h = 1 − 2^(−5−h), h = 0..H−1."""
+    return np.array([1.0 - 2.0 ** (-5 - h) for h in range(heads)])
+
+
+def mamba2(inputs, params, state0):
+    """S = exp(dt·A_h) S + (dt·B) xᵀ;  y = Cᵀ S + D_h·x."""
+    a = _f64(inputs)
+    xs, Bm, Cm, dt = a["x"], a["B"], a["C"], a["dt"]
+    A = np.asarray(params["A"], dtype=np.float64)
+    D = np.asarray(params["D"], dtype=np.float64)
+    Bsz, T, H, dk = Bm.shape
+    dv = xs.shape[-1]
+    y = np.zeros((Bsz, T, H, dv))
+    S_final = np.zeros((Bsz, H, dk, dv))
+    for b in range(Bsz):
+        for h in range(H):
+            S = np.array(state0["S"][b, h], dtype=np.float64)
+            for t in range(T):
+                S = np.exp(dt[b, t, h] * A[h]) * S + np.outer(dt[b, t, h] * Bm[b, t, h], xs[b, t, h])
+                y[b, t, h] = Cm[b, t, h] @ S + D[h] * xs[b, t, h]
+            S_final[b, h] = S
+    return {"y": y}, {"S": S_final}
+
+
+def _delta(inputs, state0, gated):
+    x = _f64(inputs)
+    q, k, v, beta = x["q"], x["k"], x["v"], x["beta"]
+    g = x["g"] if gated else np.zeros_like(beta)
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    eye = np.eye(dk)
+    o = np.zeros((B, T, H, dv))
+    S_final = np.zeros((B, H, dk, dv))
+    for b in range(B):
+        for h in range(H):
+            S = np.array(state0["S"][b, h], dtype=np.float64)
+            for t in range(T):
+                qn = l2norm(q[b, t, h])
+                kn = l2norm(k[b, t, h])
+                bt = beta[b, t, h]
+                S = np.exp(g[b, t, h]) * (eye - bt * np.outer(kn, kn)) @ S + bt * np.outer(kn, v[b, t, h])
+                o[b, t, h] = dk ** -0.5 * (qn @ S)
+            S_final[b, h] = S
+    return {"o": o}, {"S": S_final}
+
+
+def deltanet(inputs, params, state0):
+    """S = (I − β k̂ k̂ᵀ) S + β k̂ vᵀ;  o = dk^(-1/2) q̂ᵀ S, with l2-normalized q̂, k̂."""
+    return _delta(inputs, state0, gated=False)
+
+
+def gated_deltanet(inputs, params, state0):
+    """S = exp(g)(I − β k̂ k̂ᵀ) S + β k̂ vᵀ;  o = dk^(-1/2) q̂ᵀ S."""
+    return _delta(inputs, state0, gated=True)
+
+
+def linear_transformer(inputs, params, state0):
+    """S = S + φ(k) vᵀ, z = z + φ(k);  o = (φ(q)ᵀ S) / (φ(q)ᵀ z), φ = elu + 1."""
+    x = _f64(inputs)
+    q, k, v = x["q"], x["k"], x["v"]
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    o = np.zeros((B, T, H, dv))
+    S_final = np.zeros((B, H, dk, dv))
+    z_final = np.zeros((B, H, dk))
+    for b in range(B):
+        for h in range(H):
+            S = np.array(state0["S"][b, h], dtype=np.float64)
+            z = np.array(state0["z"][b, h], dtype=np.float64)
+            for t in range(T):
+                fk = elu_plus_one(k[b, t, h])
+                fq = elu_plus_one(q[b, t, h])
+                S = S + np.outer(fk, v[b, t, h])
+                z = z + fk
+                o[b, t, h] = (fq @ S) / (fq @ z)
+            S_final[b, h] = S
+            z_final[b, h] = z
+    return {"o": o}, {"S": S_final, "z": z_final}
+
+
+REFERENCES = {
+    "gla": gla,
+    "retnet": retnet,
+    "mamba2": mamba2,
+    "deltanet": deltanet,
+    "gated_deltanet": gated_deltanet,
+    "linear_transformer": linear_transformer,
+}

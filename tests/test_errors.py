@@ -1,0 +1,520 @@
+"""Every class of bad program and bad call: the message, and the exact FILE:LINE:COL with a caret line.
+
+Expected columns are computed from the source text itself (the position of the offending fragment in its
+line), not copied from linrec's output.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backends as linrec
+from dsl.errors import LinrecError, RuntimeInputError
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+FILE = "bad.lin"
+HEAD = "recurrence t(dk = 4, dv = 3)\ninput q[dk], k[dk], v[dv]\n"
+SQUARE_HEAD = "recurrence t(dk = 4)\ninput q[dk], k[dk], v[dk]\n"
+
+
+def compile_error(source: str) -> LinrecError:
+    with pytest.raises(LinrecError) as info:
+        linrec.compile(source, FILE)
+    assert not isinstance(info.value, RuntimeInputError)
+    return info.value
+
+
+def where(source: str, line: int, fragment: str, occurrence: int = 1) -> tuple[int, int]:
+    """(line, column) of the n-th occurrence of `fragment` in line `line` of source (1-based)."""
+    text = source.splitlines()[line - 1]
+    col = -1
+    for _ in range(occurrence):
+        col = text.index(fragment, col + 1)
+    return line, col + 1
+
+
+def end_of(source: str, line: int) -> tuple[int, int]:
+    """(line, column) just past the last character of a line: where 'unexpected end of line' points."""
+    return line, len(source.splitlines()[line - 1]) + 1
+
+
+def check(err: LinrecError, source: str, pos: tuple[int, int], *fragments: str, width: int | None = None):
+    line, col = pos
+    assert err.span is not None, str(err)
+    assert (err.span.line, err.span.column) == (line, col), str(err)
+    text = str(err)
+    lines = text.splitlines()
+    assert lines[0].startswith(f"{FILE}:{line}:{col}: error: "), text
+    for f in fragments:
+        assert f in lines[0], f"{f!r} not in {lines[0]!r}"
+    # the quoted source line and a caret under the offending column
+    assert len(lines) == 3, text
+    assert lines[1] == "  " + source.splitlines()[line - 1]
+    m = re.fullmatch(r"  ( *)(\^+)", lines[2])
+    assert m, repr(lines[2])
+    assert len(m.group(1)) == col - 1, text
+    if width is not None:
+        assert len(m.group(2)) == width, text
+
+
+# ---- syntax --------------------------------------------------------------------------------------
+def test_stray_closing_parenthesis():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v )\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, ")"), "unexpected ')'", "expected end of line", width=1)
+
+
+def test_stray_name_after_expression():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S q\n"
+    err = compile_error(src)
+    check(err, src, where(src, 5, "q", 2), "unexpected 'q'", width=1)
+    # the most useful alternative is listed first and the operators are not cut off
+    assert "expected end of line, " in str(err)
+    assert "'·'" in str(err) and "'⊗'" in str(err)
+
+
+def test_unclosed_parenthesis():
+    src = HEAD + "state S[dk, dv]\nS = S + (k⊗v\noutput o = q·S\n"
+    col_open = where(src, 4, "(")[1]
+    check(compile_error(src), src, end_of(src, 4), "unexpected end of line", "expected ')'",
+          f"the '(' at column {col_open} is never closed", width=1)
+
+
+def test_unclosed_call_parenthesis():
+    src = HEAD + "state S[dk, dv]\nS = S + outer(k, v\noutput o = q·S\n"
+    col_open = where(src, 4, "(")[1]
+    check(compile_error(src), src, end_of(src, 4), "unexpected end of line",
+          f"the '(' at column {col_open} is never closed")
+
+
+def test_unclosed_parenthesis_at_end_of_file():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = (q·S"  # no final newline
+    col_open = where(src, 5, "(")[1]
+    check(compile_error(src), src, end_of(src, 5), "expected ')'", f"the '(' at column {col_open} is never closed")
+
+
+def test_unclosed_parenthesis_over_continued_lines():
+    src = HEAD + "state S[dk, dv]\nS = S + (k⊗v \\\n  + k⊗v\noutput o = q·S\n"
+    col_open = where(src, 4, "(")[1]
+    check(compile_error(src), src, end_of(src, 5), f"the '(' at line 4, column {col_open} is never closed")
+
+
+def test_unclosed_bracket_in_shape():
+    src = HEAD + "state S[dk, dv\nS = S + k⊗v\noutput o = q·S\n"
+    col_open = where(src, 3, "[")[1]
+    check(compile_error(src), src, end_of(src, 3), "expected", "']'", f"the '[' at column {col_open} is never closed")
+
+
+def test_unexpected_character_with_hint():
+    src = HEAD + "state S[dk, dv]\nS = S + k×v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "×"), "unexpected character '×'", "write '*'", width=1)
+
+
+def test_unexpected_character_dollar():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v $\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "$"), "unexpected character '$'")
+
+
+def test_two_statements_on_one_line():
+    src = HEAD + "state S[dk, dv] S = S\n"
+    check(compile_error(src), src, where(src, 3, "S", 2), "unexpected 'S'", "each statement goes on its own line")
+
+
+def test_missing_header():
+    src = "input q[dk]\nstate S[dk]\n"
+    check(compile_error(src), src, (1, 1), "a program starts with its header", "recurrence NAME(",
+          "found 'input'", width=5)
+
+
+def test_empty_program():
+    err = compile_error("   \n")
+    assert err.span is not None and (err.span.line, err.span.column) == (1, 1)
+    assert str(err).startswith(f"{FILE}:1:1: error: empty program")
+
+
+def test_incomplete_expression():
+    src = HEAD + "state S[dk, dv]\nS = S +\noutput o = q·S\n"
+    check(compile_error(src), src, end_of(src, 4), "unexpected end of line", "a name")
+
+
+def test_positional_after_keyword():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = l2norm(q, eps=1e-3, 2)·S\n"
+    check(compile_error(src), src, where(src, 5, "2)"), "positional argument cannot follow a keyword")
+
+
+def test_empty_interval():
+    src = "recurrence t(dk = 4)\ninput q[dk], beta in (1, 0)\nstate S[dk]\nS = S + q\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 2, "in ("), "empty interval", "lower end 1", "upper end 0")
+
+
+# ---- names ---------------------------------------------------------------------------------------
+def test_unknown_name_did_you_mean():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗vv\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "vv"), "unknown name 'vv'; did you mean 'v'?", width=2)
+
+
+def test_unknown_name_did_you_mean_state():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·SS\n"
+    check(compile_error(src), src, where(src, 5, "SS"), "unknown name 'SS'; did you mean 'S'?", width=2)
+
+
+def test_unknown_name_without_close_match():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗zzzzz\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "zzzzz"), "unknown name 'zzzzz'", "declare it", width=5)
+
+
+def test_unknown_function_did_you_mean():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = l2nrom(q)·S\n"
+    check(compile_error(src), src, where(src, 5, "l2nrom"), "unknown function 'l2nrom'; did you mean 'l2norm'?",
+          width=6)
+
+
+def test_unknown_function_without_close_match():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = qq(q)·S\n"
+    check(compile_error(src), src, where(src, 5, "qq"), "unknown function 'qq'", "define it first", width=2)
+
+
+def test_unknown_name_in_function_body_even_if_unused():
+    src = HEAD + "phi(x) = elu(xx) + 1\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "xx"), "unknown name 'xx' in the body of 'phi'",
+          "did you mean 'x'?", width=2)
+
+
+def test_unknown_function_in_function_body_even_if_unused():
+    src = HEAD + "phi(x) = psi(x) + 1\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "psi"), "unknown function 'psi'", width=3)
+
+
+def test_function_body_may_use_names_defined_later():
+    src = HEAD + "f(x) = x·S\nstate S[dk, dv]\nS = S + k⊗v\noutput o = f(q)\n"
+    rec = linrec.compile(src, FILE)
+    x = rec.random_inputs(batch=1, tokens=3, heads=1, seed=0)
+    res = rec.run(x)
+    S = np.cumsum(np.einsum("bthi,bthj->bthij", x["k"], x["v"]), axis=1)
+    np.testing.assert_allclose(res.outputs["o"], np.einsum("bthi,bthij->bthj", x["q"], S), rtol=1e-12)
+
+
+def test_redefined_input():
+    src = HEAD + "input k[dk]\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "k"), "'k' is already defined (line 2)", width=1)
+
+
+def test_redefined_value():
+    src = HEAD + "state S[dk, dv]\na = q\na = k\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, (5, 1), "'a' is already defined (line 4)")
+
+
+def test_redefined_state_in_one_declaration():
+    src = HEAD + "state S[dk, dv], S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "S", 2), "'S' is already defined (line 3)")
+
+
+def test_redefined_function():
+    src = HEAD + "f(x) = x\nf(y) = y\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, (4, 1), "'f' is already defined (line 3)")
+
+
+def test_redefined_output():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\noutput o = k·S\n"
+    check(compile_error(src), src, where(src, 6, "o ="), "'o' is already defined (line 5)", width=1)
+
+
+def test_state_updated_twice():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, (5, 1), "state 'S' is updated twice")
+
+
+def test_assigning_an_input():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\nq = k\noutput o = q·S\n"
+    check(compile_error(src), src, (5, 1), "'q' is an input, parameter or dimension and cannot be assigned")
+
+
+def test_builtin_name_cannot_be_declared():
+    src = HEAD + "state exp[dk, dv]\nexp = exp + k⊗v\noutput o = q·exp\n"
+    check(compile_error(src), src, where(src, 3, "exp"), "'exp' is a builtin name", width=3)
+
+
+def test_dimension_declared_twice():
+    src = "recurrence t(dk = 4, dk = 3)\ninput q[dk]\nstate S[dk]\nS = S + q\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 1, "dk", 2), "dimension 'dk' is declared twice", width=2)
+
+
+def test_reading_an_output():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\noutput p = sum(o)\n"
+    check(compile_error(src), src, where(src, 6, "o)"), "'o' is an output and cannot be read")
+
+
+def test_head_index_outside_param():
+    src = HEAD + "state S[dk, dv]\nS = S + h*k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "h"), "head index 'h'", width=1)
+
+
+def test_head_index_in_param_not_per_head():
+    src = HEAD + "param u = 1 + h\nstate S[dk, dv]\nS = S + u*k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "1 + h"), "'u' uses the head index h", "param u per head")
+
+
+def test_param_default_reads_an_input():
+    src = HEAD + "param w = q\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "q"), "a parameter's default may use only", "not 'q'")
+
+
+def test_random_outside_param():
+    src = HEAD + "state S[dk, dv]\nS = S + randn(seed=1)*k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "randn"), "'randn' draws random numbers")
+
+
+def test_wrong_number_of_arguments():
+    src = HEAD + "f(x) = x\nstate S[dk, dv]\nS = S + f(k, v)⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 5, "f(k, v)"), "'f' takes 1 argument(s) (x), got 2", width=7)
+
+
+def test_unknown_option():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = l2norm(q, tol=1)·S\n"
+    check(compile_error(src), src, where(src, 5, "l2norm"), "'l2norm' has no option 'tol' (options: eps)")
+
+
+# ---- shapes --------------------------------------------------------------------------------------
+def test_shape_mismatch_delta_rule_on_the_wrong_side():
+    src = HEAD + "input beta in (0, 1)\nstate S[dk, dv]\nS = S·(I − beta·k⊗k) + k⊗v\noutput o = q·S\n"
+    err = compile_error(src)
+    check(err, src, where(src, 5, "S·("), "shape mismatch in '·'", "[dk, dv]·[dk, dk]",
+          "contracts 'dv' with 'dk'", width=len("S·(I − beta·k⊗k)"))
+
+
+def test_shape_mismatch_in_sum():
+    src = HEAD + "state S[dk, dv]\nS = S + v⊗k\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "S +"), "shape mismatch in '+': [dk, dv] and [dv, dk]",
+          width=len("S + v⊗k"))
+
+
+def test_shape_mismatch_in_output():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S + k\n"
+    check(compile_error(src), src, where(src, 5, "q·S"), "shape mismatch in '+': [dv] and [dk]")
+
+
+def test_update_with_the_wrong_shape():
+    src = HEAD + "state S[dk, dv]\nS = (q·S)⊗(q·S)\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "(q·S)"),
+          "the update of 'S' has shape [dv, dv] but the state is declared [dk, dv]")
+
+
+def test_matrix_output():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = S\n"
+    check(compile_error(src), src, where(src, 5, "S"), "output 'o' has shape [dk, dv]")
+
+
+def test_state_of_rank_three():
+    src = HEAD + "state S[dk, dv, dk]\nS = S\noutput o = q\n"
+    check(compile_error(src), src, where(src, 3, "S"), "must be a vector or a matrix")
+
+
+def test_unknown_dimension_in_state():
+    src = HEAD + "state S[dk, de]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "S"), "unknown dimension 'de' (declared: dk, dv)",
+          "recurrence t(…, de = 64)")
+
+
+def test_unknown_dimension_in_input():
+    src = HEAD + "input w[dz]\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "w"), "unknown dimension 'dz'")
+
+
+# ---- linearity -----------------------------------------------------------------------------------
+def test_update_quadratic_in_state_matrix_product():
+    src = SQUARE_HEAD + "state S[dk, dk]\nS = S·S\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "S·S"), "the update is not linear in 'S'",
+          "multiplies the state by itself", width=3)
+
+
+def test_update_quadratic_in_state_elementwise():
+    src = HEAD + "state S[dk, dv]\nS = S*S\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "S*S"), "not linear in 'S'", width=3)
+
+
+def test_update_applies_function_to_state():
+    src = HEAD + "state S[dk, dv]\nS = exp(S)\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "exp(S)"), "not linear in 'S'", "applies a function to the state",
+          width=6)
+
+
+def test_nonlinearity_hidden_in_a_value_points_at_the_value():
+    src = HEAD + "state S[dk, dv]\nr = exp(S)\nS = r\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "exp(S)"), "not linear in 'S'")
+
+
+def test_update_divides_by_the_state():
+    src = HEAD + "state S[dk, dv]\nS = S/(1 + q·S·v)\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "S/"), "not linear in 'S'")
+
+
+def test_update_with_constant_offset():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v + 1\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "S +"), "cannot add a scalar to a matrix")
+
+
+# ---- whole program -------------------------------------------------------------------------------
+def test_state_without_update():
+    src = HEAD + "state S[dk, dv], z[dk]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "z"), "state 'z' is never updated", "`z = …`", width=1)
+
+
+def test_output_missing():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\n"
+    check(compile_error(src), src, (1, 1), "the program has no output", "output o = q·S")
+
+
+def test_error_from_file_names_the_path(tmp_path):
+    path = tmp_path / "broken.lin"
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗vv\noutput o = q·S\n"
+    path.write_text(src, encoding="utf-8")
+    with pytest.raises(LinrecError) as info:
+        linrec.load(path)
+    line, col = where(src, 4, "vv")
+    assert str(info.value).startswith(f"{path}:{line}:{col}: error: unknown name 'vv'")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(LinrecError) as info:
+        linrec.load(tmp_path / "nope.lin")
+    assert "cannot read" in str(info.value) and "nope.lin" in str(info.value)
+
+
+# ---- runtime: bad arrays -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def delta():
+    rec = linrec.load(EXAMPLES / "deltanet.lin")
+    x = rec.random_inputs(batch=2, tokens=3, heads=2, dims={"dk": 5, "dv": 4}, seed=0)
+    return rec, x
+
+
+def runtime_error(rec, *args, **kwargs) -> str:
+    with pytest.raises(RuntimeInputError) as info:
+        rec.run(*args, **kwargs)
+    assert isinstance(info.value, LinrecError)
+    return str(info.value)
+
+
+def test_missing_input(delta):
+    rec, x = delta
+    msg = runtime_error(rec, {k: v for k, v in x.items() if k != "k"})
+    assert "missing input 'k'" in msg and "[B, T, H, dk]" in msg
+
+
+def test_unknown_input_array(delta):
+    rec, x = delta
+    msg = runtime_error(rec, dict(x, kk=x["k"]))
+    assert "unknown input array(s) 'kk'" in msg and "q, k, v, beta" in msg
+
+
+def test_unknown_input_as_keyword(delta):
+    rec, x = delta
+    msg = runtime_error(rec, x, betta=x["beta"])
+    assert "'betta'" in msg
+
+
+def test_wrong_feature_size(delta):
+    rec, x = delta
+    msg = runtime_error(rec, dict(x, k=x["k"][..., :3]))
+    assert "input 'k'" in msg and "[2, 3, 2, 3]" in msg and "dk = 3" in msg and "dk = 5" in msg
+
+
+def test_wrong_rank(delta):
+    rec, x = delta
+    msg = runtime_error(rec, dict(x, k=x["k"][..., 0]))
+    assert "input 'k' should have shape [B, T, H, dk] but has shape [2, 3, 2]" in msg
+
+
+def test_wrong_token_count(delta):
+    rec, x = delta
+    msg = runtime_error(rec, dict(x, v=x["v"][:, :2]))
+    assert "input 'v' has [B, T, H] = [2, 2, 2]" in msg and "[2, 3, 2]" in msg
+
+
+def test_integer_dtype(delta):
+    rec, x = delta
+    msg = runtime_error(rec, dict(x, q=np.ones(x["q"].shape, dtype=np.int64)))
+    assert "input 'q' has dtype int64" in msg and "float32 or float64" in msg
+
+
+def test_mixed_dtypes(delta):
+    rec, x = delta
+    msg = runtime_error(rec, dict(x, v=x["v"].astype(np.float32)))
+    assert "input 'v' is float32" in msg and "float64" in msg and "one dtype" in msg
+
+
+def test_value_outside_declared_range(delta):
+    rec, x = delta
+    beta = x["beta"].copy()
+    beta[1, 2, 0] = 1.5
+    msg = runtime_error(rec, dict(x, beta=beta))
+    assert "input 'beta' must lie in (0, 1)" in msg and "1.5" in msg and "[1, 2, 0]" in msg
+
+
+def test_nan_outside_declared_range(delta):
+    rec, x = delta
+    msg = runtime_error(rec, dict(x, beta=np.full_like(x["beta"], np.nan)))
+    assert "input 'beta' must lie in (0, 1)" in msg and "nan" in msg
+
+
+def test_one_sided_bound():
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    x = rec.random_inputs(batch=1, tokens=2, heads=1, dims={"dk": 3, "dv": 2}, seed=0)
+    g = x["g"].copy()
+    g[0, 1, 0, 2] = 0.25
+    msg = runtime_error(rec, dict(x, g=g))
+    assert "input 'g' must lie in (-inf, 0]" in msg and "0.25" in msg and "[0, 1, 0, 2]" in msg
+    g[0, 1, 0, 2] = 0.0  # the bound itself is allowed (g <= 0)
+    assert np.all(np.isfinite(rec.run(dict(x, g=g)).outputs["o"]))
+
+
+def test_wrong_initial_state_shape(delta):
+    rec, x = delta
+    msg = runtime_error(rec, x, initial_state={"S": np.zeros((2, 2, 4, 5))})
+    assert "initial state 'S' should have shape [B, H, dk, dv] = [2, 2, 5, 4] but has shape [2, 2, 4, 5]" in msg
+
+
+def test_unknown_initial_state(delta):
+    rec, x = delta
+    msg = runtime_error(rec, x, initial_state={"Z": np.zeros((2, 2, 5, 4))})
+    assert "unknown state(s) 'Z'" in msg and "are S" in msg
+
+
+def test_integer_initial_state(delta):
+    rec, x = delta
+    msg = runtime_error(rec, x, initial_state={"S": np.zeros((2, 2, 5, 4), dtype=np.int64)})
+    assert "initial state 'S' has dtype int64" in msg
+
+
+def test_unknown_param(delta):
+    rec, x = delta
+    msg = runtime_error(rec, x, params={"gamma": np.ones(2)})
+    assert "unknown parameter(s) 'gamma'" in msg and "none" in msg
+
+
+def test_unknown_param_lists_the_real_ones():
+    rec = linrec.load(EXAMPLES / "retnet.lin")
+    x = rec.random_inputs(batch=1, tokens=2, heads=2, dims={"dk": 3, "dv": 2}, seed=0)
+    msg = runtime_error(rec, x, params={"gama": np.ones(2)})
+    assert "unknown parameter(s) 'gama'" in msg and "gamma" in msg
+    msg = runtime_error(rec, x, params={"gamma": np.ones(3)})
+    assert "parameter 'gamma' should have shape [H] = [2] but has shape [3]" in msg
+    msg = runtime_error(rec, x, params={"gamma": np.ones(2, dtype=np.int64)})
+    assert "parameter 'gamma' has dtype int64" in msg
+
+
+def test_unknown_form(delta):
+    rec, x = delta
+    with pytest.raises(LinrecError) as info:
+        rec.run(x, form="sideways")
+    assert "unknown form 'sideways'" in str(info.value) and "recurrent" in str(info.value)
+
+
+def test_runtime_errors_have_no_source_position(delta):
+    rec, x = delta
+    with pytest.raises(RuntimeInputError) as info:
+        rec.run({k: v for k, v in x.items() if k != "q"})
+    assert info.value.span is None
+    assert str(info.value).startswith("error: missing input 'q'")
