@@ -5,8 +5,9 @@ The error of a result is max|x − ref| / max|ref| over each array (a normwise r
 ref is near zero). Tolerances:
   * float64: 1e-9 — the forms reassociate sums (chunked GEMMs, a triangular solve) in double precision;
     observed errors are ~1e-13, the margin absorbs the conditioning of the delta rule's UT transform.
-  * float32: 2e-3 — float32 rounding (~6e-8) accumulated over up to 32768 tokens and a C×C triangular
-    solve; the field's hand-written tests accept 4e-3 to 8e-3 relative RMS (forms.md §6b).
+  * float32: 5e-4 — float32 rounding (eps 6e-8) accumulated over up to 32768 tokens, dot products of
+    length dk and a C×C triangular solve; observed worst 7e-6 on the shipped examples (strong decay,
+    parallel form). The field's hand-written tests accept 4e-3 to 8e-3 relative RMS (forms.md §6b).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TOLERANCE = {"float64": 1e-9, "float32": 2e-3}
+TOLERANCE = {"float64": 1e-9, "float32": 5e-4}
 PARALLEL_MAX_T = 4096  # the parallel form holds T×T scores per head: checked up to this length
 
 

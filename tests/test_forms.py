@@ -1,6 +1,6 @@
 """The derived forms (parallel, chunkwise) against the float64 recurrent form, on the shipped examples and
 on combinations of the same operators that no example uses. Tolerance: 1e-9 normwise relative error in
-float64 (observed ~1e-14), 2e-3 in float32 (see backends/verify.py for the reasoning)."""
+float64 (observed ~1e-14), 5e-4 in float32 (see backends/verify.py for the reasoning)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import backends as linrec
-from backends.verify import _initial_state
+from backends.verify import TOLERANCE, _initial_state
 
 EXAMPLES = sorted(Path(__file__).resolve().parent.parent.joinpath("examples").glob("*.lin"))
 
@@ -142,19 +142,19 @@ def test_forms_match_recurrent_float64(key, batch, tokens, heads, dk, dv, chunk,
     rec = program(key)
     names = [d.name for d in rec.program.dims]
     dims = dict(zip(names, [dk, dv, 4, 4]))
-    _check(rec, batch, tokens, heads, dims, decay_scale, chunk, np.float64, 1e-9, seed)
+    _check(rec, batch, tokens, heads, dims, decay_scale, chunk, np.float64, TOLERANCE["float64"], seed)
 
 
 @pytest.mark.parametrize("key", ALL, ids=[Path(k).stem for k in ALL])
 def test_forms_match_recurrent_float32(key):
-    _check(program(key), 2, 77, 2, {}, 1.0, 16, np.float32, 2e-3)
+    _check(program(key), 2, 77, 2, {}, 1.0, 16, np.float32, TOLERANCE["float32"])
 
 
 @pytest.mark.parametrize("key", [str(p) for p in EXAMPLES], ids=[p.stem for p in EXAMPLES])
 def test_strong_decay_long_sequence_stays_finite_and_exact(key):
     # log-decays around −20 per token over several thousand tokens: exponents stay differences ≤ 0
     _check(program(key), 1, 3000, 1, {d.name: 4 for d in program(key).program.dims}, 40.0, 64,
-           np.float32, 2e-3)
+           np.float32, TOLERANCE["float32"])
 
 
 def test_chunk_size_does_not_change_the_result():
