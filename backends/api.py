@@ -16,9 +16,9 @@ import compiler
 from compiler import Compiled
 from dsl.errors import LinrecError, RuntimeInputError
 
-from . import arrays, numpy_backend
+from . import arrays, c_backend, numpy_backend
 
-BACKENDS = {"numpy": numpy_backend}
+BACKENDS = {"numpy": numpy_backend, "c": c_backend}
 
 
 @dataclass
@@ -118,6 +118,51 @@ class Recurrence:
         return Result(outputs, final, used)
 
     __call__ = run
+
+    # ---- decode: prefill a prompt, then one token at a time with O(1) state ----
+    def prefill(self, inputs: dict | None = None, *, backend: str = "numpy", params: dict | None = None,
+                initial_state: dict | None = None, **named_inputs) -> Result:
+        """Run the recurrent form over a prompt; `result.final_state` is the state to `step` from."""
+        return self.run(inputs, form="recurrent", backend=backend, params=params,
+                        initial_state=initial_state, **named_inputs)
+
+    def step(self, token_inputs: dict, state: dict | None, *, backend: str = "numpy",
+             params: dict | None = None, inplace: bool = False) -> tuple[dict, dict]:
+        """One token: inputs [B, H, *] by DSL name, states [B, H, *] → (outputs [B, H, *], new states).
+        inplace=True updates the given state arrays and returns them (the fast decode loop); otherwise the
+        given states are left alone. The C backend checks shapes and dtypes per call and value ranges on
+        the first call with a given set of arrays' shapes (see c_backend.Stepper)."""
+        key = ("step", backend, id(params))
+        cached = self._modules.get(key)
+        if cached is not None and cached[0] is params:
+            stepper = cached[1]
+            first = token_inputs.get(self.program.inputs[0].name) if self.program.inputs else None
+            if stepper is not None and getattr(first, "shape", None) == cached[2]:
+                return stepper(token_inputs, state, inplace=inplace)
+        given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
+        checked, shape = arrays.check_inputs(self.program, given)
+        module = self.module("recurrent", backend)
+        user = dict(params or {})
+        dims = arrays.resolve_dims(self.program, shape, user)
+        given_f64 = {k: np.asarray(v, dtype=np.float64) for k, v in user.items()
+                     if k in {p.name for p in self.program.params}}
+        defaults = {k: v for k, v in module.default_params(shape.heads, dims, given_f64).items()
+                    if k not in user}
+        used = arrays.check_params(self.program, user, defaults, shape, dims)
+        if hasattr(module, "stepper"):
+            stepper = module.stepper(used, dims)
+            self._modules[key] = (params, stepper, (shape.batch, shape.heads) + checked[
+                self.program.inputs[0].name].shape[3:])
+            return stepper(token_inputs, state, inplace=inplace)
+        state0 = arrays.check_initial_state(self.program, state, shape, dims)
+        outputs, final = module.forward(checked, used, state0, dims)
+        outputs = {k: v[:, 0] for k, v in outputs.items()}
+        if inplace and state is not None:
+            for k, v in final.items():
+                if k in state:
+                    state[k][...] = v
+                    final[k] = state[k]
+        return outputs, final
 
 
 def compile(source: str, filename: str = "<source>") -> Recurrence:  # noqa: A001 - the natural name

@@ -92,6 +92,7 @@ def _compare(result, reference) -> tuple[float, float]:
 def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), quick=False, seed=0,
         on_row=None, on_progress=None) -> list[Row]:
     """Every (form, backend, dtype, case, chunk size) against the float64 NumPy recurrent form."""
+    from .api import BACKENDS
     forms = [f for f in (forms or rec.forms)]
     rows = []
     cases = battery(rec.program, quick)
@@ -99,6 +100,8 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
     for case in cases:
         for form in forms:
             for backend in backends:
+                if form not in BACKENDS[backend].EMITTERS:
+                    continue  # reported by `missing` below
                 for dtype in dtypes:
                     for chunk in (case.chunk_sizes if form == "chunkwise" else (None,)):
                         plan.append((case, form, backend, dtype, chunk))
@@ -132,6 +135,12 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
         if on_row:
             on_row(row)
     return rows
+
+
+def missing(rec, backends, forms=None) -> list[tuple[str, str]]:
+    """(form, backend) pairs the program has but a backend does not implement."""
+    from .api import BACKENDS
+    return [(f, b) for f in (forms or rec.forms) for b in backends if f not in BACKENDS[b].EMITTERS]
 
 
 def format_row(row: Row) -> str:

@@ -1,0 +1,599 @@
+"""The C backend: the recurrent form and a one-token decode step as C kernels, built with cffi and cached.
+
+Generated from templates/c_recurrent.c.j2 for one scalar type and one assignment of sizes (dk, dv, … are
+compile-time constants); built lazily at the first call with a given (dtype, sizes) and memoized, on disk
+by c_build and in the process here. The recurrence must be factorable (decay + rank-one corrections +
+rank-one writes per state, see compiler.transitions): every such program gets a kernel.
+
+    mod = load(compiled, "recurrent")
+    outputs, final = mod.forward(inputs, params, initial_state, dims)       # like the NumPy module
+    outputs, state = mod.step(token_inputs, state, params, dims)            # one token, [B, H, *]
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from math import prod
+
+import jinja2
+import numpy as np
+
+from compiler import Compiled, ir
+from compiler.linearity import ONE, mul, neg
+from dsl.errors import LinrecError, RuntimeInputError
+
+from . import c_build
+from .c_printer import CPrinter, Local
+from .names import Namer
+from .numpy_backend import VERSION
+
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+# Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
+STEP_PARALLEL_THRESHOLD = 1 << 16
+# SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
+REGISTER_BUDGET = 24
+
+
+@lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FunctionLoader(_template_source), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def _template_source(name: str) -> str:
+    return resources.files("backends").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
+
+
+def require_factorable(compiled: Compiled) -> None:
+    bad = [t for t in compiled.derivation.transitions if not t.factorable]
+    if bad:
+        why = "; ".join(f"state '{t.state}': {r}" for t in bad for r in t.reasons)
+        raise LinrecError(f"the C backend needs a factorable transition (a decay plus rank-one terms per "
+                          f"state), and '{compiled.name}' has none: {why}. The NumPy backend "
+                          f"(backend='numpy') runs this program.")
+
+
+def split_scalar(e: ir.Expr) -> tuple[ir.Expr, ir.Expr]:
+    """A vector expression as (scalar coefficient, vector base): −(a·(b·k)) → (−(a·b), k)."""
+    if isinstance(e, ir.Neg):
+        c, base = split_scalar(e.operand)
+        return neg(c), base
+    if isinstance(e, (ir.Arith, ir.Dot)) and (not isinstance(e, ir.Arith) or e.op in ("mul", "div")):
+        a, b = e.left, e.right
+        if isinstance(e, ir.Arith) and e.op == "div":
+            if not b.shape and a.shape:
+                c, base = split_scalar(a)
+                return ir.Arith((), "div", c, b), base
+            return ONE, e
+        if not a.shape and b.shape:
+            c, base = split_scalar(b)
+            return mul(a, c), base
+        if not b.shape and a.shape:
+            c, base = split_scalar(a)
+            return mul(c, b), base
+    return ONE, e
+
+
+def _sum(terms: list[ir.Expr], shape) -> ir.Expr:
+    out = terms[0]
+    for t in terms[1:]:
+        if isinstance(t, ir.Neg):
+            out = ir.Arith(shape, "sub", out, t.operand)
+        else:
+            out = ir.Arith(shape, "add", out, t)
+    return out
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    limit = max(1, min(n, limit))
+    return next(g for g in range(limit, 0, -1) if n % g == 0) if n else 1
+
+
+@dataclass(frozen=True)
+class Target:
+    ctype: str
+    vector_bytes: int
+
+    @property
+    def lanes(self) -> int:
+        return self.vector_bytes // (4 if self.ctype == "float" else 8)
+
+
+class Generator:
+    """Builds the template's context for one (dtype, sizes)."""
+
+    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
+        require_factorable(compiled)
+        self.c = compiled
+        self.p = compiled.program
+        self.d = compiled.derivation
+        self.dims = dims
+        self.t = target
+        self.n = Namer()
+        for x in self.p.inputs:
+            self._check_rank(x.name, x.shape, "input")
+        for s in self.p.states:
+            if len(s.shape) not in (1, 2):
+                raise LinrecError(f"state '{s.name}': the C backend handles vector and matrix states only")
+
+    def _check_rank(self, name, shape, what):
+        if len(shape) > 1:
+            raise LinrecError(f"{what} '{name}' has shape {list(shape)}: the C backend handles scalar and "
+                              f"vector per-token values only; the NumPy backend runs this program")
+
+    # ---- identifiers (all user names go through the Namer, with a fixed prefix per role) ----
+    def cin(self, name):
+        return "in_" + self.n(name)
+
+    def cparam(self, name):
+        return "prm_" + self.n(name)
+
+    def cstate(self, name):
+        return "st_" + self.n(name)
+
+    def cout(self, name):
+        return "out_" + self.n(name)
+
+    def size(self, shape) -> int:
+        return prod(self.dims[d] for d in shape)
+
+    def padded(self, n: int) -> int:
+        lanes = self.t.lanes
+        return (n + lanes - 1) // lanes * lanes
+
+    # ---- leaves ----
+    def ref(self, node: ir.Expr) -> str:
+        if isinstance(node, ir.InputRef):
+            return f"{self.cin(node.name)}_t"
+        if isinstance(node, ir.ParamRef):
+            base = self.cparam(node.name)
+            n = self.size(node.shape)
+            if node.per_head:
+                return f"({base} + h * {n})" if node.shape else f"{base}[h]"
+            return base if node.shape else f"{base}[0]"
+        if isinstance(node, ir.ReadoutRef):
+            return f"r{node.index}"
+        if isinstance(node, Local):
+            return node.name
+        raise LinrecError(f"the C backend cannot reference {type(node).__name__} here")
+
+    # ---- one code region: the body of the token loop (or of the step) ----
+    def region(self, prefix: str, *, updates: bool, readouts: bool, step: bool) -> dict:
+        pr = CPrinter(self.t.ctype, self.dims, self.ref, prefix)
+        states = []
+        plans = []
+        for st in self.p.states:
+            tr = self.d.transition(st.name)
+            plan = self._plan_state(st, tr, updates=updates, readouts=readouts)
+            plans.append(plan)
+        # declare everything this region prints, so that shared subexpressions are computed once
+        for plan in plans:
+            pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *plan["y"],
+                      *plan["q"])
+        outputs = self.d.outputs if readouts else ()
+        pr.expect(*[e for _, e in outputs])
+        names = pr
+        # 1. state-free values of the token
+        for st, plan in zip(self.p.states, plans):
+            plan["decay_code"] = None
+            if plan["decay"] is not None:
+                dec = plan["decay"]
+                plan["decay_code"] = {"vector": bool(dec.shape),
+                                      "code": names.array(dec) if dec.shape else names.scalar(dec)}
+            plan["w_codes"] = [names.array(w) for w in plan["w"]]
+            plan["x_codes"] = [names.array(x) for x in plan["x"]]
+            plan["q_codes"] = [names.array(q) for q in plan["q"]]
+        prep = pr.take_token()
+        # 2. per state: corrections, right vectors, the fused pass
+        readout_decls = []
+        for st, plan in zip(self.p.states, plans):
+            matrix = len(st.shape) == 2
+            rows = self.dims[st.shape[0]]
+            cols = self.dims[st.shape[1]] if matrix else 1
+            cols_padded = self.padded(cols) if matrix else 1
+            ld = cols if step else cols_padded
+            ncols = cols if step else cols_padded
+            nfull = ncols // self.t.lanes
+            y_lines = []
+            y_names = []
+            for gi, y in enumerate(plan["y"]):
+                yname = f"y_{self.cstate(st.name)}_{gi}"
+                if matrix:
+                    body = pr.fill(y, yname, cols)
+                    pad = [f"for (int i = {cols}; i < {cols_padded}; ++i) {yname}[i] = 0;"] \
+                        if cols_padded > cols else []
+                    y_lines += pr.take_token() + [f"T {yname}[{cols_padded}] __attribute__((aligned(64)));"] \
+                        + body + pad
+                else:
+                    code = pr.scalar(y)
+                    y_lines += pr.take_token() + [f"const T {yname} = {code};"]
+                y_names.append(yname)
+            before, after = [], []
+            for (r, q_code) in zip(plan["readouts"], plan["q_codes"]):
+                entry = {"q": q_code, "r": f"r{r.index}"}
+                (before if r.before_update else after).append(entry)
+                readout_decls.append({"r": f"r{r.index}", "scalar": not matrix, "size": cols_padded})
+            ng = len(plan["x"]) if updates else 0
+            nr = len(before) + len(after)
+            gv_u = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, ng + nr + 1)) if nfull else 1
+            gv_p = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, len(plan["w"]) + 1)) if nfull else 1
+            states.append({
+                "name": st.name, "c": self.cstate(st.name), "matrix": matrix, "rows": rows, "cols": ncols,
+                "cols_padded": cols_padded, "S": f"buf_{self.cstate(st.name)}", "ld": ld, "nfull": nfull,
+                "tail": ncols % self.t.lanes if matrix else 0, "update": updates,
+                "decay": plan["decay_code"] if updates else None,
+                "corrections": [{"w": w, "p": p.name} for w, p in zip(plan["w_codes"], plan["p"])],
+                "groups": [{"x": x, "y": y} for x, y in zip(plan["x_codes"], y_names)],
+                "y_lines": y_lines, "before": before, "after": after, "gv_u": gv_u, "gv_p": gv_p,
+                "comment": self.d.transition(st.name).kind if updates else "readouts of the final state",
+            })
+        # 3. outputs over the readouts
+        out_lines = []
+        for name, e in outputs:
+            target = self.cout(name)
+            if e.shape:
+                body = pr.fill(e, f"{target}_t")
+            else:
+                body = [f"{target}[tok] = {pr.scalar(e)};"]
+            out_lines += pr.take_token() + body
+        return {"head": pr.take_head(), "prep": prep, "states": states, "readouts": readout_decls,
+                "outputs": out_lines}
+
+    def _plan_state(self, st: ir.State, tr, *, updates: bool, readouts: bool) -> dict:
+        """The terms of a state's update, rank-one terms grouped by their left vector."""
+        matrix = len(st.shape) == 2
+        plan = {"decay": None, "w": [], "p": [], "x": [], "y": [], "q": [], "readouts": []}
+        if updates:
+            plan["decay"] = tr.decay
+            right_shape = (st.shape[1],) if matrix else ()
+            groups: dict[ir.Expr, list[ir.Expr]] = {}
+            for r, (u, w) in enumerate(tr.corrections):
+                p = Local(right_shape, f"p_{self.cstate(st.name)}_{r}")
+                plan["w"].append(w)
+                plan["p"].append(p)
+                coef, base = split_scalar(u)
+                groups.setdefault(base, []).append(_scaled(coef, p, right_shape))
+            for key, value in tr.writes:
+                coef, base = split_scalar(key)
+                rhs = value if value is not None else ONE
+                if matrix and not rhs.shape:
+                    raise LinrecError(f"state '{st.name}': a write with a scalar value")
+                groups.setdefault(base, []).append(_scaled(coef, rhs, right_shape))
+            for base, terms in groups.items():
+                plan["x"].append(base)
+                plan["y"].append(_sum(terms, right_shape))
+        if readouts:
+            for r in self.d.readouts:
+                if r.state == st.name:
+                    plan["q"].append(r.query)
+                    plan["readouts"].append(r)
+        return plan
+
+    # ---- the whole file ----
+    def context(self) -> dict:
+        causal = self.p.causal
+        if causal:
+            forward_regions = [self.region("", updates=True, readouts=True, step=False)]
+        else:  # non-causal: every output reads the final state, so run the updates first
+            forward_regions = [self.region("", updates=True, readouts=False, step=False),
+                               self.region("n", updates=False, readouts=True, step=False)]
+        step_region = self.region("", updates=True, readouts=True, step=True) if causal else None
+        ct = self.t.ctype
+        args = []
+        for x in self.p.inputs:
+            args.append(f"const {ct} *restrict {self.cin(x.name)}")
+        for prm in self.p.params:
+            args.append(f"const {ct} *restrict {self.cparam(prm.name)}")
+        for s in self.p.states:
+            args.append(f"{ct} *restrict {self.cstate(s.name)}")
+        for o in self.p.outputs:
+            args.append(f"{ct} *restrict {self.cout(o.name)}")
+        fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
+        stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
+        work = sum(self.size(s.shape) for s in self.p.states) * (2 + len(self.d.readouts))
+        comment = "Source program:\n" + "\n".join("    " + line for line in self.c.source.strip().splitlines())
+        comment = comment.replace("*/", "* /")
+        return dict(
+            name=self.p.name, version=VERSION, filename=self.c.filename, source_comment="   " +
+            comment.replace("\n", "\n   "), ctype=ct, vector_bytes=self.t.vector_bytes, lanes=self.t.lanes,
+            dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
+            inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape}
+                    for x in self.p.inputs],
+            outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
+                     for o in self.p.outputs],
+            states=[{"c": self.cstate(s.name), "name": s.name, "matrix": len(s.shape) == 2,
+                     "rows": self.dims[s.shape[0]], "cols": self.dims[s.shape[1]] if len(s.shape) == 2 else 1,
+                     "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
+                    for s in self.p.states],
+            forward_regions=forward_regions, step_region=step_region,
+            forward_signature=fwd, step_signature=stp if causal else "",
+            step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
+        )
+
+    def cdef(self) -> str:
+        ctx = self.context()
+        strip = lambda sig: sig.replace("restrict ", "")  # noqa: E731
+        out = strip(ctx["forward_signature"]) + ";\n"
+        if ctx["step_region"]:
+            out += strip(ctx["step_signature"]) + ";\n"
+        return out
+
+    def source(self) -> str:
+        return _environment().get_template("c_recurrent.c.j2").render(**self.context())
+
+
+def _scaled(coef: ir.Expr, x: ir.Expr, shape) -> ir.Expr:
+    if coef == ONE:
+        return x
+    if isinstance(coef, ir.Neg):
+        return ir.Neg(shape, _scaled(coef.operand, x, shape))
+    return ir.Arith(shape, "mul", coef, x)
+
+
+# ---- the module object api.py uses -------------------------------------------------------------------
+def _default_threads() -> int:
+    env = os.environ.get("LINREC_NUM_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}") from None
+        if n < 1:
+            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}")
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class Kernel:
+    """One built extension: lr_forward (and lr_step) for one dtype and one assignment of sizes."""
+
+    def __init__(self, compiled: Compiled, dims: dict[str, int], dtype: np.dtype):
+        self.dtype = np.dtype(dtype)
+        self.dims = dict(dims)
+        target = Target(CTYPES[self.dtype], c_build.vector_bytes())
+        gen = Generator(compiled, self.dims, target)
+        self.source = gen.source()
+        name = f"{compiled.name}_{target.ctype}"
+        self.module = c_build.build(self.source, gen.cdef(), name)
+        self.ffi, self.lib = self.module.ffi, self.module.lib
+        self.ctype = target.ctype
+        self.ptr = self.ctype + "[]"
+
+
+class CRecurrent:
+    """What `load(compiled, "recurrent")` returns: forward / step / default_params, kernels built lazily."""
+
+    form = "recurrent"
+
+    def __init__(self, compiled: Compiled):
+        require_factorable(compiled)
+        self.compiled = compiled
+        self.program = compiled.program
+        self._kernels: dict[tuple, Kernel] = {}
+        self._lock = threading.Lock()
+        from . import numpy_backend
+        self._numpy = numpy_backend.load(compiled, "recurrent")
+
+    def default_params(self, heads, dims, given=None):
+        """The file's parameter defaults (the NumPy module's: the same definitions, float64)."""
+        return self._numpy.default_params(heads, dims, given or {})
+
+    def kernel(self, dtype, dims: dict[str, int]) -> Kernel:
+        dtype = np.dtype(dtype)
+        if dtype not in CTYPES:
+            raise RuntimeInputError(f"the C backend runs float32 or float64 arrays, not {dtype}")
+        used = {d.name: int(dims[d.name]) for d in self.program.dims}
+        key = (dtype.str, tuple(sorted(used.items())), c_build.target_key())
+        k = self._kernels.get(key)
+        if k is None:
+            with self._lock:
+                k = self._kernels.get(key)
+                if k is None:
+                    k = self._kernels[key] = Kernel(self.compiled, used, dtype)
+        return k
+
+    def source(self, dtype=np.float32, dims: dict[str, int] | None = None) -> str:
+        sizes = {d.name: d.default for d in self.program.dims} | dict(dims or {})
+        target = Target(CTYPES[np.dtype(dtype)], c_build.vector_bytes())
+        return Generator(self.compiled, sizes, target).source()
+
+    # ---- argument checks: shapes and dtypes, never a segfault ----
+    def _arrays(self, inputs, params, states, dims, lead: tuple, state_lead: tuple, dtype,
+                copy_states: bool):
+        p = self.program
+        args = []
+        for x in p.inputs:
+            if x.name not in inputs:
+                raise RuntimeInputError(f"missing input '{x.name}'")
+            args.append(_checked(inputs[x.name], lead + tuple(dims[d] for d in x.shape), dtype,
+                                 f"input '{x.name}'"))
+        heads = lead[-1]
+        for prm in p.params:
+            if prm.name not in params:
+                raise RuntimeInputError(f"missing parameter '{prm.name}'")
+            shape = ((heads,) if prm.per_head else ()) + tuple(dims[d] for d in prm.shape)
+            arr = _checked(params[prm.name], shape, None, f"parameter '{prm.name}'")
+            args.append(np.ascontiguousarray(arr, dtype=dtype))
+        finals = {}
+        for s in p.states:
+            shape = state_lead + tuple(dims[d] for d in s.shape)
+            if states is None or s.name not in states:
+                arr = np.zeros(shape, dtype=dtype)
+            else:
+                arr = _checked(states[s.name], shape, dtype, f"state '{s.name}'")
+                if copy_states:
+                    arr = np.array(arr, dtype=dtype, order="C", copy=True)
+            finals[s.name] = arr
+            args.append(arr)
+        return args, finals
+
+    def forward(self, inputs, params, initial_state, dims, chunk_size=None, num_threads=None):
+        """Inputs [B, T, H, *], params as from default_params, initial states [B, H, *] (not modified).
+        Returns (outputs [B, T, H, *], final states [B, H, *])."""
+        p = self.program
+        if not p.inputs:
+            raise RuntimeInputError("the program has no inputs to take B, T and H from")
+        first = np.asarray(inputs[p.inputs[0].name]) if p.inputs[0].name in inputs else None
+        if first is None or first.ndim < 3:
+            raise RuntimeInputError(f"input '{p.inputs[0].name}' should have shape [B, T, H, …]")
+        batch, tokens, heads = first.shape[:3]
+        dtype = first.dtype
+        if dtype not in CTYPES:
+            raise RuntimeInputError(f"input '{p.inputs[0].name}' has dtype {dtype}; pass float32 or float64")
+        k = self.kernel(dtype, dims)
+        args, finals = self._arrays(inputs, params, initial_state, k.dims, (batch, tokens, heads),
+                                    (batch, heads), dtype, copy_states=True)
+        outputs = {o.name: np.empty((batch, tokens, heads) + tuple(k.dims[d] for d in o.value.shape), dtype)
+                   for o in p.outputs}
+        threads = _default_threads() if num_threads is None else int(num_threads)
+        fb, ptr = k.ffi.from_buffer, k.ptr
+        cargs = [fb(ptr, a) for a in args] + [fb(ptr, outputs[o.name]) for o in p.outputs]
+        if batch * tokens * heads:
+            rc = k.lib.lr_forward(*cargs, batch, tokens, heads, threads)
+            if rc != 0:
+                raise MemoryError("the C kernel could not allocate its state buffers")
+        return outputs, finals
+
+    def step(self, token_inputs, state, params, dims, num_threads=None, inplace=False):
+        """One token: inputs [B, H, *], states [B, H, *]. Returns (outputs [B, H, *], states). With
+        inplace=True the given state arrays (C-contiguous, of the inputs' dtype) are updated and returned."""
+        return self.stepper(params, dims, num_threads)(token_inputs, state, inplace=inplace)
+
+    def stepper(self, params, dims, num_threads=None) -> "Stepper":
+        return Stepper(self, params, dims, num_threads)
+
+
+class Stepper:
+    """A decode step bound to one set of params: checks shapes cheaply and keeps the ffi pointers of the
+    arrays it saw last, so a decode loop pays little Python per token."""
+
+    def __init__(self, rec: CRecurrent, params: dict, dims: dict, num_threads=None):
+        if not rec.program.causal:
+            raise LinrecError(f"'{rec.program.name}' is non-causal: every output reads the final state, so "
+                              f"it has no token-by-token decode step")
+        self.rec = rec
+        self.params = params
+        self.dims = {d.name: int(dims[d.name]) for d in rec.program.dims}
+        self.threads = _default_threads() if num_threads is None else int(num_threads)
+        self._bound = None  # (dtype, batch, heads) → prepared call
+
+    def _bind(self, dtype, batch, heads):
+        rec, p = self.rec, self.rec.program
+        k = rec.kernel(dtype, self.dims)
+        dims = k.dims
+        params = []
+        for prm in p.params:
+            if prm.name not in self.params:
+                raise RuntimeInputError(f"missing parameter '{prm.name}'")
+            shape = ((heads,) if prm.per_head else ()) + tuple(dims[d] for d in prm.shape)
+            arr = _checked(self.params[prm.name], shape, None, f"parameter '{prm.name}'")
+            params.append(np.ascontiguousarray(arr, dtype=dtype))
+        fb = k.ffi.from_buffer
+        self._bound = {
+            "key": (dtype, batch, heads), "kernel": k, "fn": k.lib.lr_step, "fb": fb, "ptr": k.ptr,
+            "params": params, "param_ptrs": [fb(k.ptr, a) for a in params],
+            "inputs": [(x.name, (batch, heads) + tuple(dims[d] for d in x.shape)) for x in p.inputs],
+            "states": [(s.name, (batch, heads) + tuple(dims[d] for d in s.shape)) for s in p.states],
+            "outputs": [(o.name, (batch, heads) + tuple(dims[d] for d in o.value.shape)) for o in p.outputs],
+            "cache": {},  # position → (array, pointer) of the last array seen there
+        }
+        return self._bound
+
+    def __call__(self, token_inputs, state, inplace=False):
+        p = self.rec.program
+        first = token_inputs.get(p.inputs[0].name) if p.inputs else None
+        if not isinstance(first, np.ndarray) or first.ndim < 2:
+            first = np.asarray(first) if first is not None else None
+            if first is None or first.ndim < 2:
+                raise RuntimeInputError(f"input '{p.inputs[0].name}' should have shape [B, H, …] (one token)")
+        dtype, (batch, heads) = first.dtype, first.shape[:2]
+        bound = self._bound
+        if bound is None or bound["key"] != (dtype, batch, heads):
+            if dtype not in CTYPES:
+                raise RuntimeInputError(f"input '{p.inputs[0].name}' has dtype {dtype}; pass float32 or float64")
+            bound = self._bind(dtype, batch, heads)
+        fb, ptr, cache = bound["fb"], bound["ptr"], bound["cache"]
+        cargs = []
+        pos = 0
+        for name, shape in bound["inputs"]:
+            arr = token_inputs.get(name) if isinstance(token_inputs, dict) else None
+            if arr is None:
+                raise RuntimeInputError(f"missing input '{name}'")
+            cargs.append(self._pointer(cache, pos, arr, shape, dtype, f"input '{name}'", fb, ptr))
+            pos += 1
+        cargs += bound["param_ptrs"]
+        new_state = {}
+        for name, shape in bound["states"]:
+            arr = state.get(name) if state is not None else None
+            if arr is None:
+                arr = np.zeros(shape, dtype)
+            elif not inplace:
+                arr = _checked(arr, shape, dtype, f"state '{name}'")
+                arr = np.array(arr, dtype=dtype, order="C", copy=True)
+            elif not (type(arr) is np.ndarray and arr.dtype == dtype and arr.shape == shape
+                      and arr.flags.c_contiguous and arr.flags.writeable):
+                raise RuntimeInputError(f"state '{name}' must be a writeable C-contiguous {dtype} array of shape "
+                                        f"{list(shape)} to be updated in place (inplace=True)")
+            new_state[name] = arr
+            cargs.append(self._pointer(cache, pos, arr, shape, dtype, f"state '{name}'", fb, ptr))
+            pos += 1
+        outputs = {}
+        for name, shape in bound["outputs"]:
+            out = outputs[name] = np.empty(shape, dtype)
+            cargs.append(fb(ptr, out))
+        bound["fn"](*cargs, batch, heads, self.threads)
+        return outputs, new_state
+
+    @staticmethod
+    def _pointer(cache, pos, arr, shape, dtype, what, fb, ptr):
+        hit = cache.get(pos)
+        if hit is not None and hit[0] is arr:
+            return hit[1]
+        checked = _checked(arr, shape, dtype, what)
+        pointer = fb(ptr, checked)
+        if checked is arr:  # keep a reference: the pointer stays valid while we hold the array
+            cache[pos] = (arr, pointer)
+        return pointer
+
+
+def _checked(value, shape: tuple, dtype, what: str) -> np.ndarray:
+    """`value` as a C-contiguous array of `shape` (and `dtype`): converted when only the layout differs,
+    rejected when the shape or the dtype is wrong."""
+    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if tuple(arr.shape) != tuple(shape):
+        raise RuntimeInputError(f"{what} should have shape {list(shape)} but has shape {list(arr.shape)}")
+    if dtype is not None and arr.dtype != dtype:
+        raise RuntimeInputError(f"{what} has dtype {arr.dtype} but the call runs in {np.dtype(dtype)}; pass "
+                                f"every array in one dtype (float32 or float64)")
+    if dtype is None and arr.dtype.type not in (np.float32, np.float64):
+        raise RuntimeInputError(f"{what} has dtype {arr.dtype}; pass float32 or float64")
+    if not arr.flags.c_contiguous or not arr.flags.aligned:
+        arr = np.ascontiguousarray(arr)
+    return arr
+
+
+def emit_recurrent(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None) -> str:
+    """The C source of the recurrent form (and decode step) for one dtype and sizes (default: the file's)."""
+    require_factorable(compiled)
+    sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
+    target = Target(CTYPES[np.dtype(dtype)], c_build.vector_bytes())
+    return Generator(compiled, sizes, target).source()
+
+
+EMITTERS = {"recurrent": emit_recurrent}
+
+
+def emit(compiled: Compiled, form: str, **options) -> str:
+    return EMITTERS[form](compiled, **options)
+
+
+def load(compiled: Compiled, form: str):
+    if form not in EMITTERS:
+        raise LinrecError(f"the C backend does not implement the {form} form yet")
+    return CRecurrent(compiled)

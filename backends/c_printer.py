@@ -1,0 +1,328 @@
+"""Lower per-token IR expressions to C statements.
+
+Scalars become `const T` locals, vectors become small local arrays filled by a `#pragma omp simd` loop over
+their dimension. Elementwise arithmetic on vectors is fused into the loop of the value that uses it;
+builtin calls, reductions and every subexpression used more than once are computed once into a local
+(common subexpressions are found by IR equality). Values that do not vary per token (per-head parameters,
+constants) are computed once per head, outside the token loop.
+
+Sizes are compile-time constants: the printer is built for one assignment of dimension sizes. `T` is the
+scalar type of the generated file (float or double); the `lr_*` helpers are defined by the template.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+from compiler import ir
+from compiler.analysis import children, to_text, walk
+from dsl.errors import LinrecError
+
+
+@dataclass(frozen=True)
+class Local(ir.Expr):
+    """A value the kernel itself computed before this expression runs (e.g. p = wᵀS): a C local of this
+    name, a scalar or an indexable array."""
+
+    name: str
+
+
+# elementwise builtins → C helper of the template (each numerically careful; see c_common.h.j2)
+_ELEMENTWISE = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logsigmoid": "lr_logsigmoid",
+                "softplus": "lr_softplus", "relu": "lr_relu", "elu": "lr_elu", "silu": "lr_silu",
+                "tanh": "lr_tanh", "sqrt": "lr_sqrt", "abs": "lr_abs"}
+_VECTOR = {"l2norm", "groupnorm", "rmsnorm"}
+_REDUCE = {"sum", "mean", "norm"}
+_LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
+
+
+def token_variant(e: ir.Expr) -> bool:
+    """True when `e` may change from one token to the next (it reads an input, a readout or a kernel
+    local); otherwise it is fixed per head and computed once outside the token loop."""
+    return any(isinstance(n, (ir.InputRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)) for n in walk(e))
+
+
+def fold(e: ir.Expr, dims: dict[str, int]) -> float | None:
+    """The value of an expression built only from numbers and sizes, else None."""
+    if isinstance(e, ir.Const):
+        return float(e.value)
+    if isinstance(e, ir.DimSize):
+        return float(dims[e.dim])
+    if isinstance(e, ir.Neg):
+        v = fold(e.operand, dims)
+        return None if v is None else -v
+    if isinstance(e, ir.Arith) or (isinstance(e, ir.Dot) and not e.left.shape and not e.right.shape):
+        a, b = fold(e.left, dims), fold(e.right, dims)
+        if a is None or b is None:
+            return None
+        op = e.op if isinstance(e, ir.Arith) else "mul"
+        try:
+            return {"add": lambda: a + b, "sub": lambda: a - b, "mul": lambda: a * b,
+                    "div": lambda: a / b, "pow": lambda: float(a ** b)}[op]()
+        except (ZeroDivisionError, OverflowError, TypeError):
+            return None
+    return None
+
+
+class CPrinter:
+    """Prints expressions of one code region (one kernel body) into statement lists.
+
+    `ref(node)` gives the C code of a leaf: for a scalar a C expression, for a vector an indexable base
+    (`base[i]` is valid C). Statements go to `self.head` (per head, before the token loop) or
+    `self.token` (per token); `take_token()` hands over the token statements written so far.
+    """
+
+    def __init__(self, ctype: str, dims: dict[str, int], ref: Callable[[ir.Expr], str], prefix: str = ""):
+        self.ctype = ctype
+        self.prefix = prefix
+        self.dims = dims
+        self.ref = ref
+        self.head: list[str] = []
+        self.token: list[str] = []
+        self._cache: dict[ir.Expr, str] = {}
+        self._uses: Counter = Counter()
+        self._count = 0
+
+    # ---- set-up ----
+    def expect(self, *exprs: ir.Expr) -> None:
+        """Declare expressions this region will print, so that shared subexpressions are computed once."""
+        for e in exprs:
+            for n in walk(e):
+                if children(n):
+                    self._uses[n] += 1
+
+    def take_token(self) -> list[str]:
+        lines, self.token = self.token, []
+        return lines
+
+    def take_head(self) -> list[str]:
+        lines, self.head = self.head, []
+        return lines
+
+    # ---- helpers ----
+    def size(self, dim: str) -> int:
+        return self.dims[dim]
+
+    def literal(self, v: float) -> str:
+        if math.isnan(v):
+            return "((T)NAN)"
+        if math.isinf(v):
+            return "((T)INFINITY)" if v > 0 else "(-(T)INFINITY)"
+        text = repr(float(v))
+        text = text if self.ctype == "double" else text + "f"
+        return text if v >= 0 else f"({text})"
+
+    def _name(self, e: ir.Expr, prefix: str) -> str:
+        self._count += 1
+        return f"{prefix}{self.prefix}{self._count}"
+
+    def _sink(self, e: ir.Expr) -> list[str]:
+        return self.token if token_variant(e) else self.head
+
+    def _comment(self, e: ir.Expr) -> str:
+        try:
+            text = to_text(e)
+        except TypeError:
+            return ""
+        text = text.replace("*/", "* /").replace("\n", " ")
+        return f"  /* {text[:80]} */"
+
+    # ---- public entry points ----
+    def scalar(self, e: ir.Expr) -> str:
+        """C code for a scalar expression (its statements are written first)."""
+        if e.shape:
+            raise TypeError(f"not a scalar: {to_text(e)}")
+        if e in self._cache:
+            return self._cache[e]
+        v = fold(e, self.dims)
+        if v is not None:
+            return self.literal(v)
+        code = self._scalar(e)
+        if isinstance(e, _LEAVES) or isinstance(e, (ir.Const, ir.DimSize, ir.HeadIndex)):
+            return code
+        if isinstance(e, ir.Apply) or self._uses[e] > 1:
+            name = self._name(e, "s")
+            self._sink(e).append(f"const T {name} = {code};{self._comment(e)}")
+            self._cache[e] = name
+            return name
+        return code
+
+    def elem(self, e: ir.Expr, i: str) -> str:
+        """C code for element i of a vector expression (statements it needs are written first)."""
+        if len(e.shape) != 1:
+            raise self._unsupported(e)
+        if e in self._cache:
+            return f"{self._cache[e]}[{i}]"
+        if isinstance(e, _LEAVES):
+            return f"{self.ref(e)}[{i}]"
+        if isinstance(e, ir.Apply) or (self._uses[e] > 1 and not isinstance(e, ir.Neg)):
+            return f"{self.array(e)}[{i}]"
+        return self._elem(e, i)
+
+    def array(self, e: ir.Expr) -> str:
+        """An indexable C name holding the vector e (inputs and params are used in place)."""
+        if len(e.shape) != 1:
+            raise self._unsupported(e)
+        if e in self._cache:
+            return self._cache[e]
+        if isinstance(e, _LEAVES):
+            return self.ref(e)
+        n = self.size(e.shape[0])
+        name = self._name(e, "v")
+        if isinstance(e, ir.Apply) and e.function in _VECTOR:
+            lines = self._vector_builtin(e, name, n)
+        elif isinstance(e, ir.Apply):
+            lines = [f"T {name}[{n}];{self._comment(e)}", "#pragma omp simd",
+                     f"for (int i = 0; i < {n}; ++i) {name}[i] = {self._apply_elementwise(e, 'i')};"]
+        else:
+            code = self._elem(e, "i")
+            lines = [f"T {name}[{n}];{self._comment(e)}", "#pragma omp simd",
+                     f"for (int i = 0; i < {n}; ++i) {name}[i] = {code};"]
+        self._sink(e).extend(lines)
+        self._cache[e] = name
+        return name
+
+    def fill(self, e: ir.Expr, target: str, n: int | None = None) -> list[str]:
+        """Statements that store vector e into the indexable `target` (elements 0..n−1)."""
+        n = self.size(e.shape[0]) if n is None else n
+        code = self.elem(e, "i")
+        return ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
+
+    # ---- scalars ----
+    def _scalar(self, e: ir.Expr) -> str:
+        if isinstance(e, ir.Const):
+            return self.literal(e.value)
+        if isinstance(e, ir.DimSize):
+            return self.literal(float(self.size(e.dim)))
+        if isinstance(e, ir.HeadIndex):
+            return "((T)h)"
+        if isinstance(e, _LEAVES):
+            return self.ref(e)
+        if isinstance(e, ir.Neg):
+            return f"(-{self.scalar(e.operand)})"
+        if isinstance(e, ir.Arith):
+            return self._binary(e.op, self.scalar(e.left), self.scalar(e.right), e.right)
+        if isinstance(e, ir.Dot):
+            a, b = e.left, e.right
+            if not a.shape or not b.shape:
+                return self._binary("mul", self.scalar(a), self.scalar(b), b)
+            if len(a.shape) == 1 and len(b.shape) == 1:
+                return self._reduce(e, lambda i: f"{self.elem(a, i)} * {self.elem(b, i)}", self.size(a.shape[0]))
+            raise self._unsupported(e)
+        if isinstance(e, ir.Apply):
+            if e.function in _ELEMENTWISE:
+                return self._call(e.function, self.scalar(e.args[0]))
+            if e.function in _REDUCE:
+                x = e.args[0]
+                n = self.size(x.shape[0])
+                if e.function == "sum":
+                    return self._reduce(e, lambda i: self.elem(x, i), n)
+                if e.function == "mean":
+                    return f"({self._reduce(e, lambda i: self.elem(x, i), n)} / {self.literal(float(n))})"
+                arr = self.array(x)
+                return f"lr_sqrt({self._reduce(e, lambda i: f'{arr}[{i}] * {arr}[{i}]', n)})"
+            raise self._unsupported(e)
+        raise self._unsupported(e)
+
+    def _reduce(self, e: ir.Expr, term: Callable[[str], str], n: int) -> str:
+        """Σ_i term(i) into a fresh local; returns its name."""
+        code = term("i")
+        name = self._name(e, "acc")
+        self._sink(e).extend([f"T {name} = 0;", f"#pragma omp simd reduction(+:{name})",
+                              f"for (int i = 0; i < {n}; ++i) {name} += {code};"])
+        return name
+
+    def _binary(self, op: str, a: str, b: str, right: ir.Expr) -> str:
+        if op == "pow":
+            exponent = fold(right, self.dims)
+            special = {1.0: "{a}", 2.0: "({a} * {a})", 3.0: "({a} * {a} * {a})", 0.5: "lr_sqrt({a})",
+                       -0.5: "(1 / lr_sqrt({a}))", -1.0: "(1 / {a})", 0.0: "((T)1)"}
+            if exponent in special:
+                return special[exponent].format(a=a)
+            return f"lr_pow({a}, {b})"
+        sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[op]
+        return f"({a} {sym} {b})"
+
+    def _call(self, function: str, x: str) -> str:
+        return f"{_ELEMENTWISE[function]}({x})"
+
+    # ---- vectors ----
+    def _elem(self, e: ir.Expr, i: str) -> str:
+        if isinstance(e, ir.Neg):
+            return f"(-{self.elem(e.operand, i)})"
+        if isinstance(e, ir.Arith):
+            if e.op == "add" and isinstance(e.right, ir.Const) and e.right.value == 1.0 \
+                    and isinstance(e.left, ir.Apply) and e.left.function == "elu":
+                return self._elu_plus_one(e.left.args[0], i)
+            return self._binary(e.op, self._part(e.left, i), self._part(e.right, i), e.right)
+        if isinstance(e, ir.Dot):
+            a, b = e.left, e.right
+            if not a.shape or not b.shape:
+                return self._binary("mul", self._part(a, i), self._part(b, i), b)
+            if isinstance(a, ir.Identity):
+                return self.elem(b, i)
+            if isinstance(b, ir.Identity):
+                return self.elem(a, i)
+            if isinstance(a, ir.Diag) and len(b.shape) == 1:
+                return f"({self.elem(a.operand, i)} * {self.elem(b, i)})"
+            if isinstance(b, ir.Diag) and len(a.shape) == 1:
+                return f"({self.elem(a, i)} * {self.elem(b.operand, i)})"
+            raise self._unsupported(e)
+        if isinstance(e, ir.Apply):
+            return f"{self.array(e)}[{i}]"
+        if isinstance(e, _LEAVES):
+            return f"{self.ref(e)}[{i}]"
+        raise self._unsupported(e)
+
+    def _part(self, e: ir.Expr, i: str) -> str:
+        return self.scalar(e) if not e.shape else self.elem(e, i)
+
+    def _elu_plus_one(self, x: ir.Expr, i: str) -> str:
+        # elu(x) + 1 cancels to 0 for very negative x in low precision: compute it directly
+        if not x.shape:
+            return f"lr_elu_plus_one({self.scalar(x)})"
+        return f"lr_elu_plus_one({self.elem(x, i)})"
+
+    def _apply_elementwise(self, e: ir.Apply, i: str) -> str:
+        if e.function not in _ELEMENTWISE:
+            raise self._unsupported(e)
+        return self._call(e.function, self.elem(e.args[0], i))
+
+    def _vector_builtin(self, e: ir.Apply, name: str, n: int) -> list[str]:
+        x = self.array(e.args[0])
+        eps = self.literal(dict(e.options).get("eps", 0.0))
+        nn = self.literal(float(n))
+        lines = [f"T {name}[{n}];{self._comment(e)}"]
+        s = f"{name}_s"
+        if e.function == "l2norm":
+            lines += [f"T {s} = 0;", f"#pragma omp simd reduction(+:{s})",
+                      f"for (int i = 0; i < {n}; ++i) {s} += {x}[i] * {x}[i];",
+                      f"const T {name}_inv = 1 / lr_sqrt({s} + {eps});", "#pragma omp simd",
+                      f"for (int i = 0; i < {n}; ++i) {name}[i] = {x}[i] * {name}_inv;"]
+        elif e.function == "rmsnorm":
+            lines += [f"T {s} = 0;", f"#pragma omp simd reduction(+:{s})",
+                      f"for (int i = 0; i < {n}; ++i) {s} += {x}[i] * {x}[i];",
+                      f"const T {name}_inv = 1 / lr_sqrt({s} / {nn} + {eps});", "#pragma omp simd",
+                      f"for (int i = 0; i < {n}; ++i) {name}[i] = {x}[i] * {name}_inv;"]
+        elif e.function == "groupnorm":
+            lines += [f"T {s} = 0;", f"#pragma omp simd reduction(+:{s})",
+                      f"for (int i = 0; i < {n}; ++i) {s} += {x}[i];",
+                      f"const T {name}_mean = {s} / {nn};", f"T {name}_var = 0;",
+                      f"#pragma omp simd reduction(+:{name}_var)",
+                      f"for (int i = 0; i < {n}; ++i) {{ const T c = {x}[i] - {name}_mean; "
+                      f"{name}[i] = c; {name}_var += c * c; }}",
+                      f"const T {name}_inv = 1 / lr_sqrt({name}_var / {nn} + {eps});", "#pragma omp simd",
+                      f"for (int i = 0; i < {n}; ++i) {name}[i] *= {name}_inv;"]
+        else:
+            raise self._unsupported(e)
+        return lines
+
+    def _unsupported(self, e: ir.Expr) -> LinrecError:
+        try:
+            text = to_text(e)
+        except TypeError:
+            text = type(e).__name__
+        return LinrecError(f"the C backend cannot compute `{text}` per token (shape {list(e.shape)}): it "
+                           f"handles scalar and vector values only; the NumPy backend runs this program")

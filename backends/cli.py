@@ -1,0 +1,676 @@
+"""The `linrec` command line.
+
+    linrec check FILE.lin...      what the compiler understood, and which forms exist
+    linrec emit FILE.lin          the generated source of one form
+    linrec run FILE.lin           run a form on seeded random inputs, or on arrays from an .npz file
+
+Each subcommand is one entry of COMMANDS: a function that adds its arguments to its parser (and sets the
+parser's epilog) and a handler that takes the parsed namespace and returns the exit status. The first line
+of the handler's docstring is the one-line help, the rest its description. To add a command, write the two
+functions and add one line to COMMANDS.
+
+Exit status: 0 success, 1 a problem with the program or the arrays (one message on stderr, no traceback),
+2 an internal error (set LINREC_DEBUG=1 for the traceback). Bad command-line usage is bad input too: 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+import traceback
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from dsl.errors import LinrecError, RuntimeInputError
+
+PROG = "linrec"
+DEBUG_VARIABLE = "LINREC_DEBUG"
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("linrec")
+        except PackageNotFoundError:
+            pass
+    except ImportError:  # pragma: no cover - Python without importlib.metadata
+        pass
+    from . import numpy_backend
+    return f"{numpy_backend.VERSION} (not installed; running from source)"
+
+
+def _shape(dims) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+def _load(path: str):
+    from . import api
+    return api.load(path)
+
+
+def _backend_names() -> list[str]:
+    from .api import BACKENDS
+    return list(BACKENDS)
+
+
+def _form_names() -> list[str]:
+    import compiler
+    return list(compiler.FORMS)
+
+
+def _implemented(form: str) -> list[str]:
+    """The backends that generate `form` today (a form can exist mathematically before a backend has it)."""
+    from .api import BACKENDS
+    return [name for name, module in BACKENDS.items() if form in getattr(module, "EMITTERS", {form: None})]
+
+
+def _range_text(x) -> str | None:
+    """An input's declared range in the DSL's own spelling: `in (0, 1)`, `<= 0`, `> 0`."""
+    if x.low is None and x.high is None:
+        return None
+    if x.low is not None and x.high is not None:
+        return f"in {'(' if x.low_open else '['}{x.low:g}, {x.high:g}{')' if x.high_open else ']'}"
+    if x.high is not None:
+        return f"{'<' if x.high_open else '<='} {x.high:g}"
+    return f"{'>' if x.low_open else '>='} {x.low:g}"
+
+
+def _reads(program, value) -> list[tuple[str, str]]:
+    """Which states an output reads and when: "before" (S_(t−1)), "after" (S_t) or "final" (non-causal)."""
+    from compiler import ir
+    from compiler.analysis import inline_lets, walk
+    seen: dict[tuple[str, str], None] = {}
+    for node in walk(inline_lets(value, program.lets)):
+        if isinstance(node, ir.StateRef):
+            when = "final" if not program.causal else ("before" if node.version == "prev" else "after")
+            seen.setdefault((node.name, when), None)
+    return list(seen)
+
+
+_WHEN = {"before": "before this token's update ({s}_(t−1))", "after": "after this token's update ({s}_t)",
+         "final": "as the final state, after every token (non-causal)"}
+
+
+# ---- check -----------------------------------------------------------------------------------
+def describe(rec, path: str) -> dict:
+    """Everything `check` reports, as plain data (the --json output for one file)."""
+    from compiler.analysis import to_text
+    p, d = rec.program, rec.derivation
+    updates = p.updates
+    info = {
+        "file": path,
+        "name": p.name,
+        "mode": "causal" if p.causal else "noncausal",
+        "dims": [{"name": dim.name, "default": dim.default} for dim in p.dims],
+        "inputs": [], "params": [], "states": [], "outputs": [], "forms": [],
+    }
+    for x in p.inputs:
+        info["inputs"].append({
+            "name": x.name, "shape": ["B", "T", "H", *x.shape],
+            "range": None if x.low is None and x.high is None else {
+                "low": x.low, "high": x.high, "low_open": x.low_open, "high_open": x.high_open,
+                "text": _range_text(x)},
+        })
+    for prm in p.params:
+        info["params"].append({
+            "name": prm.name, "shape": (["H"] if prm.per_head else []) + list(prm.shape),
+            "per_head": prm.per_head, "default": None if prm.default is None else to_text(prm.default),
+        })
+    for s in p.states:
+        t = d.transition(s.name)
+        info["states"].append({
+            "name": s.name, "shape": ["B", "H", *s.shape], "transition": t.kind,
+            "update": f"{s.name} = {to_text(updates[s.name].value)}", "reasons": list(t.reasons),
+        })
+    for out in p.outputs:
+        info["outputs"].append({
+            "name": out.name, "shape": ["B", "T", "H", *out.value.shape],
+            "value": f"{out.name} = {to_text(out.value)}",
+            "reads": [{"state": state, "when": when} for state, when in _reads(p, out.value)],
+        })
+    for form in _form_names():
+        why = d.why_not(form)
+        info["forms"].append({"form": form, "available": why is None, "reason": why,
+                              "backends": _implemented(form) if why is None else []})
+    return info
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        cells = [c.ljust(w) for c, w in zip(r, widths)]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return lines
+
+
+def format_check(info: dict) -> str:
+    """The human-readable report of `check`."""
+    out = [f"{info['name']}: a {info['mode']} recurrence ({info['file']})", ""]
+    out.append("dimensions (default size)")
+    out += _table([[dim["name"], f"= {dim['default']}"] for dim in info["dims"]]) if info["dims"] else ["  none"]
+
+    out += ["", "inputs"]
+    if info["inputs"]:
+        out += _table([[x["name"], _shape(x["shape"]), x["range"]["text"] if x["range"] else ""]
+                       for x in info["inputs"]])
+    else:
+        out.append("  none")
+
+    if info["params"]:
+        out += ["", "params"]
+        out += _table([[prm["name"], _shape(prm["shape"]),
+                        "per head" if prm["per_head"] else "",
+                        f"= {prm['default']}" if prm["default"] is not None else "(no default: must be given)"]
+                       for prm in info["params"]])
+
+    out += ["", "states"]
+    for s, row in zip(info["states"], _table([[s["name"], _shape(s["shape"]), s["transition"]]
+                                              for s in info["states"]])):
+        out.append(row)
+        out.append("      " + s["update"])
+
+    out += ["", "outputs"]
+    for o, row in zip(info["outputs"], _table([[o["name"], _shape(o["shape"])] for o in info["outputs"]])):
+        out.append(row)
+        out.append("      " + o["value"])
+        for r in o["reads"]:
+            out.append(f"      reads {r['state']} {_WHEN[r['when']].format(s=r['state'])}")
+        if not o["reads"]:
+            out.append("      reads no state")
+
+    out += ["", "forms"]
+    for f in info["forms"]:
+        if f["available"]:
+            where = (f"backends: {', '.join(f['backends'])}" if f["backends"]
+                     else "no backend generates it yet")
+            out.append(f"  {f['form']:<10}  available ({where})")
+        else:
+            reason = textwrap.fill(f["reason"], width=96, initial_indent=" " * 14,
+                                   subsequent_indent=" " * 14)
+            out.append(f"  {f['form']:<10}  not available:")
+            out.append(reason)
+    return "\n".join(out)
+
+
+def _add_check(parser: argparse.ArgumentParser):
+    parser.add_argument("files", nargs="+", metavar="FILE", help="a program file (.lin); several may be given")
+    parser.add_argument("--json", action="store_true",
+                        help="print a machine-readable report: one JSON object for one file, "
+                             "a JSON array for several")
+    parser.epilog = """\
+examples:
+  linrec check examples/gla.lin
+  linrec check examples/*.lin
+  linrec check --json examples/mamba2.lin
+
+Shapes: inputs and outputs are [B, T, H, *] (batch, tokens, heads, then the
+declared element axes); states are [B, H, *]; per-head params are [H, *].
+A form that does not exist says why. Exit status 1 if any file has an error."""
+
+
+def cmd_check(args) -> int:
+    """Check programs and show what the compiler understood.
+
+    Prints the recurrence's name and mode, its dimensions and defaults, its inputs with their shapes and
+    declared ranges, its parameters and their default definitions, each state with the class of its
+    transition and its update as written, each output with the states it reads (before or after the
+    token's update), and which forms exist, with the reason for each that does not.
+    """
+    reports, status = [], 0
+    for path in args.files:
+        try:
+            reports.append(describe(_load(path), path))
+        except LinrecError as err:
+            _error(err)
+            status = 1
+    if args.json:
+        if reports or len(args.files) > 1:
+            data = reports[0] if len(args.files) == 1 else reports
+            print(json.dumps(data, indent=2, ensure_ascii=False))
+    elif reports:
+        print("\n\n".join(format_check(info) for info in reports))
+    return status
+
+
+# ---- emit ------------------------------------------------------------------------------------
+def _add_backend_form(parser: argparse.ArgumentParser, default_form: str = "recurrent"):
+    parser.add_argument("--backend", default="numpy", choices=_backend_names(),
+                        help="code generator (default: numpy)")
+    choices = _form_names() + (["auto"] if default_form == "auto" else [])
+    parser.add_argument("--form", default=default_form, choices=choices,
+                        help="recurrent: token by token, as written; parallel: all tokens at once "
+                             "(attention-like); chunkwise: parallel within chunks, recurrent across "
+                             "them" + ("; auto: the fastest for the shape and backend" if default_form == "auto"
+                                       else "") + f" (default: {default_form})")
+
+
+def _add_emit(parser: argparse.ArgumentParser):
+    parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
+    _add_backend_form(parser)
+    parser.epilog = """\
+examples:
+  linrec emit examples/gla.lin
+  linrec emit examples/gla.lin --form chunkwise > gla_chunkwise.py
+  linrec emit examples/retnet.lin --backend numpy --form parallel
+
+The NumPy source defines default_params(heads, dims) and
+forward(inputs, params, initial_state, dims, chunk_size=None)."""
+
+
+def cmd_emit(args) -> int:
+    """Print the generated source of one form of a program.
+
+    The source goes to stdout; redirect it to a file to keep it.
+    """
+    rec = _load(args.file)
+    sys.stdout.write(rec.emit(args.form, args.backend))
+    return 0
+
+
+# ---- run -------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _dim(text: str) -> tuple[str, int]:
+    name, eq, size = text.partition("=")
+    name = name.strip()
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=SIZE (e.g. dk=8), got {text!r}")
+    return name, _positive_int(size.strip())
+
+
+GENERATION_OPTIONS = ("batch", "tokens", "heads", "dims", "dtype", "seed")
+
+
+def _add_run(parser: argparse.ArgumentParser):
+    parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
+    _add_backend_form(parser, "auto")
+    parser.add_argument("--chunk-size", type=_positive_int, metavar="C",
+                        help="chunk length for the chunkwise form (default: the form's own choice)")
+    io = parser.add_argument_group("arrays from and to files")
+    io.add_argument("--inputs", metavar="IN.npz",
+                    help="arrays by DSL name: inputs [B, T, H, *]; arrays named like a state are initial "
+                         "states [B, H, *]; arrays named like a param override its default ([H, *] per "
+                         "head). Any other name is an error. The inputs' dtype is kept.")
+    io.add_argument("--out", "-o", metavar="OUT.npz",
+                    help="write every output [B, T, H, *], every final state [B, H, *] and every param "
+                         "used, by DSL name")
+    io.add_argument("--save-inputs", metavar="IN.npz",
+                    help="with generated inputs: also write them, to rerun with --inputs (e.g. with "
+                         "another form)")
+    io.add_argument("--quiet", "-q", action="store_true", help="print no summary")
+    gen = parser.add_argument_group("generated inputs (without --inputs)")
+    gen.add_argument("--batch", type=_positive_int, metavar="B", help="batch size (default: 2)")
+    gen.add_argument("--tokens", type=_positive_int, metavar="T", help="sequence length (default: 16)")
+    gen.add_argument("--heads", type=_positive_int, metavar="H", help="number of heads (default: 2)")
+    gen.add_argument("--dim", dest="dims", action="append", type=_dim, metavar="NAME=SIZE",
+                     help="a dimension's size, e.g. --dim dk=8 (repeatable; default: the file's)")
+    gen.add_argument("--dtype", choices=("float32", "float64"), help="element type (default: float64)")
+    gen.add_argument("--seed", type=_nonnegative_int, metavar="N", help="random seed (default: 0)")
+    parser.epilog = """\
+examples:
+  linrec run examples/gla.lin
+  linrec run examples/gla.lin --tokens 64 --heads 4 --dim dk=8 --dim dv=8 --dtype float32
+  linrec run examples/gla.lin --save-inputs in.npz --out recurrent.npz
+  linrec run examples/gla.lin --inputs in.npz --form chunkwise --chunk-size 16 --out chunkwise.npz
+
+Making an input file with NumPy (names as in the program):
+  np.savez("in.npz", q=q, k=k, v=v, g=g)   # each [B, T, H, *]; S=S0 for an initial state
+
+Generated inputs are seeded and respect declared ranges (e.g. `input g[dk] <= 0`)."""
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    hint = f"write one with np.savez('{Path(path).stem}.npz', q=q, k=k, …)"
+    try:
+        data = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise LinrecError(f"cannot read {path}: no such file") from None
+    except IsADirectoryError:
+        raise LinrecError(f"cannot read {path}: it is a directory") from None
+    except PermissionError:
+        raise LinrecError(f"cannot read {path}: permission denied") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile):
+        raise LinrecError(f"{path} is not a NumPy .npz file; {hint}") from None
+    if isinstance(data, np.ndarray):
+        raise LinrecError(f"{path} holds a single unnamed array (.npy), but the arrays must be named; {hint}")
+    try:
+        with data:
+            return {name: data[name] for name in data.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise LinrecError(f"cannot read the arrays in {path}: {err}") from None
+
+
+def _split_arrays(program, arrays: dict[str, np.ndarray], path: str):
+    """Sort the arrays of an .npz by DSL name into inputs, initial states and params."""
+    inputs = {x.name for x in program.inputs}
+    states = {s.name for s in program.states}
+    params = {p.name for p in program.params}
+    unknown = [name for name in arrays if name not in inputs | states | params]
+    if unknown:
+        valid = [f"inputs {', '.join(x.name for x in program.inputs) or '(none)'}",
+                 f"states (initial) {', '.join(s.name for s in program.states)}"]
+        if program.params:
+            valid.append(f"params {', '.join(p.name for p in program.params)}")
+        raise RuntimeInputError(f"unknown array name(s) {', '.join(map(repr, unknown))}; the names "
+                                f"'{program.name}' takes are: {'; '.join(valid)}", filename=path)
+    pick = lambda names: {k: v for k, v in arrays.items() if k in names}  # noqa: E731
+    return pick(inputs), pick(states), pick(params)
+
+
+def _stat_cells(arr: np.ndarray) -> list[str]:
+    """mean, std, min, max over the finite entries, and a warning when some are not finite."""
+    finite = np.isfinite(arr)
+    values = arr[finite].astype(np.float64)
+    cells = [f"{f(values):.4g}" for f in (np.mean, np.std, np.min, np.max)] if values.size else ["-"] * 4
+    bad = int(arr.size - values.size)
+    return cells + ([f"{bad} non-finite!"] if bad else [""])
+
+
+def _summary(sections: list[tuple[str, dict[str, np.ndarray]]]) -> list[str]:
+    """One aligned table: kind, name, shape, then mean/std/min/max over the finite entries."""
+    header = ["", "", "", "mean", "std", "min", "max", ""]
+    table = [header] + [[kind, name, _shape(arr.shape)] + _stat_cells(arr)
+                        for kind, arrays in sections for name, arr in arrays.items()]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return [("  " + "  ".join(c.rjust(w) if 3 <= i <= 6 else c.ljust(w)
+                              for i, (c, w) in enumerate(zip(r, widths)))).rstrip() for r in table]
+
+
+def _param_rows(params: dict[str, np.ndarray]) -> list[str]:
+    width = max(len(k) for k in params)
+    rows = []
+    for name, arr in params.items():
+        flat = np.asarray(arr, dtype=np.float64).ravel()
+        values = ", ".join(f"{v:.6g}" for v in flat[:6]) + (", …" if flat.size > 6 else "")
+        rows.append(f"  {name:<{width}}  {_shape(arr.shape)}  = [{values}]")
+    return rows
+
+
+def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> str:
+    target = path if path.endswith(".npz") else path + ".npz"  # what np.savez would write
+    try:
+        np.savez(target, **arrays)
+    except OSError as err:
+        raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
+    return target
+
+
+def cmd_run(args) -> int:
+    """Run a form of a program on seeded random inputs or on arrays from an .npz file.
+
+    Without --inputs it generates seeded random inputs that respect the declared ranges and prints a
+    summary of the shapes and a few statistics of every output, final state and parameter. With --out
+    it writes every output, final state and parameter used to an .npz file, by DSL name.
+    """
+    rec = _load(args.file)
+    program = rec.program
+    if args.form == "auto":
+        tokens = args.tokens or 16
+        if args.inputs is not None:
+            first = next((v for k, v in _read_npz(args.inputs).items()
+                          if k in {x.name for x in program.inputs}), None)
+            tokens = first.shape[1] if first is not None and first.ndim >= 3 else tokens
+        args.form, why = rec.choose_form(args.backend, tokens)
+        if not args.quiet:
+            print(f"{PROG}: form auto → {args.form} ({why})", file=sys.stderr)
+    if args.chunk_size is not None and args.form != "chunkwise":
+        print(f"{PROG}: note: --chunk-size only affects the chunkwise form (running the {args.form} form)",
+              file=sys.stderr)
+
+    if args.inputs is not None:
+        given = [f"--{o.rstrip('s') if o == 'dims' else o}" for o in GENERATION_OPTIONS
+                 if getattr(args, o) is not None]
+        if given or args.save_inputs:
+            extra = ", ".join(given + (["--save-inputs"] if args.save_inputs else []))
+            verb = "applies" if "," not in extra else "apply"
+            raise LinrecError(f"{extra} {verb} only to generated inputs; with --inputs the sizes and dtype come "
+                              f"from the arrays in {args.inputs}")
+        inputs, state0, params = _split_arrays(program, _read_npz(args.inputs), args.inputs)
+        try:
+            result = rec.run(inputs, form=args.form, backend=args.backend, params=params or None,
+                             initial_state=state0 or None, chunk_size=args.chunk_size)
+        except RuntimeInputError as err:
+            if err.filename is None and err.span is None:
+                err.filename = args.inputs  # the arrays came from this file: say so
+            raise
+        origin = f"from {args.inputs}"
+    else:
+        known = {dim.name: dim.default for dim in program.dims}
+        sizes = dict(known)
+        for name, size in args.dims or []:
+            if name not in known:
+                raise LinrecError(f"--dim {name}={size}: '{program.name}' has no dimension '{name}'; its "
+                                  f"dimensions are {', '.join(known) or 'none'}")
+            sizes[name] = size
+        missing = [prm for prm in program.params if prm.default is None]
+        if missing:
+            shapes = ", ".join(f"'{prm.name}' {_shape((['H'] if prm.per_head else []) + list(prm.shape))}"
+                               for prm in missing)
+            raise LinrecError(f"param(s) {shapes} have no default, so generated inputs are not enough: "
+                              f"write the inputs and these params to an .npz file and pass it with --inputs")
+        batch, tokens, heads = args.batch or 2, args.tokens or 16, args.heads or 2
+        seed = 0 if args.seed is None else args.seed
+        dtype = np.dtype(args.dtype or "float64")
+        inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=sizes, dtype=dtype, seed=seed)
+        # A size only params (not inputs) fix reaches the run through the params' defaults at that size.
+        from_inputs = {d for x in program.inputs for d in x.shape}
+        params = None
+        if any(d not in from_inputs and sizes[d] != known[d] for d in sizes):
+            params = {k: v for k, v in rec.default_params(heads, sizes).items() if v is not None}
+        result = rec.run(inputs, form=args.form, backend=args.backend, params=params,
+                         chunk_size=args.chunk_size)
+        dim_text = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        origin = f"random, seed {seed}, B={batch}, T={tokens}, H={heads}" + (f", {dim_text}" if dim_text else "")
+        if args.save_inputs:
+            written = _write_npz(args.save_inputs, inputs)
+            origin += f"; saved to {written}"
+
+    written = None
+    if args.out:
+        arrays = {**result.outputs, **result.final_state, **result.params}
+        written = _write_npz(args.out, arrays)
+
+    if not args.quiet:
+        dtype = next(iter(inputs.values())).dtype if inputs else "?"
+        how = f"{args.form} form, {args.backend} backend, {dtype}"
+        if args.form == "chunkwise" and args.chunk_size:
+            how += f", chunk size {args.chunk_size}"
+        lines = [f"{program.name}: {how}", f"inputs: {origin}"]
+        lines += _summary([("input", inputs), ("output", result.outputs), ("state", result.final_state)])
+        if result.params:
+            lines += ["params (as used):"] + _param_rows(result.params)
+        if written:
+            lines.append(f"wrote {len(result.outputs)} output(s), {len(result.final_state)} final state(s) and "
+                         f"{len(result.params)} param(s) to {written}")
+        print("\n".join(lines))
+    return 0
+
+
+# ---- the command table and main --------------------------------------------------------------
+Handler = Callable[[argparse.Namespace], int]
+AddArguments = Callable[[argparse.ArgumentParser], None]
+
+# ---- verify ----------------------------------------------------------------------------------
+def _add_verify(parser: argparse.ArgumentParser):
+    parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
+    parser.add_argument("--backend", action="append", choices=_backend_names(),
+                        help="check this backend (repeatable; default: every backend)")
+    parser.add_argument("--form", action="append", choices=_form_names(),
+                        help="check this form (repeatable; default: every form the program has)")
+    parser.add_argument("--dtype", action="append", choices=("float32", "float64"),
+                        help="check this dtype (repeatable; default: both)")
+    parser.add_argument("--quick", action="store_true", help="a shorter battery (long T = 2048, fewer cases)")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON object")
+    parser.add_argument("--seed", type=_nonnegative_int, default=0, help="seed of the generated inputs")
+    parser.epilog = """\
+examples:
+  linrec verify examples/gla.lin
+  linrec verify examples/deltanet.lin --quick --json > deltanet.json
+
+Each row compares one form on one backend in one dtype, on one case of generated inputs
+(T = 1, ragged T, odd sizes, several B and H, mild and strong decay, long T; chunk sizes vary),
+with the float64 NumPy recurrent form: outputs and final states, as max|x − ref| (max abs) and
+max|x − ref| / max|ref| (max rel). Tolerances: 1e-9 in float64, 5e-4 in float32.
+Exit status 1 when any row fails."""
+
+
+def cmd_verify(args) -> int:
+    """Check every form on every backend against the float64 recurrent form.
+
+    Runs a battery of generated inputs that fit each input's declared range and prints one row per
+    (form, backend, dtype, case) with its errors, its tolerance and pass or FAIL.
+    """
+    import json
+
+    from . import verify
+
+    rec = _load(args.file)
+    backends = args.backend or _backend_names()
+    forms = args.form or list(rec.forms)
+    for form in forms:
+        why = rec.derivation.why_not(form)
+        if why:
+            raise LinrecError(f"'{rec.name}' has no {form} form: {why}")
+    printed_header = False
+
+    def on_row(row):
+        nonlocal printed_header
+        if args.json:
+            return
+        if not printed_header:
+            print(f"{rec.name}: every form against the float64 recurrent form (numpy)")
+            print(verify.HEADER)
+            printed_header = True
+        print(verify.format_row(row), flush=True)
+
+    progress = verify.progress_to_stderr if (args.json or sys.stderr.isatty()) else None
+    rows = verify.run(rec, backends=backends, forms=forms, dtypes=tuple(args.dtype or ("float64", "float32")),
+                      quick=args.quick, seed=args.seed, on_row=on_row, on_progress=progress)
+    failed = [r for r in rows if not r.passed]
+    absent = verify.missing(rec, backends, forms)
+    if args.json:
+        print(json.dumps({"program": rec.name, "file": args.file, "passed": not failed,
+                          "not_implemented": [{"form": f, "backend": b} for f, b in absent],
+                          "tolerance": verify.TOLERANCE, "rows": [r.as_dict() for r in rows]}, indent=1))
+    else:
+        for form, backend in absent:
+            print(f"note: the {backend} backend does not implement the {form} form yet (not checked)")
+        print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+COMMANDS: dict[str, tuple[AddArguments, Handler]] = {
+    "check": (_add_check, cmd_check),
+    "emit": (_add_emit, cmd_emit),
+    "run": (_add_run, cmd_run),
+    "verify": (_add_verify, cmd_verify),
+}
+
+EPILOG = """\
+first steps:
+  linrec check examples/gla.lin       what the compiler understood; which forms exist
+  linrec run examples/gla.lin         run it on seeded random inputs
+  linrec emit examples/gla.lin        the generated NumPy code
+
+Run `linrec COMMAND --help` for a command's options and examples.
+Errors in a program or in arrays print one message and exit with status 1;
+set LINREC_DEBUG=1 to see the traceback of an internal error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are bad input like any other: one message (and where to look), exit status 1."""
+
+    def error(self, message: str):
+        self.exit(1, f"{self.prog}: error: {message}\n(see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="linrec: a compiler for linear-attention recurrences.\nWrite the per-token update "
+                    "rule in a small DSL; get its recurrent, parallel and\nchunkwise forms as NumPy code.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, (add_arguments, handler) in COMMANDS.items():
+        doc = textwrap.dedent(handler.__doc__ or "").strip()
+        summary, _, rest = doc.partition("\n")
+        rest = textwrap.dedent(rest).strip()
+        cmd = sub.add_parser(name, help=summary.rstrip("."), formatter_class=argparse.RawDescriptionHelpFormatter,
+                             description=summary + ("\n\n" + textwrap.fill(" ".join(rest.split()), 88)
+                                                    if rest else ""))
+        add_arguments(cmd)
+        cmd.set_defaults(handler=handler)
+    return parser
+
+
+def _error(err: LinrecError):
+    text = str(err)
+    if err.filename is None and err.span is None and text.startswith("error: "):
+        text = f"{PROG}: {text}"
+    print(text, file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # never crash on a terminal that cannot show ·, ⊗ or −
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError):
+            pass
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 1
+    try:
+        status = args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handling below
+        return status
+    except LinrecError as err:
+        _error(err)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `linrec emit FILE | head`
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        except OSError:
+            pass
+        return 0
+    except Exception as err:  # noqa: BLE001 - the last line of defence: no traceback unless asked
+        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+            traceback.print_exc()
+        else:
+            print(f"{PROG}: internal error: {type(err).__name__}: {err}\n"
+                  f"(this is a bug in linrec; set {DEBUG_VARIABLE}=1 to see the traceback)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The command line: check, emit, run (npz round trip), verify; bad input exits 1 with one message."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backends as linrec
+from backends.cli import main
+
+EXAMPLES = sorted(Path(__file__).resolve().parent.parent.joinpath("examples").glob("*.lin"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_check_reports_classes_and_forms(path, capsys):
+    assert main(["check", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    rec = linrec.load(path)
+    assert [s["name"] for s in info["states"]] == [s.name for s in rec.program.states]
+    text = json.dumps(info)
+    for t in rec.derivation.transitions:
+        assert t.kind in text
+    for form in ("recurrent", "parallel", "chunkwise"):
+        assert form in text
+
+
+def test_emit_prints_python_source(capsys):
+    assert main(["emit", str(EXAMPLES[0]), "--form", "chunkwise"]) == 0
+    source = capsys.readouterr().out
+    compile(source, "emitted.py", "exec")  # valid Python
+    assert "def forward(" in source and "chunkwise_scan" in source
+
+
+def test_run_npz_round_trip(tmp_path, capsys):
+    path = Path(__file__).resolve().parent.parent / "examples" / "gla.lin"
+    rec = linrec.load(path)
+    inputs = rec.random_inputs(1, 9, 2, dims={"dk": 3, "dv": 5}, dtype=np.float32, seed=2)
+    s0 = np.random.default_rng(0).standard_normal((1, 2, 3, 5)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", S=s0, **inputs)
+    assert main(["run", str(path), "--inputs", str(tmp_path / "in.npz"), "--out", str(tmp_path / "out.npz"),
+                 "--form", "recurrent", "-q"]) == 0
+    out = np.load(tmp_path / "out.npz")
+    expected = rec.run(inputs, form="recurrent", initial_state={"S": s0})
+    assert out["o"].dtype == np.float32 and out["S"].shape == (1, 2, 3, 5)
+    np.testing.assert_allclose(out["o"], expected.outputs["o"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(out["S"], expected.final_state["S"], rtol=0, atol=1e-6)
+
+
+def test_run_without_inputs_prints_a_summary(capsys):
+    assert main(["run", str(EXAMPLES[0])]) == 0
+    assert "output" in capsys.readouterr().out
+
+
+def test_verify_json_passes(capsys):
+    path = Path(__file__).resolve().parent.parent / "examples" / "gated_deltanet.lin"
+    code = main(["verify", str(path), "--quick", "--json", "--backend", "numpy", "--form", "chunkwise"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"]
+    assert {r["case"] for r in report["rows"]} >= {"T=1", "strong decay", "long T"}
+    assert all(r["max_rel"] <= r["tolerance"] for r in report["rows"])
+
+
+def test_bad_program_exits_1_with_location(tmp_path, capsys):
+    bad = tmp_path / "bad.lin"
+    bad.write_text("recurrence bad(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                   "S = S·S + k⊗v\noutput o = q·S\n")
+    assert main(["check", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:4:5: error:" in err and "Traceback" not in err
+
+
+def test_missing_input_array_exits_1(tmp_path, capsys):
+    np.savez(tmp_path / "in.npz", q=np.zeros((1, 2, 1, 16)))
+    assert main(["run", str(EXAMPLES[0]), "--inputs", str(tmp_path / "in.npz")]) == 1
+    assert "missing input" in capsys.readouterr().err
