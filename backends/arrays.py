@@ -133,7 +133,7 @@ def check_params(program: ir.Program, given: dict, defaults: dict, shape: CallSh
         if arr.shape != expected:
             raise RuntimeInputError(f"parameter '{prm.name}' should have shape {label} = {_fmt(expected)} but "
                                     f"has shape {_fmt(arr.shape)}")
-        out[prm.name] = np.ascontiguousarray(arr, dtype=shape.dtype)
+        out[prm.name] = np.array(arr, dtype=shape.dtype, order="C")  # keeps 0-d params 0-d
     return out
 
 

@@ -42,7 +42,7 @@ def compile_file(path: str | Path) -> Compiled:
     try:
         source = path.read_text(encoding="utf-8")
     except OSError as err:
-        raise LinrecError(f"cannot read {path}: {err.strerror}", filename=str(path)) from None
+        raise LinrecError(f"cannot read the file: {err.strerror}", filename=str(path)) from None
     except UnicodeDecodeError:
         raise LinrecError(f"{path} is not UTF-8 text", filename=str(path)) from None
     return compile_source(source, str(path))

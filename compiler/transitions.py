@@ -96,7 +96,7 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         decay = add(diagonal, scalar)
     else:
         decay = diagonal if diagonal is not None else scalar
-    if decay is None:
+    if decay is None and not reasons:
         reasons.append(f"'{state.name}' does not carry over from one token to the next (no S term with a "
                        f"nonzero decay)")
     if decay == ONE:
