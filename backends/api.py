@@ -132,13 +132,12 @@ class Recurrence:
         inplace=True updates the given state arrays and returns them (the fast decode loop); otherwise the
         given states are left alone. The C backend checks shapes and dtypes per call and value ranges on
         the first call with a given set of arrays' shapes (see c_backend.Stepper)."""
-        key = ("step", backend, id(params))
-        cached = self._modules.get(key)
-        if cached is not None and cached[0] is params:
-            stepper = cached[1]
-            first = token_inputs.get(self.program.inputs[0].name) if self.program.inputs else None
-            if stepper is not None and getattr(first, "shape", None) == cached[2]:
-                return stepper(token_inputs, state, inplace=inplace)
+        fast = self._modules.get(("step", backend))
+        if fast is not None and fast[0] is params:
+            try:
+                return fast[1](token_inputs, state, inplace=inplace)
+            except RuntimeInputError:
+                pass  # new sizes or dtype, or a bad array: check everything again below (and say what is wrong)
         given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
         checked, shape = arrays.check_inputs(self.program, given)
         module = self.module("recurrent", backend)
@@ -149,10 +148,9 @@ class Recurrence:
         defaults = {k: v for k, v in module.default_params(shape.heads, dims, given_f64).items()
                     if k not in user}
         used = arrays.check_params(self.program, user, defaults, shape, dims)
-        if hasattr(module, "stepper"):
+        if hasattr(module, "stepper"):  # compiled: bind once, then only shapes are checked per call
             stepper = module.stepper(used, dims)
-            self._modules[key] = (params, stepper, (shape.batch, shape.heads) + checked[
-                self.program.inputs[0].name].shape[3:])
+            self._modules[("step", backend)] = (params, stepper)
             return stepper(token_inputs, state, inplace=inplace)
         state0 = arrays.check_initial_state(self.program, state, shape, dims)
         outputs, final = module.forward(checked, used, state0, dims)

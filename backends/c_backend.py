@@ -35,6 +35,8 @@ CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 STEP_PARALLEL_THRESHOLD = 1 << 16
 # SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
 REGISTER_BUDGET = 24
+# Apply decays lazily in the sequence kernel (see lazy_state in the template); off only to compare.
+LAZY_DECAY = os.environ.get("LINREC_C_LAZY_DECAY", "1") != "0"
 
 
 @lru_cache(maxsize=None)
@@ -201,6 +203,9 @@ class Generator:
             y_names = []
             for gi, y in enumerate(plan["y"]):
                 yname = f"y_{self.cstate(st.name)}_{gi}"
+                if matrix and isinstance(y, (ir.InputRef, ir.ParamRef)) and (step or cols == cols_padded):
+                    y_names.append(pr.array(y))  # a value used as it is: read it in place
+                    continue
                 if matrix:
                     body = pr.fill(y, yname, cols)
                     pad = [f"for (int i = {cols}; i < {cols_padded}; ++i) {yname}[i] = 0;"] \
@@ -220,7 +225,7 @@ class Generator:
             nr = len(before) + len(after)
             gv_u = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, ng + nr + 1)) if nfull else 1
             gv_p = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, len(plan["w"]) + 1)) if nfull else 1
-            states.append({
+            state = {
                 "name": st.name, "c": self.cstate(st.name), "matrix": matrix, "rows": rows, "cols": ncols,
                 "cols_padded": cols_padded, "S": f"buf_{self.cstate(st.name)}", "ld": ld, "nfull": nfull,
                 "tail": ncols % self.t.lanes if matrix else 0, "update": updates,
@@ -229,7 +234,11 @@ class Generator:
                 "groups": [{"x": x, "y": y} for x, y in zip(plan["x_codes"], y_names)],
                 "y_lines": y_lines, "before": before, "after": after, "gv_u": gv_u, "gv_p": gv_p,
                 "comment": self.d.transition(st.name).kind if updates else "readouts of the final state",
-            })
+                "lazy": None,
+            }
+            if matrix and updates and not step and state["decay"] is not None and LAZY_DECAY:
+                state["lazy"], state["fast"], state["slow"] = self._lazy(state)
+            states.append(state)
         # 3. outputs over the readouts
         out_lines = []
         for name, e in outputs:
@@ -241,6 +250,24 @@ class Generator:
             out_lines += pr.take_token() + body
         return {"head": pr.take_head(), "prep": prep, "states": states, "readouts": readout_decls,
                 "outputs": out_lines}
+
+    @staticmethod
+    def _lazy(state: dict) -> tuple[dict, dict, dict]:
+        """Names for a lazily decayed state (Ŝ = S/c): the scaled correction vectors, left vectors and
+        queries, and the two variants of the pass (no decay multiply; or the decay c·D, c reset to 1)."""
+        c, vector = state["c"], state["decay"]["vector"]
+        lazy = {"vector": vector, "d": state["decay"]["code"], "sc": f"sc_{c}",
+                "w": [{"w": e["w"], "t": f"wt_{c}_{i}"} for i, e in enumerate(state["corrections"])],
+                "x": [{"x": e["x"], "t": f"xt_{c}_{i}"} for i, e in enumerate(state["groups"])],
+                "qb": [{"q": e["q"], "t": f"qb_{c}_{i}"} for i, e in enumerate(state["before"])],
+                "qa": [{"q": e["q"], "t": f"qa_{c}_{i}"} for i, e in enumerate(state["after"])]}
+        corrections = [{"w": w["t"], "p": e["p"]} for w, e in zip(lazy["w"], state["corrections"])]
+        before = [{"q": q["t"], "r": e["r"]} for q, e in zip(lazy["qb"], state["before"])]
+        fast = dict(state, decay=None, corrections=corrections, before=before,
+                    groups=[{"x": x["t"], "y": e["y"]} for x, e in zip(lazy["x"], state["groups"])],
+                    after=[{"q": q["t"], "r": e["r"]} for q, e in zip(lazy["qa"], state["after"])])
+        slow = dict(state, decay={"vector": vector, "code": "cn"}, corrections=corrections, before=before)
+        return lazy, fast, slow
 
     def _plan_state(self, st: ir.State, tr, *, updates: bool, readouts: bool) -> dict:
         """The terms of a state's update, rank-one terms grouped by their left vector."""
@@ -281,6 +308,8 @@ class Generator:
             forward_regions = [self.region("", updates=True, readouts=False, step=False),
                                self.region("n", updates=False, readouts=True, step=False)]
         step_region = self.region("", updates=True, readouts=True, step=True) if causal else None
+        lazy_rows = {s["name"]: (s["rows"] if s["lazy"]["vector"] else 1)
+                     for r in forward_regions for s in r["states"] if s["lazy"]}
         ct = self.t.ctype
         args = []
         for x in self.p.inputs:
@@ -305,6 +334,7 @@ class Generator:
             outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
                      for o in self.p.outputs],
             states=[{"c": self.cstate(s.name), "name": s.name, "matrix": len(s.shape) == 2,
+                     "lazy_rows": lazy_rows.get(s.name, 0),
                      "rows": self.dims[s.shape[0]], "cols": self.dims[s.shape[1]] if len(s.shape) == 2 else 1,
                      "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
                     for s in self.p.states],
@@ -424,18 +454,19 @@ class CRecurrent:
         for s in p.states:
             shape = state_lead + tuple(dims[d] for d in s.shape)
             if states is None or s.name not in states:
-                arr = np.zeros(shape, dtype=dtype)
+                arr = aligned_zeros(shape, dtype)
             else:
                 arr = _checked(states[s.name], shape, dtype, f"state '{s.name}'")
                 if copy_states:
-                    arr = np.array(arr, dtype=dtype, order="C", copy=True)
+                    arr = aligned_copy(arr)
             finals[s.name] = arr
             args.append(arr)
         return args, finals
 
-    def forward(self, inputs, params, initial_state, dims, chunk_size=None, num_threads=None):
+    def forward(self, inputs, params, initial_state, dims, chunk_size=None, num_threads=None, out=None):
         """Inputs [B, T, H, *], params as from default_params, initial states [B, H, *] (not modified).
-        Returns (outputs [B, T, H, *], final states [B, H, *])."""
+        Returns (outputs [B, T, H, *], final states [B, H, *]). `out` may hold preallocated output arrays
+        (C-contiguous, right shape and dtype) to write into: a new array's first touch costs page faults."""
         p = self.program
         if not p.inputs:
             raise RuntimeInputError("the program has no inputs to take B, T and H from")
@@ -449,8 +480,18 @@ class CRecurrent:
         k = self.kernel(dtype, dims)
         args, finals = self._arrays(inputs, params, initial_state, k.dims, (batch, tokens, heads),
                                     (batch, heads), dtype, copy_states=True)
-        outputs = {o.name: np.empty((batch, tokens, heads) + tuple(k.dims[d] for d in o.value.shape), dtype)
-                   for o in p.outputs}
+        outputs = {}
+        for o in p.outputs:
+            shape = (batch, tokens, heads) + tuple(k.dims[d] for d in o.value.shape)
+            given = (out or {}).get(o.name)
+            if given is None:
+                outputs[o.name] = np.empty(shape, dtype)
+            elif not (isinstance(given, np.ndarray) and given.shape == shape and given.dtype == dtype
+                      and given.flags.c_contiguous and given.flags.writeable):
+                raise RuntimeInputError(f"out['{o.name}'] must be a writeable C-contiguous {dtype} array of shape "
+                                        f"{list(shape)}")
+            else:
+                outputs[o.name] = given
         threads = _default_threads() if num_threads is None else int(num_threads)
         fb, ptr = k.ffi.from_buffer, k.ptr
         cargs = [fb(ptr, a) for a in args] + [fb(ptr, outputs[o.name]) for o in p.outputs]
@@ -469,9 +510,15 @@ class CRecurrent:
         return Stepper(self, params, dims, num_threads)
 
 
+class ShapeChanged(RuntimeInputError):
+    """The token arrays no longer match the batch size, heads or dtype a Stepper was bound to."""
+
+
 class Stepper:
-    """A decode step bound to one set of params: checks shapes cheaply and keeps the ffi pointers of the
-    arrays it saw last, so a decode loop pays little Python per token."""
+    """A decode step bound to one set of params, one dtype and one [B, H]: one C call per token for every
+    batch row and head. It checks each array's type, dtype, shape and strides per call and keeps the ffi
+    pointer of the array it saw last in each position, so a loop that reuses its arrays (the state with
+    inplace=True, preallocated token buffers) pays almost no Python per token."""
 
     def __init__(self, rec: CRecurrent, params: dict, dims: dict, num_threads=None):
         if not rec.program.causal:
@@ -481,85 +528,121 @@ class Stepper:
         self.params = params
         self.dims = {d.name: int(dims[d.name]) for d in rec.program.dims}
         self.threads = _default_threads() if num_threads is None else int(num_threads)
-        self._bound = None  # (dtype, batch, heads) → prepared call
+        self._key = None
 
     def _bind(self, dtype, batch, heads):
         rec, p = self.rec, self.rec.program
         k = rec.kernel(dtype, self.dims)
         dims = k.dims
-        params = []
+        self._params = []
         for prm in p.params:
             if prm.name not in self.params:
                 raise RuntimeInputError(f"missing parameter '{prm.name}'")
             shape = ((heads,) if prm.per_head else ()) + tuple(dims[d] for d in prm.shape)
             arr = _checked(self.params[prm.name], shape, None, f"parameter '{prm.name}'")
-            params.append(np.ascontiguousarray(arr, dtype=dtype))
-        fb = k.ffi.from_buffer
-        self._bound = {
-            "key": (dtype, batch, heads), "kernel": k, "fn": k.lib.lr_step, "fb": fb, "ptr": k.ptr,
-            "params": params, "param_ptrs": [fb(k.ptr, a) for a in params],
-            "inputs": [(x.name, (batch, heads) + tuple(dims[d] for d in x.shape)) for x in p.inputs],
-            "states": [(s.name, (batch, heads) + tuple(dims[d] for d in s.shape)) for s in p.states],
-            "outputs": [(o.name, (batch, heads) + tuple(dims[d] for d in o.value.shape)) for o in p.outputs],
-            "cache": {},  # position → (array, pointer) of the last array seen there
-        }
-        return self._bound
+            self._params.append(np.ascontiguousarray(arr, dtype=dtype))
+        self._fb, self._ptr, self._fn = k.ffi.from_buffer, k.ptr, k.lib.lr_step
+        self._param_ptrs = [self._fb(self._ptr, a) for a in self._params]
+        size = np.dtype(dtype).itemsize
+
+        def spec(name, tail):
+            shape = (batch, heads) + tuple(dims[d] for d in tail)
+            strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * size for i in range(len(shape)))
+            return name, shape, strides
+        self._inputs = [spec(x.name, x.shape) for x in p.inputs]
+        self._states = [spec(s.name, s.shape) for s in p.states]
+        self._outputs = [(o.name, (batch, heads) + tuple(dims[d] for d in o.value.shape)) for o in p.outputs]
+        self._out_sizes = [int(np.prod(shape)) for _, shape in self._outputs]
+        n = len(self._inputs) + len(self._states)
+        self._seen = [None] * n   # the array last seen in each position …
+        self._seen_ptr = [None] * n  # … and its pointer
+        self._dtype, self._batch, self._heads = np.dtype(dtype), batch, heads
+        self._key = (self._dtype, batch, heads)
 
     def __call__(self, token_inputs, state, inplace=False):
+        """(outputs [B, H, *], states [B, H, *]) after one token. inplace=True updates the given state
+        arrays (writeable, C-contiguous, of the inputs' dtype) and returns them; otherwise they are copied."""
         p = self.rec.program
-        first = token_inputs.get(p.inputs[0].name) if p.inputs else None
-        if not isinstance(first, np.ndarray) or first.ndim < 2:
-            first = np.asarray(first) if first is not None else None
-            if first is None or first.ndim < 2:
-                raise RuntimeInputError(f"input '{p.inputs[0].name}' should have shape [B, H, …] (one token)")
-        dtype, (batch, heads) = first.dtype, first.shape[:2]
-        bound = self._bound
-        if bound is None or bound["key"] != (dtype, batch, heads):
-            if dtype not in CTYPES:
-                raise RuntimeInputError(f"input '{p.inputs[0].name}' has dtype {dtype}; pass float32 or float64")
-            bound = self._bind(dtype, batch, heads)
-        fb, ptr, cache = bound["fb"], bound["ptr"], bound["cache"]
-        cargs = []
-        pos = 0
-        for name, shape in bound["inputs"]:
-            arr = token_inputs.get(name) if isinstance(token_inputs, dict) else None
-            if arr is None:
-                raise RuntimeInputError(f"missing input '{name}'")
-            cargs.append(self._pointer(cache, pos, arr, shape, dtype, f"input '{name}'", fb, ptr))
-            pos += 1
-        cargs += bound["param_ptrs"]
+        try:
+            first = token_inputs[p.inputs[0].name]
+        except (KeyError, TypeError, IndexError):
+            raise RuntimeInputError(f"missing input '{p.inputs[0].name}' (shape [B, H, …], one token)") from None
+        shape = getattr(first, "shape", None)
+        dtype = getattr(first, "dtype", None)
+        if shape is None or len(shape) < 2 or dtype not in CTYPES:
+            first = np.asarray(first)
+            if first.ndim < 2 or first.dtype not in CTYPES:
+                raise RuntimeInputError(f"input '{p.inputs[0].name}' should be a float32 or float64 array of "
+                                        f"shape [B, H, …] (one token), got {first.dtype} {list(first.shape)}")
+            shape, dtype = first.shape, first.dtype
+        if self._key is None or dtype != self._dtype or shape[0] != self._batch or shape[1] != self._heads:
+            if self._key is not None:
+                raise ShapeChanged(f"this decode step is bound to [B, H] = [{self._batch}, {self._heads}] and "
+                                   f"{self._dtype}; got {list(shape[:2])} and {dtype}")
+            self._bind(dtype, shape[0], shape[1])
+        seen, seen_ptr, fb, ptr, dt = self._seen, self._seen_ptr, self._fb, self._ptr, self._dtype
+        args = []
+        i = 0
+        for name, shp, strides in self._inputs:
+            arr = token_inputs.get(name) if name != p.inputs[0].name else first
+            if arr is seen[i]:
+                args.append(seen_ptr[i])
+            else:
+                if arr is None:
+                    raise RuntimeInputError(f"missing input '{name}'")
+                if type(arr) is not np.ndarray or arr.dtype != dt or arr.shape != shp or arr.strides != strides:
+                    arr = _checked(arr, shp, dt, f"input '{name}'")
+                pointer = fb(ptr, arr)
+                seen[i], seen_ptr[i] = arr, pointer
+                args.append(pointer)
+            i += 1
+        args += self._param_ptrs
         new_state = {}
-        for name, shape in bound["states"]:
+        for name, shp, strides in self._states:
             arr = state.get(name) if state is not None else None
             if arr is None:
-                arr = np.zeros(shape, dtype)
+                arr = aligned_zeros(shp, dt)
             elif not inplace:
-                arr = _checked(arr, shape, dtype, f"state '{name}'")
-                arr = np.array(arr, dtype=dtype, order="C", copy=True)
-            elif not (type(arr) is np.ndarray and arr.dtype == dtype and arr.shape == shape
-                      and arr.flags.c_contiguous and arr.flags.writeable):
-                raise RuntimeInputError(f"state '{name}' must be a writeable C-contiguous {dtype} array of shape "
-                                        f"{list(shape)} to be updated in place (inplace=True)")
+                arr = aligned_copy(_checked(arr, shp, dt, f"state '{name}'"))
+            elif arr is not seen[i] and not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp
+                                             and arr.strides == strides and arr.flags.writeable):
+                raise RuntimeInputError(f"state '{name}' must be a writeable C-contiguous {dt} array of shape "
+                                        f"{list(shp)} to be updated in place (inplace=True)")
+            if arr is seen[i]:
+                args.append(seen_ptr[i])
+            else:
+                pointer = fb(ptr, arr)
+                seen[i], seen_ptr[i] = arr, pointer
+                args.append(pointer)
             new_state[name] = arr
-            cargs.append(self._pointer(cache, pos, arr, shape, dtype, f"state '{name}'", fb, ptr))
-            pos += 1
+            i += 1
         outputs = {}
-        for name, shape in bound["outputs"]:
-            out = outputs[name] = np.empty(shape, dtype)
-            cargs.append(fb(ptr, out))
-        bound["fn"](*cargs, batch, heads, self.threads)
+        if len(self._outputs) == 1:
+            name, shp = self._outputs[0]
+            out = outputs[name] = np.empty(shp, dt)
+            args.append(fb(ptr, out))
+        else:
+            for name, shp in self._outputs:
+                out = outputs[name] = np.empty(shp, dt)
+                args.append(fb(ptr, out))
+        self._fn(*args, self._batch, self._heads, self.threads)
         return outputs, new_state
 
-    @staticmethod
-    def _pointer(cache, pos, arr, shape, dtype, what, fb, ptr):
-        hit = cache.get(pos)
-        if hit is not None and hit[0] is arr:
-            return hit[1]
-        checked = _checked(arr, shape, dtype, what)
-        pointer = fb(ptr, checked)
-        if checked is arr:  # keep a reference: the pointer stays valid while we hold the array
-            cache[pos] = (arr, pointer)
-        return pointer
+
+def aligned_zeros(shape, dtype, align: int = 64) -> np.ndarray:
+    """A zeroed C-contiguous array whose data starts on a cache line (whole-register loads of the state
+    rows then never straddle two lines)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.zeros(n + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
+def aligned_copy(arr: np.ndarray) -> np.ndarray:
+    out = aligned_zeros(arr.shape, arr.dtype)
+    np.copyto(out, arr)
+    return out
 
 
 def _checked(value, shape: tuple, dtype, what: str) -> np.ndarray:

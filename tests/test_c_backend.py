@@ -1,0 +1,355 @@
+"""The C backend (recurrent form and decode step) against the NumPy recurrent form, and its build cache.
+
+Tolerances, measured as max|actual − expected| / max|expected| per output and final state, against the
+float64 NumPy recurrent form:
+    C float64:  1e-10
+    C float32:  2e-5  (≈ 160 float32 ulps; measured ≤ 5e-7 at mild and strong gates)
+Every kernel is built once per test session, into a cache directory of its own (LINREC_CACHE_DIR).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+NAMES = ["gla", "retnet", "mamba2", "deltanet", "gated_deltanet", "linear_transformer"]
+F64_RTOL = 1e-10
+F32_RTOL = 2e-5
+# dk ≠ dv, neither a multiple of the vector width; dv > one AVX-512 register of float32 so that both the
+# whole-register loop and the column tail run
+DIMS = {"dk": 5, "dv": 19}
+
+MIX = """\
+recurrence mix(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], c[dk]
+input a
+param w[dv] per head = randn(seed=3)
+param m[dk] = uniform(0.5, 1, seed=4)
+state S[dk, dv], z[dk]
+kk = l2norm(silu(k))
+S = sigmoid(a)·S − 0.5*softplus(a)·kk⊗(kk·S) + kk⊗(tanh(v)*w)
+z = diag(m*exp(logsigmoid(c)))·z + relu(k) + abs(c)
+output o = rmsnorm(q·S) + mean(v)*w / (1 + norm(q))
+output s = ((elu(q) + 1)·z) / sum(exp(c)) + sqrt(abs(a)) − log(1 + a*a)^2
+"""
+NONCAUSAL = """\
+recurrence enc(dk = 4, dv = 3) noncausal
+input q[dk], k[dk], v[dv], g <= 0
+state S[dk, dv]
+S = exp(g)·S + k⊗v
+output o = groupnorm(q·S)
+"""
+RIGHT = """\
+recurrence rightdecay(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv], g[dv] <= 0
+state S[dk, dv]
+S = S·diag(exp(g)) + k⊗v
+output o = q·S
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir(tmp_path_factory):
+    """One cache for the whole session: each kernel is built once, then loaded from memory."""
+    path = tmp_path_factory.mktemp("linrec-cache")
+    old = os.environ.get("LINREC_CACHE_DIR")
+    os.environ["LINREC_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("LINREC_CACHE_DIR", None)
+    else:
+        os.environ["LINREC_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def linrec(cache_dir):
+    import backends
+    return backends
+
+
+_RECS: dict = {}
+
+
+def rec_for(linrec, name):
+    if name not in _RECS:
+        if name == "mix":
+            _RECS[name] = linrec.compile(MIX, "mix.lin")
+        elif name == "enc":
+            _RECS[name] = linrec.compile(NONCAUSAL, "enc.lin")
+        else:
+            _RECS[name] = linrec.load(EXAMPLES / f"{name}.lin")
+    return _RECS[name]
+
+
+def rel_err(actual, expected) -> float:
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    return float(np.abs(np.asarray(actual, np.float64) - expected).max()) / scale
+
+
+def random_state(rec, batch, heads, dims, dtype, seed):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for s in rec.program.states:
+        shape = (batch, heads) + tuple(dims[d] for d in s.shape)
+        x = rng.standard_normal(shape)
+        out[s.name] = (np.abs(x) if len(s.shape) == 1 else x).astype(dtype)  # normalizers stay positive
+    return out
+
+
+def compare(rec, inputs, state0, dtype, rtol, params=None):
+    x = {k: v.astype(dtype) for k, v in inputs.items()}
+    s0 = {k: v.astype(dtype) for k, v in state0.items()}
+    got = rec.run(x, form="recurrent", backend="c", initial_state=s0, params=params)
+    ref = rec.run({k: v.astype(np.float64) for k, v in x.items()}, form="recurrent", backend="numpy",
+                  initial_state={k: v.astype(np.float64) for k, v in s0.items()}, params=params)
+    for k in ref.outputs:
+        assert got.outputs[k].dtype == dtype
+        assert got.outputs[k].shape == ref.outputs[k].shape
+        assert rel_err(got.outputs[k], ref.outputs[k]) <= rtol, (k, rel_err(got.outputs[k], ref.outputs[k]))
+    for k in ref.final_state:
+        assert got.final_state[k].shape == ref.final_state[k].shape
+        assert rel_err(got.final_state[k], ref.final_state[k]) <= rtol, k
+    for k, v in s0.items():  # the caller's initial state is not modified
+        np.testing.assert_array_equal(v, state0[k].astype(dtype))
+    return got
+
+
+# ---- C recurrent form = NumPy recurrent form --------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES + ["mix", "enc"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_recurrent_matches_numpy(linrec, name, dtype):
+    rec = rec_for(linrec, name)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    for batch, tokens, heads, seed in [(2, 7, 3, 0), (1, 1, 2, 1), (3, 33, 1, 2)]:
+        inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=DIMS, seed=seed)
+        compare(rec, inputs, random_state(rec, batch, heads, DIMS, np.float64, seed), dtype, rtol)
+
+
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "mamba2"])
+@pytest.mark.parametrize("scale", [0.1, 1.0, 10.0])
+def test_float32_under_mild_and_strong_gates(linrec, name, scale):
+    rec = rec_for(linrec, name)
+    inputs = rec.random_inputs(batch=2, tokens=40, heads=2, dims=DIMS, seed=3, decay_scale=scale)
+    compare(rec, inputs, random_state(rec, 2, 2, DIMS, np.float64, 3), np.float32, F32_RTOL)
+
+
+def test_user_params_and_noncontiguous_inputs(linrec):
+    rec = rec_for(linrec, "mamba2")
+    inputs = rec.random_inputs(batch=2, tokens=6, heads=3, dims=DIMS, seed=4)
+    params = {"A": -np.linspace(0.5, 2.0, 3), "D": np.array([0.3, -1.0, 2.0])}
+    # a non-contiguous view with the same values: converted, same result
+    strided = {k: np.asfortranarray(v) for k, v in inputs.items()}
+    a = compare(rec, strided, {}, np.float64, F64_RTOL, params=params)
+    b = rec.run(inputs, form="recurrent", backend="c", params=params)
+    np.testing.assert_array_equal(a.outputs["y"], b.outputs["y"])
+
+
+def test_emit_is_readable_c(linrec):
+    rec = rec_for(linrec, "gated_deltanet")
+    src = rec.emit("recurrent", backend="c")
+    assert "int lr_forward(" in src and "int lr_step(" in src
+    assert "#pragma omp" in src and "vec" in src
+    assert "S = exp(g)·(I − beta·kn⊗kn)·S + beta·kn⊗v" in src  # the source program, quoted
+
+
+# ---- decode: prefill then step ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES + ["mix"])
+@pytest.mark.parametrize("backend", ["c", "numpy"])
+def test_steps_chained_equal_prefill(linrec, name, backend):
+    rec = rec_for(linrec, name)
+    batch, tokens, heads, split = 2, 9, 3, 4
+    inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=DIMS, seed=5)
+    state0 = random_state(rec, batch, heads, DIMS, np.float64, 5)
+    full = rec.prefill(inputs, backend=backend, initial_state=state0)
+    head = rec.prefill({k: v[:, :split] for k, v in inputs.items()}, backend=backend, initial_state=state0)
+    state = head.final_state
+    outs = {k: [v] for k, v in head.outputs.items()}
+    for t in range(split, tokens):
+        token = {k: v[:, t] for k, v in inputs.items()}
+        before = {k: v.copy() for k, v in state.items()}
+        out, new = rec.step(token, state, backend=backend)
+        for k in state:  # not in place: the previous state is untouched
+            np.testing.assert_array_equal(state[k], before[k])
+        state = new
+        for k, v in out.items():
+            outs[k].append(v[:, None])
+    for k, v in full.outputs.items():
+        assert rel_err(np.concatenate(outs[k], axis=1), v) <= F64_RTOL, k
+    for k, v in full.final_state.items():
+        assert rel_err(state[k], v) <= F64_RTOL, k
+
+
+@pytest.mark.parametrize("backend", ["c", "numpy"])
+def test_steps_in_place_float32(linrec, backend):
+    rec = rec_for(linrec, "gated_deltanet")
+    inputs = rec.random_inputs(batch=1, tokens=12, heads=4, dims=DIMS, dtype=np.float32, seed=6)
+    full = rec.prefill(inputs, backend=backend)
+    state = {"S": np.zeros((1, 4, DIMS["dk"], DIMS["dv"]), np.float32)}
+    token = {k: np.empty(v.shape[:1] + v.shape[2:], np.float32) for k, v in inputs.items()}  # reused buffers
+    outs = []
+    for t in range(12):
+        for k, v in inputs.items():
+            token[k][...] = v[:, t]
+        out, new = rec.step(token, state, backend=backend, inplace=True)
+        assert new["S"] is state["S"]
+        outs.append(out["o"])
+    assert rel_err(np.stack(outs, axis=1), full.outputs["o"]) <= F32_RTOL
+    assert rel_err(state["S"], full.final_state["S"]) <= F32_RTOL
+
+
+def test_step_rejects_bad_arrays(linrec):
+    from dsl.errors import LinrecError, RuntimeInputError
+    rec = rec_for(linrec, "gla")
+    token = {k: v[:, 0] for k, v in rec.random_inputs(batch=2, tokens=1, heads=3, dims=DIMS).items()}
+    state = {"S": np.zeros((2, 3, 5, 19))}
+    rec.step(token, state, backend="c")
+    with pytest.raises(RuntimeInputError):
+        rec.step({**token, "v": token["v"][:, :, :4]}, state, backend="c")
+    with pytest.raises(RuntimeInputError):
+        rec.step({**token, "q": token["q"].astype(np.float32)}, state, backend="c")
+    with pytest.raises(RuntimeInputError):
+        rec.step(token, {"S": np.zeros((2, 3, 5, 4))}, backend="c")
+    with pytest.raises(RuntimeInputError):  # in place needs the exact array
+        rec.step(token, {"S": np.zeros((2, 3, 5, 19), np.float32)}, backend="c", inplace=True)
+    with pytest.raises(LinrecError, match="non-causal"):
+        enc = rec_for(linrec, "enc")
+        tok = {k: v[:, 0] for k, v in enc.random_inputs(batch=1, tokens=1, heads=1, dims=DIMS).items()}
+        enc.step(tok, None, backend="c")
+
+
+# ---- boundary checks --------------------------------------------------------------------------------
+def test_wrong_shapes_and_dtypes(linrec):
+    from dsl.errors import RuntimeInputError
+    rec = rec_for(linrec, "gla")
+    inputs = rec.random_inputs(batch=2, tokens=5, heads=3, dims=DIMS)
+    with pytest.raises(RuntimeInputError):
+        rec.run({**inputs, "q": inputs["q"].astype(np.int64)}, form="recurrent", backend="c")
+    with pytest.raises(RuntimeInputError):
+        rec.run({**inputs, "q": inputs["q"].astype(np.float32)}, form="recurrent", backend="c")
+    with pytest.raises(RuntimeInputError):
+        rec.run({**inputs, "v": inputs["v"][:, :4]}, form="recurrent", backend="c")
+    with pytest.raises(RuntimeInputError):
+        rec.run(inputs, form="recurrent", backend="c", initial_state={"S": np.zeros((2, 3, 19, 5))})
+    # the module itself checks too (it is callable without the API's checks)
+    mod = rec.module("recurrent", "c")
+    with pytest.raises(RuntimeInputError):
+        mod.forward({**inputs, "g": inputs["g"][..., :3]}, {}, {}, DIMS)
+    with pytest.raises(RuntimeInputError):
+        mod.forward({**inputs, "k": inputs["k"].astype(np.float32)}, {}, {}, DIMS)
+    with pytest.raises(RuntimeInputError):
+        mod.forward(inputs, {}, {"S": np.zeros((2, 3, 5, 19), np.int32)}, DIMS)
+
+
+def test_non_factorable_program_is_a_clear_error(linrec):
+    from dsl.errors import LinrecError
+    rec = linrec.compile(RIGHT, "right.lin")
+    with pytest.raises(LinrecError, match="factorable.*NumPy backend"):
+        rec.run(rec.random_inputs(batch=1, tokens=2, heads=1), form="recurrent", backend="c")
+    assert rec.run(rec.random_inputs(batch=1, tokens=2, heads=1), form="recurrent", backend="numpy")
+
+
+def test_no_compiler_is_a_clear_error(linrec, monkeypatch):
+    from backends import c_build
+    from dsl.errors import LinrecError
+    monkeypatch.setenv("CC", "/nonexistent/linrec-no-such-cc")
+    with pytest.raises(LinrecError, match="no C compiler.*NumPy backend"):
+        c_build.build("int f(void) { return 1; }", "int f(void);", "nocc")
+
+
+# ---- what the build produced ------------------------------------------------------------------------
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("objdump"),
+                    reason="needs x86-64 and objdump")
+def test_kernels_use_vector_instructions(linrec):
+    from backends import c_build
+    rec = rec_for(linrec, "gla")
+    kernel = rec.module("recurrent", "c").kernel(np.float32, DIMS)
+    so = Path(kernel.module.__file__)
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(so)], capture_output=True, text=True,
+                         check=True).stdout
+    width = c_build.vector_bytes()
+    register = {64: "%zmm", 32: "%ymm"}.get(width, "%xmm")
+    fma = [line for line in asm.splitlines() if "vfmadd" in line and register in line]
+    assert fma, f"no {register} FMA instructions in {so.name}"
+
+
+# ---- the cache -------------------------------------------------------------------------------------
+_CACHE_PROGRAM = """\
+recurrence cachetest(dk = 3, dv = 9)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dk, dv]
+S = diag(exp(g))·S + k⊗v
+output o = q·S
+"""
+
+
+def _build_in_child(args):
+    cache, root, tag = args
+    os.environ["LINREC_CACHE_DIR"] = cache
+    sys.path[:0] = [root]
+    import backends
+    rec = backends.compile(_CACHE_PROGRAM.replace("cachetest", tag))
+    x = rec.random_inputs(batch=1, tokens=4, heads=2, dims={"dk": 3, "dv": 9})
+    res = rec.run(x, form="recurrent", backend="c")
+    return float(np.abs(res.outputs["o"]).sum())
+
+
+def test_two_processes_build_the_same_kernel(tmp_path):
+    cache = tmp_path / "shared-cache"
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        results = pool.map(_build_in_child, [(str(cache), str(ROOT), "concurrent")] * 2)
+    assert results[0] == results[1] > 0
+    entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1  # one float64 kernel, built by whichever process got there first
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+
+
+def _run_child(cache: Path, tag: str) -> subprocess.CompletedProcess:
+    code = ("import sys; from tests.test_c_backend import _build_in_child; "
+            f"print(_build_in_child(({str(cache)!r}, {str(ROOT)!r}, {tag!r})))")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_corrupted_entry_is_rebuilt(tmp_path):
+    from backends import c_build
+    cache = tmp_path / "cache"
+    first = _run_child(cache, "corrupt")
+    assert first.returncode == 0, first.stderr
+    (entry,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    (so,) = [p for p in entry.iterdir() if p.name.endswith(c_build._ext_suffix())]
+    so.write_bytes(so.read_bytes()[: so.stat().st_size // 3])  # truncated
+    second = _run_child(cache, "corrupt")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+    assert so.stat().st_size > 0 and c_build._valid(entry, so.name[: -len(c_build._ext_suffix())])
+
+
+def test_cache_info_and_clear(tmp_path, monkeypatch):
+    from backends import c_build
+    monkeypatch.setenv("LINREC_CACHE_DIR", str(tmp_path / "c"))
+    assert c_build.cache_info() == {"dir": str(tmp_path / "c"), "entries": 0, "bytes": 0}
+    c_build.build("int lr_one(void) { return 1; }", "int lr_one(void);", "one")
+    info = c_build.cache_info()
+    assert info["entries"] == 1 and info["bytes"] > 1000
+    assert c_build.cache_clear() == 1
+    assert c_build.cache_info()["entries"] == 0
+
+
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "retnet", "mix"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_long_sequences_with_strong_decay(linrec, name, dtype):
+    """Long enough for the lazily applied decay to be rescaled many times (and not at all for retnet's
+    mild constant decay within float32's threshold)."""
+    rec = rec_for(linrec, name)
+    inputs = rec.random_inputs(batch=1, tokens=300, heads=2, dims=DIMS, seed=7, decay_scale=10.0)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    compare(rec, inputs, random_state(rec, 1, 2, DIMS, np.float64, 7), dtype, rtol)
