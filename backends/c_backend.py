@@ -35,8 +35,9 @@ CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 STEP_PARALLEL_THRESHOLD = 1 << 16
 # SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
 REGISTER_BUDGET = 24
-# Apply decays lazily in the sequence kernel (see lazy_state in the template); off only to compare.
-LAZY_DECAY = os.environ.get("LINREC_C_LAZY_DECAY", "1") != "0"
+# The per-token values of a block of tokens (the sequence kernel's unit of work) should fit in L1 beside
+# the state: the block holds as many tokens (8…64) as fit in this many bytes.
+BLOCK_BYTES = 24 * 1024
 
 
 @lru_cache(maxsize=None)
@@ -223,8 +224,8 @@ class Generator:
                 readout_decls.append({"r": f"r{r.index}", "scalar": not matrix, "size": cols_padded})
             ng = len(plan["x"]) if updates else 0
             nr = len(before) + len(after)
-            gv_u = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, ng + nr + 1)) if nfull else 1
-            gv_p = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, len(plan["w"]) + 1)) if nfull else 1
+            gv_u = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, ng + 2 * nr + 1)) if nfull else 1
+            gv_p = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, 2 * len(plan["w"]) + 1)) if nfull else 1
             state = {
                 "name": st.name, "c": self.cstate(st.name), "matrix": matrix, "rows": rows, "cols": ncols,
                 "cols_padded": cols_padded, "S": f"buf_{self.cstate(st.name)}", "ld": ld, "nfull": nfull,
@@ -234,10 +235,8 @@ class Generator:
                 "groups": [{"x": x, "y": y} for x, y in zip(plan["x_codes"], y_names)],
                 "y_lines": y_lines, "before": before, "after": after, "gv_u": gv_u, "gv_p": gv_p,
                 "comment": self.d.transition(st.name).kind if updates else "readouts of the final state",
-                "lazy": None,
+                "next": False,
             }
-            if matrix and updates and not step and state["decay"] is not None and LAZY_DECAY:
-                state["lazy"], state["fast"], state["slow"] = self._lazy(state)
             states.append(state)
         # 3. outputs over the readouts
         out_lines = []
@@ -251,47 +250,181 @@ class Generator:
         return {"head": pr.take_head(), "prep": prep, "states": states, "readouts": readout_decls,
                 "outputs": out_lines}
 
-    @staticmethod
-    def _lazy(state: dict) -> tuple[dict, dict, dict]:
-        """Names for a lazily decayed state (Ŝ = S/c): the scaled correction vectors, left vectors and
-        queries, and the two variants of the pass (no decay multiply; or the decay c·D, c reset to 1)."""
-        c, vector = state["c"], state["decay"]["vector"]
-        lazy = {"vector": vector, "d": state["decay"]["code"], "sc": f"sc_{c}",
-                "w": [{"w": e["w"], "t": f"wt_{c}_{i}"} for i, e in enumerate(state["corrections"])],
-                "x": [{"x": e["x"], "t": f"xt_{c}_{i}"} for i, e in enumerate(state["groups"])],
-                "qb": [{"q": e["q"], "t": f"qb_{c}_{i}"} for i, e in enumerate(state["before"])],
-                "qa": [{"q": e["q"], "t": f"qa_{c}_{i}"} for i, e in enumerate(state["after"])]}
-        corrections = [{"w": w["t"], "p": e["p"]} for w, e in zip(lazy["w"], state["corrections"])]
-        before = [{"q": q["t"], "r": e["r"]} for q, e in zip(lazy["qb"], state["before"])]
-        fast = dict(state, decay=None, corrections=corrections, before=before,
-                    groups=[{"x": x["t"], "y": e["y"]} for x, e in zip(lazy["x"], state["groups"])],
-                    after=[{"q": q["t"], "r": e["r"]} for q, e in zip(lazy["qa"], state["after"])])
-        slow = dict(state, decay={"vector": vector, "code": "cn"}, corrections=corrections, before=before)
-        return lazy, fast, slow
+    # ---- the sequence kernel: blocks of tokens in three phases ----
+    def _token_pointer(self, e: ir.Expr) -> str | None:
+        """A C pointer to token u's copy of a vector input or parameter (no copy needed), else None."""
+        if isinstance(e, ir.InputRef):
+            return f"({self.cin(e.name)} + ((b * ntok + t0 + u) * H + h) * {self.size(e.shape)})"
+        if isinstance(e, ir.ParamRef) and e.shape:
+            return self.ref(e)
+        return None
+
+    def block_region(self, prefix: str, *, updates: bool, readouts: bool) -> dict:
+        """One block of tokens of one head: (1) every state-free value of every token into block arrays
+        (and the bookkeeping of lazily applied decays), (2) the states over the block, (3) the outputs."""
+        ct = self.t.ctype
+        pr = CPrinter(ct, self.dims, self.ref, prefix)
+        po = CPrinter(ct, self.dims, self.ref, prefix + "o")
+        plans = [self._plan_state(st, self.d.transition(st.name), updates=updates, readouts=readouts)
+                 for st in self.p.states]
+        for plan in plans:
+            pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *plan["q"],
+                      *[e for terms in plan["terms"] for c, kind, v in terms for e in (c, v) if kind == "v"])
+            if not plan["w"]:
+                pr.expect(*plan["y"])
+        outputs = self.d.outputs if readouts else ()
+        po.expect(*[e for _, e in outputs])
+        arrays: list[tuple[str, int]] = []  # block arrays: name, values per token (0: one scalar)
+        prep: list[str] = []
+
+        def export_vector(e, name, n, padded=None):
+            arrays.append((name, padded or n))
+            body = pr.fill(e, f"{name}[u]", n)
+            pad = [f"for (int i = {n}; i < {padded}; ++i) {name}[u][i] = 0;"] if padded and padded > n else []
+            prep.extend(pr.take_token() + body + pad)
+
+        def export_scalar(e, name):
+            arrays.append((name, 0))
+            code = pr.scalar(e)
+            prep.extend(pr.take_token() + [f"{name}[u] = {code};"])
+
+        states, lazies, readout_decls = [], [], []
+        for st, plan in zip(self.p.states, plans):
+            c = self.cstate(st.name)
+            matrix = len(st.shape) == 2
+            rows = self.dims[st.shape[0]]
+            cols = self.dims[st.shape[1]] if matrix else 1
+            cp = self.padded(cols) if matrix else 1
+            nfull = cp // self.t.lanes if matrix else 0
+            entry = {"name": st.name, "c": c, "matrix": matrix, "rows": rows, "cols": cp, "cols_padded": cp,
+                     "S": f"buf_{c}", "ld": cp, "nfull": nfull, "tail": 0, "update": updates,
+                     "comment": self.d.transition(st.name).kind if updates else "readouts of the final state"}
+            decay = plan["decay"] if updates else None
+            if decay is not None:
+                if decay.shape:
+                    export_vector(decay, f"blk_d_{c}", rows)
+                else:
+                    export_scalar(decay, f"blk_d_{c}")
+            for r, w in enumerate(plan["w"]):
+                export_vector(w, f"blk_w_{c}_{r}", rows)
+            for g, x in enumerate(plan["x"]):
+                export_vector(x, f"blk_x_{c}_{g}", rows)
+            before, after = [], []
+            for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"])):
+                export_vector(q, f"blk_q_{c}_{k}", rows)
+                (before if rd.before_update else after).append({"q": f"blk_q_{c}_{k}[u]", "r": f"r{rd.index}_blk[u]",
+                                                                "base": f"blk_q_{c}_{k}"})
+                readout_decls.append({"r": f"r{rd.index}", "blk": f"r{rd.index}_blk", "scalar": not matrix,
+                                      "size": cp})
+                arrays.append((f"r{rd.index}_blk", cp if matrix else 0))
+            entry["before"], entry["after"] = before, after
+            entry["decay"] = None if decay is None else {"vector": bool(decay.shape), "code": f"blk_d_{c}[u]"}
+            entry["corrections"] = [{"w": f"blk_w_{c}_{r}[u]", "p": f"p_{c}_{r}"} for r in range(len(plan["w"]))]
+            groups = []
+            tiled = matrix and not plan["w"]
+            for g, (x, y, terms) in enumerate(zip(plan["x"], plan["y"], plan["terms"])):
+                group = {"x": f"blk_x_{c}_{g}[u]", "xbase": f"blk_x_{c}_{g}"}
+                if tiled:
+                    ptr = self._token_pointer(y) if cols == cp else None
+                    if ptr is None:
+                        export_vector(y, f"blk_y_{c}_{g}", cols, cp)
+                        ptr = f"blk_y_{c}_{g}[u]"
+                    group["y"] = ptr
+                else:
+                    group["y"] = f"y_{c}_{g}"
+                    parts = []
+                    for m, (coef, kind, payload) in enumerate(terms):
+                        part = {"coef": None}
+                        if coef != ONE:
+                            export_scalar(coef, f"blk_k_{c}_{g}_{m}")
+                            part["coef"] = f"blk_k_{c}_{g}_{m}[u]"
+                        if kind == "p":
+                            part["src"] = f"p_{c}_{payload}"
+                        elif not payload.shape:
+                            if payload != ONE:
+                                export_scalar(payload, f"blk_v_{c}_{g}_{m}")
+                                part["src"] = f"blk_v_{c}_{g}_{m}[u]"
+                            else:
+                                part["src"] = None
+                        else:
+                            ptr = self._token_pointer(payload) if cols == cp else None
+                            if ptr is None:
+                                export_vector(payload, f"blk_v_{c}_{g}_{m}", cols, cp)
+                                ptr = f"blk_v_{c}_{g}_{m}[u]"
+                            part["src"] = ptr
+                        parts.append(part)
+                    group["terms"] = parts
+                groups.append(group)
+            entry["groups"] = groups
+            entry["kind"] = "vector" if not matrix else ("tiled" if tiled else "tokens")
+            ng = len(groups) if updates else 0
+            if entry["kind"] == "tiled":
+                entry["ct"] = 2 if nfull % 2 == 0 else 1
+                budget = REGISTER_BUDGET + 4
+                rt = next(r for r in (8, 6, 4, 3, 2, 1) if r * entry["ct"] + (ng + 2) * entry["ct"] <= budget)
+                entry["rt"] = min(rt, rows)
+                entry["rows_main"] = rows - rows % entry["rt"]
+                entry["rt_tail"] = rows % entry["rt"]
+            elif entry["kind"] == "tokens":
+                nr = len(before) + len(after)
+                nc = len(plan["w"])
+                entry["gv_u"] = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, ng + 2 * nr + 2 * nc + 1))
+                entry["gv_p"] = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, 2 * len(plan["w"]) + 1))
+            if matrix and decay is not None:  # decays applied lazily: the bookkeeping runs in phase 1
+                arrays.append((f"blk_slow_{c}", 0))
+                entry["slow"] = f"blk_slow_{c}[u]"
+                lazies.append({"name": st.name, "vector": bool(decay.shape), "rows": rows, "sc": f"sc_{c}",
+                               "d": f"blk_d_{c}[u]", "slow": f"blk_slow_{c}[u]",
+                               "w": [f"blk_w_{c}_{r}[u]" for r in range(len(plan["w"]))],
+                               "x": [g["x"] for g in groups], "qb": [q["q"] for q in before],
+                               "qa": [q["q"] for q in after]})
+            entry["next"] = False
+            entry["fast"] = dict(entry, decay=None)
+            if entry["kind"] == "tokens" and plan["w"]:
+                entry["corrections_first"] = [{"w": f"blk_w_{c}_{r}[0]", "p": f"p_{c}_{r}"}
+                                              for r in range(len(plan["w"]))]
+                nxt = [dict(e, wn=f"blk_w_{c}_{r}[u + 1]") for r, e in enumerate(entry["corrections"])]
+                with_next = dict(entry, corrections=nxt, next=True)
+                with_next["fast"] = dict(with_next, decay=None)
+                entry["with_next"] = with_next
+            states.append(entry)
+        head = pr.take_head()
+        # phase 3: outputs over the readouts
+        out_lines = []
+        for name, e in outputs:
+            target = self.cout(name)
+            body = po.fill(e, f"{target}_t") if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
+            out_lines += po.take_token() + body
+        return {"head": head + po.take_head(), "prep": prep, "lazy": lazies, "states": states,
+                "readouts": readout_decls, "outputs": out_lines, "arrays": arrays}
 
     def _plan_state(self, st: ir.State, tr, *, updates: bool, readouts: bool) -> dict:
         """The terms of a state's update, rank-one terms grouped by their left vector."""
         matrix = len(st.shape) == 2
-        plan = {"decay": None, "w": [], "p": [], "x": [], "y": [], "q": [], "readouts": []}
+        plan = {"decay": None, "w": [], "p": [], "x": [], "y": [], "q": [], "readouts": [], "terms": []}
         if updates:
             plan["decay"] = tr.decay
             right_shape = (st.shape[1],) if matrix else ()
             groups: dict[ir.Expr, list[ir.Expr]] = {}
+            parts: dict[ir.Expr, list[tuple]] = {}  # the same terms as (coefficient, "p" | "v", r | value)
             for r, (u, w) in enumerate(tr.corrections):
                 p = Local(right_shape, f"p_{self.cstate(st.name)}_{r}")
                 plan["w"].append(w)
                 plan["p"].append(p)
                 coef, base = split_scalar(u)
                 groups.setdefault(base, []).append(_scaled(coef, p, right_shape))
+                parts.setdefault(base, []).append((coef, "p", r))
             for key, value in tr.writes:
                 coef, base = split_scalar(key)
                 rhs = value if value is not None else ONE
                 if matrix and not rhs.shape:
                     raise LinrecError(f"state '{st.name}': a write with a scalar value")
                 groups.setdefault(base, []).append(_scaled(coef, rhs, right_shape))
+                parts.setdefault(base, []).append((coef, "v", rhs))
             for base, terms in groups.items():
                 plan["x"].append(base)
                 plan["y"].append(_sum(terms, right_shape))
+            plan["terms"] = list(parts.values())
         if readouts:
             for r in self.d.readouts:
                 if r.state == st.name:
@@ -303,13 +436,26 @@ class Generator:
     def context(self) -> dict:
         causal = self.p.causal
         if causal:
-            forward_regions = [self.region("", updates=True, readouts=True, step=False)]
+            forward_regions = [self.block_region("", updates=True, readouts=True)]
         else:  # non-causal: every output reads the final state, so run the updates first
-            forward_regions = [self.region("", updates=True, readouts=False, step=False),
-                               self.region("n", updates=False, readouts=True, step=False)]
+            forward_regions = [self.block_region("", updates=True, readouts=False),
+                               self.block_region("n", updates=False, readouts=True)]
         step_region = self.region("", updates=True, readouts=True, step=True) if causal else None
-        lazy_rows = {s["name"]: (s["rows"] if s["lazy"]["vector"] else 1)
-                     for r in forward_regions for s in r["states"] if s["lazy"]}
+        lazy_rows = {lz["name"]: (lz["rows"] if lz["vector"] else 1) for r in forward_regions for lz in r["lazy"]}
+        # block arrays: one allocation per thread, each array on a cache line, LR_BLOCK tokens of each
+        sizes: dict[str, int] = {}
+        for r in forward_regions:
+            for name, n in r["arrays"]:
+                sizes[name] = n
+        per_token = sum(max(n, 1) for n in sizes.values()) * (4 if self.t.ctype == "float" else 8)
+        block_tokens = 8
+        while block_tokens < 64 and 2 * block_tokens * per_token <= BLOCK_BYTES:
+            block_tokens *= 2
+        align = 64 // (4 if self.t.ctype == "float" else 8)
+        block_arrays, offset = [], 0
+        for name, n in sizes.items():
+            block_arrays.append({"name": name, "n": n, "offset": offset})
+            offset += -(-block_tokens * max(n, 1) // align) * align
         ct = self.t.ctype
         args = []
         for x in self.p.inputs:
@@ -338,7 +484,8 @@ class Generator:
                      "rows": self.dims[s.shape[0]], "cols": self.dims[s.shape[1]] if len(s.shape) == 2 else 1,
                      "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
                     for s in self.p.states],
-            forward_regions=forward_regions, step_region=step_region,
+            forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
+            block_arrays=block_arrays, block_floats=max(offset, 1),
             forward_signature=fwd, step_signature=stp if causal else "",
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
         )
