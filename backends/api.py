@@ -127,15 +127,15 @@ class Recurrence:
                         initial_state=initial_state, **named_inputs)
 
     def step(self, token_inputs: dict, state: dict | None, *, backend: str = "numpy",
-             params: dict | None = None, inplace: bool = False) -> tuple[dict, dict]:
+             params: dict | None = None, inplace: bool = False, out: dict | None = None) -> tuple[dict, dict]:
         """One token: inputs [B, H, *] by DSL name, states [B, H, *] → (outputs [B, H, *], new states).
         inplace=True updates the given state arrays and returns them (the fast decode loop); otherwise the
-        given states are left alone. The C backend checks shapes and dtypes per call and value ranges on
-        the first call with a given set of arrays' shapes (see c_backend.Stepper)."""
+        given states are left alone. `out` (C backend) holds output arrays to reuse. The C backend checks
+        shapes and dtypes on every call, value ranges on the first call (see c_backend.Stepper)."""
         fast = self._modules.get(("step", backend))
         if fast is not None and fast[0] is params:
             try:
-                return fast[1](token_inputs, state, inplace=inplace)
+                return fast[1](token_inputs, state, inplace=inplace, out=out)
             except RuntimeInputError:
                 pass  # new sizes or dtype, or a bad array: check everything again below (and say what is wrong)
         given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
@@ -151,7 +151,7 @@ class Recurrence:
         if hasattr(module, "stepper"):  # compiled: bind once, then only shapes are checked per call
             stepper = module.stepper(used, dims)
             self._modules[("step", backend)] = (params, stepper)
-            return stepper(token_inputs, state, inplace=inplace)
+            return stepper(token_inputs, state, inplace=inplace, out=out)
         state0 = arrays.check_initial_state(self.program, state, shape, dims)
         outputs, final = module.forward(checked, used, state0, dims)
         outputs = {k: v[:, 0] for k, v in outputs.items()}

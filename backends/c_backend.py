@@ -18,6 +18,7 @@ from functools import lru_cache
 from importlib import resources
 from math import prod
 
+import cffi
 import jinja2
 import numpy as np
 
@@ -279,7 +280,7 @@ class Generator:
 
         def export_vector(e, name, n, padded=None):
             arrays.append((name, padded or n))
-            body = pr.fill(e, f"{name}[u]", n)
+            body = pr.fill(e, f"{name}[u]", n, keep=True)  # phase 1 reads block arrays before rescaling them
             pad = [f"for (int i = {n}; i < {padded}; ++i) {name}[u][i] = 0;"] if padded and padded > n else []
             prep.extend(pr.take_token() + body + pad)
 
@@ -527,20 +528,40 @@ def _default_threads() -> int:
         return os.cpu_count() or 1
 
 
+@lru_cache(maxsize=None)
+def _generator_fingerprint() -> str:
+    """The code generator itself (this module, the printer, the templates): a change rebuilds kernels."""
+    import hashlib
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in [here / "c_backend.py", here / "c_printer.py", *sorted((here / "templates").glob("c_*.j2"))]:
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 class Kernel:
     """One built extension: lr_forward (and lr_step) for one dtype and one assignment of sizes."""
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], dtype: np.dtype):
         self.dtype = np.dtype(dtype)
         self.dims = dict(dims)
-        target = Target(CTYPES[self.dtype], c_build.vector_bytes())
-        gen = Generator(compiled, self.dims, target)
-        self.source = gen.source()
-        name = f"{compiled.name}_{target.ctype}"
-        self.module = c_build.build(self.source, gen.cdef(), name)
+        self.target = Target(CTYPES[self.dtype], c_build.vector_bytes())
+        self._compiled = compiled
+        # a cached kernel is found from the program and sizes alone: no rendering, no compiler run
+        alias = c_build.alias_key(compiled.source, repr(sorted(self.dims.items())), repr(self.target),
+                                  _generator_fingerprint())
+        self.module = c_build.load_alias(alias)
+        if self.module is None:
+            gen = Generator(compiled, self.dims, self.target)
+            self.module = c_build.build(gen.source(), gen.cdef(), f"{compiled.name}_{self.target.ctype}", alias)
         self.ffi, self.lib = self.module.ffi, self.module.lib
-        self.ctype = target.ctype
+        self.ctype = self.target.ctype
         self.ptr = self.ctype + "[]"
+
+    @property
+    def source(self) -> str:
+        return Generator(self._compiled, self.dims, self.target).source()
 
 
 class CRecurrent:
@@ -648,10 +669,10 @@ class CRecurrent:
                 raise MemoryError("the C kernel could not allocate its state buffers")
         return outputs, finals
 
-    def step(self, token_inputs, state, params, dims, num_threads=None, inplace=False):
+    def step(self, token_inputs, state, params, dims, num_threads=None, inplace=False, out=None):
         """One token: inputs [B, H, *], states [B, H, *]. Returns (outputs [B, H, *], states). With
         inplace=True the given state arrays (C-contiguous, of the inputs' dtype) are updated and returned."""
-        return self.stepper(params, dims, num_threads)(token_inputs, state, inplace=inplace)
+        return self.stepper(params, dims, num_threads)(token_inputs, state, inplace=inplace, out=out)
 
     def stepper(self, params, dims, num_threads=None) -> "Stepper":
         return Stepper(self, params, dims, num_threads)
@@ -698,17 +719,17 @@ class Stepper:
             return name, shape, strides
         self._inputs = [spec(x.name, x.shape) for x in p.inputs]
         self._states = [spec(s.name, s.shape) for s in p.states]
-        self._outputs = [(o.name, (batch, heads) + tuple(dims[d] for d in o.value.shape)) for o in p.outputs]
-        self._out_sizes = [int(np.prod(shape)) for _, shape in self._outputs]
-        n = len(self._inputs) + len(self._states)
+        self._outputs = [spec(o.name, o.value.shape) for o in p.outputs]
+        n = len(self._inputs) + len(self._states) + len(self._outputs)
         self._seen = [None] * n   # the array last seen in each position …
         self._seen_ptr = [None] * n  # … and its pointer
         self._dtype, self._batch, self._heads = np.dtype(dtype), batch, heads
         self._key = (self._dtype, batch, heads)
 
-    def __call__(self, token_inputs, state, inplace=False):
+    def __call__(self, token_inputs, state, inplace=False, out=None):
         """(outputs [B, H, *], states [B, H, *]) after one token. inplace=True updates the given state
-        arrays (writeable, C-contiguous, of the inputs' dtype) and returns them; otherwise they are copied."""
+        arrays (writeable, C-contiguous, of the inputs' dtype) and returns them; otherwise they are copied.
+        `out` may hold output arrays to write into (reused across calls: no allocation per token)."""
         p = self.rec.program
         try:
             first = token_inputs[p.inputs[0].name]
@@ -764,30 +785,48 @@ class Stepper:
             new_state[name] = arr
             i += 1
         outputs = {}
-        if len(self._outputs) == 1:
-            name, shp = self._outputs[0]
-            out = outputs[name] = np.empty(shp, dt)
-            args.append(fb(ptr, out))
-        else:
-            for name, shp in self._outputs:
-                out = outputs[name] = np.empty(shp, dt)
-                args.append(fb(ptr, out))
+        for name, shp, strides in self._outputs:
+            arr = out.get(name) if out is not None else None
+            if arr is None:
+                arr = np.empty(shp, dt)
+                args.append(fb(ptr, arr))
+            elif arr is seen[i]:
+                args.append(seen_ptr[i])
+            else:
+                if not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp and arr.strides == strides
+                        and arr.flags.writeable):
+                    raise RuntimeInputError(f"out['{name}'] must be a writeable C-contiguous {dt} array of shape "
+                                            f"{list(shp)}")
+                pointer = fb(ptr, arr)
+                seen[i], seen_ptr[i] = arr, pointer
+                args.append(pointer)
+            outputs[name] = arr
+            i += 1
         self._fn(*args, self._batch, self._heads, self.threads)
         return outputs, new_state
 
 
-def aligned_zeros(shape, dtype, align: int = 64) -> np.ndarray:
-    """A zeroed C-contiguous array whose data starts on a cache line (whole-register loads of the state
-    rows then never straddle two lines)."""
+_FFI = cffi.FFI()  # only to read an array's address cheaply
+
+
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """A C-contiguous array whose data starts on a cache line (whole-register loads of the state rows then
+    never straddle two lines)."""
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.zeros(n + align, np.uint8)
-    start = (-raw.ctypes.data) % align
+    raw = np.empty(n + align, np.uint8)
+    start = (-int(_FFI.cast("uintptr_t", _FFI.from_buffer(raw)))) % align
     return raw[start:start + n].view(dtype).reshape(shape)
 
 
+def aligned_zeros(shape, dtype) -> np.ndarray:
+    out = aligned_empty(shape, dtype)
+    out.fill(0)
+    return out
+
+
 def aligned_copy(arr: np.ndarray) -> np.ndarray:
-    out = aligned_zeros(arr.shape, arr.dtype)
+    out = aligned_empty(arr.shape, arr.dtype)
     np.copyto(out, arr)
     return out
 

@@ -180,7 +180,10 @@ def _compile(source: str, cdef: str, name: str, where: Path) -> Path:
     cmd = [cc, *flags(), "-shared", "-I", include, str(c_file), "-o", str(out), "-lm"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except OSError as err:
+        if res.returncode != 0 and "-fopenmp" in cmd and "omp" in (res.stderr or "").lower():
+            # a compiler without OpenMP (e.g. Apple clang): build single-threaded, the pragmas are ignored
+            res = subprocess.run([c for c in cmd if c != "-fopenmp"], capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as err:
         raise LinrecError(f"could not run the C compiler {cc}: {err}; the NumPy backend (backend='numpy') "
                           f"still works") from None
     if res.returncode != 0:
@@ -241,10 +244,50 @@ def _import(name: str, path: Path):
     return module
 
 
-def build(source: str, cdef: str, label: str = "kernel"):
+def _alias_path(alias: str) -> Path:
+    return cache_dir() / "aliases" / alias
+
+
+def load_alias(alias: str):
+    """The extension an earlier build() recorded under `alias` (a cheap key for its source: the generated
+    source need not even be rendered), or None when there is none or its entry is gone or broken."""
+    try:
+        key = _alias_path(alias).read_text(encoding="ascii").strip()
+    except OSError:
+        return None
+    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        return None
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        name, entry = _module_name(key), cache_dir() / key
+        if not _valid(entry, name):
+            return None
+        try:
+            module = _import(name, entry / f"{name}{_ext_suffix()}")
+        except ImportError:
+            return None
+        _loaded[key] = module
+        return module
+
+
+def _write_alias(alias: str, key: str) -> None:
+    path = _alias_path(alias)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{alias}.{uuid.uuid4().hex}")
+        tmp.write_text(key, encoding="ascii")
+        os.replace(tmp, path)  # atomic: readers see the old key or the new one
+    except OSError:
+        pass  # the alias only saves time
+
+
+def build(source: str, cdef: str, label: str = "kernel", alias: str | None = None):
     """The loaded extension for `source` (its functions declared by `cdef`): from this process's memo,
-    else from the disk cache (checksum verified), else built now."""
+    else from the disk cache (checksum verified), else built now. `alias`: also record it under this key."""
     key = build_key(source, cdef)
+    if alias:
+        _write_alias(alias, key)
     with _lock:
         if key in _loaded:
             return _loaded[key]
@@ -270,6 +313,16 @@ def build(source: str, cdef: str, label: str = "kernel"):
 
 
 # ---- `linrec cache info|clear` ------------------------------------------------------------------------
+def alias_key(*parts: str) -> str:
+    """A key for a kernel's inputs (program, sizes, dtype, code generator…) plus everything build_key
+    covers except the source itself, for load_alias."""
+    cc = compiler()
+    import cffi
+    fixed = [cc, _compiler_version(cc), " ".join(flags()), target_key(), VERSION, sys.implementation.cache_tag or "",
+             sysconfig.get_config_var("EXT_SUFFIX") or "", cffi.__version__]
+    return hashlib.sha256("\0".join(list(parts) + fixed).encode()).hexdigest()
+
+
 def _entries(root: Path) -> list[Path]:
     if not root.is_dir():
         return []

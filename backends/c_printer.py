@@ -184,9 +184,16 @@ class CPrinter:
         self._cache[e] = name
         return name
 
-    def fill(self, e: ir.Expr, target: str, n: int | None = None) -> list[str]:
-        """Statements that store vector e into the indexable `target` (elements 0..n−1)."""
+    def fill(self, e: ir.Expr, target: str, n: int | None = None, keep: bool = False) -> list[str]:
+        """Statements that store vector e into the indexable `target` (elements 0..n−1). keep=True: later
+        uses of e in this region may read `target` (it must then hold e's value until the region ends)."""
         n = self.size(e.shape[0]) if n is None else n
+        if keep and e not in self._cache and isinstance(e, ir.Apply) and e.function in _ELEMENTWISE \
+                and n == self.size(e.shape[0]):
+            code = self._apply_elementwise(e, "i")  # computed straight into the target
+            self._cache[e] = target
+            return [f"/* {target} = {self._comment(e).strip()[3:-3].strip()} */", "#pragma omp simd",
+                    f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
         code = self.elem(e, "i")
         return ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
 

@@ -48,6 +48,18 @@ state S[dk, dv]
 S = exp(g)·S + k⊗v
 output o = groupnorm(q·S)
 """
+# a readout before the update and one after, with a diagonal decay and a delta-rule correction (EARLY2:
+# without the correction, which takes the register-tiled path)
+EARLY = """\
+recurrence early(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+input beta in (0, 1)
+state S[dk, dv]
+output o = q·S
+S = diag(exp(g))·S − beta*k⊗(k·S) + k⊗v
+output p = q·S
+"""
+EARLY2 = EARLY.replace("early(", "early2(").replace(" − beta*k⊗(k·S)", "")
 RIGHT = """\
 recurrence rightdecay(dk = 4, dv = 4)
 input q[dk], k[dk], v[dv], g[dv] <= 0
@@ -85,6 +97,8 @@ def rec_for(linrec, name):
             _RECS[name] = linrec.compile(MIX, "mix.lin")
         elif name == "enc":
             _RECS[name] = linrec.compile(NONCAUSAL, "enc.lin")
+        elif name in ("early", "early2"):
+            _RECS[name] = linrec.compile(EARLY if name == "early" else EARLY2, f"{name}.lin")
         else:
             _RECS[name] = linrec.load(EXAMPLES / f"{name}.lin")
     return _RECS[name]
@@ -124,7 +138,7 @@ def compare(rec, inputs, state0, dtype, rtol, params=None):
 
 
 # ---- C recurrent form = NumPy recurrent form --------------------------------------------------------
-@pytest.mark.parametrize("name", NAMES + ["mix", "enc"])
+@pytest.mark.parametrize("name", NAMES + ["mix", "enc", "early", "early2"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_recurrent_matches_numpy(linrec, name, dtype):
     rec = rec_for(linrec, name)
@@ -162,7 +176,7 @@ def test_emit_is_readable_c(linrec):
 
 
 # ---- decode: prefill then step ----------------------------------------------------------------------
-@pytest.mark.parametrize("name", NAMES + ["mix"])
+@pytest.mark.parametrize("name", NAMES + ["mix", "early"])
 @pytest.mark.parametrize("backend", ["c", "numpy"])
 def test_steps_chained_equal_prefill(linrec, name, backend):
     rec = rec_for(linrec, name)
@@ -344,7 +358,7 @@ def test_cache_info_and_clear(tmp_path, monkeypatch):
     assert c_build.cache_info()["entries"] == 0
 
 
-@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "retnet", "mix"])
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "retnet", "mix", "early", "early2"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_long_sequences_with_strong_decay(linrec, name, dtype):
     """Long enough for the lazily applied decay to be rescaled many times (and not at all for retnet's
@@ -353,3 +367,35 @@ def test_long_sequences_with_strong_decay(linrec, name, dtype):
     inputs = rec.random_inputs(batch=1, tokens=300, heads=2, dims=DIMS, seed=7, decay_scale=10.0)
     rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
     compare(rec, inputs, random_state(rec, 1, 2, DIMS, np.float64, 7), dtype, rtol)
+
+
+def test_growing_and_negative_decays(linrec):
+    """A "decay" above 1 or below 0 is legal: the lazily applied scale is rescaled, results stay exact."""
+    src = """\
+recurrence grow(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], a
+state S[dk, dv]
+S = a·S + k⊗v
+output o = q·S
+"""
+    rec = linrec.compile(src, "grow.lin")
+    x = rec.random_inputs(batch=1, tokens=400, heads=2, dims=DIMS, seed=8)
+    x["a"] = np.where(np.arange(400) % 7 == 0, -0.9, 1.06)[None, :, None] * np.ones((1, 400, 2))
+    compare(rec, x, {}, np.float64, F64_RTOL)
+
+
+@pytest.mark.parametrize("target", ["portable", "avx2"])
+def test_other_targets(linrec, monkeypatch, target):
+    """The same kernels built for narrower vector registers (the fallback on other CPUs)."""
+    from backends import c_backend, c_build
+    if target == "avx2" and "avx2" not in c_build._cpu_flags():
+        pytest.skip("needs AVX2")
+    monkeypatch.setenv("LINREC_C_TARGET", target)
+    for name in ("gated_deltanet", "early2"):
+        rec = rec_for(linrec, name)
+        mod = c_backend.CRecurrent(rec.compiled)  # a fresh module: kernels are keyed by target
+        inputs = rec.random_inputs(batch=2, tokens=20, heads=2, dims=DIMS, seed=9, dtype=np.float32)
+        got, _ = mod.forward(inputs, {}, {}, DIMS)
+        ref = rec.run({k: v.astype(np.float64) for k, v in inputs.items()}, form="recurrent", backend="numpy")
+        for k in ref.outputs:
+            assert rel_err(got[k], ref.outputs[k]) <= F32_RTOL
