@@ -106,6 +106,7 @@ class Recurrence:
         module = self.module(form, backend)
         params = dict(params or {})
         dims = arrays.resolve_dims(self.program, shape, params)
+        arrays.check_sequence_length(self.program, shape, dims)
         given_f64 = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()
                      if k in {p.name for p in self.program.params}}
         defaults = {k: v for k, v in module.default_params(shape.heads, dims, given_f64).items()
@@ -135,7 +136,7 @@ class Recurrence:
         fast = self._modules.get(("step", backend))
         if fast is not None and fast[0] is params:
             try:
-                return fast[1](token_inputs, state, inplace=inplace, out=out)
+                return fast[1](token_inputs, state, inplace, out)
             except RuntimeInputError:
                 pass  # new sizes or dtype, or a bad array: check everything again below (and say what is wrong)
         given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}

@@ -180,3 +180,13 @@ def random_inputs(program: ir.Program, batch: int, tokens: int, heads: int, dims
             value = rng.standard_normal(size)
         out[x.name] = value.astype(dtype)
     return out
+
+
+def check_sequence_length(program: ir.Program, shape: CallShape, dims: dict[str, int]) -> None:
+    """Parameters over the sequence axis hold a maximum length T: a longer sequence has no projection."""
+    from compiler.builtins import SEQ
+    if any(d.name == SEQ for d in program.dims) and shape.tokens > dims[SEQ]:
+        spanning = ", ".join(p.name for p in program.params if SEQ in p.shape)
+        raise RuntimeInputError(f"the sequence has T = {shape.tokens} tokens but {spanning} cover(s) at most "
+                                f"{SEQ} = {dims[SEQ]} positions; pass longer parameters (and set the size) "
+                                f"or a shorter sequence")

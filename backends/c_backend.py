@@ -11,6 +11,7 @@ rank-one writes per state, see compiler.transitions): every such program gets a 
 """
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ def _template_source(name: str) -> str:
 
 
 def require_factorable(compiled: Compiled) -> None:
+    if compiled.derivation.sequence is not None:
+        raise LinrecError(f"the C backend does not compile programs that read the sequence (seq, "
+                          f"lsh_attention) yet; the NumPy backend (backend='numpy') runs '{compiled.name}'")
     bad = [t for t in compiled.derivation.transitions if not t.factorable]
     if bad:
         why = "; ".join(f"state '{t.state}': {r}" for t in bad for r in t.reasons)
@@ -164,9 +168,13 @@ class Generator:
             return node.name
         raise LinrecError(f"the C backend cannot reference {type(node).__name__} here")
 
-    # ---- one code region: the body of the token loop (or of the step) ----
-    def region(self, prefix: str, *, updates: bool, readouts: bool, step: bool) -> dict:
-        pr = CPrinter(self.t.ctype, self.dims, self.ref, prefix)
+    # ---- the decode step: one token, the state updated in place in the caller's [B, H, *] arrays ----
+    def step_region(self) -> dict:
+        """The body of the step kernel for one (batch row, head): the token's values, then per state the
+        corrections' p = wᵀS, the right vectors and one fused pass (rows of S at their true stride dv,
+        with a column tail when dv is not a whole number of registers), then the outputs."""
+        updates = readouts = step = True
+        pr = CPrinter(self.t.ctype, self.dims, self.ref)
         states = []
         plans = []
         for st in self.p.states:
@@ -179,17 +187,16 @@ class Generator:
                       *plan["q"])
         outputs = self.d.outputs if readouts else ()
         pr.expect(*[e for _, e in outputs])
-        names = pr
         # 1. state-free values of the token
         for st, plan in zip(self.p.states, plans):
             plan["decay_code"] = None
             if plan["decay"] is not None:
                 dec = plan["decay"]
                 plan["decay_code"] = {"vector": bool(dec.shape),
-                                      "code": names.array(dec) if dec.shape else names.scalar(dec)}
-            plan["w_codes"] = [names.array(w) for w in plan["w"]]
-            plan["x_codes"] = [names.array(x) for x in plan["x"]]
-            plan["q_codes"] = [names.array(q) for q in plan["q"]]
+                                      "code": pr.array(dec) if dec.shape else pr.scalar(dec)}
+            plan["w_codes"] = [pr.array(w) for w in plan["w"]]
+            plan["x_codes"] = [pr.array(x) for x in plan["x"]]
+            plan["q_codes"] = [pr.array(q) for q in plan["q"]]
         prep = pr.take_token()
         # 2. per state: corrections, right vectors, the fused pass
         readout_decls = []
@@ -441,7 +448,7 @@ class Generator:
         else:  # non-causal: every output reads the final state, so run the updates first
             forward_regions = [self.block_region("", updates=True, readouts=False),
                                self.block_region("n", updates=False, readouts=True)]
-        step_region = self.region("", updates=True, readouts=True, step=True) if causal else None
+        step_region = self.step_region() if causal else None
         lazy_rows = {lz["name"]: (lz["rows"] if lz["vector"] else 1) for r in forward_regions for lz in r["lazy"]}
         # block arrays: one allocation per thread, each array on a cache line, LR_BLOCK tokens of each
         sizes: dict[str, int] = {}
@@ -697,6 +704,7 @@ class Stepper:
         self.dims = {d.name: int(dims[d.name]) for d in rec.program.dims}
         self.threads = _default_threads() if num_threads is None else int(num_threads)
         self._key = None
+        self._all_ptrs = None
 
     def _bind(self, dtype, batch, heads):
         rec, p = self.rec, self.rec.program
@@ -723,6 +731,10 @@ class Stepper:
         n = len(self._inputs) + len(self._states) + len(self._outputs)
         self._seen = [None] * n   # the array last seen in each position …
         self._seen_ptr = [None] * n  # … and its pointer
+        self._in_names = [x.name for x in p.inputs]
+        self._st_names = [s.name for s in p.states]
+        self._out_names = [o.name for o in p.outputs]
+        self._all_ptrs = None  # every pointer of the last call, when all its arrays were the ones seen
         self._dtype, self._batch, self._heads = np.dtype(dtype), batch, heads
         self._key = (self._dtype, batch, heads)
 
@@ -730,6 +742,17 @@ class Stepper:
         """(outputs [B, H, *], states [B, H, *]) after one token. inplace=True updates the given state
         arrays (writeable, C-contiguous, of the inputs' dtype) and returns them; otherwise they are copied.
         `out` may hold output arrays to write into (reused across calls: no allocation per token)."""
+        if self._all_ptrs is not None and inplace and out is not None and state is not None:
+            # the decode loop that reuses every array (token buffers, state in place, outputs): one C call
+            try:
+                arrays = [token_inputs[n] for n in self._in_names] + [state[n] for n in self._st_names] \
+                    + [out[n] for n in self._out_names]
+            except (KeyError, TypeError, IndexError):
+                arrays = None
+            if arrays is not None and all(map(operator.is_, arrays, self._seen)):
+                self._fn(*self._all_ptrs, self._batch, self._heads, self.threads)
+                n_in, n_st = len(self._in_names), len(self._st_names)
+                return dict(zip(self._out_names, arrays[n_in + n_st:])), dict(zip(self._st_names, arrays[n_in:n_in + n_st]))
         p = self.rec.program
         try:
             first = token_inputs[p.inputs[0].name]
@@ -803,6 +826,9 @@ class Stepper:
             outputs[name] = arr
             i += 1
         self._fn(*args, self._batch, self._heads, self.threads)
+        if inplace and out is not None:
+            n_in = len(self._in_names)
+            self._all_ptrs = seen_ptr[:n_in] + self._param_ptrs + seen_ptr[n_in:]
         return outputs, new_state
 
 
@@ -866,3 +892,9 @@ def load(compiled: Compiled, form: str):
     if form not in EMITTERS:
         raise LinrecError(f"the C backend does not implement the {form} form yet")
     return CRecurrent(compiled)
+
+
+def supports(compiled: Compiled, form: str) -> bool:
+    """Whether this backend builds `form` of the program (verify and bench skip the rest)."""
+    return form in EMITTERS and compiled.derivation.sequence is None and all(
+        t.factorable for t in compiled.derivation.transitions)

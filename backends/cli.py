@@ -3,6 +3,9 @@
     linrec check FILE.lin...      what the compiler understood, and which forms exist
     linrec emit FILE.lin          the generated source of one form
     linrec run FILE.lin           run a form on seeded random inputs, or on arrays from an .npz file
+    linrec verify FILE.lin        check every form on every backend against the float64 recurrent form
+    linrec bench FILE.lin         time every form on every backend against a same-run float32 matmul
+    linrec cache info|clear       the C backend's on-disk kernel cache
 
 Each subcommand is one entry of COMMANDS: a function that adds its arguments to its parser (and sets the
 parser's epilog) and a handler that takes the parsed namespace and returns the exit status. The first line
@@ -241,15 +244,18 @@ def cmd_check(args) -> int:
 
 
 # ---- emit ------------------------------------------------------------------------------------
-def _add_backend_form(parser: argparse.ArgumentParser, default_form: str = "recurrent"):
+def _add_backend_form(parser: argparse.ArgumentParser, default_form: str = "recurrent", step: bool = False):
     parser.add_argument("--backend", default="numpy", choices=_backend_names(),
                         help="code generator (default: numpy)")
-    choices = _form_names() + (["auto"] if default_form == "auto" else [])
+    choices = _form_names() + (["auto"] if default_form == "auto" else []) + (["step"] if step else [])
     parser.add_argument("--form", default=default_form, choices=choices,
                         help="recurrent: token by token, as written; parallel: all tokens at once "
                              "(attention-like); chunkwise: parallel within chunks, recurrent across "
                              "them" + ("; auto: the fastest for the shape and backend" if default_form == "auto"
-                                       else "") + f" (default: {default_form})")
+                                       else "")
+                             + ("; step: one Recurrence.step call per token (the decode step), carrying the "
+                                "state — it equals the other forms" if step else "")
+                             + f" (default: {default_form})")
 
 
 def _add_emit(parser: argparse.ArgumentParser):
@@ -309,7 +315,7 @@ GENERATION_OPTIONS = ("batch", "tokens", "heads", "dims", "dtype", "seed")
 
 def _add_run(parser: argparse.ArgumentParser):
     parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
-    _add_backend_form(parser, "auto")
+    _add_backend_form(parser, "auto", step=True)
     parser.add_argument("--chunk-size", type=_positive_int, metavar="C",
                         help="chunk length for the chunkwise form (default: the form's own choice)")
     io = parser.add_argument_group("arrays from and to files")
@@ -338,6 +344,7 @@ examples:
   linrec run examples/gla.lin --tokens 64 --heads 4 --dim dk=8 --dim dv=8 --dtype float32
   linrec run examples/gla.lin --save-inputs in.npz --out recurrent.npz
   linrec run examples/gla.lin --inputs in.npz --form chunkwise --chunk-size 16 --out chunkwise.npz
+  linrec run examples/gla.lin --backend c --form step     # token by token through the decode step
 
 Making an input file with NumPy (names as in the program):
   np.savez("in.npz", q=q, k=k, v=v, g=g)   # each [B, T, H, *]; S=S0 for an initial state
@@ -421,6 +428,15 @@ def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> str:
     return target
 
 
+def _run_form(rec, args, inputs, params=None, initial_state=None):
+    """rec.run with the chosen form; --form step goes token by token through Recurrence.step."""
+    if args.form == "step":
+        from .decode import run_by_steps
+        return run_by_steps(rec, inputs, backend=args.backend, params=params, initial_state=initial_state)
+    return rec.run(inputs, form=args.form, backend=args.backend, params=params, initial_state=initial_state,
+                   chunk_size=args.chunk_size)
+
+
 def cmd_run(args) -> int:
     """Run a form of a program on seeded random inputs or on arrays from an .npz file.
 
@@ -453,8 +469,7 @@ def cmd_run(args) -> int:
                               f"from the arrays in {args.inputs}")
         inputs, state0, params = _split_arrays(program, _read_npz(args.inputs), args.inputs)
         try:
-            result = rec.run(inputs, form=args.form, backend=args.backend, params=params or None,
-                             initial_state=state0 or None, chunk_size=args.chunk_size)
+            result = _run_form(rec, args, inputs, params=params or None, initial_state=state0 or None)
         except RuntimeInputError as err:
             if err.filename is None and err.span is None:
                 err.filename = args.inputs  # the arrays came from this file: say so
@@ -483,8 +498,7 @@ def cmd_run(args) -> int:
         params = None
         if any(d not in from_inputs and sizes[d] != known[d] for d in sizes):
             params = {k: v for k, v in rec.default_params(heads, sizes).items() if v is not None}
-        result = rec.run(inputs, form=args.form, backend=args.backend, params=params,
-                         chunk_size=args.chunk_size)
+        result = _run_form(rec, args, inputs, params=params)
         dim_text = ", ".join(f"{k}={v}" for k, v in sizes.items())
         origin = f"random, seed {seed}, B={batch}, T={tokens}, H={heads}" + (f", {dim_text}" if dim_text else "")
         if args.save_inputs:
@@ -498,7 +512,8 @@ def cmd_run(args) -> int:
 
     if not args.quiet:
         dtype = next(iter(inputs.values())).dtype if inputs else "?"
-        how = f"{args.form} form, {args.backend} backend, {dtype}"
+        how = f"{args.form} form, {args.backend} backend, {dtype}" if args.form != "step" else \
+            f"one decode step per token (Recurrence.step), {args.backend} backend, {dtype}"
         if args.form == "chunkwise" and args.chunk_size:
             how += f", chunk size {args.chunk_size}"
         lines = [f"{program.name}: {how}", f"inputs: {origin}"]
@@ -564,7 +579,7 @@ def cmd_verify(args) -> int:
         if args.json:
             return
         if not printed_header:
-            print(f"{rec.name}: every form against the float64 recurrent form (numpy)")
+            print(f"{rec.name}: every form against the float64 {verify.reference_form(rec)} form (numpy)")
             print(verify.HEADER)
             printed_header = True
         print(verify.format_row(row), flush=True)
@@ -585,11 +600,135 @@ def cmd_verify(args) -> int:
     return 1 if failed else 0
 
 
+# ---- bench -----------------------------------------------------------------------------------
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _add_bench(parser: argparse.ArgumentParser):
+    from . import bench
+    parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke run: T in {{{', '.join(map(str, bench.QUICK_TOKENS))}}}, "
+                             f"{bench.QUICK_REPEATS} repeats, shorter timings")
+    parser.add_argument("--T", dest="tokens", action="append", type=_positive_int, metavar="T",
+                        help="a sequence length (repeatable; default: "
+                             f"{', '.join(map(str, bench.DEFAULT_TOKENS))})")
+    parser.add_argument("--form", action="append", choices=_form_names() + ["auto"],
+                        help="time this form (repeatable; default: every form the program has); auto: the "
+                             "form Recurrence.choose_form picks for each T and backend")
+    parser.add_argument("--backend", action="append", choices=_backend_names(),
+                        help="time this backend (repeatable; default: every backend)")
+    parser.add_argument("--threads", type=_positive_int, metavar="N",
+                        help="threads for the C kernels (LINREC_NUM_THREADS) and NumPy's BLAS (default: "
+                             "LINREC_NUM_THREADS, else every core)")
+    parser.add_argument("--repeats", type=_positive_int, metavar="R",
+                        help=f"timed calls per row after the warm-up (default: {bench.REPEATS}; --quick: "
+                             f"{bench.QUICK_REPEATS}); a slow row stops earlier, see --budget")
+    parser.add_argument("--budget", type=_positive_float, metavar="SECONDS",
+                        help=f"stop repeating a row once its timed calls took this long, after at least one "
+                             f"(default: {bench.BUDGET_S:g}; --quick: {bench.QUICK_BUDGET_S:g})")
+    parser.add_argument("--dim", dest="dims", action="append", type=_dim, metavar="NAME=SIZE",
+                        help="a dimension's size (default: dk = dv = 64 where declared, else the file's)")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help="write a log-log plot of time against T per form and backend (needs matplotlib)")
+    parser.epilog = """\
+examples:
+  linrec bench examples/gla.lin
+  linrec bench examples/gated_deltanet.lin --threads 1 --json > gdn_1thread.json
+  linrec bench examples/gla.lin --quick --backend c --form auto
+  linrec bench examples/gla.lin --T 4096 --form recurrent --form chunkwise --plot gla.png
+
+B = 1, H = 8, dk = dv = 64, float32. Each row is the median wall time of Recurrence.run (after one
+warm-up call) and its useful GFLOP/s — the recurrent form's flops per token and head (dk·dv per decay,
+2·dk·dv per write, per correction wᵀS and per correction update, 2·dk·dv per readout), the same count
+for every form — as a fraction of a float32 NumPy matmul timed in the same run (with OPENBLAS_CORETYPE
+and OPENBLAS_L2_SIZE unset; the BLAS kernel shown when threadpoolctl is installed). The NumPy parallel
+and recurrent forms are not run above T = 4096. Also: the decode step per token, state bytes against a
+softmax KV cache, what --form auto picks, the C kernel's first build and cached load.
+pip install 'linrec[bench]' adds threadpoolctl and matplotlib."""
+
+
+def cmd_bench(args) -> int:
+    """Time every form on every backend against a same-run float32 matmul.
+
+    Reports median ms, tokens/s, useful GFLOP/s and their fraction of the matmul reference for
+    each form, backend and sequence length, the decode-step time per token, state against KV-cache
+    bytes, the automatic form choice and the C kernel's build and cached-load times.
+    """
+    from . import bench
+
+    opts = bench.Options(file=args.file, quick=args.quick, forms=args.form, backends=args.backend,
+                         threads=args.threads, repeats=args.repeats, budget_s=args.budget,
+                         dims=dict(args.dims or []), plot=args.plot)
+    if args.tokens:
+        opts.tokens = list(args.tokens)
+    elif args.quick:
+        opts.tokens = list(bench.QUICK_TOKENS)
+    progress = None
+    if args.json or sys.stderr.isatty():
+        def progress(text):
+            print(f"{PROG} bench: {text}", file=sys.stderr, flush=True)
+    report = bench.run(opts, progress)
+    if args.json:
+        print(json.dumps(report, indent=1, ensure_ascii=False))
+        if report.get("plot"):
+            print(f"{PROG}: {report['plot']}", file=sys.stderr)
+    else:
+        print(bench.format_report(report))
+    return 0
+
+
+# ---- cache -----------------------------------------------------------------------------------
+def _add_cache(parser: argparse.ArgumentParser):
+    parser.add_argument("action", choices=("info", "clear"),
+                        help="info: where the cache is, its entries and their sizes and ages; clear: delete "
+                             "every cached kernel")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.epilog = """\
+examples:
+  linrec cache info
+  linrec cache clear
+  LINREC_CACHE_DIR=/tmp/k linrec cache info --json
+
+The cache is $LINREC_CACHE_DIR, else $XDG_CACHE_HOME/linrec, else ~/.cache/linrec. An entry is one
+built kernel (the extension, its C source and a checksum), named by a hash of the source, compiler,
+flags, target and linrec's version; a corrupted entry is rebuilt when next used. Clearing is safe:
+kernels are rebuilt on demand."""
+
+
+def cmd_cache(args) -> int:
+    """Show or clear the C backend's on-disk kernel cache.
+
+    `info` lists the cache directory, its entries (built kernels) with their sizes, ages and checksum
+    status, and the total bytes; `clear` deletes every entry (kernels are rebuilt when next used).
+    """
+    from . import c_cache
+    if args.action == "info":
+        data = c_cache.info()
+        print(json.dumps(data, indent=1) if args.json else c_cache.format_info(data))
+    else:
+        data = c_cache.clear()
+        print(json.dumps(data, indent=1) if args.json else
+              f"removed {data['removed']} entr{'y' if data['removed'] == 1 else 'ies'} "
+              f"({c_cache._bytes(data['bytes_freed'])}) from {data['dir']}")
+    return 0
+
+
 COMMANDS: dict[str, tuple[AddArguments, Handler]] = {
     "check": (_add_check, cmd_check),
     "emit": (_add_emit, cmd_emit),
     "run": (_add_run, cmd_run),
     "verify": (_add_verify, cmd_verify),
+    "bench": (_add_bench, cmd_bench),
+    "cache": (_add_cache, cmd_cache),
 }
 
 EPILOG = """\

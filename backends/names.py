@@ -17,7 +17,10 @@ INTERNAL = {"np", "rt", "t", "h", "batch", "tokens", "heads", "inputs", "params"
             "b", "n", "c", "start", "stop", "size", "np_", "abs", "sum", "min", "max", "len", "range", "float"}
 # The helpers generated NumPy code imports (backends.numpy_runtime, backends.numpy_scan).
 INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one", "silu", "l2norm", "groupnorm",
-             "rmsnorm", "diag_matrix", "per_token", "log_decay", "parallel_scan", "chunkwise_scan", "given"}
+             "rmsnorm", "diag_matrix", "per_token", "log_decay", "parallel_scan", "chunkwise_scan", "given",
+             "visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step", "visible",
+             "lsh_attention_dense", "lsh_attention_bucketed", "causal", "keys", "queries", "block", "scores",
+             "key_start", "acc", "l", "m"}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

@@ -16,6 +16,8 @@ from .numpy_printer import NumpyPrinter
 
 VERSION = "0.1.0"
 SCAN_HELPERS = {"per_token", "log_decay", "parallel_scan", "chunkwise_scan"}
+ATTENTION_HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
+                     "lsh_attention_dense", "lsh_attention_bucketed"}
 
 
 @lru_cache(maxsize=None)
@@ -139,7 +141,8 @@ class Emitter:
         return _environment().get_template("numpy_module.py.j2").render(
             name=self.p.name, form=form, version=VERSION, filename=self.c.filename,
             source_comment=source_comment(self.c),
-            runtime_helpers=sorted(helpers - SCAN_HELPERS), scan_helpers=sorted(helpers & SCAN_HELPERS), param_lines=param_lines,
+            runtime_helpers=sorted(helpers - SCAN_HELPERS - ATTENTION_HELPERS),
+            scan_helpers=sorted(helpers & SCAN_HELPERS), attention_helpers=sorted(helpers & ATTENTION_HELPERS), param_lines=param_lines,
             param_names=[(prm.name, self.name(prm.name)) for prm in self.p.params], body=body)
 
 
@@ -223,6 +226,9 @@ EMITTERS = {"recurrent": emit_recurrent}
 
 
 def emit(compiled: Compiled, form: str) -> str:
+    if compiled.derivation.sequence is not None:
+        from . import numpy_sequence
+        return numpy_sequence.emit(compiled, form)
     return EMITTERS[form](compiled)
 
 

@@ -29,6 +29,7 @@ BUILTINS = {b.name: b for b in [
     Builtin("groupnorm", "vector", 1, (("eps", 1e-5),),
             doc="per head: zero mean, unit variance over the vector, no affine"),
     Builtin("rmsnorm", "vector", 1, (("eps", 1e-6),), doc="x/sqrt(mean(x²)+eps)"),
+    Builtin("softmax", "vector", 1, doc="exp(x − max x)/Σ exp(x − max x); over visible keys for seq(…) scores"),
     Builtin("sum", "reduce", 1, doc="sum of the vector's entries"),
     Builtin("mean", "reduce", 1, doc="mean of the vector's entries"),
     Builtin("norm", "reduce", 1, doc="Euclidean norm ‖x‖"),
@@ -39,4 +40,16 @@ STRUCTURAL = {"diag": 1, "outer": 2}
 
 # Seeded random defaults, only inside `param NAME = …`.
 RANDOM = {"randn": ("normal", (("std", 1.0),)),
-          "uniform": ("uniform", (("low", 0.0), ("high", 1.0)))}
+          "uniform": ("uniform", (("low", 0.0), ("high", 1.0))),
+          # Performer's FAVOR+ projections: Gaussian rows, orthogonalized in blocks of dk when orthogonal=1,
+          # each row rescaled to the length of an independent Gaussian vector
+          "random_features": ("features", (("orthogonal", 1.0),))}
+
+# Sequence-level builtins: they see the other tokens of the sequence.
+SEQ = "T"  # the name of the sequence axis (declare `T = 4096` in the header to bound it)
+SEQUENCE = {
+    # seq(x): x at every visible position, shape [T, *x]; window=w keeps the last w positions (0: all)
+    "seq": (1, (("window", 0.0),)),
+    # Reformer's shared-QK LSH attention of per-token q (keys are q/‖q‖) over values v
+    "lsh_attention": (2, (("buckets", 16.0), ("rounds", 2.0), ("chunk", 16.0), ("seed", 0.0))),
+}

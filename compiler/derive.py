@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from . import ir
 from .analysis import inline_lets, rebuild, states_in, to_text, walk
+from .sequence import SequencePlan, is_sequence_program, plan
 from .transitions import Transition, classify
 
 FORMS = ("recurrent", "parallel", "chunkwise")
@@ -31,6 +32,7 @@ class Derivation:
     readouts: tuple[Readout, ...]
     outputs: tuple[tuple[str, ir.Expr], ...]   # output expressions over ReadoutRef and inputs
     unavailable: tuple[tuple[str, str], ...]   # (form, reason)
+    sequence: SequencePlan | None = None       # set for programs that read the sequence (seq, …)
 
     def transition(self, state: str) -> Transition:
         return next(t for t in self.transitions if t.state == state)
@@ -71,6 +73,9 @@ def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: li
 
 
 def derive(program: ir.Program) -> Derivation:
+    if is_sequence_program(program):
+        sp = plan(program)
+        return Derivation((), (), sp.outputs, sp.unavailable, sp)
     updates = program.updates
     transitions = tuple(classify(program, updates[s.name]) for s in program.states)
     readouts: list[Readout] = []

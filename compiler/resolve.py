@@ -11,10 +11,10 @@ from dsl.errors import LinrecError, Span
 
 from . import ir
 from .analysis import rebuild
-from .builtins import BUILTINS, RANDOM, STRUCTURAL
+from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
 
 SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
-RESERVED = {"I", "h"} | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM)
+RESERVED = {"I", "h"} | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
 
 
 def _fmt(shape: ir.Shape) -> str:
@@ -55,8 +55,14 @@ class _Resolver:
                                  if what == "a state" else ""), span)
         self.defined_at[name] = span
 
-    def _check_shape(self, shape: tuple[str, ...], span: Span):
+    def _check_shape(self, shape: tuple[str, ...], span: Span, what: str = "input"):
         for d in shape:
+            if d == SEQ and what != "param":
+                raise LinrecError(f"'{SEQ}' is the sequence axis: an {what} is per token and cannot span it; "
+                                  f"read other tokens with seq(x)", span)
+            if d == SEQ and d not in self.dims:
+                raise LinrecError(f"a parameter over the sequence axis needs its maximum length: declare it in "
+                                  f"the header, e.g. `recurrence {self.p.name}(…, {SEQ} = 4096)`", span)
             if d not in self.dims:
                 known = ", ".join(self.dims) or "none"
                 raise LinrecError(f"unknown dimension '{d}' (declared: {known}); add it to the header, "
@@ -93,7 +99,7 @@ class _Resolver:
 
     def _ParamDecl(self, st: ast.ParamDecl):
         self._define(st.name, st.span, "a parameter")
-        self._check_shape(st.shape, st.span)
+        self._check_shape(st.shape, st.span, "param")
         default = None
         if st.default is not None:
             self._param_shape = st.shape
@@ -108,7 +114,7 @@ class _Resolver:
 
     def _StateDecl(self, st: ast.StateDecl):
         self._define(st.name, st.span, "a state")
-        self._check_shape(st.shape, st.span)
+        self._check_shape(st.shape, st.span, "state")
         if len(st.shape) not in (1, 2):
             raise LinrecError(f"state '{st.name}' must be a vector or a matrix, e.g. `state S[dk, dv]`", st.span)
         self.states[st.name] = ir.State(st.name, st.shape)
@@ -122,7 +128,7 @@ class _Resolver:
     def _check_function_names(self, f: ast.FunctionDef):
         """Unknown names in a function body are errors even when the function is never called."""
         known = set(f.params) | set(self.defined_at) | set(self.dims) | {"I", "h"}
-        callable_ = set(self.functions) | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM)
+        callable_ = set(self.functions) | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
 
         def visit(e):
             if isinstance(e, ast.Name):
@@ -295,6 +301,8 @@ class _Resolver:
             opts = self._options(e, dict(defaults) | {"seed": 0.0}, positional=[k for k, _ in defaults])
             seed = opts.pop("seed")
             return ir.Random(self._param_shape, kind, int(seed), tuple(opts.items()), span=sp)
+        if fn in SEQUENCE:
+            return self._sequence_call(e, rec)
         if fn in STRUCTURAL:
             if e.keywords or len(e.args) != STRUCTURAL[fn]:
                 raise LinrecError(f"'{fn}' takes {STRUCTURAL[fn]} argument(s)", sp)
@@ -324,6 +332,33 @@ class _Resolver:
         hint = _closest(fn, list(self.functions) + list(BUILTINS) + list(STRUCTURAL))
         raise LinrecError(f"unknown function '{fn}'" + (f"; did you mean '{hint}'?" if hint else
                           "; define it first, e.g. `phi(x) = elu(x) + 1`"), e.name_span or sp)
+
+    def _sequence_call(self, e: ast.Call, rec) -> ir.Expr:
+        arity, defaults = SEQUENCE[e.function]
+        if len(e.args) != arity:
+            raise LinrecError(f"'{e.function}' takes {arity} argument(s), got {len(e.args)}", e.span)
+        opts = self._options(e, dict(defaults), positional=[])
+        args = tuple(rec(a) for a in e.args)
+        for a, src in zip(args, e.args):
+            if len(a.shape) > 1:
+                raise LinrecError(f"'{e.function}' takes per-token scalars or vectors, got {_fmt(a.shape)}",
+                                  src.span)
+            if any(isinstance(n, (ir.StateRef, ir.Apply)) and getattr(n, "function", None) in SEQUENCE
+                   for n in _walk(a)):
+                raise LinrecError(f"'{e.function}' cannot take another sequence expression", src.span)
+        if e.function == "seq":
+            if opts["window"] < 0 or opts["window"] != int(opts["window"]):
+                raise LinrecError("window must be a non-negative integer (0 keeps every position)", e.span)
+            return ir.Apply((SEQ,) + args[0].shape, "seq", args, tuple(opts.items()), span=e.span)
+        q, v = args
+        if len(q.shape) != 1:
+            raise LinrecError("lsh_attention hashes a vector of queries, got a scalar", e.args[0].span)
+        for name in ("buckets", "rounds", "chunk"):
+            if opts[name] < 1 or opts[name] != int(opts[name]):
+                raise LinrecError(f"lsh_attention's {name} must be a positive integer", e.span)
+        if int(opts["buckets"]) % 2:
+            raise LinrecError("lsh_attention's buckets must be even (hashes are argmax over [xR; −xR])", e.span)
+        return ir.Apply(v.shape, "lsh_attention", args, tuple(opts.items()), span=e.span)
 
     def _options(self, e: ast.Call, defaults: dict, positional: list[str]) -> dict:
         """Keyword options must be numbers; `positional` names the options that may also come by position."""

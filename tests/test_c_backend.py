@@ -322,7 +322,7 @@ def test_two_processes_build_the_same_kernel(tmp_path):
     with ctx.Pool(2) as pool:
         results = pool.map(_build_in_child, [(str(cache), str(ROOT), "concurrent")] * 2)
     assert results[0] == results[1] > 0
-    entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    entries = [p for p in cache.iterdir() if len(p.name) == 64]
     assert len(entries) == 1  # one float64 kernel, built by whichever process got there first
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
 
@@ -338,7 +338,7 @@ def test_corrupted_entry_is_rebuilt(tmp_path):
     cache = tmp_path / "cache"
     first = _run_child(cache, "corrupt")
     assert first.returncode == 0, first.stderr
-    (entry,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    (entry,) = [p for p in cache.iterdir() if len(p.name) == 64]
     (so,) = [p for p in entry.iterdir() if p.name.endswith(c_build._ext_suffix())]
     so.write_bytes(so.read_bytes()[: so.stat().st_size // 3])  # truncated
     second = _run_child(cache, "corrupt")

@@ -1,0 +1,716 @@
+"""`linrec bench FILE`: time every form on every backend against a same-run float32 matmul.
+
+For B = 1, H = 8 and dk = dv = 64 (only the dimensions the file declares; `--dim` overrides), float32,
+T ∈ {1024, 4096, 16384, 32768} (`--quick`: {256, 1024}, fewer repeats) it reports per form × backend
+
+* the median wall time of `Recurrence.run` over repeats, after one warm-up call (the warm-up builds or
+  loads a compiled kernel; the API's input checks and any repacking inside a kernel are counted);
+* tokens/s and GFLOP/s of *useful* flops (`flop_count`: what the recurrent form must do per token and
+  head — dk·dv per decay, 2·dk·dv per rank-one write, 2·dk·dv per correction product wᵀS and 2·dk·dv per
+  correction update u⊗p, 2·dk·dv per readout q·S; a vector state counts its size instead of dk·dv and a
+  plain vector write (z += k) its size once) — the same count for every form, so a form that does more
+  arithmetic (parallel, chunkwise) is not credited for it;
+* each as a fraction of a plain float32 NumPy matmul (2048³, median of repeats) timed in the same run in a
+  subprocess with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (and, when the environment sets them, also
+  as given: the "pinned" figure), with the BLAS kernel that ran (threadpoolctl, when installed); and of the
+  recurrent-form bound: the time the useful flops take at that matmul rate (the two fractions are the
+  same number: bound time / time = GFLOP/s / matmul GFLOP/s);
+* the decode step (`Recurrence.step`, one token of one layer, inplace=True) in µs per call;
+* the state bytes of one layer against the KV cache of softmax attention at each T;
+* what `--form auto` picks for each T and backend and why (and whether it was the fastest measured);
+* for compiled backends: the first build of the kernel (a fresh process with an empty cache) and a cached
+  load (a fresh process with the same LINREC_CACHE_DIR).
+
+The thread count goes to the C backend through LINREC_NUM_THREADS and to NumPy's BLAS through
+threadpoolctl (when installed) and OPENBLAS_NUM_THREADS (in the subprocesses).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+
+import numpy as np
+
+from dsl.errors import LinrecError
+
+DEFAULT_TOKENS = (1024, 4096, 16384, 32768)
+QUICK_TOKENS = (256, 1024)
+BATCH, HEADS = 1, 8
+BENCH_DIMS = {"dk": 64, "dv": 64}     # applied only to dimensions the file declares
+# The NumPy backend's parallel form keeps T×T scores per head (~12 s at T = 4096, 8 heads, d = 64) and its
+# recurrent form pays interpreter overhead per token: neither is run above this T.
+NUMPY_MAX_TOKENS = {"parallel": 4096, "recurrent": 4096}
+SGEMM_N = 2048
+PINNING_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+REPEATS, QUICK_REPEATS = 7, 3
+BUDGET_S, QUICK_BUDGET_S = 10.0, 2.0   # stop repeating a row once its timed calls took this long
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # holds dsl/, compiler/ and backends/
+
+
+@dataclass
+class Options:
+    file: str
+    tokens: list[int] = field(default_factory=lambda: list(DEFAULT_TOKENS))
+    forms: list[str] | None = None          # None: every form the program has; may include "auto"
+    backends: list[str] | None = None       # None: every backend
+    threads: int | None = None              # None: LINREC_NUM_THREADS, else every core
+    repeats: int | None = None
+    budget_s: float | None = None
+    quick: bool = False
+    dims: dict[str, int] = field(default_factory=dict)
+    plot: str | None = None
+
+
+# ---- what is counted ----------------------------------------------------------------------------------
+def flop_count(rec, dims: dict[str, int]) -> tuple[int, str, list[str]]:
+    """Useful flops per token and head, derived from the program's transitions and readouts:
+    (number, formula like "5·dk·dv", one line per state saying where the terms come from)."""
+    program, derivation = rec.program, rec.derivation
+    total, formula, lines = 0, [], []
+    for tr in derivation.transitions:
+        state = program.state(tr.state)
+        n = prod(dims[d] for d in state.shape)
+        size = "·".join(state.shape) or "1"
+        terms: list[tuple[str, int]] = []
+        if tr.decay is not None:
+            terms.append(("decay", 1))
+        for _key, value in tr.writes:
+            terms.append(("write", 2 if value is not None or len(state.shape) != 1 else 1))
+        for _ in tr.corrections:
+            terms += [("correction wᵀS", 2), ("correction update", 2)]
+        for r in derivation.readouts:
+            if r.state == tr.state:
+                terms.append(("readout", 2))
+        coef = sum(c for _, c in terms)
+        total += coef * n
+        formula.append(f"{coef}·{size}" if size != "1" else str(coef))
+        lines.append(f"{tr.state}[{', '.join(state.shape)}]: " + " + ".join(f"{name} {c}" for name, c in terms)
+                     + f" = {coef}·{size}")
+    return total, " + ".join(formula) or "0", lines
+
+
+def state_bytes(rec, dims: dict[str, int], heads: int = HEADS, itemsize: int = 4) -> int:
+    """One layer's recurrent state (B = 1): H · Σ state sizes · itemsize."""
+    return heads * sum(prod(dims[d] for d in s.shape) for s in rec.program.states) * itemsize
+
+
+def kv_cache_bytes(tokens: int, dims: dict[str, int], heads: int = HEADS, itemsize: int = 4) -> int:
+    """Softmax attention's KV cache for one layer (B = 1): T · H · (dk + dv) · itemsize (= 2·T·H·d·4)."""
+    dk, dv = dims.get("dk", 64), dims.get("dv", dims.get("dk", 64))
+    return tokens * heads * (dk + dv) * itemsize
+
+
+# ---- subprocess helpers -------------------------------------------------------------------------------
+def _env(threads: int, **changes) -> dict[str, str]:
+    env = dict(os.environ)
+    env["LINREC_NUM_THREADS"] = str(threads)
+    env["OPENBLAS_NUM_THREADS"] = str(threads)
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(PACKAGE_ROOT) + (os.pathsep + path if path else "")
+    for k, v in changes.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def _python(script: str, args: list[str], env: dict[str, str], timeout: float = 900) -> dict:
+    try:
+        res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                             timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    if res.returncode != 0:
+        tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
+        return {"error": f"exit status {res.returncode}: {tail}"}
+    try:
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"unreadable output: {res.stdout[-200:]!r}"}
+
+
+_SGEMM_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+n, repeats, threads = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+try:
+    import threadpoolctl
+except ImportError:
+    threadpoolctl = None
+limit = threadpoolctl.threadpool_limits(limits=threads, user_api="blas") if threadpoolctl else None
+rng = np.random.default_rng(0)
+a = rng.standard_normal((n, n), dtype=np.float32)
+b = rng.standard_normal((n, n), dtype=np.float32)
+c = np.empty((n, n), np.float32)
+np.matmul(a, b, out=c)
+times = []
+for _ in range(repeats):
+    t0 = time.perf_counter()
+    np.matmul(a, b, out=c)
+    times.append(time.perf_counter() - t0)
+info = threadpoolctl.threadpool_info() if threadpoolctl else None
+print(json.dumps({"times": times, "blas": info, "numpy": np.__version__}))
+"""
+
+_LOAD_SCRIPT = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import numpy as np
+import backends as linrec
+t1 = time.perf_counter()
+path, backend, dims, heads = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+rec = linrec.load(path)
+t2 = time.perf_counter()
+x = rec.random_inputs(batch=1, tokens=1, heads=heads, dims=dims, dtype=np.float32, seed=0)
+try:
+    from backends import c_build
+    entries = lambda: c_build.cache_info()["entries"]
+except Exception:
+    entries = lambda: None
+before = entries()
+t3 = time.perf_counter()
+rec.run(x, form="recurrent", backend=backend)
+t4 = time.perf_counter()
+after = entries()
+rec.run(x, form="recurrent", backend=backend)
+t5 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "dsl_compile_s": t2 - t1, "first_call_s": t4 - t3,
+                  "second_call_s": t5 - t4, "built": None if before is None else after != before}))
+"""
+
+
+def sgemm_reference(threads: int, repeats: int, pinned: bool = False, n: int = SGEMM_N) -> dict:
+    """A float32 n×n @ n×n matmul in a fresh process: median ms, GFLOP/s, the BLAS that ran. pinned=False
+    unsets OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (the library picks its kernel for this CPU); pinned=True
+    keeps the environment as given."""
+    env = _env(threads, **({} if pinned else {k: None for k in PINNING_VARIABLES}))
+    out = _python(_SGEMM_SCRIPT, [str(n), str(repeats), str(threads)], env)
+    if "error" in out:
+        return {"n": n, "error": out["error"], "gflops": None}
+    ms = statistics.median(out["times"]) * 1e3
+    env_note = {k: (os.environ.get(k) if pinned else None) for k in PINNING_VARIABLES}
+    return {"n": n, "ms": ms, "gflops": 2 * n ** 3 / (ms * 1e6), "repeats": len(out["times"]), "threads": threads,
+            "blas": out["blas"], "numpy": out["numpy"], "env": env_note}
+
+
+def blas_summary(info) -> str:
+    if not info:
+        return "BLAS kernel unknown (install threadpoolctl: pip install 'linrec[bench]')"
+    parts = []
+    for lib in info:
+        if lib.get("user_api") != "blas":
+            continue
+        name = f"{lib.get('internal_api', '?')} {lib.get('version') or ''}".strip()
+        parts.append(f"{name}, {lib.get('architecture') or '?'} kernel, {lib.get('num_threads')} thread(s)")
+    return "; ".join(parts) or "no BLAS library reported"
+
+
+def load_times(path: str, backend: str, dims: dict[str, int], threads: int) -> dict:
+    """A compiled backend's first build (fresh process, empty temporary cache) and cached load (fresh
+    process, the cache this run uses — where the main process has just built or loaded the kernel)."""
+    from . import c_build
+    absolute = str(Path(path).resolve())
+    args = [absolute, backend, json.dumps(dims), str(HEADS)]
+    empty = tempfile.mkdtemp(prefix="linrec-bench-cache-")
+    try:
+        built = _python(_LOAD_SCRIPT, args, _env(threads, LINREC_CACHE_DIR=empty))
+    finally:
+        shutil.rmtree(empty, ignore_errors=True)
+    cache = str(c_build.cache_dir())
+    cached = _python(_LOAD_SCRIPT, args, _env(threads, LINREC_CACHE_DIR=cache))
+    if cached.get("built"):  # this process had the kernel in memory only (another cache dir): now it is on disk
+        cached = _python(_LOAD_SCRIPT, args, _env(threads, LINREC_CACHE_DIR=cache))
+    return {"build": built, "cached": cached, "cache_dir": cache}
+
+
+# ---- timing in this process ---------------------------------------------------------------------------
+def _timed(fn, repeats: int, budget_s: float) -> list[float]:
+    times = []
+    start = time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return times
+
+
+def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool) -> dict:
+    """Recurrence.step for one token of one layer (B = 1, H heads), inplace=True, reused output arrays:
+    µs per call, the median over batches of calls (each batch long enough to dwarf the timer)."""
+    x = rec.random_inputs(batch=BATCH, tokens=1, heads=HEADS, dims=dims, dtype=np.float32, seed=1)
+    token = {k: np.ascontiguousarray(v[:, 0]) for k, v in x.items()}
+    state = {s.name: np.zeros((BATCH, HEADS) + tuple(dims[d] for d in s.shape), np.float32)
+             for s in rec.program.states}
+    t0 = time.perf_counter()
+    out, state = rec.step(token, state, backend=backend, inplace=True)  # binds (and builds) once
+    first_ms = (time.perf_counter() - t0) * 1e3
+
+    def batch(n):
+        t = time.perf_counter()
+        for _ in range(n):
+            rec.step(token, state, backend=backend, inplace=True, out=out)
+        return time.perf_counter() - t
+
+    target = 0.002 if quick else 0.005
+    n = 1
+    while n < 1 << 20:
+        if batch(n) >= target:
+            break
+        n *= 2
+    per_call = [batch(n) / n for _ in range(5 if quick else 21)]
+    return {"us": statistics.median(per_call) * 1e6, "calls_per_batch": n, "batches": len(per_call),
+            "first_call_ms": first_ms}
+
+
+@contextmanager
+def _thread_settings(threads: int):
+    """LINREC_NUM_THREADS for the C backend (read per call), BLAS threads for NumPy (threadpoolctl)."""
+    old = os.environ.get("LINREC_NUM_THREADS")
+    os.environ["LINREC_NUM_THREADS"] = str(threads)
+    with ExitStack() as stack:
+        try:
+            import threadpoolctl
+            stack.enter_context(threadpoolctl.threadpool_limits(limits=threads, user_api="blas"))
+            limited = True
+        except ImportError:
+            limited = False
+        try:
+            yield limited
+        finally:
+            if old is None:
+                os.environ.pop("LINREC_NUM_THREADS", None)
+            else:
+                os.environ["LINREC_NUM_THREADS"] = old
+
+
+def default_threads() -> tuple[int, str]:
+    env = os.environ.get("LINREC_NUM_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}")
+        return n, "LINREC_NUM_THREADS"
+    try:
+        return len(os.sched_getaffinity(0)), "every core"
+    except AttributeError:
+        return os.cpu_count() or 1, "every core"
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _cpu_ticks() -> tuple[float, int, int] | None:
+    """(wall time, busy ticks of the whole machine, ticks of this process and its finished children) from
+    /proc: the difference between two readings tells how much CPU other processes took meanwhile."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        busy = sum(fields[:8]) - fields[3] - fields[4]  # everything but idle and iowait
+        with open("/proc/self/stat", encoding="ascii") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        mine = sum(int(v) for v in own[11:15])  # utime, stime, cutime, cstime
+        return time.time(), busy, mine
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _others_cores(start, end) -> float | None:
+    """Average number of cores other processes kept busy between two _cpu_ticks() readings."""
+    if start is None or end is None or end[0] <= start[0]:
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / hz / (end[0] - start[0]))
+
+
+def _blas_in_process():
+    try:
+        import threadpoolctl
+    except ImportError:
+        return None
+    return threadpoolctl.threadpool_info()
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+def run(opts: Options, progress=None) -> dict:
+    """Everything `linrec bench` reports, as plain data (the --json object)."""
+    import compiler
+
+    from . import api
+
+    say = progress or (lambda text: None)
+    ticks = _cpu_ticks()
+    rec = api.load(opts.file)
+    program = rec.program
+    declared = {d.name: d.default for d in program.dims}
+    dims = dict(declared)
+    for name, size in BENCH_DIMS.items():
+        if name in dims:
+            dims[name] = size
+    for name, size in opts.dims.items():
+        if name not in declared:
+            raise LinrecError(f"--dim {name}={size}: '{program.name}' has no dimension '{name}'; its dimensions "
+                              f"are {', '.join(declared) or 'none'}")
+        dims[name] = size
+    missing = [p.name for p in program.params if p.default is None]
+    if missing:
+        raise LinrecError(f"param(s) {', '.join(missing)} have no default: the benchmark needs a program whose "
+                          f"params all have defaults")
+    if opts.threads is not None:
+        threads, threads_from = opts.threads, "--threads"
+    else:
+        threads, threads_from = default_threads()
+    repeats = opts.repeats or (QUICK_REPEATS if opts.quick else REPEATS)
+    budget = opts.budget_s if opts.budget_s is not None else (QUICK_BUDGET_S if opts.quick else BUDGET_S)
+    tokens = sorted(set(opts.tokens))
+    backends = list(dict.fromkeys(opts.backends or list(api.BACKENDS)))
+    wanted = list(dict.fromkeys(opts.forms or list(rec.forms)))
+    with_auto = "auto" in wanted
+    forms = [f for f in wanted if f != "auto"]
+    skipped: list[dict] = []
+    notes: list[str] = []
+    for f in forms:
+        if f not in compiler.FORMS:
+            raise LinrecError(f"unknown form '{f}'; choose one of {', '.join(compiler.FORMS)} or auto")
+    for f in [f for f in forms if rec.derivation.why_not(f)]:
+        skipped.append({"form": f, "backend": None, "T": None,
+                        "reason": f"'{program.name}' has no {f} form: {rec.derivation.why_not(f)}"})
+        forms.remove(f)
+
+    flops, formula, flop_lines = flop_count(rec, dims)
+    report: dict = {
+        "file": opts.file, "program": program.name, "dtype": "float32", "batch": BATCH, "heads": HEADS,
+        "dims": dims, "tokens": tokens, "threads": threads, "threads_from": threads_from,
+        "repeats": repeats, "budget_s": budget, "quick": opts.quick,
+        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(), "numpy": np.__version__},
+        "flops_per_token_head": flops, "flop_formula": formula, "flop_terms": flop_lines,
+        "load_average_start": _load_average(), "blas_in_process": _blas_in_process(),
+    }
+    try:
+        from . import c_build
+        report["c"] = {"cache_dir": str(c_build.cache_dir()), "flags": c_build.flags(),
+                       "vector_bytes": c_build.vector_bytes()}
+    except Exception as err:  # noqa: BLE001 - only informational
+        report["c"] = {"error": str(err)}
+
+    # 1. the same-run reference
+    sg_repeats = 3 if opts.quick else 10
+    say(f"reference: float32 matmul {SGEMM_N}³, {threads} thread(s), OPENBLAS_CORETYPE/L2_SIZE unset …")
+    ref = sgemm_reference(threads, sg_repeats)
+    pinned_env = {k: os.environ[k] for k in PINNING_VARIABLES if k in os.environ}
+    if pinned_env:
+        say(f"reference with the environment as given ({pinned_env}) …")
+        pinned = sgemm_reference(threads, sg_repeats, pinned=True)
+    else:
+        pinned = dict(ref, note="the environment sets neither OPENBLAS_CORETYPE nor OPENBLAS_L2_SIZE: the same "
+                                "measurement")
+    sgemm = ref["gflops"]
+    if sgemm is None:
+        notes.append(f"the matmul reference failed ({ref.get('error')}): no fractions")
+    report.update({"sgemm_gflops": sgemm, "sgemm": ref, "sgemm_pinned_gflops": pinned.get("gflops"),
+                   "sgemm_pinned": pinned, "pinned_env": pinned_env, "blas": ref.get("blas"),
+                   "blas_summary": blas_summary(ref.get("blas"))})
+
+    # 2. what to measure
+    combos: list[tuple[str, str, int]] = []
+    auto = []
+    for b in backends:
+        emitters = getattr(api.BACKENDS[b], "EMITTERS", {})
+        for f in forms:
+            if f not in emitters:
+                skipped.append({"form": f, "backend": b, "T": None,
+                                "reason": f"the {b} backend does not implement the {f} form (yet)"})
+                continue
+            for t in tokens:
+                limit = NUMPY_MAX_TOKENS.get(f) if b == "numpy" else None
+                if limit is not None and t > limit:
+                    skipped.append({"form": f, "backend": b, "T": t,
+                                    "reason": f"NumPy {f} form not run above T = {limit}" + (
+                                        " (T×T scores per head: slow, memory-hungry)" if f == "parallel"
+                                        else " (interpreter overhead per token)")})
+                    continue
+                combos.append((f, b, t))
+        for t in tokens:
+            form, why = rec.choose_form(b, t)
+            auto.append({"backend": b, "T": t, "form": form, "why": why})
+            if with_auto and form in emitters and (form, b, t) not in combos:
+                combos.append((form, b, t))
+    combos.sort(key=lambda c: (c[2], list(rec.forms).index(c[0]) if c[0] in rec.forms else 99,
+                               backends.index(c[1])))
+
+    rows: list[dict] = []
+    build_s: dict[str, float] = {}
+    cached_load_ms: dict[str, float] = {}
+    decode_us: dict[str, float] = {}
+    loads: dict[str, dict] = {}
+    decode: dict[str, dict] = {}
+    with _thread_settings(threads) as blas_limited:
+        if not blas_limited:
+            notes.append("threadpoolctl is not installed: the NumPy backend's BLAS ran with its own thread count "
+                         "(pip install 'linrec[bench]')")
+        # 3. compiled backends: make sure this run's cache holds the kernel, then first build and cached load
+        for b in backends:
+            if b == "numpy":
+                continue
+            say(f"{b}: first build (fresh process, empty cache) and cached load (fresh process) …")
+            try:
+                tiny = rec.random_inputs(batch=1, tokens=1, heads=HEADS, dims=dims, dtype=np.float32, seed=0)
+                t0 = time.perf_counter()
+                rec.run(tiny, form="recurrent", backend=b)
+                in_process = time.perf_counter() - t0
+            except LinrecError as err:
+                notes.append(f"the {b} backend does not run here: {err}")
+                continue
+            info = load_times(opts.file, b, dims, threads)
+            info["this_process_first_call_s"] = in_process
+            loads[b] = info
+            if "first_call_s" in info["build"]:
+                build_s[b] = info["build"]["first_call_s"]
+            else:
+                notes.append(f"{b}: first-build measurement failed: {info['build'].get('error')}")
+            if "first_call_s" in info["cached"]:
+                cached_load_ms[b] = info["cached"]["first_call_s"] * 1e3
+            else:
+                notes.append(f"{b}: cached-load measurement failed: {info['cached'].get('error')}")
+
+        # 4. forms × backends × T
+        inputs_by_t: dict[int, dict] = {}
+        for f, b, t in combos:
+            if t not in inputs_by_t:
+                inputs_by_t.clear()  # one T's inputs at a time (T = 32768: 4 × 8 MiB)
+                inputs_by_t[t] = rec.random_inputs(batch=BATCH, tokens=t, heads=HEADS, dims=dims,
+                                                   dtype=np.float32, seed=0)
+            x = inputs_by_t[t]
+            say(f"{f:<10} {b:<6} T = {t:<6} …")
+            gc.collect()
+            try:
+                t0 = time.perf_counter()
+                rec.run(x, form=f, backend=b)
+                warm = time.perf_counter() - t0
+                times = _timed(lambda: rec.run(x, form=f, backend=b), repeats, budget)
+            except (LinrecError, MemoryError) as err:
+                skipped.append({"form": f, "backend": b, "T": t, "reason": f"failed: {err}"})
+                continue
+            ms = statistics.median(times) * 1e3
+            total = BATCH * t * HEADS * flops
+            gflops = total / (ms * 1e6)
+            row = {"form": f, "backend": b, "T": t, "ms": ms, "tokens_per_s": BATCH * t / (ms / 1e3),
+                   "gflops": gflops, "fraction_of_sgemm": gflops / sgemm if sgemm else None,
+                   "bound_ms": total / (sgemm * 1e6) if sgemm else None,
+                   "fraction_of_bound": (total / (sgemm * 1e6)) / ms if sgemm else None,
+                   "repeats": len(times), "min_ms": min(times) * 1e3, "warmup_s": warm}
+            rows.append(row)
+
+        # 5. decode step
+        if program.causal:
+            for b in backends:
+                say(f"{b}: decode step …")
+                try:
+                    decode[b] = decode_step_us(rec, b, dims, opts.quick)
+                    decode_us[b] = decode[b]["us"]
+                except LinrecError as err:
+                    notes.append(f"{b}: no decode step: {err}")
+        else:
+            notes.append(f"'{program.name}' is non-causal: it has no decode step")
+
+    for a in auto:
+        measured = [r for r in rows if r["backend"] == a["backend"] and r["T"] == a["T"]]
+        if measured:
+            best = min(measured, key=lambda r: r["ms"])
+            a["fastest_measured"] = best["form"]
+            a["picked_is_fastest"] = best["form"] == a["form"] if any(r["form"] == a["form"] for r in measured) \
+                else None
+    scaling = []
+    for f, b in dict.fromkeys((r["form"], r["backend"]) for r in rows):
+        series = sorted((r["T"], r["ms"]) for r in rows if (r["form"], r["backend"]) == (f, b))
+        for (t1, m1), (t2, m2) in zip(series, series[1:]):
+            scaling.append({"form": f, "backend": b, "T_from": t1, "T_to": t2, "ratio": m2 / m1,
+                            "linear": t2 / t1})
+    others = _others_cores(ticks, _cpu_ticks())
+    if others is not None and others > 0.25:
+        notes.append(f"the machine was busy: other processes kept {others:.2f} core(s) busy on average during this "
+                     f"run, so these times (and the matmul reference) are pessimistic and noisy")
+    report.update({
+        "other_processes_cores": others,
+        "rows": rows, "skipped": skipped, "auto": auto, "scaling": scaling,
+        "decode_us": decode_us, "decode": decode,
+        "state_bytes": state_bytes(rec, dims),
+        "kv_cache_bytes": {str(t): kv_cache_bytes(t, dims) for t in tokens},
+        "build_s": build_s, "cached_load_ms": cached_load_ms, "loads": loads,
+        "notes": notes,
+    })
+    if opts.plot:
+        report["plot"] = plot(report, opts.plot)
+    return report
+
+
+# ---- output -------------------------------------------------------------------------------------------
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            .rstrip() for r in rows]
+
+
+def format_report(rep: dict) -> str:
+    dims = ", ".join(f"{k}={v}" for k, v in rep["dims"].items())
+    out = [f"{rep['program']} ({rep['file']}): B={rep['batch']}, H={rep['heads']}, {dims}, {rep['dtype']}, "
+           f"{rep['threads']} thread(s) (from {rep['threads_from']}; LINREC_NUM_THREADS for C, BLAS threads for "
+           f"NumPy)",
+           f"useful flops per token and head: {rep['flop_formula']} = {rep['flops_per_token_head']}  "
+           f"(" + "; ".join(rep["flop_terms"]) + ")"]
+    ref = rep["sgemm"]
+    if rep["sgemm_gflops"]:
+        out.append(f"reference: float32 matmul {ref['n']}×{ref['n']} @ {ref['n']}×{ref['n']}: {ref['ms']:.2f} ms, "
+                   f"{rep['sgemm_gflops']:.1f} GFLOP/s ({rep['blas_summary']}; OPENBLAS_CORETYPE and "
+                   f"OPENBLAS_L2_SIZE unset)")
+        pin = rep["sgemm_pinned"]
+        if rep["pinned_env"]:
+            envtext = ", ".join(f"{k}={v}" for k, v in rep["pinned_env"].items())
+            out.append(f"           with the environment as given ({envtext}): "
+                       + (f"{pin['gflops']:.1f} GFLOP/s ({blas_summary(pin.get('blas'))})" if pin.get("gflops")
+                          else f"failed: {pin.get('error')}"))
+        else:
+            out.append("           (the environment sets neither OPENBLAS_CORETYPE nor OPENBLAS_L2_SIZE: that is "
+                       "also the figure as given)")
+    else:
+        out.append(f"reference: matmul failed: {ref.get('error')}")
+    out.append("")
+    if rep["rows"]:
+        table = [["form", "backend", "T", "ms", "tokens/s", "GFLOP/s", "of matmul", "bound ms", "of bound",
+                  "reps"]]
+        for r in rep["rows"]:
+            table.append([r["form"], r["backend"], str(r["T"]), f"{r['ms']:.3f}", f"{r['tokens_per_s']:.3g}",
+                          f"{r['gflops']:.2f}", _pct(r["fraction_of_sgemm"]),
+                          "-" if r["bound_ms"] is None else f"{r['bound_ms']:.3f}", _pct(r["fraction_of_bound"]),
+                          str(r["repeats"])])
+        out += _table(table, {2, 3, 4, 5, 6, 7, 8, 9})
+        out.append("  (ms: median of Recurrence.run after a warm-up call, input checks included; bound: the "
+                   "useful flops at the matmul's GFLOP/s)")
+    else:
+        out.append("  (no rows measured)")
+    if rep["skipped"]:
+        out.append("not measured:")
+        seen = set()
+        for s in rep["skipped"]:
+            key = (s["form"], s["backend"], s["reason"])
+            if s["T"] is not None and "not run above" in s["reason"]:
+                ts = [x["T"] for x in rep["skipped"] if (x["form"], x["backend"], x["reason"]) == key]
+                if key in seen:
+                    continue
+                seen.add(key)
+                out.append(f"  {s['backend']} {s['form']}: {s['reason']} (skipped T = {', '.join(map(str, ts))})")
+            else:
+                where = " ".join(str(v) for v in (s["backend"], s["form"], s["T"] and f"T={s['T']}") if v)
+                out.append(f"  {where}: {s['reason']}")
+    big = [s for s in rep["scaling"] if s["linear"] == 2]
+    if big:
+        out.append("scaling (ms at 2T / ms at T; linear = 2.00):")
+        for s in big:
+            out.append(f"  {s['form']} ({s['backend']}) T {s['T_from']} → {s['T_to']}: {s['ratio']:.2f}")
+    if rep["decode_us"]:
+        out.append("decode step (Recurrence.step, one token, B=1, H=8, inplace=True, outputs reused): "
+                   + ", ".join(f"{b} {us:.2f} µs" for b, us in rep["decode_us"].items()))
+    out.append(f"memory per layer (B=1, float32): state {_bytes(rep['state_bytes'])} ({rep['state_bytes']} B) vs "
+               "softmax KV cache 2·T·H·d·4: " + ", ".join(f"T={t} {_bytes(n)}"
+                                                         for t, n in rep["kv_cache_bytes"].items()))
+    if rep["auto"]:
+        out.append("form auto (Recurrence.choose_form):")
+        for a in rep["auto"]:
+            extra = ""
+            if a.get("fastest_measured"):
+                verdict = {True: "the fastest measured", False: f"fastest measured: {a['fastest_measured']}",
+                           None: f"not measured; fastest measured: {a['fastest_measured']}"}[a["picked_is_fastest"]]
+                extra = f"  [{verdict}]"
+            out.append(f"  {a['backend']:<6} T={a['T']:<6} → {a['form']}: {a['why']}{extra}")
+    for b in rep["loads"]:
+        bs, cl = rep["build_s"].get(b), rep["cached_load_ms"].get(b)
+        out.append(f"{b} kernel: first build {'-' if bs is None else f'{bs:.2f} s'} (fresh process, empty cache), "
+                   f"cached load {'-' if cl is None else f'{cl:.1f} ms'} (fresh process, cache "
+                   f"{rep['loads'][b]['cache_dir']}); first call of the recurrent form at this size, DSL compile "
+                   f"not included")
+    for n in rep["notes"]:
+        out.append(f"note: {n}")
+    if rep.get("plot"):
+        out.append(rep["plot"])
+    return "\n".join(out)
+
+
+def plot(rep: dict, path: str) -> str:
+    """A log-log plot of time against T per form and backend (with the recurrent-form bound), or a note."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (f"note: matplotlib is not installed, so no plot was written to {path} "
+                f"(pip install 'linrec[bench]' or pip install matplotlib)")
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for f, b in dict.fromkeys((r["form"], r["backend"]) for r in rep["rows"]):
+        series = sorted((r["T"], r["ms"]) for r in rep["rows"] if (r["form"], r["backend"]) == (f, b))
+        ax.plot([s[0] for s in series], [s[1] for s in series], marker="o", label=f"{f} ({b})")
+    if rep["sgemm_gflops"] and rep["tokens"]:
+        ts = rep["tokens"]
+        bound = [BATCH * t * HEADS * rep["flops_per_token_head"] / (rep["sgemm_gflops"] * 1e6) for t in ts]
+        ax.plot(ts, bound, "k--", label=f"bound: useful flops at matmul {rep['sgemm_gflops']:.0f} GFLOP/s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T (tokens)")
+    ax.set_ylabel("ms (median)")
+    dims = ", ".join(f"{k}={v}" for k, v in rep["dims"].items())
+    ax.set_title(f"{rep['program']}: B={rep['batch']}, H={rep['heads']}, {dims}, float32, {rep['threads']} thread(s)",
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as err:
+        plt.close(fig)
+        raise LinrecError(f"cannot write the plot {path}: {err.strerror or err}") from None
+    plt.close(fig)
+    return f"plot: {path}"

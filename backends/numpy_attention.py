@@ -1,0 +1,178 @@
+"""Runtime helpers for programs that read the sequence: visibility masks, masked softmax, and Reformer's
+LSH attention (the bucketed form and its dense reference). Arrays are [B, T, H, *]."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def visible_positions(tokens: int, causal: bool, window: int, start: int = 0, stop: int | None = None,
+                      key_start: int = 0, key_stop: int | None = None):
+    """Which keys each query sees, shaped [1, queries, 1, keys] to broadcast against [B, T, H, T]; None
+    when every query sees every key."""
+    stop = tokens if stop is None else stop
+    key_stop = tokens if key_stop is None else key_stop
+    if not causal and not window:
+        return None
+    i = np.arange(start, stop)[:, None]
+    j = np.arange(key_start, key_stop)[None, :]
+    seen = np.ones((stop - start, key_stop - key_start), dtype=bool)
+    if causal:
+        seen &= j <= i
+    if window:
+        seen &= (i - j < window) & (j - i < window)
+    return seen[None, :, None, :]
+
+
+def mask(x, visible):
+    """Zero what a query does not see (before a sum or a contraction over the sequence)."""
+    return x if visible is None else np.where(visible, x, 0.0)
+
+
+def softmax(x):
+    shifted = x - np.max(x, axis=-1, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def masked_softmax(x, visible):
+    """softmax over the visible keys only (every query sees at least itself)."""
+    if visible is None:
+        return softmax(x)
+    x = np.where(visible, x, -np.inf)
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def online_softmax_step(m, l, acc, scores, values):
+    """Fold one key block into a running (max m, denominator l, accumulator acc): flash attention.
+    scores [..., keys] (−inf where not visible); values [..., keys, dv]."""
+    block_max = np.max(scores, axis=-1)
+    m_new = np.maximum(m, block_max)
+    safe = np.where(np.isfinite(m_new), m_new, 0.0)  # rows that have seen no key yet
+    p = np.exp(scores - safe[..., None])
+    rescale = np.exp(m - safe)
+    l = l * rescale + np.sum(p, axis=-1)
+    acc = acc * rescale[..., None] + np.einsum("...j,...jd->...d", p, values)
+    return m_new, l, acc
+
+
+# ---- Reformer ---------------------------------------------------------------------------------
+def _rotations(dk: int, buckets: int, rounds: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rounds, dk, buckets // 2))
+
+
+def lsh_buckets(q, buckets: int, rounds: int, seed: int) -> np.ndarray:
+    """h(x) = argmax([xR; −xR]) for each round: [rounds, B, T, H]."""
+    r = _rotations(q.shape[-1], buckets, rounds, seed).astype(q.dtype)
+    projected = np.einsum("bthd,rdn->rbthn", q, r)
+    return np.argmax(np.concatenate([projected, -projected], axis=-1), axis=-1)
+
+
+def _round_order(bucket_of, tokens: int):
+    """Sort tokens by (bucket, position) per (b, h): order [B, H, T] of positions."""
+    b = np.moveaxis(bucket_of, 1, -1)  # [B, H, T]
+    key = b * tokens + np.arange(tokens)
+    return np.argsort(key, axis=-1, kind="stable")
+
+
+def _scores(q, keys):
+    return np.einsum("...id,...jd->...ij", q, keys) / np.sqrt(q.shape[-1])
+
+
+def _finish_round(scores, allowed, values):
+    """Softmax over the allowed keys, a token attending to itself only when it sees nothing else;
+    returns (output, log-sum-exp)."""
+    x = np.where(allowed, scores, -np.inf)
+    m = np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x - m)
+    total = np.sum(e, axis=-1, keepdims=True)
+    return np.einsum("...ij,...jd->...id", e / total, values), (m + np.log(total))[..., 0]
+
+
+def _combine(outputs, lse):
+    """Rounds weighted by exp(lse_r − logsumexp_r lse_r)."""
+    lse = np.stack(lse)
+    w = np.exp(lse - np.max(lse, axis=0))
+    w = w / np.sum(w, axis=0)
+    return np.sum(w[..., None] * np.stack(outputs), axis=0)
+
+
+def _self_rule(allowed, is_self):
+    """Exclude self unless a query has no other key."""
+    others = allowed & ~is_self
+    return np.where(np.any(others, axis=-1, keepdims=True), others, allowed & is_self)
+
+
+def lsh_attention_dense(q, v, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
+    """The dense reference: full softmax attention masked to 'same bucket and within the chunk window of
+    the sorted order' per round (the bucketed form's exact mask), rounds combined by log-sum-exp."""
+    batch, tokens, heads, _ = q.shape
+    keys = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + 1e-12)
+    qh, kh, vh = (np.swapaxes(x, 1, 2) for x in (q, keys, v))  # [B, H, T, *]
+    scores = _scores(qh, kh)
+    outs, lses = [], []
+    for r, bucket_of in enumerate(lsh_buckets(q, buckets, rounds, seed)):
+        order = _round_order(bucket_of, tokens)
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(tokens)[None, None, :].repeat(batch, 0).repeat(heads, 1), -1)
+        chunk_of = rank // chunk                                     # [B, H, T]
+        b = np.moveaxis(bucket_of, 1, -1)
+        allowed = (b[..., :, None] == b[..., None, :])
+        diff = chunk_of[..., :, None] - chunk_of[..., None, :]
+        allowed &= (diff == 0) | (diff == 1)
+        pos = np.arange(tokens)
+        if causal:
+            allowed &= pos[None, :] <= pos[:, None]
+        allowed = _self_rule(allowed, np.eye(tokens, dtype=bool))
+        o, lse = _finish_round(scores, allowed, vh)
+        outs.append(o)
+        lses.append(lse)
+    return np.swapaxes(_combine(outs, lses), 1, 2)
+
+
+def _gather(x, positions):
+    """Rows of x [B, H, T, d] at positions [B, H, …] (−1 for padding reads row 0, masked later)."""
+    batch, heads = x.shape[:2]
+    flat = np.maximum(positions, 0).reshape(batch, heads, -1)[..., None]
+    return np.take_along_axis(x, flat, axis=2).reshape(positions.shape + (x.shape[-1],))
+
+
+def lsh_attention_bucketed(q, v, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
+    """The O(T log T) form: sort by (bucket, position), cut into chunks, attend within the chunk and the
+    previous one (same bucket, causal, self only when nothing else), rounds combined by log-sum-exp."""
+    batch, tokens, heads, dk = q.shape
+    keys = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + 1e-12)
+    qh, kh, vh = (np.swapaxes(x, 1, 2) for x in (q, keys, v))
+    padded = -(-tokens // chunk) * chunk
+    outs, lses = [], []
+    for bucket_of in lsh_buckets(q, buckets, rounds, seed):
+        order = _round_order(bucket_of, tokens)                      # [B, H, T]
+        pad = np.concatenate([order, np.full(order.shape[:-1] + (padded - tokens,), -1)], axis=-1)
+        n = padded // chunk
+        idx = pad.reshape(batch, heads, n, chunk)                    # positions in each chunk (−1: pad)
+        prev = np.concatenate([np.full_like(idx[:, :, :1], -1), idx[:, :, :-1]], axis=2)
+        look = np.concatenate([idx, prev], axis=-1)                   # [B, H, n, 2c] candidate keys
+        qc, kc, vc = _gather(qh, idx), _gather(kh, look), _gather(vh, look)
+        b = np.moveaxis(bucket_of, 1, -1)
+        bq = np.take_along_axis(b, np.maximum(idx, 0).reshape(batch, heads, -1), -1).reshape(idx.shape)
+        bk = np.take_along_axis(b, np.maximum(look, 0).reshape(batch, heads, -1), -1).reshape(look.shape)
+        allowed = (look[..., None, :] >= 0) & (bq[..., :, None] == bk[..., None, :])
+        if causal:
+            allowed &= look[..., None, :] <= idx[..., :, None]
+        allowed = _self_rule(allowed, look[..., None, :] == idx[..., :, None])
+        allowed &= (idx >= 0)[..., :, None]
+        o, lse = _finish_round(_scores(qc, kc), allowed | ~(idx >= 0)[..., :, None], vc)
+        # scatter back from sorted chunks to positions
+        out = np.zeros((batch, heads, tokens, v.shape[-1]), dtype=o.dtype)
+        out_lse = np.zeros((batch, heads, tokens), dtype=lse.dtype)
+        flat_idx, flat_o, flat_l = idx.reshape(batch, heads, -1), o.reshape(batch, heads, -1, o.shape[-1]), \
+            lse.reshape(batch, heads, -1)
+        keep = flat_idx >= 0
+        for bb in range(batch):
+            for hh in range(heads):
+                pos = flat_idx[bb, hh][keep[bb, hh]]
+                out[bb, hh, pos] = flat_o[bb, hh][keep[bb, hh]]
+                out_lse[bb, hh, pos] = flat_l[bb, hh][keep[bb, hh]]
+        outs.append(out)
+        lses.append(out_lse)
+    return np.swapaxes(_combine(outs, lses), 1, 2)

@@ -1,0 +1,190 @@
+"""NumPy forms of programs that read the sequence (compiler.sequence): softmax attention and relatives.
+
+* parallel: every query against every key at once, masked by visibility (causal, window);
+* recurrent: token by token over a KV cache — the keys and values of the visible positions;
+* chunkwise: query blocks against key blocks with an online softmax (flash attention); for lsh_attention,
+  the bucketed O(T log T) form.
+"""
+from __future__ import annotations
+
+from compiler import Compiled, ir
+from compiler.builtins import SEQ
+
+from .numpy_printer import ATOM, NumpyPrinter
+
+BLOCK = 64  # query and key block of the chunkwise form, unless chunk_size is given
+HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
+           "lsh_attention_dense", "lsh_attention_bucketed"}
+
+
+class SequencePrinter(NumpyPrinter):
+    """Prints seq(x) through `seq_code`, masks contractions and softmaxes over the sequence axis."""
+
+    def __init__(self, ref, seq_code, visible: str, lsh: str):
+        super().__init__(ref)
+        self.seq_code = seq_code
+        self.visible = visible
+        self.lsh = lsh
+
+    def _apply(self, e: ir.Apply):
+        opts = dict(e.options)
+        if e.function == "seq":
+            return self.seq_code(e.args[0]), ATOM
+        if e.function == "lsh_attention":
+            self.helpers.add(self.lsh)
+            q, v = (self(a) for a in e.args)
+            return (f"{self.lsh}({q}, {v}, causal, buckets={int(opts['buckets'])}, rounds={int(opts['rounds'])}, "
+                    f"chunk={int(opts['chunk'])}, seed={int(opts['seed'])})"), ATOM
+        if e.shape[:1] == (SEQ,) or (e.args and e.args[0].shape[:1] == (SEQ,)):
+            if e.function == "softmax":
+                self.helpers.add("masked_softmax")
+                return f"masked_softmax({self(e.args[0])}, {self.visible})", ATOM
+            if e.function in ("sum", "mean", "norm", "l2norm", "groupnorm", "rmsnorm"):
+                self.helpers.add("mask")
+                inner = ir.LetRef(e.args[0].shape, "__masked")
+                code = f"mask({self(e.args[0])}, {self.visible})"
+                saved = self.ref
+                self.ref = lambda n: code if isinstance(n, ir.LetRef) and n.name == "__masked" else saved(n)
+                try:
+                    return super()._apply(ir.Apply(e.shape, e.function, (inner,), e.options))
+                finally:
+                    self.ref = saved
+        if e.function == "softmax":
+            self.helpers.add("softmax")
+            return f"softmax({self(e.args[0])})", ATOM
+        return super()._apply(e)
+
+    def _dot(self, e: ir.Dot):
+        left = e.left
+        if left.shape == (SEQ,) and not (isinstance(left, ir.Apply) and left.function == "softmax") \
+                and self.visible != "None":
+            self.helpers.add("mask")
+            masked = ir.LetRef(left.shape, "__masked_left")
+            code = f"mask({self(left)}, {self.visible})"
+            saved = self.ref
+            self.ref = lambda n: code if isinstance(n, ir.LetRef) and n.name == "__masked_left" else saved(n)
+            try:
+                return super()._dot(ir.Dot(e.shape, masked, e.right))
+            finally:
+                self.ref = saved
+        return super()._dot(e)
+
+
+def emit(compiled: Compiled, form: str) -> str:
+    from .numpy_backend import Emitter  # the shared pieces of every NumPy module
+
+    em = Emitter(compiled)
+    p, plan, n = em.p, compiled.derivation.sequence, em.name
+    body = em.prologue()
+    for prm in p.params:  # parameters over the sequence axis are cut to this sequence's length
+        if SEQ in prm.shape:
+            axis = prm.shape.index(SEQ) + (1 if prm.per_head else 0)
+            body.append(f"{n(prm.name)} = {n(prm.name)}[{', '.join([':'] * axis + [':tokens'])}]  "
+                        f"# the first T positions of {prm.name}")
+    body.append(f"causal = {p.causal}")
+    base = em.printer(None)
+    hoisted = em.hoisted_lets(base)
+    if hoisted:
+        body += ["", "# per-token values, for all tokens at once"] + hoisted
+    # every distinct seq(x) argument, head-major: [B, H, T, *]
+    seq_vars: dict[ir.Expr, str] = {}
+    for _, expr in plan.outputs + tuple((f"r{r.index}", r.scores) for r in plan.softmax_readouts) \
+            + tuple((f"r{r.index}", r.values) for r in plan.softmax_readouts):
+        for node in _walk(expr):
+            if isinstance(node, ir.Apply) and node.function == "seq" and node.args[0] not in seq_vars:
+                arg = em.refold(node.args[0])
+                label = n(arg.name) if isinstance(arg, (ir.InputRef, ir.LetRef)) else f"x{len(seq_vars)}"
+                seq_vars[node.args[0]] = f"{label}_seq"
+    if seq_vars:
+        body += ["", "# the sequence, head-major [B, H, T, *]: what seq(x) reads"]
+        body += [f"{var} = np.swapaxes({base(em.refold(arg))}, 1, 2)" for arg, var in seq_vars.items()]
+    window = plan.window
+    lsh = "lsh_attention_bucketed" if form == "chunkwise" else "lsh_attention_dense"
+    helpers: set[str] = set(base.helpers)
+
+    def printer(token_index, seq_slice, visible, readouts=None):
+        inner = em.printer(token_index, readout_vars=readouts)
+        pr = SequencePrinter(inner.ref, lambda arg: seq_slice(seq_vars[arg]), visible, lsh)
+        return pr
+
+    outputs = []
+    if form == "parallel" or plan.kind == "lsh" or (form == "chunkwise" and plan.kind != "attention"):
+        pr = printer(None, lambda var: f"{var}[:, None]", "visible")
+        body += ["", "# which keys each query sees: [1, T, 1, T] (None: all)",
+                 f"visible = visible_positions(tokens, causal, window={window})"]
+        helpers.add("visible_positions")
+        body += ["", "# outputs"]
+        for name, expr in plan.outputs:
+            out = next(o for o in p.outputs if o.name == name)
+            body.append(f"{n(name)} = {pr(em.refold(_restore(expr, plan)))}"
+                        + f"  # {name} [B, T, H{''.join(', ' + d for d in out.value.shape)}]")
+        helpers |= pr.helpers
+    elif form == "recurrent":
+        pr = printer("t", lambda var: f"{var}[:, :, keys]", "None")
+        body += em.output_alloc()
+        if p.causal:
+            lo = f"max(0, t - {window - 1})" if window else "0"
+            hi = "t + 1"
+        else:
+            lo = f"max(0, t - {window - 1})" if window else "0"
+            hi = f"min(tokens, t + {window})" if window else "tokens"
+        body += ["", "# the KV cache: the keys and values of the positions each token sees",
+                 "for t in range(tokens):", f"    keys = slice({lo}, {hi})"]
+        for name, expr in plan.outputs:
+            body.append(f"    {n(name)}[:, t] = {pr(em.refold(_restore(expr, plan)))}")
+        helpers |= pr.helpers
+    else:  # chunkwise attention: blocked online softmax
+        readout_vars = {r.index: f"r{r.index}" for r in plan.softmax_readouts}
+        body += ["", "# query blocks against key blocks, keeping a running max, denominator and accumulator",
+                 f"block = chunk_size or {BLOCK}"]
+        for r in plan.softmax_readouts:
+            sc = printer("queries", lambda var: f"{var}[:, None, :, keys]", "None")
+            scores, values = sc(em.refold(r.scores)), sc(em.refold(r.values))
+            helpers |= sc.helpers
+            width = "".join(", " + n(d) for d in r.values.shape[1:])
+            first = f"max(0, start - {window - 1})" if window else "0"
+            last = "stop" if p.causal else (f"min(tokens, stop + {window - 1})" if window else "tokens")
+            body += [
+                f"r{r.index} = np.empty((batch, tokens, heads{width}), dtype=dtype)",
+                "for start in range(0, tokens, block):",
+                "    stop = min(start + block, tokens)",
+                "    queries = slice(start, stop)",
+                "    m = np.full((batch, stop - start, heads), -np.inf, dtype=dtype)",
+                "    l = np.zeros((batch, stop - start, heads), dtype=dtype)",
+                f"    acc = np.zeros((batch, stop - start, heads{width}), dtype=dtype)",
+                f"    for key_start in range({first}, {last}, block):",
+                f"        keys = slice(key_start, min(key_start + block, {last}))",
+                f"        visible = visible_positions(tokens, causal, {window}, start, stop, keys.start, keys.stop)",
+                f"        scores = {scores}",
+                "        if visible is not None:",
+                "            scores = np.where(visible, scores, -np.inf)",
+                f"        m, l, acc = online_softmax_step(m, l, acc, scores, {values})",
+                f"    r{r.index}[:, queries] = acc / l[..., None]",
+            ]
+        helpers |= {"visible_positions", "online_softmax_step"}
+        out = em.printer(None, readout_vars=readout_vars)
+        body += ["", "# outputs"]
+        for name, expr in plan.outputs:
+            body.append(f"{n(name)} = {out(em.refold(expr))}")
+        helpers |= out.helpers
+    body += ["", em.returns()]
+    return em.render(form, body, helpers)
+
+
+def _restore(expr: ir.Expr, plan) -> ir.Expr:
+    """Put the softmax readouts back in (the parallel and recurrent forms evaluate them directly)."""
+    from compiler.analysis import rebuild
+    by_index = {r.index: r for r in plan.softmax_readouts}
+
+    def back(node):
+        if isinstance(node, ir.ReadoutRef) and node.index in by_index:
+            r = by_index[node.index]
+            soft = ir.Apply(r.scores.shape, "softmax", (r.scores,))
+            return ir.Dot(node.shape, soft, r.values)
+        return node
+    return rebuild(expr, back)
+
+
+def _walk(e):
+    from compiler.analysis import walk
+    return walk(e)

@@ -1,0 +1,103 @@
+"""Programs that read other tokens directly — seq(x), parameters over the sequence axis, lsh_attention —
+instead of carrying a state: softmax attention and its sequence-level relatives. Which forms they have
+follows from how the sequence is used:
+
+* attention: seq(…) of per-token values only. Recurrent (a KV cache: the visible keys and values),
+  parallel (dense, masked) and — when every contraction over the sequence is softmax(s)·V — chunkwise
+  (blocked online softmax, flash-attention style).
+* mixing: a parameter spans the sequence axis (Linformer's E·seq(k)): every output depends on every
+  position, future ones included — parallel only, and only non-causal.
+* lsh: lsh_attention(q, v) (Reformer) — the bucketed form (chunkwise) and its dense reference (parallel).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsl.errors import LinrecError
+
+from . import ir
+from .analysis import inline_lets, rebuild, to_text, walk
+from .builtins import SEQ
+
+
+@dataclass(frozen=True)
+class SoftmaxReadout:
+    """softmax(scores)·values, both over the sequence axis: blocked with an online softmax."""
+
+    index: int
+    scores: ir.Expr   # shape (T,)
+    values: ir.Expr   # shape (T, *)
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    kind: str                                   # "attention" | "mixing" | "lsh"
+    window: int                                 # 0: every visible position
+    softmax_readouts: tuple[SoftmaxReadout, ...]
+    outputs: tuple[tuple[str, ir.Expr], ...]    # outputs with softmax readouts as ReadoutRef
+    unavailable: tuple[tuple[str, str], ...]
+
+
+def _uses(e: ir.Expr, function: str) -> list[ir.Apply]:
+    return [n for n in walk(e) if isinstance(n, ir.Apply) and n.function == function]
+
+
+def is_sequence_program(program: ir.Program) -> bool:
+    for out in program.outputs:
+        e = inline_lets(out.value, program.lets)
+        if _uses(e, "seq") or _uses(e, "lsh_attention"):
+            return True
+    return any(SEQ in p.shape for p in program.params)
+
+
+def plan(program: ir.Program) -> SequencePlan:
+    outputs = [(o.name, inline_lets(o.value, program.lets), o.value) for o in program.outputs]
+    if program.states:
+        raise LinrecError(f"a program with states ({', '.join(s.name for s in program.states)}) cannot also "
+                          f"read the sequence (seq, lsh_attention); write them as two programs")
+    windows = {int(dict(a.options)["window"]) for _, e, _ in outputs for a in _uses(e, "seq")}
+    if len(windows) > 1:
+        raise LinrecError(f"every seq(…) of a program must use the same window (found {sorted(windows)})")
+    window = windows.pop() if windows else 0
+    spanning = [p for p in program.params if SEQ in p.shape]
+    lsh = any(_uses(e, "lsh_attention") for _, e, _ in outputs)
+    if spanning:
+        kind = "mixing"
+        names = ", ".join(p.name for p in spanning)
+        if program.causal:
+            raise LinrecError(f"parameter(s) {names} span the sequence axis '{SEQ}' and mix every position, "
+                              f"future ones included: there is no causal form — declare the recurrence "
+                              f"`noncausal` in its header")
+        why = (f"{names} mix(es) every position of the sequence, future ones included: there is no recurrent "
+               f"state, and no chunk can be finished before the whole sequence is seen")
+        unavailable = [("recurrent", why), ("chunkwise", why)]
+    elif lsh:
+        kind = "lsh"
+        unavailable = [("recurrent", "LSH buckets are formed by sorting the whole sequence: there is no "
+                                     "recurrent state (the chunkwise form is the bucketed O(T log T) one)")]
+    else:
+        kind = "attention"
+        unavailable = []
+    readouts: list[SoftmaxReadout] = []
+    problems: list[str] = []
+
+    def extract(node: ir.Expr) -> ir.Expr:
+        if isinstance(node, ir.Dot) and isinstance(node.left, ir.Apply) and node.left.function == "softmax" \
+                and node.left.shape[:1] == (SEQ,) and node.right.shape[:1] == (SEQ,):
+            r = SoftmaxReadout(len(readouts), node.left.args[0], node.right)
+            readouts.append(r)
+            return ir.ReadoutRef(node.shape, r.index)
+        return node
+
+    planned = []
+    for name, e, original in outputs:
+        replaced = rebuild(e, extract)
+        for n in walk(replaced):
+            if SEQ in n.shape and not isinstance(n, ir.ReadoutRef):
+                problems.append(f"`{to_text(original)}` uses the sequence other than in softmax(s)·V")
+                break
+        planned.append((name, replaced))
+    if kind == "attention" and problems:
+        unavailable.append(("chunkwise", "; ".join(dict.fromkeys(problems)) + " — only softmax(s)·V "
+                            "contractions are blocked with an online softmax"))
+    return SequencePlan(kind, window, tuple(readouts), tuple(planned), tuple(unavailable))

@@ -1,0 +1,149 @@
+"""`linrec bench` (a quick smoke run: valid JSON with the documented keys), `linrec cache info|clear` on a
+temporary cache, and `linrec run --form step` (one decode step per token) against the recurrent form."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backends as linrec
+from backends.cli import main
+from backends.decode import run_by_steps
+from dsl.errors import LinrecError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One temporary kernel cache for this module's in-process runs (restored afterwards)."""
+    path = tmp_path_factory.mktemp("bench-cache")
+    old = os.environ.get("LINREC_CACHE_DIR")
+    os.environ["LINREC_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("LINREC_CACHE_DIR", None)
+    else:
+        os.environ["LINREC_CACHE_DIR"] = old
+
+
+# ---- bench ---------------------------------------------------------------------------------------------
+def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
+    before = os.environ.get("LINREC_NUM_THREADS")
+    code = main(["bench", str(EXAMPLES / "gla.lin"), "--quick", "--json", "--T", "64", "--repeats", "1",
+                 "--threads", "1"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert os.environ.get("LINREC_NUM_THREADS") == before  # the thread setting does not leak
+    for key in ("sgemm_gflops", "blas", "threads", "rows", "decode_us", "state_bytes", "kv_cache_bytes", "auto",
+                "build_s", "cached_load_ms", "flops_per_token_head", "sgemm_pinned_gflops"):
+        assert key in report, key
+    assert report["threads"] == 1 and report["sgemm_gflops"] > 0
+    assert report["dims"] == {"dk": 64, "dv": 64} and report["tokens"] == [64]
+    assert report["flops_per_token_head"] == 5 * 64 * 64  # decay + write + readout
+    rows = report["rows"]
+    assert {(r["form"], r["backend"]) for r in rows} >= {("recurrent", "numpy"), ("chunkwise", "numpy"),
+                                                         ("recurrent", "c")}
+    for r in rows:
+        assert r["T"] == 64
+        for key in ("ms", "tokens_per_s", "gflops", "fraction_of_sgemm"):
+            assert r[key] > 0, (r, key)
+    assert set(report["decode_us"]) == {"numpy", "c"} and all(v > 0 for v in report["decode_us"].values())
+    assert report["state_bytes"] == 8 * 64 * 64 * 4
+    assert report["kv_cache_bytes"] == {"64": 2 * 64 * 8 * 64 * 4}
+    assert {a["backend"] for a in report["auto"]} == {"numpy", "c"}
+    assert report["build_s"]["c"] > 0 and report["cached_load_ms"]["c"] > 0
+    # what the C backend does not implement yet is listed, not silently dropped
+    implemented = {r["form"] for r in rows if r["backend"] == "c"}
+    missing = {"parallel", "chunkwise"} - implemented
+    assert missing <= {s["form"] for s in report["skipped"] if s["backend"] == "c"}
+
+
+def test_bench_text_report_and_selection(cache_dir, capsys):
+    code = main(["bench", str(EXAMPLES / "gated_deltanet.lin"), "--T", "32", "--T", "8192", "--repeats", "1",
+                 "--budget", "0.5", "--backend", "numpy", "--form", "parallel", "--form", "auto", "--quick"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "GFLOP/s" in text and "9·dk·dv" in text  # decay + write + correction (wᵀS and update) + readout
+    assert "not run above T = 4096" in text          # NumPy parallel skipped at T = 8192, and said so
+    assert "form auto" in text and "chunkwise" in text
+
+
+def test_bench_rejects_unknown_dimension(capsys):
+    assert main(["bench", str(EXAMPLES / "gla.lin"), "--dim", "dz=4", "--T", "8"]) == 1
+    assert "no dimension 'dz'" in capsys.readouterr().err
+
+
+# ---- cache ---------------------------------------------------------------------------------------------
+def test_cache_info_and_clear(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv("LINREC_CACHE_DIR", str(cache))
+    assert main(["cache", "info", "--json"]) == 0
+    empty = json.loads(capsys.readouterr().out)
+    assert empty["dir"] == str(cache) and empty["entries"] == 0 and empty["bytes"] == 0
+    # build one kernel in another process (this one may hold kernels in memory from other caches)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, "-m", "backends.cli", "run", str(EXAMPLES / "gla.lin"), "--backend", "c",
+                    "--form", "recurrent", "--tokens", "3", "--dim", "dk=3", "--dim", "dv=5", "-q"],
+                   check=True, env=env, cwd=ROOT, timeout=300)
+    assert main(["cache", "info", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert full["entries"] >= 1 and full["bytes"] > 0
+    assert all(k["bytes"] > 0 and k["age_s"] >= 0 and k["status"] == "ok" for k in full["kernels"])
+    assert any(k["label"].startswith("gla") for k in full["kernels"])
+    # a truncated extension shows up as such
+    entry = cache / full["kernels"][0]["key"]
+    so = next(p for p in entry.iterdir() if p.name.startswith("_linrec_") and p.suffix == ".so")
+    so.write_bytes(so.read_bytes()[:100])
+    assert main(["cache", "info"]) == 0
+    text = capsys.readouterr().out
+    assert str(cache) in text and "truncated" in text
+    assert main(["cache", "clear"]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert main(["cache", "info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["entries"] == 0
+
+
+# ---- run --form step ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet"])
+def test_run_step_equals_recurrent(name, backend, cache_dir, tmp_path, capsys):
+    path = str(EXAMPLES / f"{name}.lin")
+    rec = linrec.load(path)
+    inputs = rec.random_inputs(batch=2, tokens=11, heads=3, dims={"dk": 5, "dv": 7}, seed=3)
+    s0 = np.random.default_rng(1).standard_normal((2, 3, 5, 7))
+    np.savez(tmp_path / "in.npz", S=s0, **inputs)
+    outs = {}
+    for form in ("step", "recurrent"):
+        out = tmp_path / f"{form}.npz"
+        assert main(["run", path, "--backend", backend, "--form", form, "--inputs", str(tmp_path / "in.npz"),
+                     "--out", str(out), "-q"]) == 0
+        outs[form] = dict(np.load(out))
+    assert set(outs["step"]) == set(outs["recurrent"]) >= {"o", "S"}
+    for key, expected in outs["recurrent"].items():
+        got = outs["step"][key]
+        assert got.shape == expected.shape and got.dtype == np.float64
+        scale = max(1.0, float(np.abs(expected).max()))
+        assert np.abs(got - expected).max() <= 1e-10 * scale, key
+    # generated inputs and the printed summary
+    assert main(["run", path, "--backend", backend, "--form", "step", "--tokens", "4"]) == 0
+    assert "one decode step per token" in capsys.readouterr().out
+
+
+def test_run_by_steps_with_params_and_errors(cache_dir):
+    rec = linrec.load(EXAMPLES / "mamba2.lin")
+    x = rec.random_inputs(batch=1, tokens=6, heads=2, dims={"dk": 4, "dv": 3}, seed=0)
+    ref = rec.run(x, form="recurrent")
+    got = run_by_steps(rec, x, backend="numpy")
+    np.testing.assert_allclose(got.outputs["y"], ref.outputs["y"], rtol=0, atol=1e-12)
+    assert set(got.params) == set(ref.params)
+    noncausal = linrec.compile("recurrence nc(dk = 4, dv = 4) noncausal\ninput k[dk], v[dv]\nstate S[dk, dv]\n"
+                               "S = S + k⊗v\noutput o = k·S\n")
+    with pytest.raises(LinrecError, match="non-causal"):
+        run_by_steps(noncausal, noncausal.random_inputs(1, 3, 1, dims={"dk": 4, "dv": 4}))

@@ -1,0 +1,120 @@
+"""Programs that read the sequence: exact softmax attention (three forms, masks), Linformer (parallel
+only, with its refusals) and Reformer (bucketed form against its dense reference)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backends as linrec
+from backends import numpy_attention
+
+ROOT = Path(__file__).resolve().parent.parent / "examples"
+
+
+def direct_softmax_attention(q, k, v, causal=True, window=0):
+    batch, tokens, heads, dk = q.shape
+    s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(dk)
+    i, j = np.arange(tokens)[:, None], np.arange(tokens)[None, :]
+    seen = np.ones((tokens, tokens), bool)
+    if causal:
+        seen &= j <= i
+    if window:
+        seen &= (i - j < window) & (j - i < window)
+    s = np.where(seen, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), v)
+
+
+def _variant(causal: bool, window: int) -> linrec.Recurrence:
+    src = (ROOT / "softmax.lin").read_text()
+    if window:
+        src = src.replace("seq(k)", f"seq(k, window={window})").replace("seq(v)", f"seq(v, window={window})")
+    if not causal:
+        src = src.replace("dv = 16)", "dv = 16) noncausal")
+    return linrec.compile(src, "softmax_variant.lin")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("tokens", [1, 7, 130])
+def test_softmax_every_form_equals_direct(causal, window, tokens):
+    rec = _variant(causal, window)
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    x = rec.random_inputs(2, tokens, 3, dims={"dk": 5, "dv": 4}, seed=tokens)
+    ref = direct_softmax_attention(x["q"], x["k"], x["v"], causal, window)
+    for form, chunk in [("recurrent", None), ("parallel", None), ("chunkwise", 16), ("chunkwise", 64)]:
+        out = rec.run(x, form=form, chunk_size=chunk).outputs["o"]
+        assert np.max(np.abs(out - ref)) < 1e-12, (form, chunk)
+
+
+def test_softmax_float32_and_large_scores_stay_finite():
+    rec = linrec.load(ROOT / "softmax.lin")
+    x = rec.random_inputs(1, 100, 2, dims={"dk": 8, "dv": 8}, seed=3)
+    x = {k: (v * 30).astype(np.float32) for k, v in x.items()}  # scores of several hundred
+    ref = direct_softmax_attention(*(x[n].astype(np.float64) for n in "qkv"))
+    for form in rec.forms:
+        out = rec.run(x, form=form, chunk_size=16).outputs["o"]
+        assert out.dtype == np.float32 and np.all(np.isfinite(out))
+        assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) < 5e-4, form
+
+
+def test_linformer_parallel_equals_direct_and_refuses_the_rest():
+    rec = linrec.load(ROOT / "linformer.lin")
+    assert rec.forms == ("parallel",)
+    for form in ("recurrent", "chunkwise"):
+        assert "future ones included" in rec.derivation.why_not(form)
+        with pytest.raises(linrec.LinrecError, match=f"no {form} form"):
+            rec.run(rec.random_inputs(1, 4, 1), form=form)
+    x = rec.random_inputs(2, 50, 2, dims={"dk": 5, "dv": 4, "kproj": 8}, seed=1)
+    res = rec.run(x, form="parallel")
+    e, f = res.params["E"][:, :50], res.params["F"][:, :50]
+    kp, vp = np.einsum("ps,bshd->bphd", e, x["k"]), np.einsum("ps,bshd->bphd", f, x["v"])
+    s = np.einsum("bthd,bphd->bthp", x["q"], kp) / np.sqrt(5)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("bthp,bphd->bthd", p / p.sum(-1, keepdims=True), vp)
+    assert np.max(np.abs(res.outputs["o"] - ref)) < 1e-12
+
+
+def test_linformer_causal_is_a_compile_error():
+    src = (ROOT / "linformer.lin").read_text().replace(") noncausal", ")")
+    with pytest.raises(linrec.LinrecError, match="no causal form"):
+        linrec.compile(src, "causal_linformer.lin")
+
+
+def test_linformer_sequence_longer_than_its_projections_is_refused():
+    rec = linrec.compile((ROOT / "linformer.lin").read_text().replace("T = 4096", "T = 16"), "short.lin")
+    with pytest.raises(linrec.RuntimeInputError, match="T = 20 tokens but E, F cover"):
+        rec.run(rec.random_inputs(1, 20, 1, dims={"kproj": 4}), form="parallel")
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37, 100])
+@pytest.mark.parametrize("causal", [True, False])
+def test_reformer_bucketed_equals_dense_reference(tokens, causal):
+    src = (ROOT / "reformer.lin").read_text()
+    if not causal:
+        src = src.replace("dv = 16)", "dv = 16) noncausal")
+    rec = linrec.compile(src, "reformer.lin")
+    assert rec.forms == ("parallel", "chunkwise")
+    x = rec.random_inputs(2, tokens, 2, dims={"dk": 8, "dv": 4}, seed=tokens)
+    dense = rec.run(x, form="parallel").outputs["o"]
+    bucketed = rec.run(x, form="chunkwise").outputs["o"]
+    assert np.all(np.isfinite(dense)) and np.max(np.abs(dense - bucketed)) < 1e-12
+
+
+def test_reformer_one_bucket_one_chunk_is_causal_shared_qk_attention():
+    # with a single bucket and a chunk as long as the sequence, LSH attention is plain shared-QK
+    # attention (keys q/‖q‖), a token seeing itself only when it sees nothing else
+    q = np.random.default_rng(0).standard_normal((1, 9, 1, 4))
+    v = np.random.default_rng(1).standard_normal((1, 9, 1, 3))
+    out = numpy_attention.lsh_attention_dense(q, v, True, buckets=2, rounds=1, chunk=64, seed=0)
+    keys = q / np.linalg.norm(q, axis=-1, keepdims=True)
+    buckets = numpy_attention.lsh_buckets(q, 2, 1, 0)[0, 0, :, 0]
+    for t in range(9):
+        others = [j for j in range(t) if buckets[j] == buckets[t]]
+        seen = others or [t]
+        s = np.array([q[0, t, 0] @ keys[0, j, 0] for j in seen]) / 2.0
+        p = np.exp(s - s.max())
+        expected = (p / p.sum()) @ v[0, seen, 0]
+        assert np.allclose(out[0, t, 0], expected, atol=1e-12)
