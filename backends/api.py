@@ -96,7 +96,7 @@ class Recurrence:
 
     def run(self, inputs: dict | None = None, *, form: str = "auto", backend: str = "numpy",
             params: dict | None = None, initial_state: dict | None = None, chunk_size: int | None = None,
-            **named_inputs) -> Result:
+            dims: dict[str, int] | None = None, **named_inputs) -> Result:
         """Run a form. Inputs [B, T, H, *] by DSL name (a dict, keywords, or both); initial states
         [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *])."""
         given = dict(inputs or {}) | named_inputs
@@ -105,7 +105,7 @@ class Recurrence:
             form, _ = self.choose_form(backend, shape.tokens)
         module = self.module(form, backend)
         params = dict(params or {})
-        dims = arrays.resolve_dims(self.program, shape, params)
+        dims = arrays.resolve_dims(self.program, shape, params, initial_state, dims)
         arrays.check_sequence_length(self.program, shape, dims)
         given_f64 = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()
                      if k in {p.name for p in self.program.params}}

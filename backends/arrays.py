@@ -97,9 +97,23 @@ def _check_range(x: ir.Input, arr: np.ndarray):
                                 f"index {list(where)}")
 
 
-def resolve_dims(program: ir.Program, shape: CallShape, params: dict) -> dict[str, int]:
-    """Sizes not fixed by the inputs come from caller-supplied params, then from the file's defaults."""
+def resolve_dims(program: ir.Program, shape: CallShape, params: dict, initial_state: dict | None = None,
+                 sizes: dict[str, int] | None = None) -> dict[str, int]:
+    """Sizes not fixed by the inputs come from `sizes`, caller-supplied params or initial states, then from
+    the file's defaults."""
     dims = dict(shape.dims)
+    for name, size in (sizes or {}).items():
+        if name not in {d.name for d in program.dims}:
+            raise RuntimeInputError(f"'{program.name}' has no dimension '{name}'")
+        if name in dims and dims[name] != size:
+            raise RuntimeInputError(f"dimension {name} = {size} was asked for, but the inputs have {name} = "
+                                    f"{dims[name]}")
+        dims[name] = size
+    for s in program.states:
+        value = (initial_state or {}).get(s.name)
+        if value is not None and np.ndim(value) == 2 + len(s.shape):
+            for d, n in zip(s.shape, np.shape(value)[2:]):
+                dims.setdefault(d, n)
     for prm in program.params:
         if prm.name in params:
             arr = np.asarray(params[prm.name])

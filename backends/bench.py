@@ -410,6 +410,11 @@ def run(opts: Options, progress=None) -> dict:
         forms.remove(f)
 
     flops, formula, flop_lines = flop_count(rec, dims)
+    from .decode import _reads_the_sequence
+    sequence_level = _reads_the_sequence(program)
+    if not flops:
+        notes.append(f"'{program.name}' has no recurrent state" + (" (it reads the sequence directly)"
+                     if sequence_level else "") + ": no useful-flop count, so no GFLOP/s or fractions")
     report: dict = {
         "file": opts.file, "program": program.name, "dtype": "float32", "batch": BATCH, "heads": HEADS,
         "dims": dims, "tokens": tokens, "threads": threads, "threads_from": threads_from,
@@ -526,16 +531,20 @@ def run(opts: Options, progress=None) -> dict:
                 continue
             ms = statistics.median(times) * 1e3
             total = BATCH * t * HEADS * flops
-            gflops = total / (ms * 1e6)
+            gflops = total / (ms * 1e6) if flops else None
+            ok = bool(sgemm and flops)
             row = {"form": f, "backend": b, "T": t, "ms": ms, "tokens_per_s": BATCH * t / (ms / 1e3),
-                   "gflops": gflops, "fraction_of_sgemm": gflops / sgemm if sgemm else None,
-                   "bound_ms": total / (sgemm * 1e6) if sgemm else None,
-                   "fraction_of_bound": (total / (sgemm * 1e6)) / ms if sgemm else None,
+                   "gflops": gflops, "fraction_of_sgemm": gflops / sgemm if ok else None,
+                   "bound_ms": total / (sgemm * 1e6) if ok else None,
+                   "fraction_of_bound": (total / (sgemm * 1e6)) / ms if ok else None,
                    "repeats": len(times), "min_ms": min(times) * 1e3, "warmup_s": warm}
             rows.append(row)
 
         # 5. decode step
-        if program.causal:
+        if sequence_level:
+            notes.append(f"'{program.name}' reads the sequence directly: its decode state is a KV cache, which "
+                         f"Recurrence.step does not carry — no decode-step timing")
+        elif program.causal:
             for b in backends:
                 say(f"{b}: decode step …")
                 try:
@@ -601,8 +610,9 @@ def format_report(rep: dict) -> str:
     out = [f"{rep['program']} ({rep['file']}): B={rep['batch']}, H={rep['heads']}, {dims}, {rep['dtype']}, "
            f"{rep['threads']} thread(s) (from {rep['threads_from']}; LINREC_NUM_THREADS for C, BLAS threads for "
            f"NumPy)",
-           f"useful flops per token and head: {rep['flop_formula']} = {rep['flops_per_token_head']}  "
-           f"(" + "; ".join(rep["flop_terms"]) + ")"]
+           (f"useful flops per token and head: {rep['flop_formula']} = {rep['flops_per_token_head']}  "
+            f"(" + "; ".join(rep["flop_terms"]) + ")") if rep["flops_per_token_head"] else
+           "useful flops: none counted (no recurrent state)"]
     ref = rep["sgemm"]
     if rep["sgemm_gflops"]:
         out.append(f"reference: float32 matmul {ref['n']}×{ref['n']} @ {ref['n']}×{ref['n']}: {ref['ms']:.2f} ms, "
@@ -625,7 +635,7 @@ def format_report(rep: dict) -> str:
                   "reps"]]
         for r in rep["rows"]:
             table.append([r["form"], r["backend"], str(r["T"]), f"{r['ms']:.3f}", f"{r['tokens_per_s']:.3g}",
-                          f"{r['gflops']:.2f}", _pct(r["fraction_of_sgemm"]),
+                          "-" if r["gflops"] is None else f"{r['gflops']:.2f}", _pct(r["fraction_of_sgemm"]),
                           "-" if r["bound_ms"] is None else f"{r['bound_ms']:.3f}", _pct(r["fraction_of_bound"]),
                           str(r["repeats"])])
         out += _table(table, {2, 3, 4, 5, 6, 7, 8, 9})
@@ -693,7 +703,7 @@ def plot(rep: dict, path: str) -> str:
     for f, b in dict.fromkeys((r["form"], r["backend"]) for r in rep["rows"]):
         series = sorted((r["T"], r["ms"]) for r in rep["rows"] if (r["form"], r["backend"]) == (f, b))
         ax.plot([s[0] for s in series], [s[1] for s in series], marker="o", label=f"{f} ({b})")
-    if rep["sgemm_gflops"] and rep["tokens"]:
+    if rep["sgemm_gflops"] and rep["tokens"] and rep["flops_per_token_head"]:
         ts = rep["tokens"]
         bound = [BATCH * t * HEADS * rep["flops_per_token_head"] / (rep["sgemm_gflops"] * 1e6) for t in ts]
         ax.plot(ts, bound, "k--", label=f"bound: useful flops at matmul {rep['sgemm_gflops']:.0f} GFLOP/s")

@@ -22,6 +22,10 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
     from .api import BACKENDS, Result
 
     program = rec.program
+    if _reads_the_sequence(program):
+        raise LinrecError(f"'{program.name}' reads other tokens directly (seq, lsh_attention, or a parameter over "
+                          f"the sequence axis): it has no recurrent state for a decode step to carry; use its "
+                          f"{' or '.join(rec.forms)} form")
     if backend not in BACKENDS:
         raise LinrecError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
     if not program.causal:
@@ -49,3 +53,12 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
             outputs[k][:, t] = v
     # every state is a fresh copy owned by this call: hand it back as the final state
     return Result(outputs, {k: np.asarray(v) for k, v in state.items()}, used)
+
+
+def _reads_the_sequence(program) -> bool:
+    """A sequence-level program (softmax attention and relatives): a step sees one token only."""
+    try:
+        from compiler.sequence import is_sequence_program
+    except ImportError:  # a compiler without sequence-level programs
+        return False
+    return is_sequence_program(program)

@@ -20,7 +20,7 @@ INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one",
              "rmsnorm", "diag_matrix", "per_token", "log_decay", "parallel_scan", "chunkwise_scan", "given",
              "visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step", "visible",
              "lsh_attention_dense", "lsh_attention_bucketed", "causal", "keys", "queries", "block", "scores",
-             "key_start", "acc", "l", "m"}
+             "key_start", "acc", "l", "m", "random_features", "recurrent_scan", "running_max"}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

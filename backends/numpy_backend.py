@@ -10,12 +10,13 @@ import jinja2
 
 from compiler import Compiled, ir
 from compiler.analysis import children, inline_lets, states_in, to_text, variance
+from compiler.transitions import split_exp
 
 from .names import Namer
 from .numpy_printer import NumpyPrinter
 
 VERSION = "0.1.0"
-SCAN_HELPERS = {"per_token", "log_decay", "parallel_scan", "chunkwise_scan"}
+SCAN_HELPERS = {"per_token", "log_decay", "parallel_scan", "chunkwise_scan", "recurrent_scan", "running_max"}
 ATTENTION_HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
                      "lsh_attention_dense", "lsh_attention_bucketed"}
 
@@ -164,6 +165,9 @@ def _print_param(e: ir.Expr, printer: NumpyPrinter, shape: str, per_head: bool) 
             full = shape
             if node.kind == "normal":
                 code = f"np.random.default_rng({node.seed}).standard_normal({full}) * {opts['std']!r}"
+            elif node.kind == "features":
+                printer.helpers.add("random_features")
+                code = f"random_features({node.seed}, {full}, orthogonal={bool(opts['orthogonal'])})"
             else:
                 code = f"np.random.default_rng({node.seed}).uniform({opts['low']!r}, {opts['high']!r}, {full})"
             key = f"__draw{len(draws)}"
@@ -222,7 +226,14 @@ def emit_recurrent(compiled: Compiled) -> str:
     return em.render("recurrent", body, helpers)
 
 
-EMITTERS = {"recurrent": emit_recurrent}
+def emit_recurrent_form(compiled: Compiled) -> str:
+    """Statement by statement; programs with exponential feature maps use the stabilized decomposition."""
+    if stabilized_states(compiled):
+        return emit_scan(compiled, "recurrent")
+    return emit_recurrent(compiled)
+
+
+EMITTERS = {"recurrent": emit_recurrent_form}
 
 
 def emit(compiled: Compiled, form: str) -> str:
@@ -241,68 +252,164 @@ def load(compiled: Compiled, form: str):
     return module
 
 
+def stabilized_states(compiled: Compiled) -> dict[str, tuple]:
+    """States whose every write key is c·exp(α) with α varying per token (exponential feature maps) and
+    that have no correction: they are carried as S·exp(−M) with M the running maximum of α (forms.md §8).
+    Returns state → the α of each write; states with equal α share one M."""
+    out = {}
+    for t in compiled.derivation.transitions:
+        if t.corrections or not t.writes or not t.factorable:
+            continue
+        alphas = [split_exp(key)[1] for key, _ in t.writes]
+        if all(a is not None and variance(a) == "token" for a in alphas):
+            out[t.state] = tuple(alphas)
+    return out
+
+
+def _degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
+    """How an output scales when readout i is multiplied by exp(scale_of[i]): exponents per scale, or None
+    when the output is not a product of powers (then the scales are multiplied back in)."""
+    if isinstance(e, ir.ReadoutRef):
+        return {scale_of[e.index]: 1} if e.index in scale_of else {}
+    kids = children(e)
+    if not kids:
+        return {}
+    degrees = [_degree(k, scale_of) for k in kids]
+    if any(dg is None for dg in degrees):
+        return None
+    if isinstance(e, ir.Neg):
+        return degrees[0]
+    if isinstance(e, (ir.Dot, ir.Outer)) or (isinstance(e, ir.Arith) and e.op == "mul"):
+        return {k: degrees[0].get(k, 0) + degrees[1].get(k, 0) for k in degrees[0].keys() | degrees[1].keys()}
+    if isinstance(e, ir.Arith) and e.op == "div":
+        return {k: degrees[0].get(k, 0) - degrees[1].get(k, 0) for k in degrees[0].keys() | degrees[1].keys()}
+    nonzero = [{k: v for k, v in dg.items() if v} for dg in degrees]
+    if isinstance(e, ir.Arith) and e.op in ("add", "sub") and nonzero[0] == nonzero[1]:
+        return nonzero[0]
+    return {} if not any(nonzero) else None
+
+
 def emit_scan(compiled: Compiled, form: str) -> str:
-    """The parallel or chunkwise form, from the derived decomposition of every state's update."""
+    """The parallel, chunkwise (or, for stabilized programs, recurrent) form from the derived decomposition
+    of every state's update."""
     em = Emitter(compiled)
     p, n, d = em.p, em.name, compiled.derivation
     base = em.printer(None)
     prelude = lambda e: base(em.refold(e))  # noqa: E731
-    prelude.helpers = base.helpers
     body = em.prologue()
     hoisted = em.hoisted_lets(base)
     if hoisted:
         body += ["", "# values that do not depend on a state, for all tokens at once"] + hoisted
-    scan = "parallel_scan" if form == "parallel" else "chunkwise_scan"
+    scan = {"parallel": "parallel_scan", "chunkwise": "chunkwise_scan", "recurrent": "recurrent_scan"}[form]
+    helpers = {"per_token", scan}
+    stable = stabilized_states(compiled)
+    maxima: dict[tuple, str] = {}   # α of a group of states → the variable of its running max
+    exponents: dict[ir.Expr, str] = {}  # an exponent α or β → its variable
+    query_max: dict[ir.Expr, str] = {}  # a query exponent β → the variable of its per-token maximum
+    scale_of: dict[int, str] = {}   # readout → the code of its log-scale
     readout_vars = {}
+
+    def tok(e, width):
+        return f"per_token({prelude(e)}, (batch, tokens, heads, {width}), dtype, scalar={not e.shape})"
+
     for st in p.states:
         t = d.transition(st.name)
-        s = n(st.name)
-        rows = st.shape[0]
+        s, rows = n(st.name), n(st.shape[0])
         cols = "1" if len(st.shape) == 1 else n(st.shape[1])
-        size = lambda e, width: f"(batch, tokens, heads, {width})"  # noqa: E731
-        tok = lambda e, width: (f"per_token({prelude(e)}, {size(e, width)}, dtype, "  # noqa: E731
-                                f"scalar={not e.shape})")
-        body += ["", f"# {st.name}: {t.kind}",
-                 f"#   {st.name}_t = {_canonical_text(t)}"]
-        if t.log_decay is None:
-            body.append(f"{s}_log_decay = None")
-        else:
-            width = n(rows) if t.log_decay.shape else "1"
-            code = tok(t.log_decay, width) if t.log_is_exact else \
-                f"per_token(log_decay({prelude(t.decay)}, \"{st.name}\"), {size(None, width)}, dtype, " \
-                f"scalar={not t.decay.shape})"
-            body.append(f"{s}_log_decay = {code}")
+        body += ["", f"# {st.name}: {t.kind}", f"#   {st.name}_t = {_canonical_text(t)}"]
+        running = None
+        if st.name in stable:
+            alphas = stable[st.name]
+            if alphas not in maxima:
+                maxima[alphas] = f"{s}_max"
+                helpers.add("running_max")
+                body += [f"# exponential features: keep {st.name}·exp(−M) with M the running maximum of the "
+                         f"exponents, so every exp(α − M) ≤ 1"]
+                for a in alphas:
+                    if a not in exponents:
+                        exponents[a] = f"{s}_exponent{len(exponents)}"
+                        body.append(f"{exponents[a]} = {prelude(a)}")
+                joined = ", ".join(exponents[a] for a in alphas)
+                body.append(f"{s}_max = running_max({joined if len(alphas) == 1 else f'np.concatenate([{joined}], axis=-1)'})"
+                            f"  # M_t [B, T, H]")
+            running = maxima[alphas]
+        decay_terms = []
+        if t.log_decay is not None:
+            width = rows if t.log_decay.shape else "1"
+            decay_terms.append(tok(t.log_decay, width) if t.log_is_exact else
+                               f"per_token(log_decay({prelude(t.decay)}, \"{st.name}\"), "
+                               f"(batch, tokens, heads, {width}), dtype, scalar={not t.decay.shape})")
+            if not t.log_is_exact:
+                helpers.add("log_decay")
+        if running:
+            decay_terms.append(f"-np.diff({running}, axis=1, prepend={running}[:, :1])[..., None]  "
+                               f"# M_(t−1) − M_t")
+        body.append(f"{s}_log_decay = " + (" + ".join(decay_terms) if decay_terms else "None"))
         body.append(f"{s}_corrections = [" + ", ".join(
-            f"({tok(u, n(rows))}, {tok(w, n(rows))})" for u, w in t.corrections) + "]")
+            f"({tok(u, rows)}, {tok(w, rows)})" for u, w in t.corrections) + "]")
         writes = []
         for key, value in t.writes:
-            val = tok(value, cols) if value is not None else f"np.ones((batch, tokens, heads, 1), dtype)"
-            writes.append(f"({tok(key, n(rows))}, {val})")
+            if running:
+                c, alpha = split_exp(key)
+                key_code = (f"per_token({prelude(c)} * np.exp({exponents[alpha]} - "
+                            f"{running}{'[..., None]' if alpha.shape else ''}), (batch, tokens, heads, {rows}), "
+                            f"dtype, scalar={not key.shape})")
+            else:
+                key_code = tok(key, rows)
+            val = tok(value, cols) if value is not None else "np.ones((batch, tokens, heads, 1), dtype)"
+            writes.append(f"({key_code}, {val})")
         body.append(f"{s}_writes = [" + ", ".join(writes) + "]")
         mine = [r for r in d.readouts if r.state == st.name]
+        queries = []
         for r in mine:
             readout_vars[r.index] = f"r{r.index}" + ("[..., 0]" if len(st.shape) == 1 else "")
-        queries = ", ".join(f"({tok(r.query, n(rows))}, {r.before_update})" for r in mine)
+            c, beta = split_exp(r.query)
+            scale = [running] if running else []
+            if running and beta is not None and variance(beta) == "token":
+                # a per-token constant factored out of an exponential query cancels in ratios
+                if beta not in query_max:
+                    exponents.setdefault(beta, f"query_exponent{len(query_max)}")
+                    query_max[beta] = f"query_max{len(query_max)}"
+                    body.append(f"{exponents[beta]} = {prelude(beta)}")
+                    body.append(f"{query_max[beta]} = " + (f"np.max({exponents[beta]}, axis=-1)" if beta.shape
+                                                             else exponents[beta]))
+                mu = query_max[beta]
+                queries.append(f"(per_token({prelude(c)} * np.exp({exponents[beta]} - {mu}"
+                               f"{'[..., None]' if beta.shape else ''}), (batch, tokens, heads, {rows}), dtype, "
+                               f"scalar={not r.query.shape}), {r.before_update})")
+                scale.append(mu)
+            else:
+                queries.append(f"({tok(r.query, rows)}, {r.before_update})")
+            if scale:
+                scale_of[r.index] = " + ".join(scale)
         init = f"initial_state[\"{st.name}\"]" + ("[..., None]" if len(st.shape) == 1 else "")
-        targets = "".join(f"r{r.index}, " for r in mine)
+        if running:  # the state enters scaled like the first token's keys
+            init = f"({init} * np.exp(-{running}[:, 0])[..., None, None]).astype(dtype)"
+        targets = ", ".join(f"r{r.index}" for r in mine) or "_unused"
         body.append(f"[{targets}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, {s}_writes, "
-                    f"[{queries}], causal={p.causal}, chunk_size=chunk_size)"
-                    .replace("[], ", "_, ", 1) if not mine else
-                    f"[{targets.rstrip(', ')}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, "
-                    f"{s}_writes, [{queries}], causal={p.causal}, chunk_size=chunk_size)")
+                    f"[{', '.join(queries)}], causal={p.causal}, chunk_size=chunk_size)")
+        if running:
+            body.append(f"{s} = {s} * np.exp({running}[:, -1])[..., None, None].astype(dtype)  # back to scale")
         if len(st.shape) == 1:
             body.append(f"{s} = {s}[..., 0]")
-    out_printer = em.printer(None, readout_vars=readout_vars)
     body += ["", "# outputs from the readouts"]
     for name, expr in d.outputs:
         out = next(o for o in p.outputs if o.name == name)
+        degrees = _degree(expr, scale_of)
+        vars_here = dict(readout_vars)
+        if scale_of and (degrees is None or any(degrees.values())):
+            for i, sc in scale_of.items():  # the scales do not cancel: put them back
+                vars_here[i] = f"({readout_vars[i]} * np.exp({sc})" + ("" if vars_here[i].endswith("[..., 0]")
+                                                                      else "[..., None]") + ")"
+        elif scale_of:
+            body.append(f"# the scales exp(M + mu) of the readouts cancel in {name}")
+        out_printer = em.printer(None, readout_vars=vars_here)
         code = out_printer(em.refold(expr))
+        helpers |= out_printer.helpers
         body.append(f"{n(name)} = np.broadcast_to({code}, (batch, tokens, heads"
                     + "".join(", " + n(x) for x in out.value.shape) + ")).astype(dtype)")
     body += ["", em.returns()]
-    helpers = prelude.helpers | out_printer.helpers | {"per_token", scan}
-    if any(not t.log_is_exact for t in d.transitions):
-        helpers.add("log_decay")
+    helpers |= base.helpers
     return em.render(form, body, helpers)
 
 

@@ -54,3 +54,24 @@ def rmsnorm(x, eps=1e-6):
 
 def diag_matrix(d):
     return d[..., :, None] * np.eye(d.shape[-1], dtype=d.dtype)
+
+
+def random_features(seed: int, shape: tuple, orthogonal: bool = True) -> np.ndarray:
+    """Performer's projections W [..., m, d] (FAVOR+): rows ~ N(0, I). With `orthogonal`, each block of d
+    rows is orthogonalized (QR of a Gaussian matrix) and every row rescaled to the length of an
+    independent Gaussian vector, so rows keep the Gaussian length distribution with less variance."""
+    rng = np.random.default_rng(seed)
+    *lead, m, d = shape
+    out = np.empty(shape)
+    for index in np.ndindex(*lead):
+        if not orthogonal:
+            out[index] = rng.standard_normal((m, d))
+            continue
+        blocks = []
+        for _ in range(-(-m // d)):
+            qmat, _ = np.linalg.qr(rng.standard_normal((d, d)))
+            blocks.append(qmat.T)
+        rows = np.concatenate(blocks)[:m]
+        lengths = np.linalg.norm(rng.standard_normal((m, d)), axis=1)
+        out[index] = rows * lengths[:, None]
+    return out

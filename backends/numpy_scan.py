@@ -190,3 +190,34 @@ def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
         pieces.append(results)
     results = [np.concatenate([p[i] for p in pieces], axis=-2) for i in range(len(rd))] if causal else None
     return _finish(results, state, rd, causal)
+
+
+def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+    """The recurrent form of the decomposition: one token at a time, carrying the state."""
+    s0, l, corr, wr, rd = _prepare(s0, log_decay, corrections, writes, readouts)
+    state = s0.copy()
+    tokens = (rd[0][0] if rd else wr[0][0] if wr else corr[0][0]).shape[-2]
+    results = [np.empty(q.shape[:-1] + (state.shape[-1],), dtype=state.dtype) for q, _ in rd]
+    for t in range(tokens):
+        for r, (q, before) in zip(results, rd):
+            if before and causal:
+                r[..., t, :] = np.einsum("...i,...ij->...j", q[..., t, :], state)
+        pseudo = [np.einsum("...i,...ij->...j", w[..., t, :], state) for _, w in corr]
+        if l is not None:
+            state = np.exp(l[..., t, :]).astype(state.dtype)[..., :, None] * state
+        for (u, _), p in zip(corr, pseudo):
+            state = state + u[..., t, :, None] * p[..., None, :]
+        for kappa, x in wr:
+            state = state + kappa[..., t, :, None] * x[..., t, None, :]
+        for r, (q, before) in zip(results, rd):
+            if not (before and causal):
+                r[..., t, :] = np.einsum("...i,...ij->...j", q[..., t, :], state)
+    return _finish(results if causal else None, state, rd, causal)
+
+
+def running_max(exponent) -> np.ndarray:
+    """M_t = max over s ≤ t and over the last axis of exponent_s: [B, T, H]. Shifting every exponent by M
+    keeps exp(α − M) ≤ 1 with the largest key at 1; M_(t−1) − M_t ≤ 0 then acts as one more decay, and
+    the state is carried as S·exp(−M) (forms.md §8)."""
+    per_token = np.max(exponent, axis=-1) if exponent.ndim == 4 else exponent
+    return np.maximum.accumulate(per_token.astype(np.float64), axis=1)

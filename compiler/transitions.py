@@ -126,3 +126,25 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         else "general linear map"
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
                       tuple(dict.fromkeys(reasons)))
+
+
+def split_exp(e: ir.Expr) -> tuple[ir.Expr, ir.Expr | None]:
+    """Write e = c·exp(α) with α collecting every exponential factor (α None when there is none).
+    Exponential feature maps (FAVOR+'s exp(W·x − ‖x‖²/2)/√m) are stabilized by shifting α."""
+    if isinstance(e, ir.Apply) and e.function == "exp":
+        return ONE, e.args[0]
+    if isinstance(e, ir.Neg):
+        c, a = split_exp(e.operand)
+        return ir.Neg(c.shape, c) if a is not None else e, a
+    if isinstance(e, (ir.Arith, ir.Dot)) and (not isinstance(e, ir.Arith) or e.op in ("mul", "div")) \
+            and (not e.left.shape or not e.right.shape or isinstance(e, ir.Arith)):
+        (cl, al), (cr, ar) = split_exp(e.left), split_exp(e.right)
+        if al is None and ar is None:
+            return e, None
+        divide = isinstance(e, ir.Arith) and e.op == "div"
+        c = ir.Arith(cl.shape or cr.shape, "div" if divide else "mul", cl, cr)
+        if ar is not None and divide:
+            ar = ir.Neg(ar.shape, ar)
+        a = al if ar is None else ar if al is None else ir.Arith(al.shape or ar.shape, "add", al, ar)
+        return c, a
+    return e, None

@@ -1,0 +1,305 @@
+"""The parallel and chunkwise forms in C: drop-in replacements for numpy_scan's parallel_scan and
+chunkwise_scan (same arguments, same results), running a kernel generated from templates/c_scan.c.j2.
+
+The generated NumPy module of a form computes every state's canonical per-token arrays (log-decay,
+corrections (u, w), writes (κ, x), readout queries) and hands them to `parallel_scan` or `chunkwise_scan`;
+here those run in C. A kernel is specialized per structure — decay (none, one per token, one per row), the
+number of corrections and writes, the readouts (before or after the update), causal or not — per size
+(dk, dv and the chunk size are compile-time constants) and per dtype (float32 or float64), built once
+through c_build (cffi, cached on disk) and memoized here. One kernel holds both forms: lr_chunkwise (chunks
+of `chunk` tokens) and lr_parallel (the whole sequence as one segment).
+
+Arrays are read in place: [B, T, H, n] with any strides whose last axis is contiguous (np.broadcast_to
+views included: a per-head or constant value is never materialized per token); others are copied first.
+(batch row, head) pairs run in parallel on OpenMP threads: `num_threads`, else $LINREC_NUM_THREADS, else
+every core this process may use.
+
+    from backends import c_scan
+    outs, final = c_scan.chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=64)
+    module = c_scan.load(compiled, "chunkwise")     # the generated NumPy module, scanning in C
+    text = c_scan.emit(compiled, "chunkwise")       # the C source of its kernels (default sizes)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import types
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+import numpy as np
+
+from compiler import Compiled
+from dsl.errors import LinrecError, RuntimeInputError
+
+from . import c_build
+from .numpy_backend import VERSION
+
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+DEFAULT_CHUNK = 64
+SUB_BLOCK = 16  # query panels and diagonal-decay sub-blocks (a multiple of every register width)
+# The fast scores scale queries and keys by exp(±(b − b_L)) over a whole segment: allowed while the
+# log-decays of the segment span at most this much (float: e^40 ≈ 2e17, far from overflow and from the
+# subnormals); wider segments take the stable sub-block way.
+SPAN_MAX = {"float": 40.0, "double": 300.0}
+DECAYS = ("none", "token", "row")
+FORMS = ("parallel", "chunkwise")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Everything one kernel is specialized for."""
+
+    decay: str                 # "none", "token" (one log-decay per token) or "row" (one per state row)
+    corrections: int           # rank-one corrections (u, w)
+    writes: int                # writes (κ, x)
+    before: tuple[bool, ...]   # per readout: reads the state before the update
+    causal: bool
+    dk: int
+    dv: int
+    chunk: int                 # tokens per chunk of lr_chunkwise
+    ctype: str                 # "float" or "double"
+    vector_bytes: int          # SIMD register width the kernel is written for
+
+    @property
+    def lanes(self) -> int:
+        return self.vector_bytes // (4 if self.ctype == "float" else 8)
+
+    def describe(self) -> str:
+        decay = {"none": "no decay", "token": "one log-decay per token", "row": "one log-decay per row"}
+        reads = ", ".join("before" if b else "after" for b in self.before) or "none"
+        return (f"{decay[self.decay]}; {self.corrections} correction(s); {self.writes} write(s); readouts: "
+                f"{reads}; {'causal' if self.causal else 'non-causal'}; dk = {self.dk}, dv = {self.dv}, chunk = "
+                f"{self.chunk}, {self.ctype}")
+
+
+# ---- the C source -------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FunctionLoader(_template_source), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def _template_source(name: str) -> str:
+    return resources.files("backends").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
+
+
+def render(s: Structure, forms: str = "parallel and chunkwise") -> str:
+    """The C source of one kernel."""
+    lanes = s.lanes
+    qprev = [1] * s.corrections + [1 if b else 0 for b in s.before]
+    return _environment().get_template("c_scan.c.j2").render(
+        version=VERSION, forms=forms, description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes,
+        lanes=lanes, dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, sb=SUB_BLOCK, chunk=s.chunk,
+        decay=DECAYS.index(s.decay), db=s.dk if s.decay == "row" else 1, corrections=s.corrections,
+        writes=s.writes, readouts=len(s.before), causal=s.causal, span_max=SPAN_MAX[s.ctype],
+        nb=4 if s.vector_bytes >= 64 else 3, qprev=", ".join(map(str, qprev)),
+        n_inputs=(s.decay != "none") + 2 * s.corrections + 2 * s.writes + len(s.before))
+
+
+def cdef(s: Structure) -> str:
+    t = s.ctype
+    args = f"(const {t} *s0, {t} *sT, {t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads);"
+    return f"int lr_chunkwise{args}\nint lr_parallel{args}\n"
+
+
+@lru_cache(maxsize=None)
+def _fingerprint() -> str:
+    """This generator (module and template): a change rebuilds the kernels."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in (here / "c_scan.py", here / "templates" / "c_scan.c.j2"):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+# ---- kernels ------------------------------------------------------------------------------------------
+_kernels: dict[Structure, object] = {}
+_lock = threading.Lock()
+
+
+def kernel(s: Structure):
+    """The built extension (ffi, lib) for a structure: memoized, else from the disk cache, else built."""
+    k = _kernels.get(s)
+    if k is None:
+        with _lock:
+            k = _kernels.get(s)
+            if k is None:
+                alias = c_build.alias_key("c_scan", repr(s), _fingerprint())
+                k = c_build.load_alias(alias)
+                if k is None:
+                    label = f"scan_{s.decay}_r{s.corrections}_w{s.writes}_{s.ctype}"
+                    k = c_build.build(render(s), cdef(s), label, alias)
+                _kernels[s] = k
+    return k
+
+
+def default_threads() -> int:
+    env = os.environ.get("LINREC_NUM_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}")
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# ---- the scan functions -------------------------------------------------------------------------------
+def _operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
+    """x as an array of `shape` and `dtype` whose last axis is contiguous (other strides are free)."""
+    a = np.asarray(x)
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    if a.shape != shape:
+        try:
+            a = np.broadcast_to(a, shape)
+        except ValueError:
+            raise RuntimeInputError(f"{what} should have shape {list(shape)} but has shape {list(a.shape)}") from None
+    item = dtype.itemsize
+    if (shape[-1] > 1 and a.strides[-1] != item) or any(st % item for st in a.strides) or not a.flags.aligned:
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
+         num_threads=None):
+    """parallel_scan or chunkwise_scan (form "parallel" or "chunkwise"), with a thread count."""
+    if form not in FORMS:
+        raise LinrecError(f"unknown scan form {form!r}; choose parallel or chunkwise")
+    corrections = [tuple(c) for c in corrections]
+    writes = [tuple(w) for w in writes]
+    readouts = [(q, bool(before)) for q, before in readouts]
+    per_token = [a for pair in corrections + writes for a in pair] + [q for q, _ in readouts]
+    if log_decay is not None:
+        per_token.append(log_decay)
+    if not per_token or not (readouts or writes or corrections):
+        raise LinrecError("nothing to scan: no readouts, writes or corrections")
+    per_token = [np.asarray(a) for a in per_token]
+    dtype = np.dtype(np.float32) if np.result_type(*per_token) == np.float32 else np.dtype(np.float64)
+    first = per_token[0]
+    if first.ndim != 4:
+        raise RuntimeInputError(f"per-token arrays should have shape [B, T, H, n], got {list(first.shape)}")
+    batch, tokens, heads = first.shape[:3]
+    s0 = np.asarray(s0)
+    if s0.ndim != 4 or s0.shape[:2] != (batch, heads):
+        raise RuntimeInputError(f"the initial state should have shape [B, H, dk, dv] = [{batch}, {heads}, …], got "
+                                f"{list(s0.shape)}")
+    dk, dv = int(s0.shape[2]), int(s0.shape[3])
+    state = np.ascontiguousarray(s0, dtype=dtype)
+    lead = (batch, tokens, heads)
+    if log_decay is None:
+        decay = "none"
+    else:
+        width = np.shape(log_decay)[-1]
+        if width not in (1, dk):
+            raise RuntimeInputError(f"the log-decay should have shape [B, T, H, 1 or dk = {dk}], got "
+                                    f"{list(np.shape(log_decay))}")
+        decay = "token" if width == 1 else "row"
+    ops = []
+    if decay != "none":
+        ops.append(_operand(log_decay, dtype, lead + (np.shape(log_decay)[-1],), "the log-decay"))
+    for i, (u, w) in enumerate(corrections):
+        ops += [_operand(u, dtype, lead + (dk,), f"correction {i}: u"), _operand(w, dtype, lead + (dk,), f"correction {i}: w")]
+    for i, (kappa, x) in enumerate(writes):
+        ops += [_operand(kappa, dtype, lead + (dk,), f"write {i}: key"), _operand(x, dtype, lead + (dv,), f"write {i}: value")]
+    ops += [_operand(q, dtype, lead + (dk,), f"readout {i}: query") for i, (q, _) in enumerate(readouts)]
+    outs = [np.empty(lead + (dv,), dtype) for _ in readouts]
+    if batch * heads == 0 or tokens == 0:
+        return outs, state.copy()
+    # lr_parallel ignores the chunk size (like numpy_scan): it shares the default chunk's kernel
+    chunk = int(chunk_size or DEFAULT_CHUNK) if form == "chunkwise" else DEFAULT_CHUNK
+    if chunk < 1:
+        raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
+    ctype = CTYPES[dtype]
+    s = Structure(decay, len(corrections), len(writes), tuple(b for _, b in readouts), bool(causal), dk, dv,
+                  chunk, ctype, c_build.vector_bytes())
+    k = kernel(s)
+    ffi, lib = k.ffi, k.lib
+    ptr = ctype + " *"
+    item = dtype.itemsize
+    c_in = ffi.new(ctype + " *[]", [ffi.cast(ptr, a.__array_interface__["data"][0]) for a in ops] or 1)
+    c_st = ffi.new("int64_t[]", [a.strides[i] // item for a in ops for i in range(3)] or 1)
+    c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
+    final = np.empty_like(state)
+    threads = default_threads() if num_threads is None else int(num_threads)
+    fn = lib.lr_parallel if form == "parallel" else lib.lr_chunkwise
+    rc = fn(ffi.from_buffer(ptr, state), ffi.from_buffer(ptr, final), c_in, c_st, c_out, batch, tokens, heads,
+            max(1, threads))
+    if rc:
+        raise MemoryError(f"the C {form} kernel could not allocate its scratch memory")
+    return outs, final
+
+
+def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+    """numpy_scan.parallel_scan in C: s0 [B, H, dk, dv]; log_decay None or [B, T, H, 1 | dk]; corrections
+    [(u, w)], writes [(κ, x)], readouts [(query, before_update)], per token [B, T, H, *].
+    Returns ([readout [B, T, H, dv]], final state [B, H, dk, dv])."""
+    return scan("parallel", s0, log_decay, corrections, writes, readouts, causal, chunk_size)
+
+
+def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+    """numpy_scan.chunkwise_scan in C (chunks of chunk_size tokens, default 64); same arguments and results."""
+    return scan("chunkwise", s0, log_decay, corrections, writes, readouts, causal, chunk_size)
+
+
+# ---- programs: the generated source, and the module of a form ----------------------------------------
+def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None,
+               chunk_size: int | None = None) -> list[tuple[str, Structure]]:
+    """(state name, kernel structure) for every state of a program, at the given (else default) sizes."""
+    p, d = compiled.program, compiled.derivation
+    sizes = {x.name: x.default for x in p.dims} | dict(dims or {})
+    ctype = CTYPES[np.dtype(dtype)]
+    out = []
+    for st in p.states:
+        t = d.transition(st.name)
+        if not t.factorable:
+            why = "; ".join(t.reasons)
+            raise LinrecError(f"state '{st.name}' of '{compiled.name}' has no parallel or chunkwise form: {why}")
+        decay = "none" if t.log_decay is None else ("row" if t.log_decay.shape else "token")
+        before = tuple(r.before_update for r in d.readouts if r.state == st.name)
+        dk = sizes[st.shape[0]]
+        dv = sizes[st.shape[1]] if len(st.shape) == 2 else 1
+        out.append((st.name, Structure(decay, len(t.corrections), len(t.writes), before, p.causal, dk, dv,
+                                       int(chunk_size or DEFAULT_CHUNK), ctype, c_build.vector_bytes())))
+    return out
+
+
+def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] | None = None,
+         chunk_size: int | None = None) -> str:
+    """The C source of a program's parallel or chunkwise form: one kernel per state (each a translation unit
+    of its own), preceded by the generated NumPy module that prepares the per-token arrays and calls them."""
+    if form not in FORMS:
+        raise LinrecError(f"the C scan kernels implement the parallel and chunkwise forms, not {form!r}")
+    why = compiled.derivation.why_not(form)
+    if why:
+        raise LinrecError(f"'{compiled.name}' has no {form} form: {why}")
+    parts = []
+    for name, s in structures(compiled, dtype, dims, chunk_size):
+        parts.append(f"/* ==== state '{name}': {s.describe()} ==== */\n" + render(s, form))
+    return "\n".join(parts)
+
+
+def load(compiled: Compiled, form: str):
+    """The generated NumPy module of the form (per-token arrays, outputs from the readouts) with its scan
+    running in C: forward(inputs, params, initial_state, dims, chunk_size=None) and default_params."""
+    from . import numpy_backend
+    if form not in FORMS:
+        raise LinrecError(f"the C scan kernels implement the parallel and chunkwise forms, not {form!r}")
+    source = numpy_backend.emit(compiled, form)
+    module = types.ModuleType(f"linrec_generated_{compiled.name}_{form}_c")
+    module.__dict__["__source__"] = source
+    exec(compile(source, f"<linrec {compiled.filename} {form} (C scan)>", "exec"), module.__dict__)
+    module.parallel_scan = parallel_scan
+    module.chunkwise_scan = chunkwise_scan
+    module.form = form
+    return module
