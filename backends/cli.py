@@ -543,8 +543,14 @@ def _add_verify(parser: argparse.ArgumentParser):
     parser.add_argument("--quick", action="store_true", help="a shorter battery (long T = 2048, fewer cases)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     parser.add_argument("--seed", type=_nonnegative_int, default=0, help="seed of the generated inputs")
+    parser.add_argument("--against", metavar="EXACT.lin",
+                        help="instead: the error of FILE's outputs against EXACT's on the same inputs, for "
+                             "16, 64, 256, 1024 random features, orthogonal and i.i.d. (e.g. Performer "
+                             "against examples/softmax.lin)")
+    parser.add_argument("--seeds", type=_positive_int, default=8, help="seeds averaged by --against")
     parser.epilog = """\
 examples:
+  linrec verify examples/performer.lin --against examples/softmax.lin
   linrec verify examples/gla.lin
   linrec verify examples/deltanet.lin --quick --json > deltanet.json
 
@@ -566,6 +572,8 @@ def cmd_verify(args) -> int:
     from . import verify
 
     rec = _load(args.file)
+    if args.against:
+        return _verify_against(rec, _load(args.against), args)
     backends = args.backend or _backend_names()
     forms = args.form or list(rec.forms)
     for form in forms:
@@ -719,6 +727,21 @@ def cmd_cache(args) -> int:
         print(json.dumps(data, indent=1) if args.json else
               f"removed {data['removed']} entr{'y' if data['removed'] == 1 else 'ies'} "
               f"({c_cache._bytes(data['bytes_freed'])}) from {data['dir']}")
+    return 0
+
+
+def _verify_against(rec, exact, args) -> int:
+    import json
+
+    from . import quality
+
+    if not args.json:
+        print(f"{rec.name} against {exact.name}: relative error ‖o − o_exact‖/‖o_exact‖, mean over seeds")
+        print(quality.HEADER)
+    rows = quality.compare(rec, exact, seeds=args.seeds,
+                           on_row=None if args.json else lambda r: print(quality.format_row(r), flush=True))
+    if args.json:
+        print(json.dumps({"program": rec.name, "against": exact.name, "rows": [r.__dict__ for r in rows]}))
     return 0
 
 

@@ -69,7 +69,8 @@ def random_features(seed: int, shape: tuple, orthogonal: bool = True) -> np.ndar
             continue
         blocks = []
         for _ in range(-(-m // d)):
-            qmat, _ = np.linalg.qr(rng.standard_normal((d, d)))
+            qmat, rmat = np.linalg.qr(rng.standard_normal((d, d)))
+            qmat = qmat * np.sign(np.diag(rmat))  # fix the signs: uniformly (Haar) distributed rotations
             blocks.append(qmat.T)
         rows = np.concatenate(blocks)[:m]
         lengths = np.linalg.norm(rng.standard_normal((m, d)), axis=1)

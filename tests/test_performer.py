@@ -1,0 +1,95 @@
+"""Performer: FAVOR+ features (unbiased, orthogonal blocks), its forms against a direct unstabilized
+implementation, the stabilization on large inputs, and the approximation error against exact softmax."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backends as linrec
+from backends import quality
+from backends.numpy_runtime import random_features
+
+ROOT = Path(__file__).resolve().parent.parent / "examples"
+DIMS = {"dk": 8, "dv": 4, "m": 32}
+
+
+@pytest.fixture(scope="module")
+def performer():
+    return linrec.load(ROOT / "performer.lin")
+
+
+def direct(x, w, s0, z0):
+    dk = x["q"].shape[-1]
+
+    def phi(a):
+        a = a * dk ** -0.25
+        return np.exp(np.einsum("md,bthd->bthm", w, a) - (np.sum(a * a, -1) / 2)[..., None]) / np.sqrt(len(w))
+    pk, pq = phi(x["k"]), phi(x["q"])
+    s, z, out = s0.copy(), z0.copy(), np.empty(x["v"].shape)
+    for t in range(x["q"].shape[1]):
+        s = s + pk[:, t][..., :, None] * x["v"][:, t][..., None, :]
+        z = z + pk[:, t]
+        out[:, t] = np.einsum("bhm,bhmd->bhd", pq[:, t], s) / np.einsum("bhm,bhm->bh", pq[:, t], z)[..., None]
+    return out, s, z
+
+
+def test_orthogonal_features_are_orthogonal_within_blocks_with_gaussian_lengths():
+    w = random_features(3, (64, 16), orthogonal=True)
+    block = w[:16] / np.linalg.norm(w[:16], axis=1, keepdims=True)
+    assert np.allclose(block @ block.T, np.eye(16), atol=1e-12)
+    lengths = np.linalg.norm(random_features(4, (4096, 16), orthogonal=True), axis=1)
+    assert abs(np.mean(lengths ** 2) - 16) < 0.5  # E‖g‖² = d for a Gaussian vector
+
+
+@pytest.mark.parametrize("orthogonal", [True, False])
+def test_kernel_estimate_is_unbiased(orthogonal):
+    rng = np.random.default_rng(0)
+    dk = 16
+    q, k = rng.standard_normal(dk) * 0.5, rng.standard_normal(dk) * 0.5
+    exact = np.exp(q @ k / np.sqrt(dk))
+    scaled = lambda a: a * dk ** -0.25  # noqa: E731
+    estimates = []
+    for seed in range(3000):
+        w = random_features(seed, (64, dk), orthogonal)
+        phi = lambda a: np.exp(w @ scaled(a) - scaled(a) @ scaled(a) / 2) / 8  # noqa: E731
+        estimates.append(phi(q) @ phi(k))
+    estimates = np.array(estimates)
+    standard_error = estimates.std() / np.sqrt(len(estimates))
+    assert abs(estimates.mean() - exact) < 4 * standard_error  # within 4 standard errors
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 70])
+def test_every_form_equals_the_direct_implementation(performer, tokens):
+    x = performer.random_inputs(2, tokens, 2, dims=DIMS, seed=tokens)
+    rng = np.random.default_rng(0)
+    s0, z0 = np.abs(rng.standard_normal((2, 2, 32, 4))), np.abs(rng.standard_normal((2, 2, 32))) + 1
+    w = performer.default_params(2, DIMS)["W"]
+    ref, s_ref, z_ref = direct(x, w, s0, z0)
+    for form in ("recurrent", "parallel", "chunkwise"):
+        res = performer.run(x, form=form, initial_state={"S": s0, "z": z0}, chunk_size=16)
+        assert np.max(np.abs(res.outputs["o"] - ref)) / np.max(np.abs(ref)) < 1e-12, form
+        assert np.max(np.abs(res.final_state["S"] - s_ref)) / np.max(np.abs(s_ref)) < 1e-12, form
+        assert np.max(np.abs(res.final_state["z"] - z_ref)) / np.max(np.abs(z_ref)) < 1e-12, form
+
+
+def test_large_inputs_stay_finite_and_accurate_in_float32(performer):
+    # exponents of several hundred: exp would under- or overflow without the running-maximum shift
+    x = {k: v * 10 for k, v in performer.random_inputs(1, 200, 2, dims={**DIMS, "dk": 16}, seed=1).items()}
+    ref = performer.run(x, form="recurrent", dims={"m": 32}).outputs["o"]
+    assert np.all(np.isfinite(ref))
+    for form in ("recurrent", "parallel", "chunkwise"):
+        out = performer.run({k: v.astype(np.float32) for k, v in x.items()}, form=form, dims={"m": 32}).outputs["o"]
+        assert np.all(np.isfinite(out)), form
+        assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) < 5e-4, form
+
+
+def test_error_against_softmax_falls_with_features_and_orthogonal_is_not_worse(performer):
+    exact = linrec.load(ROOT / "softmax.lin")
+    rows = quality.compare(performer, exact, features=(16, 256), seeds=6, tokens=64)
+    err = {(r.features, r.orthogonal): r.mean_rel_error for r in rows}
+    assert err[(256, True)] < 0.6 * err[(16, True)]
+    assert err[(256, False)] < 0.6 * err[(16, False)]
+    for m in (16, 256):
+        assert err[(m, True)] <= err[(m, False)] * 1.05  # averaged over seeds
