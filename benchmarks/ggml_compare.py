@@ -183,6 +183,7 @@ def main(argv=None) -> int:
         for t in tokens:
             entry["ms"][str(t)] = time_op(ggml, op, t, args.threads, args.repeats)
         entry["decode_us"] = decode_us(ggml, op, args.threads)
+        entry["decode_us_1_thread"] = decode_us(ggml, op, 1) if args.threads != 1 else entry["decode_us"]
         report["ops"][op] = entry
         if not args.json:
             c = entry["check"]
@@ -193,7 +194,8 @@ def main(argv=None) -> int:
                   f"diff {c['rel_diff']:.2e} ({same})")
             for t, ms in entry["ms"].items():
                 print(f"  T={t:>6}: {ms:9.3f} ms   {int(t) / ms * 1e3:12.4g} tokens/s")
-            print(f"  decode (T=1, from Python): {entry['decode_us']:.2f} µs per call")
+            print(f"  decode (T=1, graph computed from Python): {entry['decode_us']:.2f} µs per call with "
+                  f"{args.threads} thread(s), {entry['decode_us_1_thread']:.2f} µs with 1")
     if args.json:
         print(json.dumps(report, indent=1))
     return 0
