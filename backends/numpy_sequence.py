@@ -70,8 +70,50 @@ class SequencePrinter(NumpyPrinter):
         return super()._dot(e)
 
 
-def emit(compiled: Compiled, form: str) -> str:
+def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
+    """softmax(K·g)·V with K and V sequences that do not depend on the query token and g a per-token
+    query vector: (K, g, V) for a compiled attention kernel, else None."""
+    scores, values = readout.scores, readout.values
+    if not isinstance(scores, ir.Dot) or len(scores.right.shape) != 1:
+        return None
+    keys, query = scores.left, scores.right
+    if len(keys.shape) != 2 or len(values.shape) != 2:
+        return None
+    if any(isinstance(n, ir.Apply) and n.function == "seq" for n in _walk(query)):
+        return None
+
+    def sequence_only(e):  # every per-token reference sits inside seq(…)
+        if isinstance(e, ir.Apply) and e.function == "seq":
+            return True
+        if isinstance(e, (ir.InputRef, ir.LetRef)):
+            return False
+        from compiler.analysis import children
+        return all(sequence_only(c) for c in children(e))
+    return (keys, query, values) if sequence_only(keys) and sequence_only(values) else None
+
+
+def kernel_support(compiled: Compiled) -> str | None:
+    """Why compiled attention kernels cannot run this program (None: they can)."""
+    plan = compiled.derivation.sequence
+    if plan is None:
+        return "not a sequence-level program"
+    if plan.kind == "lsh":
+        return None
+    for r in plan.softmax_readouts:
+        if kernel_pattern(r) is None:
+            return ("a softmax readout is not of the form softmax(K·q)·V with K, V sequences and q a per-token "
+                    "vector")
+    if any(n for _, e in plan.outputs for n in _walk(e) if SEQ in n.shape and not isinstance(n, ir.ReadoutRef)):
+        return "the sequence is used outside softmax(K·q)·V"
+    return None
+
+
+def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
+    """kernels: None for NumPy code throughout; a module name (backends.c_attention) whose attention and
+    lsh_attention_* functions run the sequence part."""
     from .numpy_backend import Emitter  # the shared pieces of every NumPy module
+    if kernels is not None:
+        return _emit_with_kernels(compiled, form, kernels)
 
     em = Emitter(compiled)
     p, plan, n = em.p, compiled.derivation.sequence, em.name
@@ -169,6 +211,64 @@ def emit(compiled: Compiled, form: str) -> str:
         helpers |= out.helpers
     body += ["", em.returns()]
     return em.render(form, body, helpers)
+
+
+def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
+    """Per-token values in NumPy, the attention itself in compiled kernels."""
+    from .numpy_backend import Emitter
+
+    em = Emitter(compiled)
+    p, plan, n = em.p, compiled.derivation.sequence, em.name
+    body = em.prologue()
+    for prm in p.params:
+        if SEQ in prm.shape:
+            axis = prm.shape.index(SEQ) + (1 if prm.per_head else 0)
+            body.append(f"{n(prm.name)} = {n(prm.name)}[{', '.join([':'] * axis + [':tokens'])}]")
+    body.append(f"causal = {p.causal}")
+    base = em.printer(None)
+    hoisted = em.hoisted_lets(base)
+    if hoisted:
+        body += ["", "# per-token values, for all tokens at once"] + hoisted
+    seq_vars: dict[ir.Expr, str] = {}
+    for r in plan.softmax_readouts:
+        for node in list(_walk(r.scores)) + list(_walk(r.values)):
+            if isinstance(node, ir.Apply) and node.function == "seq" and node.args[0] not in seq_vars:
+                arg = em.refold(node.args[0])
+                label = n(arg.name) if isinstance(arg, (ir.InputRef, ir.LetRef)) else f"x{len(seq_vars)}"
+                seq_vars[node.args[0]] = f"{label}_seq"
+    if seq_vars:
+        body += ["", "# the sequence, head-major [B, H, T, *]"]
+        body += [f"{var} = np.swapaxes({base(em.refold(arg))}, 1, 2)" for arg, var in seq_vars.items()]
+    lsh = "lsh_attention_bucketed" if form == "chunkwise" else "lsh_attention_dense"
+    seq_printer = SequencePrinter(em.printer(None).ref, lambda arg: f"{seq_vars[arg]}[:, None]", "None", lsh)
+    helpers: set[str] = set(base.helpers)
+    readout_vars = {}
+    for r in plan.softmax_readouts:
+        keys, query, values = kernel_pattern(r)
+        readout_vars[r.index] = f"r{r.index}"
+        # a sequence expression prints as [B, 1, H, Tk, *]: drop the query axis, back to [B, Tk, H, *]
+        body += ["", f"# r{r.index} = softmax(K·q)·V over the visible keys, in a compiled kernel",
+                 f"keys{r.index} = np.swapaxes({seq_printer(em.refold(keys))}[:, 0], 1, 2)",
+                 f"values{r.index} = np.swapaxes({seq_printer(em.refold(values))}[:, 0], 1, 2)",
+                 f"query{r.index} = np.broadcast_to({base(em.refold(query))}, (batch, tokens, heads, "
+                 f"keys{r.index}.shape[-1]))",
+                 f"r{r.index} = attention(np.ascontiguousarray(query{r.index}, dtype=dtype), "
+                 f"np.ascontiguousarray(keys{r.index}, dtype=dtype), np.ascontiguousarray(values{r.index}, "
+                 f"dtype=dtype), causal, {plan.window}, \"{form}\", chunk_size)"]
+    out = SequencePrinter(em.printer(None, readout_vars=readout_vars).ref, lambda arg: "", "None", lsh)
+    body += ["", "# outputs"]
+    for name, expr in plan.outputs:
+        body.append(f"{n(name)} = {out(em.refold(expr))}")
+    body += ["", em.returns()]
+    helpers |= seq_printer.helpers | out.helpers | base.helpers
+    kernel_names = sorted({"attention"} if plan.softmax_readouts else set()) + sorted(
+        {h for h in helpers if h.startswith("lsh_attention")})
+    helpers -= set(kernel_names)
+    source = em.render(form, body, helpers)
+    if not kernel_names:
+        return source
+    return source.replace("import numpy as np\n", f"import numpy as np\nfrom {kernels} import "
+                          f"{', '.join(kernel_names)}\n", 1)
 
 
 def _restore(expr: ir.Expr, plan) -> ir.Expr:

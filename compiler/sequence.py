@@ -42,6 +42,10 @@ def _uses(e: ir.Expr, function: str) -> list[ir.Apply]:
     return [n for n in walk(e) if isinstance(n, ir.Apply) and n.function == function]
 
 
+def _reads_sequence(e: ir.Expr) -> bool:
+    return bool(_uses(e, "seq")) or any(isinstance(n, ir.ParamRef) and SEQ in n.shape for n in walk(e))
+
+
 def is_sequence_program(program: ir.Program) -> bool:
     for out in program.outputs:
         e = inline_lets(out.value, program.lets)
@@ -83,7 +87,8 @@ def plan(program: ir.Program) -> SequencePlan:
 
     def extract(node: ir.Expr) -> ir.Expr:
         if isinstance(node, ir.Dot) and isinstance(node.left, ir.Apply) and node.left.function == "softmax" \
-                and node.left.shape[:1] == (SEQ,) and node.right.shape[:1] == (SEQ,):
+                and len(node.left.shape) == 1 and node.right.shape[:1] == node.left.shape \
+                and _reads_sequence(node):
             r = SoftmaxReadout(len(readouts), node.left.args[0], node.right)
             readouts.append(r)
             return ir.ReadoutRef(node.shape, r.index)
