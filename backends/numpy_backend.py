@@ -137,13 +137,14 @@ class Emitter:
         states = ", ".join(f"\"{s.name}\": {self.name(s.name)}" for s in self.p.states)
         return f"return {{{outs}}}, {{{states}}}"
 
-    def render(self, form: str, body: list[str], helpers: set[str]) -> str:
+    def render(self, form: str, body: list[str], helpers: set[str], scan_module: str = "backends.numpy_scan") -> str:
         param_lines = self.param_lines(helpers)
         return _environment().get_template("numpy_module.py.j2").render(
             name=self.p.name, form=form, version=VERSION, filename=self.c.filename,
             source_comment=source_comment(self.c),
             runtime_helpers=sorted(helpers - SCAN_HELPERS - ATTENTION_HELPERS),
-            scan_helpers=sorted(helpers & SCAN_HELPERS), attention_helpers=sorted(helpers & ATTENTION_HELPERS), param_lines=param_lines,
+            scan_helpers=sorted(helpers & SCAN_HELPERS), attention_helpers=sorted(helpers & ATTENTION_HELPERS),
+            scan_module=scan_module, param_lines=param_lines,
             param_names=[(prm.name, self.name(prm.name)) for prm in self.p.params], body=body)
 
 
@@ -289,9 +290,10 @@ def _degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
     return {} if not any(nonzero) else None
 
 
-def emit_scan(compiled: Compiled, form: str) -> str:
+def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_scan") -> str:
     """The parallel, chunkwise (or, for stabilized programs, recurrent) form from the derived decomposition
-    of every state's update."""
+    of every state's update. `scan_module` provides parallel_scan, chunkwise_scan and recurrent_scan (the
+    C backend passes its compiled twins); the per-token values stay NumPy."""
     em = Emitter(compiled)
     p, n, d = em.p, em.name, compiled.derivation
     base = em.printer(None)
@@ -410,7 +412,13 @@ def emit_scan(compiled: Compiled, form: str) -> str:
                     + "".join(", " + n(x) for x in out.value.shape) + ")).astype(dtype)")
     body += ["", em.returns()]
     helpers |= base.helpers
-    return em.render(form, body, helpers)
+    # per_token, log_decay and running_max are NumPy helpers whatever module runs the scan
+    numpy_only = {"per_token", "log_decay", "running_max"} & helpers
+    source = em.render(form, body, helpers - numpy_only, scan_module)
+    if numpy_only:
+        source = source.replace("import numpy as np\n", "import numpy as np\nfrom backends.numpy_scan import "
+                                + ", ".join(sorted(numpy_only)) + "\n", 1)
+    return source
 
 
 def _canonical_text(t) -> str:
