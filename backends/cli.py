@@ -68,10 +68,12 @@ def _form_names() -> list[str]:
     return list(compiler.FORMS)
 
 
-def _implemented(form: str) -> list[str]:
-    """The backends that generate `form` today (a form can exist mathematically before a backend has it)."""
+def _implemented(rec, form: str) -> list[str]:
+    """The backends that generate `form` of this program today (a form can exist mathematically before a
+    backend has it)."""
     from .api import BACKENDS
-    return [name for name, module in BACKENDS.items() if form in getattr(module, "EMITTERS", {form: None})]
+    from .verify import _supports
+    return [name for name in BACKENDS if _supports(rec, name, form)]
 
 
 def _range_text(x) -> str | None:
@@ -141,11 +143,19 @@ def describe(rec, path: str) -> dict:
     for form in _form_names():
         why = d.why_not(form)
         info["forms"].append({"form": form, "available": why is None, "reason": why,
-                              "backends": _implemented(form) if why is None else []})
+                              "backends": _implemented(rec, form) if why is None else []})
+    plan = d.sequence
+    info["sequence"] = None if plan is None else {
+        "kind": plan.kind, "window": plan.window,
+        "description": {"attention": "attends over the visible positions (seq)",
+                        "mixing": "mixes every position through parameters over the sequence axis",
+                        "lsh": "attends within locality-sensitive hash buckets"}[plan.kind]}
     return info
 
 
 def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    if not rows:
+        return []
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for r in rows:
@@ -175,6 +185,9 @@ def format_check(info: dict) -> str:
                        for prm in info["params"]])
 
     out += ["", "states"]
+    if not info["states"]:
+        seq = info.get("sequence")
+        out.append(f"  none: the program {seq['description']}" if seq else "  none")
     for s, row in zip(info["states"], _table([[s["name"], _shape(s["shape"]), s["transition"]]
                                               for s in info["states"]])):
         out.append(row)

@@ -92,9 +92,13 @@ def to_text(e: ir.Expr) -> str:
             return "I"
         if isinstance(node, ir.Random):
             args = ", ".join([f"seed={node.seed}"] + [f"{k}={v:g}" for k, v in node.options])
-            return f"{'randn' if node.kind == 'normal' else node.kind}({args})"
+            name = {"normal": "randn", "features": "random_features"}.get(node.kind, node.kind)
+            return f"{name}({args})"
         if isinstance(node, ir.Apply):
-            args = [p(a) for a in node.args] + [f"{k}={v:g}" for k, v in node.options]
+            from .builtins import BUILTINS, SEQUENCE
+            defaults = dict(BUILTINS[node.function].options) if node.function in BUILTINS else \
+                dict(SEQUENCE.get(node.function, (0, ()))[1])
+            args = [p(a) for a in node.args] + [f"{k}={v:g}" for k, v in node.options if defaults.get(k) != v]
             return f"{node.function}({', '.join(args)})"
         if isinstance(node, ir.Diag):
             return f"diag({p(node.operand)})"
