@@ -133,6 +133,8 @@ class Recurrence:
         inplace=True updates the given state arrays and returns them (the fast decode loop); otherwise the
         given states are left alone. `out` (C backend) holds output arrays to reuse. The C backend checks
         shapes and dtypes on every call, value ranges on the first call (see c_backend.Stepper)."""
+        if self.derivation.sequence is not None:
+            return _cache_step(self, token_inputs, state, backend, params)
         fast = self._modules.get(("step", backend))
         if fast is not None and fast[0] is params:
             try:
@@ -162,6 +164,31 @@ class Recurrence:
                     state[k][...] = v
                     final[k] = state[k]
         return outputs, final
+
+
+def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backend: str, params: dict | None):
+    """Decode for programs that read the sequence: the state is the KV cache — every input so far,
+    [B, t, H, *] by input name. Appends the token and computes its outputs only."""
+    if "recurrent" not in rec.forms:
+        raise LinrecError(f"'{rec.name}' has no recurrent form, so no decode step: "
+                          f"{rec.derivation.why_not('recurrent')}")
+    cache = dict(cache or {})
+    unknown = sorted(set(cache) - {x.name for x in rec.program.inputs})
+    if unknown:
+        raise RuntimeInputError(f"the KV cache of '{rec.name}' holds its inputs by name; unknown: {unknown}")
+    grown = {}
+    for name, value in token_inputs.items():
+        value = np.asarray(value)[:, None]
+        grown[name] = value if cache.get(name) is None else np.concatenate([cache[name], value], axis=1)
+    checked, shape = arrays.check_inputs(rec.program, grown)
+    params = dict(params or {})
+    dims = arrays.resolve_dims(rec.program, shape, params)
+    module = rec.module("recurrent", "numpy")
+    given = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
+    defaults = {k: v for k, v in module.default_params(shape.heads, dims, given).items() if k not in params}
+    used = arrays.check_params(rec.program, params, defaults, shape, dims)
+    outputs, _ = module.forward(checked, used, {}, dims, first=shape.tokens - 1)
+    return {k: v[:, 0] for k, v in outputs.items()}, grown
 
 
 def compile(source: str, filename: str = "<source>") -> Recurrence:  # noqa: A001 - the natural name

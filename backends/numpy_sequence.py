@@ -171,9 +171,11 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
             lo = f"max(0, t - {window - 1})" if window else "0"
             hi = f"min(tokens, t + {window})" if window else "tokens"
         body += ["", "# the KV cache: the keys and values of the positions each token sees",
-                 "for t in range(tokens):", f"    keys = slice({lo}, {hi})"]
+                 "for t in range(first, tokens):", f"    keys = slice({lo}, {hi})"]
         for name, expr in plan.outputs:
             body.append(f"    {n(name)}[:, t] = {pr(em.refold(_restore(expr, plan)))}")
+        body += ["if first:  # a decode step: only the new tokens' outputs"]
+        body += [f"    {n(o.name)} = {n(o.name)}[:, first:]" for o in p.outputs]
         helpers |= pr.helpers
     else:  # chunkwise attention: blocked online softmax
         readout_vars = {r.index: f"r{r.index}" for r in plan.softmax_readouts}

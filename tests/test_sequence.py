@@ -118,3 +118,22 @@ def test_reformer_one_bucket_one_chunk_is_causal_shared_qk_attention():
         p = np.exp(s - s.max())
         expected = (p / p.sum()) @ v[0, seen, 0]
         assert np.allclose(out[0, t, 0], expected, atol=1e-12)
+
+
+def test_softmax_decode_over_a_kv_cache_equals_the_full_sequence():
+    rec = linrec.load(ROOT / "softmax.lin")
+    x = rec.random_inputs(2, 12, 3, seed=5)
+    full = rec.run(x, form="parallel").outputs["o"]
+    cache, outs = None, []
+    for t in range(12):
+        out, cache = rec.step({k: v[:, t] for k, v in x.items()}, cache)
+        outs.append(out["o"])
+    assert cache["k"].shape == (2, 12, 3, 16)  # the state is the cache
+    assert np.max(np.abs(np.stack(outs, axis=1) - full)) < 1e-12
+
+
+def test_linformer_has_no_decode_step():
+    rec = linrec.load(ROOT / "linformer.lin")
+    x = rec.random_inputs(1, 1, 1)
+    with pytest.raises(linrec.LinrecError, match="no recurrent form, so no decode step"):
+        rec.step({k: v[:, 0] for k, v in x.items()}, None)
