@@ -519,6 +519,9 @@ def _scaled(coef: ir.Expr, x: ir.Expr, shape) -> ir.Expr:
 
 
 # ---- the module object api.py uses -------------------------------------------------------------------
+_environ = os.environ
+
+
 def _default_threads() -> int:
     env = os.environ.get("LINREC_NUM_THREADS", "").strip()
     if env:
@@ -702,7 +705,9 @@ class Stepper:
         self.rec = rec
         self.params = params
         self.dims = {d.name: int(dims[d.name]) for d in rec.program.dims}
-        self.threads = _default_threads() if num_threads is None else int(num_threads)
+        self._fixed_threads = None if num_threads is None else int(num_threads)
+        self._env = None
+        self.threads = self._fixed_threads or _default_threads()
         self._key = None
         self._all_ptrs = None
 
@@ -741,7 +746,10 @@ class Stepper:
     def __call__(self, token_inputs, state, inplace=False, out=None):
         """(outputs [B, H, *], states [B, H, *]) after one token. inplace=True updates the given state
         arrays (writeable, C-contiguous, of the inputs' dtype) and returns them; otherwise they are copied.
-        `out` may hold output arrays to write into (reused across calls: no allocation per token)."""
+        `out` may hold output arrays to write into (reused across calls: no allocation per token).
+        A loop that passes the same arrays every call (inplace=True, out=…, token buffers refilled in place)
+        takes a path of one identity check per array and the C call; LINREC_NUM_THREADS is then read when
+        the arrays change, not per call."""
         if self._all_ptrs is not None and inplace and out is not None and state is not None:
             # the decode loop that reuses every array (token buffers, state in place, outputs): one C call
             try:
@@ -753,6 +761,10 @@ class Stepper:
                 self._fn(*self._all_ptrs, self._batch, self._heads, self.threads)
                 n_in, n_st = len(self._in_names), len(self._st_names)
                 return dict(zip(self._out_names, arrays[n_in + n_st:])), dict(zip(self._st_names, arrays[n_in:n_in + n_st]))
+        if self._fixed_threads is None:  # LINREC_NUM_THREADS, read as forward does (but not by the loop above)
+            env = _environ.get("LINREC_NUM_THREADS")
+            if env != self._env:
+                self._env, self.threads = env, _default_threads()
         p = self.rec.program
         try:
             first = token_inputs[p.inputs[0].name]

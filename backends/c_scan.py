@@ -47,6 +47,7 @@ SUB_BLOCK = 16  # query panels and diagonal-decay sub-blocks (a multiple of ever
 # subnormals); wider segments take the stable sub-block way.
 SPAN_MAX = {"float": 40.0, "double": 300.0}
 DECAYS = ("none", "token", "row")
+SMALL_WORK = 1 << 20  # multiply-adds (roughly) below which a call runs on one thread
 FORMS = ("parallel", "chunkwise")
 
 
@@ -96,14 +97,17 @@ def render(s: Structure, forms: str = "parallel and chunkwise") -> str:
         version=VERSION, forms=forms, description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes,
         lanes=lanes, dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, sb=SUB_BLOCK, chunk=s.chunk,
         decay=DECAYS.index(s.decay), db=s.dk if s.decay == "row" else 1, corrections=s.corrections,
-        writes=s.writes, readouts=len(s.before), causal=s.causal, span_max=SPAN_MAX[s.ctype],
+        writes=s.writes, readouts=len(s.before), causal=s.causal,
         nb=4 if s.vector_bytes >= 64 else 3, qprev=", ".join(map(str, qprev)),
+        widths=", ".join(map(str, ([s.dk if s.decay == "row" else 1] if s.decay != "none" else [])
+                             + [s.dk] * 2 * s.corrections + [s.dk, s.dv] * s.writes + [s.dk] * len(s.before))),
         n_inputs=(s.decay != "none") + 2 * s.corrections + 2 * s.writes + len(s.before))
 
 
 def cdef(s: Structure) -> str:
     t = s.ctype
-    args = f"(const {t} *s0, {t} *sT, {t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads);"
+    args = (f"(const {t} *s0, {t} *sT, {t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads, "
+            f"double span_max);")
     return f"int lr_chunkwise{args}\nint lr_parallel{args}\n"
 
 
@@ -172,8 +176,9 @@ def _operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
 
 
 def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
-         num_threads=None):
-    """parallel_scan or chunkwise_scan (form "parallel" or "chunkwise"), with a thread count."""
+         num_threads=None, span_max=None):
+    """parallel_scan or chunkwise_scan (form "parallel" or "chunkwise"), with a thread count. span_max: the
+    widest log-decay range of a segment for the fast scores (default SPAN_MAX; 0 forces the stable way)."""
     if form not in FORMS:
         raise LinrecError(f"unknown scan form {form!r}; choose parallel or chunkwise")
     corrections = [tuple(c) for c in corrections]
@@ -185,7 +190,9 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     if not per_token or not (readouts or writes or corrections):
         raise LinrecError("nothing to scan: no readouts, writes or corrections")
     per_token = [np.asarray(a) for a in per_token]
-    dtype = np.dtype(np.float32) if np.result_type(*per_token) == np.float32 else np.dtype(np.float64)
+    # the working dtype is the values' (a stabilized program's log-decay arrives in float64 whatever it is)
+    values = per_token[:-1] if log_decay is not None else per_token
+    dtype = np.dtype(np.float32) if np.result_type(*values) == np.float32 else np.dtype(np.float64)
     first = per_token[0]
     if first.ndim != 4:
         raise RuntimeInputError(f"per-token arrays should have shape [B, T, H, n], got {list(first.shape)}")
@@ -232,9 +239,13 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
     final = np.empty_like(state)
     threads = default_threads() if num_threads is None else int(num_threads)
+    # at most one thread per (batch row, head); a small call runs on one (waking others costs more)
+    work = batch * heads * tokens * dk * max(dv, 16) * (len(readouts) + len(writes) + 2 * len(corrections) + 1)
+    threads = 1 if work < SMALL_WORK else min(threads, batch * heads)
     fn = lib.lr_parallel if form == "parallel" else lib.lr_chunkwise
+    span = SPAN_MAX[ctype] if span_max is None else float(span_max)
     rc = fn(ffi.from_buffer(ptr, state), ffi.from_buffer(ptr, final), c_in, c_st, c_out, batch, tokens, heads,
-            max(1, threads))
+            max(1, threads), span)
     if rc:
         raise MemoryError(f"the C {form} kernel could not allocate its scratch memory")
     return outs, final
@@ -252,13 +263,23 @@ def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
     return scan("chunkwise", s0, log_decay, corrections, writes, readouts, causal, chunk_size)
 
 
+def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+    """numpy_scan.recurrent_scan in C: the state carried token by token (the chunkwise kernel with chunks of
+    one token), for the stabilized programs whose recurrent form is emitted as a scan."""
+    return scan("chunkwise", s0, log_decay, corrections, writes, readouts, causal, 1)
+
+
 # ---- programs: the generated source, and the module of a form ----------------------------------------
 def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None,
                chunk_size: int | None = None) -> list[tuple[str, Structure]]:
     """(state name, kernel structure) for every state of a program, at the given (else default) sizes."""
+    from .numpy_backend import stabilized_states
     p, d = compiled.program, compiled.derivation
+    if d.sequence is not None:
+        raise LinrecError(f"'{compiled.name}' reads the whole sequence: it is not a scan over a recurrent state")
     sizes = {x.name: x.default for x in p.dims} | dict(dims or {})
     ctype = CTYPES[np.dtype(dtype)]
+    stable = stabilized_states(compiled)  # carried as S·exp(−M): M_(t−1) − M_t is one more log-decay per token
     out = []
     for st in p.states:
         t = d.transition(st.name)
@@ -266,6 +287,8 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
             why = "; ".join(t.reasons)
             raise LinrecError(f"state '{st.name}' of '{compiled.name}' has no parallel or chunkwise form: {why}")
         decay = "none" if t.log_decay is None else ("row" if t.log_decay.shape else "token")
+        if decay == "none" and st.name in stable:
+            decay = "token"
         before = tuple(r.before_update for r in d.readouts if r.state == st.name)
         dk = sizes[st.shape[0]]
         dv = sizes[st.shape[1]] if len(st.shape) == 2 else 1
@@ -276,8 +299,8 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
 
 def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] | None = None,
          chunk_size: int | None = None) -> str:
-    """The C source of a program's parallel or chunkwise form: one kernel per state (each a translation unit
-    of its own), preceded by the generated NumPy module that prepares the per-token arrays and calls them."""
+    """The C source of a program's parallel or chunkwise form: one kernel per state, each a translation unit of
+    its own (the generated NumPy module of the form prepares the per-token arrays and calls them, see load)."""
     if form not in FORMS:
         raise LinrecError(f"the C scan kernels implement the parallel and chunkwise forms, not {form!r}")
     why = compiled.derivation.why_not(form)
@@ -295,11 +318,13 @@ def load(compiled: Compiled, form: str):
     from . import numpy_backend
     if form not in FORMS:
         raise LinrecError(f"the C scan kernels implement the parallel and chunkwise forms, not {form!r}")
-    source = numpy_backend.emit(compiled, form)
+    why = compiled.derivation.why_not(form)
+    if why:
+        raise LinrecError(f"'{compiled.name}' has no {form} form: {why}")
+    structures(compiled)  # a scan program with factorable states, or a clear error
+    source = numpy_backend.emit_scan(compiled, form, scan_module=__name__)
     module = types.ModuleType(f"linrec_generated_{compiled.name}_{form}_c")
     module.__dict__["__source__"] = source
     exec(compile(source, f"<linrec {compiled.filename} {form} (C scan)>", "exec"), module.__dict__)
-    module.parallel_scan = parallel_scan
-    module.chunkwise_scan = chunkwise_scan
     module.form = form
     return module

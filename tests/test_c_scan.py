@@ -1,0 +1,313 @@
+"""The C parallel and chunkwise scans (backends/c_scan.py) against numpy_scan, and the examples end to end.
+
+For random canonical inputs of every structure — no decay, one log-decay per token, one per row; 0, 1 or 2
+corrections; 0, 1 or 2 writes; readouts before and after the update, or none; causal and non-causal; a
+vector state (dv = 1); dk ≠ dv, sizes that are and are not whole SIMD registers — the C results equal
+numpy_scan's on the same arrays, as max|C − NumPy| / max|NumPy| per readout and final state:
+    float64: 1e-10        float32: 5e-4
+at T ∈ {1, 5, 37, 130}, chunk sizes 1, 7, 16 and 64 (the default, also used by the parallel form's kernel),
+mild and strong decays (log-decays ×0.1 and ×10), with the fast scores and forced onto the stable ones.
+End to end, every example's generated NumPy parallel and chunkwise modules, with their scans running in C,
+equal the NumPy recurrent form in float64.
+
+Every kernel is built once per session (two compiler processes at a time) into a session cache directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backends as linrec
+from backends import c_build, c_scan, numpy_scan
+from dsl.errors import LinrecError, RuntimeInputError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.lin")  # the scan programs (not attention)
+                  if linrec.load(p).derivation.sequence is None and "chunkwise" in linrec.load(p).forms)
+TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 5e-4}
+DTYPES = (np.float64, np.float32)
+TOKENS = (1, 5, 37, 130)
+E2E_DIMS = {"dk": 5, "dv": 19}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One structure of canonical inputs (what a state hands to the scan)."""
+
+    decay: str
+    corrections: int
+    writes: int
+    before: tuple[bool, ...]
+    causal: bool = True
+    dk: int = 5
+    dv: int = 19
+
+    def __str__(self):
+        reads = "".join("b" if b else "a" for b in self.before) or "-"
+        return (f"{self.decay}-r{self.corrections}-w{self.writes}-{reads}-{'c' if self.causal else 'nc'}-"
+                f"{self.dk}x{self.dv}")
+
+
+CASES = [
+    Case("none", 0, 1, (False,)),                    # linear attention
+    Case("none", 0, 1, (False,), dv=1),              # its normalizer: a vector state
+    Case("token", 0, 1, (False,)),                   # RetNet, Mamba-2
+    Case("row", 0, 1, (False,)),                     # GLA
+    Case("none", 1, 1, (False,)),                    # DeltaNet
+    Case("token", 1, 1, (False,)),                   # Gated DeltaNet
+    Case("row", 2, 2, (True, False)),                # everything at once
+    Case("token", 1, 0, (True,), dk=7, dv=16),       # corrections only; dv a whole number of registers
+    Case("none", 2, 1, (False, True), dk=6, dv=32),
+    Case("row", 1, 1, (False,), causal=False, dv=16),
+    Case("token", 0, 2, (True, False), causal=False, dk=4),
+    Case("row", 0, 1, ()),                           # no readouts: only the final state
+    Case("row", 1, 1, (False,), dv=1),               # a decayed vector state with a correction
+]
+GENERAL = CASES[6]
+CHUNKS = (1, 7, 16)  # besides the default 64, for GENERAL
+
+
+def structure(case: Case, dtype, chunk=c_scan.DEFAULT_CHUNK) -> c_scan.Structure:
+    return c_scan.Structure(case.decay, case.corrections, case.writes, case.before, case.causal, case.dk,
+                            case.dv, chunk, c_scan.CTYPES[np.dtype(dtype)], c_build.vector_bytes())
+
+
+def example_structures() -> list[c_scan.Structure]:
+    out = []
+    for path in EXAMPLES:
+        compiled = linrec.load(path).compiled
+        for dtype in DTYPES:
+            out += [s for _, s in c_scan.structures(compiled, dtype, E2E_DIMS)]
+    return out
+
+
+_BUILD = """
+import json, sys
+from backends import c_scan
+for fields in json.load(sys.stdin):
+    fields["before"] = tuple(fields["before"])
+    c_scan.kernel(c_scan.Structure(**fields))
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernels(tmp_path_factory):
+    """A session cache with every kernel these tests use, built by two compiler processes at a time."""
+    path = tmp_path_factory.mktemp("linrec-scan-cache")
+    old = os.environ.get("LINREC_CACHE_DIR")
+    os.environ["LINREC_CACHE_DIR"] = str(path)
+    wanted = {structure(c, d) for c in CASES for d in DTYPES}
+    wanted |= {structure(GENERAL, d, chunk) for d in DTYPES for chunk in CHUNKS}
+    wanted |= set(example_structures())
+    wanted = sorted(wanted, key=repr)
+    workers = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    procs = []
+    for i in range(workers):
+        part = [dataclasses.asdict(s) for s in wanted[i::workers]]
+        p = subprocess.Popen([sys.executable, "-c", _BUILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+        procs.append((p, json.dumps(part)))
+    for p, data in procs:
+        _, err = p.communicate(data, timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    for s in wanted:  # load them here (from the disk cache, by alias: no compiling)
+        c_scan.kernel(s)
+    try:  # the NumPy references are many small products: BLAS threads only add contention
+        from threadpoolctl import threadpool_limits
+        limiter = threadpool_limits(1)
+    except ImportError:
+        limiter = None
+    yield path
+    if limiter is not None:
+        limiter.restore_original_limits()
+    if old is None:
+        os.environ.pop("LINREC_CACHE_DIR", None)
+    else:
+        os.environ["LINREC_CACHE_DIR"] = old
+
+
+# ---- random canonical inputs ---------------------------------------------------------------------
+def canonical(case: Case, tokens: int, dtype, decay_scale: float = 1.0, seed: int = 0, batch: int = 2,
+              heads: int = 3):
+    """(s0, log_decay, corrections, writes, readouts) as a generated module hands them to the scan.
+    Corrections are delta-rule-like (u = −β·k̂, w = k̂, Σβ < 1), so the state stays bounded."""
+    rng = np.random.default_rng(seed)
+    lead = (batch, tokens, heads)
+
+    def normal(n, scale=1.0):
+        return (scale * rng.standard_normal(lead + (n,))).astype(dtype)
+
+    log_decay = None
+    if case.decay != "none":
+        width = 1 if case.decay == "token" else case.dk
+        log_decay = (-decay_scale * 0.5 * np.abs(rng.standard_normal(lead + (width,)))).astype(dtype)
+    corrections = []
+    for _ in range(case.corrections):
+        k = rng.standard_normal(lead + (case.dk,))
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        beta = rng.uniform(0.05, 0.9 / max(1, case.corrections), lead + (1,))
+        corrections.append(((-beta * k).astype(dtype), k.astype(dtype)))
+    writes = [(normal(case.dk), normal(case.dv)) for _ in range(case.writes)]
+    readouts = [(normal(case.dk), before) for before in case.before]
+    s0 = rng.standard_normal((batch, heads, case.dk, case.dv)).astype(dtype)
+    return s0, log_decay, corrections, writes, readouts
+
+
+def rel_err(actual, expected) -> float:
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = max(float(np.max(np.abs(expected))), 1e-30) if expected.size else 1.0
+    return float(np.max(np.abs(np.asarray(actual, dtype=np.float64) - expected))) / scale if expected.size else 0.0
+
+
+# The ways the kernel computes decayed scores (see the top of templates/c_scan.c.j2), chosen per segment by
+# span_max: default: the fast way when a segment's log-decays span ≤ SPAN_MAX; 1.0: mostly the stable
+# sub-blocks with GEMMs on the diagonal blocks too (mild decays); 0.0: the stable way with the diagonal
+# blocks element-wise.
+SPANS = (None, 1.0, 0.0)
+
+
+def check(form, args, causal, chunk, dtype, spans=SPANS, label=""):
+    expected_out, expected_state = getattr(numpy_scan, f"{form}_scan")(*args, causal=causal, chunk_size=chunk)
+    for span_max in spans:
+        out, state = c_scan.scan(form, *args, causal=causal, chunk_size=chunk, span_max=span_max)
+        assert len(out) == len(expected_out)
+        assert state.dtype == np.dtype(dtype) and state.shape == expected_state.shape
+        errs = [rel_err(state, expected_state)]
+        for o, e in zip(out, expected_out):
+            assert o.dtype == np.dtype(dtype) and o.shape == e.shape
+            errs.append(rel_err(o, e))
+        assert max(errs) <= TOL[np.dtype(dtype)], f"{label} {form} span_max={span_max}: errors {errs}"
+
+
+# ---- the scans against numpy_scan --------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_structures(case, dtype):
+    scales = (0.1, 10.0) if case.decay != "none" else (1.0,)
+    for tokens in TOKENS:
+        for scale in scales:
+            args = canonical(case, tokens, dtype, scale, seed=tokens)
+            for form in ("chunkwise", "parallel"):
+                check(form, args, case.causal, None, dtype, SPANS if case.decay != "none" else (None,),
+                      label=f"T={tokens} ×{scale}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_chunk_sizes(chunk, dtype):
+    for tokens in TOKENS:
+        for scale in (0.1, 1.0, 10.0):
+            args = canonical(GENERAL, tokens, dtype, scale, seed=7 * tokens)
+            check("chunkwise", args, True, chunk, dtype, label=f"T={tokens} ×{scale}")
+
+
+def test_results_do_not_depend_on_chunk_size_or_threads(monkeypatch):
+    monkeypatch.setattr(c_scan, "SMALL_WORK", 0)  # threads even for a small call
+    args = canonical(GENERAL, 130, np.float64, 1.0, seed=3)
+    ref_out, ref_state = c_scan.scan("parallel", *args, num_threads=1)
+    for chunk in (1, 7, 16, 64):
+        for threads in (1, 2, 5):
+            out, state = c_scan.scan("chunkwise", *args, chunk_size=chunk, num_threads=threads)
+            assert rel_err(state, ref_state) < 1e-12
+            assert all(rel_err(o, r) < 1e-12 for o, r in zip(out, ref_out))
+
+
+def test_strided_and_broadcast_inputs():
+    """Views are read in place (any strides with a contiguous last axis), others are copied; a per-head
+    value broadcast over tokens and a transposed query give the same results as contiguous copies."""
+    case = CASES[5]  # one decay per token, a correction, a write
+    s0, ld, corr, wr, rd = canonical(case, 37, np.float64, 1.0)
+    per_head = np.random.default_rng(1).standard_normal((2, 1, 3, case.dv))
+    x_view = np.broadcast_to(per_head, (2, 37, 3, case.dv))                       # stride 0 along T
+    q_t = np.asfortranarray(rd[0][0])                                            # last axis strided
+    ld_view = np.broadcast_to(np.float64(-0.3), (2, 37, 3, 1))                   # a constant decay
+    views = (s0, ld_view, corr, [(wr[0][0], x_view)], [(q_t, False)])
+    dense = (s0, np.ascontiguousarray(ld_view), corr, [(wr[0][0], np.ascontiguousarray(x_view))],
+             [(np.ascontiguousarray(q_t), False)])
+    for form in ("chunkwise", "parallel"):
+        out_v, state_v = getattr(c_scan, f"{form}_scan")(*views)
+        out_d, state_d = getattr(c_scan, f"{form}_scan")(*dense)
+        np.testing.assert_array_equal(state_v, state_d)
+        np.testing.assert_array_equal(out_v[0], out_d[0])
+        check(form, views, True, None, np.float64)
+
+
+def test_edge_cases_and_errors():
+    case = CASES[3]
+    s0, ld, corr, wr, rd = canonical(case, 0, np.float32)
+    out, state = c_scan.chunkwise_scan(s0, ld, corr, wr, rd)  # no tokens: the state is unchanged
+    assert out[0].shape == (2, 0, 3, case.dv) and np.array_equal(state, s0)
+    s0, ld, corr, wr, rd = canonical(case, 5, np.float32)
+    with pytest.raises(RuntimeInputError, match="shape"):
+        c_scan.chunkwise_scan(s0, ld, corr, [(wr[0][0][..., :-1], wr[0][1])], rd)
+    with pytest.raises(RuntimeInputError, match="log-decay"):
+        c_scan.chunkwise_scan(s0, ld[..., :2], corr, wr, rd)
+    with pytest.raises(RuntimeInputError, match="initial state"):
+        c_scan.chunkwise_scan(s0[:1], ld, corr, wr, rd)
+    with pytest.raises(LinrecError, match="nothing to scan"):
+        c_scan.parallel_scan(s0, ld, [], [], [])
+    with pytest.raises(RuntimeInputError, match="chunk size"):
+        c_scan.chunkwise_scan(s0, ld, corr, wr, rd, chunk_size=-2)
+
+
+def test_thread_count_from_environment(monkeypatch):
+    monkeypatch.setenv("LINREC_NUM_THREADS", "3")
+    assert c_scan.default_threads() == 3
+    monkeypatch.setenv("LINREC_NUM_THREADS", "zero")
+    with pytest.raises(LinrecError, match="LINREC_NUM_THREADS"):
+        c_scan.default_threads()
+    monkeypatch.delenv("LINREC_NUM_THREADS")
+    assert c_scan.default_threads() >= 1
+
+
+# ---- the examples end to end ---------------------------------------------------------------------------
+def _forward(module, inputs, dims, state0, dtype, chunk=None):
+    heads = next(iter(inputs.values())).shape[2]
+    params = {k: np.array(v, dtype=dtype) for k, v in module.default_params(heads, dims, {}).items()}
+    init = {k: np.array(v, dtype=dtype) for k, v in state0.items()}
+    return module.forward({k: v.astype(dtype) for k, v in inputs.items()}, params, init, dims, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_end_to_end(path):
+    """The generated NumPy module of each form, its scans replaced by the C ones (c_scan.load does that:
+    it execs the emitted source, then swaps parallel_scan / chunkwise_scan), equals the recurrent form."""
+    rec = linrec.load(path)
+    program = rec.program
+    inputs = rec.random_inputs(batch=2, tokens=130, heads=3, dims=E2E_DIMS, seed=5)
+    dims = {d.name: d.default for d in program.dims} | E2E_DIMS
+    rng = np.random.default_rng(2)
+    state0 = {s.name: 0.5 * rng.standard_normal((2, 3) + tuple(dims[d] for d in s.shape)) for s in program.states}
+    expected, expected_state = _forward(rec.module("recurrent"), inputs, dims, state0, np.float64)
+    for form in ("chunkwise", "parallel"):
+        module = c_scan.load(rec.compiled, form)
+        assert getattr(module, f"{form}_scan") is getattr(c_scan, f"{form}_scan")
+        for dtype in DTYPES:
+            tol = 1e-9 if dtype == np.float64 else TOL[np.dtype(dtype)]
+            outputs, final = _forward(module, inputs, dims, state0, dtype)
+            for name, ref in list(expected.items()) + list(expected_state.items()):
+                got = outputs.get(name, final.get(name))
+                assert got.dtype == np.dtype(dtype)
+                assert rel_err(got, ref) <= tol, f"{form} {np.dtype(dtype).name} '{name}': {rel_err(got, ref):.2e}"
+
+
+def test_emit_source():
+    for path in EXAMPLES:
+        compiled = linrec.load(path).compiled
+        for form in ("parallel", "chunkwise"):
+            text = c_scan.emit(compiled, form)
+            assert text.count("int lr_chunkwise(") == len(compiled.program.states)
+            assert f"state '{compiled.program.states[0].name}'" in text
+    text = c_scan.emit(linrec.load(ROOT / "examples" / "gla.lin").compiled, "chunkwise", dtype=np.float64,
+                       dims={"dk": 64, "dv": 64}, chunk_size=32)
+    assert "typedef double T;" in text and "#define DK 64" in text and "#define CHUNK 32" in text
+    with pytest.raises(LinrecError):
+        c_scan.emit(linrec.load(ROOT / "examples" / "gla.lin").compiled, "recurrent")
