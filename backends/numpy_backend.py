@@ -413,7 +413,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
     body += ["", em.returns()]
     helpers |= base.helpers
     # per_token, log_decay and running_max are NumPy helpers whatever module runs the scan
-    numpy_only = {"per_token", "log_decay", "running_max"} & helpers
+    numpy_only = {"per_token", "log_decay", "running_max"} & helpers if scan_module != "backends.numpy_scan" \
+        else set()
     source = em.render(form, body, helpers - numpy_only, scan_module)
     if numpy_only:
         source = source.replace("import numpy as np\n", "import numpy as np\nfrom backends.numpy_scan import "
