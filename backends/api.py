@@ -135,7 +135,8 @@ class Recurrence:
         shapes and dtypes on every call, value ranges on the first call (see c_backend.Stepper)."""
         if self.derivation.sequence is not None:
             return _cache_step(self, token_inputs, state, backend, params)
-        fast = self._modules.get(("step", backend))
+        steppers = self.__dict__.get("_steppers")
+        fast = steppers.get(backend) if steppers is not None else None
         if fast is not None and fast[0] is params:
             try:
                 return fast[1](token_inputs, state, inplace, out)
@@ -153,7 +154,7 @@ class Recurrence:
         used = arrays.check_params(self.program, user, defaults, shape, dims)
         if hasattr(module, "stepper"):  # compiled: bind once, then only shapes are checked per call
             stepper = module.stepper(used, dims)
-            self._modules[("step", backend)] = (params, stepper)
+            self.__dict__.setdefault("_steppers", {})[backend] = (params, stepper)
             return stepper(token_inputs, state, inplace=inplace, out=out)
         state0 = arrays.check_initial_state(self.program, state, shape, dims)
         outputs, final = module.forward(checked, used, state0, dims)

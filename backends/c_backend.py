@@ -688,6 +688,14 @@ class CRecurrent:
         return Stepper(self, params, dims, num_threads)
 
 
+def _getter(names: list[str]):
+    """dict → tuple of its values at `names`, in C (operator.itemgetter returns a bare value for one name)."""
+    if len(names) == 1:
+        only = names[0]
+        return lambda d: (d[only],)
+    return operator.itemgetter(*names)
+
+
 class ShapeChanged(RuntimeInputError):
     """The token arrays no longer match the batch size, heads or dtype a Stepper was bound to."""
 
@@ -740,6 +748,8 @@ class Stepper:
         self._st_names = [s.name for s in p.states]
         self._out_names = [o.name for o in p.outputs]
         self._all_ptrs = None  # every pointer of the last call, when all its arrays were the ones seen
+        self._get_in, self._get_st, self._get_out = (_getter(names) for names in
+                                                     (self._in_names, self._st_names, self._out_names))
         self._dtype, self._batch, self._heads = np.dtype(dtype), batch, heads
         self._key = (self._dtype, batch, heads)
 
@@ -751,16 +761,16 @@ class Stepper:
         takes a path of one identity check per array and the C call; LINREC_NUM_THREADS is then read when
         the arrays change, not per call."""
         if self._all_ptrs is not None and inplace and out is not None and state is not None:
-            # the decode loop that reuses every array (token buffers, state in place, outputs): one C call
+            # the decode loop that reuses every array (token buffers, state in place, outputs): one C call,
+            # and `out` and `state` themselves come back
             try:
-                arrays = [token_inputs[n] for n in self._in_names] + [state[n] for n in self._st_names] \
-                    + [out[n] for n in self._out_names]
+                same = tuple(map(id, self._get_in(token_inputs) + self._get_st(state) + self._get_out(out))) \
+                    == self._seen_ids  # ids of arrays this object holds on to: they cannot be reused
             except (KeyError, TypeError, IndexError):
-                arrays = None
-            if arrays is not None and all(map(operator.is_, arrays, self._seen)):
+                same = False
+            if same:
                 self._fn(*self._all_ptrs, self._batch, self._heads, self.threads)
-                n_in, n_st = len(self._in_names), len(self._st_names)
-                return dict(zip(self._out_names, arrays[n_in + n_st:])), dict(zip(self._st_names, arrays[n_in:n_in + n_st]))
+                return out, state
         if self._fixed_threads is None:  # LINREC_NUM_THREADS, read as forward does (but not by the loop above)
             env = _environ.get("LINREC_NUM_THREADS")
             if env != self._env:
@@ -841,6 +851,7 @@ class Stepper:
         if inplace and out is not None:
             n_in = len(self._in_names)
             self._all_ptrs = seen_ptr[:n_in] + self._param_ptrs + seen_ptr[n_in:]
+            self._seen_ids = tuple(map(id, seen))
         return outputs, new_state
 
 
