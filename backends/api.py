@@ -104,14 +104,7 @@ class Recurrence:
         if form == "auto":
             form, _ = self.choose_form(backend, shape.tokens)
         module = self.module(form, backend)
-        params = dict(params or {})
-        dims = arrays.resolve_dims(self.program, shape, params, initial_state, dims)
-        arrays.check_sequence_length(self.program, shape, dims)
-        given_f64 = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()
-                     if k in {p.name for p in self.program.params}}
-        defaults = {k: v for k, v in module.default_params(shape.heads, dims, given_f64).items()
-                    if k not in params}
-        used = arrays.check_params(self.program, params, defaults, shape, dims)
+        dims, used = self.bind(module, shape, params, initial_state, dims)
         state0 = arrays.check_initial_state(self.program, initial_state, shape, dims)
         if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
             raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
@@ -119,6 +112,19 @@ class Recurrence:
         return Result(outputs, final, used)
 
     __call__ = run
+
+    def bind(self, module, shape: arrays.CallShape, params: dict | None = None, initial_state: dict | None = None,
+             dims: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, np.ndarray]]:
+        """The sizes and the parameters of a call: (dims, params used in the inputs' dtype). Caller-given
+        params override the file's defaults, and defaults computed from other params use the given ones."""
+        params = dict(params or {})
+        dims = arrays.resolve_dims(self.program, shape, params, initial_state, dims)
+        arrays.check_sequence_length(self.program, shape, dims)
+        names = {p.name for p in self.program.params}
+        given_f64 = {k: np.asarray(v, dtype=np.float64) for k, v in params.items() if k in names}
+        defaults = {k: v for k, v in module.default_params(shape.heads, dims, given_f64).items()
+                    if k not in params}
+        return dims, arrays.check_params(self.program, params, defaults, shape, dims)
 
     # ---- decode: prefill a prompt, then one token at a time with O(1) state ----
     def prefill(self, inputs: dict | None = None, *, backend: str = "numpy", params: dict | None = None,
@@ -145,13 +151,7 @@ class Recurrence:
         given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
         checked, shape = arrays.check_inputs(self.program, given)
         module = self.module("recurrent", backend)
-        user = dict(params or {})
-        dims = arrays.resolve_dims(self.program, shape, user)
-        given_f64 = {k: np.asarray(v, dtype=np.float64) for k, v in user.items()
-                     if k in {p.name for p in self.program.params}}
-        defaults = {k: v for k, v in module.default_params(shape.heads, dims, given_f64).items()
-                    if k not in user}
-        used = arrays.check_params(self.program, user, defaults, shape, dims)
+        dims, used = self.bind(module, shape, params, state)
         if hasattr(module, "stepper"):  # compiled: bind once, then only shapes are checked per call
             stepper = module.stepper(used, dims)
             self.__dict__.setdefault("_steppers", {})[backend] = (params, stepper)
@@ -182,12 +182,8 @@ def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backe
         value = np.asarray(value)[:, None]
         grown[name] = value if cache.get(name) is None else np.concatenate([cache[name], value], axis=1)
     checked, shape = arrays.check_inputs(rec.program, grown)
-    params = dict(params or {})
-    dims = arrays.resolve_dims(rec.program, shape, params)
     module = rec.module("recurrent", "numpy")
-    given = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
-    defaults = {k: v for k, v in module.default_params(shape.heads, dims, given).items() if k not in params}
-    used = arrays.check_params(rec.program, params, defaults, shape, dims)
+    dims, used = rec.bind(module, shape, params)
     outputs, _ = module.forward(checked, used, {}, dims, first=shape.tokens - 1)
     return {k: v[:, 0] for k, v in outputs.items()}, grown
 
