@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import types
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -53,9 +54,6 @@ def _template_source(name: str) -> str:
 
 
 def require_factorable(compiled: Compiled) -> None:
-    if compiled.derivation.sequence is not None:
-        raise LinrecError(f"the C backend does not compile programs that read the sequence (seq, "
-                          f"lsh_attention) yet; the NumPy backend (backend='numpy') runs '{compiled.name}'")
     bad = [t for t in compiled.derivation.transitions if not t.factorable]
     if bad:
         why = "; ".join(f"state '{t.state}': {r}" for t in bad for r in t.reasons)
@@ -904,20 +902,74 @@ def emit_recurrent(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | 
     return Generator(compiled, sizes, target).source()
 
 
-EMITTERS = {"recurrent": emit_recurrent}
+def _scan_form(compiled: Compiled, form: str) -> bool:
+    """Parallel and chunkwise forms — and the recurrent form of programs with exponential feature maps,
+    which are stabilized on their decomposition — run as NumPy-prepared scans over compiled kernels."""
+    from .numpy_backend import stabilized_states
+    return form != "recurrent" or bool(stabilized_states(compiled))
+
+
+def _exec_module(source: str, compiled: Compiled, form: str, what: str):
+    module = types.ModuleType(f"linrec_generated_{compiled.name}_{form}_c")
+    module.__dict__["__source__"] = source
+    exec(compile(source, f"<linrec {compiled.filename} {form} ({what})>", "exec"), module.__dict__)
+    return module
+
+
+def _sequence_source(compiled: Compiled, form: str, dtype=np.float32, dims=None) -> str:
+    """The attention kernels' C source at the program's default sizes, after the NumPy glue that calls it."""
+    from . import c_attention, numpy_sequence
+    glue = numpy_sequence.emit(compiled, form, kernels="backends.c_attention")
+    sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
+    plan = compiled.derivation.sequence
+    parts = [f"/* NumPy glue that prepares the arrays and calls the kernels below:\n\n{glue}\n*/"]
+    for r in plan.softmax_readouts:
+        keys, _, values = numpy_sequence.kernel_pattern(r)
+        parts.append(c_attention.source(dtype, sizes[keys.shape[-1]], sizes[values.shape[-1]]))
+    if plan.kind == "lsh":
+        q_dim = next(x for x in compiled.program.inputs if len(x.shape) == 1)
+        parts.append(c_attention.source(dtype, sizes[q_dim.shape[0]], sizes[q_dim.shape[0]]))
+    return "\n\n".join(parts)
 
 
 def emit(compiled: Compiled, form: str, **options) -> str:
-    return EMITTERS[form](compiled, **options)
+    """The C source of a form (with, where NumPy prepares the arrays, the generated glue in a comment)."""
+    from . import c_scan
+    if compiled.derivation.sequence is not None:
+        return _sequence_source(compiled, form, **options)
+    if _scan_form(compiled, form):
+        return c_scan.emit(compiled, "chunkwise" if form == "recurrent" else form, **options)
+    return emit_recurrent(compiled, **options)
 
 
 def load(compiled: Compiled, form: str):
-    if form not in EMITTERS:
-        raise LinrecError(f"the C backend does not implement the {form} form yet")
+    from . import c_scan, numpy_backend, numpy_sequence
+    if compiled.derivation.sequence is None:
+        require_factorable(compiled)  # names the state and the term in the way
+    if not supports(compiled, form):
+        why = compiled.derivation.why_not(form) or (numpy_sequence.kernel_support(compiled)
+                                                    if compiled.derivation.sequence is not None else None)
+        raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}'"
+                          + (f": {why}" if why else "") + "; the NumPy backend (backend='numpy') runs it")
+    if compiled.derivation.sequence is not None:
+        return _exec_module(numpy_sequence.emit(compiled, form, kernels="backends.c_attention"), compiled, form,
+                            "C attention")
+    if form == "recurrent" and _scan_form(compiled, form):
+        return _exec_module(numpy_backend.emit_scan(compiled, "recurrent", scan_module="backends.c_scan"),
+                            compiled, form, "C scan")
+    if form != "recurrent":
+        return c_scan.load(compiled, form)
     return CRecurrent(compiled)
+
+
+EMITTERS = {"recurrent": emit, "parallel": emit, "chunkwise": emit}
 
 
 def supports(compiled: Compiled, form: str) -> bool:
     """Whether this backend builds `form` of the program (verify and bench skip the rest)."""
-    return form in EMITTERS and compiled.derivation.sequence is None and all(
-        t.factorable for t in compiled.derivation.transitions)
+    if form not in EMITTERS or compiled.derivation.why_not(form):
+        return False
+    if compiled.derivation.sequence is not None:
+        from .numpy_sequence import kernel_support
+        return kernel_support(compiled) is None
+    return all(t.factorable for t in compiled.derivation.transitions)
