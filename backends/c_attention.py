@@ -18,19 +18,17 @@ softmax, the self-only-when-nothing-else rule and the log-sum-exp combination of
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
-import jinja2
 import numpy as np
 
 from dsl.errors import LinrecError, RuntimeInputError
 
 from . import c_build, numpy_attention
 from .numpy_backend import VERSION
+from .templating import environment
 
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 FORMS = {"recurrent": 0, "parallel": 1, "chunkwise": 2}
@@ -51,14 +49,6 @@ _lock = threading.Lock()
 
 
 # ---- building -----------------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
-def _environment() -> jinja2.Environment:
-    def load(name: str) -> str:
-        return resources.files("backends").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
-    return jinja2.Environment(loader=jinja2.FunctionLoader(load), undefined=jinja2.StrictUndefined,
-                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-
-
 @lru_cache(maxsize=None)
 def _fingerprint() -> str:
     """This module and its template: a change to either rebuilds the kernels."""
@@ -91,7 +81,7 @@ def source(dtype, d: int, dv: int) -> str:
     width = lay["tile_width"]
     size = 4 if ctype == "float" else 8
     segment = max(width, min(1024, SEGMENT_BYTES // ((dp + dvp) * size)) // width * width)
-    return _environment().get_template("c_attention.c.j2").render(
+    return environment().get_template("c_attention.c.j2").render(
         version=VERSION, ctype=ctype, d=d, dv=dv, dp=dp, dvp=dvp, pv_groups=groups, segment=segment, **lay)
 
 
@@ -118,22 +108,6 @@ def kernel(dtype, d: int, dv: int):
                 mod = c_build.build(source(dtype, d, dv), cdef(dtype), f"attention_{ctype}_d{d}_dv{dv}", alias)
             _kernels[key] = mod
     return mod
-
-
-def _threads() -> int:
-    env = os.environ.get("LINREC_NUM_THREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}")
-        return n
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 # ---- arrays -------------------------------------------------------------------------------------------
@@ -217,7 +191,7 @@ def attention(queries, keys, values, causal: bool, window: int = 0, form: str = 
     mod = kernel(dtype, d, dv)
     ffi, ctype = mod.ffi, CTYPES[dtype]
     sh = np.array([batch, tq, tk, heads] + _strides(q) + _strides(k) + _strides(v) + _strides(out), np.int64)
-    threads = _threads() if num_threads is None else int(num_threads)
+    threads = c_build.num_threads() if num_threads is None else int(num_threads)
     if threads < 1:
         raise RuntimeInputError(f"num_threads must be a positive integer, got {num_threads!r}")
     block = min(int(chunk_size or BLOCK), max(tq, tk))  # a block longer than the sequence changes nothing
@@ -256,7 +230,7 @@ def _lsh(dense: bool, q, v, causal: bool, buckets: int, rounds: int, chunk: int,
     rc = mod.lib.la_lsh(int(dense), _pointer(ffi, ctype, qc), _pointer(ffi, ctype, vc),
                         ffi.from_buffer("int32_t[]", bk), ffi.from_buffer("int32_t[]", order),
                         ffi.from_buffer(ctype + "[]", out), ffi.from_buffer("int64_t[]", sh), int(chunk),
-                        int(bool(causal)), _threads())
+                        int(bool(causal)), c_build.num_threads())
     if rc != 0:
         raise MemoryError("the LSH attention kernel could not allocate its buffers")
     return out

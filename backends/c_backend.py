@@ -17,11 +17,9 @@ import threading
 import types
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 from math import prod
 
 import cffi
-import jinja2
 import numpy as np
 
 from compiler import Compiled, ir
@@ -32,6 +30,7 @@ from . import c_build
 from .c_printer import CPrinter, Local
 from .names import Namer
 from .numpy_backend import VERSION
+from .templating import environment
 
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 # Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
@@ -41,16 +40,6 @@ REGISTER_BUDGET = 24
 # The per-token values of a block of tokens (the sequence kernel's unit of work) should fit in L1 beside
 # the state: the block holds as many tokens (8…64) as fit in this many bytes.
 BLOCK_BYTES = 24 * 1024
-
-
-@lru_cache(maxsize=None)
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FunctionLoader(_template_source), undefined=jinja2.StrictUndefined,
-                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-
-
-def _template_source(name: str) -> str:
-    return resources.files("backends").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
 
 
 def require_factorable(compiled: Compiled) -> None:
@@ -505,7 +494,7 @@ class Generator:
         return out
 
     def source(self) -> str:
-        return _environment().get_template("c_recurrent.c.j2").render(**self.context())
+        return environment().get_template("c_recurrent.c.j2").render(**self.context())
 
 
 def _scaled(coef: ir.Expr, x: ir.Expr, shape) -> ir.Expr:
@@ -518,22 +507,6 @@ def _scaled(coef: ir.Expr, x: ir.Expr, shape) -> ir.Expr:
 
 # ---- the module object api.py uses -------------------------------------------------------------------
 _environ = os.environ
-
-
-def _default_threads() -> int:
-    env = os.environ.get("LINREC_NUM_THREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}") from None
-        if n < 1:
-            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}")
-        return n
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 @lru_cache(maxsize=None)
@@ -668,7 +641,7 @@ class CRecurrent:
                                         f"{list(shape)}")
             else:
                 outputs[o.name] = given
-        threads = _default_threads() if num_threads is None else int(num_threads)
+        threads = c_build.num_threads() if num_threads is None else int(num_threads)
         fb, ptr = k.ffi.from_buffer, k.ptr
         cargs = [fb(ptr, a) for a in args] + [fb(ptr, outputs[o.name]) for o in p.outputs]
         if batch * tokens * heads:
@@ -713,7 +686,7 @@ class Stepper:
         self.dims = {d.name: int(dims[d.name]) for d in rec.program.dims}
         self._fixed_threads = None if num_threads is None else int(num_threads)
         self._env = None
-        self.threads = self._fixed_threads or _default_threads()
+        self.threads = self._fixed_threads or c_build.num_threads()
         self._key = None
         self._all_ptrs = None
 
@@ -772,7 +745,7 @@ class Stepper:
         if self._fixed_threads is None:  # LINREC_NUM_THREADS, read as forward does (but not by the loop above)
             env = _environ.get("LINREC_NUM_THREADS")
             if env != self._env:
-                self._env, self.threads = env, _default_threads()
+                self._env, self.threads = env, c_build.num_threads()
         p = self.rec.program
         try:
             first = token_inputs[p.inputs[0].name]

@@ -357,3 +357,20 @@ def cache_clear() -> int:
     with _lock:
         _loaded.clear()
     return n
+
+
+def num_threads() -> int:
+    """Threads for the compiled kernels: LINREC_NUM_THREADS, else every core this process may use."""
+    env = os.environ.get("LINREC_NUM_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}")
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -3,10 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from functools import lru_cache
-from importlib import resources
-
-import jinja2
 
 from compiler import Compiled, ir
 from compiler.analysis import children, inline_lets, states_in, to_text, variance
@@ -14,21 +10,12 @@ from compiler.transitions import split_exp
 
 from .names import Namer
 from .numpy_printer import NumpyPrinter
+from .templating import environment
 
 VERSION = "0.1.0"
 SCAN_HELPERS = {"per_token", "log_decay", "parallel_scan", "chunkwise_scan", "recurrent_scan", "running_max"}
 ATTENTION_HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
                      "lsh_attention_dense", "lsh_attention_bucketed"}
-
-
-@lru_cache(maxsize=None)
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FunctionLoader(_template_source), undefined=jinja2.StrictUndefined,
-                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-
-
-def _template_source(name: str) -> str:
-    return resources.files("backends").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
 
 
 def source_comment(compiled: Compiled) -> str:
@@ -139,7 +126,7 @@ class Emitter:
 
     def render(self, form: str, body: list[str], helpers: set[str], scan_module: str = "backends.numpy_scan") -> str:
         param_lines = self.param_lines(helpers)
-        return _environment().get_template("numpy_module.py.j2").render(
+        return environment().get_template("numpy_module.py.j2").render(
             name=self.p.name, form=form, version=VERSION, filename=self.c.filename,
             source_comment=source_comment(self.c),
             runtime_helpers=sorted(helpers - SCAN_HELPERS - ATTENTION_HELPERS),

@@ -149,7 +149,6 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
         pr = SequencePrinter(inner.ref, lambda arg: seq_slice(seq_vars[arg]), visible, lsh)
         return pr
 
-    outputs = []
     if form == "parallel" or plan.kind == "lsh" or (form == "chunkwise" and plan.kind != "attention"):
         pr = printer(None, lambda var: f"{var}[:, None]", "visible")
         body += ["", "# which keys each query sees: [1, T, 1, T] (None: all)",
