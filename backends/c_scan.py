@@ -22,15 +22,12 @@ every core this process may use.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import types
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
-import jinja2
 import numpy as np
 
 from compiler import Compiled
@@ -38,6 +35,7 @@ from dsl.errors import LinrecError, RuntimeInputError
 
 from . import c_build
 from .numpy_backend import VERSION
+from .templating import environment
 
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 DEFAULT_CHUNK = 64
@@ -79,26 +77,18 @@ class Structure:
 
 
 # ---- the C source -------------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FunctionLoader(_template_source), undefined=jinja2.StrictUndefined,
-                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-
-
-def _template_source(name: str) -> str:
-    return resources.files("backends").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
-
-
-def render(s: Structure, forms: str = "parallel and chunkwise") -> str:
+def render(s: Structure, form: str | None = None) -> str:
     """The C source of one kernel."""
     lanes = s.lanes
     qprev = [1] * s.corrections + [1 if b else 0 for b in s.before]
-    return _environment().get_template("c_scan.c.j2").render(
-        version=VERSION, forms=forms, description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes,
+    return environment().get_template("c_scan.c.j2").render(
+        version=VERSION, title=f"the {form} form" if form else "the parallel and chunkwise forms",
+        description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes,
         lanes=lanes, dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, sb=SUB_BLOCK, chunk=s.chunk,
         decay=DECAYS.index(s.decay), db=s.dk if s.decay == "row" else 1, corrections=s.corrections,
         writes=s.writes, readouts=len(s.before), causal=s.causal,
-        nb=4 if s.vector_bytes >= 64 else 3, qprev=", ".join(map(str, qprev)),
+        # register tiles: MR rows × NB registers of accumulators, plus NB + 1 registers of operands
+        mr=6 if s.vector_bytes >= 64 else 4, nb=4 if s.vector_bytes >= 64 else 3, qprev=", ".join(map(str, qprev)),
         widths=", ".join(map(str, ([s.dk if s.decay == "row" else 1] if s.decay != "none" else [])
                              + [s.dk] * 2 * s.corrections + [s.dk, s.dv] * s.writes + [s.dk] * len(s.before))),
         n_inputs=(s.decay != "none") + 2 * s.corrections + 2 * s.writes + len(s.before))
@@ -142,23 +132,6 @@ def kernel(s: Structure):
     return k
 
 
-def default_threads() -> int:
-    env = os.environ.get("LINREC_NUM_THREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}")
-        return n
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-# ---- the scan functions -------------------------------------------------------------------------------
 def _operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
     """x as an array of `shape` and `dtype` whose last axis is contiguous (other strides are free)."""
     a = np.asarray(x)
@@ -216,9 +189,11 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     if decay != "none":
         ops.append(_operand(log_decay, dtype, lead + (np.shape(log_decay)[-1],), "the log-decay"))
     for i, (u, w) in enumerate(corrections):
-        ops += [_operand(u, dtype, lead + (dk,), f"correction {i}: u"), _operand(w, dtype, lead + (dk,), f"correction {i}: w")]
+        ops += [_operand(u, dtype, lead + (dk,), f"correction {i}: u"),
+                _operand(w, dtype, lead + (dk,), f"correction {i}: w")]
     for i, (kappa, x) in enumerate(writes):
-        ops += [_operand(kappa, dtype, lead + (dk,), f"write {i}: key"), _operand(x, dtype, lead + (dv,), f"write {i}: value")]
+        ops += [_operand(kappa, dtype, lead + (dk,), f"write {i}: key"),
+                _operand(x, dtype, lead + (dv,), f"write {i}: value")]
     ops += [_operand(q, dtype, lead + (dk,), f"readout {i}: query") for i, (q, _) in enumerate(readouts)]
     outs = [np.empty(lead + (dv,), dtype) for _ in readouts]
     if batch * heads == 0 or tokens == 0:
@@ -238,7 +213,7 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     c_st = ffi.new("int64_t[]", [a.strides[i] // item for a in ops for i in range(3)] or 1)
     c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
     final = np.empty_like(state)
-    threads = default_threads() if num_threads is None else int(num_threads)
+    threads = c_build.num_threads() if num_threads is None else int(num_threads)
     # at most one thread per (batch row, head); a small call runs on one (waking others costs more)
     work = batch * heads * tokens * dk * max(dv, 16) * (len(readouts) + len(writes) + 2 * len(corrections) + 1)
     threads = 1 if work < SMALL_WORK else min(threads, batch * heads)
