@@ -284,13 +284,14 @@ def test_edge_cases_and_errors():
 
 
 def test_thread_count_from_environment(monkeypatch):
+    from backends import c_build
     monkeypatch.setenv("LINREC_NUM_THREADS", "3")
-    assert c_scan.default_threads() == 3
+    assert c_build.num_threads() == 3
     monkeypatch.setenv("LINREC_NUM_THREADS", "zero")
     with pytest.raises(LinrecError, match="LINREC_NUM_THREADS"):
-        c_scan.default_threads()
+        c_build.num_threads()
     monkeypatch.delenv("LINREC_NUM_THREADS")
-    assert c_scan.default_threads() >= 1
+    assert c_build.num_threads() >= 1
 
 
 # ---- the examples end to end ---------------------------------------------------------------------------
