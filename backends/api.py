@@ -96,9 +96,10 @@ class Recurrence:
 
     def run(self, inputs: dict | None = None, *, form: str = "auto", backend: str = "numpy",
             params: dict | None = None, initial_state: dict | None = None, chunk_size: int | None = None,
-            dims: dict[str, int] | None = None, **named_inputs) -> Result:
+            dims: dict[str, int] | None = None, threads: int | None = None, **named_inputs) -> Result:
         """Run a form. Inputs [B, T, H, *] by DSL name (a dict, keywords, or both); initial states
-        [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *])."""
+        [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *]);
+        `threads`: for the C backend (default LINREC_NUM_THREADS, else every core)."""
         given = dict(inputs or {}) | named_inputs
         checked, shape = arrays.check_inputs(self.program, given)
         if form == "auto":
@@ -108,7 +109,9 @@ class Recurrence:
         state0 = arrays.check_initial_state(self.program, initial_state, shape, dims)
         if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
             raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
-        outputs, final = module.forward(checked, used, state0, dims, chunk_size=chunk_size)
+        from .c_build import threads as thread_count
+        with thread_count(threads):
+            outputs, final = module.forward(checked, used, state0, dims, chunk_size=chunk_size)
         return Result(outputs, final, used)
 
     __call__ = run

@@ -10,6 +10,8 @@ match its checksum (truncated, corrupted) is detected at load time and rebuilt.
 """
 from __future__ import annotations
 
+import contextvars
+
 import contextlib
 import hashlib
 import io
@@ -359,8 +361,27 @@ def cache_clear() -> int:
     return n
 
 
+# a thread count for the calls made inside `threads(n)` (Recurrence.run(threads=n)); None: the default rule
+_thread_override: contextvars.ContextVar[int | None] = contextvars.ContextVar("linrec_threads", default=None)
+
+
+@contextlib.contextmanager
+def threads(n: int | None):
+    """Run the compiled kernels called in this block on n threads (None: the default rule)."""
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise LinrecError(f"the thread count must be a positive integer, got {n!r}")
+    token = _thread_override.set(n)
+    try:
+        yield
+    finally:
+        _thread_override.reset(token)
+
+
 def num_threads() -> int:
-    """Threads for the compiled kernels: LINREC_NUM_THREADS, else every core this process may use."""
+    """Threads for the compiled kernels: threads(n) around the call, else LINREC_NUM_THREADS, else every
+    core this process may use."""
+    if _thread_override.get() is not None:
+        return _thread_override.get()
     env = os.environ.get("LINREC_NUM_THREADS", "").strip()
     if env:
         try:

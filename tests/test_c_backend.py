@@ -401,3 +401,14 @@ def test_other_targets(linrec, monkeypatch, target):
         ref = rec.run({k: v.astype(np.float64) for k, v in inputs.items()}, form="recurrent", backend="numpy")
         for k in ref.outputs:
             assert rel_err(got[k], ref.outputs[k]) <= F32_RTOL
+
+
+def test_thread_count_argument_gives_the_same_result():
+    import backends as linrec
+    rec = linrec.load(Path(__file__).resolve().parent.parent / "examples" / "gla.lin")
+    x = rec.random_inputs(2, 40, 3, dims={"dk": 8, "dv": 8}, seed=3)
+    one = rec.run(x, backend="c", form="recurrent", threads=1).outputs["o"]
+    two = rec.run(x, backend="c", form="recurrent", threads=2).outputs["o"]
+    assert np.max(np.abs(one - two)) < 1e-12
+    with pytest.raises(linrec.LinrecError, match="thread count"):
+        rec.run(x, backend="c", threads=0)
