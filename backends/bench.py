@@ -49,9 +49,14 @@ DEFAULT_TOKENS = (1024, 4096, 16384, 32768)
 QUICK_TOKENS = (256, 1024)
 BATCH, HEADS = 1, 8
 BENCH_DIMS = {"dk": 64, "dv": 64}     # applied only to dimensions the file declares
-# The NumPy backend's parallel form keeps T×T scores per head (~12 s at T = 4096, 8 heads, d = 64) and its
-# recurrent form pays interpreter overhead per token: neither is run above this T.
-NUMPY_MAX_TOKENS = {"parallel": 4096, "recurrent": 4096}
+# Not run above these T (unless --no-limits): the parallel form does T² work per head on every backend
+# (NumPy ~12 s at T = 4096, 8 heads, d = 64; C ~33 s at T = 32768) and the NumPy recurrent form pays
+# interpreter overhead per token.
+MAX_TOKENS = {("numpy", "recurrent"): 4096, ("numpy", "parallel"): 4096, ("*", "parallel"): 4096}
+
+
+def max_tokens(form: str, backend: str) -> int | None:
+    return MAX_TOKENS.get((backend, form), MAX_TOKENS.get(("*", form)))
 SGEMM_N = 2048
 PINNING_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 REPEATS, QUICK_REPEATS = 7, 3
@@ -71,6 +76,7 @@ class Options:
     quick: bool = False
     dims: dict[str, int] = field(default_factory=dict)
     plot: str | None = None
+    limits: bool = True                     # False: run every form at every T (see MAX_TOKENS)
 
 
 # ---- what is counted ----------------------------------------------------------------------------------
@@ -130,7 +136,7 @@ def _env(threads: int, **changes) -> dict[str, str]:
 def _python(script: str, args: list[str], env: dict[str, str], timeout: float = 900) -> dict:
     try:
         res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-                             timeout=timeout)
+                             timeout=timeout, check=False)
     except (OSError, subprocess.SubprocessError) as err:
         return {"error": f"{type(err).__name__}: {err}"}
     if res.returncode != 0:
@@ -424,8 +430,8 @@ def run(opts: Options, progress=None) -> dict:
         forms.remove(f)
 
     flops, formula, flop_lines = flop_count(rec, dims)
-    from .decode import _reads_the_sequence
-    sequence_level = _reads_the_sequence(program)
+    from .decode import reads_the_sequence
+    sequence_level = reads_the_sequence(rec)
     if not flops:
         notes.append(f"'{program.name}' has no recurrent state" + (" (it reads the sequence directly)"
                      if sequence_level else "") + ": no useful-flop count, so no GFLOP/s or fractions")
@@ -474,12 +480,14 @@ def run(opts: Options, progress=None) -> dict:
                                 "reason": f"the {b} backend does not implement the {f} form (yet)"})
                 continue
             for t in tokens:
-                limit = NUMPY_MAX_TOKENS.get(f) if b == "numpy" else None
+                limit = max_tokens(f, b) if opts.limits else None
                 if limit is not None and t > limit:
                     skipped.append({"form": f, "backend": b, "T": t,
-                                    "reason": f"NumPy {f} form not run above T = {limit}" + (
-                                        " (T×T scores per head: slow, memory-hungry)" if f == "parallel"
-                                        else " (interpreter overhead per token)")})
+                                    "reason": f"{'NumPy' if b == 'numpy' else b.upper()} {f} form not run above "
+                                              f"T = {limit}" + (" (T² work per head; --no-limits runs it)"
+                                                                if f == "parallel" else
+                                                                " (interpreter overhead per token; --no-limits "
+                                                                "runs it)")})
                     continue
                 combos.append((f, b, t))
         for t in tokens:
@@ -541,7 +549,7 @@ def run(opts: Options, progress=None) -> dict:
                 t0 = time.perf_counter()
                 rec.run(x, form=f, backend=b)
                 warm = time.perf_counter() - t0
-                times = _timed(lambda: rec.run(x, form=f, backend=b), repeats, budget)
+                times = _timed(lambda x=x, f=f, b=b: rec.run(x, form=f, backend=b), repeats, budget)
             except (LinrecError, MemoryError) as err:
                 skipped.append({"form": f, "backend": b, "T": t, "reason": f"failed: {err}"})
                 continue
@@ -558,8 +566,8 @@ def run(opts: Options, progress=None) -> dict:
 
         # 5. decode step
         if sequence_level:
-            notes.append(f"'{program.name}' reads the sequence directly: its decode state is a KV cache, which "
-                         f"Recurrence.step does not carry — no decode-step timing")
+            notes.append(f"'{program.name}' reads the sequence directly: its decode step carries a KV cache whose "
+                         f"cost grows with T — not timed here")
         elif program.causal:
             for b in backends:
                 say(f"{b}: decode step …")
@@ -623,9 +631,9 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 
 def format_report(rep: dict) -> str:
     dims = ", ".join(f"{k}={v}" for k, v in rep["dims"].items())
-    out = [f"{rep['program']} ({rep['file']}): B={rep['batch']}, H={rep['heads']}, {dims}, {rep['dtype']}, "
-           f"{rep['threads']} thread(s) (from {rep['threads_from']}; LINREC_NUM_THREADS for C, BLAS threads for "
-           f"NumPy)",
+    out = [(f"{rep['program']} ({rep['file']}): B={rep['batch']}, H={rep['heads']}, {dims}, {rep['dtype']}, "
+            f"{rep['threads']} thread(s) (from {rep['threads_from']}; LINREC_NUM_THREADS for C, BLAS threads for "
+            f"NumPy)"),
            (f"useful flops per token and head: {rep['flop_formula']} = {rep['flops_per_token_head']}  "
             f"(" + "; ".join(rep["flop_terms"]) + ")") if rep["flops_per_token_head"] else
            "useful flops: none counted (no recurrent state)"]

@@ -101,7 +101,7 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def _bytes(n: int) -> str:
+def human_bytes(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
@@ -114,12 +114,12 @@ def format_info(data: dict) -> str:
     if not data["exists"]:
         return f"cache: {data['dir']} (does not exist yet: no kernel built)\n0 entries, 0 bytes"
     lines = [f"cache: {data['dir']}",
-             f"{data['entries']} entr{'y' if data['entries'] == 1 else 'ies'}, {_bytes(data['bytes'])} "
+             f"{data['entries']} entr{'y' if data['entries'] == 1 else 'ies'}, {human_bytes(data['bytes'])} "
              f"({data['bytes']} bytes) in total; {data['aliases']} alias(es)"
              + (f"; {len(data['leftovers'])} leftover(s) of interrupted builds" if data["leftovers"] else "")]
     if data["kernels"]:
         rows = [["key", "label", "size", "age", "built", "status"]]
-        rows += [[k["key"][:16] + "…", k["label"], _bytes(k["bytes"]), _age(k["age_s"]), k["built"], k["status"]]
+        rows += [[k["key"][:16] + "…", k["label"], human_bytes(k["bytes"]), _age(k["age_s"]), k["built"], k["status"]]
                  for k in data["kernels"]]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  " + "  ".join(c.rjust(w) if i in (2, 3) else c.ljust(w) for i, (c, w) in

@@ -660,6 +660,9 @@ def _add_bench(parser: argparse.ArgumentParser):
                         help="a dimension's size (default: dk = dv = 64 where declared, else the file's)")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="write a log-log plot of time against T per form and backend (needs matplotlib)")
+    parser.add_argument("--no-limits", dest="limits", action="store_false",
+                        help="also run the parallel form above T = 4096 and the NumPy recurrent form above "
+                             "T = 4096 (slow: T² work, per-token interpreter overhead)")
     parser.epilog = """\
 examples:
   linrec bench examples/gla.lin
@@ -671,9 +674,10 @@ B = 1, H = 8, dk = dv = 64, float32. Each row is the median wall time of Recurre
 warm-up call) and its useful GFLOP/s — the recurrent form's flops per token and head (dk·dv per decay,
 2·dk·dv per write, per correction wᵀS and per correction update, 2·dk·dv per readout), the same count
 for every form — as a fraction of a float32 NumPy matmul timed in the same run (with OPENBLAS_CORETYPE
-and OPENBLAS_L2_SIZE unset; the BLAS kernel shown when threadpoolctl is installed). The NumPy parallel
-and recurrent forms are not run above T = 4096. Also: the decode step per token, state bytes against a
-softmax KV cache, what --form auto picks, the C kernel's first build and cached load.
+and OPENBLAS_L2_SIZE unset; the BLAS kernel shown when threadpoolctl is installed). The parallel form
+(T² work, every backend) and the NumPy recurrent form are not run above T = 4096 unless --no-limits.
+Also: the decode step per token, state bytes against a softmax KV cache, what --form auto picks, the C
+kernel's first build and cached load.
 pip install 'linrec[bench]' adds threadpoolctl and matplotlib."""
 
 
@@ -688,7 +692,7 @@ def cmd_bench(args) -> int:
 
     opts = bench.Options(file=args.file, quick=args.quick, forms=args.form, backends=args.backend,
                          threads=args.threads, repeats=args.repeats, budget_s=args.budget,
-                         dims=dict(args.dims or []), plot=args.plot)
+                         dims=dict(args.dims or []), plot=args.plot, limits=args.limits)
     if args.tokens:
         opts.tokens = list(args.tokens)
     elif args.quick:
@@ -739,7 +743,7 @@ def cmd_cache(args) -> int:
         data = c_cache.clear()
         print(json.dumps(data, indent=1) if args.json else
               f"removed {data['removed']} entr{'y' if data['removed'] == 1 else 'ies'} "
-              f"({c_cache._bytes(data['bytes_freed'])}) from {data['dir']}")
+              f"({c_cache.human_bytes(data['bytes_freed'])}) from {data['dir']}")
     return 0
 
 

@@ -143,6 +143,12 @@ def test_run_by_steps_with_params_and_errors(cache_dir):
     got = run_by_steps(rec, x, backend="numpy")
     np.testing.assert_allclose(got.outputs["y"], ref.outputs["y"], rtol=0, atol=1e-12)
     assert set(got.params) == set(ref.params)
+    # a program that reads the sequence: the step carries its KV cache
+    soft = linrec.load(EXAMPLES / "softmax.lin")
+    xs = soft.random_inputs(batch=2, tokens=7, heads=2, dims={"dk": 4, "dv": 3}, seed=1)
+    stepped = run_by_steps(soft, xs)
+    np.testing.assert_allclose(stepped.outputs["o"], soft.run(xs, form="recurrent").outputs["o"], rtol=0, atol=1e-12)
+    assert stepped.final_state == {}
     noncausal = linrec.compile("recurrence nc(dk = 4, dv = 4) noncausal\ninput k[dk], v[dv]\nstate S[dk, dv]\n"
                                "S = S + k⊗v\noutput o = k·S\n")
     with pytest.raises(LinrecError, match="non-causal"):
