@@ -34,7 +34,7 @@ from .templating import environment
 
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 # Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
-STEP_PARALLEL_THRESHOLD = 1 << 16
+STEP_PARALLEL_THRESHOLD = 1 << 20
 # SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
 REGISTER_BUDGET = 24
 # The per-token values of a block of tokens (the sequence kernel's unit of work) should fit in L1 beside
