@@ -106,7 +106,7 @@ class Recurrence:
             form, _ = self.choose_form(backend, shape.tokens)
         module = self.module(form, backend)
         dims, used = self.bind(module, shape, params, initial_state, dims)
-        state0 = arrays.check_initial_state(self.program, initial_state, shape, dims)
+        state0 = arrays.check_initial_state(self.program, initial_state, shape, dims, self._log_scales)
         if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
             raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
         from .c_build import threads as thread_count
@@ -115,6 +115,12 @@ class Recurrence:
         return Result(outputs, final, used)
 
     __call__ = run
+
+    @property
+    def _log_scales(self) -> frozenset[str]:
+        """The log-scales a decode loop carries beside stabilized states ("S.log_scale")."""
+        from .numpy_backend import log_scale_keys
+        return frozenset(log_scale_keys(self.compiled).values())
 
     def bind(self, module, shape: arrays.CallShape, params: dict | None = None, initial_state: dict | None = None,
              dims: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, np.ndarray]]:
@@ -131,10 +137,19 @@ class Recurrence:
 
     # ---- decode: prefill a prompt, then one token at a time with O(1) state ----
     def prefill(self, inputs: dict | None = None, *, backend: str = "numpy", params: dict | None = None,
-                initial_state: dict | None = None, **named_inputs) -> Result:
-        """Run the recurrent form over a prompt; `result.final_state` is the state to `step` from."""
-        return self.run(inputs, form="recurrent", backend=backend, params=params,
-                        initial_state=initial_state, **named_inputs)
+                initial_state: dict | None = None, dims: dict[str, int] | None = None,
+                **named_inputs) -> Result:
+        """Run the recurrent form over a prompt; `result.final_state` is the state to `step` from.
+        Stabilized states come back scaled, with their log-scale ("S.log_scale"), for the steps to go on."""
+        given = dict(inputs or {}) | named_inputs
+        state = dict(initial_state or {})
+        if self._log_scales and given:
+            first = np.asarray(next(iter(given.values())))
+            if first.ndim >= 3:
+                for key in self._log_scales:
+                    state.setdefault(key, np.full((first.shape[0], first.shape[2]), np.nan))
+        return self.run(given, form="recurrent", backend=backend, params=params, initial_state=state or None,
+                        dims=dims)
 
     def step(self, token_inputs: dict, state: dict | None, *, backend: str = "numpy",
              params: dict | None = None, inplace: bool = False, out: dict | None = None) -> tuple[dict, dict]:
@@ -159,14 +174,21 @@ class Recurrence:
             stepper = module.stepper(used, dims)
             self.__dict__.setdefault("_steppers", {})[backend] = (params, stepper)
             return stepper(token_inputs, state, inplace=inplace, out=out)
-        state0 = arrays.check_initial_state(self.program, state, shape, dims)
+        # stabilized states travel with their log-scale between steps, so that they neither over- nor
+        # underflow however large the exponents get (NaN: a state at its true scale, e.g. from prefill)
+        carried = dict(state or {})
+        for key in self._log_scales:
+            carried.setdefault(key, np.full((shape.batch, shape.heads), np.nan))
+        state0 = arrays.check_initial_state(self.program, carried, shape, dims, self._log_scales)
         outputs, final = module.forward(checked, used, state0, dims)
         outputs = {k: v[:, 0] for k, v in outputs.items()}
         if inplace and state is not None:
             for k, v in final.items():
-                if k in state:
+                if k in state and np.shape(state[k]) == v.shape:
                     state[k][...] = v
                     final[k] = state[k]
+                else:
+                    state[k] = v
         return outputs, final
 
 

@@ -151,15 +151,23 @@ def check_params(program: ir.Program, given: dict, defaults: dict, shape: CallSh
     return out
 
 
-def check_initial_state(program: ir.Program, given: dict | None, shape: CallShape, dims: dict) -> dict:
-    """Initial states [B, H, *] (zeros when absent), copied in the inputs' dtype."""
+def check_initial_state(program: ir.Program, given: dict | None, shape: CallShape, dims: dict,
+                        scales: frozenset[str] = frozenset()) -> dict:
+    """Initial states [B, H, *] (zeros when absent), copied in the inputs' dtype. `scales` names the
+    log-scales [B, H] a decode loop may carry beside stabilized states (float64)."""
     given = dict(given or {})
     declared = {s.name for s in program.states}
+    out = {}
+    for key in scales & set(given):
+        value = np.asarray(given.pop(key), dtype=np.float64)
+        if value.shape != (shape.batch, shape.heads):
+            raise RuntimeInputError(f"'{key}' should have shape [B, H] = {_fmt((shape.batch, shape.heads))} but "
+                                    f"has shape {_fmt(value.shape)}")
+        out[key] = value
     unknown = sorted(set(given) - declared)
     if unknown:
         raise RuntimeInputError(f"unknown state(s) {', '.join(map(repr, unknown))}; the states of "
                                 f"'{program.name}' are {', '.join(sorted(declared))}")
-    out = {}
     for s in program.states:
         expected = (shape.batch, shape.heads) + tuple(dims[d] for d in s.shape)
         if s.name in given:

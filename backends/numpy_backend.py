@@ -13,7 +13,8 @@ from .numpy_printer import NumpyPrinter
 from .templating import environment
 
 VERSION = "0.1.0"
-SCAN_HELPERS = {"per_token", "log_decay", "parallel_scan", "chunkwise_scan", "recurrent_scan", "running_max"}
+SCAN_HELPERS = {"per_token", "log_decay", "parallel_scan", "chunkwise_scan", "recurrent_scan", "running_max",
+                "scale_decay", "rescale"}
 ATTENTION_HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
                      "lsh_attention_dense", "lsh_attention_bucketed"}
 
@@ -254,6 +255,14 @@ def stabilized_states(compiled: Compiled) -> dict[str, tuple]:
     return out
 
 
+def log_scale_keys(compiled: Compiled) -> dict[str, str]:
+    """State → the name under which a decode loop carries its log-scale ("S.log_scale", shared by the
+    states whose keys have the same exponents)."""
+    first: dict[tuple, str] = {}
+    return {state: f"{first.setdefault(alphas, state)}.log_scale"
+            for state, alphas in stabilized_states(compiled).items()}
+
+
 def _degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
     """How an output scales when readout i is multiplied by exp(scale_of[i]): exponents per scale, or None
     when the output is not a product of powers (then the scales are multiplied back in)."""
@@ -292,6 +301,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
     scan = {"parallel": "parallel_scan", "chunkwise": "chunkwise_scan", "recurrent": "recurrent_scan"}[form]
     helpers = {"per_token", scan}
     stable = stabilized_states(compiled)
+    scale_keys = log_scale_keys(compiled)
     maxima: dict[tuple, str] = {}   # α of a group of states → the variable of its running max
     exponents: dict[ir.Expr, str] = {}  # an exponent α or β → its variable
     query_max: dict[ir.Expr, str] = {}  # a query exponent β → the variable of its per-token maximum
@@ -319,8 +329,12 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
                         exponents[a] = f"{s}_exponent{len(exponents)}"
                         body.append(f"{exponents[a]} = {prelude(a)}")
                 joined = ", ".join(exponents[a] for a in alphas)
-                body.append(f"{s}_max = running_max({joined if len(alphas) == 1 else f'np.concatenate([{joined}], axis=-1)'})"
-                            f"  # M_t [B, T, H]")
+                joined = joined if len(alphas) == 1 else f"np.concatenate([{joined}], axis=-1)"
+                key = scale_keys[st.name]
+                body += [f"# a state handed over with its log-scale (a decode loop) is S·exp(−m): start M from m",
+                         f"{s}_scale = initial_state.get(\"{key}\")  # [B, H] or None (then S is unscaled)",
+                         f"{s}_max = running_max({joined}, {s}_scale)  # M_t [B, T, H]"]
+            running = maxima[alphas]
             running = maxima[alphas]
         decay_terms = []
         if t.log_decay is not None:
@@ -331,8 +345,9 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
             if not t.log_is_exact:
                 helpers.add("log_decay")
         if running:
-            decay_terms.append(f"-np.diff({running}, axis=1, prepend={running}[:, :1])[..., None]  "
-                               f"# M_(t−1) − M_t")
+            group = running[:-len("_max")]
+            decay_terms.append(f"scale_decay({running})  # M_(t−1) − M_t")
+            helpers.add("scale_decay")
         body.append(f"{s}_log_decay = " + (" + ".join(decay_terms) if decay_terms else "None"))
         body.append(f"{s}_corrections = [" + ", ".join(
             f"({tok(u, rows)}, {tok(w, rows)})" for u, w in t.corrections) + "]")
@@ -373,12 +388,16 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
                 scale_of[r.index] = " + ".join(scale)
         init = f"initial_state[\"{st.name}\"]" + ("[..., None]" if len(st.shape) == 1 else "")
         if running:  # the state enters scaled like the first token's keys
-            init = f"({init} * np.exp(-{running}[:, 0])[..., None, None]).astype(dtype)"
+            group = running[:-len("_max")]
+            init = f"rescale({init}, {group}_scale, {running}[:, 0], dtype)"
+            helpers.add("rescale")
         targets = ", ".join(f"r{r.index}" for r in mine) or "_unused"
         body.append(f"[{targets}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, {s}_writes, "
                     f"[{', '.join(queries)}], causal={p.causal}, chunk_size=chunk_size)")
         if running:
-            body.append(f"{s} = {s} * np.exp({running}[:, -1])[..., None, None].astype(dtype)  # back to scale")
+            group = running[:-len("_max")]
+            body += [f"if {group}_scale is None:  # back to the true scale",
+                     f"    {s} = rescale({s}, {running}[:, -1], None, dtype)"]
         if len(st.shape) == 1:
             body.append(f"{s} = {s}[..., 0]")
     body += ["", "# outputs from the readouts"]
@@ -397,11 +416,19 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         helpers |= out_printer.helpers
         body.append(f"{n(name)} = np.broadcast_to({code}, (batch, tokens, heads"
                     + "".join(", " + n(x) for x in out.value.shape) + ")).astype(dtype)")
-    body += ["", em.returns()]
+    returns = em.returns()
+    if stable:
+        body += ["", "# states handed over with a log-scale go on with their new one (a decode loop)",
+                 "final_state_scales = {}"]
+        for key, group in {scale_keys[st]: maxima[stable[st]] for st in stable}.items():
+            body += [f"if {group[:-len('_max')]}_scale is not None:",
+                     f"    final_state_scales[\"{key}\"] = {group}[:, -1]"]
+        returns = returns[:-1] + ", **final_state_scales}"  # inside the states dict
+    body += ["", returns]
     helpers |= base.helpers
-    # per_token, log_decay and running_max are NumPy helpers whatever module runs the scan
-    numpy_only = {"per_token", "log_decay", "running_max"} & helpers if scan_module != "backends.numpy_scan" \
-        else set()
+    # these are NumPy helpers whatever module runs the scan
+    numpy_only = ({"per_token", "log_decay", "running_max", "scale_decay", "rescale"} & helpers
+                  if scan_module != "backends.numpy_scan" else set())
     source = em.render(form, body, helpers - numpy_only, scan_module)
     if numpy_only:
         source = source.replace("import numpy as np\n", "import numpy as np\nfrom backends.numpy_scan import "

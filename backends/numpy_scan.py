@@ -215,9 +215,24 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
     return _finish(results if causal else None, state, rd, causal)
 
 
-def running_max(exponent) -> np.ndarray:
-    """M_t = max over s ≤ t and over the last axis of exponent_s: [B, T, H]. Shifting every exponent by M
-    keeps exp(α − M) ≤ 1 with the largest key at 1; M_(t−1) − M_t ≤ 0 then acts as one more decay, and
-    the state is carried as S·exp(−M) (forms.md §8)."""
-    per_token = np.max(exponent, axis=-1) if exponent.ndim == 4 else exponent
-    return np.maximum.accumulate(per_token.astype(np.float64), axis=1)
+def running_max(exponent, start=None) -> np.ndarray:
+    """M_t = max over s ≤ t and over the last axis of exponent_s (and `start` [B, H], the log-scale a state
+    came with): [B, T, H]. Shifting every exponent by M keeps exp(α − M) ≤ 1 with the largest key at 1;
+    M_(t−1) − M_t ≤ 0 then acts as one more decay, and the state is carried as S·exp(−M) (forms.md §8)."""
+    per_token = (np.max(exponent, axis=-1) if exponent.ndim == 4 else exponent).astype(np.float64)
+    if start is not None:  # NaN: a state given at its true scale, with no scale to respect
+        per_token = np.fmax(per_token, np.asarray(start, np.float64)[:, None, :])
+    return np.maximum.accumulate(per_token, axis=1)
+
+
+def scale_decay(running) -> np.ndarray:
+    """M_(t−1) − M_t as a log-decay [B, T, H, 1]; 0 for the first token, whose scale M_1 the initial state
+    is brought to beforehand (rescale)."""
+    return -np.diff(running, axis=1, prepend=running[:, :1])[..., None]
+
+
+def rescale(state, have, want, dtype) -> np.ndarray:
+    """A state stored as S·exp(−have) re-expressed as S·exp(−want) ([B, H] log-scales; None and NaN are 0)."""
+    have = 0.0 if have is None else np.nan_to_num(np.asarray(have, np.float64), nan=0.0)
+    want = 0.0 if want is None else np.asarray(want, np.float64)
+    return (state * np.exp(np.asarray(have - want))[..., None, None]).astype(dtype)

@@ -93,3 +93,21 @@ def test_error_against_softmax_falls_with_features_and_orthogonal_is_not_worse(p
     assert err[(256, False)] < 0.6 * err[(16, False)]
     for m in (16, 256):
         assert err[(m, True)] <= err[(m, False)] * 1.05  # averaged over seeds
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_prefill_then_decode_stays_stabilized_with_large_inputs(performer, backend):
+    # states travel scaled with their log-scale (S.log_scale): float32 steps match float64 even where
+    # the true-scale state would underflow
+    x = performer.random_inputs(1, 50, 2, dims={**DIMS, "dk": 16}, seed=1)
+    x = {k: (v * 10).astype(np.float32) for k, v in x.items()}
+    ref = performer.run({k: v.astype(np.float64) for k, v in x.items()}, form="recurrent", dims={"m": 32})
+    pre = performer.prefill({k: v[:, :20] for k, v in x.items()}, backend=backend, dims={"m": 32})
+    state, outs = pre.final_state, [pre.outputs["o"]]
+    assert "S.log_scale" in state
+    for t in range(20, 50):
+        out, state = performer.step({k: v[:, t] for k, v in x.items()}, state, backend=backend)
+        outs.append(out["o"][:, None])
+    got = np.concatenate(outs, axis=1)
+    assert np.all(np.isfinite(got))
+    assert np.max(np.abs(got - ref.outputs["o"])) / np.max(np.abs(ref.outputs["o"])) < 5e-4
