@@ -331,7 +331,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
                 joined = ", ".join(exponents[a] for a in alphas)
                 joined = joined if len(alphas) == 1 else f"np.concatenate([{joined}], axis=-1)"
                 key = scale_keys[st.name]
-                body += [f"# a state handed over with its log-scale (a decode loop) is S·exp(−m): start M from m",
+                body += ["# a state handed over with its log-scale (a decode loop) is S·exp(−m): start M from m",
                          f"{s}_scale = initial_state.get(\"{key}\")  # [B, H] or None (then S is unscaled)",
                          f"{s}_max = running_max({joined}, {s}_scale)  # M_t [B, T, H]"]
             running = maxima[alphas]
