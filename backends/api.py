@@ -54,7 +54,7 @@ class Recurrence:
             raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(known)}")
         why = self.derivation.why_not(form)
         if why:
-            raise LinrecError(f"'{self.name}' has no {form} form: {why}. The recurrent form always exists.")
+            raise LinrecError(f"'{self.name}' has no {form} form: {why}. Its forms: {', '.join(self.forms)}")
         if form not in BACKENDS[backend].EMITTERS:
             raise LinrecError(f"the {backend} backend does not implement the {form} form yet")
 
@@ -84,6 +84,13 @@ class Recurrence:
     def choose_form(self, backend: str, tokens: int) -> tuple[str, str]:
         """The form `auto` picks, and why: a cost model over what each form costs on each backend."""
         forms = self.forms
+        if len(forms) == 1:
+            return forms[0], f"the only form '{self.name}' has"
+        if self.derivation.sequence is not None and "chunkwise" in forms:
+            if self.derivation.sequence.kind == "lsh":
+                return "chunkwise", "the bucketed form: O(T log T) instead of the dense reference's O(T²)"
+            # attention: the blocked online softmax keeps memory linear in T and reads keys block by block
+            return "chunkwise", "blocked online softmax: linear memory, keys read once per query block"
         if backend == "numpy":
             # NumPy pays ~10 µs of interpreter overhead per operation: the recurrent form does a few per
             # token, the chunkwise form a few per chunk of 64 tokens on dense products

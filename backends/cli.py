@@ -257,7 +257,7 @@ def cmd_check(args) -> int:
 
 
 # ---- emit ------------------------------------------------------------------------------------
-def _add_backend_form(parser: argparse.ArgumentParser, default_form: str = "recurrent", step: bool = False):
+def _add_backend_form(parser: argparse.ArgumentParser, default_form: str | None = None, step: bool = False):
     parser.add_argument("--backend", default="numpy", choices=_backend_names(),
                         help="code generator (default: numpy)")
     choices = _form_names() + (["auto"] if default_form == "auto" else []) + (["step"] if step else [])
@@ -268,7 +268,7 @@ def _add_backend_form(parser: argparse.ArgumentParser, default_form: str = "recu
                                        else "")
                              + ("; step: one Recurrence.step call per token (the decode step), carrying the "
                                 "state — it equals the other forms" if step else "")
-                             + f" (default: {default_form})")
+                             + f" (default: {default_form or 'recurrent, else the first form the program has'})")
 
 
 def _add_emit(parser: argparse.ArgumentParser):
@@ -290,7 +290,8 @@ def cmd_emit(args) -> int:
     The source goes to stdout; redirect it to a file to keep it.
     """
     rec = _load(args.file)
-    sys.stdout.write(rec.emit(args.form, args.backend))
+    form = args.form or rec.forms[0]  # the recurrent form when the program has one
+    sys.stdout.write(rec.emit(form, args.backend))
     return 0
 
 
