@@ -45,6 +45,8 @@ import numpy as np
 
 from dsl.errors import LinrecError
 
+from . import c_build
+
 DEFAULT_TOKENS = (1024, 4096, 16384, 32768)
 QUICK_TOKENS = (256, 1024)
 BATCH, HEADS = 1, 8
@@ -229,7 +231,6 @@ def blas_summary(info) -> str:
 def load_times(path: str, backend: str, dims: dict[str, int], threads: int) -> dict:
     """A compiled backend's first build (fresh process, empty temporary cache) and cached load (fresh
     process, the cache this run uses — where the main process has just built or loaded the kernel)."""
-    from . import c_build
     absolute = str(Path(path).resolve())
     args = [absolute, backend, json.dumps(dims), str(HEADS)]
     empty = tempfile.mkdtemp(prefix="linrec-bench-cache-")
@@ -319,19 +320,9 @@ def _thread_settings(threads: int):
 
 
 def default_threads() -> tuple[int, str]:
-    env = os.environ.get("LINREC_NUM_THREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}")
-        return n, "LINREC_NUM_THREADS"
-    try:
-        return len(os.sched_getaffinity(0)), "every core"
-    except AttributeError:
-        return os.cpu_count() or 1, "every core"
+    """The C kernels' thread count when --threads is not given, and where it comes from."""
+    source = "LINREC_NUM_THREADS" if os.environ.get("LINREC_NUM_THREADS", "").strip() else "every core"
+    return c_build.num_threads(), source
 
 
 def _load_average() -> float | None:
@@ -445,7 +436,6 @@ def run(opts: Options, progress=None) -> dict:
         "load_average_start": _load_average(), "blas_in_process": _blas_in_process(),
     }
     try:
-        from . import c_build
         report["c"] = {"cache_dir": str(c_build.cache_dir()), "flags": c_build.flags(),
                        "vector_bytes": c_build.vector_bytes()}
     except Exception as err:  # noqa: BLE001 - only informational

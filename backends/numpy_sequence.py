@@ -117,29 +117,11 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
 
     em = Emitter(compiled)
     p, plan, n = em.p, compiled.derivation.sequence, em.name
-    body = em.prologue()
-    for prm in p.params:  # parameters over the sequence axis are cut to this sequence's length
-        if SEQ in prm.shape:
-            axis = prm.shape.index(SEQ) + (1 if prm.per_head else 0)
-            body.append(f"{n(prm.name)} = {n(prm.name)}[{', '.join([':'] * axis + [':tokens'])}]  "
-                        f"# the first T positions of {prm.name}")
-    body.append(f"causal = {p.causal}")
-    base = em.printer(None)
-    hoisted = em.hoisted_lets(base)
-    if hoisted:
-        body += ["", "# per-token values, for all tokens at once"] + hoisted
-    # every distinct seq(x) argument, head-major: [B, H, T, *]
-    seq_vars: dict[ir.Expr, str] = {}
-    for _, expr in plan.outputs + tuple((f"r{r.index}", r.scores) for r in plan.softmax_readouts) \
-            + tuple((f"r{r.index}", r.values) for r in plan.softmax_readouts):
-        for node in _walk(expr):
-            if isinstance(node, ir.Apply) and node.function == "seq" and node.args[0] not in seq_vars:
-                arg = em.refold(node.args[0])
-                label = n(arg.name) if isinstance(arg, (ir.InputRef, ir.LetRef)) else f"x{len(seq_vars)}"
-                seq_vars[node.args[0]] = f"{label}_seq"
-    if seq_vars:
-        body += ["", "# the sequence, head-major [B, H, T, *]: what seq(x) reads"]
-        body += [f"{var} = np.swapaxes({base(em.refold(arg))}, 1, 2)" for arg, var in seq_vars.items()]
+    body, base = _prologue(em)
+    exprs = [e for _, e in plan.outputs] + [r.scores for r in plan.softmax_readouts] \
+        + [r.values for r in plan.softmax_readouts]
+    seq_vars, lines = _sequence_arrays(em, base, exprs)
+    body += lines
     window = plan.window
     lsh = "lsh_attention_bucketed" if form == "chunkwise" else "lsh_attention_dense"
     helpers: set[str] = set(base.helpers)
@@ -219,27 +201,10 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     from .numpy_backend import Emitter
 
     em = Emitter(compiled)
-    p, plan, n = em.p, compiled.derivation.sequence, em.name
-    body = em.prologue()
-    for prm in p.params:
-        if SEQ in prm.shape:
-            axis = prm.shape.index(SEQ) + (1 if prm.per_head else 0)
-            body.append(f"{n(prm.name)} = {n(prm.name)}[{', '.join([':'] * axis + [':tokens'])}]")
-    body.append(f"causal = {p.causal}")
-    base = em.printer(None)
-    hoisted = em.hoisted_lets(base)
-    if hoisted:
-        body += ["", "# per-token values, for all tokens at once"] + hoisted
-    seq_vars: dict[ir.Expr, str] = {}
-    for r in plan.softmax_readouts:
-        for node in list(_walk(r.scores)) + list(_walk(r.values)):
-            if isinstance(node, ir.Apply) and node.function == "seq" and node.args[0] not in seq_vars:
-                arg = em.refold(node.args[0])
-                label = n(arg.name) if isinstance(arg, (ir.InputRef, ir.LetRef)) else f"x{len(seq_vars)}"
-                seq_vars[node.args[0]] = f"{label}_seq"
-    if seq_vars:
-        body += ["", "# the sequence, head-major [B, H, T, *]"]
-        body += [f"{var} = np.swapaxes({base(em.refold(arg))}, 1, 2)" for arg, var in seq_vars.items()]
+    plan, n = compiled.derivation.sequence, em.name
+    body, base = _prologue(em)
+    seq_vars, lines = _sequence_arrays(em, base, [e for r in plan.softmax_readouts for e in (r.scores, r.values)])
+    body += lines
     lsh = "lsh_attention_bucketed" if form == "chunkwise" else "lsh_attention_dense"
     seq_printer = SequencePrinter(em.printer(None).ref, lambda arg: f"{seq_vars[arg]}[:, None]", "None", lsh)
     helpers: set[str] = set(base.helpers)
@@ -270,6 +235,39 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
         return source
     return source.replace("import numpy as np\n", f"import numpy as np\nfrom {kernels} import "
                           f"{', '.join(kernel_names)}\n", 1)
+
+
+def _prologue(em):
+    """Inputs, sizes and params bound; params over the sequence axis cut to its length; per-token values.
+    Returns (lines, the printer over all tokens)."""
+    p, n = em.p, em.name
+    body = em.prologue()
+    for prm in p.params:  # parameters over the sequence axis are cut to this sequence's length
+        if SEQ in prm.shape:
+            axis = prm.shape.index(SEQ) + (1 if prm.per_head else 0)
+            body.append(f"{n(prm.name)} = {n(prm.name)}[{', '.join([':'] * axis + [':tokens'])}]  "
+                        f"# the first T positions of {prm.name}")
+    body.append(f"causal = {p.causal}")
+    base = em.printer(None)
+    hoisted = em.hoisted_lets(base)
+    if hoisted:
+        body += ["", "# per-token values, for all tokens at once"] + hoisted
+    return body, base
+
+
+def _sequence_arrays(em, base, exprs) -> tuple[dict[ir.Expr, str], list[str]]:
+    """Every distinct seq(x) argument in `exprs`, head-major [B, H, T, *]: (argument → variable, lines)."""
+    seq_vars: dict[ir.Expr, str] = {}
+    for expr in exprs:
+        for node in _walk(expr):
+            if isinstance(node, ir.Apply) and node.function == "seq" and node.args[0] not in seq_vars:
+                arg = em.refold(node.args[0])
+                label = em.name(arg.name) if isinstance(arg, (ir.InputRef, ir.LetRef)) else f"x{len(seq_vars)}"
+                seq_vars[node.args[0]] = f"{label}_seq"
+    if not seq_vars:
+        return seq_vars, []
+    return seq_vars, ["", "# the sequence, head-major [B, H, T, *]: what seq(x) reads"] + [
+        f"{var} = np.swapaxes({base(em.refold(arg))}, 1, 2)" for arg, var in seq_vars.items()]
 
 
 def _restore(expr: ir.Expr, plan) -> ir.Expr:
