@@ -364,14 +364,7 @@ def _blas_in_process():
 
 
 def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return c_build.cpu_model() or platform.machine()
 
 
 # ---- the run ------------------------------------------------------------------------------------------

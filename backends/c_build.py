@@ -122,7 +122,8 @@ def flags() -> list[str]:
 
 
 @lru_cache(maxsize=None)
-def _native_cpu() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (part of the cache key: -march=native code is built for it)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -137,7 +138,7 @@ def target_key() -> str:
     """The chosen target, for keys: the same source is rebuilt when the target changes."""
     desc = [platform.machine(), _target(), str(vector_bytes())]
     if _target() == "native":
-        desc += [_native_cpu(), ",".join(sorted(_cpu_flags()))]
+        desc += [cpu_model(), ",".join(sorted(_cpu_flags()))]
     return hashlib.sha256("|".join(desc).encode()).hexdigest()[:16]
 
 
