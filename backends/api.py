@@ -201,7 +201,8 @@ class Recurrence:
 
 def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backend: str, params: dict | None):
     """Decode for programs that read the sequence: the state is the KV cache — every input so far,
-    [B, t, H, *] by input name. Appends the token and computes its outputs only."""
+    [B, t, H, *] by input name. Appends the token and computes its outputs only, with the NumPy KV-cache
+    form whatever `backend` says (the compiled attention kernels take whole sequences)."""
     if "recurrent" not in rec.forms:
         raise LinrecError(f"'{rec.name}' has no recurrent form, so no decode step: "
                           f"{rec.derivation.why_not('recurrent')}")

@@ -300,23 +300,16 @@ def input_check_ms(program, inputs: dict) -> float:
 
 @contextmanager
 def _thread_settings(threads: int):
-    """LINREC_NUM_THREADS for the C backend (read per call), BLAS threads for NumPy (threadpoolctl)."""
-    old = os.environ.get("LINREC_NUM_THREADS")
-    os.environ["LINREC_NUM_THREADS"] = str(threads)
+    """The thread count for the C kernels (c_build.threads) and NumPy's BLAS (threadpoolctl)."""
     with ExitStack() as stack:
+        stack.enter_context(c_build.threads(threads))
         try:
             import threadpoolctl
             stack.enter_context(threadpoolctl.threadpool_limits(limits=threads, user_api="blas"))
             limited = True
         except ImportError:
             limited = False
-        try:
-            yield limited
-        finally:
-            if old is None:
-                os.environ.pop("LINREC_NUM_THREADS", None)
-            else:
-                os.environ["LINREC_NUM_THREADS"] = old
+        yield limited
 
 
 def default_threads() -> tuple[int, str]:

@@ -332,17 +332,22 @@ def _entries(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir() and len(p.name) == 64 and not p.name.startswith(".")]
 
 
+def directory_bytes(path: Path) -> int:
+    """The size of every file under `path` (files that vanish meanwhile count 0)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total
+
+
 def cache_info() -> dict:
     """{"dir": path, "entries": number of built kernels, "bytes": total size on disk}."""
     root = cache_dir()
-    total = 0
-    if root.is_dir():
-        for dirpath, _, files in os.walk(root):
-            for f in files:
-                try:
-                    total += os.path.getsize(os.path.join(dirpath, f))
-                except OSError:
-                    pass
+    total = directory_bytes(root) if root.is_dir() else 0
     return {"dir": str(root), "entries": len(_entries(root)), "bytes": total}
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -24,14 +23,7 @@ def _is_entry(p: Path) -> bool:
 
 
 def _size(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(dirpath, f))
-            except OSError:
-                pass
-    return total
+    return c_build.directory_bytes(path)
 
 
 def _status(entry: Path) -> str:

@@ -19,14 +19,7 @@ from . import arrays
 def reads_the_sequence(rec) -> bool:
     """A program whose outputs read other tokens directly (seq, lsh_attention, params over the sequence
     axis): its decode state is a KV cache, not a fixed-size recurrent state."""
-    seq = getattr(rec.derivation, "sequence", None)
-    if seq is not None:
-        return True
-    try:
-        from compiler.sequence import is_sequence_program
-    except ImportError:  # a compiler without sequence-level programs
-        return False
-    return is_sequence_program(rec.program)
+    return rec.derivation.sequence is not None
 
 
 def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None = None,

@@ -302,7 +302,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
     helpers = {"per_token", scan}
     stable = stabilized_states(compiled)
     scale_keys = log_scale_keys(compiled)
-    maxima: dict[tuple, str] = {}   # α of a group of states → the variable of its running max
+    groups: dict[tuple, str] = {}   # α of a group of states → the prefix of its variables (S → S_max, S_scale)
     exponents: dict[ir.Expr, str] = {}  # an exponent α or β → its variable
     query_max: dict[ir.Expr, str] = {}  # a query exponent β → the variable of its per-token maximum
     scale_of: dict[int, str] = {}   # readout → the code of its log-scale
@@ -316,11 +316,11 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         s, rows = n(st.name), n(st.shape[0])
         cols = "1" if len(st.shape) == 1 else n(st.shape[1])
         body += ["", f"# {st.name}: {t.kind}", f"#   {st.name}_t = {_canonical_text(t)}"]
-        running = None
+        running = scale = None
         if st.name in stable:
             alphas = stable[st.name]
-            if alphas not in maxima:
-                maxima[alphas] = f"{s}_max"
+            if alphas not in groups:
+                groups[alphas] = s
                 helpers.add("running_max")
                 body += [f"# exponential features: keep {st.name}·exp(−M) with M the running maximum of the "
                          f"exponents, so every exp(α − M) ≤ 1"]
@@ -334,8 +334,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
                 body += ["# a state handed over with its log-scale (a decode loop) is S·exp(−m): start M from m",
                          f"{s}_scale = initial_state.get(\"{key}\")  # [B, H] or None (then S is unscaled)",
                          f"{s}_max = running_max({joined}, {s}_scale)  # M_t [B, T, H]"]
-            running = maxima[alphas]
-            running = maxima[alphas]
+            running, scale = f"{groups[alphas]}_max", f"{groups[alphas]}_scale"
         decay_terms = []
         if t.log_decay is not None:
             width = rows if t.log_decay.shape else "1"
@@ -345,7 +344,6 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
             if not t.log_is_exact:
                 helpers.add("log_decay")
         if running:
-            group = running[:-len("_max")]
             decay_terms.append(f"scale_decay({running})  # M_(t−1) − M_t")
             helpers.add("scale_decay")
         body.append(f"{s}_log_decay = " + (" + ".join(decay_terms) if decay_terms else "None"))
@@ -368,7 +366,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         for r in mine:
             readout_vars[r.index] = f"r{r.index}" + ("[..., 0]" if len(st.shape) == 1 else "")
             c, beta = split_exp(r.query)
-            scale = [running] if running else []
+            terms = [running] if running else []  # the readout's log-scale: M, and the query's max
             if running and beta is not None and variance(beta) == "token":
                 # a per-token constant factored out of an exponential query cancels in ratios
                 if beta not in query_max:
@@ -381,22 +379,20 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
                 queries.append(f"(per_token({prelude(c)} * np.exp({exponents[beta]} - {mu}"
                                f"{'[..., None]' if beta.shape else ''}), (batch, tokens, heads, {rows}), dtype, "
                                f"scalar={not r.query.shape}), {r.before_update})")
-                scale.append(mu)
+                terms.append(mu)
             else:
                 queries.append(f"({tok(r.query, rows)}, {r.before_update})")
-            if scale:
-                scale_of[r.index] = " + ".join(scale)
+            if terms:
+                scale_of[r.index] = " + ".join(terms)
         init = f"initial_state[\"{st.name}\"]" + ("[..., None]" if len(st.shape) == 1 else "")
         if running:  # the state enters scaled like the first token's keys
-            group = running[:-len("_max")]
-            init = f"rescale({init}, {group}_scale, {running}[:, 0], dtype)"
+            init = f"rescale({init}, {scale}, {running}[:, 0], dtype)"
             helpers.add("rescale")
         targets = ", ".join(f"r{r.index}" for r in mine) or "_unused"
         body.append(f"[{targets}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, {s}_writes, "
                     f"[{', '.join(queries)}], causal={p.causal}, chunk_size=chunk_size)")
         if running:
-            group = running[:-len("_max")]
-            body += [f"if {group}_scale is None:  # back to the true scale",
+            body += [f"if {scale} is None:  # back to the true scale",
                      f"    {s} = rescale({s}, {running}[:, -1], None, dtype)"]
         if len(st.shape) == 1:
             body.append(f"{s} = {s}[..., 0]")
@@ -420,9 +416,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
     if stable:
         body += ["", "# states handed over with a log-scale go on with their new one (a decode loop)",
                  "final_state_scales = {}"]
-        for key, group in {scale_keys[st]: maxima[stable[st]] for st in stable}.items():
-            body += [f"if {group[:-len('_max')]}_scale is not None:",
-                     f"    final_state_scales[\"{key}\"] = {group}[:, -1]"]
+        for key, group in {scale_keys[st]: groups[stable[st]] for st in stable}.items():
+            body += [f"if {group}_scale is not None:", f"    final_state_scales[\"{key}\"] = {group}_max[:, -1]"]
         returns = returns[:-1] + ", **final_state_scales}"  # inside the states dict
     body += ["", returns]
     helpers |= base.helpers

@@ -1,9 +1,26 @@
 """Make the project's packages (dsl, compiler, backends) and tests/reference_impls importable however
-pytest is started (`python -m pytest tests` or plain `pytest`)."""
+pytest is started (`python -m pytest tests` or plain `pytest`), and give the session one kernel cache."""
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir(tmp_path_factory):
+    """One C kernel cache for the whole session (LINREC_CACHE_DIR): every kernel is built once, and
+    never into the user's own cache."""
+    path = tmp_path_factory.mktemp("linrec-cache")
+    old = os.environ.get("LINREC_CACHE_DIR")
+    os.environ["LINREC_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("LINREC_CACHE_DIR", None)
+    else:
+        os.environ["LINREC_CACHE_DIR"] = old

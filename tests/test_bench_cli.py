@@ -20,19 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """One temporary kernel cache for this module's in-process runs (restored afterwards)."""
-    path = tmp_path_factory.mktemp("bench-cache")
-    old = os.environ.get("LINREC_CACHE_DIR")
-    os.environ["LINREC_CACHE_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("LINREC_CACHE_DIR", None)
-    else:
-        os.environ["LINREC_CACHE_DIR"] = old
-
-
 # ---- bench ---------------------------------------------------------------------------------------------
 def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
     before = os.environ.get("LINREC_NUM_THREADS")

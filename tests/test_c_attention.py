@@ -5,7 +5,6 @@ Every test uses one kernel size (d = 19, dv = 37: odd, several SIMD registers, a
 registers) per dtype, built once per session in a throw-away cache."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -18,21 +17,12 @@ DTYPES = (np.float64, np.float32)
 
 
 @pytest.fixture(scope="session")
-def ca(tmp_path_factory):
-    """The module, with both kernels built (once) in a cache of this session's own."""
-    path = tmp_path_factory.mktemp("linrec-attention-cache")
-    old = os.environ.get("LINREC_CACHE_DIR")
-    os.environ["LINREC_CACHE_DIR"] = str(path)
+def ca(cache_dir):
+    """The module, with both kernels built (once) in the session's cache."""
     from backends import c_attention
-    try:
-        for dtype in DTYPES:
-            c_attention.kernel(dtype, D, DV)
-        yield c_attention
-    finally:
-        if old is None:
-            os.environ.pop("LINREC_CACHE_DIR", None)
-        else:
-            os.environ["LINREC_CACHE_DIR"] = old
+    for dtype in DTYPES:
+        c_attention.kernel(dtype, D, DV)
+    return c_attention
 
 
 def direct(q, k, v, causal, window, offset=0):

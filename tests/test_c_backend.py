@@ -69,19 +69,6 @@ output o = q·S
 """
 
 
-@pytest.fixture(scope="session", autouse=True)
-def cache_dir(tmp_path_factory):
-    """One cache for the whole session: each kernel is built once, then loaded from memory."""
-    path = tmp_path_factory.mktemp("linrec-cache")
-    old = os.environ.get("LINREC_CACHE_DIR")
-    os.environ["LINREC_CACHE_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("LINREC_CACHE_DIR", None)
-    else:
-        os.environ["LINREC_CACHE_DIR"] = old
-
-
 @pytest.fixture(scope="session")
 def linrec(cache_dir):
     import backends

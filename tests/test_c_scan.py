@@ -100,11 +100,8 @@ for fields in json.load(sys.stdin):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def kernels(tmp_path_factory):
-    """A session cache with every kernel these tests use, built by two compiler processes at a time."""
-    path = tmp_path_factory.mktemp("linrec-scan-cache")
-    old = os.environ.get("LINREC_CACHE_DIR")
-    os.environ["LINREC_CACHE_DIR"] = str(path)
+def kernels(cache_dir):
+    """Every kernel these tests use, built into the session's cache by two compiler processes at a time."""
     wanted = {structure(c, d) for c in CASES for d in DTYPES}
     wanted |= {structure(GENERAL, d, chunk) for d in DTYPES for chunk in CHUNKS}
     wanted |= set(example_structures())
@@ -127,13 +124,9 @@ def kernels(tmp_path_factory):
         limiter = threadpool_limits(1)
     except ImportError:
         limiter = None
-    yield path
+    yield cache_dir
     if limiter is not None:
         limiter.restore_original_limits()
-    if old is None:
-        os.environ.pop("LINREC_CACHE_DIR", None)
-    else:
-        os.environ["LINREC_CACHE_DIR"] = old
 
 
 # ---- random canonical inputs ---------------------------------------------------------------------
