@@ -108,10 +108,12 @@ class Recurrence:
         [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *]);
         `threads`: for the C backend (default LINREC_NUM_THREADS, else every core)."""
         given = dict(inputs or {}) | named_inputs
-        checked, shape = arrays.check_inputs(self.program, given)
+        checked, shape = arrays.check_inputs(self.program, given, ranges=False)
         if form == "auto":
             form, _ = self.choose_form(backend, shape.tokens)
         module = self.module(form, backend)
+        if not getattr(module, "checks_ranges", False):
+            arrays.check_ranges(self.program, checked)
         dims, used = self.bind(module, shape, params, initial_state, dims)
         state0 = arrays.check_initial_state(self.program, initial_state, shape, dims, self._log_scales)
         if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):

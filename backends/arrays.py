@@ -43,9 +43,11 @@ def _bind(dims: dict[str, int], names: tuple[str, ...], actual: tuple[int, ...],
         dims[d] = n
 
 
-def check_inputs(program: ir.Program, inputs: dict, dims: dict[str, int] | None = None) -> tuple[dict, CallShape]:
+def check_inputs(program: ir.Program, inputs: dict, dims: dict[str, int] | None = None,
+                 ranges: bool = True) -> tuple[dict, CallShape]:
     """Inputs [B, T, H, *] by DSL name → (arrays, sizes). Unknown names, missing inputs, wrong ranks,
-    dtypes or sizes are errors."""
+    dtypes or sizes are errors; so are values outside a declared range, unless ranges=False (the caller
+    then checks them itself: check_ranges, or a kernel that checks while it reads)."""
     declared = {x.name: x for x in program.inputs}
     unknown = sorted(set(inputs) - set(declared))
     if unknown:
@@ -70,7 +72,8 @@ def check_inputs(program: ir.Program, inputs: dict, dims: dict[str, int] | None 
             raise RuntimeInputError(f"input '{x.name}' is {arr.dtype} but '{first}' is {dtype}; pass every "
                                     f"input in one dtype")
         _bind(bound, x.shape, arr.shape[3:], f"input '{x.name}' (expected {expected})", _fmt(arr.shape))
-        _check_range(x, arr)
+        if ranges:
+            _check_range(x, arr)
         arrays[x.name] = arr
     if lead is None:
         raise RuntimeInputError("the program has no inputs to take B, T and H from")
@@ -79,8 +82,21 @@ def check_inputs(program: ir.Program, inputs: dict, dims: dict[str, int] | None 
     return arrays, CallShape(*lead, bound, dtype)
 
 
+def check_ranges(program: ir.Program, arrays: dict):
+    """Values outside a declared range (`input g[dk] <= 0`), or NaN where a range is declared, are errors
+    that name the input, the range and the first offending index."""
+    for x in program.inputs:
+        if x.name in arrays:
+            _check_range(x, arrays[x.name])
+
+
 def _check_range(x: ir.Input, arr: np.ndarray):
-    if x.low is None and x.high is None:
+    if x.low is None and x.high is None or arr.size == 0:
+        return
+    # the common case in one or two reductions (NaN propagates through max and min and fails the test)
+    below = x.low is not None and not (arr.min() > x.low if x.low_open else arr.min() >= x.low)
+    above = x.high is not None and not (arr.max() < x.high if x.high_open else arr.max() <= x.high)
+    if not (below or above):
         return
     bad = np.zeros(arr.shape, dtype=bool)
     if x.low is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 import os
+import sys
 import threading
 import types
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from compiler import Compiled, ir
 from compiler.linearity import ONE, mul, neg
 from dsl.errors import LinrecError, RuntimeInputError
 
-from . import c_build
+from . import arrays, c_build
 from .c_printer import CPrinter, Local
 from .names import Namer
 from .numpy_backend import VERSION
@@ -390,7 +391,7 @@ class Generator:
             target = self.cout(name)
             body = po.fill(e, f"{target}_t") if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
             out_lines += po.take_token() + body
-        return {"head": head + po.take_head(), "prep": prep, "lazy": lazies, "states": states,
+        return {"head": head + po.take_head(), "prep": prep, "lazy": lazies, "states": states, "checks": updates,
                 "readouts": readout_decls, "outputs": out_lines, "arrays": arrays}
 
     def _plan_state(self, st: ir.State, tr, *, updates: bool, readouts: bool) -> dict:
@@ -470,8 +471,8 @@ class Generator:
             name=self.p.name, version=VERSION, filename=self.c.filename, source_comment="   " +
             comment.replace("\n", "\n   "), ctype=ct, vector_bytes=self.t.vector_bytes, lanes=self.t.lanes,
             dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
-            inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape}
-                    for x in self.p.inputs],
+            inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape,
+                     "outside": self._outside(x)} for x in self.p.inputs],
             outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
                      for o in self.p.outputs],
             states=[{"c": self.cstate(s.name), "name": s.name, "matrix": len(s.shape) == 2,
@@ -484,6 +485,17 @@ class Generator:
             forward_signature=fwd, step_signature=stp if causal else "",
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
         )
+
+    def _outside(self, x: ir.Input) -> str | None:
+        """C for "element {v} of input x lies outside its declared range (or is NaN)", or None: the sequence
+        kernel tests every element as it reads the block, so run() need not scan the inputs first."""
+        lit = CPrinter(self.t.ctype, self.dims, self.ref).literal
+        tests = []
+        if x.low is not None:
+            tests.append(f"({{v}} {'>' if x.low_open else '>='} {lit(x.low)})")
+        if x.high is not None:
+            tests.append(f"({{v}} {'<' if x.high_open else '<='} {lit(x.high)})")
+        return f"!({' & '.join(tests)})" if tests else None  # & rather than &&: the loop vectorizes
 
     def cdef(self) -> str:
         ctx = self.context()
@@ -549,6 +561,7 @@ class CRecurrent:
     """What `load(compiled, "recurrent")` returns: forward / step / default_params, kernels built lazily."""
 
     form = "recurrent"
+    checks_ranges = True  # lr_forward tests the declared value ranges as it reads: run() need not scan first
 
     def __init__(self, compiled: Compiled):
         require_factorable(compiled)
@@ -556,6 +569,7 @@ class CRecurrent:
         self.program = compiled.program
         self._kernels: dict[tuple, Kernel] = {}
         self._lock = threading.Lock()
+        self._outputs = RecycledArrays()
         from . import numpy_backend
         self._numpy = numpy_backend.load(compiled, "recurrent")
 
@@ -634,7 +648,7 @@ class CRecurrent:
             shape = (batch, tokens, heads) + tuple(k.dims[d] for d in o.value.shape)
             given = (out or {}).get(o.name)
             if given is None:
-                outputs[o.name] = np.empty(shape, dtype)
+                outputs[o.name] = self._outputs.take(shape, dtype)
             elif not (isinstance(given, np.ndarray) and given.shape == shape and given.dtype == dtype
                       and given.flags.c_contiguous and given.flags.writeable):
                 raise RuntimeInputError(f"out['{o.name}'] must be a writeable C-contiguous {dtype} array of shape "
@@ -646,6 +660,8 @@ class CRecurrent:
         cargs = [fb(ptr, a) for a in args] + [fb(ptr, outputs[o.name]) for o in p.outputs]
         if batch * tokens * heads:
             rc = k.lib.lr_forward(*cargs, batch, tokens, heads, threads)
+            if rc == 2:  # an input outside its declared range: find it and say where
+                arrays.check_ranges(p, dict(zip((x.name for x in p.inputs), args)))
             if rc != 0:
                 raise MemoryError("the C kernel could not allocate its state buffers")
         return outputs, finals
@@ -837,6 +853,41 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     raw = np.empty(n + align, np.uint8)
     start = (-int(_FFI.cast("uintptr_t", _FFI.from_buffer(raw)))) % align
     return raw[start:start + n].view(dtype).reshape(shape)
+
+
+class RecycledArrays:
+    """Output arrays for lr_forward: cache-line aligned (the kernel streams whole lines into them), and
+    recycled once nobody but this object holds them. A fresh array of tens of MB pays a page fault and
+    the zeroing of every 4 KiB page at first touch — at T = 16384 a third of the kernel's own time — while
+    an array no one else references can be written again without anyone seeing it. Only arrays (and the
+    buffers under them) whose reference counts are back at what they were when made are reused, so a
+    caller still holding a result, or any view of it, keeps it intact."""
+
+    KEEP = 4  # arrays kept for reuse (the most recent ones)
+
+    def __init__(self):
+        self._entries: list[list] = []  # [array, its memory's owner, reference counts when idle]
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _refs(entry) -> tuple[int, int]:
+        return sys.getrefcount(entry[0]), sys.getrefcount(entry[1])
+
+    def take(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        with self._lock:
+            for i, entry in enumerate(self._entries):
+                if entry[0].shape == shape and entry[0].dtype == dtype and self._refs(entry) == entry[2]:
+                    self._entries.append(self._entries.pop(i))
+                    return entry[0]
+            arr = aligned_empty(shape, dtype)
+            entry = [arr, arr.base if arr.base is not None else arr, None]
+            del arr
+            entry[2] = self._refs(entry)
+            self._entries.append(entry)
+            if len(self._entries) > self.KEEP:
+                self._entries.pop(0)
+            return entry[0]
 
 
 def aligned_zeros(shape, dtype) -> np.ndarray:

@@ -252,6 +252,49 @@ def test_wrong_shapes_and_dtypes(linrec):
         mod.forward(inputs, {}, {"S": np.zeros((2, 3, 5, 19), np.int32)}, DIMS)
 
 
+@pytest.mark.parametrize("name, bad", [("gla", ("g", 0.5)), ("gla", ("g", np.nan)),
+                                       ("gated_deltanet", ("beta", 1.0)), ("gated_deltanet", ("beta", -0.2))])
+def test_declared_ranges_are_checked_by_the_kernel(linrec, name, bad):
+    """lr_forward tests the declared ranges as it reads (run() skips its own scan for it); a value outside
+    is reported with the input, the range and the index, exactly as the NumPy backend reports it."""
+    from dsl.errors import RuntimeInputError
+    rec = rec_for(linrec, name)
+    inputs = rec.random_inputs(batch=2, tokens=37, heads=3, dims=DIMS)
+    arr, value = inputs[bad[0]], bad[1]
+    where = (1, 29, 2) + (0,) * (arr.ndim - 3)
+    arr[where] = value
+    messages = []
+    for backend in ("c", "numpy"):
+        with pytest.raises(RuntimeInputError) as err:
+            rec.run(inputs, form="recurrent", backend=backend)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    assert f"input '{bad[0]}'" in messages[0] and str(list(where)) in messages[0]
+
+
+def test_output_arrays_are_recycled_only_when_nobody_holds_them(linrec):
+    rec = rec_for(linrec, "gla")
+    inputs = rec.random_inputs(batch=1, tokens=40, heads=2, dims=DIMS, dtype=np.float32)
+    first = rec.run(inputs, form="recurrent", backend="c").outputs["o"]
+    expected = first.copy()
+    held = rec.run(inputs, form="recurrent", backend="c")  # a Result still referenced …
+    view = rec.run(inputs, form="recurrent", backend="c").outputs["o"][0, 3]  # … and a view of another
+    view_before = view.copy()
+    addresses = set()
+    for _ in range(3):
+        again = rec.run(inputs, form="recurrent", backend="c").outputs["o"]
+        addresses.add(again.ctypes.data)
+        assert not np.shares_memory(again, first) and not np.shares_memory(again, held.outputs["o"])
+        assert not np.shares_memory(again, view)
+        assert again.ctypes.data % 64 == 0  # whole cache lines for the streamed rows
+        np.testing.assert_array_equal(again, expected)
+    np.testing.assert_array_equal(view, view_before)
+    del again
+    reused = rec.run(inputs, form="recurrent", backend="c").outputs["o"]
+    assert reused.ctypes.data in addresses  # nobody held those: one is written again, not a fresh allocation
+    np.testing.assert_array_equal(reused, expected)
+
+
 def test_non_factorable_program_is_a_clear_error(linrec):
     from dsl.errors import LinrecError
     rec = linrec.compile(RIGHT, "right.lin")
