@@ -16,7 +16,7 @@ import compiler
 from compiler import Compiled
 from dsl.errors import LinrecError, RuntimeInputError
 
-from . import arrays, c_backend, numpy_backend
+from . import arrays, c_backend, form_choice, numpy_backend
 
 BACKENDS = {"numpy": numpy_backend, "c": c_backend}
 
@@ -81,25 +81,11 @@ class Recurrence:
         sizes = {d.name: d.default for d in self.program.dims} | dict(dims or {})
         return arrays.random_inputs(self.program, batch, tokens, heads, sizes, dtype, seed, decay_scale)
 
-    def choose_form(self, backend: str, tokens: int) -> tuple[str, str]:
-        """The form `auto` picks, and why: a cost model over what each form costs on each backend."""
-        forms = self.forms
-        if len(forms) == 1:
-            return forms[0], f"the only form '{self.name}' has"
-        if self.derivation.sequence is not None and "chunkwise" in forms:
-            if self.derivation.sequence.kind == "lsh":
-                return "chunkwise", "the bucketed form: O(T log T) instead of the dense reference's O(T²)"
-            # attention: the blocked online softmax keeps memory linear in T and reads keys block by block
-            return "chunkwise", "blocked online softmax: linear memory, keys read once per query block"
-        if backend == "numpy":
-            # NumPy pays ~10 µs of interpreter overhead per operation: the recurrent form does a few per
-            # token, the chunkwise form a few per chunk of 64 tokens on dense products
-            if "chunkwise" in forms and tokens > 8:
-                return "chunkwise", f"T = {tokens} > 8: per-chunk dense products beat per-token NumPy calls"
-            return "recurrent", "short sequence (or no chunkwise form): per-token steps are cheapest"
-        # compiled code has no per-token overhead; the recurrent form does the least arithmetic
-        # (~4·dk·dv flops per token and head) and streams the state through L1
-        return "recurrent", "compiled recurrent kernel: least arithmetic, state kept in cache"
+    def choose_form(self, backend: str, tokens: int, heads: int = 8, batch: int = 1,
+                    dims: dict[str, int] | None = None, dtype=np.float32) -> tuple[str, str]:
+        """The form `auto` picks for a call, and why (see form_choice: compiled code runs the recurrent
+        form; NumPy's choice is measured once per heads, sizes and dtype)."""
+        return form_choice.choose(self, backend, tokens, heads, batch, dims, dtype)
 
     def run(self, inputs: dict | None = None, *, form: str = "auto", backend: str = "numpy",
             params: dict | None = None, initial_state: dict | None = None, chunk_size: int | None = None,
@@ -110,7 +96,8 @@ class Recurrence:
         given = dict(inputs or {}) | named_inputs
         checked, shape = arrays.check_inputs(self.program, given, ranges=False)
         if form == "auto":
-            form, _ = self.choose_form(backend, shape.tokens)
+            sizes = arrays.resolve_dims(self.program, shape, dict(params or {}), initial_state, dims)
+            form, _ = self.choose_form(backend, shape.tokens, shape.heads, shape.batch, sizes, shape.dtype)
         module = self.module(form, backend)
         if not getattr(module, "checks_ranges", False):
             arrays.check_ranges(self.program, checked)

@@ -483,7 +483,7 @@ def run(opts: Options, progress=None) -> dict:
                     continue
                 combos.append((f, b, t))
         for t in tokens:
-            form, why = rec.choose_form(b, t)
+            form, why = rec.choose_form(b, t, heads=HEADS, batch=BATCH, dims=dims, dtype=np.float32)
             auto.append({"backend": b, "T": t, "form": form, "why": why})
             if with_auto and form in emitters and (form, b, t) not in combos:
                 combos.append((form, b, t))

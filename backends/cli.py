@@ -458,12 +458,14 @@ def cmd_run(args) -> int:
     rec = _load(args.file)
     program = rec.program
     if args.form == "auto":
-        tokens = args.tokens or 16
+        batch, tokens, heads = args.batch or 2, args.tokens or 16, args.heads or 2
+        dtype = np.dtype(args.dtype or "float64")
         if args.inputs is not None:
             first = next((v for k, v in _read_npz(args.inputs).items()
                           if k in {x.name for x in program.inputs}), None)
-            tokens = first.shape[1] if first is not None and first.ndim >= 3 else tokens
-        args.form, why = rec.choose_form(args.backend, tokens)
+            if first is not None and first.ndim >= 3:
+                (batch, tokens, heads), dtype = first.shape[:3], first.dtype
+        args.form, why = rec.choose_form(args.backend, tokens, heads, batch, dict(args.dims or []), dtype)
         if not args.quiet:
             print(f"{PROG}: form auto → {args.form} ({why})", file=sys.stderr)
     if args.chunk_size is not None and args.form != "chunkwise":

@@ -1,0 +1,67 @@
+"""`form="auto"`: which form runs a call, and why.
+
+Compiled recurrences run the recurrent form: it does the least arithmetic (4·dk·dv flops per token and
+head for GLA, 6·dk·dv for the delta rules; the chunkwise and parallel forms add T·C or T² terms) and the C
+kernel keeps the state in registers and L1 with no per-token overhead (`linrec bench` measures this).
+
+On NumPy the answer depends on the structure of the update: the recurrent form pays interpreter overhead
+per token, the chunkwise form per chunk but with more arithmetic — little for a scalar decay, a lot for a
+per-channel decay (anchored sub-blocks) or for corrections (a triangular solve per chunk). So NumPy's
+choice is measured: both forms run once on a short sequence of the call's heads, sizes and dtype, and the
+per-token costs (both forms are linear in T) are remembered for the rest of the process.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+# tokens of the calibration run: two chunks of the default chunk size, so that the chunkwise form pays
+# its state pass between chunks
+CALIBRATION_TOKENS = 128
+# calls this short run the recurrent form without measuring (the measurement would cost more than the call)
+SHORT = 16
+
+_measured: dict[tuple, dict[str, float]] = {}
+
+
+def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
+           dims: dict[str, int] | None = None, dtype=np.float32) -> tuple[str, str]:
+    """(form, reason) for a call of `tokens` tokens."""
+    forms = rec.forms
+    if len(forms) == 1:
+        return forms[0], f"the only form '{rec.name}' has"
+    sequence = rec.derivation.sequence
+    if sequence is not None and "chunkwise" in forms:
+        if sequence.kind == "lsh":
+            return "chunkwise", "the bucketed form: O(T log T) instead of the dense reference's O(T²)"
+        return "chunkwise", "blocked online softmax: linear memory, keys read once per query block"
+    if backend != "numpy":
+        return "recurrent", "compiled recurrent kernel: least arithmetic, state kept in registers and L1"
+    if "chunkwise" not in forms or tokens <= SHORT:
+        return "recurrent", f"T ≤ {SHORT} (or no chunkwise form): a few steps, nothing to amortize"
+    sizes = {d.name: d.default for d in rec.program.dims} | dict(dims or {})
+    costs = per_token_cost(rec, backend, heads, batch, sizes, dtype)
+    best = min(costs, key=costs.get)
+    told = ", ".join(f"{f} {c:.0f} µs/token" for f, c in sorted(costs.items(), key=lambda fc: fc[1]))
+    return best, f"measured on {CALIBRATION_TOKENS} tokens ({told}); both forms are linear in T"
+
+
+def per_token_cost(rec, backend: str, heads: int, batch: int, sizes: dict[str, int], dtype) -> dict[str, float]:
+    """µs per token of the recurrent and chunkwise forms for these heads, sizes and dtype: the better of
+    two timed runs after a warm-up, measured once per process."""
+    key = (rec.compiled.source, backend, heads, min(batch, 4), tuple(sorted(sizes.items())), np.dtype(dtype).str)
+    if key not in _measured:
+        inputs = rec.random_inputs(batch=min(batch, 4), tokens=CALIBRATION_TOKENS, heads=heads, dims=sizes,
+                                   dtype=dtype, seed=0)
+        costs = {}
+        for form in ("recurrent", "chunkwise"):
+            rec.run(inputs, form=form, backend=backend, dims=sizes)  # warm-up: builds the module
+            best = float("inf")
+            for _ in range(2):
+                t0 = time.perf_counter()
+                rec.run(inputs, form=form, backend=backend, dims=sizes)
+                best = min(best, time.perf_counter() - t0)
+            costs[form] = best / CALIBRATION_TOKENS * 1e6
+        _measured[key] = costs
+    return _measured[key]
