@@ -231,6 +231,8 @@ class Generator:
                 "y_lines": y_lines, "before": before, "after": after, "gv_u": gv_u, "gv_p": gv_p,
                 "comment": self.d.transition(st.name).kind if updates else "readouts of the final state",
                 "next": False,
+                # read twice (corrections first): the update pass runs from L1 and can prefetch the next head
+                "prefetch_next": matrix and bool(plan["w"]),
             }
             states.append(state)
         # 3. outputs over the readouts
@@ -453,16 +455,22 @@ class Generator:
             offset += -(-block_tokens * max(n, 1) // align) * align
         ct = self.t.ctype
         args = []
+        names = []
         for x in self.p.inputs:
-            args.append(f"const {ct} *restrict {self.cin(x.name)}")
+            names.append(self.cin(x.name))
+            args.append(f"const {ct} *restrict {names[-1]}")
         for prm in self.p.params:
-            args.append(f"const {ct} *restrict {self.cparam(prm.name)}")
+            names.append(self.cparam(prm.name))
+            args.append(f"const {ct} *restrict {names[-1]}")
         for s in self.p.states:
-            args.append(f"{ct} *restrict {self.cstate(s.name)}")
+            names.append(self.cstate(s.name))
+            args.append(f"{ct} *restrict {names[-1]}")
         for o in self.p.outputs:
-            args.append(f"{ct} *restrict {self.cout(o.name)}")
+            names.append(self.cout(o.name))
+            args.append(f"{ct} *restrict {names[-1]}")
         fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
         stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
+        packed = "int lr_step_packed(void *const *args, int64_t B, int64_t H, int nthreads)"
         work = sum(self.size(s.shape) for s in self.p.states) * (2 + len(self.d.readouts))
         comment = "Source program:\n" + "\n".join("    " + line for line in self.c.source.strip().splitlines())
         comment = comment.replace("*/", "* /")
@@ -481,7 +489,8 @@ class Generator:
                     for s in self.p.states],
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
             block_arrays=block_arrays, block_floats=max(offset, 1),
-            forward_signature=fwd, step_signature=stp if causal else "",
+            forward_signature=fwd, step_signature=stp if causal else "", step_packed_signature=packed,
+            step_args=[{"name": n, "decl": a} for n, a in zip(names, args)],
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
         )
 
@@ -490,7 +499,7 @@ class Generator:
         strip = lambda sig: sig.replace("restrict ", "")  # noqa: E731
         out = strip(ctx["forward_signature"]) + ";\n"
         if ctx["step_region"]:
-            out += strip(ctx["step_signature"]) + ";\n"
+            out += strip(ctx["step_signature"]) + ";\n" + ctx["step_packed_signature"] + ";\n"
         return out
 
     def source(self) -> str:
