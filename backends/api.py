@@ -164,15 +164,22 @@ class Recurrence:
         inplace=True updates the given state arrays and returns them (the fast decode loop); otherwise the
         given states are left alone. `out` (C backend) holds output arrays to reuse. The C backend checks
         shapes and dtypes on every call, value ranges on the first call (see c_backend.Stepper)."""
+        steppers = self.__dict__.get("_steppers")  # compiled steps bound before (never for a KV cache)
+        if steppers is not None:
+            bound = steppers.get(backend)
+            if bound is not None and bound[0] is params:
+                stepper = bound[1]
+                fast = stepper.fast  # the decode loop passing the same arrays again: an identity test each
+                if fast is not None and inplace and out is not None:
+                    done = fast(token_inputs, state, out)
+                    if done is not None:
+                        return done
+                try:
+                    return stepper(token_inputs, state, inplace, out)
+                except RuntimeInputError:
+                    pass  # new sizes or dtype, or a bad array: check everything again below (and say what is wrong)
         if self.derivation.sequence is not None:
             return _cache_step(self, token_inputs, state, backend, params)
-        steppers = self.__dict__.get("_steppers")
-        fast = steppers.get(backend) if steppers is not None else None
-        if fast is not None and fast[0] is params:
-            try:
-                return fast[1](token_inputs, state, inplace, out)
-            except RuntimeInputError:
-                pass  # new sizes or dtype, or a bad array: check everything again below (and say what is wrong)
         given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
         checked, shape = arrays.check_inputs(self.program, given)
         module = self.module("recurrent", backend)
