@@ -469,7 +469,8 @@ class Generator:
             args.append(f"{ct} *restrict {names[-1]}")
         fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
         stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
-        packed = "int lr_step_packed(void *const *args, int64_t B, int64_t H, int nthreads)"
+        packed = "int lr_step_packed(const lr_step_call *call)"
+        call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
         work = sum(self.size(s.shape) for s in self.p.states) * (2 + len(self.d.readouts))
         comment = "Source program:\n" + "\n".join("    " + line for line in self.c.source.strip().splitlines())
         comment = comment.replace("*/", "* /")
@@ -489,6 +490,7 @@ class Generator:
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
             block_arrays=block_arrays, block_floats=max(offset, 1),
             forward_signature=fwd, step_signature=stp if causal else "", step_packed_signature=packed,
+            step_call_struct=call,
             step_args=[{"name": n, "decl": a} for n, a in zip(names, args)],
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
         )
@@ -498,7 +500,8 @@ class Generator:
         strip = lambda sig: sig.replace("restrict ", "")  # noqa: E731
         out = strip(ctx["forward_signature"]) + ";\n"
         if ctx["step_region"]:
-            out += strip(ctx["step_signature"]) + ";\n" + ctx["step_packed_signature"] + ";\n"
+            out += strip(ctx["step_signature"]) + ";\n" + ctx["step_call_struct"] + "\n" \
+                + ctx["step_packed_signature"] + ";\n"
         return out
 
     def source(self) -> str:
@@ -673,13 +676,13 @@ class ShapeChanged(RuntimeInputError):
 
 @lru_cache(maxsize=None)
 def _fast_step_maker(names: tuple[tuple[str, str], ...]):
-    """make(call, args, batch, heads, threads, *arrays) → step(token_inputs, state, out), for a program
-    whose arrays are `names` ((dict, key) in lr_step's order). step runs `call` and returns (out, state)
-    when each dict holds, at each key, the very array bound there, else None (nothing run). An `is` test
-    per array, written out: ~20 ns each, where a generic loop or tuples of ids cost 3–5 times that."""
+    """make(fn, call, *arrays) → step(token_inputs, state, out), for a program whose arrays are `names`
+    ((dict, key) in lr_step's order). step runs fn(call) and returns (out, state) when each dict holds, at
+    each key, the very array bound there, else None (nothing run). An `is` test per array, written out:
+    ~20 ns each, where a generic loop or tuples of ids cost 3–5 times that."""
     arrays = [f"a{i}" for i in range(len(names))]
     tests = " and\n                ".join(f"{d}[{key!r}] is {a}" for (d, key), a in zip(names, arrays))
-    source = f"""def make(call, args, batch, heads, threads, {', '.join(arrays)}):
+    source = f"""def make(fn, call, {', '.join(arrays)}):
     def step(token_inputs, state, out):
         try:
             same = ({tests})
@@ -687,7 +690,7 @@ def _fast_step_maker(names: tuple[tuple[str, str], ...]):
             return None
         if not same:
             return None
-        call(args, batch, heads, threads)
+        fn(call)
         return out, state
     return step
 """
@@ -851,8 +854,10 @@ class Stepper:
             # the next call with these very arrays needs no check: bind them to a fast path
             n_in = len(self._in_names)
             self._all_ptrs = seen_ptr[:n_in] + self._param_ptrs + seen_ptr[n_in:]
-            packed = self._ffi.new("void *[]", self._all_ptrs)  # the pointers above keep the arrays pinned
-            self.fast = self._make_fast(self._packed_fn, packed, self._batch, self._heads, self.threads, *seen)
+            call = self._ffi.new("lr_step_call *")  # every argument once (the pointers keep the arrays pinned)
+            call.arrays = self._all_ptrs
+            call.B, call.H, call.nthreads = self._batch, self._heads, self.threads
+            self.fast = self._make_fast(self._packed_fn, call, *seen)
         return outputs, new_state
 
 
