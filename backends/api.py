@@ -36,6 +36,7 @@ class Recurrence:
         self.program = compiled.program
         self.derivation = compiled.derivation
         self._modules: dict[tuple[str, str], object] = {}
+        self._steppers: dict[str, tuple] = {}  # backend → (params, compiled step bound to them)
 
     @property
     def name(self) -> str:
@@ -153,22 +154,27 @@ class Recurrence:
         inplace=True updates the given state arrays and returns them (the fast decode loop); otherwise the
         given states are left alone. `out` (C backend) holds output arrays to reuse. The C backend checks
         shapes and dtypes on every call, value ranges on the first call (see c_backend.Stepper)."""
-        if self.derivation.sequence is not None:
-            return _cache_step(self, token_inputs, state, backend, params)
-        steppers = self.__dict__.get("_steppers")
-        fast = steppers.get(backend) if steppers is not None else None
-        if fast is not None and fast[0] is params:
+        bound = self._steppers.get(backend)  # a compiled step bound before (never for a KV cache)
+        if bound is not None and bound[0] is params:
+            stepper = bound[1]
+            fast = stepper.fast  # the decode loop passing the same arrays again: an identity test each
+            if fast is not None and inplace and out is not None:
+                done = fast(token_inputs, state, out)
+                if done is not None:
+                    return done
             try:
-                return fast[1](token_inputs, state, inplace, out)
+                return stepper(token_inputs, state, inplace, out)
             except RuntimeInputError:
                 pass  # new sizes or dtype, or a bad array: check everything again below (and say what is wrong)
+        if self.derivation.sequence is not None:
+            return _cache_step(self, token_inputs, state, backend, params)
         given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
         checked, shape = arrays.check_inputs(self.program, given)
         module = self.module("recurrent", backend)
         dims, used = self.bind(module, shape, params, state)
         if hasattr(module, "stepper"):  # compiled: bind once, then only shapes are checked per call
             stepper = module.stepper(used, dims)
-            self.__dict__.setdefault("_steppers", {})[backend] = (params, stepper)
+            self._steppers[backend] = (params, stepper)
             return stepper(token_inputs, state, inplace=inplace, out=out)
         # stabilized states travel with their log-scale between steps, so that they neither over- nor
         # underflow however large the exponents get (NaN: a state at its true scale, e.g. from prefill)

@@ -11,7 +11,6 @@ rank-one writes per state, see compiler.transitions): every such program gets a 
 """
 from __future__ import annotations
 
-import operator
 import os
 import sys
 import threading
@@ -232,6 +231,8 @@ class Generator:
                 "y_lines": y_lines, "before": before, "after": after, "gv_u": gv_u, "gv_p": gv_p,
                 "comment": self.d.transition(st.name).kind if updates else "readouts of the final state",
                 "next": False,
+                # read twice (corrections first): the update pass runs from L1 and can prefetch the next head
+                "prefetch_next": matrix and bool(plan["w"]),
             }
             states.append(state)
         # 3. outputs over the readouts
@@ -456,16 +457,23 @@ class Generator:
             offset += -(-block_tokens * max(n, 1) // align) * align
         ct = self.t.ctype
         args = []
+        names = []
         for x in self.p.inputs:
-            args.append(f"const {ct} *restrict {self.cin(x.name)}")
+            names.append(self.cin(x.name))
+            args.append(f"const {ct} *restrict {names[-1]}")
         for prm in self.p.params:
-            args.append(f"const {ct} *restrict {self.cparam(prm.name)}")
+            names.append(self.cparam(prm.name))
+            args.append(f"const {ct} *restrict {names[-1]}")
         for s in self.p.states:
-            args.append(f"{ct} *restrict {self.cstate(s.name)}")
+            names.append(self.cstate(s.name))
+            args.append(f"{ct} *restrict {names[-1]}")
         for o in self.p.outputs:
-            args.append(f"{ct} *restrict {self.cout(o.name)}")
+            names.append(self.cout(o.name))
+            args.append(f"{ct} *restrict {names[-1]}")
         fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
         stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
+        packed = "int lr_step_packed(const lr_step_call *call)"
+        call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
         work = sum(self.size(s.shape) for s in self.p.states) * (2 + len(self.d.readouts))
         comment = "Source program:\n" + "\n".join("    " + line for line in self.c.source.strip().splitlines())
         comment = comment.replace("*/", "* /")
@@ -484,7 +492,9 @@ class Generator:
                     for s in self.p.states],
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
             block_arrays=block_arrays, block_floats=max(offset, 1),
-            forward_signature=fwd, step_signature=stp if causal else "",
+            forward_signature=fwd, step_signature=stp if causal else "", step_packed_signature=packed,
+            step_call_struct=call,
+            step_args=[{"name": n, "decl": a} for n, a in zip(names, args)],
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
         )
 
@@ -504,7 +514,8 @@ class Generator:
         strip = lambda sig: sig.replace("restrict ", "")  # noqa: E731
         out = strip(ctx["forward_signature"]) + ";\n"
         if ctx["step_region"]:
-            out += strip(ctx["step_signature"]) + ";\n"
+            out += strip(ctx["step_signature"]) + ";\n" + ctx["step_call_struct"] + "\n" \
+                + ctx["step_packed_signature"] + ";\n"
         return out
 
     def source(self) -> str:
@@ -677,23 +688,41 @@ class CRecurrent:
         return Stepper(self, params, dims, num_threads)
 
 
-def _getter(names: list[str]):
-    """dict → tuple of its values at `names`, in C (operator.itemgetter returns a bare value for one name)."""
-    if len(names) == 1:
-        only = names[0]
-        return lambda d: (d[only],)
-    return operator.itemgetter(*names)
-
-
 class ShapeChanged(RuntimeInputError):
     """The token arrays no longer match the batch size, heads or dtype a Stepper was bound to."""
 
 
+@lru_cache(maxsize=None)
+def _fast_step_maker(names: tuple[tuple[str, str], ...]):
+    """make(fn, call, *arrays) → step(token_inputs, state, out), for a program whose arrays are `names`
+    ((dict, key) in lr_step's order). step runs fn(call) and returns (out, state) when each dict holds, at
+    each key, the very array bound there, else None (nothing run). An `is` test per array, written out:
+    ~20 ns each, where a generic loop or tuples of ids cost 3–5 times that."""
+    arrays = [f"a{i}" for i in range(len(names))]
+    tests = " and\n                ".join(f"{d}[{key!r}] is {a}" for (d, key), a in zip(names, arrays))
+    source = f"""def make(fn, call, {', '.join(arrays)}):
+    def step(token_inputs, state, out):
+        try:
+            same = ({tests})
+        except (KeyError, TypeError, IndexError):
+            return None
+        if not same:
+            return None
+        fn(call)
+        return out, state
+    return step
+"""
+    namespace: dict = {}
+    exec(compile(source, "<linrec decode step: the same arrays again>", "exec"), namespace)
+    return namespace["make"]
+
+
 class Stepper:
     """A decode step bound to one set of params, one dtype and one [B, H]: one C call per token for every
-    batch row and head. It checks each array's type, dtype, shape and strides per call and keeps the ffi
-    pointer of the array it saw last in each position, so a loop that reuses its arrays (the state with
-    inplace=True, preallocated token buffers) pays almost no Python per token."""
+    batch row and head. It checks each array's type, dtype, shape and strides whenever the array in a
+    position changes and keeps the ffi pointer of the array it saw last in each position. A loop that
+    passes the same arrays every call (the state with inplace=True, `out`, token buffers refilled in
+    place) gets `fast`: one identity test per array and one C call with the addresses packed."""
 
     def __init__(self, rec: CRecurrent, params: dict, dims: dict, num_threads=None):
         if not rec.program.causal:
@@ -707,6 +736,9 @@ class Stepper:
         self.threads = self._fixed_threads or c_build.num_threads()
         self._key = None
         self._all_ptrs = None
+        # fast(token_inputs, state, out): the step when every array is the one of the last checked call
+        # (inplace=True, with `out`), else None; None itself until such a call
+        self.fast = None
 
     def _bind(self, dtype, batch, heads):
         rec, p = self.rec, self.rec.program
@@ -720,6 +752,7 @@ class Stepper:
             arr = _checked(self.params[prm.name], shape, None, f"parameter '{prm.name}'")
             self._params.append(np.ascontiguousarray(arr, dtype=dtype))
         self._fb, self._ptr, self._fn = k.ffi.from_buffer, k.ptr, k.lib.lr_step
+        self._ffi, self._packed_fn = k.ffi, k.lib.lr_step_packed
         self._param_ptrs = [self._fb(self._ptr, a) for a in self._params]
         size = np.dtype(dtype).itemsize
 
@@ -737,8 +770,9 @@ class Stepper:
         self._st_names = [s.name for s in p.states]
         self._out_names = [o.name for o in p.outputs]
         self._all_ptrs = None  # every pointer of the last call, when all its arrays were the ones seen
-        self._get_in, self._get_st, self._get_out = (_getter(names) for names in
-                                                     (self._in_names, self._st_names, self._out_names))
+        self._make_fast = _fast_step_maker(tuple(
+            [("token_inputs", n) for n in self._in_names] + [("state", n) for n in self._st_names]
+            + [("out", n) for n in self._out_names]))
         self._dtype, self._batch, self._heads = np.dtype(dtype), batch, heads
         self._key = (self._dtype, batch, heads)
 
@@ -747,19 +781,13 @@ class Stepper:
         arrays (writeable, C-contiguous, of the inputs' dtype) and returns them; otherwise they are copied.
         `out` may hold output arrays to write into (reused across calls: no allocation per token).
         A loop that passes the same arrays every call (inplace=True, out=…, token buffers refilled in place)
-        takes a path of one identity check per array and the C call; LINREC_NUM_THREADS is then read when
-        the arrays change, not per call."""
-        if self._all_ptrs is not None and inplace and out is not None and state is not None:
-            # the decode loop that reuses every array (token buffers, state in place, outputs): one C call,
-            # and `out` and `state` themselves come back
-            try:
-                same = tuple(map(id, self._get_in(token_inputs) + self._get_st(state) + self._get_out(out))) \
-                    == self._seen_ids  # ids of arrays this object holds on to: they cannot be reused
-            except (KeyError, TypeError, IndexError):
-                same = False
-            if same:
-                self._fn(*self._all_ptrs, self._batch, self._heads, self.threads)
-                return out, state
+        takes `fast`: one identity test per array and the C call, and `out` and `state` themselves come
+        back; LINREC_NUM_THREADS is then read when the arrays change, not per call."""
+        if inplace and out is not None and self.fast is not None:
+            done = self.fast(token_inputs, state, out)
+            if done is not None:
+                return done
+        self.fast = None  # an array changed (or this call copies): every check below, then maybe a new fast
         if self._fixed_threads is None:  # LINREC_NUM_THREADS, read as forward does (but not by the loop above)
             env = _environ.get("LINREC_NUM_THREADS")
             if env != self._env:
@@ -799,11 +827,13 @@ class Stepper:
                 args.append(pointer)
             i += 1
         args += self._param_ptrs
+        every_seen = True  # every array of this call is the one now seen in its position (none made here)
         new_state = {}
         for name, shp, strides in self._states:
             arr = state.get(name) if state is not None else None
             if arr is None:
                 arr = aligned_zeros(shp, dt)
+                every_seen = False
             elif not inplace:
                 arr = aligned_copy(_checked(arr, shp, dt, f"state '{name}'"))
             elif arr is not seen[i] and not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp
@@ -824,6 +854,7 @@ class Stepper:
             if arr is None:
                 arr = np.empty(shp, dt)
                 args.append(fb(ptr, arr))
+                every_seen = False
             elif arr is seen[i]:
                 args.append(seen_ptr[i])
             else:
@@ -837,10 +868,14 @@ class Stepper:
             outputs[name] = arr
             i += 1
         self._fn(*args, self._batch, self._heads, self.threads)
-        if inplace and out is not None:
+        if inplace and out is not None and state is not None and every_seen:
+            # the next call with these very arrays needs no check: bind them to a fast path
             n_in = len(self._in_names)
             self._all_ptrs = seen_ptr[:n_in] + self._param_ptrs + seen_ptr[n_in:]
-            self._seen_ids = tuple(map(id, seen))
+            call = self._ffi.new("lr_step_call *")  # every argument once (the pointers keep the arrays pinned)
+            call.arrays = self._all_ptrs
+            call.B, call.H, call.nthreads = self._batch, self._heads, self.threads
+            self.fast = self._make_fast(self._packed_fn, call, *seen)
         return outputs, new_state
 
 

@@ -209,6 +209,75 @@ def test_steps_in_place_float32(linrec, backend):
     assert rel_err(state["S"], full.final_state["S"]) <= F32_RTOL
 
 
+def _chained_steps(rec, inputs, split, state, dtype=np.float64):
+    """Steps split … T−1 in place, in the decode loop's way (token buffers refilled, outputs reused): the
+    outputs [B, T − split, H, *] and the final state."""
+    token = {k: np.empty(v.shape[:1] + v.shape[2:], dtype) for k, v in inputs.items()}
+    buffers = None
+    outs = []
+    for t in range(split, next(iter(inputs.values())).shape[1]):
+        for k, v in inputs.items():
+            token[k][...] = v[:, t]
+        out, state = rec.step(token, state, backend="c", inplace=True, out=buffers)
+        buffers = out
+        outs.append({k: v.copy() for k, v in out.items()})
+    return {k: np.stack([o[k] for o in outs], axis=1) for k in outs[0]}, state
+
+
+# (B, H): enough heads that the step is split between the caller and a helper thread, or so many that it
+# runs as an OpenMP loop
+@pytest.mark.parametrize("batch, heads", [(4, 32), (8, 512)])
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "mix", "early"])
+def test_steps_on_threads_equal_prefill(linrec, monkeypatch, name, batch, heads):
+    monkeypatch.setenv("LINREC_NUM_THREADS", "2")
+    rec = rec_for(linrec, name)
+    inputs = rec.random_inputs(batch=batch, tokens=7, heads=heads, dims=DIMS, seed=8)
+    state0 = random_state(rec, batch, heads, DIMS, np.float64, 8)
+    full = rec.prefill(inputs, backend="c", initial_state=state0)
+    head = rec.prefill({k: v[:, :2] for k, v in inputs.items()}, backend="c", initial_state=state0)
+    outs, state = _chained_steps(rec, inputs, 2, head.final_state)
+    for k, v in full.outputs.items():
+        assert rel_err(outs[k], v[:, 2:]) <= F64_RTOL, k
+    for k, v in full.final_state.items():
+        assert rel_err(state[k], v) <= F64_RTOL, k
+
+
+_FORKED_STEPS = """\
+import os, sys
+import numpy as np
+sys.path[:0] = [{root!r}, {tests!r}]
+os.environ["LINREC_NUM_THREADS"] = "2"
+import backends
+from test_c_backend import DIMS, _chained_steps, rel_err
+rec = backends.load({path!r})
+inputs = rec.random_inputs(batch=4, tokens=9, heads=32, dims=DIMS, seed=9)
+full = rec.prefill(inputs, backend="c")
+
+
+def steps():
+    outs, state = _chained_steps(rec, inputs, 0, {{"S": np.zeros((4, 32, DIMS["dk"], DIMS["dv"]))}})
+    return rel_err(outs["o"], full.outputs["o"]) <= 1e-10 and rel_err(state["S"], full.final_state["S"]) <= 1e-10
+
+
+assert steps()  # this process's helper thread now waits for the next step
+pid = os.fork()
+if pid == 0:  # the child has no helper: it starts its own
+    os._exit(0 if steps() else 1)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0
+assert steps()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_step_threads_survive_fork_and_exit(linrec):
+    """A process forked after steps on helper threads steps on its own, and both exit (helpers waiting)."""
+    code = _FORKED_STEPS.format(root=str(ROOT), tests=str(ROOT / "tests"), path=str(EXAMPLES / "gated_deltanet.lin"))
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
 def test_step_rejects_bad_arrays(linrec):
     from dsl.errors import LinrecError, RuntimeInputError
     rec = rec_for(linrec, "gla")
