@@ -373,8 +373,12 @@ _thread_override: contextvars.ContextVar[int | None] = contextvars.ContextVar("l
 
 @contextlib.contextmanager
 def threads(n: int | None):
-    """Run the compiled kernels called in this block on n threads (None: the default rule)."""
-    if n is not None and (not isinstance(n, int) or n < 1):
+    """Run the compiled kernels called in this block on n threads (None: whatever holds around the block —
+    an enclosing threads(m), else the default rule)."""
+    if n is None:
+        yield
+        return
+    if not isinstance(n, int) or n < 1:
         raise LinrecError(f"the thread count must be a positive integer, got {n!r}")
     token = _thread_override.set(n)
     try:

@@ -511,3 +511,17 @@ def test_thread_count_argument_gives_the_same_result():
     assert np.max(np.abs(one - two)) < 1e-12
     with pytest.raises(linrec.LinrecError, match="thread count"):
         rec.run(x, backend="c", threads=0)
+
+
+def test_thread_count_of_an_enclosing_block_holds(monkeypatch):
+    """run(threads=None) inside c_build.threads(n) runs on n threads (the bench sets its count that way)."""
+    from backends import c_build
+    monkeypatch.setenv("LINREC_NUM_THREADS", "2")
+    seen = []
+    with c_build.threads(1):
+        with c_build.threads(None):
+            seen.append(c_build.num_threads())
+        seen.append(c_build.num_threads())
+    with c_build.threads(None):
+        seen.append(c_build.num_threads())
+    assert seen == [1, 1, 2]
