@@ -456,20 +456,11 @@ class Generator:
             block_arrays.append({"name": name, "n": n, "offset": offset})
             offset += -(-block_tokens * max(n, 1) // align) * align
         ct = self.t.ctype
-        args = []
-        names = []
-        for x in self.p.inputs:
-            names.append(self.cin(x.name))
-            args.append(f"const {ct} *restrict {names[-1]}")
-        for prm in self.p.params:
-            names.append(self.cparam(prm.name))
-            args.append(f"const {ct} *restrict {names[-1]}")
-        for s in self.p.states:
-            names.append(self.cstate(s.name))
-            args.append(f"{ct} *restrict {names[-1]}")
-        for o in self.p.outputs:
-            names.append(self.cout(o.name))
-            args.append(f"{ct} *restrict {names[-1]}")
+        # the arrays in the order of every entry point: inputs and params (read), states and outputs (written)
+        names = ([self.cin(x.name) for x in self.p.inputs] + [self.cparam(prm.name) for prm in self.p.params]
+                 + [self.cstate(st.name) for st in self.p.states] + [self.cout(o.name) for o in self.p.outputs])
+        n_read = len(self.p.inputs) + len(self.p.params)
+        args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}" for i, name in enumerate(names)]
         fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
         stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
         packed = "int lr_step_packed(const lr_step_call *call)"
