@@ -666,6 +666,7 @@ class CRecurrent:
             rc = k.lib.lr_forward(*cargs, batch, tokens, heads, threads)
             if rc == 2:  # an input outside its declared range: find it and say where
                 arrays.check_ranges(p, dict(zip((x.name for x in p.inputs), args)))
+                raise RuntimeInputError("an input lies outside its declared range")  # (the scan names it)
             if rc != 0:
                 raise MemoryError("the C kernel could not allocate its state buffers")
         return outputs, finals
