@@ -573,7 +573,7 @@ class CRecurrent:
         self.program = compiled.program
         self._kernels: dict[tuple, Kernel] = {}
         self._lock = threading.Lock()
-        self._outputs = RecycledArrays()
+        self._outputs = RecycledArrays(keep=2 * len(self.program.outputs))  # this call's and the last one's
         from . import numpy_backend
         self._numpy = numpy_backend.load(compiled, "recurrent")
 
@@ -892,9 +892,8 @@ class RecycledArrays:
     buffers under them) whose reference counts are back at what they were when made are reused, so a
     caller still holding a result, or any view of it, keeps it intact."""
 
-    KEEP = 4  # arrays kept for reuse (the most recent ones)
-
-    def __init__(self):
+    def __init__(self, keep: int):
+        self.keep = keep  # arrays kept for reuse, the most recent (idle ones hold memory until reused or replaced)
         self._entries: list[list] = []  # [array, its memory's owner, reference counts when idle]
         self._lock = threading.Lock()
 
@@ -914,7 +913,7 @@ class RecycledArrays:
             del arr
             entry[2] = self._refs(entry)
             self._entries.append(entry)
-            if len(self._entries) > self.KEEP:
+            if len(self._entries) > self.keep:
                 self._entries.pop(0)
             return entry[0]
 
