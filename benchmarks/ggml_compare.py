@@ -6,9 +6,9 @@
 Times `ggml_gated_linear_attn` (GLA: S = diag(exp g)·S + k⊗v, o = scale·q·S) and, when the installed ggml
 has it, `ggml_gated_delta_net` (gated DeltaNet), float32, B = 1, H = 8, dk = dv = 64, as a graph of that
 one op computed by `ggml_graph_compute_with_ctx` with the given thread count (median of repeats; the inputs
-are written into ggml's tensors once, outside the timing), alternating with linrec's C recurrent form on the
-same inputs (the ratio is the median over the alternating pairs), plus the one-token decode call (T = 1)
-from Python. Before timing, a short sequence checks that the op computes the same recurrence as linrec's
+are written into ggml's tensors once, outside the timing), in rounds alternating with linrec's C recurrent
+form on the same inputs (the ratio is the median over rounds), plus the one-token decode call (T = 1) from
+Python. Before timing, a short sequence checks that the op computes the same recurrence as linrec's
 example (examples/gla.lin, examples/gated_deltanet.lin) and prints the relative difference — ggml gets its
 inputs in its own conventions (the decay exp(g) rather than the log-decay g; q and k already normalized for
 the delta net), prepared with NumPy outside the timed call.
@@ -116,33 +116,41 @@ def check(ggml, op: str, threads: int) -> dict:
     return {"rel_diff": rel(got), "rel_diff_if_unscaled": rel(got * D ** -0.5)}
 
 
-def time_op(ggml, op: str, tokens: int, threads: int, repeats: int) -> dict:
-    """ggml's op and linrec's C recurrent form (Recurrence.run, input checks included) on the same inputs,
-    alternately, `repeats` times each: their median ms and the median of the per-pair ratios (a ratio of
-    two calls a few ms apart is immune to the machine's slow and fast spells)."""
+def time_op(ggml, op: str, tokens: int, threads: int, repeats: int, per_round: int = 3) -> dict:
+    """ggml's op and linrec's C recurrent form (Recurrence.run, input checks included) on the same inputs, in
+    `repeats` rounds of `per_round` calls of each, back to back: their median ms over all calls and the
+    median over rounds of the ratio of the two rounds' medians. Each side runs as `linrec bench` times it
+    (repeated calls on the same inputs), and the ratio of two rounds a few hundred ms apart is immune to the
+    machine's slow and fast spells; alternating call by call instead would make each side evict the
+    other's inputs from the shared last-level cache before every call."""
     import backends as linrec
     from backends import c_build
     rec = linrec.load(ROOT / "examples" / ("gla.lin" if op == "gla" else "gated_deltanet.lin"))
     x = rec.random_inputs(batch=1, tokens=tokens, heads=H, dims={"dk": D, "dv": D}, dtype=np.float32, seed=0)
     gr = Graph(ggml, op, tokens)
+
+    def timed(fn) -> list[float]:
+        fn()  # the first call after the other side's: not counted
+        out = []
+        for _ in range(per_round):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
     try:
         gr.fill(_ggml_inputs(op, x))
         with c_build.threads(threads):
-            gr.compute(threads)  # warm-ups (linrec's builds or loads its kernel)
-            rec.run(x, form="recurrent", backend="c")
-            ggml_s, linrec_s = [], []
+            ggml_s, linrec_s, ratios = [], [], []
             for _ in range(repeats):
-                t0 = time.perf_counter()
-                gr.compute(threads)
-                t1 = time.perf_counter()
-                rec.run(x, form="recurrent", backend="c")
-                t2 = time.perf_counter()
-                ggml_s.append(t1 - t0)
-                linrec_s.append(t2 - t1)
+                g = timed(lambda: gr.compute(threads))
+                lr = timed(lambda: rec.run(x, form="recurrent", backend="c"))
+                ggml_s += g
+                linrec_s += lr
+                ratios.append(statistics.median(g) / statistics.median(lr))
     finally:
         gr.close()
     return {"ggml_ms": statistics.median(ggml_s) * 1e3, "linrec_ms": statistics.median(linrec_s) * 1e3,
-            "ratio": statistics.median(g / lr for g, lr in zip(ggml_s, linrec_s))}
+            "ratio": statistics.median(ratios)}
 
 
 def decode_us(ggml, op: str, threads: int) -> float:
@@ -207,7 +215,7 @@ def main(argv=None) -> int:
             for t, m in entry["ms"].items():
                 print(f"  T={t:>6}: ggml {m['ggml_ms']:9.3f} ms ({int(t) / m['ggml_ms'] * 1e3:.4g} tokens/s); linrec C "
                       f"recurrent {m['linrec_ms']:.3f} ms; ggml / linrec = {m['ratio']:.2f}× (median of "
-                      f"{args.repeats} alternating pairs)")
+                      f"{args.repeats} alternating rounds)")
             print(f"  decode (T=1, graph computed from Python): {entry['decode_us']:.2f} µs per call with "
                   f"{args.threads} thread(s), {entry['decode_us_1_thread']:.2f} µs with 1")
     if args.json:
