@@ -87,7 +87,7 @@ class Options:
 # ---- what is counted ----------------------------------------------------------------------------------
 def flop_count(rec, dims: dict[str, int]) -> tuple[int, str, list[str]]:
     """Useful flops per token and head, derived from the program's transitions and readouts:
-    (number, formula like "5·dk·dv", one line per state saying where the terms come from)."""
+    (number, formula like "4·dk·dv", one line per state saying where the terms come from)."""
     program, derivation = rec.program, rec.derivation
     total, formula, lines = 0, [], []
     for tr in derivation.transitions:

@@ -17,10 +17,7 @@ softmax, the self-only-when-nothing-else rule and the log-sum-exp combination of
 """
 from __future__ import annotations
 
-import hashlib
 import threading
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
@@ -47,18 +44,11 @@ int la_lsh(int dense, const {T} *q, const {T} *v, const int32_t *buckets, const 
 _kernels: dict[tuple, object] = {}
 _lock = threading.Lock()
 
+# the generator's own files: a change to any of them rebuilds its cached kernels
+GENERATOR = ("c_attention.py", "templates/c_attention.c.j2")
+
 
 # ---- building -----------------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
-def _fingerprint() -> str:
-    """This module and its template: a change to either rebuilds the kernels."""
-    here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for path in (here / "c_attention.py", here / "templates" / "c_attention.c.j2"):
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
 def _layout(ctype: str, vector_bytes: int) -> dict:
     """Register tiles for the target: TR query rows × tile_vectors registers of keys for Q·Kᵀ (with AVX-512's
     32 registers 4×4 accumulators, else 4×2), and groups of value registers for P·V."""
@@ -102,7 +92,7 @@ def kernel(dtype, d: int, dv: int):
         if mod is None:
             ctype = CTYPES[dtype]
             alias = c_build.alias_key("c_attention", ctype, str(d), str(dv), str(c_build.vector_bytes()),
-                                      _fingerprint())
+                                      c_build.generator_fingerprint(*GENERATOR))
             mod = c_build.load_alias(alias)
             if mod is None:
                 mod = c_build.build(source(dtype, d, dv), cdef(dtype), f"attention_{ctype}_d{d}_dv{dv}", alias)

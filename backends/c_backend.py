@@ -41,6 +41,9 @@ REGISTER_BUDGET = 24
 # the state: the block holds as many tokens (8…64) as fit in this many bytes.
 BLOCK_BYTES = 24 * 1024
 
+# the generator's own files: a change to any of them rebuilds its cached kernels
+GENERATOR = ("c_backend.py", "c_printer.py", "templates/c_*.j2")
+
 
 def require_factorable(compiled: Compiled) -> None:
     bad = [t for t in compiled.derivation.transitions if not t.factorable]
@@ -525,18 +528,6 @@ def _scaled(coef: ir.Expr, x: ir.Expr, shape) -> ir.Expr:
 _environ = os.environ
 
 
-@lru_cache(maxsize=None)
-def _generator_fingerprint() -> str:
-    """The code generator itself (this module, the printer, the templates): a change rebuilds kernels."""
-    import hashlib
-    from pathlib import Path
-    here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for path in [here / "c_backend.py", here / "c_printer.py", *sorted((here / "templates").glob("c_*.j2"))]:
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
 class Kernel:
     """One built extension: lr_forward (and lr_step) for one dtype and one assignment of sizes."""
 
@@ -547,7 +538,7 @@ class Kernel:
         self._compiled = compiled
         # a cached kernel is found from the program and sizes alone: no rendering, no compiler run
         alias = c_build.alias_key(compiled.source, repr(sorted(self.dims.items())), repr(self.target),
-                                  _generator_fingerprint())
+                                  c_build.generator_fingerprint(*GENERATOR))
         self.module = c_build.load_alias(alias)
         if self.module is None:
             gen = Generator(compiled, self.dims, self.target)
@@ -727,7 +718,6 @@ class Stepper:
         self._env = None
         self.threads = self._fixed_threads or c_build.num_threads()
         self._key = None
-        self._all_ptrs = None
         # fast(token_inputs, state, out): the step when every array is the one of the last checked call
         # (inplace=True, with `out`), else None; None itself until such a call
         self.fast = None
@@ -761,7 +751,6 @@ class Stepper:
         self._in_names = [x.name for x in p.inputs]
         self._st_names = [s.name for s in p.states]
         self._out_names = [o.name for o in p.outputs]
-        self._all_ptrs = None  # every pointer of the last call, when all its arrays were the ones seen
         self._make_fast = _fast_step_maker(tuple(
             [("token_inputs", n) for n in self._in_names] + [("state", n) for n in self._st_names]
             + [("out", n) for n in self._out_names]))
@@ -863,9 +852,8 @@ class Stepper:
         if inplace and out is not None and state is not None and every_seen:
             # the next call with these very arrays needs no check: bind them to a fast path
             n_in = len(self._in_names)
-            self._all_ptrs = seen_ptr[:n_in] + self._param_ptrs + seen_ptr[n_in:]
-            call = self._ffi.new("lr_step_call *")  # every argument once (the pointers keep the arrays pinned)
-            call.arrays = self._all_ptrs
+            call = self._ffi.new("lr_step_call *")  # every argument once (_seen_ptr and _param_ptrs keep the
+            call.arrays = seen_ptr[:n_in] + self._param_ptrs + seen_ptr[n_in:]  # buffers alive and pinned)
             call.B, call.H, call.nthreads = self._batch, self._heads, self.threads
             self.fast = self._make_fast(self._packed_fn, call, *seen)
         return outputs, new_state

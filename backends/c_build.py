@@ -315,6 +315,19 @@ def build(source: str, cdef: str, label: str = "kernel", alias: str | None = Non
         return module
 
 
+@lru_cache(maxsize=None)
+def generator_fingerprint(*patterns: str) -> str:
+    """A hash of a code generator's own files (glob patterns under backends/, e.g. "c_scan.py",
+    "templates/c_*.j2"): part of its alias keys, so that a change to the generator rebuilds its kernels
+    even though a cached alias skips rendering the source."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for pattern in patterns:
+        for path in sorted(here.glob(pattern)):
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 # ---- `linrec cache info|clear` ------------------------------------------------------------------------
 def alias_key(*parts: str) -> str:
     """A key for a kernel's inputs (program, sizes, dtype, code generator…) plus everything build_key

@@ -21,12 +21,9 @@ every core this process may use.
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 import types
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
@@ -47,6 +44,9 @@ SPAN_MAX = {"float": 40.0, "double": 300.0}
 DECAYS = ("none", "token", "row")
 SMALL_WORK = 1 << 20  # multiply-adds (roughly) below which a call runs on one thread
 FORMS = ("parallel", "chunkwise")
+
+# the generator's own files: a change to any of them rebuilds its cached kernels
+GENERATOR = ("c_scan.py", "templates/c_scan.c.j2")
 
 
 @dataclass(frozen=True)
@@ -101,16 +101,6 @@ def cdef(s: Structure) -> str:
     return f"int lr_chunkwise{args}\nint lr_parallel{args}\n"
 
 
-@lru_cache(maxsize=None)
-def _fingerprint() -> str:
-    """This generator (module and template): a change rebuilds the kernels."""
-    here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for path in (here / "c_scan.py", here / "templates" / "c_scan.c.j2"):
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
 # ---- kernels ------------------------------------------------------------------------------------------
 _kernels: dict[Structure, object] = {}
 _lock = threading.Lock()
@@ -123,7 +113,7 @@ def kernel(s: Structure):
         with _lock:
             k = _kernels.get(s)
             if k is None:
-                alias = c_build.alias_key("c_scan", repr(s), _fingerprint())
+                alias = c_build.alias_key("c_scan", repr(s), c_build.generator_fingerprint(*GENERATOR))
                 k = c_build.load_alias(alias)
                 if k is None:
                     label = f"scan_{s.decay}_r{s.corrections}_w{s.writes}_{s.ctype}"

@@ -96,15 +96,19 @@ def report(s: dict, rounds: int) -> str:
     sg = s["sgemm_gflops_2_threads"]
     lines = [f"{rounds} rounds; same-run matmul on 2 threads: {span(sg, '{:.0f}')} GFLOP/s "
              f"(median, min–max over rounds)", ""]
+    programs = s["programs"].values()
+
+    def row(label, cell):
+        return [label, *(cell(p) for p in programs)]
     head = ["target", *s["programs"]]
-    table = [["useful flops per token and head", *(p["flops"] for p in s["programs"].values())],
-             ["C recurrent, T = 16384, 2 threads (ms)", *(span(p["ms_2_threads"], "{:.1f}") for p in s["programs"].values())],
-             ["≥ 50% of the matmul bound", *(span(p["fraction_of_bound"], "{:.0%}") for p in s["programs"].values())],
-             ["≥ 20× NumPy chunkwise", *(f"{p['x_numpy_chunkwise']:.0f}× ({p['numpy_chunkwise_ms']:.0f} ms)"
-                                          for p in s["programs"].values())],
-             ["T = 32768 ≤ 2.2× T = 16384", *(span(p["scaling_T"], "{:.2f}") for p in s["programs"].values())],
-             ["2 threads ≥ 1.7× 1 thread", *(span(p["speedup_2_threads"], "{:.2f}") for p in s["programs"].values())],
-             ["decode step ≤ 3 µs", *(span(p["decode_us"], "{:.2f}") for p in s["programs"].values())]]
+    table = [row("useful flops per token and head", lambda p: p["flops"]),
+             row("C recurrent, T = 16384, 2 threads (ms)", lambda p: span(p["ms_2_threads"], "{:.1f}")),
+             row("≥ 50% of the matmul bound", lambda p: span(p["fraction_of_bound"], "{:.0%}")),
+             row("≥ 20× NumPy chunkwise",
+                 lambda p: f"{p['x_numpy_chunkwise']:.0f}× ({p['numpy_chunkwise_ms']:.0f} ms)"),
+             row("T = 32768 ≤ 2.2× T = 16384", lambda p: span(p["scaling_T"], "{:.2f}")),
+             row("2 threads ≥ 1.7× 1 thread", lambda p: span(p["speedup_2_threads"], "{:.2f}")),
+             row("decode step ≤ 3 µs", lambda p: span(p["decode_us"], "{:.2f}"))]
     widths = [max(len(str(row[i])) for row in [head] + table) for i in range(len(head))]
     for row in [head] + table:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
