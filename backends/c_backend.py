@@ -40,6 +40,8 @@ REGISTER_BUDGET = 24
 # The per-token values of a block of tokens (the sequence kernel's unit of work) should fit in L1 beside
 # the state: the block holds as many tokens (8…64) as fit in this many bytes.
 BLOCK_BYTES = 24 * 1024
+# Multiply-adds a thread runs of one head before it looks for the head furthest behind (see lr_claim).
+SEGMENT_WORK = 1 << 21
 
 # the generator's own files: a change to any of them rebuilds its cached kernels
 GENERATOR = ("c_backend.py", "c_printer.py", "templates/c_*.j2")
@@ -453,6 +455,12 @@ class Generator:
         block_tokens = 8
         while block_tokens < 64 and 2 * block_tokens * per_token <= BLOCK_BYTES:
             block_tokens *= 2
+        # a segment (what a thread runs of a head before it looks for another, see lr_claim): whole blocks,
+        # enough multiply-adds (~2M, tens of µs) that claiming a head and moving its state cost little
+        work = sum(self.size(s.shape) for s in self.p.states) * (2 + len(self.d.readouts))
+        segment_tokens = block_tokens
+        while segment_tokens * work < SEGMENT_WORK and segment_tokens < 8192:
+            segment_tokens *= 2
         align = 64 // (4 if self.t.ctype == "float" else 8)
         block_arrays, offset = [], 0
         for name, n in sizes.items():
@@ -468,7 +476,6 @@ class Generator:
         stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
         packed = "int lr_step_packed(const lr_step_call *call)"
         call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
-        work = sum(self.size(s.shape) for s in self.p.states) * (2 + len(self.d.readouts))
         comment = "Source program:\n" + "\n".join("    " + line for line in self.c.source.strip().splitlines())
         comment = comment.replace("*/", "* /")
         return dict(
@@ -485,6 +492,7 @@ class Generator:
                      "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
                     for s in self.p.states],
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
+            segment_tokens=segment_tokens,
             block_arrays=block_arrays, block_floats=max(offset, 1),
             forward_signature=fwd, step_signature=stp if causal else "", step_packed_signature=packed,
             step_call_struct=call,

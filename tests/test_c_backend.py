@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -525,3 +526,26 @@ def test_thread_count_of_an_enclosing_block_holds(monkeypatch):
     with c_build.threads(None):
         seen.append(c_build.num_threads())
     assert seen == [1, 1, 2]
+
+
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "enc"])
+def test_heads_taken_in_turns_by_threads(linrec, monkeypatch, name):
+    """Threads claim groups of heads segment by segment (lr_claim), so a head's state moves between
+    threads mid-sequence; with segments of one block (SEGMENT_WORK = 1) every block boundary is a segment
+    boundary. A non-causal program makes two passes per head. 2 and 3 threads against NumPy float64."""
+    from backends import c_backend, c_build
+    monkeypatch.setattr(c_backend, "SEGMENT_WORK", 1)
+    rec = rec_for(linrec, name)
+    mod = c_backend.CRecurrent(rec.compiled)
+    source = mod.source(np.float64, DIMS)
+    assert re.search(r"#define LR_SEGMENT (\d+)", source)[1] == re.search(r"#define LR_BLOCK (\d+)", source)[1]
+    inputs = rec.random_inputs(batch=2, tokens=203, heads=5, dims=DIMS, seed=11)
+    state0 = random_state(rec, 2, 5, DIMS, np.float64, 11)
+    ref = rec.run(inputs, form="recurrent", backend="numpy", initial_state=state0)
+    for threads in (2, 3):
+        with c_build.threads(threads):
+            got, final = mod.forward(inputs, {}, state0, DIMS)
+        for k in ref.outputs:
+            assert rel_err(got[k], ref.outputs[k]) <= F64_RTOL, (threads, k)
+        for k in ref.final_state:
+            assert rel_err(final[k], ref.final_state[k]) <= F64_RTOL, (threads, k)
