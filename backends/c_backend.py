@@ -487,7 +487,8 @@ class Generator:
             outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
                      for o in self.p.outputs],
             states=[{"c": self.cstate(s.name), "name": s.name, "matrix": len(s.shape) == 2,
-                     "lazy_rows": lazy_rows.get(s.name, 0),
+                     "lazy_rows": lazy_rows.get(s.name, 0),  # (on whole cache lines: threads write them)
+                     "lazy_stride": -(-lazy_rows.get(s.name, 0) // align) * align,
                      "rows": self.dims[s.shape[0]], "cols": self.dims[s.shape[1]] if len(s.shape) == 2 else 1,
                      "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
                     for s in self.p.states],
