@@ -194,6 +194,38 @@ class Recurrence:
         return outputs, final
 
 
+    def bind_step(self, token_inputs: dict, state: dict, *, backend: str = "numpy", params: dict | None = None,
+                  out: dict | None = None):
+        """The decode step bound to these very arrays: returns step(), which runs one token — reads the token
+        buffers `token_inputs` ([B, H, *]; refill them in place between calls), updates `state` in place
+        and writes the outputs — and returns the outputs dict (`out`'s arrays, created when absent). Every
+        array is checked here, once; the C kernel checks the declared value ranges on every call (and
+        updates nothing when one fails). The cheapest decode loop from Python: one call per token."""
+        if self.derivation.sequence is not None:
+            raise RuntimeInputError(f"'{self.name}' reads the sequence: it decodes over a KV cache that grows "
+                                    f"every token, so it has no step bound to fixed arrays; use step()")
+        if not state:
+            raise RuntimeInputError("bind_step updates the state arrays in place: pass them (e.g. the "
+                                    "final_state of prefill)")
+        given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
+        checked, shape = arrays.check_inputs(self.program, given)
+        module = self.module("recurrent", backend)
+        dims, used = self.bind(module, shape, params, state)
+        if hasattr(module, "stepper"):
+            return module.stepper(used, dims).bind(token_inputs, state, out)
+        buffers = dict(out or {})
+
+        def step():
+            outputs, _ = self.step(token_inputs, state, backend=backend, params=params, inplace=True)
+            for name, value in outputs.items():
+                if buffers.get(name) is None or np.shape(buffers[name]) != value.shape:
+                    buffers[name] = value
+                else:
+                    buffers[name][...] = value
+            return buffers
+        return step
+
+
 def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backend: str, params: dict | None):
     """Decode for programs that read the sequence: the state is the KV cache — every input so far,
     [B, t, H, *] by input name. Appends the token and computes its outputs only, with the NumPy KV-cache

@@ -718,9 +718,8 @@ def _fast_step_maker(names: tuple[tuple[str, str], ...]):
             same = ({tests})
         except (KeyError, TypeError, IndexError):
             return None
-        if not same:
+        if not same or fn(call):  # (2: an input out of its range; the checked path says which)
             return None
-        fn(call)
         return out, state
     return step
 """
@@ -798,7 +797,61 @@ class Stepper:
             if done is not None:
                 return done
         self.fast = None  # an array changed (or this call copies): every check below, then maybe a new fast
-        if self._fixed_threads is None:  # LINREC_NUM_THREADS, read as forward does (but not by the loop above)
+        args, outputs, new_state, every_seen = self._arguments(token_inputs, state, inplace, out)
+        if self._fn(*args, self._batch, self._heads, self.threads) == 2:
+            self._outside(token_inputs)
+        if inplace and out is not None and state is not None and every_seen:
+            # the next call with these very arrays needs no check: bind them to a fast path
+            self.fast = self._make_fast(self._packed_fn, self._packed_call(), *self._seen)
+        return outputs, new_state
+
+    def bind(self, token_inputs: dict, state: dict, out: dict | None = None):
+        """step() → outputs: one token on these very arrays, every array checked once, here. Each call reads
+        the token buffers (refill them in place between calls), updates `state` in place and writes the
+        outputs into `out` (created when absent). Value ranges are checked by the kernel on every call."""
+        if state is None:
+            raise RuntimeInputError("a bound step updates its state arrays in place: pass them (e.g. the "
+                                    "final_state of prefill)")
+        out = dict(out) if out is not None else {}
+        self._arguments(token_inputs, state, True, out)  # binds [B, H] and the dtype; checks every array
+        missing = [(name, shp) for name, shp, _ in self._outputs if out.get(name) is None]
+        if missing:
+            out.update((name, aligned_empty(shp, self._dtype)) for name, shp in missing)
+            self._arguments(token_inputs, state, True, out)
+        n_in = len(self._in_names)
+        for name, arr in zip(self._in_names + self._st_names, self._seen[:n_in] + self._seen[n_in:]):
+            given = token_inputs.get(name) if name in self._in_names else state.get(name)
+            if arr is not given:
+                what = f"input '{name}'" if name in self._in_names else f"state '{name}'"
+                raise RuntimeInputError(f"{what} must be a C-contiguous {self._dtype} array of shape "
+                                        f"{list(arr.shape)} to be bound: the step reads it in place every call")
+        fn, call = self._packed_fn, self._packed_call()
+        check = self._outside
+
+        def step():
+            if fn(call) == 2:
+                check(token_inputs)
+            return out
+        return step
+
+    def _packed_call(self):
+        """The lr_step_call struct of the arrays seen last in every position (_seen_ptr and _param_ptrs
+        keep their buffers alive and pinned)."""
+        n_in = len(self._in_names)
+        call = self._ffi.new("lr_step_call *")
+        call.arrays = self._seen_ptr[:n_in] + self._param_ptrs + self._seen_ptr[n_in:]
+        call.B, call.H, call.nthreads = self._batch, self._heads, self.threads
+        return call
+
+    def _outside(self, token_inputs):
+        """The kernel found an input outside its declared range (and updated nothing): say which."""
+        arrays.check_ranges(self.rec.program, {k: np.asarray(v) for k, v in token_inputs.items()})
+        raise RuntimeInputError("an input lies outside its declared range")  # (the scan above names it)
+
+    def _arguments(self, token_inputs, state, inplace, out):
+        """The C arguments of one step, every array checked (or converted, or made): (args, outputs,
+        new_state, every_seen), every_seen when each array is the very one now seen in its position."""
+        if self._fixed_threads is None:  # LINREC_NUM_THREADS, read as forward does (the fast path does not)
             env = _environ.get("LINREC_NUM_THREADS")
             if env != self._env:
                 self._env, self.threads = env, c_build.num_threads()
@@ -877,15 +930,7 @@ class Stepper:
                 args.append(pointer)
             outputs[name] = arr
             i += 1
-        self._fn(*args, self._batch, self._heads, self.threads)
-        if inplace and out is not None and state is not None and every_seen:
-            # the next call with these very arrays needs no check: bind them to a fast path
-            n_in = len(self._in_names)
-            call = self._ffi.new("lr_step_call *")  # every argument once (_seen_ptr and _param_ptrs keep the
-            call.arrays = seen_ptr[:n_in] + self._param_ptrs + seen_ptr[n_in:]  # buffers alive and pinned)
-            call.B, call.H, call.nthreads = self._batch, self._heads, self.threads
-            self.fast = self._make_fast(self._packed_fn, call, *seen)
-        return outputs, new_state
+        return args, outputs, new_state, every_seen
 
 
 _FFI = cffi.FFI()  # only to read an array's address cheaply

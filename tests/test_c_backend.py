@@ -210,6 +210,74 @@ def test_steps_in_place_float32(linrec, backend):
     assert rel_err(state["S"], full.final_state["S"]) <= F32_RTOL
 
 
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "mix", "early"])
+@pytest.mark.parametrize("backend", ["c", "numpy"])
+def test_bound_step_equals_prefill(linrec, name, backend):
+    """bind_step: every array checked once, then one call per token on the refilled token buffers."""
+    rec = rec_for(linrec, name)
+    batch, tokens, heads, split = 2, 11, 5, 3
+    inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=DIMS, seed=12)
+    state0 = random_state(rec, batch, heads, DIMS, np.float64, 12)
+    full = rec.prefill(inputs, backend=backend, initial_state=state0)
+    state = rec.prefill({k: v[:, :split] for k, v in inputs.items()}, backend=backend,
+                        initial_state=state0).final_state
+    token = {k: np.empty(v.shape[:1] + v.shape[2:]) for k, v in inputs.items()}
+    for k, v in inputs.items():
+        token[k][...] = v[:, split]  # the bind checks these values' ranges once
+    step = rec.bind_step(token, state, backend=backend)
+    outs = []
+    for t in range(split, tokens):
+        for k, v in inputs.items():
+            token[k][...] = v[:, t]
+        outs.append({k: v.copy() for k, v in step().items()})
+    for k, v in full.outputs.items():
+        assert rel_err(np.stack([o[k] for o in outs], axis=1), v[:, split:]) <= F64_RTOL, k
+    for k, v in full.final_state.items():
+        assert rel_err(state[k], v) <= F64_RTOL, k
+
+
+def test_refilled_token_out_of_range_is_an_error_and_changes_nothing(linrec):
+    """The decode loop's token buffers are refilled in place, so Python sees no new array: the C step tests
+    the declared ranges itself, before it touches a state."""
+    from dsl.errors import RuntimeInputError
+    rec = rec_for(linrec, "gated_deltanet")
+    token = {k: np.ascontiguousarray(v[:, 0]) for k, v in
+             rec.random_inputs(batch=1, tokens=1, heads=4, dims=DIMS, seed=13).items()}
+    state = {"S": np.ones((1, 4, DIMS["dk"], DIMS["dv"]))}
+    out = {"o": np.empty((1, 4, DIMS["dv"]))}
+    rec.step(token, state, backend="c", inplace=True, out=out)
+    rec.step(token, state, backend="c", inplace=True, out=out)  # the fast path from here on
+    step = rec.bind_step(token, state, backend="c")
+    before = state["S"].copy()
+    token["beta"][0, 2] = 1.5
+    with pytest.raises(RuntimeInputError, match=r"'beta' must lie in \(0, 1\).*found 1.5"):
+        rec.step(token, state, backend="c", inplace=True, out=out)
+    with pytest.raises(RuntimeInputError, match="'beta' must lie in"):
+        step()
+    np.testing.assert_array_equal(state["S"], before)
+    token["beta"][0, 2] = 0.5
+    step()
+    assert not np.array_equal(state["S"], before)
+
+
+def test_bind_step_rejects_what_it_cannot_bind(linrec):
+    from dsl.errors import RuntimeInputError
+    rec = rec_for(linrec, "gla")
+    token = {k: np.ascontiguousarray(v[:, 0]) for k, v in
+             rec.random_inputs(batch=1, tokens=1, heads=2, dims=DIMS, seed=14).items()}
+    state = {"S": np.zeros((1, 2, DIMS["dk"], DIMS["dv"]))}
+    with pytest.raises(RuntimeInputError, match="state arrays in place"):
+        rec.bind_step(token, None, backend="c")
+    with pytest.raises(RuntimeInputError, match="input 'q' must be a C-contiguous"):  # a copy would not be refilled
+        rec.bind_step({**token, "q": np.asfortranarray(np.repeat(token["q"], 2, 0))[:1]}, state, backend="c")
+    with pytest.raises(RuntimeInputError, match="C-contiguous"):
+        rec.bind_step(token, {"S": state["S"].astype(np.float32)}, backend="c")
+    soft = linrec.load(EXAMPLES / "softmax.lin")
+    tok = {k: v[:, 0] for k, v in soft.random_inputs(batch=1, tokens=1, heads=1, dims=DIMS).items()}
+    with pytest.raises(RuntimeInputError, match="KV cache"):
+        soft.bind_step(tok, {"k": tok["k"]}, backend="c")
+
+
 def _chained_steps(rec, inputs, split, state, dtype=np.float64):
     """Steps split … T−1 in place, in the decode loop's way (token buffers refilled, outputs reused): the
     outputs [B, T − split, H, *] and the final state."""
