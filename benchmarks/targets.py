@@ -7,9 +7,10 @@ On a shared machine the speed drifts by tens of percent over tens of seconds, so
 can time one row in a fast spell and the next in a slow one. Here every round measures everything once,
 back to back — the same-run matmul reference (2 threads and 1, in a fresh process, OPENBLAS_CORETYPE
 unset), and per program the C recurrent form at T = 16384 on 2 threads and on 1, at T = 32768 on 2, and
-the decode step, bound to its arrays and through Recurrence.step — and each target is computed within its round; the report gives the median over rounds
-and the spread. The NumPy chunkwise form (seconds per call) runs once per program. Float32, B = 1, H = 8,
-dk = dv = 64; times are medians of 3 calls of `Recurrence.run` after a warm-up, input checks included.
+the decode step (bound to its arrays, and through Recurrence.step) — and each target is computed within
+its round; the report gives the median over rounds and the spread. The NumPy chunkwise form (seconds per
+call) runs once per program. Float32, B = 1, H = 8, dk = dv = 64; times are medians of 3 calls of
+`Recurrence.run` after a warm-up, input checks included.
 """
 from __future__ import annotations
 
