@@ -940,7 +940,7 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     """A C-contiguous array whose data starts on a cache line (whole-register loads of the state rows then
     never straddle two lines)."""
     dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    n = prod(int(d) for d in shape) * dtype.itemsize
     raw = np.empty(n + align, np.uint8)
     start = (-int(_FFI.cast("uintptr_t", _FFI.from_buffer(raw)))) % align
     return raw[start:start + n].view(dtype).reshape(shape)

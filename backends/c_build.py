@@ -136,6 +136,13 @@ def cpu_model() -> str:
 
 def target_key() -> str:
     """The chosen target, for keys: the same source is rebuilt when the target changes."""
+    return _target_key(os.environ.get("LINREC_C_TARGET", ""))
+
+
+@lru_cache(maxsize=None)
+def _target_key(setting: str) -> str:
+    """target_key for one value of LINREC_C_TARGET (every kernel lookup asks: hashing ~100 CPU flags costs
+    ~0.1 ms)."""
     desc = [platform.machine(), _target(), str(vector_bytes())]
     if _target() == "native":
         desc += [cpu_model(), ",".join(sorted(_cpu_flags()))]
