@@ -405,18 +405,21 @@ class Generator:
                 "spread_prefetches": any(st["pf_rate"] for st in states),
                 "readouts": readout_decls, "outputs": out_lines, "arrays": arrays}
 
-    def prefetch_lines_per_token(self) -> int:
-        """Cache lines of one token's inputs for one head, at most (a row not on a line boundary spans one
-        more): what phase 1 notes for the next block (lr_note_rows)."""
+    def prefetch_lines(self, x: ir.Input) -> int:
+        """The lines lr_prefetch_some issues for a row of input x: one per 64 bytes from its start, and one
+        at its last byte (the line a row not on a line boundary reaches into); one for a scalar."""
         size = 4 if self.t.ctype == "float" else 8
-        return sum(-(-self.size(x.shape) * size // 64) + 1 if x.shape else 1 for x in self.p.inputs)
+        return -(-self.size(x.shape) * size // 64) + 1 if x.shape else 1
+
+    def prefetch_lines_per_token(self) -> int:
+        return sum(self.prefetch_lines(x) for x in self.p.inputs)
 
     def _prefetch_rate(self, entry: dict) -> int:
         """Prefetches per step of a tiled pass's inner loop: about one token's lines per token, evenly over
         the pass; a few left over are issued when phase 2 ends. A tiled pass is bound by its multiply-adds
         and has load slots to spare; a pass token after token is bound by its loads and reads from L1, and
         prefetches inside it cost more than a burst in phase 1 (measured ~5% on gated DeltaNet): 0."""
-        if entry["kind"] != "tiled":
+        if entry["kind"] != "tiled" or not self.p.inputs:
             return 0
         steps = entry["nfull"] // entry["ct"] * -(-entry["rows"] // entry["rt"])  # tiles, each once per token
         return max(1, self.prefetch_lines_per_token() // max(1, steps))
@@ -502,7 +505,7 @@ class Generator:
             comment.replace("\n", "\n   "), ctype=ct, vector_bytes=self.t.vector_bytes, lanes=self.t.lanes,
             dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
             inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape,
-                     "outside": self._outside(x)} for x in self.p.inputs],
+                     "outside": self._outside(x), "pf_lines": self.prefetch_lines(x)} for x in self.p.inputs],
             outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
                      for o in self.p.outputs],
             states=[{"c": self.cstate(s.name), "name": s.name, "matrix": len(s.shape) == 2,
@@ -512,7 +515,7 @@ class Generator:
                      "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
                     for s in self.p.states],
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
-            prefetch_lines=block_tokens * self.prefetch_lines_per_token(),
+            max_pf_lines=max([self.prefetch_lines(x) for x in self.p.inputs] or [1]),
             segment_tokens=segment_tokens,
             block_arrays=block_arrays, block_floats=max(offset, 1),
             forward_signature=fwd, step_signature=stp if causal else "", step_packed_signature=packed,
