@@ -228,8 +228,9 @@ class Recurrence:
 
 def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backend: str, params: dict | None):
     """Decode for programs that read the sequence: the state is the KV cache — every input so far,
-    [B, t, H, *] by input name. Appends the token and computes its outputs only, with the NumPy KV-cache
-    form whatever `backend` says (the compiled attention kernels take whole sequences)."""
+    [B, t, H, *] by input name. Appends the token and computes its outputs only: the C backend runs the
+    new token's query against the cache in its attention kernel; Reformer's LSH attention decodes on
+    NumPy whatever `backend` says (it hashes and sorts the whole sequence)."""
     if "recurrent" not in rec.forms:
         raise LinrecError(f"'{rec.name}' has no recurrent form, so no decode step: "
                           f"{rec.derivation.why_not('recurrent')}")
@@ -242,7 +243,9 @@ def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backe
         value = np.asarray(value)[:, None]
         grown[name] = value if cache.get(name) is None else np.concatenate([cache[name], value], axis=1)
     checked, shape = arrays.check_inputs(rec.program, grown)
-    module = rec.module("recurrent", "numpy")
+    module = rec.module("recurrent", backend)
+    if not getattr(module, "decodes_over_cache", backend == "numpy"):
+        module = rec.module("recurrent", "numpy")
     dims, used = rec.bind(module, shape, params)
     outputs, _ = module.forward(checked, used, {}, dims, first=shape.tokens - 1)
     return {k: v[:, 0] for k, v in outputs.items()}, grown

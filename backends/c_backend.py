@@ -1069,8 +1069,12 @@ def load(compiled: Compiled, form: str):
         raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}'"
                           + (f": {why}" if why else "") + "; the NumPy backend (backend='numpy') runs it")
     if compiled.derivation.sequence is not None:
-        return _exec_module(numpy_sequence.emit(compiled, form, kernels="backends.c_attention"), compiled, form,
-                            "C attention")
+        module = _exec_module(numpy_sequence.emit(compiled, form, kernels="backends.c_attention"), compiled, form,
+                              "C attention")
+        # softmax attention decodes over its KV cache here: the kernel runs the new token's query only
+        # (forward(first=…)); Reformer's bucketed LSH hashes and sorts the whole sequence, on NumPy
+        module.decodes_over_cache = compiled.derivation.sequence.kind != "lsh"
+        return module
     if form == "recurrent" and _scan_form(compiled, form):
         return _exec_module(numpy_backend.emit_scan(compiled, "recurrent", scan_module="backends.c_scan"),
                             compiled, form, "C scan")

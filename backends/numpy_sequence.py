@@ -218,13 +218,19 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
                  f"values{r.index} = np.swapaxes({seq_printer(em.refold(values))}[:, 0], 1, 2)",
                  f"query{r.index} = np.broadcast_to({base(em.refold(query))}, (batch, tokens, heads, "
                  f"keys{r.index}.shape[-1]))",
-                 f"r{r.index} = attention(np.ascontiguousarray(query{r.index}, dtype=dtype), "
+                 f"r{r.index} = attention(np.ascontiguousarray(query{r.index}[:, first:], dtype=dtype), "
                  f"np.ascontiguousarray(keys{r.index}, dtype=dtype), np.ascontiguousarray(values{r.index}, "
-                 f"dtype=dtype), causal, {plan.window}, \"{form}\", chunk_size)"]
+                 f"dtype=dtype), causal, {plan.window}, \"{form}\", chunk_size, query_offset=first)",
+                 "if first:  # a decode step over a KV cache: the new tokens' queries only (the rest is not read)",
+                 f"    r{r.index} = np.concatenate([np.zeros((batch, first) + r{r.index}.shape[2:], dtype=dtype), "
+                 f"r{r.index}], axis=1)"]
     out = SequencePrinter(em.printer(None, readout_vars=readout_vars).ref, lambda arg: "", "None", lsh)
     body += ["", "# outputs"]
     for name, expr in plan.outputs:
         body.append(f"{n(name)} = {out(em.refold(expr))}")
+    if plan.kind != "lsh":
+        body += ["if first:  # a decode step: only the new tokens' outputs"]
+        body += [f"    {n(o.name)} = {n(o.name)}[:, first:]" for o in compiled.program.outputs]
     body += ["", em.returns()]
     helpers |= seq_printer.helpers | out.helpers | base.helpers
     kernel_names = sorted({"attention"} if plan.softmax_readouts else set()) + sorted(

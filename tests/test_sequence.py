@@ -132,6 +132,34 @@ def test_softmax_decode_over_a_kv_cache_equals_the_full_sequence():
     assert np.max(np.abs(np.stack(outs, axis=1) - full)) < 1e-12
 
 
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_c_decode_over_a_kv_cache_runs_the_new_query_in_the_kernel(monkeypatch, window, dtype):
+    """backend="c": the C attention kernel takes the new token's query only (query_offset), against the
+    whole cache; the outputs equal the full sequence's."""
+    from backends import c_attention
+    rec = _variant(True, window)
+    x = {k: v.astype(dtype) for k, v in rec.random_inputs(2, 13, 3, seed=6).items()}
+    full = rec.run({k: v.astype(np.float64) for k, v in x.items()}, form="parallel").outputs["o"]
+    seen = []
+    kernel = c_attention.attention
+
+    def spy(queries, keys, values, *args, **kwargs):
+        seen.append((queries.shape[1], keys.shape[1], kwargs.get("query_offset")))
+        return kernel(queries, keys, values, *args, **kwargs)
+    monkeypatch.setattr(c_attention, "attention", spy)
+    module = rec.module("recurrent", "c")
+    monkeypatch.setitem(module.__dict__, "attention", spy)
+    cache, outs = None, []
+    for t in range(13):
+        out, cache = rec.step({k: v[:, t] for k, v in x.items()}, cache, backend="c")
+        assert out["o"].dtype == dtype
+        outs.append(out["o"])
+    assert seen[3:6] == [(1, 4, 3), (1, 5, 4), (1, 6, 5)]  # one query against the t + 1 cached keys
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    assert np.max(np.abs(np.stack(outs, axis=1) - full)) < tol * np.max(np.abs(full))
+
+
 def test_linformer_has_no_decode_step():
     rec = linrec.load(ROOT / "linformer.lin")
     x = rec.random_inputs(1, 1, 1)
