@@ -164,15 +164,21 @@ def test_emit_is_readable_c(linrec):
 
 
 # ---- decode: prefill then step ----------------------------------------------------------------------
+def _prefills(rec, backend, batch, tokens, heads, split, seed):
+    """Random inputs and initial state; the prefill of every token, and the prefill of the first `split`."""
+    inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=DIMS, seed=seed)
+    state0 = random_state(rec, batch, heads, DIMS, np.float64, seed)
+    full = rec.prefill(inputs, backend=backend, initial_state=state0)
+    head = rec.prefill({k: v[:, :split] for k, v in inputs.items()}, backend=backend, initial_state=state0)
+    return inputs, full, head
+
+
 @pytest.mark.parametrize("name", NAMES + ["mix", "early"])
 @pytest.mark.parametrize("backend", ["c", "numpy"])
 def test_steps_chained_equal_prefill(linrec, name, backend):
     rec = rec_for(linrec, name)
-    batch, tokens, heads, split = 2, 9, 3, 4
-    inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=DIMS, seed=5)
-    state0 = random_state(rec, batch, heads, DIMS, np.float64, 5)
-    full = rec.prefill(inputs, backend=backend, initial_state=state0)
-    head = rec.prefill({k: v[:, :split] for k, v in inputs.items()}, backend=backend, initial_state=state0)
+    tokens, split = 9, 4
+    inputs, full, head = _prefills(rec, backend, 2, tokens, 3, split, seed=5)
     state = head.final_state
     outs = {k: [v] for k, v in head.outputs.items()}
     for t in range(split, tokens):
@@ -215,12 +221,9 @@ def test_steps_in_place_float32(linrec, backend):
 def test_bound_step_equals_prefill(linrec, name, backend):
     """bind_step: every array checked once, then one call per token on the refilled token buffers."""
     rec = rec_for(linrec, name)
-    batch, tokens, heads, split = 2, 11, 5, 3
-    inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=DIMS, seed=12)
-    state0 = random_state(rec, batch, heads, DIMS, np.float64, 12)
-    full = rec.prefill(inputs, backend=backend, initial_state=state0)
-    state = rec.prefill({k: v[:, :split] for k, v in inputs.items()}, backend=backend,
-                        initial_state=state0).final_state
+    tokens, split = 11, 3
+    inputs, full, head = _prefills(rec, backend, 2, tokens, 5, split, seed=12)
+    state = head.final_state
     token = {k: np.empty(v.shape[:1] + v.shape[2:]) for k, v in inputs.items()}
     for k, v in inputs.items():
         token[k][...] = v[:, split]  # the bind checks these values' ranges once
@@ -300,10 +303,7 @@ def _chained_steps(rec, inputs, split, state, dtype=np.float64):
 def test_steps_on_threads_equal_prefill(linrec, monkeypatch, name, batch, heads):
     monkeypatch.setenv("LINREC_NUM_THREADS", "2")
     rec = rec_for(linrec, name)
-    inputs = rec.random_inputs(batch=batch, tokens=7, heads=heads, dims=DIMS, seed=8)
-    state0 = random_state(rec, batch, heads, DIMS, np.float64, 8)
-    full = rec.prefill(inputs, backend="c", initial_state=state0)
-    head = rec.prefill({k: v[:, :2] for k, v in inputs.items()}, backend="c", initial_state=state0)
+    inputs, full, head = _prefills(rec, "c", batch, 7, heads, 2, seed=8)
     outs, state = _chained_steps(rec, inputs, 2, head.final_state)
     for k, v in full.outputs.items():
         assert rel_err(outs[k], v[:, 2:]) <= F64_RTOL, k
