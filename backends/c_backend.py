@@ -411,9 +411,6 @@ class Generator:
         size = 4 if self.t.ctype == "float" else 8
         return -(-self.size(x.shape) * size // 64) + 1 if x.shape else 1
 
-    def prefetch_lines_per_token(self) -> int:
-        return sum(self.prefetch_lines(x) for x in self.p.inputs)
-
     def _prefetch_rate(self, entry: dict) -> int:
         """Prefetches per step of a tiled pass's inner loop: about one token's lines per token, evenly over
         the pass; a few left over are issued when phase 2 ends. A tiled pass is bound by its multiply-adds
@@ -422,7 +419,7 @@ class Generator:
         if entry["kind"] != "tiled" or not self.p.inputs:
             return 0
         steps = entry["nfull"] // entry["ct"] * -(-entry["rows"] // entry["rt"])  # tiles, each once per token
-        return max(1, self.prefetch_lines_per_token() // max(1, steps))
+        return max(1, sum(self.prefetch_lines(x) for x in self.p.inputs) // max(1, steps))
 
     def _plan_state(self, st: ir.State, tr, *, updates: bool, readouts: bool) -> dict:
         """The terms of a state's update, rank-one terms grouped by their left vector."""
@@ -711,8 +708,9 @@ class ShapeChanged(RuntimeInputError):
 def _fast_step_maker(names: tuple[tuple[str, str], ...]):
     """make(fn, call, *arrays) → step(token_inputs, state, out), for a program whose arrays are `names`
     ((dict, key) in lr_step's order). step runs fn(call) and returns (out, state) when each dict holds, at
-    each key, the very array bound there, else None (nothing run). An `is` test per array, written out:
-    ~20 ns each, where a generic loop or tuples of ids cost 3–5 times that."""
+    each key, the very array bound there, else None (nothing run) — None too when the kernel refused an
+    input out of its declared range (it updates nothing then; the checked path says which). An `is` test
+    per array, written out: ~20 ns each, where a generic loop or tuples of ids cost 3–5 times that."""
     arrays = [f"a{i}" for i in range(len(names))]
     tests = " and\n                ".join(f"{d}[{key!r}] is {a}" for (d, key), a in zip(names, arrays))
     source = f"""def make(fn, call, {', '.join(arrays)}):
@@ -721,7 +719,7 @@ def _fast_step_maker(names: tuple[tuple[str, str], ...]):
             same = ({tests})
         except (KeyError, TypeError, IndexError):
             return None
-        if not same or fn(call):  # (2: an input out of its range; the checked path says which)
+        if not same or fn(call):
             return None
         return out, state
     return step
@@ -821,8 +819,7 @@ class Stepper:
         if missing:
             out.update((name, aligned_empty(shp, self._dtype)) for name, shp in missing)
             self._arguments(token_inputs, state, True, out)
-        n_in = len(self._in_names)
-        for name, arr in zip(self._in_names + self._st_names, self._seen[:n_in] + self._seen[n_in:]):
+        for name, arr in zip(self._in_names + self._st_names, self._seen):  # (inputs, then states, are seen first)
             given = token_inputs.get(name) if name in self._in_names else state.get(name)
             if arr is not given:
                 what = f"input '{name}'" if name in self._in_names else f"state '{name}'"
