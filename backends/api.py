@@ -153,7 +153,8 @@ class Recurrence:
         """One token: inputs [B, H, *] by DSL name, states [B, H, *] → (outputs [B, H, *], new states).
         inplace=True updates the given state arrays and returns them (the fast decode loop); otherwise the
         given states are left alone. `out` (C backend) holds output arrays to reuse. The C backend checks
-        shapes and dtypes on every call, value ranges on the first call (see c_backend.Stepper)."""
+        shapes and dtypes when an array changes, and its kernel the declared value ranges on every call
+        (see c_backend.Stepper)."""
         bound = self._steppers.get(backend)  # a compiled step bound before (never for a KV cache)
         if bound is not None and bound[0] is params:
             stepper = bound[1]
@@ -168,10 +169,7 @@ class Recurrence:
                 pass  # new sizes or dtype, or a bad array: check everything again below (and say what is wrong)
         if self.derivation.sequence is not None:
             return _cache_step(self, token_inputs, state, backend, params)
-        given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
-        checked, shape = arrays.check_inputs(self.program, given)
-        module = self.module("recurrent", backend)
-        dims, used = self.bind(module, shape, params, state)
+        checked, shape, module, dims, used = self._token_call(token_inputs, backend, params, state)
         if hasattr(module, "stepper"):  # compiled: bind once, then only shapes are checked per call
             stepper = module.stepper(used, dims)
             self._steppers[backend] = (params, stepper)
@@ -194,6 +192,15 @@ class Recurrence:
         return outputs, final
 
 
+    def _token_call(self, token_inputs: dict, backend: str, params: dict | None, state: dict | None):
+        """One token's inputs checked as a sequence of one ([B, 1, H, *]) and the recurrent module bound to
+        them: (checked inputs, call shape, module, dims, params used)."""
+        given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
+        checked, shape = arrays.check_inputs(self.program, given)
+        module = self.module("recurrent", backend)
+        dims, used = self.bind(module, shape, params, state)
+        return checked, shape, module, dims, used
+
     def bind_step(self, token_inputs: dict, state: dict, *, backend: str = "numpy", params: dict | None = None,
                   out: dict | None = None):
         """The decode step bound to these very arrays: returns step(), which runs one token — reads the token
@@ -207,10 +214,7 @@ class Recurrence:
         if not state:
             raise RuntimeInputError("bind_step updates the state arrays in place: pass them (e.g. the "
                                     "final_state of prefill)")
-        given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
-        checked, shape = arrays.check_inputs(self.program, given)
-        module = self.module("recurrent", backend)
-        dims, used = self.bind(module, shape, params, state)
+        _, _, module, dims, used = self._token_call(token_inputs, backend, params, state)
         if hasattr(module, "stepper"):
             return module.stepper(used, dims).bind(token_inputs, state, out)
         buffers = dict(out or {})

@@ -41,6 +41,7 @@ import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from math import prod
 from pathlib import Path
 
@@ -286,21 +287,19 @@ def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool) -> dict
     first_ms = (time.perf_counter() - t0) * 1e3
     bound = rec.bind_step(token, state, backend=backend, out=out)
 
-    def by_step(n):
+    def step():
+        rec.step(token, state, backend=backend, inplace=True, out=out)
+
+    def seconds(fn, n):
         t = time.perf_counter()
         for _ in range(n):
-            rec.step(token, state, backend=backend, inplace=True, out=out)
+            fn()
         return time.perf_counter() - t
 
-    def by_bound(n):
-        t = time.perf_counter()
-        for _ in range(n):
-            bound()
-        return time.perf_counter() - t
-
-    target = 0.002 if quick else 0.005
-    result = {"first_call_ms": first_ms}
-    for key, batch in (("us", by_bound), ("step_us", by_step)):
+    target, batches = (0.002, 5) if quick else (0.005, 21)
+    result = {"first_call_ms": first_ms, "batches": batches}
+    for key, fn in (("us", bound), ("step_us", step)):
+        batch = partial(seconds, fn)
         n, spent = 1, 0.0
         while n < 1 << 20:
             took = batch(n)
@@ -308,10 +307,9 @@ def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool) -> dict
             if took >= target and spent >= 0.01:
                 break
             n *= 2
-        per_call = [batch(n) / n for _ in range(5 if quick else 21)]
+        per_call = [batch(n) / n for _ in range(batches)]
         result[key] = statistics.median(per_call) * 1e6
         result["calls_per_batch" if key == "us" else "step_calls_per_batch"] = n
-    result["batches"] = 5 if quick else 21
     return result
 
 

@@ -1068,9 +1068,7 @@ def load(compiled: Compiled, form: str):
     if compiled.derivation.sequence is not None:
         module = _exec_module(numpy_sequence.emit(compiled, form, kernels="backends.c_attention"), compiled, form,
                               "C attention")
-        # softmax attention decodes over its KV cache here: the kernel runs the new token's query only
-        # (forward(first=…)); Reformer's bucketed LSH hashes and sorts the whole sequence, on NumPy
-        module.decodes_over_cache = compiled.derivation.sequence.kind != "lsh"
+        module.decodes_over_cache = numpy_sequence.kernels_decode_over_cache(compiled)
         return module
     if form == "recurrent" and _scan_form(compiled, form):
         return _exec_module(numpy_backend.emit_scan(compiled, "recurrent", scan_module="backends.c_scan"),

@@ -10,9 +10,8 @@ match its checksum (truncated, corrupted) is detected at load time and rebuilt.
 """
 from __future__ import annotations
 
-import contextvars
-
 import contextlib
+import contextvars
 import hashlib
 import io
 import importlib.util

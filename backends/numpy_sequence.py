@@ -228,7 +228,7 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     body += ["", "# outputs"]
     for name, expr in plan.outputs:
         body.append(f"{n(name)} = {out(em.refold(expr))}")
-    if plan.kind != "lsh":
+    if kernels_decode_over_cache(compiled):
         body += ["if first:  # a decode step: only the new tokens' outputs"]
         body += [f"    {n(o.name)} = {n(o.name)}[:, first:]" for o in compiled.program.outputs]
     body += ["", em.returns()]
@@ -241,6 +241,13 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
         return source
     return source.replace("import numpy as np\n", f"import numpy as np\nfrom {kernels} import "
                           f"{', '.join(kernel_names)}\n", 1)
+
+
+def kernels_decode_over_cache(compiled: Compiled) -> bool:
+    """Whether the kernel glue computes only tokens first… (forward(first=…), a decode step over a KV
+    cache): softmax attention runs the new queries alone; Reformer's LSH hashes and sorts the whole
+    sequence, so its decode stays on the NumPy KV-cache form."""
+    return compiled.derivation.sequence.kind != "lsh"
 
 
 def _prologue(em):
