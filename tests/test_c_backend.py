@@ -173,6 +173,14 @@ def _prefills(rec, backend, batch, tokens, heads, split, seed):
     return inputs, full, head
 
 
+def _assert_matches_prefill(full, outs: dict, state: dict, split: int = 0):
+    """Stepped outputs ([B, T − split, H, *] by name) and final state equal the prefill of every token."""
+    for k, v in full.outputs.items():
+        assert rel_err(outs[k], v[:, split:]) <= F64_RTOL, k
+    for k, v in full.final_state.items():
+        assert rel_err(state[k], v) <= F64_RTOL, k
+
+
 @pytest.mark.parametrize("name", NAMES + ["mix", "early"])
 @pytest.mark.parametrize("backend", ["c", "numpy"])
 def test_steps_chained_equal_prefill(linrec, name, backend):
@@ -190,10 +198,7 @@ def test_steps_chained_equal_prefill(linrec, name, backend):
         state = new
         for k, v in out.items():
             outs[k].append(v[:, None])
-    for k, v in full.outputs.items():
-        assert rel_err(np.concatenate(outs[k], axis=1), v) <= F64_RTOL, k
-    for k, v in full.final_state.items():
-        assert rel_err(state[k], v) <= F64_RTOL, k
+    _assert_matches_prefill(full, {k: np.concatenate(v, axis=1) for k, v in outs.items()}, state)
 
 
 @pytest.mark.parametrize("backend", ["c", "numpy"])
@@ -233,10 +238,7 @@ def test_bound_step_equals_prefill(linrec, name, backend):
         for k, v in inputs.items():
             token[k][...] = v[:, t]
         outs.append({k: v.copy() for k, v in step().items()})
-    for k, v in full.outputs.items():
-        assert rel_err(np.stack([o[k] for o in outs], axis=1), v[:, split:]) <= F64_RTOL, k
-    for k, v in full.final_state.items():
-        assert rel_err(state[k], v) <= F64_RTOL, k
+    _assert_matches_prefill(full, {k: np.stack([o[k] for o in outs], axis=1) for k in outs[0]}, state, split)
 
 
 def test_refilled_token_out_of_range_is_an_error_and_changes_nothing(linrec):
@@ -305,10 +307,7 @@ def test_steps_on_threads_equal_prefill(linrec, monkeypatch, name, batch, heads)
     rec = rec_for(linrec, name)
     inputs, full, head = _prefills(rec, "c", batch, 7, heads, 2, seed=8)
     outs, state = _chained_steps(rec, inputs, 2, head.final_state)
-    for k, v in full.outputs.items():
-        assert rel_err(outs[k], v[:, 2:]) <= F64_RTOL, k
-    for k, v in full.final_state.items():
-        assert rel_err(state[k], v) <= F64_RTOL, k
+    _assert_matches_prefill(full, outs, state, split=2)
 
 
 _FORKED_STEPS = """\
