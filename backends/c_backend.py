@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import types
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
@@ -23,6 +24,7 @@ import cffi
 import numpy as np
 
 from compiler import Compiled, ir
+from compiler.analysis import walk
 from compiler.linearity import ONE, mul, neg
 from dsl.errors import LinrecError, RuntimeInputError
 
@@ -279,16 +281,35 @@ class Generator:
         arrays: list[tuple[str, int]] = []  # block arrays: name, values per token (0: one scalar)
         prep: list[str] = []
 
-        def export_vector(e, name, n, padded=None):
+        def export_vector(e, name, n, padded=None, scale=None, to=prep):
+            """e into block array `name`; `scale`: C for a factor of element i (a lazy decay's) it is
+            multiplied by as it is stored (the array then no longer holds e: later uses compute e anew)"""
             arrays.append((name, padded or n))
-            body = pr.fill(e, f"{name}[u]", n, keep=True)  # phase 1 reads block arrays before rescaling them
+            body = pr.fill(e, f"{name}[u]", n, keep=scale is None, scale=scale)
             pad = [f"for (int i = {n}; i < {padded}; ++i) {name}[u][i] = 0;"] if padded and padded > n else []
-            prep.extend(pr.take_token() + body + pad)
+            to.extend(pr.take_token() + body + pad)
 
-        def export_scalar(e, name):
+        def export_scalar(e, name, to=prep):
             arrays.append((name, 0))
             code = pr.scalar(e)
-            prep.extend(pr.take_token() + [f"{name}[u] = {code};"])
+            to.extend(pr.take_token() + [f"{name}[u] = {code};"])
+
+        # the decays first: the lazy bookkeeping (after them in phase 1) gives the factors the vectors that
+        # meet a lazily decayed state are scaled by as they are stored
+        decay_prep: list[str] = []
+        lazy = {}
+        for st, plan in zip(self.p.states, plans):
+            decay = plan["decay"] if updates else None
+            if decay is None:
+                continue
+            c, rows = self.cstate(st.name), self.dims[st.shape[0]]
+            if decay.shape:
+                export_vector(decay, f"blk_d_{c}", rows, to=decay_prep)
+            else:
+                export_scalar(decay, f"blk_d_{c}", to=decay_prep)
+            if len(st.shape) == 2:  # a matrix state's decay is applied lazily
+                pr.forget(decay)  # (the bookkeeping overwrites the block array with c·D)
+                lazy[st.name] = {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}", "i": "[i]" if decay.shape else ""}
 
         states, lazies, readout_decls = [], [], []
         for st, plan in zip(self.p.states, plans):
@@ -302,20 +323,19 @@ class Generator:
                      "S": f"buf_{c}", "ld": cp, "nfull": nfull, "tail": 0, "update": updates,
                      "comment": self.d.transition(st.name).kind if updates else "readouts of the final state"}
             decay = plan["decay"] if updates else None
-            if decay is not None:
-                if decay.shape:
-                    export_vector(decay, f"blk_d_{c}", rows)
-                else:
-                    export_scalar(decay, f"blk_d_{c}")
+            lz = lazy.get(st.name)
+
+            def factor(kind):  # Ŝ = S/c: x/c for a token's writes, q⊙c for reads after it, c before it
+                return None if lz is None else lz[kind] + lz["i"]
             for r, w in enumerate(plan["w"]):
-                export_vector(w, f"blk_w_{c}_{r}", rows)
+                export_vector(w, f"blk_w_{c}_{r}", rows, scale=factor("mw"))
             for g, x in enumerate(plan["x"]):
-                export_vector(x, f"blk_x_{c}_{g}", rows)
+                export_vector(x, f"blk_x_{c}_{g}", rows, scale=factor("mx"))
             before, after = [], []
             for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"])):
-                export_vector(q, f"blk_q_{c}_{k}", rows)
+                export_vector(q, f"blk_q_{c}_{k}", rows, scale=factor("mw" if rd.before_update else "mq"))
                 (before if rd.before_update else after).append({"q": f"blk_q_{c}_{k}[u]", "r": f"r{rd.index}_blk[u]",
-                                                                "base": f"blk_q_{c}_{k}"})
+                                                                "base": f"blk_q_{c}_{k}", "index": rd.index, "out": None})
                 readout_decls.append({"r": f"r{rd.index}", "blk": f"r{rd.index}_blk", "scalar": not matrix,
                                       "size": cp})
                 arrays.append((f"r{rd.index}_blk", cp if matrix else 0))
@@ -379,10 +399,9 @@ class Generator:
                 arrays.append((f"blk_slow_{c}", 0))
                 entry["slow"] = f"blk_slow_{c}[u]"
                 lazies.append({"name": st.name, "vector": bool(decay.shape), "rows": rows, "sc": f"sc_{c}",
-                               "d": f"blk_d_{c}[u]", "slow": f"blk_slow_{c}[u]",
-                               "w": [f"blk_w_{c}_{r}[u]" for r in range(len(plan["w"]))],
-                               "x": [g["x"] for g in groups], "qb": [q["q"] for q in before],
-                               "qa": [q["q"] for q in after]})
+                               "d": f"blk_d_{c}[u]", "slow": f"blk_slow_{c}[u]", "flag": f"slow_{c}",
+                               "mw": lz["mw"] if plan["w"] or before else None,
+                               "mx": lz["mx"] if groups else None, "mq": lz["mq"] if after else None})
             entry["pf_rate"] = self._prefetch_rate(entry)
             entry["next"] = False
             entry["fast"] = dict(entry, decay=None)
@@ -395,15 +414,36 @@ class Generator:
                 entry["with_next"] = with_next
             states.append(entry)
         head = pr.take_head()
+        fused = self._fuse_outputs(states, outputs)
         # phase 3: outputs over the readouts
         out_lines = []
         for name, e in outputs:
+            if name in fused:
+                continue
             target = self.cout(name)
             body = po.fill(e, f"{target}_t") if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
             out_lines += po.take_token() + body
-        return {"head": head + po.take_head(), "prep": prep, "lazy": lazies, "states": states, "checks": updates,
+        return {"head": head + po.take_head(), "decay_prep": decay_prep, "prep": prep, "lazy": lazies,
+                "states": states, "checks": updates,
                 "spread_prefetches": any(st["pf_rate"] for st in states),
                 "readouts": readout_decls, "outputs": out_lines, "arrays": arrays}
+
+    def _fuse_outputs(self, states: list[dict], outputs) -> set[str]:
+        """The outputs that are a readout as it is, of a tiled pass over whole registers: the pass's last
+        tile of rows streams them to their rows (`out` of the readout), so they skip phase 3 and the block
+        array (~3% on GLA). Returns their names."""
+        uses = Counter(n.index for _, e in outputs for n in walk(e) if isinstance(n, ir.ReadoutRef))
+        fused = set()
+        for name, e in outputs:
+            if not isinstance(e, ir.ReadoutRef) or uses[e.index] != 1:
+                continue
+            for entry in states:
+                if entry["kind"] == "tiled" and entry["cols"] == self.size(e.shape):
+                    for rd in entry["before"] + entry["after"]:
+                        if rd["index"] == e.index:
+                            rd["out"] = f"({self.cout(name)} + ((b * ntok + t0 + u) * H + h) * {entry['cols']})"
+                            fused.add(name)
+        return fused
 
     def prefetch_lines(self, x: ir.Input) -> int:
         """The lines lr_prefetch_some issues for a row of input x: one per 64 bytes from its start, and one
@@ -502,7 +542,8 @@ class Generator:
             comment.replace("\n", "\n   "), ctype=ct, vector_bytes=self.t.vector_bytes, lanes=self.t.lanes,
             dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
             inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape,
-                     "outside": self._outside(x), "pf_lines": self.prefetch_lines(x)} for x in self.p.inputs],
+                     "outside": self._outside(x), "outside_lanes": self._outside(x, lanes=True),
+                     "pf_lines": self.prefetch_lines(x)} for x in self.p.inputs],
             outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
                      for o in self.p.outputs],
             states=[{"c": self.cstate(s.name), "name": s.name, "matrix": len(s.shape) == 2,
@@ -521,16 +562,19 @@ class Generator:
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
         )
 
-    def _outside(self, x: ir.Input) -> str | None:
+    def _outside(self, x: ir.Input, lanes: bool = False) -> str | None:
         """C for "element {v} of input x lies outside its declared range (or is NaN)", or None: the sequence
-        kernel tests every element as it reads the block, so run() need not scan the inputs first."""
+        kernel tests every element as it reads the block, so run() need not scan the inputs first.
+        lanes=True: the same test of a whole register {v}, as an lr_mask (all bits set in a lane outside)."""
         lit = CPrinter(self.t.ctype, self.dims, self.ref).literal
         tests = []
         if x.low is not None:
             tests.append(f"({{v}} {'>' if x.low_open else '>='} {lit(x.low)})")
         if x.high is not None:
             tests.append(f"({{v}} {'<' if x.high_open else '<='} {lit(x.high)})")
-        return f"!({' & '.join(tests)})" if tests else None  # & rather than &&: the loop vectorizes
+        if not tests:
+            return None
+        return f"{'~' if lanes else '!'}({' & '.join(tests)})"  # & rather than &&: the loop vectorizes
 
     def cdef(self) -> str:
         ctx = self.context()

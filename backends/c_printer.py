@@ -33,6 +33,9 @@ class Local(ir.Expr):
 _ELEMENTWISE = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logsigmoid": "lr_logsigmoid",
                 "softplus": "lr_softplus", "relu": "lr_relu", "elu": "lr_elu", "silu": "lr_silu",
                 "tanh": "lr_tanh", "sqrt": "lr_sqrt", "abs": "lr_abs"}
+# elementwise builtins with a helper over a whole row (whole registers at a time, see c_common.h.j2): used
+# for vectors, where the scalar helper in a vectorized loop costs about twice the instructions
+_ROWS = {"exp": "lr_exp_row"}
 _VECTOR = {"l2norm", "groupnorm", "rmsnorm"}
 _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
@@ -92,6 +95,10 @@ class CPrinter:
             for n in walk(e):
                 if children(n):
                     self._uses[n] += 1
+
+    def forget(self, e: ir.Expr) -> None:
+        """The place e was stored no longer holds it: later uses compute it anew."""
+        self._cache.pop(e, None)
 
     def take_token(self) -> list[str]:
         lines, self.token = self.token, []
@@ -173,6 +180,8 @@ class CPrinter:
         name = self._name(e, "v")
         if isinstance(e, ir.Apply) and e.function in _VECTOR:
             lines = self._vector_builtin(e, name, n)
+        elif isinstance(e, ir.Apply) and e.function in _ROWS:
+            lines = [f"T {name}[{n}];{self._comment(e)}", self._row_call(e, name, n)]
         elif isinstance(e, ir.Apply):
             lines = [f"T {name}[{n}];{self._comment(e)}", "#pragma omp simd",
                      f"for (int i = 0; i < {n}; ++i) {name}[i] = {self._apply_elementwise(e, 'i')};"]
@@ -184,16 +193,24 @@ class CPrinter:
         self._cache[e] = name
         return name
 
-    def fill(self, e: ir.Expr, target: str, n: int | None = None, keep: bool = False) -> list[str]:
+    def fill(self, e: ir.Expr, target: str, n: int | None = None, keep: bool = False,
+             scale: str | None = None) -> list[str]:
         """Statements that store vector e into the indexable `target` (elements 0..n−1). keep=True: later
-        uses of e in this region may read `target` (it must then hold e's value until the region ends)."""
+        uses of e in this region may read `target` (it must then hold e's value until the region ends).
+        scale: C code (of i) of a factor each element is multiplied by as it is stored."""
         n = self.size(e.shape[0]) if n is None else n
+        if scale is not None:
+            return ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {self.elem(e, 'i')} * {scale};"]
         if keep and e not in self._cache and isinstance(e, ir.Apply) and e.function in _ELEMENTWISE \
-                and n == self.size(e.shape[0]):
-            code = self._apply_elementwise(e, "i")  # computed straight into the target
+                and n == self.size(e.shape[0]):  # computed straight into the target
+            comment = f"/* {target} = {self._comment(e).strip()[3:-3].strip()} */"
+            if e.function in _ROWS:
+                call = self._row_call(e, target, n)
+                self._cache[e] = target
+                return [comment, call]
+            code = self._apply_elementwise(e, "i")
             self._cache[e] = target
-            return [f"/* {target} = {self._comment(e).strip()[3:-3].strip()} */", "#pragma omp simd",
-                    f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
+            return [comment, "#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
         code = self.elem(e, "i")
         return ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
 
@@ -296,6 +313,10 @@ class CPrinter:
         if e.function not in _ELEMENTWISE:
             raise self._unsupported(e)
         return self._call(e.function, self.elem(e.args[0], i))
+
+    def _row_call(self, e: ir.Apply, target: str, n: int) -> str:
+        """The row helper's call that stores the elementwise builtin e of a vector into target."""
+        return f"{_ROWS[e.function]}({target}, {self.array(e.args[0])}, {n});"
 
     def _vector_builtin(self, e: ir.Apply, name: str, n: int) -> list[str]:
         x = self.array(e.args[0])
