@@ -334,8 +334,9 @@ class Generator:
             before, after = [], []
             for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"])):
                 export_vector(q, f"blk_q_{c}_{k}", rows, scale=factor("mw" if rd.before_update else "mq"))
-                (before if rd.before_update else after).append({"q": f"blk_q_{c}_{k}[u]", "r": f"r{rd.index}_blk[u]",
-                                                                "base": f"blk_q_{c}_{k}", "index": rd.index, "out": None})
+                (before if rd.before_update else after).append({
+                    "q": f"blk_q_{c}_{k}[u]", "r": f"r{rd.index}_blk[u]", "base": f"blk_q_{c}_{k}",
+                    "index": rd.index, "out": None})  # out: see _fuse_outputs
                 readout_decls.append({"r": f"r{rd.index}", "blk": f"r{rd.index}_blk", "scalar": not matrix,
                                       "size": cp})
                 arrays.append((f"r{rd.index}_blk", cp if matrix else 0))
