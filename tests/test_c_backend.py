@@ -538,6 +538,36 @@ def test_long_sequences_with_strong_decay(linrec, name, dtype):
     compare(rec, inputs, random_state(rec, 1, 2, DIMS, np.float64, 7), dtype, rtol)
 
 
+# dk: whole SIMD registers (16 float32 lanes, 8 float64) and a tail; dv: whole registers, so that an output
+# that is a readout as it is goes straight from the last tile of rows to its row (gla: that tile is the
+# last of the tile loop; early2: the tail tile of 2 rows)
+WIDE = {"gla": {"dk": 20, "dv": 32}, "early2": {"dk": 22, "dv": 32}}
+
+
+@pytest.mark.parametrize("name", ["gla", "early2"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_whole_registers_with_strong_decay(linrec, name, dtype):
+    """Phase 1 over whole registers and a tail (exp, the lazy decay's bookkeeping and factors) and the
+    outputs streamed by the last tile of rows, over a sequence that rescales the lazy decay many times."""
+    rec = rec_for(linrec, name)
+    dims = WIDE[name]
+    assert "the finished output row, streamed" in rec.module("recurrent", "c").source(dtype, dims)
+    inputs = rec.random_inputs(batch=2, tokens=300, heads=3, dims=dims, seed=5, decay_scale=10.0)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    compare(rec, inputs, random_state(rec, 2, 3, dims, np.float64, 5), dtype, rtol)
+
+
+@pytest.mark.parametrize("index", [3, 18])  # in a whole register, in the tail
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_range_checked_in_whole_registers_and_tail(linrec, index, dtype):
+    from dsl.errors import RuntimeInputError
+    rec = rec_for(linrec, "gla")
+    inputs = rec.random_inputs(batch=1, tokens=50, heads=2, dims=WIDE["gla"], seed=6, dtype=dtype)
+    inputs["g"][0, 41, 1, index] = 0.25
+    with pytest.raises(RuntimeInputError, match=rf"input 'g'.*\[0, 41, 1, {index}\]"):
+        rec.run(inputs, form="recurrent", backend="c")
+
+
 def test_growing_and_negative_decays(linrec):
     """A "decay" above 1 or below 0 is legal: the lazily applied scale is rescaled, results stay exact."""
     src = """\
@@ -560,7 +590,7 @@ def test_other_targets(linrec, monkeypatch, target):
     if target == "avx2" and "avx2" not in c_build._cpu_flags():
         pytest.skip("needs AVX2")
     monkeypatch.setenv("LINREC_C_TARGET", target)
-    for name in ("gated_deltanet", "early2"):
+    for name in ("gated_deltanet", "early2", "gla"):
         rec = rec_for(linrec, name)
         mod = c_backend.CRecurrent(rec.compiled)  # a fresh module: kernels are keyed by target
         inputs = rec.random_inputs(batch=2, tokens=20, heads=2, dims=DIMS, seed=9, dtype=np.float32)
