@@ -308,7 +308,8 @@ class Generator:
             else:
                 export_scalar(decay, f"blk_d_{c}", to=decay_prep)
             if len(st.shape) == 2:  # a matrix state's decay is applied lazily
-                pr.forget(decay)  # (the bookkeeping overwrites the block array with c·D)
+                if decay.shape:  # the bookkeeping overwrites the block array (not a scalar's local) with c·D
+                    pr.forget(decay)
                 lazy[st.name] = {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}", "i": "[i]" if decay.shape else ""}
 
         states, lazies, readout_decls = [], [], []

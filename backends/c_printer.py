@@ -203,14 +203,13 @@ class CPrinter:
             return ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {self.elem(e, 'i')} * {scale};"]
         if keep and e not in self._cache and isinstance(e, ir.Apply) and e.function in _ELEMENTWISE \
                 and n == self.size(e.shape[0]):  # computed straight into the target
-            comment = f"/* {target} = {self._comment(e).strip()[3:-3].strip()} */"
             if e.function in _ROWS:
-                call = self._row_call(e, target, n)
-                self._cache[e] = target
-                return [comment, call]
-            code = self._apply_elementwise(e, "i")
+                body = [self._row_call(e, target, n)]
+            else:
+                code = self._apply_elementwise(e, "i")
+                body = ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
             self._cache[e] = target
-            return [comment, "#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
+            return [f"/* {target} = {self._comment(e).strip()[3:-3].strip()} */"] + body
         code = self.elem(e, "i")
         return ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
 
