@@ -285,6 +285,8 @@ class Generator:
             """e into block array `name`; `scale`: C for a factor of element i (a lazy decay's) it is
             multiplied by as it is stored (the array then no longer holds e: later uses compute e anew)"""
             arrays.append((name, padded or n))
+            if name in direct:  # stored by the lazy bookkeeping
+                return
             body = pr.fill(e, f"{name}[u]", n, keep=scale is None, scale=scale)
             pad = [f"for (int i = {n}; i < {padded}; ++i) {name}[u][i] = 0;"] if padded and padded > n else []
             to.extend(pr.take_token() + body + pad)
@@ -297,17 +299,24 @@ class Generator:
         # the decays first: the lazy bookkeeping (after them in phase 1) gives the factors the vectors that
         # meet a lazily decayed state are scaled by as they are stored
         decay_prep: list[str] = []
-        lazy = {}
+        lazy: dict[str, dict] = {}
+        direct: set[str] = set()  # block arrays the lazy bookkeeping stores itself
         for st, plan in zip(self.p.states, plans):
             decay = plan["decay"] if updates else None
             if decay is None:
                 continue
             c, rows = self.cstate(st.name), self.dims[st.shape[0]]
-            if decay.shape:
+            lz = self._lazy_registers(pr, c, decay, plan) if len(st.shape) == 2 and decay.shape else None
+            if lz is not None:  # the decay and the vectors that meet Ŝ, a register at a time (see the template)
+                arrays.append((f"blk_d_{c}", rows))
+                direct.update(s["array"] for s in lz["stores"])
+                decay_prep.extend(pr.take_token())
+                lazy[st.name] = lz
+            elif decay.shape:
                 export_vector(decay, f"blk_d_{c}", rows, to=decay_prep)
             else:
                 export_scalar(decay, f"blk_d_{c}", to=decay_prep)
-            if len(st.shape) == 2:  # a matrix state's decay is applied lazily
+            if len(st.shape) == 2 and lz is None:  # a matrix state's decay is applied lazily
                 if decay.shape:  # the bookkeeping overwrites the block array (not a scalar's local) with c·D
                     pr.forget(decay)
                 lazy[st.name] = {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}", "i": "[i]" if decay.shape else ""}
@@ -403,7 +412,9 @@ class Generator:
                 lazies.append({"name": st.name, "vector": bool(decay.shape), "rows": rows, "sc": f"sc_{c}",
                                "d": f"blk_d_{c}[u]", "slow": f"blk_slow_{c}[u]", "flag": f"slow_{c}",
                                "mw": lz["mw"] if plan["w"] or before else None,
-                               "mx": lz["mx"] if groups else None, "mq": lz["mq"] if after else None})
+                               "mx": lz["mx"] if groups else None, "mq": lz["mq"] if after else None,
+                               "stores": lz.get("stores"), "decay_v": lz.get("decay_v"),
+                               "decay_e": lz.get("decay_e")})
             entry["pf_rate"] = self._prefetch_rate(entry)
             entry["next"] = False
             entry["fast"] = dict(entry, decay=None)
@@ -429,6 +440,22 @@ class Generator:
                 "states": states, "checks": updates,
                 "spread_prefetches": any(st["pf_rate"] for st in states),
                 "readouts": readout_decls, "outputs": out_lines, "arrays": arrays}
+
+    def _lazy_registers(self, pr: CPrinter, c: str, decay: ir.Expr, plan: dict) -> dict | None:
+        """The lazy bookkeeping of a matrix state with a per-row decay that computes the decay itself and
+        stores the vectors meeting Ŝ times their factors, a register at a time, with c·D still in registers
+        (about a third of phase 1 faster for GLA than through block arrays of factors), when the decay and
+        those vectors are elementwise arithmetic and exp of values at hand; else None."""
+        vectors = ([(w, f"blk_w_{c}_{r}", "mw") for r, w in enumerate(plan["w"])]
+                   + [(x, f"blk_x_{c}_{g}", "mx") for g, x in enumerate(plan["x"])]
+                   + [(q, f"blk_q_{c}_{k}", "mw" if rd.before_update else "mq")
+                      for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"]))])
+        if not all(pr.has_lanes(e) for e in [decay] + [v for v, _, _ in vectors]):
+            return None
+        return {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}", "i": "[i]",
+                "decay_v": pr.lanes(decay, "i"), "decay_e": pr.lanes(decay, "i", whole=False),
+                "stores": [{"array": name, "target": f"{name}[u]", "factor": factor, "v": pr.lanes(e, "i"),
+                            "e": pr.lanes(e, "i", whole=False)} for e, name, factor in vectors]}
 
     def _fuse_outputs(self, states: list[dict], outputs) -> set[str]:
         """The outputs that are a readout as it is, of a tiled pass over whole registers: the pass's last

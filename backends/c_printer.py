@@ -313,6 +313,55 @@ class CPrinter:
             raise self._unsupported(e)
         return self._call(e.function, self.elem(e.args[0], i))
 
+    # ---- whole registers ----
+    def lanes(self, e: ir.Expr, i: str, whole: bool = True) -> str:
+        """C code of type `vec` for elements i … i+VW−1 of vector e, computed a register at a time (GCC's
+        vector arithmetic, scalars broadcast, exp through lr_exp_v); whole=False: the same arithmetic for
+        element i alone (a row's elements past its last whole register). Only for e with has_lanes(e).
+        A subexpression used more than once is computed into a local first, as elem() does."""
+        if not e.shape:
+            code = self.scalar(e)
+            return f"(T){code}" if whole else code  # broadcast by the arithmetic it meets
+        if e in self._cache or isinstance(e, _LEAVES) or self._shared(e):
+            base = self.array(e)
+            return f"lr_load({base} + {i})" if whole else f"{base}[{i}]"
+        if isinstance(e, ir.Neg):
+            return f"(-{self.lanes(e.operand, i, whole)})"
+        if isinstance(e, ir.Apply):
+            return f"{'lr_exp_v' if whole else 'lr_exp'}({self.lanes(e.args[0], i, whole)})"
+        if isinstance(e, ir.Arith):
+            sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[e.op]
+            return f"({self.lanes(e.left, i, whole)} {sym} {self.lanes(e.right, i, whole)})"
+        a, b = (x.operand if isinstance(x, ir.Diag) else x for x in (e.left, e.right))  # a Dot
+        if isinstance(a, ir.Identity) or isinstance(b, ir.Identity):
+            return self.lanes(b if isinstance(a, ir.Identity) else a, i, whole)
+        return f"({self.lanes(a, i, whole)} * {self.lanes(b, i, whole)})"
+
+    def has_lanes(self, e: ir.Expr) -> bool:
+        """lanes() can compute e: elementwise arithmetic, exp, scalars and values at hand"""
+        if not e.shape:
+            return True
+        if len(e.shape) != 1:
+            return False
+        if e in self._cache or isinstance(e, _LEAVES) or self._shared(e):
+            return True
+        if isinstance(e, ir.Neg):
+            return self.has_lanes(e.operand)
+        if isinstance(e, ir.Apply):
+            return e.function == "exp" and self.has_lanes(e.args[0])
+        if isinstance(e, ir.Arith):
+            return e.op != "pow" and self.has_lanes(e.left) and self.has_lanes(e.right)
+        if isinstance(e, ir.Dot):
+            a, b = (x.operand if isinstance(x, ir.Diag) else x for x in (e.left, e.right))
+            if isinstance(a, ir.Identity) or isinstance(b, ir.Identity):
+                return self.has_lanes(b if isinstance(a, ir.Identity) else a)
+            diag = isinstance(e.left, ir.Diag) or isinstance(e.right, ir.Diag)
+            return (diag or not (a.shape and b.shape)) and self.has_lanes(a) and self.has_lanes(b)
+        return False
+
+    def _shared(self, e: ir.Expr) -> bool:
+        return self._uses[e] > 1 and not isinstance(e, ir.Neg)
+
     def _row_call(self, e: ir.Apply, target: str, n: int) -> str:
         """The row helper's call that stores the elementwise builtin e of a vector into target."""
         return f"{_ROWS[e.function]}({target}, {self.array(e.args[0])}, {n});"

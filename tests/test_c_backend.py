@@ -557,6 +557,30 @@ def test_whole_registers_with_strong_decay(linrec, name, dtype):
     compare(rec, inputs, random_state(rec, 2, 3, dims, np.float64, 5), dtype, rtol)
 
 
+# a per-row decay and the vectors that meet Ŝ built from a per-head parameter, a subexpression they share,
+# a scalar input and constants: the lazy bookkeeping computes them a register at a time (c_printer.lanes)
+LANES = """\
+recurrence lanes(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], g[dk] <= 0, a
+param m[dk] per head = uniform(0.5, 1, seed=2)
+state S[dk, dv]
+S = diag(exp(g*m))·S + ((a/2)*k)⊗v
+output o = (q - g*m)·S
+"""
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_lazy_decay_computed_in_registers(linrec, dtype):
+    from backends import c_backend
+    rec = linrec.compile(LANES, "lanes.lin")
+    dims = WIDE["early2"]
+    source = c_backend.emit_recurrent(rec.compiled, dtype, dims)
+    assert "lr_exp_v(" in source and "T mx_" not in source  # not through arrays of factors
+    inputs = rec.random_inputs(batch=2, tokens=200, heads=3, dims=dims, seed=4, decay_scale=10.0)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    compare(rec, inputs, random_state(rec, 2, 3, dims, np.float64, 4), dtype, rtol)
+
+
 @pytest.mark.parametrize("index", [3, 18])  # in a whole register, in the tail
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_range_checked_in_whole_registers_and_tail(linrec, index, dtype):
