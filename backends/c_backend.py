@@ -285,7 +285,7 @@ class Generator:
             """e into block array `name`; `scale`: C for a factor of element i (a lazy decay's) it is
             multiplied by as it is stored (the array then no longer holds e: later uses compute e anew)"""
             arrays.append((name, padded or n))
-            if name in direct:  # stored by the lazy bookkeeping
+            if name in stored:  # by the lazy bookkeeping
                 return
             body = pr.fill(e, f"{name}[u]", n, keep=scale is None, scale=scale)
             pad = [f"for (int i = {n}; i < {padded}; ++i) {name}[u][i] = 0;"] if padded and padded > n else []
@@ -296,30 +296,28 @@ class Generator:
             code = pr.scalar(e)
             to.extend(pr.take_token() + [f"{name}[u] = {code};"])
 
-        # the decays first: the lazy bookkeeping (after them in phase 1) gives the factors the vectors that
-        # meet a lazily decayed state are scaled by as they are stored
+        # the decays first: the lazy bookkeeping after them (phase 1) gives the factors by which the vectors
+        # that meet a lazily decayed state are stored
         decay_prep: list[str] = []
         lazy: dict[str, dict] = {}
-        direct: set[str] = set()  # block arrays the lazy bookkeeping stores itself
+        stored: set[str] = set()  # block arrays the lazy bookkeeping of a per-row decay stores itself
         for st, plan in zip(self.p.states, plans):
             decay = plan["decay"] if updates else None
             if decay is None:
                 continue
             c, rows = self.cstate(st.name), self.dims[st.shape[0]]
-            lz = self._lazy_registers(pr, c, decay, plan) if len(st.shape) == 2 and decay.shape else None
-            if lz is not None:  # the decay and the vectors that meet Ŝ, a register at a time (see the template)
+            if len(st.shape) == 2 and decay.shape:
                 arrays.append((f"blk_d_{c}", rows))
-                direct.update(s["array"] for s in lz["stores"])
+                lazy[st.name] = self._lazy_registers(pr, c, decay, plan)
+                stored.update(s["array"] for s in lazy[st.name]["stores"])
                 decay_prep.extend(pr.take_token())
-                lazy[st.name] = lz
-            elif decay.shape:
+                continue
+            if decay.shape:
                 export_vector(decay, f"blk_d_{c}", rows, to=decay_prep)
             else:
                 export_scalar(decay, f"blk_d_{c}", to=decay_prep)
-            if len(st.shape) == 2 and lz is None:  # a matrix state's decay is applied lazily
-                if decay.shape:  # the bookkeeping overwrites the block array (not a scalar's local) with c·D
-                    pr.forget(decay)
-                lazy[st.name] = {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}", "i": "[i]" if decay.shape else ""}
+            if len(st.shape) == 2:  # a scalar decay, applied lazily: factors are scalars, stored by prep
+                lazy[st.name] = {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}"}
 
         states, lazies, readout_decls = [], [], []
         for st, plan in zip(self.p.states, plans):
@@ -336,7 +334,7 @@ class Generator:
             lz = lazy.get(st.name)
 
             def factor(kind):  # Ŝ = S/c: x/c for a token's writes, q⊙c for reads after it, c before it
-                return None if lz is None else lz[kind] + lz["i"]
+                return None if lz is None else lz[kind]
             for r, w in enumerate(plan["w"]):
                 export_vector(w, f"blk_w_{c}_{r}", rows, scale=factor("mw"))
             for g, x in enumerate(plan["x"]):
@@ -413,7 +411,7 @@ class Generator:
                                "d": f"blk_d_{c}[u]", "slow": f"blk_slow_{c}[u]", "flag": f"slow_{c}",
                                "mw": lz["mw"] if plan["w"] or before else None,
                                "mx": lz["mx"] if groups else None, "mq": lz["mq"] if after else None,
-                               "stores": lz.get("stores"), "decay_v": lz.get("decay_v"),
+                               "stores": lz.get("stores", []), "decay_v": lz.get("decay_v"),
                                "decay_e": lz.get("decay_e")})
             entry["pf_rate"] = self._prefetch_rate(entry)
             entry["next"] = False
@@ -441,18 +439,19 @@ class Generator:
                 "spread_prefetches": any(st["pf_rate"] for st in states),
                 "readouts": readout_decls, "outputs": out_lines, "arrays": arrays}
 
-    def _lazy_registers(self, pr: CPrinter, c: str, decay: ir.Expr, plan: dict) -> dict | None:
-        """The lazy bookkeeping of a matrix state with a per-row decay that computes the decay itself and
-        stores the vectors meeting Ŝ times their factors, a register at a time, with c·D still in registers
-        (about a third of phase 1 faster for GLA than through block arrays of factors), when the decay and
-        those vectors are elementwise arithmetic and exp of values at hand; else None."""
+    def _lazy_registers(self, pr: CPrinter, c: str, decay: ir.Expr, plan: dict) -> dict:
+        """The lazy bookkeeping of a matrix state with a per-row decay: it computes the decay and stores the
+        vectors that meet Ŝ times their factors itself, a register at a time, c·D kept in registers (a
+        third of phase 1 faster for GLA than through block arrays of factors). Values with no register-wise
+        form (c_printer.lanes) are computed into a local row first."""
         vectors = ([(w, f"blk_w_{c}_{r}", "mw") for r, w in enumerate(plan["w"])]
                    + [(x, f"blk_x_{c}_{g}", "mx") for g, x in enumerate(plan["x"])]
                    + [(q, f"blk_q_{c}_{k}", "mw" if rd.before_update else "mq")
                       for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"]))])
-        if not all(pr.has_lanes(e) for e in [decay] + [v for v, _, _ in vectors]):
-            return None
-        return {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}", "i": "[i]",
+        for e in [decay] + [v for v, _, _ in vectors]:
+            if not pr.has_lanes(e):
+                pr.array(e)  # (then at hand)
+        return {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}",  # (the template tells which factors occur)
                 "decay_v": pr.lanes(decay, "i"), "decay_e": pr.lanes(decay, "i", whole=False),
                 "stores": [{"array": name, "target": f"{name}[u]", "factor": factor, "v": pr.lanes(e, "i"),
                             "e": pr.lanes(e, "i", whole=False)} for e, name, factor in vectors]}

@@ -96,10 +96,6 @@ class CPrinter:
                 if children(n):
                     self._uses[n] += 1
 
-    def forget(self, e: ir.Expr) -> None:
-        """The place e was stored no longer holds it: later uses compute it anew."""
-        self._cache.pop(e, None)
-
     def take_token(self) -> list[str]:
         lines, self.token = self.token, []
         return lines

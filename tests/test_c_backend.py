@@ -567,12 +567,21 @@ state S[dk, dv]
 S = diag(exp(g*m))·S + ((a/2)*k)⊗v
 output o = (q - g*m)·S
 """
+# … and with vectors that have no register-wise form (computed into a local row first)
+LANES_ROWS = """\
+recurrence lanes_rows(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dk, dv]
+S = diag(exp(g))·S + l2norm(k)⊗v
+output o = sigmoid(q)·S
+"""
 
 
+@pytest.mark.parametrize("program", [LANES, LANES_ROWS])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_lazy_decay_computed_in_registers(linrec, dtype):
+def test_lazy_decay_computed_in_registers(linrec, program, dtype):
     from backends import c_backend
-    rec = linrec.compile(LANES, "lanes.lin")
+    rec = linrec.compile(program, "lanes.lin")
     dims = WIDE["early2"]
     source = c_backend.emit_recurrent(rec.compiled, dtype, dims)
     assert "lr_exp_v(" in source and "T mx_" not in source  # not through arrays of factors
