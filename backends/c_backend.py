@@ -280,6 +280,7 @@ class Generator:
         po.expect(*[e for _, e in outputs])
         arrays: list[tuple[str, int]] = []  # block arrays: name, values per token (0: one scalar)
         prep: list[str] = []
+        stored: set[str] = set()  # block arrays the lazy bookkeeping of a per-row decay stores itself
 
         def export_vector(e, name, n, padded=None, scale=None, to=prep):
             """e into block array `name`; `scale`: C for a factor of element i (a lazy decay's) it is
@@ -300,7 +301,6 @@ class Generator:
         # that meet a lazily decayed state are stored
         decay_prep: list[str] = []
         lazy: dict[str, dict] = {}
-        stored: set[str] = set()  # block arrays the lazy bookkeeping of a per-row decay stores itself
         for st, plan in zip(self.p.states, plans):
             decay = plan["decay"] if updates else None
             if decay is None:
@@ -316,8 +316,8 @@ class Generator:
                 export_vector(decay, f"blk_d_{c}", rows, to=decay_prep)
             else:
                 export_scalar(decay, f"blk_d_{c}", to=decay_prep)
-            if len(st.shape) == 2:  # a scalar decay, applied lazily: factors are scalars, stored by prep
-                lazy[st.name] = {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}"}
+            if len(st.shape) == 2:  # a scalar decay, applied lazily: its factors are scalars, prep stores
+                lazy[st.name] = {"scalars": {kind: f"{kind}_{c}" for kind in ("mw", "mx", "mq")}}
 
         states, lazies, readout_decls = [], [], []
         for st, plan in zip(self.p.states, plans):
@@ -334,7 +334,7 @@ class Generator:
             lz = lazy.get(st.name)
 
             def factor(kind):  # Ŝ = S/c: x/c for a token's writes, q⊙c for reads after it, c before it
-                return None if lz is None else lz[kind]
+                return lz["scalars"][kind] if lz and "scalars" in lz else None
             for r, w in enumerate(plan["w"]):
                 export_vector(w, f"blk_w_{c}_{r}", rows, scale=factor("mw"))
             for g, x in enumerate(plan["x"]):
@@ -407,10 +407,11 @@ class Generator:
             if matrix and decay is not None:  # decays applied lazily: the bookkeeping runs in phase 1
                 arrays.append((f"blk_slow_{c}", 0))
                 entry["slow"] = f"blk_slow_{c}[u]"
+                occurs = {"mw": bool(plan["w"] or before), "mx": bool(groups), "mq": bool(after)}
                 lazies.append({"name": st.name, "vector": bool(decay.shape), "rows": rows, "sc": f"sc_{c}",
                                "d": f"blk_d_{c}[u]", "slow": f"blk_slow_{c}[u]", "flag": f"slow_{c}",
-                               "mw": lz["mw"] if plan["w"] or before else None,
-                               "mx": lz["mx"] if groups else None, "mq": lz["mq"] if after else None,
+                               "factors": [kind for kind, yes in occurs.items() if yes],
+                               "scalars": lz.get("scalars", {}),
                                "stores": lz.get("stores", []), "decay_v": lz.get("decay_v"),
                                "decay_e": lz.get("decay_e")})
             entry["pf_rate"] = self._prefetch_rate(entry)
@@ -451,8 +452,7 @@ class Generator:
         for e in [decay] + [v for v, _, _ in vectors]:
             if not pr.has_lanes(e):
                 pr.array(e)  # (then at hand)
-        return {"mw": f"mw_{c}", "mx": f"mx_{c}", "mq": f"mq_{c}",  # (the template tells which factors occur)
-                "decay_v": pr.lanes(decay, "i"), "decay_e": pr.lanes(decay, "i", whole=False),
+        return {"decay_v": pr.lanes(decay, "i"), "decay_e": pr.lanes(decay, "i", whole=False),
                 "stores": [{"array": name, "target": f"{name}[u]", "factor": factor, "v": pr.lanes(e, "i"),
                             "e": pr.lanes(e, "i", whole=False)} for e, name, factor in vectors]}
 

@@ -36,6 +36,8 @@ _ELEMENTWISE = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logs
 # elementwise builtins with a helper over a whole row (whole registers at a time, see c_common.h.j2): used
 # for vectors, where the scalar helper in a vectorized loop costs about twice the instructions
 _ROWS = {"exp": "lr_exp_row"}
+# … and over one register (c_printer.lanes)
+_REGISTER = {"exp": "lr_exp_v"}
 _VECTOR = {"l2norm", "groupnorm", "rmsnorm"}
 _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
@@ -312,8 +314,9 @@ class CPrinter:
     # ---- whole registers ----
     def lanes(self, e: ir.Expr, i: str, whole: bool = True) -> str:
         """C code of type `vec` for elements i … i+VW−1 of vector e, computed a register at a time (GCC's
-        vector arithmetic, scalars broadcast, exp through lr_exp_v); whole=False: the same arithmetic for
-        element i alone (a row's elements past its last whole register). Only for e with has_lanes(e).
+        vector arithmetic, scalars broadcast, builtins through _REGISTER's helpers); whole=False: the same
+        arithmetic for element i alone (a row's elements past its last whole register). Only for e with
+        has_lanes(e).
         A subexpression used more than once is computed into a local first, as elem() does."""
         if not e.shape:
             code = self.scalar(e)
@@ -324,7 +327,8 @@ class CPrinter:
         if isinstance(e, ir.Neg):
             return f"(-{self.lanes(e.operand, i, whole)})"
         if isinstance(e, ir.Apply):
-            return f"{'lr_exp_v' if whole else 'lr_exp'}({self.lanes(e.args[0], i, whole)})"
+            helper = _REGISTER[e.function] if whole else _ELEMENTWISE[e.function]
+            return f"{helper}({self.lanes(e.args[0], i, whole)})"
         if isinstance(e, ir.Arith):
             sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[e.op]
             return f"({self.lanes(e.left, i, whole)} {sym} {self.lanes(e.right, i, whole)})"
@@ -334,7 +338,8 @@ class CPrinter:
         return f"({self.lanes(a, i, whole)} * {self.lanes(b, i, whole)})"
 
     def has_lanes(self, e: ir.Expr) -> bool:
-        """lanes() can compute e: elementwise arithmetic, exp, scalars and values at hand"""
+        """lanes() can compute e: elementwise arithmetic, builtins with a register helper (_REGISTER),
+        scalars and values at hand"""
         if not e.shape:
             return True
         if len(e.shape) != 1:
@@ -344,7 +349,7 @@ class CPrinter:
         if isinstance(e, ir.Neg):
             return self.has_lanes(e.operand)
         if isinstance(e, ir.Apply):
-            return e.function == "exp" and self.has_lanes(e.args[0])
+            return e.function in _REGISTER and self.has_lanes(e.args[0])
         if isinstance(e, ir.Arith):
             return e.op != "pow" and self.has_lanes(e.left) and self.has_lanes(e.right)
         if isinstance(e, ir.Dot):
