@@ -8,10 +8,14 @@ has it, `ggml_gated_delta_net` (gated DeltaNet), float32, B = 1, H = 8, dk = dv 
 one op computed by `ggml_graph_compute_with_ctx` with the given thread count (median of repeats; the inputs
 are written into ggml's tensors once, outside the timing), in rounds alternating with linrec's C recurrent
 form on the same inputs (the ratio is the median over rounds), plus the one-token decode call (T = 1) from
-Python. Before timing, a short sequence checks that the op computes the same recurrence as linrec's
-example (examples/gla.lin, examples/gated_deltanet.lin) and prints the relative difference — ggml gets its
-inputs in its own conventions (the decay exp(g) rather than the log-decay g; q and k already normalized for
-the delta net), prepared with NumPy outside the timed call.
+Python. Both sides' GFLOP/s count the useful flops `linrec bench` counts (the recurrent form's, e.g.
+4·dk·dv per token and head for GLA), each also as a fraction of the same-run float32 matmul (bench's
+reference, measured before and after each op's rounds): how far each side is from what this machine's
+cores do at the time, which the ratio alone does not show. Before timing, a short sequence checks that
+the op computes the same recurrence as linrec's example (examples/gla.lin, examples/gated_deltanet.lin)
+and prints the relative difference — ggml gets its inputs in its own conventions (the decay exp(g) rather
+than the log-decay g; q and k already normalized for the delta net), prepared with NumPy outside the timed
+call.
 
 Without ggml-python it prints how to install it and exits with status 0.
 """
@@ -124,7 +128,7 @@ def time_op(ggml, op: str, tokens: int, threads: int, repeats: int, per_round: i
     machine's slow and fast spells; alternating call by call instead would make each side evict the
     other's inputs from the shared last-level cache before every call."""
     import backends as linrec
-    from backends import c_build
+    from backends import bench, c_build
     rec = linrec.load(ROOT / "examples" / ("gla.lin" if op == "gla" else "gated_deltanet.lin"))
     x = rec.random_inputs(batch=1, tokens=tokens, heads=H, dims={"dk": D, "dv": D}, dtype=np.float32, seed=0)
     gr = Graph(ggml, op, tokens)
@@ -149,8 +153,10 @@ def time_op(ggml, op: str, tokens: int, threads: int, repeats: int, per_round: i
                 ratios.append(statistics.median(g) / statistics.median(lr))
     finally:
         gr.close()
-    return {"ggml_ms": statistics.median(ggml_s) * 1e3, "linrec_ms": statistics.median(linrec_s) * 1e3,
-            "ratio": statistics.median(ratios)}
+    useful = bench.flop_count(rec, {"dk": D, "dv": D})[0] * tokens * H
+    ggml_ms, linrec_ms = statistics.median(ggml_s) * 1e3, statistics.median(linrec_s) * 1e3
+    return {"ggml_ms": ggml_ms, "linrec_ms": linrec_ms, "ratio": statistics.median(ratios),
+            "ggml_gflops": useful / (ggml_ms * 1e6), "linrec_gflops": useful / (linrec_ms * 1e6)}
 
 
 def decode_us(ggml, op: str, threads: int) -> float:
@@ -194,14 +200,22 @@ def main(argv=None) -> int:
         print(f"ggml-python is installed but does not load ({err}); nothing to compare")
         return 0
     sys.path.insert(0, str(ROOT))
+    from backends import bench
     tokens = args.tokens or [1024, 4096, 16384]
     ops = ["gla"] + (["gated_delta_net"] if hasattr(ggml, "ggml_gated_delta_net") else [])
     report = {"threads": args.threads, "B": 1, "H": H, "dk": D, "dv": D, "ops": {}}
     for op in ops:
         name = "ggml_gated_linear_attn" if op == "gla" else "ggml_gated_delta_net"
         entry = {"op": name, "check": check(ggml, op, args.threads), "ms": {}, "decode_us": None}
+        sgemm = [bench.sgemm_reference(args.threads, 3)["gflops"]]
         for t in tokens:
             entry["ms"][str(t)] = time_op(ggml, op, t, args.threads, args.repeats)
+        sgemm.append(bench.sgemm_reference(args.threads, 3)["gflops"])
+        entry["sgemm_gflops"] = statistics.median(sgemm) if None not in sgemm else None
+        for m in entry["ms"].values():
+            for side in ("ggml", "linrec"):
+                m[f"{side}_fraction_of_bound"] = (m[f"{side}_gflops"] / entry["sgemm_gflops"]
+                                                  if entry["sgemm_gflops"] else None)
         entry["decode_us"] = decode_us(ggml, op, args.threads)
         entry["decode_us_1_thread"] = decode_us(ggml, op, 1) if args.threads != 1 else entry["decode_us"]
         report["ops"][op] = entry
@@ -216,6 +230,10 @@ def main(argv=None) -> int:
                 print(f"  T={t:>6}: ggml {m['ggml_ms']:9.3f} ms ({int(t) / m['ggml_ms'] * 1e3:.4g} tokens/s); linrec C "
                       f"recurrent {m['linrec_ms']:.3f} ms; ggml / linrec = {m['ratio']:.2f}× (median of "
                       f"{args.repeats} alternating rounds)")
+                print(f"          useful GFLOP/s: ggml {m['ggml_gflops']:.1f}, linrec {m['linrec_gflops']:.1f}"
+                      + (f"; of the same-run matmul's {entry['sgemm_gflops']:.0f} GFLOP/s: ggml "
+                         f"{m['ggml_fraction_of_bound']:.0%}, linrec {m['linrec_fraction_of_bound']:.0%}"
+                         if entry["sgemm_gflops"] else "; no matmul reference (it failed to run)"))
             print(f"  decode (T=1, graph computed from Python): {entry['decode_us']:.2f} µs per call with "
                   f"{args.threads} thread(s), {entry['decode_us_1_thread']:.2f} µs with 1")
     if args.json:
