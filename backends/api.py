@@ -154,7 +154,7 @@ class Recurrence:
         inplace=True updates the given state arrays and returns them (the fast decode loop); otherwise the
         given states are left alone. `out` (C backend) holds output arrays to reuse. The C backend checks
         shapes and dtypes when an array changes, and its kernel the declared value ranges on every call
-        (see c_backend.Stepper)."""
+        (see c_step.Stepper)."""
         bound = self._steppers.get(backend)  # a compiled step bound before (never for a KV cache)
         if bound is not None and bound[0] is params:
             stepper = bound[1]

@@ -50,7 +50,7 @@ import numpy as np
 from dsl.errors import LinrecError
 
 from . import c_build
-from .c_backend import split_scalar
+from .c_generator import split_scalar
 
 DEFAULT_TOKENS = (1024, 4096, 16384, 32768)
 QUICK_TOKENS = (256, 1024)

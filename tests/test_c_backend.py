@@ -663,8 +663,8 @@ def test_heads_taken_in_turns_by_threads(linrec, monkeypatch, name):
     """Threads claim groups of heads segment by segment (lr_claim), so a head's state moves between
     threads mid-sequence; with segments of one block (SEGMENT_WORK = 1) every block boundary is a segment
     boundary. A non-causal program makes two passes per head. 2 and 3 threads against NumPy float64."""
-    from backends import c_backend, c_build
-    monkeypatch.setattr(c_backend, "SEGMENT_WORK", 1)
+    from backends import c_backend, c_build, c_generator
+    monkeypatch.setattr(c_generator, "SEGMENT_WORK", 1)
     rec = rec_for(linrec, name)
     mod = c_backend.CRecurrent(rec.compiled)
     source = mod.source(np.float64, DIMS)

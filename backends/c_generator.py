@@ -1,0 +1,609 @@
+"""The C source of the recurrent form and the decode step: Generator plans the passes over each state of a
+factorable recurrence (decay + rank-one corrections + rank-one writes, see compiler.transitions) — register
+tiles, the lazy decay's bookkeeping, which outputs stream from the tile loop — and renders
+templates/c_recurrent.c.j2 for one scalar type, one SIMD width and one assignment of sizes (dk, dv, … are
+compile-time constants). c_backend builds and runs what it renders."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+
+from compiler import Compiled, ir
+from compiler.analysis import walk
+from compiler.linearity import ONE, mul, neg
+from dsl.errors import LinrecError
+
+from .c_printer import CPrinter, Local
+from .names import Namer
+from .numpy_backend import VERSION
+from .templating import environment
+
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+# Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
+STEP_PARALLEL_THRESHOLD = 1 << 20
+# SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
+REGISTER_BUDGET = 24
+# The per-token values of a block of tokens (the sequence kernel's unit of work) should fit in L1 beside
+# the state: the block holds as many tokens (8…64) as fit in this many bytes.
+BLOCK_BYTES = 24 * 1024
+# Multiply-adds a thread runs of one head before it looks for the head furthest behind (see lr_claim).
+SEGMENT_WORK = 1 << 21
+
+
+def require_factorable(compiled: Compiled) -> None:
+    bad = [t for t in compiled.derivation.transitions if not t.factorable]
+    if bad:
+        why = "; ".join(f"state '{t.state}': {r}" for t in bad for r in t.reasons)
+        raise LinrecError(f"the C backend needs a factorable transition (a decay plus rank-one terms per "
+                          f"state), and '{compiled.name}' has none: {why}. The NumPy backend "
+                          f"(backend='numpy') runs this program.")
+
+
+def split_scalar(e: ir.Expr) -> tuple[ir.Expr, ir.Expr]:
+    """A vector expression as (scalar coefficient, vector base): −(a·(b·k)) → (−(a·b), k)."""
+    if isinstance(e, ir.Neg):
+        c, base = split_scalar(e.operand)
+        return neg(c), base
+    if isinstance(e, (ir.Arith, ir.Dot)) and (not isinstance(e, ir.Arith) or e.op in ("mul", "div")):
+        a, b = e.left, e.right
+        if isinstance(e, ir.Arith) and e.op == "div":
+            if not b.shape and a.shape:
+                c, base = split_scalar(a)
+                return ir.Arith((), "div", c, b), base
+            return ONE, e
+        if not a.shape and b.shape:
+            c, base = split_scalar(b)
+            return mul(a, c), base
+        if not b.shape and a.shape:
+            c, base = split_scalar(a)
+            return mul(c, b), base
+    return ONE, e
+
+
+def _sum(terms: list[ir.Expr], shape) -> ir.Expr:
+    out = terms[0]
+    for t in terms[1:]:
+        if isinstance(t, ir.Neg):
+            out = ir.Arith(shape, "sub", out, t.operand)
+        else:
+            out = ir.Arith(shape, "add", out, t)
+    return out
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    limit = max(1, min(n, limit))
+    return next(g for g in range(limit, 0, -1) if n % g == 0) if n else 1
+
+
+@dataclass(frozen=True)
+class Target:
+    ctype: str
+    vector_bytes: int
+
+    @property
+    def lanes(self) -> int:
+        return self.vector_bytes // (4 if self.ctype == "float" else 8)
+
+
+class Generator:
+    """Builds the template's context for one (dtype, sizes)."""
+
+    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
+        require_factorable(compiled)
+        self.c = compiled
+        self.p = compiled.program
+        self.d = compiled.derivation
+        self.dims = dims
+        self.t = target
+        self.n = Namer()
+        for x in self.p.inputs:
+            self._check_rank(x.name, x.shape, "input")
+        for s in self.p.states:
+            if len(s.shape) not in (1, 2):
+                raise LinrecError(f"state '{s.name}': the C backend handles vector and matrix states only")
+
+    def _check_rank(self, name, shape, what):
+        if len(shape) > 1:
+            raise LinrecError(f"{what} '{name}' has shape {list(shape)}: the C backend handles scalar and "
+                              f"vector per-token values only; the NumPy backend runs this program")
+
+    # ---- identifiers (all user names go through the Namer, with a fixed prefix per role) ----
+    def cin(self, name):
+        return "in_" + self.n(name)
+
+    def cparam(self, name):
+        return "prm_" + self.n(name)
+
+    def cstate(self, name):
+        return "st_" + self.n(name)
+
+    def cout(self, name):
+        return "out_" + self.n(name)
+
+    def size(self, shape) -> int:
+        return prod(self.dims[d] for d in shape)
+
+    def padded(self, n: int) -> int:
+        lanes = self.t.lanes
+        return (n + lanes - 1) // lanes * lanes
+
+    # ---- leaves ----
+    def ref(self, node: ir.Expr) -> str:
+        if isinstance(node, ir.InputRef):
+            return f"{self.cin(node.name)}_t"
+        if isinstance(node, ir.ParamRef):
+            base = self.cparam(node.name)
+            n = self.size(node.shape)
+            if node.per_head:
+                return f"({base} + h * {n})" if node.shape else f"{base}[h]"
+            return base if node.shape else f"{base}[0]"
+        if isinstance(node, ir.ReadoutRef):
+            return f"r{node.index}"
+        if isinstance(node, Local):
+            return node.name
+        raise LinrecError(f"the C backend cannot reference {type(node).__name__} here")
+
+    # ---- the decode step: one token, the state updated in place in the caller's [B, H, *] arrays ----
+    def step_region(self) -> dict:
+        """The body of the step kernel for one (batch row, head): the token's values, then per state the
+        corrections' p = wᵀS, the right vectors and one fused pass (rows of S at their true stride dv,
+        with a column tail when dv is not a whole number of registers), then the outputs."""
+        updates = readouts = step = True
+        pr = CPrinter(self.t.ctype, self.dims, self.ref)
+        states = []
+        plans = []
+        for st in self.p.states:
+            tr = self.d.transition(st.name)
+            plan = self._plan_state(st, tr, updates=updates, readouts=readouts)
+            plans.append(plan)
+        # declare everything this region prints, so that shared subexpressions are computed once
+        for plan in plans:
+            pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *plan["y"],
+                      *plan["q"])
+        outputs = self.d.outputs if readouts else ()
+        pr.expect(*[e for _, e in outputs])
+        # 1. state-free values of the token
+        for st, plan in zip(self.p.states, plans):
+            plan["decay_code"] = None
+            if plan["decay"] is not None:
+                dec = plan["decay"]
+                plan["decay_code"] = {"vector": bool(dec.shape),
+                                      "code": pr.array(dec) if dec.shape else pr.scalar(dec)}
+            plan["w_codes"] = [pr.array(w) for w in plan["w"]]
+            plan["x_codes"] = [pr.array(x) for x in plan["x"]]
+            plan["q_codes"] = [pr.array(q) for q in plan["q"]]
+        prep = pr.take_token()
+        # 2. per state: corrections, right vectors, the fused pass
+        readout_decls = []
+        for st, plan in zip(self.p.states, plans):
+            matrix = len(st.shape) == 2
+            rows = self.dims[st.shape[0]]
+            cols = self.dims[st.shape[1]] if matrix else 1
+            cols_padded = self.padded(cols) if matrix else 1
+            ld = cols if step else cols_padded
+            ncols = cols if step else cols_padded
+            nfull = ncols // self.t.lanes
+            y_lines = []
+            y_names = []
+            for gi, y in enumerate(plan["y"]):
+                yname = f"y_{self.cstate(st.name)}_{gi}"
+                if matrix and isinstance(y, (ir.InputRef, ir.ParamRef)) and (step or cols == cols_padded):
+                    y_names.append(pr.array(y))  # a value used as it is: read it in place
+                    continue
+                if matrix:
+                    body = pr.fill(y, yname, cols)
+                    pad = [f"for (int i = {cols}; i < {cols_padded}; ++i) {yname}[i] = 0;"] \
+                        if cols_padded > cols else []
+                    y_lines += pr.take_token() + [f"T {yname}[{cols_padded}] __attribute__((aligned(64)));"] \
+                        + body + pad
+                else:
+                    code = pr.scalar(y)
+                    y_lines += pr.take_token() + [f"const T {yname} = {code};"]
+                y_names.append(yname)
+            before, after = [], []
+            for (r, q_code) in zip(plan["readouts"], plan["q_codes"]):
+                entry = {"q": q_code, "r": f"r{r.index}"}
+                (before if r.before_update else after).append(entry)
+                readout_decls.append({"r": f"r{r.index}", "scalar": not matrix, "size": cols_padded})
+            ng = len(plan["x"]) if updates else 0
+            nr = len(before) + len(after)
+            gv_u = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, ng + 2 * nr + 1)) if nfull else 1
+            gv_p = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, 2 * len(plan["w"]) + 1)) if nfull else 1
+            state = {
+                "name": st.name, "c": self.cstate(st.name), "matrix": matrix, "rows": rows, "cols": ncols,
+                "cols_padded": cols_padded, "S": f"buf_{self.cstate(st.name)}", "ld": ld, "nfull": nfull,
+                "tail": ncols % self.t.lanes if matrix else 0, "update": updates,
+                "decay": plan["decay_code"] if updates else None,
+                "corrections": [{"w": w, "p": p.name} for w, p in zip(plan["w_codes"], plan["p"])],
+                "groups": [{"x": x, "y": y} for x, y in zip(plan["x_codes"], y_names)],
+                "y_lines": y_lines, "before": before, "after": after, "gv_u": gv_u, "gv_p": gv_p,
+                "comment": self.d.transition(st.name).kind if updates else "readouts of the final state",
+                "next": False,
+                # read twice (corrections first): the update pass runs from L1 and can prefetch the next head
+                "prefetch_next": matrix and bool(plan["w"]),
+            }
+            states.append(state)
+        # 3. outputs over the readouts
+        out_lines = []
+        for name, e in outputs:
+            target = self.cout(name)
+            if e.shape:
+                body = pr.fill(e, f"{target}_t")
+            else:
+                body = [f"{target}[tok] = {pr.scalar(e)};"]
+            out_lines += pr.take_token() + body
+        return {"head": pr.take_head(), "prep": prep, "states": states, "readouts": readout_decls,
+                "outputs": out_lines}
+
+    # ---- the sequence kernel: blocks of tokens in three phases ----
+    def _token_pointer(self, e: ir.Expr) -> str | None:
+        """A C pointer to token u's copy of a vector input or parameter (no copy needed), else None."""
+        if isinstance(e, ir.InputRef):
+            return f"({self.cin(e.name)} + ((b * ntok + t0 + u) * H + h) * {self.size(e.shape)})"
+        if isinstance(e, ir.ParamRef) and e.shape:
+            return self.ref(e)
+        return None
+
+    def block_region(self, prefix: str, *, updates: bool, readouts: bool) -> dict:
+        """One block of tokens of one head: (1) every state-free value of every token into block arrays
+        (and the bookkeeping of lazily applied decays), (2) the states over the block, (3) the outputs."""
+        ct = self.t.ctype
+        pr = CPrinter(ct, self.dims, self.ref, prefix)
+        po = CPrinter(ct, self.dims, self.ref, prefix + "o")
+        plans = [self._plan_state(st, self.d.transition(st.name), updates=updates, readouts=readouts)
+                 for st in self.p.states]
+        for plan in plans:
+            pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *plan["q"],
+                      *[e for terms in plan["terms"] for c, kind, v in terms for e in (c, v) if kind == "v"])
+            if not plan["w"]:
+                pr.expect(*plan["y"])
+        outputs = self.d.outputs if readouts else ()
+        po.expect(*[e for _, e in outputs])
+        arrays: list[tuple[str, int]] = []  # block arrays: name, values per token (0: one scalar)
+        prep: list[str] = []
+        stored: set[str] = set()  # block arrays the lazy bookkeeping of a per-row decay stores itself
+
+        def export_vector(e, name, n, padded=None, scale=None, to=prep):
+            """e into block array `name`; `scale`: C for a factor of element i (a lazy decay's) it is
+            multiplied by as it is stored (the array then no longer holds e: later uses compute e anew)"""
+            arrays.append((name, padded or n))
+            if name in stored:  # by the lazy bookkeeping
+                return
+            body = pr.fill(e, f"{name}[u]", n, keep=scale is None, scale=scale)
+            pad = [f"for (int i = {n}; i < {padded}; ++i) {name}[u][i] = 0;"] if padded and padded > n else []
+            to.extend(pr.take_token() + body + pad)
+
+        def export_scalar(e, name, to=prep):
+            arrays.append((name, 0))
+            code = pr.scalar(e)
+            to.extend(pr.take_token() + [f"{name}[u] = {code};"])
+
+        # the decays first: the lazy bookkeeping after them (phase 1) gives the factors by which the vectors
+        # that meet a lazily decayed state are stored
+        decay_prep: list[str] = []
+        lazy: dict[str, dict] = {}
+        for st, plan in zip(self.p.states, plans):
+            decay = plan["decay"] if updates else None
+            if decay is None:
+                continue
+            c, rows = self.cstate(st.name), self.dims[st.shape[0]]
+            if len(st.shape) == 2 and decay.shape:
+                arrays.append((f"blk_d_{c}", rows))
+                lazy[st.name] = self._lazy_registers(pr, c, decay, plan)
+                stored.update(s["array"] for s in lazy[st.name]["stores"])
+                decay_prep.extend(pr.take_token())
+                continue
+            if decay.shape:
+                export_vector(decay, f"blk_d_{c}", rows, to=decay_prep)
+            else:
+                export_scalar(decay, f"blk_d_{c}", to=decay_prep)
+            if len(st.shape) == 2:  # a scalar decay, applied lazily: its factors are scalars, prep stores
+                lazy[st.name] = {"scalars": {kind: f"{kind}_{c}" for kind in ("mw", "mx", "mq")}}
+
+        states, lazies, readout_decls = [], [], []
+        for st, plan in zip(self.p.states, plans):
+            c = self.cstate(st.name)
+            matrix = len(st.shape) == 2
+            rows = self.dims[st.shape[0]]
+            cols = self.dims[st.shape[1]] if matrix else 1
+            cp = self.padded(cols) if matrix else 1
+            nfull = cp // self.t.lanes if matrix else 0
+            entry = {"name": st.name, "c": c, "matrix": matrix, "rows": rows, "cols": cp, "cols_padded": cp,
+                     "S": f"buf_{c}", "ld": cp, "nfull": nfull, "tail": 0, "update": updates,
+                     "comment": self.d.transition(st.name).kind if updates else "readouts of the final state"}
+            decay = plan["decay"] if updates else None
+            lz = lazy.get(st.name)
+
+            def factor(kind):  # Ŝ = S/c: x/c for a token's writes, q⊙c for reads after it, c before it
+                return lz["scalars"][kind] if lz and "scalars" in lz else None
+            for r, w in enumerate(plan["w"]):
+                export_vector(w, f"blk_w_{c}_{r}", rows, scale=factor("mw"))
+            for g, x in enumerate(plan["x"]):
+                export_vector(x, f"blk_x_{c}_{g}", rows, scale=factor("mx"))
+            before, after = [], []
+            for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"])):
+                export_vector(q, f"blk_q_{c}_{k}", rows, scale=factor("mw" if rd.before_update else "mq"))
+                (before if rd.before_update else after).append({
+                    "q": f"blk_q_{c}_{k}[u]", "r": f"r{rd.index}_blk[u]", "base": f"blk_q_{c}_{k}",
+                    "index": rd.index, "out": None})  # out: see _fuse_outputs
+                readout_decls.append({"r": f"r{rd.index}", "blk": f"r{rd.index}_blk", "scalar": not matrix,
+                                      "size": cp})
+                arrays.append((f"r{rd.index}_blk", cp if matrix else 0))
+            entry["before"], entry["after"] = before, after
+            entry["decay"] = None if decay is None else {"vector": bool(decay.shape), "code": f"blk_d_{c}[u]"}
+            entry["corrections"] = [{"w": f"blk_w_{c}_{r}[u]", "p": f"p_{c}_{r}"} for r in range(len(plan["w"]))]
+            groups = []
+            tiled = matrix and not plan["w"]
+            for g, (x, y, terms) in enumerate(zip(plan["x"], plan["y"], plan["terms"])):
+                group = {"x": f"blk_x_{c}_{g}[u]", "xbase": f"blk_x_{c}_{g}"}
+                if tiled:
+                    # always copied to the block, even a plain input row: a tile reads y once per token and
+                    # tile, and a row of the caller's (numpy's rows start 16 bytes into a cache line)
+                    # splits every vector load in two. Measured at T = 16384: 7% faster with such rows,
+                    # 4% with aligned ones (phase 1 brings the row to L1 for phase 2).
+                    export_vector(y, f"blk_y_{c}_{g}", cols, cp)
+                    group["y"] = f"blk_y_{c}_{g}[u]"
+                else:
+                    group["y"] = f"y_{c}_{g}"
+                    parts = []
+                    for m, (coef, kind, payload) in enumerate(terms):
+                        part = {"coef": None}
+                        if coef != ONE:
+                            export_scalar(coef, f"blk_k_{c}_{g}_{m}")
+                            part["coef"] = f"blk_k_{c}_{g}_{m}[u]"
+                        if kind == "p":
+                            part["src"] = f"p_{c}_{payload}"
+                        elif not payload.shape:
+                            if payload != ONE:
+                                export_scalar(payload, f"blk_v_{c}_{g}_{m}")
+                                part["src"] = f"blk_v_{c}_{g}_{m}[u]"
+                            else:
+                                part["src"] = None
+                        else:
+                            ptr = self._token_pointer(payload) if cols == cp else None
+                            if ptr is None:
+                                export_vector(payload, f"blk_v_{c}_{g}_{m}", cols, cp)
+                                ptr = f"blk_v_{c}_{g}_{m}[u]"
+                            part["src"] = ptr
+                        parts.append(part)
+                    group["terms"] = parts
+                groups.append(group)
+            entry["groups"] = groups
+            entry["kind"] = "vector" if not matrix else ("tiled" if tiled else "tokens")
+            ng = len(groups) if updates else 0
+            if entry["kind"] == "tiled":
+                # wide tiles first: a row of four registers shares each broadcast of x and q over four
+                # multiply-adds (measured ~8% faster than two registers for GLA at dv = 64)
+                entry["ct"] = next(c for c in (4, 2, 1) if nfull % c == 0)
+                budget = REGISTER_BUDGET + 4
+                rt = next(r for r in (8, 6, 4, 3, 2, 1) if r * entry["ct"] + (ng + 2) * entry["ct"] <= budget)
+                entry["rt"] = min(rt, rows)
+                entry["rows_main"] = rows - rows % entry["rt"]
+                entry["rt_tail"] = rows % entry["rt"]
+            elif entry["kind"] == "tokens":
+                nr = len(before) + len(after)
+                nc = len(plan["w"])
+                entry["gv_u"] = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, ng + 2 * nr + 2 * nc + 1))
+                entry["gv_p"] = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, 2 * len(plan["w"]) + 1))
+            if matrix and decay is not None:  # decays applied lazily: the bookkeeping runs in phase 1
+                arrays.append((f"blk_slow_{c}", 0))
+                entry["slow"] = f"blk_slow_{c}[u]"
+                occurs = {"mw": bool(plan["w"] or before), "mx": bool(groups), "mq": bool(after)}
+                lazies.append({"name": st.name, "vector": bool(decay.shape), "rows": rows, "sc": f"sc_{c}",
+                               "d": f"blk_d_{c}[u]", "slow": f"blk_slow_{c}[u]", "flag": f"slow_{c}",
+                               "factors": [kind for kind, yes in occurs.items() if yes],
+                               "scalars": lz.get("scalars", {}),
+                               "stores": lz.get("stores", []), "decay_v": lz.get("decay_v"),
+                               "decay_e": lz.get("decay_e")})
+            entry["pf_rate"] = self._prefetch_rate(entry)
+            entry["next"] = False
+            entry["fast"] = dict(entry, decay=None)
+            if entry["kind"] == "tokens" and plan["w"]:
+                entry["corrections_first"] = [{"w": f"blk_w_{c}_{r}[0]", "p": f"p_{c}_{r}"}
+                                              for r in range(len(plan["w"]))]
+                nxt = [dict(e, wn=f"blk_w_{c}_{r}[u + 1]") for r, e in enumerate(entry["corrections"])]
+                with_next = dict(entry, corrections=nxt, next=True)
+                with_next["fast"] = dict(with_next, decay=None)
+                entry["with_next"] = with_next
+            states.append(entry)
+        head = pr.take_head()
+        fused = self._fuse_outputs(states, outputs)
+        # phase 3: outputs over the readouts
+        out_lines = []
+        for name, e in outputs:
+            if name in fused:
+                continue
+            target = self.cout(name)
+            body = po.fill(e, f"{target}_t") if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
+            out_lines += po.take_token() + body
+        return {"head": head + po.take_head(), "decay_prep": decay_prep, "prep": prep, "lazy": lazies,
+                "states": states, "checks": updates,
+                "spread_prefetches": any(st["pf_rate"] for st in states),
+                "readouts": readout_decls, "outputs": out_lines, "arrays": arrays}
+
+    def _lazy_registers(self, pr: CPrinter, c: str, decay: ir.Expr, plan: dict) -> dict:
+        """The lazy bookkeeping of a matrix state with a per-row decay: it computes the decay and stores the
+        vectors that meet Ŝ times their factors itself, a register at a time, c·D kept in registers (a
+        third of phase 1 faster for GLA than through block arrays of factors). Values with no register-wise
+        form (c_printer.lanes) are computed into a local row first."""
+        vectors = ([(w, f"blk_w_{c}_{r}", "mw") for r, w in enumerate(plan["w"])]
+                   + [(x, f"blk_x_{c}_{g}", "mx") for g, x in enumerate(plan["x"])]
+                   + [(q, f"blk_q_{c}_{k}", "mw" if rd.before_update else "mq")
+                      for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"]))])
+        for e in [decay] + [v for v, _, _ in vectors]:
+            if not pr.has_lanes(e):
+                pr.array(e)  # (then at hand)
+        return {"decay_v": pr.lanes(decay, "i"), "decay_e": pr.lanes(decay, "i", whole=False),
+                "stores": [{"array": name, "target": f"{name}[u]", "factor": factor, "v": pr.lanes(e, "i"),
+                            "e": pr.lanes(e, "i", whole=False)} for e, name, factor in vectors]}
+
+    def _fuse_outputs(self, states: list[dict], outputs) -> set[str]:
+        """The outputs that are a readout as it is, of a tiled pass over whole registers: the pass's last
+        tile of rows streams them to their rows (`out` of the readout), so they skip phase 3 and the block
+        array (~3% on GLA). Returns their names."""
+        uses = Counter(n.index for _, e in outputs for n in walk(e) if isinstance(n, ir.ReadoutRef))
+        fused = set()
+        for name, e in outputs:
+            if not isinstance(e, ir.ReadoutRef) or uses[e.index] != 1:
+                continue
+            for entry in states:
+                if entry["kind"] == "tiled" and entry["cols"] == self.size(e.shape):
+                    for rd in entry["before"] + entry["after"]:
+                        if rd["index"] == e.index:
+                            rd["out"] = f"({self.cout(name)} + ((b * ntok + t0 + u) * H + h) * {entry['cols']})"
+                            fused.add(name)
+        return fused
+
+    def prefetch_lines(self, x: ir.Input) -> int:
+        """The lines lr_prefetch_some issues for a row of input x: one per 64 bytes from its start, and one
+        at its last byte (the line a row not on a line boundary reaches into); one for a scalar."""
+        size = 4 if self.t.ctype == "float" else 8
+        return -(-self.size(x.shape) * size // 64) + 1 if x.shape else 1
+
+    def _prefetch_rate(self, entry: dict) -> int:
+        """Prefetches per step of a tiled pass's inner loop: about one token's lines per token, evenly over
+        the pass; a few left over are issued when phase 2 ends. A tiled pass is bound by its multiply-adds
+        and has load slots to spare; a pass token after token is bound by its loads and reads from L1, and
+        prefetches inside it cost more than a burst in phase 1 (measured ~5% on gated DeltaNet): 0."""
+        if entry["kind"] != "tiled" or not self.p.inputs:
+            return 0
+        steps = entry["nfull"] // entry["ct"] * -(-entry["rows"] // entry["rt"])  # tiles, each once per token
+        return max(1, sum(self.prefetch_lines(x) for x in self.p.inputs) // max(1, steps))
+
+    def _plan_state(self, st: ir.State, tr, *, updates: bool, readouts: bool) -> dict:
+        """The terms of a state's update, rank-one terms grouped by their left vector."""
+        matrix = len(st.shape) == 2
+        plan = {"decay": None, "w": [], "p": [], "x": [], "y": [], "q": [], "readouts": [], "terms": []}
+        if updates:
+            plan["decay"] = tr.decay
+            right_shape = (st.shape[1],) if matrix else ()
+            groups: dict[ir.Expr, list[ir.Expr]] = {}
+            parts: dict[ir.Expr, list[tuple]] = {}  # the same terms as (coefficient, "p" | "v", r | value)
+            for r, (u, w) in enumerate(tr.corrections):
+                p = Local(right_shape, f"p_{self.cstate(st.name)}_{r}")
+                plan["w"].append(w)
+                plan["p"].append(p)
+                coef, base = split_scalar(u)
+                groups.setdefault(base, []).append(_scaled(coef, p, right_shape))
+                parts.setdefault(base, []).append((coef, "p", r))
+            for key, value in tr.writes:
+                coef, base = split_scalar(key)
+                rhs = value if value is not None else ONE
+                if matrix and not rhs.shape:
+                    raise LinrecError(f"state '{st.name}': a write with a scalar value")
+                groups.setdefault(base, []).append(_scaled(coef, rhs, right_shape))
+                parts.setdefault(base, []).append((coef, "v", rhs))
+            for base, terms in groups.items():
+                plan["x"].append(base)
+                plan["y"].append(_sum(terms, right_shape))
+            plan["terms"] = list(parts.values())
+        if readouts:
+            for r in self.d.readouts:
+                if r.state == st.name:
+                    plan["q"].append(r.query)
+                    plan["readouts"].append(r)
+        return plan
+
+    # ---- the whole file ----
+    def context(self) -> dict:
+        causal = self.p.causal
+        if causal:
+            forward_regions = [self.block_region("", updates=True, readouts=True)]
+        else:  # non-causal: every output reads the final state, so run the updates first
+            forward_regions = [self.block_region("", updates=True, readouts=False),
+                               self.block_region("n", updates=False, readouts=True)]
+        step_region = self.step_region() if causal else None
+        lazy_rows = {lz["name"]: (lz["rows"] if lz["vector"] else 1) for r in forward_regions for lz in r["lazy"]}
+        # block arrays: one allocation per thread, each array on a cache line, LR_BLOCK tokens of each
+        sizes: dict[str, int] = {}
+        for r in forward_regions:
+            for name, n in r["arrays"]:
+                sizes[name] = n
+        per_token = sum(max(n, 1) for n in sizes.values()) * (4 if self.t.ctype == "float" else 8)
+        block_tokens = 8
+        while block_tokens < 64 and 2 * block_tokens * per_token <= BLOCK_BYTES:
+            block_tokens *= 2
+        # a segment (what a thread runs of a head before it looks for another, see lr_claim): whole blocks,
+        # enough multiply-adds (~2M, tens of µs) that claiming a head and moving its state cost little
+        work = sum(self.size(s.shape) for s in self.p.states) * (2 + len(self.d.readouts))
+        segment_tokens = block_tokens
+        while segment_tokens * work < SEGMENT_WORK and segment_tokens < 8192:
+            segment_tokens *= 2
+        align = 64 // (4 if self.t.ctype == "float" else 8)
+        block_arrays, offset = [], 0
+        for name, n in sizes.items():
+            block_arrays.append({"name": name, "n": n, "offset": offset})
+            offset += -(-block_tokens * max(n, 1) // align) * align
+        ct = self.t.ctype
+        # the arrays in the order of every entry point: inputs and params (read), states and outputs (written)
+        names = ([self.cin(x.name) for x in self.p.inputs] + [self.cparam(prm.name) for prm in self.p.params]
+                 + [self.cstate(st.name) for st in self.p.states] + [self.cout(o.name) for o in self.p.outputs])
+        n_read = len(self.p.inputs) + len(self.p.params)
+        args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}" for i, name in enumerate(names)]
+        fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
+        stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
+        packed = "int lr_step_packed(const lr_step_call *call)"
+        call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
+        comment = "Source program:\n" + "\n".join("    " + line for line in self.c.source.strip().splitlines())
+        comment = comment.replace("*/", "* /")
+        return dict(
+            name=self.p.name, version=VERSION, filename=self.c.filename, source_comment="   " +
+            comment.replace("\n", "\n   "), ctype=ct, vector_bytes=self.t.vector_bytes, lanes=self.t.lanes,
+            dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
+            inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape,
+                     "outside": self._outside(x), "outside_lanes": self._outside(x, lanes=True),
+                     "pf_lines": self.prefetch_lines(x)} for x in self.p.inputs],
+            outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
+                     for o in self.p.outputs],
+            states=[{"c": self.cstate(s.name), "name": s.name, "matrix": len(s.shape) == 2,
+                     "lazy_rows": lazy_rows.get(s.name, 0),  # (on whole cache lines: threads write them)
+                     "lazy_stride": -(-lazy_rows.get(s.name, 0) // align) * align,
+                     "rows": self.dims[s.shape[0]], "cols": self.dims[s.shape[1]] if len(s.shape) == 2 else 1,
+                     "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
+                    for s in self.p.states],
+            forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
+            max_pf_lines=max([self.prefetch_lines(x) for x in self.p.inputs] or [1]),
+            segment_tokens=segment_tokens,
+            block_arrays=block_arrays, block_floats=max(offset, 1),
+            forward_signature=fwd, step_signature=stp if causal else "", step_packed_signature=packed,
+            step_call_struct=call,
+            step_args=[{"name": n, "decl": a} for n, a in zip(names, args)],
+            step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
+        )
+
+    def _outside(self, x: ir.Input, lanes: bool = False) -> str | None:
+        """C for "element {v} of input x lies outside its declared range (or is NaN)", or None: the sequence
+        kernel tests every element as it reads the block, so run() need not scan the inputs first.
+        lanes=True: the same test of a whole register {v}, as an lr_mask (all bits set in a lane outside)."""
+        lit = CPrinter(self.t.ctype, self.dims, self.ref).literal
+        tests = []
+        if x.low is not None:
+            tests.append(f"({{v}} {'>' if x.low_open else '>='} {lit(x.low)})")
+        if x.high is not None:
+            tests.append(f"({{v}} {'<' if x.high_open else '<='} {lit(x.high)})")
+        if not tests:
+            return None
+        return f"{'~' if lanes else '!'}({' & '.join(tests)})"  # & rather than &&: the loop vectorizes
+
+    def cdef(self) -> str:
+        ctx = self.context()
+        strip = lambda sig: sig.replace("restrict ", "")  # noqa: E731
+        out = strip(ctx["forward_signature"]) + ";\n"
+        if ctx["step_region"]:
+            out += strip(ctx["step_signature"]) + ";\n" + ctx["step_call_struct"] + "\n" \
+                + ctx["step_packed_signature"] + ";\n"
+        return out
+
+    def source(self) -> str:
+        return environment().get_template("c_recurrent.c.j2").render(**self.context())
+
+
+def _scaled(coef: ir.Expr, x: ir.Expr, shape) -> ir.Expr:
+    if coef == ONE:
+        return x
+    if isinstance(coef, ir.Neg):
+        return ir.Neg(shape, _scaled(coef.operand, x, shape))
+    return ir.Arith(shape, "mul", coef, x)

@@ -1,0 +1,254 @@
+"""The C backend's decode step from Python: a Stepper binds lr_step to one set of params, one dtype and one
+[B, H], checks each array when the array in a position changes, and takes a fast path (one identity test
+per array, one C call) when a decode loop passes the same arrays again."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dsl.errors import LinrecError, RuntimeInputError
+
+from . import arrays, c_build
+from .c_arrays import aligned_copy, aligned_empty, aligned_zeros, checked
+from .c_generator import CTYPES
+
+if TYPE_CHECKING:
+    from .c_backend import CRecurrent
+
+_environ = os.environ
+
+
+class ShapeChanged(RuntimeInputError):
+    """The token arrays no longer match the batch size, heads or dtype a Stepper was bound to."""
+
+
+@lru_cache(maxsize=None)
+def _fast_step_maker(names: tuple[tuple[str, str], ...]):
+    """make(fn, call, *arrays) → step(token_inputs, state, out), for a program whose arrays are `names`
+    ((dict, key) in lr_step's order). step runs fn(call) and returns (out, state) when each dict holds, at
+    each key, the very array bound there, else None (nothing run) — None too when the kernel refused an
+    input out of its declared range (it updates nothing then; the checked path says which). An `is` test
+    per array, written out: ~20 ns each, where a generic loop or tuples of ids cost 3–5 times that."""
+    arrays = [f"a{i}" for i in range(len(names))]
+    tests = " and\n                ".join(f"{d}[{key!r}] is {a}" for (d, key), a in zip(names, arrays))
+    source = f"""def make(fn, call, {', '.join(arrays)}):
+    def step(token_inputs, state, out):
+        try:
+            same = ({tests})
+        except (KeyError, TypeError, IndexError):
+            return None
+        if not same or fn(call):
+            return None
+        return out, state
+    return step
+"""
+    namespace: dict = {}
+    exec(compile(source, "<linrec decode step: the same arrays again>", "exec"), namespace)
+    return namespace["make"]
+
+
+class Stepper:
+    """A decode step bound to one set of params, one dtype and one [B, H]: one C call per token for every
+    batch row and head. It checks each array's type, dtype, shape and strides whenever the array in a
+    position changes and keeps the ffi pointer of the array it saw last in each position. A loop that
+    passes the same arrays every call (the state with inplace=True, `out`, token buffers refilled in
+    place) gets `fast`: one identity test per array and one C call with the addresses packed."""
+
+    def __init__(self, rec: CRecurrent, params: dict, dims: dict, num_threads=None):
+        if not rec.program.causal:
+            raise LinrecError(f"'{rec.program.name}' is non-causal: every output reads the final state, so "
+                              f"it has no token-by-token decode step")
+        self.rec = rec
+        self.params = params
+        self.dims = {d.name: int(dims[d.name]) for d in rec.program.dims}
+        self._fixed_threads = None if num_threads is None else int(num_threads)
+        self._env = None
+        self.threads = self._fixed_threads or c_build.num_threads()
+        self._key = None
+        # fast(token_inputs, state, out): the step when every array is the one of the last checked call
+        # (inplace=True, with `out`), else None; None itself until such a call
+        self.fast = None
+
+    def _bind(self, dtype, batch, heads):
+        rec, p = self.rec, self.rec.program
+        k = rec.kernel(dtype, self.dims)
+        dims = k.dims
+        self._params = []
+        for prm in p.params:
+            if prm.name not in self.params:
+                raise RuntimeInputError(f"missing parameter '{prm.name}'")
+            shape = ((heads,) if prm.per_head else ()) + tuple(dims[d] for d in prm.shape)
+            arr = checked(self.params[prm.name], shape, None, f"parameter '{prm.name}'")
+            self._params.append(np.ascontiguousarray(arr, dtype=dtype))
+        self._fb, self._ptr, self._fn = k.ffi.from_buffer, k.ptr, k.lib.lr_step
+        self._ffi, self._packed_fn = k.ffi, k.lib.lr_step_packed
+        self._param_ptrs = [self._fb(self._ptr, a) for a in self._params]
+        size = np.dtype(dtype).itemsize
+
+        def spec(name, tail):
+            shape = (batch, heads) + tuple(dims[d] for d in tail)
+            strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * size for i in range(len(shape)))
+            return name, shape, strides
+        self._inputs = [spec(x.name, x.shape) for x in p.inputs]
+        self._states = [spec(s.name, s.shape) for s in p.states]
+        self._outputs = [spec(o.name, o.value.shape) for o in p.outputs]
+        n = len(self._inputs) + len(self._states) + len(self._outputs)
+        self._seen = [None] * n   # the array last seen in each position …
+        self._seen_ptr = [None] * n  # … and its pointer
+        self._in_names = [x.name for x in p.inputs]
+        self._st_names = [s.name for s in p.states]
+        self._out_names = [o.name for o in p.outputs]
+        self._make_fast = _fast_step_maker(tuple(
+            [("token_inputs", n) for n in self._in_names] + [("state", n) for n in self._st_names]
+            + [("out", n) for n in self._out_names]))
+        self._dtype, self._batch, self._heads = np.dtype(dtype), batch, heads
+        self._key = (self._dtype, batch, heads)
+
+    def __call__(self, token_inputs, state, inplace=False, out=None):
+        """(outputs [B, H, *], states [B, H, *]) after one token. inplace=True updates the given state
+        arrays (writeable, C-contiguous, of the inputs' dtype) and returns them; otherwise they are copied.
+        `out` may hold output arrays to write into (reused across calls: no allocation per token).
+        A loop that passes the same arrays every call (inplace=True, out=…, token buffers refilled in place)
+        takes `fast`: one identity test per array and the C call, and `out` and `state` themselves come
+        back; LINREC_NUM_THREADS is then read when the arrays change, not per call."""
+        if inplace and out is not None and self.fast is not None:
+            done = self.fast(token_inputs, state, out)
+            if done is not None:
+                return done
+        self.fast = None  # an array changed (or this call copies): every check below, then maybe a new fast
+        args, outputs, new_state, every_seen = self._arguments(token_inputs, state, inplace, out)
+        if self._fn(*args, self._batch, self._heads, self.threads) == 2:
+            self._outside(token_inputs)
+        if inplace and out is not None and state is not None and every_seen:
+            # the next call with these very arrays needs no check: bind them to a fast path
+            self.fast = self._make_fast(self._packed_fn, self._packed_call(), *self._seen)
+        return outputs, new_state
+
+    def bind(self, token_inputs: dict, state: dict, out: dict | None = None):
+        """step() → outputs: one token on these very arrays, every array checked once, here. Each call reads
+        the token buffers (refill them in place between calls), updates `state` in place and writes the
+        outputs into `out` (created when absent). Value ranges are checked by the kernel on every call."""
+        if state is None:
+            raise RuntimeInputError("a bound step updates its state arrays in place: pass them (e.g. the "
+                                    "final_state of prefill)")
+        out = dict(out) if out is not None else {}
+        self._arguments(token_inputs, state, True, out)  # binds [B, H] and the dtype; checks every array
+        missing = [(name, shp) for name, shp, _ in self._outputs if out.get(name) is None]
+        if missing:
+            out.update((name, aligned_empty(shp, self._dtype)) for name, shp in missing)
+            self._arguments(token_inputs, state, True, out)
+        for name, arr in zip(self._in_names + self._st_names, self._seen):  # (inputs, then states, are seen first)
+            given = token_inputs.get(name) if name in self._in_names else state.get(name)
+            if arr is not given:
+                what = f"input '{name}'" if name in self._in_names else f"state '{name}'"
+                raise RuntimeInputError(f"{what} must be a C-contiguous {self._dtype} array of shape "
+                                        f"{list(arr.shape)} to be bound: the step reads it in place every call")
+        fn, call = self._packed_fn, self._packed_call()
+        check = self._outside
+
+        def step():
+            if fn(call) == 2:
+                check(token_inputs)
+            return out
+        return step
+
+    def _packed_call(self):
+        """The lr_step_call struct of the arrays seen last in every position (_seen_ptr and _param_ptrs
+        keep their buffers alive and pinned)."""
+        n_in = len(self._in_names)
+        call = self._ffi.new("lr_step_call *")
+        call.arrays = self._seen_ptr[:n_in] + self._param_ptrs + self._seen_ptr[n_in:]
+        call.B, call.H, call.nthreads = self._batch, self._heads, self.threads
+        return call
+
+    def _outside(self, token_inputs):
+        """The kernel found an input outside its declared range (and updated nothing): say which."""
+        arrays.check_ranges(self.rec.program, {k: np.asarray(v) for k, v in token_inputs.items()})
+        raise RuntimeInputError("an input lies outside its declared range")  # (the scan above names it)
+
+    def _arguments(self, token_inputs, state, inplace, out):
+        """The C arguments of one step, every array checked (or converted, or made): (args, outputs,
+        new_state, every_seen), every_seen when each array is the very one now seen in its position."""
+        if self._fixed_threads is None:  # LINREC_NUM_THREADS, read as forward does (the fast path does not)
+            env = _environ.get("LINREC_NUM_THREADS")
+            if env != self._env:
+                self._env, self.threads = env, c_build.num_threads()
+        p = self.rec.program
+        try:
+            first = token_inputs[p.inputs[0].name]
+        except (KeyError, TypeError, IndexError):
+            raise RuntimeInputError(f"missing input '{p.inputs[0].name}' (shape [B, H, …], one token)") from None
+        shape = getattr(first, "shape", None)
+        dtype = getattr(first, "dtype", None)
+        if shape is None or len(shape) < 2 or dtype not in CTYPES:
+            first = np.asarray(first)
+            if first.ndim < 2 or first.dtype not in CTYPES:
+                raise RuntimeInputError(f"input '{p.inputs[0].name}' should be a float32 or float64 array of "
+                                        f"shape [B, H, …] (one token), got {first.dtype} {list(first.shape)}")
+            shape, dtype = first.shape, first.dtype
+        if self._key is None or dtype != self._dtype or shape[0] != self._batch or shape[1] != self._heads:
+            if self._key is not None:
+                raise ShapeChanged(f"this decode step is bound to [B, H] = [{self._batch}, {self._heads}] and "
+                                   f"{self._dtype}; got {list(shape[:2])} and {dtype}")
+            self._bind(dtype, shape[0], shape[1])
+        seen, seen_ptr, fb, ptr, dt = self._seen, self._seen_ptr, self._fb, self._ptr, self._dtype
+        args = []
+        i = 0
+        for name, shp, strides in self._inputs:
+            arr = token_inputs.get(name) if name != p.inputs[0].name else first
+            if arr is seen[i]:
+                args.append(seen_ptr[i])
+            else:
+                if arr is None:
+                    raise RuntimeInputError(f"missing input '{name}'")
+                if type(arr) is not np.ndarray or arr.dtype != dt or arr.shape != shp or arr.strides != strides:
+                    arr = checked(arr, shp, dt, f"input '{name}'")
+                pointer = fb(ptr, arr)
+                seen[i], seen_ptr[i] = arr, pointer
+                args.append(pointer)
+            i += 1
+        args += self._param_ptrs
+        every_seen = True  # every array of this call is the one now seen in its position (none made here)
+        new_state = {}
+        for name, shp, strides in self._states:
+            arr = state.get(name) if state is not None else None
+            if arr is None:
+                arr = aligned_zeros(shp, dt)
+                every_seen = False
+            elif not inplace:
+                arr = aligned_copy(checked(arr, shp, dt, f"state '{name}'"))
+            elif arr is not seen[i] and not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp
+                                             and arr.strides == strides and arr.flags.writeable):
+                raise RuntimeInputError(f"state '{name}' must be a writeable C-contiguous {dt} array of shape "
+                                        f"{list(shp)} to be updated in place (inplace=True)")
+            if arr is seen[i]:
+                args.append(seen_ptr[i])
+            else:
+                pointer = fb(ptr, arr)
+                seen[i], seen_ptr[i] = arr, pointer
+                args.append(pointer)
+            new_state[name] = arr
+            i += 1
+        outputs = {}
+        for name, shp, strides in self._outputs:
+            arr = out.get(name) if out is not None else None
+            if arr is None:
+                arr = np.empty(shp, dt)
+                args.append(fb(ptr, arr))
+                every_seen = False
+            elif arr is seen[i]:
+                args.append(seen_ptr[i])
+            else:
+                if not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp and arr.strides == strides
+                        and arr.flags.writeable):
+                    raise RuntimeInputError(f"out['{name}'] must be a writeable C-contiguous {dt} array of shape "
+                                            f"{list(shp)}")
+                pointer = fb(ptr, arr)
+                seen[i], seen_ptr[i] = arr, pointer
+                args.append(pointer)
+            outputs[name] = arr
+            i += 1
+        return args, outputs, new_state, every_seen
