@@ -24,10 +24,10 @@ import numpy as np
 from dsl.errors import LinrecError, RuntimeInputError
 
 from . import c_build, numpy_attention
+from .c_build import CTYPE_BYTES, CTYPES
 from .numpy_backend import VERSION
 from .templating import environment
 
-CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 FORMS = {"recurrent": 0, "parallel": 1, "chunkwise": 2}
 BLOCK = 64  # the chunkwise form's query and key block, unless chunk_size is given
 # The recurrent form's queries walk the keys in step, a segment at a time: a segment's keys and values
@@ -52,7 +52,7 @@ GENERATOR = ("c_attention.py", "templates/c_attention.c.j2")
 def _layout(ctype: str, vector_bytes: int) -> dict:
     """Register tiles for the target: TR query rows × tile_vectors registers of keys for Q·Kᵀ (with AVX-512's
     32 registers 4×4 accumulators, else 4×2), and groups of value registers for P·V."""
-    lanes = max(1, vector_bytes // (4 if ctype == "float" else 8))
+    lanes = max(1, vector_bytes // CTYPE_BYTES[ctype])
     wide = vector_bytes >= 64
     tile_vectors = 4 if wide else 2
     width = tile_vectors * lanes
@@ -69,7 +69,7 @@ def source(dtype, d: int, dv: int) -> str:
     nvv, g = dvp // lanes, lay["pv_group"]
     groups = [(g0, min(g, nvv - g0)) for g0 in range(0, nvv, g)]
     width = lay["tile_width"]
-    size = 4 if ctype == "float" else 8
+    size = CTYPE_BYTES[ctype]
     segment = max(width, min(1024, SEGMENT_BYTES // ((dp + dvp) * size)) // width * width)
     return environment().get_template("c_attention.c.j2").render(
         version=VERSION, ctype=ctype, d=d, dv=dv, dp=dp, dvp=dvp, pv_groups=groups, segment=segment, **lay)

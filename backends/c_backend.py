@@ -22,7 +22,8 @@ from dsl.errors import LinrecError, RuntimeInputError
 
 from . import arrays, c_build
 from .c_arrays import RecycledArrays, aligned_copy, aligned_zeros, checked
-from .c_generator import CTYPES, Generator, Target, require_factorable
+from .c_build import CTYPES
+from .c_generator import Generator, Target, require_factorable
 from .c_step import Stepper
 
 # the generator's own files: a change to any of them rebuilds its cached kernels

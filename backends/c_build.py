@@ -28,9 +28,15 @@ import uuid
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
 from dsl.errors import LinrecError
 
 from .numpy_backend import VERSION
+
+# the scalar types the C kernels are built for: NumPy's dtype → the C type, and its bytes
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+CTYPE_BYTES = {"float": 4, "double": 8}
 
 _NO_COMPILER = ("no C compiler found (looked for $CC, cc, gcc and clang): the C backend needs one to build "
                 "its kernels; install gcc (with OpenMP) or use the NumPy backend (backend='numpy'), which "

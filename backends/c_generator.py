@@ -9,19 +9,17 @@ from collections import Counter
 from dataclasses import dataclass
 from math import prod
 
-import numpy as np
-
 from compiler import Compiled, ir
 from compiler.analysis import walk
 from compiler.linearity import ONE, mul, neg
 from dsl.errors import LinrecError
 
+from .c_build import CTYPE_BYTES
 from .c_printer import CPrinter, Local
 from .names import Namer
 from .numpy_backend import VERSION
 from .templating import environment
 
-CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 # Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
 STEP_PARALLEL_THRESHOLD = 1 << 20
 # SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
@@ -85,7 +83,7 @@ class Target:
 
     @property
     def lanes(self) -> int:
-        return self.vector_bytes // (4 if self.ctype == "float" else 8)
+        return self.vector_bytes // CTYPE_BYTES[self.ctype]
 
 
 class Generator:
@@ -460,8 +458,7 @@ class Generator:
     def prefetch_lines(self, x: ir.Input) -> int:
         """The lines lr_prefetch_some issues for a row of input x: one per 64 bytes from its start, and one
         at its last byte (the line a row not on a line boundary reaches into); one for a scalar."""
-        size = 4 if self.t.ctype == "float" else 8
-        return -(-self.size(x.shape) * size // 64) + 1 if x.shape else 1
+        return -(-self.size(x.shape) * CTYPE_BYTES[self.t.ctype] // 64) + 1 if x.shape else 1
 
     def _prefetch_rate(self, entry: dict) -> int:
         """Prefetches per step of a tiled pass's inner loop: about one token's lines per token, evenly over
@@ -522,7 +519,7 @@ class Generator:
         for r in forward_regions:
             for name, n in r["arrays"]:
                 sizes[name] = n
-        per_token = sum(max(n, 1) for n in sizes.values()) * (4 if self.t.ctype == "float" else 8)
+        per_token = sum(max(n, 1) for n in sizes.values()) * CTYPE_BYTES[self.t.ctype]
         block_tokens = 8
         while block_tokens < 64 and 2 * block_tokens * per_token <= BLOCK_BYTES:
             block_tokens *= 2
@@ -532,7 +529,7 @@ class Generator:
         segment_tokens = block_tokens
         while segment_tokens * work < SEGMENT_WORK and segment_tokens < 8192:
             segment_tokens *= 2
-        align = 64 // (4 if self.t.ctype == "float" else 8)
+        align = 64 // CTYPE_BYTES[self.t.ctype]
         block_arrays, offset = [], 0
         for name, n in sizes.items():
             block_arrays.append({"name": name, "n": n, "offset": offset})

@@ -31,10 +31,10 @@ from compiler import Compiled
 from dsl.errors import LinrecError, RuntimeInputError
 
 from . import c_build
+from .c_build import CTYPE_BYTES, CTYPES
 from .numpy_backend import VERSION
 from .templating import environment
 
-CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 DEFAULT_CHUNK = 64
 SUB_BLOCK = 16  # query panels and diagonal-decay sub-blocks (a multiple of every register width)
 # The fast scores scale queries and keys by exp(±(b − b_L)) over a whole segment: allowed while the
@@ -66,7 +66,7 @@ class Structure:
 
     @property
     def lanes(self) -> int:
-        return self.vector_bytes // (4 if self.ctype == "float" else 8)
+        return self.vector_bytes // CTYPE_BYTES[self.ctype]
 
     def describe(self) -> str:
         decay = {"none": "no decay", "token": "one log-decay per token", "row": "one log-decay per row"}

@@ -13,7 +13,7 @@ from dsl.errors import LinrecError, RuntimeInputError
 
 from . import arrays, c_build
 from .c_arrays import aligned_copy, aligned_empty, aligned_zeros, checked
-from .c_generator import CTYPES
+from .c_build import CTYPES
 
 if TYPE_CHECKING:
     from .c_backend import CRecurrent
