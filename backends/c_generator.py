@@ -261,6 +261,8 @@ class Generator:
         outputs = self.d.outputs if readouts else ()
         po.expect(*[e for _, e in outputs])
         arrays: list[tuple[str, int]] = []  # block arrays: name, values per token (0: one scalar)
+        flags: set[str] = set()  # the block arrays of int32 flags (tested in the tiled passes' inner loops:
+        # an integer compare, where a float's takes a vector port from the multiply-adds)
         prep: list[str] = []
         stored: set[str] = set()  # block arrays the lazy bookkeeping of a per-row decay stores itself
 
@@ -388,6 +390,7 @@ class Generator:
                 entry["gv_p"] = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, 2 * len(plan["w"]) + 1))
             if matrix and decay is not None:  # decays applied lazily: the bookkeeping runs in phase 1
                 arrays.append((f"blk_slow_{c}", 0))
+                flags.add(f"blk_slow_{c}")
                 entry["slow"] = f"blk_slow_{c}[u]"
                 occurs = {"mw": bool(plan["w"] or before), "mx": bool(groups), "mq": bool(after)}
                 lazies.append({"name": st.name, "vector": bool(decay.shape), "rows": rows, "sc": f"sc_{c}",
@@ -396,7 +399,7 @@ class Generator:
                                "scalars": lz.get("scalars", {}),
                                "stores": lz.get("stores", []), "decay_v": lz.get("decay_v"),
                                "decay_e": lz.get("decay_e")})
-            entry["pf_rate"] = self._prefetch_rate(entry)
+            entry["pf_every"], entry["pf_rows"] = self._prefetch_pace(entry)
             entry["next"] = False
             entry["fast"] = dict(entry, decay=None)
             if entry["kind"] == "tokens" and plan["w"]:
@@ -419,8 +422,9 @@ class Generator:
             out_lines += po.take_token() + body
         return {"head": head + po.take_head(), "decay_prep": decay_prep, "prep": prep, "lazy": lazies,
                 "states": states, "checks": updates,
-                "spread_prefetches": any(st["pf_rate"] for st in states),
-                "readouts": readout_decls, "outputs": out_lines, "arrays": arrays}
+                "spread_prefetches": any(st["pf_every"] for st in states),
+                "readouts": readout_decls, "outputs": out_lines, "arrays": arrays,
+                "flag_arrays": flags}
 
     def _lazy_registers(self, pr: CPrinter, c: str, decay: ir.Expr, plan: dict) -> dict:
         """The lazy bookkeeping of a matrix state with a per-row decay: it computes the decay and stores the
@@ -456,19 +460,21 @@ class Generator:
         return fused
 
     def prefetch_lines(self, x: ir.Input) -> int:
-        """The lines lr_prefetch_some issues for a row of input x: one per 64 bytes from its start, and one
+        """The lines lr_prefetch_row issues for a row of input x: one per 64 bytes from its start, and one
         at its last byte (the line a row not on a line boundary reaches into); one for a scalar."""
         return -(-self.size(x.shape) * CTYPE_BYTES[self.t.ctype] // 64) + 1 if x.shape else 1
 
-    def _prefetch_rate(self, entry: dict) -> int:
-        """Prefetches per step of a tiled pass's inner loop: about one token's lines per token, evenly over
-        the pass; a few left over are issued when phase 2 ends. A tiled pass is bound by its multiply-adds
-        and has load slots to spare; a pass token after token is bound by its loads and reads from L1, and
-        prefetches inside it cost more than a burst in phase 1 (measured ~5% on gated DeltaNet): 0."""
+    def _prefetch_pace(self, entry: dict) -> tuple[int, int]:
+        """How a tiled pass issues the next block's rows: (steps of its inner loop per prefetched row, rows
+        at each of those steps), so that every row is on its way before the pass ends, a row's lines at a
+        time: one token's rows over one token's steps. A tiled pass is bound by its multiply-adds and has
+        load slots to spare. (0, 0) for a pass token after token: it is bound by its loads and reads from L1,
+        and prefetches inside it cost more than a burst in phase 1 (measured ~5% on gated DeltaNet)."""
         if entry["kind"] != "tiled" or not self.p.inputs:
-            return 0
+            return 0, 0
         steps = entry["nfull"] // entry["ct"] * -(-entry["rows"] // entry["rt"])  # tiles, each once per token
-        return max(1, sum(self.prefetch_lines(x) for x in self.p.inputs) // max(1, steps))
+        rows = len(self.p.inputs)
+        return max(1, steps // rows), -(-rows // steps)
 
     def _plan_state(self, st: ir.State, tr, *, updates: bool, readouts: bool) -> dict:
         """The terms of a state's update, rank-one terms grouped by their left vector."""
@@ -516,6 +522,7 @@ class Generator:
         lazy_rows = {lz["name"]: (lz["rows"] if lz["vector"] else 1) for r in forward_regions for lz in r["lazy"]}
         # block arrays: one allocation per thread, each array on a cache line, LR_BLOCK tokens of each
         sizes: dict[str, int] = {}
+        flags = set().union(*(r["flag_arrays"] for r in forward_regions))
         for r in forward_regions:
             for name, n in r["arrays"]:
                 sizes[name] = n
@@ -532,7 +539,7 @@ class Generator:
         align = 64 // CTYPE_BYTES[self.t.ctype]
         block_arrays, offset = [], 0
         for name, n in sizes.items():
-            block_arrays.append({"name": name, "n": n, "offset": offset})
+            block_arrays.append({"name": name, "n": n, "offset": offset, "flag": name in flags})
             offset += -(-block_tokens * max(n, 1) // align) * align
         ct = self.t.ctype
         # the arrays in the order of every entry point: inputs and params (read), states and outputs (written)
@@ -562,7 +569,6 @@ class Generator:
                      "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
                     for s in self.p.states],
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
-            max_pf_lines=max([self.prefetch_lines(x) for x in self.p.inputs] or [1]),
             segment_tokens=segment_tokens,
             block_arrays=block_arrays, block_floats=max(offset, 1),
             forward_signature=fwd, step_signature=stp if causal else "", step_packed_signature=packed,

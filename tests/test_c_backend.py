@@ -557,6 +557,18 @@ def test_whole_registers_with_strong_decay(linrec, name, dtype):
     compare(rec, inputs, random_state(rec, 2, 3, dims, np.float64, 5), dtype, rtol)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_prefetches_paced_over_the_tile_loop(linrec, dtype):
+    """dk = 72: nine or more tiles of rows, so the tile loop issues a row of the next block every few steps
+    (a counter), and a sequence of 150 tokens ends in a partial block (whose rows go when the passes end)."""
+    rec = rec_for(linrec, "gla")
+    dims = {"dk": 72, "dv": 32}
+    assert "if (++pf_tick == " in rec.module("recurrent", "c").source(dtype, dims)
+    inputs = rec.random_inputs(batch=1, tokens=150, heads=3, dims=dims, seed=8, decay_scale=3.0)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    compare(rec, inputs, random_state(rec, 1, 3, dims, np.float64, 8), dtype, rtol)
+
+
 # a per-row decay and the vectors that meet Ŝ built from a per-head parameter, a subexpression they share,
 # a scalar input and constants: the lazy bookkeeping computes them a register at a time (c_printer.lanes)
 LANES = """\
