@@ -19,6 +19,7 @@ from dsl.errors import LinrecError, RuntimeInputError
 from . import arrays, c_backend, form_choice, numpy_backend
 
 BACKENDS = {"numpy": numpy_backend, "c": c_backend}
+PLANS_KEPT = 32  # call signatures whose plans run() keeps (the oldest goes first)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Recurrence:
         self.derivation = compiled.derivation
         self._modules: dict[tuple[str, str], object] = {}
         self._steppers: dict[str, tuple] = {}  # backend → (params, compiled step bound to them)
+        self._plans: dict[tuple, _CallPlan] = {}  # run()'s plans by call signature (see _signature)
 
     @property
     def name(self) -> str:
@@ -95,21 +97,40 @@ class Recurrence:
         [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *]);
         `threads`: for the C backend (default LINREC_NUM_THREADS, else every core)."""
         given = dict(inputs or {}) | named_inputs
+        signature = _signature(given, initial_state, form, backend, params, dims)
+        plan = self._plans.get(signature) if signature is not None else None
+        if plan is None:
+            checked, plan = self._plan(given, form, backend, params, initial_state, dims)
+            if signature is not None:
+                if len(self._plans) >= PLANS_KEPT:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[signature] = plan
+        else:
+            checked = given  # arrays of the names, shapes and dtypes that were checked when the plan was made
+        if not getattr(plan.module, "checks_ranges", False):
+            arrays.check_ranges(self.program, checked)
+        state0 = arrays.check_initial_state(self.program, initial_state, plan.shape, plan.dims, self._log_scales)
+        if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
+            raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
+        from .c_build import threads as thread_count
+        with thread_count(threads):
+            outputs, final = plan.module.forward(checked, plan.params, state0, plan.dims, chunk_size=chunk_size)
+        return Result(outputs, final, dict(plan.params))
+
+    def _plan(self, given: dict, form: str, backend: str, params: dict | None, initial_state: dict | None,
+              dims: dict[str, int] | None) -> tuple[dict, "_CallPlan"]:
+        """What a call's array shapes and options decide: the form, its module, the sizes and the params (the
+        file's defaults, or the caller's, checked and converted). Raises on names, shapes or dtypes that do
+        not fit the program. Returns the inputs as arrays, and the plan."""
         checked, shape = arrays.check_inputs(self.program, given, ranges=False)
         if form == "auto":
             sizes = arrays.resolve_dims(self.program, shape, dict(params or {}), initial_state, dims)
             form, _ = self.choose_form(backend, shape.tokens, shape.heads, shape.batch, sizes, shape.dtype)
         module = self.module(form, backend)
-        if not getattr(module, "checks_ranges", False):
-            arrays.check_ranges(self.program, checked)
-        dims, used = self.bind(module, shape, params, initial_state, dims)
-        state0 = arrays.check_initial_state(self.program, initial_state, shape, dims, self._log_scales)
-        if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
-            raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
-        from .c_build import threads as thread_count
-        with thread_count(threads):
-            outputs, final = module.forward(checked, used, state0, dims, chunk_size=chunk_size)
-        return Result(outputs, final, used)
+        sizes, used = self.bind(module, shape, params, initial_state, dims)
+        for value in used.values():
+            value.flags.writeable = False  # shared by the calls of this plan and their results
+        return checked, _CallPlan(module, shape, sizes, used)
 
     __call__ = run
 
@@ -263,3 +284,33 @@ def compile(source: str, filename: str = "<source>") -> Recurrence:  # noqa: A00
 def load(path: str | Path) -> Recurrence:
     """Compile a program file (.lin)."""
     return Recurrence(compiler.compile_file(path))
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    module: object
+    shape: arrays.CallShape
+    dims: dict[str, int]
+    params: dict[str, np.ndarray]
+
+
+def _signature(given: dict, initial_state: dict | None, form: str, backend: str, params: dict | None,
+               dims: dict[str, int] | None) -> tuple | None:
+    """What a call's plan depends on, as a key: the inputs' names, shapes and dtypes, the initial states'
+    shapes, the form, the backend and the sizes asked for. None when the plan cannot be reused: params given
+    (their values are part of it), or a value that is not a NumPy array. A call that repeats an earlier one's
+    signature skips the checks and choices that signature settled: after the first, a call costs the kernel
+    and little else (on a short sequence the checks, with caches cold from the kernel, were ~25 % of a call)."""
+    if params is not None or not all(isinstance(n, (int, np.integer)) for n in (dims or {}).values()):
+        return None
+    parts = [form, backend, tuple(sorted((name, int(n)) for name, n in dims.items())) if dims else ()]
+    for name, value in given.items():
+        if type(value) is not np.ndarray:
+            return None
+        parts.append((name, value.shape, value.dtype.str))
+    parts.append(None)  # (inputs | states)
+    for name, value in (initial_state or {}).items():
+        if type(value) is not np.ndarray:
+            return None
+        parts.append((name, value.shape))
+    return tuple(parts)
