@@ -16,7 +16,7 @@ import compiler
 from compiler import Compiled
 from dsl.errors import LinrecError, RuntimeInputError
 
-from . import arrays, c_backend, form_choice, numpy_backend
+from . import arrays, c_backend, c_build, form_choice, numpy_backend
 
 BACKENDS = {"numpy": numpy_backend, "c": c_backend}
 PLANS_KEPT = 32  # call signatures whose plans run() keeps (the oldest goes first)
@@ -109,12 +109,18 @@ class Recurrence:
             checked = given  # arrays of the names, shapes and dtypes that were checked when the plan was made
         if not getattr(plan.module, "checks_ranges", False):
             arrays.check_ranges(self.program, checked)
-        state0 = arrays.check_initial_state(self.program, initial_state, plan.shape, plan.dims, self._log_scales)
+        if initial_state is None and getattr(plan.module, "zero_states", False):
+            state0 = None
+        else:
+            state0 = arrays.check_initial_state(self.program, initial_state, plan.shape, plan.dims,
+                                                self._log_scales)
         if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
             raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
-        from .c_build import threads as thread_count
-        with thread_count(threads):
+        if threads is None:
             outputs, final = plan.module.forward(checked, plan.params, state0, plan.dims, chunk_size=chunk_size)
+        else:
+            with c_build.threads(threads):
+                outputs, final = plan.module.forward(checked, plan.params, state0, plan.dims, chunk_size=chunk_size)
         return Result(outputs, final, dict(plan.params))
 
     def _plan(self, given: dict, form: str, backend: str, params: dict | None, initial_state: dict | None,
@@ -307,7 +313,7 @@ def _signature(given: dict, initial_state: dict | None, form: str, backend: str,
     for name, value in given.items():
         if type(value) is not np.ndarray:
             return None
-        parts.append((name, value.shape, value.dtype.str))
+        parts.append((name, value.shape, value.dtype))
     parts.append(None)  # (inputs | states)
     for name, value in (initial_state or {}).items():
         if type(value) is not np.ndarray:

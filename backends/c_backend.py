@@ -59,6 +59,7 @@ class CRecurrent:
 
     form = "recurrent"
     checks_ranges = True  # lr_forward tests the declared value ranges as it reads: run() need not scan first
+    zero_states = True  # forward(initial_state=None) starts from zeros: run() need not make (and copy) them
 
     def __init__(self, compiled: Compiled):
         require_factorable(compiled)
