@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,11 +117,8 @@ class Recurrence:
                                                 self._log_scales)
         if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
             raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
-        if threads is None:
+        with c_build.threads(threads) if threads is not None else nullcontext():
             outputs, final = plan.module.forward(checked, plan.params, state0, plan.dims, chunk_size=chunk_size)
-        else:
-            with c_build.threads(threads):
-                outputs, final = plan.module.forward(checked, plan.params, state0, plan.dims, chunk_size=chunk_size)
         return Result(outputs, final, dict(plan.params))
 
     def _plan(self, given: dict, form: str, backend: str, params: dict | None, initial_state: dict | None,
