@@ -103,8 +103,8 @@ class Recurrence:
         if plan is None:
             checked, plan = self._plan(given, form, backend, params, initial_state, dims)
             if signature is not None:
-                if len(self._plans) >= PLANS_KEPT:
-                    self._plans.pop(next(iter(self._plans)))
+                if len(self._plans) >= PLANS_KEPT:  # (another thread may have dropped it already)
+                    self._plans.pop(next(iter(self._plans), None), None)
                 self._plans[signature] = plan
         else:
             checked = given  # arrays of the names, shapes and dtypes that were checked when the plan was made

@@ -75,3 +75,14 @@ def test_params_of_a_plan_are_shared_read_only():
     given = rec.run(x, form="recurrent", params={"gamma": gamma})
     np.testing.assert_array_equal(given.params["gamma"], gamma)
     assert len(rec._plans) == 1
+
+
+def test_plans_kept_are_bounded():
+    """A long-running caller with ever new shapes keeps at most PLANS_KEPT plans, the newest."""
+    from backends.api import PLANS_KEPT
+    rec = fresh("gla")
+    for tokens in range(1, PLANS_KEPT + 9):
+        rec.run(rec.random_inputs(batch=1, tokens=tokens, heads=1, dims={"dk": 2, "dv": 3}), form="recurrent")
+    assert len(rec._plans) == PLANS_KEPT
+    kept_tokens = sorted(key[3][1][1] for key in rec._plans)  # (name, shape, dtype) of the first input
+    assert kept_tokens == list(range(9, PLANS_KEPT + 9))
