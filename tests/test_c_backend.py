@@ -569,6 +569,28 @@ def test_prefetches_paced_over_the_tile_loop(linrec, dtype):
     compare(rec, inputs, random_state(rec, 1, 3, dims, np.float64, 8), dtype, rtol)
 
 
+# two matrix states, each decayed lazily: two tiled passes (each paced on its own) and two rescales at the
+# end of a pass
+TWO_LAZY = """\
+recurrence two_lazy(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dk, dv]
+state R[dk, dv]
+S = diag(exp(g))·S + k⊗v
+R = diag(exp(2*g))·R + q⊗v
+output o = q·S + k·R
+"""
+
+
+@pytest.mark.parametrize("dims", [{"dk": 5, "dv": 19}, {"dk": 72, "dv": 32}], ids=["small", "paced"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_two_lazily_decayed_states(linrec, dims, dtype):
+    rec = linrec.compile(TWO_LAZY, "two_lazy.lin")
+    inputs = rec.random_inputs(batch=1, tokens=150, heads=2, dims=dims, seed=9, decay_scale=10.0)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    compare(rec, inputs, random_state(rec, 1, 2, dims, np.float64, 9), dtype, rtol)
+
+
 # a per-row decay and the vectors that meet Ŝ built from a per-head parameter, a subexpression they share,
 # a scalar input and constants: the lazy bookkeeping computes them a register at a time (c_printer.lanes)
 LANES = """\
