@@ -29,6 +29,7 @@ REGISTER_BUDGET = 24
 BLOCK_BYTES = 24 * 1024
 # Multiply-adds a thread runs of one head before it looks for the head furthest behind (see lr_claim).
 SEGMENT_WORK = 1 << 21
+SPLIT_ALWAYS = False  # tests set it: every segment end splits a group of heads (lr_release)
 
 
 def require_factorable(compiled: Compiled) -> None:
@@ -570,6 +571,7 @@ class Generator:
                     for s in self.p.states],
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
             segment_tokens=segment_tokens,
+            split_always=SPLIT_ALWAYS,
             block_arrays=block_arrays, block_floats=max(offset, 1),
             forward_signature=fwd, step_signature=stp if causal else "", step_packed_signature=packed,
             step_call_struct=call,
