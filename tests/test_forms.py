@@ -52,6 +52,16 @@ S = a·S + phi(k)⊗v
 z = a·z + phi(k)
 output o = (phi(q)·S) / (phi(q)·z)
 """,
+    # two matrix states on two time scales (a per-head constant decay and a data-dependent one), read
+    # together: each state gets its own decay mask in the parallel and chunkwise forms
+    "two_timescales": """recurrence two_timescales(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g <= 0
+param gamma per head = 1 − 2^(−4 − h)
+state S[dk, dv], R[dk, dv]
+S = exp(g)·S + k⊗v
+R = gamma·R + (1 − gamma)·k⊗v
+output o = q·S + 0.5·q·R
+""",
     # keys tied to the decay: k = 1 − exp(g)
     "tied_keys": """recurrence tied_keys(dk = 6, dv = 5)
 input q[dk], v[dv], x[dk]
