@@ -286,6 +286,14 @@ def _degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
     return {} if not any(nonzero) else None
 
 
+def _shifted_exp(exponent: str, shift: str, alpha: ir.Expr, product: ir.Expr) -> str:
+    """exp(α − M) in NumPy, M [B, T, H] a per-token shift, shaped to multiply into `product` (a key or query
+    c·exp(α)): a vector α takes M along its last axis; a scalar α times a vector c gets that axis itself."""
+    if alpha.shape:
+        return f"np.exp({exponent} - {shift}[..., None])"
+    return f"np.exp({exponent} - {shift})" + ("[..., None]" if product.shape else "")
+
+
 def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_scan") -> str:
     """The parallel, chunkwise (or, for stabilized programs, recurrent) form from the derived decomposition
     of every state's update. `scan_module` provides parallel_scan, chunkwise_scan and recurrent_scan (the
@@ -328,7 +336,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
                     if a not in exponents:
                         exponents[a] = f"{s}_exponent{len(exponents)}"
                         body.append(f"{exponents[a]} = {prelude(a)}")
-                joined = ", ".join(exponents[a] for a in alphas)
+                joined = ", ".join(exponents[a] + ("" if a.shape or len(alphas) == 1 else "[..., None]")
+                                   for a in alphas)
                 joined = joined if len(alphas) == 1 else f"np.concatenate([{joined}], axis=-1)"
                 key = scale_keys[st.name]
                 body += ["# a state handed over with its log-scale (a decode loop) is S·exp(−m): start M from m",
@@ -353,9 +362,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         for key, value in t.writes:
             if running:
                 c, alpha = split_exp(key)
-                key_code = (f"per_token({prelude(c)} * np.exp({exponents[alpha]} - "
-                            f"{running}{'[..., None]' if alpha.shape else ''}), (batch, tokens, heads, {rows}), "
-                            f"dtype, scalar={not key.shape})")
+                key_code = (f"per_token({prelude(c)} * {_shifted_exp(exponents[alpha], running, alpha, key)}, "
+                            f"(batch, tokens, heads, {rows}), dtype, scalar={not key.shape})")
             else:
                 key_code = tok(key, rows)
             val = tok(value, cols) if value is not None else "np.ones((batch, tokens, heads, 1), dtype)"
@@ -376,9 +384,9 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
                     body.append(f"{query_max[beta]} = " + (f"np.max({exponents[beta]}, axis=-1)" if beta.shape
                                                              else exponents[beta]))
                 mu = query_max[beta]
-                queries.append(f"(per_token({prelude(c)} * np.exp({exponents[beta]} - {mu}"
-                               f"{'[..., None]' if beta.shape else ''}), (batch, tokens, heads, {rows}), dtype, "
-                               f"scalar={not r.query.shape}), {r.before_update})")
+                queries.append(f"(per_token({prelude(c)} * {_shifted_exp(exponents[beta], mu, beta, r.query)}, "
+                               f"(batch, tokens, heads, {rows}), dtype, scalar={not r.query.shape}), "
+                               f"{r.before_update})")
                 terms.append(mu)
             else:
                 queries.append(f"({tok(r.query, rows)}, {r.before_update})")

@@ -89,6 +89,16 @@ state S[dk, dv]
 S = (I − beta·kn⊗kn)·(I − 0.5·kn2⊗kn2)·S + beta·kn⊗v
 output o = q·S
 """,
+    # an exponential input gate (a scalar exponent per token) times a vector key, a sigmoid forget gate in
+    # log space and a normalizer state (mLSTM-like): the keys are stabilized by their running maximum
+    "exp_input_gate": """recurrence exp_input_gate(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], i <= 0, f
+lf = logsigmoid(f)
+state S[dk, dv], n[dk]
+S = exp(lf)·S + exp(i)·k⊗v
+n = exp(lf)·n + exp(i)·k
+output o = (q·S) / (abs(q·n) + 1)
+""",
     "encoder": """recurrence encoder(dk = 6, dv = 5) noncausal
 input q[dk], k[dk], v[dv], g <= 0
 state S[dk, dv]
@@ -205,3 +215,29 @@ output o = q·S
     with pytest.raises(linrec.RuntimeInputError, match="not positive"):
         rec.run(inputs, form="parallel")
     assert np.all(np.isfinite(rec.run(inputs).outputs["o"]))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_exp_input_gate_against_a_loop(backend):
+    """The stabilized forms of a scalar exponential gate times a vector key, against explicit loops over
+    b, h, t (float64, 1e-10 relative): the running maximum M of the gate's exponent is a per-token scalar,
+    and exp(i − M) has to meet every lane of k."""
+    rec = program("exp_input_gate")
+    dims = {"dk": 4, "dv": 3}
+    x = rec.random_inputs(2, 23, 2, dims, np.float64, seed=7)
+    x["i"] = np.asarray(x["i"]) * 30  # gates spread over e^−30 … 1
+    state0 = _initial_state(rec.program, 2, 2, dims, np.random.default_rng(7))
+    lf = -np.logaddexp(0.0, -np.asarray(x["f"]))  # logsigmoid
+    expect = np.zeros(np.shape(x["v"]))
+    for b in range(2):
+        for h in range(2):
+            S, n = state0["S"][b, h].copy(), state0["n"][b, h].copy()
+            for t in range(23):
+                a, w = np.exp(lf[b, t, h]), np.exp(x["i"][b, t, h])
+                k, v, q = x["k"][b, t, h], x["v"][b, t, h], x["q"][b, t, h]
+                S = a * S + w * np.outer(k, v)
+                n = a * n + w * k
+                expect[b, t, h] = (q @ S) / (abs(q @ n) + 1)
+    for form in rec.forms:
+        got = rec.run(x, form=form, backend=backend, initial_state=state0).outputs["o"]
+        assert _rel_err(got, expect) <= 1e-10, f"{form} ({backend})"
