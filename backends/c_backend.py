@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 
 import numpy as np
 
@@ -225,11 +226,10 @@ def load(compiled: Compiled, form: str):
     from . import c_scan, numpy_backend, numpy_sequence
     if compiled.derivation.sequence is None:
         require_factorable(compiled)  # names the state and the term in the way
-    if not supports(compiled, form):
-        why = compiled.derivation.why_not(form) or (numpy_sequence.kernel_support(compiled)
-                                                    if compiled.derivation.sequence is not None else None)
-        raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}'"
-                          + (f": {why}" if why else "") + "; the NumPy backend (backend='numpy') runs it")
+    why = why_not(compiled, form)
+    if why:
+        numpy_runs = "" if "NumPy backend" in why else "; the NumPy backend (backend='numpy') runs it"
+        raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}{numpy_runs}")
     if compiled.derivation.sequence is not None:
         module = _exec_module(numpy_sequence.emit(compiled, form, kernels="backends.c_attention"), compiled, form,
                               "C attention")
@@ -248,9 +248,35 @@ EMITTERS = {"recurrent": emit, "parallel": emit, "chunkwise": emit}
 
 def supports(compiled: Compiled, form: str) -> bool:
     """Whether this backend builds `form` of the program (verify and bench skip the rest)."""
-    if form not in EMITTERS or compiled.derivation.why_not(form):
-        return False
-    if compiled.derivation.sequence is not None:
+    return why_not(compiled, form) is None
+
+
+# (id of a program, form) → (the program, why_not's answer): the generator's verdict, asked once
+_VERDICTS: dict[tuple[int, str], tuple[weakref.ref, str | None]] = {}
+
+
+def why_not(compiled: Compiled, form: str) -> str | None:
+    """Why this backend does not build `form` of the program, or None when it does. The fused recurrent
+    kernel is generated once at the file's sizes to find out: its generator names what it cannot compute
+    (say, a matrix-valued value per token, or a state used other than through a readout)."""
+    if form not in EMITTERS:
+        return f"it has no {form} form"
+    why = compiled.derivation.why_not(form)
+    if why or compiled.derivation.sequence is not None:
         from .numpy_sequence import kernel_support
-        return kernel_support(compiled) is None
-    return all(t.factorable for t in compiled.derivation.transitions)
+        return why or kernel_support(compiled)
+    unfactorable = [r for t in compiled.derivation.transitions if not t.factorable for r in t.reasons]
+    if unfactorable:
+        return "it needs a decay plus rank-one terms per state: " + "; ".join(unfactorable)
+    if _scan_form(compiled, form):
+        return None
+    key = (id(compiled), form)
+    known = _VERDICTS.get(key)
+    if known is None or known[0]() is not compiled:
+        try:
+            emit_recurrent(compiled, np.float64)
+            verdict = None
+        except LinrecError as err:
+            verdict = err.message
+        known = _VERDICTS[key] = (weakref.ref(compiled), verdict)
+    return known[1]

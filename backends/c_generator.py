@@ -143,6 +143,9 @@ class Generator:
             return f"r{node.index}"
         if isinstance(node, Local):
             return node.name
+        if isinstance(node, ir.StateRef):
+            raise LinrecError(f"the C kernels read state '{node.name}' only through readouts such as "
+                              f"q·{node.name} (a contraction with a state-free q), not as a value of its own")
         raise LinrecError(f"the C backend cannot reference {type(node).__name__} here")
 
     # ---- the decode step: one token, the state updated in place in the caller's [B, H, *] arrays ----

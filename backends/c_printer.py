@@ -401,5 +401,13 @@ class CPrinter:
             text = to_text(e)
         except TypeError:
             text = type(e).__name__
-        return LinrecError(f"the C backend cannot compute `{text}` per token (shape {list(e.shape)}): it "
-                           f"handles scalar and vector values only; the NumPy backend runs this program")
+        states = sorted({n.name for n in walk(e) if isinstance(n, ir.StateRef)})
+        if states:
+            why = (f"it reads state '{states[0]}' only through readouts such as q·{states[0]} (a contraction "
+                   f"with a state-free q)")
+        elif len(e.shape) > 1:
+            why = f"a matrix per token (shape {list(e.shape)}); it handles scalar and vector values only"
+        else:
+            why = "it has no C form of this operation"
+        return LinrecError(f"the C backend cannot compute `{text}` per token: {why}; the NumPy backend runs "
+                           f"this program")

@@ -612,11 +612,12 @@ def cmd_verify(args) -> int:
     absent = verify.missing(rec, backends, forms)
     if args.json:
         print(json.dumps({"program": rec.name, "file": args.file, "passed": not failed,
-                          "not_implemented": [{"form": f, "backend": b} for f, b in absent],
+                          "not_implemented": [{"form": f, "backend": b, "why": why} for f, b, why in absent],
                           "tolerance": verify.TOLERANCE, "rows": [r.as_dict() for r in rows]}, indent=1))
     else:
-        for form, backend in absent:
-            print(f"note: the {backend} backend does not implement the {form} form yet (not checked)")
+        for form, backend, why in absent:
+            print(f"note: the {backend} backend does not build the {form} form" + (f": {why}" if why else "")
+                  + " (not checked)")
         print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -152,9 +152,17 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
     return rows
 
 
-def missing(rec, backends, forms=None) -> list[tuple[str, str]]:
-    """(form, backend) pairs the program has but a backend does not implement."""
-    return [(f, b) for f in (forms or rec.forms) for b in backends if not _supports(rec, b, f)]
+def missing(rec, backends, forms=None) -> list[tuple[str, str, str | None]]:
+    """(form, backend, why) for the forms the program has but a backend does not build (why: the backend's
+    reason, when it gives one)."""
+    from .api import BACKENDS
+    out = []
+    for f in forms or rec.forms:
+        for b in backends:
+            if not _supports(rec, b, f):
+                why_not = getattr(BACKENDS[b], "why_not", None)
+                out.append((f, b, why_not(rec.compiled, f) if why_not else None))
+    return out
 
 
 def _supports(rec, backend: str, form: str) -> bool:

@@ -198,6 +198,11 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
             # u ⊗ (w·X) = (u⊗w)·X: the expanded form of a rank-one correction
             return linear_terms(ir.Dot(e.shape, ir.Outer((e.left.shape[0], inner.left.shape[0]),
                                                           e.left, inner.left), inner.right), state)
+        if isinstance(e, ir.Arith) and e.op in ("mul", "div") and len(inner.shape) == 1 \
+                and other.shape == inner.shape and (e.op == "mul" or in_left):
+            # d*x and x/d for a vector x: diag(d)·x and diag(1/d)·x (an elementwise decay of a vector state)
+            d = other if e.op == "mul" else ir.Arith(other.shape, "div", ONE, other)
+            return linear_terms(ir.Dot(e.shape, ir.Diag(inner.shape * 2, d), inner), state)
         terms, rem = linear_terms(inner, state)
 
         def rebuilt(r):

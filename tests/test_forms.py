@@ -99,6 +99,16 @@ S = exp(lf)·S + exp(i)·k⊗v
 n = exp(lf)·n + exp(i)·k
 output o = (q·S) / (abs(q·n) + 1)
 """,
+    # a normalizer whose per-channel decay is written elementwise (exp(g)*z is diag(exp(g))·z), and a vector
+    # state decayed by a division
+    "elementwise_decay": """recurrence elementwise_decay(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dk, dv], z[dk], y[dk]
+S = diag(exp(g))·S + k⊗v
+z = exp(g)*z + k
+y = y/(1 + exp(g)) + k
+output o = (q·S) / (abs(q·z) + 1) + q·y
+""",
     "encoder": """recurrence encoder(dk = 6, dv = 5) noncausal
 input q[dk], k[dk], v[dv], g <= 0
 state S[dk, dv]
