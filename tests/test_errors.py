@@ -82,6 +82,12 @@ def test_unclosed_parenthesis():
           f"the '(' at column {col_open} is never closed", width=1)
 
 
+def test_state_without_a_shape():
+    src = HEAD + "state S[dk, dv], c\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, end_of(src, 3), "unexpected end of line", "expected '['",
+          "a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv]", width=1)
+
+
 def test_unclosed_call_parenthesis():
     src = HEAD + "state S[dk, dv]\nS = S + outer(k, v\noutput o = q·S\n"
     col_open = where(src, 4, "(")[1]
