@@ -265,9 +265,10 @@ def why_not(compiled: Compiled, form: str) -> str | None:
     if why or compiled.derivation.sequence is not None:
         from .numpy_sequence import kernel_support
         return why or kernel_support(compiled)
-    unfactorable = [r for t in compiled.derivation.transitions if not t.factorable for r in t.reasons]
-    if unfactorable:
-        return "it needs a decay plus rank-one terms per state: " + "; ".join(unfactorable)
+    try:
+        require_factorable(compiled)
+    except LinrecError as err:
+        return err.message
     if _scan_form(compiled, form):
         return None
     key = (id(compiled), form)
