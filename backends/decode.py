@@ -63,7 +63,21 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
                        for k, v in out.items()}
         for k, v in out.items():
             outputs[k][:, t] = v
-    # a recurrent state is a fresh copy owned by this call: hand it back as the final state; a program that
-    # reads the sequence has none (its forms return no final state either)
-    final = {} if sequence else {k: np.asarray(v) for k, v in state.items()}
+    # a recurrent state is a fresh copy owned by this call: hand it back as the final state, at its true scale
+    # like the other forms'; a program that reads the sequence has none (its forms return none either)
+    final = {} if sequence else at_true_scale(rec, {k: np.asarray(v) for k, v in state.items()})
     return Result(outputs, final, used)
+
+
+def at_true_scale(rec, state: dict) -> dict:
+    """Stabilized states as the sequence forms return them: a state carried as S·exp(−m) between steps,
+    with m at its "S.log_scale" key (NaN: at its true scale already), times exp(m), without the key."""
+    from .numpy_backend import log_scale_keys
+    keys = log_scale_keys(rec.compiled)
+    out = {k: v for k, v in state.items() if k not in set(keys.values())}
+    for name, key in keys.items():
+        if key in state and name in out:
+            m = np.nan_to_num(np.asarray(state[key], np.float64), nan=0.0)  # [B, H]
+            s = out[name]
+            out[name] = (s * np.exp(m).reshape(m.shape + (1,) * (s.ndim - m.ndim))).astype(s.dtype)
+    return out

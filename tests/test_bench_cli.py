@@ -123,6 +123,24 @@ def test_run_step_equals_recurrent(name, backend, cache_dir, tmp_path, capsys):
     assert "one decode step per token" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_run_step_hands_back_stabilized_states_at_true_scale(backend, cache_dir, tmp_path):
+    """Performer's steps carry S·exp(−m) and m ("S.log_scale"); run --form step ends with the states the
+    other forms give (S and z at their true scale, no log-scale key)."""
+    path = str(EXAMPLES / "performer.lin")
+    rec = linrec.load(path)
+    np.savez(tmp_path / "in.npz", **rec.random_inputs(batch=2, tokens=9, heads=2, seed=4))
+    outs = {}
+    for form in ("step", "recurrent"):
+        assert main(["run", path, "--backend", backend, "--form", form, "--inputs", str(tmp_path / "in.npz"),
+                     "--out", str(tmp_path / f"{form}.npz"), "-q"]) == 0
+        outs[form] = dict(np.load(tmp_path / f"{form}.npz"))
+    assert set(outs["step"]) == set(outs["recurrent"]) >= {"o", "S", "z"}
+    for key, expected in outs["recurrent"].items():
+        scale = max(1.0, float(np.abs(expected).max()))
+        assert np.abs(outs["step"][key] - expected).max() <= 1e-10 * scale, key
+
+
 def test_run_by_steps_with_params_and_errors(cache_dir):
     rec = linrec.load(EXAMPLES / "mamba2.lin")
     x = rec.random_inputs(batch=1, tokens=6, heads=2, dims={"dk": 4, "dv": 3}, seed=0)
