@@ -182,6 +182,11 @@ def emit_recurrent(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | 
     return Generator(compiled, sizes, target).source()
 
 
+def fused_recurrent(compiled: Compiled) -> bool:
+    """Whether the recurrent form is one fused C kernel (form="auto" then takes it without measuring)."""
+    return not _scan_form(compiled, "recurrent") and supports(compiled, "recurrent")
+
+
 def _scan_form(compiled: Compiled, form: str) -> bool:
     """Parallel and chunkwise forms — and the recurrent form of programs with exponential feature maps,
     which are stabilized on their decomposition — run as NumPy-prepared scans over compiled kernels."""
@@ -257,8 +262,9 @@ _VERDICTS: dict[tuple[int, str], tuple[weakref.ref, str | None]] = {}
 
 def why_not(compiled: Compiled, form: str) -> str | None:
     """Why this backend does not build `form` of the program, or None when it does. The fused recurrent
-    kernel is generated once at the file's sizes to find out: its generator names what it cannot compute
-    (say, a matrix-valued value per token, or a state used other than through a readout)."""
+    kernel's generator runs once at the file's sizes to find out (its context, not the template: a fresh
+    process's first render costs ~0.3 s): it names what it cannot compute (say, a matrix-valued value per
+    token, or a state used other than through a readout)."""
     if form not in EMITTERS:
         return f"it has no {form} form"
     why = compiled.derivation.why_not(form)
@@ -275,7 +281,8 @@ def why_not(compiled: Compiled, form: str) -> str | None:
     known = _VERDICTS.get(key)
     if known is None or known[0]() is not compiled:
         try:
-            emit_recurrent(compiled, np.float64)
+            sizes = {d.name: d.default for d in compiled.program.dims}
+            Generator(compiled, sizes, Target(CTYPES[np.dtype(np.float64)], c_build.vector_bytes())).context()
             verdict = None
         except LinrecError as err:
             verdict = err.message

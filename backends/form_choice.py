@@ -3,6 +3,8 @@
 Compiled recurrences run the recurrent form: it does the least arithmetic (4·dk·dv flops per token and
 head for GLA, 6·dk·dv for the delta rules; the chunkwise and parallel forms add T·C or T² terms) and the C
 kernel keeps the state in registers and L1 with no per-token overhead (`linrec bench` measures this).
+Where the C backend has no fused recurrent kernel (stabilized exponential features: every form is a scan
+prepared in NumPy), its choice is measured as NumPy's is.
 
 On NumPy the answer depends on the structure of the update: the recurrent form pays interpreter overhead
 per token, the chunkwise form per chunk but with more arithmetic — little for a scalar decay, a lot for a
@@ -36,7 +38,7 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
         if sequence.kind == "lsh":
             return "chunkwise", "the bucketed form: O(T log T) instead of the dense reference's O(T²)"
         return "chunkwise", "blocked online softmax: linear memory, keys read once per query block"
-    if backend != "numpy":
+    if _fused_recurrent(rec, backend):
         return "recurrent", "compiled recurrent kernel: least arithmetic, state kept in registers and L1"
     if "chunkwise" not in forms or tokens <= SHORT:
         return "recurrent", f"T ≤ {SHORT} (or no chunkwise form): a few steps, nothing to amortize"
@@ -45,6 +47,14 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
     best = min(costs, key=costs.get)
     told = ", ".join(f"{f} {c:.0f} µs/token" for f, c in sorted(costs.items(), key=lambda fc: fc[1]))
     return best, f"measured on {CALIBRATION_TOKENS} tokens ({told}); both forms are linear in T"
+
+
+def _fused_recurrent(rec, backend: str) -> bool:
+    """Whether the backend runs the recurrent form as one fused kernel (the C backend, except for stabilized
+    programs, whose recurrent form is a NumPy-prepared scan like the other forms: then it is measured)."""
+    from .api import BACKENDS
+    fused = getattr(BACKENDS[backend], "fused_recurrent", None)
+    return fused is not None and fused(rec.compiled)
 
 
 def per_token_cost(rec, backend: str, heads: int, batch: int, sizes: dict[str, int], dtype) -> dict[str, float]:

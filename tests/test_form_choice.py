@@ -1,4 +1,4 @@
-"""form="auto": compiled code runs the recurrent form; NumPy's choice is the cheaper measured form."""
+"""form="auto": a fused compiled kernel runs the recurrent form; otherwise the cheaper measured form."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,3 +38,15 @@ def test_short_sequences_and_compiled_code_take_the_recurrent_form():
     assert rec.choose_form("c", 100000)[0] == "recurrent"
     softmax = backends.load(EXAMPLES / "softmax.lin")
     assert softmax.choose_form("numpy", 4096)[0] == "chunkwise"  # blocked online softmax
+
+
+def test_c_without_a_fused_recurrent_kernel_measures_like_numpy():
+    """Performer's stabilized forms are all NumPy-prepared scans on C: no fused kernel to take on trust, so
+    auto measures (and picks the cheaper measured form); GLA's recurrent form is the fused kernel."""
+    performer = backends.load(EXAMPLES / "performer.lin")
+    dims = {"dk": 8, "dv": 8, "m": 16}
+    form, why = performer.choose_form("c", 500, heads=2, batch=1, dims=dims, dtype=np.float64)
+    costs = form_choice.per_token_cost(performer, "c", 2, 1, dims, np.float64)
+    assert form == min(costs, key=costs.get) and "µs/token" in why
+    form, why = backends.load(EXAMPLES / "gla.lin").choose_form("c", 500, heads=2, batch=1, dims=DIMS)
+    assert form == "recurrent" and "compiled recurrent kernel" in why
