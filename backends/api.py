@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,9 @@ class Recurrence:
         self.derivation = compiled.derivation
         self._modules: dict[tuple[str, str], object] = {}
         self._steppers: dict[str, tuple] = {}  # backend → (params, compiled step bound to them)
+        # a token call's sizes and params by (backend, [B, H], dtype, sizes, state shapes) → (params, dims, used):
+        # a step that is not one compiled call (stabilized states) would otherwise draw its params every token
+        self._token_binds: dict[tuple, tuple] = {}
         self._plans: dict[tuple, _CallPlan] = {}  # run()'s plans by call signature (see _signature)
 
     @property
@@ -138,7 +142,7 @@ class Recurrence:
 
     __call__ = run
 
-    @property
+    @functools.cached_property
     def _log_scales(self) -> frozenset[str]:
         """The log-scales a decode loop carries beside stabilized states ("S.log_scale")."""
         from .numpy_backend import log_scale_keys
@@ -223,7 +227,17 @@ class Recurrence:
         given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
         checked, shape = arrays.check_inputs(self.program, given)
         module = self.module("recurrent", backend)
+        key = (backend, shape.batch, shape.heads, shape.dtype.str, tuple(sorted(shape.dims.items())),
+               tuple(sorted((k, np.shape(v)) for k, v in (state or {}).items())))
+        known = self._token_binds.get(key)
+        if known is not None and known[0] is params:
+            return checked, shape, module, known[1], known[2]
         dims, used = self.bind(module, shape, params, state)
+        for value in used.values():
+            value.flags.writeable = False  # shared by the steps that reuse them
+        if len(self._token_binds) >= PLANS_KEPT:
+            self._token_binds.pop(next(iter(self._token_binds), None), None)
+        self._token_binds[key] = (params, dims, used)
         return checked, shape, module, dims, used
 
     def bind_step(self, token_inputs: dict, state: dict, *, backend: str = "numpy", params: dict | None = None,

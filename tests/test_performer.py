@@ -111,3 +111,21 @@ def test_prefill_then_decode_stays_stabilized_with_large_inputs(performer, backe
     got = np.concatenate(outs, axis=1)
     assert np.all(np.isfinite(got))
     assert np.max(np.abs(got - ref.outputs["o"])) / np.max(np.abs(ref.outputs["o"])) < 5e-4
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_steps_follow_the_params_they_are_given(performer, backend):
+    """A step remembers the params it bound (the feature draw is not repeated every token), but only for
+    the very params object it was given: other params give the outputs of a run with those params."""
+    x = performer.random_inputs(2, 6, 2, dims=DIMS, seed=3)
+    other = {"W": random_features(11, (DIMS["m"], DIMS["dk"]), orthogonal=True)}
+    for params in (None, other, None, other):
+        ref = performer.run(x, form="recurrent", params=params, dims={"m": DIMS["m"]})
+        state = performer.prefill({k: v[:, :2] for k, v in x.items()}, backend=backend, params=params,
+                                  dims={"m": DIMS["m"]}).final_state
+        outs = []
+        for t in range(2, 6):
+            out, state = performer.step({k: v[:, t] for k, v in x.items()}, state, backend=backend, params=params)
+            outs.append(out["o"])
+        got = np.stack(outs, axis=1)
+        assert np.max(np.abs(got - ref.outputs["o"][:, 2:])) <= 1e-10 * np.max(np.abs(ref.outputs["o"]))
