@@ -794,7 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="linrec: a compiler for linear-attention recurrences.\nWrite the per-token update "
-                    "rule in a small DSL; get its recurrent, parallel and\nchunkwise forms as NumPy code.")
+                    "rule in a small DSL; get its recurrent, parallel and\nchunkwise forms as readable NumPy "
+                    "and as SIMD C kernels (prefill and\none-token decode), each verified against the others.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, (add_arguments, handler) in COMMANDS.items():
