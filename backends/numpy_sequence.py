@@ -269,18 +269,19 @@ def _prologue(em):
 
 
 def _sequence_arrays(em, base, exprs) -> tuple[dict[ir.Expr, str], list[str]]:
-    """Every distinct seq(x) argument in `exprs`, head-major [B, H, T, *]: (argument → variable, lines)."""
+    """Every distinct seq(x) argument in `exprs`, head-major [B, H, T, *]: (argument → variable, lines). The
+    arguments are keyed as the printers meet them: refolded, a named value (`kn = l2norm(k)`) by its name."""
     seq_vars: dict[ir.Expr, str] = {}
     for expr in exprs:
         for node in _walk(expr):
-            if isinstance(node, ir.Apply) and node.function == "seq" and node.args[0] not in seq_vars:
-                arg = em.refold(node.args[0])
+            arg = em.refold(node.args[0]) if isinstance(node, ir.Apply) and node.function == "seq" else None
+            if arg is not None and arg not in seq_vars:
                 label = em.name(arg.name) if isinstance(arg, (ir.InputRef, ir.LetRef)) else f"x{len(seq_vars)}"
-                seq_vars[node.args[0]] = f"{label}_seq"
+                seq_vars[arg] = f"{label}_seq"
     if not seq_vars:
         return seq_vars, []
     return seq_vars, ["", "# the sequence, head-major [B, H, T, *]: what seq(x) reads"] + [
-        f"{var} = np.swapaxes({base(em.refold(arg))}, 1, 2)" for arg, var in seq_vars.items()]
+        f"{var} = np.swapaxes({base(arg)}, 1, 2)" for arg, var in seq_vars.items()]
 
 
 def _restore(expr: ir.Expr, plan) -> ir.Expr:

@@ -49,6 +49,27 @@ def test_softmax_every_form_equals_direct(causal, window, tokens):
         assert np.max(np.abs(out - ref)) < 1e-12, (form, chunk)
 
 
+# named values inside seq(): normalized keys and queries (QK-norm), a feature map on the values
+QK_NORM = """recurrence qknorm(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv]
+qn = l2norm(q)
+kn = l2norm(k)
+output o = softmax(seq(kn)·(4·qn))·seq(silu(v))
+"""
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_named_values_inside_seq_every_form_equals_direct(backend):
+    rec = linrec.compile(QK_NORM, "qknorm.lin")
+    x = rec.random_inputs(2, 23, 2, dims={"dk": 5, "dv": 4}, seed=9)
+    unit = lambda a: a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6)  # noqa: E731
+    silu = x["v"] / (1 + np.exp(-x["v"]))
+    ref = direct_softmax_attention(unit(x["q"]) * 4 * np.sqrt(5), unit(x["k"]), silu)
+    for form, chunk in [("recurrent", None), ("parallel", None), ("chunkwise", 8)]:
+        out = rec.run(x, form=form, backend=backend, chunk_size=chunk).outputs["o"]
+        assert np.max(np.abs(out - ref)) < 1e-12, (form, chunk)
+
+
 def test_softmax_float32_and_large_scores_stay_finite():
     rec = linrec.load(ROOT / "softmax.lin")
     x = rec.random_inputs(1, 100, 2, dims={"dk": 8, "dv": 8}, seed=3)
