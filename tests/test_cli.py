@@ -101,3 +101,15 @@ def test_verify_notes_why_the_c_backend_skips_a_form(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "reads state 'S' only through readouts" in err
     assert "internal error" not in err
+
+
+def test_verify_keeps_to_the_longest_sequence_a_program_takes(tmp_path, capsys):
+    """A Linformer with projections over T = 40 positions: every case of the battery stays within 40
+    tokens (was: the 200- and 2048-token cases stopped verify with an error)."""
+    path = tmp_path / "short_linformer.lin"
+    path.write_text("recurrence short_linformer(dk = 4, dv = 3, kproj = 8, T = 40) noncausal\n"
+                    "input q[dk], k[dk], v[dv]\nparam E[kproj, T] = randn(seed=0, std=0.15)\n"
+                    "output o = softmax((E·seq(k))·q)·(E·seq(v))\n")
+    assert main(["verify", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and {r["case"] for r in report["rows"]} >= {"long T", "several B, H"}
