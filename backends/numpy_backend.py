@@ -396,7 +396,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         if running:  # the state enters scaled like the first token's keys
             init = f"rescale({init}, {scale}, {running}[:, 0], dtype)"
             helpers.add("rescale")
-        targets = ", ".join(f"r{r.index}" for r in mine) or "_unused"
+        targets = ", ".join(f"r{r.index}" for r in mine)  # (none for a state no output reads: `[], S = …`)
         body.append(f"[{targets}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, {s}_writes, "
                     f"[{', '.join(queries)}], causal={p.causal}, chunk_size=chunk_size)")
         if running:

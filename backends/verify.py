@@ -93,6 +93,13 @@ def _initial_state(program, batch, heads, dims, rng):
     return out
 
 
+def _params_without_default(program, heads, dims, rng):
+    """Values for the params a file leaves to the caller (standard normal, scaled like the initial states):
+    the forms must agree whatever the values."""
+    return {p.name: rng.standard_normal(((heads,) if p.per_head else ()) + tuple(dims[d] for d in p.shape)) * 0.5
+            for p in program.params if p.default is None}
+
+
 def _compare(result, reference) -> tuple[float, float]:
     worst_abs, worst_rel = 0.0, 0.0
     for group in ("outputs", "final_state"):
@@ -133,7 +140,9 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
                                        seed=seed, decay_scale=case.decay_scale)
             dims = {d.name: d.default for d in rec.program.dims} | case.dims
             state0 = _initial_state(rec.program, case.batch, case.heads, dims, rng)
-            refs[case.name] = (inputs, state0, rec.run(inputs, form=ref_form, initial_state=state0))
+            drawn = _params_without_default(rec.program, case.heads, dims, rng)
+            refs[case.name] = (inputs, state0, rec.run(inputs, form=ref_form, initial_state=state0,
+                                                       params=drawn or None))
         inputs, state0, reference = refs[case.name]
         tol = TOLERANCE[dtype]
         if form == "parallel" and case.tokens > PARALLEL_MAX_T:

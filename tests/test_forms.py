@@ -109,6 +109,14 @@ z = exp(g)*z + k
 y = y/(1 + exp(g)) + k
 output o = (q·S) / (abs(q·z) + 1) + q·y
 """,
+    # a state no output reads (only its final state is handed back) beside one that is read
+    "unread_state": """recurrence unread_state(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g <= 0
+state S[dk, dv], R[dk, dv]
+S = exp(g)·S + k⊗v
+R = R + q⊗v
+output o = q·S
+""",
     "encoder": """recurrence encoder(dk = 6, dv = 5) noncausal
 input q[dk], k[dk], v[dv], g <= 0
 state S[dk, dv]
