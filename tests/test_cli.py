@@ -110,7 +110,7 @@ def test_verify_keeps_to_the_longest_sequence_a_program_takes(tmp_path, capsys):
     path.write_text("recurrence short_linformer(dk = 4, dv = 3, kproj = 8, T = 40) noncausal\n"
                     "input q[dk], k[dk], v[dv]\nparam E[kproj, T] = randn(seed=0, std=0.15)\n"
                     "output o = softmax((E·seq(k))·q)·(E·seq(v))\n")
-    assert main(["verify", str(path), "--json"]) == 0
+    assert main(["verify", str(path), "--json", "--backend", "numpy"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and {r["case"] for r in report["rows"]} >= {"long T", "several B, H"}
 
@@ -119,6 +119,6 @@ def test_verify_draws_the_params_a_file_leaves_to_the_caller(tmp_path, capsys):
     path = tmp_path / "nodefault.lin"
     path.write_text("recurrence nodefault(dk = 4, dv = 3)\ninput q[dk], k[dk], v[dv]\nparam w[dk] per head\n"
                     "param lam per head\nstate S[dk, dv]\nS = exp(−softplus(lam))·S + (w*k)⊗v\noutput o = q·S\n")
-    assert main(["verify", str(path), "--quick", "--json"]) == 0
+    assert main(["verify", str(path), "--quick", "--json", "--backend", "numpy"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["passed"] and len(report["rows"]) > 20
+    assert report["passed"] and len(report["rows"]) > 10
