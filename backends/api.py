@@ -53,10 +53,17 @@ class Recurrence:
     def forms(self) -> tuple[str, ...]:
         return self.derivation.forms
 
+    def __repr__(self) -> str:
+        return f"<Recurrence '{self.name}' ({self.compiled.filename}): forms {', '.join(self.forms)}>"
+
     # ---- code ----
-    def _check_form(self, form: str, backend: str):
+    @staticmethod
+    def _check_backend(backend: str):
         if backend not in BACKENDS:
             raise LinrecError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+
+    def _check_form(self, form: str, backend: str):
+        self._check_backend(backend)
         known = compiler.FORMS
         if form not in known and form != "auto":
             raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(known)}")
@@ -93,6 +100,7 @@ class Recurrence:
                     dims: dict[str, int] | None = None, dtype=np.float32) -> tuple[str, str]:
         """The form `auto` picks for a call, and why (see form_choice: compiled code runs the recurrent
         form; NumPy's choice is measured once per heads, sizes and dtype)."""
+        self._check_backend(backend)
         return form_choice.choose(self, backend, tokens, heads, batch, dims, dtype)
 
     def run(self, inputs: dict | None = None, *, form: str = "auto", backend: str = "numpy",

@@ -606,7 +606,8 @@ class Generator:
         return out
 
     def source(self) -> str:
-        return environment().get_template("c_recurrent.c.j2").render(**self.context())
+        # (the template's macro definitions come first and render as blank lines)
+        return environment().get_template("c_recurrent.c.j2").render(**self.context()).lstrip("\n")
 
 
 def _scaled(coef: ir.Expr, x: ir.Expr, shape) -> ir.Expr:

@@ -518,6 +518,14 @@ def test_unknown_form(delta):
     assert "unknown form 'sideways'" in str(info.value) and "recurrent" in str(info.value)
 
 
+@pytest.mark.parametrize("form", ["auto", "chunkwise"])
+def test_unknown_backend(delta, form):
+    rec, x = delta
+    with pytest.raises(LinrecError) as info:
+        rec.run(x, form=form, backend="gpu")
+    assert "unknown backend 'gpu'; choose one of numpy, c" in str(info.value)
+
+
 def test_runtime_errors_have_no_source_position(delta):
     rec, x = delta
     with pytest.raises(RuntimeInputError) as info:
