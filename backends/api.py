@@ -53,6 +53,12 @@ class Recurrence:
     def forms(self) -> tuple[str, ...]:
         return self.derivation.forms
 
+    @property
+    def warnings(self) -> tuple:
+        """What the compiler found legal but suspicious (dsl.errors.LinrecWarning: declared inputs, params,
+        values or functions that nothing uses), in source order; str(w) shows the place."""
+        return self.compiled.warnings
+
     def __repr__(self) -> str:
         return f"<Recurrence '{self.name}' ({self.compiled.filename}): forms {', '.join(self.forms)}>"
 

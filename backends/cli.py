@@ -54,8 +54,12 @@ def _shape(dims) -> str:
 
 
 def _load(path: str):
+    """The compiled program; its warnings (declared names nothing uses) go to stderr, with their places."""
     from . import api
-    return api.load(path)
+    rec = api.load(path)
+    for warning in rec.compiled.warnings:
+        print(warning, file=sys.stderr)
+    return rec
 
 
 def _backend_names() -> list[str]:
@@ -115,6 +119,8 @@ def describe(rec, path: str) -> dict:
         "mode": "causal" if p.causal else "noncausal",
         "dims": [{"name": dim.name, "default": dim.default} for dim in p.dims],
         "inputs": [], "params": [], "states": [], "outputs": [], "forms": [],
+        "warnings": [{"message": w.message, "line": w.span.line, "column": w.span.column}
+                     for w in rec.compiled.warnings],
     }
     for x in p.inputs:
         info["inputs"].append({

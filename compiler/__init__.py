@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsl import LinrecError, parse
@@ -22,6 +22,7 @@ class Compiled:
     filename: str
     program: ir.Program
     derivation: Derivation
+    warnings: tuple = field(default=(), compare=False)  # dsl.errors.LinrecWarning, located, in source order
 
     @property
     def name(self) -> str:
@@ -31,8 +32,9 @@ class Compiled:
 def compile_source(source: str, filename: str = "<source>") -> Compiled:
     """Parse, check and derive. Raises LinrecError with FILE:LINE:COL, the line and a caret."""
     try:
-        program = resolve(parse(source, filename))
-        return Compiled(source, filename, program, derive(program))
+        program, warnings = resolve(parse(source, filename))
+        return Compiled(source, filename, program, derive(program),
+                        tuple(w.located(source, filename) for w in warnings))
     except LinrecError as err:
         raise err.located(source, filename) from None
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from dsl import ast
-from dsl.errors import LinrecError, Span
+from dsl.errors import LinrecError, LinrecWarning, Span
 
 from . import ir
 from .analysis import rebuild
@@ -43,6 +43,7 @@ class _Resolver:
         self.updated: set[str] = set()
         self.defined_at: dict[str, Span] = {}
         self.steps: list[ir.Step] = []
+        self.used: set[str] = set()  # inputs, params, values and functions some expression refers to
 
     # ---- names ----
     def _define(self, name: str, span: Span, what: str):
@@ -87,8 +88,21 @@ class _Resolver:
                                   f"evolves per token", self.defined_at[name])
         if not self.outputs:
             raise LinrecError("the program has no output; add a line such as `output o = q·S`", self.p.span)
+        self.warnings = tuple(self._unused())
         return ir.Program(self.p.name, self.p.causal, tuple(self.dims.values()), tuple(self.inputs.values()),
                           tuple(self.params.values()), tuple(self.states.values()), tuple(self.steps))
+
+    def _unused(self):
+        """Declared inputs, params, values and functions that nothing reads, in source order. An unused input
+        is a trap: every call must still pass its array."""
+        kinds = [("input", self.inputs, "every call must still pass its array; remove it or use it"),
+                 ("parameter", self.params, "remove it or use it"),
+                 ("value", self.lets, "remove it or use it in an update or an output"),
+                 ("function", self.functions, "remove it or call it")]
+        found = [(self.defined_at[name], f"{what} '{name}' is declared but never used; {fix}")
+                 for what, names, fix in kinds for name in names if name not in self.used]
+        for span, message in sorted(found, key=lambda f: (f[0].line, f[0].column)):
+            yield LinrecWarning(message, span)
 
     def _InputDecl(self, st: ast.InputDecl):
         self._define(st.name, st.span, "an input")
@@ -223,17 +237,20 @@ class _Resolver:
         if n in self.dims:
             return ir.DimSize((), n, span=sp)
         if n in self.params:
+            self.used.add(n)
             p = self.params[n]
             return ir.ParamRef(p.shape, n, p.per_head, span=sp)
         if in_param and n in (self.inputs.keys() | self.states.keys() | self.lets.keys()):
             raise LinrecError(f"a parameter's default may use only numbers, dimensions, h and other "
                               f"parameters, not '{n}'", sp)
         if n in self.inputs:
+            self.used.add(n)
             return ir.InputRef(self.inputs[n].shape, n, span=sp)
         if n in self.states:
             version = "new" if n in self.updated else "prev"
             return ir.StateRef(self.states[n].shape, n, version, span=sp)
         if n in self.lets:
+            self.used.add(n)
             return ir.LetRef(self.lets[n].shape, n, span=sp)
         if n in self.functions:
             raise LinrecError(f"'{n}' is a function; call it, e.g. `{n}(x)`", sp)
@@ -286,6 +303,7 @@ class _Resolver:
         fn, sp = e.function, e.span
         rec = lambda x: self._expr(x, in_param, bound, stack)  # noqa: E731
         if fn in self.functions:
+            self.used.add(fn)
             f = self.functions[fn]
             if fn in stack:
                 raise LinrecError(f"function '{fn}' calls itself; recursion is not supported", sp)
@@ -401,6 +419,8 @@ def _closest(name: str, candidates: list[str]) -> str | None:
     return found[0] if found else None
 
 
-def resolve(program: ast.Program) -> ir.Program:
-    """Check names and shapes; return the typed IR. Raises LinrecError pointing at the problem."""
-    return _Resolver(program).run()
+def resolve(program: ast.Program) -> tuple[ir.Program, tuple[LinrecWarning, ...]]:
+    """Check names and shapes: the typed IR, and warnings (declared names that nothing uses). Raises
+    LinrecError pointing at the problem."""
+    resolver = _Resolver(program)
+    return resolver.run(), resolver.warnings

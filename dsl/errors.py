@@ -17,6 +17,8 @@ class Span:
 class LinrecError(Exception):
     """A user-facing error. `span` points at the offending source text when there is one."""
 
+    kind = "error"  # the word after FILE:LINE:COL
+
     def __init__(self, message: str, span: Span | None = None, *, source: str | None = None,
                  filename: str | None = None):
         super().__init__(message)
@@ -36,9 +38,9 @@ class LinrecError(Exception):
     def __str__(self) -> str:
         if self.span is None:
             prefix = f"{self.filename}: " if self.filename else ""
-            return f"{prefix}error: {self.message}"
+            return f"{prefix}{self.kind}: {self.message}"
         where = f"{self.filename or '<source>'}:{self.span.line}:{self.span.column}"
-        text = f"{where}: error: {self.message}"
+        text = f"{where}: {self.kind}: {self.message}"
         if self.source is not None:
             lines = self.source.splitlines()
             if 0 < self.span.line <= len(lines):
@@ -48,6 +50,13 @@ class LinrecError(Exception):
                 caret = " " * (self.span.column - 1) + "^" * max(1, width)
                 text += f"\n  {line}\n  {caret}"
         return text
+
+
+class LinrecWarning(LinrecError):
+    """Something in a program that is legal but almost certainly not meant (a declared name never used).
+    Printed like an error, with its place; never raised."""
+
+    kind = "warning"
 
 
 class RuntimeInputError(LinrecError):

@@ -5,6 +5,7 @@ line), not copied from linrec's output.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -532,3 +533,41 @@ def test_runtime_errors_have_no_source_position(delta):
         rec.run({k: v for k, v in x.items() if k != "q"})
     assert info.value.span is None
     assert str(info.value).startswith("error: missing input 'q'")
+
+
+# ---- warnings: legal, but almost certainly not meant ----
+UNUSED = HEAD.replace("input q[dk], k[dk], v[dv]", "input q[dk], k[dk], v[dv], extra[dk]") + (
+    "param p = 2\nphi(x) = x*2\nlost = q*2\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n")
+
+
+def test_declared_names_nothing_uses_are_warned_with_their_places():
+    rec = linrec.compile(UNUSED, FILE)
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")  # a warning stops nothing
+    texts = [str(w) for w in rec.warnings]
+    expected = [(where(UNUSED, 2, "extra"), "input 'extra' is declared but never used; every call must still pass"),
+                (where(UNUSED, 3, "p", 2), "parameter 'p' is declared but never used"),
+                (where(UNUSED, 4, "phi"), "function 'phi' is declared but never used"),
+                (where(UNUSED, 5, "lost"), "value 'lost' is declared but never used")]
+    assert len(texts) == len(expected)
+    for text, ((line, col), message) in zip(texts, expected):
+        assert text.startswith(f"{FILE}:{line}:{col}: warning: {message}"), text
+
+
+def test_names_used_only_through_other_declarations_are_not_warned():
+    src = HEAD + ("param a = 2\nparam b = a*3\nphi(x) = x*b\nkk = phi(k)\nstate S[dk, dv]\nS = S + kk⊗v\n"
+                  "output o = q·S\n")
+    assert linrec.compile(src, FILE).warnings == ()
+    for path in sorted(EXAMPLES.glob("*.lin")):
+        assert linrec.load(path).warnings == (), path.name
+
+
+def test_check_prints_warnings_to_stderr_and_in_its_json(tmp_path, capsys):
+    from backends.cli import main
+    path = tmp_path / "unused.lin"
+    path.write_text(UNUSED)
+    assert main(["check", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"{path}:2:" in err and "warning: input 'extra' is declared but never used" in err
+    assert main(["check", str(path), "--json"]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert [w["line"] for w in warnings] == [2, 3, 4, 5]
