@@ -278,7 +278,11 @@ class _Resolver:
                     raise LinrecError(f"cannot add a scalar to a matrix ({_fmt(sa)} and {_fmt(sb)}); "
                                       f"write `c·I` for a multiple of the identity", sp)
                 return ir.Arith(sa or sb, op, a, b, span=sp)
-            raise LinrecError(f"shape mismatch in '{_opname(op)}': {_fmt(sa)} and {_fmt(sb)}", sp)
+            vector, matrix = (sa, sb) if len(sa) == 1 else (sb, sa)
+            ways = [f"its {axis}: {how}" for axis, how, d in (("rows", "diag(v)·M", 0), ("columns", "M·diag(v)", 1))
+                    if op == "mul" and len(vector) == 1 and len(matrix) == 2 and vector[0] == matrix[d]]
+            hint = f"; to scale a matrix by a vector, write for {' or '.join(ways)}" if ways else ""
+            raise LinrecError(f"shape mismatch in '{_opname(op)}': {_fmt(sa)} and {_fmt(sb)}{hint}", sp)
         if op == "pow":
             if sb:
                 raise LinrecError(f"the exponent must be a scalar, not {_fmt(sb)}", e.right.span)

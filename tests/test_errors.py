@@ -89,6 +89,15 @@ def test_state_without_a_shape():
           "a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv]", width=1)
 
 
+@pytest.mark.parametrize("update, fragments", [
+    ("exp(k)*S", ("[dk] and [dk, dv]", "for its rows: diag(v)·M")),
+    ("S*exp(v)", ("[dk, dv] and [dv]", "for its columns: M·diag(v)")),
+])
+def test_vector_times_matrix_elementwise_suggests_diag(update, fragments):
+    src = HEAD + f"state S[dk, dv]\nS = {update} + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, update), "shape mismatch in '*'", *fragments)
+
+
 def test_unclosed_call_parenthesis():
     src = HEAD + "state S[dk, dv]\nS = S + outer(k, v\noutput o = q·S\n"
     col_open = where(src, 4, "(")[1]
