@@ -555,8 +555,9 @@ def _add_verify(parser: argparse.ArgumentParser):
     parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
     parser.add_argument("--backend", action="append", choices=_backend_names(),
                         help="check this backend (repeatable; default: every backend)")
-    parser.add_argument("--form", action="append", choices=_form_names(),
-                        help="check this form (repeatable; default: every form the program has)")
+    parser.add_argument("--form", action="append", choices=_form_names() + ["step"],
+                        help="check this form (repeatable; default: every form the program has, and 'step': "
+                             "the tokens one at a time through the decode step, up to 200 tokens)")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"),
                         help="check this dtype (repeatable; default: both)")
     parser.add_argument("--quick", action="store_true", help="a shorter battery (long T = 2048, fewer cases)")
@@ -594,9 +595,10 @@ def cmd_verify(args) -> int:
     if args.against:
         return _verify_against(rec, _load(args.against), args)
     backends = args.backend or _backend_names()
-    forms = args.form or list(rec.forms)
+    forms = args.form or list(rec.forms) + verify.decode_forms(rec)
     for form in forms:
-        why = rec.derivation.why_not(form)
+        why = rec.derivation.why_not(form) if form != verify.STEP else (
+            None if verify.decode_forms(rec) else "no decode step: it is non-causal, or has no recurrent form")
         if why:
             raise LinrecError(f"'{rec.name}' has no {form} form: {why}")
     printed_header = False

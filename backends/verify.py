@@ -19,6 +19,9 @@ import numpy as np
 
 TOLERANCE = {"float64": 1e-9, "float32": 5e-4}
 PARALLEL_MAX_T = 4096  # the parallel form holds T×T scores per head: checked up to this length
+# "step": the sequence run one token at a time through the decode step (run --form step), state carried
+STEP = "step"
+STEP_MAX_T = 200  # a Python call per token: checked up to this length
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,11 @@ class Case:
 def program_reads_sequence(program) -> bool:
     from compiler.sequence import is_sequence_program
     return is_sequence_program(program)
+
+
+def decode_forms(rec) -> list[str]:
+    """["step"] when the program decodes token by token (causal, with a recurrent form), else []."""
+    return [STEP] if rec.program.causal and "recurrent" in rec.forms else []
 
 
 def reference_form(rec) -> str:
@@ -116,8 +124,10 @@ def _compare(result, reference) -> tuple[float, float]:
 
 def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), quick=False, seed=0,
         on_row=None, on_progress=None) -> list[Row]:
-    """Every (form, backend, dtype, case, chunk size) against the float64 NumPy recurrent form."""
-    forms = [f for f in (forms or rec.forms)]
+    """Every (form, backend, dtype, case, chunk size) against the float64 NumPy recurrent form; by default
+    the decode step too (outputs and final states of the tokens run one at a time)."""
+    from .decode import run_by_steps
+    forms = list(forms or list(rec.forms) + decode_forms(rec))
     rows = []
     cases = battery(rec.program, quick)
     plan = []
@@ -145,7 +155,7 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
                                                        params=drawn or None))
         inputs, state0, reference = refs[case.name]
         tol = TOLERANCE[dtype]
-        if form == "parallel" and case.tokens > PARALLEL_MAX_T:
+        if (form == "parallel" and case.tokens > PARALLEL_MAX_T) or (form == STEP and case.tokens > STEP_MAX_T):
             continue
         if (form, backend, dtype) == (ref_form, "numpy", "float64"):
             continue  # that is the reference itself
@@ -153,7 +163,10 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
         s0 = {k: v.astype(dtype) for k, v in state0.items()}
         params = {k: v.astype(dtype) for k, v in reference.params.items()}
         start = time.perf_counter()
-        result = rec.run(cast, form=form, backend=backend, initial_state=s0, params=params, chunk_size=chunk)
+        if form == STEP:
+            result = run_by_steps(rec, cast, backend=backend, params=params, initial_state=s0)
+        else:
+            result = rec.run(cast, form=form, backend=backend, initial_state=s0, params=params, chunk_size=chunk)
         elapsed = time.perf_counter() - start
         max_abs, max_rel = _compare(result, reference)
         row = Row(form, backend, dtype, case.name, chunk, max_abs, max_rel, tol, bool(max_rel <= tol),
@@ -169,16 +182,19 @@ def missing(rec, backends, forms=None) -> list[tuple[str, str, str | None]]:
     reason, when it gives one)."""
     from .api import BACKENDS
     out = []
-    for f in forms or rec.forms:
+    for f in forms or list(rec.forms) + decode_forms(rec):
         for b in backends:
             if not _supports(rec, b, f):
                 why_not = getattr(BACKENDS[b], "why_not", None)
-                out.append((f, b, why_not(rec.compiled, f) if why_not else None))
+                built = "recurrent" if f == STEP else f  # the step is the recurrent form's kernel
+                out.append((f, b, why_not(rec.compiled, built) if why_not else None))
     return out
 
 
 def _supports(rec, backend: str, form: str) -> bool:
     from .api import BACKENDS
+    if form == STEP:
+        return _supports(rec, backend, "recurrent")
     module = BACKENDS[backend]
     if hasattr(module, "supports"):
         return module.supports(rec.compiled, form)

@@ -122,3 +122,16 @@ def test_verify_draws_the_params_a_file_leaves_to_the_caller(tmp_path, capsys):
     assert main(["verify", str(path), "--quick", "--json", "--backend", "numpy"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and len(report["rows"]) > 10
+
+
+def test_verify_runs_the_decode_step_of_causal_programs(capsys):
+    """Rows `step`: the tokens one at a time through Recurrence.step on each backend, against the same
+    float64 reference (Performer: its states carried scaled, handed back at their true scale)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "performer.lin"
+    assert main(["verify", str(path), "--quick", "--json", "--form", "step"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {(r["form"], r["backend"]) for r in rows} == {("step", "numpy"), ("step", "c")}
+    assert all(r["passed"] for r in rows) and max(r["max_rel"] for r in rows if r["dtype"] == "float64") < 1e-12
+    linformer = Path(__file__).resolve().parent.parent / "examples" / "linformer.lin"
+    assert main(["verify", str(linformer), "--form", "step"]) == 1
+    assert "has no step form: no decode step" in capsys.readouterr().err
