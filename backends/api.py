@@ -121,9 +121,7 @@ class Recurrence:
         if plan is None:
             checked, plan = self._plan(given, form, backend, params, initial_state, dims)
             if signature is not None:
-                if len(self._plans) >= PLANS_KEPT:  # (another thread may have dropped it already)
-                    self._plans.pop(next(iter(self._plans), None), None)
-                self._plans[signature] = plan
+                _remember(self._plans, signature, plan)
         else:
             checked = given  # arrays of the names, shapes and dtypes that were checked when the plan was made
         if not getattr(plan.module, "checks_ranges", False):
@@ -249,9 +247,7 @@ class Recurrence:
         dims, used = self.bind(module, shape, params, state)
         for value in used.values():
             value.flags.writeable = False  # shared by the steps that reuse them
-        if len(self._token_binds) >= PLANS_KEPT:
-            self._token_binds.pop(next(iter(self._token_binds), None), None)
-        self._token_binds[key] = (params, dims, used)
+        _remember(self._token_binds, key, (params, dims, used))
         return checked, shape, module, dims, used
 
     def bind_step(self, token_inputs: dict, state: dict, *, backend: str = "numpy", params: dict | None = None,
@@ -316,6 +312,14 @@ def compile(source: str, filename: str = "<source>") -> Recurrence:  # noqa: A00
 def load(path: str | Path) -> Recurrence:
     """Compile a program file (.lin)."""
     return Recurrence(compiler.compile_file(path))
+
+
+def _remember(cache: dict, key, value) -> None:
+    """cache[key] = value, the oldest entry dropped past PLANS_KEPT (another thread may have dropped it
+    already)."""
+    if len(cache) >= PLANS_KEPT:
+        cache.pop(next(iter(cache), None), None)
+    cache[key] = value
 
 
 @dataclass(frozen=True)

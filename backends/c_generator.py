@@ -15,7 +15,7 @@ from compiler.linearity import ONE, mul, neg
 from dsl.errors import LinrecError
 
 from .c_build import CTYPE_BYTES
-from .c_printer import CPrinter, Local
+from .c_printer import CPrinter, Local, read_only_through_readouts
 from .names import Namer
 from .numpy_backend import VERSION
 from .templating import environment
@@ -144,8 +144,8 @@ class Generator:
         if isinstance(node, Local):
             return node.name
         if isinstance(node, ir.StateRef):
-            raise LinrecError(f"the C kernels read state '{node.name}' only through readouts such as "
-                              f"q·{node.name} (a contraction with a state-free q), not as a value of its own")
+            raise LinrecError(f"the C kernels read {read_only_through_readouts(node.name)}, not as a value of "
+                              f"its own")
         raise LinrecError(f"the C backend cannot reference {type(node).__name__} here")
 
     # ---- the decode step: one token, the state updated in place in the caller's [B, H, *] arrays ----

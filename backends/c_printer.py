@@ -71,6 +71,11 @@ def fold(e: ir.Expr, dims: dict[str, int]) -> float | None:
     return None
 
 
+def read_only_through_readouts(state: str) -> str:
+    """What the C kernels can do with a state besides updating it (the wording of every error about it)."""
+    return f"state '{state}' only through readouts such as q·{state} (a contraction with a state-free q)"
+
+
 class CPrinter:
     """Prints expressions of one code region (one kernel body) into statement lists.
 
@@ -403,8 +408,7 @@ class CPrinter:
             text = type(e).__name__
         states = sorted({n.name for n in walk(e) if isinstance(n, ir.StateRef)})
         if states:
-            why = (f"it reads state '{states[0]}' only through readouts such as q·{states[0]} (a contraction "
-                   f"with a state-free q)")
+            why = f"it reads {read_only_through_readouts(states[0])}"
         elif len(e.shape) > 1:
             why = f"a matrix per token (shape {list(e.shape)}); it handles scalar and vector values only"
         else:

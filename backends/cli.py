@@ -597,8 +597,7 @@ def cmd_verify(args) -> int:
     backends = args.backend or _backend_names()
     forms = args.form or list(rec.forms) + verify.decode_forms(rec)
     for form in forms:
-        why = rec.derivation.why_not(form) if form != verify.STEP else (
-            None if verify.decode_forms(rec) else "no decode step: it is non-causal, or has no recurrent form")
+        why = verify.why_not(rec, form)
         if why:
             raise LinrecError(f"'{rec.name}' has no {form} form: {why}")
     printed_header = False

@@ -71,13 +71,15 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
 
 def at_true_scale(rec, state: dict) -> dict:
     """Stabilized states as the sequence forms return them: a state carried as S·exp(−m) between steps,
-    with m at its "S.log_scale" key (NaN: at its true scale already), times exp(m), without the key."""
+    with m at its "S.log_scale" key (NaN: at its true scale already), rescaled to m = 0, without the key."""
     from .numpy_backend import log_scale_keys
+    from .numpy_scan import rescale
     keys = log_scale_keys(rec.compiled)
     out = {k: v for k, v in state.items() if k not in set(keys.values())}
     for name, key in keys.items():
         if key in state and name in out:
-            m = np.nan_to_num(np.asarray(state[key], np.float64), nan=0.0)  # [B, H]
             s = out[name]
-            out[name] = (s * np.exp(m).reshape(m.shape + (1,) * (s.ndim - m.ndim))).astype(s.dtype)
+            vector = s.ndim == 3  # (rescale takes [B, H, rows, cols])
+            s = rescale(s[..., None] if vector else s, state[key], None, s.dtype)
+            out[name] = s[..., 0] if vector else s
     return out

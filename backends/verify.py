@@ -45,6 +45,18 @@ def decode_forms(rec) -> list[str]:
     return [STEP] if rec.program.causal and "recurrent" in rec.forms else []
 
 
+def why_not(rec, form: str) -> str | None:
+    """Why the program has no such form to check (None: it has), the decode step included."""
+    if form == STEP:
+        return None if decode_forms(rec) else "no decode step: it is non-causal, or has no recurrent form"
+    return rec.derivation.why_not(form)
+
+
+def _built(form: str) -> str:
+    """The form a backend builds to run `form`: the decode step is the recurrent form's kernel."""
+    return "recurrent" if form == STEP else form
+
+
 def reference_form(rec) -> str:
     """The float64 recurrent form is the definition; a program without one (Linformer, Reformer) is checked
     against its dense parallel form."""
@@ -185,16 +197,14 @@ def missing(rec, backends, forms=None) -> list[tuple[str, str, str | None]]:
     for f in forms or list(rec.forms) + decode_forms(rec):
         for b in backends:
             if not _supports(rec, b, f):
-                why_not = getattr(BACKENDS[b], "why_not", None)
-                built = "recurrent" if f == STEP else f  # the step is the recurrent form's kernel
-                out.append((f, b, why_not(rec.compiled, built) if why_not else None))
+                backend_why = getattr(BACKENDS[b], "why_not", None)
+                out.append((f, b, backend_why(rec.compiled, _built(f)) if backend_why else None))
     return out
 
 
 def _supports(rec, backend: str, form: str) -> bool:
     from .api import BACKENDS
-    if form == STEP:
-        return _supports(rec, backend, "recurrent")
+    form = _built(form)
     module = BACKENDS[backend]
     if hasattr(module, "supports"):
         return module.supports(rec.compiled, form)

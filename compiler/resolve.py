@@ -44,6 +44,7 @@ class _Resolver:
         self.defined_at: dict[str, Span] = {}
         self.steps: list[ir.Step] = []
         self.used: set[str] = set()  # inputs, params, values and functions some expression refers to
+        self.warnings: tuple[LinrecWarning, ...] = ()  # set by run()
 
     # ---- names ----
     def _define(self, name: str, span: Span, what: str):

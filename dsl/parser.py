@@ -211,7 +211,8 @@ def _syntax_error(err: UnexpectedInput, source: str | None = None) -> LinrecErro
             bracket, at_line, at_col = opened
             where = f"column {at_col}" if at_line == line else f"line {at_line}, column {at_col}"
             hint = f" (the '{bracket}' at {where} is never closed)"
-    statement = source.splitlines()[line - 1].lstrip() if source and line <= len(source.splitlines()) else ""
+    lines = source.splitlines() if source else []
+    statement = lines[line - 1].lstrip() if line <= len(lines) else ""
     if not hint and "LSQB" in err.expected and statement.startswith("state"):
         hint = " (a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv])"
     if not hint and tok.type == "NAME" and "EQUAL" in err.expected:
