@@ -49,7 +49,7 @@ import numpy as np
 
 from dsl.errors import LinrecError
 
-from . import c_build
+from . import c_build, verify
 from .c_generator import split_scalar
 
 DEFAULT_TOKENS = (1024, 4096, 16384, 32768)
@@ -112,7 +112,7 @@ def flop_count(rec, dims: dict[str, int]) -> tuple[int, str, list[str]]:
                 lefts.setdefault(split_scalar(key)[1], "write")
         terms += [("rank-one update", 2)] * len(lefts) + [("write", 1)] * plain
         for r in derivation.readouts:
-            if r.state == tr.state:
+            if r.state == tr.state and not r.is_value:  # (a state read as it is costs no flop)
                 terms.append(("readout", 2))
         coef = sum(c for _, c in terms)
         total += coef * n
@@ -486,6 +486,12 @@ def run(opts: Options, progress=None) -> dict:
             if f not in emitters:
                 skipped.append({"form": f, "backend": b, "T": None,
                                 "reason": f"the {b} backend does not implement the {f} form (yet)"})
+                continue
+            gaps = verify.missing(rec, [b], [f])
+            if gaps:  # (said once, not as a failure at every T)
+                why = gaps[0][2]
+                skipped.append({"form": f, "backend": b, "T": None,
+                                "reason": f"the {b} backend does not build it" + (f": {why}" if why else "")})
                 continue
             for t in tokens:
                 limit = max_tokens(f, b) if opts.limits else None

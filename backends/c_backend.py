@@ -276,7 +276,8 @@ def why_not(compiled: Compiled, form: str) -> str | None:
     except LinrecError as err:
         return err.message
     if _scan_form(compiled, form):
-        return None
+        from . import c_scan
+        return c_scan.why_not(compiled)
     key = (id(compiled), form)
     known = _VERDICTS.get(key)
     if known is None or known[0]() is not compiled:

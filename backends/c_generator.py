@@ -164,7 +164,7 @@ class Generator:
         # declare everything this region prints, so that shared subexpressions are computed once
         for plan in plans:
             pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *plan["y"],
-                      *plan["q"])
+                      *[q for q in plan["q"] if q is not None])
         outputs = self.d.outputs if readouts else ()
         pr.expect(*[e for _, e in outputs])
         # 1. state-free values of the token
@@ -176,7 +176,7 @@ class Generator:
                                       "code": pr.array(dec) if dec.shape else pr.scalar(dec)}
             plan["w_codes"] = [pr.array(w) for w in plan["w"]]
             plan["x_codes"] = [pr.array(x) for x in plan["x"]]
-            plan["q_codes"] = [pr.array(q) for q in plan["q"]]
+            plan["q_codes"] = [None if q is None else pr.array(q) for q in plan["q"]]
         prep = pr.take_token()
         # 2. per state: corrections, right vectors, the fused pass
         readout_decls = []
@@ -207,9 +207,10 @@ class Generator:
                 y_names.append(yname)
             before, after = [], []
             for (r, q_code) in zip(plan["readouts"], plan["q_codes"]):
-                entry = {"q": q_code, "r": f"r{r.index}"}
+                entry = {"q": q_code, "r": f"r{r.index}", "value": r.is_value}
                 (before if r.before_update else after).append(entry)
-                readout_decls.append({"r": f"r{r.index}", "scalar": not matrix, "size": cols_padded})
+                readout_decls.append({"r": f"r{r.index}", "scalar": not matrix and not r.is_value,
+                                      "size": rows if r.is_value else cols_padded})
             ng = len(plan["x"]) if updates else 0
             nr = len(before) + len(after)
             gv_u = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, ng + 2 * nr + 1)) if nfull else 1
@@ -258,7 +259,8 @@ class Generator:
         plans = [self._plan_state(st, self.d.transition(st.name), updates=updates, readouts=readouts)
                  for st in self.p.states]
         for plan in plans:
-            pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *plan["q"],
+            pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"],
+                      *[q for q in plan["q"] if q is not None],
                       *[e for terms in plan["terms"] for c, kind, v in terms for e in (c, v) if kind == "v"])
             if not plan["w"]:
                 pr.expect(*plan["y"])
@@ -329,10 +331,17 @@ class Generator:
                 export_vector(x, f"blk_x_{c}_{g}", rows, scale=factor("mx"))
             before, after = [], []
             for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"])):
+                if rd.is_value:  # a vector state's own value, copied row by row (no query)
+                    (before if rd.before_update else after).append({
+                        "q": None, "r": f"r{rd.index}_blk[u]", "value": True, "index": rd.index, "out": None})
+                    readout_decls.append({"r": f"r{rd.index}", "blk": f"r{rd.index}_blk", "scalar": False,
+                                          "size": rows})
+                    arrays.append((f"r{rd.index}_blk", rows))
+                    continue
                 export_vector(q, f"blk_q_{c}_{k}", rows, scale=factor("mw" if rd.before_update else "mq"))
                 (before if rd.before_update else after).append({
                     "q": f"blk_q_{c}_{k}[u]", "r": f"r{rd.index}_blk[u]", "base": f"blk_q_{c}_{k}",
-                    "index": rd.index, "out": None})  # out: see _fuse_outputs
+                    "value": False, "index": rd.index, "out": None})  # out: see _fuse_outputs
                 readout_decls.append({"r": f"r{rd.index}", "blk": f"r{rd.index}_blk", "scalar": not matrix,
                                       "size": cp})
                 arrays.append((f"r{rd.index}_blk", cp if matrix else 0))

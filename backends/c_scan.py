@@ -262,6 +262,18 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
     return out
 
 
+def why_not(compiled: Compiled) -> str | None:
+    """Why these kernels cannot run the program's scans, or None: they compute readouts q·S, and a vector
+    state read as a value of its own (elementwise) has none."""
+    from .numpy_backend import stabilized_states
+    values = [r.state for r in compiled.derivation.readouts if r.is_value]
+    if values:
+        fused = "" if stabilized_states(compiled) else "the C backend runs its recurrent form and decode step, "
+        return (f"it reads vector state '{values[0]}' as a value of its own (elementwise), and the C scan "
+                f"kernels compute readouts q·{values[0]} only; {fused}the NumPy backend every form")
+    return None
+
+
 def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] | None = None,
          chunk_size: int | None = None) -> str:
     """The C source of a program's parallel or chunkwise form: one kernel per state, each a translation unit of
@@ -271,6 +283,9 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
     why = compiled.derivation.why_not(form)
     if why:
         raise LinrecError(f"'{compiled.name}' has no {form} form: {why}")
+    why = why_not(compiled)
+    if why:
+        raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}")
     parts = []
     for name, s in structures(compiled, dtype, dims, chunk_size):
         parts.append(f"/* ==== state '{name}': {s.describe()} ==== */\n" + render(s, form))

@@ -372,10 +372,12 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         mine = [r for r in d.readouts if r.state == st.name]
         queries = []
         for r in mine:
-            readout_vars[r.index] = f"r{r.index}" + ("[..., 0]" if len(st.shape) == 1 else "")
-            c, beta = split_exp(r.query)
+            readout_vars[r.index] = f"r{r.index}" + ("[..., 0]" if len(st.shape) == 1 and not r.is_value else "")
+            c, beta = split_exp(r.query) if not r.is_value else (None, None)
             terms = [running] if running else []  # the readout's log-scale: M, and the query's max
-            if running and beta is not None and variance(beta) == "token":
+            if r.is_value:
+                queries.append(f"(None, {r.before_update})")  # the state itself
+            elif running and beta is not None and variance(beta) == "token":
                 # a per-token constant factored out of an exponential query cancels in ratios
                 if beta not in query_max:
                     exponents.setdefault(beta, f"query_exponent{len(query_max)}")
@@ -396,6 +398,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         if running:  # the state enters scaled like the first token's keys
             init = f"rescale({init}, {scale}, {running}[:, 0], dtype)"
             helpers.add("rescale")
+        if any(r.is_value for r in mine):
+            body.append(f"# readouts (query, before the update): a query None reads {st.name} itself")
         targets = ", ".join(f"r{r.index}" for r in mine)  # (none for a state no output reads: `[], S = …`)
         body.append(f"[{targets}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, {s}_writes, "
                     f"[{', '.join(queries)}], causal={p.causal}, chunk_size=chunk_size)")

@@ -81,6 +81,32 @@ def decayed_scores(q, bq, k, bk, strict: bool, block: int = 16) -> np.ndarray:
     return out
 
 
+def decayed_values(bq, b, v, strict: bool, block: int = 16) -> np.ndarray:
+    """R[t, c] = Σ_j v_jc exp(bq_tc − b_jc) over j ≤ t (j < t when strict): a vector state's own value as it
+    reaches token t, without its initial state (the elementwise twin of decayed_scores; a readout with no
+    query, see compiler.derive.Readout).
+
+    v: [B, H, n, d] the contributions of a state [d, 1]; bq, b: [B, H, n, 1 or d] or None."""
+    n = v.shape[-2]
+    if bq is None or bq.shape[-1] == 1:  # one decay (or none) per token: a masked, decayed matrix
+        a = _mask(n, strict).astype(v.dtype)
+        if bq is not None:
+            diff = np.where(_mask(n, strict), bq[..., :, None, 0] - b[..., None, :, 0], -np.inf)
+            a = np.exp(diff).astype(v.dtype)
+        return a @ v
+    out = np.zeros(bq.shape[:-2] + (n, v.shape[-1]), dtype=v.dtype)
+    for s in range(0, n, block):
+        e = min(s + block, n)
+        # diagonal block, element-wise in log space
+        diff = np.where(_mask(e - s, strict)[..., None], bq[..., s:e, None, :] - b[..., None, s:e, :], -np.inf)
+        out[..., s:e, :] = np.einsum("...tjc,...jc->...tc", np.exp(diff).astype(v.dtype), v[..., s:e, :])
+        if s:  # the tokens before, anchored at the block's previous token r: each factor ≤ 1
+            r = b[..., s - 1:s, :]
+            carried = np.sum(np.exp(r - b[..., :s, :]).astype(v.dtype) * v[..., :s, :], axis=-2, keepdims=True)
+            out[..., s:e, :] += np.exp(bq[..., s:e, :] - r).astype(v.dtype) * carried
+    return out
+
+
 def _solve_unit_lower(m, rhs, block: int = 64):
     """Solve M·X = rhs for unit lower-triangular M [.., n, n] by blocked forward substitution."""
     n = m.shape[-1]
@@ -142,6 +168,11 @@ def _segment(s0, l, corrections, writes, readouts, causal, block):
         results = []
         for q, before in readouts:
             bq = b_prev if before else b
+            if q is None:  # the state's own value (a vector state [d, 1])
+                start = s0[..., None, :, 0] * (np.exp(bq).astype(s0.dtype) if b is not None else 1)
+                v = sum(kappa * x for kappa, x in terms)
+                results.append(start + decayed_values(bq, b, v, before, block))
+                continue
             s0_term = (q * np.exp(bq).astype(q.dtype) if b is not None else q) @ s0
             results.append(_block(q, bq, b, terms, before, s0_term, block))
     if b is None:
@@ -159,10 +190,22 @@ def _prepare(s0, log_decay, corrections, writes, readouts):
             [(hm(q), before) for q, before in readouts])
 
 
-def _finish(results, end, readouts_hm, causal):
+def _read(q, state):
+    """query·S for one token's queries q [.., dk] (several tokens: [.., n, dk]), or S's own value when q is
+    None (a vector state [.., d, 1])."""
+    return state[..., 0] if q is None else np.einsum("...i,...ij->...j", q, state)
+
+
+def _finish(results, end, readouts_hm, causal, tokens):
     if not causal:  # every readout reads the final state
-        results = [q @ end for q, _ in readouts_hm]
+        results = [np.broadcast_to(end[..., None, :, 0], end.shape[:-2] + (tokens, end.shape[-2])) if q is None
+                   else q @ end for q, _ in readouts_hm]
     return [np.swapaxes(r, 1, 2) for r in results], end
+
+
+def _tokens(log_decay, corrections, writes, readouts) -> int:
+    arrays = [q for q, _ in readouts if q is not None] + [k for k, _ in writes] + [u for u, _ in corrections]
+    return (arrays[0] if arrays else log_decay).shape[-2]
 
 
 def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
@@ -172,36 +215,39 @@ def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chu
     per token [B, T, H, *]; readouts [(query, before_update)]. Returns ([readout [B, T, H, dv]], S_T)."""
     s0, l, corr, wr, rd = _prepare(s0, log_decay, corrections, writes, readouts)
     results, end = _segment(s0, l, corr, wr, rd, causal, block=64)
-    return _finish(results, end, rd, causal)
+    return _finish(results, end, rd, causal, _tokens(l, corr, wr, rd))
 
 
 def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
     """The chunkwise form: state passing between chunks of C tokens, dense products inside a chunk."""
     chunk = int(chunk_size or 64)
     s0, l, corr, wr, rd = _prepare(s0, log_decay, corrections, writes, readouts)
-    tokens = (rd[0][0] if rd else wr[0][0] if wr else corr[0][0]).shape[-2]
+    tokens = _tokens(l, corr, wr, rd)
     state, pieces = s0, []
     for s in range(0, tokens, chunk):
         cut = slice(s, min(s + chunk, tokens))
         results, state = _segment(
             state, None if l is None else l[..., cut, :], [(u[..., cut, :], w[..., cut, :]) for u, w in corr],
-            [(k[..., cut, :], x[..., cut, :]) for k, x in wr], [(q[..., cut, :], b) for q, b in rd],
-            causal, block=16)
+            [(k[..., cut, :], x[..., cut, :]) for k, x in wr],
+            [(None if q is None else q[..., cut, :], b) for q, b in rd], causal, block=16)
         pieces.append(results)
     results = [np.concatenate([p[i] for p in pieces], axis=-2) for i in range(len(rd))] if causal else None
-    return _finish(results, state, rd, causal)
+    return _finish(results, state, rd, causal, tokens)
 
 
 def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
     """The recurrent form of the decomposition: one token at a time, carrying the state."""
     s0, l, corr, wr, rd = _prepare(s0, log_decay, corrections, writes, readouts)
     state = s0.copy()
-    tokens = (rd[0][0] if rd else wr[0][0] if wr else corr[0][0]).shape[-2]
-    results = [np.empty(q.shape[:-1] + (state.shape[-1],), dtype=state.dtype) for q, _ in rd]
+    tokens = _tokens(l, corr, wr, rd)
+    lead = state.shape[:-2] + (tokens,)
+    results = [np.empty(lead + (state.shape[-2] if q is None else state.shape[-1],), dtype=state.dtype)
+               for q, _ in rd]
+    at = lambda q, t: None if q is None else q[..., t, :]  # noqa: E731
     for t in range(tokens):
         for r, (q, before) in zip(results, rd):
             if before and causal:
-                r[..., t, :] = np.einsum("...i,...ij->...j", q[..., t, :], state)
+                r[..., t, :] = _read(at(q, t), state)
         pseudo = [np.einsum("...i,...ij->...j", w[..., t, :], state) for _, w in corr]
         if l is not None:
             state = np.exp(l[..., t, :]).astype(state.dtype)[..., :, None] * state
@@ -211,8 +257,8 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
             state = state + kappa[..., t, :, None] * x[..., t, None, :]
         for r, (q, before) in zip(results, rd):
             if not (before and causal):
-                r[..., t, :] = np.einsum("...i,...ij->...j", q[..., t, :], state)
-    return _finish(results if causal else None, state, rd, causal)
+                r[..., t, :] = _read(at(q, t), state)
+    return _finish(results if causal else None, state, rd, causal, tokens)
 
 
 def running_max(exponent, start=None) -> np.ndarray:

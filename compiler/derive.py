@@ -14,12 +14,18 @@ FORMS = ("recurrent", "parallel", "chunkwise")
 
 @dataclass(frozen=True)
 class Readout:
-    """r = query·S, with S before (S_(t−1)) or after (S_t) this token's update."""
+    """r = query·S, with S before (S_(t−1)) or after (S_t) this token's update. A vector state an output
+    uses as a value of its own (`z*sigmoid(g)`, HGRN- and RG-LRU-style: an elementwise read) is a readout
+    with no query: r = z itself."""
 
     index: int
     state: str
-    query: ir.Expr
+    query: ir.Expr | None
     before_update: bool
+
+    @property
+    def is_value(self) -> bool:
+        return self.query is None
 
     @property
     def shape(self) -> ir.Shape:
@@ -47,25 +53,32 @@ class Derivation:
 
 
 def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: list[str]):
-    def replace(node: ir.Expr) -> ir.Expr:
+    def readout(node: ir.Expr, s: ir.StateRef, query: ir.Expr | None) -> ir.ReadoutRef:
+        r = Readout(len(readouts), s.name, query, s.version == "prev" and program.causal)
+        for existing in readouts:  # the same readout written twice is computed once
+            if (existing.state, existing.query, existing.before_update) == (r.state, r.query, r.before_update):
+                return ir.ReadoutRef(node.shape, existing.index)
+        readouts.append(r)
+        return ir.ReadoutRef(node.shape, r.index)
+
+    def contraction(node: ir.Expr) -> ir.Expr:
         if isinstance(node, ir.Dot) and isinstance(node.right, ir.StateRef) and len(node.left.shape) == 1 \
                 and not states_in(node.left):
-            s = node.right
-            r = Readout(len(readouts), s.name, node.left, s.version == "prev" and program.causal)
-            for existing in readouts:  # the same readout written twice is computed once
-                if (existing.state, existing.query, existing.before_update) == (r.state, r.query,
-                                                                                r.before_update):
-                    return ir.ReadoutRef(node.shape, existing.index)
-            readouts.append(r)
-            return ir.ReadoutRef(node.shape, r.index)
+            return readout(node, node.right, node.left)
+        return node
+
+    def value(node: ir.Expr) -> ir.Expr:
+        # what contractions leave of a vector state is read as it is (elementwise, or whole)
+        if isinstance(node, ir.StateRef) and len(node.shape) == 1:
+            return readout(node, node, None)
         return node
 
     outputs = []
     for out in program.outputs:
-        expr = rebuild(inline_lets(out.value, program.lets), replace)
+        expr = rebuild(rebuild(inline_lets(out.value, program.lets), contraction), value)
         for n in walk(expr):
             if isinstance(n, ir.StateRef):
-                problems.append(f"output '{out.name}' uses state '{n.name}' other than through a readout "
+                problems.append(f"output '{out.name}' uses matrix state '{n.name}' other than through a readout "
                                 f"`q·{n.name}` with a state-free q (in `{to_text(out.value)}`)")
                 break
         outputs.append((out.name, expr))

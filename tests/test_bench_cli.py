@@ -52,6 +52,24 @@ def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
     assert missing <= {s["form"] for s in report["skipped"] if s["backend"] == "c"}
 
 
+def test_bench_says_once_which_forms_a_backend_does_not_build(cache_dir, tmp_path, capsys):
+    """A vector state read elementwise: C builds the recurrent kernel only; its parallel and chunkwise forms
+    are listed once with the reason (not as a failure at every T), and reading a state as it is costs no
+    flop (decay + write: 2·d)."""
+    from test_cli import HGRN_LIKE
+    path = tmp_path / "gated_rnn.lin"
+    path.write_text(HGRN_LIKE)
+    code = main(["bench", str(path), "--quick", "--json", "--T", "32", "--T", "64", "--repeats", "1",
+                 "--backend", "c"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {(r["form"], r["T"]) for r in report["rows"]} == {("recurrent", 32), ("recurrent", 64)}
+    skipped = [(s["form"], s["T"]) for s in report["skipped"] if s["backend"] == "c"]
+    assert sorted(skipped) == [("chunkwise", None), ("parallel", None)]
+    assert all("reads vector state 's' as a value of its own" in s["reason"] for s in report["skipped"])
+    assert report["flops_per_token_head"] == 2 * 8
+
+
 def test_bench_text_report_and_selection(cache_dir, capsys):
     code = main(["bench", str(EXAMPLES / "gated_deltanet.lin"), "--T", "32", "--T", "8192", "--repeats", "1",
                  "--budget", "0.5", "--backend", "numpy", "--form", "parallel", "--form", "auto", "--quick"])

@@ -135,3 +135,33 @@ def test_verify_runs_the_decode_step_of_causal_programs(capsys):
     linformer = Path(__file__).resolve().parent.parent / "examples" / "linformer.lin"
     assert main(["verify", str(linformer), "--form", "step"]) == 1
     assert "has no step form: no decode step" in capsys.readouterr().err
+
+
+HGRN_LIKE = """# an elementwise forget gate on a vector state, read elementwise through an output gate (HGRN-like)
+recurrence gated_rnn(d = 8)
+input x[d], f[d], g[d]
+state s[d]
+s = diag(sigmoid(f))·s + (1 − sigmoid(f))*x
+output o = s*sigmoid(g)
+"""
+
+
+def test_a_vector_state_read_elementwise_gets_its_forms(tmp_path, capsys):
+    """check lists the forms and the backends that build them (C: the recurrent kernel and the decode step;
+    its scan kernels compute contractions only), and verify passes every row it runs (float64 within
+    1e-12), saying why the C parallel and chunkwise rows are not there."""
+    path = tmp_path / "gated_rnn.lin"
+    path.write_text(HGRN_LIKE)
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "recurrent   available (backends: numpy, c)" in out
+    assert "parallel    available (backends: numpy)" in out and "chunkwise   available (backends: numpy)" in out
+    assert main(["verify", str(path), "--quick", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["rows"]
+    assert {(r["form"], r["backend"]) for r in rows} == {
+        ("recurrent", "numpy"), ("parallel", "numpy"), ("chunkwise", "numpy"), ("recurrent", "c"),
+        ("step", "numpy"), ("step", "c")}
+    assert all(r["passed"] for r in rows) and max(r["max_rel"] for r in rows if r["dtype"] == "float64") < 1e-12
+    assert main(["run", str(path), "--backend", "c", "--form", "parallel"]) == 1
+    assert "reads vector state 's' as a value of its own" in capsys.readouterr().err

@@ -117,6 +117,32 @@ S = exp(g)·S + k⊗v
 R = R + q⊗v
 output o = q·S
 """,
+    # vector states read as values of their own (HGRN- and RG-LRU-style elementwise reads), before and
+    # after their update, beside a contraction of one of them
+    "elementwise_read": """recurrence elementwise_read(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], f[dk], g <= 0
+state S[dk, dv], z[dk], w[dk]
+early = w*sigmoid(q)
+S = exp(g)·S + k⊗v
+z = diag(sigmoid(f))·z + (1 − sigmoid(f))*k
+w = w + k
+output o = q·S + (q·z)*v
+output y = z*sigmoid(q) + early + 0.5*w
+""",
+    # a vector state with a delta-rule correction, read as it is; and a non-causal one
+    "delta_vector_read": """recurrence delta_vector_read(dk = 6, dv = 5)
+input k[dk], v, beta in (0, 1)
+kn = l2norm(k)
+state z[dk]
+z = (I − beta·kn⊗kn)·z + beta·kn*v
+output y = z
+""",
+    "encoder_read": """recurrence encoder_read(dk = 6, dv = 5) noncausal
+input k[dk], g[dk] <= 0
+state z[dk]
+z = diag(exp(g))·z + k
+output y = z*k
+""",
     "encoder": """recurrence encoder(dk = 6, dv = 5) noncausal
 input q[dk], k[dk], v[dv], g <= 0
 state S[dk, dv]
@@ -259,3 +285,41 @@ def test_exp_input_gate_against_a_loop(backend):
     for form in rec.forms:
         got = rec.run(x, form=form, backend=backend, initial_state=state0).outputs["o"]
         assert _rel_err(got, expect) <= 1e-10, f"{form} ({backend})"
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_elementwise_reads_against_a_loop(backend):
+    """Vector states read as values of their own (an output gate times the state, the state before its
+    update), against explicit loops over b, h, t (float64, 1e-10 relative): every form on NumPy; the
+    recurrent form and the decode step on C, whose scan kernels compute contractions only and say so."""
+    rec = program("elementwise_read")
+    dims = {"dk": 5, "dv": 3}
+    x = rec.random_inputs(2, 37, 2, dims, np.float64, seed=3)
+    state0 = _initial_state(rec.program, 2, 2, dims, np.random.default_rng(3))
+    sig = lambda a: 1 / (1 + np.exp(-a))  # noqa: E731
+    expect = {"o": np.zeros(np.shape(x["v"])), "y": np.zeros(np.shape(x["k"]))}
+    for b in range(2):
+        for h in range(2):
+            S, z, w = (state0[n][b, h].copy() for n in ("S", "z", "w"))
+            for t in range(37):
+                q, k, v, f, g = (np.asarray(x[n])[b, t, h] for n in ("q", "k", "v", "f", "g"))
+                early = w * sig(q)
+                S = np.exp(g) * S + np.outer(k, v)
+                z = sig(f) * z + (1 - sig(f)) * k
+                w = w + k
+                expect["o"][b, t, h] = q @ S + (q @ z) * v
+                expect["y"][b, t, h] = z * sig(q) + early + 0.5 * w
+    forms = rec.forms if backend == "numpy" else ("recurrent",)
+    for form in forms:
+        res = rec.run(x, form=form, backend=backend, initial_state=state0)
+        for name in expect:
+            assert _rel_err(res.outputs[name], expect[name]) <= 1e-10, f"{form} ({backend}): {name}"
+        assert _rel_err(res.final_state["w"], state0["w"] + np.sum(x["k"], axis=1)) <= 1e-10
+    # the decode step, token by token, carries the same states
+    state = state0
+    for t in range(37):
+        out, state = rec.step({n: np.asarray(a)[:, t] for n, a in x.items()}, state, backend=backend)
+        assert _rel_err(out["y"], expect["y"][:, t]) <= 1e-10, f"step {t} ({backend})"
+    if backend == "c":
+        with pytest.raises(linrec.LinrecError, match="reads vector state 'z' as a value of its own"):
+            rec.run(x, form="chunkwise", backend="c")
