@@ -71,6 +71,9 @@ class Recurrence:
     def _check_form(self, form: str, backend: str):
         self._check_backend(backend)
         known = compiler.FORMS
+        if form == numpy_backend.DEFINITION and backend == "numpy" and "recurrent" in self.forms \
+                and self.derivation.sequence is None:
+            return  # the statements as written (verify's reference, see numpy_backend.DEFINITION)
         if form not in known and form != "auto":
             raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(known)}")
         why = self.derivation.why_not(form)

@@ -268,7 +268,8 @@ def why_not(compiled: Compiled) -> str | None:
     from .numpy_backend import stabilized_states
     values = [r.state for r in compiled.derivation.readouts if r.is_value]
     if values:
-        fused = "" if stabilized_states(compiled) else "the C backend runs its recurrent form and decode step, "
+        fused = "" if stabilized_states(compiled) else \
+            f"the C backend runs its recurrent form{' and decode step' if compiled.program.causal else ''}, "
         return (f"it reads vector state '{values[0]}' as a value of its own (elementwise), and the C scan "
                 f"kernels compute readouts q·{values[0]} only; {fused}the NumPy backend every form")
     return None

@@ -607,7 +607,9 @@ def cmd_verify(args) -> int:
         if args.json:
             return
         if not printed_header:
-            print(f"{rec.name}: every form against the float64 {verify.reference_form(rec)} form (numpy)")
+            ref = verify.reference_form(rec)
+            ref = "recurrent form as written (not stabilized)" if ref == "definition" else f"{ref} form"
+            print(f"{rec.name}: every form against the float64 {ref} (numpy)")
             print(verify.HEADER)
             printed_header = True
         print(verify.format_row(row), flush=True)

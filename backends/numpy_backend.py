@@ -223,12 +223,17 @@ def emit_recurrent_form(compiled: Compiled) -> str:
 
 
 EMITTERS = {"recurrent": emit_recurrent_form}
+# The statements as written, even where the recurrent form is stabilized: verify's reference for those, so
+# that the stabilized decomposition is checked against something other than itself (not a user form).
+DEFINITION = "definition"
 
 
 def emit(compiled: Compiled, form: str) -> str:
     if compiled.derivation.sequence is not None:
         from . import numpy_sequence
         return numpy_sequence.emit(compiled, form)
+    if form == DEFINITION:
+        return emit_recurrent(compiled)
     return EMITTERS[form](compiled)
 
 
@@ -314,6 +319,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
     exponents: dict[ir.Expr, str] = {}  # an exponent α or β → its variable
     query_max: dict[ir.Expr, str] = {}  # a query exponent β → the variable of its per-token maximum
     scale_of: dict[int, str] = {}   # readout → the code of its log-scale
+    lagged: set[str] = set()        # the variables of M_(t−1) defined so far
     readout_vars = {}
 
     def tok(e, width):
@@ -374,7 +380,17 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         for r in mine:
             readout_vars[r.index] = f"r{r.index}" + ("[..., 0]" if len(st.shape) == 1 and not r.is_value else "")
             c, beta = split_exp(r.query) if not r.is_value else (None, None)
-            terms = [running] if running else []  # the readout's log-scale: M, and the query's max
+            # the readout's log-scale: M, and the query's max. A readout before the update reads
+            # S_(t−1)·exp(−M_(t−1)): its M is one token behind (the first token's: the initial state's, M_1)
+            terms = []
+            if running and r.before_update:
+                if f"{running}_before" not in lagged:
+                    lagged.add(f"{running}_before")
+                    body.append(f"{running}_before = np.concatenate([{running}[:, :1], {running}[:, :-1]], axis=1)"
+                                f"  # M_(t−1)")
+                terms.append(f"{running}_before")
+            elif running:
+                terms.append(running)
             if r.is_value:
                 queries.append(f"(None, {r.before_update})")  # the state itself
             elif running and beta is not None and variance(beta) == "token":

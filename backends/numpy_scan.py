@@ -281,4 +281,10 @@ def rescale(state, have, want, dtype) -> np.ndarray:
     """A state stored as S·exp(−have) re-expressed as S·exp(−want) ([B, H] log-scales; None and NaN are 0)."""
     have = 0.0 if have is None else np.nan_to_num(np.asarray(have, np.float64), nan=0.0)
     want = 0.0 if want is None else np.asarray(want, np.float64)
-    return (state * np.exp(np.asarray(have - want))[..., None, None]).astype(dtype)
+    factor = np.exp(np.asarray(have - want))
+    if not np.any(factor != 1):  # the same scale (a decode step whose maximum did not move): a copy
+        return np.array(state, dtype=dtype)
+    if np.all((factor > 1e-30) & (factor < 1e30)):  # (then the factor is a normal number in float32 too)
+        # in the working dtype: a float64 product of a float32 state would double a decode step's traffic
+        return np.asarray(state, dtype) * factor.astype(dtype)[..., None, None]
+    return (state * factor[..., None, None]).astype(dtype)  # a tiny state times a huge factor, say

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import backends as linrec
+from backends import verify
 from backends.verify import TOLERANCE, _initial_state
 
 # the examples that carry a state (the sequence-level ones are tested in test_sequence.py)
@@ -323,3 +324,32 @@ def test_elementwise_reads_against_a_loop(backend):
     if backend == "c":
         with pytest.raises(linrec.LinrecError, match="reads vector state 'z' as a value of its own"):
             rec.run(x, form="chunkwise", backend="c")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_stabilized_readout_before_the_update_against_a_loop(backend):
+    """A state carried as S·exp(−M) (exponential keys) read before its update as well as after: the read
+    before sees S_(t−1)·exp(−M_(t−1)), one token behind M_t (was: scaled back by M_t, 0.9 off in every
+    form; verify missed it, its reference being the same stabilized form — it now is the statements as
+    written). Every form against explicit loops, float64, 1e-10 relative."""
+    rec = linrec.compile("""recurrence before_after(dk = 3, dv = 7)
+input q[dk], k[dk], v[dv], g <= 0
+state S[dk, dv]
+early = q·S
+S = exp(g)·S + (exp(g)*k)⊗v
+output o = q·S + early
+""", "before_after.lin")
+    x = rec.random_inputs(2, 19, 3, None, np.float64, seed=1)
+    q, k, v, g = (np.asarray(x[n]) for n in "qkvg")
+    expect = np.zeros(v.shape)
+    for b in range(2):
+        for h in range(3):
+            S = np.zeros((3, 7))
+            for t in range(19):
+                early = q[b, t, h] @ S
+                S = np.exp(g[b, t, h]) * (S + np.outer(k[b, t, h], v[b, t, h]))
+                expect[b, t, h] = q[b, t, h] @ S + early
+    for form in rec.forms:
+        got = rec.run(x, form=form, backend=backend).outputs["o"]
+        assert _rel_err(got, expect) <= 1e-10, f"{form} ({backend})"
+    assert verify.reference_form(rec) == "definition"
