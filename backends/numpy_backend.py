@@ -319,7 +319,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
     exponents: dict[ir.Expr, str] = {}  # an exponent α or β → its variable
     query_max: dict[ir.Expr, str] = {}  # a query exponent β → the variable of its per-token maximum
     scale_of: dict[int, str] = {}   # readout → the code of its log-scale
-    lagged: set[str] = set()        # the variables of M_(t−1) defined so far
+    lagged: set[str] = set()        # the variables of M_(t−1) and M_T defined so far
     readout_vars = {}
 
     def tok(e, width):
@@ -381,16 +381,19 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
             readout_vars[r.index] = f"r{r.index}" + ("[..., 0]" if len(st.shape) == 1 and not r.is_value else "")
             c, beta = split_exp(r.query) if not r.is_value else (None, None)
             # the readout's log-scale: M, and the query's max. A readout before the update reads
-            # S_(t−1)·exp(−M_(t−1)): its M is one token behind (the first token's: the initial state's, M_1)
+            # S_(t−1)·exp(−M_(t−1)): its M is one token behind (the first token's: the initial state's, M_1);
+            # a non-causal one reads the final state, S_T·exp(−M_T), at every token
             terms = []
-            if running and r.before_update:
-                if f"{running}_before" not in lagged:
-                    lagged.add(f"{running}_before")
-                    body.append(f"{running}_before = np.concatenate([{running}[:, :1], {running}[:, :-1]], axis=1)"
-                                f"  # M_(t−1)")
-                terms.append(f"{running}_before")
-            elif running:
-                terms.append(running)
+            if running:
+                name, code = ((f"{running}_end", f"np.broadcast_to({running}[:, -1:], {running}.shape)  # M_T")
+                              if not p.causal else
+                              (f"{running}_before", f"np.concatenate([{running}[:, :1], {running}[:, :-1]], axis=1)"
+                                                    f"  # M_(t−1)")
+                              if r.before_update else (running, None))
+                if code and name not in lagged:
+                    lagged.add(name)
+                    body.append(f"{name} = {code}")
+                terms.append(name)
             if r.is_value:
                 queries.append(f"(None, {r.before_update})")  # the state itself
             elif running and beta is not None and variance(beta) == "token":

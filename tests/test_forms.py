@@ -180,11 +180,12 @@ def _check(rec, batch, tokens, heads, dims, decay_scale, chunk, dtype, tol, seed
     inputs = rec.random_inputs(batch, tokens, heads, dims, np.float64, seed=seed, decay_scale=decay_scale)
     all_dims = {d.name: d.default for d in rec.program.dims} | dims
     state0 = _initial_state(rec.program, batch, heads, all_dims, rng)
-    ref = rec.run(inputs, initial_state=state0)
+    reference = verify.reference_form(rec)  # (stabilized programs: the statements as written)
+    ref = rec.run(inputs, initial_state=state0, form=reference)
     cast = {k: v.astype(dtype) for k, v in inputs.items()}
     s0 = {k: v.astype(dtype) for k, v in state0.items()}
     params = {k: v.astype(dtype) for k, v in ref.params.items()}
-    for form in ("parallel", "chunkwise"):
+    for form in [f for f in ("recurrent", "parallel", "chunkwise") if f != reference]:
         res = rec.run(cast, form=form, initial_state=s0, params=params, chunk_size=chunk)
         for name, value in ref.outputs.items():
             assert res.outputs[name].dtype == np.dtype(dtype)
@@ -353,3 +354,25 @@ output o = q·S + early
         got = rec.run(x, form=form, backend=backend).outputs["o"]
         assert _rel_err(got, expect) <= 1e-10, f"{form} ({backend})"
     assert verify.reference_form(rec) == "definition"
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_stabilized_noncausal_readouts_against_a_loop(backend):
+    """A non-causal program with exponential keys: every token reads the final state S_T·exp(−M_T), so its
+    scale is M_T at every token (was: M_t, the running maximum up to the token). An output whose scales do
+    not cancel (+ v) shows it. Every form against explicit loops, float64, 1e-10 relative."""
+    rec = linrec.compile("""recurrence encoder_exp(dk = 3, dv = 4) noncausal
+input q[dk], k[dk], v[dv]
+state S[dk, dv]
+S = S + exp(k)⊗v
+output o = q·S + v
+""", "encoder_exp.lin")
+    x = rec.random_inputs(2, 13, 2, None, np.float64, seed=5)
+    x["k"] = np.asarray(x["k"]) * 4  # a running maximum that moves
+    q, k, v = (np.asarray(x[n]) for n in "qkv")
+    final = np.einsum("bthi,bthj->bhij", np.exp(k), v)
+    expect = np.einsum("bthi,bhij->bthj", q, final) + v
+    for form in rec.forms:
+        got = rec.run(x, form=form, backend=backend)
+        assert _rel_err(got.outputs["o"], expect) <= 1e-10, f"{form} ({backend})"
+        assert _rel_err(got.final_state["S"], final) <= 1e-10, f"{form} ({backend})"
