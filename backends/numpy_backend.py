@@ -291,6 +291,18 @@ def _degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
     return {} if not any(nonzero) else None
 
 
+def _scale_seen(running: str, causal: bool, before_update: bool) -> tuple[str, str | None]:
+    """The log-scale M a readout of a state carried as S·exp(−M) sees, as (variable, its code or None when
+    it is `running` itself, M_t). A readout before the update reads S_(t−1)·exp(−M_(t−1)): one token behind
+    (the first token's is the initial state's, brought to M_1); a non-causal one reads S_T·exp(−M_T) at
+    every token."""
+    if not causal:
+        return f"{running}_end", f"np.broadcast_to({running}[:, -1:], {running}.shape)  # M_T"
+    if before_update:
+        return f"{running}_before", f"np.concatenate([{running}[:, :1], {running}[:, :-1]], axis=1)  # M_(t−1)"
+    return running, None
+
+
 def _shifted_exp(exponent: str, shift: str, alpha: ir.Expr, product: ir.Expr) -> str:
     """exp(α − M) in NumPy, M [B, T, H] a per-token shift, shaped to multiply into `product` (a key or query
     c·exp(α)): a vector α takes M along its last axis; a scalar α times a vector c gets that axis itself."""
@@ -380,16 +392,9 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         for r in mine:
             readout_vars[r.index] = f"r{r.index}" + ("[..., 0]" if len(st.shape) == 1 and not r.is_value else "")
             c, beta = split_exp(r.query) if not r.is_value else (None, None)
-            # the readout's log-scale: M, and the query's max. A readout before the update reads
-            # S_(t−1)·exp(−M_(t−1)): its M is one token behind (the first token's: the initial state's, M_1);
-            # a non-causal one reads the final state, S_T·exp(−M_T), at every token
-            terms = []
+            terms = []  # the readout's log-scale: the state's M as the readout sees it, and the query's max
             if running:
-                name, code = ((f"{running}_end", f"np.broadcast_to({running}[:, -1:], {running}.shape)  # M_T")
-                              if not p.causal else
-                              (f"{running}_before", f"np.concatenate([{running}[:, :1], {running}[:, :-1]], axis=1)"
-                                                    f"  # M_(t−1)")
-                              if r.before_update else (running, None))
+                name, code = _scale_seen(running, p.causal, r.before_update)
                 if code and name not in lagged:
                     lagged.add(name)
                     body.append(f"{name} = {code}")
