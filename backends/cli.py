@@ -590,6 +590,7 @@ def cmd_verify(args) -> int:
     import json
 
     from . import verify
+    from .numpy_backend import DEFINITION
 
     rec = _load(args.file)
     if args.against:
@@ -608,7 +609,7 @@ def cmd_verify(args) -> int:
             return
         if not printed_header:
             ref = verify.reference_form(rec)
-            ref = "recurrent form as written (not stabilized)" if ref == "definition" else f"{ref} form"
+            ref = "recurrent form as written (not stabilized)" if ref == DEFINITION else f"{ref} form"
             print(f"{rec.name}: every form against the float64 {ref} (numpy)")
             print(verify.HEADER)
             printed_header = True

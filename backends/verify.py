@@ -65,7 +65,7 @@ def reference_form(rec) -> str:
     from .numpy_backend import DEFINITION, stabilized_states
     if "recurrent" not in rec.forms:
         return "parallel"
-    return DEFINITION if rec.derivation.sequence is None and stabilized_states(rec.compiled) else "recurrent"
+    return DEFINITION if stabilized_states(rec.compiled) else "recurrent"
 
 
 def battery(program, quick: bool = False) -> list[Case]:
