@@ -41,12 +41,17 @@ SUB_BLOCK = 16  # query panels and diagonal-decay sub-blocks (a multiple of ever
 # log-decays of the segment span at most this much (float: e^40 ≈ 2e17, far from overflow and from the
 # subnormals); wider segments take the stable sub-block way.
 SPAN_MAX = {"float": 40.0, "double": 300.0}
+# a vector state read as it is whose update has rank-one corrections (the delta rule on a vector): its
+# reads need the pseudo-values of the contraction kernels, which these kernels do not hand out
+VALUES_WITH_CORRECTIONS = ("the C scan kernels read a vector state as it is (elementwise) only when its update "
+                           "has no rank-one correction (delta-rule term); the NumPy backend runs every form of "
+                           "it")
 DECAYS = ("none", "token", "row")
 SMALL_WORK = 1 << 20  # multiply-adds (roughly) below which a call runs on one thread
 FORMS = ("parallel", "chunkwise")
 
 # the generator's own files: a change to any of them rebuilds its cached kernels
-GENERATOR = ("c_scan.py", "templates/c_scan.c.j2")
+GENERATOR = ("c_scan.py", "templates/c_scan.c.j2", "templates/c_scan_exp.h.j2")
 
 
 @dataclass(frozen=True)
@@ -102,24 +107,30 @@ def cdef(s: Structure) -> str:
 
 
 # ---- kernels ------------------------------------------------------------------------------------------
-_kernels: dict[Structure, object] = {}
+_kernels: dict[object, object] = {}
 _lock = threading.Lock()
 
 
-def kernel(s: Structure):
-    """The built extension (ffi, lib) for a structure: memoized, else from the disk cache, else built."""
+def cached_kernel(s, generator: tuple[str, ...], label: str, source, declarations: str):
+    """The built extension (ffi, lib) for a kernel structure `s` (hashable, its repr a key): memoized, else
+    from the disk cache by an alias of (generator, s), else built from source() — rendered only then."""
     k = _kernels.get(s)
     if k is None:
         with _lock:
             k = _kernels.get(s)
             if k is None:
-                alias = c_build.alias_key("c_scan", repr(s), c_build.generator_fingerprint(*GENERATOR))
+                alias = c_build.alias_key(generator[0], repr(s), c_build.generator_fingerprint(*generator))
                 k = c_build.load_alias(alias)
                 if k is None:
-                    label = f"scan_{s.decay}_r{s.corrections}_w{s.writes}_{s.ctype}"
-                    k = c_build.build(render(s), cdef(s), label, alias)
+                    k = c_build.build(source(), declarations, label, alias)
                 _kernels[s] = k
     return k
+
+
+def kernel(s: Structure):
+    """The built extension (ffi, lib) for a structure."""
+    return cached_kernel(s, GENERATOR, f"scan_{s.decay}_r{s.corrections}_w{s.writes}_{s.ctype}", lambda: render(s),
+                         cdef(s))
 
 
 def _operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
@@ -147,6 +158,9 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     corrections = [tuple(c) for c in corrections]
     writes = [tuple(w) for w in writes]
     readouts = [(q, bool(before)) for q, before in readouts]
+    if any(q is None for q, _ in readouts):
+        return _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads,
+                            span_max)
     per_token = [a for pair in corrections + writes for a in pair] + [q for q, _ in readouts]
     if log_decay is not None:
         per_token.append(log_decay)
@@ -216,6 +230,22 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     return outs, final
 
 
+def _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max):
+    """scan() for a vector state some of whose readouts read it as it is (query None): those run in
+    c_values' kernels, which also give the final state; the readouts q·S, if any, in this module's."""
+    from . import c_values
+    if corrections:
+        raise LinrecError(VALUES_WITH_CORRECTIONS)
+    reads = [i for i, (q, _) in enumerate(readouts) if q is None]
+    values, final = c_values.scan(form, s0, log_decay, writes, [readouts[i][1] for i in reads], causal,
+                                  chunk_size, num_threads)
+    queried = [r for r in readouts if r[0] is not None]
+    contractions = scan(form, s0, log_decay, corrections, writes, queried, causal, chunk_size, num_threads,
+                        span_max)[0] if queried else []
+    outs = iter(values), iter(contractions)
+    return [next(outs[q is not None]) for q, _ in readouts], final
+
+
 def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
     """numpy_scan.parallel_scan in C: s0 [B, H, dk, dv]; log_decay None or [B, T, H, 1 | dk]; corrections
     [(u, w)], writes [(κ, x)], readouts [(query, before_update)], per token [B, T, H, *].
@@ -237,7 +267,10 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
 # ---- programs: the generated source, and the module of a form ----------------------------------------
 def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None,
                chunk_size: int | None = None) -> list[tuple[str, Structure]]:
-    """(state name, kernel structure) for every state of a program, at the given (else default) sizes."""
+    """(state name, kernel structure) for every state of a program, at the given (else default) sizes: a
+    c_values.Structure for a vector state read as it is, a Structure for its readouts q·S, if any, and for
+    every other state."""
+    from . import c_values
     from .numpy_backend import stabilized_states
     p, d = compiled.program, compiled.derivation
     if d.sequence is not None:
@@ -254,24 +287,26 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
         decay = "none" if t.log_decay is None else ("row" if t.log_decay.shape else "token")
         if decay == "none" and st.name in stable:
             decay = "token"
-        before = tuple(r.before_update for r in d.readouts if r.state == st.name)
+        reads = [r for r in d.readouts if r.state == st.name]
+        before = tuple(r.before_update for r in reads if not r.is_value)
+        values = tuple(r.before_update for r in reads if r.is_value)
         dk = sizes[st.shape[0]]
         dv = sizes[st.shape[1]] if len(st.shape) == 2 else 1
-        out.append((st.name, Structure(decay, len(t.corrections), len(t.writes), before, p.causal, dk, dv,
-                                       int(chunk_size or DEFAULT_CHUNK), ctype, c_build.vector_bytes())))
+        chunk = int(chunk_size or DEFAULT_CHUNK)
+        if values:  # c_values reads it as it is and gives its final state
+            out.append((st.name, c_values.Structure(decay, len(t.writes), values, p.causal, dk, chunk, ctype)))
+        if before or not values:
+            out.append((st.name, Structure(decay, len(t.corrections), len(t.writes), before, p.causal, dk, dv,
+                                           chunk, ctype, c_build.vector_bytes())))
     return out
 
 
 def why_not(compiled: Compiled) -> str | None:
-    """Why these kernels cannot run the program's scans, or None: they compute readouts q·S, and a vector
-    state read as a value of its own (elementwise) has none."""
-    from .numpy_backend import stabilized_states
-    values = [r.state for r in compiled.derivation.readouts if r.is_value]
-    if values:
-        fused = "" if stabilized_states(compiled) else \
-            f"the C backend runs its recurrent form{' and decode step' if compiled.program.causal else ''}, "
-        return (f"it reads vector state '{values[0]}' as a value of its own (elementwise), and the C scan "
-                f"kernels compute readouts q·{values[0]} only; {fused}the NumPy backend every form")
+    """Why these kernels cannot run the program's scans, or None (see VALUES_WITH_CORRECTIONS)."""
+    d = compiled.derivation
+    for state in dict.fromkeys(r.state for r in d.readouts if r.is_value):
+        if d.transition(state).corrections:
+            return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
     return None
 
 
@@ -287,9 +322,11 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
     why = why_not(compiled)
     if why:
         raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}")
+    from . import c_values
     parts = []
     for name, s in structures(compiled, dtype, dims, chunk_size):
-        parts.append(f"/* ==== state '{name}': {s.describe()} ==== */\n" + render(s, form))
+        source = c_values.render(s, form) if isinstance(s, c_values.Structure) else render(s, form)
+        parts.append(f"/* ==== state '{name}': {s.describe()} ==== */\n" + source)
     return "\n".join(parts)
 
 

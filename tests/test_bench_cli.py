@@ -52,13 +52,21 @@ def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
     assert missing <= {s["form"] for s in report["skipped"] if s["backend"] == "c"}
 
 
+DELTA_VECTOR_READ = """recurrence delta_read(d = 8)
+input k[d], v, beta in (0, 1)
+kn = l2norm(k)
+state z[d]
+z = (I − beta·kn⊗kn)·z + beta·kn*v
+output y = z
+"""
+
+
 def test_bench_says_once_which_forms_a_backend_does_not_build(cache_dir, tmp_path, capsys):
-    """A vector state read elementwise: C builds the recurrent kernel only; its parallel and chunkwise forms
-    are listed once with the reason (not as a failure at every T), and reading a state as it is costs no
-    flop (decay + write: 2·d)."""
-    from test_cli import HGRN_LIKE
-    path = tmp_path / "gated_rnn.lin"
-    path.write_text(HGRN_LIKE)
+    """A vector delta rule read as it is: C builds the recurrent kernel only; its parallel and chunkwise
+    forms are listed once with the reason (not as a failure at every T), and reading a state as it is costs
+    no flop (the correction's product wᵀz and its update 2·d each, the write z += w 1·d)."""
+    path = tmp_path / "delta_read.lin"
+    path.write_text(DELTA_VECTOR_READ)
     code = main(["bench", str(path), "--quick", "--json", "--T", "32", "--T", "64", "--repeats", "1",
                  "--backend", "c"])
     assert code == 0
@@ -66,8 +74,8 @@ def test_bench_says_once_which_forms_a_backend_does_not_build(cache_dir, tmp_pat
     assert {(r["form"], r["T"]) for r in report["rows"]} == {("recurrent", 32), ("recurrent", 64)}
     skipped = [(s["form"], s["T"]) for s in report["skipped"] if s["backend"] == "c"]
     assert sorted(skipped) == [("chunkwise", None), ("parallel", None)]
-    assert all("reads vector state 's' as a value of its own" in s["reason"] for s in report["skipped"])
-    assert report["flops_per_token_head"] == 2 * 8
+    assert all("vector state 'z'" in s["reason"] and "correction" in s["reason"] for s in report["skipped"])
+    assert report["flops_per_token_head"] == 5 * 8
 
 
 def test_bench_text_report_and_selection(cache_dir, capsys):

@@ -2,9 +2,10 @@
 
 For random canonical inputs of every structure — no decay, one log-decay per token, one per row; 0, 1 or 2
 corrections; 0, 1 or 2 writes; readouts before and after the update, or none; causal and non-causal; a
-vector state (dv = 1); dk ≠ dv, sizes that are and are not whole SIMD registers — the C results equal
-numpy_scan's on the same arrays (run in float64: numpy_scan in float32 is itself off by up to 2e-3 when
-a state decays to 1e-23), as max|C − NumPy| / max(max|NumPy|, floor) per readout and final state:
+vector state (dv = 1), also read as it is (c_values: its readouts with no query); dk ≠ dv, sizes that are
+and are not whole SIMD registers — the C results equal numpy_scan's on the same arrays (run in float64:
+numpy_scan in float32 is itself off by up to 2e-3 when a state decays to 1e-23), as max|C − NumPy| /
+max(max|NumPy|, floor) per readout and final state:
     float64: 1e-10        float32: 5e-4 (floor 1e-6: arrays that decay to almost nothing)
 at T ∈ {1, 5, 37, 130}, chunk sizes 1, 7, 16 and 64 (the default, also used by the parallel form's kernel),
 mild to strong decays (log-decays ×0.1, ×1 and ×10), with the fast scores and forced onto the stable ones.
@@ -26,7 +27,7 @@ import numpy as np
 import pytest
 
 import backends as linrec
-from backends import c_build, c_scan, numpy_scan
+from backends import c_build, c_scan, c_values, numpy_scan
 from dsl.errors import LinrecError, RuntimeInputError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,9 +51,11 @@ class Case:
     causal: bool = True
     dk: int = 5
     dv: int = 19
+    values: tuple[bool, ...] = ()  # readouts of a vector state (dv = 1) as it is: before the update or not
 
     def __str__(self):
-        reads = "".join("b" if b else "a" for b in self.before) or "-"
+        reads = "".join("b" if b else "a" for b in self.before) + "".join("B" if b else "A" for b in self.values)
+        reads = reads or "-"
         return (f"{self.decay}-r{self.corrections}-w{self.writes}-{reads}-{'c' if self.causal else 'nc'}-"
                 f"{self.dk}x{self.dv}")
 
@@ -71,17 +74,29 @@ CASES = [
     Case("token", 0, 2, (True, False), causal=False, dk=4),
     Case("row", 0, 1, ()),                           # no readouts: only the final state
     Case("row", 1, 1, (False,), dv=1),               # a decayed vector state with a correction
+    Case("row", 0, 1, (), values=(False,), dv=1),    # read as it is: HGRN, RG-LRU
+    Case("token", 0, 2, (False,), dv=1, values=(True, False)),  # and through a query, before and after
+    Case("none", 0, 1, (), dk=19, dv=1, values=(True,)),         # a running sum, 19 channels
+    Case("row", 0, 1, (), causal=False, dv=1, values=(False,)),  # non-causal: the final state at every token
 ]
 GENERAL = CASES[6]
+VALUES = CASES[14]  # reads as it is and through a query
 CHUNKS = (1, 7, 16)  # besides the default 64, for GENERAL
 
 
-def structure(case: Case, dtype, chunk=c_scan.DEFAULT_CHUNK) -> c_scan.Structure:
-    return c_scan.Structure(case.decay, case.corrections, case.writes, case.before, case.causal, case.dk,
-                            case.dv, chunk, c_scan.CTYPES[np.dtype(dtype)], c_build.vector_bytes())
+def structures(case: Case, dtype, chunk=c_scan.DEFAULT_CHUNK) -> set:
+    """The kernels a case runs on: c_values' for its reads as it is, c_scan's for the rest."""
+    ctype = c_scan.CTYPES[np.dtype(dtype)]
+    out = set()
+    if case.values:
+        out.add(c_values.Structure(case.decay, case.writes, case.values, case.causal, case.dk, chunk, ctype))
+    if case.before or not case.values:
+        out.add(c_scan.Structure(case.decay, case.corrections, case.writes, case.before, case.causal, case.dk,
+                                 case.dv, chunk, ctype, c_build.vector_bytes()))
+    return out
 
 
-def example_structures() -> list[c_scan.Structure]:
+def example_structures() -> list:
     out = []
     for path in EXAMPLES:
         compiled = linrec.load(path).compiled
@@ -92,25 +107,31 @@ def example_structures() -> list[c_scan.Structure]:
 
 _BUILD = """
 import json, sys
-from backends import c_scan
-for fields in json.load(sys.stdin):
+from backends import c_scan, c_values
+for kind, fields in json.load(sys.stdin):
     fields["before"] = tuple(fields["before"])
-    c_scan.kernel(c_scan.Structure(**fields))
+    module = c_values if kind == "values" else c_scan
+    module.kernel(module.Structure(**fields))
 """
+
+
+def build_kernel(s):
+    (c_values if isinstance(s, c_values.Structure) else c_scan).kernel(s)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def kernels(cache_dir):
     """Every kernel these tests use, built into the session's cache by two compiler processes at a time."""
-    wanted = {structure(c, d) for c in CASES for d in DTYPES}
-    wanted |= {structure(GENERAL, d, chunk) for d in DTYPES for chunk in CHUNKS}
+    wanted = {s for c in CASES for d in DTYPES for s in structures(c, d)}
+    wanted |= {s for d in DTYPES for chunk in CHUNKS for c in (GENERAL, VALUES) for s in structures(c, d, chunk)}
     wanted |= set(example_structures())
     wanted = sorted(wanted, key=repr)
     workers = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     procs = []
     for i in range(workers):
-        part = [dataclasses.asdict(s) for s in wanted[i::workers]]
+        part = [("values" if isinstance(s, c_values.Structure) else "scan", dataclasses.asdict(s))
+                for s in wanted[i::workers]]
         p = subprocess.Popen([sys.executable, "-c", _BUILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
         procs.append((p, json.dumps(part)))
@@ -118,7 +139,7 @@ def kernels(cache_dir):
         _, err = p.communicate(data, timeout=600)
         assert p.returncode == 0, err[-3000:]
     for s in wanted:  # load them here (from the disk cache, by alias: no compiling)
-        c_scan.kernel(s)
+        build_kernel(s)
     try:  # the NumPy references are many small products: BLAS threads only add contention
         from threadpoolctl import threadpool_limits
         limiter = threadpool_limits(1)
@@ -151,7 +172,7 @@ def canonical(case: Case, tokens: int, dtype, decay_scale: float = 1.0, seed: in
         beta = rng.uniform(0.05, 0.9 / max(1, case.corrections), lead + (1,))
         corrections.append(((-beta * k).astype(dtype), k.astype(dtype)))
     writes = [(normal(case.dk), normal(case.dv)) for _ in range(case.writes)]
-    readouts = [(normal(case.dk), before) for before in case.before]
+    readouts = [(normal(case.dk), before) for before in case.before] + [(None, before) for before in case.values]
     s0 = rng.standard_normal((batch, heads, case.dk, case.dv)).astype(dtype)
     return s0, log_decay, corrections, writes, readouts
 
@@ -209,10 +230,11 @@ def test_structures(case, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_chunk_sizes(chunk, dtype):
-    for tokens in TOKENS:
-        for scale in (0.1, 1.0, 10.0):
-            args = canonical(GENERAL, tokens, dtype, scale, seed=7 * tokens)
-            check("chunkwise", args, True, chunk, dtype, label=f"T={tokens} ×{scale}")
+    for case in (GENERAL, VALUES):
+        for tokens in TOKENS:
+            for scale in (0.1, 1.0, 10.0):
+                args = canonical(case, tokens, dtype, scale, seed=7 * tokens)
+                check("chunkwise", args, True, chunk, dtype, label=f"{case} T={tokens} ×{scale}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
@@ -274,6 +296,10 @@ def test_edge_cases_and_errors():
         c_scan.parallel_scan(s0, ld, [], [], [])
     with pytest.raises(RuntimeInputError, match="chunk size"):
         c_scan.chunkwise_scan(s0, ld, corr, wr, rd, chunk_size=-2)
+    # a vector state read as it is, whose update has a correction: its reads would need the pseudo-values
+    s0, ld, corr, wr, _ = canonical(CASES[12], 5, np.float32)
+    with pytest.raises(LinrecError, match="no rank-one correction"):
+        c_scan.chunkwise_scan(s0, ld, corr, wr, [(None, False)])
 
 
 def test_thread_count_from_environment(monkeypatch):

@@ -292,8 +292,8 @@ def test_exp_input_gate_against_a_loop(backend):
 @pytest.mark.parametrize("backend", ["numpy", "c"])
 def test_elementwise_reads_against_a_loop(backend):
     """Vector states read as values of their own (an output gate times the state, the state before its
-    update), against explicit loops over b, h, t (float64, 1e-10 relative): every form on NumPy; the
-    recurrent form and the decode step on C, whose scan kernels compute contractions only and say so."""
+    update), against explicit loops over b, h, t (float64, 1e-10 relative): every form and the decode step
+    on both backends (C's scans read them in c_values' kernels)."""
     rec = program("elementwise_read")
     dims = {"dk": 5, "dv": 3}
     x = rec.random_inputs(2, 37, 2, dims, np.float64, seed=3)
@@ -311,8 +311,8 @@ def test_elementwise_reads_against_a_loop(backend):
                 w = w + k
                 expect["o"][b, t, h] = q @ S + (q @ z) * v
                 expect["y"][b, t, h] = z * sig(q) + early + 0.5 * w
-    forms = rec.forms if backend == "numpy" else ("recurrent",)
-    for form in forms:
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    for form in rec.forms:
         res = rec.run(x, form=form, backend=backend, initial_state=state0)
         for name in expect:
             assert _rel_err(res.outputs[name], expect[name]) <= 1e-10, f"{form} ({backend}): {name}"
@@ -322,9 +322,22 @@ def test_elementwise_reads_against_a_loop(backend):
     for t in range(37):
         out, state = rec.step({n: np.asarray(a)[:, t] for n, a in x.items()}, state, backend=backend)
         assert _rel_err(out["y"], expect["y"][:, t]) <= 1e-10, f"step {t} ({backend})"
-    if backend == "c":
-        with pytest.raises(linrec.LinrecError, match="reads vector state 'z' as a value of its own"):
-            rec.run(x, form="chunkwise", backend="c")
+    for chunk in (1, 16):  # chunks that end inside the sequence, and a chunk per token
+        res = rec.run(x, form="chunkwise", backend=backend, initial_state=state0, chunk_size=chunk)
+        assert _rel_err(res.outputs["y"], expect["y"]) <= 1e-10, f"chunk {chunk} ({backend})"
+
+
+def test_a_vector_delta_rule_read_as_it_is_has_no_c_scan():
+    """A vector state with a delta-rule correction, read as it is: its reads need the pseudo-values of the
+    correction, which C's scan kernels keep to themselves. C builds its recurrent kernel; the parallel
+    and chunkwise forms are NumPy's, and C says why."""
+    rec = program("delta_vector_read")
+    x = rec.random_inputs(1, 9, 2, {"dk": 6, "dv": 5}, np.float64, seed=2)
+    with pytest.raises(linrec.LinrecError, match="vector state 'z': .*no rank-one correction"):
+        rec.run(x, form="chunkwise", backend="c")
+    ref = rec.run(x, form="recurrent", backend="numpy").outputs["y"]
+    assert _rel_err(rec.run(x, form="recurrent", backend="c").outputs["y"], ref) <= 1e-10
+    assert _rel_err(rec.run(x, form="chunkwise", backend="numpy").outputs["y"], ref) <= 1e-10
 
 
 @pytest.mark.parametrize("backend", ["numpy", "c"])

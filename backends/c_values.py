@@ -1,0 +1,127 @@
+"""The parallel and chunkwise forms in C of a vector state read as a value of its own (`z*sigmoid(g)`,
+`output y = z`: HGRN- and RG-LRU-style recurrences), from templates/c_values.c.j2.
+
+c_scan's kernels compute readouts q·S; a read with no query (compiler.derive.Readout.is_value) is the
+elementwise twin of those, numpy_scan.decayed_values, and runs here. c_scan.scan hands such readouts over,
+so the generated NumPy module of a form calls the same chunkwise_scan / parallel_scan either way. A kernel
+is specialized per decay (none, one per token, one per channel), number of writes, readouts (before or
+after the update), causality, size D, chunk and dtype, and built once through c_build.
+
+    outs, final = c_values.scan("chunkwise", s0, log_decay, writes, [False], causal=True, chunk_size=64)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsl.errors import LinrecError, RuntimeInputError
+
+from . import c_build
+from .c_build import CTYPES
+from .c_scan import DEFAULT_CHUNK, FORMS, SMALL_WORK, _operand, cached_kernel
+from .numpy_backend import VERSION
+from .templating import environment
+
+SUB_BLOCK = 16  # query tokens per block
+GENERATOR = ("c_values.py", "templates/c_values.c.j2", "templates/c_scan_exp.h.j2")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Everything one kernel is specialized for."""
+
+    decay: str                 # "none", "token" (one log-decay per token) or "row" (one per channel)
+    writes: int                # writes (κ, x), x one number per token
+    before: tuple[bool, ...]   # per readout: reads the state before the update
+    causal: bool
+    d: int                     # channels of the state
+    chunk: int                 # tokens per chunk of lr_values_chunkwise
+    ctype: str                 # "float" or "double"
+
+    def describe(self) -> str:
+        decay = {"none": "no decay", "token": "one log-decay per token", "row": "one log-decay per channel"}
+        reads = ", ".join("before" if b else "after" for b in self.before) or "none"
+        return (f"a vector state read as it is; {decay[self.decay]}; {self.writes} write(s); readouts: {reads}; "
+                f"{'causal' if self.causal else 'non-causal'}; d = {self.d}, chunk = {self.chunk}, {self.ctype}")
+
+
+def render(s: Structure, form: str | None = None) -> str:
+    """The C source of one kernel."""
+    return environment().get_template("c_values.c.j2").render(
+        version=VERSION, title=f"the {form} form" if form else "the parallel and chunkwise forms",
+        description=s.describe(), ctype=s.ctype, d=s.d, db={"none": 0, "token": 1, "row": s.d}[s.decay],
+        writes=s.writes, readouts=len(s.before), causal=s.causal, sb=SUB_BLOCK, chunk=s.chunk,
+        before=", ".join("1" if b else "0" for b in s.before))
+
+
+def cdef(s: Structure) -> str:
+    t = s.ctype
+    args = f"(const {t} *s0, {t} *sT, {t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads);"
+    return f"int lr_values_chunkwise{args}\nint lr_values_parallel{args}\n"
+
+
+def kernel(s: Structure):
+    """The built extension (ffi, lib) for a structure: memoized, else from the disk cache, else built."""
+    return cached_kernel(s, GENERATOR, f"values_{s.decay}_w{s.writes}_{s.ctype}", lambda: render(s), cdef(s))
+
+
+def scan(form: str, s0, log_decay, writes, before, causal=True, chunk_size=None, num_threads=None):
+    """The reads of a vector state s0 [B, H, d, 1] as it is, for readouts `before` (True: before the update);
+    log_decay None or [B, T, H, 1 | d], writes [(κ [B, T, H, d], x [B, T, H, 1])]. Returns ([read [B, T, H, d]],
+    final state [B, H, d, 1]) in the working dtype of the writes (float32, else float64)."""
+    if form not in FORMS:
+        raise LinrecError(f"unknown scan form {form!r}; choose parallel or chunkwise")
+    s0 = np.asarray(s0)
+    if s0.ndim != 4 or s0.shape[-1] != 1:
+        raise RuntimeInputError(f"a vector state read as it is should arrive as [B, H, d, 1], got {list(s0.shape)}")
+    if not writes:
+        raise LinrecError("a vector state read as it is needs at least one write")
+    values = [np.asarray(a) for pair in writes for a in pair]
+    dtype = np.dtype(np.float32) if np.result_type(*values) == np.float32 else np.dtype(np.float64)
+    batch, tokens, heads = values[0].shape[:3]
+    d = int(s0.shape[2])
+    if s0.shape[:2] != (batch, heads):
+        raise RuntimeInputError(f"the initial state should have shape [B, H, d, 1] = [{batch}, {heads}, {d}, 1], got "
+                                f"{list(s0.shape)}")
+    lead = (batch, tokens, heads)
+    ops = []
+    decay = "none"
+    if log_decay is not None:
+        width = np.shape(log_decay)[-1]
+        if width not in (1, d):
+            raise RuntimeInputError(f"the log-decay should have shape [B, T, H, 1 or d = {d}], got "
+                                    f"{list(np.shape(log_decay))}")
+        decay = "token" if width == 1 else "row"
+        ops.append(_operand(log_decay, dtype, lead + (width,), "the log-decay"))
+    for i, (kappa, x) in enumerate(writes):
+        ops += [_operand(kappa, dtype, lead + (d,), f"write {i}: key"),
+                _operand(x, dtype, lead + (1,), f"write {i}: value")]
+    state = np.ascontiguousarray(s0[..., 0], dtype=dtype)
+    outs = [np.empty(lead + (d,), dtype) for _ in before]
+    if batch * heads == 0 or tokens == 0:
+        return outs, state[..., None].copy()
+    chunk = int(chunk_size or DEFAULT_CHUNK) if form == "chunkwise" else DEFAULT_CHUNK
+    if chunk < 1:
+        raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
+    ctype = CTYPES[dtype]
+    s = Structure(decay, len(writes), tuple(bool(b) for b in before), bool(causal), d, chunk, ctype)
+    k = kernel(s)
+    ffi, lib = k.ffi, k.lib
+    ptr = ctype + " *"
+    item = dtype.itemsize
+    c_in = ffi.new(ctype + " *[]", [ffi.cast(ptr, a.__array_interface__["data"][0]) for a in ops])
+    c_st = ffi.new("int64_t[]", [a.strides[i] // item for a in ops for i in range(3)])
+    c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
+    final = np.empty_like(state)
+    threads = c_build.num_threads() if num_threads is None else int(num_threads)
+    # the parallel form's work grows with T², the chunkwise form's with T·chunk
+    span = tokens if form == "parallel" else min(chunk, tokens)
+    work = batch * heads * tokens * d * span
+    threads = 1 if work < SMALL_WORK else min(threads, batch * heads)
+    fn = lib.lr_values_parallel if form == "parallel" else lib.lr_values_chunkwise
+    rc = fn(ffi.from_buffer(ptr, state), ffi.from_buffer(ptr, final), c_in, c_st, c_out, batch, tokens, heads,
+            max(1, threads))
+    if rc:
+        raise MemoryError(f"the C {form} kernel could not allocate its scratch memory")
+    return outs, final[..., None]
