@@ -7,7 +7,8 @@ here those run in C. A kernel is specialized per structure — decay (none, one 
 number of corrections and writes, the readouts (before or after the update), causal or not — per size
 (dk, dv and the chunk size are compile-time constants) and per dtype (float32 or float64), built once
 through c_build (cffi, cached on disk) and memoized here. One kernel holds both forms: lr_chunkwise (chunks
-of `chunk` tokens) and lr_parallel (the whole sequence as one segment).
+of `chunk` tokens) and lr_parallel (the whole sequence as one segment). A vector state read as it is (a
+readout with no query) runs in c_values' kernels, through the same scan functions.
 
 Arrays are read in place: [B, T, H, n] with any strides whose last axis is contiguous (np.broadcast_to
 views included: a per-head or constant value is never materialized per token); others are copied first.
@@ -133,7 +134,7 @@ def kernel(s: Structure):
                          cdef(s))
 
 
-def _operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
+def operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
     """x as an array of `shape` and `dtype` whose last axis is contiguous (other strides are free)."""
     a = np.asarray(x)
     if a.dtype != dtype:
@@ -152,7 +153,8 @@ def _operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
 def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
          num_threads=None, span_max=None):
     """parallel_scan or chunkwise_scan (form "parallel" or "chunkwise"), with a thread count. span_max: the
-    widest log-decay range of a segment for the fast scores (default SPAN_MAX; 0 forces the stable way)."""
+    widest log-decay range of a segment for the fast scores (default SPAN_MAX; 0 forces the stable way).
+    Readouts with no query (a vector state read as it is) run in c_values' kernels."""
     if form not in FORMS:
         raise LinrecError(f"unknown scan form {form!r}; choose parallel or chunkwise")
     corrections = [tuple(c) for c in corrections]
@@ -191,14 +193,14 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
         decay = "token" if width == 1 else "row"
     ops = []
     if decay != "none":
-        ops.append(_operand(log_decay, dtype, lead + (np.shape(log_decay)[-1],), "the log-decay"))
+        ops.append(operand(log_decay, dtype, lead + (np.shape(log_decay)[-1],), "the log-decay"))
     for i, (u, w) in enumerate(corrections):
-        ops += [_operand(u, dtype, lead + (dk,), f"correction {i}: u"),
-                _operand(w, dtype, lead + (dk,), f"correction {i}: w")]
+        ops += [operand(u, dtype, lead + (dk,), f"correction {i}: u"),
+                operand(w, dtype, lead + (dk,), f"correction {i}: w")]
     for i, (kappa, x) in enumerate(writes):
-        ops += [_operand(kappa, dtype, lead + (dk,), f"write {i}: key"),
-                _operand(x, dtype, lead + (dv,), f"write {i}: value")]
-    ops += [_operand(q, dtype, lead + (dk,), f"readout {i}: query") for i, (q, _) in enumerate(readouts)]
+        ops += [operand(kappa, dtype, lead + (dk,), f"write {i}: key"),
+                operand(x, dtype, lead + (dv,), f"write {i}: value")]
+    ops += [operand(q, dtype, lead + (dk,), f"readout {i}: query") for i, (q, _) in enumerate(readouts)]
     outs = [np.empty(lead + (dv,), dtype) for _ in readouts]
     if batch * heads == 0 or tokens == 0:
         return outs, state.copy()

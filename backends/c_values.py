@@ -19,7 +19,7 @@ from dsl.errors import LinrecError, RuntimeInputError
 
 from . import c_build
 from .c_build import CTYPES
-from .c_scan import DEFAULT_CHUNK, FORMS, SMALL_WORK, _operand, cached_kernel
+from .c_scan import DEFAULT_CHUNK, FORMS, SMALL_WORK, operand, cached_kernel
 from .numpy_backend import VERSION
 from .templating import environment
 
@@ -93,10 +93,10 @@ def scan(form: str, s0, log_decay, writes, before, causal=True, chunk_size=None,
             raise RuntimeInputError(f"the log-decay should have shape [B, T, H, 1 or d = {d}], got "
                                     f"{list(np.shape(log_decay))}")
         decay = "token" if width == 1 else "row"
-        ops.append(_operand(log_decay, dtype, lead + (width,), "the log-decay"))
+        ops.append(operand(log_decay, dtype, lead + (width,), "the log-decay"))
     for i, (kappa, x) in enumerate(writes):
-        ops += [_operand(kappa, dtype, lead + (d,), f"write {i}: key"),
-                _operand(x, dtype, lead + (1,), f"write {i}: value")]
+        ops += [operand(kappa, dtype, lead + (d,), f"write {i}: key"),
+                operand(x, dtype, lead + (1,), f"write {i}: value")]
     state = np.ascontiguousarray(s0[..., 0], dtype=dtype)
     outs = [np.empty(lead + (d,), dtype) for _ in before]
     if batch * heads == 0 or tokens == 0:

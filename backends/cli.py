@@ -848,6 +848,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError as err:  # sizes too large for this machine: bad input, not a bug
+        print(f"{PROG}: error: out of memory ({err or 'an allocation failed'}); the program's dimensions or "
+              f"--batch/--tokens/--heads ask for more than this machine has: make them smaller "
+              f"(--dim NAME=SIZE overrides a dimension)", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # e.g. `linrec emit FILE | head`
         try:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit

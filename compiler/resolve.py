@@ -323,6 +323,10 @@ class _Resolver:
             kind, defaults = RANDOM[fn]
             opts = self._options(e, dict(defaults) | {"seed": 0.0}, positional=[k for k, _ in defaults])
             seed = opts.pop("seed")
+            if opts.get("std", 0.0) < 0:
+                raise LinrecError(f"randn's std must be ≥ 0, got {opts['std']:g}", sp)
+            if opts.get("low", 0.0) > opts.get("high", 1.0):
+                raise LinrecError(f"uniform's low ({opts['low']:g}) is above its high ({opts['high']:g})", sp)
             return ir.Random(self._param_shape, kind, int(seed), tuple(opts.items()), span=sp)
         if fn in SEQUENCE:
             return self._sequence_call(e, rec)
@@ -376,6 +380,9 @@ class _Resolver:
         q, v = args
         if len(q.shape) != 1:
             raise LinrecError("lsh_attention hashes a vector of queries, got a scalar", e.args[0].span)
+        if len(v.shape) != 1:
+            raise LinrecError("lsh_attention averages vectors of values, got a scalar: give it a vector, "
+                              "e.g. an input v[dv]", e.args[1].span)
         for name in ("buckets", "rounds", "chunk"):
             if opts[name] < 1 or opts[name] != int(opts[name]):
                 raise LinrecError(f"lsh_attention's {name} must be a positive integer", e.span)
@@ -397,6 +404,13 @@ class _Resolver:
             v = _number(value)
             if v is None:
                 raise LinrecError(f"option '{name}' must be a number", value.span)
+            if name == "seed" and not (v == int(v) and 0 <= v < 2 ** 63):
+                raise LinrecError(f"option 'seed' must be a whole number ≥ 0, got {v:g}", value.span)
+            if name == "eps" and not v >= 0:  # inside a square root
+                raise LinrecError(f"option 'eps' must be ≥ 0, got {v:g}", value.span)
+            if name == "orthogonal" and v not in (0, 1):
+                raise LinrecError(f"option 'orthogonal' is 0 (i.i.d. rows) or 1 (orthogonal blocks), got {v:g}",
+                                  value.span)
             opts[name] = v
         return opts
 

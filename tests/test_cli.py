@@ -163,3 +163,15 @@ def test_a_vector_state_read_elementwise_gets_its_forms(tmp_path, capsys):
     assert all(r["passed"] for r in rows) and max(r["max_rel"] for r in rows if r["dtype"] == "float64") < 1e-12
     assert main(["run", str(path), "--backend", "c", "--form", "parallel", "--out", str(tmp_path / "o.npz")]) == 0
     assert np.load(tmp_path / "o.npz")["o"].shape[-1] == 8
+
+
+def test_out_of_memory_is_an_error_about_sizes(monkeypatch, capsys):
+    """Sizes too large for the machine (a mutated file had dk = 100000: the recurrent form's I − β·k⊗k
+    wanted 74.5 GiB) are bad input: exit 1 with what to change, not an internal error (exit 2)."""
+    def too_big(*args, **kwargs):
+        raise MemoryError("Unable to allocate 74.5 GiB")
+    monkeypatch.setattr(linrec.Recurrence, "run", too_big)
+    assert main(["run", str(next(p for p in EXAMPLES if p.stem == "deltanet")), "--tokens", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "out of memory (Unable to allocate 74.5 GiB)" in err and "--dim NAME=SIZE" in err
+    assert "internal error" not in err

@@ -292,6 +292,37 @@ def test_unknown_option():
     check(compile_error(src), src, where(src, 5, "l2norm"), "'l2norm' has no option 'tol' (options: eps)")
 
 
+
+@pytest.mark.parametrize("seed", ["-2", "2.5"])
+def test_seed_must_be_a_whole_number(seed):
+    """(was: an internal error from NumPy's generator for a negative seed, and 2.5 taken as 2 silently)"""
+    src = HEAD + f"param W[dk, dk] = randn(seed={seed})\nstate S[dk, dv]\nS = S + (W·k)⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, seed), "option 'seed' must be a whole number ≥ 0")
+
+
+@pytest.mark.parametrize("default, fragment, message", [
+    ("randn(std=-1)", "randn", "randn's std must be ≥ 0"),
+    ("uniform(3, 1)", "uniform", "uniform's low (3) is above its high (1)"),
+    ("random_features(orthogonal=0.5)", "0.5", "option 'orthogonal' is 0 (i.i.d. rows) or 1"),
+])
+def test_random_defaults_with_impossible_options(default, fragment, message):
+    """(were: NumPy's errors as internal errors, or orthogonal=0.5 taken as 1 silently)"""
+    src = HEAD + f"param W[dk, dk] = {default}\nstate S[dk, dv]\nS = S + (W·k)⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, fragment), message)
+
+
+@pytest.mark.parametrize("call", ["l2norm(q, eps=-1)", "groupnorm(q, eps=-0.5)", "rmsnorm(q, eps=-1e-6)"])
+def test_negative_eps_is_refused(call):
+    """eps goes under a square root: a negative one gave NaN outputs with a NumPy warning only."""
+    src = HEAD + f"state S[dk, dv]\nS = S + k⊗v\noutput o = {call}·S\n"
+    check(compile_error(src), src, where(src, 5, "-"), "option 'eps' must be ≥ 0")
+
+
+def test_lsh_attention_takes_vector_values():
+    """(was: a NumPy broadcast error from the parallel form, as an internal error)"""
+    src = "recurrence r(dk = 4)\ninput q[dk], v\noutput o = lsh_attention(q, v, buckets=2)\n"
+    check(compile_error(src), src, where(src, 3, "v,"), "lsh_attention averages vectors of values, got a scalar")
+
 # ---- shapes --------------------------------------------------------------------------------------
 def test_shape_mismatch_delta_rule_on_the_wrong_side():
     src = HEAD + "input beta in (0, 1)\nstate S[dk, dv]\nS = S·(I − beta·k⊗k) + k⊗v\noutput o = q·S\n"
