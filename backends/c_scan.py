@@ -204,32 +204,44 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     outs = [np.empty(lead + (dv,), dtype) for _ in readouts]
     if batch * heads == 0 or tokens == 0:
         return outs, state.copy()
-    # lr_parallel ignores the chunk size (like numpy_scan): it shares the default chunk's kernel
+    ctype = CTYPES[dtype]
+    s = Structure(decay, len(corrections), len(writes), tuple(b for _, b in readouts), bool(causal), dk, dv,
+                  chunk_of(form, chunk_size), ctype, c_build.vector_bytes())
+    work = batch * heads * tokens * dk * max(dv, 16) * (len(readouts) + len(writes) + 2 * len(corrections) + 1)
+    span = SPAN_MAX[ctype] if span_max is None else float(span_max)
+    return outs, call(kernel(s), "lr_parallel" if form == "parallel" else "lr_chunkwise", state, ops, outs,
+                      work, num_threads, span)
+
+
+def chunk_of(form: str, chunk_size) -> int:
+    """The chunk a kernel is built for: the parallel form ignores the chunk size (like numpy_scan) and shares
+    the default chunk's kernel."""
     chunk = int(chunk_size or DEFAULT_CHUNK) if form == "chunkwise" else DEFAULT_CHUNK
     if chunk < 1:
         raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
-    ctype = CTYPES[dtype]
-    s = Structure(decay, len(corrections), len(writes), tuple(b for _, b in readouts), bool(causal), dk, dv,
-                  chunk, ctype, c_build.vector_bytes())
-    k = kernel(s)
-    ffi, lib = k.ffi, k.lib
+    return chunk
+
+
+def call(k, function: str, state: np.ndarray, ops: list, outs: list, work: int, num_threads, *extra) -> np.ndarray:
+    """Runs `function` of the built extension k: (s0, sT, inputs, their strides, outputs, B, T, H, threads,
+    *extra) with state [B, H, …] and ops [B, T, H, n]. Returns the final state. A call with less than
+    SMALL_WORK multiply-adds runs on one thread (waking others costs more); at most one per (batch row, head)."""
+    ffi = k.ffi
+    batch, tokens, heads = (outs[0] if outs else ops[0]).shape[:3]
+    ctype = CTYPES[state.dtype]
     ptr = ctype + " *"
-    item = dtype.itemsize
+    item = state.dtype.itemsize
     c_in = ffi.new(ctype + " *[]", [ffi.cast(ptr, a.__array_interface__["data"][0]) for a in ops] or 1)
     c_st = ffi.new("int64_t[]", [a.strides[i] // item for a in ops for i in range(3)] or 1)
     c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
     final = np.empty_like(state)
     threads = c_build.num_threads() if num_threads is None else int(num_threads)
-    # at most one thread per (batch row, head); a small call runs on one (waking others costs more)
-    work = batch * heads * tokens * dk * max(dv, 16) * (len(readouts) + len(writes) + 2 * len(corrections) + 1)
     threads = 1 if work < SMALL_WORK else min(threads, batch * heads)
-    fn = lib.lr_parallel if form == "parallel" else lib.lr_chunkwise
-    span = SPAN_MAX[ctype] if span_max is None else float(span_max)
-    rc = fn(ffi.from_buffer(ptr, state), ffi.from_buffer(ptr, final), c_in, c_st, c_out, batch, tokens, heads,
-            max(1, threads), span)
+    rc = getattr(k.lib, function)(ffi.from_buffer(ptr, state), ffi.from_buffer(ptr, final), c_in, c_st, c_out,
+                                  batch, tokens, heads, max(1, threads), *extra)
     if rc:
-        raise MemoryError(f"the C {form} kernel could not allocate its scratch memory")
-    return outs, final
+        raise MemoryError(f"the C kernel {function} could not allocate its scratch memory")
+    return final
 
 
 def _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max):
@@ -238,8 +250,7 @@ def _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chu
     from . import c_values
     if corrections:
         raise LinrecError(VALUES_WITH_CORRECTIONS)
-    reads = [i for i, (q, _) in enumerate(readouts) if q is None]
-    values, final = c_values.scan(form, s0, log_decay, writes, [readouts[i][1] for i in reads], causal,
+    values, final = c_values.scan(form, s0, log_decay, writes, [b for q, b in readouts if q is None], causal,
                                   chunk_size, num_threads)
     queried = [r for r in readouts if r[0] is not None]
     contractions = scan(form, s0, log_decay, corrections, writes, queried, causal, chunk_size, num_threads,

@@ -17,9 +17,8 @@ import numpy as np
 
 from dsl.errors import LinrecError, RuntimeInputError
 
-from . import c_build
 from .c_build import CTYPES
-from .c_scan import DEFAULT_CHUNK, FORMS, SMALL_WORK, operand, cached_kernel
+from .c_scan import FORMS, cached_kernel, call, chunk_of, operand
 from .numpy_backend import VERSION
 from .templating import environment
 
@@ -101,27 +100,10 @@ def scan(form: str, s0, log_decay, writes, before, causal=True, chunk_size=None,
     outs = [np.empty(lead + (d,), dtype) for _ in before]
     if batch * heads == 0 or tokens == 0:
         return outs, state[..., None].copy()
-    chunk = int(chunk_size or DEFAULT_CHUNK) if form == "chunkwise" else DEFAULT_CHUNK
-    if chunk < 1:
-        raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
-    ctype = CTYPES[dtype]
-    s = Structure(decay, len(writes), tuple(bool(b) for b in before), bool(causal), d, chunk, ctype)
-    k = kernel(s)
-    ffi, lib = k.ffi, k.lib
-    ptr = ctype + " *"
-    item = dtype.itemsize
-    c_in = ffi.new(ctype + " *[]", [ffi.cast(ptr, a.__array_interface__["data"][0]) for a in ops])
-    c_st = ffi.new("int64_t[]", [a.strides[i] // item for a in ops for i in range(3)])
-    c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
-    final = np.empty_like(state)
-    threads = c_build.num_threads() if num_threads is None else int(num_threads)
+    s = Structure(decay, len(writes), tuple(bool(b) for b in before), bool(causal), d, chunk_of(form, chunk_size),
+                  CTYPES[dtype])
     # the parallel form's work grows with T², the chunkwise form's with T·chunk
-    span = tokens if form == "parallel" else min(chunk, tokens)
-    work = batch * heads * tokens * d * span
-    threads = 1 if work < SMALL_WORK else min(threads, batch * heads)
-    fn = lib.lr_values_parallel if form == "parallel" else lib.lr_values_chunkwise
-    rc = fn(ffi.from_buffer(ptr, state), ffi.from_buffer(ptr, final), c_in, c_st, c_out, batch, tokens, heads,
-            max(1, threads))
-    if rc:
-        raise MemoryError(f"the C {form} kernel could not allocate its scratch memory")
+    work = batch * heads * tokens * d * (tokens if form == "parallel" else min(s.chunk, tokens))
+    final = call(kernel(s), "lr_values_parallel" if form == "parallel" else "lr_values_chunkwise", state, ops, outs,
+                 work, num_threads)
     return outs, final[..., None]

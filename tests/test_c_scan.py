@@ -251,13 +251,14 @@ def test_recurrent_scan(dtype):
 
 def test_results_do_not_depend_on_chunk_size_or_threads(monkeypatch):
     monkeypatch.setattr(c_scan, "SMALL_WORK", 0)  # threads even for a small call
-    args = canonical(GENERAL, 130, np.float64, 1.0, seed=3)
-    ref_out, ref_state = c_scan.scan("parallel", *args, num_threads=1)
-    for chunk in (1, 7, 16, 64):
-        for threads in (1, 2, 5):
-            out, state = c_scan.scan("chunkwise", *args, chunk_size=chunk, num_threads=threads)
-            assert rel_err(state, ref_state) < 1e-12
-            assert all(rel_err(o, r) < 1e-12 for o, r in zip(out, ref_out))
+    for case in (GENERAL, VALUES):
+        args = canonical(case, 130, np.float64, 1.0, seed=3)
+        ref_out, ref_state = c_scan.scan("parallel", *args, num_threads=1)
+        for chunk in (1, 7, 16, 64):
+            for threads in (1, 2, 5):
+                out, state = c_scan.scan("chunkwise", *args, chunk_size=chunk, num_threads=threads)
+                assert rel_err(state, ref_state) < 1e-12, f"{case} chunk {chunk}, {threads} threads"
+                assert all(rel_err(o, r) < 1e-12 for o, r in zip(out, ref_out)), f"{case} chunk {chunk}"
 
 
 def test_strided_and_broadcast_inputs():
