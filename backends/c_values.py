@@ -68,17 +68,19 @@ def kernel(s: Structure):
 def scan(form: str, s0, log_decay, writes, before, causal=True, chunk_size=None, num_threads=None):
     """The reads of a vector state s0 [B, H, d, 1] as it is, for readouts `before` (True: before the update);
     log_decay None or [B, T, H, 1 | d], writes [(κ [B, T, H, d], x [B, T, H, 1])]. Returns ([read [B, T, H, d]],
-    final state [B, H, d, 1]) in the working dtype of the writes (float32, else float64)."""
+    final state [B, H, d, 1]) in the working dtype of the writes, else of s0 (float32, else float64)."""
     if form not in FORMS:
         raise LinrecError(f"unknown scan form {form!r}; choose parallel or chunkwise")
     s0 = np.asarray(s0)
     if s0.ndim != 4 or s0.shape[-1] != 1:
         raise RuntimeInputError(f"a vector state read as it is should arrive as [B, H, d, 1], got {list(s0.shape)}")
-    if not writes:
-        raise LinrecError("a vector state read as it is needs at least one write")
     values = [np.asarray(a) for pair in writes for a in pair]
-    dtype = np.dtype(np.float32) if np.result_type(*values) == np.float32 else np.dtype(np.float64)
-    batch, tokens, heads = values[0].shape[:3]
+    if not values and log_decay is None:
+        raise LinrecError("nothing to scan: no log-decay and no writes")
+    # the working dtype is the writes' (a state that only decays: its own)
+    working = np.result_type(*values) if values else s0.dtype
+    dtype = np.dtype(np.float32) if working == np.float32 else np.dtype(np.float64)
+    batch, tokens, heads = (values[0] if values else np.asarray(log_decay)).shape[:3]
     d = int(s0.shape[2])
     if s0.shape[:2] != (batch, heads):
         raise RuntimeInputError(f"the initial state should have shape [B, H, d, 1] = [{batch}, {heads}, {d}, 1], got "

@@ -170,7 +170,9 @@ def _segment(s0, l, corrections, writes, readouts, causal, block):
             bq = b_prev if before else b
             if q is None:  # the state's own value (a vector state [d, 1])
                 start = s0[..., None, :, 0] * (np.exp(bq).astype(s0.dtype) if b is not None else 1)
-                v = sum(kappa * x for kappa, x in terms)
+                # (a state that only decays has no contribution: zeros over the tokens of its log-decay)
+                v = sum(kappa * x for kappa, x in terms) if terms else np.zeros(b.shape[:-1] + s0.shape[-2:-1],
+                                                                                 s0.dtype)
                 results.append(start + decayed_values(bq, b, v, before, block))
                 continue
             s0_term = (q * np.exp(bq).astype(q.dtype) if b is not None else q) @ s0

@@ -327,6 +327,46 @@ def test_elementwise_reads_against_a_loop(backend):
         assert _rel_err(res.outputs["y"], expect["y"]) <= 1e-10, f"chunk {chunk} ({backend})"
 
 
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("state, update, read", [
+    ("S[dk, dv]", "S = diag(exp(g))·S", "q·S"),   # a matrix state, one decay per row
+    ("S[dk, dv]", "S = exp(gs)·S", "q·S"),        # one per token
+    ("z[dk]", "z = diag(exp(g))·z", "z*q"),       # a vector state read as it is
+])
+def test_a_state_that_only_decays_against_a_loop(backend, state, update, read):
+    """A state with a decay and no write (was: C's recurrent kernel skipped the decay where a block had no
+    write to fuse it with — wrong once the lazily applied scale ran out, 1e300 off at strong decays; NumPy's
+    scans of a vector state read as it is stopped with an internal error). Every form and the decode step,
+    decays from mild to e^−30 a token, against explicit loops (float64, 1e-10 relative)."""
+    name = state.split("[")[0]
+    rec = linrec.compile(f"""recurrence decaying(dk = 4, dv = 3)
+input q[dk], g[dk] <= 0, gs <= 0
+state {state}
+{update}
+output o = {read}
+""", "decaying.lin")
+    dims = {"dk": 4, "dv": 3}
+    x = rec.random_inputs(2, 29, 2, dims, np.float64, seed=5)
+    x["g"] = np.asarray(x["g"]) * np.linspace(0.1, 30, 29)[None, :, None, None]
+    x["gs"] = np.asarray(x["gs"]) * np.linspace(0.1, 30, 29)[None, :, None]
+    state0 = _initial_state(rec.program, 2, 2, dims, np.random.default_rng(5))
+    s = np.asarray(state0[name], np.float64).copy()
+    expect = np.zeros((2, 29, 2, 3 if name == "S" else 4))
+    for t in range(29):
+        a = np.exp(x["g"][:, t]) if "diag" in update else np.exp(x["gs"][:, t])[..., None]
+        s = a[..., None] * s if name == "S" else a * s
+        q = x["q"][:, t]
+        expect[:, t] = np.einsum("bhi,bhij->bhj", q, s) if name == "S" else s * q
+    for form in rec.forms:
+        res = rec.run(x, form=form, backend=backend, initial_state=state0)
+        assert _rel_err(res.outputs["o"], expect) <= 1e-10, f"{form} ({backend})"
+        assert _rel_err(res.final_state[name], s) <= 1e-10, f"{form} ({backend}): final state"
+    state = state0
+    for t in range(29):
+        out, state = rec.step({n: np.asarray(a)[:, t] for n, a in x.items()}, state, backend=backend)
+        assert _rel_err(out["o"], expect[:, t]) <= 1e-10, f"step {t} ({backend})"
+
 def test_a_vector_delta_rule_read_as_it_is_has_no_c_scan():
     """A vector state with a delta-rule correction, read as it is: its reads need the pseudo-values of the
     correction, which C's scan kernels keep to themselves. C builds its recurrent kernel; the parallel
