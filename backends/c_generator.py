@@ -164,7 +164,7 @@ class Generator:
         # declare everything this region prints, so that shared subexpressions are computed once
         for plan in plans:
             pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *plan["y"],
-                      *[q for q in plan["q"] if q is not None])
+                      *_queries(plan))
         outputs = self.d.outputs if readouts else ()
         pr.expect(*[e for _, e in outputs])
         # 1. state-free values of the token
@@ -176,7 +176,7 @@ class Generator:
                                       "code": pr.array(dec) if dec.shape else pr.scalar(dec)}
             plan["w_codes"] = [pr.array(w) for w in plan["w"]]
             plan["x_codes"] = [pr.array(x) for x in plan["x"]]
-            plan["q_codes"] = [None if q is None else pr.array(q) for q in plan["q"]]
+            plan["q_codes"] = [None if r.is_value else pr.array(r.query) for r in plan["readouts"]]
         prep = pr.take_token()
         # 2. per state: corrections, right vectors, the fused pass
         readout_decls = []
@@ -259,8 +259,7 @@ class Generator:
         plans = [self._plan_state(st, self.d.transition(st.name), updates=updates, readouts=readouts)
                  for st in self.p.states]
         for plan in plans:
-            pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"],
-                      *[q for q in plan["q"] if q is not None],
+            pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *_queries(plan),
                       *[e for terms in plan["terms"] for c, kind, v in terms for e in (c, v) if kind == "v"])
             if not plan["w"]:
                 pr.expect(*plan["y"])
@@ -330,7 +329,7 @@ class Generator:
             for g, x in enumerate(plan["x"]):
                 export_vector(x, f"blk_x_{c}_{g}", rows, scale=factor("mx"))
             before, after = [], []
-            for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"])):
+            for k, rd in enumerate(plan["readouts"]):
                 if rd.is_value:  # a vector state's own value, copied row by row (no query)
                     (before if rd.before_update else after).append({
                         "q": None, "r": f"r{rd.index}_blk[u]", "value": True, "index": rd.index, "out": None})
@@ -338,7 +337,7 @@ class Generator:
                                           "size": rows})
                     arrays.append((f"r{rd.index}_blk", rows))
                     continue
-                export_vector(q, f"blk_q_{c}_{k}", rows, scale=factor("mw" if rd.before_update else "mq"))
+                export_vector(rd.query, f"blk_q_{c}_{k}", rows, scale=factor("mw" if rd.before_update else "mq"))
                 (before if rd.before_update else after).append({
                     "q": f"blk_q_{c}_{k}[u]", "r": f"r{rd.index}_blk[u]", "base": f"blk_q_{c}_{k}",
                     "value": False, "index": rd.index, "out": None})  # out: see _fuse_outputs
@@ -446,8 +445,8 @@ class Generator:
         form (c_printer.lanes) are computed into a local row first."""
         vectors = ([(w, f"blk_w_{c}_{r}", "mw") for r, w in enumerate(plan["w"])]
                    + [(x, f"blk_x_{c}_{g}", "mx") for g, x in enumerate(plan["x"])]
-                   + [(q, f"blk_q_{c}_{k}", "mw" if rd.before_update else "mq")
-                      for k, (rd, q) in enumerate(zip(plan["readouts"], plan["q"]))])
+                   + [(rd.query, f"blk_q_{c}_{k}", "mw" if rd.before_update else "mq")
+                      for k, rd in enumerate(plan["readouts"])])
         for e in [decay] + [v for v, _, _ in vectors]:
             if not pr.has_lanes(e):
                 pr.array(e)  # (then at hand)
@@ -492,7 +491,7 @@ class Generator:
     def _plan_state(self, st: ir.State, tr, *, updates: bool, readouts: bool) -> dict:
         """The terms of a state's update, rank-one terms grouped by their left vector."""
         matrix = len(st.shape) == 2
-        plan = {"decay": None, "w": [], "p": [], "x": [], "y": [], "q": [], "readouts": [], "terms": []}
+        plan = {"decay": None, "w": [], "p": [], "x": [], "y": [], "readouts": [], "terms": []}
         if updates:
             plan["decay"] = tr.decay
             right_shape = (st.shape[1],) if matrix else ()
@@ -519,7 +518,6 @@ class Generator:
         if readouts:
             for r in self.d.readouts:
                 if r.state == st.name:
-                    plan["q"].append(r.query)
                     plan["readouts"].append(r)
         return plan
 
@@ -617,6 +615,11 @@ class Generator:
     def source(self) -> str:
         # (the template's macro definitions come first and render as blank lines)
         return environment().get_template("c_recurrent.c.j2").render(**self.context()).lstrip("\n")
+
+
+def _queries(plan) -> list[ir.Expr]:
+    """The queries of a state's readouts (a read of the state as it is has none)."""
+    return [r.query for r in plan["readouts"] if not r.is_value]
 
 
 def _scaled(coef: ir.Expr, x: ir.Expr, shape) -> ir.Expr:
