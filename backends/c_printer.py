@@ -43,6 +43,15 @@ _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
 
 
+def matrix_vector(e: ir.Expr) -> bool:
+    """`e` is W·x or x·W with W a matrix parameter and x a vector: lr_matvec / lr_vecmat over W's rows."""
+    if not isinstance(e, ir.Dot):
+        return False
+    ranks = (len(e.left.shape), len(e.right.shape))
+    matrix = e.left if ranks == (2, 1) else e.right if ranks == (1, 2) else None
+    return isinstance(matrix, ir.ParamRef)
+
+
 def token_variant(e: ir.Expr) -> bool:
     """True when `e` may change from one token to the next (it reads an input, a readout or a kernel
     local); otherwise it is fixed per head and computed once outside the token loop."""
@@ -183,6 +192,8 @@ class CPrinter:
         name = self._name(e, "v")
         if isinstance(e, ir.Apply) and e.function in _VECTOR:
             lines = self._vector_builtin(e, name, n)
+        elif matrix_vector(e):
+            lines = [f"T {name}[{n}];{self._comment(e)}", self._matrix_vector(e, name)]
         elif isinstance(e, ir.Apply) and e.function in _ROWS:
             lines = [f"T {name}[{n}];{self._comment(e)}", self._row_call(e, name, n)]
         elif isinstance(e, ir.Apply):
@@ -295,6 +306,8 @@ class CPrinter:
                 return f"({self.elem(a.operand, i)} * {self.elem(b, i)})"
             if isinstance(b, ir.Diag) and len(a.shape) == 1:
                 return f"({self.elem(a, i)} * {self.elem(b.operand, i)})"
+            if matrix_vector(e):
+                return f"{self.array(e)}[{i}]"
             raise self._unsupported(e)
         if isinstance(e, ir.Apply):
             return f"{self.array(e)}[{i}]"
@@ -326,7 +339,7 @@ class CPrinter:
         if not e.shape:
             code = self.scalar(e)
             return f"(T){code}" if whole else code  # broadcast by the arithmetic it meets
-        if e in self._cache or isinstance(e, _LEAVES) or self._shared(e):
+        if e in self._cache or isinstance(e, _LEAVES) or self._shared(e) or matrix_vector(e):
             base = self.array(e)
             return f"lr_load({base} + {i})" if whole else f"{base}[{i}]"
         if isinstance(e, ir.Neg):
@@ -349,7 +362,7 @@ class CPrinter:
             return True
         if len(e.shape) != 1:
             return False
-        if e in self._cache or isinstance(e, _LEAVES) or self._shared(e):
+        if e in self._cache or isinstance(e, _LEAVES) or self._shared(e) or matrix_vector(e):
             return True
         if isinstance(e, ir.Neg):
             return self.has_lanes(e.operand)
@@ -371,6 +384,16 @@ class CPrinter:
     def _row_call(self, e: ir.Apply, target: str, n: int) -> str:
         """The row helper's call that stores the elementwise builtin e of a vector into target."""
         return f"{_ROWS[e.function]}({target}, {self.array(e.args[0])}, {n});"
+
+    def _matrix_vector(self, e: ir.Dot, name: str) -> str:
+        """The call that stores W·x (or x·W) into name: W a parameter, row-major at its C reference."""
+        if len(e.left.shape) == 2:
+            w, x = e.left, e.right
+            rows, cols = (self.size(d) for d in w.shape)
+            return f"lr_matvec({name}, {self.ref(w)}, {self.array(x)}, {rows}, {cols});"
+        x, w = e.left, e.right
+        rows, cols = (self.size(d) for d in w.shape)
+        return f"lr_vecmat({name}, {self.array(x)}, {self.ref(w)}, {rows}, {cols});"
 
     def _vector_builtin(self, e: ir.Apply, name: str, n: int) -> list[str]:
         x = self.array(e.args[0])

@@ -333,6 +333,14 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
     scale_of: dict[int, str] = {}   # readout → the code of its log-scale
     lagged: set[str] = set()        # the variables of M_(t−1) and M_T defined so far
     readout_vars = {}
+    bound: dict[str, str] = {}      # the code of a stabilized key or query → its variable (states share them)
+
+    def bind(code: str, name: str) -> str:
+        """code into a variable, once: the states of a group (S and z) write and read the same ones."""
+        if code not in bound:
+            bound[code] = f"{name}{sum(v.startswith(name) for v in bound.values())}"
+            body.append(f"{bound[code]} = {code}")
+        return bound[code]
 
     def tok(e, width):
         return f"per_token({prelude(e)}, (batch, tokens, heads, {width}), dtype, scalar={not e.shape})"
@@ -380,8 +388,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         for key, value in t.writes:
             if running:
                 c, alpha = split_exp(key)
-                key_code = (f"per_token({prelude(c)} * {_shifted_exp(exponents[alpha], running, alpha, key)}, "
-                            f"(batch, tokens, heads, {rows}), dtype, scalar={not key.shape})")
+                key_code = bind(f"per_token({prelude(c)} * {_shifted_exp(exponents[alpha], running, alpha, key)}, "
+                                f"(batch, tokens, heads, {rows}), dtype, scalar={not key.shape})", "stable_key")
             else:
                 key_code = tok(key, rows)
             val = tok(value, cols) if value is not None else "np.ones((batch, tokens, heads, 1), dtype)"
@@ -410,9 +418,9 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
                     body.append(f"{query_max[beta]} = " + (f"np.max({exponents[beta]}, axis=-1)" if beta.shape
                                                              else exponents[beta]))
                 mu = query_max[beta]
-                queries.append(f"(per_token({prelude(c)} * {_shifted_exp(exponents[beta], mu, beta, r.query)}, "
-                               f"(batch, tokens, heads, {rows}), dtype, scalar={not r.query.shape}), "
-                               f"{r.before_update})")
+                query = bind(f"per_token({prelude(c)} * {_shifted_exp(exponents[beta], mu, beta, r.query)}, "
+                             f"(batch, tokens, heads, {rows}), dtype, scalar={not r.query.shape})", "stable_query")
+                queries.append(f"({query}, {r.before_update})")
                 terms.append(mu)
             else:
                 queries.append(f"({tok(r.query, rows)}, {r.before_update})")

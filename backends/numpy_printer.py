@@ -103,6 +103,10 @@ class NumpyPrinter:
         if isinstance(b, ir.Diag):  # X·diag(d) scales X's columns
             col = "[..., None, :]" if len(a.shape) == 2 else ""
             return f"{self._wrap(a, PRODUCT)} * {self._wrap(b.operand, ATOM)}{col}", PRODUCT
+        if (len(a.shape), len(b.shape)) in ((2, 1), (1, 2)):  # one BLAS product when the matrix is shared
+            helper = "matvec" if len(a.shape) == 2 else "vecmat"
+            self.helpers.add(helper)
+            return f"{helper}({self(a)}, {self(b)})", ATOM
         la, lb = _LETTERS[:len(a.shape)], _LETTERS[len(a.shape) - 1:len(a.shape) - 1 + len(b.shape)]
         out = la[:-1] + lb[1:]
         return f"np.einsum('...{la},...{lb}->...{out}', {self(a)}, {self(b)})", ATOM

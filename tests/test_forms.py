@@ -120,6 +120,18 @@ output o = q·S
 """,
     # vector states read as values of their own (HGRN- and RG-LRU-style elementwise reads), before and
     # after their update, beside a contraction of one of them
+    # feature maps through parameter matrices, both ways round (W·x and x·P), shared and per head, at sizes
+    # that leave rows and columns past whole registers (C: lr_matvec's 16-row blocks and their tails)
+    "matrix_features": """recurrence matrix_features(dk = 21, dv = 5, m = 35)
+input q[dk], k[dk], v[dv]
+param W[m, dk] = randn(seed=1)
+param P[dv, dv] per head = randn(seed=2)
+phi(x) = relu(W·x)
+state S[m, dv], z[m]
+S = S + phi(k)⊗(v·P)
+z = z + phi(k)
+output o = (phi(q)·S) / (phi(q)·z + 1)
+""",
     "elementwise_read": """recurrence elementwise_read(dk = 6, dv = 5)
 input q[dk], k[dk], v[dv], f[dk], g <= 0
 state S[dk, dv], z[dk], w[dk]
@@ -326,6 +338,44 @@ def test_elementwise_reads_against_a_loop(backend):
         res = rec.run(x, form="chunkwise", backend=backend, initial_state=state0, chunk_size=chunk)
         assert _rel_err(res.outputs["y"], expect["y"]) <= 1e-10, f"chunk {chunk} ({backend})"
 
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_parameter_matrix_feature_maps_against_a_loop(backend):
+    """Feature maps through parameter matrices (W·x with W shared, v·P with P per head; were NumPy-only on
+    C's recurrent form and decode step) against explicit loops over b, h, t (float64, 1e-10 relative):
+    every form and the decode step on both backends, at sizes that are not whole registers."""
+    rec = program("matrix_features")
+    dims = {"dk": 21, "dv": 5, "m": 35}
+    x = rec.random_inputs(2, 29, 3, dims, np.float64, seed=5)
+    params = rec.default_params(3, dims)
+    W, P = params["W"], params["P"]
+    assert W.shape == (35, 21) and P.shape == (3, 5, 5)
+    state0 = _initial_state(rec.program, 2, 3, dims | {"m": 35}, np.random.default_rng(5))
+    state0["z"] = np.abs(state0["z"])  # the normalizer stays positive, as phi's are
+    expect = np.zeros(np.shape(x["v"]))
+    for b in range(2):
+        for h in range(3):
+            S, z = state0["S"][b, h].copy(), state0["z"][b, h].copy()
+            for t in range(29):
+                q, k, v = (np.asarray(x[n])[b, t, h] for n in ("q", "k", "v"))
+                S = S + np.outer(np.maximum(W @ k, 0), v @ P[h])
+                z = z + np.maximum(W @ k, 0)
+                fq = np.maximum(W @ q, 0)
+                expect[b, t, h] = (fq @ S) / (fq @ z + 1)
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    for form in rec.forms:
+        got = rec.run(x, form=form, backend=backend, initial_state=state0).outputs["o"]
+        assert _rel_err(got, expect) <= 1e-10, f"{form} ({backend})"
+    state = state0
+    for t in range(29):
+        out, state = rec.step({n: np.asarray(a)[:, t] for n, a in x.items()}, state, backend=backend)
+        assert _rel_err(out["o"], expect[:, t]) <= 1e-10, f"step {t} ({backend})"
+    # float32: the same within the float32 tolerance
+    x32 = {n: np.asarray(a, np.float32) for n, a in x.items()}
+    s32 = {n: np.asarray(a, np.float32) for n, a in state0.items()}
+    got = rec.run(x32, form="recurrent", backend=backend, initial_state=s32).outputs["o"]
+    assert _rel_err(got, expect) <= TOLERANCE["float32"]
 
 
 @pytest.mark.parametrize("backend", ["numpy", "c"])
