@@ -41,7 +41,7 @@ class Recurrence:
         self._modules: dict[tuple[str, str], object] = {}
         self._steppers: dict[str, tuple] = {}  # backend → (params, compiled step bound to them)
         # a token call's sizes and params by (backend, [B, H], dtype, sizes, state shapes) → (params, dims, used):
-        # a step that is not one compiled call (stabilized states) would otherwise draw its params every token
+        # a step that is not one compiled call (the NumPy backend's) would otherwise draw its params every token
         self._token_binds: dict[tuple, tuple] = {}
         self._plans: dict[tuple, _CallPlan] = {}  # run()'s plans by call signature (see _signature)
 

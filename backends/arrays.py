@@ -170,7 +170,8 @@ def check_params(program: ir.Program, given: dict, defaults: dict, shape: CallSh
 def check_initial_state(program: ir.Program, given: dict | None, shape: CallShape, dims: dict,
                         scales: frozenset[str] = frozenset()) -> dict:
     """Initial states [B, H, *] (zeros when absent), copied in the inputs' dtype. `scales` names the
-    log-scales [B, H] a decode loop may carry beside stabilized states (float64)."""
+    log-scales [B, H] a decode loop may carry beside stabilized states (float64 here; C's kernels take and
+    return them in their own dtype)."""
     given = dict(given or {})
     declared = {s.name for s in program.states}
     out = {}

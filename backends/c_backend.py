@@ -25,10 +25,11 @@ from . import arrays, c_build
 from .c_arrays import RecycledArrays, aligned_copy, aligned_zeros, checked
 from .c_build import CTYPES
 from .c_generator import Generator, Target, require_factorable
+from .c_stabilize import Scales
 from .c_step import Stepper
 
 # the generator's own files: a change to any of them rebuilds its cached kernels
-GENERATOR = ("c_generator.py", "c_printer.py", "templates/c_*.j2")
+GENERATOR = ("c_generator.py", "c_printer.py", "c_stabilize.py", "templates/c_*.j2")
 
 
 class Kernel:
@@ -69,6 +70,8 @@ class CRecurrent:
         self._kernels: dict[tuple, Kernel] = {}
         self._lock = threading.Lock()
         self._outputs = RecycledArrays(keep=2 * len(self.program.outputs))  # this call's and the last one's
+        # stabilized states' log-scales ("S.log_scale", [B, H]): the kernels' arguments after the states
+        self.scales = [(gr["key"], gr["states"]) for gr in Scales(compiled).groups]
         from . import numpy_backend
         self._numpy = numpy_backend.load(compiled, "recurrent")
 
@@ -123,6 +126,12 @@ class CRecurrent:
                     arr = aligned_copy(arr)
             finals[s.name] = arr
             args.append(arr)
+        for key, _ in self.scales:  # NaN: the states are at their true scale
+            given = None if states is None else states.get(key)
+            arr = np.full(state_lead, np.nan, dtype) if given is None else \
+                np.array(checked(given, state_lead, None, f"state '{key}'"), dtype=dtype)
+            finals[key] = arr
+            args.append(arr)
         return args, finals
 
     def forward(self, inputs, params, initial_state, dims, chunk_size=None, num_threads=None, out=None):
@@ -164,6 +173,11 @@ class CRecurrent:
                 raise RuntimeInputError("an input lies outside its declared range")  # (the scan names it)
             if rc != 0:
                 raise MemoryError("the C kernel could not allocate its state buffers")
+        for key, names in self.scales:
+            if (initial_state or {}).get(key) is None:  # a caller with no log-scale gets the true scale back
+                scale = finals.pop(key)
+                for name in names:
+                    finals[name] = _true_scale(finals[name], scale, dtype)
         return outputs, finals
 
     def step(self, token_inputs, state, params, dims, num_threads=None, inplace=False, out=None):
@@ -173,6 +187,14 @@ class CRecurrent:
 
     def stepper(self, params, dims, num_threads=None) -> "Stepper":
         return Stepper(self, params, dims, num_threads)
+
+def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
+    """A state [B, H, *] carried as S·exp(−σ), σ [B, H] (NaN: 0), back at its true scale S."""
+    from .numpy_scan import rescale
+    if state.ndim == 4:  # a matrix state
+        return rescale(state, log_scale, None, dtype)
+    return rescale(state[..., None], log_scale, None, dtype)[..., 0]
+
 
 def emit_recurrent(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None) -> str:
     """The C source of the recurrent form (and decode step) for one dtype and sizes (default: the file's)."""
@@ -188,10 +210,11 @@ def fused_recurrent(compiled: Compiled) -> bool:
 
 
 def _scan_form(compiled: Compiled, form: str) -> bool:
-    """Parallel and chunkwise forms — and the recurrent form of programs with exponential feature maps,
-    which are stabilized on their decomposition — run as NumPy-prepared scans over compiled kernels."""
+    """Parallel and chunkwise forms — and the recurrent form of non-causal programs with exponential
+    feature maps, which are stabilized on their decomposition — run as NumPy-prepared scans over compiled
+    kernels (the fused kernel stabilizes causal ones itself: c_stabilize)."""
     from .numpy_backend import stabilized_states
-    return form != "recurrent" or bool(stabilized_states(compiled))
+    return form != "recurrent" or (bool(stabilized_states(compiled)) and not compiled.program.causal)
 
 
 def _exec_module(source: str, compiled: Compiled, form: str, what: str):

@@ -6,7 +6,7 @@ compile-time constants). c_backend builds and runs what it renders."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 from compiler import Compiled, ir
@@ -16,6 +16,7 @@ from dsl.errors import LinrecError
 
 from .c_build import CTYPE_BYTES
 from .c_printer import CPrinter, Local, read_only_through_readouts
+from .c_stabilize import Scales
 from .names import Namer
 from .numpy_backend import VERSION
 from .templating import environment
@@ -98,6 +99,7 @@ class Generator:
         self.dims = dims
         self.t = target
         self.n = Namer()
+        self.scales = Scales(compiled)  # exponential feature maps: states carried as S·exp(−σ)
         for x in self.p.inputs:
             self._check_rank(x.name, x.shape, "input")
         for s in self.p.states:
@@ -165,9 +167,11 @@ class Generator:
         for plan in plans:
             pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *plan["y"],
                       *_queries(plan))
-        outputs = self.d.outputs if readouts else ()
+        pr.expect(*self.scales.exponents())
+        outputs, scaled = self.scales.outputs(self.d.outputs, block=False)
         pr.expect(*[e for _, e in outputs])
-        # 1. state-free values of the token
+        # 1. state-free values of the token (first the scales of stabilized states: the rest reads them)
+        scale_lines = self.scales.token_lines(pr, scaled, block=False)
         for st, plan in zip(self.p.states, plans):
             plan["decay_code"] = None
             if plan["decay"] is not None:
@@ -177,7 +181,7 @@ class Generator:
             plan["w_codes"] = [pr.array(w) for w in plan["w"]]
             plan["x_codes"] = [pr.array(x) for x in plan["x"]]
             plan["q_codes"] = [None if r.is_value else pr.array(r.query) for r in plan["readouts"]]
-        prep = pr.take_token()
+        prep = scale_lines + pr.take_token()
         # 2. per state: corrections, right vectors, the fused pass
         readout_decls = []
         for st, plan in zip(self.p.states, plans):
@@ -239,7 +243,7 @@ class Generator:
                 body = [f"{target}[tok] = {pr.scalar(e)};"]
             out_lines += pr.take_token() + body
         return {"head": pr.take_head(), "prep": prep, "states": states, "readouts": readout_decls,
-                "outputs": out_lines}
+                "outputs": out_lines, "scales": self._scale_context()}
 
     # ---- the sequence kernel: blocks of tokens in three phases ----
     def _token_pointer(self, e: ir.Expr) -> str | None:
@@ -263,7 +267,8 @@ class Generator:
                       *[e for terms in plan["terms"] for c, kind, v in terms for e in (c, v) if kind == "v"])
             if not plan["w"]:
                 pr.expect(*plan["y"])
-        outputs = self.d.outputs if readouts else ()
+        pr.expect(*self.scales.exponents())
+        outputs, scaled = self.scales.outputs(self.d.outputs, block=True) if readouts else ((), [])
         po.expect(*[e for _, e in outputs])
         arrays: list[tuple[str, int]] = []  # block arrays: name, values per token (0: one scalar)
         flags: set[str] = set()  # the block arrays of int32 flags (tested in the tiled passes' inner loops:
@@ -288,7 +293,8 @@ class Generator:
 
         # the decays first: the lazy bookkeeping after them (phase 1) gives the factors by which the vectors
         # that meet a lazily decayed state are stored
-        decay_prep: list[str] = []
+        decay_prep = self.scales.token_lines(pr, scaled, block=True) if updates else []
+        arrays += [(f"blk_rsc{i}", 0) for i in scaled]
         lazy: dict[str, dict] = {}
         for st, plan in zip(self.p.states, plans):
             decay = plan["decay"] if updates else None
@@ -433,6 +439,7 @@ class Generator:
             body = po.fill(e, f"{target}_t") if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
             out_lines += po.take_token() + body
         return {"head": head + po.take_head(), "decay_prep": decay_prep, "prep": prep, "lazy": lazies,
+                "scales": self._scale_context() if updates else [],
                 "states": states, "checks": updates,
                 "spread_prefetches": any(st["pf_every"] for st in states),
                 "readouts": readout_decls, "outputs": out_lines, "arrays": arrays,
@@ -493,7 +500,7 @@ class Generator:
         matrix = len(st.shape) == 2
         plan = {"decay": None, "w": [], "p": [], "x": [], "y": [], "readouts": [], "terms": []}
         if updates:
-            plan["decay"] = tr.decay
+            plan["decay"], writes = self.scales.transition(tr)
             right_shape = (st.shape[1],) if matrix else ()
             groups: dict[ir.Expr, list[ir.Expr]] = {}
             parts: dict[ir.Expr, list[tuple]] = {}  # the same terms as (coefficient, "p" | "v", r | value)
@@ -504,7 +511,7 @@ class Generator:
                 coef, base = split_scalar(u)
                 groups.setdefault(base, []).append(_scaled(coef, p, right_shape))
                 parts.setdefault(base, []).append((coef, "p", r))
-            for key, value in tr.writes:
+            for key, value in writes:
                 coef, base = split_scalar(key)
                 rhs = value if value is not None else ONE
                 if matrix and not rhs.shape:
@@ -518,7 +525,7 @@ class Generator:
         if readouts:
             for r in self.d.readouts:
                 if r.state == st.name:
-                    plan["readouts"].append(r)
+                    plan["readouts"].append(replace(r, query=self.scales.query(r)))
         return plan
 
     # ---- the whole file ----
@@ -555,7 +562,8 @@ class Generator:
         ct = self.t.ctype
         # the arrays in the order of every entry point: inputs and params (read), states and outputs (written)
         names = ([self.cin(x.name) for x in self.p.inputs] + [self.cparam(prm.name) for prm in self.p.params]
-                 + [self.cstate(st.name) for st in self.p.states] + [self.cout(o.name) for o in self.p.outputs])
+                 + [self.cstate(st.name) for st in self.p.states] + [f"lsc{g}" for g in range(len(self.scales.groups))]
+                 + [self.cout(o.name) for o in self.p.outputs])
         n_read = len(self.p.inputs) + len(self.p.params)
         args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}" for i, name in enumerate(names)]
         fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
@@ -580,6 +588,7 @@ class Generator:
                      "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
                     for s in self.p.states],
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
+            scales=self._scale_context(),
             segment_tokens=segment_tokens,
             split_always=SPLIT_ALWAYS,
             block_arrays=block_arrays, block_floats=max(offset, 1),
@@ -588,6 +597,13 @@ class Generator:
             step_args=[{"name": n, "decl": a} for n, a in zip(names, args)],
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
         )
+
+    def _scale_context(self) -> list[dict]:
+        """Per group of stabilized states: its C name, the caller's log-scale array and the states' arrays
+        (for the test that a state given at its true scale is all zero)."""
+        return [{"g": g, "c": f"lsc{g}", "key": gr["key"], "names": ", ".join(gr["states"]),
+                 "states": [{"c": self.cstate(n), "size": self.size(self.p.state(n).shape)} for n in gr["states"]]}
+                for g, gr in enumerate(self.scales.groups)]
 
     def _outside(self, x: ir.Input, lanes: bool = False) -> str | None:
         """C for "element {v} of input x lies outside its declared range (or is NaN)", or None: the sequence

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from compiler import ir
-from compiler.analysis import children, to_text, walk
+from compiler.analysis import children, rebuild, to_text, walk
 from dsl.errors import LinrecError
 
 
@@ -141,8 +141,8 @@ class CPrinter:
         return self.token if token_variant(e) else self.head
 
     def _comment(self, e: ir.Expr) -> str:
-        try:
-            text = to_text(e)
+        try:  # (a kernel local shows as its C name)
+            text = to_text(rebuild(e, lambda n: ir.LetRef(n.shape, n.name) if isinstance(n, Local) else n))
         except TypeError:
             return ""
         text = text.replace("*/", "* /").replace("\n", " ")

@@ -93,13 +93,15 @@ class Stepper:
             strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * size for i in range(len(shape)))
             return name, shape, strides
         self._inputs = [spec(x.name, x.shape) for x in p.inputs]
-        self._states = [spec(s.name, s.shape) for s in p.states]
+        # stabilized states' log-scales last, one per head (c_stabilize; NaN when absent: the true scale)
+        self._states = [spec(s.name, s.shape) for s in p.states] + [spec(key, ()) for key, _ in rec.scales]
+        self._scale_names = {key for key, _ in rec.scales}
         self._outputs = [spec(o.name, o.value.shape) for o in p.outputs]
         n = len(self._inputs) + len(self._states) + len(self._outputs)
         self._seen = [None] * n   # the array last seen in each position …
         self._seen_ptr = [None] * n  # … and its pointer
         self._in_names = [x.name for x in p.inputs]
-        self._st_names = [s.name for s in p.states]
+        self._st_names = [name for name, _, _ in self._states]
         self._out_names = [o.name for o in p.outputs]
         self._make_fast = _fast_step_maker(tuple(
             [("token_inputs", n) for n in self._in_names] + [("state", n) for n in self._st_names]
@@ -136,6 +138,8 @@ class Stepper:
                                     "final_state of prefill)")
         out = dict(out) if out is not None else {}
         self._arguments(token_inputs, state, True, out)  # binds [B, H] and the dtype; checks every array
+        for key in self._scale_names - set(state):  # a log-scale the caller has not got yet: carried here
+            state[key] = self._seen[len(self._in_names) + self._st_names.index(key)]
         missing = [(name, shp) for name, shp, _ in self._outputs if out.get(name) is None]
         if missing:
             out.update((name, aligned_empty(shp, self._dtype)) for name, shp in missing)
@@ -217,6 +221,8 @@ class Stepper:
             arr = state.get(name) if state is not None else None
             if arr is None:
                 arr = aligned_zeros(shp, dt)
+                if name in self._scale_names:
+                    arr[...] = np.nan
                 every_seen = False
             elif not inplace:
                 arr = aligned_copy(checked(arr, shp, dt, f"state '{name}'"))

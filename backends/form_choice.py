@@ -3,8 +3,8 @@
 Compiled recurrences run the recurrent form: it does the least arithmetic (4·dk·dv flops per token and
 head for GLA, 6·dk·dv for the delta rules; the chunkwise and parallel forms add T·C or T² terms) and the C
 kernel keeps the state in registers and L1 with no per-token overhead (`linrec bench` measures this).
-Where the C backend has no fused recurrent kernel (stabilized exponential features: every form is a scan
-prepared in NumPy), its choice is measured as NumPy's is.
+Where the C backend has no fused recurrent kernel (a non-causal program with exponential keys: every form
+is a scan prepared in NumPy), its choice is measured as NumPy's is.
 
 On NumPy the answer depends on the structure of the update: the recurrent form pays interpreter overhead
 per token, the chunkwise form per chunk but with more arithmetic — little for a scalar decay, a lot for a
@@ -50,8 +50,9 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
 
 
 def _fused_recurrent(rec, backend: str) -> bool:
-    """Whether the backend runs the recurrent form as one fused kernel (the C backend, except for stabilized
-    programs, whose recurrent form is a NumPy-prepared scan like the other forms: then it is measured)."""
+    """Whether the backend runs the recurrent form as one fused kernel (the C backend, except for non-causal
+    programs with exponential keys, whose recurrent form is a NumPy-prepared scan like the other forms: then
+    it is measured)."""
     from .api import BACKENDS
     fused = getattr(BACKENDS[backend], "fused_recurrent", None)
     return fused is not None and fused(rec.compiled)

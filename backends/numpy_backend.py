@@ -268,7 +268,7 @@ def log_scale_keys(compiled: Compiled) -> dict[str, str]:
             for state, alphas in stabilized_states(compiled).items()}
 
 
-def _degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
+def scale_degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
     """How an output scales when readout i is multiplied by exp(scale_of[i]): exponents per scale, or None
     when the output is not a product of powers (then the scales are multiplied back in)."""
     if isinstance(e, ir.ReadoutRef):
@@ -276,7 +276,7 @@ def _degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
     kids = children(e)
     if not kids:
         return {}
-    degrees = [_degree(k, scale_of) for k in kids]
+    degrees = [scale_degree(k, scale_of) for k in kids]
     if any(dg is None for dg in degrees):
         return None
     if isinstance(e, ir.Neg):
@@ -443,7 +443,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
     body += ["", "# outputs from the readouts"]
     for name, expr in d.outputs:
         out = next(o for o in p.outputs if o.name == name)
-        degrees = _degree(expr, scale_of)
+        degrees = scale_degree(expr, scale_of)
         vars_here = dict(readout_vars)
         if scale_of and (degrees is None or any(degrees.values())):
             for i, sc in scale_of.items():  # the scales do not cancel: put them back

@@ -41,12 +41,18 @@ def test_short_sequences_and_compiled_code_take_the_recurrent_form():
 
 
 def test_c_without_a_fused_recurrent_kernel_measures_like_numpy():
-    """Performer's stabilized forms are all NumPy-prepared scans on C: no fused kernel to take on trust, so
-    auto measures (and picks the cheaper measured form); GLA's recurrent form is the fused kernel."""
-    performer = backends.load(EXAMPLES / "performer.lin")
-    dims = {"dk": 8, "dv": 8, "m": 16}
-    form, why = performer.choose_form("c", 500, heads=2, batch=1, dims=dims, dtype=np.float64)
-    costs = form_choice.per_token_cost(performer, "c", 2, 1, dims, np.float64)
+    """A non-causal program with exponential keys runs every form as a NumPy-prepared scan on C: no fused
+    kernel to take on trust, so auto measures (and picks the cheaper measured form); GLA's recurrent form
+    is the fused kernel, and so is Performer's (the kernel stabilizes its exponential features itself)."""
+    encoder = backends.compile("""recurrence encoder_exp(dk = 8, dv = 8) noncausal
+input q[dk], k[dk], v[dv]
+state S[dk, dv]
+S = S + exp(k)⊗v
+output o = q·S
+""", "encoder_exp.lin")
+    form, why = encoder.choose_form("c", 500, heads=2, batch=1, dims=DIMS, dtype=np.float64)
+    costs = form_choice.per_token_cost(encoder, "c", 2, 1, DIMS, np.float64)
     assert form == min(costs, key=costs.get) and "µs/token" in why
-    form, why = backends.load(EXAMPLES / "gla.lin").choose_form("c", 500, heads=2, batch=1, dims=DIMS)
-    assert form == "recurrent" and "compiled recurrent kernel" in why
+    for name, dims in (("gla", DIMS), ("performer", {"dk": 8, "dv": 8, "m": 16})):
+        form, why = backends.load(EXAMPLES / f"{name}.lin").choose_form("c", 500, heads=2, batch=1, dims=dims)
+        assert form == "recurrent" and "compiled recurrent kernel" in why, name

@@ -457,6 +457,12 @@ output o = q·S + early
         got = rec.run(x, form=form, backend=backend).outputs["o"]
         assert _rel_err(got, expect) <= 1e-10, f"{form} ({backend})"
     assert verify.reference_form(rec) == "definition"
+    # the decode step (C: the fused kernel's, which multiplies the scales back per token) carries S.log_scale
+    state = None
+    for t in range(19):
+        out, state = rec.step({n: np.asarray(a)[:, t] for n, a in x.items()}, state, backend=backend)
+        assert _rel_err(out["o"], expect[:, t]) <= 1e-10, f"step {t} ({backend})"
+    assert "S.log_scale" in state
 
 
 @pytest.mark.parametrize("backend", ["numpy", "c"])

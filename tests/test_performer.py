@@ -129,3 +129,34 @@ def test_steps_follow_the_params_they_are_given(performer, backend):
             outs.append(out["o"])
         got = np.stack(outs, axis=1)
         assert np.max(np.abs(got - ref.outputs["o"][:, 2:])) <= 1e-10 * np.max(np.abs(ref.outputs["o"]))
+
+
+@pytest.mark.parametrize("scale", [10, 25])
+def test_fused_c_kernel_stabilizes_exponents_beyond_float32(performer, scale):
+    """C's recurrent kernel and decode step carry S·exp(−σ) themselves (c_stabilize). Keys ×25 have
+    exponents near −200, where exp(−M) overflows float32: a zero initial state must not become 0·∞ (it
+    starts at σ = −∞). Float32 against the float64 NumPy recurrent form, 5e-4 relative: the run, and a
+    bound step from zero states given without a log-scale (the step adds it to the state and carries it).
+    (Queries ×25 as well make φ(q)·z underflow in float32 on every backend: 0/0, not a stabilization bug.)"""
+    x = performer.random_inputs(1, 60, 2, dims={**DIMS, "dk": 16}, seed=4)
+    x = {k: v * (scale if k == "k" else 1) for k, v in x.items()}
+    ref = performer.run(x, form="recurrent", dims={"m": 32})
+    x32 = {k: v.astype(np.float32) for k, v in x.items()}
+    rel = lambda got, want: np.max(np.abs(got - want)) / np.max(np.abs(want))  # noqa: E731
+    got = performer.run(x32, form="recurrent", backend="c", dims={"m": 32})
+    assert np.all(np.isfinite(got.outputs["o"])) and rel(got.outputs["o"], ref.outputs["o"]) < 5e-4
+    if scale == 10:  # (at ×25 the true-scale final state underflows float32)
+        for name in ("S", "z"):
+            assert rel(got.final_state[name], ref.final_state[name]) < 5e-4, name
+    state = {"S": np.zeros((1, 2, 32, 4), np.float32), "z": np.zeros((1, 2, 32), np.float32)}
+    token = {k: np.ascontiguousarray(v[:, 0]) for k, v in x32.items()}
+    step = performer.bind_step(token, state, backend="c")
+    assert np.all(np.isnan(state["S.log_scale"]))  # at the true scale, until the first step
+    outs = []
+    for t in range(60):
+        for k in token:
+            token[k][...] = x32[k][:, t]
+        outs.append(step()["o"].copy())
+    assert np.all(np.isfinite(state["S.log_scale"]))
+    got = np.stack(outs, axis=1)
+    assert np.all(np.isfinite(got)) and rel(got, ref.outputs["o"]) < 5e-4
