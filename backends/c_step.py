@@ -224,6 +224,13 @@ class Stepper:
                 if name in self._scale_names:
                     arr[...] = np.nan
                 every_seen = False
+            elif name in self._scale_names and getattr(arr, "dtype", dt) != dt:
+                # a log-scale from the NumPy backend (float64): converted, and the caller's dict given the
+                # copy this step updates (so that an in-place decode loop goes on with it)
+                arr = aligned_copy(checked(np.asarray(arr, dt), shp, dt, f"state '{name}'"))
+                if inplace and state is not None:
+                    state[name] = arr
+                every_seen = False
             elif not inplace:
                 arr = aligned_copy(checked(arr, shp, dt, f"state '{name}'"))
             elif arr is not seen[i] and not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp

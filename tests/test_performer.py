@@ -160,3 +160,20 @@ def test_fused_c_kernel_stabilizes_exponents_beyond_float32(performer, scale):
     assert np.all(np.isfinite(state["S.log_scale"]))
     got = np.stack(outs, axis=1)
     assert np.all(np.isfinite(got)) and rel(got, ref.outputs["o"]) < 5e-4
+
+
+@pytest.mark.parametrize("first, then", [("numpy", "c"), ("c", "numpy")])
+def test_prefill_on_one_backend_then_steps_on_the_other(performer, first, then):
+    """The log-scale travels between backends: NumPy's is float64, C's of the kernel's dtype (a C step given
+    NumPy's converts it and, in place, puts its own array in the caller's state dict). Float32 steps
+    against the float64 run, 5e-4 relative."""
+    x = performer.random_inputs(1, 30, 2, dims=DIMS, seed=6, dtype=np.float32)
+    ref = performer.run({k: v.astype(np.float64) for k, v in x.items()}, form="recurrent", dims={"m": 32})
+    state = performer.prefill({k: v[:, :10] for k, v in x.items()}, backend=first, dims={"m": 32}).final_state
+    outs = []
+    for t in range(10, 30):
+        out, state = performer.step({k: v[:, t] for k, v in x.items()}, state, backend=then, inplace=True)
+        outs.append(np.array(out["o"]))
+    got = np.stack(outs, axis=1)
+    want = ref.outputs["o"][:, 10:]
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 5e-4
