@@ -11,7 +11,8 @@ form on the same inputs (the ratio is the median over rounds), plus the one-toke
 Python. Both sides' GFLOP/s count the useful flops `linrec bench` counts (the recurrent form's, e.g.
 4·dk·dv per token and head for GLA), each also as a fraction of the same-run float32 matmul (bench's
 reference, measured before and after each op's rounds): how far each side is from what this machine's
-cores do at the time, which the ratio alone does not show. Before timing, a short sequence checks that
+cores do at the time, which the ratio alone does not show; and as a fraction of the cores' float32
+multiply-add peak (fma_peak.py), with what a ratio of 5 would need of it. Before timing, a short sequence checks that
 the op computes the same recurrence as linrec's example (examples/gla.lin, examples/gated_deltanet.lin)
 and prints the relative difference — ggml gets its inputs in its own conventions (the decay exp(g) rather
 than the log-decay g; q and k already normalized for the delta net), prepared with NumPy outside the timed
@@ -201,6 +202,7 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     from backends import bench
+    from fma_peak import fma_peak_gflops
     tokens = args.tokens or [1024, 4096, 16384]
     ops = ["gla"] + (["gated_delta_net"] if hasattr(ggml, "ggml_gated_delta_net") else [])
     report = {"threads": args.threads, "B": 1, "H": H, "dk": D, "dv": D, "ops": {}}
@@ -216,6 +218,11 @@ def main(argv=None) -> int:
             for side in ("ggml", "linrec"):
                 m[f"{side}_fraction_of_bound"] = (m[f"{side}_gflops"] / entry["sgemm_gflops"]
                                                   if entry["sgemm_gflops"] else None)
+        # what a ratio of 5 would need: GFLOP/s against the cores' multiply-add peak (no kernel can pass it)
+        entry["fma_peak_gflops"] = fma_peak_gflops(args.threads)
+        for m in entry["ms"].values():
+            m["five_times_ggml_of_fma_peak"] = 5 * m["ggml_gflops"] / entry["fma_peak_gflops"]
+            m["linrec_of_fma_peak"] = m["linrec_gflops"] / entry["fma_peak_gflops"]
         entry["decode_us"] = decode_us(ggml, op, args.threads)
         entry["decode_us_1_thread"] = decode_us(ggml, op, 1) if args.threads != 1 else entry["decode_us"]
         report["ops"][op] = entry
@@ -234,6 +241,9 @@ def main(argv=None) -> int:
                       + (f"; of the same-run matmul's {entry['sgemm_gflops']:.0f} GFLOP/s: ggml "
                          f"{m['ggml_fraction_of_bound']:.0%}, linrec {m['linrec_fraction_of_bound']:.0%}"
                          if entry["sgemm_gflops"] else "; no matmul reference (it failed to run)"))
+                print(f"          of the cores' float32 multiply-add peak ({entry['fma_peak_gflops']:.0f} GFLOP/s, "
+                      f"fma_peak.py): linrec {m['linrec_of_fma_peak']:.0%}; 5× ggml would need "
+                      f"{m['five_times_ggml_of_fma_peak']:.0%}")
             print(f"  decode (T=1, graph computed from Python): {entry['decode_us']:.2f} µs per call with "
                   f"{args.threads} thread(s), {entry['decode_us_1_thread']:.2f} µs with 1")
     if args.json:

@@ -6,11 +6,11 @@
 On a shared machine the speed drifts by tens of percent over tens of seconds, so one pass of `linrec bench`
 can time one row in a fast spell and the next in a slow one. Here every round measures everything once,
 back to back — the same-run matmul reference (2 threads and 1, in a fresh process, OPENBLAS_CORETYPE
-unset), and per program the C recurrent form at T = 16384 on 2 threads and on 1, at T = 32768 on 2, and
-the decode step (bound to its arrays, and through Recurrence.step) — and each target is computed within
-its round; the report gives the median over rounds and the spread. The NumPy chunkwise form (seconds per
-call) runs once per program. Float32, B = 1, H = 8, dk = dv = 64; times are medians of 3 calls of
-`Recurrence.run` after a warm-up, input checks included.
+unset) and the cores' float32 multiply-add peak (fma_peak.py), and per program the C recurrent form at
+T = 16384 on 2 threads and on 1, at T = 32768 on 2, and the decode step (bound to its arrays, and through
+Recurrence.step) — and each target is computed within its round; the report gives the median over rounds
+and the spread. The NumPy chunkwise form (seconds per call) runs once per program. Float32, B = 1, H = 8,
+dk = dv = 64; times are medians of 3 calls of `Recurrence.run` after a warm-up, input checks included.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import backends  # noqa: E402
 from backends import bench, c_build  # noqa: E402
+from fma_peak import fma_peak_gflops  # noqa: E402
 
 PROGRAMS = ["examples/gla.lin", "examples/gated_deltanet.lin"]
 DIMS = {"dk": 64, "dv": 64}
@@ -56,7 +57,8 @@ def measure(rounds: int, progress) -> dict:
                                                  calls=1)
     for r in range(rounds):
         progress(f"round {r + 1}/{rounds} …")
-        rnd = {"sgemm_gflops": {n: bench.sgemm_reference(n, 3)["gflops"] for n in (2, 1)}, "programs": {}}
+        rnd = {"sgemm_gflops": {n: bench.sgemm_reference(n, 3)["gflops"] for n in (2, 1)}, "programs": {},
+               "fma_peak_gflops": fma_peak_gflops(2)}
         for name, rec in recs.items():
             x16, x32 = inputs[name][16384], inputs[name][32768]
             ms2, ms1, ms32 = run_ms(rec, x16, 2), run_ms(rec, x16, 1), run_ms(rec, x32, 2)
@@ -67,6 +69,7 @@ def measure(rounds: int, progress) -> dict:
                 "ms_2_threads": ms2, "ms_1_thread": ms1, "ms_32768": ms32, "decode_us": decode["us"],
                 "decode_step_us": decode["step_us"],
                 "fraction_of_bound": useful / (rnd["sgemm_gflops"][2] * 1e6) / ms2,
+                "fraction_of_fma_peak": useful / (rnd["fma_peak_gflops"] * 1e6) / ms2,
                 "scaling_T": ms32 / ms2, "speedup_2_threads": ms1 / ms2,
             }
         out["rounds"].append(rnd)
@@ -83,12 +86,15 @@ def summary(res: dict) -> dict:
             return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
         ms2 = stat("ms_2_threads")
         rows[name] = {"flops": res["flops"][name], "ms_2_threads": ms2, "fraction_of_bound": stat("fraction_of_bound"),
+                      "fraction_of_fma_peak": stat("fraction_of_fma_peak"),
                       "x_numpy_chunkwise": res["numpy_chunkwise_ms"][name] / ms2["median"],
                       "numpy_chunkwise_ms": res["numpy_chunkwise_ms"][name],
                       "scaling_T": stat("scaling_T"), "speedup_2_threads": stat("speedup_2_threads"),
                       "decode_us": stat("decode_us"), "decode_step_us": stat("decode_step_us")}
     sg = [r["sgemm_gflops"][2] for r in res["rounds"]]
+    pk = [r["fma_peak_gflops"] for r in res["rounds"]]
     return {"sgemm_gflops_2_threads": {"median": statistics.median(sg), "min": min(sg), "max": max(sg)},
+            "fma_peak_gflops_2_threads": {"median": statistics.median(pk), "min": min(pk), "max": max(pk)},
             "programs": rows}
 
 
@@ -97,7 +103,8 @@ def report(s: dict, rounds: int) -> str:
         return f"{fmt.format(d['median'])} ({fmt.format(d['min'])}–{fmt.format(d['max'])})"
     sg = s["sgemm_gflops_2_threads"]
     lines = [f"{rounds} rounds; same-run matmul on 2 threads: {span(sg, '{:.0f}')} GFLOP/s "
-             f"(median, min–max over rounds)", ""]
+             f"(median, min–max over rounds); float32 multiply-add peak (fma_peak.py): "
+             f"{span(s['fma_peak_gflops_2_threads'], '{:.0f}')} GFLOP/s", ""]
     programs = s["programs"].values()
 
     def row(label, cell):
@@ -106,6 +113,7 @@ def report(s: dict, rounds: int) -> str:
     table = [row("useful flops per token and head", lambda p: p["flops"]),
              row("C recurrent, T = 16384, 2 threads (ms)", lambda p: span(p["ms_2_threads"], "{:.1f}")),
              row("≥ 50% of the matmul bound", lambda p: span(p["fraction_of_bound"], "{:.0%}")),
+             row("  (of the multiply-add peak)", lambda p: span(p["fraction_of_fma_peak"], "{:.0%}")),
              row("≥ 20× NumPy chunkwise",
                  lambda p: f"{p['x_numpy_chunkwise']:.0f}× ({p['numpy_chunkwise_ms']:.0f} ms)"),
              row("T = 32768 ≤ 2.2× T = 16384", lambda p: span(p["scaling_T"], "{:.2f}")),
