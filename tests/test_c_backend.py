@@ -693,7 +693,7 @@ def test_thread_count_of_an_enclosing_block_holds(monkeypatch):
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "enc"])
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "enc", "performer"])
 def test_heads_taken_in_turns_by_threads(linrec, monkeypatch, name, split):
     """Threads claim groups of heads segment by segment (lr_claim), so a head's state moves between
     threads mid-sequence; with segments of one block (SEGMENT_WORK = 1) every block boundary is a segment
@@ -701,22 +701,24 @@ def test_heads_taken_in_turns_by_threads(linrec, monkeypatch, name, split):
     make 4 groups, more than the threads; 2 rows of 5 heads make groups of 5 (2 threads) or of 4 that
     straddle two rows (3 threads). split: every segment end splits a group in two (lr_release), down to
     single heads, as when a slow thread sheds heads to a fast one. A non-causal program makes two passes
-    per head. Against NumPy float64."""
+    per head; Performer's running maximum (c_stabilize) moves with its head. Against NumPy float64."""
     from backends import c_backend, c_build, c_generator
     monkeypatch.setattr(c_generator, "SEGMENT_WORK", 1)
     monkeypatch.setattr(c_generator, "SPLIT_ALWAYS", split)
     rec = rec_for(linrec, name)
     mod = c_backend.CRecurrent(rec.compiled)
-    source = mod.source(np.float64, DIMS)
+    dims = DIMS | ({"m": 12} if name == "performer" else {})
+    source = mod.source(np.float64, dims)
     assert re.search(r"#define LR_SEGMENT (\d+)", source)[1] == re.search(r"#define LR_BLOCK (\d+)", source)[1]
     assert re.search(r"#define LR_SPLIT_ALWAYS (\d)", source)[1] == str(int(split))
     for batch, heads in ((4, 2), (2, 5)):
-        inputs = rec.random_inputs(batch=batch, tokens=203, heads=heads, dims=DIMS, seed=11)
-        state0 = random_state(rec, batch, heads, DIMS, np.float64, 11)
-        ref = rec.run(inputs, form="recurrent", backend="numpy", initial_state=state0)
+        inputs = rec.random_inputs(batch=batch, tokens=203, heads=heads, dims=dims, seed=11)
+        state0 = random_state(rec, batch, heads, dims, np.float64, 11)
+        params = rec.default_params(heads, dims)
+        ref = rec.run(inputs, form="recurrent", backend="numpy", initial_state=state0, params=params)
         for threads in (1, 2, 3) if split else (2, 3):
             with c_build.threads(threads):
-                got, final = mod.forward(inputs, {}, state0, DIMS)
+                got, final = mod.forward(inputs, params, state0, dims)
             for k in ref.outputs:
                 assert rel_err(got[k], ref.outputs[k]) <= F64_RTOL, (batch, heads, threads, k)
             for k in ref.final_state:
