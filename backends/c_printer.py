@@ -193,7 +193,16 @@ class CPrinter:
         if isinstance(e, ir.Apply) and e.function in _VECTOR:
             lines = self._vector_builtin(e, name, n)
         elif matrix_vector(e):
-            lines = [f"T {name}[{n}];{self._comment(e)}", self._matrix_vector(e, name)]
+            partner = self._partner(e)
+            if partner is None:
+                lines = [f"T {name}[{n}];{self._comment(e)}", self._matrix_vector(e, name)]
+            else:  # both products in one pass over W
+                other = self._name(partner, "v")
+                rows, cols = (self.size(d) for d in e.left.shape)
+                call = (f"lr_matvec2({name}, {other}, {self.ref(e.left)}, {self.array(e.right)}, "
+                        f"{self.array(partner.right)}, {rows}, {cols});")
+                lines = [f"T {name}[{n}];{self._comment(e)}", f"T {other}[{n}];{self._comment(partner)}", call]
+                self._cache[partner] = other
         elif isinstance(e, ir.Apply) and e.function in _ROWS:
             lines = [f"T {name}[{n}];{self._comment(e)}", self._row_call(e, name, n)]
         elif isinstance(e, ir.Apply):
@@ -384,6 +393,20 @@ class CPrinter:
     def _row_call(self, e: ir.Apply, target: str, n: int) -> str:
         """The row helper's call that stores the elementwise builtin e of a vector into target."""
         return f"{_ROWS[e.function]}({target}, {self.array(e.args[0])}, {n});"
+
+    def _partner(self, e: ir.Dot) -> ir.Dot | None:
+        """Another W·x' with e's matrix W that this region will print and has not yet, computed where e is
+        (token or head) from inputs, params and constants alone (so it can be computed here): lr_matvec2
+        then reads W once for both (Performer's W·k and W·q)."""
+        if len(e.left.shape) != 2:
+            return None
+        for n in self._uses:
+            if isinstance(n, ir.Dot) and n != e and matrix_vector(n) and len(n.left.shape) == 2 \
+                    and n.left == e.left and n not in self._cache and token_variant(n) == token_variant(e) \
+                    and all(isinstance(leaf, (ir.InputRef, ir.ParamRef, ir.Const, ir.DimSize, ir.HeadIndex))
+                            for leaf in walk(n.right) if not children(leaf)):
+                return n
+        return None
 
     def _matrix_vector(self, e: ir.Dot, name: str) -> str:
         """The call that stores W·x (or x·W) into name: W a parameter, row-major at its C reference."""
