@@ -276,15 +276,25 @@ class Generator:
         prep: list[str] = []
         stored: set[str] = set()  # block arrays the lazy bookkeeping of a per-row decay stores itself
 
-        def export_vector(e, name, n, padded=None, scale=None, to=prep):
+        exported: dict[tuple, str] = {}  # (e, n, padded) → the block array that holds e as it is
+
+        def export_vector(e, name, n, padded=None, scale=None, to=prep, share=False) -> str:
             """e into block array `name`; `scale`: C for a factor of element i (a lazy decay's) it is
-            multiplied by as it is stored (the array then no longer holds e: later uses compute e anew)"""
+            multiplied by as it is stored (the array then no longer holds e: later uses compute e anew).
+            share=True (callers that use the name returned): the name of a block array that already holds
+            e, if any (S's and its normalizer z's keys and queries: one array each, not a copy per state)."""
+            shared = scale is None and name not in stored
+            if share and shared and (e, n, padded) in exported:
+                return exported[(e, n, padded)]
             arrays.append((name, padded or n))
             if name in stored:  # by the lazy bookkeeping
-                return
+                return name
             body = pr.fill(e, f"{name}[u]", n, keep=scale is None, scale=scale)
             pad = [f"for (int i = {n}; i < {padded}; ++i) {name}[u][i] = 0;"] if padded and padded > n else []
             to.extend(pr.take_token() + body + pad)
+            if shared:
+                exported.setdefault((e, n, padded), name)
+            return name
 
         def export_scalar(e, name, to=prep):
             arrays.append((name, 0))
@@ -332,8 +342,8 @@ class Generator:
                 return lz["scalars"][kind] if lz and "scalars" in lz else None
             for r, w in enumerate(plan["w"]):
                 export_vector(w, f"blk_w_{c}_{r}", rows, scale=factor("mw"))
-            for g, x in enumerate(plan["x"]):
-                export_vector(x, f"blk_x_{c}_{g}", rows, scale=factor("mx"))
+            x_arrays = [export_vector(x, f"blk_x_{c}_{g}", rows, scale=factor("mx"), share=True)
+                        for g, x in enumerate(plan["x"])]
             before, after = [], []
             for k, rd in enumerate(plan["readouts"]):
                 if rd.is_value:  # a vector state's own value, copied row by row (no query)
@@ -343,9 +353,10 @@ class Generator:
                                           "size": rows})
                     arrays.append((f"r{rd.index}_blk", rows))
                     continue
-                export_vector(rd.query, f"blk_q_{c}_{k}", rows, scale=factor("mw" if rd.before_update else "mq"))
+                q_array = export_vector(rd.query, f"blk_q_{c}_{k}", rows,
+                                        scale=factor("mw" if rd.before_update else "mq"), share=True)
                 (before if rd.before_update else after).append({
-                    "q": f"blk_q_{c}_{k}[u]", "r": f"r{rd.index}_blk[u]", "base": f"blk_q_{c}_{k}",
+                    "q": f"{q_array}[u]", "r": f"r{rd.index}_blk[u]", "base": q_array,
                     "value": False, "index": rd.index, "out": None})  # out: see _fuse_outputs
                 readout_decls.append({"r": f"r{rd.index}", "blk": f"r{rd.index}_blk", "scalar": not matrix,
                                       "size": cp})
@@ -356,14 +367,13 @@ class Generator:
             groups = []
             tiled = matrix and not plan["w"]
             for g, (x, y, terms) in enumerate(zip(plan["x"], plan["y"], plan["terms"])):
-                group = {"x": f"blk_x_{c}_{g}[u]", "xbase": f"blk_x_{c}_{g}"}
+                group = {"x": f"{x_arrays[g]}[u]", "xbase": x_arrays[g]}
                 if tiled:
                     # always copied to the block, even a plain input row: a tile reads y once per token and
                     # tile, and a row of the caller's (numpy's rows start 16 bytes into a cache line)
                     # splits every vector load in two. Measured at T = 16384: 7% faster with such rows,
                     # 4% with aligned ones (phase 1 brings the row to L1 for phase 2).
-                    export_vector(y, f"blk_y_{c}_{g}", cols, cp)
-                    group["y"] = f"blk_y_{c}_{g}[u]"
+                    group["y"] = f"{export_vector(y, f'blk_y_{c}_{g}', cols, cp, share=True)}[u]"
                 else:
                     group["y"] = f"y_{c}_{g}"
                     parts = []
@@ -383,8 +393,7 @@ class Generator:
                         else:
                             ptr = self._token_pointer(payload) if cols == cp else None
                             if ptr is None:
-                                export_vector(payload, f"blk_v_{c}_{g}_{m}", cols, cp)
-                                ptr = f"blk_v_{c}_{g}_{m}[u]"
+                                ptr = f"{export_vector(payload, f'blk_v_{c}_{g}_{m}', cols, cp, share=True)}[u]"
                             part["src"] = ptr
                         parts.append(part)
                     group["terms"] = parts

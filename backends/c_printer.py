@@ -35,12 +35,20 @@ _ELEMENTWISE = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logs
                 "tanh": "lr_tanh", "sqrt": "lr_sqrt", "abs": "lr_abs"}
 # elementwise builtins with a helper over a whole row (whole registers at a time, see c_common.h.j2): used
 # for vectors, where the scalar helper in a vectorized loop costs about twice the instructions
-_ROWS = {"exp": "lr_exp_row"}
+_ROWS = {"exp": "lr_exp_row", "sigmoid": "lr_sigmoid_row", "silu": "lr_silu_row"}
 # … and over one register (c_printer.lanes)
-_REGISTER = {"exp": "lr_exp_v"}
+_REGISTER = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v"}
 _VECTOR = {"l2norm", "groupnorm", "rmsnorm"}
 _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
+
+
+def elu_plus_one(e: ir.Expr) -> ir.Expr | None:
+    """x when e is elu(x) + 1 (the Linear Transformer's feature map: computed directly, see lr_elu_plus_one)."""
+    if isinstance(e, ir.Arith) and e.op == "add" and isinstance(e.right, ir.Const) and e.right.value == 1.0 \
+            and isinstance(e.left, ir.Apply) and e.left.function == "elu":
+        return e.left.args[0]
+    return None
 
 
 def matrix_vector(e: ir.Expr) -> bool:
@@ -203,7 +211,7 @@ class CPrinter:
                         f"{self.array(partner.right)}, {rows}, {cols});")
                 lines = [f"T {name}[{n}];{self._comment(e)}", f"T {other}[{n}];{self._comment(partner)}", call]
                 self._cache[partner] = other
-        elif isinstance(e, ir.Apply) and e.function in _ROWS:
+        elif self._row_call(e, name, n, check=True):
             lines = [f"T {name}[{n}];{self._comment(e)}", self._row_call(e, name, n)]
         elif isinstance(e, ir.Apply):
             lines = [f"T {name}[{n}];{self._comment(e)}", "#pragma omp simd",
@@ -224,9 +232,10 @@ class CPrinter:
         n = self.size(e.shape[0]) if n is None else n
         if scale is not None:
             return ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {self.elem(e, 'i')} * {scale};"]
-        if keep and e not in self._cache and isinstance(e, ir.Apply) and e.function in _ELEMENTWISE \
+        if keep and e not in self._cache and (isinstance(e, ir.Apply) and e.function in _ELEMENTWISE
+                                               or self._row_call(e, target, n, check=True)) \
                 and n == self.size(e.shape[0]):  # computed straight into the target
-            if e.function in _ROWS:
+            if self._row_call(e, target, n, check=True):
                 body = [self._row_call(e, target, n)]
             else:
                 code = self._apply_elementwise(e, "i")
@@ -353,6 +362,8 @@ class CPrinter:
             return f"lr_load({base} + {i})" if whole else f"{base}[{i}]"
         if isinstance(e, ir.Neg):
             return f"(-{self.lanes(e.operand, i, whole)})"
+        if elu_plus_one(e) is not None:
+            return f"{'lr_elu_plus_one_v' if whole else 'lr_elu_plus_one'}({self.lanes(elu_plus_one(e), i, whole)})"
         if isinstance(e, ir.Apply):
             helper = _REGISTER[e.function] if whole else _ELEMENTWISE[e.function]
             return f"{helper}({self.lanes(e.args[0], i, whole)})"
@@ -375,6 +386,8 @@ class CPrinter:
             return True
         if isinstance(e, ir.Neg):
             return self.has_lanes(e.operand)
+        if elu_plus_one(e) is not None:
+            return self.has_lanes(elu_plus_one(e))
         if isinstance(e, ir.Apply):
             return e.function in _REGISTER and self.has_lanes(e.args[0])
         if isinstance(e, ir.Arith):
@@ -390,9 +403,15 @@ class CPrinter:
     def _shared(self, e: ir.Expr) -> bool:
         return self._uses[e] > 1 and not isinstance(e, ir.Neg)
 
-    def _row_call(self, e: ir.Apply, target: str, n: int) -> str:
-        """The row helper's call that stores the elementwise builtin e of a vector into target."""
-        return f"{_ROWS[e.function]}({target}, {self.array(e.args[0])}, {n});"
+    def _row_call(self, e: ir.Expr, target: str, n: int, check: bool = False) -> str | bool:
+        """The row helper's call that stores e, an elementwise builtin of a vector with a row helper (or
+        elu(x) + 1), into target; check=True: only whether there is one (nothing printed)."""
+        if isinstance(e, ir.Apply) and e.function in _ROWS:
+            return True if check else f"{_ROWS[e.function]}({target}, {self.array(e.args[0])}, {n});"
+        x = elu_plus_one(e) if e.shape else None
+        if x is None:
+            return False
+        return True if check else f"lr_elu_plus_one_row({target}, {self.array(x)}, {n});"
 
     def _partner(self, e: ir.Dot) -> ir.Dot | None:
         """Another W·x' with e's matrix W that this region will print and has not yet, computed where e is

@@ -61,6 +61,18 @@ S = diag(exp(g))·S − beta*k⊗(k·S) + k⊗v
 output p = q·S
 """
 EARLY2 = EARLY.replace("early(", "early2(").replace(" − beta*k⊗(k·S)", "")
+# feature maps through the register-wise helpers (lr_sigmoid_v, lr_silu_v, lr_elu_plus_one_v): in the lazy
+# bookkeeping of a per-row decay (lanes), into block arrays (rows), and S's keys and queries shared with z
+FEATURES = """\
+recurrence features(dk = 37, dv = 5)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+phi(x) = elu(x) + 1
+state S[dk, dv], z[dk], U[dk, dv]
+S = diag(exp(g))·S + (sigmoid(k)*phi(k))⊗v
+z = z + phi(k)
+U = U + silu(k)⊗v
+output o = (phi(q)·U) / (phi(q)·z + 1) + sigmoid(q)·S
+"""
 RIGHT = """\
 recurrence rightdecay(dk = 4, dv = 4)
 input q[dk], k[dk], v[dv], g[dv] <= 0
@@ -85,6 +97,8 @@ def rec_for(linrec, name):
             _RECS[name] = linrec.compile(MIX, "mix.lin")
         elif name == "enc":
             _RECS[name] = linrec.compile(NONCAUSAL, "enc.lin")
+        elif name == "features":
+            _RECS[name] = linrec.compile(FEATURES, "features.lin")
         elif name in ("early", "early2"):
             _RECS[name] = linrec.compile(EARLY if name == "early" else EARLY2, f"{name}.lin")
         else:
@@ -723,3 +737,22 @@ def test_heads_taken_in_turns_by_threads(linrec, monkeypatch, name, split):
                 assert rel_err(got[k], ref.outputs[k]) <= F64_RTOL, (batch, heads, threads, k)
             for k in ref.final_state:
                 assert rel_err(final[k], ref.final_state[k]) <= F64_RTOL, (batch, heads, threads, k)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_feature_maps_on_whole_registers(linrec, dtype):
+    """sigmoid, silu and elu(x) + 1 computed a register at a time (and their scalar forms on the tail:
+    dk = 37 is 2 registers of floats and 4 of doubles, plus 5), in the lazy bookkeeping of a per-row decay
+    and into block arrays, the keys and queries of U and z shared: the run and chained steps against NumPy."""
+    rec = rec_for(linrec, "features")
+    dims = {"dk": 37, "dv": 5}
+    source = rec.module("recurrent", "c").source(dtype, dims)
+    assert "lr_elu_plus_one_row(" in source and "lr_sigmoid_v(" in source and "lr_silu_row(" in source
+    inputs = rec.random_inputs(batch=2, tokens=45, heads=2, dims=dims, seed=8)
+    state0 = random_state(rec, 2, 2, dims, np.float64, 8)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    got = compare(rec, inputs, state0, dtype, rtol)
+    state = {k: v.astype(dtype) for k, v in state0.items()}
+    for t in range(45):
+        out, state = rec.step({k: v[:, t].astype(dtype) for k, v in inputs.items()}, state, backend="c")
+        assert rel_err(out["o"], got.outputs["o"][:, t]) <= rtol, t
