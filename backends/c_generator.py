@@ -37,9 +37,8 @@ def require_factorable(compiled: Compiled) -> None:
     bad = [t for t in compiled.derivation.transitions if not t.factorable]
     if bad:
         why = "; ".join(f"state '{t.state}': {r}" for t in bad for r in t.reasons)
-        raise LinrecError(f"the C backend needs a factorable transition (a decay plus rank-one terms per "
-                          f"state), and '{compiled.name}' has none: {why}. The NumPy backend "
-                          f"(backend='numpy') runs this program.")
+        raise LinrecError(f"the fused C kernel needs a factorable transition (a decay plus rank-one terms per "
+                          f"state), and '{compiled.name}' has none: {why}")
 
 
 def split_scalar(e: ir.Expr) -> tuple[ir.Expr, ir.Expr]:
@@ -88,28 +87,20 @@ class Target:
         return self.vector_bytes // CTYPE_BYTES[self.ctype]
 
 
-class Generator:
-    """Builds the template's context for one (dtype, sizes)."""
+class KernelSource:
+    """What the recurrent C sources share (the fused kernels here, c_general's statement-by-statement ones):
+    C names for the program's arrays through one Namer, a fixed prefix per role; sizes; and the entry
+    points, lr_forward, lr_step and lr_step_packed, over the arrays in one order (array_names)."""
+
+    template = ""  # the file under templates/ that source() renders with context()
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
-        require_factorable(compiled)
         self.c = compiled
         self.p = compiled.program
         self.d = compiled.derivation
         self.dims = dims
         self.t = target
         self.n = Namer()
-        self.scales = Scales(compiled)  # exponential feature maps: states carried as S·exp(−σ)
-        for x in self.p.inputs:
-            self._check_rank(x.name, x.shape, "input")
-        for s in self.p.states:
-            if len(s.shape) not in (1, 2):
-                raise LinrecError(f"state '{s.name}': the C backend handles vector and matrix states only")
-
-    def _check_rank(self, name, shape, what):
-        if len(shape) > 1:
-            raise LinrecError(f"{what} '{name}' has shape {list(shape)}: the C backend handles scalar and "
-                              f"vector per-token values only; the NumPy backend runs this program")
 
     # ---- identifiers (all user names go through the Namer, with a fixed prefix per role) ----
     def cin(self, name):
@@ -131,7 +122,7 @@ class Generator:
         lanes = self.t.lanes
         return (n + lanes - 1) // lanes * lanes
 
-    # ---- leaves ----
+    # ---- leaves: a token's row of an input (in_x_t), a parameter (this head's), a kernel local ----
     def ref(self, node: ir.Expr) -> str:
         if isinstance(node, ir.InputRef):
             return f"{self.cin(node.name)}_t"
@@ -141,14 +132,103 @@ class Generator:
             if node.per_head:
                 return f"({base} + h * {n})" if node.shape else f"{base}[h]"
             return base if node.shape else f"{base}[0]"
-        if isinstance(node, ir.ReadoutRef):
-            return f"r{node.index}"
         if isinstance(node, Local):
             return node.name
+        raise LinrecError(f"the C backend cannot reference {type(node).__name__} here")
+
+    def outside(self, x: ir.Input, lanes: bool = False) -> str | None:
+        """C for "element {v} of input x lies outside its declared range (or is NaN)", or None: the sequence
+        kernel tests every element as it reads the block, so run() need not scan the inputs first.
+        lanes=True: the same test of a whole register {v}, as an lr_mask (all bits set in a lane outside)."""
+        lit = CPrinter(self.t.ctype, self.dims, self.ref).literal
+        tests = []
+        if x.low is not None:
+            tests.append(f"({{v}} {'>' if x.low_open else '>='} {lit(x.low)})")
+        if x.high is not None:
+            tests.append(f"({{v}} {'<' if x.high_open else '<='} {lit(x.high)})")
+        if not tests:
+            return None
+        return f"{'~' if lanes else '!'}({' & '.join(tests)})"  # & rather than &&: the loop vectorizes
+
+
+    # ---- the entry points ----
+    def array_names(self) -> tuple[list[str], int]:
+        """The C names of the arrays every entry point takes, in order — inputs and params (read), then
+        states and outputs (written) — and how many are read."""
+        names = ([self.cin(x.name) for x in self.p.inputs] + [self.cparam(prm.name) for prm in self.p.params]
+                 + [self.cstate(st.name) for st in self.p.states] + [self.cout(o.name) for o in self.p.outputs])
+        return names, len(self.p.inputs) + len(self.p.params)
+
+    def entry_points(self) -> dict:
+        """The signatures of lr_forward, lr_step (causal programs) and lr_step_packed, the struct the last
+        takes, and lr_step's parameters as {name, decl}."""
+        names, n_read = self.array_names()
+        ct = self.t.ctype
+        args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}" for i, name in enumerate(names)]
+        fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
+        stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
+        call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
+        return dict(
+            forward_signature=fwd, step_signature=stp if self.p.causal else "",
+            step_packed_signature="int lr_step_packed(const lr_step_call *call)", step_call_struct=call,
+            step_args=[{"name": n, "decl": a} for n, a in zip(names, args)])
+
+    def source_comment(self) -> str:
+        """The program's source, for the generated file's opening comment."""
+        comment = "Source program:\n" + "\n".join("    " + line for line in self.c.source.strip().splitlines())
+        return "   " + comment.replace("*/", "* /").replace("\n", "\n   ")
+
+    def context(self) -> dict:
+        raise NotImplementedError
+
+    def cdef(self) -> str:
+        """The declarations cffi needs: the entry points without `restrict`."""
+        sig = self.entry_points()
+        strip = lambda s: s.replace("restrict ", "")  # noqa: E731
+        out = strip(sig["forward_signature"]) + ";\n"
+        if sig["step_signature"]:
+            out += strip(sig["step_signature"]) + ";\n" + sig["step_call_struct"] + "\n" \
+                + sig["step_packed_signature"] + ";\n"
+        return out
+
+    def source(self) -> str:
+        # (the template's macro definitions come first and render as blank lines)
+        return environment().get_template(self.template).render(**self.context()).lstrip("\n")
+
+
+class Generator(KernelSource):
+    """Builds the template's context for one (dtype, sizes)."""
+
+    template = "c_recurrent.c.j2"
+
+    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
+        require_factorable(compiled)
+        super().__init__(compiled, dims, target)
+        self.scales = Scales(compiled)  # exponential feature maps: states carried as S·exp(−σ)
+        for x in self.p.inputs:
+            self._check_rank(x.name, x.shape, "input")
+        for s in self.p.states:
+            if len(s.shape) not in (1, 2):
+                raise LinrecError(f"state '{s.name}': the C backend handles vector and matrix states only")
+
+    def _check_rank(self, name, shape, what):
+        if len(shape) > 1:
+            raise LinrecError(f"{what} '{name}' has shape {list(shape)}: the C backend handles scalar and "
+                              f"vector per-token values only; the NumPy backend runs this program")
+
+    def array_names(self) -> tuple[list[str], int]:
+        names, n_read = super().array_names()
+        at = n_read + len(self.p.states)  # stabilized states' log-scales after the states
+        return names[:at] + [f"lsc{g}" for g in range(len(self.scales.groups))] + names[at:], n_read
+
+    # ---- leaves ----
+    def ref(self, node: ir.Expr) -> str:
+        if isinstance(node, ir.ReadoutRef):
+            return f"r{node.index}"
         if isinstance(node, ir.StateRef):
             raise LinrecError(f"the C kernels read {read_only_through_readouts(node.name)}, not as a value of "
                               f"its own")
-        raise LinrecError(f"the C backend cannot reference {type(node).__name__} here")
+        return super().ref(node)
 
     # ---- the decode step: one token, the state updated in place in the caller's [B, H, *] arrays ----
     def step_region(self) -> dict:
@@ -569,24 +649,12 @@ class Generator:
             block_arrays.append({"name": name, "n": n, "offset": offset, "flag": name in flags})
             offset += -(-block_tokens * max(n, 1) // align) * align
         ct = self.t.ctype
-        # the arrays in the order of every entry point: inputs and params (read), states and outputs (written)
-        names = ([self.cin(x.name) for x in self.p.inputs] + [self.cparam(prm.name) for prm in self.p.params]
-                 + [self.cstate(st.name) for st in self.p.states] + [f"lsc{g}" for g in range(len(self.scales.groups))]
-                 + [self.cout(o.name) for o in self.p.outputs])
-        n_read = len(self.p.inputs) + len(self.p.params)
-        args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}" for i, name in enumerate(names)]
-        fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
-        stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
-        packed = "int lr_step_packed(const lr_step_call *call)"
-        call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
-        comment = "Source program:\n" + "\n".join("    " + line for line in self.c.source.strip().splitlines())
-        comment = comment.replace("*/", "* /")
         return dict(
-            name=self.p.name, version=VERSION, filename=self.c.filename, source_comment="   " +
-            comment.replace("\n", "\n   "), ctype=ct, vector_bytes=self.t.vector_bytes, lanes=self.t.lanes,
+            name=self.p.name, version=VERSION, filename=self.c.filename, source_comment=self.source_comment(),
+            ctype=ct, vector_bytes=self.t.vector_bytes, lanes=self.t.lanes,
             dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
             inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape,
-                     "outside": self._outside(x), "outside_lanes": self._outside(x, lanes=True),
+                     "outside": self.outside(x), "outside_lanes": self.outside(x, lanes=True),
                      "pf_lines": self.prefetch_lines(x)} for x in self.p.inputs],
             outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
                      for o in self.p.outputs],
@@ -601,10 +669,8 @@ class Generator:
             segment_tokens=segment_tokens,
             split_always=SPLIT_ALWAYS,
             block_arrays=block_arrays, block_floats=max(offset, 1),
-            forward_signature=fwd, step_signature=stp if causal else "", step_packed_signature=packed,
-            step_call_struct=call,
-            step_args=[{"name": n, "decl": a} for n, a in zip(names, args)],
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
+            **self.entry_points(),
         )
 
     def _scale_context(self) -> list[dict]:
@@ -613,33 +679,6 @@ class Generator:
         return [{"g": g, "c": f"lsc{g}", "key": gr["key"], "names": ", ".join(gr["states"]),
                  "states": [{"c": self.cstate(n), "size": self.size(self.p.state(n).shape)} for n in gr["states"]]}
                 for g, gr in enumerate(self.scales.groups)]
-
-    def _outside(self, x: ir.Input, lanes: bool = False) -> str | None:
-        """C for "element {v} of input x lies outside its declared range (or is NaN)", or None: the sequence
-        kernel tests every element as it reads the block, so run() need not scan the inputs first.
-        lanes=True: the same test of a whole register {v}, as an lr_mask (all bits set in a lane outside)."""
-        lit = CPrinter(self.t.ctype, self.dims, self.ref).literal
-        tests = []
-        if x.low is not None:
-            tests.append(f"({{v}} {'>' if x.low_open else '>='} {lit(x.low)})")
-        if x.high is not None:
-            tests.append(f"({{v}} {'<' if x.high_open else '<='} {lit(x.high)})")
-        if not tests:
-            return None
-        return f"{'~' if lanes else '!'}({' & '.join(tests)})"  # & rather than &&: the loop vectorizes
-
-    def cdef(self) -> str:
-        ctx = self.context()
-        strip = lambda sig: sig.replace("restrict ", "")  # noqa: E731
-        out = strip(ctx["forward_signature"]) + ";\n"
-        if ctx["step_region"]:
-            out += strip(ctx["step_signature"]) + ";\n" + ctx["step_call_struct"] + "\n" \
-                + ctx["step_packed_signature"] + ";\n"
-        return out
-
-    def source(self) -> str:
-        # (the template's macro definitions come first and render as blank lines)
-        return environment().get_template("c_recurrent.c.j2").render(**self.context()).lstrip("\n")
 
 
 def _queries(plan) -> list[ir.Expr]:

@@ -122,8 +122,9 @@ class Stepper:
                 return done
         self.fast = None  # an array changed (or this call copies): every check below, then maybe a new fast
         args, outputs, new_state, every_seen = self._arguments(token_inputs, state, inplace, out)
-        if self._fn(*args, self._batch, self._heads, self.threads) == 2:
-            self._outside(token_inputs)
+        rc = self._fn(*args, self._batch, self._heads, self.threads)
+        if rc:
+            self._refused(rc, token_inputs)
         if inplace and out is not None and state is not None and every_seen:
             # the next call with these very arrays needs no check: bind them to a fast path
             self.fast = self._make_fast(self._packed_fn, self._packed_call(), *self._seen)
@@ -151,11 +152,12 @@ class Stepper:
                 raise RuntimeInputError(f"{what} must be a C-contiguous {self._dtype} array of shape "
                                         f"{list(arr.shape)} to be bound: the step reads it in place every call")
         fn, call = self._packed_fn, self._packed_call()
-        check = self._outside
+        refused = self._refused
 
         def step():
-            if fn(call) == 2:
-                check(token_inputs)
+            rc = fn(call)
+            if rc:
+                refused(rc, token_inputs)
             return out
         return step
 
@@ -168,10 +170,13 @@ class Stepper:
         call.B, call.H, call.nthreads = self._batch, self._heads, self.threads
         return call
 
-    def _outside(self, token_inputs):
-        """The kernel found an input outside its declared range (and updated nothing): say which."""
-        arrays.check_ranges(self.rec.program, {k: np.asarray(v) for k, v in token_inputs.items()})
-        raise RuntimeInputError("an input lies outside its declared range")  # (the scan above names it)
+    def _refused(self, rc: int, token_inputs):
+        """The kernel returned rc ≠ 0 and updated nothing: 2, an input outside its declared range (say which);
+        else it could not allocate its scratch."""
+        if rc == 2:
+            arrays.check_ranges(self.rec.program, {k: np.asarray(v) for k, v in token_inputs.items()})
+            raise RuntimeInputError("an input lies outside its declared range")  # (the scan above names it)
+        raise MemoryError("the C decode step could not allocate its scratch buffer")
 
     def _arguments(self, token_inputs, state, inplace, out):
         """The C arguments of one step, every array checked (or converted, or made): (args, outputs,

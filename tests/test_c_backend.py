@@ -446,12 +446,15 @@ def test_output_arrays_are_recycled_only_when_nobody_holds_them(linrec):
     np.testing.assert_array_equal(reused, expected)
 
 
-def test_non_factorable_program_is_a_clear_error(linrec):
+def test_non_factorable_program_runs_statement_by_statement(linrec):
+    """A decay on the right is no fused kernel's: its statements run one by one (c_general), and only the
+    recurrent form exists, with the reason for the others."""
     from dsl.errors import LinrecError
     rec = linrec.compile(RIGHT, "right.lin")
-    with pytest.raises(LinrecError, match="factorable.*NumPy backend"):
-        rec.run(rec.random_inputs(batch=1, tokens=2, heads=1), form="recurrent", backend="c")
-    assert rec.run(rec.random_inputs(batch=1, tokens=2, heads=1), form="recurrent", backend="numpy")
+    assert "statement by statement" in rec.emit("recurrent", backend="c")
+    compare(rec, rec.random_inputs(batch=2, tokens=9, heads=2, seed=1), {}, np.float64, F64_RTOL)
+    with pytest.raises(LinrecError, match="from the right"):
+        rec.run(rec.random_inputs(batch=1, tokens=2, heads=1), form="chunkwise", backend="c")
 
 
 def test_no_compiler_is_a_clear_error(linrec, monkeypatch):

@@ -78,28 +78,30 @@ def test_missing_input_array_exits_1(tmp_path, capsys):
 
 
 # the state read from the right (S·w): a recurrent form only, on NumPy only
-RIGHT_READOUT = """recurrence rightread(dk = 4, dv = 3)
-input k[dk], v[dv], w[dv], g <= 0
+RANK3 = """recurrence rank3(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], g <= 0
+input A[dk, dk, dv]
 state S[dk, dv]
 S = exp(g)·S + k⊗v
-output o = S·w
+output o = q·S + sum(q·A·v)·v
 """
 
 
 def test_verify_notes_why_the_c_backend_skips_a_form(tmp_path, capsys):
-    """A program the C backend cannot build: verify checks the NumPy rows, says why C is skipped and exits
-    0; running it on C is one error with the same reason, not an internal error."""
-    path = tmp_path / "rightread.lin"
-    path.write_text(RIGHT_READOUT)
+    """A program whose recurrent form the C backend cannot build (a per-token value of three axes): verify
+    checks the other rows, says why C's recurrent rows are skipped and exits 0; running it on C is one
+    error with the same reason, not an internal error."""
+    path = tmp_path / "rank3.lin"
+    path.write_text(RANK3)
     assert main(["verify", str(path), "--quick"]) == 0
     out = capsys.readouterr().out
-    assert "note: the c backend does not build the recurrent form: " in out and "`S·w`" in out
-    assert "reads state 'S' only through readouts" in out and "0 failed" in out
+    assert "note: the c backend does not build the recurrent form: " in out and "0 failed" in out
+    assert "input 'A' has shape [dk, dk, dv], and the C kernels take values up to matrices" in out
     assert main(["check", str(path)]) == 0
     assert "recurrent   available (backends: numpy)" in capsys.readouterr().out
-    assert main(["run", str(path), "--backend", "c"]) == 1
+    assert main(["run", str(path), "--backend", "c", "--form", "recurrent"]) == 1
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and "reads state 'S' only through readouts" in err
+    assert err.count("error:") == 1 and "input 'A' has shape [dk, dk, dv]" in err
     assert "internal error" not in err
 
 

@@ -1,0 +1,331 @@
+"""The C recurrent form and decode step of a program the fused kernels do not take, statement by statement.
+
+c_generator's fused kernels need every update factored as a decay plus rank-one terms and every read of a
+matrix state a readout q·S. Everything else the DSL writes runs here, as the NumPy recurrent form runs it:
+an elementwise decay of a matrix (Mamba-1's exp(A⊗dt)*S), a factor on the right (S·diag(d)), a dense
+transition (W·S), a write that reads another state, a read from the right (S·q). Per (batch row, head)
+the kernel runs the token's statements in the order written, each state updated in place.
+
+Every value is a loop over its elements (StatementPrinter). Elementwise arithmetic on matrices is fused
+into the loop that consumes it, and products go by their structure — diag(d)·X scales rows, (u⊗w)·X is
+u⊗(w·X), sums and scalar multiples distribute, (A·B)·X is A·(B·X) — so a rank-one correction of a state
+costs a vector product, not a matrix product. What has no such structure (a vector times a matrix, a
+product of two dense matrices) is computed first, into a local vector or a per-thread scratch matrix: the
+loop that writes a state then reads no element of it but the one it writes, which is why the update can
+run in place.
+
+A state named before its update is S_(t−1), after it S_t: at each point of the token the buffer holds the
+one the statement names. A named value that reads a state (`p = k·S`) is computed where it is defined;
+state-free ones are inlined, so that what they share is computed once (CPrinter's common subexpressions).
+"""
+from __future__ import annotations
+
+import re
+
+from compiler import Compiled, ir
+from compiler.analysis import inline_lets, rebuild, states_in, to_text, walk
+from dsl.errors import LinrecError
+
+from .c_generator import STEP_PARALLEL_THRESHOLD, KernelSource, Target
+from .c_printer import _ELEMENTWISE, CPrinter, elu_plus_one, matrix_vector
+from .numpy_backend import VERSION, stabilized_states
+
+_LEAVES = (ir.InputRef, ir.ParamRef, ir.StateRef, ir.LetRef)
+
+
+def _rank(e: ir.Expr) -> int:
+    return len(e.shape)
+
+
+def _costly(e: ir.Expr) -> bool:
+    """Worth computing once when used twice: a builtin or a product somewhere inside (else recomputed)."""
+    return any(isinstance(n, (ir.Apply, ir.Dot)) for n in walk(e))
+
+
+class StatementPrinter(CPrinter):
+    """CPrinter with matrices: melem(e, i, j) is element (i, j) of a matrix expression, fused into the loop
+    that calls it; vector·matrix and matrix·vector products (other than a parameter matrix times a vector,
+    lr_matvec) are computed into local arrays. Matrices computed whole go to the per-thread buffer `scr`;
+    `scratch` is how many elements they take."""
+
+    def __init__(self, ctype: str, dims: dict[str, int], ref, prefix: str = ""):
+        super().__init__(ctype, dims, ref, prefix)
+        self.scratch = 0
+        self._matrices: dict[ir.Expr, str] = {}  # matrix expression → its scratch pointer's name
+
+    def cols(self, e: ir.Expr) -> int:
+        return self.size(e.shape[1])
+
+    # ---- vectors: products with a matrix ----
+    @staticmethod
+    def _vector_product(e: ir.Expr) -> bool:
+        """A vector a·M or M·a whose matrix is not diag(d) or I (CPrinter applies those elementwise) and
+        that is not a parameter matrix times a vector (CPrinter's lr_matvec / lr_vecmat)."""
+        if not (isinstance(e, ir.Dot) and _rank(e) == 1) or matrix_vector(e):
+            return False
+        ranks = (_rank(e.left), _rank(e.right))
+        matrix = e.right if ranks == (1, 2) else e.left if ranks == (2, 1) else None
+        return matrix is not None and not isinstance(matrix, (ir.Diag, ir.Identity))
+
+    def _elem(self, e: ir.Expr, i: str) -> str:
+        if self._vector_product(e):
+            return f"{self.array(e)}[{i}]"
+        return super()._elem(e, i)
+
+    def array(self, e: ir.Expr) -> str:
+        if e in self._cache or not self._vector_product(e):
+            return super().array(e)
+        name = self._name(e, "v")
+        lines = self._product_into(e, name)
+        self._sink(e).extend([f"T {name}[{self.size(e.shape[0])}];{self._comment(e)}"] + lines)
+        self._cache[e] = name
+        return name
+
+    def store(self, e: ir.Expr, target: str) -> list[str]:
+        """Statements that store vector e into `target` (a vector product straight into it)."""
+        if e in self._cache or not self._vector_product(e):
+            return self.fill(e, target)
+        return self._product_into(e, target)
+
+    def _product_into(self, e: ir.Dot, target: str) -> list[str]:
+        n = self.size(e.shape[0])
+        a, b = e.left, e.right
+        if _rank(a) == 1:  # a·M: r_j = Σ_i a_i M_ij, row after row of M
+            ai, m = self.elem(a, "i"), self.melem(b, "i", "j")
+            return [f"for (int j = 0; j < {n}; ++j) {target}[j] = 0;",
+                    f"for (int i = 0; i < {self.size(a.shape[0])}; ++i) {{",
+                    f"    const T a_i = {ai};",
+                    "    #pragma omp simd",
+                    f"    for (int j = 0; j < {n}; ++j) {target}[j] += a_i * {m};",
+                    "}"]
+        m, bj = self.melem(a, "i", "j"), self.elem(b, "j")  # M·a: r_i = Σ_j M_ij a_j
+        return [f"for (int i = 0; i < {n}; ++i) {{",
+                "    T acc = 0;",
+                "    #pragma omp simd reduction(+:acc)",
+                f"    for (int j = 0; j < {self.size(b.shape[0])}; ++j) acc += {m} * {bj};",
+                f"    {target}[i] = acc;",
+                "}"]
+
+    # ---- matrices ----
+    def melem(self, e: ir.Expr, i: str, j: str) -> str:
+        """C code for element (i, j) of matrix expression e (i, j: C index variables); what it needs
+        first is written first."""
+        if _rank(e) != 2:
+            raise self._unsupported(e)
+        if e not in self._matrices and self._uses[e] > 1 and _costly(e) and not isinstance(e, _LEAVES):
+            self._materialize(e, lambda a, b: self._melem(e, a, b))
+        if e in self._matrices:
+            return f"{self._matrices[e]}[{i} * {self.cols(e)} + {j}]"
+        return self._melem(e, i, j)
+
+    def _melem(self, e: ir.Expr, i: str, j: str) -> str:
+        if isinstance(e, _LEAVES):
+            return f"{self.ref(e)}[{i} * {self.cols(e)} + {j}]"
+        if isinstance(e, ir.Identity):
+            return f"((T)({i} == {j}))"
+        if isinstance(e, ir.Diag):
+            return f"({i} == {j} ? {self.elem(e.operand, i)} : (T)0)"
+        if isinstance(e, ir.Outer):
+            return f"({self.elem(e.left, i)} * {self.elem(e.right, j)})"
+        if isinstance(e, ir.Neg):
+            return f"(-{self.melem(e.operand, i, j)})"
+        if isinstance(e, ir.Apply):
+            if e.function not in _ELEMENTWISE:
+                raise self._unsupported(e)
+            return self._call(e.function, self.melem(e.args[0], i, j))
+        if isinstance(e, ir.Arith):
+            x = elu_plus_one(e)
+            if x is not None:  # elu(x) + 1 cancels to 0 for very negative x in low precision
+                return f"lr_elu_plus_one({self.melem(x, i, j)})"
+            part = lambda x: self.scalar(x) if not x.shape else self.melem(x, i, j)  # noqa: E731
+            return self._binary(e.op, part(e.left), part(e.right), e.right)
+        if isinstance(e, ir.Dot):
+            return self._product(e, i, j)
+        raise self._unsupported(e)
+
+    def _product(self, e: ir.Dot, i: str, j: str) -> str:
+        """Element (i, j) of a·b by the structure of its factors (see the module's docstring)."""
+        a, b = e.left, e.right
+        if not a.shape or not b.shape:
+            part = lambda x: self.scalar(x) if not x.shape else self.melem(x, i, j)  # noqa: E731
+            return f"({part(a)} * {part(b)})"
+        if isinstance(a, ir.Identity):
+            return self.melem(b, i, j)
+        if isinstance(b, ir.Identity):
+            return self.melem(a, i, j)
+        if isinstance(a, ir.Diag):  # rows scaled
+            return f"({self.elem(a.operand, i)} * {self.melem(b, i, j)})"
+        if isinstance(b, ir.Diag):  # columns scaled
+            return f"({self.melem(a, i, j)} * {self.elem(b.operand, j)})"
+        if isinstance(a, ir.Outer):  # (u⊗w)·B = u⊗(w·B)
+            wb = ir.Dot((b.shape[1],), a.right, b)
+            return f"({self.elem(a.left, i)} * {self.elem(wb, j)})"
+        if isinstance(b, ir.Outer):  # A·(u⊗w) = (A·u)⊗w
+            au = ir.Dot((a.shape[0],), a, b.left)
+            return f"({self.elem(au, i)} * {self.elem(b.right, j)})"
+        for side, other in ((a, b), (b, a)):  # a sum, a difference, a negation, a scalar multiple: distribute
+            def with_(x, side=side, other=other):
+                return ir.Dot(e.shape, x, other) if side is a else ir.Dot(e.shape, other, x)
+            if isinstance(side, ir.Neg):
+                return f"(-{self.melem(with_(side.operand), i, j)})"
+            if isinstance(side, ir.Arith) and side.op in ("add", "sub") and side.left.shape and side.right.shape:
+                sym = "+" if side.op == "add" else "-"
+                return f"({self.melem(with_(side.left), i, j)} {sym} {self.melem(with_(side.right), i, j)})"
+            if isinstance(side, ir.Arith) and side.op in ("mul", "div") and not side.right.shape:
+                return self._binary(side.op, self.melem(with_(side.left), i, j), self.scalar(side.right), side.right)
+            if isinstance(side, ir.Arith) and side.op == "mul" and not side.left.shape:
+                return f"({self.scalar(side.left)} * {self.melem(with_(side.right), i, j)})"
+        if isinstance(a, ir.Dot) and _rank(a.left) == 2 and _rank(a.right) == 2:  # (A·B)·b = A·(B·b)
+            return self.melem(ir.Dot(e.shape, a.left, ir.Dot((a.right.shape[0], b.shape[1]), a.right, b)), i, j)
+        if e not in self._matrices:  # two matrices with no structure to use: their product, computed whole
+            self._materialize_product(e)
+        return f"{self._matrices[e]}[{i} * {self.cols(e)} + {j}]"
+
+    def _scratch_matrix(self, e: ir.Expr) -> str:
+        """A name for e in the scratch buffer (its rows of `cols` elements, from a whole cache line)."""
+        name = self._name(e, "m")
+        rows, cols = (self.size(d) for d in e.shape)
+        offset = self.scratch
+        self.scratch += -(-rows * cols // 16) * 16
+        self._sink(e).append(f"T *restrict {name} = scr + {offset};{self._comment(e)}")
+        self._matrices[e] = name
+        return name
+
+    def _materialize(self, e: ir.Expr, element) -> None:
+        rows, cols = (self.size(d) for d in e.shape)
+        code = element("i", "j")
+        name = self._scratch_matrix(e)
+        self._sink(e).extend([f"for (int i = 0; i < {rows}; ++i) {{", "    #pragma omp simd",
+                              f"    for (int j = 0; j < {cols}; ++j) {name}[i * {cols} + j] = {code};", "}"])
+
+    def _materialize_product(self, e: ir.Dot) -> None:
+        a, b = e.left, e.right
+        rows, inner, cols = self.size(a.shape[0]), self.size(a.shape[1]), self.size(b.shape[1])
+        aik, bkj = self.melem(a, "i", "k"), self.melem(b, "k", "j")
+        name = self._scratch_matrix(e)
+        self._sink(e).extend([
+            f"for (int i = 0; i < {rows}; ++i) {{",
+            f"    for (int j = 0; j < {cols}; ++j) {name}[i * {cols} + j] = 0;",
+            f"    for (int k = 0; k < {inner}; ++k) {{",
+            f"        const T a_ik = {aik};",
+            "        #pragma omp simd",
+            f"        for (int j = 0; j < {cols}; ++j) {name}[i * {cols} + j] += a_ik * {bkj};",
+            "    }",
+            "}"])
+
+
+class GeneralGenerator(KernelSource):
+    """The template's context for one (dtype, sizes): the statements of one token of one head as C, for the
+    sequence kernel (the inputs' rows of token t) and the decode step (the token's rows)."""
+
+    template = "c_general.c.j2"
+
+    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target, why_not_fused: str = ""):
+        super().__init__(compiled, dims, target)
+        # (for the file's opening comment: what the fused kernel does not take, without the advice to users)
+        self.why_not_fused = re.split(r"[;.] the NumPy backend", why_not_fused, flags=re.IGNORECASE)[0]
+        if compiled.derivation.sequence is not None:
+            raise LinrecError("programs that read the sequence run on the attention kernels")
+        if stabilized_states(compiled):
+            raise LinrecError(f"its exponential feature maps are stabilized only in the fused kernel, which "
+                              f"does not take it: {self.why_not_fused}")
+        for x in (*self.p.inputs, *self.p.params):
+            if _rank(x) > 2:
+                what = "input" if x in self.p.inputs else "param"
+                raise LinrecError(f"{what} '{x.name}' has shape [{', '.join(x.shape)}], and the C kernels take "
+                                  f"values up to matrices; the NumPy backend runs this program")
+        # named values: those that read a state stay names, computed where they are defined; the rest inline
+        self.bound = {s.name for s in self.p.steps
+                      if isinstance(s, ir.Let) and states_in(inline_lets(s.value, self.p.lets))}
+        self.let_names: dict[str, str] = {}
+
+    def expand(self, e: ir.Expr) -> ir.Expr:
+        """e with the state-free named values inlined (those that read a state stay LetRefs)."""
+        def sub(node):
+            if isinstance(node, ir.LetRef) and node.name not in self.bound:
+                return self.expand(self.p.lets[node.name])
+            return node
+        return rebuild(e, sub)
+
+    def ref(self, node: ir.Expr) -> str:
+        if isinstance(node, ir.StateRef):
+            return f"buf_{self.cstate(node.name)}"
+        if isinstance(node, ir.LetRef):
+            return self.let_names[node.name]
+        return super().ref(node)
+
+    def _statements(self, pr: StatementPrinter, updates: bool, outputs: bool) -> list[str]:
+        """One token's statements in program order: the named values that read a state, the updates (in
+        place) and the outputs (into their rows, out_x_t, or out_x[tok] for a scalar)."""
+        steps = [s for s in self.p.steps if (isinstance(s, ir.Let) and s.name in self.bound)
+                 or (isinstance(s, ir.Update) and updates) or (isinstance(s, ir.Output) and outputs)]
+        values = [self.expand(s.value) for s in steps]
+        pr.expect(*values)
+        lines: list[str] = []
+        for step, value in zip(steps, values):
+            text = to_text(step.value).replace("*/", "* /")
+            if isinstance(step, ir.Let):
+                name = self.let_names[step.name] = f"let_{self.n(step.name)}"
+                lines += [f"/* {step.name} = {text} */"] + self._copy(pr, value, name)
+            elif isinstance(step, ir.Update):
+                st = self.p.state(step.state)
+                kind = self.d.transition(step.state).kind
+                lines += [f"/* {step.state} = {text}  ({kind}) */"]
+                lines += self._store(pr, value, f"buf_{self.cstate(st.name)}", fresh=False)
+            else:
+                target = self.cout(step.name)
+                lines += [f"/* output {step.name} = {text} */"]
+                if value.shape:
+                    lines += self._store(pr, value, f"{target}_t")
+                else:
+                    code = pr.scalar(value)
+                    lines += pr.take_token() + [f"{target}[tok] = {code};"]
+        return lines
+
+    def _store(self, pr: StatementPrinter, value: ir.Expr, target: str, fresh: bool = True) -> list[str]:
+        """Statements that write value into `target` element by element; fresh=False: target is a state
+        the value may read (a vector product is then computed first, not summed up in the target)."""
+        if _rank(value) == 1:
+            body = pr.store(value, target) if fresh else pr.fill(value, target)
+            return pr.take_token() + body
+        rows, cols = (self.dims[d] for d in value.shape)
+        code = pr.melem(value, "i", "j")
+        return pr.take_token() + [f"for (int i = 0; i < {rows}; ++i) {{", "    #pragma omp simd",
+                                  f"    for (int j = 0; j < {cols}; ++j) {target}[i * {cols} + j] = {code};", "}"]
+
+    def _copy(self, pr: StatementPrinter, value: ir.Expr, name: str) -> list[str]:
+        """A named value into a local of its own (a copy: the state it reads may change after it)."""
+        if not value.shape:
+            code = pr.scalar(value)
+            return pr.take_token() + [f"const T {name} = {code};"]
+        if _rank(value) == 1:
+            return [f"T {name}[{self.size(value.shape)}];"] + self._store(pr, value, name)
+        offset = pr.scratch
+        pr.scratch += -(-self.size(value.shape) // 16) * 16
+        return [f"T *restrict {name} = scr + {offset};"] + self._store(pr, value, name)
+
+    def _region(self, prefix: str, updates: bool, outputs: bool) -> dict:
+        pr = StatementPrinter(self.t.ctype, self.dims, self.ref, prefix)
+        token = self._statements(pr, updates, outputs)
+        return {"head": pr.take_head(), "token": token, "scratch": pr.scratch}
+
+    def context(self) -> dict:
+        if self.p.causal:
+            passes = [self._region("", updates=True, outputs=True)]
+        else:  # every output reads the final state: the updates over every token first, then the outputs
+            passes = [self._region("", updates=True, outputs=False), self._region("n", updates=False, outputs=True)]
+        step = self._region("", updates=True, outputs=True) if self.p.causal else None
+        scratch = max([r["scratch"] for r in passes] + ([step["scratch"]] if step else []))
+        # multiply-adds per token and head, roughly: every state's elements once per statement
+        work = max(1, sum(self.size(s.shape) for s in self.p.states)) * max(1, len(self.p.steps))
+        return dict(
+            name=self.p.name, version=VERSION, filename=self.c.filename, source_comment=self.source_comment(),
+            why_not_fused=self.why_not_fused, ctype=self.t.ctype, vector_bytes=self.t.vector_bytes,
+            lanes=self.t.lanes, block_tokens=1, dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
+            inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape,
+                     "outside": self.outside(x)} for x in self.p.inputs],
+            states=[{"c": self.cstate(s.name), "size": self.size(s.shape)} for s in self.p.states],
+            outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
+                     for o in self.p.outputs],
+            passes=passes, step=step, scratch=scratch, step_work=work,
+            step_parallel_threshold=STEP_PARALLEL_THRESHOLD, **self.entry_points())

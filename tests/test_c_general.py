@@ -1,0 +1,180 @@
+"""The C backend's statement-by-statement kernels (backends/c_general.py) against the NumPy recurrent form.
+
+They run every program the fused kernels do not take: elementwise decays of a matrix, factors on the
+right, dense transitions, per-token matrices, writes that read another state, named values that read a
+state before its update, reads from the right (S·q), non-causal programs of these. Tolerances as in
+test_c_backend (max|x − ref| / max|ref| against the float64 NumPy recurrent form): 1e-10 in float64,
+2e-5 in float32. Each program's kernels are built once per session (two dtypes, one size each).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_c_backend import F32_RTOL, F64_RTOL, compare, random_state, rel_err
+
+PROGRAMS = {
+    # Mamba-1's selective scan: a decay per element of the state, exp(A_i·dt_j); a read from the right
+    "selective": """\
+recurrence selective(dk = 5, dv = 19)
+input x[dv], B[dk], C[dk]
+input dt[dv] in (0, 1)
+param A[dk] per head = −exp(randn(std=0.5, seed=3))
+state S[dk, dv]
+S = exp(A⊗dt) * S + B⊗(dt*x)
+output y = C·S
+output s = sum(S·dt)
+""",
+    # decays on both sides of a delta rule
+    "gates": """\
+recurrence gates(dk = 7, dv = 18)
+input q[dk], k[dk], v[dv], a[dk] <= 0, b[dv] <= 0
+input beta in (0, 1)
+kn = l2norm(k)
+state S[dk, dv]
+S = diag(exp(a))·(I − beta·kn⊗kn)·S·diag(exp(b)) + beta·kn⊗v
+output o = q·S
+""",
+    # a dense per-head transition, a per-token matrix, a product of two dense matrices, a matrix used twice
+    "dense": """\
+recurrence dense(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv]
+input A[dk, dk] in (-0.1, 0.1)
+param M[dk, dk] per head = randn(std=0.15, seed=0)
+state S[dk, dv]
+S = (M·A)·S + 0.3·tanh(M)·S + k⊗v
+output o = q·S + 0.1·(tanh(M)·q)·S
+""",
+    # a named value read before its state's update and used only after it (p = q·S_(t−1)); a write that
+    # reads other states; a vector state read through a matrix state and through a dense parameter
+    "cross": """\
+recurrence cross(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv]
+input g <= 0, beta in (0, 1)
+param W[dk, dk] = randn(std=0.2, seed=1)
+state S[dk, dv], z[dk], U[dk, dk]
+kn = l2norm(k)
+p = q·S
+U = 0.5·U + 0.1·k⊗k
+z = 0.3·z·U + 0.3·W·z + tanh(k)
+S = exp(g)·S + beta·kn⊗(v − kn·S) + 0.01·z⊗v
+output o = q·S + p
+output r = z*sigmoid(q)
+""",
+    # every output reads the final state
+    "encoder": """\
+recurrence encoder(dk = 4, dv = 3) noncausal
+input q[dk], k[dk], v[dv], g[dv] <= 0
+state S[dk, dv]
+S = S·diag(exp(g)) + k⊗v
+output o = groupnorm(q·S)
+output w = S·v
+""",
+}
+CAUSAL = [n for n in PROGRAMS if n != "encoder"]
+_RECS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def linrec(cache_dir):
+    import backends
+    return backends
+
+
+def rec_for(linrec, name):
+    if name not in _RECS:
+        _RECS[name] = linrec.compile(PROGRAMS[name], f"{name}.lin")
+    return _RECS[name]
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_runs_statement_by_statement(linrec, name):
+    """None of them is the fused kernel's; every one has a C recurrent form, with its reason in the source."""
+    from backends import c_backend
+    rec = rec_for(linrec, name)
+    assert c_backend.fused_why_not(rec.compiled) is not None
+    assert c_backend.why_not(rec.compiled, "recurrent") is None
+    src = rec.emit("recurrent", backend="c")
+    assert "statement by statement" in src and "Not the fused kernel" in src
+    assert ("int lr_step(" in src) == rec.program.causal
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_matches_numpy(linrec, name, dtype):
+    rec = rec_for(linrec, name)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    dims = {d.name: d.default for d in rec.program.dims}
+    for batch, tokens, heads, seed in [(2, 37, 3, 0), (1, 1, 2, 1)]:
+        inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, seed=seed)
+        compare(rec, inputs, random_state(rec, batch, heads, dims, np.float64, seed), dtype, rtol)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_steps_chained_equal_prefill(linrec, monkeypatch, name, dtype):
+    """Prefill 5 tokens, then step the rest — on two threads, one bound step in place — and compare with the
+    prefill of all of them."""
+    monkeypatch.setenv("LINREC_NUM_THREADS", "2")
+    rec = rec_for(linrec, name)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    dims = {d.name: d.default for d in rec.program.dims}
+    inputs = rec.random_inputs(batch=2, tokens=12, heads=3, seed=2, dtype=dtype)
+    state0 = {k: v.astype(dtype) for k, v in random_state(rec, 2, 3, dims, np.float64, 2).items()}
+    full = rec.prefill(inputs, backend="c", initial_state=state0)
+    state = rec.prefill({k: v[:, :5] for k, v in inputs.items()}, backend="c", initial_state=state0).final_state
+    token = {k: np.ascontiguousarray(v[:, 5]) for k, v in inputs.items()}
+    step = rec.bind_step(token, state, backend="c")
+    outs = []
+    for t in range(5, 12):
+        for k, v in inputs.items():
+            token[k][...] = v[:, t]
+        outs.append({k: v.copy() for k, v in step().items()})
+    for k, v in full.outputs.items():
+        assert rel_err(np.stack([o[k] for o in outs], axis=1), v[:, 5:]) <= rtol, k
+    for k, v in full.final_state.items():
+        assert rel_err(state[k], v) <= rtol, k
+
+
+def test_products_follow_their_structure(linrec):
+    """A delta rule between two diagonal decays costs vector products (k·S), never a matrix product;
+    two dense matrices meet in one (the product loop over k)."""
+    assert "a_ik" not in rec_for(linrec, "gates").emit("recurrent", backend="c")
+    assert "a_ik" in rec_for(linrec, "dense").emit("recurrent", backend="c")
+
+
+def test_a_state_that_reads_itself_through_a_product(linrec):
+    """z = z·(0.5·I + 0.1·U) reads every element of z for each one it writes: computed before z is
+    overwritten (summing the product into z itself would read elements already written)."""
+    rec = linrec.compile("""recurrence selfread(d = 5)
+input k[d]
+input a in (0, 1)
+state U[d, d], z[d]
+U = a·U + k⊗k
+z = z·(0.5·I + 0.1·U)
+output y = z
+""", "selfread.lin")
+    inputs = rec.random_inputs(batch=1, tokens=9, heads=2, seed=7)
+    compare(rec, inputs, random_state(rec, 1, 2, {"d": 5}, np.float64, 7), np.float64, F64_RTOL)
+
+
+def test_out_of_range_inputs_are_refused(linrec):
+    from dsl.errors import RuntimeInputError
+    rec = rec_for(linrec, "selective")
+    inputs = rec.random_inputs(batch=1, tokens=4, heads=2, seed=3)
+    inputs["dt"][0, 2, 1, 3] = 1.5
+    with pytest.raises(RuntimeInputError, match="dt"):
+        rec.run(inputs, form="recurrent", backend="c")
+    state = rec.prefill({k: v[:, :2] for k, v in inputs.items()}, backend="c").final_state
+    before = {k: v.copy() for k, v in state.items()}
+    with pytest.raises(RuntimeInputError, match="dt"):
+        rec.step({k: v[:, 2] for k, v in inputs.items()}, state, backend="c", inplace=True)
+    for k, v in state.items():  # refused before any state was touched
+        np.testing.assert_array_equal(v, before[k])
+
+
+def test_noncausal_has_no_decode_step(linrec):
+    from dsl.errors import LinrecError
+    rec = rec_for(linrec, "encoder")
+    inputs = rec.random_inputs(batch=1, tokens=3, heads=1, seed=0)
+    with pytest.raises(LinrecError, match="non-causal"):
+        rec.step({k: v[:, 0] for k, v in inputs.items()}, None, backend="c")
