@@ -178,3 +178,24 @@ def test_noncausal_has_no_decode_step(linrec):
     inputs = rec.random_inputs(batch=1, tokens=3, heads=1, seed=0)
     with pytest.raises(LinrecError, match="non-causal"):
         rec.step({k: v[:, 0] for k, v in inputs.items()}, None, backend="c")
+
+
+def test_exponential_keys_read_from_the_right_run_as_written(linrec):
+    """S = S + exp(k)⊗v read as S·w has no derived forms, so nothing stabilizes it (the scales fold into
+    readouts q·S only): both backends run its statements as written, and equal an explicit loop."""
+    rec = linrec.compile("""recurrence expright(dk = 4, dv = 3)
+input k[dk], v[dv], w[dv]
+state S[dk, dv]
+S = S + exp(k)⊗v
+output o = S·w
+""", "expright.lin")
+    x = rec.random_inputs(batch=2, tokens=6, heads=2, seed=4)
+    S = np.zeros((2, 2, 4, 3))
+    expected = np.zeros((2, 6, 2, 4))
+    for t in range(6):
+        S = S + np.exp(x["k"][:, t])[..., :, None] * x["v"][:, t][..., None, :]
+        expected[:, t] = np.einsum("bhij,bhj->bhi", S, x["w"][:, t])
+    for backend in ("numpy", "c"):
+        res = rec.run(x, form="recurrent", backend=backend)
+        assert rel_err(res.outputs["o"], expected) <= F64_RTOL, backend
+        assert rel_err(res.final_state["S"], S) <= F64_RTOL, backend
