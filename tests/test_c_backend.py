@@ -101,6 +101,8 @@ def rec_for(linrec, name):
             _RECS[name] = linrec.compile(FEATURES, "features.lin")
         elif name in ("early", "early2"):
             _RECS[name] = linrec.compile(EARLY if name == "early" else EARLY2, f"{name}.lin")
+        elif name == "right":
+            _RECS[name] = linrec.compile(RIGHT, "right.lin")
         else:
             _RECS[name] = linrec.load(EXAMPLES / f"{name}.lin")
     return _RECS[name]
@@ -450,7 +452,7 @@ def test_non_factorable_program_runs_statement_by_statement(linrec):
     """A decay on the right is no fused kernel's: its statements run one by one (c_general), and only the
     recurrent form exists, with the reason for the others."""
     from dsl.errors import LinrecError
-    rec = linrec.compile(RIGHT, "right.lin")
+    rec = rec_for(linrec, "right")
     assert "statement by statement" in rec.emit("recurrent", backend="c")
     compare(rec, rec.random_inputs(batch=2, tokens=9, heads=2, seed=1), {}, np.float64, F64_RTOL)
     with pytest.raises(LinrecError, match="from the right"):
@@ -674,7 +676,7 @@ def test_other_targets(linrec, monkeypatch, target):
     if target == "avx2" and "avx2" not in c_build._cpu_flags():
         pytest.skip("needs AVX2")
     monkeypatch.setenv("LINREC_C_TARGET", target)
-    for name in ("gated_deltanet", "early2", "gla"):
+    for name in ("gated_deltanet", "early2", "gla", "right"):  # (right: statement by statement, c_general)
         rec = rec_for(linrec, name)
         mod = c_backend.CRecurrent(rec.compiled)  # a fresh module: kernels are keyed by target
         inputs = rec.random_inputs(batch=2, tokens=20, heads=2, dims=DIMS, seed=9, dtype=np.float32)
