@@ -217,6 +217,14 @@ def emit_recurrent(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | 
     return recurrent_source(compiled, sizes, target).source()
 
 
+def recurrent_kernel(compiled: Compiled) -> str:
+    """How C runs the recurrent form (once supports() says it does): "fused" (c_generator), "statement by
+    statement" (c_general) or "scan" (NumPy-prepared, c_scan: non-causal programs with exponential keys)."""
+    if _scan_form(compiled, "recurrent"):
+        return "scan"
+    return "fused" if fused_why_not(compiled) is None else "statement by statement"
+
+
 def fused_recurrent(compiled: Compiled) -> bool:
     """Whether the recurrent form is one fused C kernel (form="auto" then takes it without measuring)."""
     return not _scan_form(compiled, "recurrent") and fused_why_not(compiled) is None

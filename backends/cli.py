@@ -148,8 +148,12 @@ def describe(rec, path: str) -> dict:
         })
     for form in _form_names():
         why = d.why_not(form)
-        info["forms"].append({"form": form, "available": why is None, "reason": why,
-                              "backends": _implemented(rec, form) if why is None else []})
+        entry = {"form": form, "available": why is None, "reason": why,
+                 "backends": _implemented(rec, form) if why is None else []}
+        if form == "recurrent" and "c" in entry["backends"] and d.sequence is None:
+            from . import c_backend
+            entry["c_kernel"] = c_backend.recurrent_kernel(rec.compiled)
+        info["forms"].append(entry)
     plan = d.sequence
     info["sequence"] = None if plan is None else {
         "kind": plan.kind, "window": plan.window,
@@ -213,6 +217,8 @@ def format_check(info: dict) -> str:
         if f["available"]:
             where = (f"backends: {', '.join(f['backends'])}" if f["backends"]
                      else "no backend generates it yet")
+            if f.get("c_kernel") == "statement by statement":
+                where += "; C runs its statements one by one"
             out.append(f"  {f['form']:<10}  available ({where})")
         else:
             reason = textwrap.fill(f["reason"], width=96, initial_indent=" " * 14,

@@ -199,3 +199,15 @@ output o = S·w
         res = rec.run(x, form="recurrent", backend=backend)
         assert rel_err(res.outputs["o"], expected) <= F64_RTOL, backend
         assert rel_err(res.final_state["S"], S) <= F64_RTOL, backend
+
+
+def test_check_says_how_c_runs_it(linrec, tmp_path, capsys):
+    import json
+
+    from backends.cli import main
+    path = tmp_path / "selective.lin"
+    path.write_text(PROGRAMS["selective"])
+    assert main(["check", str(path)]) == 0
+    assert "recurrent   available (backends: numpy, c; C runs its statements one by one)" in capsys.readouterr().out
+    assert main(["check", "--json", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["forms"][0]["c_kernel"] == "statement by statement"
