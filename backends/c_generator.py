@@ -203,6 +203,10 @@ class Generator(KernelSource):
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         require_factorable(compiled)
+        for t in compiled.derivation.transitions:
+            if t.value_decay is not None:
+                raise LinrecError(f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which the fused "
+                                  f"kernel's lazy decay of the rows does not take")
         super().__init__(compiled, dims, target)
         self.scales = Scales(compiled)  # exponential feature maps: states carried as S·exp(−σ)
         for x in self.p.inputs:

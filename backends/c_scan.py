@@ -320,6 +320,10 @@ def why_not(compiled: Compiled) -> str | None:
     for state in dict.fromkeys(r.state for r in d.readouts if r.is_value):
         if d.transition(state).corrections:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
+    for t in d.transitions:
+        if t.value_decay is not None:
+            return (f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which these kernels do not "
+                    f"take yet: NumPy's scans compute it")
     return None
 
 

@@ -29,10 +29,14 @@ _measured: dict[tuple, dict[str, float]] = {}
 
 def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
            dims: dict[str, int] | None = None, dtype=np.float32) -> tuple[str, str]:
-    """(form, reason) for a call of `tokens` tokens."""
+    """(form, reason) for a call of `tokens` tokens, among the forms `backend` builds."""
+    from .verify import _supports
     forms = rec.forms
     if len(forms) == 1:
         return forms[0], f"the only form '{rec.name}' has"
+    built = [f for f in forms if _supports(rec, backend, f)]
+    if len(built) == 1:
+        return built[0], f"the only form of '{rec.name}' the {backend} backend builds"
     sequence = rec.derivation.sequence
     if sequence is not None and "chunkwise" in forms:
         if sequence.kind == "lsh":

@@ -385,6 +385,13 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
             decay_terms.append(f"scale_decay({running})  # M_(t−1) − M_t")
             helpers.add("scale_decay")
         body.append(f"{s}_log_decay = " + (" + ".join(decay_terms) if decay_terms else "None"))
+        value_decay = ""  # (the scan's keyword argument, only where the value axis decays)
+        if t.value_log_decay is not None:
+            body.append(f"{s}_value_log_decay = " + (tok(t.value_log_decay, cols) if t.value_log_is_exact else
+                        f"per_token(log_decay({prelude(t.value_decay)}, \"{st.name}\"), "
+                        f"(batch, tokens, heads, {cols}), dtype, scalar=False)"))
+            helpers.update(() if t.value_log_is_exact else ("log_decay",))
+            value_decay = f", value_log_decay={s}_value_log_decay"
         body.append(f"{s}_corrections = [" + ", ".join(
             f"({tok(u, rows)}, {tok(w, rows)})" for u, w in t.corrections) + "]")
         writes = []
@@ -437,7 +444,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
             body.append(f"# readouts (query, before the update): a query None reads {st.name} itself")
         targets = ", ".join(f"r{r.index}" for r in mine)  # (none for a state no output reads: `[], S = …`)
         body.append(f"[{targets}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, {s}_writes, "
-                    f"[{', '.join(queries)}], causal={p.causal}, chunk_size=chunk_size)")
+                    f"[{', '.join(queries)}], causal={p.causal}, chunk_size=chunk_size{value_decay})")
         if running:
             body += [f"if {scale} is None:  # back to the true scale",
                      f"    {s} = rescale({s}, {running}[:, -1], None, dtype)"]
@@ -480,10 +487,11 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
 
 def _canonical_text(t) -> str:
     parts = []
+    state = f"{t.state}_(t−1)" + ("" if t.value_decay is None else f"·diag({to_text(t.value_decay)})")
     if t.decay is None:
-        parts.append(f"{t.state}_(t−1)")
+        parts.append(state)
     else:
-        parts.append(f"{'diag(' + to_text(t.decay) + ')' if t.decay.shape else to_text(t.decay)}·{t.state}_(t−1)")
+        parts.append(f"{'diag(' + to_text(t.decay) + ')' if t.decay.shape else to_text(t.decay)}·{state}")
     for u, w in t.corrections:
         parts.append(f"({to_text(u)})⊗(({to_text(w)})·{t.state}_(t−1))")
     for key, value in t.writes:

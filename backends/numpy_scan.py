@@ -2,18 +2,20 @@
 
 Generated code hands each state over in the canonical form the compiler derived (compiler.transitions):
 
-    S_t = diag(exp(l_t))·S_(t−1) + Σ_r u_r,t ⊗ (w_r,tᵀ S_(t−1)) + Σ_i κ_i,t ⊗ x_i,t
+    S_t = diag(exp(l_t))·S_(t−1)·diag(exp(m_t)) + Σ_r u_r,t ⊗ (w_r,tᵀ S_(t−1)) + Σ_i κ_i,t ⊗ x_i,t
 
-with l_t the log-decay (absent, one value, or one per row), corrections (u, w) and writes (κ, x). With
-b_t = Σ_(s≤t) l_s every contribution N_j = Σ_r u_r,j p_r,jᵀ + Σ_i κ_i,j x_i,jᵀ reaches S_t scaled by
-exp(b_t − b_j) per row, so
+with l_t the log-decay (absent, one value, or one per row), m_t a log-decay of the value axis (absent, or
+one per column; then without corrections), corrections (u, w) and writes (κ, x). With b_t = Σ_(s≤t) l_s
+and c_t = Σ_(s≤t) m_s every contribution N_j = Σ_r u_r,j p_r,jᵀ + Σ_i κ_i,j x_i,jᵀ reaches S_t scaled by
+exp(b_t − b_j) per row and exp(c_t − c_j) per column, so
 
-    S_t = Σ_(j≤t) diag(exp(b_t − b_j)) N_j + diag(exp(b_t)) S_0.
+    S_t = Σ_(j≤t) diag(exp(b_t − b_j)) N_j diag(exp(c_t − c_j)) + diag(exp(b_t)) S_0 diag(exp(c_t)).
 
 The pseudo-values p_r,t = w_r,tᵀ S_(t−1) therefore solve a unit lower-triangular system (the UT transform
 of the delta rule, generalized to any decay and any number of corrections), and every readout q·S is a
-masked, decayed attention over the contributions. Exponents are always differences b_i − b_j ≤ 0 for
-decays ≤ 1 (forms.md §3): diagonal decays use sub-blocks so that each factor is ≤ 1.
+masked, decayed attention over the contributions (a decay of the value axis weighs each value column by
+exp(c_t − c_j) on top of the scores). Exponents are always differences b_i − b_j ≤ 0 for decays ≤ 1
+(forms.md §3): diagonal decays use sub-blocks so that each factor is ≤ 1, on either axis.
 
 Arrays arrive [B, T, H, *] and are processed head-major [B, H, T, *].
 """
@@ -107,6 +109,26 @@ def decayed_values(bq, b, v, strict: bool, block: int = 16) -> np.ndarray:
     return out
 
 
+def decayed_columns(a, cq, c, x, strict: bool, block: int = 16) -> np.ndarray:
+    """R[t, col] = Σ_j a_tj x_j,col exp(cq_t,col − c_j,col): scores a [B, H, n, n] (already masked) applied to
+    values x [B, H, n, dv] that decay per column, c (cq for the queries' tokens) their cumulative log-decays
+    [B, H, n, dv]. Sub-blocks of `block` queries: the diagonal block element-wise in log space (masked
+    before the exponential, so that no exp of a positive exponent meets a zero score), the tokens before it
+    through one product anchored at r = c of the block's previous token, both factors ≤ 1."""
+    n = x.shape[-2]
+    out = np.zeros(a.shape[:-1] + (x.shape[-1],), dtype=x.dtype)
+    for s in range(0, n, block):
+        e = min(s + block, n)
+        diff = np.where(_mask(e - s, strict)[..., None], cq[..., s:e, None, :] - c[..., None, s:e, :], -np.inf)
+        out[..., s:e, :] = np.einsum("...tj,...tjc,...jc->...tc", a[..., s:e, s:e], np.exp(diff).astype(x.dtype),
+                                     x[..., s:e, :])
+        if s:
+            r = c[..., s - 1:s, :]
+            carried = a[..., s:e, :s] @ (x[..., :s, :] * np.exp(r - c[..., :s, :]).astype(x.dtype))
+            out[..., s:e, :] += np.exp(cq[..., s:e, :] - r).astype(x.dtype) * carried
+    return out
+
+
 def _solve_unit_lower(m, rhs, block: int = 64):
     """Solve M·X = rhs for unit lower-triangular M [.., n, n] by blocked forward substitution."""
     n = m.shape[-1]
@@ -120,11 +142,13 @@ def _solve_unit_lower(m, rhs, block: int = 64):
     return x
 
 
-def _block(q, b_q, b_k, terms, strict, s0_term, block):
-    """Σ over terms of decayed_scores(q, b_q, κ, b_k)·x, plus the initial-state term."""
+def _block(q, b_q, b_k, terms, strict, s0_term, block, c_q=None, c=None):
+    """Σ over terms of decayed_scores(q, b_q, κ, b_k)·x — each value column decayed by exp(c_q − c) when
+    the value axis decays — plus the initial-state term."""
     out = s0_term
     for kappa, x in terms:
-        out = out + decayed_scores(q, b_q, kappa, b_k, strict, block) @ x
+        scores = decayed_scores(q, b_q, kappa, b_k, strict, block)
+        out = out + (scores @ x if c is None else decayed_columns(scores, c_q, c, x, strict, block))
     return out
 
 
@@ -153,14 +177,16 @@ def _pseudo_values(corrections, writes, b, b_prev, s0, block):
     return [sol[..., :, i, :] for i in range(r_count)]
 
 
-def _segment(s0, l, corrections, writes, readouts, causal, block):
-    """One segment (the whole sequence, or a chunk) starting from state s0.
+def _segment(s0, l, corrections, writes, readouts, causal, block, m=None):
+    """One segment (the whole sequence, or a chunk) starting from state s0; m: the value axis's log-decay.
 
     Returns (readouts or None when non-causal, state after the segment)."""
     # prefix sums of log-decays in float64: in float32 their rounding grows with T and, exponentiated,
     # becomes a relative error of the outputs (1e-3 at T = 3000); the products stay in the working dtype
     b = None if l is None else np.cumsum(l, axis=-2, dtype=np.float64)
     b_prev = None if l is None else b - l
+    c = None if m is None else np.cumsum(m, axis=-2, dtype=np.float64)
+    c_prev = None if m is None else c - m
     pseudo = _pseudo_values(corrections, writes, b, b_prev, s0, block)
     terms = list(writes) + [(u, p) for (u, _), p in zip(corrections, pseudo)]
     results = None
@@ -176,20 +202,28 @@ def _segment(s0, l, corrections, writes, readouts, causal, block):
                 results.append(start + decayed_values(bq, b, v, before, block))
                 continue
             s0_term = (q * np.exp(bq).astype(q.dtype) if b is not None else q) @ s0
-            results.append(_block(q, bq, b, terms, before, s0_term, block))
-    if b is None:
-        end = s0 + sum(np.swapaxes(kappa, -1, -2) @ x for kappa, x in terms)
-    else:
-        b_end = b[..., -1:, :]
-        end = np.exp(np.swapaxes(b_end, -1, -2)).astype(s0.dtype) * s0 + sum(
-            np.swapaxes(kappa * np.exp(b_end - b).astype(kappa.dtype), -1, -2) @ x for kappa, x in terms)
+            cq = c_prev if before else c
+            if c is not None:
+                s0_term = s0_term * np.exp(cq).astype(s0.dtype)
+            results.append(_block(q, bq, b, terms, before, s0_term, block, cq, c))
+    row = (lambda kappa: kappa) if b is None else \
+        (lambda kappa: kappa * np.exp(b[..., -1:, :] - b).astype(kappa.dtype))  # noqa: E731
+    col = (lambda x: x) if c is None else (lambda x: x * np.exp(c[..., -1:, :] - c).astype(x.dtype))  # noqa: E731
+    end = s0
+    if b is not None:
+        end = np.exp(np.swapaxes(b[..., -1:, :], -1, -2)).astype(s0.dtype) * end
+    if c is not None:
+        end = end * np.exp(c[..., -1:, :]).astype(s0.dtype)
+    end = end + sum(np.swapaxes(row(kappa), -1, -2) @ col(x) for kappa, x in terms)
     return results, end
 
 
-def _prepare(s0, log_decay, corrections, writes, readouts):
+def _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay=None):
     hm = _head_major
+    if value_log_decay is not None and corrections:
+        raise ValueError("a decay of the value axis with corrections has no derived form")
     return (s0, hm(log_decay), [(hm(u), hm(w)) for u, w in corrections], [(hm(k), hm(x)) for k, x in writes],
-            [(hm(q), before) for q, before in readouts])
+            [(hm(q), before) for q, before in readouts], hm(value_log_decay))
 
 
 def _read(q, state):
@@ -210,38 +244,42 @@ def _tokens(log_decay, corrections, writes, readouts) -> int:
     return (arrays[0] if arrays else log_decay).shape[-2]
 
 
-def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None, value_log_decay=None):
     """The parallel form: every token against every earlier one, O(T²·(dk + dv)) work.
 
     s0 [B, H, dk, dv]; log_decay None or [B, T, H, 1 | dk]; corrections [(u, w)] and writes [(κ, x)]
-    per token [B, T, H, *]; readouts [(query, before_update)]. Returns ([readout [B, T, H, dv]], S_T)."""
-    s0, l, corr, wr, rd = _prepare(s0, log_decay, corrections, writes, readouts)
-    results, end = _segment(s0, l, corr, wr, rd, causal, block=64)
-    return _finish(results, end, rd, causal, _tokens(l, corr, wr, rd))
+    per token [B, T, H, *]; readouts [(query, before_update)]; value_log_decay None or [B, T, H, dv] (a
+    matrix state's columns, S·diag(exp(m))). Returns ([readout [B, T, H, dv]], S_T)."""
+    s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
+    results, end = _segment(s0, l, corr, wr, rd, causal, block=64, m=m)
+    return _finish(results, end, rd, causal, _tokens(l if l is not None else m, corr, wr, rd))
 
 
-def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
+                   value_log_decay=None):
     """The chunkwise form: state passing between chunks of C tokens, dense products inside a chunk."""
     chunk = int(chunk_size or 64)
-    s0, l, corr, wr, rd = _prepare(s0, log_decay, corrections, writes, readouts)
-    tokens = _tokens(l, corr, wr, rd)
+    s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
+    tokens = _tokens(l if l is not None else m, corr, wr, rd)
     state, pieces = s0, []
     for s in range(0, tokens, chunk):
         cut = slice(s, min(s + chunk, tokens))
         results, state = _segment(
             state, None if l is None else l[..., cut, :], [(u[..., cut, :], w[..., cut, :]) for u, w in corr],
             [(k[..., cut, :], x[..., cut, :]) for k, x in wr],
-            [(None if q is None else q[..., cut, :], b) for q, b in rd], causal, block=16)
+            [(None if q is None else q[..., cut, :], b) for q, b in rd], causal, block=16,
+            m=None if m is None else m[..., cut, :])
         pieces.append(results)
     results = [np.concatenate([p[i] for p in pieces], axis=-2) for i in range(len(rd))] if causal else None
     return _finish(results, state, rd, causal, tokens)
 
 
-def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
+                   value_log_decay=None):
     """The recurrent form of the decomposition: one token at a time, carrying the state."""
-    s0, l, corr, wr, rd = _prepare(s0, log_decay, corrections, writes, readouts)
+    s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
     state = s0.copy()
-    tokens = _tokens(l, corr, wr, rd)
+    tokens = _tokens(l if l is not None else m, corr, wr, rd)
     lead = state.shape[:-2] + (tokens,)
     results = [np.empty(lead + (state.shape[-2] if q is None else state.shape[-1],), dtype=state.dtype)
                for q, _ in rd]
@@ -253,6 +291,8 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
         pseudo = [np.einsum("...i,...ij->...j", w[..., t, :], state) for _, w in corr]
         if l is not None:
             state = np.exp(l[..., t, :]).astype(state.dtype)[..., :, None] * state
+        if m is not None:
+            state = state * np.exp(m[..., t, :]).astype(state.dtype)[..., None, :]
         for (u, _), p in zip(corr, pseudo):
             state = state + u[..., t, :, None] * p[..., None, :]
         for kappa, x in wr:

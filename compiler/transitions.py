@@ -1,8 +1,10 @@
 """Classify each state's transition and decompose its update for the derived forms.
 
-Every factorable update is brought to   S_t = D_t·S_(t−1) + Σ_r u_r⊗(w_r·S_(t−1)) + Σ_j key_j⊗value_j
-with D_t a positive scalar or diagonal decay carried in log space, a few rank-one corrections (u, w) and
-rank-one writes (key, value). Nothing here knows a variant by name: the class follows from the terms.
+Every factorable update is brought to   S_t = D_t·S_(t−1)·E_t + Σ_r u_r⊗(w_r·S_(t−1)) + Σ_j key_j⊗value_j
+with D_t a positive scalar or diagonal decay carried in log space, E_t a diagonal decay of the value axis
+(the columns of a matrix state: `S·diag(d)`; absent unless written, and then with no correction), a few
+rank-one corrections (u, w) and rank-one writes (key, value). Nothing here knows a variant by name: the
+class follows from the terms.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from dataclasses import dataclass
 
 from . import ir
 from .analysis import inline_lets, states_in, to_text, variance
-from .linearity import ONE, NotLinear, Unfactorable, add, linear_terms, mul, operator_terms, vector_terms
+from .linearity import (IDENTITY, ONE, NotLinear, Term, Unfactorable, add, compose, linear_terms, mul, operator_terms,
+                        vector_terms)
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class Transition:
     corrections: tuple[tuple[ir.Expr, ir.Expr], ...]  # (u, w): + u⊗(wᵀS_(t−1))
     writes: tuple[tuple[ir.Expr, ir.Expr | None], ...]  # (key, value); value None for a vector state
     reasons: tuple[str, ...]                    # why the parallel/chunkwise forms do not exist, if so
+    value_decay: ir.Expr | None = None          # E_t: a vector [dv] on the columns (S·diag(E)); None: none
+    value_log_decay: ir.Expr | None = None      # log E_t, simplified as log_decay is
+    value_log_is_exact: bool = True
 
     @property
     def factorable(self) -> bool:
@@ -49,18 +55,20 @@ def log_of(e: ir.Expr) -> tuple[ir.Expr, bool]:
     return ir.Apply(e.shape, "log", (e,)), False
 
 
-def _describe(decay: ir.Expr | None, corrections) -> str:
+def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = None) -> str:
     if decay is None:
-        base = "identity"
+        base = "identity" if value_decay is None else ""
     elif decay.shape:
         base = "diagonal decay"
     else:
         base = {"const": "constant scalar decay", "head": "per-head scalar decay",
                 "token": "data-dependent scalar decay"}[variance(decay)]
+    if value_decay is not None:
+        base = (base + " and a " if base else "") + "diagonal decay on the value axis"
     if not corrections:
         return base
     rank = "rank-one correction" if len(corrections) == 1 else f"{len(corrections)} rank-one corrections"
-    return rank + ("" if decay is None else f" with {base}")
+    return rank + ("" if base == "identity" else f" with {base}")
 
 
 def classify(program: ir.Program, update: ir.Update) -> Transition:
@@ -74,6 +82,15 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     except NotLinear as why:  # checked at resolve time already; kept for direct callers
         return Transition(state.name, "not linear", None, None, True, (), (), (why.message,))
 
+    value_decay: ir.Expr | None = None
+    rights = {t.right for t in terms if t.right is not None and t.right.kind != "identity"}
+    if rights and len(state.shape) == 1:  # z·diag(d) = diag(d)·z: for a vector state a diagonal either side
+        terms = [Term(mul(c, t.coef), f) if t.right is not None and t.right.kind == "diag" else t
+                 for t in terms for c, f in [compose(t.right or IDENTITY, t.left)]]
+    elif len(rights) == 1 and next(iter(rights)).kind == "diag" and all(t.right in rights for t in terms):
+        # one diagonal on the right of every S term: D·S·diag(E), E decays the value axis
+        value_decay = next(iter(rights)).u
+        terms = [Term(t.coef, t.left) for t in terms]
     scalar: ir.Expr | None = None
     diagonal: ir.Expr | None = None
     corrections = []
@@ -102,6 +119,12 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     if decay == ONE:
         decay = None
     log_decay, exact = (None, True) if decay is None else log_of(decay)
+    value_log, value_exact = (None, True) if value_decay is None else log_of(value_decay)
+    if value_decay is not None and corrections:
+        reasons.append(f"a decay of the value axis (`{state.name}·diag(…)`) beside a rank-one correction: the "
+                       f"corrections' pseudo-values would then need a triangular system per value channel")
+    if value_decay is not None and states_in(value_decay):
+        reasons.append(f"the decay of '{state.name}' depends on a state")
 
     writes = []
     if remainder is not None:
@@ -122,10 +145,10 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
             reasons.append(f"a correction of '{state.name}' depends on a state")
     if decay is not None and states_in(decay):
         reasons.append(f"the decay of '{state.name}' depends on a state")
-    kind = _describe(decay, corrections) if not any("dense" in r or "right" in r for r in reasons) \
+    kind = _describe(decay, corrections, value_decay) if not any("dense" in r or "right" in r for r in reasons) \
         else "general linear map"
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
-                      tuple(dict.fromkeys(reasons)))
+                      tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact)
 
 
 def split_exp(e: ir.Expr) -> tuple[ir.Expr, ir.Expr | None]:

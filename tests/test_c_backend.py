@@ -448,15 +448,23 @@ def test_output_arrays_are_recycled_only_when_nobody_holds_them(linrec):
     np.testing.assert_array_equal(reused, expected)
 
 
-def test_non_factorable_program_runs_statement_by_statement(linrec):
-    """A decay on the right is no fused kernel's: its statements run one by one (c_general), and only the
-    recurrent form exists, with the reason for the others."""
+def test_value_axis_decay_runs_statement_by_statement(linrec):
+    """A decay of the value axis (S·diag(d)) is no fused kernel's: on C its statements run one by one
+    (c_general); its parallel and chunkwise forms are NumPy's, and C says so."""
     from dsl.errors import LinrecError
     rec = rec_for(linrec, "right")
     assert "statement by statement" in rec.emit("recurrent", backend="c")
-    compare(rec, rec.random_inputs(batch=2, tokens=9, heads=2, seed=1), {}, np.float64, F64_RTOL)
-    with pytest.raises(LinrecError, match="from the right"):
-        rec.run(rec.random_inputs(batch=1, tokens=2, heads=1), form="chunkwise", backend="c")
+    inputs = rec.random_inputs(batch=2, tokens=9, heads=2, seed=1)
+    got = compare(rec, inputs, {}, np.float64, F64_RTOL)
+    chunked = rec.run(inputs, form="chunkwise", backend="numpy", chunk_size=4)
+    assert rel_err(chunked.outputs["o"], got.outputs["o"]) <= F64_RTOL
+    with pytest.raises(LinrecError, match="value axis"):
+        rec.run(inputs, form="chunkwise", backend="c")
+    # form="auto" on C picks among the forms C builds (it measured chunkwise too, and failed, before)
+    longer = rec.random_inputs(batch=1, tokens=40, heads=2, seed=2)
+    assert rec.choose_form("c", 40)[0] == "recurrent"
+    assert rel_err(rec.run(longer, backend="c").outputs["o"], rec.run(longer, form="recurrent").outputs["o"]) \
+        <= F64_RTOL
 
 
 def test_no_compiler_is_a_clear_error(linrec, monkeypatch):

@@ -162,6 +162,42 @@ state S[dk, dv]
 S = exp(g)·S + k⊗v
 output o = q·S
 """,
+    # a decay of the value axis (S·diag(d) decays the columns), alone; beside a decay of the rows, and beside a
+    # scalar decay, read before and after the update; non-causal; a vector state decayed from the right
+    "value_decay": """recurrence value_decay(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g[dv] <= 0
+state S[dk, dv]
+S = S·diag(exp(g)) + k⊗v
+output o = q·S
+""",
+    "both_axes": """recurrence both_axes(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], a[dk] <= 0, b[dv] <= 0, c <= 0
+state S[dk, dv], R[dk, dv]
+early = q·R
+S = diag(exp(a))·S·diag(exp(b)) + k⊗v
+R = exp(c)·R·diag(exp(b)) + 0.5·k⊗v
+output o = q·S + early + q·R
+""",
+    "value_decay_encoder": """recurrence value_decay_encoder(dk = 6, dv = 5) noncausal
+input q[dk], k[dk], v[dv], g[dv] <= 0
+state S[dk, dv]
+S = S·diag(exp(g)) + k⊗v
+output o = q·S
+""",
+    "exp_keys_value_decay": """recurrence exp_keys_value_decay(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g[dv] <= 0
+state S[dk, dv], z[dk]
+S = S·diag(exp(g)) + exp(k)⊗v
+z = z + exp(k)
+output o = (exp(q)·S) / (exp(q)·z)
+""",
+    "vector_right": """recurrence vector_right(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state z[dk], S[dk, dv]
+z = z·diag(exp(g)) + k
+S = S + k⊗v
+output y = (q·z)*v + q·S
+""",
 }
 
 
