@@ -203,6 +203,10 @@ class Generator(KernelSource):
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         require_factorable(compiled)
+        if compiled.derivation.transposed:
+            names = ", ".join(f"'{n}'" for n in sorted(compiled.derivation.transposed))
+            raise LinrecError(f"state {names} is multiplied and read from the right: the derived forms carry it "
+                              f"transposed, the fused kernel only as declared")
         for t in compiled.derivation.transitions:
             if t.value_decay is not None:
                 raise LinrecError(f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which the fused "

@@ -303,8 +303,9 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
         reads = [r for r in d.readouts if r.state == st.name]
         before = tuple(r.before_update for r in reads if not r.is_value)
         values = tuple(r.before_update for r in reads if r.is_value)
-        dk = sizes[st.shape[0]]
-        dv = sizes[st.shape[1]] if len(st.shape) == 2 else 1
+        shape = tuple(reversed(st.shape)) if st.name in d.transposed else st.shape  # (carried as Sᵀ)
+        dk = sizes[shape[0]]
+        dv = sizes[shape[1]] if len(shape) == 2 else 1
         chunk = int(chunk_size or DEFAULT_CHUNK)
         if values:  # c_values reads it as it is and gives its final state
             out.append((st.name, c_values.Structure(decay, len(t.writes), values, p.causal, dk, chunk, ctype)))

@@ -139,6 +139,7 @@ def describe(rec, path: str) -> dict:
         info["states"].append({
             "name": s.name, "shape": ["B", "H", *s.shape], "transition": t.kind,
             "update": f"{s.name} = {to_text(updates[s.name].value)}", "reasons": list(t.reasons),
+            "transposed": s.name in d.transposed,  # the derived forms carry it as its transpose
         })
     for out in p.outputs:
         info["outputs"].append({
@@ -200,7 +201,7 @@ def format_check(info: dict) -> str:
         out.append(f"  none: the program {seq['description']}" if seq else "  none")
     for s, row in zip(info["states"], _table([[s["name"], _shape(s["shape"]), s["transition"]]
                                               for s in info["states"]])):
-        out.append(row)
+        out.append(row + (f" of {s['name']}ᵀ (multiplied and read from the right)" if s["transposed"] else ""))
         out.append("      " + s["update"])
 
     out += ["", "outputs"]

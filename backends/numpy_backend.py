@@ -350,9 +350,12 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
 
     for st in p.states:
         t = d.transition(st.name)
-        s, rows = n(st.name), n(st.shape[0])
-        cols = "1" if len(st.shape) == 1 else n(st.shape[1])
-        body += ["", f"# {st.name}: {t.kind}", f"#   {st.name}_t = {_canonical_text(t)}"]
+        flipped = st.name in d.transposed  # carried as Sᵀ (compiler.transpose): rows and columns swap
+        shape = tuple(reversed(st.shape)) if flipped else st.shape
+        s, rows = n(st.name), n(shape[0])
+        cols = "1" if len(shape) == 1 else n(shape[1])
+        body += ["", f"# {st.name}: {t.kind}" + (f", carried transposed ({st.name}ᵀ below)" if flipped else ""),
+                 f"#   {st.name}{'ᵀ' if flipped else ''}_t = {_canonical_text(t)}"]
         running = scale = None
         if st.name in stable:
             alphas = stable[st.name]
@@ -437,6 +440,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
             if terms:
                 scale_of[r.index] = " + ".join(terms)
         init = f"initial_state[\"{st.name}\"]" + ("[..., None]" if len(st.shape) == 1 else "")
+        if flipped:
+            init = f"np.swapaxes({init}, -1, -2)"
         if running:  # the state enters scaled like the first token's keys
             init = f"rescale({init}, {scale}, {running}[:, 0], dtype)"
             helpers.add("rescale")
@@ -450,6 +455,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
                      f"    {s} = rescale({s}, {running}[:, -1], None, dtype)"]
         if len(st.shape) == 1:
             body.append(f"{s} = {s}[..., 0]")
+        if flipped:
+            body.append(f"{s} = np.ascontiguousarray(np.swapaxes({s}, -1, -2))  # back to [B, H, {', '.join(st.shape)}]")
     body += ["", "# outputs from the readouts"]
     for name, expr in d.outputs:
         out = next(o for o in p.outputs if o.name == name)

@@ -8,6 +8,7 @@ from . import ir
 from .analysis import inline_lets, rebuild, states_in, to_text, walk
 from .sequence import SequencePlan, is_sequence_program, plan
 from .transitions import Transition, classify
+from .transpose import transposed
 
 FORMS = ("recurrent", "parallel", "chunkwise")
 
@@ -39,6 +40,7 @@ class Derivation:
     outputs: tuple[tuple[str, ir.Expr], ...]   # output expressions over ReadoutRef and inputs
     unavailable: tuple[tuple[str, str], ...]   # (form, reason)
     sequence: SequencePlan | None = None       # set for programs that read the sequence (seq, …)
+    transposed: frozenset[str] = frozenset()   # matrix states the forms carry transposed (compiler.transpose)
 
     def transition(self, state: str) -> Transition:
         return next(t for t in self.transitions if t.state == state)
@@ -85,10 +87,41 @@ def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: li
     return tuple(outputs)
 
 
+def _read_through_readouts(program: ir.Program, state: str) -> bool:
+    """Every output reads `state` through a readout q·S with a state-free q."""
+    for out in program.outputs:
+        nodes = list(walk(inline_lets(out.value, program.lets)))
+        uses = sum(isinstance(n, ir.StateRef) and n.name == state for n in nodes)
+        readouts = sum(isinstance(n, ir.Dot) and isinstance(n.right, ir.StateRef) and n.right.name == state
+                       and len(n.left.shape) == 1 and not states_in(n.left) for n in nodes)
+        if uses != readouts:
+            return False
+    return True
+
+
+def _derivable(program: ir.Program, state: str) -> bool:
+    return classify(program, program.updates[state]).factorable and _read_through_readouts(program, state)
+
+
+def _orient(program: ir.Program) -> tuple[ir.Program, frozenset[str]]:
+    """The program the forms are derived from: each matrix state that has them only once transposed (it is
+    multiplied and read from the right) replaced by its transpose."""
+    flipped = set()
+    for st in program.states:
+        if len(st.shape) != 2 or _derivable(program, st.name):
+            continue
+        other = transposed(program, st.name)
+        if other is not None and _derivable(other, st.name):
+            program = other
+            flipped.add(st.name)
+    return program, frozenset(flipped)
+
+
 def derive(program: ir.Program) -> Derivation:
     if is_sequence_program(program):
         sp = plan(program)
         return Derivation((), (), sp.outputs, sp.unavailable, sp)
+    program, flipped = _orient(program)
     updates = program.updates
     transitions = tuple(classify(program, updates[s.name]) for s in program.states)
     readouts: list[Readout] = []
@@ -100,4 +133,4 @@ def derive(program: ir.Program) -> Derivation:
     if problems:
         reason = "; ".join(dict.fromkeys(problems))
         unavailable = [("parallel", reason), ("chunkwise", reason)]
-    return Derivation(transitions, tuple(readouts), outputs, tuple(unavailable))
+    return Derivation(transitions, tuple(readouts), outputs, tuple(unavailable), transposed=flipped)

@@ -326,7 +326,37 @@ def _forward(module, inputs, dims, state0, dtype, chunk=None):
 def test_examples_end_to_end(path):
     """The generated NumPy module of each form, its scans replaced by the C ones (c_scan.load does that:
     it execs the emitted source, then swaps parallel_scan / chunkwise_scan), equals the recurrent form."""
-    rec = linrec.load(path)
+    _end_to_end(linrec.load(path))
+
+
+# states declared [dv, dk], multiplied and read from the right (the source document's convention): the
+# forms carry them transposed, S's initial and final state transposed at the boundary (compiler.transpose)
+TRANSPOSED = {
+    "delta_t": """recurrence delta_t(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], beta in (0, 1), g <= 0
+kn = l2norm(k)
+state S[dv, dk]
+S = exp(g)·S·(I − beta·kn⊗kn) + beta·v⊗kn
+output o = S·q
+""",
+    "gla_t": """recurrence gla_t(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dv, dk]
+early = S·q
+S = S·diag(exp(g)) + v⊗k
+output o = S·q + early
+""",
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSED))
+def test_transposed_states_end_to_end(name):
+    rec = linrec.compile(TRANSPOSED[name], f"{name}.lin")
+    assert rec.derivation.transposed == {"S"}
+    _end_to_end(rec)
+
+
+def _end_to_end(rec):
     program = rec.program
     inputs = rec.random_inputs(batch=2, tokens=130, heads=3, dims=E2E_DIMS, seed=5)
     dims = {d.name: d.default for d in program.dims} | E2E_DIMS

@@ -191,6 +191,38 @@ S = S·diag(exp(g)) + exp(k)⊗v
 z = z + exp(k)
 output o = (exp(q)·S) / (exp(q)·z)
 """,
+    # the transposed convention of the source document (S ∈ R^(dv×dk), multiplied and read from the right):
+    # the forms carry Sᵀ. The delta rule, under a scalar decay, a per-channel gate read before and after the
+    # update, non-causal
+    "delta_transposed": """recurrence delta_transposed(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv]
+input beta in (0, 1)
+kn = l2norm(k)
+state S[dv, dk]
+S = S·(I − beta·kn⊗kn) + beta·v⊗kn
+output o = S·q
+""",
+    "gated_delta_transposed": """recurrence gated_delta_transposed(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv]
+input beta in (0, 1), g <= 0
+kn = l2norm(k)
+state S[dv, dk]
+S = exp(g)·S·(I − beta·kn⊗kn) + beta·v⊗kn
+output o = S·(dk^(−1/2)·l2norm(q))
+""",
+    "gla_transposed": """recurrence gla_transposed(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dv, dk]
+early = S·q
+S = S·diag(exp(g)) + v⊗k
+output o = S·q + 0.5*early
+""",
+    "encoder_transposed": """recurrence encoder_transposed(dk = 6, dv = 5) noncausal
+input q[dk], k[dk], v[dv], g <= 0
+state S[dv, dk]
+S = exp(g)·S + v⊗k
+output o = groupnorm(S·q)
+""",
     "vector_right": """recurrence vector_right(dk = 6, dv = 5)
 input q[dk], k[dk], v[dv], g[dk] <= 0
 state z[dk], S[dk, dv]
