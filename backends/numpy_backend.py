@@ -456,7 +456,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
         if len(st.shape) == 1:
             body.append(f"{s} = {s}[..., 0]")
         if flipped:
-            body.append(f"{s} = np.ascontiguousarray(np.swapaxes({s}, -1, -2))  # back to [B, H, {', '.join(st.shape)}]")
+            back = ", ".join(st.shape)
+            body.append(f"{s} = np.ascontiguousarray(np.swapaxes({s}, -1, -2))  # back to [B, H, {back}]")
     body += ["", "# outputs from the readouts"]
     for name, expr in d.outputs:
         out = next(o for o in p.outputs if o.name == name)
