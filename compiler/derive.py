@@ -64,8 +64,9 @@ def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: li
         return ir.ReadoutRef(node.shape, r.index)
 
     def contraction(node: ir.Expr) -> ir.Expr:
+        # (bottom up: a query that reads a state, (q·U)·S, holds U's readout by now, and is no query)
         if isinstance(node, ir.Dot) and isinstance(node.right, ir.StateRef) and len(node.left.shape) == 1 \
-                and not states_in(node.left):
+                and not states_in(node.left) and not any(isinstance(n, ir.ReadoutRef) for n in walk(node.left)):
             return readout(node, node.right, node.left)
         return node
 

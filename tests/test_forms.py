@@ -329,6 +329,30 @@ output o = q·S
         rec.run(rec.random_inputs(1, 3, 1), form="chunkwise")
 
 
+def test_query_that_reads_a_state_has_only_the_recurrent_form():
+    """(q·U)·S reads S with a query that depends on the state U: not a readout the forms can scan (it was
+    taken for one, and the C kernel's source named an undeclared r0). Both backends run it as written."""
+    rec = linrec.compile("""recurrence qread(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv]
+state S[dk, dv], U[dk, dk]
+S = 0.5·S + k⊗v
+U = 0.5·U + 0.1·k⊗k
+output o = (q·U)·S
+""", "qread.lin")
+    assert rec.forms == ("recurrent",)
+    assert "state-free q" in rec.derivation.why_not("parallel")
+    x = rec.random_inputs(2, 7, 2, seed=1)
+    S, U = np.zeros((2, 2, 4, 3)), np.zeros((2, 2, 4, 4))
+    expected = np.zeros((2, 7, 2, 3))
+    for t in range(7):
+        S = 0.5 * S + x["k"][:, t, :, :, None] * x["v"][:, t, :, None, :]
+        U = 0.5 * U + 0.1 * x["k"][:, t, :, :, None] * x["k"][:, t, :, None, :]
+        expected[:, t] = np.einsum("bhi,bhij,bhjk->bhk", x["q"][:, t], U, S)
+    for backend in ("numpy", "c"):
+        got = rec.run(x, backend=backend).outputs["o"]
+        assert np.max(np.abs(got - expected)) <= 1e-10 * np.max(np.abs(expected)), backend
+
+
 def test_nonpositive_decay_is_refused_in_log_space_forms():
     rec = linrec.compile("""recurrence signed(dk = 3, dv = 3)
 input q[dk], k[dk], v[dv], a
