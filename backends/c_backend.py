@@ -75,9 +75,7 @@ class CRecurrent:
     zero_states = True  # forward(initial_state=None) starts from zeros: run() need not make (and copy) them
 
     def __init__(self, compiled: Compiled):
-        why = why_not(compiled, "recurrent")
-        if why:
-            raise LinrecError(f"the C backend does not build the recurrent form of '{compiled.name}': {why}")
+        _require_recurrent(compiled)
         self.compiled = compiled
         self.program = compiled.program
         self._kernels: dict[tuple, Kernel] = {}
@@ -209,12 +207,16 @@ def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
 
 def emit_recurrent(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None) -> str:
     """The C source of the recurrent form (and decode step) for one dtype and sizes (default: the file's)."""
-    why = why_not(compiled, "recurrent")
-    if why:
-        raise LinrecError(f"the C backend does not build the recurrent form of '{compiled.name}': {why}")
+    _require_recurrent(compiled)
     sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
     target = Target(CTYPES[np.dtype(dtype)], c_build.vector_bytes())
     return recurrent_source(compiled, sizes, target).source()
+
+
+def _require_recurrent(compiled: Compiled) -> None:
+    why = why_not(compiled, "recurrent")
+    if why:
+        raise LinrecError(f"the C backend does not build the recurrent form of '{compiled.name}': {why}")
 
 
 def recurrent_kernel(compiled: Compiled) -> str:
@@ -227,7 +229,7 @@ def recurrent_kernel(compiled: Compiled) -> str:
 
 def fused_recurrent(compiled: Compiled) -> bool:
     """Whether the recurrent form is one fused C kernel (form="auto" then takes it without measuring)."""
-    return not _scan_form(compiled, "recurrent") and fused_why_not(compiled) is None
+    return recurrent_kernel(compiled) == "fused"
 
 
 def _scan_form(compiled: Compiled, form: str) -> bool:

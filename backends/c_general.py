@@ -56,6 +56,23 @@ class StatementPrinter(CPrinter):
     def cols(self, e: ir.Expr) -> int:
         return self.size(e.shape[1])
 
+    def scratch_block(self, n: int) -> int:
+        """The offset in `scr` of n more elements (from a whole cache line)."""
+        offset = self.scratch
+        self.scratch += -(-n // 16) * 16
+        return offset
+
+    @staticmethod
+    def matrix_loop(target: str, rows: int, cols: int, code: str) -> list[str]:
+        """target[i, j] = code for every element, rows of `cols` (code in the index variables i, j)."""
+        return [f"for (int i = 0; i < {rows}; ++i) {{", "    #pragma omp simd",
+                f"    for (int j = 0; j < {cols}; ++j) {target}[i * {cols} + j] = {code};", "}"]
+
+    def _part(self, x: ir.Expr, i: str, j: str = "") -> str:
+        if not j:
+            return super()._part(x, i)
+        return self.scalar(x) if not x.shape else self.melem(x, i, j)
+
     # ---- vectors: products with a matrix ----
     @staticmethod
     def _vector_product(e: ir.Expr) -> bool:
@@ -137,8 +154,7 @@ class StatementPrinter(CPrinter):
             x = elu_plus_one(e)
             if x is not None:  # elu(x) + 1 cancels to 0 for very negative x in low precision
                 return f"lr_elu_plus_one({self.melem(x, i, j)})"
-            part = lambda x: self.scalar(x) if not x.shape else self.melem(x, i, j)  # noqa: E731
-            return self._binary(e.op, part(e.left), part(e.right), e.right)
+            return self._binary(e.op, self._part(e.left, i, j), self._part(e.right, i, j), e.right)
         if isinstance(e, ir.Dot):
             return self._product(e, i, j)
         raise self._unsupported(e)
@@ -147,8 +163,7 @@ class StatementPrinter(CPrinter):
         """Element (i, j) of a·b by the structure of its factors (see the module's docstring)."""
         a, b = e.left, e.right
         if not a.shape or not b.shape:
-            part = lambda x: self.scalar(x) if not x.shape else self.melem(x, i, j)  # noqa: E731
-            return f"({part(a)} * {part(b)})"
+            return f"({self._part(a, i, j)} * {self._part(b, i, j)})"
         if isinstance(a, ir.Identity):
             return self.melem(b, i, j)
         if isinstance(b, ir.Identity):
@@ -185,18 +200,14 @@ class StatementPrinter(CPrinter):
         """A name for e in the scratch buffer (its rows of `cols` elements, from a whole cache line)."""
         name = self._name(e, "m")
         rows, cols = (self.size(d) for d in e.shape)
-        offset = self.scratch
-        self.scratch += -(-rows * cols // 16) * 16
-        self._sink(e).append(f"T *restrict {name} = scr + {offset};{self._comment(e)}")
+        self._sink(e).append(f"T *restrict {name} = scr + {self.scratch_block(rows * cols)};{self._comment(e)}")
         self._matrices[e] = name
         return name
 
     def _materialize(self, e: ir.Expr, element) -> None:
-        rows, cols = (self.size(d) for d in e.shape)
         code = element("i", "j")
         name = self._scratch_matrix(e)
-        self._sink(e).extend([f"for (int i = 0; i < {rows}; ++i) {{", "    #pragma omp simd",
-                              f"    for (int j = 0; j < {cols}; ++j) {name}[i * {cols} + j] = {code};", "}"])
+        self._sink(e).extend(self.matrix_loop(name, *(self.size(d) for d in e.shape), code))
 
     def _materialize_product(self, e: ir.Dot) -> None:
         a, b = e.left, e.right
@@ -224,8 +235,6 @@ class GeneralGenerator(KernelSource):
         super().__init__(compiled, dims, target)
         # (for the file's opening comment: what the fused kernel does not take, without the advice to users)
         self.why_not_fused = re.split(r"[;.] the NumPy backend", why_not_fused, flags=re.IGNORECASE)[0]
-        if compiled.derivation.sequence is not None:
-            raise LinrecError("programs that read the sequence run on the attention kernels")
         if stabilized_states(compiled):
             raise LinrecError(f"its exponential feature maps are stabilized only in the fused kernel, which "
                               f"does not take it: {self.why_not_fused}")
@@ -288,10 +297,8 @@ class GeneralGenerator(KernelSource):
         if _rank(value) == 1:
             body = pr.store(value, target) if fresh else pr.fill(value, target)
             return pr.take_token() + body
-        rows, cols = (self.dims[d] for d in value.shape)
         code = pr.melem(value, "i", "j")
-        return pr.take_token() + [f"for (int i = 0; i < {rows}; ++i) {{", "    #pragma omp simd",
-                                  f"    for (int j = 0; j < {cols}; ++j) {target}[i * {cols} + j] = {code};", "}"]
+        return pr.take_token() + pr.matrix_loop(target, *(self.dims[d] for d in value.shape), code)
 
     def _copy(self, pr: StatementPrinter, value: ir.Expr, name: str) -> list[str]:
         """A named value into a local of its own (a copy: the state it reads may change after it)."""
@@ -300,9 +307,8 @@ class GeneralGenerator(KernelSource):
             return pr.take_token() + [f"const T {name} = {code};"]
         if _rank(value) == 1:
             return [f"T {name}[{self.size(value.shape)}];"] + self._store(pr, value, name)
-        offset = pr.scratch
-        pr.scratch += -(-self.size(value.shape) // 16) * 16
-        return [f"T *restrict {name} = scr + {offset};"] + self._store(pr, value, name)
+        return [f"T *restrict {name} = scr + {pr.scratch_block(self.size(value.shape))};"] \
+            + self._store(pr, value, name)
 
     def _region(self, prefix: str, updates: bool, outputs: bool) -> dict:
         pr = StatementPrinter(self.t.ctype, self.dims, self.ref, prefix)

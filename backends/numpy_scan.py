@@ -239,9 +239,9 @@ def _finish(results, end, readouts_hm, causal, tokens):
     return [np.swapaxes(r, 1, 2) for r in results], end
 
 
-def _tokens(log_decay, corrections, writes, readouts) -> int:
+def _tokens(log_decay, corrections, writes, readouts, value_log_decay=None) -> int:
     arrays = [q for q, _ in readouts if q is not None] + [k for k, _ in writes] + [u for u, _ in corrections]
-    return (arrays[0] if arrays else log_decay).shape[-2]
+    return (arrays[0] if arrays else log_decay if log_decay is not None else value_log_decay).shape[-2]
 
 
 def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None, value_log_decay=None):
@@ -252,7 +252,7 @@ def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chu
     matrix state's columns, S·diag(exp(m))). Returns ([readout [B, T, H, dv]], S_T)."""
     s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
     results, end = _segment(s0, l, corr, wr, rd, causal, block=64, m=m)
-    return _finish(results, end, rd, causal, _tokens(l if l is not None else m, corr, wr, rd))
+    return _finish(results, end, rd, causal, _tokens(l, corr, wr, rd, m))
 
 
 def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
@@ -260,7 +260,7 @@ def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
     """The chunkwise form: state passing between chunks of C tokens, dense products inside a chunk."""
     chunk = int(chunk_size or 64)
     s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
-    tokens = _tokens(l if l is not None else m, corr, wr, rd)
+    tokens = _tokens(l, corr, wr, rd, m)
     state, pieces = s0, []
     for s in range(0, tokens, chunk):
         cut = slice(s, min(s + chunk, tokens))
@@ -279,7 +279,7 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
     """The recurrent form of the decomposition: one token at a time, carrying the state."""
     s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
     state = s0.copy()
-    tokens = _tokens(l if l is not None else m, corr, wr, rd)
+    tokens = _tokens(l, corr, wr, rd, m)
     lead = state.shape[:-2] + (tokens,)
     results = [np.empty(lead + (state.shape[-2] if q is None else state.shape[-1],), dtype=state.dtype)
                for q, _ in rd]

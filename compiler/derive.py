@@ -54,6 +54,14 @@ class Derivation:
         return next((r for f, r in self.unavailable if f == form), None)
 
 
+def _is_readout(node: ir.Expr, state: str | None = None) -> bool:
+    """node is q·S (S a state, of that name if given) with a q that reads no state. (Readouts are found
+    bottom up: a query that reads a state, (q·U)·S, holds U's readout by then, and is no query either.)"""
+    return isinstance(node, ir.Dot) and isinstance(node.right, ir.StateRef) and len(node.left.shape) == 1 \
+        and (state is None or node.right.name == state) and not states_in(node.left) \
+        and not any(isinstance(n, ir.ReadoutRef) for n in walk(node.left))
+
+
 def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: list[str]):
     def readout(node: ir.Expr, s: ir.StateRef, query: ir.Expr | None) -> ir.ReadoutRef:
         r = Readout(len(readouts), s.name, query, s.version == "prev" and program.causal)
@@ -64,11 +72,7 @@ def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: li
         return ir.ReadoutRef(node.shape, r.index)
 
     def contraction(node: ir.Expr) -> ir.Expr:
-        # (bottom up: a query that reads a state, (q·U)·S, holds U's readout by now, and is no query)
-        if isinstance(node, ir.Dot) and isinstance(node.right, ir.StateRef) and len(node.left.shape) == 1 \
-                and not states_in(node.left) and not any(isinstance(n, ir.ReadoutRef) for n in walk(node.left)):
-            return readout(node, node.right, node.left)
-        return node
+        return readout(node, node.right, node.left) if _is_readout(node) else node
 
     def value(node: ir.Expr) -> ir.Expr:
         # what contractions leave of a vector state is read as it is (elementwise, or whole)
@@ -93,8 +97,7 @@ def _read_through_readouts(program: ir.Program, state: str) -> bool:
     for out in program.outputs:
         nodes = list(walk(inline_lets(out.value, program.lets)))
         uses = sum(isinstance(n, ir.StateRef) and n.name == state for n in nodes)
-        readouts = sum(isinstance(n, ir.Dot) and isinstance(n.right, ir.StateRef) and n.right.name == state
-                       and len(n.left.shape) == 1 and not states_in(n.left) for n in nodes)
+        readouts = sum(_is_readout(n, state) for n in nodes)
         if uses != readouts:
             return False
     return True

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from . import ir
 from .analysis import inline_lets, states_in, to_text, variance
-from .linearity import (IDENTITY, ONE, NotLinear, Term, Unfactorable, add, compose, linear_terms, mul, operator_terms,
+from .linearity import (ONE, NotLinear, Term, Unfactorable, add, compose, linear_terms, mul, operator_terms,
                         vector_terms)
 
 
@@ -85,8 +85,12 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     value_decay: ir.Expr | None = None
     rights = {t.right for t in terms if t.right is not None and t.right.kind != "identity"}
     if rights and len(state.shape) == 1:  # z·diag(d) = diag(d)·z: for a vector state a diagonal either side
-        terms = [Term(mul(c, t.coef), f) if t.right is not None and t.right.kind == "diag" else t
-                 for t in terms for c, f in [compose(t.right or IDENTITY, t.left)]]
+        def to_left(t: Term) -> Term:
+            if t.right is None or t.right.kind != "diag":
+                return t
+            c, f = compose(t.right, t.left)
+            return Term(mul(c, t.coef), f)
+        terms = [to_left(t) for t in terms]
     elif len(rights) == 1 and next(iter(rights)).kind == "diag" and all(t.right in rights for t in terms):
         # one diagonal on the right of every S term: D·S·diag(E), E decays the value axis
         value_decay = next(iter(rights)).u

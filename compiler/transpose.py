@@ -62,7 +62,7 @@ def _value(e: ir.Expr, state: str) -> ir.Expr:
     if isinstance(e, ir.Dot) and len(e.left.shape) == 2 and len(e.right.shape) == 1 \
             and contains_state(e.left, state):  # M·v = v·Mᵀ
         return ir.Dot(e.shape, _value(e.right, state), _matrix(e.left, state), span=e.span)
-    if isinstance(e, ir.StateRef) or isinstance(e, (ir.Diag, ir.Identity, ir.Outer)):
+    if isinstance(e, (ir.StateRef, ir.Diag, ir.Identity, ir.Outer)):
         raise NotTransposable(type(e).__name__)
     if isinstance(e, ir.Apply):
         return dataclasses.replace(e, args=tuple(_value(a, state) for a in e.args))
@@ -71,7 +71,7 @@ def _value(e: ir.Expr, state: str) -> ir.Expr:
     if isinstance(e, (ir.Arith, ir.Dot)) and len(e.left.shape) < 2 and len(e.right.shape) < 2:
         return dataclasses.replace(e, left=_value(e.left, state), right=_value(e.right, state))
     if isinstance(e, ir.Dot):  # a vector and a matrix without the state: only the vector can hold it
-        vec, mat = ("left", "right") if len(e.left.shape) == 1 else ("right", "left")
+        vec = "left" if len(e.left.shape) == 1 else "right"
         return dataclasses.replace(e, **{vec: _value(getattr(e, vec), state)})
     raise NotTransposable(type(e).__name__)
 
