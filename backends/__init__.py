@@ -1,11 +1,11 @@
-"""linrec backends: NumPy (and C) code generation, the runtime, the Python API and the command line.
+"""linrec: a compiler for linear-attention recurrences.
 
-    import backends as linrec
+    import linrec
     rec = linrec.load("examples/gla.lin")
     result = rec.run(rec.random_inputs(batch=1, tokens=32, heads=2))
 """
-from dsl.errors import LinrecError, RuntimeInputError
-
 from .api import Recurrence, Result, compile, load
+from .dsl.errors import LinrecError, RuntimeInputError
+from .version import VERSION as __version__
 
-__all__ = ["LinrecError", "Recurrence", "Result", "RuntimeInputError", "compile", "load"]
+__all__ = ["LinrecError", "Recurrence", "Result", "RuntimeInputError", "__version__", "compile", "load"]

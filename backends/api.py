@@ -1,6 +1,6 @@
 """The Python API: compile a program, emit its forms, call them on NumPy arrays.
 
-    import backends as linrec
+    import linrec as linrec
     rec = linrec.load("examples/gla.lin")            # or linrec.compile("recurrence …")
     res = rec.run(q=q, k=k, v=v, g=g, form="chunkwise")
     res.outputs["o"], res.final_state["S"]
@@ -14,11 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
-import compiler
-from compiler import Compiled
-from dsl.errors import LinrecError, RuntimeInputError
+from . import compiler
+from .compiler import Compiled
+from .dsl.errors import LinrecError, RuntimeInputError
 
-from . import arrays, c_backend, c_build, form_choice, numpy_backend
+from . import arrays
+from .c import backend as c_backend
+from .c import build as c_build
+from . import form_choice
+from .numpy import backend as numpy_backend
 
 BACKENDS = {"numpy": numpy_backend, "c": c_backend}
 PLANS_KEPT = 32  # call signatures whose plans run() keeps (the oldest goes first)
@@ -160,7 +164,7 @@ class Recurrence:
     @functools.cached_property
     def _log_scales(self) -> frozenset[str]:
         """The log-scales a decode loop carries beside stabilized states ("S.log_scale")."""
-        from .numpy_backend import log_scale_keys
+        from .numpy.backend import log_scale_keys
         return frozenset(log_scale_keys(self.compiled).values())
 
     def bind(self, module, shape: arrays.CallShape, params: dict | None = None, initial_state: dict | None = None,

@@ -47,10 +47,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dsl.errors import LinrecError
+from .dsl.errors import LinrecError
 
-from . import c_build, verify
-from .c_generator import split_scalar
+from .c import build as c_build
+from . import verify
+from .c.generator import split_scalar
 
 DEFAULT_TOKENS = (1024, 4096, 16384, 32768)
 QUICK_TOKENS = (256, 1024)
@@ -190,14 +191,14 @@ _LOAD_SCRIPT = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import numpy as np
-import backends as linrec
+import linrec as linrec
 t1 = time.perf_counter()
 path, backend, dims, heads = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 rec = linrec.load(path)
 t2 = time.perf_counter()
 x = rec.random_inputs(batch=1, tokens=1, heads=heads, dims=dims, dtype=np.float32, seed=0)
 try:
-    from backends import c_build
+    from .c import build as c_build
     entries = lambda: c_build.cache_info()["entries"]
 except Exception:
     entries = lambda: None
@@ -395,7 +396,7 @@ def _cpu() -> str:
 # ---- the run ------------------------------------------------------------------------------------------
 def run(opts: Options, progress=None) -> dict:
     """Everything `linrec bench` reports, as plain data (the --json object)."""
-    import compiler
+    from . import compiler
 
     from . import api
 

@@ -29,24 +29,14 @@ from typing import Callable
 
 import numpy as np
 
-from dsl.errors import LinrecError, RuntimeInputError
+from .dsl.errors import LinrecError, RuntimeInputError
+from .version import VERSION
 
 PROG = "linrec"
 DEBUG_VARIABLE = "LINREC_DEBUG"
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-        try:
-            return version("linrec")
-        except PackageNotFoundError:
-            pass
-    except ImportError:  # pragma: no cover - Python without importlib.metadata
-        pass
-    from . import numpy_backend
-    return f"{numpy_backend.VERSION} (not installed; running from source)"
 
 
 def _shape(dims) -> str:
@@ -68,7 +58,7 @@ def _backend_names() -> list[str]:
 
 
 def _form_names() -> list[str]:
-    import compiler
+    from . import compiler
     return list(compiler.FORMS)
 
 
@@ -93,8 +83,8 @@ def _range_text(x) -> str | None:
 
 def _reads(program, value) -> list[tuple[str, str]]:
     """Which states an output reads and when: "before" (S_(t−1)), "after" (S_t) or "final" (non-causal)."""
-    from compiler import ir
-    from compiler.analysis import inline_lets, walk
+    from .compiler import ir
+    from .compiler.analysis import inline_lets, walk
     seen: dict[tuple[str, str], None] = {}
     for node in walk(inline_lets(value, program.lets)):
         if isinstance(node, ir.StateRef):
@@ -110,7 +100,7 @@ _WHEN = {"before": "before this token's update ({s}_(t−1))", "after": "after t
 # ---- check -----------------------------------------------------------------------------------
 def describe(rec, path: str) -> dict:
     """Everything `check` reports, as plain data (the --json output for one file)."""
-    from compiler.analysis import to_text
+    from .compiler.analysis import to_text
     p, d = rec.program, rec.derivation
     updates = p.updates
     info = {
@@ -152,7 +142,7 @@ def describe(rec, path: str) -> dict:
         entry = {"form": form, "available": why is None, "reason": why,
                  "backends": _implemented(rec, form) if why is None else []}
         if form == "recurrent" and "c" in entry["backends"] and d.sequence is None:
-            from . import c_backend
+            from .c import backend as c_backend
             entry["c_kernel"] = c_backend.recurrent_kernel(rec.compiled)
         info["forms"].append(entry)
     plan = d.sequence
@@ -597,7 +587,7 @@ def cmd_verify(args) -> int:
     import json
 
     from . import verify
-    from .numpy_backend import DEFINITION
+    from .numpy.backend import DEFINITION
 
     rec = _load(args.file)
     if args.against:
@@ -753,7 +743,7 @@ def cmd_cache(args) -> int:
     `info` lists the cache directory, its entries (built kernels) with their sizes, ages and checksum
     status, and the total bytes; `clear` deletes every entry (kernels are rebuilt when next used).
     """
-    from . import c_cache
+    from .c import cache as c_cache
     if args.action == "info":
         data = c_cache.info()
         print(json.dumps(data, indent=1) if args.json else c_cache.format_info(data))
@@ -813,7 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="linrec: a compiler for linear-attention recurrences.\nWrite the per-token update "
                     "rule in a small DSL; get its recurrent, parallel and\nchunkwise forms as readable NumPy "
                     "and as SIMD C kernels (prefill and\none-token decode), each verified against the others.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, (add_arguments, handler) in COMMANDS.items():
         doc = textwrap.dedent(handler.__doc__ or "").strip()

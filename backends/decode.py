@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsl.errors import LinrecError
+from .dsl.errors import LinrecError
 
 from . import arrays
 
@@ -72,8 +72,8 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
 def at_true_scale(rec, state: dict) -> dict:
     """Stabilized states as the sequence forms return them: a state carried as S·exp(−m) between steps,
     with m at its "S.log_scale" key (NaN: at its true scale already), rescaled to m = 0, without the key."""
-    from .numpy_backend import log_scale_keys
-    from .numpy_scan import rescale
+    from .numpy.backend import log_scale_keys
+    from .numpy.scan import rescale
     keys = log_scale_keys(rec.compiled)
     out = {k: v for k, v in state.items() if k not in set(keys.values())}
     for name, key in keys.items():

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiler import ir
-from dsl.errors import LinrecError
+from .compiler import ir
+from .dsl.errors import LinrecError
 
-from .numpy_runtime import random_features
+from .numpy.runtime import random_features
 
 FEATURES = (16, 64, 256, 1024)
 

@@ -36,7 +36,7 @@ class Case:
 
 
 def program_reads_sequence(program) -> bool:
-    from compiler.sequence import is_sequence_program
+    from .compiler.sequence import is_sequence_program
     return is_sequence_program(program)
 
 
@@ -62,14 +62,14 @@ def reference_form(rec) -> str:
     against its dense parallel form, and one whose recurrent form is stabilized (exponential feature maps,
     carried as S·exp(−M)) against its statements as written (numpy_backend.DEFINITION): the stabilized
     recurrent form is then checked like every other."""
-    from .numpy_backend import DEFINITION, stabilized_states
+    from .numpy.backend import DEFINITION, stabilized_states
     if "recurrent" not in rec.forms:
         return "parallel"
     return DEFINITION if stabilized_states(rec.compiled) else "recurrent"
 
 
 def battery(program, quick: bool = False) -> list[Case]:
-    from compiler.builtins import SEQ
+    from .compiler.builtins import SEQ
     sized = [d for d in program.dims if d.name != SEQ]  # the maximum length stays as declared
     small = {d.name: min(d.default, 8) for d in sized}
     odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)}

@@ -49,8 +49,7 @@ float lr_fma_chains(int64_t iters, int threads)
 
 def fma_peak_gflops(threads: int, seconds: float = 0.5) -> float:
     """The float32 multiply-add rate of `threads` threads, GFLOP/s (best of three timed runs)."""
-    sys.path.insert(0, str(ROOT))
-    from backends import c_build
+    from linrec.c import build as c_build
     width = c_build.vector_bytes()
     lib = c_build.build(SOURCE.replace("VECTOR_BYTES", str(width)), "float lr_fma_chains(int64_t, int);",
                         "fma_peak").lib

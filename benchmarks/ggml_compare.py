@@ -106,7 +106,7 @@ def _ggml_inputs(op: str, x: dict) -> dict:
 def check(ggml, op: str, threads: int) -> dict:
     """The op against linrec's float64 recurrent form on 64 tokens: relative difference of the outputs
     (and of the outputs scaled by √d, in case the op leaves out the 1/√d linrec's example has)."""
-    import backends as linrec
+    import linrec
     rec = linrec.load(ROOT / "examples" / ("gla.lin" if op == "gla" else "gated_deltanet.lin"))
     x = rec.random_inputs(batch=1, tokens=64, heads=H, dims={"dk": D, "dv": D}, dtype=np.float32, seed=0)
     ref = rec.run({k: v.astype(np.float64) for k, v in x.items()}, form="recurrent").outputs["o"][0]
@@ -128,8 +128,9 @@ def time_op(ggml, op: str, tokens: int, threads: int, repeats: int, per_round: i
     (repeated calls on the same inputs), and the ratio of two rounds a few hundred ms apart is immune to the
     machine's slow and fast spells; alternating call by call instead would make each side evict the
     other's inputs from the shared last-level cache before every call."""
-    import backends as linrec
-    from backends import bench, c_build
+    import linrec
+    from linrec import bench
+    from linrec.c import build as c_build
     rec = linrec.load(ROOT / "examples" / ("gla.lin" if op == "gla" else "gated_deltanet.lin"))
     x = rec.random_inputs(batch=1, tokens=tokens, heads=H, dims={"dk": D, "dv": D}, dtype=np.float32, seed=0)
     gr = Graph(ggml, op, tokens)
@@ -200,8 +201,7 @@ def main(argv=None) -> int:
     except (OSError, RuntimeError) as err:  # the bindings are there but their shared library does not load
         print(f"ggml-python is installed but does not load ({err}); nothing to compare")
         return 0
-    sys.path.insert(0, str(ROOT))
-    from backends import bench
+    from linrec import bench
     from fma_peak import fma_peak_gflops
     tokens = args.tokens or [1024, 4096, 16384]
     ops = ["gla"] + (["gated_delta_net"] if hasattr(ggml, "ggml_gated_delta_net") else [])

@@ -6,7 +6,7 @@
 
 Writes benchmarks/results/<program>_t<threads>.json (the `linrec bench --json` object), .png (when matplotlib
 is installed) and .txt (stderr: progress), and benchmarks/results/summary.md (benchmarks/summarize.py).
-Runs from a clone without installing: it calls `python -m backends.cli` with the repository on PYTHONPATH.
+Needs linrec installed (`pip install '.[bench]'` from the repository): it runs `python -m linrec bench`.
 """
 from __future__ import annotations
 
@@ -40,19 +40,17 @@ def main(argv=None) -> int:
     files = args.file or DEFAULT_FILES
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     written, status = [], 0
     for file in files:
         path = Path(file) if Path(file).is_absolute() else ROOT / file
         for n in threads:
             stem = out / f"{path.stem}_t{n}"
-            cmd = [sys.executable, "-m", "backends.cli", "bench", str(path), "--json", "--threads", str(n),
+            cmd = [sys.executable, "-m", "linrec", "bench", str(path), "--json", "--threads", str(n),
                    "--plot", f"{stem}.png", *(["--quick"] if args.quick else []), *args.extra]
             print(f"$ linrec {' '.join(cmd[3:])}", flush=True)
             start = time.perf_counter()
             with open(f"{stem}.txt", "w", encoding="utf-8") as log:
-                res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                res = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
                                      check=False)
             if res.returncode != 0:
                 print(f"  failed (exit status {res.returncode}); see {stem}.txt", flush=True)

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import linrec
+from fma_peak import fma_peak_gflops  # (benchmarks/, the script's own folder)
+from linrec import bench
+from linrec.c import build as c_build
 
-import backends  # noqa: E402
-from backends import bench, c_build  # noqa: E402
-from fma_peak import fma_peak_gflops  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # the repository: the example programs
 
 PROGRAMS = ["examples/gla.lin", "examples/gated_deltanet.lin"]
 DIMS = {"dk": 64, "dv": 64}
@@ -46,7 +46,7 @@ def run_ms(rec, x, threads: int, form: str = "recurrent", backend: str = "c", ca
 
 
 def measure(rounds: int, progress) -> dict:
-    recs = {Path(p).stem: backends.load(ROOT / p) for p in PROGRAMS}
+    recs = {Path(p).stem: linrec.load(ROOT / p) for p in PROGRAMS}
     flops = {name: bench.flop_count(rec, DIMS) for name, rec in recs.items()}
     out = {"rounds": [], "numpy_chunkwise_ms": {}, "flops": {n: f[1] for n, f in flops.items()}}
     inputs = {name: {t: rec.random_inputs(1, t, 8, dims=DIMS, dtype=np.float32, seed=0) for t in (16384, 32768)}

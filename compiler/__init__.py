@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsl import LinrecError, parse
+from ..dsl import LinrecError, parse
 
 from . import ir
 from .derive import FORMS, Derivation, derive

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsl.errors import Span
+from ..dsl.errors import Span
 
 Shape = tuple[str, ...]
 

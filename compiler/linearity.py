@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsl.errors import LinrecError
+from ..dsl.errors import LinrecError
 
 from . import ir
 from .analysis import contains_state, inline_lets, to_text

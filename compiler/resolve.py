@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsl import ast
-from dsl.errors import LinrecError, LinrecWarning, Span
+from ..dsl import ast
+from ..dsl.errors import LinrecError, LinrecWarning, Span
 
 from . import ir
 from .analysis import rebuild

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsl.errors import LinrecError
+from ..dsl.errors import LinrecError
 
 from . import ir
 from .analysis import inline_lets, rebuild, to_text, walk

@@ -22,7 +22,7 @@ _TERMINAL_NAMES = {
 
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
-    grammar = resources.files("dsl").joinpath("grammar.lark").read_text(encoding="utf-8")
+    grammar = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
     return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
 
 

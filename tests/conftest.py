@@ -1,15 +1,15 @@
-"""Make the project's packages (dsl, compiler, backends) and tests/reference_impls importable however
-pytest is started (`python -m pytest tests` or plain `pytest`), and give the session one kernel cache."""
+"""Make tests/reference_impls importable however pytest is started (`python -m pytest tests` or plain
+`pytest`), and give the session one kernel cache. linrec itself is imported from the installed package
+(`pip install .`, or `pip install -e .` while developing), never from the source folders."""
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "tests"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends as linrec
-from dsl.errors import RuntimeInputError
+import linrec
+from linrec.dsl.errors import RuntimeInputError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DIMS = {"dk": 5, "dv": 19}  # the C tests' sizes: their kernels are already built in a test session
@@ -79,7 +79,7 @@ def test_params_of_a_plan_are_shared_read_only():
 
 def test_plans_kept_are_bounded():
     """A long-running caller with ever new shapes keeps at most PLANS_KEPT plans, the newest."""
-    from backends.api import PLANS_KEPT
+    from linrec.api import PLANS_KEPT
     rec = fresh("gla")
     for tokens in range(1, PLANS_KEPT + 9):
         rec.run(rec.random_inputs(batch=1, tokens=tokens, heads=1, dims={"dk": 2, "dv": 3}), form="recurrent")

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends as linrec
-from backends.cli import main
-from backends.decode import run_by_steps
-from dsl.errors import LinrecError
+import linrec
+from linrec.cli import main
+from linrec.decode import run_by_steps
+from linrec.dsl.errors import LinrecError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -101,10 +101,9 @@ def test_cache_info_and_clear(tmp_path, monkeypatch, capsys):
     empty = json.loads(capsys.readouterr().out)
     assert empty["dir"] == str(cache) and empty["entries"] == 0 and empty["bytes"] == 0
     # build one kernel in another process (this one may hold kernels in memory from other caches)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([sys.executable, "-m", "backends.cli", "run", str(EXAMPLES / "gla.lin"), "--backend", "c",
+    subprocess.run([sys.executable, "-m", "linrec", "run", str(EXAMPLES / "gla.lin"), "--backend", "c",
                     "--form", "recurrent", "--tokens", "3", "--dim", "dk=3", "--dim", "dv=5", "-q"],
-                   check=True, env=env, cwd=ROOT, timeout=300)
+                   check=True, cwd=ROOT, timeout=300)
     assert main(["cache", "info", "--json"]) == 0
     full = json.loads(capsys.readouterr().out)
     assert full["entries"] >= 1 and full["bytes"] > 0

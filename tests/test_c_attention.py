@@ -1,4 +1,4 @@
-"""C kernels for sequence-level attention (backends.c_attention): softmax attention in its three forms
+"""C kernels for sequence-level attention (linrec.c.attention): softmax attention in its three forms
 against a direct NumPy softmax, and Reformer's LSH attention against numpy_attention's.
 
 Every test uses one kernel size (d = 19, dv = 37: odd, several SIMD registers, a tail group of value
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsl.errors import LinrecError, RuntimeInputError
+from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 D, DV = 19, 37
 FORMS = ("recurrent", "parallel", "chunkwise")
@@ -19,7 +19,7 @@ DTYPES = (np.float64, np.float32)
 @pytest.fixture(scope="session")
 def ca(cache_dir):
     """The module, with both kernels built (once) in the session's cache."""
-    from backends import c_attention
+    from linrec.c import attention as c_attention
     for dtype in DTYPES:
         c_attention.kernel(dtype, D, DV)
     return c_attention
@@ -121,7 +121,7 @@ def test_large_scores_stay_finite(ca, dtype, form):
 @pytest.mark.parametrize("form", FORMS)
 def test_forms_agree_and_match_the_numpy_twin(ca, form):
     """The call the generated modules make: attention(q, k, v, causal, window, form, chunk_size)."""
-    from backends import numpy_attention
+    from linrec.numpy import attention as numpy_attention
     q, k, v = qkv(2, 40, 40, 3, np.float64, seed=5)
     for causal, window in ((True, 0), (False, 7)):
         np.testing.assert_allclose(ca.attention(q, k, v, causal, window, form, None),
@@ -188,7 +188,7 @@ def test_refusals(ca):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", ["lsh_attention_dense", "lsh_attention_bucketed"])
 def test_lsh_matches_numpy(ca, dtype, tokens, causal, name):
-    from backends import numpy_attention
+    from linrec.numpy import attention as numpy_attention
     rng = np.random.default_rng(tokens)
     q = rng.standard_normal((2, tokens, 3, D)).astype(dtype)
     v = rng.standard_normal((2, tokens, 3, DV)).astype(dtype)

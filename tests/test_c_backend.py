@@ -84,8 +84,8 @@ output o = q·S
 
 @pytest.fixture(scope="session")
 def linrec(cache_dir):
-    import backends
-    return backends
+    import linrec
+    return linrec
 
 
 _RECS: dict = {}
@@ -260,7 +260,7 @@ def test_bound_step_equals_prefill(linrec, name, backend):
 def test_refilled_token_out_of_range_is_an_error_and_changes_nothing(linrec):
     """The decode loop's token buffers are refilled in place, so Python sees no new array: the C step tests
     the declared ranges itself, before it touches a state."""
-    from dsl.errors import RuntimeInputError
+    from linrec.dsl.errors import RuntimeInputError
     rec = rec_for(linrec, "gated_deltanet")
     token = {k: np.ascontiguousarray(v[:, 0]) for k, v in
              rec.random_inputs(batch=1, tokens=1, heads=4, dims=DIMS, seed=13).items()}
@@ -282,7 +282,7 @@ def test_refilled_token_out_of_range_is_an_error_and_changes_nothing(linrec):
 
 
 def test_bind_step_rejects_what_it_cannot_bind(linrec):
-    from dsl.errors import RuntimeInputError
+    from linrec.dsl.errors import RuntimeInputError
     rec = rec_for(linrec, "gla")
     token = {k: np.ascontiguousarray(v[:, 0]) for k, v in
              rec.random_inputs(batch=1, tokens=1, heads=2, dims=DIMS, seed=14).items()}
@@ -329,11 +329,11 @@ def test_steps_on_threads_equal_prefill(linrec, monkeypatch, name, batch, heads)
 _FORKED_STEPS = """\
 import os, sys
 import numpy as np
-sys.path[:0] = [{root!r}, {tests!r}]
+sys.path[:0] = [{tests!r}]
 os.environ["LINREC_NUM_THREADS"] = "2"
-import backends
+import linrec
 from test_c_backend import DIMS, _chained_steps, rel_err
-rec = backends.load({path!r})
+rec = linrec.load({path!r})
 inputs = rec.random_inputs(batch=4, tokens=9, heads=32, dims=DIMS, seed=9)
 full = rec.prefill(inputs, backend="c")
 
@@ -357,13 +357,13 @@ print("ok")
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_step_threads_survive_fork_and_exit(linrec):
     """A process forked after steps on helper threads steps on its own, and both exit (helpers waiting)."""
-    code = _FORKED_STEPS.format(root=str(ROOT), tests=str(ROOT / "tests"), path=str(EXAMPLES / "gated_deltanet.lin"))
+    code = _FORKED_STEPS.format(tests=str(ROOT / "tests"), path=str(EXAMPLES / "gated_deltanet.lin"))
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
 def test_step_rejects_bad_arrays(linrec):
-    from dsl.errors import LinrecError, RuntimeInputError
+    from linrec.dsl.errors import LinrecError, RuntimeInputError
     rec = rec_for(linrec, "gla")
     token = {k: v[:, 0] for k, v in rec.random_inputs(batch=2, tokens=1, heads=3, dims=DIMS).items()}
     state = {"S": np.zeros((2, 3, 5, 19))}
@@ -384,7 +384,7 @@ def test_step_rejects_bad_arrays(linrec):
 
 # ---- boundary checks --------------------------------------------------------------------------------
 def test_wrong_shapes_and_dtypes(linrec):
-    from dsl.errors import RuntimeInputError
+    from linrec.dsl.errors import RuntimeInputError
     rec = rec_for(linrec, "gla")
     inputs = rec.random_inputs(batch=2, tokens=5, heads=3, dims=DIMS)
     with pytest.raises(RuntimeInputError):
@@ -410,7 +410,7 @@ def test_wrong_shapes_and_dtypes(linrec):
 def test_declared_ranges_are_checked_by_the_kernel(linrec, name, bad):
     """lr_forward tests the declared ranges as it reads (run() skips its own scan for it); a value outside
     is reported with the input, the range and the index, exactly as the NumPy backend reports it."""
-    from dsl.errors import RuntimeInputError
+    from linrec.dsl.errors import RuntimeInputError
     rec = rec_for(linrec, name)
     inputs = rec.random_inputs(batch=2, tokens=37, heads=3, dims=DIMS)
     arr, value = inputs[bad[0]], bad[1]
@@ -451,7 +451,7 @@ def test_output_arrays_are_recycled_only_when_nobody_holds_them(linrec):
 def test_value_axis_decay_runs_statement_by_statement(linrec):
     """A decay of the value axis (S·diag(d)) is no fused kernel's: on C its statements run one by one
     (c_general); its parallel and chunkwise forms are NumPy's, and C says so."""
-    from dsl.errors import LinrecError
+    from linrec.dsl.errors import LinrecError
     rec = rec_for(linrec, "right")
     assert "statement by statement" in rec.emit("recurrent", backend="c")
     inputs = rec.random_inputs(batch=2, tokens=9, heads=2, seed=1)
@@ -468,8 +468,8 @@ def test_value_axis_decay_runs_statement_by_statement(linrec):
 
 
 def test_no_compiler_is_a_clear_error(linrec, monkeypatch):
-    from backends import c_build
-    from dsl.errors import LinrecError
+    from linrec.c import build as c_build
+    from linrec.dsl.errors import LinrecError
     monkeypatch.setenv("CC", "/nonexistent/linrec-no-such-cc")
     with pytest.raises(LinrecError, match="no C compiler.*NumPy backend"):
         c_build.build("int f(void) { return 1; }", "int f(void);", "nocc")
@@ -479,7 +479,7 @@ def test_no_compiler_is_a_clear_error(linrec, monkeypatch):
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("objdump"),
                     reason="needs x86-64 and objdump")
 def test_kernels_use_vector_instructions(linrec):
-    from backends import c_build
+    from linrec.c import build as c_build
     rec = rec_for(linrec, "gla")
     kernel = rec.module("recurrent", "c").kernel(np.float32, DIMS)
     so = Path(kernel.module.__file__)
@@ -502,11 +502,10 @@ output o = q·S
 
 
 def _build_in_child(args):
-    cache, root, tag = args
+    cache, tag = args
     os.environ["LINREC_CACHE_DIR"] = cache
-    sys.path[:0] = [root]
-    import backends
-    rec = backends.compile(_CACHE_PROGRAM.replace("cachetest", tag))
+    import linrec
+    rec = linrec.compile(_CACHE_PROGRAM.replace("cachetest", tag))
     x = rec.random_inputs(batch=1, tokens=4, heads=2, dims={"dk": 3, "dv": 9})
     res = rec.run(x, form="recurrent", backend="c")
     return float(np.abs(res.outputs["o"]).sum())
@@ -516,7 +515,7 @@ def test_two_processes_build_the_same_kernel(tmp_path):
     cache = tmp_path / "shared-cache"
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(2) as pool:
-        results = pool.map(_build_in_child, [(str(cache), str(ROOT), "concurrent")] * 2)
+        results = pool.map(_build_in_child, [(str(cache), "concurrent")] * 2)
     assert results[0] == results[1] > 0
     entries = [p for p in cache.iterdir() if len(p.name) == 64]
     assert len(entries) == 1  # one float64 kernel, built by whichever process got there first
@@ -525,12 +524,12 @@ def test_two_processes_build_the_same_kernel(tmp_path):
 
 def _run_child(cache: Path, tag: str) -> subprocess.CompletedProcess:
     code = ("import sys; from tests.test_c_backend import _build_in_child; "
-            f"print(_build_in_child(({str(cache)!r}, {str(ROOT)!r}, {tag!r})))")
+            f"print(_build_in_child(({str(cache)!r}, {tag!r})))")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_corrupted_entry_is_rebuilt(tmp_path):
-    from backends import c_build
+    from linrec.c import build as c_build
     cache = tmp_path / "cache"
     first = _run_child(cache, "corrupt")
     assert first.returncode == 0, first.stderr
@@ -544,7 +543,7 @@ def test_corrupted_entry_is_rebuilt(tmp_path):
 
 
 def test_cache_info_and_clear(tmp_path, monkeypatch):
-    from backends import c_build
+    from linrec.c import build as c_build
     monkeypatch.setenv("LINREC_CACHE_DIR", str(tmp_path / "c"))
     assert c_build.cache_info() == {"dir": str(tmp_path / "c"), "entries": 0, "bytes": 0}
     c_build.build("int lr_one(void) { return 1; }", "int lr_one(void);", "one")
@@ -641,7 +640,7 @@ output o = sigmoid(q)·S
 @pytest.mark.parametrize("program", [LANES, LANES_ROWS])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_lazy_decay_computed_in_registers(linrec, program, dtype):
-    from backends import c_backend
+    from linrec.c import backend as c_backend
     rec = linrec.compile(program, "lanes.lin")
     dims = WIDE["early2"]
     source = c_backend.emit_recurrent(rec.compiled, dtype, dims)
@@ -654,7 +653,7 @@ def test_lazy_decay_computed_in_registers(linrec, program, dtype):
 @pytest.mark.parametrize("index", [3, 18])  # in a whole register, in the tail
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_range_checked_in_whole_registers_and_tail(linrec, index, dtype):
-    from dsl.errors import RuntimeInputError
+    from linrec.dsl.errors import RuntimeInputError
     rec = rec_for(linrec, "gla")
     inputs = rec.random_inputs(batch=1, tokens=50, heads=2, dims=WIDE["gla"], seed=6, dtype=dtype)
     inputs["g"][0, 41, 1, index] = 0.25
@@ -680,7 +679,8 @@ output o = q·S
 @pytest.mark.parametrize("target", ["portable", "avx2"])
 def test_other_targets(linrec, monkeypatch, target):
     """The same kernels built for narrower vector registers (the fallback on other CPUs)."""
-    from backends import c_backend, c_build
+    from linrec.c import backend as c_backend
+    from linrec.c import build as c_build
     if target == "avx2" and "avx2" not in c_build._cpu_flags():
         pytest.skip("needs AVX2")
     monkeypatch.setenv("LINREC_C_TARGET", target)
@@ -695,7 +695,7 @@ def test_other_targets(linrec, monkeypatch, target):
 
 
 def test_thread_count_argument_gives_the_same_result():
-    import backends as linrec
+    import linrec
     rec = linrec.load(Path(__file__).resolve().parent.parent / "examples" / "gla.lin")
     x = rec.random_inputs(2, 40, 3, dims={"dk": 8, "dv": 8}, seed=3)
     one = rec.run(x, backend="c", form="recurrent", threads=1).outputs["o"]
@@ -707,7 +707,7 @@ def test_thread_count_argument_gives_the_same_result():
 
 def test_thread_count_of_an_enclosing_block_holds(monkeypatch):
     """run(threads=None) inside c_build.threads(n) runs on n threads (the bench sets its count that way)."""
-    from backends import c_build
+    from linrec.c import build as c_build
     monkeypatch.setenv("LINREC_NUM_THREADS", "2")
     seen = []
     with c_build.threads(1):
@@ -729,7 +729,9 @@ def test_heads_taken_in_turns_by_threads(linrec, monkeypatch, name, split):
     straddle two rows (3 threads). split: every segment end splits a group in two (lr_release), down to
     single heads, as when a slow thread sheds heads to a fast one. A non-causal program makes two passes
     per head; Performer's running maximum (c_stabilize) moves with its head. Against NumPy float64."""
-    from backends import c_backend, c_build, c_generator
+    from linrec.c import backend as c_backend
+    from linrec.c import build as c_build
+    from linrec.c import generator as c_generator
     monkeypatch.setattr(c_generator, "SEGMENT_WORK", 1)
     monkeypatch.setattr(c_generator, "SPLIT_ALWAYS", split)
     rec = rec_for(linrec, name)

@@ -1,4 +1,4 @@
-"""The C backend's statement-by-statement kernels (backends/c_general.py) against the NumPy recurrent form.
+"""The C backend's statement-by-statement kernels (backends/c/general.py) against the NumPy recurrent form.
 
 They run every program the fused kernels do not take: elementwise decays of a matrix, factors on the
 right, dense transitions, per-token matrices, writes that read another state, named values that read a
@@ -76,8 +76,8 @@ _RECS: dict = {}
 
 @pytest.fixture(scope="session")
 def linrec(cache_dir):
-    import backends
-    return backends
+    import linrec
+    return linrec
 
 
 def rec_for(linrec, name):
@@ -89,7 +89,7 @@ def rec_for(linrec, name):
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_runs_statement_by_statement(linrec, name):
     """None of them is the fused kernel's; every one has a C recurrent form, with its reason in the source."""
-    from backends import c_backend
+    from linrec.c import backend as c_backend
     rec = rec_for(linrec, name)
     assert c_backend.fused_why_not(rec.compiled) is not None
     assert c_backend.why_not(rec.compiled, "recurrent") is None
@@ -158,7 +158,7 @@ output y = z
 
 
 def test_out_of_range_inputs_are_refused(linrec):
-    from dsl.errors import RuntimeInputError
+    from linrec.dsl.errors import RuntimeInputError
     rec = rec_for(linrec, "selective")
     inputs = rec.random_inputs(batch=1, tokens=4, heads=2, seed=3)
     inputs["dt"][0, 2, 1, 3] = 1.5
@@ -173,7 +173,7 @@ def test_out_of_range_inputs_are_refused(linrec):
 
 
 def test_noncausal_has_no_decode_step(linrec):
-    from dsl.errors import LinrecError
+    from linrec.dsl.errors import LinrecError
     rec = rec_for(linrec, "encoder")
     inputs = rec.random_inputs(batch=1, tokens=3, heads=1, seed=0)
     with pytest.raises(LinrecError, match="non-causal"):
@@ -204,7 +204,7 @@ output o = S·w
 def test_check_says_how_c_runs_it(linrec, tmp_path, capsys):
     import json
 
-    from backends.cli import main
+    from linrec.cli import main
     path = tmp_path / "selective.lin"
     path.write_text(PROGRAMS["selective"])
     assert main(["check", str(path)]) == 0

@@ -1,4 +1,4 @@
-"""The C parallel and chunkwise scans (backends/c_scan.py) against numpy_scan, and the examples end to end.
+"""The C parallel and chunkwise scans (backends/c/scan.py) against numpy_scan, and the examples end to end.
 
 For random canonical inputs of every structure — no decay, one log-decay per token, one per row; 0, 1 or 2
 corrections; 0, 1 or 2 writes; readouts before and after the update, or none; causal and non-causal; a
@@ -26,9 +26,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends as linrec
-from backends import c_build, c_scan, c_values, numpy_scan
-from dsl.errors import LinrecError, RuntimeInputError
+import linrec
+from linrec.c import build as c_build
+from linrec.c import scan as c_scan
+from linrec.c import values as c_values
+from linrec.numpy import scan as numpy_scan
+from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.lin")  # the scan programs (not attention)
@@ -107,7 +110,8 @@ def example_structures() -> list:
 
 _BUILD = """
 import json, sys
-from backends import c_scan, c_values
+from linrec.c import scan as c_scan
+from linrec.c import values as c_values
 for kind, fields in json.load(sys.stdin):
     fields["before"] = tuple(fields["before"])
     module = c_values if kind == "values" else c_scan
@@ -127,13 +131,12 @@ def kernels(cache_dir):
     wanted |= set(example_structures())
     wanted = sorted(wanted, key=repr)
     workers = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     procs = []
     for i in range(workers):
         part = [("values" if isinstance(s, c_values.Structure) else "scan", dataclasses.asdict(s))
                 for s in wanted[i::workers]]
         p = subprocess.Popen([sys.executable, "-c", _BUILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+                             stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
         procs.append((p, json.dumps(part)))
     for p, data in procs:
         _, err = p.communicate(data, timeout=600)
@@ -304,7 +307,7 @@ def test_edge_cases_and_errors():
 
 
 def test_thread_count_from_environment(monkeypatch):
-    from backends import c_build
+    from linrec.c import build as c_build
     monkeypatch.setenv("LINREC_NUM_THREADS", "3")
     assert c_build.num_threads() == 3
     monkeypatch.setenv("LINREC_NUM_THREADS", "zero")

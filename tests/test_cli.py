@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends as linrec
-from backends.cli import main
+import linrec
+from linrec.cli import main
 
 EXAMPLES = sorted(Path(__file__).resolve().parent.parent.joinpath("examples").glob("*.lin"))
 

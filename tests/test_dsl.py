@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends as linrec
+import linrec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RTOL = 1e-12

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends as linrec
-from dsl.errors import LinrecError, RuntimeInputError
+import linrec
+from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FILE = "bad.lin"
@@ -602,7 +602,7 @@ def test_names_used_only_through_other_declarations_are_not_warned():
 
 
 def test_check_prints_warnings_to_stderr_and_in_its_json(tmp_path, capsys):
-    from backends.cli import main
+    from linrec.cli import main
     path = tmp_path / "unused.lin"
     path.write_text(UNUSED)
     assert main(["check", str(path)]) == 0

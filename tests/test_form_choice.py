@@ -5,15 +5,15 @@ from pathlib import Path
 
 import numpy as np
 
-import backends
-from backends import form_choice
+import linrec
+from linrec import form_choice
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DIMS = {"dk": 8, "dv": 8}
 
 
 def test_numpy_choice_is_the_cheaper_measured_form():
-    rec = backends.load(EXAMPLES / "gated_deltanet.lin")
+    rec = linrec.load(EXAMPLES / "gated_deltanet.lin")
     form, why = rec.choose_form("numpy", 500, heads=2, batch=1, dims=DIMS, dtype=np.float64)
     costs = form_choice.per_token_cost(rec, "numpy", 2, 1, DIMS, np.float64)
     assert set(costs) == {"recurrent", "chunkwise"} and all(c > 0 for c in costs.values())
@@ -24,7 +24,7 @@ def test_numpy_choice_is_the_cheaper_measured_form():
 
 
 def test_auto_runs_the_chosen_form():
-    rec = backends.load(EXAMPLES / "gla.lin")
+    rec = linrec.load(EXAMPLES / "gla.lin")
     inputs = rec.random_inputs(batch=1, tokens=100, heads=2, dims=DIMS)
     form, _ = rec.choose_form("numpy", 100, heads=2, batch=1, dims=DIMS, dtype=np.float64)
     auto = rec.run(inputs, backend="numpy")
@@ -33,10 +33,10 @@ def test_auto_runs_the_chosen_form():
 
 
 def test_short_sequences_and_compiled_code_take_the_recurrent_form():
-    rec = backends.load(EXAMPLES / "retnet.lin")
+    rec = linrec.load(EXAMPLES / "retnet.lin")
     assert rec.choose_form("numpy", form_choice.SHORT)[0] == "recurrent"
     assert rec.choose_form("c", 100000)[0] == "recurrent"
-    softmax = backends.load(EXAMPLES / "softmax.lin")
+    softmax = linrec.load(EXAMPLES / "softmax.lin")
     assert softmax.choose_form("numpy", 4096)[0] == "chunkwise"  # blocked online softmax
 
 
@@ -44,7 +44,7 @@ def test_c_without_a_fused_recurrent_kernel_measures_like_numpy():
     """A non-causal program with exponential keys runs every form as a NumPy-prepared scan on C: no fused
     kernel to take on trust, so auto measures (and picks the cheaper measured form); GLA's recurrent form
     is the fused kernel, and so is Performer's (the kernel stabilizes its exponential features itself)."""
-    encoder = backends.compile("""recurrence encoder_exp(dk = 8, dv = 8) noncausal
+    encoder = linrec.compile("""recurrence encoder_exp(dk = 8, dv = 8) noncausal
 input q[dk], k[dk], v[dv]
 state S[dk, dv]
 S = S + exp(k)⊗v
@@ -54,5 +54,5 @@ output o = q·S
     costs = form_choice.per_token_cost(encoder, "c", 2, 1, DIMS, np.float64)
     assert form == min(costs, key=costs.get) and "µs/token" in why
     for name, dims in (("gla", DIMS), ("performer", {"dk": 8, "dv": 8, "m": 16})):
-        form, why = backends.load(EXAMPLES / f"{name}.lin").choose_form("c", 500, heads=2, batch=1, dims=dims)
+        form, why = linrec.load(EXAMPLES / f"{name}.lin").choose_form("c", 500, heads=2, batch=1, dims=dims)
         assert form == "recurrent" and "compiled recurrent kernel" in why, name

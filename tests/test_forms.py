@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import backends as linrec
-from backends import verify
-from backends.verify import TOLERANCE, _initial_state
+import linrec
+from linrec import verify
+from linrec.verify import TOLERANCE, _initial_state
 
 # the examples that carry a state (the sequence-level ones are tested in test_sequence.py)
 EXAMPLES = [p for p in sorted(Path(__file__).resolve().parent.parent.joinpath("examples").glob("*.lin"))

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends as linrec
-from backends import quality
-from backends.numpy_runtime import random_features
+import linrec
+from linrec import quality
+from linrec.numpy.runtime import random_features
 
 ROOT = Path(__file__).resolve().parent.parent / "examples"
 DIMS = {"dk": 8, "dv": 4, "m": 32}

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import backends as linrec
+import linrec
 import reference_impls as ref
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

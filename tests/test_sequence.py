@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends as linrec
-from backends import numpy_attention
+import linrec
+from linrec.numpy import attention as numpy_attention
 
 ROOT = Path(__file__).resolve().parent.parent / "examples"
 
@@ -158,7 +158,7 @@ def test_softmax_decode_over_a_kv_cache_equals_the_full_sequence():
 def test_c_decode_over_a_kv_cache_runs_the_new_query_in_the_kernel(monkeypatch, window, dtype):
     """backend="c": the C attention kernel takes the new token's query only (query_offset), against the
     whole cache; the outputs equal the full sequence's."""
-    from backends import c_attention
+    from linrec.c import attention as c_attention
     rec = _variant(True, window)
     x = {k: v.astype(dtype) for k, v in rec.random_inputs(2, 13, 3, seed=6).items()}
     full = rec.run({k: v.astype(np.float64) for k, v in x.items()}, form="parallel").outputs["o"]

@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import hashlib
 import io
+import importlib.resources
 import importlib.util
 import json
 import os
@@ -30,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dsl.errors import LinrecError
+from ..dsl.errors import LinrecError
 
-from .numpy_backend import VERSION
+from ..version import VERSION
 
 # the scalar types the C kernels are built for: NumPy's dtype → the C type, and its bytes
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -328,15 +329,19 @@ def build(source: str, cdef: str, label: str = "kernel", alias: str | None = Non
 
 
 @lru_cache(maxsize=None)
-def generator_fingerprint(*patterns: str) -> str:
-    """A hash of a code generator's own files (glob patterns under backends/, e.g. "c_scan.py",
-    "templates/c_*.j2"): part of its alias keys, so that a change to the generator rebuilds its kernels
-    even though a cached alias skips rendering the source."""
-    here = Path(__file__).resolve().parent
+def code_fingerprint() -> str:
+    """A hash of linrec's own code — every module and template of the installed package, the language and the
+    compiler included: part of every alias key, so that any change to what generates a kernel's source
+    rebuilds it, although a cached alias skips rendering that source."""
+    package = __name__.split(".")[0]
+    roots = {Path(str(importlib.resources.files(p))).resolve()
+             for p in (package, f"{package}.dsl", f"{package}.compiler")}
+    files = sorted({p.resolve() for root in roots for p in root.rglob("*")
+                    if p.suffix in (".py", ".j2", ".lark") and p.is_file()})
     h = hashlib.sha256()
-    for pattern in patterns:
-        for path in sorted(here.glob(pattern)):
-            h.update(path.read_bytes())
+    for path in files:
+        h.update(path.read_bytes())
+        h.update(b"\0")
     return h.hexdigest()
 
 
@@ -346,7 +351,8 @@ def alias_key(*parts: str) -> str:
     covers except the source itself, for load_alias."""
     cc = compiler()
     import cffi
-    fixed = [cc, _compiler_version(cc), " ".join(flags()), target_key(), VERSION, sys.implementation.cache_tag or "",
+    fixed = [cc, _compiler_version(cc), " ".join(flags()), target_key(), VERSION, code_fingerprint(),
+             sys.implementation.cache_tag or "",
              sysconfig.get_config_var("EXT_SUFFIX") or "", cffi.__version__]
     return hashlib.sha256("\0".join(list(parts) + fixed).encode()).hexdigest()
 

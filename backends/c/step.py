@@ -9,14 +9,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dsl.errors import LinrecError, RuntimeInputError
+from ..dsl.errors import LinrecError, RuntimeInputError
 
-from . import arrays, c_build
-from .c_arrays import aligned_copy, aligned_empty, aligned_zeros, checked
-from .c_build import CTYPES
+from .. import arrays
+from . import build as c_build
+from .buffers import aligned_copy, aligned_empty, aligned_zeros, checked
+from .build import CTYPES
 
 if TYPE_CHECKING:
-    from .c_backend import CRecurrent
+    from .backend import CRecurrent
 
 _environ = os.environ
 

@@ -19,19 +19,18 @@ import weakref
 
 import numpy as np
 
-from compiler import Compiled
-from dsl.errors import LinrecError, RuntimeInputError
+from ..compiler import Compiled
+from ..dsl.errors import LinrecError, RuntimeInputError
 
-from . import arrays, c_build
-from .c_arrays import RecycledArrays, aligned_copy, aligned_zeros, checked
-from .c_build import CTYPES
-from .c_general import GeneralGenerator
-from .c_generator import Generator, KernelSource, Target
-from .c_stabilize import Scales
-from .c_step import Stepper
+from .. import arrays
+from . import build as c_build
+from .buffers import RecycledArrays, aligned_copy, aligned_zeros, checked
+from .build import CTYPES
+from .general import GeneralGenerator
+from .generator import Generator, KernelSource, Target
+from .stabilize import Scales
+from .step import Stepper
 
-# the generator's own files: a change to any of them rebuilds its cached kernels
-GENERATOR = ("c_generator.py", "c_general.py", "c_printer.py", "c_stabilize.py", "templates/c_*.j2")
 
 
 def recurrent_source(compiled: Compiled, dims: dict[str, int], target: Target) -> KernelSource:
@@ -52,8 +51,8 @@ class Kernel:
         self.target = Target(CTYPES[self.dtype], c_build.vector_bytes())
         self._compiled = compiled
         # a cached kernel is found from the program and sizes alone: no rendering, no compiler run
-        alias = c_build.alias_key(compiled.source, repr(sorted(self.dims.items())), repr(self.target),
-                                  c_build.generator_fingerprint(*GENERATOR))
+        alias = c_build.alias_key("recurrent", compiled.source, repr(sorted(self.dims.items())),
+                                  repr(self.target))
         self.module = c_build.load_alias(alias)
         if self.module is None:
             gen = recurrent_source(compiled, self.dims, self.target)
@@ -83,7 +82,7 @@ class CRecurrent:
         self._outputs = RecycledArrays(keep=2 * len(self.program.outputs))  # this call's and the last one's
         # stabilized states' log-scales ("S.log_scale", [B, H]): the kernels' arguments after the states
         self.scales = [(gr["key"], gr["states"]) for gr in Scales(compiled).groups]
-        from . import numpy_backend
+        from ..numpy import backend as numpy_backend
         self._numpy = numpy_backend.load(compiled, "recurrent")
 
     def default_params(self, heads, dims, given=None):
@@ -199,7 +198,7 @@ class CRecurrent:
 
 def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
     """A state [B, H, *] carried as S·exp(−σ), σ [B, H] (NaN: 0), back at its true scale S."""
-    from .numpy_scan import rescale
+    from ..numpy.scan import rescale
     if state.ndim == 4:  # a matrix state
         return rescale(state, log_scale, None, dtype)
     return rescale(state[..., None], log_scale, None, dtype)[..., 0]
@@ -236,7 +235,7 @@ def _scan_form(compiled: Compiled, form: str) -> bool:
     """Parallel and chunkwise forms — and the recurrent form of non-causal programs with exponential
     feature maps, which are stabilized on their decomposition — run as NumPy-prepared scans over compiled
     kernels (the fused kernel stabilizes causal ones itself: c_stabilize)."""
-    from .numpy_backend import stabilized_states
+    from ..numpy.backend import stabilized_states
     return form != "recurrent" or (bool(stabilized_states(compiled)) and not compiled.program.causal)
 
 
@@ -249,8 +248,9 @@ def _exec_module(source: str, compiled: Compiled, form: str, what: str):
 
 def _sequence_source(compiled: Compiled, form: str, dtype=np.float32, dims=None) -> str:
     """The attention kernels' C source at the program's default sizes, after the NumPy glue that calls it."""
-    from . import c_attention, numpy_sequence
-    glue = numpy_sequence.emit(compiled, form, kernels="backends.c_attention")
+    from . import attention as c_attention
+    from ..numpy import sequence as numpy_sequence
+    glue = numpy_sequence.emit(compiled, form, kernels="linrec.c.attention")
     sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
     plan = compiled.derivation.sequence
     parts = [f"/* NumPy glue that prepares the arrays and calls the kernels below:\n\n{glue}\n*/"]
@@ -265,7 +265,7 @@ def _sequence_source(compiled: Compiled, form: str, dtype=np.float32, dims=None)
 
 def emit(compiled: Compiled, form: str, **options) -> str:
     """The C source of a form (with, where NumPy prepares the arrays, the generated glue in a comment)."""
-    from . import c_scan
+    from . import scan as c_scan
     if compiled.derivation.sequence is not None:
         return _sequence_source(compiled, form, **options)
     if _scan_form(compiled, form):
@@ -274,18 +274,20 @@ def emit(compiled: Compiled, form: str, **options) -> str:
 
 
 def load(compiled: Compiled, form: str):
-    from . import c_scan, numpy_backend, numpy_sequence
+    from . import scan as c_scan
+    from ..numpy import backend as numpy_backend
+    from ..numpy import sequence as numpy_sequence
     why = why_not(compiled, form)
     if why:
         numpy_runs = "" if "NumPy backend" in why else "; the NumPy backend (backend='numpy') runs it"
         raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}{numpy_runs}")
     if compiled.derivation.sequence is not None:
-        module = _exec_module(numpy_sequence.emit(compiled, form, kernels="backends.c_attention"), compiled, form,
+        module = _exec_module(numpy_sequence.emit(compiled, form, kernels="linrec.c.attention"), compiled, form,
                               "C attention")
         module.decodes_over_cache = numpy_sequence.kernels_decode_over_cache(compiled)
         return module
     if form == "recurrent" and _scan_form(compiled, form):
-        return _exec_module(numpy_backend.emit_scan(compiled, "recurrent", scan_module="backends.c_scan"),
+        return _exec_module(numpy_backend.emit_scan(compiled, "recurrent", scan_module="linrec.c.scan"),
                             compiled, form, "C scan")
     if form != "recurrent":
         return c_scan.load(compiled, form)
@@ -333,10 +335,10 @@ def why_not(compiled: Compiled, form: str) -> str | None:
         return f"it has no {form} form"
     why = compiled.derivation.why_not(form)
     if why or compiled.derivation.sequence is not None:
-        from .numpy_sequence import kernel_support
+        from ..numpy.sequence import kernel_support
         return why or kernel_support(compiled)
     if _scan_form(compiled, form):
-        from . import c_scan
+        from . import scan as c_scan
         return c_scan.why_not(compiled)
     fused = fused_why_not(compiled)
     return None if fused is None else _verdict(compiled, GeneralGenerator, fused)  # (then the real reason)

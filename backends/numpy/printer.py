@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from compiler import ir
-from compiler.analysis import variance
+from ..compiler import ir
+from ..compiler.analysis import variance
 
-# Builtins that map to a NumPy expression; the others call backends.numpy_runtime helpers.
+# Builtins that map to a NumPy expression; the others call linrec.numpy.runtime helpers.
 _NUMPY_FUNCS = {"exp": "np.exp", "log": "np.log", "tanh": "np.tanh", "sqrt": "np.sqrt", "abs": "np.abs"}
 _RUNTIME_FUNCS = {"sigmoid", "logsigmoid", "softplus", "elu", "silu", "relu", "l2norm", "groupnorm", "rmsnorm"}
 _REDUCE = {"sum": "np.sum({x}, axis=-1)", "mean": "np.mean({x}, axis=-1)",

@@ -180,7 +180,7 @@ def lsh_attention_bucketed(q, v, causal: bool, buckets: int, rounds: int, chunk:
 
 def attention(queries, keys, values, causal: bool, window: int, form: str = "parallel", chunk_size=None):
     """softmax(queries·keysᵀ over the visible keys)·values: [B, Tq, H, d], [B, Tk, H, d], [B, Tk, H, dv].
-    The NumPy twin of backends.c_attention.attention (every form computes the same dense result here)."""
+    The NumPy twin of linrec.c.attention.attention (every form computes the same dense result here)."""
     scores = np.einsum("bthd,bshd->bths", queries, keys)
     visible = visible_positions(queries.shape[1], causal, window, 0, queries.shape[1], 0, keys.shape[1]) \
         if (causal or window) else None

@@ -4,15 +4,15 @@ from __future__ import annotations
 import dataclasses
 import types
 
-from compiler import Compiled, ir
-from compiler.analysis import children, inline_lets, states_in, to_text, variance
-from compiler.transitions import split_exp
+from ..compiler import Compiled, ir
+from ..compiler.analysis import children, inline_lets, states_in, to_text, variance
+from ..compiler.transitions import split_exp
 
-from .names import Namer
-from .numpy_printer import NumpyPrinter
-from .templating import environment
+from ..compiler.identifiers import Namer
+from .printer import NumpyPrinter
+from ..templating import environment
 
-VERSION = "0.1.0"
+from ..version import VERSION
 SCAN_HELPERS = {"per_token", "log_decay", "parallel_scan", "chunkwise_scan", "recurrent_scan", "running_max",
                 "scale_decay", "rescale"}
 ATTENTION_HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
@@ -125,9 +125,9 @@ class Emitter:
         states = ", ".join(f"\"{s.name}\": {self.name(s.name)}" for s in self.p.states)
         return f"return {{{outs}}}, {{{states}}}"
 
-    def render(self, form: str, body: list[str], helpers: set[str], scan_module: str = "backends.numpy_scan") -> str:
+    def render(self, form: str, body: list[str], helpers: set[str], scan_module: str = "linrec.numpy.scan") -> str:
         param_lines = self.param_lines(helpers)
-        return environment().get_template("numpy_module.py.j2").render(
+        return environment(__package__).get_template("module.py.j2").render(
             name=self.p.name, form=form, version=VERSION, filename=self.c.filename,
             source_comment=source_comment(self.c),
             runtime_helpers=sorted(helpers - SCAN_HELPERS - ATTENTION_HELPERS),
@@ -137,13 +137,13 @@ class Emitter:
 
 
 def _uses_dim(e, dim) -> bool:
-    from compiler.analysis import walk
+    from ..compiler.analysis import walk
     return e is not None and any(isinstance(n, ir.DimSize) and n.dim == dim for n in walk(e))
 
 
 def _print_param(e: ir.Expr, printer: NumpyPrinter, shape: str, per_head: bool) -> str:
     """Param defaults may hold seeded random draws; everything else prints as usual."""
-    from compiler.analysis import rebuild, walk
+    from ..compiler.analysis import rebuild, walk
     if not any(isinstance(n, ir.Random) for n in walk(e)):
         return printer(e)
     draws = {}
@@ -230,7 +230,7 @@ DEFINITION = "definition"
 
 def emit(compiled: Compiled, form: str) -> str:
     if compiled.derivation.sequence is not None:
-        from . import numpy_sequence
+        from . import sequence as numpy_sequence
         return numpy_sequence.emit(compiled, form)
     if form == DEFINITION:
         return emit_recurrent(compiled)
@@ -314,7 +314,7 @@ def _shifted_exp(exponent: str, shift: str, alpha: ir.Expr, product: ir.Expr) ->
     return f"np.exp({exponent} - {shift})" + ("[..., None]" if product.shape else "")
 
 
-def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_scan") -> str:
+def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.scan") -> str:
     """The parallel, chunkwise (or, for stabilized programs, recurrent) form from the derived decomposition
     of every state's update. `scan_module` provides parallel_scan, chunkwise_scan and recurrent_scan (the
     C backend passes its compiled twins); the per-token values stay NumPy."""
@@ -485,10 +485,10 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "backends.numpy_
     helpers |= base.helpers
     # these are NumPy helpers whatever module runs the scan
     numpy_only = ({"per_token", "log_decay", "running_max", "scale_decay", "rescale"} & helpers
-                  if scan_module != "backends.numpy_scan" else set())
+                  if scan_module != "linrec.numpy.scan" else set())
     source = em.render(form, body, helpers - numpy_only, scan_module)
     if numpy_only:
-        source = source.replace("import numpy as np\n", "import numpy as np\nfrom backends.numpy_scan import "
+        source = source.replace("import numpy as np\n", "import numpy as np\nfrom linrec.numpy.scan import "
                                 + ", ".join(sorted(numpy_only)) + "\n", 1)
     return source
 

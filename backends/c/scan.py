@@ -15,7 +15,7 @@ views included: a per-head or constant value is never materialized per token); o
 (batch row, head) pairs run in parallel on OpenMP threads: `num_threads`, else $LINREC_NUM_THREADS, else
 every core this process may use.
 
-    from backends import c_scan
+    from . import scan as c_scan
     outs, final = c_scan.chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=64)
     module = c_scan.load(compiled, "chunkwise")     # the generated NumPy module, scanning in C
     text = c_scan.emit(compiled, "chunkwise")       # the C source of its kernels (default sizes)
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiler import Compiled
-from dsl.errors import LinrecError, RuntimeInputError
+from ..compiler import Compiled
+from ..dsl.errors import LinrecError, RuntimeInputError
 
-from . import c_build
-from .c_build import CTYPE_BYTES, CTYPES
-from .numpy_backend import VERSION
-from .templating import environment
+from . import build as c_build
+from .build import CTYPE_BYTES, CTYPES
+from ..version import VERSION
+from ..templating import environment
 
 DEFAULT_CHUNK = 64
 SUB_BLOCK = 16  # query panels and diagonal-decay sub-blocks (a multiple of every register width)
@@ -52,7 +52,6 @@ SMALL_WORK = 1 << 20  # multiply-adds (roughly) below which a call runs on one t
 FORMS = ("parallel", "chunkwise")
 
 # the generator's own files: a change to any of them rebuilds its cached kernels
-GENERATOR = ("c_scan.py", "templates/c_scan.c.j2", "templates/c_scan_exp.h.j2")
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def render(s: Structure, form: str | None = None) -> str:
     """The C source of one kernel."""
     lanes = s.lanes
     qprev = [1] * s.corrections + [1 if b else 0 for b in s.before]
-    return environment().get_template("c_scan.c.j2").render(
+    return environment(__package__).get_template("c_scan.c.j2").render(
         version=VERSION, title=f"the {form} form" if form else "the parallel and chunkwise forms",
         description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes,
         lanes=lanes, dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, sb=SUB_BLOCK, chunk=s.chunk,
@@ -112,15 +111,15 @@ _kernels: dict[object, object] = {}
 _lock = threading.Lock()
 
 
-def cached_kernel(s, generator: tuple[str, ...], label: str, source, declarations: str):
+def cached_kernel(s, kind: str, label: str, source, declarations: str):
     """The built extension (ffi, lib) for a kernel structure `s` (hashable, its repr a key): memoized, else
-    from the disk cache by an alias of (generator, s), else built from source() — rendered only then."""
+    from the disk cache by an alias of (kind, s), else built from source() — rendered only then."""
     k = _kernels.get(s)
     if k is None:
         with _lock:
             k = _kernels.get(s)
             if k is None:
-                alias = c_build.alias_key(generator[0], repr(s), c_build.generator_fingerprint(*generator))
+                alias = c_build.alias_key(kind, repr(s))
                 k = c_build.load_alias(alias)
                 if k is None:
                     k = c_build.build(source(), declarations, label, alias)
@@ -130,7 +129,7 @@ def cached_kernel(s, generator: tuple[str, ...], label: str, source, declaration
 
 def kernel(s: Structure):
     """The built extension (ffi, lib) for a structure."""
-    return cached_kernel(s, GENERATOR, f"scan_{s.decay}_r{s.corrections}_w{s.writes}_{s.ctype}", lambda: render(s),
+    return cached_kernel(s, "scan", f"scan_{s.decay}_r{s.corrections}_w{s.writes}_{s.ctype}", lambda: render(s),
                          cdef(s))
 
 
@@ -247,7 +246,7 @@ def call(k, function: str, state: np.ndarray, ops: list, outs: list, work: int, 
 def _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max):
     """scan() for a vector state some of whose readouts read it as it is (query None): those run in
     c_values' kernels, which also give the final state; the readouts q·S, if any, in this module's."""
-    from . import c_values
+    from . import values as c_values
     if corrections:
         raise LinrecError(VALUES_WITH_CORRECTIONS)
     values, final = c_values.scan(form, s0, log_decay, writes, [b for q, b in readouts if q is None], causal,
@@ -283,8 +282,8 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
     """(state name, kernel structure) for every state of a program, at the given (else default) sizes: a
     c_values.Structure for a vector state read as it is, a Structure for its readouts q·S, if any, and for
     every other state."""
-    from . import c_values
-    from .numpy_backend import stabilized_states
+    from . import values as c_values
+    from ..numpy.backend import stabilized_states
     p, d = compiled.program, compiled.derivation
     if d.sequence is not None:
         raise LinrecError(f"'{compiled.name}' reads the whole sequence: it is not a scan over a recurrent state")
@@ -340,7 +339,7 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
     why = why_not(compiled)
     if why:
         raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}")
-    from . import c_values
+    from . import values as c_values
     parts = []
     for name, s in structures(compiled, dtype, dims, chunk_size):
         source = c_values.render(s, form) if isinstance(s, c_values.Structure) else render(s, form)
@@ -351,7 +350,7 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
 def load(compiled: Compiled, form: str):
     """The generated NumPy module of the form (per-token arrays, outputs from the readouts) with its scan
     running in C: forward(inputs, params, initial_state, dims, chunk_size=None) and default_params."""
-    from . import numpy_backend
+    from ..numpy import backend as numpy_backend
     if form not in FORMS:
         raise LinrecError(f"the C scan kernels implement the parallel and chunkwise forms, not {form!r}")
     why = compiled.derivation.why_not(form)

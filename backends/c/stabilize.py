@@ -14,13 +14,13 @@ its true scale (σ = 0, M = −∞; σ = −∞ for a state that is all zero, wh
 zero by ∞). Non-causal programs keep the NumPy-prepared scans."""
 from __future__ import annotations
 
-from compiler import Compiled, ir
-from compiler.analysis import rebuild, variance
-from compiler.linearity import ONE
-from compiler.transitions import split_exp
+from ..compiler import Compiled, ir
+from ..compiler.analysis import rebuild, variance
+from ..compiler.linearity import ONE
+from ..compiler.transitions import split_exp
 
-from .c_printer import CPrinter, Local
-from .numpy_backend import log_scale_keys, scale_degree, stabilized_states
+from .printer import CPrinter, Local
+from ..numpy.backend import log_scale_keys, scale_degree, stabilized_states
 
 
 def _exp_minus(alpha: ir.Expr, shift: str) -> ir.Expr:

@@ -9,17 +9,17 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from math import prod
 
-from compiler import Compiled, ir
-from compiler.analysis import walk
-from compiler.linearity import ONE, mul, neg
-from dsl.errors import LinrecError
+from ..compiler import Compiled, ir
+from ..compiler.analysis import walk
+from ..compiler.linearity import ONE, mul, neg
+from ..dsl.errors import LinrecError
 
-from .c_build import CTYPE_BYTES
-from .c_printer import CPrinter, Local, read_only_through_readouts
-from .c_stabilize import Scales
-from .names import Namer
-from .numpy_backend import VERSION
-from .templating import environment
+from .build import CTYPE_BYTES
+from .printer import CPrinter, Local, read_only_through_readouts
+from .stabilize import Scales
+from ..compiler.identifiers import Namer
+from ..version import VERSION
+from ..templating import environment
 
 # Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
 STEP_PARALLEL_THRESHOLD = 1 << 20
@@ -193,7 +193,7 @@ class KernelSource:
 
     def source(self) -> str:
         # (the template's macro definitions come first and render as blank lines)
-        return environment().get_template(self.template).render(**self.context()).lstrip("\n")
+        return environment(__package__).get_template(self.template).render(**self.context()).lstrip("\n")
 
 
 class Generator(KernelSource):

@@ -15,7 +15,7 @@ volatile while main""".split())
 INTERNAL = {"np", "rt", "t", "h", "batch", "tokens", "heads", "inputs", "params", "initial_state", "dims",
             "dtype", "outputs", "final_state", "forward", "default_params", "math", "chunk_size", "i", "j",
             "b", "n", "c", "start", "stop", "size", "np_", "abs", "sum", "min", "max", "len", "range", "float"}
-# The helpers generated NumPy code imports (backends.numpy_runtime, backends.numpy_scan).
+# The helpers generated NumPy code imports (linrec.numpy.runtime, linrec.numpy.scan).
 INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one", "silu", "l2norm", "groupnorm",
              "rmsnorm", "diag_matrix", "per_token", "log_decay", "parallel_scan", "chunkwise_scan", "given",
              "visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step", "visible",

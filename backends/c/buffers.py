@@ -9,7 +9,7 @@ from math import prod
 import cffi
 import numpy as np
 
-from dsl.errors import RuntimeInputError
+from ..dsl.errors import RuntimeInputError
 
 _FFI = cffi.FFI()  # only to read an array's address cheaply
 

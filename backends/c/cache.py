@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from . import c_build
+from . import build as c_build
 
 
 def _is_entry(p: Path) -> bool:

@@ -16,9 +16,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-from compiler import ir
-from compiler.analysis import children, rebuild, to_text, walk
-from dsl.errors import LinrecError
+from ..compiler import ir
+from ..compiler.analysis import children, rebuild, to_text, walk
+from ..dsl.errors import LinrecError
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@
 """
 from __future__ import annotations
 
-from compiler import Compiled, ir
-from compiler.builtins import SEQ
+from ..compiler import Compiled, ir
+from ..compiler.builtins import SEQ
 
-from .numpy_printer import ATOM, NumpyPrinter
+from .printer import ATOM, NumpyPrinter
 
 BLOCK = 64  # query and key block of the chunkwise form, unless chunk_size is given
 HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
@@ -87,7 +87,7 @@ def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
             return True
         if isinstance(e, (ir.InputRef, ir.LetRef)):
             return False
-        from compiler.analysis import children
+        from ..compiler.analysis import children
         return all(sequence_only(c) for c in children(e))
     return (keys, query, values) if sequence_only(keys) and sequence_only(values) else None
 
@@ -109,9 +109,9 @@ def kernel_support(compiled: Compiled) -> str | None:
 
 
 def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
-    """kernels: None for NumPy code throughout; a module name (backends.c_attention) whose attention and
+    """kernels: None for NumPy code throughout; a module name (linrec.c.attention) whose attention and
     lsh_attention_* functions run the sequence part."""
-    from .numpy_backend import Emitter  # the shared pieces of every NumPy module
+    from .backend import Emitter  # the shared pieces of every NumPy module
     if kernels is not None:
         return _emit_with_kernels(compiled, form, kernels)
 
@@ -198,7 +198,7 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
 
 def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     """Per-token values in NumPy, the attention itself in compiled kernels."""
-    from .numpy_backend import Emitter
+    from .backend import Emitter
 
     em = Emitter(compiled)
     plan, n = compiled.derivation.sequence, em.name
@@ -286,7 +286,7 @@ def _sequence_arrays(em, base, exprs) -> tuple[dict[ir.Expr, str], list[str]]:
 
 def _restore(expr: ir.Expr, plan) -> ir.Expr:
     """Put the softmax readouts back in (the parallel and recurrent forms evaluate them directly)."""
-    from compiler.analysis import rebuild
+    from ..compiler.analysis import rebuild
     by_index = {r.index: r for r in plan.softmax_readouts}
 
     def back(node):
@@ -299,5 +299,5 @@ def _restore(expr: ir.Expr, plan) -> ir.Expr:
 
 
 def _walk(e):
-    from compiler.analysis import walk
+    from ..compiler.analysis import walk
     return walk(e)

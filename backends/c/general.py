@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import re
 
-from compiler import Compiled, ir
-from compiler.analysis import inline_lets, rebuild, states_in, to_text, walk
-from dsl.errors import LinrecError
+from ..compiler import Compiled, ir
+from ..compiler.analysis import inline_lets, rebuild, states_in, to_text, walk
+from ..dsl.errors import LinrecError
 
-from .c_generator import STEP_PARALLEL_THRESHOLD, KernelSource, Target
-from .c_printer import _ELEMENTWISE, CPrinter, elu_plus_one, matrix_vector
-from .numpy_backend import VERSION, stabilized_states
+from .generator import STEP_PARALLEL_THRESHOLD, KernelSource, Target
+from .printer import _ELEMENTWISE, CPrinter, elu_plus_one, matrix_vector
+from ..numpy.backend import stabilized_states
+from ..version import VERSION
 
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.StateRef, ir.LetRef)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsl.errors import RuntimeInputError
+from ..dsl.errors import RuntimeInputError
 
 
 def per_token(x, shape: tuple[int, int, int, int], dtype, scalar: bool) -> np.ndarray:

@@ -15,15 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsl.errors import LinrecError, RuntimeInputError
+from ..dsl.errors import LinrecError, RuntimeInputError
 
-from .c_build import CTYPES
-from .c_scan import FORMS, cached_kernel, call, chunk_of, operand
-from .numpy_backend import VERSION
-from .templating import environment
+from .build import CTYPES
+from .scan import FORMS, cached_kernel, call, chunk_of, operand
+from ..version import VERSION
+from ..templating import environment
 
 SUB_BLOCK = 16  # query tokens per block
-GENERATOR = ("c_values.py", "templates/c_values.c.j2", "templates/c_scan_exp.h.j2")
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Structure:
 
 def render(s: Structure, form: str | None = None) -> str:
     """The C source of one kernel."""
-    return environment().get_template("c_values.c.j2").render(
+    return environment(__package__).get_template("c_values.c.j2").render(
         version=VERSION, title=f"the {form} form" if form else "the parallel and chunkwise forms",
         description=s.describe(), ctype=s.ctype, d=s.d, db={"none": 0, "token": 1, "row": s.d}[s.decay],
         writes=s.writes, readouts=len(s.before), causal=s.causal, sb=SUB_BLOCK, chunk=s.chunk,
@@ -62,7 +61,7 @@ def cdef(s: Structure) -> str:
 
 def kernel(s: Structure):
     """The built extension (ffi, lib) for a structure: memoized, else from the disk cache, else built."""
-    return cached_kernel(s, GENERATOR, f"values_{s.decay}_w{s.writes}_{s.ctype}", lambda: render(s), cdef(s))
+    return cached_kernel(s, "values", f"values_{s.decay}_w{s.writes}_{s.ctype}", lambda: render(s), cdef(s))
 
 
 def scan(form: str, s0, log_decay, writes, before, causal=True, chunk_size=None, num_threads=None):

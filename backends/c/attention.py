@@ -21,12 +21,13 @@ import threading
 
 import numpy as np
 
-from dsl.errors import LinrecError, RuntimeInputError
+from ..dsl.errors import LinrecError, RuntimeInputError
 
-from . import c_build, numpy_attention
-from .c_build import CTYPE_BYTES, CTYPES
-from .numpy_backend import VERSION
-from .templating import environment
+from . import build as c_build
+from ..numpy import attention as numpy_attention
+from .build import CTYPE_BYTES, CTYPES
+from ..version import VERSION
+from ..templating import environment
 
 FORMS = {"recurrent": 0, "parallel": 1, "chunkwise": 2}
 BLOCK = 64  # the chunkwise form's query and key block, unless chunk_size is given
@@ -45,7 +46,6 @@ _kernels: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 # the generator's own files: a change to any of them rebuilds its cached kernels
-GENERATOR = ("c_attention.py", "templates/c_attention.c.j2")
 
 
 # ---- building -----------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def source(dtype, d: int, dv: int) -> str:
     width = lay["tile_width"]
     size = CTYPE_BYTES[ctype]
     segment = max(width, min(1024, SEGMENT_BYTES // ((dp + dvp) * size)) // width * width)
-    return environment().get_template("c_attention.c.j2").render(
+    return environment(__package__).get_template("c_attention.c.j2").render(
         version=VERSION, ctype=ctype, d=d, dv=dv, dp=dp, dvp=dvp, pv_groups=groups, segment=segment, **lay)
 
 
@@ -91,8 +91,7 @@ def kernel(dtype, d: int, dv: int):
         mod = _kernels.get(key)
         if mod is None:
             ctype = CTYPES[dtype]
-            alias = c_build.alias_key("c_attention", ctype, str(d), str(dv), str(c_build.vector_bytes()),
-                                      c_build.generator_fingerprint(*GENERATOR))
+            alias = c_build.alias_key("c_attention", ctype, str(d), str(dv), str(c_build.vector_bytes()))
             mod = c_build.load_alias(alias)
             if mod is None:
                 mod = c_build.build(source(dtype, d, dv), cdef(dtype), f"attention_{ctype}_d{d}_dv{dv}", alias)
