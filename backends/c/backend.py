@@ -21,6 +21,7 @@ import numpy as np
 
 from ..compiler import Compiled
 from ..dsl.errors import LinrecError, RuntimeInputError
+from ..templating import c_comment_text
 
 from .. import arrays
 from . import build as c_build
@@ -253,6 +254,7 @@ def _sequence_source(compiled: Compiled, form: str, dtype=np.float32, dims=None)
     glue = numpy_sequence.emit(compiled, form, kernels="linrec.c.attention")
     sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
     plan = compiled.derivation.sequence
+    glue = "\n".join(c_comment_text(line) for line in glue.split("\n"))
     parts = [f"/* NumPy glue that prepares the arrays and calls the kernels below:\n\n{glue}\n*/"]
     for r in plan.softmax_readouts:
         keys, _, values = numpy_sequence.kernel_pattern(r)

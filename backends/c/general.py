@@ -25,6 +25,7 @@ import re
 from ..compiler import Compiled, ir
 from ..compiler.analysis import inline_lets, rebuild, states_in, to_text, walk
 from ..dsl.errors import LinrecError
+from ..templating import c_comment_text
 
 from .generator import STEP_PARALLEL_THRESHOLD, KernelSource, Target
 from .printer import _ELEMENTWISE, CPrinter, elu_plus_one, matrix_vector
@@ -273,7 +274,7 @@ class GeneralGenerator(KernelSource):
         pr.expect(*values)
         lines: list[str] = []
         for step, value in zip(steps, values):
-            text = to_text(step.value).replace("*/", "* /")
+            text = c_comment_text(to_text(step.value))
             if isinstance(step, ir.Let):
                 name = self.let_names[step.name] = f"let_{self.n(step.name)}"
                 lines += [f"/* {step.name} = {text} */"] + self._copy(pr, value, name)

@@ -19,7 +19,7 @@ from .printer import CPrinter, Local, read_only_through_readouts
 from .stabilize import Scales
 from ..compiler.identifiers import Namer
 from ..version import VERSION
-from ..templating import environment
+from ..templating import comment_lines, environment
 
 # Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
 STEP_PARALLEL_THRESHOLD = 1 << 20
@@ -175,8 +175,7 @@ class KernelSource:
 
     def source_comment(self) -> str:
         """The program's source, for the generated file's opening comment."""
-        comment = "Source program:\n" + "\n".join("    " + line for line in self.c.source.strip().splitlines())
-        return "   " + comment.replace("*/", "* /").replace("\n", "\n   ")
+        return "   Source program:\n" + comment_lines(self.c.source.strip(), "       ", c=True)
 
     def context(self) -> dict:
         raise NotImplementedError
@@ -528,18 +527,20 @@ class Generator(KernelSource):
         head = pr.take_head()
         fused = self._fuse_outputs(states, outputs)
         # phase 3: outputs over the readouts
-        out_lines = []
+        out_lines, rows = [], []
         for name, e in outputs:
             if name in fused:
                 continue
             target = self.cout(name)
             body = po.fill(e, f"{target}_t") if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
             out_lines += po.take_token() + body
+            if e.shape:  # a row computed into a local, then streamed to its place (never a fused one: its
+                rows.append({"c": target, "size": self.size(e.shape)})  # tile loop has written it)
         return {"head": head + po.take_head(), "decay_prep": decay_prep, "prep": prep, "lazy": lazies,
                 "scales": self._scale_context() if updates else [],
                 "states": states, "checks": updates,
                 "spread_prefetches": any(st["pf_every"] for st in states),
-                "readouts": readout_decls, "outputs": out_lines, "arrays": arrays,
+                "readouts": readout_decls, "outputs": out_lines, "output_rows": rows, "arrays": arrays,
                 "flag_arrays": flags}
 
     def _lazy_registers(self, pr: CPrinter, c: str, decay: ir.Expr, plan: dict) -> dict:

@@ -19,6 +19,7 @@ from typing import Callable
 from ..compiler import ir
 from ..compiler.analysis import children, rebuild, to_text, walk
 from ..dsl.errors import LinrecError
+from ..templating import c_comment_text
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,7 @@ class CPrinter:
             text = to_text(rebuild(e, lambda n: ir.LetRef(n.shape, n.name) if isinstance(n, Local) else n))
         except TypeError:
             return ""
-        text = text.replace("*/", "* /").replace("\n", " ")
-        return f"  /* {text[:80]} */"
+        return f"  /* {c_comment_text(text[:80])} */"
 
     # ---- public entry points ----
     def scalar(self, e: ir.Expr) -> str:

@@ -10,7 +10,7 @@ from ..compiler.transitions import split_exp
 
 from ..compiler.identifiers import Namer
 from .printer import NumpyPrinter
-from ..templating import environment
+from ..templating import comment_lines, environment
 
 from ..version import VERSION
 SCAN_HELPERS = {"per_token", "log_decay", "parallel_scan", "chunkwise_scan", "recurrent_scan", "running_max",
@@ -21,7 +21,7 @@ ATTENTION_HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "
 
 def source_comment(compiled: Compiled) -> str:
     """The program as comment lines (comments cannot be broken by what the program's own comments hold)."""
-    return "# Source program:\n" + "\n".join("#     " + line for line in compiled.source.strip().splitlines())
+    return "# Source program:\n" + comment_lines(compiled.source.strip(), "#     ", c=False)
 
 
 class Emitter:

@@ -1,0 +1,112 @@
+"""What linrec guarantees on hostile or careless input (issue 20): user strings never become code, every
+output of a kernel is written, and so on. Each test here failed before the fix it names.
+
+Tolerances are those of tests/test_c_backend.py: C float64 1e-10, C float32 2e-5, relative to the largest
+value of the float64 NumPy recurrent form's array.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import linrec
+
+F64_RTOL, F32_RTOL = 1e-10, 2e-5
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def rel_err(actual, expected) -> float:
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    return float(np.abs(np.asarray(actual, np.float64) - expected).max()) / scale
+
+
+def assert_c_matches_numpy(rec, dims, dtype, tokens=40, heads=3, batch=2):
+    x = rec.random_inputs(batch, tokens, heads, dims=dims, dtype=np.float64, seed=5)
+    ref = rec.run(x, form="recurrent", backend="numpy", dims=dims)
+    got = rec.run({k: v.astype(dtype) for k, v in x.items()}, form="recurrent", backend="c", dims=dims)
+    rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    for group in ("outputs", "final_state"):
+        for name, want in getattr(ref, group).items():
+            err = rel_err(getattr(got, group)[name], want)
+            assert err <= rtol, (group, name, err)
+
+
+# ---- every output of the fused kernel is written -------------------------------------------------------
+# `o` is a readout as it is: the tile loop streams it to its row when the row is whole registers (64 bytes:
+# dv = 16, 32, 64 in float32, 8 and 16 in float64); `p` (no readout) and `n` (another readout, through a
+# normalization) are computed after the tile loop. The phase that writes those used to stream an unwritten
+# local over `o`'s row.
+STREAMED_BESIDE_OTHERS = """\
+recurrence streamed(dk = 8, dv = 16)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dk, dv]
+S = diag(exp(g))·S + k⊗v
+output o = q·S
+output p = 2*v
+output n = groupnorm(k·S) + sum(v)
+"""
+
+
+@pytest.mark.parametrize("dtype,dv", [(np.float32, 16), (np.float32, 32), (np.float32, 64),
+                                      (np.float64, 8), (np.float64, 16), (np.float32, 19)])
+def test_a_streamed_output_beside_outputs_computed_later(dtype, dv):
+    rec = linrec.compile(STREAMED_BESIDE_OTHERS, "streamed.lin")
+    assert_c_matches_numpy(rec, {"dk": 8, "dv": dv}, dtype)
+
+
+# ---- user text never becomes code ----------------------------------------------------------------------
+# A path whose directories spell `*/`, a C function marked to run when its library loads, and `/*`: before
+# the fix, the file name went unescaped into the kernel's opening comment, and `linrec run` ran the function.
+INJECTED = ["x*", '\n__attribute__((constructor)) static void injected(void) { system("touch injected"); } ', "*y"]
+
+
+def test_a_file_path_never_becomes_c_code(tmp_path):
+    folder = tmp_path.joinpath(*INJECTED)
+    folder.mkdir(parents=True)
+    program = folder / "gla.lin"
+    program.write_text(EXAMPLES.joinpath("gla.lin").read_text(encoding="utf-8"), encoding="utf-8")
+    run = subprocess.run([sys.executable, "-m", "linrec", "run", str(program), "--backend", "c", "--form", "recurrent",
+                          "--tokens", "4", "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "injected").exists()
+    source = linrec.load(program).emit("recurrent", backend="c")
+    assert "injected(void)" in source and "__attribute__((constructor))" in source  # shown, inside the comment
+    opening = source[:source.index("*/")]
+    assert "injected(void)" in opening and "\\n__attribute__" in opening  # the newline shown as an escape
+
+
+def test_a_folder_named_with_a_star(tmp_path):
+    """`a*/gla.lin`: the path holds `*/`, which used to end the kernel's comment (a raw compiler error)."""
+    folder = tmp_path / "a*"
+    folder.mkdir()
+    program = folder / "gla.lin"
+    program.write_text(EXAMPLES.joinpath("gla.lin").read_text(encoding="utf-8"), encoding="utf-8")
+    rec = linrec.load(program)
+    assert_c_matches_numpy(rec, {"dk": 4, "dv": 4}, np.float64, tokens=5)
+
+
+# every character a comment of the program may hold: a NUL, a lone carriage return (a line end to Python),
+# C's comment delimiters, a bidirectional override, a line separator
+ODD_COMMENT = "# a NUL \x00, a CR \r x = 1, */ int injected; /* \u202e, \u2028 end\n"
+
+
+@pytest.mark.parametrize("where", ["header", "statement"])
+def test_odd_characters_in_the_programs_comments(where):
+    lines = EXAMPLES.joinpath("gla.lin").read_text(encoding="utf-8").splitlines(keepends=True)
+    at = 1 if where == "header" else len(lines) - 1
+    source = "".join(lines[:at]) + ODD_COMMENT + "".join(lines[at:])
+    rec = linrec.compile(source, "odd.lin")
+    dims = {"dk": 4, "dv": 4}
+    x = rec.random_inputs(1, 9, 2, dims=dims, seed=1)
+    ref = rec.run(x, form="recurrent", backend="numpy", dims=dims)
+    for form in rec.forms:
+        got = rec.run(x, form=form, backend="numpy", dims=dims)
+        assert rel_err(got.outputs["o"], ref.outputs["o"]) <= 1e-12, form
+        for backend in ("numpy", "c"):
+            text = rec.emit(form, backend=backend)
+            assert "\x00" not in text and "\u202e" not in text and "\u2028" not in text
+    assert_c_matches_numpy(rec, dims, np.float64, tokens=9)
