@@ -14,17 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import compiler
-from .compiler import Compiled
-from .dsl.errors import LinrecError, RuntimeInputError
-
-from . import arrays
-from .c import backend as c_backend
+from . import arrays, compiler, form_choice, registry
 from .c import build as c_build
-from . import form_choice
-from .numpy import backend as numpy_backend
+from .compiler import Compiled
+from .compiler.stabilize import log_scale_keys
+from .dsl.errors import LinrecError, RuntimeInputError
+from .interface import DEFINITION, FormModule
+from .registry import NUMPY
 
-BACKENDS = {"numpy": numpy_backend, "c": c_backend}
 PLANS_KEPT = 32  # call signatures whose plans run() keeps (the oldest goes first)
 
 
@@ -67,42 +64,41 @@ class Recurrence:
         return f"<Recurrence '{self.name}' ({self.compiled.filename}): forms {', '.join(self.forms)}>"
 
     # ---- code ----
-    @staticmethod
-    def _check_backend(backend: str):
-        if backend not in BACKENDS:
-            raise LinrecError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
-
-    def _check_form(self, form: str, backend: str):
-        self._check_backend(backend)
-        known = compiler.FORMS
-        if form == numpy_backend.DEFINITION and backend == "numpy" and "recurrent" in self.forms \
-                and self.derivation.sequence is None:
-            return  # the statements as written (verify's reference, see numpy_backend.DEFINITION)
-        if form not in known and form != "auto":
-            raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(known)}")
+    def _check_form(self, form: str, backend_name: str):
+        """An error unless the backend builds this form of the program (the form's absence first)."""
+        chosen = registry.backend(backend_name)
+        if form == DEFINITION and chosen.why_not(self.compiled, form) is None:
+            return  # the statements as written (verify's reference, see interface.DEFINITION)
+        if form not in compiler.FORMS:
+            raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(compiler.FORMS)}")
         why = self.derivation.why_not(form)
         if why:
             raise LinrecError(f"'{self.name}' has no {form} form: {why}. Its forms: {', '.join(self.forms)}")
-        if form not in BACKENDS[backend].EMITTERS:
-            raise LinrecError(f"the {backend} backend does not implement the {form} form yet")
+        refusal = chosen.why_not(self.compiled, form)
+        if refusal:
+            raise LinrecError(f"the {backend_name} backend does not build the {form} form of '{self.name}': "
+                              f"{refusal}")
 
     def emit(self, form: str = "recurrent", backend: str = "numpy") -> str:
         """The generated source of a form."""
         self._check_form(form, backend)
-        return BACKENDS[backend].emit(self.compiled, form)
+        return registry.backend(backend).emit(self.compiled, form)
 
-    def module(self, form: str = "recurrent", backend: str = "numpy"):
-        self._check_form(form, backend)
+    def module(self, form: str = "recurrent", backend: str = "numpy") -> FormModule:
         key = (backend, form)
         if key not in self._modules:
-            self._modules[key] = BACKENDS[backend].load(self.compiled, form)
+            self._check_form(form, backend)
+            self._modules[key] = registry.backend(backend).load(self.compiled, form)
         return self._modules[key]
 
     # ---- arrays ----
-    def default_params(self, heads: int, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-        """The file's parameter defaults for `heads` heads (float64; per-head ones as [H, *])."""
+    def default_params(self, heads: int, dims: dict[str, int] | None = None,
+                       given: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The file's parameter defaults for `heads` heads (float64; per-head ones as [H, *]), except those
+        `given`: a default computed from another param uses the given value of that one. Whatever backend
+        runs the forms, the defaults are the NumPy backend's code (seeded draws included), so both agree."""
         sizes = {d.name: d.default for d in self.program.dims} | dict(dims or {})
-        return self.module("recurrent").default_params(heads, sizes)
+        return self.module(self.forms[0], NUMPY.name).default_params(heads, sizes, dict(given or {}))
 
     def random_inputs(self, batch: int = 2, tokens: int = 16, heads: int = 2, dims: dict | None = None,
                       dtype=np.float64, seed: int = 0, decay_scale: float = 1.0) -> dict[str, np.ndarray]:
@@ -113,7 +109,7 @@ class Recurrence:
                     dims: dict[str, int] | None = None, dtype=np.float32) -> tuple[str, str]:
         """The form `auto` picks for a call, and why (see form_choice: compiled code runs the recurrent
         form; NumPy's choice is measured once per heads, sizes and dtype)."""
-        self._check_backend(backend)
+        registry.backend(backend)  # (an unknown name is an error)
         return form_choice.choose(self, backend, tokens, heads, batch, dims, dtype)
 
     def run(self, inputs: dict | None = None, *, form: str = "auto", backend: str = "numpy",
@@ -131,9 +127,10 @@ class Recurrence:
                 _remember(self._plans, signature, plan)
         else:
             checked = given  # arrays of the names, shapes and dtypes that were checked when the plan was made
-        if not getattr(plan.module, "checks_ranges", False):
+        able = plan.module.capabilities
+        if not able.checks_ranges:
             arrays.check_ranges(self.program, checked)
-        if initial_state is None and getattr(plan.module, "zero_states", False):
+        if initial_state is None and able.zero_states:
             state0 = None
         else:
             state0 = arrays.check_initial_state(self.program, initial_state, plan.shape, plan.dims,
@@ -164,7 +161,6 @@ class Recurrence:
     @functools.cached_property
     def _log_scales(self) -> frozenset[str]:
         """The log-scales a decode loop carries beside stabilized states ("S.log_scale")."""
-        from .numpy.backend import log_scale_keys
         return frozenset(log_scale_keys(self.compiled).values())
 
     def bind(self, module, shape: arrays.CallShape, params: dict | None = None, initial_state: dict | None = None,
@@ -176,7 +172,7 @@ class Recurrence:
         arrays.check_sequence_length(self.program, shape, dims)
         names = {p.name for p in self.program.params}
         given_f64 = {k: np.asarray(v, dtype=np.float64) for k, v in params.items() if k in names}
-        defaults = {k: v for k, v in module.default_params(shape.heads, dims, given_f64).items()
+        defaults = {k: v for k, v in self.default_params(shape.heads, dims, given_f64).items()
                     if k not in params}
         return dims, arrays.check_params(self.program, params, defaults, shape, dims)
 
@@ -218,7 +214,7 @@ class Recurrence:
         if self.derivation.sequence is not None:
             return _cache_step(self, token_inputs, state, backend, params)
         checked, shape, module, dims, used = self._token_call(token_inputs, backend, params, state)
-        if hasattr(module, "stepper"):  # compiled: bind once, then only shapes are checked per call
+        if module.capabilities.binds_steps:  # compiled: bind once, then only shapes are checked per call
             stepper = module.stepper(used, dims)
             self._steppers[backend] = (params, stepper)
             return stepper(token_inputs, state, inplace=inplace, out=out)
@@ -271,7 +267,7 @@ class Recurrence:
             raise RuntimeInputError("bind_step updates the state arrays in place: pass them (e.g. the "
                                     "final_state of prefill)")
         _, _, module, dims, used = self._token_call(token_inputs, backend, params, state)
-        if hasattr(module, "stepper"):
+        if module.capabilities.binds_steps:
             return module.stepper(used, dims).bind(token_inputs, state, out)
         buffers = dict(out or {})
 
@@ -304,8 +300,8 @@ def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backe
         grown[name] = value if cache.get(name) is None else np.concatenate([cache[name], value], axis=1)
     checked, shape = arrays.check_inputs(rec.program, grown)
     module = rec.module("recurrent", backend)
-    if not getattr(module, "decodes_over_cache", backend == "numpy"):
-        module = rec.module("recurrent", "numpy")
+    if not module.capabilities.decodes_over_cache:
+        module = rec.module("recurrent", NUMPY.name)
     dims, used = rec.bind(module, shape, params)
     outputs, _ = module.forward(checked, used, {}, dims, first=shape.tokens - 1)
     return {k: v[:, 0] for k, v in outputs.items()}, grown

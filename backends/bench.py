@@ -47,11 +47,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .dsl.errors import LinrecError
-
+from . import api, arrays, compiler, registry
 from .c import build as c_build
-from . import verify
-from .c.generator import split_scalar
+from .compiler.linearity import split_scalar
+from .decode import reads_the_sequence
+from .dsl.errors import LinrecError
 
 DEFAULT_TOKENS = (1024, 4096, 16384, 32768)
 QUICK_TOKENS = (256, 1024)
@@ -191,14 +191,14 @@ _LOAD_SCRIPT = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import numpy as np
-import linrec as linrec
+import linrec
 t1 = time.perf_counter()
 path, backend, dims, heads = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 rec = linrec.load(path)
 t2 = time.perf_counter()
 x = rec.random_inputs(batch=1, tokens=1, heads=heads, dims=dims, dtype=np.float32, seed=0)
 try:
-    from .c import build as c_build
+    from linrec.c import build as c_build
     entries = lambda: c_build.cache_info()["entries"]
 except Exception:
     entries = lambda: None
@@ -318,8 +318,6 @@ def input_check_ms(program, inputs: dict) -> dict[str, float]:
     """What Recurrence.run spends validating the inputs before any form runs, in ms (median of 3 calls):
     "arrays" (names, shapes, dtypes: every call) and "ranges" (a NumPy scan for the declared value ranges:
     only for forms whose kernel does not test them as it reads — the C recurrent kernel does)."""
-    from . import arrays
-
     def median_ms(fn) -> float:
         times = []
         for _ in range(3):
@@ -396,10 +394,6 @@ def _cpu() -> str:
 # ---- the run ------------------------------------------------------------------------------------------
 def run(opts: Options, progress=None) -> dict:
     """Everything `linrec bench` reports, as plain data (the --json object)."""
-    from . import compiler
-
-    from . import api
-
     say = progress or (lambda text: None)
     ticks = _cpu_ticks()
     rec = api.load(opts.file)
@@ -425,7 +419,7 @@ def run(opts: Options, progress=None) -> dict:
     repeats = opts.repeats or (QUICK_REPEATS if opts.quick else REPEATS)
     budget = opts.budget_s if opts.budget_s is not None else (QUICK_BUDGET_S if opts.quick else BUDGET_S)
     tokens = sorted(set(opts.tokens))
-    backends = list(dict.fromkeys(opts.backends or list(api.BACKENDS)))
+    backends = list(dict.fromkeys(opts.backends or list(registry.BACKENDS)))
     wanted = list(dict.fromkeys(opts.forms or list(rec.forms)))
     with_auto = "auto" in wanted
     forms = [f for f in wanted if f != "auto"]
@@ -440,7 +434,6 @@ def run(opts: Options, progress=None) -> dict:
         forms.remove(f)
 
     flops, formula, flop_lines = flop_count(rec, dims)
-    from .decode import reads_the_sequence
     sequence_level = reads_the_sequence(rec)
     if not flops:
         notes.append(f"'{program.name}' has no recurrent state" + (" (it reads the sequence directly)"
@@ -482,13 +475,11 @@ def run(opts: Options, progress=None) -> dict:
     combos: list[tuple[str, str, int]] = []
     auto = []
     for b in backends:
-        emitters = getattr(api.BACKENDS[b], "EMITTERS", {})
         for f in forms:
-            gaps = verify.missing(rec, [b], [f])  # (a form with no emitter included)
-            if gaps:  # (said once, not as a failure at every T)
-                why = gaps[0][2]
+            why = registry.refusal(rec.compiled, b, f)
+            if why:  # (said once, not as a failure at every T)
                 skipped.append({"form": f, "backend": b, "T": None,
-                                "reason": f"the {b} backend does not build it" + (f": {why}" if why else "")})
+                                "reason": f"the {b} backend does not build it: {why}"})
                 continue
             for t in tokens:
                 limit = max_tokens(f, b) if opts.limits else None
@@ -504,7 +495,7 @@ def run(opts: Options, progress=None) -> dict:
         for t in tokens:
             form, why = rec.choose_form(b, t, heads=HEADS, batch=BATCH, dims=dims, dtype=np.float32)
             auto.append({"backend": b, "T": t, "form": form, "why": why})
-            if with_auto and form in emitters and (form, b, t) not in combos:
+            if with_auto and registry.builds(rec.compiled, b, form) and (form, b, t) not in combos:
                 combos.append((form, b, t))
     combos.sort(key=lambda c: (c[2], list(rec.forms).index(c[0]) if c[0] in rec.forms else 99,
                                backends.index(c[1])))

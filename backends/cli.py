@@ -29,7 +29,13 @@ from typing import Callable
 
 import numpy as np
 
+from . import api, bench, compiler, quality, registry, verify
+from .c import cache as c_cache
+from .compiler import ir
+from .compiler.analysis import inline_lets, to_text, walk
+from .decode import run_by_steps
 from .dsl.errors import LinrecError, RuntimeInputError
+from .interface import DEFINITION, STATEMENTS
 from .version import VERSION
 
 PROG = "linrec"
@@ -45,7 +51,6 @@ def _shape(dims) -> str:
 
 def _load(path: str):
     """The compiled program; its warnings (declared names nothing uses) go to stderr, with their places."""
-    from . import api
     rec = api.load(path)
     for warning in rec.compiled.warnings:
         print(warning, file=sys.stderr)
@@ -53,21 +58,17 @@ def _load(path: str):
 
 
 def _backend_names() -> list[str]:
-    from .api import BACKENDS
-    return list(BACKENDS)
+    return list(registry.BACKENDS)
 
 
 def _form_names() -> list[str]:
-    from . import compiler
     return list(compiler.FORMS)
 
 
 def _implemented(rec, form: str) -> list[str]:
     """The backends that generate `form` of this program today (a form can exist mathematically before a
     backend has it)."""
-    from .api import BACKENDS
-    from .verify import _supports
-    return [name for name in BACKENDS if _supports(rec, name, form)]
+    return registry.building(rec.compiled, form)
 
 
 def _range_text(x) -> str | None:
@@ -83,8 +84,6 @@ def _range_text(x) -> str | None:
 
 def _reads(program, value) -> list[tuple[str, str]]:
     """Which states an output reads and when: "before" (S_(t−1)), "after" (S_t) or "final" (non-causal)."""
-    from .compiler import ir
-    from .compiler.analysis import inline_lets, walk
     seen: dict[tuple[str, str], None] = {}
     for node in walk(inline_lets(value, program.lets)):
         if isinstance(node, ir.StateRef):
@@ -100,7 +99,6 @@ _WHEN = {"before": "before this token's update ({s}_(t−1))", "after": "after t
 # ---- check -----------------------------------------------------------------------------------
 def describe(rec, path: str) -> dict:
     """Everything `check` reports, as plain data (the --json output for one file)."""
-    from .compiler.analysis import to_text
     p, d = rec.program, rec.derivation
     updates = p.updates
     info = {
@@ -142,8 +140,7 @@ def describe(rec, path: str) -> dict:
         entry = {"form": form, "available": why is None, "reason": why,
                  "backends": _implemented(rec, form) if why is None else []}
         if form == "recurrent" and "c" in entry["backends"] and d.sequence is None:
-            from .c import backend as c_backend
-            entry["c_kernel"] = c_backend.recurrent_kernel(rec.compiled)
+            entry["c_kernel"] = registry.backend("c").recurrent_kernel(rec.compiled)
         info["forms"].append(entry)
     plan = d.sequence
     info["sequence"] = None if plan is None else {
@@ -208,7 +205,7 @@ def format_check(info: dict) -> str:
         if f["available"]:
             where = (f"backends: {', '.join(f['backends'])}" if f["backends"]
                      else "no backend generates it yet")
-            if f.get("c_kernel") == "statement by statement":
+            if f.get("c_kernel") == STATEMENTS:
                 where += "; C runs its statements one by one"
             out.append(f"  {f['form']:<10}  available ({where})")
         else:
@@ -445,7 +442,6 @@ def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> str:
 def _run_form(rec, args, inputs, params=None, initial_state=None):
     """rec.run with the chosen form; --form step goes token by token through Recurrence.step."""
     if args.form == "step":
-        from .decode import run_by_steps
         return run_by_steps(rec, inputs, backend=args.backend, params=params, initial_state=initial_state)
     return rec.run(inputs, form=args.form, backend=args.backend, params=params, initial_state=initial_state,
                    chunk_size=args.chunk_size)
@@ -584,10 +580,6 @@ def cmd_verify(args) -> int:
     Runs a battery of generated inputs that fit each input's declared range and prints one row per
     (form, backend, dtype, case) with its errors, its tolerance and pass or FAIL.
     """
-    import json
-
-    from . import verify
-    from .numpy.backend import DEFINITION
 
     rec = _load(args.file)
     if args.against:
@@ -641,7 +633,6 @@ def _positive_float(text: str) -> float:
 
 
 def _add_bench(parser: argparse.ArgumentParser):
-    from . import bench
     parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     parser.add_argument("--quick", action="store_true",
@@ -696,7 +687,6 @@ def cmd_bench(args) -> int:
     each form, backend and sequence length, the decode-step time per token, state against KV-cache
     bytes, the automatic form choice and the C kernel's build and cached-load times.
     """
-    from . import bench
 
     opts = bench.Options(file=args.file, quick=args.quick, forms=args.form, backends=args.backend,
                          threads=args.threads, repeats=args.repeats, budget_s=args.budget,
@@ -743,7 +733,6 @@ def cmd_cache(args) -> int:
     `info` lists the cache directory, its entries (built kernels) with their sizes, ages and checksum
     status, and the total bytes; `clear` deletes every entry (kernels are rebuilt when next used).
     """
-    from .c import cache as c_cache
     if args.action == "info":
         data = c_cache.info()
         print(json.dumps(data, indent=1) if args.json else c_cache.format_info(data))
@@ -756,9 +745,6 @@ def cmd_cache(args) -> int:
 
 
 def _verify_against(rec, exact, args) -> int:
-    import json
-
-    from . import quality
 
     if not args.json:
         print(f"{rec.name} against {exact.name}: relative error ‖o − o_exact‖/‖o_exact‖, mean over seeds")

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import arrays, registry
+from .api import Result
+from .compiler.stabilize import log_scale_keys
 from .dsl.errors import LinrecError
-
-from . import arrays
+from .numpy.scan import rescale
 
 
 def reads_the_sequence(rec) -> bool:
@@ -26,11 +28,8 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
                  initial_state: dict | None = None):
     """Inputs [B, T, H, *] by DSL name; initial states [B, H, *] (zeros when absent); params override the
     file's defaults. Returns an api.Result: outputs [B, T, H, *], final states [B, H, *], params used."""
-    from .api import BACKENDS, Result
-
     program = rec.program
-    if backend not in BACKENDS:
-        raise LinrecError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+    registry.backend(backend)  # (an unknown name is an error)
     if not program.causal:
         raise LinrecError(f"'{program.name}' is non-causal: every output reads the final state, so it has no "
                           f"token-by-token decode step; use its {' or '.join(rec.forms)} form")
@@ -72,8 +71,6 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
 def at_true_scale(rec, state: dict) -> dict:
     """Stabilized states as the sequence forms return them: a state carried as S·exp(−m) between steps,
     with m at its "S.log_scale" key (NaN: at its true scale already), rescaled to m = 0, without the key."""
-    from .numpy.backend import log_scale_keys
-    from .numpy.scan import rescale
     keys = log_scale_keys(rec.compiled)
     out = {k: v for k, v in state.items() if k not in set(keys.values())}
     for name, key in keys.items():

@@ -18,6 +18,10 @@ import time
 
 import numpy as np
 
+from . import registry
+from .interface import FUSED
+from .registry import builds
+
 # tokens of the calibration run: two chunks of the default chunk size, so that the chunkwise form pays
 # its state pass between chunks
 CALIBRATION_TOKENS = 128
@@ -30,11 +34,10 @@ _measured: dict[tuple, dict[str, float]] = {}
 def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
            dims: dict[str, int] | None = None, dtype=np.float32) -> tuple[str, str]:
     """(form, reason) for a call of `tokens` tokens, among the forms `backend` builds."""
-    from .verify import _supports
     forms = rec.forms
     if len(forms) == 1:
         return forms[0], f"the only form '{rec.name}' has"
-    built = [f for f in forms if _supports(rec, backend, f)]
+    built = [f for f in forms if builds(rec.compiled, backend, f)]
     if len(built) == 1:
         return built[0], f"the only form of '{rec.name}' the {backend} backend builds"
     sequence = rec.derivation.sequence
@@ -42,7 +45,7 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
         if sequence.kind == "lsh":
             return "chunkwise", "the bucketed form: O(T log T) instead of the dense reference's O(T²)"
         return "chunkwise", "blocked online softmax: linear memory, keys read once per query block"
-    if _fused_recurrent(rec, backend):
+    if registry.backend(backend).recurrent_kernel(rec.compiled) == FUSED:
         return "recurrent", "compiled recurrent kernel: least arithmetic, state kept in registers and L1"
     if "chunkwise" not in forms or tokens <= SHORT:
         return "recurrent", f"T ≤ {SHORT} (or no chunkwise form): a few steps, nothing to amortize"
@@ -51,15 +54,6 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
     best = min(costs, key=costs.get)
     told = ", ".join(f"{f} {c:.0f} µs/token" for f, c in sorted(costs.items(), key=lambda fc: fc[1]))
     return best, f"measured on {CALIBRATION_TOKENS} tokens ({told}); both forms are linear in T"
-
-
-def _fused_recurrent(rec, backend: str) -> bool:
-    """Whether the backend runs the recurrent form as one fused kernel (the C backend, except for non-causal
-    programs with exponential keys, whose recurrent form is a NumPy-prepared scan like the other forms: then
-    it is measured)."""
-    from .api import BACKENDS
-    fused = getattr(BACKENDS[backend], "fused_recurrent", None)
-    return fused is not None and fused(rec.compiled)
 
 
 def per_token_cost(rec, backend: str, heads: int, batch: int, sizes: dict[str, int], dtype) -> dict[str, float]:

@@ -17,10 +17,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .compiler.builtins import SEQ
+from .compiler.sequence import is_sequence_program
+from .compiler.stabilize import stabilized_states
+from .decode import run_by_steps
+from .interface import DEFINITION
+from .registry import STEP, refusal
+
 TOLERANCE = {"float64": 1e-9, "float32": 5e-4}
 PARALLEL_MAX_T = 4096  # the parallel form holds T×T scores per head: checked up to this length
-# "step": the sequence run one token at a time through the decode step (run --form step), state carried
-STEP = "step"
+# STEP ("step"): the sequence run one token at a time through the decode step (run --form step), state carried
 STEP_MAX_T = 200  # a Python call per token: checked up to this length
 
 
@@ -36,7 +42,6 @@ class Case:
 
 
 def program_reads_sequence(program) -> bool:
-    from .compiler.sequence import is_sequence_program
     return is_sequence_program(program)
 
 
@@ -52,24 +57,17 @@ def why_not(rec, form: str) -> str | None:
     return rec.derivation.why_not(form)
 
 
-def _built(form: str) -> str:
-    """The form a backend builds to run `form`: the decode step is the recurrent form's kernel."""
-    return "recurrent" if form == STEP else form
-
-
 def reference_form(rec) -> str:
     """The float64 recurrent form is the definition; a program without one (Linformer, Reformer) is checked
     against its dense parallel form, and one whose recurrent form is stabilized (exponential feature maps,
-    carried as S·exp(−M)) against its statements as written (numpy_backend.DEFINITION): the stabilized
+    carried as S·exp(−M)) against its statements as written (interface.DEFINITION): the stabilized
     recurrent form is then checked like every other."""
-    from .numpy.backend import DEFINITION, stabilized_states
     if "recurrent" not in rec.forms:
         return "parallel"
     return DEFINITION if stabilized_states(rec.compiled) else "recurrent"
 
 
 def battery(program, quick: bool = False) -> list[Case]:
-    from .compiler.builtins import SEQ
     sized = [d for d in program.dims if d.name != SEQ]  # the maximum length stays as declared
     small = {d.name: min(d.default, 8) for d in sized}
     odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)}
@@ -143,7 +141,6 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
         on_row=None, on_progress=None) -> list[Row]:
     """Every (form, backend, dtype, case, chunk size) against the float64 NumPy recurrent form; by default
     the decode step too (outputs and final states of the tokens run one at a time)."""
-    from .decode import run_by_steps
     forms = list(forms or list(rec.forms) + decode_forms(rec))
     rows = []
     cases = battery(rec.program, quick)
@@ -151,7 +148,7 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
     for case in cases:
         for form in forms:
             for backend in backends:
-                if not _supports(rec, backend, form):
+                if not builds(rec, backend, form):
                     continue  # reported by `missing` below
                 for dtype in dtypes:
                     for chunk in (case.chunk_sizes if form == "chunkwise" else (None,)):
@@ -194,26 +191,20 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
     return rows
 
 
-def missing(rec, backends, forms=None) -> list[tuple[str, str, str | None]]:
-    """(form, backend, why) for the forms the program has but a backend does not build (why: the backend's
-    reason, when it gives one)."""
-    from .api import BACKENDS
+def missing(rec, backends, forms=None) -> list[tuple[str, str, str]]:
+    """(form, backend, why) for the forms the program has but a backend does not build."""
     out = []
     for f in forms or list(rec.forms) + decode_forms(rec):
         for b in backends:
-            if not _supports(rec, b, f):
-                backend_why = getattr(BACKENDS[b], "why_not", None)
-                out.append((f, b, backend_why(rec.compiled, _built(f)) if backend_why else None))
+            why = refusal(rec.compiled, b, f)
+            if why:
+                out.append((f, b, str(why)))
     return out
 
 
-def _supports(rec, backend: str, form: str) -> bool:
-    from .api import BACKENDS
-    form = _built(form)
-    module = BACKENDS[backend]
-    if hasattr(module, "supports"):
-        return module.supports(rec.compiled, form)
-    return form in module.EMITTERS
+def builds(rec, backend: str, form: str) -> bool:
+    """Whether `backend` builds `form` (the decode step: the recurrent form's kernel) of the program."""
+    return refusal(rec.compiled, backend, form) is None
 
 
 def format_row(row: Row) -> str:

@@ -239,3 +239,24 @@ def check_linear(value: ir.Expr, state: str, lets: dict[str, ir.Expr]) -> None:
         linear_terms(inline_lets(value, lets), state)
     except Unfactorable:
         pass  # still linear: only the recurrent form exists, and `check` says why
+
+
+def split_scalar(e: ir.Expr) -> tuple[ir.Expr, ir.Expr]:
+    """A vector expression as (scalar coefficient, vector base): −(a·(b·k)) → (−(a·b), k)."""
+    if isinstance(e, ir.Neg):
+        c, base = split_scalar(e.operand)
+        return neg(c), base
+    if isinstance(e, (ir.Arith, ir.Dot)) and (not isinstance(e, ir.Arith) or e.op in ("mul", "div")):
+        a, b = e.left, e.right
+        if isinstance(e, ir.Arith) and e.op == "div":
+            if not b.shape and a.shape:
+                c, base = split_scalar(a)
+                return ir.Arith((), "div", c, b), base
+            return ONE, e
+        if not a.shape and b.shape:
+            c, base = split_scalar(b)
+            return mul(a, c), base
+        if not b.shape and a.shape:
+            c, base = split_scalar(a)
+            return mul(c, b), base
+    return ONE, e

@@ -1,0 +1,42 @@
+"""The C backend: SIMD C kernels generated for one dtype and one assignment of sizes, built through cffi and
+cached on disk.
+
+    backend.py     the backend's entry points (why_not, emit, load) and the recurrent form's runtime
+    generator.py   the fused recurrent kernel and decode step of a factorable recurrence (c_recurrent.c.j2)
+    general.py     every other recurrence, its statements one by one (c_general.c.j2)
+    printer.py     per-token IR expressions as C; stabilize.py: exponential feature maps a token at a time
+    step.py        the decode step from Python; buffers.py: arrays checked and aligned at the boundary
+    scan.py, values.py   the parallel and chunkwise forms: scans over per-token arrays NumPy prepares
+    attention.py   softmax attention and Reformer's LSH attention
+    build.py, cache.py   cffi, the compiler's flags, the on-disk cache and `linrec cache`
+
+The host side of the scans and of attention — the per-token arrays before a kernel runs — is the NumPy
+backend's generated code, with its scan or attention calls pointed at these kernels.
+"""
+from __future__ import annotations
+
+from ..compiler import Compiled
+from ..interface import Refusal
+from . import backend
+
+
+class CBackend:
+    """linrec.interface.Backend for C."""
+
+    name = "c"
+
+    def why_not(self, compiled: Compiled, form: str) -> Refusal | None:
+        reason = backend.why_not(compiled, form)
+        return None if reason is None else Refusal(reason, backend.NUMPY_RUNS_IT)
+
+    def emit(self, compiled: Compiled, form: str, **options) -> str:
+        return backend.emit(compiled, form, **options)
+
+    def load(self, compiled: Compiled, form: str):
+        return backend.load(compiled, form)
+
+    def recurrent_kernel(self, compiled: Compiled) -> str:
+        return backend.recurrent_kernel(compiled)
+
+
+BACKEND = CBackend()

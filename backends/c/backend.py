@@ -24,7 +24,14 @@ from ..dsl.errors import LinrecError, RuntimeInputError
 from ..templating import c_comment_text
 
 from .. import arrays
+from ..compiler.stabilize import stabilized_states
+from ..interface import FUSED, SCAN, STATEMENTS, Capabilities, no_such_form
+from ..numpy import backend as numpy_backend
+from ..numpy import sequence as numpy_sequence
+from ..numpy.scan import rescale
+from . import attention as c_attention
 from . import build as c_build
+from . import scan as c_scan
 from .buffers import RecycledArrays, aligned_copy, aligned_zeros, checked
 from .build import CTYPES
 from .general import GeneralGenerator
@@ -68,14 +75,15 @@ class Kernel:
 
 
 class CRecurrent:
-    """What `load(compiled, "recurrent")` returns: forward / step / default_params, kernels built lazily."""
+    """What `load(compiled, "recurrent")` returns: forward and a decode step, kernels built lazily."""
 
     form = "recurrent"
-    checks_ranges = True  # lr_forward tests the declared value ranges as it reads: run() need not scan first
-    zero_states = True  # forward(initial_state=None) starts from zeros: run() need not make (and copy) them
+    # lr_forward tests the declared value ranges as it reads (run() need not scan first) and starts from zeros
+    # when given no initial state (run() need not make and copy them); the step binds to arrays (c.step)
+    capabilities = Capabilities(checks_ranges=True, zero_states=True, binds_steps=True)
 
     def __init__(self, compiled: Compiled):
-        _require_recurrent(compiled)
+        _require(compiled, "recurrent")
         self.compiled = compiled
         self.program = compiled.program
         self._kernels: dict[tuple, Kernel] = {}
@@ -83,12 +91,6 @@ class CRecurrent:
         self._outputs = RecycledArrays(keep=2 * len(self.program.outputs))  # this call's and the last one's
         # stabilized states' log-scales ("S.log_scale", [B, H]): the kernels' arguments after the states
         self.scales = [(gr["key"], gr["states"]) for gr in Scales(compiled).groups]
-        from ..numpy import backend as numpy_backend
-        self._numpy = numpy_backend.load(compiled, "recurrent")
-
-    def default_params(self, heads, dims, given=None):
-        """The file's parameter defaults (the NumPy module's: the same definitions, float64)."""
-        return self._numpy.default_params(heads, dims, given or {})
 
     def kernel(self, dtype, dims: dict[str, int]) -> Kernel:
         dtype = np.dtype(dtype)
@@ -199,7 +201,6 @@ class CRecurrent:
 
 def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
     """A state [B, H, *] carried as S·exp(−σ), σ [B, H] (NaN: 0), back at its true scale S."""
-    from ..numpy.scan import rescale
     if state.ndim == 4:  # a matrix state
         return rescale(state, log_scale, None, dtype)
     return rescale(state[..., None], log_scale, None, dtype)[..., 0]
@@ -207,51 +208,50 @@ def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
 
 def emit_recurrent(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None) -> str:
     """The C source of the recurrent form (and decode step) for one dtype and sizes (default: the file's)."""
-    _require_recurrent(compiled)
+    _require(compiled, "recurrent")
     sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
     target = Target(CTYPES[np.dtype(dtype)], c_build.vector_bytes())
     return recurrent_source(compiled, sizes, target).source()
 
 
-def _require_recurrent(compiled: Compiled) -> None:
-    why = why_not(compiled, "recurrent")
+def _require(compiled: Compiled, form: str) -> None:
+    why = why_not(compiled, form)
     if why:
-        raise LinrecError(f"the C backend does not build the recurrent form of '{compiled.name}': {why}")
+        raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}; "
+                          f"{NUMPY_RUNS_IT}")
+
+
+NUMPY_RUNS_IT = "the NumPy backend (backend='numpy') runs it"
 
 
 def recurrent_kernel(compiled: Compiled) -> str:
-    """How C runs the recurrent form (once supports() says it does): "fused" (c_generator), "statement by
-    statement" (c_general) or "scan" (NumPy-prepared, c_scan: non-causal programs with exponential keys)."""
+    """How C runs the recurrent form (once why_not says it does): one fused kernel (c.generator), the
+    statements one by one (c.general), or a NumPy-prepared scan (c.scan: non-causal programs with
+    exponential keys)."""
     if _scan_form(compiled, "recurrent"):
-        return "scan"
-    return "fused" if fused_why_not(compiled) is None else "statement by statement"
-
-
-def fused_recurrent(compiled: Compiled) -> bool:
-    """Whether the recurrent form is one fused C kernel (form="auto" then takes it without measuring)."""
-    return recurrent_kernel(compiled) == "fused"
+        return SCAN
+    return FUSED if fused_why_not(compiled) is None else STATEMENTS
 
 
 def _scan_form(compiled: Compiled, form: str) -> bool:
     """Parallel and chunkwise forms — and the recurrent form of non-causal programs with exponential
     feature maps, which are stabilized on their decomposition — run as NumPy-prepared scans over compiled
-    kernels (the fused kernel stabilizes causal ones itself: c_stabilize)."""
-    from ..numpy.backend import stabilized_states
+    kernels (the fused kernel stabilizes causal ones itself: c.stabilize)."""
     return form != "recurrent" or (bool(stabilized_states(compiled)) and not compiled.program.causal)
 
 
-def _exec_module(source: str, compiled: Compiled, form: str, what: str):
+def _exec_module(source: str, compiled: Compiled, form: str, what: str, capabilities: Capabilities):
     module = types.ModuleType(f"linrec_generated_{compiled.name}_{form}_c")
     module.__dict__["__source__"] = source
     exec(compile(source, f"<linrec {compiled.filename} {form} ({what})>", "exec"), module.__dict__)
+    module.form = form
+    module.capabilities = capabilities
     return module
 
 
 def _sequence_source(compiled: Compiled, form: str, dtype=np.float32, dims=None) -> str:
     """The attention kernels' C source at the program's default sizes, after the NumPy glue that calls it."""
-    from . import attention as c_attention
-    from ..numpy import sequence as numpy_sequence
-    glue = numpy_sequence.emit(compiled, form, kernels="linrec.c.attention")
+    glue = numpy_sequence.emit(compiled, form, kernels=c_attention.__name__)
     sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
     plan = compiled.derivation.sequence
     glue = "\n".join(c_comment_text(line) for line in glue.split("\n"))
@@ -267,7 +267,7 @@ def _sequence_source(compiled: Compiled, form: str, dtype=np.float32, dims=None)
 
 def emit(compiled: Compiled, form: str, **options) -> str:
     """The C source of a form (with, where NumPy prepares the arrays, the generated glue in a comment)."""
-    from . import scan as c_scan
+    _require(compiled, form)
     if compiled.derivation.sequence is not None:
         return _sequence_source(compiled, form, **options)
     if _scan_form(compiled, form):
@@ -276,32 +276,17 @@ def emit(compiled: Compiled, form: str, **options) -> str:
 
 
 def load(compiled: Compiled, form: str):
-    from . import scan as c_scan
-    from ..numpy import backend as numpy_backend
-    from ..numpy import sequence as numpy_sequence
-    why = why_not(compiled, form)
-    if why:
-        numpy_runs = "" if "NumPy backend" in why else "; the NumPy backend (backend='numpy') runs it"
-        raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}{numpy_runs}")
+    _require(compiled, form)
     if compiled.derivation.sequence is not None:
-        module = _exec_module(numpy_sequence.emit(compiled, form, kernels="linrec.c.attention"), compiled, form,
-                              "C attention")
-        module.decodes_over_cache = numpy_sequence.kernels_decode_over_cache(compiled)
-        return module
+        return _exec_module(numpy_sequence.emit(compiled, form, kernels=c_attention.__name__), compiled, form,
+                            "C attention", Capabilities(
+                                decodes_over_cache=numpy_sequence.kernels_decode_over_cache(compiled)))
     if form == "recurrent" and _scan_form(compiled, form):
-        return _exec_module(numpy_backend.emit_scan(compiled, "recurrent", scan_module="linrec.c.scan"),
-                            compiled, form, "C scan")
+        return _exec_module(numpy_backend.emit_scan(compiled, "recurrent", scan_module=c_scan.__name__),
+                            compiled, form, "C scan", Capabilities())
     if form != "recurrent":
         return c_scan.load(compiled, form)
     return CRecurrent(compiled)
-
-
-EMITTERS = {"recurrent": emit, "parallel": emit, "chunkwise": emit}
-
-
-def supports(compiled: Compiled, form: str) -> bool:
-    """Whether this backend builds `form` of the program (verify and bench skip the rest)."""
-    return why_not(compiled, form) is None
 
 
 # (id of a program, generator) → (the program, the generator's verdict): asked once per program
@@ -326,21 +311,20 @@ def _verdict(compiled: Compiled, generator: type, *args) -> str | None:
 
 
 def fused_why_not(compiled: Compiled) -> str | None:
-    """Why the fused recurrent kernel (c_generator) does not take the program, or None when it does."""
+    """Why the fused recurrent kernel (c.generator) does not take the program, or None when it does."""
     return _verdict(compiled, Generator)
 
 
 def why_not(compiled: Compiled, form: str) -> str | None:
-    """Why this backend does not build `form` of the program, or None when it does. The recurrent form of
-    a recurrence is the fused kernel's or, where that does not take it, c_general's."""
-    if form not in EMITTERS:
-        return f"it has no {form} form"
-    why = compiled.derivation.why_not(form)
-    if why or compiled.derivation.sequence is not None:
-        from ..numpy.sequence import kernel_support
-        return why or kernel_support(compiled)
+    """Why this backend does not build `form` of the program (a reason about the program, without advice),
+    or None when it does. The recurrent form of a recurrence is the fused kernel's or, where that does not
+    take it, c.general's."""
+    refused = no_such_form(compiled, form)
+    if refused:
+        return refused.reason
+    if compiled.derivation.sequence is not None:
+        return numpy_sequence.kernel_support(compiled)
     if _scan_form(compiled, form):
-        from . import scan as c_scan
         return c_scan.why_not(compiled)
     fused = fused_why_not(compiled)
     return None if fused is None else _verdict(compiled, GeneralGenerator, fused)  # (then the real reason)

@@ -29,7 +29,7 @@ from ..templating import c_comment_text
 
 from .generator import STEP_PARALLEL_THRESHOLD, KernelSource, Target
 from .printer import _ELEMENTWISE, CPrinter, elu_plus_one, matrix_vector
-from ..numpy.backend import stabilized_states
+from ..compiler.stabilize import stabilized_states
 from ..version import VERSION
 
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.StateRef, ir.LetRef)

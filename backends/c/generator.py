@@ -11,7 +11,7 @@ from math import prod
 
 from ..compiler import Compiled, ir
 from ..compiler.analysis import walk
-from ..compiler.linearity import ONE, mul, neg
+from ..compiler.linearity import ONE, split_scalar
 from ..dsl.errors import LinrecError
 
 from .build import CTYPE_BYTES
@@ -39,27 +39,6 @@ def require_factorable(compiled: Compiled) -> None:
         why = "; ".join(f"state '{t.state}': {r}" for t in bad for r in t.reasons)
         raise LinrecError(f"the fused C kernel needs a factorable transition (a decay plus rank-one terms per "
                           f"state), and '{compiled.name}' has none: {why}")
-
-
-def split_scalar(e: ir.Expr) -> tuple[ir.Expr, ir.Expr]:
-    """A vector expression as (scalar coefficient, vector base): −(a·(b·k)) → (−(a·b), k)."""
-    if isinstance(e, ir.Neg):
-        c, base = split_scalar(e.operand)
-        return neg(c), base
-    if isinstance(e, (ir.Arith, ir.Dot)) and (not isinstance(e, ir.Arith) or e.op in ("mul", "div")):
-        a, b = e.left, e.right
-        if isinstance(e, ir.Arith) and e.op == "div":
-            if not b.shape and a.shape:
-                c, base = split_scalar(a)
-                return ir.Arith((), "div", c, b), base
-            return ONE, e
-        if not a.shape and b.shape:
-            c, base = split_scalar(b)
-            return mul(a, c), base
-        if not b.shape and a.shape:
-            c, base = split_scalar(a)
-            return mul(c, b), base
-    return ONE, e
 
 
 def _sum(terms: list[ir.Expr], shape) -> ir.Expr:

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..compiler import Compiled
+from ..compiler.stabilize import stabilized_states
+from ..interface import Capabilities
+from ..numpy import backend as numpy_backend
 from ..dsl.errors import LinrecError, RuntimeInputError
 
 from . import build as c_build
@@ -283,7 +286,6 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
     c_values.Structure for a vector state read as it is, a Structure for its readouts q·S, if any, and for
     every other state."""
     from . import values as c_values
-    from ..numpy.backend import stabilized_states
     p, d = compiled.program, compiled.derivation
     if d.sequence is not None:
         raise LinrecError(f"'{compiled.name}' reads the whole sequence: it is not a scan over a recurrent state")
@@ -350,7 +352,6 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
 def load(compiled: Compiled, form: str):
     """The generated NumPy module of the form (per-token arrays, outputs from the readouts) with its scan
     running in C: forward(inputs, params, initial_state, dims, chunk_size=None) and default_params."""
-    from ..numpy import backend as numpy_backend
     if form not in FORMS:
         raise LinrecError(f"the C scan kernels implement the parallel and chunkwise forms, not {form!r}")
     why = compiled.derivation.why_not(form)
@@ -362,4 +363,5 @@ def load(compiled: Compiled, form: str):
     module.__dict__["__source__"] = source
     exec(compile(source, f"<linrec {compiled.filename} {form} (C scan)>", "exec"), module.__dict__)
     module.form = form
+    module.capabilities = Capabilities()  # NumPy prepares the arrays and checks them, as in its own forms
     return module

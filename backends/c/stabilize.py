@@ -20,7 +20,7 @@ from ..compiler.linearity import ONE
 from ..compiler.transitions import split_exp
 
 from .printer import CPrinter, Local
-from ..numpy.backend import log_scale_keys, scale_degree, stabilized_states
+from ..compiler.stabilize import log_scale_keys, scale_degree, stabilized_states
 
 
 def _exp_minus(alpha: ir.Expr, shift: str) -> ir.Expr:

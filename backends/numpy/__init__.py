@@ -1,0 +1,45 @@
+"""The NumPy backend: every form of every program as generated Python that reads like hand-written NumPy.
+
+    backend.py    the generated modules of recurrences: the statements as written (the recurrent form, the
+                  definition every other form is checked against) and the derived forms, over scan.py
+    sequence.py   the generated modules of programs that read the sequence (softmax attention and relatives)
+    printer.py    IR expressions as NumPy code
+    runtime.py, scan.py, attention.py   what the generated code calls: builtins, the scans of the derived
+                  forms, masks and softmax
+"""
+from __future__ import annotations
+
+from ..compiler import Compiled
+from ..interface import DEFINITION, INTERPRETED, Capabilities, Refusal, no_such_form
+from . import backend as modules
+
+
+class NumpyBackend:
+    """linrec.interface.Backend for NumPy: it builds every form the program has (and the definition)."""
+
+    name = "numpy"
+
+    def why_not(self, compiled: Compiled, form: str) -> Refusal | None:
+        if form == DEFINITION:
+            d = compiled.derivation
+            if "recurrent" in d.forms and d.sequence is None:
+                return None
+            return Refusal(f"'{compiled.name}' has no recurrence to run as written")
+        return no_such_form(compiled, form)
+
+    def emit(self, compiled: Compiled, form: str) -> str:
+        return modules.emit(compiled, form)
+
+    def load(self, compiled: Compiled, form: str):
+        module = modules.load(compiled, form)
+        module.form = form
+        # the token loop and every check are Python's: nothing for the driver to skip; a program that
+        # reads the sequence decodes by running its recurrent form over the KV cache (forward(first=…))
+        module.capabilities = Capabilities(decodes_over_cache=compiled.derivation.sequence is not None)
+        return module
+
+    def recurrent_kernel(self, compiled: Compiled) -> str:
+        return INTERPRETED
+
+
+BACKEND = NumpyBackend()

@@ -9,7 +9,9 @@ from ..compiler.analysis import children, inline_lets, states_in, to_text, varia
 from ..compiler.transitions import split_exp
 
 from ..compiler.identifiers import Namer
+from ..compiler.stabilize import log_scale_keys, scale_degree, stabilized_states
 from .printer import NumpyPrinter
+from ..interface import DEFINITION
 from ..templating import comment_lines, environment
 
 from ..version import VERSION
@@ -222,19 +224,15 @@ def emit_recurrent_form(compiled: Compiled) -> str:
     return emit_recurrent(compiled)
 
 
-EMITTERS = {"recurrent": emit_recurrent_form}
-# The statements as written, even where the recurrent form is stabilized: verify's reference for those, so
-# that the stabilized decomposition is checked against something other than itself (not a user form).
-DEFINITION = "definition"
-
-
 def emit(compiled: Compiled, form: str) -> str:
     if compiled.derivation.sequence is not None:
         from . import sequence as numpy_sequence
         return numpy_sequence.emit(compiled, form)
     if form == DEFINITION:
         return emit_recurrent(compiled)
-    return EMITTERS[form](compiled)
+    if form == "recurrent":
+        return emit_recurrent_form(compiled)
+    return emit_scan(compiled, form)
 
 
 def load(compiled: Compiled, form: str):
@@ -244,54 +242,6 @@ def load(compiled: Compiled, form: str):
     module.__dict__["__source__"] = source
     exec(compile(source, f"<linrec {compiled.filename} {form}>", "exec"), module.__dict__)
     return module
-
-
-def stabilized_states(compiled: Compiled) -> dict[str, tuple]:
-    """States whose every write key is c·exp(α) with α varying per token (exponential feature maps) and
-    that have no correction: they are carried as S·exp(−M) with M the running maximum of α (forms.md §8).
-    Returns state → the α of each write; states with equal α share one M. A program with no derived forms
-    has none: its reads are not all readouts q·S, which the scales are folded into (it runs as written)."""
-    out = {}
-    if compiled.derivation.why_not("chunkwise"):
-        return out
-    for t in compiled.derivation.transitions:
-        if t.corrections or not t.writes or not t.factorable:
-            continue
-        alphas = [split_exp(key)[1] for key, _ in t.writes]
-        if all(a is not None and variance(a) == "token" for a in alphas):
-            out[t.state] = tuple(alphas)
-    return out
-
-
-def log_scale_keys(compiled: Compiled) -> dict[str, str]:
-    """State → the name under which a decode loop carries its log-scale ("S.log_scale", shared by the
-    states whose keys have the same exponents)."""
-    first: dict[tuple, str] = {}
-    return {state: f"{first.setdefault(alphas, state)}.log_scale"
-            for state, alphas in stabilized_states(compiled).items()}
-
-
-def scale_degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
-    """How an output scales when readout i is multiplied by exp(scale_of[i]): exponents per scale, or None
-    when the output is not a product of powers (then the scales are multiplied back in)."""
-    if isinstance(e, ir.ReadoutRef):
-        return {scale_of[e.index]: 1} if e.index in scale_of else {}
-    kids = children(e)
-    if not kids:
-        return {}
-    degrees = [scale_degree(k, scale_of) for k in kids]
-    if any(dg is None for dg in degrees):
-        return None
-    if isinstance(e, ir.Neg):
-        return degrees[0]
-    if isinstance(e, (ir.Dot, ir.Outer)) or (isinstance(e, ir.Arith) and e.op == "mul"):
-        return {k: degrees[0].get(k, 0) + degrees[1].get(k, 0) for k in degrees[0].keys() | degrees[1].keys()}
-    if isinstance(e, ir.Arith) and e.op == "div":
-        return {k: degrees[0].get(k, 0) - degrees[1].get(k, 0) for k in degrees[0].keys() | degrees[1].keys()}
-    nonzero = [{k: v for k, v in dg.items() if v} for dg in degrees]
-    if isinstance(e, ir.Arith) and e.op in ("add", "sub") and nonzero[0] == nonzero[1]:
-        return nonzero[0]
-    return {} if not any(nonzero) else None
 
 
 def _scale_seen(running: str, causal: bool, before_update: bool) -> tuple[str, str | None]:
@@ -507,5 +457,3 @@ def _canonical_text(t) -> str:
     return " + ".join(parts)
 
 
-EMITTERS["parallel"] = lambda c: emit_scan(c, "parallel")
-EMITTERS["chunkwise"] = lambda c: emit_scan(c, "chunkwise")
