@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .compiler import ir
+from .compiler.builtins import SEQ
 from .dsl.errors import RuntimeInputError
 
 FLOAT_DTYPES = (np.float32, np.float64)
@@ -223,7 +224,6 @@ def random_inputs(program: ir.Program, batch: int, tokens: int, heads: int, dims
 
 def check_sequence_length(program: ir.Program, shape: CallShape, dims: dict[str, int]) -> None:
     """Parameters over the sequence axis hold a maximum length T: a longer sequence has no projection."""
-    from .compiler.builtins import SEQ
     if any(d.name == SEQ for d in program.dims) and shape.tokens > dims[SEQ]:
         spanning = ", ".join(p.name for p in program.params if SEQ in p.shape)
         raise RuntimeInputError(f"the sequence has T = {shape.tokens} tokens but {spanning} cover(s) at most "

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Callable, Iterator
 
 from . import ir
+from .builtins import BUILTINS, SEQUENCE
 
 _CHILD_FIELDS = {
     ir.Apply: ("args",), ir.Neg: ("operand",), ir.Arith: ("left", "right"), ir.Dot: ("left", "right"),
@@ -95,7 +96,6 @@ def to_text(e: ir.Expr) -> str:
             name = {"normal": "randn", "features": "random_features"}.get(node.kind, node.kind)
             return f"{name}({args})"
         if isinstance(node, ir.Apply):
-            from .builtins import BUILTINS, SEQUENCE
             defaults = dict(BUILTINS[node.function].options) if node.function in BUILTINS else \
                 dict(SEQUENCE.get(node.function, (0, ()))[1])
             args = [p(a) for a in node.args] + [f"{k}={v:g}" for k, v in node.options if defaults.get(k) != v]

@@ -5,13 +5,15 @@ Every error points at the offending source span and says how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 from ..dsl import ast
 from ..dsl.errors import LinrecError, LinrecWarning, Span
 
 from . import ir
-from .analysis import rebuild
+from .analysis import rebuild, walk
 from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
+from .linearity import check_linear
 
 SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
 RESERVED = {"I", "h"} | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
@@ -122,7 +124,7 @@ class _Resolver:
             if default.shape and default.shape != st.shape:  # a scalar default fills the shape
                 raise LinrecError(f"the default of '{st.name}' has shape {_fmt(default.shape)} but the "
                                   f"parameter is declared {_fmt(st.shape)}", st.default.span)
-            if not st.per_head and any(isinstance(n, ir.HeadIndex) for n in _walk(default)):
+            if not st.per_head and any(isinstance(n, ir.HeadIndex) for n in walk(default)):
                 raise LinrecError(f"'{st.name}' uses the head index h; declare it `param {st.name} per head`",
                                   st.default.span)
         self.params[st.name] = ir.Param(st.name, st.shape, st.per_head, default)
@@ -181,7 +183,6 @@ class _Resolver:
             if value.shape != state.shape:
                 raise LinrecError(f"the update of '{st.target}' has shape {_fmt(value.shape)} but the state is "
                                   f"declared {_fmt(state.shape)}", st.value.span)
-            from .linearity import check_linear  # linearity is its own module; imported late to keep order clear
             check_linear(value, st.target, self.lets)
             self.updated.add(st.target)
             self.steps.append(ir.Update(st.target, value, st.span))
@@ -371,7 +372,7 @@ class _Resolver:
                 raise LinrecError(f"'{e.function}' takes per-token scalars or vectors, got {_fmt(a.shape)}",
                                   src.span)
             if any(isinstance(n, (ir.StateRef, ir.Apply)) and getattr(n, "function", None) in SEQUENCE
-                   for n in _walk(a)):
+                   for n in walk(a)):
                 raise LinrecError(f"'{e.function}' cannot take another sequence expression", src.span)
         if e.function == "seq":
             if opts["window"] < 0 or opts["window"] != int(opts["window"]):
@@ -427,13 +428,7 @@ def _opname(op: str) -> str:
     return {"add": "+", "sub": "−", "mul": "*", "div": "/"}.get(op, op)
 
 
-def _walk(e):
-    from .analysis import walk
-    return walk(e)
-
-
 def _closest(name: str, candidates: list[str]) -> str | None:
-    import difflib
     found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return found[0] if found else None
 

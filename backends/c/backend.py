@@ -14,7 +14,6 @@ Python side is c_step; the checks and buffers of the arrays passed to the kernel
 from __future__ import annotations
 
 import threading
-import types
 import weakref
 
 import numpy as np
@@ -241,9 +240,7 @@ def _scan_form(compiled: Compiled, form: str) -> bool:
 
 
 def _exec_module(source: str, compiled: Compiled, form: str, what: str, capabilities: Capabilities):
-    module = types.ModuleType(f"linrec_generated_{compiled.name}_{form}_c")
-    module.__dict__["__source__"] = source
-    exec(compile(source, f"<linrec {compiled.filename} {form} ({what})>", "exec"), module.__dict__)
+    module = numpy_backend.module_from_source(source, compiled, form, what)
     module.form = form
     module.capabilities = capabilities
     return module

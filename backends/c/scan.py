@@ -23,7 +23,6 @@ every core this process may use.
 from __future__ import annotations
 
 import threading
-import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -359,9 +358,7 @@ def load(compiled: Compiled, form: str):
         raise LinrecError(f"'{compiled.name}' has no {form} form: {why}")
     structures(compiled)  # a scan program with factorable states, or a clear error
     source = numpy_backend.emit_scan(compiled, form, scan_module=__name__)
-    module = types.ModuleType(f"linrec_generated_{compiled.name}_{form}_c")
-    module.__dict__["__source__"] = source
-    exec(compile(source, f"<linrec {compiled.filename} {form} (C scan)>", "exec"), module.__dict__)
+    module = numpy_backend.module_from_source(source, compiled, form, "C scan")
     module.form = form
     module.capabilities = Capabilities()  # NumPy prepares the arrays and checks them, as in its own forms
     return module

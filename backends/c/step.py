@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..dsl.errors import LinrecError, RuntimeInputError
-
 from .. import arrays
+from ..compiler import ir
+from ..dsl.errors import LinrecError, RuntimeInputError
 from . import build as c_build
 from .buffers import aligned_copy, aligned_empty, aligned_zeros, checked
 from .build import CTYPES
 
-if TYPE_CHECKING:
-    from .backend import CRecurrent
+
+class RecurrentForm(Protocol):
+    """What a Stepper needs of the recurrent form it steps (c.backend.CRecurrent)."""
+
+    program: ir.Program
+    scales: list[tuple[str, list[str]]]  # (log-scale key, the states it scales) per group of stabilized states
+
+    def kernel(self, dtype, dims: dict[str, int]) -> Any:
+        """The built kernel (ffi, lib, dims, ctype) for one dtype and sizes."""
+        ...
 
 _environ = os.environ
 
@@ -58,7 +66,7 @@ class Stepper:
     passes the same arrays every call (the state with inplace=True, `out`, token buffers refilled in
     place) gets `fast`: one identity test per array and one C call with the addresses packed."""
 
-    def __init__(self, rec: CRecurrent, params: dict, dims: dict, num_threads=None):
+    def __init__(self, rec: RecurrentForm, params: dict, dims: dict, num_threads=None):
         if not rec.program.causal:
             raise LinrecError(f"'{rec.program.name}' is non-causal: every output reads the final state, so "
                               f"it has no token-by-token decode step")

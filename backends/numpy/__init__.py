@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from ..compiler import Compiled
 from ..interface import DEFINITION, INTERPRETED, Capabilities, Refusal, no_such_form
-from . import backend as modules
+from . import backend as recurrences
+from . import sequence
 
 
 class NumpyBackend:
@@ -28,10 +29,12 @@ class NumpyBackend:
         return no_such_form(compiled, form)
 
     def emit(self, compiled: Compiled, form: str) -> str:
-        return modules.emit(compiled, form)
+        if compiled.derivation.sequence is not None:
+            return sequence.emit(compiled, form)
+        return recurrences.emit(compiled, form)
 
     def load(self, compiled: Compiled, form: str):
-        module = modules.load(compiled, form)
+        module = recurrences.module_from_source(self.emit(compiled, form), compiled, form)
         module.form = form
         # the token loop and every check are Python's: nothing for the driver to skip; a program that
         # reads the sequence decodes by running its recurrent form over the KV cache (forward(first=…))

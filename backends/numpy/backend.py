@@ -5,7 +5,7 @@ import dataclasses
 import types
 
 from ..compiler import Compiled, ir
-from ..compiler.analysis import children, inline_lets, states_in, to_text, variance
+from ..compiler.analysis import children, inline_lets, rebuild, states_in, to_text, variance, walk
 from ..compiler.transitions import split_exp
 
 from ..compiler.identifiers import Namer
@@ -139,13 +139,11 @@ class Emitter:
 
 
 def _uses_dim(e, dim) -> bool:
-    from ..compiler.analysis import walk
     return e is not None and any(isinstance(n, ir.DimSize) and n.dim == dim for n in walk(e))
 
 
 def _print_param(e: ir.Expr, printer: NumpyPrinter, shape: str, per_head: bool) -> str:
     """Param defaults may hold seeded random draws; everything else prints as usual."""
-    from ..compiler.analysis import rebuild, walk
     if not any(isinstance(n, ir.Random) for n in walk(e)):
         return printer(e)
     draws = {}
@@ -225,9 +223,7 @@ def emit_recurrent_form(compiled: Compiled) -> str:
 
 
 def emit(compiled: Compiled, form: str) -> str:
-    if compiled.derivation.sequence is not None:
-        from . import sequence as numpy_sequence
-        return numpy_sequence.emit(compiled, form)
+    """The module of a form of a recurrence (programs that read the sequence are sequence.py's)."""
     if form == DEFINITION:
         return emit_recurrent(compiled)
     if form == "recurrent":
@@ -235,12 +231,13 @@ def emit(compiled: Compiled, form: str) -> str:
     return emit_scan(compiled, form)
 
 
-def load(compiled: Compiled, form: str):
-    """Compile the generated source into a module object (no files written)."""
-    source = emit(compiled, form)
+def module_from_source(source: str, compiled: Compiled, form: str, what: str = "") -> types.ModuleType:
+    """Generated source as a module object (no files written); its source at `__source__`. `what` tells
+    tracebacks which code it is (say, "C scan": the NumPy glue of C kernels)."""
     module = types.ModuleType(f"linrec_generated_{compiled.name}_{form}")
     module.__dict__["__source__"] = source
-    exec(compile(source, f"<linrec {compiled.filename} {form}>", "exec"), module.__dict__)
+    where = f"<linrec {compiled.filename} {form}" + (f" ({what})>" if what else ">")
+    exec(compile(source, where, "exec"), module.__dict__)
     return module
 
 

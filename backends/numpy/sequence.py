@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 from ..compiler import Compiled, ir
+from ..compiler.analysis import children, rebuild, walk
 from ..compiler.builtins import SEQ
 
+from .backend import Emitter  # the shared pieces of every NumPy module
 from .printer import ATOM, NumpyPrinter
 
 BLOCK = 64  # query and key block of the chunkwise form, unless chunk_size is given
@@ -79,7 +81,7 @@ def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
     keys, query = scores.left, scores.right
     if len(keys.shape) != 2 or len(values.shape) != 2:
         return None
-    if any(isinstance(n, ir.Apply) and n.function == "seq" for n in _walk(query)):
+    if any(isinstance(n, ir.Apply) and n.function == "seq" for n in walk(query)):
         return None
 
     def sequence_only(e):  # every per-token reference sits inside seq(…)
@@ -87,7 +89,6 @@ def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
             return True
         if isinstance(e, (ir.InputRef, ir.LetRef)):
             return False
-        from ..compiler.analysis import children
         return all(sequence_only(c) for c in children(e))
     return (keys, query, values) if sequence_only(keys) and sequence_only(values) else None
 
@@ -103,7 +104,7 @@ def kernel_support(compiled: Compiled) -> str | None:
         if kernel_pattern(r) is None:
             return ("a softmax readout is not of the form softmax(K·q)·V with K, V sequences and q a per-token "
                     "vector")
-    if any(n for _, e in plan.outputs for n in _walk(e) if SEQ in n.shape and not isinstance(n, ir.ReadoutRef)):
+    if any(n for _, e in plan.outputs for n in walk(e) if SEQ in n.shape and not isinstance(n, ir.ReadoutRef)):
         return "the sequence is used outside softmax(K·q)·V"
     return None
 
@@ -111,7 +112,6 @@ def kernel_support(compiled: Compiled) -> str | None:
 def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
     """kernels: None for NumPy code throughout; a module name (linrec.c.attention) whose attention and
     lsh_attention_* functions run the sequence part."""
-    from .backend import Emitter  # the shared pieces of every NumPy module
     if kernels is not None:
         return _emit_with_kernels(compiled, form, kernels)
 
@@ -198,7 +198,6 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
 
 def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     """Per-token values in NumPy, the attention itself in compiled kernels."""
-    from .backend import Emitter
 
     em = Emitter(compiled)
     plan, n = compiled.derivation.sequence, em.name
@@ -273,7 +272,7 @@ def _sequence_arrays(em, base, exprs) -> tuple[dict[ir.Expr, str], list[str]]:
     arguments are keyed as the printers meet them: refolded, a named value (`kn = l2norm(k)`) by its name."""
     seq_vars: dict[ir.Expr, str] = {}
     for expr in exprs:
-        for node in _walk(expr):
+        for node in walk(expr):
             arg = em.refold(node.args[0]) if isinstance(node, ir.Apply) and node.function == "seq" else None
             if arg is not None and arg not in seq_vars:
                 label = em.name(arg.name) if isinstance(arg, (ir.InputRef, ir.LetRef)) else f"x{len(seq_vars)}"
@@ -286,7 +285,6 @@ def _sequence_arrays(em, base, exprs) -> tuple[dict[ir.Expr, str], list[str]]:
 
 def _restore(expr: ir.Expr, plan) -> ir.Expr:
     """Put the softmax readouts back in (the parallel and recurrent forms evaluate them directly)."""
-    from ..compiler.analysis import rebuild
     by_index = {r.index: r for r in plan.softmax_readouts}
 
     def back(node):
@@ -298,6 +296,3 @@ def _restore(expr: ir.Expr, plan) -> ir.Expr:
     return rebuild(expr, back)
 
 
-def _walk(e):
-    from ..compiler.analysis import walk
-    return walk(e)
