@@ -183,14 +183,8 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
         rem = lr if rr is None else add(lr, rr)
         return lt + rt, rem
     if isinstance(e, (ir.Arith, ir.Dot, ir.Outer)):
-        in_left, in_right = contains_state(e.left, state), contains_state(e.right, state)
-        if isinstance(e, ir.Arith) and e.op == "div" and in_right:
-            raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` divides by the state", e.span)
-        if in_left and in_right:
-            raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` multiplies the state by "
-                            f"itself", e.span)
-        if isinstance(e, ir.Arith) and (e.op == "pow" or (e.op == "div" and in_right)):
-            raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}`", e.span)
+        in_left = _side_with_state(e, state)
+        in_right = not in_left
         other = e.right if in_left else e.left
         inner = e.left if in_left else e.right
         if isinstance(e, ir.Outer) and in_right and isinstance(inner, ir.Dot) and len(inner.left.shape) == 1 \
@@ -229,16 +223,51 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
             return out, rebuilt(rem)
         raise Unfactorable(f"`{to_text(e)}` is linear in '{state}' but not a product the forms can factor "
                            f"(left factors such as a·S, diag(d)·S, (I − u⊗w)·S)")
-    raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` applies a function to the state",
-                    e.span)
+    raise _applies_a_function(e, state)
 
 
 def check_linear(value: ir.Expr, state: str, lets: dict[str, ir.Expr]) -> None:
-    """Raise NotLinear (with the span of the offending part) unless `value` is affine in `state`."""
-    try:
-        linear_terms(inline_lets(value, lets), state)
-    except Unfactorable:
-        pass  # still linear: only the recurrent form exists, and `check` says why
+    """Raise NotLinear (with the span of the offending part) unless `value` is affine in `state`. Decided on
+    the whole expression, apart from how the derived forms factor it: a term they cannot factor (then only
+    the recurrent form exists) must not hide a square of the state in a later term."""
+    _require_affine(inline_lets(value, lets), state)
+
+
+def _require_affine(e: ir.Expr, state: str) -> None:
+    """The walk linear_terms makes, with its NotLinear cases and none of its Unfactorable ones: every term
+    of a sum, and the side of a product that holds the state."""
+    if not contains_state(e, state) or isinstance(e, ir.StateRef):
+        return
+    if isinstance(e, ir.Neg):
+        _require_affine(e.operand, state)
+        return
+    if isinstance(e, ir.Arith) and e.op in ("add", "sub"):
+        _require_affine(e.left, state)
+        _require_affine(e.right, state)
+        return
+    if isinstance(e, (ir.Arith, ir.Dot, ir.Outer)):
+        _require_affine(e.left if _side_with_state(e, state) else e.right, state)
+        return
+    raise _applies_a_function(e, state)
+
+
+def _side_with_state(e: ir.Arith | ir.Dot | ir.Outer, state: str) -> bool:
+    """Whether the state is in the left operand of a product that holds it (else the right); NotLinear when
+    the product is not linear in it: the state times itself, a division by it, a power of it."""
+    in_left, in_right = contains_state(e.left, state), contains_state(e.right, state)
+    if isinstance(e, ir.Arith) and e.op == "div" and in_right:
+        raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` divides by the state", e.span)
+    if in_left and in_right:
+        raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` multiplies the state by itself",
+                        e.span)
+    if isinstance(e, ir.Arith) and e.op == "pow":
+        raise NotLinear(f"the update is not linear in '{state}': `{to_text(e)}`", e.span)
+    return in_left
+
+
+def _applies_a_function(e: ir.Expr, state: str) -> NotLinear:
+    return NotLinear(f"the update is not linear in '{state}': `{to_text(e)}` applies a function to the state",
+                     e.span)
 
 
 def split_scalar(e: ir.Expr) -> tuple[ir.Expr, ir.Expr]:

@@ -381,6 +381,15 @@ def test_update_quadratic_in_state_elementwise():
     check(compile_error(src), src, where(src, 4, "S*S"), "not linear in 'S'", width=3)
 
 
+@pytest.mark.parametrize("update", ["V = k⊗k*V + V*V", "V = V*V + k⊗k*V"])
+def test_linearity_does_not_depend_on_the_order_of_terms(update):
+    """k⊗k*V is linear but not a product the derived forms factor; checking linearity used to stop there,
+    so a square of the state after it was accepted (before it, rejected)."""
+    src = SQUARE_HEAD + f"state V[dk, dk]\n{update}\noutput o = q·V\n"
+    check(compile_error(src), src, where(src, 4, "V*V"), "not linear in 'V'", "multiplies the state by itself",
+          width=3)
+
+
 def test_update_applies_function_to_state():
     src = HEAD + "state S[dk, dv]\nS = exp(S)\noutput o = q·S\n"
     check(compile_error(src), src, where(src, 4, "exp(S)"), "not linear in 'S'", "applies a function to the state",
