@@ -195,12 +195,15 @@ class Recurrence:
     def step(self, token_inputs: dict, state: dict | None, *, backend: str = "numpy",
              params: dict | None = None, inplace: bool = False, out: dict | None = None) -> tuple[dict, dict]:
         """One token: inputs [B, H, *] by DSL name, states [B, H, *] → (outputs [B, H, *], new states).
-        inplace=True updates the given state arrays and returns them (the fast decode loop); otherwise the
-        given states are left alone. `out` (C backend) holds output arrays to reuse. The C backend checks
-        shapes and dtypes when an array changes, and its kernel the declared value ranges on every call
-        (see c_step.Stepper)."""
+        The same on every backend (docs/api.md, "Decode"): a state not given starts from zeros; inplace=True
+        updates the given state arrays (of the inputs' dtype, writeable) and returns them — the fast decode
+        loop — otherwise the given states are left alone (converted to the inputs' dtype, as run() does).
+        `params` are read when a step first sees them: a dict whose values are replaced is read again, an
+        array changed in place is not. `out` holds output arrays to reuse. The C backend checks shapes and
+        dtypes when an array changes, and its kernel the declared value ranges on every call."""
+        _require_causal(self)
         bound = self._steppers.get(backend)  # a compiled step bound before (never for a KV cache)
-        if bound is not None and bound[0] is params:
+        if bound is not None and bound[0].same(params):
             stepper = bound[1]
             fast = stepper.fast  # the decode loop passing the same arrays again: an identity test each
             if fast is not None and inplace and out is not None:
@@ -216,7 +219,7 @@ class Recurrence:
         checked, shape, module, dims, used = self._token_call(token_inputs, backend, params, state)
         if module.capabilities.binds_steps:  # compiled: bind once, then only shapes are checked per call
             stepper = module.stepper(used, dims)
-            self._steppers[backend] = (params, stepper)
+            self._steppers[backend] = (_ParamsSeen(params), stepper)
             return stepper(token_inputs, state, inplace=inplace, out=out)
         # stabilized states travel with their log-scale between steps, so that they neither over- nor
         # underflow however large the exponents get (NaN: a state at its true scale, e.g. from prefill)
@@ -224,14 +227,21 @@ class Recurrence:
         for key in self._log_scales:
             carried.setdefault(key, np.full((shape.batch, shape.heads), np.nan))
         state0 = arrays.check_initial_state(self.program, carried, shape, dims, self._log_scales)
-        outputs, final = module.forward(checked, used, state0, dims)
-        outputs = {k: v[:, 0] for k, v in outputs.items()}
+        if inplace and state is not None:
+            arrays.check_states_in_place(self.program, state, shape, dims)
+        outputs = arrays.token_outputs(self.program, out, shape, dims) if out else None
+        computed, final = module.forward(checked, used, state0, dims)
+        if outputs is None:
+            outputs = {k: v[:, 0] for k, v in computed.items()}
+        else:
+            for name, value in computed.items():
+                outputs[name][...] = value[:, 0]
         if inplace and state is not None:
             for k, v in final.items():
-                if k in state and np.shape(state[k]) == v.shape:
+                if k in state:
                     state[k][...] = v
                     final[k] = state[k]
-                else:
+                else:  # (a state not given, started from zeros: the caller's dict gets it)
                     state[k] = v
         return outputs, final
 
@@ -245,12 +255,12 @@ class Recurrence:
         key = (backend, shape.batch, shape.heads, shape.dtype.str, tuple(sorted(shape.dims.items())),
                tuple(sorted((k, np.shape(v)) for k, v in (state or {}).items())))
         known = self._token_binds.get(key)
-        if known is not None and known[0] is params:
+        if known is not None and known[0].same(params):
             return checked, shape, module, known[1], known[2]
         dims, used = self.bind(module, shape, params, state)
         for value in used.values():
             value.flags.writeable = False  # shared by the steps that reuse them
-        _remember(self._token_binds, key, (params, dims, used))
+        _remember(self._token_binds, key, (_ParamsSeen(params), dims, used))
         return checked, shape, module, dims, used
 
     def bind_step(self, token_inputs: dict, state: dict, *, backend: str = "numpy", params: dict | None = None,
@@ -259,27 +269,49 @@ class Recurrence:
         buffers `token_inputs` ([B, H, *]; refill them in place between calls), updates `state` in place
         and writes the outputs — and returns the outputs dict (`out`'s arrays, created when absent). Every
         array is checked here, once; the C kernel checks the declared value ranges on every call (and
-        updates nothing when one fails). The cheapest decode loop from Python: one call per token."""
+        updates nothing when one fails). The cheapest decode loop from Python: one call per token.
+        On every backend the step is bound to the arrays the dicts hold now: putting another array into a
+        dict later changes nothing (refill the bound ones in place), and every state must be given."""
+        _require_causal(self)
         if self.derivation.sequence is not None:
             raise RuntimeInputError(f"'{self.name}' reads the sequence: it decodes over a KV cache that grows "
                                     f"every token, so it has no step bound to fixed arrays; use step()")
-        if not state:
-            raise RuntimeInputError("bind_step updates the state arrays in place: pass them (e.g. the "
-                                    "final_state of prefill)")
-        _, _, module, dims, used = self._token_call(token_inputs, backend, params, state)
+        missing = [s.name for s in self.program.states if s.name not in (state or {})]
+        if missing:
+            raise RuntimeInputError(f"bind_step updates the state arrays in place: pass every state (missing: "
+                                    f"{', '.join(missing)}; e.g. the final_state of prefill, or zeros)")
+        _, shape, module, dims, used = self._token_call(token_inputs, backend, params, state)
         if module.capabilities.binds_steps:
             return module.stepper(used, dims).bind(token_inputs, state, out)
-        buffers = dict(out or {})
+        arrays.check_states_in_place(self.program, state, shape, dims)
+        tokens, states = dict(token_inputs), dict(state)  # the arrays bound now, as the compiled step binds them
+        buffers = arrays.token_outputs(self.program, out, shape, dims)
 
         def step():
-            outputs, _ = self.step(token_inputs, state, backend=backend, params=params, inplace=True)
-            for name, value in outputs.items():
-                if buffers.get(name) is None or np.shape(buffers[name]) != value.shape:
-                    buffers[name] = value
-                else:
-                    buffers[name][...] = value
+            self.step(tokens, states, backend=backend, params=params, inplace=True, out=buffers)
             return buffers
         return step
+
+
+class _ParamsSeen:
+    """The params a step was bound to: the same dict holding the same arrays (a value put in its place is a
+    change; an array changed in place is not, as the step has converted it to its dtype by then)."""
+
+    def __init__(self, params: dict | None):
+        self.params = params
+        self.values = dict(params) if params is not None else None  # (holds the arrays: ids stay theirs)
+
+    def same(self, params: dict | None) -> bool:
+        if params is not self.params:
+            return False
+        return params is None or (len(params) == len(self.values)
+                                  and all(params.get(k) is v for k, v in self.values.items()))
+
+
+def _require_causal(rec: "Recurrence") -> None:
+    if not rec.program.causal:
+        raise LinrecError(f"'{rec.name}' is non-causal: its outputs depend on tokens after their own, so it has "
+                          f"no token-by-token decode step; use its {' or '.join(rec.forms)} form")
 
 
 def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backend: str, params: dict | None):

@@ -200,6 +200,38 @@ def check_initial_state(program: ir.Program, given: dict | None, shape: CallShap
     return out
 
 
+def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, dims: dict) -> None:
+    """The states a decode step updates in place (inplace=True, bind_step): each given one a writeable
+    C-contiguous array of the inputs' dtype and its [B, H, *] shape, on every backend (the compiled step
+    writes to the very memory; converting would leave the caller's array behind)."""
+    for s in program.states:
+        arr = state.get(s.name)
+        if arr is None:
+            continue
+        expected = (shape.batch, shape.heads) + tuple(dims[d] for d in s.shape)
+        if not (type(arr) is np.ndarray and arr.dtype == shape.dtype and arr.shape == expected
+                and arr.flags.c_contiguous and arr.flags.writeable):
+            raise RuntimeInputError(f"state '{s.name}' must be a writeable C-contiguous {shape.dtype} array of "
+                                    f"shape {list(expected)} to be updated in place (inplace=True)")
+
+
+def token_outputs(program: ir.Program, out: dict | None, shape: CallShape, dims: dict) -> dict:
+    """The output arrays of one decode step [B, H, *]: the caller's (`out`: writeable C-contiguous arrays of
+    the inputs' dtype and the right shape, as the compiled step writes them) or new ones."""
+    outputs = {}
+    for o in program.outputs:
+        wanted = (shape.batch, shape.heads) + tuple(dims[d] for d in o.value.shape)
+        given = (out or {}).get(o.name)
+        if given is None:
+            given = np.empty(wanted, shape.dtype)
+        elif not (type(given) is np.ndarray and given.shape == wanted and given.dtype == shape.dtype
+                  and given.flags.c_contiguous and given.flags.writeable):
+            raise RuntimeInputError(f"out['{o.name}'] must be a writeable C-contiguous {shape.dtype} array of "
+                                    f"shape {list(wanted)}")
+        outputs[o.name] = given
+    return outputs
+
+
 def random_inputs(program: ir.Program, batch: int, tokens: int, heads: int, dims: dict[str, int],
                   dtype=np.float64, seed: int = 0, decay_scale: float = 1.0) -> dict[str, np.ndarray]:
     """Seeded inputs that fit each input's declared role: intervals are sampled inside, one-sided bounds

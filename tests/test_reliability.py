@@ -110,3 +110,89 @@ def test_odd_characters_in_the_programs_comments(where):
             text = rec.emit(form, backend=backend)
             assert "\x00" not in text and "\u202e" not in text and "\u2028" not in text
     assert_c_matches_numpy(rec, dims, np.float64, tokens=9)
+
+
+# ---- one decode semantics on both backends ----------------------------------------------------------------
+BACKENDS = ["numpy", "c"]
+GATED = """\
+recurrence gated(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+param w[dv] per head = randn(seed=1)
+state S[dk, dv]
+S = diag(exp(g))·S + k⊗(v*w)
+output o = q·S
+"""
+
+
+def _token(rec, seed=3, dtype=np.float64):
+    x = rec.random_inputs(2, 1, 3, dtype=dtype, seed=seed)
+    return {k: np.ascontiguousarray(v[:, 0]) for k, v in x.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_param_replaced_in_its_dict_is_read_again(backend):
+    rec = linrec.compile(GATED, "gated.lin")
+    token, params = _token(rec), {"w": np.ones((3, 3))}
+    first, _ = rec.step(token, None, backend=backend, params=params)
+    params["w"] = 2 * np.ones((3, 3))  # the same dict, another array: the next step reads it
+    second, _ = rec.step(token, None, backend=backend, params=params)
+    np.testing.assert_allclose(second["o"], 2 * first["o"], rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bound_step_reads_the_arrays_it_was_bound_to(backend):
+    rec = linrec.compile(GATED, "gated.lin")
+    token = _token(rec)
+    state = {"S": np.zeros((2, 3, 4, 3))}
+    step = rec.bind_step(token, state, backend=backend)
+    bound_q = token["q"]
+    token["q"] = np.zeros_like(bound_q)  # another array in the dict: the bound step still reads bound_q
+    out = step()
+    fresh, _ = rec.step(dict(token, q=bound_q), {"S": np.zeros((2, 3, 4, 3))}, backend=backend)
+    np.testing.assert_allclose(out["o"], fresh["o"], rtol=1e-12)
+    assert np.abs(out["o"]).max() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_binding_needs_every_state(backend):
+    rec = linrec.compile(GATED, "gated.lin")
+    with pytest.raises(linrec.RuntimeInputError, match="pass every state \\(missing: S"):
+        rec.bind_step(_token(rec), {"other": np.zeros(3)}, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_not_given_starts_from_zeros(backend):
+    rec = linrec.compile(GATED, "gated.lin")
+    token = _token(rec)
+    without, _ = rec.step(token, {}, backend=backend)
+    zeros, _ = rec.step(token, {"S": np.zeros((2, 3, 4, 3))}, backend=backend)
+    np.testing.assert_array_equal(without["o"], zeros["o"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_dtypes_in_a_step(backend):
+    """Copied in the call's dtype when the step does not update it in place (as run() takes initial states);
+    refused when it must be updated in place."""
+    rec = linrec.compile(GATED, "gated.lin")
+    token = _token(rec)
+    s32 = np.random.default_rng(0).standard_normal((2, 3, 4, 3)).astype(np.float32)
+    out, state = rec.step(token, {"S": s32}, backend=backend)
+    ref, _ = rec.step(token, {"S": s32.astype(np.float64)}, backend=backend)
+    assert state["S"].dtype == np.float64
+    np.testing.assert_allclose(out["o"], ref["o"], rtol=1e-12)
+    with pytest.raises(linrec.RuntimeInputError, match="state 'S' must be a writeable C-contiguous float64"):
+        rec.step(token, {"S": s32}, backend=backend, inplace=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrong_output_arrays_are_refused(backend):
+    rec = linrec.compile(GATED, "gated.lin")
+    with pytest.raises(linrec.RuntimeInputError, match="out\\['o'\\] must be a writeable C-contiguous float64"):
+        rec.step(_token(rec), None, backend=backend, out={"o": np.zeros((2, 1, 3))})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_non_causal_program_has_no_step(backend):
+    rec = linrec.compile(GATED.replace("dv = 3)", "dv = 3) noncausal"), "encoder.lin")
+    with pytest.raises(linrec.LinrecError, match="non-causal"):
+        rec.step(_token(rec), None, backend=backend)

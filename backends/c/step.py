@@ -245,8 +245,8 @@ class Stepper:
                 if inplace and state is not None:
                     state[name] = arr
                 every_seen = False
-            elif not inplace:
-                arr = aligned_copy(checked(arr, shp, dt, f"state '{name}'"))
+            elif not inplace:  # copied in the call's dtype, as run() takes initial states
+                arr = aligned_copy(np.asarray(checked(arr, shp, None, f"state '{name}'"), dtype=dt))
             elif arr is not seen[i] and not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp
                                              and arr.strides == strides and arr.flags.writeable):
                 raise RuntimeInputError(f"state '{name}' must be a writeable C-contiguous {dt} array of shape "
