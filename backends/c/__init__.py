@@ -4,6 +4,7 @@ cached on disk.
     backend.py     the backend's entry points (why_not, emit, load) and the recurrent form's runtime
     generator.py   the fused recurrent kernel and decode step of a factorable recurrence (c_recurrent.c.j2)
     general.py     every other recurrence, its statements one by one (c_general.c.j2)
+    support.py     which of the two takes a program, from its structure (no code generated to find out)
     printer.py     per-token IR expressions as C; stabilize.py: exponential feature maps a token at a time
     step.py        the decode step from Python; buffers.py: arrays checked and aligned at the boundary
     scan.py, values.py   the parallel and chunkwise forms: scans over per-token arrays NumPy prepares

@@ -14,7 +14,6 @@ Python side is c_step; the checks and buffers of the arrays passed to the kernel
 from __future__ import annotations
 
 import threading
-import weakref
 
 import numpy as np
 
@@ -31,6 +30,7 @@ from ..numpy.scan import rescale
 from . import attention as c_attention
 from . import build as c_build
 from . import scan as c_scan
+from . import support
 from .buffers import RecycledArrays, aligned_copy, aligned_zeros, checked
 from .build import CTYPES
 from .general import GeneralGenerator
@@ -43,10 +43,9 @@ from .step import Stepper
 def recurrent_source(compiled: Compiled, dims: dict[str, int], target: Target) -> KernelSource:
     """The generator of the recurrent form's kernel: the fused one where it takes the program, else the
     statements one by one (c_general)."""
-    why = fused_why_not(compiled)
-    if why is None:
+    if support.fused_refusal(compiled) is None:
         return Generator(compiled, dims, target)
-    return GeneralGenerator(compiled, dims, target, why)
+    return GeneralGenerator(compiled, dims, target)
 
 
 class Kernel:
@@ -229,7 +228,7 @@ def recurrent_kernel(compiled: Compiled) -> str:
     exponential keys)."""
     if _scan_form(compiled, "recurrent"):
         return SCAN
-    return FUSED if fused_why_not(compiled) is None else STATEMENTS
+    return FUSED if support.fused_refusal(compiled) is None else STATEMENTS
 
 
 def _scan_form(compiled: Compiled, form: str) -> bool:
@@ -286,36 +285,16 @@ def load(compiled: Compiled, form: str):
     return CRecurrent(compiled)
 
 
-# (id of a program, generator) → (the program, the generator's verdict): asked once per program
-_VERDICTS: dict[tuple[int, type], tuple[weakref.ref, str | None]] = {}
-
-
-def _verdict(compiled: Compiled, generator: type, *args) -> str | None:
-    """None when `generator` takes the program, else why not. It runs once, at the file's sizes, up to its
-    context (not the template: a fresh process's first render costs ~0.3 s), and names what it cannot
-    compute (say, a matrix-valued value per token)."""
-    key = (id(compiled), generator)
-    known = _VERDICTS.get(key)
-    if known is None or known[0]() is not compiled:
-        try:
-            sizes = {d.name: d.default for d in compiled.program.dims}
-            generator(compiled, sizes, Target(CTYPES[np.dtype(np.float64)], c_build.vector_bytes()), *args).context()
-            verdict = None
-        except LinrecError as err:
-            verdict = err.message
-        known = _VERDICTS[key] = (weakref.ref(compiled), verdict)
-    return known[1]
-
-
 def fused_why_not(compiled: Compiled) -> str | None:
     """Why the fused recurrent kernel (c.generator) does not take the program, or None when it does."""
-    return _verdict(compiled, Generator)
+    return support.fused_refusal(compiled)
 
 
 def why_not(compiled: Compiled, form: str) -> str | None:
     """Why this backend does not build `form` of the program (a reason about the program, without advice),
-    or None when it does. The recurrent form of a recurrence is the fused kernel's or, where that does not
-    take it, c.general's."""
+    or None when it does; from the program's structure (c.support), no code is generated. The recurrent form
+    of a recurrence is the fused kernel's or, where that does not take it, the statement kernel's (c.general),
+    whose reason is then the one that counts."""
     refused = no_such_form(compiled, form)
     if refused:
         return refused.reason
@@ -323,5 +302,6 @@ def why_not(compiled: Compiled, form: str) -> str | None:
         return numpy_sequence.kernel_support(compiled)
     if _scan_form(compiled, form):
         return c_scan.why_not(compiled)
-    fused = fused_why_not(compiled)
-    return None if fused is None else _verdict(compiled, GeneralGenerator, fused)  # (then the real reason)
+    if support.fused_refusal(compiled) is None:
+        return None
+    return support.statements_refusal(compiled)

@@ -20,19 +20,15 @@ state-free ones are inlined, so that what they share is computed once (CPrinter'
 """
 from __future__ import annotations
 
-import re
-
 from ..compiler import Compiled, ir
-from ..compiler.analysis import inline_lets, rebuild, states_in, to_text, walk
+from ..compiler.analysis import to_text, walk
 from ..dsl.errors import LinrecError
 from ..templating import c_comment_text
 
 from .generator import STEP_PARALLEL_THRESHOLD, KernelSource, Target
-from .printer import _ELEMENTWISE, CPrinter, elu_plus_one, matrix_vector
-from ..compiler.stabilize import stabilized_states
+from .printer import _ELEMENTWISE, MATRIX_LEAVES, CPrinter, elu_plus_one, vector_product
+from .support import fused_refusal, printed_statements, statements_refusal
 from ..version import VERSION
-
-_LEAVES = (ir.InputRef, ir.ParamRef, ir.StateRef, ir.LetRef)
 
 
 def _rank(e: ir.Expr) -> int:
@@ -75,24 +71,14 @@ class StatementPrinter(CPrinter):
             return super()._part(x, i)
         return self.scalar(x) if not x.shape else self.melem(x, i, j)
 
-    # ---- vectors: products with a matrix ----
-    @staticmethod
-    def _vector_product(e: ir.Expr) -> bool:
-        """A vector a·M or M·a whose matrix is not diag(d) or I (CPrinter applies those elementwise) and
-        that is not a parameter matrix times a vector (CPrinter's lr_matvec / lr_vecmat)."""
-        if not (isinstance(e, ir.Dot) and _rank(e) == 1) or matrix_vector(e):
-            return False
-        ranks = (_rank(e.left), _rank(e.right))
-        matrix = e.right if ranks == (1, 2) else e.left if ranks == (2, 1) else None
-        return matrix is not None and not isinstance(matrix, (ir.Diag, ir.Identity))
-
+    # ---- vectors: products with a matrix (printer.vector_product) ----
     def _elem(self, e: ir.Expr, i: str) -> str:
-        if self._vector_product(e):
+        if vector_product(e):
             return f"{self.array(e)}[{i}]"
         return super()._elem(e, i)
 
     def array(self, e: ir.Expr) -> str:
-        if e in self._cache or not self._vector_product(e):
+        if e in self._cache or not vector_product(e):
             return super().array(e)
         name = self._name(e, "v")
         lines = self._product_into(e, name)
@@ -102,7 +88,7 @@ class StatementPrinter(CPrinter):
 
     def store(self, e: ir.Expr, target: str) -> list[str]:
         """Statements that store vector e into `target` (a vector product straight into it)."""
-        if e in self._cache or not self._vector_product(e):
+        if e in self._cache or not vector_product(e):
             return self.fill(e, target)
         return self._product_into(e, target)
 
@@ -131,14 +117,14 @@ class StatementPrinter(CPrinter):
         first is written first."""
         if _rank(e) != 2:
             raise self._unsupported(e)
-        if e not in self._matrices and self._uses[e] > 1 and _costly(e) and not isinstance(e, _LEAVES):
+        if e not in self._matrices and self._uses[e] > 1 and _costly(e) and not isinstance(e, MATRIX_LEAVES):
             self._materialize(e, lambda a, b: self._melem(e, a, b))
         if e in self._matrices:
             return f"{self._matrices[e]}[{i} * {self.cols(e)} + {j}]"
         return self._melem(e, i, j)
 
     def _melem(self, e: ir.Expr, i: str, j: str) -> str:
-        if isinstance(e, _LEAVES):
+        if isinstance(e, MATRIX_LEAVES):
             return f"{self.ref(e)}[{i} * {self.cols(e)} + {j}]"
         if isinstance(e, ir.Identity):
             return f"((T)({i} == {j}))"
@@ -233,30 +219,13 @@ class GeneralGenerator(KernelSource):
 
     template = "c_general.c.j2"
 
-    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target, why_not_fused: str = ""):
+    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
+        refusal = statements_refusal(compiled)  # (what this kernel takes is support.py's to say)
+        if refusal:
+            raise LinrecError(refusal)
         super().__init__(compiled, dims, target)
-        # (for the file's opening comment: what the fused kernel does not take, without the advice to users)
-        self.why_not_fused = re.split(r"[;.] the NumPy backend", why_not_fused, flags=re.IGNORECASE)[0]
-        if stabilized_states(compiled):
-            raise LinrecError(f"its exponential feature maps are stabilized only in the fused kernel, which "
-                              f"does not take it: {self.why_not_fused}")
-        for x in (*self.p.inputs, *self.p.params):
-            if _rank(x) > 2:
-                what = "input" if x in self.p.inputs else "param"
-                raise LinrecError(f"{what} '{x.name}' has shape [{', '.join(x.shape)}], and the C kernels take "
-                                  f"values up to matrices; the NumPy backend runs this program")
-        # named values: those that read a state stay names, computed where they are defined; the rest inline
-        self.bound = {s.name for s in self.p.steps
-                      if isinstance(s, ir.Let) and states_in(inline_lets(s.value, self.p.lets))}
-        self.let_names: dict[str, str] = {}
-
-    def expand(self, e: ir.Expr) -> ir.Expr:
-        """e with the state-free named values inlined (those that read a state stay LetRefs)."""
-        def sub(node):
-            if isinstance(node, ir.LetRef) and node.name not in self.bound:
-                return self.expand(self.p.lets[node.name])
-            return node
-        return rebuild(e, sub)
+        self.why_not_fused = fused_refusal(compiled) or ""  # for the file's opening comment
+        self.let_names: dict[str, str] = {}  # named values that read a state → their C locals
 
     def ref(self, node: ir.Expr) -> str:
         if isinstance(node, ir.StateRef):
@@ -268,9 +237,9 @@ class GeneralGenerator(KernelSource):
     def _statements(self, pr: StatementPrinter, updates: bool, outputs: bool) -> list[str]:
         """One token's statements in program order: the named values that read a state, the updates (in
         place) and the outputs (into their rows, out_x_t, or out_x[tok] for a scalar)."""
-        steps = [s for s in self.p.steps if (isinstance(s, ir.Let) and s.name in self.bound)
-                 or (isinstance(s, ir.Update) and updates) or (isinstance(s, ir.Output) and outputs)]
-        values = [self.expand(s.value) for s in steps]
+        chosen = [(s, v) for s, v in printed_statements(self.p) if isinstance(s, ir.Let)
+                  or (isinstance(s, ir.Update) and updates) or (isinstance(s, ir.Output) and outputs)]
+        steps, values = [s for s, _ in chosen], [v for _, v in chosen]
         pr.expect(*values)
         lines: list[str] = []
         for step, value in zip(steps, values):

@@ -15,8 +15,9 @@ from ..compiler.linearity import ONE, split_scalar
 from ..dsl.errors import LinrecError
 
 from .build import CTYPE_BYTES
-from .printer import CPrinter, Local, read_only_through_readouts
+from .printer import CPrinter, Local, UnprintableError, read_only_through_readouts
 from .stabilize import Scales
+from .support import fused_refusal
 from ..compiler.identifiers import Namer
 from ..version import VERSION
 from ..templating import comment_lines, environment
@@ -31,14 +32,6 @@ BLOCK_BYTES = 24 * 1024
 # Multiply-adds a thread runs of one head before it looks for the head furthest behind (see lr_claim).
 SEGMENT_WORK = 1 << 21
 SPLIT_ALWAYS = False  # tests set it: every segment end splits a group of heads (lr_release)
-
-
-def require_factorable(compiled: Compiled) -> None:
-    bad = [t for t in compiled.derivation.transitions if not t.factorable]
-    if bad:
-        why = "; ".join(f"state '{t.state}': {r}" for t in bad for r in t.reasons)
-        raise LinrecError(f"the fused C kernel needs a factorable transition (a decay plus rank-one terms per "
-                          f"state), and '{compiled.name}' has none: {why}")
 
 
 def _sum(terms: list[ir.Expr], shape) -> ir.Expr:
@@ -180,27 +173,11 @@ class Generator(KernelSource):
     template = "c_recurrent.c.j2"
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
-        require_factorable(compiled)
-        if compiled.derivation.transposed:
-            names = ", ".join(f"'{n}'" for n in sorted(compiled.derivation.transposed))
-            raise LinrecError(f"state {names} is multiplied and read from the right: the derived forms carry it "
-                              f"transposed, the fused kernel only as declared")
-        for t in compiled.derivation.transitions:
-            if t.value_decay is not None:
-                raise LinrecError(f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which the fused "
-                                  f"kernel's lazy decay of the rows does not take")
+        refusal = fused_refusal(compiled)  # (what this kernel takes is support.py's to say)
+        if refusal:
+            raise LinrecError(refusal)
         super().__init__(compiled, dims, target)
         self.scales = Scales(compiled)  # exponential feature maps: states carried as S·exp(−σ)
-        for x in self.p.inputs:
-            self._check_rank(x.name, x.shape, "input")
-        for s in self.p.states:
-            if len(s.shape) not in (1, 2):
-                raise LinrecError(f"state '{s.name}': the C backend handles vector and matrix states only")
-
-    def _check_rank(self, name, shape, what):
-        if len(shape) > 1:
-            raise LinrecError(f"{what} '{name}' has shape {list(shape)}: the C backend handles scalar and "
-                              f"vector per-token values only; the NumPy backend runs this program")
 
     def array_names(self) -> tuple[list[str], int]:
         names, n_read = super().array_names()
@@ -211,9 +188,9 @@ class Generator(KernelSource):
     def ref(self, node: ir.Expr) -> str:
         if isinstance(node, ir.ReadoutRef):
             return f"r{node.index}"
-        if isinstance(node, ir.StateRef):
-            raise LinrecError(f"the C kernels read {read_only_through_readouts(node.name)}, not as a value of "
-                              f"its own")
+        if isinstance(node, ir.StateRef):  # (support.fused_refusal refuses such programs)
+            raise UnprintableError(f"the fused kernel reads {read_only_through_readouts(node.name)}, not as a "
+                                   f"value of its own")
         return super().ref(node)
 
     # ---- the decode step: one token, the state updated in place in the caller's [B, H, *] arrays ----

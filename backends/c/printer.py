@@ -18,7 +18,6 @@ from typing import Callable
 
 from ..compiler import ir
 from ..compiler.analysis import children, rebuild, to_text, walk
-from ..dsl.errors import LinrecError
 from ..templating import c_comment_text
 
 
@@ -42,6 +41,14 @@ _REGISTER = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v"}
 _VECTOR = {"l2norm", "groupnorm", "rmsnorm"}
 _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
+# the leaves a matrix per token can be (StatementPrinter, general.py: the statement kernel's buffers)
+MATRIX_LEAVES = (ir.InputRef, ir.ParamRef, ir.StateRef, ir.LetRef)
+
+
+class UnprintableError(Exception):
+    """The printer met an expression it has no C for. linrec.c.support decides from the program's structure
+    which kernel takes a program, with the printers' own dispatch and tables, before any code is generated:
+    this is a bug (the two disagree, see tests/test_c_support.py), never a routine answer about a program."""
 
 
 def elu_plus_one(e: ir.Expr) -> ir.Expr | None:
@@ -59,6 +66,16 @@ def matrix_vector(e: ir.Expr) -> bool:
     ranks = (len(e.left.shape), len(e.right.shape))
     matrix = e.left if ranks == (2, 1) else e.right if ranks == (1, 2) else None
     return isinstance(matrix, ir.ParamRef)
+
+
+def vector_product(e: ir.Expr) -> bool:
+    """`e` is a·M or M·a, a vector times a matrix that is neither diag(d) nor I (which CPrinter applies
+    elementwise) nor a parameter (matrix_vector): StatementPrinter computes it by loops over M's elements."""
+    if not (isinstance(e, ir.Dot) and len(e.shape) == 1) or matrix_vector(e):
+        return False
+    ranks = (len(e.left.shape), len(e.right.shape))
+    matrix = e.right if ranks == (1, 2) else e.left if ranks == (2, 1) else None
+    return matrix is not None and not isinstance(matrix, (ir.Diag, ir.Identity))
 
 
 def token_variant(e: ir.Expr) -> bool:
@@ -466,17 +483,10 @@ class CPrinter:
             raise self._unsupported(e)
         return lines
 
-    def _unsupported(self, e: ir.Expr) -> LinrecError:
+    def _unsupported(self, e: ir.Expr) -> UnprintableError:
         try:
             text = to_text(e)
         except TypeError:
             text = type(e).__name__
-        states = sorted({n.name for n in walk(e) if isinstance(n, ir.StateRef)})
-        if states:
-            why = f"it reads {read_only_through_readouts(states[0])}"
-        elif len(e.shape) > 1:
-            why = f"a matrix per token (shape {list(e.shape)}); it handles scalar and vector values only"
-        else:
-            why = "it has no C form of this operation"
-        return LinrecError(f"the C backend cannot compute `{text}` per token: {why}; the NumPy backend runs "
-                           f"this program")
+        return UnprintableError(f"the C printer has no C for `{text}` (shape {list(e.shape)}) per token, which "
+                                f"linrec.c.support let through")

@@ -47,8 +47,7 @@ SPAN_MAX = {"float": 40.0, "double": 300.0}
 # a vector state read as it is whose update has rank-one corrections (the delta rule on a vector): its
 # reads need the pseudo-values of the contraction kernels, which these kernels do not hand out
 VALUES_WITH_CORRECTIONS = ("the C scan kernels read a vector state as it is (elementwise) only when its update "
-                           "has no rank-one correction (delta-rule term); the NumPy backend runs every form of "
-                           "it")
+                           "has no rank-one correction (delta-rule term)")
 DECAYS = ("none", "token", "row")
 SMALL_WORK = 1 << 20  # multiply-adds (roughly) below which a call runs on one thread
 FORMS = ("parallel", "chunkwise")
@@ -323,8 +322,8 @@ def why_not(compiled: Compiled) -> str | None:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
     for t in d.transitions:
         if t.value_decay is not None:
-            return (f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which these kernels do not "
-                    f"take yet: NumPy's scans compute it")
+            return (f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which the C scan kernels do "
+                    f"not take")
     return None
 
 
