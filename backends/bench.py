@@ -51,6 +51,7 @@ from . import api, arrays, compiler, registry
 from .c import build as c_build
 from .compiler.linearity import split_scalar
 from .decode import reads_the_sequence
+from .dim_option import dims_with_overrides
 from .dsl.errors import LinrecError
 
 DEFAULT_TOKENS = (1024, 4096, 16384, 32768)
@@ -61,15 +62,16 @@ BENCH_DIMS = {"dk": 64, "dv": 64}     # applied only to dimensions the file decl
 # (NumPy ~12 s at T = 4096, 8 heads, d = 64; C ~33 s at T = 32768) and the NumPy recurrent form pays
 # interpreter overhead per token.
 MAX_TOKENS = {("numpy", "recurrent"): 4096, ("numpy", "parallel"): 4096, ("*", "parallel"): 4096}
-
-
-def max_tokens(form: str, backend: str) -> int | None:
-    return MAX_TOKENS.get((backend, form), MAX_TOKENS.get(("*", form)))
 SGEMM_N = 2048
 PINNING_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 REPEATS, QUICK_REPEATS = 7, 3
 BUDGET_S, QUICK_BUDGET_S = 10.0, 2.0   # stop repeating a row once its timed calls took this long
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # holds dsl/, compiler/ and backends/
+
+
+def max_tokens(form: str, backend: str) -> int | None:
+    """The largest T a form runs at on a backend unless --no-limits (None: no limit)."""
+    return MAX_TOKENS.get((backend, form), MAX_TOKENS.get(("*", form)))
 
 
 @dataclass
@@ -391,221 +393,329 @@ def _cpu() -> str:
     return c_build.cpu_model() or platform.machine()
 
 
-# ---- the run ------------------------------------------------------------------------------------------
-def run(opts: Options, progress=None) -> dict:
-    """Everything `linrec bench` reports, as plain data (the --json object)."""
-    say = progress or (lambda text: None)
-    ticks = _cpu_ticks()
-    rec = api.load(opts.file)
-    program = rec.program
-    declared = {d.name: d.default for d in program.dims}
-    dims = dict(declared)
-    for name, size in BENCH_DIMS.items():
-        if name in dims:
-            dims[name] = size
-    for name, size in opts.dims.items():
-        if name not in declared:
-            raise LinrecError(f"--dim {name}={size}: '{program.name}' has no dimension '{name}'; its dimensions "
-                              f"are {', '.join(declared) or 'none'}")
-        dims[name] = size
+# ---- what a run measures ------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """What one run measures, resolved from its Options and the program."""
+    dims: dict[str, int]
+    tokens: list[int]                       # sorted, each once
+    threads: int
+    threads_from: str                       # "--threads", "LINREC_NUM_THREADS" or "every core"
+    repeats: int
+    budget_s: float
+    backends: list[str]
+    combos: list[tuple[str, str, int]]      # (form, backend, T) to time, in the order they are timed
+    auto: list[dict]                        # what --form auto picks for each backend and T, and why
+    skipped: list[dict]                     # what is not timed, and why
+
+
+def _require_param_defaults(program) -> None:
+    """The benchmark generates its inputs and takes every param at its default: a param without one is an
+    error."""
     missing = [p.name for p in program.params if p.default is None]
     if missing:
         raise LinrecError(f"param(s) {', '.join(missing)} have no default: the benchmark needs a program whose "
                           f"params all have defaults")
-    if opts.threads is not None:
-        threads, threads_from = opts.threads, "--threads"
-    else:
-        threads, threads_from = default_threads()
-    repeats = opts.repeats or (QUICK_REPEATS if opts.quick else REPEATS)
-    budget = opts.budget_s if opts.budget_s is not None else (QUICK_BUDGET_S if opts.quick else BUDGET_S)
-    tokens = sorted(set(opts.tokens))
-    backends = list(dict.fromkeys(opts.backends or list(registry.BACKENDS)))
+
+
+def _forms_asked(rec, opts: Options) -> tuple[list[str], bool, list[dict]]:
+    """The forms to time (those asked for, default every form the program has; an unknown name is an error),
+    whether `auto` was asked for, and a skipped entry for each the program has not."""
     wanted = list(dict.fromkeys(opts.forms or list(rec.forms)))
-    with_auto = "auto" in wanted
     forms = [f for f in wanted if f != "auto"]
-    skipped: list[dict] = []
-    notes: list[str] = []
     for f in forms:
         if f not in compiler.FORMS:
             raise LinrecError(f"unknown form '{f}'; choose one of {', '.join(compiler.FORMS)} or auto")
-    for f in [f for f in forms if rec.derivation.why_not(f)]:
-        skipped.append({"form": f, "backend": None, "T": None,
-                        "reason": f"'{program.name}' has no {f} form: {rec.derivation.why_not(f)}"})
-        forms.remove(f)
+    why_not = {f: rec.derivation.why_not(f) for f in forms}
+    skipped = [{"form": f, "backend": None, "T": None, "reason": f"'{rec.program.name}' has no {f} form: {why_not[f]}"}
+               for f in forms if why_not[f]]
+    return [f for f in forms if not why_not[f]], "auto" in wanted, skipped
 
-    flops, formula, flop_lines = flop_count(rec, dims)
-    sequence_level = reads_the_sequence(rec)
-    if not flops:
-        notes.append(f"'{program.name}' has no recurrent state" + (" (it reads the sequence directly)"
-                     if sequence_level else "") + ": no useful-flop count, so no GFLOP/s or fractions")
-    report: dict = {
-        "file": opts.file, "program": program.name, "dtype": "float32", "batch": BATCH, "heads": HEADS,
-        "dims": dims, "tokens": tokens, "threads": threads, "threads_from": threads_from,
-        "repeats": repeats, "budget_s": budget, "quick": opts.quick,
+
+def _above_limit(form: str, backend: str, tokens: int, limit: int) -> dict:
+    """The skipped entry of a form not run at this T (see MAX_TOKENS), with the reason and how to run it."""
+    why = "T² work per head" if form == "parallel" else "interpreter overhead per token"
+    return {"form": form, "backend": backend, "T": tokens,
+            "reason": f"{'NumPy' if backend == 'numpy' else backend.upper()} {form} form not run above "
+                      f"T = {limit} ({why}; --no-limits runs it)"}
+
+
+def _backend_combos(rec, backend: str, forms: list[str], tokens: list[int],
+                    limits: bool) -> tuple[list[tuple[str, str, int]], list[dict]]:
+    """The (form, backend, T) this backend times of the forms asked for, and what it skips: a form it does
+    not build (said once, not as a failure at every T) and, with limits, a T above MAX_TOKENS."""
+    combos, skipped = [], []
+    for f in forms:
+        why = registry.refusal(rec.compiled, backend, f)
+        if why:
+            skipped.append({"form": f, "backend": backend, "T": None,
+                            "reason": f"the {backend} backend does not build it: {why}"})
+            continue
+        for t in tokens:
+            limit = max_tokens(f, backend) if limits else None
+            if limit is not None and t > limit:
+                skipped.append(_above_limit(f, backend, t, limit))
+            else:
+                combos.append((f, backend, t))
+    return combos, skipped
+
+
+def _auto_choices(rec, backend: str, tokens: list[int], dims: dict[str, int]) -> list[dict]:
+    """What `--form auto` (Recurrence.choose_form) picks on this backend at each T, and why."""
+    choices = []
+    for t in tokens:
+        form, why = rec.choose_form(backend, t, heads=HEADS, batch=BATCH, dims=dims, dtype=np.float32)
+        choices.append({"backend": backend, "T": t, "form": form, "why": why})
+    return choices
+
+
+def make_plan(rec, opts: Options) -> Plan:
+    """The sizes, threads, repeats and backends of the run, the (form, backend, T) it times — ordered by T,
+    then form, then backend — what `--form auto` picks (timed too when asked for) and what is skipped."""
+    dims = dims_with_overrides(rec.program, opts.dims.items(), preset=BENCH_DIMS)
+    _require_param_defaults(rec.program)
+    threads, threads_from = (opts.threads, "--threads") if opts.threads is not None else default_threads()
+    tokens = sorted(set(opts.tokens))
+    backends = list(dict.fromkeys(opts.backends or list(registry.BACKENDS)))
+    forms, with_auto, skipped = _forms_asked(rec, opts)
+    combos, auto = [], []
+    for b in backends:
+        timed, not_timed = _backend_combos(rec, b, forms, tokens, opts.limits)
+        combos += timed
+        skipped += not_timed
+        choices = _auto_choices(rec, b, tokens, dims)
+        auto += choices
+        if with_auto:
+            combos += [(a["form"], b, a["T"]) for a in choices
+                       if registry.builds(rec.compiled, b, a["form"]) and (a["form"], b, a["T"]) not in combos]
+    # by T first: time_rows keeps one T's inputs in memory at a time
+    combos.sort(key=lambda c: (c[2], list(rec.forms).index(c[0]) if c[0] in rec.forms else 99,
+                               backends.index(c[1])))
+    repeats = opts.repeats or (QUICK_REPEATS if opts.quick else REPEATS)
+    budget_s = opts.budget_s if opts.budget_s is not None else (QUICK_BUDGET_S if opts.quick else BUDGET_S)
+    return Plan(dims=dims, tokens=tokens, threads=threads, threads_from=threads_from, repeats=repeats,
+                budget_s=budget_s, backends=backends, combos=combos, auto=auto, skipped=skipped)
+
+
+# ---- the phases of a run ------------------------------------------------------------------------------
+def _opening(opts: Options, rec, plan: Plan, flops: tuple[int, str, list[str]]) -> dict:
+    """The report's first entries: what is run and how, on which machine, the useful flops, and the
+    machine's state at the start (load average, the BLAS this process loaded, the C compiler's settings)."""
+    total, formula, terms = flops
+    return {
+        "file": opts.file, "program": rec.program.name, "dtype": "float32", "batch": BATCH, "heads": HEADS,
+        "dims": plan.dims, "tokens": plan.tokens, "threads": plan.threads, "threads_from": plan.threads_from,
+        "repeats": plan.repeats, "budget_s": plan.budget_s, "quick": opts.quick,
         "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "numpy": np.__version__},
-        "flops_per_token_head": flops, "flop_formula": formula, "flop_terms": flop_lines,
+        "flops_per_token_head": total, "flop_formula": formula, "flop_terms": terms,
         "load_average_start": _load_average(), "blas_in_process": _blas_in_process(),
+        "c": _c_settings(),
     }
-    try:
-        report["c"] = {"cache_dir": str(c_build.cache_dir()), "flags": c_build.flags(),
-                       "vector_bytes": c_build.vector_bytes()}
-    except Exception as err:  # noqa: BLE001 - only informational
-        report["c"] = {"error": str(err)}
 
-    # 1. the same-run reference
-    sg_repeats = 3 if opts.quick else 10
+
+def _c_settings() -> dict:
+    """The C backend's cache directory, compiler flags and vector width (or the error that hid them)."""
+    try:
+        return {"cache_dir": str(c_build.cache_dir()), "flags": c_build.flags(),
+                "vector_bytes": c_build.vector_bytes()}
+    except Exception as err:  # noqa: BLE001 - only informational
+        return {"error": str(err)}
+
+
+def _no_flops_note(rec) -> str:
+    return (f"'{rec.program.name}' has no recurrent state" + (" (it reads the sequence directly)"
+            if reads_the_sequence(rec) else "") + ": no useful-flop count, so no GFLOP/s or fractions")
+
+
+def matmul_reference(threads: int, quick: bool, say) -> dict:
+    """The same-run matmul's report entries: the reference with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset
+    ("sgemm"), with the environment as given ("sgemm_pinned": the same measurement when it sets neither),
+    their GFLOP/s, and the BLAS that ran."""
+    repeats = 3 if quick else 10
     say(f"reference: float32 matmul {SGEMM_N}³, {threads} thread(s), OPENBLAS_CORETYPE/L2_SIZE unset …")
-    ref = sgemm_reference(threads, sg_repeats)
+    ref = sgemm_reference(threads, repeats)
     pinned_env = {k: os.environ[k] for k in PINNING_VARIABLES if k in os.environ}
     if pinned_env:
         say(f"reference with the environment as given ({pinned_env}) …")
-        pinned = sgemm_reference(threads, sg_repeats, pinned=True)
+        pinned = sgemm_reference(threads, repeats, pinned=True)
     else:
         pinned = dict(ref, note="the environment sets neither OPENBLAS_CORETYPE nor OPENBLAS_L2_SIZE: the same "
                                 "measurement")
-    sgemm = ref["gflops"]
-    if sgemm is None:
-        notes.append(f"the matmul reference failed ({ref.get('error')}): no fractions")
-    report.update({"sgemm_gflops": sgemm, "sgemm": ref, "sgemm_pinned_gflops": pinned.get("gflops"),
-                   "sgemm_pinned": pinned, "pinned_env": pinned_env, "blas": ref.get("blas"),
-                   "blas_summary": blas_summary(ref.get("blas"))})
+    return {"sgemm_gflops": ref["gflops"], "sgemm": ref, "sgemm_pinned_gflops": pinned.get("gflops"),
+            "sgemm_pinned": pinned, "pinned_env": pinned_env, "blas": ref.get("blas"),
+            "blas_summary": blas_summary(ref.get("blas"))}
 
-    # 2. what to measure
-    combos: list[tuple[str, str, int]] = []
-    auto = []
-    for b in backends:
-        for f in forms:
-            why = registry.refusal(rec.compiled, b, f)
-            if why:  # (said once, not as a failure at every T)
-                skipped.append({"form": f, "backend": b, "T": None,
-                                "reason": f"the {b} backend does not build it: {why}"})
-                continue
-            for t in tokens:
-                limit = max_tokens(f, b) if opts.limits else None
-                if limit is not None and t > limit:
-                    skipped.append({"form": f, "backend": b, "T": t,
-                                    "reason": f"{'NumPy' if b == 'numpy' else b.upper()} {f} form not run above "
-                                              f"T = {limit}" + (" (T² work per head; --no-limits runs it)"
-                                                                if f == "parallel" else
-                                                                " (interpreter overhead per token; --no-limits "
-                                                                "runs it)")})
-                    continue
-                combos.append((f, b, t))
-        for t in tokens:
-            form, why = rec.choose_form(b, t, heads=HEADS, batch=BATCH, dims=dims, dtype=np.float32)
-            auto.append({"backend": b, "T": t, "form": form, "why": why})
-            if with_auto and registry.builds(rec.compiled, b, form) and (form, b, t) not in combos:
-                combos.append((form, b, t))
-    combos.sort(key=lambda c: (c[2], list(rec.forms).index(c[0]) if c[0] in rec.forms else 99,
-                               backends.index(c[1])))
 
-    rows: list[dict] = []
-    build_s: dict[str, float] = {}
-    cached_load_ms: dict[str, float] = {}
-    decode_us: dict[str, float] = {}
-    loads: dict[str, dict] = {}
-    decode: dict[str, dict] = {}
-    with _thread_settings(threads) as blas_limited:
-        if not blas_limited:
-            notes.append("threadpoolctl is not installed: the NumPy backend's BLAS ran with its own thread count "
-                         "(pip install 'linrec[bench]')")
-        # 3. compiled backends: make sure this run's cache holds the kernel, then first build and cached load
-        for b in backends:
-            if b == "numpy":
-                continue
-            say(f"{b}: first build (fresh process, empty cache) and cached load (fresh process) …")
-            try:
-                tiny = rec.random_inputs(batch=1, tokens=1, heads=HEADS, dims=dims, dtype=np.float32, seed=0)
-                t0 = time.perf_counter()
-                rec.run(tiny, form="recurrent", backend=b)
-                in_process = time.perf_counter() - t0
-            except LinrecError as err:
-                notes.append(f"the {b} backend does not run here: {err}")
-                continue
-            info = load_times(opts.file, b, dims, threads)
-            info["this_process_first_call_s"] = in_process
-            loads[b] = info
-            if "first_call_s" in info["build"]:
-                build_s[b] = info["build"]["first_call_s"]
-            else:
-                notes.append(f"{b}: first-build measurement failed: {info['build'].get('error')}")
-            if "first_call_s" in info["cached"]:
-                cached_load_ms[b] = info["cached"]["first_call_s"] * 1e3
-            else:
-                notes.append(f"{b}: cached-load measurement failed: {info['cached'].get('error')}")
+@dataclass
+class KernelLoads:
+    """Each compiled backend's first build (s) and cached load (ms), both in fresh processes, the details
+    (load_times, and this process's first call) and what could not be measured."""
+    build_s: dict[str, float] = field(default_factory=dict)
+    cached_load_ms: dict[str, float] = field(default_factory=dict)
+    loads: dict[str, dict] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
-        # 4. forms × backends × T
-        inputs_by_t: dict[int, dict] = {}
-        check_ms: dict[str, dict[str, float]] = {}
-        for f, b, t in combos:
-            if t not in inputs_by_t:
-                inputs_by_t.clear()  # one T's inputs at a time (T = 32768: 4 × 8 MiB)
-                inputs_by_t[t] = rec.random_inputs(batch=BATCH, tokens=t, heads=HEADS, dims=dims,
-                                                   dtype=np.float32, seed=0)
-                check_ms[str(t)] = input_check_ms(program, inputs_by_t[t])
-            x = inputs_by_t[t]
-            say(f"{f:<10} {b:<6} T = {t:<6} …")
-            gc.collect()
-            try:
-                t0 = time.perf_counter()
-                rec.run(x, form=f, backend=b)
-                warm = time.perf_counter() - t0
-                times = _timed(lambda x=x, f=f, b=b: rec.run(x, form=f, backend=b), repeats, budget)
-            except (LinrecError, MemoryError) as err:
-                skipped.append({"form": f, "backend": b, "T": t, "reason": f"failed: {err}"})
-                continue
-            ms = statistics.median(times) * 1e3
-            total = BATCH * t * HEADS * flops
-            gflops = total / (ms * 1e6) if flops else None
-            ok = bool(sgemm and flops)
-            row = {"form": f, "backend": b, "T": t, "ms": ms, "tokens_per_s": BATCH * t / (ms / 1e3),
-                   "gflops": gflops, "fraction_of_sgemm": gflops / sgemm if ok else None,
-                   "bound_ms": total / (sgemm * 1e6) if ok else None,
-                   "fraction_of_bound": (total / (sgemm * 1e6)) / ms if ok else None,
-                   "repeats": len(times), "min_ms": min(times) * 1e3, "warmup_s": warm}
-            rows.append(row)
 
-        # 5. decode step
-        if sequence_level:
-            notes.append(f"'{program.name}' reads the sequence directly: its decode step carries a KV cache whose "
-                         f"cost grows with T — not timed here")
-        elif program.causal:
-            for b in backends:
-                say(f"{b}: decode step …")
-                try:
-                    decode[b] = decode_step_us(rec, b, dims, opts.quick)
-                    decode_us[b] = decode[b]["us"]
-                except LinrecError as err:
-                    notes.append(f"{b}: no decode step: {err}")
+def kernel_loads(rec, plan: Plan, path: str, say) -> KernelLoads:
+    """For each compiled backend: a first call in this process (so this run's cache holds the kernel), then
+    the first build and the cached load in fresh processes (load_times)."""
+    result = KernelLoads()
+    for b in plan.backends:
+        if b == "numpy":
+            continue
+        say(f"{b}: first build (fresh process, empty cache) and cached load (fresh process) …")
+        try:
+            tiny = rec.random_inputs(batch=1, tokens=1, heads=HEADS, dims=plan.dims, dtype=np.float32, seed=0)
+            t0 = time.perf_counter()
+            rec.run(tiny, form="recurrent", backend=b)
+            in_process = time.perf_counter() - t0
+        except LinrecError as err:
+            result.notes.append(f"the {b} backend does not run here: {err}")
+            continue
+        info = load_times(path, b, plan.dims, plan.threads)
+        info["this_process_first_call_s"] = in_process
+        result.loads[b] = info
+        if "first_call_s" in info["build"]:
+            result.build_s[b] = info["build"]["first_call_s"]
         else:
-            notes.append(f"'{program.name}' is non-causal: it has no decode step")
+            result.notes.append(f"{b}: first-build measurement failed: {info['build'].get('error')}")
+        if "first_call_s" in info["cached"]:
+            result.cached_load_ms[b] = info["cached"]["first_call_s"] * 1e3
+        else:
+            result.notes.append(f"{b}: cached-load measurement failed: {info['cached'].get('error')}")
+    return result
 
+
+def _row(form: str, backend: str, tokens: int, times: list[float], warmup_s: float, flops: int,
+         sgemm: float | None) -> dict:
+    """One timed row: median ms, tokens/s, useful GFLOP/s, their fraction of the matmul and the bound (the
+    useful flops at the matmul's rate; None without a matmul or a flop count)."""
+    ms = statistics.median(times) * 1e3
+    total = BATCH * tokens * HEADS * flops
+    gflops = total / (ms * 1e6) if flops else None
+    ok = bool(sgemm and flops)
+    return {"form": form, "backend": backend, "T": tokens, "ms": ms, "tokens_per_s": BATCH * tokens / (ms / 1e3),
+            "gflops": gflops, "fraction_of_sgemm": gflops / sgemm if ok else None,
+            "bound_ms": total / (sgemm * 1e6) if ok else None,
+            "fraction_of_bound": (total / (sgemm * 1e6)) / ms if ok else None,
+            "repeats": len(times), "min_ms": min(times) * 1e3, "warmup_s": warmup_s}
+
+
+def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, say) -> tuple[list[dict], list[dict], dict]:
+    """Times each (form, backend, T) of the plan: one warm-up call, then repeats within the budget. Returns
+    the rows, a skipped entry for each that failed, and the input checks' ms at each T (input_check_ms)."""
+    rows, failed, check_ms = [], [], {}
+    x, x_tokens = None, None
+    for f, b, t in plan.combos:
+        if t != x_tokens:
+            x = None  # freed before the next T's are made: one T's inputs at a time (T = 32768: 4 × 8 MiB)
+            x = rec.random_inputs(batch=BATCH, tokens=t, heads=HEADS, dims=plan.dims, dtype=np.float32, seed=0)
+            x_tokens = t
+            check_ms[str(t)] = input_check_ms(rec.program, x)
+        say(f"{f:<10} {b:<6} T = {t:<6} …")
+        gc.collect()
+        try:
+            t0 = time.perf_counter()
+            rec.run(x, form=f, backend=b)
+            warm = time.perf_counter() - t0
+            times = _timed(lambda x=x, f=f, b=b: rec.run(x, form=f, backend=b), plan.repeats, plan.budget_s)
+        except (LinrecError, MemoryError) as err:
+            failed.append({"form": f, "backend": b, "T": t, "reason": f"failed: {err}"})
+            continue
+        rows.append(_row(f, b, t, times, warm, flops, sgemm))
+    return rows, failed, check_ms
+
+
+def decode_steps(rec, plan: Plan, quick: bool, say) -> tuple[dict[str, dict], list[str]]:
+    """The decode step on each backend (decode_step_us), or the note saying why there is none: a program
+    that reads the sequence carries a KV cache, a non-causal one has no step."""
+    name = rec.program.name
+    if reads_the_sequence(rec):
+        return {}, [f"'{name}' reads the sequence directly: its decode step carries a KV cache whose cost grows "
+                    f"with T — not timed here"]
+    if not rec.program.causal:
+        return {}, [f"'{name}' is non-causal: it has no decode step"]
+    decode, notes = {}, []
+    for b in plan.backends:
+        say(f"{b}: decode step …")
+        try:
+            decode[b] = decode_step_us(rec, b, plan.dims, quick)
+        except LinrecError as err:
+            notes.append(f"{b}: no decode step: {err}")
+    return decode, notes
+
+
+def _auto_against_rows(auto: list[dict], rows: list[dict]) -> list[dict]:
+    """Each auto choice with the fastest form measured at its backend and T, and whether it picked that one
+    (None when its own pick was not measured)."""
+    out = []
     for a in auto:
         measured = [r for r in rows if r["backend"] == a["backend"] and r["T"] == a["T"]]
         if measured:
-            best = min(measured, key=lambda r: r["ms"])
-            a["fastest_measured"] = best["form"]
-            a["picked_is_fastest"] = best["form"] == a["form"] if any(r["form"] == a["form"] for r in measured) \
-                else None
-    scaling = []
-    for f, b in dict.fromkeys((r["form"], r["backend"]) for r in rows):
-        series = sorted((r["T"], r["ms"]) for r in rows if (r["form"], r["backend"]) == (f, b))
-        for (t1, m1), (t2, m2) in zip(series, series[1:]):
-            scaling.append({"form": f, "backend": b, "T_from": t1, "T_to": t2, "ratio": m2 / m1,
-                            "linear": t2 / t1})
+            best = min(measured, key=lambda r: r["ms"])["form"]
+            picked = best == a["form"] if any(r["form"] == a["form"] for r in measured) else None
+            a = dict(a, fastest_measured=best, picked_is_fastest=picked)
+        out.append(a)
+    return out
+
+
+def _series(rows: list[dict]) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """(T, ms) in order of T for each (form, backend) measured, in the order they first appear."""
+    keys = dict.fromkeys((r["form"], r["backend"]) for r in rows)
+    return {k: sorted((r["T"], r["ms"]) for r in rows if (r["form"], r["backend"]) == k) for k in keys}
+
+
+def scaling(rows: list[dict]) -> list[dict]:
+    """How time grows between consecutive T of each form and backend: ms at T_to / ms at T_from, beside
+    T_to / T_from (what a linear cost would give)."""
+    return [{"form": f, "backend": b, "T_from": t1, "T_to": t2, "ratio": m2 / m1, "linear": t2 / t1}
+            for (f, b), series in _series(rows).items() for (t1, m1), (t2, m2) in zip(series, series[1:])]
+
+
+def _busy_notes(others: float | None) -> list[str]:
+    """A note when other processes kept more than a quarter of a core busy during the run."""
+    if others is None or others <= 0.25:
+        return []
+    return [f"the machine was busy: other processes kept {others:.2f} core(s) busy on average during this run, "
+            f"so these times (and the matmul reference) are pessimistic and noisy"]
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+NO_THREADPOOLCTL = ("threadpoolctl is not installed: the NumPy backend's BLAS ran with its own thread count "
+                    "(pip install 'linrec[bench]')")
+
+
+def run(opts: Options, progress=None) -> dict:
+    """Everything `linrec bench` reports, as plain data (the --json object): the plan, the same-run matmul,
+    then, with the run's thread count, the compiled kernels' loads, the timed rows and the decode step."""
+    say = progress or (lambda text: None)
+    ticks = _cpu_ticks()
+    rec = api.load(opts.file)
+    plan = make_plan(rec, opts)
+    report = _opening(opts, rec, plan, flop_count(rec, plan.dims))
+    flops = report["flops_per_token_head"]
+    notes = [] if flops else [_no_flops_note(rec)]
+    report.update(matmul_reference(plan.threads, opts.quick, say))
+    sgemm = report["sgemm_gflops"]
+    if sgemm is None:
+        notes.append(f"the matmul reference failed ({report['sgemm'].get('error')}): no fractions")
+    with _thread_settings(plan.threads) as blas_limited:
+        if not blas_limited:
+            notes.append(NO_THREADPOOLCTL)
+        kernels = kernel_loads(rec, plan, opts.file, say)
+        rows, failed, check_ms = time_rows(rec, plan, flops, sgemm, say)
+        decode, decode_notes = decode_steps(rec, plan, opts.quick, say)
     others = _others_cores(ticks, _cpu_ticks())
-    if others is not None and others > 0.25:
-        notes.append(f"the machine was busy: other processes kept {others:.2f} core(s) busy on average during this "
-                     f"run, so these times (and the matmul reference) are pessimistic and noisy")
     report.update({
         "other_processes_cores": others,
-        "rows": rows, "skipped": skipped, "auto": auto, "scaling": scaling,
-        "decode_us": decode_us, "decode": decode, "input_check_ms": check_ms,
-        "state_bytes": state_bytes(rec, dims),
-        "kv_cache_bytes": {str(t): kv_cache_bytes(t, dims) for t in tokens},
-        "build_s": build_s, "cached_load_ms": cached_load_ms, "loads": loads,
-        "notes": notes,
+        "rows": rows, "skipped": plan.skipped + failed, "auto": _auto_against_rows(plan.auto, rows),
+        "scaling": scaling(rows),
+        "decode_us": {b: d["us"] for b, d in decode.items()}, "decode": decode, "input_check_ms": check_ms,
+        "state_bytes": state_bytes(rec, plan.dims),
+        "kv_cache_bytes": {str(t): kv_cache_bytes(t, plan.dims) for t in plan.tokens},
+        "build_s": kernels.build_s, "cached_load_ms": kernels.cached_load_ms, "loads": kernels.loads,
+        "notes": notes + kernels.notes + decode_notes + _busy_notes(others),
     })
     if opts.plot:
         report["plot"] = plot(report, opts.plot)
@@ -631,93 +741,137 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
             .rstrip() for r in rows]
 
 
-def format_report(rep: dict) -> str:
+def _opening_lines(rep: dict) -> list[str]:
+    """What was run, with how many threads, and the useful flops counted."""
     dims = ", ".join(f"{k}={v}" for k, v in rep["dims"].items())
-    out = [(f"{rep['program']} ({rep['file']}): B={rep['batch']}, H={rep['heads']}, {dims}, {rep['dtype']}, "
-            f"{rep['threads']} thread(s) (from {rep['threads_from']}; LINREC_NUM_THREADS for C, BLAS threads for "
-            f"NumPy)"),
-           (f"useful flops per token and head: {rep['flop_formula']} = {rep['flops_per_token_head']}  "
-            f"(" + "; ".join(rep["flop_terms"]) + ")") if rep["flops_per_token_head"] else
-           "useful flops: none counted (no recurrent state)"]
+    return [(f"{rep['program']} ({rep['file']}): B={rep['batch']}, H={rep['heads']}, {dims}, {rep['dtype']}, "
+             f"{rep['threads']} thread(s) (from {rep['threads_from']}; LINREC_NUM_THREADS for C, BLAS threads for "
+             f"NumPy)"),
+            (f"useful flops per token and head: {rep['flop_formula']} = {rep['flops_per_token_head']}  "
+             f"(" + "; ".join(rep["flop_terms"]) + ")") if rep["flops_per_token_head"] else
+            "useful flops: none counted (no recurrent state)"]
+
+
+def _reference_lines(rep: dict) -> list[str]:
+    """The matmul reference, unpinned and with the environment as given."""
     ref = rep["sgemm"]
-    if rep["sgemm_gflops"]:
-        out.append(f"reference: float32 matmul {ref['n']}×{ref['n']} @ {ref['n']}×{ref['n']}: {ref['ms']:.2f} ms, "
-                   f"{rep['sgemm_gflops']:.1f} GFLOP/s ({rep['blas_summary']}; OPENBLAS_CORETYPE and "
-                   f"OPENBLAS_L2_SIZE unset)")
-        pin = rep["sgemm_pinned"]
-        if rep["pinned_env"]:
-            envtext = ", ".join(f"{k}={v}" for k, v in rep["pinned_env"].items())
-            out.append(f"           with the environment as given ({envtext}): "
-                       + (f"{pin['gflops']:.1f} GFLOP/s ({blas_summary(pin.get('blas'))})" if pin.get("gflops")
-                          else f"failed: {pin.get('error')}"))
+    if not rep["sgemm_gflops"]:
+        return [f"reference: matmul failed: {ref.get('error')}"]
+    out = [f"reference: float32 matmul {ref['n']}×{ref['n']} @ {ref['n']}×{ref['n']}: {ref['ms']:.2f} ms, "
+           f"{rep['sgemm_gflops']:.1f} GFLOP/s ({rep['blas_summary']}; OPENBLAS_CORETYPE and "
+           f"OPENBLAS_L2_SIZE unset)"]
+    pin = rep["sgemm_pinned"]
+    if rep["pinned_env"]:
+        envtext = ", ".join(f"{k}={v}" for k, v in rep["pinned_env"].items())
+        out.append(f"           with the environment as given ({envtext}): "
+                   + (f"{pin['gflops']:.1f} GFLOP/s ({blas_summary(pin.get('blas'))})" if pin.get("gflops")
+                      else f"failed: {pin.get('error')}"))
+    else:
+        out.append("           (the environment sets neither OPENBLAS_CORETYPE nor OPENBLAS_L2_SIZE: that is "
+                   "also the figure as given)")
+    return out
+
+
+def _rows_lines(rep: dict) -> list[str]:
+    """The table of timed rows."""
+    if not rep["rows"]:
+        return ["  (no rows measured)"]
+    table = [["form", "backend", "T", "ms", "tokens/s", "GFLOP/s", "of matmul", "bound ms", "of bound", "reps"]]
+    for r in rep["rows"]:
+        table.append([r["form"], r["backend"], str(r["T"]), f"{r['ms']:.3f}", f"{r['tokens_per_s']:.3g}",
+                      "-" if r["gflops"] is None else f"{r['gflops']:.2f}", _pct(r["fraction_of_sgemm"]),
+                      "-" if r["bound_ms"] is None else f"{r['bound_ms']:.3f}", _pct(r["fraction_of_bound"]),
+                      str(r["repeats"])])
+    return _table(table, {2, 3, 4, 5, 6, 7, 8, 9}) + [
+        "  (ms: median of Recurrence.run after a warm-up call, input checks included; bound: the useful flops at "
+        "the matmul's GFLOP/s)"]
+
+
+def _skipped_lines(rep: dict) -> list[str]:
+    """What was not measured, and why; a form skipped above a T limit once, with the T it skipped."""
+    if not rep["skipped"]:
+        return []
+    out, seen = ["not measured:"], set()
+    for s in rep["skipped"]:
+        key = (s["form"], s["backend"], s["reason"])
+        if s["T"] is not None and "not run above" in s["reason"]:
+            if key in seen:
+                continue
+            seen.add(key)
+            ts = [x["T"] for x in rep["skipped"] if (x["form"], x["backend"], x["reason"]) == key]
+            out.append(f"  {s['backend']} {s['form']}: {s['reason']} (skipped T = {', '.join(map(str, ts))})")
         else:
-            out.append("           (the environment sets neither OPENBLAS_CORETYPE nor OPENBLAS_L2_SIZE: that is "
-                       "also the figure as given)")
-    else:
-        out.append(f"reference: matmul failed: {ref.get('error')}")
-    out.append("")
-    if rep["rows"]:
-        table = [["form", "backend", "T", "ms", "tokens/s", "GFLOP/s", "of matmul", "bound ms", "of bound",
-                  "reps"]]
-        for r in rep["rows"]:
-            table.append([r["form"], r["backend"], str(r["T"]), f"{r['ms']:.3f}", f"{r['tokens_per_s']:.3g}",
-                          "-" if r["gflops"] is None else f"{r['gflops']:.2f}", _pct(r["fraction_of_sgemm"]),
-                          "-" if r["bound_ms"] is None else f"{r['bound_ms']:.3f}", _pct(r["fraction_of_bound"]),
-                          str(r["repeats"])])
-        out += _table(table, {2, 3, 4, 5, 6, 7, 8, 9})
-        out.append("  (ms: median of Recurrence.run after a warm-up call, input checks included; bound: the "
-                   "useful flops at the matmul's GFLOP/s)")
-    else:
-        out.append("  (no rows measured)")
-    if rep["skipped"]:
-        out.append("not measured:")
-        seen = set()
-        for s in rep["skipped"]:
-            key = (s["form"], s["backend"], s["reason"])
-            if s["T"] is not None and "not run above" in s["reason"]:
-                ts = [x["T"] for x in rep["skipped"] if (x["form"], x["backend"], x["reason"]) == key]
-                if key in seen:
-                    continue
-                seen.add(key)
-                out.append(f"  {s['backend']} {s['form']}: {s['reason']} (skipped T = {', '.join(map(str, ts))})")
-            else:
-                where = " ".join(str(v) for v in (s["backend"], s["form"], s["T"] and f"T={s['T']}") if v)
-                out.append(f"  {where}: {s['reason']}")
-    big = [s for s in rep["scaling"] if s["linear"] == 2]
-    if big:
-        out.append("scaling (ms at 2T / ms at T; linear = 2.00):")
-        for s in big:
-            out.append(f"  {s['form']} ({s['backend']}) T {s['T_from']} → {s['T_to']}: {s['ratio']:.2f}")
-    if rep.get("input_check_ms"):
-        out.append("input checks inside Recurrence.run: shapes and dtypes "
-                   + ", ".join(f"T={t} {ms['arrays']:.2f} ms" for t, ms in rep["input_check_ms"].items())
-                   + "; declared ranges (a NumPy scan, skipped where the kernel tests them as it reads: C "
-                   "recurrent) " + ", ".join(f"T={t} {ms['ranges']:.2f} ms" for t, ms in rep["input_check_ms"].items()))
-    if rep["decode_us"]:
-        out.append("decode step, one token, B=1, H=8, per call from Python — bound (Recurrence.bind_step): "
-                   + ", ".join(f"{b} {us:.2f} µs" for b, us in rep["decode_us"].items())
-                   + "; Recurrence.step(inplace=True, out=…), the same arrays each call: "
-                   + ", ".join(f"{b} {d['step_us']:.2f} µs" for b, d in rep["decode"].items()))
-    out.append(f"memory per layer (B=1, float32): state {_bytes(rep['state_bytes'])} ({rep['state_bytes']} B) vs "
-               "softmax KV cache 2·T·H·d·4: " + ", ".join(f"T={t} {_bytes(n)}"
-                                                         for t, n in rep["kv_cache_bytes"].items()))
-    if rep["auto"]:
-        out.append("form auto (Recurrence.choose_form):")
-        for a in rep["auto"]:
-            extra = ""
-            if a.get("fastest_measured"):
-                verdict = {True: "the fastest measured", False: f"fastest measured: {a['fastest_measured']}",
-                           None: f"not measured; fastest measured: {a['fastest_measured']}"}[a["picked_is_fastest"]]
-                extra = f"  [{verdict}]"
-            out.append(f"  {a['backend']:<6} T={a['T']:<6} → {a['form']}: {a['why']}{extra}")
+            where = " ".join(str(v) for v in (s["backend"], s["form"], s["T"] and f"T={s['T']}") if v)
+            out.append(f"  {where}: {s['reason']}")
+    return out
+
+
+def _scaling_lines(rep: dict) -> list[str]:
+    """How time grows from T to 2T (only for sizes that double)."""
+    doubled = [s for s in rep["scaling"] if s["linear"] == 2]
+    if not doubled:
+        return []
+    return ["scaling (ms at 2T / ms at T; linear = 2.00):"] + [
+        f"  {s['form']} ({s['backend']}) T {s['T_from']} → {s['T_to']}: {s['ratio']:.2f}" for s in doubled]
+
+
+def _input_check_lines(rep: dict) -> list[str]:
+    checks = rep.get("input_check_ms")
+    if not checks:
+        return []
+    return ["input checks inside Recurrence.run: shapes and dtypes "
+            + ", ".join(f"T={t} {ms['arrays']:.2f} ms" for t, ms in checks.items())
+            + "; declared ranges (a NumPy scan, skipped where the kernel tests them as it reads: C "
+            "recurrent) " + ", ".join(f"T={t} {ms['ranges']:.2f} ms" for t, ms in checks.items())]
+
+
+def _decode_lines(rep: dict) -> list[str]:
+    if not rep["decode_us"]:
+        return []
+    return ["decode step, one token, B=1, H=8, per call from Python — bound (Recurrence.bind_step): "
+            + ", ".join(f"{b} {us:.2f} µs" for b, us in rep["decode_us"].items())
+            + "; Recurrence.step(inplace=True, out=…), the same arrays each call: "
+            + ", ".join(f"{b} {d['step_us']:.2f} µs" for b, d in rep["decode"].items())]
+
+
+def _memory_line(rep: dict) -> str:
+    return (f"memory per layer (B=1, float32): state {_bytes(rep['state_bytes'])} ({rep['state_bytes']} B) vs "
+            "softmax KV cache 2·T·H·d·4: " + ", ".join(f"T={t} {_bytes(n)}" for t, n in rep["kv_cache_bytes"].items()))
+
+
+def _auto_lines(rep: dict) -> list[str]:
+    """What --form auto picked at each backend and T, and how that compares with the fastest measured."""
+    if not rep["auto"]:
+        return []
+    out = ["form auto (Recurrence.choose_form):"]
+    for a in rep["auto"]:
+        extra = ""
+        if a.get("fastest_measured"):
+            verdict = {True: "the fastest measured", False: f"fastest measured: {a['fastest_measured']}",
+                       None: f"not measured; fastest measured: {a['fastest_measured']}"}[a["picked_is_fastest"]]
+            extra = f"  [{verdict}]"
+        out.append(f"  {a['backend']:<6} T={a['T']:<6} → {a['form']}: {a['why']}{extra}")
+    return out
+
+
+def _kernel_lines(rep: dict) -> list[str]:
+    """Each compiled backend's first build and cached load."""
+    out = []
     for b in rep["loads"]:
         bs, cl = rep["build_s"].get(b), rep["cached_load_ms"].get(b)
         out.append(f"{b} kernel: first build {'-' if bs is None else f'{bs:.2f} s'} (fresh process, empty cache), "
                    f"cached load {'-' if cl is None else f'{cl:.1f} ms'} (fresh process, cache "
                    f"{rep['loads'][b]['cache_dir']}); first call of the recurrent form at this size, DSL compile "
                    f"not included")
-    for n in rep["notes"]:
-        out.append(f"note: {n}")
+    return out
+
+
+def format_report(rep: dict) -> str:
+    """The human-readable report of `linrec bench`: the run's settings and reference, the table of rows,
+    then one section for each of the other measurements, the notes and the plot."""
+    out = _opening_lines(rep) + _reference_lines(rep) + [""] + _rows_lines(rep) + _skipped_lines(rep)
+    out += _scaling_lines(rep) + _input_check_lines(rep) + _decode_lines(rep) + [_memory_line(rep)]
+    out += _auto_lines(rep) + _kernel_lines(rep) + [f"note: {n}" for n in rep["notes"]]
     if rep.get("plot"):
         out.append(rep["plot"])
     return "\n".join(out)
@@ -733,8 +887,7 @@ def plot(rep: dict, path: str) -> str:
         return (f"note: matplotlib is not installed, so no plot was written to {path} "
                 f"(pip install 'linrec[bench]' or pip install matplotlib)")
     fig, ax = plt.subplots(figsize=(7, 5))
-    for f, b in dict.fromkeys((r["form"], r["backend"]) for r in rep["rows"]):
-        series = sorted((r["T"], r["ms"]) for r in rep["rows"] if (r["form"], r["backend"]) == (f, b))
+    for (f, b), series in _series(rep["rows"]).items():
         ax.plot([s[0] for s in series], [s[1] for s in series], marker="o", label=f"{f} ({b})")
     if rep["sgemm_gflops"] and rep["tokens"] and rep["flops_per_token_head"]:
         ts = rep["tokens"]

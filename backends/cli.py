@@ -24,6 +24,7 @@ import sys
 import textwrap
 import traceback
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +35,7 @@ from .c import cache as c_cache
 from .compiler import ir
 from .compiler.analysis import inline_lets, to_text, walk
 from .decode import run_by_steps
+from .dim_option import dims_with_overrides
 from .dsl.errors import LinrecError, RuntimeInputError
 from .interface import DEFINITION, STATEMENTS
 from .version import VERSION
@@ -322,6 +324,7 @@ def _dim(text: str) -> tuple[str, int]:
 
 
 GENERATION_OPTIONS = ("batch", "tokens", "heads", "dims", "dtype", "seed")
+RUN_BATCH, RUN_TOKENS, RUN_HEADS, RUN_DTYPE, RUN_SEED = 2, 16, 2, "float64", 0  # generated inputs' defaults
 
 
 def _add_run(parser: argparse.ArgumentParser):
@@ -342,13 +345,13 @@ def _add_run(parser: argparse.ArgumentParser):
                          "another form)")
     io.add_argument("--quiet", "-q", action="store_true", help="print no summary")
     gen = parser.add_argument_group("generated inputs (without --inputs)")
-    gen.add_argument("--batch", type=_positive_int, metavar="B", help="batch size (default: 2)")
-    gen.add_argument("--tokens", type=_positive_int, metavar="T", help="sequence length (default: 16)")
-    gen.add_argument("--heads", type=_positive_int, metavar="H", help="number of heads (default: 2)")
+    gen.add_argument("--batch", type=_positive_int, metavar="B", help=f"batch size (default: {RUN_BATCH})")
+    gen.add_argument("--tokens", type=_positive_int, metavar="T", help=f"sequence length (default: {RUN_TOKENS})")
+    gen.add_argument("--heads", type=_positive_int, metavar="H", help=f"number of heads (default: {RUN_HEADS})")
     gen.add_argument("--dim", dest="dims", action="append", type=_dim, metavar="NAME=SIZE",
                      help="a dimension's size, e.g. --dim dk=8 (repeatable; default: the file's)")
-    gen.add_argument("--dtype", choices=("float32", "float64"), help="element type (default: float64)")
-    gen.add_argument("--seed", type=_nonnegative_int, metavar="N", help="random seed (default: 0)")
+    gen.add_argument("--dtype", choices=("float32", "float64"), help=f"element type (default: {RUN_DTYPE})")
+    gen.add_argument("--seed", type=_nonnegative_int, metavar="N", help=f"random seed (default: {RUN_SEED})")
     parser.epilog = """\
 examples:
   linrec run examples/gla.lin
@@ -439,12 +442,122 @@ def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> str:
     return target
 
 
-def _run_form(rec, args, inputs, params=None, initial_state=None):
+@dataclass
+class RunOutcome:
+    """One `linrec run`: the inputs it ran on, its Result and where the inputs came from (for the summary)."""
+    inputs: dict[str, np.ndarray]
+    result: api.Result
+    origin: str
+
+
+def _generated_shape(args) -> tuple[int, int, int, np.dtype]:
+    """B, T, H and dtype of generated inputs: the options given, else the defaults."""
+    return (args.batch or RUN_BATCH, args.tokens or RUN_TOKENS, args.heads or RUN_HEADS,
+            np.dtype(args.dtype or RUN_DTYPE))
+
+
+def _auto_form(rec, args) -> str:
+    """The form `--form auto` runs: Recurrence.choose_form's pick for the backend at the run's sizes (those of
+    the arrays in --inputs when given), said on stderr unless --quiet."""
+    batch, tokens, heads, dtype = _generated_shape(args)
+    if args.inputs is not None:
+        names = {x.name for x in rec.program.inputs}
+        first = next((v for k, v in _read_npz(args.inputs).items() if k in names), None)
+        if first is not None and first.ndim >= 3:
+            (batch, tokens, heads), dtype = first.shape[:3], first.dtype
+    form, why = rec.choose_form(args.backend, tokens, heads, batch, dict(args.dims or []), dtype)
+    if not args.quiet:
+        print(f"{PROG}: form auto → {form} ({why})", file=sys.stderr)
+    return form
+
+
+def _run_form(rec, form: str, args, inputs, params=None, initial_state=None):
     """rec.run with the chosen form; --form step goes token by token through Recurrence.step."""
-    if args.form == "step":
+    if form == "step":
         return run_by_steps(rec, inputs, backend=args.backend, params=params, initial_state=initial_state)
-    return rec.run(inputs, form=args.form, backend=args.backend, params=params, initial_state=initial_state,
+    return rec.run(inputs, form=form, backend=args.backend, params=params, initial_state=initial_state,
                    chunk_size=args.chunk_size)
+
+
+def _refuse_generation_options(args) -> None:
+    """With --inputs the sizes and dtype come from the arrays: an option that shapes generated inputs (or
+    --save-inputs) is an error, not silently ignored."""
+    given = [f"--{o.rstrip('s') if o == 'dims' else o}" for o in GENERATION_OPTIONS if getattr(args, o) is not None]
+    if given or args.save_inputs:
+        extra = ", ".join(given + (["--save-inputs"] if args.save_inputs else []))
+        verb = "applies" if "," not in extra else "apply"
+        raise LinrecError(f"{extra} {verb} only to generated inputs; with --inputs the sizes and dtype come "
+                          f"from the arrays in {args.inputs}")
+
+
+def _run_on_file(rec, form: str, args) -> RunOutcome:
+    """The form run on the arrays of --inputs: inputs, initial states and params by DSL name (an input error
+    names the file)."""
+    _refuse_generation_options(args)
+    inputs, state0, params = _split_arrays(rec.program, _read_npz(args.inputs), args.inputs)
+    try:
+        result = _run_form(rec, form, args, inputs, params=params or None, initial_state=state0 or None)
+    except RuntimeInputError as err:
+        if err.filename is None and err.span is None:
+            err.filename = args.inputs  # the arrays came from this file: say so
+        raise
+    return RunOutcome(inputs, result, f"from {args.inputs}")
+
+
+def _refuse_params_without_default(program) -> None:
+    """Generated inputs do not make params: a param without a default must come from --inputs."""
+    missing = [prm for prm in program.params if prm.default is None]
+    if missing:
+        shapes = ", ".join(f"'{prm.name}' {_shape((['H'] if prm.per_head else []) + list(prm.shape))}"
+                           for prm in missing)
+        raise LinrecError(f"param(s) {shapes} have no default, so generated inputs are not enough: "
+                          f"write the inputs and these params to an .npz file and pass it with --inputs")
+
+
+def _params_at(rec, sizes: dict[str, int], heads: int) -> dict[str, np.ndarray] | None:
+    """A size only params (not inputs) fix reaches the run through the params' defaults at that size: those
+    defaults when such a size differs from the file's, else None (the run makes its own)."""
+    program = rec.program
+    declared = {dim.name: dim.default for dim in program.dims}
+    from_inputs = {d for x in program.inputs for d in x.shape}
+    if all(d in from_inputs or sizes[d] == declared[d] for d in sizes):
+        return None
+    return {k: v for k, v in rec.default_params(heads, sizes).items() if v is not None}
+
+
+def _run_on_generated(rec, form: str, args) -> RunOutcome:
+    """The form run on seeded random inputs that respect the declared ranges (written to --save-inputs when
+    given)."""
+    sizes = dims_with_overrides(rec.program, args.dims or [])
+    _refuse_params_without_default(rec.program)
+    batch, tokens, heads, dtype = _generated_shape(args)
+    seed = RUN_SEED if args.seed is None else args.seed
+    inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=sizes, dtype=dtype, seed=seed)
+    result = _run_form(rec, form, args, inputs, params=_params_at(rec, sizes, heads))
+    dim_text = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    origin = f"random, seed {seed}, B={batch}, T={tokens}, H={heads}" + (f", {dim_text}" if dim_text else "")
+    if args.save_inputs:
+        origin += f"; saved to {_write_npz(args.save_inputs, inputs)}"
+    return RunOutcome(inputs, result, origin)
+
+
+def _run_summary(name: str, form: str, args, ran: RunOutcome, written: str | None) -> str:
+    """What ran and on what, a table of statistics of every input, output and final state, the params as
+    used, and the file written."""
+    dtype = next(iter(ran.inputs.values())).dtype if ran.inputs else "?"
+    how = f"{form} form, {args.backend} backend, {dtype}" if form != "step" else \
+        f"one decode step per token (Recurrence.step), {args.backend} backend, {dtype}"
+    if form == "chunkwise" and args.chunk_size:
+        how += f", chunk size {args.chunk_size}"
+    result = ran.result
+    lines = [f"{name}: {how}", f"inputs: {ran.origin}"]
+    lines += _summary([("input", ran.inputs), ("output", result.outputs), ("state", result.final_state)])
+    if result.params:
+        lines += ["params (as used):"] + _param_rows(result.params)
+    if written:
+        lines.append(f"wrote {len(result.outputs)} output(s), {len(result.final_state)} final state(s) and "
+                     f"{len(result.params)} param(s) to {written}")
+    return "\n".join(lines)
 
 
 def cmd_run(args) -> int:
@@ -455,93 +568,17 @@ def cmd_run(args) -> int:
     it writes every output, final state and parameter used to an .npz file, by DSL name.
     """
     rec = _load(args.file)
-    program = rec.program
-    if args.form == "auto":
-        batch, tokens, heads = args.batch or 2, args.tokens or 16, args.heads or 2
-        dtype = np.dtype(args.dtype or "float64")
-        if args.inputs is not None:
-            first = next((v for k, v in _read_npz(args.inputs).items()
-                          if k in {x.name for x in program.inputs}), None)
-            if first is not None and first.ndim >= 3:
-                (batch, tokens, heads), dtype = first.shape[:3], first.dtype
-        args.form, why = rec.choose_form(args.backend, tokens, heads, batch, dict(args.dims or []), dtype)
-        if not args.quiet:
-            print(f"{PROG}: form auto → {args.form} ({why})", file=sys.stderr)
-    if args.chunk_size is not None and args.form != "chunkwise":
-        print(f"{PROG}: note: --chunk-size only affects the chunkwise form (running the {args.form} form)",
+    form = _auto_form(rec, args) if args.form == "auto" else args.form
+    if args.chunk_size is not None and form != "chunkwise":
+        print(f"{PROG}: note: --chunk-size only affects the chunkwise form (running the {form} form)",
               file=sys.stderr)
-
-    if args.inputs is not None:
-        given = [f"--{o.rstrip('s') if o == 'dims' else o}" for o in GENERATION_OPTIONS
-                 if getattr(args, o) is not None]
-        if given or args.save_inputs:
-            extra = ", ".join(given + (["--save-inputs"] if args.save_inputs else []))
-            verb = "applies" if "," not in extra else "apply"
-            raise LinrecError(f"{extra} {verb} only to generated inputs; with --inputs the sizes and dtype come "
-                              f"from the arrays in {args.inputs}")
-        inputs, state0, params = _split_arrays(program, _read_npz(args.inputs), args.inputs)
-        try:
-            result = _run_form(rec, args, inputs, params=params or None, initial_state=state0 or None)
-        except RuntimeInputError as err:
-            if err.filename is None and err.span is None:
-                err.filename = args.inputs  # the arrays came from this file: say so
-            raise
-        origin = f"from {args.inputs}"
-    else:
-        known = {dim.name: dim.default for dim in program.dims}
-        sizes = dict(known)
-        for name, size in args.dims or []:
-            if name not in known:
-                raise LinrecError(f"--dim {name}={size}: '{program.name}' has no dimension '{name}'; its "
-                                  f"dimensions are {', '.join(known) or 'none'}")
-            sizes[name] = size
-        missing = [prm for prm in program.params if prm.default is None]
-        if missing:
-            shapes = ", ".join(f"'{prm.name}' {_shape((['H'] if prm.per_head else []) + list(prm.shape))}"
-                               for prm in missing)
-            raise LinrecError(f"param(s) {shapes} have no default, so generated inputs are not enough: "
-                              f"write the inputs and these params to an .npz file and pass it with --inputs")
-        batch, tokens, heads = args.batch or 2, args.tokens or 16, args.heads or 2
-        seed = 0 if args.seed is None else args.seed
-        dtype = np.dtype(args.dtype or "float64")
-        inputs = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=sizes, dtype=dtype, seed=seed)
-        # A size only params (not inputs) fix reaches the run through the params' defaults at that size.
-        from_inputs = {d for x in program.inputs for d in x.shape}
-        params = None
-        if any(d not in from_inputs and sizes[d] != known[d] for d in sizes):
-            params = {k: v for k, v in rec.default_params(heads, sizes).items() if v is not None}
-        result = _run_form(rec, args, inputs, params=params)
-        dim_text = ", ".join(f"{k}={v}" for k, v in sizes.items())
-        origin = f"random, seed {seed}, B={batch}, T={tokens}, H={heads}" + (f", {dim_text}" if dim_text else "")
-        if args.save_inputs:
-            written = _write_npz(args.save_inputs, inputs)
-            origin += f"; saved to {written}"
-
-    written = None
-    if args.out:
-        arrays = {**result.outputs, **result.final_state, **result.params}
-        written = _write_npz(args.out, arrays)
-
+    ran = _run_on_file(rec, form, args) if args.inputs is not None else _run_on_generated(rec, form, args)
+    result = ran.result
+    written = _write_npz(args.out, {**result.outputs, **result.final_state, **result.params}) if args.out else None
     if not args.quiet:
-        dtype = next(iter(inputs.values())).dtype if inputs else "?"
-        how = f"{args.form} form, {args.backend} backend, {dtype}" if args.form != "step" else \
-            f"one decode step per token (Recurrence.step), {args.backend} backend, {dtype}"
-        if args.form == "chunkwise" and args.chunk_size:
-            how += f", chunk size {args.chunk_size}"
-        lines = [f"{program.name}: {how}", f"inputs: {origin}"]
-        lines += _summary([("input", inputs), ("output", result.outputs), ("state", result.final_state)])
-        if result.params:
-            lines += ["params (as used):"] + _param_rows(result.params)
-        if written:
-            lines.append(f"wrote {len(result.outputs)} output(s), {len(result.final_state)} final state(s) and "
-                         f"{len(result.params)} param(s) to {written}")
-        print("\n".join(lines))
+        print(_run_summary(rec.program.name, form, args, ran, written))
     return 0
 
-
-# ---- the command table and main --------------------------------------------------------------
-Handler = Callable[[argparse.Namespace], int]
-AddArguments = Callable[[argparse.ArgumentParser], None]
 
 # ---- verify ----------------------------------------------------------------------------------
 def _add_verify(parser: argparse.ArgumentParser):
@@ -572,6 +609,19 @@ Each row compares one form on one backend in one dtype, on one case of generated
 with the float64 NumPy recurrent form: outputs and final states, as max|x − ref| (max abs) and
 max|x − ref| / max|ref| (max rel). Tolerances: 1e-9 in float64, 5e-4 in float32.
 Exit status 1 when any row fails."""
+
+
+def _verify_against(rec, exact, args) -> int:
+    """`verify --against EXACT.lin`: the relative error of rec's outputs against exact's on the same inputs,
+    one row per feature count and kind, mean over --seeds."""
+    if not args.json:
+        print(f"{rec.name} against {exact.name}: relative error ‖o − o_exact‖/‖o_exact‖, mean over seeds")
+        print(quality.HEADER)
+    rows = quality.compare(rec, exact, seeds=args.seeds,
+                           on_row=None if args.json else lambda r: print(quality.format_row(r), flush=True))
+    if args.json:
+        print(json.dumps({"program": rec.name, "against": exact.name, "rows": [r.__dict__ for r in rows]}))
+    return 0
 
 
 def cmd_verify(args) -> int:
@@ -744,17 +794,9 @@ def cmd_cache(args) -> int:
     return 0
 
 
-def _verify_against(rec, exact, args) -> int:
-
-    if not args.json:
-        print(f"{rec.name} against {exact.name}: relative error ‖o − o_exact‖/‖o_exact‖, mean over seeds")
-        print(quality.HEADER)
-    rows = quality.compare(rec, exact, seeds=args.seeds,
-                           on_row=None if args.json else lambda r: print(quality.format_row(r), flush=True))
-    if args.json:
-        print(json.dumps({"program": rec.name, "against": exact.name, "rows": [r.__dict__ for r in rows]}))
-    return 0
-
+# ---- the command table and main --------------------------------------------------------------
+Handler = Callable[[argparse.Namespace], int]
+AddArguments = Callable[[argparse.ArgumentParser], None]
 
 COMMANDS: dict[str, tuple[AddArguments, Handler]] = {
     "check": (_add_check, cmd_check),
