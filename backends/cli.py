@@ -720,9 +720,9 @@ examples:
   linrec bench examples/gla.lin --T 4096 --form recurrent --form chunkwise --plot gla.png
 
 B = 1, H = 8, dk = dv = 64, float32. Each row is the median wall time of Recurrence.run (after one
-warm-up call) and its useful GFLOP/s — the recurrent form's flops per token and head (dk·dv per decay,
-2·dk·dv per write, per correction wᵀS and per correction update, 2·dk·dv per readout), the same count
-for every form — as a fraction of a float32 NumPy matmul timed in the same run (with OPENBLAS_CORETYPE
+warm-up call) and its useful GFLOP/s — the recurrent form's flops per token and head (2·dk·dv per
+rank-one update, terms with the same left vector counted once; 2·dk·dv per correction wᵀS and per
+readout; nothing for a diagonal or scalar decay, applied lazily), the same count for every form — as a fraction of a float32 NumPy matmul timed in the same run (with OPENBLAS_CORETYPE
 and OPENBLAS_L2_SIZE unset; the BLAS kernel shown when threadpoolctl is installed). The parallel form
 (T² work, every backend) and the NumPy recurrent form are not run above T = 4096 unless --no-limits.
 Also: the decode step per token, state bytes against a softmax KV cache, what --form auto picks, the C
