@@ -117,7 +117,9 @@ class Recurrence:
             dims: dict[str, int] | None = None, threads: int | None = None, **named_inputs) -> Result:
         """Run a form. Inputs [B, T, H, *] by DSL name (a dict, keywords, or both); initial states
         [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *]);
-        `threads`: for the C backend (default LINREC_NUM_THREADS, else every core)."""
+        `threads`: for the C backend (default LINREC_NUM_THREADS, else every core). `chunk_size`: tokens per
+        chunk of the chunkwise form (a positive integer; one longer than the sequence is the whole sequence)."""
+        chunk = arrays.check_chunk_size(chunk_size)
         given = dict(inputs or {}) | named_inputs
         signature = _signature(given, initial_state, form, backend, params, dims)
         plan = self._plans.get(signature) if signature is not None else None
@@ -135,10 +137,10 @@ class Recurrence:
         else:
             state0 = arrays.check_initial_state(self.program, initial_state, plan.shape, plan.dims,
                                                 self._log_scales)
-        if chunk_size is not None and (not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
-            raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
+        if chunk is not None:  # clamped to T for every form and backend: no chunk size overflows a kernel's int
+            chunk = min(chunk, max(plan.shape.tokens, 1))
         with c_build.threads(threads) if threads is not None else nullcontext():
-            outputs, final = plan.module.forward(checked, plan.params, state0, plan.dims, chunk_size=chunk_size)
+            outputs, final = plan.module.forward(checked, plan.params, state0, plan.dims, chunk_size=chunk)
         return Result(outputs, final, dict(plan.params))
 
     def _plan(self, given: dict, form: str, backend: str, params: dict | None, initial_state: dict | None,

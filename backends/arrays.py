@@ -261,3 +261,19 @@ def check_sequence_length(program: ir.Program, shape: CallShape, dims: dict[str,
         raise RuntimeInputError(f"the sequence has T = {shape.tokens} tokens but {spanning} cover(s) at most "
                                 f"{SEQ} = {dims[SEQ]} positions; pass longer parameters (and set the size) "
                                 f"or a shorter sequence")
+
+
+def check_chunk_size(chunk_size) -> int | None:
+    """A call's chunk size (None: the form's own default) as a Python int: a positive integer, a Python or NumPy
+    one — not a bool, a float or a string, which would only look like one — else a RuntimeInputError naming the
+    value. Every form and backend then clamps it to T: a chunk longer than the sequence is the sequence as one
+    chunk, exactly, and a clamped chunk fits the C kernels' token counts however large it was asked."""
+    if chunk_size is None:
+        return None
+    integer = isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool)
+    if not integer or chunk_size < 1:
+        kind = "" if integer else f" (a {type(chunk_size).__name__})"
+        raise RuntimeInputError(f"the chunk size must be a positive integer (tokens per chunk of the chunkwise "
+                                f"form, e.g. 64), got {chunk_size!r}{kind}; leave it out for the form's default")
+    return int(chunk_size)
+

@@ -315,6 +315,15 @@ _positive_int = _int_at_least(1, "a positive integer")
 _nonnegative_int = _int_at_least(0, "a non-negative integer")
 
 
+def _chunk_size(text: str) -> int | str:
+    """--chunk-size: an integer as an int, anything else as typed; Recurrence.run checks chunk sizes, the
+    command line's as any other (exit status 1 and what a chunk size must be)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _dim(text: str) -> tuple[str, int]:
     name, eq, size = text.partition("=")
     name = name.strip()
@@ -330,8 +339,9 @@ RUN_BATCH, RUN_TOKENS, RUN_HEADS, RUN_DTYPE, RUN_SEED = 2, 16, 2, "float64", 0  
 def _add_run(parser: argparse.ArgumentParser):
     parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
     _add_backend_form(parser, "auto", step=True)
-    parser.add_argument("--chunk-size", type=_positive_int, metavar="C",
-                        help="chunk length for the chunkwise form (default: the form's own choice)")
+    parser.add_argument("--chunk-size", type=_chunk_size, metavar="C",
+                        help="chunk length for the chunkwise form, a positive integer (default: the form's own "
+                             "choice; one longer than the sequence runs it as one chunk)")
     io = parser.add_argument_group("arrays from and to files")
     io.add_argument("--inputs", metavar="IN.npz",
                     help="arrays by DSL name: inputs [B, T, H, *]; arrays named like a state are initial "

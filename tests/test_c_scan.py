@@ -7,7 +7,7 @@ and are not whole SIMD registers — the C results equal numpy_scan's on the sam
 numpy_scan in float32 is itself off by up to 2e-3 when a state decays to 1e-23), as max|C − NumPy| /
 max(max|NumPy|, floor) per readout and final state:
     float64: 1e-10        float32: 5e-4 (floor 1e-6: arrays that decay to almost nothing)
-at T ∈ {1, 5, 37, 130}, chunk sizes 1, 7, 16 and 64 (the default, also used by the parallel form's kernel),
+at T ∈ {1, 5, 37, 130}, chunk sizes 1, 7, 16 and 64 (the default; one kernel runs every chunk size),
 mild to strong decays (log-decays ×0.1, ×1 and ×10), with the fast scores and forced onto the stable ones.
 End to end, every example's generated NumPy parallel and chunkwise modules, with their scans running in C,
 equal the NumPy recurrent form in float64.
@@ -87,15 +87,15 @@ VALUES = CASES[14]  # reads as it is and through a query
 CHUNKS = (1, 7, 16)  # besides the default 64, for GENERAL
 
 
-def structures(case: Case, dtype, chunk=c_scan.DEFAULT_CHUNK) -> set:
+def structures(case: Case, dtype) -> set:
     """The kernels a case runs on: c_values' for its reads as it is, c_scan's for the rest."""
     ctype = c_scan.CTYPES[np.dtype(dtype)]
     out = set()
     if case.values:
-        out.add(c_values.Structure(case.decay, case.writes, case.values, case.causal, case.dk, chunk, ctype))
+        out.add(c_values.Structure(case.decay, case.writes, case.values, case.causal, case.dk, ctype))
     if case.before or not case.values:
         out.add(c_scan.Structure(case.decay, case.corrections, case.writes, case.before, case.causal, case.dk,
-                                 case.dv, chunk, ctype, c_build.vector_bytes()))
+                                 case.dv, ctype, c_build.vector_bytes()))
     return out
 
 
@@ -127,7 +127,6 @@ def build_kernel(s):
 def kernels(cache_dir):
     """Every kernel these tests use, built into the session's cache by two compiler processes at a time."""
     wanted = {s for c in CASES for d in DTYPES for s in structures(c, d)}
-    wanted |= {s for d in DTYPES for chunk in CHUNKS for c in (GENERAL, VALUES) for s in structures(c, d, chunk)}
     wanted |= set(example_structures())
     wanted = sorted(wanted, key=repr)
     workers = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
@@ -306,6 +305,41 @@ def test_edge_cases_and_errors():
         c_scan.chunkwise_scan(s0, ld, corr, wr, [(None, False)])
 
 
+_NEAR_INT_MAX = """
+import sys
+import numpy as np
+from linrec.c import scan as c_scan
+from linrec.c import values as c_values
+tokens, dv = 2**31 - 1, 8
+ones = lambda n: np.broadcast_to(np.ones(n), (1, tokens, 1, n))  # stride 0 along T: no memory per token
+if sys.argv[1] == "scan":
+    _, final = c_scan.scan("chunkwise", np.zeros((1, 1, 1, dv)), None, [], [(ones(1), ones(dv))], [],
+                           chunk_size=4096, num_threads=1)
+else:
+    _, final = c_values.scan("chunkwise", np.zeros((1, 1, 1, 1)), None, [(ones(1), ones(1))], [],
+                             chunk_size=4096, num_threads=1)
+print(sys.argv[1], final.ravel().tolist())
+"""
+
+
+def test_sequences_near_the_int_limit():
+    """T = 2³¹ − 1 tokens (views with stride 0 along T: kilobytes, not gigabytes): the last chunk ends past
+    INT_MAX, where an int token index wrapped around and the kernels never returned. No decay and ones written
+    every token: the final state is T in every entry, exactly (float64). ~10 s each, in two processes at once,
+    with a timeout: a regression fails instead of hanging the session."""
+    procs = [subprocess.Popen([sys.executable, "-c", _NEAR_INT_MAX, kind], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=str(ROOT)) for kind in ("scan", "values")]
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            kind, values = out.split(" ", 1)
+            assert json.loads(values) == [2**31 - 1] * (8 if kind == "scan" else 1), out
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def test_thread_count_from_environment(monkeypatch):
     from linrec.c import build as c_build
     monkeypatch.setenv("LINREC_NUM_THREADS", "3")
@@ -386,7 +420,8 @@ def test_emit_source():
             assert text.count("int lr_chunkwise(") == len(compiled.program.states)
             assert f"state '{compiled.program.states[0].name}'" in text
     text = c_scan.emit(linrec.load(ROOT / "examples" / "gla.lin").compiled, "chunkwise", dtype=np.float64,
-                       dims={"dk": 64, "dv": 64}, chunk_size=32)
-    assert "typedef double T;" in text and "#define DK 64" in text and "#define CHUNK 32" in text
+                       dims={"dk": 64, "dv": 64})
+    assert "typedef double T;" in text and "#define DK 64" in text
+    assert "CHUNK" not in text and "double span_max, int chunk)" in text  # the chunk is an argument
     with pytest.raises(LinrecError):
         c_scan.emit(linrec.load(ROOT / "examples" / "gla.lin").compiled, "recurrent")

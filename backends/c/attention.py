@@ -23,6 +23,7 @@ import numpy as np
 
 from ..dsl.errors import LinrecError, RuntimeInputError
 
+from .. import arrays
 from . import build as c_build
 from ..numpy import attention as numpy_attention
 from .build import CTYPE_BYTES, CTYPES
@@ -150,9 +151,7 @@ def attention(queries, keys, values, causal: bool, window: int = 0, form: str = 
         raise LinrecError(f"unknown attention form '{form}'; choose one of {', '.join(FORMS)}")
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
         raise RuntimeInputError(f"window must be a non-negative integer (0: no window), got {window!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer))
-                                   or chunk_size < 1):
-        raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
+    chunk = arrays.check_chunk_size(chunk_size)
     if isinstance(query_offset, bool) or not isinstance(query_offset, (int, np.integer)) or query_offset < 0:
         raise RuntimeInputError(f"query_offset must be a non-negative integer, got {query_offset!r}")
     dtype = _common_dtype([np.asarray(a) for a in (queries, keys, values)], "attention")
@@ -183,7 +182,7 @@ def attention(queries, keys, values, causal: bool, window: int = 0, form: str = 
     threads = c_build.num_threads() if num_threads is None else int(num_threads)
     if threads < 1:
         raise RuntimeInputError(f"num_threads must be a positive integer, got {num_threads!r}")
-    block = min(int(chunk_size or BLOCK), max(tq, tk))  # a block longer than the sequence changes nothing
+    block = min(BLOCK if chunk is None else chunk, max(tq, tk))  # a block longer than the sequence changes nothing
     rc = mod.lib.la_attention(FORMS[form], _pointer(ffi, ctype, q), _pointer(ffi, ctype, k),
                               _pointer(ffi, ctype, v), ffi.from_buffer(ctype + "[]", out),
                               ffi.from_buffer("int64_t[]", sh), int(bool(causal)), int(window),

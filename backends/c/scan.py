@@ -5,10 +5,11 @@ The generated NumPy module of a form computes every state's canonical per-token 
 corrections (u, w), writes (κ, x), readout queries) and hands them to `parallel_scan` or `chunkwise_scan`;
 here those run in C. A kernel is specialized per structure — decay (none, one per token, one per row), the
 number of corrections and writes, the readouts (before or after the update), causal or not — per size
-(dk, dv and the chunk size are compile-time constants) and per dtype (float32 or float64), built once
-through c_build (cffi, cached on disk) and memoized here. One kernel holds both forms: lr_chunkwise (chunks
-of `chunk` tokens) and lr_parallel (the whole sequence as one segment). A vector state read as it is (a
-readout with no query) runs in c_values' kernels, through the same scan functions.
+(dk and dv are compile-time constants) and per dtype (float32 or float64), built once through c_build
+(cffi, cached on disk) and memoized here. One kernel holds both forms: lr_chunkwise (chunks of `chunk`
+tokens, an argument: one kernel for every chunk size, its scratch sized per call) and lr_parallel (the whole
+sequence as one segment). A vector state read as it is (a readout with no query) runs in c_values' kernels,
+through the same scan functions.
 
 Arrays are read in place: [B, T, H, n] with any strides whose last axis is contiguous (np.broadcast_to
 views included: a per-head or constant value is never materialized per token); others are copied first.
@@ -33,12 +34,13 @@ from ..interface import Capabilities
 from ..numpy import backend as numpy_backend
 from ..dsl.errors import LinrecError, RuntimeInputError
 
+from .. import arrays
 from . import build as c_build
 from .build import CTYPE_BYTES, CTYPES
 from ..version import VERSION
 from ..templating import environment
 
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = 64  # tokens per chunk of lr_chunkwise when the call gives none
 SUB_BLOCK = 16  # query panels and diagonal-decay sub-blocks (a multiple of every register width)
 # The fast scores scale queries and keys by exp(±(b − b_L)) over a whole segment: allowed while the
 # log-decays of the segment span at most this much (float: e^40 ≈ 2e17, far from overflow and from the
@@ -66,7 +68,6 @@ class Structure:
     causal: bool
     dk: int
     dv: int
-    chunk: int                 # tokens per chunk of lr_chunkwise
     ctype: str                 # "float" or "double"
     vector_bytes: int          # SIMD register width the kernel is written for
 
@@ -78,8 +79,7 @@ class Structure:
         decay = {"none": "no decay", "token": "one log-decay per token", "row": "one log-decay per row"}
         reads = ", ".join("before" if b else "after" for b in self.before) or "none"
         return (f"{decay[self.decay]}; {self.corrections} correction(s); {self.writes} write(s); readouts: "
-                f"{reads}; {'causal' if self.causal else 'non-causal'}; dk = {self.dk}, dv = {self.dv}, chunk = "
-                f"{self.chunk}, {self.ctype}")
+                f"{reads}; {'causal' if self.causal else 'non-causal'}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
 
 
 # ---- the C source -------------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ def render(s: Structure, form: str | None = None) -> str:
     return environment(__package__).get_template("c_scan.c.j2").render(
         version=VERSION, title=f"the {form} form" if form else "the parallel and chunkwise forms",
         description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes,
-        lanes=lanes, dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, sb=SUB_BLOCK, chunk=s.chunk,
+        lanes=lanes, dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, sb=SUB_BLOCK,
         decay=DECAYS.index(s.decay), db=s.dk if s.decay == "row" else 1, corrections=s.corrections,
         writes=s.writes, readouts=len(s.before), causal=s.causal,
         # register tiles: MR rows × NB registers of accumulators, plus NB + 1 registers of operands
@@ -102,9 +102,9 @@ def render(s: Structure, form: str | None = None) -> str:
 
 def cdef(s: Structure) -> str:
     t = s.ctype
-    args = (f"(const {t} *s0, {t} *sT, {t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads, "
-            f"double span_max);")
-    return f"int lr_chunkwise{args}\nint lr_parallel{args}\n"
+    args = f"(const {t} *s0, {t} *sT, {t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads, " \
+           f"double span_max"
+    return f"int lr_chunkwise{args}, int chunk);\nint lr_parallel{args});\n"
 
 
 # ---- kernels ------------------------------------------------------------------------------------------
@@ -206,20 +206,21 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
         return outs, state.copy()
     ctype = CTYPES[dtype]
     s = Structure(decay, len(corrections), len(writes), tuple(b for _, b in readouts), bool(causal), dk, dv,
-                  chunk_of(form, chunk_size), ctype, c_build.vector_bytes())
+                  ctype, c_build.vector_bytes())
     work = batch * heads * tokens * dk * max(dv, 16) * (len(readouts) + len(writes) + 2 * len(corrections) + 1)
     span = SPAN_MAX[ctype] if span_max is None else float(span_max)
-    return outs, call(kernel(s), "lr_parallel" if form == "parallel" else "lr_chunkwise", state, ops, outs,
-                      work, num_threads, span)
+    if form == "parallel":
+        return outs, call(kernel(s), "lr_parallel", state, ops, outs, work, num_threads, span)
+    return outs, call(kernel(s), "lr_chunkwise", state, ops, outs, work, num_threads, span,
+                      chunk_of(chunk_size, tokens))
 
 
-def chunk_of(form: str, chunk_size) -> int:
-    """The chunk a kernel is built for: the parallel form ignores the chunk size (like numpy_scan) and shares
-    the default chunk's kernel."""
-    chunk = int(chunk_size or DEFAULT_CHUNK) if form == "chunkwise" else DEFAULT_CHUNK
-    if chunk < 1:
-        raise RuntimeInputError(f"chunk size must be a positive integer, got {chunk_size!r}")
-    return chunk
+def chunk_of(chunk_size, tokens: int) -> int:
+    """The chunk of a chunkwise call over `tokens` tokens: chunk_size (checked: arrays.check_chunk_size), else
+    DEFAULT_CHUNK, clamped to the sequence — a longer chunk is the sequence as one chunk — so that it fits the
+    kernels' int."""
+    chunk = arrays.check_chunk_size(chunk_size)
+    return min(DEFAULT_CHUNK if chunk is None else chunk, max(tokens, 1))
 
 
 def call(k, function: str, state: np.ndarray, ops: list, outs: list, work: int, num_threads, *extra) -> np.ndarray:
@@ -278,8 +279,7 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
 
 
 # ---- programs: the generated source, and the module of a form ----------------------------------------
-def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None,
-               chunk_size: int | None = None) -> list[tuple[str, Structure]]:
+def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None) -> list[tuple[str, Structure]]:
     """(state name, kernel structure) for every state of a program, at the given (else default) sizes: a
     c_values.Structure for a vector state read as it is, a Structure for its readouts q·S, if any, and for
     every other state."""
@@ -305,12 +305,11 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
         shape = tuple(reversed(st.shape)) if st.name in d.transposed else st.shape  # (carried as Sᵀ)
         dk = sizes[shape[0]]
         dv = sizes[shape[1]] if len(shape) == 2 else 1
-        chunk = int(chunk_size or DEFAULT_CHUNK)
         if values:  # c_values reads it as it is and gives its final state
-            out.append((st.name, c_values.Structure(decay, len(t.writes), values, p.causal, dk, chunk, ctype)))
+            out.append((st.name, c_values.Structure(decay, len(t.writes), values, p.causal, dk, ctype)))
         if before or not values:
             out.append((st.name, Structure(decay, len(t.corrections), len(t.writes), before, p.causal, dk, dv,
-                                           chunk, ctype, c_build.vector_bytes())))
+                                           ctype, c_build.vector_bytes())))
     return out
 
 
@@ -327,8 +326,7 @@ def why_not(compiled: Compiled) -> str | None:
     return None
 
 
-def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] | None = None,
-         chunk_size: int | None = None) -> str:
+def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] | None = None) -> str:
     """The C source of a program's parallel or chunkwise form: one kernel per state, each a translation unit of
     its own (the generated NumPy module of the form prepares the per-token arrays and calls them, see load)."""
     if form not in FORMS:
@@ -341,7 +339,7 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
         raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}")
     from . import values as c_values
     parts = []
-    for name, s in structures(compiled, dtype, dims, chunk_size):
+    for name, s in structures(compiled, dtype, dims):
         source = c_values.render(s, form) if isinstance(s, c_values.Structure) else render(s, form)
         parts.append(f"/* ==== state '{name}': {s.describe()} ==== */\n" + source)
     return "\n".join(parts)

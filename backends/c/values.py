@@ -5,7 +5,7 @@ c_scan's kernels compute readouts q·S; a read with no query (compiler.derive.Re
 elementwise twin of those, numpy_scan.decayed_values, and runs here. c_scan.scan hands such readouts over,
 so the generated NumPy module of a form calls the same chunkwise_scan / parallel_scan either way. A kernel
 is specialized per decay (none, one per token, one per channel), number of writes, readouts (before or
-after the update), causality, size D, chunk and dtype, and built once through c_build.
+after the update), causality, size D and dtype — the chunk is an argument —, and built once through c_build.
 
     outs, final = c_values.scan("chunkwise", s0, log_decay, writes, [False], causal=True, chunk_size=64)
 """
@@ -34,14 +34,13 @@ class Structure:
     before: tuple[bool, ...]   # per readout: reads the state before the update
     causal: bool
     d: int                     # channels of the state
-    chunk: int                 # tokens per chunk of lr_values_chunkwise
     ctype: str                 # "float" or "double"
 
     def describe(self) -> str:
         decay = {"none": "no decay", "token": "one log-decay per token", "row": "one log-decay per channel"}
         reads = ", ".join("before" if b else "after" for b in self.before) or "none"
         return (f"a vector state read as it is; {decay[self.decay]}; {self.writes} write(s); readouts: {reads}; "
-                f"{'causal' if self.causal else 'non-causal'}; d = {self.d}, chunk = {self.chunk}, {self.ctype}")
+                f"{'causal' if self.causal else 'non-causal'}; d = {self.d}, {self.ctype}")
 
 
 def render(s: Structure, form: str | None = None) -> str:
@@ -49,14 +48,14 @@ def render(s: Structure, form: str | None = None) -> str:
     return environment(__package__).get_template("c_values.c.j2").render(
         version=VERSION, title=f"the {form} form" if form else "the parallel and chunkwise forms",
         description=s.describe(), ctype=s.ctype, d=s.d, db={"none": 0, "token": 1, "row": s.d}[s.decay],
-        writes=s.writes, readouts=len(s.before), causal=s.causal, sb=SUB_BLOCK, chunk=s.chunk,
+        writes=s.writes, readouts=len(s.before), causal=s.causal, sb=SUB_BLOCK,
         before=", ".join("1" if b else "0" for b in s.before))
 
 
 def cdef(s: Structure) -> str:
     t = s.ctype
-    args = f"(const {t} *s0, {t} *sT, {t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads);"
-    return f"int lr_values_chunkwise{args}\nint lr_values_parallel{args}\n"
+    args = f"(const {t} *s0, {t} *sT, {t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads"
+    return f"int lr_values_chunkwise{args}, int chunk);\nint lr_values_parallel{args});\n"
 
 
 def kernel(s: Structure):
@@ -101,10 +100,12 @@ def scan(form: str, s0, log_decay, writes, before, causal=True, chunk_size=None,
     outs = [np.empty(lead + (d,), dtype) for _ in before]
     if batch * heads == 0 or tokens == 0:
         return outs, state[..., None].copy()
-    s = Structure(decay, len(writes), tuple(bool(b) for b in before), bool(causal), d, chunk_of(form, chunk_size),
-                  CTYPES[dtype])
+    s = Structure(decay, len(writes), tuple(bool(b) for b in before), bool(causal), d, CTYPES[dtype])
+    chunk = chunk_of(chunk_size, tokens)
     # the parallel form's work grows with T², the chunkwise form's with T·chunk
-    work = batch * heads * tokens * d * (tokens if form == "parallel" else min(s.chunk, tokens))
-    final = call(kernel(s), "lr_values_parallel" if form == "parallel" else "lr_values_chunkwise", state, ops, outs,
-                 work, num_threads)
+    work = batch * heads * tokens * d * (tokens if form == "parallel" else chunk)
+    if form == "parallel":
+        final = call(kernel(s), "lr_values_parallel", state, ops, outs, work, num_threads)
+    else:
+        final = call(kernel(s), "lr_values_chunkwise", state, ops, outs, work, num_threads, chunk)
     return outs, final[..., None]
