@@ -29,6 +29,7 @@ import pytest
 import linrec
 from linrec.c import build as c_build
 from linrec.c import scan as c_scan
+from linrec.c import scan_kernels
 from linrec.c import values as c_values
 from linrec.numpy import scan as numpy_scan
 from linrec.dsl.errors import LinrecError, RuntimeInputError
@@ -252,7 +253,7 @@ def test_recurrent_scan(dtype):
 
 
 def test_results_do_not_depend_on_chunk_size_or_threads(monkeypatch):
-    monkeypatch.setattr(c_scan, "SMALL_WORK", 0)  # threads even for a small call
+    monkeypatch.setattr(scan_kernels, "SMALL_WORK", 0)  # threads even for a small call
     for case in (GENERAL, VALUES):
         args = canonical(case, 130, np.float64, 1.0, seed=3)
         ref_out, ref_state = c_scan.scan("parallel", *args, num_threads=1)

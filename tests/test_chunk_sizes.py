@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import linrec
-from linrec.c import scan as c_scan
+from linrec.c import scan_kernels
 from linrec.cli import main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -107,11 +107,11 @@ def test_invalid_chunk_sizes_are_refused(name, tmp_path, capsys):
 
 
 def test_one_c_kernel_runs_every_chunk_size(monkeypatch):
-    """c_scan's memo holds one kernel per structure (c_values' share it): chunk sizes are not one."""
+    """The scan kernels' memo holds one kernel per structure: chunk sizes are not one."""
     for name in ("gla", "vector_read"):
-        monkeypatch.setattr(c_scan, "_kernels", {})
+        monkeypatch.setattr(scan_kernels, "_kernels", {})
         rec, inputs, state0, ref = case(name)
         for chunk in (None, 1, 7, 2 * T):
             res = rec.run(inputs, form="chunkwise", backend="c", initial_state=state0, chunk_size=chunk)
             assert_matches(res.outputs, res.final_state, ref, f"{name}, chunk size {chunk}")
-        assert len(c_scan._kernels) == 1, list(c_scan._kernels)
+        assert len(scan_kernels._kernels) == 1, list(scan_kernels._kernels)

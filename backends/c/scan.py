@@ -23,7 +23,6 @@ every core this process may use.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,13 +33,13 @@ from ..interface import Capabilities
 from ..numpy import backend as numpy_backend
 from ..dsl.errors import LinrecError, RuntimeInputError
 
-from .. import arrays
 from . import build as c_build
+from . import values as c_values
+from .scan_kernels import FORMS, cached_kernel, call, chunk_of, operand
 from .build import CTYPE_BYTES, CTYPES
 from ..version import VERSION
 from ..templating import environment
 
-DEFAULT_CHUNK = 64  # tokens per chunk of lr_chunkwise when the call gives none
 SUB_BLOCK = 16  # query panels and diagonal-decay sub-blocks (a multiple of every register width)
 # The fast scores scale queries and keys by exp(±(b − b_L)) over a whole segment: allowed while the
 # log-decays of the segment span at most this much (float: e^40 ≈ 2e17, far from overflow and from the
@@ -51,8 +50,6 @@ SPAN_MAX = {"float": 40.0, "double": 300.0}
 VALUES_WITH_CORRECTIONS = ("the C scan kernels read a vector state as it is (elementwise) only when its update "
                            "has no rank-one correction (delta-rule term)")
 DECAYS = ("none", "token", "row")
-SMALL_WORK = 1 << 20  # multiply-adds (roughly) below which a call runs on one thread
-FORMS = ("parallel", "chunkwise")
 
 # the generator's own files: a change to any of them rebuilds its cached kernels
 
@@ -107,47 +104,10 @@ def cdef(s: Structure) -> str:
     return f"int lr_chunkwise{args}, int chunk);\nint lr_parallel{args});\n"
 
 
-# ---- kernels ------------------------------------------------------------------------------------------
-_kernels: dict[object, object] = {}
-_lock = threading.Lock()
-
-
-def cached_kernel(s, kind: str, label: str, source, declarations: str):
-    """The built extension (ffi, lib) for a kernel structure `s` (hashable, its repr a key): memoized, else
-    from the disk cache by an alias of (kind, s), else built from source() — rendered only then."""
-    k = _kernels.get(s)
-    if k is None:
-        with _lock:
-            k = _kernels.get(s)
-            if k is None:
-                alias = c_build.alias_key(kind, repr(s))
-                k = c_build.load_alias(alias)
-                if k is None:
-                    k = c_build.build(source(), declarations, label, alias)
-                _kernels[s] = k
-    return k
-
-
 def kernel(s: Structure):
     """The built extension (ffi, lib) for a structure."""
     return cached_kernel(s, "scan", f"scan_{s.decay}_r{s.corrections}_w{s.writes}_{s.ctype}", lambda: render(s),
                          cdef(s))
-
-
-def operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
-    """x as an array of `shape` and `dtype` whose last axis is contiguous (other strides are free)."""
-    a = np.asarray(x)
-    if a.dtype != dtype:
-        a = a.astype(dtype)
-    if a.shape != shape:
-        try:
-            a = np.broadcast_to(a, shape)
-        except ValueError:
-            raise RuntimeInputError(f"{what} should have shape {list(shape)} but has shape {list(a.shape)}") from None
-    item = dtype.itemsize
-    if (shape[-1] > 1 and a.strides[-1] != item) or any(st % item for st in a.strides) or not a.flags.aligned:
-        a = np.ascontiguousarray(a)
-    return a
 
 
 def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
@@ -215,40 +175,9 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
                       chunk_of(chunk_size, tokens))
 
 
-def chunk_of(chunk_size, tokens: int) -> int:
-    """The chunk of a chunkwise call over `tokens` tokens: chunk_size (checked: arrays.check_chunk_size), else
-    DEFAULT_CHUNK, clamped to the sequence — a longer chunk is the sequence as one chunk — so that it fits the
-    kernels' int."""
-    chunk = arrays.check_chunk_size(chunk_size)
-    return min(DEFAULT_CHUNK if chunk is None else chunk, max(tokens, 1))
-
-
-def call(k, function: str, state: np.ndarray, ops: list, outs: list, work: int, num_threads, *extra) -> np.ndarray:
-    """Runs `function` of the built extension k: (s0, sT, inputs, their strides, outputs, B, T, H, threads,
-    *extra) with state [B, H, …] and ops [B, T, H, n]. Returns the final state. A call with less than
-    SMALL_WORK multiply-adds runs on one thread (waking others costs more); at most one per (batch row, head)."""
-    ffi = k.ffi
-    batch, tokens, heads = (outs[0] if outs else ops[0]).shape[:3]
-    ctype = CTYPES[state.dtype]
-    ptr = ctype + " *"
-    item = state.dtype.itemsize
-    c_in = ffi.new(ctype + " *[]", [ffi.cast(ptr, a.__array_interface__["data"][0]) for a in ops] or 1)
-    c_st = ffi.new("int64_t[]", [a.strides[i] // item for a in ops for i in range(3)] or 1)
-    c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
-    final = np.empty_like(state)
-    threads = c_build.num_threads() if num_threads is None else int(num_threads)
-    threads = 1 if work < SMALL_WORK else min(threads, batch * heads)
-    rc = getattr(k.lib, function)(ffi.from_buffer(ptr, state), ffi.from_buffer(ptr, final), c_in, c_st, c_out,
-                                  batch, tokens, heads, max(1, threads), *extra)
-    if rc:
-        raise MemoryError(f"the C kernel {function} could not allocate its scratch memory")
-    return final
-
-
 def _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max):
     """scan() for a vector state some of whose readouts read it as it is (query None): those run in
     c_values' kernels, which also give the final state; the readouts q·S, if any, in this module's."""
-    from . import values as c_values
     if corrections:
         raise LinrecError(VALUES_WITH_CORRECTIONS)
     values, final = c_values.scan(form, s0, log_decay, writes, [b for q, b in readouts if q is None], causal,
@@ -283,7 +212,6 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
     """(state name, kernel structure) for every state of a program, at the given (else default) sizes: a
     c_values.Structure for a vector state read as it is, a Structure for its readouts q·S, if any, and for
     every other state."""
-    from . import values as c_values
     p, d = compiled.program, compiled.derivation
     if d.sequence is not None:
         raise LinrecError(f"'{compiled.name}' reads the whole sequence: it is not a scan over a recurrent state")
@@ -337,7 +265,6 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
     why = why_not(compiled)
     if why:
         raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}")
-    from . import values as c_values
     parts = []
     for name, s in structures(compiled, dtype, dims):
         source = c_values.render(s, form) if isinstance(s, c_values.Structure) else render(s, form)

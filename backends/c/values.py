@@ -18,7 +18,7 @@ import numpy as np
 from ..dsl.errors import LinrecError, RuntimeInputError
 
 from .build import CTYPES
-from .scan import FORMS, cached_kernel, call, chunk_of, operand
+from .scan_kernels import FORMS, cached_kernel, call, chunk_of, operand
 from ..version import VERSION
 from ..templating import environment
 

@@ -1,0 +1,83 @@
+"""What the C scan kernels share — those of the contractions q·S (c.scan) and those of a vector state read as
+it is (c.values): the forms they build, the chunk a call runs with, the memo of built kernels, the arrays
+they read and the call itself."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .. import arrays
+from ..dsl.errors import RuntimeInputError
+from . import build as c_build
+from .build import CTYPES
+
+DEFAULT_CHUNK = 64  # tokens per chunk of lr_chunkwise when the call gives none
+SMALL_WORK = 1 << 20  # multiply-adds (roughly) below which a call runs on one thread
+FORMS = ("parallel", "chunkwise")
+
+
+_kernels: dict[object, object] = {}
+_lock = threading.Lock()
+
+
+def cached_kernel(s, kind: str, label: str, source, declarations: str):
+    """The built extension (ffi, lib) for a kernel structure `s` (hashable, its repr a key): memoized, else
+    from the disk cache by an alias of (kind, s), else built from source() — rendered only then."""
+    k = _kernels.get(s)
+    if k is None:
+        with _lock:
+            k = _kernels.get(s)
+            if k is None:
+                alias = c_build.alias_key(kind, repr(s))
+                k = c_build.load_alias(alias)
+                if k is None:
+                    k = c_build.build(source(), declarations, label, alias)
+                _kernels[s] = k
+    return k
+
+
+def operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:
+    """x as an array of `shape` and `dtype` whose last axis is contiguous (other strides are free)."""
+    a = np.asarray(x)
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    if a.shape != shape:
+        try:
+            a = np.broadcast_to(a, shape)
+        except ValueError:
+            raise RuntimeInputError(f"{what} should have shape {list(shape)} but has shape {list(a.shape)}") from None
+    item = dtype.itemsize
+    if (shape[-1] > 1 and a.strides[-1] != item) or any(st % item for st in a.strides) or not a.flags.aligned:
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def chunk_of(chunk_size, tokens: int) -> int:
+    """The chunk of a chunkwise call over `tokens` tokens: chunk_size (checked: arrays.check_chunk_size), else
+    DEFAULT_CHUNK, clamped to the sequence — a longer chunk is the sequence as one chunk — so that it fits the
+    kernels' int."""
+    chunk = arrays.check_chunk_size(chunk_size)
+    return min(DEFAULT_CHUNK if chunk is None else chunk, max(tokens, 1))
+
+
+def call(k, function: str, state: np.ndarray, ops: list, outs: list, work: int, num_threads, *extra) -> np.ndarray:
+    """Runs `function` of the built extension k: (s0, sT, inputs, their strides, outputs, B, T, H, threads,
+    *extra) with state [B, H, …] and ops [B, T, H, n]. Returns the final state. A call with less than
+    SMALL_WORK multiply-adds runs on one thread (waking others costs more); at most one per (batch row, head)."""
+    ffi = k.ffi
+    batch, tokens, heads = (outs[0] if outs else ops[0]).shape[:3]
+    ctype = CTYPES[state.dtype]
+    ptr = ctype + " *"
+    item = state.dtype.itemsize
+    c_in = ffi.new(ctype + " *[]", [ffi.cast(ptr, a.__array_interface__["data"][0]) for a in ops] or 1)
+    c_st = ffi.new("int64_t[]", [a.strides[i] // item for a in ops for i in range(3)] or 1)
+    c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
+    final = np.empty_like(state)
+    threads = c_build.num_threads() if num_threads is None else int(num_threads)
+    threads = 1 if work < SMALL_WORK else min(threads, batch * heads)
+    rc = getattr(k.lib, function)(ffi.from_buffer(ptr, state), ffi.from_buffer(ptr, final), c_in, c_st, c_out,
+                                  batch, tokens, heads, max(1, threads), *extra)
+    if rc:
+        raise MemoryError(f"the C kernel {function} could not allocate its scratch memory")
+    return final
