@@ -130,6 +130,8 @@ class Recurrence:
         else:
             checked = given  # arrays of the names, shapes and dtypes that were checked when the plan was made
         able = plan.module.capabilities
+        if able.largest_count is not None:
+            arrays.require_counts(plan.shape, able.largest_count, backend)
         if not able.checks_ranges:
             arrays.check_ranges(self.program, checked)
         if initial_state is None and able.zero_states:

@@ -200,6 +200,15 @@ def check_initial_state(program: ir.Program, given: dict | None, shape: CallShap
     return out
 
 
+def require_counts(shape: CallShape, largest: int, backend: str) -> None:
+    """A call's batch, token and head counts within what the backend's form takes (C's kernels count in ints),
+    checked before any array is prepared."""
+    for name, n in (("batch", shape.batch), ("tokens", shape.tokens), ("heads", shape.heads)):
+        if n > largest:
+            raise RuntimeInputError(f"{name} = {n}: the {backend} backend's kernels take at most {largest}; split "
+                                    f"the call, or use the NumPy backend (backend='numpy')")
+
+
 def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, dims: dict) -> None:
     """The states a decode step updates in place (inplace=True, bind_step): each given one a writeable
     C-contiguous array of the inputs' dtype and its [B, H, *] shape, on every backend (the compiled step

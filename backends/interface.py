@@ -53,6 +53,7 @@ class Capabilities:
     zero_states: bool = False         # forward(initial_state=None) starts from zeros: no arrays to make
     binds_steps: bool = False         # stepper(params, dims): a compiled decode step bound to arrays
     decodes_over_cache: bool = False  # (a program that reads the sequence) its step runs in compiled kernels
+    largest_count: int | None = None  # the most batch rows, tokens or heads one call may have (None: no limit)
 
 
 class FormModule(Protocol):

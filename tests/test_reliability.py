@@ -196,3 +196,14 @@ def test_a_non_causal_program_has_no_step(backend):
     rec = linrec.compile(GATED.replace("dv = 3)", "dv = 3) noncausal"), "encoder.lin")
     with pytest.raises(linrec.LinrecError, match="non-causal"):
         rec.step(_token(rec), None, backend=backend)
+
+
+# ---- counts past a C int --------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["recurrent", "chunkwise", "parallel"])
+def test_more_tokens_than_a_c_int_is_a_clear_error(form):
+    """2³¹ tokens (views with no memory per token): the C kernels count in ints, and cffi's OverflowError was
+    an internal error; now the call is refused before any array is prepared."""
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    x = {n: np.broadcast_to(np.zeros(4), (1, 2**31, 1, 4)) for n in "qkvg"}
+    with pytest.raises(linrec.RuntimeInputError, match="tokens = 2147483648: the c backend's kernels take at most"):
+        rec.run(x, backend="c", form=form, dims={"dk": 4, "dv": 4})

@@ -31,7 +31,7 @@ from . import attention as c_attention
 from . import build as c_build
 from . import scan as c_scan
 from . import support
-from .buffers import RecycledArrays, aligned_copy, aligned_zeros, checked
+from .buffers import C_INT_MAX, RecycledArrays, aligned_copy, aligned_zeros, checked, require_c_int_sizes
 from .build import CTYPES
 from .general import GeneralGenerator
 from .generator import Generator, KernelSource, Target
@@ -78,7 +78,7 @@ class CRecurrent:
     form = "recurrent"
     # lr_forward tests the declared value ranges as it reads (run() need not scan first) and starts from zeros
     # when given no initial state (run() need not make and copy them); the step binds to arrays (c.step)
-    capabilities = Capabilities(checks_ranges=True, zero_states=True, binds_steps=True)
+    capabilities = Capabilities(checks_ranges=True, zero_states=True, binds_steps=True, largest_count=C_INT_MAX)
 
     def __init__(self, compiled: Compiled):
         _require(compiled, "recurrent")
@@ -176,6 +176,7 @@ class CRecurrent:
         fb, ptr = k.ffi.from_buffer, k.ptr
         cargs = [fb(ptr, a) for a in args] + [fb(ptr, outputs[o.name]) for o in p.outputs]
         if batch * tokens * heads:
+            require_c_int_sizes(batch=batch, tokens=tokens, heads=heads)
             rc = k.lib.lr_forward(*cargs, batch, tokens, heads, threads)
             if rc == 2:  # an input outside its declared range: find it and say where
                 arrays.check_ranges(p, dict(zip((x.name for x in p.inputs), args)))
@@ -276,10 +277,11 @@ def load(compiled: Compiled, form: str):
     if compiled.derivation.sequence is not None:
         return _exec_module(numpy_sequence.emit(compiled, form, kernels=c_attention.__name__), compiled, form,
                             "C attention", Capabilities(
-                                decodes_over_cache=numpy_sequence.kernels_decode_over_cache(compiled)))
+                                decodes_over_cache=numpy_sequence.kernels_decode_over_cache(compiled),
+                                largest_count=C_INT_MAX))
     if form == "recurrent" and _scan_form(compiled, form):
         return _exec_module(numpy_backend.emit_scan(compiled, "recurrent", scan_module=c_scan.__name__),
-                            compiled, form, "C scan", Capabilities())
+                            compiled, form, "C scan", Capabilities(largest_count=C_INT_MAX))
     if form != "recurrent":
         return c_scan.load(compiled, form)
     return CRecurrent(compiled)

@@ -70,6 +70,18 @@ def aligned_copy(arr: np.ndarray) -> np.ndarray:
     return out
 
 
+C_INT_MAX = 2**31 - 1  # the kernels take the batch, token and head counts as C ints
+
+
+def require_c_int_sizes(**sizes: int) -> None:
+    """The counts a kernel takes as C ints (batch, tokens, heads) within their range: an error naming the
+    one that is not, rather than cffi's OverflowError (an internal error) or a wrapped-around count."""
+    for name, n in sizes.items():
+        if n > C_INT_MAX:
+            raise RuntimeInputError(f"{name} = {n}: the C kernels take at most {C_INT_MAX} (2³¹ − 1); split the "
+                                    f"call, or use the NumPy backend (backend='numpy')")
+
+
 def checked(value, shape: tuple, dtype, what: str) -> np.ndarray:
     """`value` as a C-contiguous array of `shape` (and `dtype`): converted when only the layout differs,
     rejected when the shape or the dtype is wrong."""

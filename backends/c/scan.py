@@ -36,6 +36,7 @@ from ..dsl.errors import LinrecError, RuntimeInputError
 from . import build as c_build
 from . import values as c_values
 from .scan_kernels import FORMS, cached_kernel, call, chunk_of, operand
+from .buffers import C_INT_MAX
 from .build import CTYPE_BYTES, CTYPES
 from ..version import VERSION
 from ..templating import environment
@@ -284,5 +285,6 @@ def load(compiled: Compiled, form: str):
     source = numpy_backend.emit_scan(compiled, form, scan_module=__name__)
     module = numpy_backend.module_from_source(source, compiled, form, "C scan")
     module.form = form
-    module.capabilities = Capabilities()  # NumPy prepares the arrays and checks them, as in its own forms
+    # NumPy prepares the arrays and checks them, as in its own forms; the kernels count in C ints
+    module.capabilities = Capabilities(largest_count=C_INT_MAX)
     return module

@@ -10,6 +10,7 @@ import numpy as np
 from .. import arrays
 from ..dsl.errors import RuntimeInputError
 from . import build as c_build
+from .buffers import require_c_int_sizes
 from .build import CTYPES
 
 DEFAULT_CHUNK = 64  # tokens per chunk of lr_chunkwise when the call gives none
@@ -67,6 +68,7 @@ def call(k, function: str, state: np.ndarray, ops: list, outs: list, work: int, 
     SMALL_WORK multiply-adds runs on one thread (waking others costs more); at most one per (batch row, head)."""
     ffi = k.ffi
     batch, tokens, heads = (outs[0] if outs else ops[0]).shape[:3]
+    require_c_int_sizes(batch=batch, tokens=tokens, heads=heads)
     ctype = CTYPES[state.dtype]
     ptr = ctype + " *"
     item = state.dtype.itemsize

@@ -13,7 +13,7 @@ from .. import arrays
 from ..compiler import ir
 from ..dsl.errors import LinrecError, RuntimeInputError
 from . import build as c_build
-from .buffers import aligned_copy, aligned_empty, aligned_zeros, checked
+from .buffers import aligned_copy, aligned_empty, aligned_zeros, checked, require_c_int_sizes
 from .build import CTYPES
 
 
@@ -82,6 +82,7 @@ class Stepper:
         self.fast = None
 
     def _bind(self, dtype, batch, heads):
+        require_c_int_sizes(batch=batch, heads=heads)
         rec, p = self.rec, self.rec.program
         k = rec.kernel(dtype, self.dims)
         dims = k.dims
