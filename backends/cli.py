@@ -784,7 +784,8 @@ examples:
 The cache is $LINREC_CACHE_DIR, else $XDG_CACHE_HOME/linrec, else ~/.cache/linrec. An entry is one
 built kernel (the extension, its C source and a checksum), named by a hash of the source, compiler,
 flags, target and linrec's version; a corrupted entry is rebuilt when next used. Clearing is safe:
-kernels are rebuilt on demand."""
+kernels are rebuilt on demand, and builds in progress in other processes are left alone. Exit status 1
+when the cache cannot be used (info) or something could not be deleted (clear)."""
 
 
 def cmd_cache(args) -> int:
@@ -796,11 +797,15 @@ def cmd_cache(args) -> int:
     if args.action == "info":
         data = c_cache.info()
         print(json.dumps(data, indent=1) if args.json else c_cache.format_info(data))
-    else:
-        data = c_cache.clear()
-        print(json.dumps(data, indent=1) if args.json else
-              f"removed {data['removed']} entr{'y' if data['removed'] == 1 else 'ies'} "
-              f"({c_cache.human_bytes(data['bytes_freed'])}) from {data['dir']}")
+        if data["problem"]:
+            print(f"{PROG}: error: {c_cache.problem_message(data)}", file=sys.stderr)
+            return 1
+        return 0
+    data = c_cache.clear()
+    print(json.dumps(data, indent=1) if args.json else c_cache.format_clear(data))
+    if data["failed"]:
+        print(f"{PROG}: error: {c_cache.failure_message(data)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -549,7 +549,7 @@ def test_cache_info_and_clear(tmp_path, monkeypatch):
     c_build.build("int lr_one(void) { return 1; }", "int lr_one(void);", "one")
     info = c_build.cache_info()
     assert info["entries"] == 1 and info["bytes"] > 1000
-    assert c_build.cache_clear() == 1
+    assert c_build.cache_clear()["removed"] == 1
     assert c_build.cache_info()["entries"] == 0
 
 

@@ -1,19 +1,37 @@
 """Build generated C through cffi (API mode) and cache the extensions on disk.
 
-The cache lives in $LINREC_CACHE_DIR, else $XDG_CACHE_HOME/linrec, else ~/.cache/linrec. An entry is a
-directory named by the build key — sha256 of the generated source, the cffi declarations, the compiler's
-path and `--version`, the flags, the target (architecture and CPU features), linrec's version, the Python
-ABI and cffi's version — holding the extension, its C source and a checksum file. Builds happen in a
-temporary directory inside the cache and are renamed into place atomically, so two processes building the
-same kernel at once both succeed (the loser uses the winner's entry). An entry whose extension does not
-match its checksum (truncated, corrupted) is detected at load time and rebuilt.
+The cache lives in $LINREC_CACHE_DIR, else $XDG_CACHE_HOME/linrec, else ~/.cache/linrec:
+
+    <cache>/<build key>/               one kernel: the extension, its C source, checksum.json, label, and
+                aliases/<alias>        a record of each alias build() wrote for it (empty files)
+    <cache>/aliases/<alias>            a cheap key (program, sizes, dtype, linrec's code …) → its entry's key
+    <cache>/.tmp-*, .trash-*           builds in progress (locked) or interrupted, entries being deleted
+
+The build key is sha256 of the generated source, the cffi declarations, the compiler's path and `--version`,
+the flags, the target (architecture and CPU features), linrec's version, the Python ABI and cffi's version:
+whatever changes the binary changes the key. An alias key stands for the source without rendering it: the
+kernel's inputs plus the same build parameters, a hash of all of linrec's code and the versions of the
+libraries that render the source. load_alias trusts an alias only when the entry it names records that alias
+(written by the process that rendered the source and hashed it to that entry's key); else the caller renders
+and builds, which puts the alias right.
+
+Builds happen in a temporary directory inside the cache, locked (flock) while it is in use, and are renamed
+into place atomically: two processes building the same kernel at once both succeed (the loser uses the
+winner's entry), `cache clear` leaves locked builds alone, and a build whose directory vanishes all the same
+starts again. An entry whose extension does not match its checksum (truncated, corrupted) is detected at load
+time and rebuilt. A cache that cannot be written (a file in the way, read-only, a full disk) still serves the
+kernels it holds; others are built in a temporary directory of the process's own, deleted at exit, with an
+UnwritableCacheWarning that says to set LINREC_CACHE_DIR to a writable directory.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import errno
 import hashlib
 import io
+import importlib.metadata
 import importlib.resources
 import importlib.util
 import json
@@ -26,14 +44,21 @@ import sysconfig
 import tempfile
 import threading
 import uuid
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
+import cffi
 import numpy as np
 
 from ..dsl.errors import LinrecError
 
 from ..version import VERSION
+
+try:
+    import fcntl  # advisory locks on build directories
+except ImportError:  # Windows: no locks; a clear may then delete a build in progress, which starts again
+    fcntl = None
 
 # the scalar types the C kernels are built for: NumPy's dtype → the C type, and its bytes
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -42,8 +67,11 @@ CTYPE_BYTES = {"float": 4, "double": 8}
 _NO_COMPILER = ("no C compiler found (looked for $CC, cc, gcc and clang): the C backend needs one to build "
                 "its kernels; install gcc (with OpenMP) or use the NumPy backend (backend='numpy'), which "
                 "still works")
-_loaded: dict[str, object] = {}
+_BUILD_ATTEMPTS = 3  # builds of one kernel whose directory a concurrent clear deleted, before giving up
+_loaded: dict[str, object] = {}  # build key → the extension loaded in this process
 _lock = threading.Lock()
+_private: list[Path] = []  # this process's own kernel directory, once a cache could not be written
+_warned: set[Path] = set()  # caches this process has warned about
 
 
 # ---- where and with what ------------------------------------------------------------------------------
@@ -156,7 +184,6 @@ def _target_key(setting: str) -> str:
 
 
 def build_key(source: str, cdef: str) -> str:
-    import cffi
     cc = compiler()
     parts = [source, cdef, cc, _compiler_version(cc), " ".join(flags()), target_key(), VERSION,
              sys.implementation.cache_tag or "", sysconfig.get_config_var("EXT_SUFFIX") or "", cffi.__version__]
@@ -172,6 +199,11 @@ def _ext_suffix() -> str:
     return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 
+def _is_key(text: str) -> bool:
+    """A build or alias key: 64 hex digits (also what makes it safe as a file name)."""
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -182,7 +214,6 @@ def _sha256_file(path: Path) -> str:
 
 def _compile(source: str, cdef: str, name: str, where: Path) -> Path:
     """cffi's API-mode C file for `source`, compiled with our flags into an extension in `where`."""
-    import cffi
     cc = compiler()
     ffi = cffi.FFI()
     ffi.cdef(cdef)
@@ -219,36 +250,134 @@ def _valid(entry: Path, name: str) -> bool:
         return False
 
 
-def _discard(path: Path) -> None:
-    """Move a directory out of the way atomically, then delete it."""
+def _delete_tree(path: Path) -> OSError | None:
+    """shutil.rmtree: None when all of `path` went, else the first error (files another process deleted
+    first are no error: two processes may delete the same leftovers)."""
+    errors: list[OSError] = []
+
+    def note(function, name, exc):  # exc: the exception (onexc), or sys.exc_info() (onerror)
+        err = exc if isinstance(exc, BaseException) else exc[1]
+        if not isinstance(err, FileNotFoundError):
+            errors.append(err)
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=note)
+    else:
+        shutil.rmtree(path, onerror=note)
+    return errors[0] if errors else None
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a directory of the cache to a .trash-* name (atomic: no reader sees half an entry) and return
+    the new path; OSError when it cannot be moved."""
     trash = path.parent / f".trash-{uuid.uuid4().hex}"
+    os.rename(path, trash)
+    return trash
+
+
+def _discard(path: Path) -> None:
+    """Move a broken entry out of the way and delete it, where the cache allows (else it stays: it is rebuilt
+    or refused again later, never loaded unchecked)."""
     try:
-        os.rename(path, trash)
+        _delete_tree(_set_aside(path))
     except OSError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
+        pass
+
+
+def _lock_directory(path: Path) -> int | None:
+    """An open descriptor of the directory `path` holding an exclusive advisory lock (released when closed),
+    or None where there are no such locks (no fcntl; file systems that refuse flock on a directory)."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _build_in_progress(path: Path) -> bool:
+    """Whether a build holds the lock of the temporary directory `path` (in this process or another)."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (releases the lock, when this call took it)
+
+
+@contextlib.contextmanager
+def _build_directory(root: Path):
+    """A new temporary directory in `root` for one build, locked for the block so that `cache clear` leaves
+    it alone, and removed after it unless the build renamed it into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    fd = _lock_directory(tmp)
+    try:
+        yield tmp
+    finally:
+        if tmp.exists():
+            _delete_tree(tmp)
+        if fd is not None:
+            os.close(fd)
+
+
+def _build_into(source: str, cdef: str, name: str, where: Path) -> None:
+    so = _compile(source, cdef, name, where)
+    (where / "checksum.json").write_text(json.dumps({"sha256": _sha256_file(so), "size": so.stat().st_size}),
+                                         encoding="utf-8")
+
+
+def _place(tmp: Path, entry: Path, name: str) -> bool:
+    """Rename the finished build `tmp` to `entry` (atomic: readers see no entry or a whole one). True when
+    `entry` then holds the kernel — this build, or the same kernel another process placed first; False when
+    `tmp` vanished (build again); OSError when the cache refuses the rename."""
+    for _ in range(5):
+        try:
+            os.rename(tmp, entry)
+            return True
+        except OSError as err:
+            if not tmp.is_dir():
+                return False
+            if _valid(entry, name):
+                return True  # someone else built the same kernel: use theirs
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            _discard(entry)  # a broken entry: replace it
+    raise LinrecError(f"could not place the built kernel in the cache {entry.parent}: its entry {entry.name} "
+                      f"was broken again each time; run `linrec cache clear`")
 
 
 def _build_entry(source: str, cdef: str, name: str, entry: Path) -> None:
+    """Build the kernel in a temporary directory beside `entry` and rename it into place. OSError: the cache
+    cannot be written (not a directory, read-only, full)."""
     root = entry.parent
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-    try:
-        so = _compile(source, cdef, name, tmp)
-        (tmp / "checksum.json").write_text(json.dumps({"sha256": _sha256_file(so), "size": so.stat().st_size}),
-                                           encoding="utf-8")
-        for _ in range(5):
+    for _ in range(_BUILD_ATTEMPTS):
+        root.mkdir(parents=True, exist_ok=True)  # (again after a retry: someone may have deleted the whole cache)
+        with _build_directory(root) as tmp:
             try:
-                os.rename(tmp, entry)  # atomic; fails if another process put an entry there first
+                _build_into(source, cdef, name, tmp)
+            except (OSError, LinrecError):
+                if tmp.is_dir():
+                    raise
+                continue  # its directory was deleted under the build (a clear that saw no lock): build again
+            if _place(tmp, entry, name):
                 return
-            except OSError:
-                if _valid(entry, name):
-                    return  # someone else built the same kernel: use theirs
-                _discard(entry)  # a broken entry: replace it
-        raise LinrecError(f"could not place the built kernel in the cache {root}")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    raise LinrecError(f"the kernel cache {root} was emptied during each of {_BUILD_ATTEMPTS} builds of {name}; "
+                      f"run again once nothing else clears it")
 
 
 def _import(name: str, path: Path):
@@ -260,23 +389,142 @@ def _import(name: str, path: Path):
     return module
 
 
-def _alias_path(alias: str) -> Path:
-    return cache_dir() / "aliases" / alias
+def _load_or_build_in(root: Path, key: str, source: str, cdef: str, label: str):
+    """The extension for `key` from the entry root/key, built there first when missing or broken."""
+    name, entry = _module_name(key), root / key
+    for attempt in range(2):
+        if not _valid(entry, name):
+            _build_entry(source, cdef, name, entry)  # replaces a broken entry atomically
+        try:
+            module = _import(name, entry / f"{name}{_ext_suffix()}")
+            break
+        except ImportError as err:  # (also an entry that another process's clear deleted since)
+            if attempt:
+                raise LinrecError(f"the built C kernel for {label} does not load ({err}); the NumPy "
+                                  f"backend (backend='numpy') still works") from None
+            _discard(entry)
+    try:
+        (entry / "label").write_text(label, encoding="utf-8")
+    except OSError:
+        pass  # the label only describes the entry in `linrec cache info`
+    return module
+
+
+# ---- a cache that cannot be written ---------------------------------------------------------------------
+class UnwritableCacheWarning(RuntimeWarning):
+    """The kernel cache cannot be written: kernels are built in a temporary directory for one process."""
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or str(err)
+
+
+def _file_in_the_way(root: Path) -> Path | None:
+    """The file at `root` or at the nearest existing one of its parents, which stops `root` from being a
+    directory; None when there is none."""
+    for path in (root, *root.parents):
+        if path.exists():
+            return None if path.is_dir() else path
+    return None
+
+
+def _why_unwritable(root: Path, err: OSError) -> str:
+    blocker = _file_in_the_way(root)
+    return f"{blocker} is a file, not a directory" if blocker is not None else _reason(err)
+
+
+def cache_problem(root: Path) -> str | None:
+    """What stops `root` from serving as the kernel cache (a phrase), or None when nothing seems to."""
+    blocker = _file_in_the_way(root)
+    if blocker is not None:
+        return f"{blocker} is a file, not a directory"
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if existing == root:
+        try:
+            os.listdir(root)
+        except OSError as err:
+            return f"it cannot be read ({_reason(err)})"
+    if not os.access(existing, os.W_OK | os.X_OK):  # (root may write anywhere but on a read-only file system)
+        return "it is not writable" if existing == root else f"it cannot be created: {existing} is not writable"
+    return None
+
+
+def _private_dir() -> Path:
+    """This process's own directory of kernels, for when the cache cannot be written: made once, in the
+    system's temporary directory, and deleted at exit (OSError when it cannot be made)."""
+    if not _private:
+        path = Path(tempfile.mkdtemp(prefix="linrec-kernels-"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        _private.append(path)
+    return _private[0]
+
+
+def _warn_unwritable(root: Path, why: str, private: Path) -> None:
+    if root in _warned:
+        return  # once per cache and process, not once per kernel
+    _warned.add(root)
+    warnings.warn(f"linrec: the kernel cache {root} cannot be written ({why}): C kernels are built in {private} "
+                  f"for this process only, and built again by the next; set LINREC_CACHE_DIR to a writable "
+                  f"directory to keep them", UnwritableCacheWarning, stacklevel=4)
+
+
+def _load_or_build(key: str, source: str, cdef: str, label: str):
+    """The extension for `key` from the cache, else built into it; where the cache cannot be written (a file
+    in the way, read-only, a full disk), built in this process's private directory, with a warning."""
+    root = cache_dir()
+    try:
+        return _load_or_build_in(root, key, source, cdef, label)
+    except OSError as err:
+        why = _why_unwritable(root, err)
+    try:
+        private = _private_dir()
+        module = _load_or_build_in(private, key, source, cdef, label)
+    except OSError as err:
+        raise LinrecError(f"cannot build the C kernel {label}: the kernel cache {root} cannot be written ({why}), "
+                          f"nor a temporary directory ({_reason(err)}); set LINREC_CACHE_DIR to a writable "
+                          f"directory with free space. The NumPy backend (backend='numpy') still works.") from None
+    _warn_unwritable(root, why, private)
+    return module
+
+
+# ---- aliases: a kernel found without rendering its source ---------------------------------------------
+def _alias_path(root: Path, alias: str) -> Path:
+    return root / "aliases" / alias
+
+
+def _alias_record(root: Path, key: str, alias: str) -> Path:
+    """The entry's own record of an alias: written only by build(), in a process that rendered the source
+    and hashed it to `key` — so an alias file that names another entry (tampered with, or left by another
+    kernel) finds no record there."""
+    return root / key / "aliases" / alias
+
+
+def _aliased_key(root: Path, alias: str) -> str | None:
+    """The key of the entry aliases/<alias> names, provided that the entry records the alias; else None."""
+    if not _is_key(alias):
+        return None
+    try:
+        key = _alias_path(root, alias).read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        return None
+    if not _is_key(key) or not _alias_record(root, key, alias).is_file():
+        return None
+    return key
 
 
 def load_alias(alias: str):
     """The extension an earlier build() recorded under `alias` (a cheap key for its source: the generated
-    source need not even be rendered), or None when there is none or its entry is gone or broken."""
-    try:
-        key = _alias_path(alias).read_text(encoding="ascii").strip()
-    except OSError:
-        return None
-    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+    source need not even be rendered), or None when there is none, when its entry does not record the alias
+    (then the caller renders the source and builds: build() puts the alias right), or when the entry is gone
+    or broken."""
+    root = cache_dir()
+    key = _aliased_key(root, alias)
+    if key is None:
         return None
     with _lock:
         if key in _loaded:
             return _loaded[key]
-        name, entry = _module_name(key), cache_dir() / key
+        name, entry = _module_name(key), root / key
         if not _valid(entry, name):
             return None
         try:
@@ -287,45 +535,70 @@ def load_alias(alias: str):
         return module
 
 
-def _write_alias(alias: str, key: str) -> None:
-    path = _alias_path(alias)
+def _record_alias(alias: str, key: str) -> None:
+    """Record `alias` for the entry `key`: in the entry (what load_alias checks), then under aliases/ (where
+    it looks). Only for an entry in the cache (not one built in a private directory)."""
+    if not _is_key(alias):
+        return
+    root = cache_dir()
+    path = _alias_path(root, alias)
+    tmp = path.with_name(f".{alias}.{uuid.uuid4().hex}")
     try:
+        record = _alias_record(root, key, alias)
+        record.parent.mkdir(exist_ok=True)  # FileNotFoundError where the entry is not in the cache
+        record.touch()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{alias}.{uuid.uuid4().hex}")
         tmp.write_text(key, encoding="ascii")
         os.replace(tmp, path)  # atomic: readers see the old key or the new one
     except OSError:
-        pass  # the alias only saves time
+        pass  # an alias only saves rendering the source next time
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def build(source: str, cdef: str, label: str = "kernel", alias: str | None = None):
     """The loaded extension for `source` (its functions declared by `cdef`): from this process's memo,
     else from the disk cache (checksum verified), else built now. `alias`: also record it under this key."""
     key = build_key(source, cdef)
-    if alias:
-        _write_alias(alias, key)
     with _lock:
-        if key in _loaded:
-            return _loaded[key]
-        name = _module_name(key)
-        entry = cache_dir() / key
-        for attempt in range(2):
-            if not _valid(entry, name):
-                _build_entry(source, cdef, name, entry)  # replaces a broken entry atomically
-            try:
-                module = _import(name, entry / f"{name}{_ext_suffix()}")
-                break
-            except ImportError as err:
-                if attempt:
-                    raise LinrecError(f"the built C kernel for {label} does not load ({err}); the NumPy "
-                                      f"backend (backend='numpy') still works") from None
-                _discard(entry)
-        try:
-            (entry / "label").write_text(label, encoding="utf-8")
-        except OSError:
-            pass
-        _loaded[key] = module
-        return module
+        module = _loaded.get(key)
+        if module is None:
+            module = _loaded[key] = _load_or_build(key, source, cdef, label)
+    if alias:
+        _record_alias(alias, key)
+    return module
+
+
+# ---- what the aliases cover -----------------------------------------------------------------------------
+def code_roots() -> list[Path]:
+    """The folders of linrec's code: the package (driver, backends and their templates), its language and its
+    compiler — one folder in an installed package, three in a development install; none inside another."""
+    package = __name__.split(".")[0]
+    roots = {Path(str(importlib.resources.files(p))).resolve()
+             for p in (package, f"{package}.dsl", f"{package}.compiler")}
+    return sorted(r for r in roots if not any(o != r and o in r.parents for o in roots))
+
+
+def _code_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.suffix in (".py", ".j2", ".lark") and p.is_file())
+
+
+def code_files() -> list[Path]:
+    """Every module, template and grammar of linrec."""
+    return [p for root in code_roots() for p in _code_files(root)]
+
+
+def fingerprint(roots: list[Path]) -> str:
+    """A hash of the code under `roots`: each file's path inside its root and its bytes."""
+    h = hashlib.sha256()
+    for root in roots:
+        for path in _code_files(root):
+            h.update(path.relative_to(root).as_posix().encode())
+            h.update(b"\0")
+            h.update(path.read_bytes())
+            h.update(b"\0")
+    return h.hexdigest()
 
 
 @lru_cache(maxsize=None)
@@ -333,34 +606,39 @@ def code_fingerprint() -> str:
     """A hash of linrec's own code — every module and template of the installed package, the language and the
     compiler included: part of every alias key, so that any change to what generates a kernel's source
     rebuilds it, although a cached alias skips rendering that source."""
-    package = __name__.split(".")[0]
-    roots = {Path(str(importlib.resources.files(p))).resolve()
-             for p in (package, f"{package}.dsl", f"{package}.compiler")}
-    files = sorted({p.resolve() for root in roots for p in root.rglob("*")
-                    if p.suffix in (".py", ".j2", ".lark") and p.is_file()})
-    h = hashlib.sha256()
-    for path in files:
-        h.update(path.read_bytes())
-        h.update(b"\0")
-    return h.hexdigest()
+    return fingerprint(code_roots())
 
 
-# ---- `linrec cache info|clear` ------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def _renderers() -> str:
+    """The versions of the libraries that shape a kernel's source besides linrec's code (Jinja renders the
+    templates, NumPy's scalars print constants, Lark parses the program)."""
+    versions = []
+    for name in ("jinja2", "numpy", "lark"):
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} ?")
+    return ", ".join(versions)
+
+
 def alias_key(*parts: str) -> str:
     """A key for a kernel's inputs (program, sizes, dtype, code generator…) plus everything build_key
-    covers except the source itself, for load_alias."""
+    covers except the source itself — and all that makes the source instead: linrec's code and the
+    libraries that render it — for load_alias."""
     cc = compiler()
-    import cffi
-    fixed = [cc, _compiler_version(cc), " ".join(flags()), target_key(), VERSION, code_fingerprint(),
+    fixed = [cc, _compiler_version(cc), " ".join(flags()), target_key(), VERSION, code_fingerprint(), _renderers(),
              sys.implementation.cache_tag or "",
              sysconfig.get_config_var("EXT_SUFFIX") or "", cffi.__version__]
     return hashlib.sha256("\0".join(list(parts) + fixed).encode()).hexdigest()
 
 
+# ---- `linrec cache info|clear` ------------------------------------------------------------------------
 def _entries(root: Path) -> list[Path]:
-    if not root.is_dir():
+    try:
+        return [p for p in root.iterdir() if p.is_dir() and _is_key(p.name)]
+    except OSError:  # missing, a file, unreadable (cache_problem says which)
         return []
-    return [p for p in root.iterdir() if p.is_dir() and len(p.name) == 64 and not p.name.startswith(".")]
 
 
 def directory_bytes(path: Path) -> int:
@@ -382,20 +660,55 @@ def cache_info() -> dict:
     return {"dir": str(root), "entries": len(_entries(root)), "bytes": total}
 
 
-def cache_clear() -> int:
-    """Delete every cached kernel (and leftovers of interrupted builds); returns how many entries went."""
+def _clearable(path: Path) -> bool:
+    """Whether `cache clear` deletes this directory of the cache: entries, aliases and the leftovers of builds
+    and removals — nothing else (a cache directory set by mistake to a folder of other things keeps them)."""
+    return _is_key(path.name) or path.name == "aliases" or path.name.startswith((".tmp-", ".trash-"))
+
+
+def _remove(path: Path) -> OSError | None:
+    """Delete one directory of the cache; None, or the error that left (some of) it in place. Entries and
+    aliases are first set aside atomically, so that no reader sees half of one."""
+    if not path.name.startswith("."):
+        try:
+            path = _set_aside(path)
+        except FileNotFoundError:
+            return None  # another process removed it first
+        except OSError as err:
+            return err
+    return _delete_tree(path)
+
+
+def cache_clear() -> dict:
+    """Delete every cached kernel, the aliases and the leftovers of interrupted builds, but no build another
+    process (or thread) has in progress: {"removed": kernels deleted, "in_progress": [temporary directories
+    left alone], "failed": [{"path", "error"}] — what could not be deleted, and why}."""
     root = cache_dir()
-    if not root.is_dir():
-        return 0
-    n = 0
-    for p in list(root.iterdir()):
-        if p.is_dir():
-            if p in _entries(root):
-                n += 1
-            _discard(p) if not p.name.startswith(".") else shutil.rmtree(p, ignore_errors=True)
+    result: dict = {"removed": 0, "in_progress": [], "failed": []}
+    blocker = _file_in_the_way(root)
+    if blocker is not None:
+        raise LinrecError(f"cannot clear the kernel cache {root}: {blocker} is a file, not a directory (set "
+                          f"LINREC_CACHE_DIR to a directory)")
+    if not root.exists():
+        return result
+    try:
+        children = sorted(root.iterdir())
+    except OSError as err:
+        raise LinrecError(f"cannot clear the kernel cache {root}: it cannot be read ({_reason(err)})") from None
+    for path in children:
+        if not path.is_dir() or not _clearable(path):
+            continue
+        if path.name.startswith(".tmp-") and _build_in_progress(path):
+            result["in_progress"].append(path.name)
+            continue
+        err = _remove(path)
+        if err is not None:
+            result["failed"].append({"path": str(err.filename or path), "error": _reason(err)})
+        if _is_key(path.name) and not path.exists():
+            result["removed"] += 1
     with _lock:
         _loaded.clear()
-    return n
+    return result
 
 
 # a thread count for the calls made inside `threads(n)` (Recurrence.run(threads=n)); None: the default rule
