@@ -37,6 +37,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -141,6 +142,12 @@ def vector_bytes() -> int:
 
 
 def flags() -> list[str]:
+    """The compiler's flags: linrec's, the target's, then $LINREC_CFLAGS (extra flags, e.g. the sanitizers'
+    in tests/test_sanitizers.py; part of every cache key like the rest)."""
+    return _target_flags() + shlex.split(os.environ.get("LINREC_CFLAGS", ""))
+
+
+def _target_flags() -> list[str]:
     t, base = _target(), ["-O3", "-std=gnu11", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-semantic-interposition"]
     if t == "portable":
         return base
