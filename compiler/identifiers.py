@@ -1,45 +1,98 @@
-"""Turn DSL names into identifiers that are safe in generated Python and C.
+"""The identifiers of one generated file: user names first, then every name the generator makes.
 
-User names never reach generated code unchecked: anything that is not a plain ASCII identifier, or that
-collides with a keyword or a name the generated code uses itself, is renamed.
+A Namespace binds every DSL name of the program to an identifier before the generator asks for a name of its
+own: a user name keeps its spelling unless it is not a plain ASCII identifier or is one of the file's fixed
+words (keywords, the helpers it imports, its functions' parameters, …), and a generated name (`S_writes`,
+`r0`, the C row pointer `in_q_t`, …) is handed out by fresh(), which gives its wanted spelling unless a user
+name or an earlier generated name holds it, else a numbered variant (`S_writes_1`). So a colliding user name
+never changes meaning, and a program whose names collide with nothing generates the spellings it always had.
 """
 from __future__ import annotations
 
 import keyword
 import re
+from typing import Hashable, Iterable
 
 _C_KEYWORDS = set("""auto break case char const continue default do double else enum extern float for goto if
 inline int long register restrict return short signed sizeof static struct switch typedef union unsigned void
 volatile while main""".split())
-# Names the generated code uses for its own purposes.
+# `__debug__ = …` is a SyntaxError (though not a keyword)
+_PYTHON_FIXED = {"__debug__"}
+# Names the generated code uses as they are, in any module: a user name is renamed away from them.
 INTERNAL = {"np", "rt", "t", "h", "batch", "tokens", "heads", "inputs", "params", "initial_state", "dims",
-            "dtype", "outputs", "final_state", "forward", "default_params", "math", "chunk_size", "i", "j",
-            "b", "n", "c", "start", "stop", "size", "np_", "abs", "sum", "min", "max", "len", "range", "float"}
-# The helpers generated NumPy code imports (linrec.numpy.runtime, linrec.numpy.scan).
+            "dtype", "outputs", "final_state", "forward", "default_params", "math", "chunk_size", "first", "given",
+            "i", "j", "b", "n", "c", "start", "stop", "size", "np_", "abs", "sum", "min", "max", "len", "range",
+            "float", "slice"}
+# The helpers generated NumPy code imports (linrec.numpy.runtime, scan and attention; linrec.c.attention,
+# linrec.c.scan), and the locals of the attention forms' loops.
 INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one", "silu", "l2norm", "groupnorm",
-             "rmsnorm", "diag_matrix", "per_token", "log_decay", "parallel_scan", "chunkwise_scan", "given",
-             "visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step", "visible",
-             "lsh_attention_dense", "lsh_attention_bucketed", "causal", "keys", "queries", "block", "scores",
-             "key_start", "acc", "l", "m", "random_features", "recurrent_scan", "running_max"}
+             "rmsnorm", "matvec", "vecmat", "diag_matrix", "random_features", "per_token", "log_decay",
+             "parallel_scan", "chunkwise_scan", "recurrent_scan", "running_max", "scale_decay", "rescale",
+             "visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step", "attention",
+             "lsh_attention_dense", "lsh_attention_bucketed", "causal", "visible", "keys", "queries", "block",
+             "scores", "key_start", "acc", "l", "m"}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def safe_identifier(name: str, taken: set[str] = frozenset()) -> str:
+def safe_identifier(name: str, taken: Iterable[str] = frozenset(), reserved: Iterable[str] = INTERNAL) -> str:
+    """`name` as an ASCII identifier that is no keyword and not in `reserved` or `taken`: non-ASCII characters
+    spelled by their code points (σ → u_3c3), then `_` appended until it is free."""
     if not _IDENT.match(name):
         name = "u_" + "_".join(f"{ord(ch):x}" if not ch.isascii() or not ch.isalnum() else ch for ch in name)
-    while keyword.iskeyword(name) or name in _C_KEYWORDS or name in INTERNAL or name in taken \
-            or name.startswith("__"):
+    reserved, taken = set(reserved), set(taken)
+    while keyword.iskeyword(name) or name in _C_KEYWORDS or name in _PYTHON_FIXED or name in reserved \
+            or name in taken:
         name += "_"
     return name
 
 
-class Namer:
-    """A consistent DSL-name → identifier mapping for one generated file."""
+class Namespace:
+    """The identifiers of one generated file (see the module's docstring).
 
-    def __init__(self):
-        self._map: dict[str, str] = {}
+    user(name, prefix) is a DSL name's identifier, prefix + its stem (the C backend gives each role a prefix:
+    in_q, st_S); every DSL name of the program is bound before the first fresh(). fresh(wanted, key) hands out
+    a generated name; the same key gets the same name again (a name several parts of the generator use)."""
 
-    def __call__(self, name: str) -> str:
-        if name not in self._map:
-            self._map[name] = safe_identifier(name, set(self._map.values()))
-        return self._map[name]
+    def __init__(self, reserved: Iterable[str] = INTERNAL):
+        self._reserved = frozenset(reserved)
+        self._stems: dict[str, str] = {}             # DSL name → its stem
+        self._users: dict[tuple[str, str], str] = {}  # (DSL name, prefix) → its identifier
+        self._taken: set[str] = set(self._reserved)  # every identifier handed out, and the reserved words
+        self._keyed: dict[Hashable, str] = {}
+        self._generating = False                     # (from the first fresh() on, no user name may come)
+
+    def bind(self, names: Iterable[str], prefix: str = "") -> None:
+        for name in names:
+            self.user(name, prefix)
+
+    def user(self, name: str, prefix: str = "") -> str:
+        ident = self._users.get((name, prefix))
+        if ident is None:
+            if self._generating:  # (a bug of the generator, not of the program)
+                raise RuntimeError(f"internal error: the user name '{prefix}{name}' was not bound before the "
+                                   f"generated names (it might take one of theirs)")
+            if name not in self._stems:
+                self._stems[name] = safe_identifier(name, self._stems.values(), self._reserved)
+            ident = self._users[(name, prefix)] = prefix + self._stems[name]
+            self._taken.add(ident)
+        return ident
+
+    def fresh(self, wanted: str, key: Hashable = None) -> str:
+        if key is not None and key in self._keyed:
+            return self._keyed[key]
+        self._generating = True
+        name, n = wanted, 0
+        while name in self._taken:
+            n += 1
+            name = f"{wanted}_{n}"
+        self._taken.add(name)
+        if key is not None:
+            self._keyed[key] = name
+        return name
+
+
+def user_names(program) -> list[str]:
+    """Every name a program (ir.Program) defines, in the order its generated code first meets them: inputs,
+    dimensions, params, states, named values, outputs."""
+    return ([x.name for x in program.inputs] + [d.name for d in program.dims] + [p.name for p in program.params]
+            + [s.name for s in program.states] + list(program.lets) + [o.name for o in program.outputs])

@@ -229,7 +229,7 @@ class GeneralGenerator(KernelSource):
 
     def ref(self, node: ir.Expr) -> str:
         if isinstance(node, ir.StateRef):
-            return f"buf_{self.cstate(node.name)}"
+            return self.local("buf", self.cstate(node.name))
         if isinstance(node, ir.LetRef):
             return self.let_names[node.name]
         return super().ref(node)
@@ -245,18 +245,18 @@ class GeneralGenerator(KernelSource):
         for step, value in zip(steps, values):
             text = c_comment_text(to_text(step.value))
             if isinstance(step, ir.Let):
-                name = self.let_names[step.name] = f"let_{self.n(step.name)}"
+                name = self.let_names[step.name] = self.clet(step.name)
                 lines += [f"/* {step.name} = {text} */"] + self._copy(pr, value, name)
             elif isinstance(step, ir.Update):
                 st = self.p.state(step.state)
                 kind = self.d.transition(step.state).kind
                 lines += [f"/* {step.state} = {text}  ({kind}) */"]
-                lines += self._store(pr, value, f"buf_{self.cstate(st.name)}", fresh=False)
+                lines += self._store(pr, value, self.local("buf", self.cstate(st.name)), fresh=False)
             else:
                 target = self.cout(step.name)
                 lines += [f"/* output {step.name} = {text} */"]
                 if value.shape:
-                    lines += self._store(pr, value, f"{target}_t")
+                    lines += self._store(pr, value, self.row(target))
                 else:
                     code = pr.scalar(value)
                     lines += pr.take_token() + [f"{target}[tok] = {code};"]
@@ -299,10 +299,11 @@ class GeneralGenerator(KernelSource):
             name=self.p.name, version=VERSION, filename=self.c.filename, source_comment=self.source_comment(),
             why_not_fused=self.why_not_fused, ctype=self.t.ctype, vector_bytes=self.t.vector_bytes,
             lanes=self.t.lanes, block_tokens=1, dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
-            inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape,
-                     "outside": self.outside(x)} for x in self.p.inputs],
-            states=[{"c": self.cstate(s.name), "size": self.size(s.shape)} for s in self.p.states],
-            outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
-                     for o in self.p.outputs],
+            inputs=[{"c": self.cin(x.name), "row": self.row(self.cin(x.name)), "size": self.size(x.shape),
+                     "scalar": not x.shape, "outside": self.outside(x)} for x in self.p.inputs],
+            states=[{"c": self.cstate(s.name), "buf": self.local("buf", self.cstate(s.name)),
+                     "size": self.size(s.shape)} for s in self.p.states],
+            outputs=[{"c": self.cout(o.name), "row": self.row(self.cout(o.name)), "size": self.size(o.value.shape),
+                      "scalar": not o.value.shape} for o in self.p.outputs],
             passes=passes, step=step, scratch=scratch, step_work=work,
             step_parallel_threshold=STEP_PARALLEL_THRESHOLD, **self.entry_points())

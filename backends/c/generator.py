@@ -18,7 +18,7 @@ from .build import CTYPE_BYTES
 from .printer import CPrinter, Local, UnprintableError, read_only_through_readouts
 from .stabilize import Scales
 from .support import fused_refusal
-from ..compiler.identifiers import Namer
+from ..compiler.identifiers import Namespace
 from ..version import VERSION
 from ..templating import comment_lines, environment
 
@@ -61,8 +61,15 @@ class Target:
 
 class KernelSource:
     """What the recurrent C sources share (the fused kernels here, c_general's statement-by-statement ones):
-    C names for the program's arrays through one Namer, a fixed prefix per role; sizes; and the entry
-    points, lr_forward, lr_step and lr_step_packed, over the arrays in one order (array_names)."""
+    the file's C names; sizes; and the entry points, lr_forward, lr_step and lr_step_packed, over the arrays in
+    one order (array_names).
+
+    Names: every name of the program is bound first, with a prefix per role (input q → in_q, param W → prm_W,
+    state S → st_S, output o → out_o, named value p → let_p); the names made of them (the row pointer in_q_t,
+    buf_st_S, blk_w_st_S_0, …) come after, from the same Namespace (local(), row()), and get a numbered
+    variant where a user's name holds their spelling (an input q_t beside q). The other names of the kernels
+    (loop indices, registers, the lr_* helpers, the printers' s1 and v2, r0, ls0, …) have no role prefix, so
+    no user name can reach them."""
 
     template = ""  # the file under templates/ that source() renders with context()
 
@@ -72,20 +79,36 @@ class KernelSource:
         self.d = compiled.derivation
         self.dims = dims
         self.t = target
-        self.n = Namer()
+        p = self.p
+        self.names = Namespace()
+        for prefix, names in (("in_", [x.name for x in p.inputs]), ("prm_", [prm.name for prm in p.params]),
+                              ("st_", [st.name for st in p.states]), ("out_", [o.name for o in p.outputs]),
+                              ("let_", list(p.lets))):
+            self.names.bind(names, prefix)
 
-    # ---- identifiers (all user names go through the Namer, with a fixed prefix per role) ----
+    # ---- identifiers ----
     def cin(self, name):
-        return "in_" + self.n(name)
+        return self.names.user(name, "in_")
 
     def cparam(self, name):
-        return "prm_" + self.n(name)
+        return self.names.user(name, "prm_")
 
     def cstate(self, name):
-        return "st_" + self.n(name)
+        return self.names.user(name, "st_")
 
     def cout(self, name):
-        return "out_" + self.n(name)
+        return self.names.user(name, "out_")
+
+    def clet(self, name):
+        return self.names.user(name, "let_")
+
+    def local(self, *parts) -> str:
+        """The C name made of `parts` (blk_w, st_S, 0 → blk_w_st_S_0): the same parts give the same name."""
+        return self.names.fresh("_".join(str(x) for x in parts), key=parts)
+
+    def row(self, array: str) -> str:
+        """This token's row of an input or output array (in_q → in_q_t): a pointer, or the scalar itself."""
+        return self.local(array, "t")
 
     def size(self, shape) -> int:
         return prod(self.dims[d] for d in shape)
@@ -97,7 +120,7 @@ class KernelSource:
     # ---- leaves: a token's row of an input (in_x_t), a parameter (this head's), a kernel local ----
     def ref(self, node: ir.Expr) -> str:
         if isinstance(node, ir.InputRef):
-            return f"{self.cin(node.name)}_t"
+            return self.row(self.cin(node.name))
         if isinstance(node, ir.ParamRef):
             base = self.cparam(node.name)
             n = self.size(node.shape)
@@ -238,7 +261,7 @@ class Generator(KernelSource):
             y_lines = []
             y_names = []
             for gi, y in enumerate(plan["y"]):
-                yname = f"y_{self.cstate(st.name)}_{gi}"
+                yname = self.local("y", self.cstate(st.name), gi)
                 if matrix and isinstance(y, (ir.InputRef, ir.ParamRef)) and (step or cols == cols_padded):
                     y_names.append(pr.array(y))  # a value used as it is: read it in place
                     continue
@@ -264,7 +287,7 @@ class Generator(KernelSource):
             gv_p = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, 2 * len(plan["w"]) + 1)) if nfull else 1
             state = {
                 "name": st.name, "c": self.cstate(st.name), "matrix": matrix, "rows": rows, "cols": ncols,
-                "cols_padded": cols_padded, "S": f"buf_{self.cstate(st.name)}", "ld": ld, "nfull": nfull,
+                "cols_padded": cols_padded, "S": self.local("buf", self.cstate(st.name)), "ld": ld, "nfull": nfull,
                 "tail": ncols % self.t.lanes if matrix else 0, "update": updates,
                 "decay": plan["decay_code"] if updates else None,
                 "corrections": [{"w": w, "p": p.name} for w, p in zip(plan["w_codes"], plan["p"])],
@@ -274,6 +297,7 @@ class Generator(KernelSource):
                 "next": False,
                 # read twice (corrections first): the update pass runs from L1 and can prefetch the next head
                 "prefetch_next": matrix and bool(plan["w"]),
+                "ahead": self.local("next", self.cstate(st.name)),  # (the next head's rows, for the prefetches)
             }
             states.append(state)
         # 3. outputs over the readouts
@@ -281,7 +305,7 @@ class Generator(KernelSource):
         for name, e in outputs:
             target = self.cout(name)
             if e.shape:
-                body = pr.fill(e, f"{target}_t")
+                body = pr.fill(e, self.row(target))
             else:
                 body = [f"{target}[tok] = {pr.scalar(e)};"]
             out_lines += pr.take_token() + body
@@ -355,17 +379,17 @@ class Generator(KernelSource):
                 continue
             c, rows = self.cstate(st.name), self.dims[st.shape[0]]
             if len(st.shape) == 2 and decay.shape:
-                arrays.append((f"blk_d_{c}", rows))
+                arrays.append((self.local("blk_d", c), rows))
                 lazy[st.name] = self._lazy_registers(pr, c, decay, plan)
                 stored.update(s["array"] for s in lazy[st.name]["stores"])
                 decay_prep.extend(pr.take_token())
                 continue
             if decay.shape:
-                export_vector(decay, f"blk_d_{c}", rows, to=decay_prep)
+                export_vector(decay, self.local("blk_d", c), rows, to=decay_prep)
             else:
-                export_scalar(decay, f"blk_d_{c}", to=decay_prep)
+                export_scalar(decay, self.local("blk_d", c), to=decay_prep)
             if len(st.shape) == 2:  # a scalar decay, applied lazily: its factors are scalars, prep stores
-                lazy[st.name] = {"scalars": {kind: f"{kind}_{c}" for kind in ("mw", "mx", "mq")}}
+                lazy[st.name] = {"scalars": {kind: self.local(kind, c) for kind in ("mw", "mx", "mq")}}
 
         states, lazies, readout_decls = [], [], []
         for st, plan in zip(self.p.states, plans):
@@ -376,7 +400,7 @@ class Generator(KernelSource):
             cp = self.padded(cols) if matrix else 1
             nfull = cp // self.t.lanes if matrix else 0
             entry = {"name": st.name, "c": c, "matrix": matrix, "rows": rows, "cols": cp, "cols_padded": cp,
-                     "S": f"buf_{c}", "ld": cp, "nfull": nfull, "tail": 0, "update": updates,
+                     "S": self.local("buf", c), "ld": cp, "nfull": nfull, "tail": 0, "update": updates,
                      "comment": self.d.transition(st.name).kind if updates else "readouts of the final state"}
             decay = plan["decay"] if updates else None
             lz = lazy.get(st.name)
@@ -384,8 +408,8 @@ class Generator(KernelSource):
             def factor(kind):  # Ŝ = S/c: x/c for a token's writes, q⊙c for reads after it, c before it
                 return lz["scalars"][kind] if lz and "scalars" in lz else None
             for r, w in enumerate(plan["w"]):
-                export_vector(w, f"blk_w_{c}_{r}", rows, scale=factor("mw"))
-            x_arrays = [export_vector(x, f"blk_x_{c}_{g}", rows, scale=factor("mx"), share=True)
+                export_vector(w, self.local("blk_w", c, r), rows, scale=factor("mw"))
+            x_arrays = [export_vector(x, self.local("blk_x", c, g), rows, scale=factor("mx"), share=True)
                         for g, x in enumerate(plan["x"])]
             before, after = [], []
             for k, rd in enumerate(plan["readouts"]):
@@ -396,7 +420,7 @@ class Generator(KernelSource):
                                           "size": rows})
                     arrays.append((f"r{rd.index}_blk", rows))
                     continue
-                q_array = export_vector(rd.query, f"blk_q_{c}_{k}", rows,
+                q_array = export_vector(rd.query, self.local("blk_q", c, k), rows,
                                         scale=factor("mw" if rd.before_update else "mq"), share=True)
                 (before if rd.before_update else after).append({
                     "q": f"{q_array}[u]", "r": f"r{rd.index}_blk[u]", "base": q_array,
@@ -405,8 +429,10 @@ class Generator(KernelSource):
                                       "size": cp})
                 arrays.append((f"r{rd.index}_blk", cp if matrix else 0))
             entry["before"], entry["after"] = before, after
-            entry["decay"] = None if decay is None else {"vector": bool(decay.shape), "code": f"blk_d_{c}[u]"}
-            entry["corrections"] = [{"w": f"blk_w_{c}_{r}[u]", "p": f"p_{c}_{r}"} for r in range(len(plan["w"]))]
+            entry["decay"] = None if decay is None else {"vector": bool(decay.shape),
+                                                         "code": f"{self.local('blk_d', c)}[u]"}
+            entry["corrections"] = [{"w": f"{self.local('blk_w', c, r)}[u]", "p": p.name}
+                                    for r, p in enumerate(plan["p"])]
             groups = []
             tiled = matrix and not plan["w"]
             for g, (x, y, terms) in enumerate(zip(plan["x"], plan["y"], plan["terms"])):
@@ -416,27 +442,27 @@ class Generator(KernelSource):
                     # tile, and a row of the caller's (numpy's rows start 16 bytes into a cache line)
                     # splits every vector load in two. Measured at T = 16384: 7% faster with such rows,
                     # 4% with aligned ones (phase 1 brings the row to L1 for phase 2).
-                    group["y"] = f"{export_vector(y, f'blk_y_{c}_{g}', cols, cp, share=True)}[u]"
+                    group["y"] = f"{export_vector(y, self.local('blk_y', c, g), cols, cp, share=True)}[u]"
                 else:
-                    group["y"] = f"y_{c}_{g}"
+                    group["y"] = self.local("y", c, g)
                     parts = []
                     for m, (coef, kind, payload) in enumerate(terms):
                         part = {"coef": None}
                         if coef != ONE:
-                            export_scalar(coef, f"blk_k_{c}_{g}_{m}")
-                            part["coef"] = f"blk_k_{c}_{g}_{m}[u]"
+                            export_scalar(coef, self.local("blk_k", c, g, m))
+                            part["coef"] = f"{self.local('blk_k', c, g, m)}[u]"
                         if kind == "p":
-                            part["src"] = f"p_{c}_{payload}"
+                            part["src"] = plan["p"][payload].name
                         elif not payload.shape:
                             if payload != ONE:
-                                export_scalar(payload, f"blk_v_{c}_{g}_{m}")
-                                part["src"] = f"blk_v_{c}_{g}_{m}[u]"
+                                export_scalar(payload, self.local("blk_v", c, g, m))
+                                part["src"] = f"{self.local('blk_v', c, g, m)}[u]"
                             else:
                                 part["src"] = None
                         else:
                             ptr = self._token_pointer(payload) if cols == cp else None
                             if ptr is None:
-                                ptr = f"{export_vector(payload, f'blk_v_{c}_{g}_{m}', cols, cp, share=True)}[u]"
+                                ptr = f"{export_vector(payload, self.local('blk_v', c, g, m), cols, cp, share=True)}[u]"
                             part["src"] = ptr
                         parts.append(part)
                     group["terms"] = parts
@@ -459,12 +485,14 @@ class Generator(KernelSource):
                 entry["gv_u"] = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, ng + 2 * nr + 2 * nc + 1))
                 entry["gv_p"] = _divisor_at_most(nfull, REGISTER_BUDGET // max(1, 2 * len(plan["w"]) + 1))
             if matrix and decay is not None:  # decays applied lazily: the bookkeeping runs in phase 1
-                arrays.append((f"blk_slow_{c}", 0))
-                flags.add(f"blk_slow_{c}")
-                entry["slow"] = f"blk_slow_{c}[u]"
+                slow, flag = self.local("blk_slow", c), self.local("slow", c)
+                arrays.append((slow, 0))
+                flags.add(slow)
+                entry["slow"] = f"{slow}[u]"
                 occurs = {"mw": bool(plan["w"] or before), "mx": bool(groups), "mq": bool(after)}
-                lazies.append({"name": st.name, "vector": bool(decay.shape), "rows": rows, "sc": f"sc_{c}",
-                               "d": f"blk_d_{c}[u]", "slow": f"blk_slow_{c}[u]", "flag": f"slow_{c}",
+                lazies.append({"name": st.name, "vector": bool(decay.shape), "rows": rows, "sc": self.local("sc", c),
+                               "d": f"{self.local('blk_d', c)}[u]", "slow": f"{slow}[u]", "flag": flag,
+                               "c": self.local("c", flag), "cn": self.local("cn", flag),
                                "factors": [kind for kind, yes in occurs.items() if yes],
                                "scalars": lz.get("scalars", {}),
                                "stores": lz.get("stores", []), "decay_v": lz.get("decay_v"),
@@ -473,9 +501,9 @@ class Generator(KernelSource):
             entry["next"] = False
             entry["fast"] = dict(entry, decay=None)
             if entry["kind"] == "tokens" and plan["w"]:
-                entry["corrections_first"] = [{"w": f"blk_w_{c}_{r}[0]", "p": f"p_{c}_{r}"}
-                                              for r in range(len(plan["w"]))]
-                nxt = [dict(e, wn=f"blk_w_{c}_{r}[u + 1]") for r, e in enumerate(entry["corrections"])]
+                entry["corrections_first"] = [{"w": f"{self.local('blk_w', c, r)}[0]", "p": p.name}
+                                              for r, p in enumerate(plan["p"])]
+                nxt = [dict(e, wn=f"{self.local('blk_w', c, r)}[u + 1]") for r, e in enumerate(entry["corrections"])]
                 with_next = dict(entry, corrections=nxt, next=True)
                 with_next["fast"] = dict(with_next, decay=None)
                 entry["with_next"] = with_next
@@ -488,10 +516,10 @@ class Generator(KernelSource):
             if name in fused:
                 continue
             target = self.cout(name)
-            body = po.fill(e, f"{target}_t") if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
+            body = po.fill(e, self.row(target)) if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
             out_lines += po.take_token() + body
-            if e.shape:  # a row computed into a local, then streamed to its place (never a fused one: its
-                rows.append({"c": target, "size": self.size(e.shape)})  # tile loop has written it)
+            if e.shape:  # a row computed into a local, then streamed to its place (never a fused one)
+                rows.append({"c": target, "row": self.row(target), "size": self.size(e.shape)})  # (its tile loop has written it)
         return {"head": head + po.take_head(), "decay_prep": decay_prep, "prep": prep, "lazy": lazies,
                 "scales": self._scale_context() if updates else [],
                 "states": states, "checks": updates,
@@ -504,9 +532,9 @@ class Generator(KernelSource):
         vectors that meet Ŝ times their factors itself, a register at a time, c·D kept in registers (a
         third of phase 1 faster for GLA than through block arrays of factors). Values with no register-wise
         form (c_printer.lanes) are computed into a local row first."""
-        vectors = ([(w, f"blk_w_{c}_{r}", "mw") for r, w in enumerate(plan["w"])]
-                   + [(x, f"blk_x_{c}_{g}", "mx") for g, x in enumerate(plan["x"])]
-                   + [(rd.query, f"blk_q_{c}_{k}", "mw" if rd.before_update else "mq")
+        vectors = ([(w, self.local("blk_w", c, r), "mw") for r, w in enumerate(plan["w"])]
+                   + [(x, self.local("blk_x", c, g), "mx") for g, x in enumerate(plan["x"])]
+                   + [(rd.query, self.local("blk_q", c, k), "mw" if rd.before_update else "mq")
                       for k, rd in enumerate(plan["readouts"])])
         for e in [decay] + [v for v, _, _ in vectors]:
             if not pr.has_lanes(e):
@@ -559,7 +587,7 @@ class Generator(KernelSource):
             groups: dict[ir.Expr, list[ir.Expr]] = {}
             parts: dict[ir.Expr, list[tuple]] = {}  # the same terms as (coefficient, "p" | "v", r | value)
             for r, (u, w) in enumerate(tr.corrections):
-                p = Local(right_shape, f"p_{self.cstate(st.name)}_{r}")
+                p = Local(right_shape, self.local("p", self.cstate(st.name), r))
                 plan["w"].append(w)
                 plan["p"].append(p)
                 coef, base = split_scalar(u)
@@ -618,16 +646,17 @@ class Generator(KernelSource):
             name=self.p.name, version=VERSION, filename=self.c.filename, source_comment=self.source_comment(),
             ctype=ct, vector_bytes=self.t.vector_bytes, lanes=self.t.lanes,
             dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
-            inputs=[{"c": self.cin(x.name), "size": self.size(x.shape), "scalar": not x.shape,
-                     "outside": self.outside(x), "outside_lanes": self.outside(x, lanes=True),
+            inputs=[{"c": self.cin(x.name), "row": self.row(self.cin(x.name)), "size": self.size(x.shape),
+                     "scalar": not x.shape, "outside": self.outside(x), "outside_lanes": self.outside(x, lanes=True),
                      "pf_lines": self.prefetch_lines(x)} for x in self.p.inputs],
-            outputs=[{"c": self.cout(o.name), "size": self.size(o.value.shape), "scalar": not o.value.shape}
-                     for o in self.p.outputs],
+            outputs=[{"c": self.cout(o.name), "row": self.row(self.cout(o.name)), "size": self.size(o.value.shape),
+                      "scalar": not o.value.shape} for o in self.p.outputs],
             states=[{"c": self.cstate(s.name), "name": s.name, "matrix": len(s.shape) == 2,
                      "lazy_rows": lazy_rows.get(s.name, 0),  # (on whole cache lines: threads write them)
                      "lazy_stride": -(-lazy_rows.get(s.name, 0) // align) * align,
                      "rows": self.dims[s.shape[0]], "cols": self.dims[s.shape[1]] if len(s.shape) == 2 else 1,
-                     "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1}
+                     "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1,
+                     **self._buffers(s.name)}
                     for s in self.p.states],
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
             scales=self._scale_context(),
@@ -637,6 +666,13 @@ class Generator(KernelSource):
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
             **self.entry_points(),
         )
+
+    def _buffers(self, state: str) -> dict[str, str]:
+        """The C names of a state's buffers in lr_forward: every head's (all, rows padded to whole registers)
+        and this head's (buf), and its lazy decay's (all_sc, sc)."""
+        c = self.cstate(state)
+        return {"all": self.local("all", c), "buf": self.local("buf", c), "all_sc": self.local("all", "sc", c),
+                "sc": self.local("sc", c)}
 
     def _scale_context(self) -> list[dict]:
         """Per group of stabilized states: its C name, the caller's log-scale array and the states' arrays

@@ -8,7 +8,7 @@ from ..compiler import Compiled, ir
 from ..compiler.analysis import children, inline_lets, rebuild, states_in, to_text, variance, walk
 from ..compiler.transitions import split_exp
 
-from ..compiler.identifiers import Namer
+from ..compiler.identifiers import INTERNAL, Namespace, user_names
 from ..compiler.stabilize import log_scale_keys, scale_degree, stabilized_states
 from .printer import NumpyPrinter
 from ..interface import DEFINITION
@@ -27,12 +27,15 @@ def source_comment(compiled: Compiled) -> str:
 
 
 class Emitter:
-    """Shared naming and printing for one generated module."""
+    """Shared naming and printing for one generated module. Its names: self.name(dsl_name) for the program's
+    names, all bound first; self.fresh(wanted) for every name the module makes of its own (compiler.identifiers)."""
 
     def __init__(self, compiled: Compiled):
         self.c = compiled
         self.p = compiled.program
-        self.name = Namer()
+        self.names = Namespace(INTERNAL)
+        self.names.bind(user_names(self.p))
+        self.name, self.fresh = self.names.user, self.names.fresh
         self.lets = self.p.lets
         # state-free values are computed for all tokens at once before any loop
         self.hoisted = {n for n, v in self.lets.items() if not states_in(inline_lets(v, self.lets))}
@@ -129,6 +132,7 @@ class Emitter:
 
     def render(self, form: str, body: list[str], helpers: set[str], scan_module: str = "linrec.numpy.scan") -> str:
         param_lines = self.param_lines(helpers)
+        imported(helpers)
         return environment(__package__).get_template("module.py.j2").render(
             name=self.p.name, form=form, version=VERSION, filename=self.c.filename,
             source_comment=source_comment(self.c),
@@ -136,6 +140,16 @@ class Emitter:
             scan_helpers=sorted(helpers & SCAN_HELPERS), attention_helpers=sorted(helpers & ATTENTION_HELPERS),
             scan_module=scan_module, param_lines=param_lines,
             param_names=[(prm.name, self.name(prm.name)) for prm in self.p.params], body=body)
+
+
+def imported(helpers: set[str]) -> list[str]:
+    """The helpers a module imports by name, sorted; each must be a reserved word of every module's namespace
+    (compiler.identifiers.INTERNAL), or a user name could shadow it."""
+    unreserved = helpers - INTERNAL
+    if unreserved:
+        raise RuntimeError(f"internal error: the helpers {sorted(unreserved)} are imported by generated modules "
+                           f"but not reserved in compiler.identifiers.INTERNAL")
+    return sorted(helpers)
 
 
 def _uses_dim(e, dim) -> bool:
@@ -159,7 +173,7 @@ def _print_param(e: ir.Expr, printer: NumpyPrinter, shape: str, per_head: bool) 
                 code = f"random_features({node.seed}, {full}, orthogonal={bool(opts['orthogonal'])})"
             else:
                 code = f"np.random.default_rng({node.seed}).uniform({opts['low']!r}, {opts['high']!r}, {full})"
-            key = f"__draw{len(draws)}"
+            key = f"<draw {len(draws)}>"  # (no DSL name: those are identifiers)
             draws[key] = code
             return ir.LetRef(node.shape if not per_head else node.shape, key)
         return node
@@ -241,15 +255,17 @@ def module_from_source(source: str, compiled: Compiled, form: str, what: str = "
     return module
 
 
-def _scale_seen(running: str, causal: bool, before_update: bool) -> tuple[str, str | None]:
+def _scale_seen(running: str, causal: bool, before_update: bool, fresh) -> tuple[str, str | None]:
     """The log-scale M a readout of a state carried as S·exp(−M) sees, as (variable, its code or None when
     it is `running` itself, M_t). A readout before the update reads S_(t−1)·exp(−M_(t−1)): one token behind
     (the first token's is the initial state's, brought to M_1); a non-causal one reads S_T·exp(−M_T) at
-    every token."""
+    every token. fresh: the module's Namespace.fresh, which names the variable."""
     if not causal:
-        return f"{running}_end", f"np.broadcast_to({running}[:, -1:], {running}.shape)  # M_T"
+        return (fresh(f"{running}_end", key=(running, "end")),
+                f"np.broadcast_to({running}[:, -1:], {running}.shape)  # M_T")
     if before_update:
-        return f"{running}_before", f"np.concatenate([{running}[:, :1], {running}[:, :-1]], axis=1)  # M_(t−1)"
+        return (fresh(f"{running}_before", key=(running, "before")),
+                f"np.concatenate([{running}[:, :1], {running}[:, :-1]], axis=1)  # M_(t−1)")
     return running, None
 
 
@@ -266,7 +282,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
     of every state's update. `scan_module` provides parallel_scan, chunkwise_scan and recurrent_scan (the
     C backend passes its compiled twins); the per-token values stay NumPy."""
     em = Emitter(compiled)
-    p, n, d = em.p, em.name, compiled.derivation
+    p, n, fresh, d = em.p, em.name, em.fresh, compiled.derivation
     base = em.printer(None)
     prelude = lambda e: base(em.refold(e))  # noqa: E731
     body = em.prologue()
@@ -277,7 +293,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
     helpers = {"per_token", scan}
     stable = stabilized_states(compiled)
     scale_keys = log_scale_keys(compiled)
-    groups: dict[tuple, str] = {}   # α of a group of states → the prefix of its variables (S → S_max, S_scale)
+    groups: dict[tuple, tuple[str, str]] = {}  # α of a group of states → its variables M and m (S_max, S_scale)
     exponents: dict[ir.Expr, str] = {}  # an exponent α or β → its variable
     query_max: dict[ir.Expr, str] = {}  # a query exponent β → the variable of its per-token maximum
     scale_of: dict[int, str] = {}   # readout → the code of its log-scale
@@ -288,7 +304,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
     def bind(code: str, name: str) -> str:
         """code into a variable, once: the states of a group (S and z) write and read the same ones."""
         if code not in bound:
-            bound[code] = f"{name}{sum(v.startswith(name) for v in bound.values())}"
+            bound[code] = fresh(f"{name}{sum(v.startswith(name) for v in bound.values())}")
             body.append(f"{bound[code]} = {code}")
         return bound[code]
 
@@ -307,22 +323,22 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
         if st.name in stable:
             alphas = stable[st.name]
             if alphas not in groups:
-                groups[alphas] = s
                 helpers.add("running_max")
                 body += [f"# exponential features: keep {st.name}·exp(−M) with M the running maximum of the "
                          f"exponents, so every exp(α − M) ≤ 1"]
                 for a in alphas:
                     if a not in exponents:
-                        exponents[a] = f"{s}_exponent{len(exponents)}"
+                        exponents[a] = fresh(f"{s}_exponent{len(exponents)}")
                         body.append(f"{exponents[a]} = {prelude(a)}")
                 joined = ", ".join(exponents[a] + ("" if a.shape or len(alphas) == 1 else "[..., None]")
                                    for a in alphas)
                 joined = joined if len(alphas) == 1 else f"np.concatenate([{joined}], axis=-1)"
                 key = scale_keys[st.name]
+                running, scale = groups[alphas] = fresh(f"{s}_max"), fresh(f"{s}_scale")
                 body += ["# a state handed over with its log-scale (a decode loop) is S·exp(−m): start M from m",
-                         f"{s}_scale = initial_state.get(\"{key}\")  # [B, H] or None (then S is unscaled)",
-                         f"{s}_max = running_max({joined}, {s}_scale)  # M_t [B, T, H]"]
-            running, scale = f"{groups[alphas]}_max", f"{groups[alphas]}_scale"
+                         f"{scale} = initial_state.get(\"{key}\")  # [B, H] or None (then S is unscaled)",
+                         f"{running} = running_max({joined}, {scale})  # M_t [B, T, H]"]
+            running, scale = groups[alphas]
         decay_terms = []
         if t.log_decay is not None:
             width = rows if t.log_decay.shape else "1"
@@ -334,15 +350,18 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
         if running:
             decay_terms.append(f"scale_decay({running})  # M_(t−1) − M_t")
             helpers.add("scale_decay")
-        body.append(f"{s}_log_decay = " + (" + ".join(decay_terms) if decay_terms else "None"))
+        decay_var, corrections_var, writes_var = (fresh(f"{s}_{what}") for what in ("log_decay", "corrections",
+                                                                                      "writes"))
+        body.append(f"{decay_var} = " + (" + ".join(decay_terms) if decay_terms else "None"))
         value_decay = ""  # (the scan's keyword argument, only where the value axis decays)
         if t.value_log_decay is not None:
-            body.append(f"{s}_value_log_decay = " + (tok(t.value_log_decay, cols) if t.value_log_is_exact else
+            value_log_decay = fresh(f"{s}_value_log_decay")
+            body.append(f"{value_log_decay} = " + (tok(t.value_log_decay, cols) if t.value_log_is_exact else
                         f"per_token(log_decay({prelude(t.value_decay)}, \"{st.name}\"), "
                         f"(batch, tokens, heads, {cols}), dtype, scalar=False)"))
             helpers.update(() if t.value_log_is_exact else ("log_decay",))
-            value_decay = f", value_log_decay={s}_value_log_decay"
-        body.append(f"{s}_corrections = [" + ", ".join(
+            value_decay = f", value_log_decay={value_log_decay}"
+        body.append(f"{corrections_var} = [" + ", ".join(
             f"({tok(u, rows)}, {tok(w, rows)})" for u, w in t.corrections) + "]")
         writes = []
         for key, value in t.writes:
@@ -354,15 +373,16 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
                 key_code = tok(key, rows)
             val = tok(value, cols) if value is not None else "np.ones((batch, tokens, heads, 1), dtype)"
             writes.append(f"({key_code}, {val})")
-        body.append(f"{s}_writes = [" + ", ".join(writes) + "]")
+        body.append(f"{writes_var} = [" + ", ".join(writes) + "]")
         mine = [r for r in d.readouts if r.state == st.name]
+        targets = [fresh(f"r{r.index}") for r in mine]  # (none for a state no output reads: `[], S = …`)
         queries = []
-        for r in mine:
-            readout_vars[r.index] = f"r{r.index}" + ("[..., 0]" if len(st.shape) == 1 and not r.is_value else "")
+        for r, target in zip(mine, targets):
+            readout_vars[r.index] = target + ("[..., 0]" if len(st.shape) == 1 and not r.is_value else "")
             c, beta = split_exp(r.query) if not r.is_value else (None, None)
             terms = []  # the readout's log-scale: the state's M as the readout sees it, and the query's max
             if running:
-                name, code = _scale_seen(running, p.causal, r.before_update)
+                name, code = _scale_seen(running, p.causal, r.before_update, fresh)
                 if code and name not in lagged:
                     lagged.add(name)
                     body.append(f"{name} = {code}")
@@ -372,8 +392,9 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
             elif running and beta is not None and variance(beta) == "token":
                 # a per-token constant factored out of an exponential query cancels in ratios
                 if beta not in query_max:
-                    exponents.setdefault(beta, f"query_exponent{len(query_max)}")
-                    query_max[beta] = f"query_max{len(query_max)}"
+                    if beta not in exponents:
+                        exponents[beta] = fresh(f"query_exponent{len(query_max)}")
+                    query_max[beta] = fresh(f"query_max{len(query_max)}")
                     body.append(f"{exponents[beta]} = {prelude(beta)}")
                     body.append(f"{query_max[beta]} = " + (f"np.max({exponents[beta]}, axis=-1)" if beta.shape
                                                              else exponents[beta]))
@@ -394,8 +415,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
             helpers.add("rescale")
         if any(r.is_value for r in mine):
             body.append(f"# readouts (query, before the update): a query None reads {st.name} itself")
-        targets = ", ".join(f"r{r.index}" for r in mine)  # (none for a state no output reads: `[], S = …`)
-        body.append(f"[{targets}], {s} = {scan}({init}, {s}_log_decay, {s}_corrections, {s}_writes, "
+        body.append(f"[{', '.join(targets)}], {s} = {scan}({init}, {decay_var}, {corrections_var}, {writes_var}, "
                     f"[{', '.join(queries)}], causal={p.causal}, chunk_size=chunk_size{value_decay})")
         if running:
             body += [f"if {scale} is None:  # back to the true scale",
@@ -423,11 +443,12 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
                     + "".join(", " + n(x) for x in out.value.shape) + ")).astype(dtype)")
     returns = em.returns()
     if stable:
+        scales = fresh("final_state_scales")
         body += ["", "# states handed over with a log-scale go on with their new one (a decode loop)",
-                 "final_state_scales = {}"]
-        for key, group in {scale_keys[st]: groups[stable[st]] for st in stable}.items():
-            body += [f"if {group}_scale is not None:", f"    final_state_scales[\"{key}\"] = {group}_max[:, -1]"]
-        returns = returns[:-1] + ", **final_state_scales}"  # inside the states dict
+                 f"{scales} = {{}}"]
+        for key, (running, scale) in {scale_keys[st]: groups[stable[st]] for st in stable}.items():
+            body += [f"if {scale} is not None:", f"    {scales}[\"{key}\"] = {running}[:, -1]"]
+        returns = returns[:-1] + f", **{scales}}}"  # inside the states dict
     body += ["", returns]
     helpers |= base.helpers
     # these are NumPy helpers whatever module runs the scan
@@ -436,7 +457,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
     source = em.render(form, body, helpers - numpy_only, scan_module)
     if numpy_only:
         source = source.replace("import numpy as np\n", "import numpy as np\nfrom linrec.numpy.scan import "
-                                + ", ".join(sorted(numpy_only)) + "\n", 1)
+                                + ", ".join(imported(numpy_only)) + "\n", 1)
     return source
 
 

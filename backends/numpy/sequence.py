@@ -11,12 +11,15 @@ from ..compiler import Compiled, ir
 from ..compiler.analysis import children, rebuild, walk
 from ..compiler.builtins import SEQ
 
-from .backend import Emitter  # the shared pieces of every NumPy module
+from .backend import Emitter, imported  # the shared pieces of every NumPy module
 from .printer import ATOM, NumpyPrinter
 
 BLOCK = 64  # query and key block of the chunkwise form, unless chunk_size is given
 HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
            "lsh_attention_dense", "lsh_attention_bucketed"}
+# The placeholder for a masked value while its expression prints: a name no program can define (DSL names are
+# identifiers), so that it never stands for a user's value of the same name
+MASKED = "<masked>"
 
 
 class SequencePrinter(NumpyPrinter):
@@ -43,10 +46,10 @@ class SequencePrinter(NumpyPrinter):
                 return f"masked_softmax({self(e.args[0])}, {self.visible})", ATOM
             if e.function in ("sum", "mean", "norm", "l2norm", "groupnorm", "rmsnorm"):
                 self.helpers.add("mask")
-                inner = ir.LetRef(e.args[0].shape, "__masked")
+                inner = ir.LetRef(e.args[0].shape, MASKED)
                 code = f"mask({self(e.args[0])}, {self.visible})"
                 saved = self.ref
-                self.ref = lambda n: code if isinstance(n, ir.LetRef) and n.name == "__masked" else saved(n)
+                self.ref = lambda n: code if isinstance(n, ir.LetRef) and n.name == MASKED else saved(n)
                 try:
                     return super()._apply(ir.Apply(e.shape, e.function, (inner,), e.options))
                 finally:
@@ -61,10 +64,10 @@ class SequencePrinter(NumpyPrinter):
         if left.shape == (SEQ,) and not (isinstance(left, ir.Apply) and left.function == "softmax") \
                 and self.visible != "None":
             self.helpers.add("mask")
-            masked = ir.LetRef(left.shape, "__masked_left")
+            masked = ir.LetRef(left.shape, MASKED)
             code = f"mask({self(left)}, {self.visible})"
             saved = self.ref
-            self.ref = lambda n: code if isinstance(n, ir.LetRef) and n.name == "__masked_left" else saved(n)
+            self.ref = lambda n: code if isinstance(n, ir.LetRef) and n.name == MASKED else saved(n)
             try:
                 return super()._dot(ir.Dot(e.shape, masked, e.right))
             finally:
@@ -116,7 +119,7 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
         return _emit_with_kernels(compiled, form, kernels)
 
     em = Emitter(compiled)
-    p, plan, n = em.p, compiled.derivation.sequence, em.name
+    p, plan, n, fresh = em.p, compiled.derivation.sequence, em.name, em.fresh
     body, base = _prologue(em)
     exprs = [e for _, e in plan.outputs] + [r.scores for r in plan.softmax_readouts] \
         + [r.values for r in plan.softmax_readouts]
@@ -159,7 +162,7 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
         body += [f"    {n(o.name)} = {n(o.name)}[:, first:]" for o in p.outputs]
         helpers |= pr.helpers
     else:  # chunkwise attention: blocked online softmax
-        readout_vars = {r.index: f"r{r.index}" for r in plan.softmax_readouts}
+        readout_vars = {r.index: fresh(f"r{r.index}") for r in plan.softmax_readouts}
         body += ["", "# query blocks against key blocks, keeping a running max, denominator and accumulator",
                  f"block = chunk_size or {BLOCK}"]
         for r in plan.softmax_readouts:
@@ -169,8 +172,9 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
             width = "".join(", " + n(d) for d in r.values.shape[1:])
             first = f"max(0, start - {window - 1})" if window else "0"
             last = "stop" if p.causal else (f"min(tokens, stop + {window - 1})" if window else "tokens")
+            readout = readout_vars[r.index]
             body += [
-                f"r{r.index} = np.empty((batch, tokens, heads{width}), dtype=dtype)",
+                f"{readout} = np.empty((batch, tokens, heads{width}), dtype=dtype)",
                 "for start in range(0, tokens, block):",
                 "    stop = min(start + block, tokens)",
                 "    queries = slice(start, stop)",
@@ -184,7 +188,7 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
                 "        if visible is not None:",
                 "            scores = np.where(visible, scores, -np.inf)",
                 f"        m, l, acc = online_softmax_step(m, l, acc, scores, {values})",
-                f"    r{r.index}[:, queries] = acc / l[..., None]",
+                f"    {readout}[:, queries] = acc / l[..., None]",
             ]
         helpers |= {"visible_positions", "online_softmax_step"}
         out = em.printer(None, readout_vars=readout_vars)
@@ -198,9 +202,8 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
 
 def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     """Per-token values in NumPy, the attention itself in compiled kernels."""
-
     em = Emitter(compiled)
-    plan, n = compiled.derivation.sequence, em.name
+    plan, n, fresh = compiled.derivation.sequence, em.name, em.fresh
     body, base = _prologue(em)
     seq_vars, lines = _sequence_arrays(em, base, [e for r in plan.softmax_readouts for e in (r.scores, r.values)])
     body += lines
@@ -210,19 +213,19 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     readout_vars = {}
     for r in plan.softmax_readouts:
         keys, query, values = kernel_pattern(r)
-        readout_vars[r.index] = f"r{r.index}"
+        readout = readout_vars[r.index] = fresh(f"r{r.index}")
+        k, v, q = (fresh(f"{what}{r.index}") for what in ("keys", "values", "query"))
         # a sequence expression prints as [B, 1, H, Tk, *]: drop the query axis, back to [B, Tk, H, *]
-        body += ["", f"# r{r.index} = softmax(K·q)·V over the visible keys, in a compiled kernel",
-                 f"keys{r.index} = np.swapaxes({seq_printer(em.refold(keys))}[:, 0], 1, 2)",
-                 f"values{r.index} = np.swapaxes({seq_printer(em.refold(values))}[:, 0], 1, 2)",
-                 f"query{r.index} = np.broadcast_to({base(em.refold(query))}, (batch, tokens, heads, "
-                 f"keys{r.index}.shape[-1]))",
-                 f"r{r.index} = attention(np.ascontiguousarray(query{r.index}[:, first:], dtype=dtype), "
-                 f"np.ascontiguousarray(keys{r.index}, dtype=dtype), np.ascontiguousarray(values{r.index}, "
+        body += ["", f"# {readout} = softmax(K·q)·V over the visible keys, in a compiled kernel",
+                 f"{k} = np.swapaxes({seq_printer(em.refold(keys))}[:, 0], 1, 2)",
+                 f"{v} = np.swapaxes({seq_printer(em.refold(values))}[:, 0], 1, 2)",
+                 f"{q} = np.broadcast_to({base(em.refold(query))}, (batch, tokens, heads, {k}.shape[-1]))",
+                 f"{readout} = attention(np.ascontiguousarray({q}[:, first:], dtype=dtype), "
+                 f"np.ascontiguousarray({k}, dtype=dtype), np.ascontiguousarray({v}, "
                  f"dtype=dtype), causal, {plan.window}, \"{form}\", chunk_size, query_offset=first)",
                  "if first:  # a decode step over a KV cache: the new tokens' queries only (the rest is not read)",
-                 f"    r{r.index} = np.concatenate([np.zeros((batch, first) + r{r.index}.shape[2:], dtype=dtype), "
-                 f"r{r.index}], axis=1)"]
+                 f"    {readout} = np.concatenate([np.zeros((batch, first) + {readout}.shape[2:], dtype=dtype), "
+                 f"{readout}], axis=1)"]
     out = SequencePrinter(em.printer(None, readout_vars=readout_vars).ref, lambda arg: "", "None", lsh)
     body += ["", "# outputs"]
     for name, expr in plan.outputs:
@@ -239,7 +242,7 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     if not kernel_names:
         return source
     return source.replace("import numpy as np\n", f"import numpy as np\nfrom {kernels} import "
-                          f"{', '.join(kernel_names)}\n", 1)
+                          f"{', '.join(imported(set(kernel_names)))}\n", 1)
 
 
 def kernels_decode_over_cache(compiled: Compiled) -> bool:
@@ -276,7 +279,7 @@ def _sequence_arrays(em, base, exprs) -> tuple[dict[ir.Expr, str], list[str]]:
             arg = em.refold(node.args[0]) if isinstance(node, ir.Apply) and node.function == "seq" else None
             if arg is not None and arg not in seq_vars:
                 label = em.name(arg.name) if isinstance(arg, (ir.InputRef, ir.LetRef)) else f"x{len(seq_vars)}"
-                seq_vars[arg] = f"{label}_seq"
+                seq_vars[arg] = em.fresh(f"{label}_seq")
     if not seq_vars:
         return seq_vars, []
     return seq_vars, ["", "# the sequence, head-major [B, H, T, *]: what seq(x) reads"] + [
