@@ -5,6 +5,7 @@ templates/c_recurrent.c.j2 for one scalar type, one SIMD width and one assignmen
 compile-time constants). c_backend builds and runs what it renders."""
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from math import prod
@@ -159,11 +160,17 @@ class KernelSource:
         takes, and lr_step's parameters as {name, decl}."""
         names, n_read = self.array_names()
         ct = self.t.ctype
-        args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}" for i, name in enumerate(names)]
+        # a param that only other params' defaults read (Mamba-2's A_log, A = −exp(A_log)) is passed to every
+        # entry point like the rest, and read by none
+        unread = {self.cparam(prm.name) for prm in self.p.params} - {
+            self.cparam(n.name) for step in self.p.steps for n in walk(step.value) if isinstance(n, ir.ParamRef)}
+        args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}"
+                + (" __attribute__((unused))" if name in unread else "") for i, name in enumerate(names)]
         fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
         stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
         call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
         return dict(
+            checks_inputs=any(self.outside(x) for x in self.p.inputs),  # (lr_inputs_outside is emitted)
             forward_signature=fwd, step_signature=stp if self.p.causal else "",
             step_packed_signature="int lr_step_packed(const lr_step_call *call)", step_call_struct=call,
             step_args=[{"name": n, "decl": a} for n, a in zip(names, args)])
@@ -176,9 +183,9 @@ class KernelSource:
         raise NotImplementedError
 
     def cdef(self) -> str:
-        """The declarations cffi needs: the entry points without `restrict`."""
+        """The declarations cffi needs: the entry points without `restrict` and attributes."""
         sig = self.entry_points()
-        strip = lambda s: s.replace("restrict ", "")  # noqa: E731
+        strip = lambda s: s.replace("restrict ", "").replace(" __attribute__((unused))", "")  # noqa: E731
         out = strip(sig["forward_signature"]) + ";\n"
         if sig["step_signature"]:
             out += strip(sig["step_signature"]) + ";\n" + sig["step_call_struct"] + "\n" \
@@ -310,7 +317,8 @@ class Generator(KernelSource):
                 body = [f"{target}[tok] = {pr.scalar(e)};"]
             out_lines += pr.take_token() + body
         return {"head": pr.take_head(), "prep": prep, "states": states, "readouts": readout_decls,
-                "outputs": out_lines, "scales": self._scale_context()}
+                "outputs": out_lines, "scales": self._scale_context(),
+                "rows_read": self._rows_mentioned(prep, states, out_lines)}
 
     # ---- the sequence kernel: blocks of tokens in three phases ----
     def _token_pointer(self, e: ir.Expr) -> str | None:
@@ -520,12 +528,24 @@ class Generator(KernelSource):
             out_lines += po.take_token() + body
             if e.shape:  # a row computed into a local, then streamed to its place (never a fused one)
                 rows.append({"c": target, "row": self.row(target), "size": self.size(e.shape)})  # (its tile loop has written it)
+        # the token's input rows each phase reads (its code mentions them, or it tests their range)
+        checked = {self.row(self.cin(x.name)) for x in self.p.inputs if updates and self.outside(x)}
         return {"head": head + po.take_head(), "decay_prep": decay_prep, "prep": prep, "lazy": lazies,
                 "scales": self._scale_context() if updates else [],
                 "states": states, "checks": updates,
                 "spread_prefetches": any(st["pf_every"] for st in states),
+                "paced_prefetches": any(st["pf_every"] > 1 for st in states),  # (a tick counts the steps)
                 "readouts": readout_decls, "outputs": out_lines, "output_rows": rows, "arrays": arrays,
-                "flag_arrays": flags}
+                "flag_arrays": flags,
+                "rows_read": self._rows_mentioned(decay_prep, prep, lazies) | checked,
+                "rows_read_by_outputs": self._rows_mentioned(out_lines)}
+
+    def _rows_mentioned(self, *code) -> set[str]:
+        """The input rows (in_x_t) that generated code — strings, in lists and dicts — mentions: the rows a
+        part of the kernel declares (declaring the others would only draw the compiler's warnings)."""
+        text = "\n".join(_strings(code))
+        rows = {self.row(self.cin(x.name)) for x in self.p.inputs}
+        return {r for r in rows if re.search(rf"\b{re.escape(r)}\b", text)}
 
     def _lazy_registers(self, pr: CPrinter, c: str, decay: ir.Expr, plan: dict) -> dict:
         """The lazy bookkeeping of a matrix state with a per-row decay: it computes the decay and stores the
@@ -693,3 +713,14 @@ def _scaled(coef: ir.Expr, x: ir.Expr, shape) -> ir.Expr:
     if isinstance(coef, ir.Neg):
         return ir.Neg(shape, _scaled(coef.operand, x, shape))
     return ir.Arith(shape, "mul", coef, x)
+
+
+def _strings(code) -> list[str]:
+    """Every string in nested lists, tuples and dicts of generated code."""
+    if isinstance(code, str):
+        return [code]
+    if isinstance(code, dict):
+        code = list(code.values())
+    if isinstance(code, (list, tuple)):
+        return [s for part in code for s in _strings(part)]
+    return []
