@@ -25,6 +25,7 @@ from .. import arrays
 from ..compiler.stabilize import stabilized_states
 from ..interface import FUSED, SCAN, STATEMENTS, Capabilities, no_such_form
 from ..numpy import backend as numpy_backend
+from ..numpy.derived import emit_derived
 from ..numpy import sequence as numpy_sequence
 from ..numpy.scan import rescale
 from . import attention as c_attention
@@ -280,7 +281,7 @@ def load(compiled: Compiled, form: str):
                                 decodes_over_cache=numpy_sequence.kernels_decode_over_cache(compiled),
                                 largest_count=C_INT_MAX))
     if form == "recurrent" and _scan_form(compiled, form):
-        return _exec_module(numpy_backend.emit_scan(compiled, "recurrent", scan_module=c_scan.__name__),
+        return _exec_module(emit_derived(compiled, "recurrent", scan_module=c_scan.__name__),
                             compiled, form, "C scan", Capabilities(largest_count=C_INT_MAX))
     if form != "recurrent":
         return c_scan.load(compiled, form)

@@ -31,6 +31,7 @@ from ..compiler import Compiled
 from ..compiler.stabilize import stabilized_states
 from ..interface import Capabilities
 from ..numpy import backend as numpy_backend
+from ..numpy.derived import emit_derived
 from ..dsl.errors import LinrecError, RuntimeInputError
 
 from . import build as c_build
@@ -282,7 +283,7 @@ def load(compiled: Compiled, form: str):
     if why:
         raise LinrecError(f"'{compiled.name}' has no {form} form: {why}")
     structures(compiled)  # a scan program with factorable states, or a clear error
-    source = numpy_backend.emit_scan(compiled, form, scan_module=__name__)
+    source = emit_derived(compiled, form, scan_module=__name__)
     module = numpy_backend.module_from_source(source, compiled, form, "C scan")
     module.form = form
     # NumPy prepares the arrays and checks them, as in its own forms; the kernels count in C ints

@@ -1,6 +1,6 @@
 """Exponential feature maps in the fused C kernel (forms.md §8): a state whose write keys are c·exp(α), α
 varying per token (FAVOR+'s exp(W·x − ‖x‖²/2)/√m), is carried as S·exp(−σ), σ the running maximum M of
-its exponents — the NumPy scans' stabilization (numpy_backend.emit_scan), taken one token at a time:
+its exponents — the NumPy scans' stabilization (linrec.numpy.derived), taken one token at a time:
 
     M_t = max(M_(t−1), max α_t),   σ_t = M_t,   S̃_t = exp(σ_(t−1) − σ_t)·S̃_(t−1) + c·exp(α_t − σ_t) ⊗ v_t
 

@@ -1,8 +1,10 @@
 """The NumPy backend: every form of every program as generated Python that reads like hand-written NumPy.
 
-    backend.py    the generated modules of recurrences: the statements as written (the recurrent form, the
-                  definition every other form is checked against) and the derived forms, over scan.py
+    backend.py    the generated modules of recurrences: which emitter writes each form; source as a module
+    statements.py the recurrent form, the statements as written (the definition the other forms must match)
+    derived.py    the derived forms: the decomposition as per-token arrays, handed to the scans of scan.py
     sequence.py   the generated modules of programs that read the sequence (softmax attention and relatives)
+    emitter.py    what every generated module shares: names, printers, prologue, the template and its imports
     printer.py    IR expressions as NumPy code
     runtime.py, scan.py, attention.py   what the generated code calls: builtins, the scans of the derived
                   forms, masks and softmax

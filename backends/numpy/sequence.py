@@ -11,12 +11,12 @@ from ..compiler import Compiled, ir
 from ..compiler.analysis import children, rebuild, walk
 from ..compiler.builtins import SEQ
 
-from .backend import Emitter, imported  # the shared pieces of every NumPy module
+from .emitter import NUMPY_MODULES, Emitter  # the shared pieces of every NumPy module
 from .printer import ATOM, NumpyPrinter
 
 BLOCK = 64  # query and key block of the chunkwise form, unless chunk_size is given
-HELPERS = {"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
-           "lsh_attention_dense", "lsh_attention_bucketed"}
+# what the compiled kernels' module (linrec.c.attention) provides in place of NumPy's attention
+KERNELS = frozenset({"attention", "lsh_attention_dense", "lsh_attention_bucketed"})
 # The placeholder for a masked value while its expression prints: a name no program can define (DSL names are
 # identifiers), so that it never stands for a user's value of the same name
 MASKED = "<masked>"
@@ -235,14 +235,9 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
         body += [f"    {n(o.name)} = {n(o.name)}[:, first:]" for o in compiled.program.outputs]
     body += ["", em.returns()]
     helpers |= seq_printer.helpers | out.helpers | base.helpers
-    kernel_names = sorted({"attention"} if plan.softmax_readouts else set()) + sorted(
-        {h for h in helpers if h.startswith("lsh_attention")})
-    helpers -= set(kernel_names)
-    source = em.render(form, body, helpers)
-    if not kernel_names:
-        return source
-    return source.replace("import numpy as np\n", f"import numpy as np\nfrom {kernels} import "
-                          f"{', '.join(imported(set(kernel_names)))}\n", 1)
+    if plan.softmax_readouts:
+        helpers.add("attention")  # (written out above: the compiled kernel)
+    return em.render(form, body, helpers, {kernels: KERNELS, **NUMPY_MODULES})
 
 
 def kernels_decode_over_cache(compiled: Compiled) -> bool:
@@ -264,9 +259,7 @@ def _prologue(em):
                         f"# the first T positions of {prm.name}")
     body.append(f"causal = {p.causal}")
     base = em.printer(None)
-    hoisted = em.hoisted_lets(base)
-    if hoisted:
-        body += ["", "# per-token values, for all tokens at once"] + hoisted
+    body += em.hoisted_lets(base, "per-token values, for all tokens at once")
     return body, base
 
 
