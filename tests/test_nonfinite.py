@@ -7,6 +7,7 @@ against the float64 recurrent form on NumPy — the statements with IEEE arithme
   infinities are the reference's, and the finite values agree within 1e-9 (float64; 5e-4 in float32).
 * The C helpers give NumPy's value for NaN and ±∞ (relu(NaN) = NaN, elu(NaN) + 1 = NaN, …), on every
   register width.
+* Softmax attention, whose parallel and chunkwise forms mask weights and not values, too.
 """
 from __future__ import annotations
 
@@ -308,11 +309,24 @@ def test_c_helpers_give_numpys_values_for_nan_and_infinities(ctype, target, monk
         assert (np.isnan(got) and np.isnan(expected)) or got == expected, row
 
 
-# ---- what is not covered yet --------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="softmax attention (programs that read the sequence): a NaN value "
-                   "still reaches earlier tokens in the parallel and chunkwise forms (docs/guarantees.md)")
-def test_softmax_attention_values():
+# ---- programs that read the sequence ------------------------------------------------------------------
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_softmax_attention_values_follow_the_rule(value):
+    """The parallel and chunkwise forms of attention mask its weights, not the values (its keys and queries
+    already follow the rule): from the first token with a NaN or ±∞ on, the recurrent form over the KV
+    cache runs the tokens."""
     rec = program("softmax")
     x = inputs(rec)
-    x["v"][0, 13, 1, 2] = np.nan
+    x["v"][0, 13, 1, 2] = value
+    x["v"][1, 29, 0, 0] = value  # (a later one in another batch row)
     assert_follows_recurrent(rec, x, first=13)
+
+
+def test_softmax_attention_from_a_nonfinite_first_token():
+    """∞ at token 0 of one batch row: every token runs over the KV cache, and a NaN at token 20 of the
+    other batch row still reaches no earlier token."""
+    rec = program("softmax")
+    x = inputs(rec)
+    x["v"][0, 0, 1, 5] = np.inf
+    x["v"][1, 20, 0, 2] = np.nan
+    assert_follows_recurrent(rec, x, first=0)
