@@ -142,7 +142,7 @@ class Recurrence:
         if chunk is not None:  # clamped to T for every form and backend: no chunk size overflows a kernel's int
             chunk = min(chunk, max(plan.shape.tokens, 1))
         with c_build.threads(threads) if threads is not None else nullcontext():
-            outputs, final = plan.module.forward(checked, plan.params, state0, plan.dims, chunk_size=chunk)
+            outputs, final = _forward(plan, checked, state0, chunk)
         return Result(outputs, final, dict(plan.params))
 
     def _plan(self, given: dict, form: str, backend: str, params: dict | None, initial_state: dict | None,
@@ -158,7 +158,19 @@ class Recurrence:
         sizes, used = self.bind(module, shape, params, initial_state, dims)
         for value in used.values():
             value.flags.writeable = False  # shared by the calls of this plan and their results
-        return checked, _CallPlan(module, shape, sizes, used)
+        return checked, _CallPlan(module, shape, sizes, used, self._nonfinite_tail(form, backend))
+
+    def _nonfinite_tail(self, form: str, backend: str):
+        """The module that runs the tokens from the first non-finite one on (docs/guarantees.md#non-finite-
+        values) where the form does not keep the rule itself: the recurrent form over the KV cache, for the
+        other forms of a causal program that reads the sequence through attention. Their products mask the
+        attention weights, not the values, and a masked weight 0 times a later token's NaN is NaN. None for
+        every other form (the scans keep the rule in their kernels)."""
+        if self.derivation.sequence is None or not self.program.causal or form == "recurrent" \
+                or "recurrent" not in self.forms:
+            return None
+        module = self.module("recurrent", backend)
+        return module if module.capabilities.decodes_over_cache else self.module("recurrent", NUMPY.name)
 
     __call__ = run
 
@@ -367,6 +379,30 @@ class _CallPlan:
     shape: arrays.CallShape
     dims: dict[str, int]
     params: dict[str, np.ndarray]
+    nonfinite_tail: object = None  # (Recurrence._nonfinite_tail)
+
+
+def _forward(plan: _CallPlan, inputs: dict, state0, chunk):
+    """plan.module.forward, and where the plan has a module for the tail, the tokens from the first one
+    whose inputs hold NaN or ±∞ on through it: the tokens before run alone through the plan's form."""
+    first = None if plan.nonfinite_tail is None else _first_nonfinite_token(inputs)
+    if first is None:
+        return plan.module.forward(inputs, plan.params, state0, plan.dims, chunk_size=chunk)
+    tail, final = plan.nonfinite_tail.forward(inputs, plan.params, state0, plan.dims, first=first)
+    if not first:
+        return tail, final
+    head, _ = plan.module.forward({name: a[:, :first] for name, a in inputs.items()}, plan.params, state0,
+                                  plan.dims, chunk_size=None if chunk is None else min(chunk, first))
+    return {name: np.concatenate([head[name], tail[name]], axis=1) for name in head}, final  # (tail: tokens first…)
+
+
+def _first_nonfinite_token(inputs: dict) -> int | None:
+    """The first token at which an input [B, T, H, *] holds NaN or ±∞ in any batch row and head, or None."""
+    bad = None
+    for a in inputs.values():
+        here = arrays.nonfinite_tokens(a).any(axis=(0, 2))
+        bad = here if bad is None else bad | here
+    return int(np.argmax(bad)) if bad is not None and bad.any() else None
 
 
 def _signature(given: dict, initial_state: dict | None, form: str, backend: str, params: dict | None,

@@ -362,7 +362,7 @@ output o = q·S
 """, "signed.lin")
     inputs = rec.random_inputs(1, 5, 1, seed=1)
     inputs["a"][...] = -0.5
-    with pytest.raises(linrec.RuntimeInputError, match="not positive"):
+    with pytest.raises(linrec.RuntimeInputError, match="is negative"):
         rec.run(inputs, form="parallel")
     assert np.all(np.isfinite(rec.run(inputs).outputs["o"]))
 

@@ -18,12 +18,26 @@ exp(c_t − c_j) on top of the scores). Exponents are always differences b_i −
 (forms.md §3): diagonal decays use sub-blocks so that each factor is ≤ 1, on either axis.
 
 Arrays arrive [B, T, H, *] and are processed head-major [B, H, T, *].
+
+Non-finite values (docs/guarantees.md#non-finite-values): a log-decay below RESET_LOG_DECAY (−∞ included:
+a decay of 0, a reset) is raised to it, so that the prefix sums stay finite. From the first token of a
+(batch row, head) with a value that is NaN or ±∞ on, the tokens run through recurrent_scan from the state
+before it: in the derived products a later token's NaN would reach earlier ones (0·NaN is NaN).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import nonfinite_tokens
 from ..dsl.errors import RuntimeInputError
+
+
+# A log-decay at or below this is a decay of exactly 0: exp underflows to 0 below about −745.13 in float64
+# (−103.97 in float32). The derived forms raise lower log-decays to it (−∞ included: a decay of 0, a reset,
+# which `g <= 0` admits), so that the prefix sums b stay finite: a difference b_i − b_j across a reset is
+# then ≤ RESET_LOG_DECAY, exactly 0 once exponentiated as in the recurrent form, and one within a stretch
+# without a reset is unchanged.
+RESET_LOG_DECAY = -750.0
 
 
 def per_token(x, shape: tuple[int, int, int, int], dtype, scalar: bool) -> np.ndarray:
@@ -34,12 +48,15 @@ def per_token(x, shape: tuple[int, int, int, int], dtype, scalar: bool) -> np.nd
 
 
 def log_decay(decay, state: str) -> np.ndarray:
-    """log of a decay that has no symbolic logarithm; the derived forms need it positive."""
+    """log of a decay that has no symbolic logarithm. The derived forms work in log space, so a negative
+    decay is an error; 0 is a reset (log −∞), and NaN or +∞ stay what they are (non-finite values of their
+    token, see the module's docstring)."""
     decay = np.asarray(decay)
-    if np.any(decay <= 0) or np.any(np.isnan(decay)):
-        raise RuntimeInputError(f"the decay of state '{state}' is not positive (min {np.nanmin(decay)!r}); the "
+    if np.any(decay < 0):
+        raise RuntimeInputError(f"the decay of state '{state}' is negative (min {np.nanmin(decay)!r}); the "
                                 f"parallel and chunkwise forms work in log space — use the recurrent form")
-    return np.log(decay)
+    with np.errstate(divide="ignore"):  # log(0) = −∞: a reset
+        return np.log(decay)
 
 
 def _head_major(x):
@@ -250,14 +267,22 @@ def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chu
     s0 [B, H, dk, dv]; log_decay None or [B, T, H, 1 | dk]; corrections [(u, w)] and writes [(κ, x)]
     per token [B, T, H, *]; readouts [(query, before_update)]; value_log_decay None or [B, T, H, dv] (a
     matrix state's columns, S·diag(exp(m))). Returns ([readout [B, T, H, dv]], S_T)."""
-    s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
-    results, end = _segment(s0, l, corr, wr, rd, causal, block=64, m=m)
-    return _finish(results, end, rd, causal, _tokens(l, corr, wr, rd, m))
+    return _guarded(_parallel, s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay)
 
 
 def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
                    value_log_decay=None):
     """The chunkwise form: state passing between chunks of C tokens, dense products inside a chunk."""
+    return _guarded(_chunkwise, s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay)
+
+
+def _parallel(s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay):
+    s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
+    results, end = _segment(s0, l, corr, wr, rd, causal, block=64, m=m)
+    return _finish(results, end, rd, causal, _tokens(l, corr, wr, rd, m))
+
+
+def _chunkwise(s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay):
     chunk = int(chunk_size or 64)
     s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
     tokens = _tokens(l, corr, wr, rd, m)
@@ -272,6 +297,90 @@ def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
         pieces.append(results)
     results = [np.concatenate([p[i] for p in pieces], axis=-2) for i in range(len(rd))] if causal else None
     return _finish(results, state, rd, causal, tokens)
+
+
+# ---- non-finite values --------------------------------------------------------------------------------
+def _guarded(derived, s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay):
+    """A derived form (_parallel or _chunkwise) under the rule for non-finite values: log-decays raised to
+    RESET_LOG_DECAY; in each (batch row, head) the tokens from the first one with a NaN or ±∞ on run through
+    recurrent_scan, from the state before it (the whole sequence where the initial state is not finite)."""
+    log_decay, value_log_decay = _raise_to_reset(log_decay), _raise_to_reset(value_log_decay)
+    corrections = [tuple(pair) for pair in corrections]
+    writes = [tuple(pair) for pair in writes]
+    arrays = (log_decay, corrections, writes, readouts, value_log_decay)
+    per_token = [a for a in (log_decay, value_log_decay) if a is not None]
+    per_token += [a for pair in corrections + writes for a in pair]
+    queries = [q for q, _ in readouts if q is not None]
+    tokens = (per_token + queries)[0].shape[1]
+    first = _first_nonfinite(s0, per_token + (queries if causal else []), tokens)  # (non-causal: read at S_T)
+    if np.all(first == tokens):
+        return derived(s0, *arrays[:4], causal, chunk_size, value_log_decay)
+    # the tokens from the first non-finite one on change nothing here: the derived form gives every earlier
+    # token, and the state just before the first non-finite one as its final state
+    before = _tokens_before(first, tokens, *arrays)
+    results, end = derived(s0, *before[:4], causal, chunk_size, before[4])
+    # (an initial state that is not finite enters the tail as it is: in the derived form's own final state a
+    # pseudo-value 0·S would have met it)
+    start = np.where(np.isfinite(s0).all(axis=(-2, -1))[..., None, None], end, s0).astype(end.dtype, copy=False)
+    results, end = _recurrent_from(first, tokens, start, [np.array(r) for r in results], *arrays, causal)
+    if not causal:  # every readout reads the final state
+        results, end = _finish(None, end, [(_head_major(q), b) for q, b in readouts], False, tokens)
+    return results, end
+
+
+def _tokens_before(first, tokens: int, log_decay, corrections, writes, readouts, value_log_decay):
+    """The per-token arrays with every token from `first` [B, H] on replaced by one that changes nothing:
+    log-decay 0 and every vector 0 (a readout of it is 0)."""
+    keep = np.arange(tokens)[None, :, None] < first[:, None, :]  # [B, T, H]
+
+    def kept(a):
+        return None if a is None else np.where(keep[..., None], a, np.zeros((), a.dtype))
+
+    return (kept(log_decay), [(kept(u), kept(w)) for u, w in corrections], [(kept(k), kept(x)) for k, x in writes],
+            [(kept(q), b) for q, b in readouts], kept(value_log_decay))
+
+
+def _recurrent_from(first, tokens: int, start, results, log_decay, corrections, writes, readouts, value_log_decay,
+                    causal):
+    """recurrent_scan over the tokens from `first` [B, H] on, from the states `start` [B, H, …], for every
+    (batch row, head) that has such tokens: their readouts written into `results` ([B, T, H, n], causal)
+    and their final states into the returned copy of `start`."""
+    end = np.array(start)
+    for f in np.unique(first[first < tokens]):
+        rows, heads = np.nonzero(first == f)
+
+        def tail(a):  # the tokens f… of these (batch row, head) pairs, as [pairs, T − f, 1, n]
+            return None if a is None else a[rows, f:, heads][:, :, None]
+
+        got, final = recurrent_scan(start[rows, heads][:, None], tail(log_decay),
+                                    [(tail(u), tail(w)) for u, w in corrections],
+                                    [(tail(k), tail(x)) for k, x in writes], [(tail(q), b) for q, b in readouts],
+                                    causal, value_log_decay=tail(value_log_decay))
+        end[rows, heads] = final[:, 0]
+        for r, g in zip(results if causal else [], got):
+            r[rows, f:, heads] = g[:, :, 0]
+    return results, end
+
+
+def _raise_to_reset(log_decay):
+    """Log-decays below RESET_LOG_DECAY raised to it (−∞ included; NaN stays NaN)."""
+    if log_decay is None:
+        return None
+    log_decay = np.asarray(log_decay)
+    if log_decay.size and log_decay.min() >= RESET_LOG_DECAY:  # the common case: one pass, no copy
+        return log_decay
+    return np.maximum(log_decay, np.asarray(RESET_LOG_DECAY, log_decay.dtype))
+
+
+def _first_nonfinite(s0, per_token, tokens: int) -> np.ndarray:
+    """[B, H]: per batch row and head, the first token with a NaN or ±∞ in any per-token array [B, T, H, n];
+    0 where the initial state s0 [B, H, *] holds one; `tokens` where there is none."""
+    bad = None
+    for a in per_token:
+        here = nonfinite_tokens(a)
+        bad = here if bad is None else bad | here
+    first = np.where(bad.any(axis=1), np.argmax(bad, axis=1), tokens)
+    return np.where(np.isfinite(np.asarray(s0)).all(axis=(-2, -1)), first, 0)
 
 
 def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
