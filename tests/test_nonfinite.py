@@ -272,7 +272,8 @@ def helper_kernel(ctype: str):
     helper per element), v_NAME (one register at a time), r_NAME (the row helper); and lr_max_row."""
     lanes = c_build.vector_bytes() // (4 if ctype == "float" else 8)
     common = environment("linrec.c").get_template("c_common.h.j2").render(
-        ctype=ctype, vector_bytes=c_build.vector_bytes(), lanes=lanes, block_tokens=16, inputs=[])
+        ctype=ctype, vector_bytes=c_build.vector_bytes(), lanes=lanes, block_tokens=16, inputs=[],
+        checks_inputs=False)
     calls = [f"void s_{n}(const T *x, T *y, int n) {{ for (int i = 0; i < n; ++i) y[i] = {f}(x[i]); }}"
              for n, f in SCALAR_HELPERS.items()]
     calls += [f"void v_{n}(const T *x, T *y, int n) {{ for (int i = 0; i + VW <= n; i += VW) "
