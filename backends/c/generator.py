@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, replace
-from math import prod
+from dataclasses import replace
 
 from ..compiler import Compiled, ir
 from ..compiler.analysis import walk
@@ -16,15 +15,12 @@ from ..compiler.linearity import ONE, split_scalar
 from ..dsl.errors import LinrecError
 
 from .build import CTYPE_BYTES
+from .kernel_source import STEP_PARALLEL_THRESHOLD, KernelSource, Target
 from .printer import CPrinter, Local, UnprintableError, read_only_through_readouts
 from .stabilize import Scales
 from .support import fused_refusal
-from ..compiler.identifiers import Namespace
 from ..version import VERSION
-from ..templating import comment_lines, environment
 
-# Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
-STEP_PARALLEL_THRESHOLD = 1 << 20
 # SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
 REGISTER_BUDGET = 24
 # The per-token values of a block of tokens (the sequence kernel's unit of work) should fit in L1 beside
@@ -50,153 +46,6 @@ def _divisor_at_most(n: int, limit: int) -> int:
     return next(g for g in range(limit, 0, -1) if n % g == 0) if n else 1
 
 
-@dataclass(frozen=True)
-class Target:
-    ctype: str
-    vector_bytes: int
-
-    @property
-    def lanes(self) -> int:
-        return self.vector_bytes // CTYPE_BYTES[self.ctype]
-
-
-class KernelSource:
-    """What the recurrent C sources share (the fused kernels here, c_general's statement-by-statement ones):
-    the file's C names; sizes; and the entry points, lr_forward, lr_step and lr_step_packed, over the arrays in
-    one order (array_names).
-
-    Names: every name of the program is bound first, with a prefix per role (input q → in_q, param W → prm_W,
-    state S → st_S, output o → out_o, named value p → let_p); the names made of them (the row pointer in_q_t,
-    buf_st_S, blk_w_st_S_0, …) come after, from the same Namespace (local(), row()), and get a numbered
-    variant where a user's name holds their spelling (an input q_t beside q). The other names of the kernels
-    (loop indices, registers, the lr_* helpers, the printers' s1 and v2, r0, ls0, …) have no role prefix, so
-    no user name can reach them."""
-
-    template = ""  # the file under templates/ that source() renders with context()
-
-    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
-        self.c = compiled
-        self.p = compiled.program
-        self.d = compiled.derivation
-        self.dims = dims
-        self.t = target
-        p = self.p
-        self.names = Namespace()
-        for prefix, names in (("in_", [x.name for x in p.inputs]), ("prm_", [prm.name for prm in p.params]),
-                              ("st_", [st.name for st in p.states]), ("out_", [o.name for o in p.outputs]),
-                              ("let_", list(p.lets))):
-            self.names.bind(names, prefix)
-
-    # ---- identifiers ----
-    def cin(self, name):
-        return self.names.user(name, "in_")
-
-    def cparam(self, name):
-        return self.names.user(name, "prm_")
-
-    def cstate(self, name):
-        return self.names.user(name, "st_")
-
-    def cout(self, name):
-        return self.names.user(name, "out_")
-
-    def clet(self, name):
-        return self.names.user(name, "let_")
-
-    def local(self, *parts) -> str:
-        """The C name made of `parts` (blk_w, st_S, 0 → blk_w_st_S_0): the same parts give the same name."""
-        return self.names.fresh("_".join(str(x) for x in parts), key=parts)
-
-    def row(self, array: str) -> str:
-        """This token's row of an input or output array (in_q → in_q_t): a pointer, or the scalar itself."""
-        return self.local(array, "t")
-
-    def size(self, shape) -> int:
-        return prod(self.dims[d] for d in shape)
-
-    def padded(self, n: int) -> int:
-        lanes = self.t.lanes
-        return (n + lanes - 1) // lanes * lanes
-
-    # ---- leaves: a token's row of an input (in_x_t), a parameter (this head's), a kernel local ----
-    def ref(self, node: ir.Expr) -> str:
-        if isinstance(node, ir.InputRef):
-            return self.row(self.cin(node.name))
-        if isinstance(node, ir.ParamRef):
-            base = self.cparam(node.name)
-            n = self.size(node.shape)
-            if node.per_head:
-                return f"({base} + h * {n})" if node.shape else f"{base}[h]"
-            return base if node.shape else f"{base}[0]"
-        if isinstance(node, Local):
-            return node.name
-        raise LinrecError(f"the C backend cannot reference {type(node).__name__} here")
-
-    def outside(self, x: ir.Input, lanes: bool = False) -> str | None:
-        """C for "element {v} of input x lies outside its declared range (or is NaN)", or None: the sequence
-        kernel tests every element as it reads the block, so run() need not scan the inputs first.
-        lanes=True: the same test of a whole register {v}, as an lr_mask (all bits set in a lane outside)."""
-        lit = CPrinter(self.t.ctype, self.dims, self.ref).literal
-        tests = []
-        if x.low is not None:
-            tests.append(f"({{v}} {'>' if x.low_open else '>='} {lit(x.low)})")
-        if x.high is not None:
-            tests.append(f"({{v}} {'<' if x.high_open else '<='} {lit(x.high)})")
-        if not tests:
-            return None
-        return f"{'~' if lanes else '!'}({' & '.join(tests)})"  # & rather than &&: the loop vectorizes
-
-
-    # ---- the entry points ----
-    def array_names(self) -> tuple[list[str], int]:
-        """The C names of the arrays every entry point takes, in order — inputs and params (read), then
-        states and outputs (written) — and how many are read."""
-        names = ([self.cin(x.name) for x in self.p.inputs] + [self.cparam(prm.name) for prm in self.p.params]
-                 + [self.cstate(st.name) for st in self.p.states] + [self.cout(o.name) for o in self.p.outputs])
-        return names, len(self.p.inputs) + len(self.p.params)
-
-    def entry_points(self) -> dict:
-        """The signatures of lr_forward, lr_step (causal programs) and lr_step_packed, the struct the last
-        takes, and lr_step's parameters as {name, decl}."""
-        names, n_read = self.array_names()
-        ct = self.t.ctype
-        # a param that only other params' defaults read (Mamba-2's A_log, A = −exp(A_log)) is passed to every
-        # entry point like the rest, and read by none
-        unread = {self.cparam(prm.name) for prm in self.p.params} - {
-            self.cparam(n.name) for step in self.p.steps for n in walk(step.value) if isinstance(n, ir.ParamRef)}
-        args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}"
-                + (" __attribute__((unused))" if name in unread else "") for i, name in enumerate(names)]
-        fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
-        stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
-        call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
-        return dict(
-            checks_inputs=any(self.outside(x) for x in self.p.inputs),  # (lr_inputs_outside is emitted)
-            forward_signature=fwd, step_signature=stp if self.p.causal else "",
-            step_packed_signature="int lr_step_packed(const lr_step_call *call)", step_call_struct=call,
-            step_args=[{"name": n, "decl": a} for n, a in zip(names, args)])
-
-    def source_comment(self) -> str:
-        """The program's source, for the generated file's opening comment."""
-        return "   Source program:\n" + comment_lines(self.c.source.strip(), "       ", c=True)
-
-    def context(self) -> dict:
-        raise NotImplementedError
-
-    def cdef(self) -> str:
-        """The declarations cffi needs: the entry points without `restrict` and attributes."""
-        sig = self.entry_points()
-        strip = lambda s: s.replace("restrict ", "").replace(" __attribute__((unused))", "")  # noqa: E731
-        out = strip(sig["forward_signature"]) + ";\n"
-        if sig["step_signature"]:
-            out += strip(sig["step_signature"]) + ";\n" + sig["step_call_struct"] + "\n" \
-                + sig["step_packed_signature"] + ";\n"
-        return out
-
-    def source(self) -> str:
-        # (the template's macro definitions come first and render as blank lines)
-        return environment(__package__).get_template(self.template).render(**self.context()).lstrip("\n")
-
-
 class Generator(KernelSource):
     """Builds the template's context for one (dtype, sizes)."""
 
@@ -211,7 +60,7 @@ class Generator(KernelSource):
 
     def array_names(self) -> tuple[list[str], int]:
         names, n_read = super().array_names()
-        at = n_read + len(self.p.states)  # stabilized states' log-scales after the states
+        at = n_read + len(self.program.states)  # stabilized states' log-scales after the states
         return names[:at] + [f"lsc{g}" for g in range(len(self.scales.groups))] + names[at:], n_read
 
     # ---- leaves ----
@@ -229,11 +78,11 @@ class Generator(KernelSource):
         corrections' p = wᵀS, the right vectors and one fused pass (rows of S at their true stride dv,
         with a column tail when dv is not a whole number of registers), then the outputs."""
         updates = readouts = step = True
-        pr = CPrinter(self.t.ctype, self.dims, self.ref)
+        pr = CPrinter(self.target.ctype, self.dims, self.ref)
         states = []
         plans = []
-        for st in self.p.states:
-            tr = self.d.transition(st.name)
+        for st in self.program.states:
+            tr = self.derivation.transition(st.name)
             plan = self._plan_state(st, tr, updates=updates, readouts=readouts)
             plans.append(plan)
         # declare everything this region prints, so that shared subexpressions are computed once
@@ -241,11 +90,11 @@ class Generator(KernelSource):
             pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *plan["y"],
                       *_queries(plan))
         pr.expect(*self.scales.exponents())
-        outputs, scaled = self.scales.outputs(self.d.outputs, block=False)
+        outputs, scaled = self.scales.outputs(self.derivation.outputs, block=False)
         pr.expect(*[e for _, e in outputs])
         # 1. state-free values of the token (first the scales of stabilized states: the rest reads them)
         scale_lines = self.scales.token_lines(pr, scaled, block=False)
-        for st, plan in zip(self.p.states, plans):
+        for st, plan in zip(self.program.states, plans):
             plan["decay_code"] = None
             if plan["decay"] is not None:
                 dec = plan["decay"]
@@ -257,14 +106,14 @@ class Generator(KernelSource):
         prep = scale_lines + pr.take_token()
         # 2. per state: corrections, right vectors, the fused pass
         readout_decls = []
-        for st, plan in zip(self.p.states, plans):
+        for st, plan in zip(self.program.states, plans):
             matrix = len(st.shape) == 2
             rows = self.dims[st.shape[0]]
             cols = self.dims[st.shape[1]] if matrix else 1
             cols_padded = self.padded(cols) if matrix else 1
             ld = cols if step else cols_padded
             ncols = cols if step else cols_padded
-            nfull = ncols // self.t.lanes
+            nfull = ncols // self.target.lanes
             y_lines = []
             y_names = []
             for gi, y in enumerate(plan["y"]):
@@ -295,12 +144,12 @@ class Generator(KernelSource):
             state = {
                 "name": st.name, "c": self.cstate(st.name), "matrix": matrix, "rows": rows, "cols": ncols,
                 "cols_padded": cols_padded, "S": self.local("buf", self.cstate(st.name)), "ld": ld, "nfull": nfull,
-                "tail": ncols % self.t.lanes if matrix else 0, "update": updates,
+                "tail": ncols % self.target.lanes if matrix else 0, "update": updates,
                 "decay": plan["decay_code"] if updates else None,
                 "corrections": [{"w": w, "p": p.name} for w, p in zip(plan["w_codes"], plan["p"])],
                 "groups": [{"x": x, "y": y} for x, y in zip(plan["x_codes"], y_names)],
                 "y_lines": y_lines, "before": before, "after": after, "gv_u": gv_u, "gv_p": gv_p,
-                "comment": self.d.transition(st.name).kind if updates else "readouts of the final state",
+                "comment": self.derivation.transition(st.name).kind if updates else "readouts of the final state",
                 "next": False,
                 # read twice (corrections first): the update pass runs from L1 and can prefetch the next head
                 "prefetch_next": matrix and bool(plan["w"]),
@@ -332,18 +181,18 @@ class Generator(KernelSource):
     def block_region(self, prefix: str, *, updates: bool, readouts: bool) -> dict:
         """One block of tokens of one head: (1) every state-free value of every token into block arrays
         (and the bookkeeping of lazily applied decays), (2) the states over the block, (3) the outputs."""
-        ct = self.t.ctype
+        ct = self.target.ctype
         pr = CPrinter(ct, self.dims, self.ref, prefix)
         po = CPrinter(ct, self.dims, self.ref, prefix + "o")
-        plans = [self._plan_state(st, self.d.transition(st.name), updates=updates, readouts=readouts)
-                 for st in self.p.states]
+        plans = [self._plan_state(st, self.derivation.transition(st.name), updates=updates, readouts=readouts)
+                 for st in self.program.states]
         for plan in plans:
             pr.expect(*[e for e in (plan["decay"],) if e is not None], *plan["w"], *plan["x"], *_queries(plan),
                       *[e for terms in plan["terms"] for c, kind, v in terms for e in (c, v) if kind == "v"])
             if not plan["w"]:
                 pr.expect(*plan["y"])
         pr.expect(*self.scales.exponents())
-        outputs, scaled = self.scales.outputs(self.d.outputs, block=True) if readouts else ((), [])
+        outputs, scaled = self.scales.outputs(self.derivation.outputs, block=True) if readouts else ((), [])
         po.expect(*[e for _, e in outputs])
         arrays: list[tuple[str, int]] = []  # block arrays: name, values per token (0: one scalar)
         flags: set[str] = set()  # the block arrays of int32 flags (tested in the tiled passes' inner loops:
@@ -381,7 +230,7 @@ class Generator(KernelSource):
         decay_prep = self.scales.token_lines(pr, scaled, block=True) if updates else []
         arrays += [(f"blk_rsc{i}", 0) for i in scaled]
         lazy: dict[str, dict] = {}
-        for st, plan in zip(self.p.states, plans):
+        for st, plan in zip(self.program.states, plans):
             decay = plan["decay"] if updates else None
             if decay is None:
                 continue
@@ -400,16 +249,16 @@ class Generator(KernelSource):
                 lazy[st.name] = {"scalars": {kind: self.local(kind, c) for kind in ("mw", "mx", "mq")}}
 
         states, lazies, readout_decls = [], [], []
-        for st, plan in zip(self.p.states, plans):
+        for st, plan in zip(self.program.states, plans):
             c = self.cstate(st.name)
             matrix = len(st.shape) == 2
             rows = self.dims[st.shape[0]]
             cols = self.dims[st.shape[1]] if matrix else 1
             cp = self.padded(cols) if matrix else 1
-            nfull = cp // self.t.lanes if matrix else 0
+            nfull = cp // self.target.lanes if matrix else 0
             entry = {"name": st.name, "c": c, "matrix": matrix, "rows": rows, "cols": cp, "cols_padded": cp,
                      "S": self.local("buf", c), "ld": cp, "nfull": nfull, "tail": 0, "update": updates,
-                     "comment": self.d.transition(st.name).kind if updates else "readouts of the final state"}
+                     "comment": self.derivation.transition(st.name).kind if updates else "readouts of the final state"}
             decay = plan["decay"] if updates else None
             lz = lazy.get(st.name)
 
@@ -529,7 +378,7 @@ class Generator(KernelSource):
             if e.shape:  # a row computed into a local, then streamed to its place (never a fused one)
                 rows.append({"c": target, "row": self.row(target), "size": self.size(e.shape)})  # (its tile loop has written it)
         # the token's input rows each phase reads (its code mentions them, or it tests their range)
-        checked = {self.row(self.cin(x.name)) for x in self.p.inputs if updates and self.outside(x)}
+        checked = {self.row(self.cin(x.name)) for x in self.program.inputs if updates and self.outside(x)}
         return {"head": head + po.take_head(), "decay_prep": decay_prep, "prep": prep, "lazy": lazies,
                 "scales": self._scale_context() if updates else [],
                 "states": states, "checks": updates,
@@ -544,7 +393,7 @@ class Generator(KernelSource):
         """The input rows (in_x_t) that generated code — strings, in lists and dicts — mentions: the rows a
         part of the kernel declares (declaring the others would only draw the compiler's warnings)."""
         text = "\n".join(_strings(code))
-        rows = {self.row(self.cin(x.name)) for x in self.p.inputs}
+        rows = {self.row(self.cin(x.name)) for x in self.program.inputs}
         return {r for r in rows if re.search(rf"\b{re.escape(r)}\b", text)}
 
     def _lazy_registers(self, pr: CPrinter, c: str, decay: ir.Expr, plan: dict) -> dict:
@@ -580,21 +429,16 @@ class Generator(KernelSource):
                             fused.add(name)
         return fused
 
-    def prefetch_lines(self, x: ir.Input) -> int:
-        """The lines lr_prefetch_row issues for a row of input x: one per 64 bytes from its start, and one
-        at its last byte (the line a row not on a line boundary reaches into); one for a scalar."""
-        return -(-self.size(x.shape) * CTYPE_BYTES[self.t.ctype] // 64) + 1 if x.shape else 1
-
     def _prefetch_pace(self, entry: dict) -> tuple[int, int]:
         """How a tiled pass issues the next block's rows: (steps of its inner loop per prefetched row, rows
         at each of those steps), so that every row is on its way before the pass ends, a row's lines at a
         time: one token's rows over one token's steps. A tiled pass is bound by its multiply-adds and has
         load slots to spare. (0, 0) for a pass token after token: it is bound by its loads and reads from L1,
         and prefetches inside it cost more than a burst in phase 1 (measured ~5% on gated DeltaNet)."""
-        if entry["kind"] != "tiled" or not self.p.inputs:
+        if entry["kind"] != "tiled" or not self.program.inputs:
             return 0, 0
         steps = entry["nfull"] // entry["ct"] * -(-entry["rows"] // entry["rt"])  # tiles, each once per token
-        rows = len(self.p.inputs)
+        rows = len(self.program.inputs)
         return max(1, steps // rows), -(-rows // steps)
 
     def _plan_state(self, st: ir.State, tr, *, updates: bool, readouts: bool) -> dict:
@@ -625,14 +469,14 @@ class Generator(KernelSource):
                 plan["y"].append(_sum(terms, right_shape))
             plan["terms"] = list(parts.values())
         if readouts:
-            for r in self.d.readouts:
+            for r in self.derivation.readouts:
                 if r.state == st.name:
                     plan["readouts"].append(replace(r, query=self.scales.query(r)))
         return plan
 
     # ---- the whole file ----
     def context(self) -> dict:
-        causal = self.p.causal
+        causal = self.program.causal
         if causal:
             forward_regions = [self.block_region("", updates=True, readouts=True)]
         else:  # non-causal: every output reads the final state, so run the updates first
@@ -646,38 +490,34 @@ class Generator(KernelSource):
         for r in forward_regions:
             for name, n in r["arrays"]:
                 sizes[name] = n
-        per_token = sum(max(n, 1) for n in sizes.values()) * CTYPE_BYTES[self.t.ctype]
+        per_token = sum(max(n, 1) for n in sizes.values()) * CTYPE_BYTES[self.target.ctype]
         block_tokens = 8
         while block_tokens < 64 and 2 * block_tokens * per_token <= BLOCK_BYTES:
             block_tokens *= 2
         # a segment (what a thread runs of a head before it looks for another, see lr_claim): whole blocks,
         # enough multiply-adds (~2M, tens of µs) that claiming a head and moving its state cost little
-        work = sum(self.size(s.shape) for s in self.p.states) * (2 + len(self.d.readouts))
+        work = sum(self.size(s.shape) for s in self.program.states) * (2 + len(self.derivation.readouts))
         segment_tokens = block_tokens
         while segment_tokens * work < SEGMENT_WORK and segment_tokens < 8192:
             segment_tokens *= 2
-        align = 64 // CTYPE_BYTES[self.t.ctype]
+        align = 64 // CTYPE_BYTES[self.target.ctype]
         block_arrays, offset = [], 0
         for name, n in sizes.items():
             block_arrays.append({"name": name, "n": n, "offset": offset, "flag": name in flags})
             offset += -(-block_tokens * max(n, 1) // align) * align
-        ct = self.t.ctype
+        ct = self.target.ctype
         return dict(
-            name=self.p.name, version=VERSION, filename=self.c.filename, source_comment=self.source_comment(),
-            ctype=ct, vector_bytes=self.t.vector_bytes, lanes=self.t.lanes,
-            dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
-            inputs=[{"c": self.cin(x.name), "row": self.row(self.cin(x.name)), "size": self.size(x.shape),
-                     "scalar": not x.shape, "outside": self.outside(x), "outside_lanes": self.outside(x, lanes=True),
-                     "pf_lines": self.prefetch_lines(x)} for x in self.p.inputs],
-            outputs=[{"c": self.cout(o.name), "row": self.row(self.cout(o.name)), "size": self.size(o.value.shape),
-                      "scalar": not o.value.shape} for o in self.p.outputs],
+            name=self.program.name, version=VERSION, filename=self.compiled.filename, source_comment=self.source_comment(),
+            ctype=ct, vector_bytes=self.target.vector_bytes, lanes=self.target.lanes,
+            dims=[(d.name, self.dims[d.name]) for d in self.program.dims],
+            inputs=self.input_arrays(), outputs=self.output_arrays(),
             states=[{"c": self.cstate(s.name), "name": s.name, "matrix": len(s.shape) == 2,
                      "lazy_rows": lazy_rows.get(s.name, 0),  # (on whole cache lines: threads write them)
                      "lazy_stride": -(-lazy_rows.get(s.name, 0) // align) * align,
                      "rows": self.dims[s.shape[0]], "cols": self.dims[s.shape[1]] if len(s.shape) == 2 else 1,
                      "cols_padded": self.padded(self.dims[s.shape[1]]) if len(s.shape) == 2 else 1,
                      **self._buffers(s.name)}
-                    for s in self.p.states],
+                    for s in self.program.states],
             forward_regions=forward_regions, step_region=step_region, block_tokens=block_tokens,
             scales=self._scale_context(),
             segment_tokens=segment_tokens,
@@ -698,7 +538,7 @@ class Generator(KernelSource):
         """Per group of stabilized states: its C name, the caller's log-scale array and the states' arrays
         (for the test that a state given at its true scale is all zero)."""
         return [{"g": g, "c": f"lsc{g}", "key": gr["key"], "names": ", ".join(gr["states"]),
-                 "states": [{"c": self.cstate(n), "size": self.size(self.p.state(n).shape)} for n in gr["states"]]}
+                 "states": [{"c": self.cstate(n), "size": self.size(self.program.state(n).shape)} for n in gr["states"]]}
                 for g, gr in enumerate(self.scales.groups)]
 
 
