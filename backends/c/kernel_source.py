@@ -3,7 +3,8 @@
 the entry points themselves."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields, is_dataclass
 from math import prod
 
 from ..compiler import Compiled, ir
@@ -172,6 +173,13 @@ class KernelSource:
             out.append(OutputArray(c, row, n, not o.value.shape, f"T *restrict {row} = {c} + tok * {n};"))
         return out
 
+    def rows_mentioned(self, *code) -> set[str]:
+        """The input rows (in_x_t) that generated code mentions — strings, in lists, dicts and records: the rows
+        a part of the kernel declares (declaring the others would only draw the compiler's warnings)."""
+        text = "\n".join(_strings(code))
+        rows = {x.row for x in self.input_arrays()}
+        return {r for r in rows if re.search(rf"\b{re.escape(r)}\b", text)}
+
     # ---- the entry points ----
     def array_names(self) -> tuple[list[str], int]:
         """The C names of the arrays every entry point takes, in order — inputs and params (read), then
@@ -221,3 +229,16 @@ class KernelSource:
     def source(self) -> str:
         # (the template's macro definitions come first and render as blank lines)
         return environment(__package__).get_template(self.template).render(**self.context()).lstrip("\n")
+
+
+def _strings(code) -> list[str]:
+    """Every string in nested lists, tuples, sets, dicts and records (dataclasses) of generated code."""
+    if isinstance(code, str):
+        return [code]
+    if is_dataclass(code):
+        code = [getattr(code, f.name) for f in fields(code)]
+    elif isinstance(code, dict):
+        code = list(code.values())
+    if isinstance(code, (list, tuple, set, frozenset)):
+        return [s for part in code for s in _strings(part)]
+    return []

@@ -1,0 +1,362 @@
+"""The sequence kernel's unit of work, one block of tokens of one head (fused_plan.BlockRegion), in three
+phases: (1) every state-free value of every token of the block into block arrays, with the bookkeeping of
+lazily applied decays; (2) the passes over the states; (3) the outputs, from the readouts.
+
+A decayed matrix state is kept as Ŝ = S/c with its decay applied lazily: phase 1 updates c ← c·D per token
+and stores the vectors that meet Ŝ times their factor (x/c for the writes' left vectors, q⊙c for the
+queries), so that phase 2 does one multiply-add per element fewer. Should c leave its range (or D be
+negative), the token is slow: it applies c·D to the rows instead and c restarts at 1."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from ..compiler import ir
+from ..compiler.analysis import walk
+from ..compiler.linearity import ONE
+
+from .fused_plan import (BlockRegion, LazyStore, OutputRow, RangeCheck, RightVector, RowsLazyDecay,
+                         ScalarLazyDecay, ScaleGroup, TokenPass, TokenUpdate, VectorCorrection, VectorPass,
+                         VectorRead)
+from .kernel_source import KernelSource
+from .passes import (REGISTER_BUDGET, Decay, MatrixOperands, ReadoutOperands, correction_arrays,
+                     correction_pass, divisor_at_most, row_pass, tiled_pass)
+from .printer import CPrinter
+from .stabilize import Scales
+from .state_terms import StateTerms, state_terms
+
+
+class BlockArrays:
+    """The block arrays of one region: the per-token values phase 1 stores, LR_BLOCK tokens of each, in the
+    thread's block buffer (generator.py lays them out)."""
+
+    def __init__(self, printer: CPrinter, values: list[str]):
+        self.printer = printer
+        self.values = values                      # phase 1's lines (export's default place)
+        self.arrays: list[tuple[str, int]] = []   # name, values per token (0: one scalar)
+        self.flags: set[str] = set()              # arrays of int32 flags
+        self.stored: set[str] = set()             # arrays the lazy bookkeeping of a per-row decay stores itself
+        self._exported: dict[tuple, str] = {}     # (e, n, padded) → the array that holds e as it is
+
+    def add(self, name: str, values: int, flags: bool = False) -> None:
+        self.arrays.append((name, values))
+        if flags:
+            self.flags.add(name)
+
+    def vector(self, e: ir.Expr, name: str, n: int, padded: int | None = None, scale: str | None = None,
+               lines: list[str] | None = None, share: bool = False) -> str:
+        """e into block array `name` (n values, zeros up to `padded`); `scale`: C for a factor of element i (a
+        lazy decay's) it is multiplied by as it is stored (the array then no longer holds e: later uses compute
+        e anew). share=True (callers that use the name returned): the name of an array that already holds e,
+        if any (S's and its normalizer z's keys and queries: one array each, not a copy per state)."""
+        pr = self.printer
+        shared = scale is None and name not in self.stored
+        if share and shared and (e, n, padded) in self._exported:
+            return self._exported[(e, n, padded)]
+        self.add(name, padded or n)
+        if name in self.stored:  # (by the lazy bookkeeping)
+            return name
+        body = pr.fill(e, f"{name}[u]", n, keep=scale is None, scale=scale)
+        pad = [f"for (int i = {n}; i < {padded}; ++i) {name}[u][i] = 0;"] if padded and padded > n else []
+        (self.values if lines is None else lines).extend(pr.take_token() + body + pad)
+        if shared:
+            self._exported.setdefault((e, n, padded), name)
+        return name
+
+    def scalar(self, e: ir.Expr, name: str, lines: list[str] | None = None) -> str:
+        self.add(name, 0)
+        code = self.printer.scalar(e)
+        (self.values if lines is None else lines).extend(self.printer.take_token() + [f"{name}[u] = {code};"])
+        return name
+
+
+def block_region(kernel: KernelSource, scales: Scales, groups: list[ScaleGroup], prefix: str, *, updates: bool,
+                 readouts: bool) -> BlockRegion:
+    """The region of one pass over the sequence (a causal program's only one; a non-causal program's updates,
+    then its readouts of the final state). `prefix` keeps the printers' locals of two regions apart."""
+    return _Region(kernel, scales, groups, prefix, updates, readouts).build()
+
+
+class _Region:
+    def __init__(self, kernel: KernelSource, scales: Scales, groups: list[ScaleGroup], prefix: str, updates: bool,
+                 readouts: bool):
+        self.k, self.scales, self.groups = kernel, scales, groups
+        self.updates, self.readouts = updates, readouts
+        ct, dims = kernel.target.ctype, kernel.dims
+        self.printer = CPrinter(ct, dims, kernel.ref, prefix)              # phase 1
+        self.output_printer = CPrinter(ct, dims, kernel.ref, prefix + "o")  # phase 3
+        self.terms = [state_terms(kernel, scales, st, updates=updates, readouts=readouts)
+                      for st in kernel.program.states]
+        self.values: list[str] = []
+        self.blocks = BlockArrays(self.printer, self.values)
+        self.readout_rows: list[str] = []   # phase 3: this token's readouts
+
+    def build(self) -> BlockRegion:
+        k, pr = self.k, self.printer
+        self._expect()
+        outputs, scaled = self.scales.outputs(k.derivation.outputs, block=True) if self.readouts else ((), [])
+        self.output_printer.expect(*[e for _, e in outputs])
+        # the decays first: the lazy bookkeeping after them gives the factors by which the vectors that meet a
+        # lazily decayed state are stored
+        decay_values = self.scales.token_lines(pr, scaled, block=True) if self.updates else []
+        for i in scaled:
+            self.blocks.add(f"blk_rsc{i}", 0)
+        lazy = {st.name: self._decay(st, terms, decay_values) for st, terms in zip(k.program.states, self.terms)}
+        streamed = self._streamed(outputs)
+        passes, lazies = [], []
+        for st, terms in zip(k.program.states, self.terms):
+            state_pass, bookkeeping = self._state(st, terms, lazy[st.name], streamed)
+            passes.append(state_pass)
+            lazies += [bookkeeping] if bookkeeping else []
+        head = pr.take_head()
+        output_lines, output_rows = self._outputs(outputs, streamed)
+        checks = [self._range_check(x) for x in k.input_arrays() if self.updates and x.outside]
+        tiled = [p for p in passes if p.kind == "tiled" and k.program.inputs]
+        return BlockRegion(
+            head=tuple(head + self.output_printer.take_head()),
+            notes_rows=bool(tiled), ticks=any(p.pace.ticks for p in tiled),
+            lane_checks=any(not c.scalar for c in checks), scales=tuple(self.groups if self.updates else ()),
+            next_rows=tuple(f"pf_row[pf_count++] = {x.c} + ahead * {x.size};" if tiled else
+                            f"lr_prefetch_rows({x.c} + ahead * {x.size}, {x.size});" for x in k.input_arrays()),
+            input_rows=self._rows(k.rows_mentioned(decay_values, self.values, lazies) | {c.row for c in checks}),
+            range_checks=tuple(checks), decay_values=tuple(decay_values), lazy_decays=tuple(lazies),
+            values=tuple(self.values), passes=tuple(passes),
+            output_input_rows=self._rows(k.rows_mentioned(output_lines)), readout_rows=tuple(self.readout_rows),
+            output_rows=tuple(output_rows), outputs=tuple(output_lines), arrays=tuple(self.blocks.arrays),
+            flag_arrays=frozenset(self.blocks.flags),
+            scale_rows={lz.name: lz.rows if lz.kind == "rows" else 1 for lz in lazies})
+
+    def _expect(self) -> None:
+        """Declares everything phase 1 prints (shared subexpressions are then computed once)."""
+        pr = self.printer
+        for t in self.terms:
+            values = [e for g in t.groups for term in g.terms if term.value is not None
+                      for e in (term.coefficient, term.value)]
+            pr.expect(*[e for e in (t.decay,) if e is not None], *[c.w for c in t.corrections],
+                      *[g.x for g in t.groups], *t.queries(), *values)
+            if not t.corrections:
+                pr.expect(*[g.y for g in t.groups])
+        pr.expect(*self.scales.exponents())
+
+    # ---- phase 1: decays ----
+    def _decay(self, st: ir.State, terms: StateTerms, lines: list[str]) -> dict | None:
+        """The decay of state st into its block array (or, for a matrix state's decay per row, the lazy
+        bookkeeping's registers: see _lazy_registers); what a lazily decayed state's vectors are stored with."""
+        decay = terms.decay if self.updates else None
+        if decay is None:
+            return None
+        k, c, rows = self.k, self.k.cstate(st.name), self.k.dims[st.shape[0]]
+        if len(st.shape) == 2 and decay.shape:
+            self.blocks.add(k.local("blk_d", c), rows)
+            lazy = self._lazy_registers(c, decay, terms)
+            self.blocks.stored.update(name for name, _, _ in lazy["stores"])
+            lines.extend(self.printer.take_token())
+            return lazy
+        if decay.shape:
+            self.blocks.vector(decay, k.local("blk_d", c), rows, lines=lines)
+        else:
+            self.blocks.scalar(decay, k.local("blk_d", c), lines=lines)
+        if len(st.shape) == 2:  # a scalar decay, applied lazily: its factors are scalars, phase 1 stores
+            return {"scalars": {kind: k.local(kind, c) for kind in ("mw", "mx", "mq")}}
+        return None
+
+    def _lazy_registers(self, c: str, decay: ir.Expr, terms: StateTerms) -> dict:
+        """The lazy bookkeeping of a matrix state with a per-row decay: it computes the decay and stores the
+        vectors that meet Ŝ times their factors itself, a register at a time, c·D kept in registers (a
+        third of phase 1 faster for GLA than through block arrays of factors). Values with no register-wise
+        form (CPrinter.lanes) are computed into a local row first."""
+        k, pr = self.k, self.printer
+        vectors = ([(cr.w, k.local("blk_w", c, r), "mw") for r, cr in enumerate(terms.corrections)]
+                   + [(g.x, k.local("blk_x", c, i), "mx") for i, g in enumerate(terms.groups)]
+                   + [(rd.query, k.local("blk_q", c, i), "mw" if rd.before_update else "mq")
+                      for i, rd in enumerate(terms.readouts)])
+        for e in [decay] + [v for v, _, _ in vectors]:
+            if not pr.has_lanes(e):
+                pr.array(e)  # (then at hand)
+        return {"register": pr.lanes(decay, "i"), "element": pr.lanes(decay, "i", whole=False),
+                "stores": [(name, factor, LazyStore(f"{name}[u]", pr.lanes(e, "i"), pr.lanes(e, "i", whole=False)))
+                           for e, name, factor in vectors]}
+
+    # ---- phase 2: a state's pass ----
+    def _streamed(self, outputs) -> dict[int, str]:
+        """The outputs that are a readout as it is, of a tiled pass over whole registers: the pass's last
+        tile of rows streams them to their rows, so they skip phase 3 and the block array (~3% on GLA).
+        Returns {readout index: the output row at column 0}."""
+        k = self.k
+        uses = Counter(n.index for _, e in outputs for n in walk(e) if isinstance(n, ir.ReadoutRef))
+        streamed = {}
+        for name, e in outputs:
+            if not isinstance(e, ir.ReadoutRef) or uses[e.index] != 1:
+                continue
+            for st, terms in zip(k.program.states, self.terms):
+                cols = k.padded(k.dims[st.shape[1]]) if len(st.shape) == 2 else 0
+                if len(st.shape) == 2 and not terms.corrections and cols == k.size(e.shape) \
+                        and any(rd.index == e.index for rd in terms.readouts):
+                    streamed[e.index] = f"({k.cout(name)} + ((b * ntok + t0 + u) * H + h) * {cols})"
+        return streamed
+
+    def _state(self, st: ir.State, terms: StateTerms, lazy: dict | None, streamed: dict[int, str]):
+        """Phase 1's arrays of state st and its pass (tiled, token after token, or a vector state's), and the
+        bookkeeping of its lazily applied decay (None when it has none)."""
+        k, blocks = self.k, self.blocks
+        c = k.cstate(st.name)
+        matrix = len(st.shape) == 2
+        rows = k.dims[st.shape[0]]
+        cols = k.dims[st.shape[1]] if matrix else 1
+        cp = k.padded(cols) if matrix else 1
+        state = k.local("buf", c)
+        comment = k.derivation.transition(st.name).kind if self.updates else "readouts of the final state"
+        decay = terms.decay if self.updates else None
+        scalars = lazy.get("scalars", {}) if lazy else {}  # Ŝ = S/c: x/c for a token's writes, q⊙c for reads
+
+        ws = [blocks.vector(cr.w, k.local("blk_w", c, r), rows, scale=scalars.get("mw"))
+              for r, cr in enumerate(terms.corrections)]
+        xs = [blocks.vector(g.x, k.local("blk_x", c, i), rows, scale=scalars.get("mx"), share=True)
+              for i, g in enumerate(terms.groups)]
+        before, after, reads = [], [], []
+        for i, rd in enumerate(terms.readouts):
+            sums = f"r{rd.index}_blk"
+            if rd.is_value:  # a vector state's own value, copied row by row (no query)
+                blocks.add(sums, rows)
+                query = None
+                self.readout_rows.append(f"const T *r{rd.index} = {sums}[u];")
+            else:
+                factor = scalars.get("mw" if rd.before_update else "mq")
+                query = f"{blocks.vector(rd.query, k.local('blk_q', c, i), rows, scale=factor, share=True)}[u]"
+                blocks.add(sums, cp if matrix else 0)
+                self.readout_rows.append(f"const T {'*' if matrix else ''}r{rd.index} = {sums}[u];")
+            (before if rd.before_update else after).append(ReadoutOperands(query, f"{sums}[u]", streamed.get(rd.index)))
+            reads.append(VectorRead(st.name, state, rows, query, f"{sums}[u]"))
+        if matrix and not terms.corrections:
+            # the right vectors always copied to the block, even a plain input row: a tile reads y once per
+            # token and tile, and a row of the caller's (numpy's rows start 16 bytes into a cache line)
+            # splits every vector load in two. Measured at T = 16384: 7% faster with such rows, 4% with
+            # aligned ones (phase 1 brings the row to L1 for phase 2).
+            rights = [f"{blocks.vector(g.y, k.local('blk_y', c, i), cols, cp, share=True)}[u]"
+                      for i, g in enumerate(terms.groups)]
+        else:
+            rights = [RightVector(k.local("y", c, i), cp, self._right_value(c, i, g.terms, terms, matrix, cols, cp))
+                      for i, g in enumerate(terms.groups)]
+        bookkeeping, slow = None, ""
+        if matrix and decay is not None:  # decays applied lazily: the bookkeeping runs in phase 1
+            bookkeeping = self._bookkeeping(st, c, decay, lazy, terms, before, after)
+            slow = bookkeeping.slow
+        ops = MatrixOperands(
+            st.name, comment, state, rows, cp, self.updates,
+            Decay(f"{k.local('blk_d', c)}[u]", bool(decay.shape)) if decay is not None else None,
+            tuple(f"{x}[u]" for x in xs), tuple(r if isinstance(r, str) else r.name for r in rights),
+            tuple(before), tuple(after), tuple((f"{w}[u]", cr.p.name) for w, cr in zip(ws, terms.corrections)))
+        lanes = k.target.lanes
+        if not matrix:
+            update = None
+            if self.updates and (terms.groups or decay is not None):
+                update = ((f"{ops.decay.code}{'[i]' if ops.decay.vector else ''} * " if ops.decay else "")
+                          + f"{state}[i]" + "".join(f" + {x}[i] * {y}" for x, y in zip(ops.lefts, ops.rights)))
+            return VectorPass(st.name, comment, state, rows,
+                              tuple(VectorCorrection(p, w) for w, p in ops.corrections), tuple(rights),
+                              tuple(r for r, rd in zip(reads, terms.readouts) if rd.before_update), update,
+                              tuple(r for r, rd in zip(reads, terms.readouts) if not rd.before_update)), bookkeeping
+        whole = cp // lanes
+        if not terms.corrections:
+            return tiled_pass(ops, lanes=lanes, whole_registers=whole, inputs=len(k.program.inputs), slow=slow,
+                              readout_arrays=tuple(rd.sums.removesuffix("[u]") for rd in before + after)), bookkeeping
+        # with corrections: token after token
+        budget = len(terms.groups) + 2 * len(before + after) + 2 * len(terms.corrections) + 1
+        registers = divisor_at_most(whole, REGISTER_BUDGET // max(1, budget))
+        first = MatrixOperands(st.name, comment, state, rows, cp, True, None, (), (), (), (),
+                               tuple((f"{w}[0]", cr.p.name) for w, cr in zip(ws, terms.corrections)))
+        next_w = tuple(f"{w}[u + 1]" for w in ws)
+
+        def update(next_w: tuple[str, ...]) -> TokenUpdate:
+            whole_pass = row_pass(ops, lanes=lanes, vector_bytes=k.target.vector_bytes, columns=cp,
+                                  registers=registers, next_w=next_w)
+            if ops.decay is None:
+                return TokenUpdate(None, None, whole_pass)
+            lazy_pass = row_pass(replace(ops, decay=None), lanes=lanes, vector_bytes=k.target.vector_bytes, columns=cp,
+                                 registers=registers, next_w=next_w)
+            return TokenUpdate(slow, lazy_pass, whole_pass)
+        return TokenPass(
+            correction_arrays(ops, cp),
+            correction_pass(first, lanes=lanes, columns=cp,
+                            registers=divisor_at_most(whole, REGISTER_BUDGET // max(1, 2 * len(ws) + 1))),
+            tuple(rights), update(next_w), update(())), bookkeeping
+
+    def _right_value(self, c: str, g: int, parts, terms: StateTerms, matrix: bool, cols: int, cp: int) -> str:
+        """C of a group's right vector at element j (or the scalar), summed from its terms: block arrays of
+        their coefficients and values, the corrections' p, a token's input row read in place."""
+        k, blocks = self.k, self.blocks
+        out = []
+        for m, term in enumerate(parts):
+            coef = None
+            if term.coefficient != ONE:
+                coef = f"{blocks.scalar(term.coefficient, k.local('blk_k', c, g, m))}[u]"
+            if term.correction is not None:
+                src = terms.corrections[term.correction].p.name
+            elif not term.value.shape:
+                src = f"{blocks.scalar(term.value, k.local('blk_v', c, g, m))}[u]" if term.value != ONE else None
+            else:
+                src = self._token_pointer(term.value) if cols == cp else None
+                if src is None:
+                    src = f"{blocks.vector(term.value, k.local('blk_v', c, g, m), cols, cp, share=True)}[u]"
+            if matrix:  # a row: element j of each term
+                out.append(f"{coef} * {src}[j]" if coef else f"{src}[j]")
+            else:
+                out.append((coef + (" * " if src else "") if coef else "") + (src or ("" if coef else "1")))
+        return " + ".join(out)
+
+    def _token_pointer(self, e: ir.Expr) -> str | None:
+        """A C pointer to token u's copy of a vector input or parameter (no copy needed), else None."""
+        k = self.k
+        if isinstance(e, ir.InputRef):
+            return f"({k.cin(e.name)} + ((b * ntok + t0 + u) * H + h) * {k.size(e.shape)})"
+        if isinstance(e, ir.ParamRef) and e.shape:
+            return k.ref(e)
+        return None
+
+    def _bookkeeping(self, st: ir.State, c: str, decay: ir.Expr, lazy: dict, terms: StateTerms, before,
+                     after) -> RowsLazyDecay | ScalarLazyDecay:
+        """The lazy decay's bookkeeping of matrix state st in phase 1, and its flag per token (slow)."""
+        k = self.k
+        slow, flag = k.local("blk_slow", c), k.local("slow", c)
+        self.blocks.add(slow, 0, flags=True)
+        scale, d = k.local("sc", c), f"{k.local('blk_d', c)}[u]"
+        c_name, cn = k.local("c", flag), k.local("cn", flag)
+        if decay.shape:
+            stores = lazy["stores"]
+            over_c = tuple(s for _, factor, s in stores if factor == "mx")
+            return RowsLazyDecay(
+                st.name, k.dims[st.shape[0]], scale, d, f"{slow}[u]", flag, lazy["register"], lazy["element"],
+                tuple(s for _, factor, s in stores if factor == "mw"), over_c,
+                tuple(s for _, factor, s in stores if factor == "mq"),
+                # x/c: one division for one write (3% of GLA's kernel against a reciprocal and a multiply, and
+                # one rounding), a reciprocal shared by several
+                " / cn" if len(over_c) == 1 else " * (1 / cn)")
+        scalars = lazy["scalars"]
+        return ScalarLazyDecay(st.name, scale, d, f"{slow}[u]", flag, c_name, cn,
+                               scalars["mw"] if terms.corrections or before else None,
+                               scalars["mx"] if terms.groups else None, scalars["mq"] if after else None)
+
+    # ---- phase 1: range checks; phase 3 ----
+    def _range_check(self, x) -> RangeCheck:
+        if x.scalar:
+            return RangeCheck(True, x.row, 1, x.outside.format(v=x.row), "")
+        return RangeCheck(False, x.row, x.size, x.outside.format(v=x.row + "[i]"), x.outside_lanes.format(v="row"))
+
+    def _rows(self, rows: set[str]) -> str:
+        """The declarations of the input rows a phase reads, in the order of the inputs."""
+        return "".join(x.declaration + "\n" for x in self.k.input_arrays() if x.row in rows)
+
+    def _outputs(self, outputs, streamed: dict[int, str]) -> tuple[list[str], list[OutputRow]]:
+        """Phase 3: every output but the streamed ones, each row computed into a local and then streamed to
+        its place (never a streamed one: its tile loop has written it)."""
+        k, po = self.k, self.output_printer
+        lines, rows = [], []
+        for name, e in outputs:
+            if isinstance(e, ir.ReadoutRef) and e.index in streamed:
+                continue
+            target = k.cout(name)
+            body = po.fill(e, k.row(target)) if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
+            lines += po.take_token() + body
+            if e.shape:
+                rows.append(OutputRow(target, k.row(target), k.size(e.shape)))
+        return lines, rows
