@@ -42,6 +42,11 @@ class StateBuffers:
         return self.rows * self.cols_padded
 
     @property
+    def scale_index(self) -> str:
+        """C for the scale of row i: c[i] for a decay per row, c[0] for a scalar one."""
+        return "i" if self.scale_rows > 1 else "0"
+
+    @property
     def kept_size(self) -> int:
         """The values lr_forward keeps of one head: its padded rows and its scale."""
         return self.padded_size + self.scale_stride
@@ -342,6 +347,10 @@ class RowsLazyDecay:
     after: tuple[LazyStore, ...]     # queries read after the update: times c·D
     division: str        # how the left vectors are divided by c·D: " / cn" (one of them) or " * (1 / cn)"
 
+    @property
+    def scale_rows(self) -> int:
+        return self.rows
+
 
 @dataclass(frozen=True)
 class ScalarLazyDecay:
@@ -359,6 +368,10 @@ class ScalarLazyDecay:
     before: str | None   # c
     over_c: str | None   # 1/(c·D)
     after: str | None    # c·D
+
+    @property
+    def scale_rows(self) -> int:
+        return 1
 
 
 # ---- the regions ----------------------------------------------------------------------------------------

@@ -296,7 +296,8 @@ class GeneralGenerator(KernelSource):
         # multiply-adds per token and head, roughly: every state's elements once per statement
         work = max(1, sum(self.size(s.shape) for s in self.program.states)) * max(1, len(self.program.steps))
         return dict(
-            name=self.program.name, version=VERSION, filename=self.compiled.filename, source_comment=self.source_comment(),
+            name=self.program.name, version=VERSION, filename=self.compiled.filename,
+            source_comment=self.source_comment(),
             why_not_fused=self.why_not_fused, ctype=self.target.ctype, vector_bytes=self.target.vector_bytes,
             lanes=self.target.lanes, block_tokens=1, dims=[(d.name, self.dims[d.name]) for d in self.program.dims],
             inputs=self.input_arrays(),

@@ -1,8 +1,17 @@
-"""The C source of the recurrent form and the decode step: Generator plans the passes over each state of a
-factorable recurrence (decay + rank-one corrections + rank-one writes, see compiler.transitions) — register
-tiles, the lazy decay's bookkeeping, which outputs stream from the tile loop — and renders
-templates/c_recurrent.c.j2 for one scalar type, one SIMD width and one assignment of sizes (dk, dv, … are
-compile-time constants). c_backend builds and runs what it renders."""
+"""The C source of the recurrent form and the decode step of a factorable recurrence (decay + rank-one
+corrections + rank-one writes, see compiler.transitions): templates/c_recurrent.c.j2 rendered for one scalar
+type, one SIMD width and one assignment of sizes (dk, dv, … are compile-time constants). c_backend builds and
+runs what it renders.
+
+Generator plans the file — the state buffers, the block arrays and how many tokens a block holds, the
+segments of the thread scheduling, the stabilized states' scales —, and takes the rest from the modules of
+the plan, records of fused_plan.py all:
+
+    state_terms.py    the terms of a state's update (decay, corrections, groups of writes) and its readouts
+    block_region.py   the sequence kernel's block of tokens of one head: phase 1's block arrays and lazy
+                      decays, each state's pass, the outputs streamed from a tile loop, phase 3
+    step_region.py    the decode step's token of one head
+    passes.py         tile shapes, register budgets and the unrolled statements of the passes over a state"""
 from __future__ import annotations
 
 from ..compiler import Compiled, ir
@@ -27,7 +36,7 @@ SPLIT_ALWAYS = False  # tests set it: every segment end splits a group of heads 
 
 
 class Generator(KernelSource):
-    """Builds the template's context for one (dtype, sizes)."""
+    """The fused kernels' source for one (dtype, sizes): context() is the template's."""
 
     template = "c_recurrent.c.j2"
 
