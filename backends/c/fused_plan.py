@@ -348,6 +348,12 @@ class RowsLazyDecay:
     division: str        # how the left vectors are divided by c·D: " / cn" (one of them) or " * (1 / cn)"
 
     @property
+    def as_they_are(self) -> tuple[LazyStore, ...]:
+        """The stores a slow token makes without a factor (c restarts at 1): the left vectors, then the
+        queries read after the update."""
+        return self.over_c + self.after
+
+    @property
     def scale_rows(self) -> int:
         return self.rows
 

@@ -298,8 +298,8 @@ class GeneralGenerator(KernelSource):
         return dict(
             name=self.program.name, version=VERSION, filename=self.compiled.filename,
             source_comment=self.source_comment(),
-            why_not_fused=self.why_not_fused, ctype=self.target.ctype, vector_bytes=self.target.vector_bytes,
-            lanes=self.target.lanes, block_tokens=1, dims=[(d.name, self.dims[d.name]) for d in self.program.dims],
+            why_not_fused=self.why_not_fused, **self.common(), block_tokens=1,
+            dims=[(d.name, self.dims[d.name]) for d in self.program.dims],
             inputs=self.input_arrays(),
             states=[{"c": self.cstate(s.name), "buf": self.local("buf", self.cstate(s.name)),
                      "size": self.size(s.shape)} for s in self.program.states],

@@ -82,8 +82,8 @@ class Generator(KernelSource):
         states = [self._state_buffers(s, scale_rows.get(s.name, 0)) for s in self.program.states]
         return dict(
             name=self.program.name, version=VERSION, filename=self.compiled.filename,
-            source_comment=self.source_comment(), ctype=self.target.ctype, vector_bytes=self.target.vector_bytes,
-            lanes=self.target.lanes, dims=[(d.name, self.dims[d.name]) for d in self.program.dims],
+            source_comment=self.source_comment(), **self.common(),
+            dims=[(d.name, self.dims[d.name]) for d in self.program.dims],
             inputs=inputs, outputs=outputs, states=states, scales=groups,
             forward_regions=forward_regions, step_region=step,
             block_tokens=block_tokens, block_arrays=block_arrays, block_floats=block_floats,
@@ -92,6 +92,9 @@ class Generator(KernelSource):
             notes_rows=any(r.notes_rows for r in forward_regions),
             rows_alike=len({x.prefetch_lines for x in inputs}) == 1 and len({x.size for x in inputs}) == 1,
             state_values=" + ".join(str(s.kept_size) for s in states) or "1",
+            # lr_forward's allocations of every head's states and scales
+            buffers=[b for s in states for b in [s.every_head] + ([s.every_scale] if s.scale_rows else [])]
+            + [f"all_ls{sc.index}" for sc in groups],
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
             **self.entry_points(),
         )

@@ -31,6 +31,42 @@ class Target:
 
 
 @dataclass(frozen=True)
+class StreamStore:
+    """The non-temporal store of one register (lr_stream_vec in templates/c_common.h.j2): what it needs beside
+    LR_STREAMS, its integer register type and its intrinsic."""
+
+    guard: str       # C preprocessor condition added to LR_STREAMS ("" for none)
+    register: str    # __m256i
+    intrinsic: str   # _mm256_stream_si256
+
+
+@dataclass(frozen=True)
+class CommonHeader:
+    """What templates/c_common.h.j2, the helpers of every recurrent kernel, is written for beyond T and the
+    register width: the mask type of a comparison, the lazy decay's rescale bound, the store of a finished
+    output register past the caches, and AVX-512's names for T."""
+
+    mask_lane: str             # the integer type of a lane of lr_mask
+    rescale_below: str         # LR_RESCALE_BELOW
+    stream: StreamStore | None  # None: no non-temporal store of one register this wide
+    avx512_lanes: int          # lanes of T in a 64-byte register
+    avx512_compare: str        # AVX-512's compare of registers of T into a mask register
+    avx512_splat: str          # … and its register of one value of T
+
+    @staticmethod
+    def of(target: Target) -> CommonHeader:
+        single = target.ctype == "float"
+        bits = target.vector_bytes * 8
+        stream = None
+        if target.vector_bytes in (16, 32, 64):
+            stream = StreamStore(" && defined(__AVX512F__)" if bits == 512 else "", f"__m{bits}i",
+                                 f"_mm{'' if bits == 128 else bits}_stream_si{bits}")
+        suffix = "ps" if single else "pd"
+        return CommonHeader("int32_t" if single else "int64_t", "1e-12f" if single else "1e-30", stream,
+                            16 if single else 8, f"_mm512_cmp_{suffix}_mask", f"_mm512_set1_{suffix}")
+
+
+@dataclass(frozen=True)
 class InputArray:
     """An input of the entry points, [B, T, H, *] (the step's [B, H, *])."""
 
@@ -188,6 +224,12 @@ class KernelSource:
         names = ([self.cin(x.name) for x in p.inputs] + [self.cparam(prm.name) for prm in p.params]
                  + [self.cstate(st.name) for st in p.states] + [self.cout(o.name) for o in p.outputs])
         return names, len(p.inputs) + len(p.params)
+
+    def common(self) -> dict:
+        """The context of templates/c_common.h.j2 (which both kernels' templates include), but for the inputs,
+        the block's tokens and lr_inputs_outside's flag."""
+        return dict(ctype=self.target.ctype, vector_bytes=self.target.vector_bytes, lanes=self.target.lanes,
+                    header=CommonHeader.of(self.target))
 
     def entry_points(self) -> dict:
         """The signatures of lr_forward, lr_step (causal programs) and lr_step_packed, the struct the last
