@@ -15,9 +15,8 @@ from ..compiler import ir
 from ..compiler.analysis import walk
 from ..compiler.linearity import ONE
 
-from .fused_plan import (BlockRegion, LazyStore, OutputRow, RangeCheck, RightVector, RowsLazyDecay,
-                         ScalarLazyDecay, ScaleGroup, TokenPass, TokenUpdate, VectorCorrection, VectorPass,
-                         VectorRead)
+from .fused_plan import (BlockRegion, BlockVectorPass, CorrectionOperands, LazyStore, OutputRow, RangeCheck,
+                         RightVector, RowsLazyDecay, ScalarLazyDecay, ScaleGroup, TokenPass, TokenUpdate, VectorRead)
 from .kernel_source import InputArray, KernelSource
 from .passes import (REGISTER_BUDGET, Decay, MatrixOperands, ReadoutOperands, correction_arrays,
                      correction_pass, divisor_at_most, row_pass, tiled_pass)
@@ -97,6 +96,7 @@ class BlockArrays:
         return name
 
     def scalar(self, e: ir.Expr, name: str, lines: list[str] | None = None) -> str:
+        """Scalar e into block array `name` (one value per token)."""
         self.add(name, 0)
         code = self.printer.scalar(e)
         (self.values if lines is None else lines).extend(self.printer.take_token() + [f"{name}[u] = {code};"])
@@ -128,6 +128,8 @@ class _BlockRegionPlanner:
         self.readout_rows: list[str] = []   # phase 3: this token's readouts
 
     def region(self) -> BlockRegion:
+        """The region's records, its C printed in phase order: the decays, the lazy bookkeeping, every other
+        value of phase 1 and the states' passes, then the outputs."""
         k, pr = self.k, self.printer
         self._expect()
         outputs, scaled = self.scales.outputs(k.derivation.outputs, block=True) if self.readouts else ((), [])
@@ -269,7 +271,7 @@ class _BlockRegionPlanner:
             st.name, s.comment, s.buffer, s.rows, s.cols_padded, self.updates,
             Decay(f"{k.local('blk_d', c)}[u]", bool(decay.shape)) if decay is not None else None,
             tuple(f"{x}[u]" for x in xs), tuple(y if isinstance(y, str) else y.name for y in rights),
-            before, after, tuple((f"{w}[u]", cr.p.name) for w, cr in zip(ws, terms.corrections)))
+            before, after, tuple(CorrectionOperands(f"{w}[u]", cr.p.name) for w, cr in zip(ws, terms.corrections)))
         if not matrix:
             return self._vector_pass(s, ops, terms, rights, before, after), bookkeeping
         if not terms.corrections:
@@ -353,7 +355,7 @@ class _BlockRegionPlanner:
                                lazy.scalars[WRITE] if terms.groups else None, lazy.scalars[AFTER] if after else None)
 
     def _vector_pass(self, s: _StateLayout, ops: MatrixOperands, terms: StateTerms, rights: list[RightVector],
-                     before, after) -> VectorPass:
+                     before, after) -> BlockVectorPass:
         """A vector state's pass, token after token."""
         update = None
         if self.updates and (terms.groups or ops.decay is not None):
@@ -362,9 +364,10 @@ class _BlockRegionPlanner:
 
         def read(rd: ReadoutOperands) -> VectorRead:
             return VectorRead(s.name, s.buffer, s.rows, rd.query, rd.sums)
-        return VectorPass(s.name, s.comment, s.buffer, s.rows,
-                          tuple(VectorCorrection(p, w) for w, p in ops.corrections), tuple(rights),
-                          tuple(read(rd) for rd in before), update, tuple(read(rd) for rd in after))
+        return BlockVectorPass(s.name, s.comment, s.buffer, s.rows,
+                               ops.corrections,
+                               tuple(read(rd) for rd in before), update, tuple(read(rd) for rd in after),
+                               right_scalars=tuple(rights))
 
     def _token_pass(self, s: _StateLayout, ops: MatrixOperands, ws: list[str], rights: list[RightVector],
                     slow: str | None) -> TokenPass:
@@ -376,7 +379,7 @@ class _BlockRegionPlanner:
         budget = len(ops.lefts) + 2 * len(ops.before + ops.after) + 2 * len(ops.corrections) + 1
         registers = divisor_at_most(whole, REGISTER_BUDGET // max(1, budget))
         first = replace(ops, update=True, decay=None, lefts=(), rights=(), before=(), after=(),
-                        corrections=tuple((f"{w}[0]", p) for w, (_, p) in zip(ws, ops.corrections)))
+                        corrections=tuple(CorrectionOperands(f"{w}[0]", cr.p) for w, cr in zip(ws, ops.corrections)))
 
         def update(next_w: tuple[str, ...]) -> TokenUpdate:
             whole_pass = row_pass(ops, lanes=lanes, vector_bytes=vector_bytes, columns=s.cols_padded,

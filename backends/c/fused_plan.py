@@ -216,6 +216,9 @@ class RowPass:
 
 @dataclass(frozen=True)
 class CorrectionRow:
+    """One row of a correction pass (its index: `i`, `i + 1` or a number): the row's registers, and per
+    correction its w at the row and the multiply-adds into its sums."""
+
     index: str
     statements: Lines
 
@@ -295,26 +298,43 @@ class VectorRead:
 
 
 @dataclass(frozen=True)
-class VectorCorrection:
-    p: str
+class CorrectionOperands:
+    """A rank-one correction as a pass reads it: C of its w (indexable by row) and the local p = wᵀ·S of its
+    old state (a row of a matrix state's, indexable by column; a vector state's scalar)."""
+
     w: str
+    p: str
 
 
 @dataclass(frozen=True)
 class VectorPass:
-    """Phase 2 for a vector state z[n], token after token: the corrections' p = w·z, the right scalars y,
-    the readouts before the update, the update (one scalar per row), the readouts after it."""
+    """A vector state z[n] a token at a time: the corrections' p = w·z, the right scalars y, the readouts
+    before the update, the update (one scalar per row), the readouts after it."""
 
     kind: ClassVar[str] = "vector"
     name: str
     comment: str
     state: str
     rows: int
-    corrections: tuple[VectorCorrection, ...]
-    right_scalars: tuple[RightVector, ...]
+    corrections: tuple[CorrectionOperands, ...]
     before: tuple[VectorRead, ...]
     update: str | None     # C of the new z[i]; None: no update
     after: tuple[VectorRead, ...]
+
+
+@dataclass(frozen=True)
+class BlockVectorPass(VectorPass):
+    """Phase 2 for a vector state, token after token: the right scalars summed from phase 1's arrays."""
+
+    right_scalars: tuple[RightVector, ...]
+
+
+@dataclass(frozen=True)
+class StepVectorPass(VectorPass):
+    """A vector state in the decode step: the lines that compute the right scalars, a scalar decay (`d`)."""
+
+    right_scalars: Lines
+    scalar_decay: str | None
 
 
 # ---- the lazily applied decay of a matrix state (phase 1) -----------------------------------------------------
@@ -418,7 +438,7 @@ class BlockRegion:
     decay_values: Lines               # phase 1, first: σ, decays
     lazy_decays: tuple[RowsLazyDecay | ScalarLazyDecay, ...]
     values: Lines                     # phase 1: everything else
-    passes: tuple[TiledPass | TokenPass | VectorPass, ...]
+    passes: tuple[TiledPass | TokenPass | BlockVectorPass, ...]
     output_input_rows: str            # block: the rows phase 3 reads
     readout_rows: Lines               # phase 3: this token's readouts
     output_rows: tuple[OutputRow, ...]
@@ -438,23 +458,6 @@ class StepMatrixPass:
     corrections: CorrectionPass | None
     right_vectors: Lines
     update: RowPass
-
-
-@dataclass(frozen=True)
-class StepVectorPass:
-    """A vector state in the decode step."""
-
-    kind: ClassVar[str] = "vector"
-    name: str
-    comment: str
-    state: str
-    rows: int
-    corrections: tuple[VectorCorrection, ...]
-    right_scalars: Lines
-    before: tuple[VectorRead, ...]
-    scalar_decay: str | None
-    update: str | None
-    after: tuple[VectorRead, ...]
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fused_plan import (ColumnTail, CorrectionPass, CorrectionRow, CorrectionTail, Lines, PassRow, PrefetchPace,
-                         ReadoutTile, RowPass, Tile, TiledPass)
+from .fused_plan import (ColumnTail, CorrectionOperands, CorrectionPass, CorrectionRow, CorrectionTail, Lines,
+                         PassRow, PrefetchPace, ReadoutTile, RowPass, Tile, TiledPass)
 
 # SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
 REGISTER_BUDGET = 24
@@ -15,13 +15,17 @@ REGISTER_BUDGET = 24
 
 @dataclass(frozen=True)
 class Decay:
+    """A state's decay as a pass reads it."""
+
     code: str      # C of the decay: a scalar, or a vector indexable by row
     vector: bool
 
 
 @dataclass(frozen=True)
 class ReadoutOperands:
-    query: str             # indexable by row
+    """A readout as a pass computes it: q (None: a vector state read as it is) and where its sums go."""
+
+    query: str | None      # indexable by row
     sums: str              # indexable by column: where the readout's sums go
     out: str | None = None  # a tiled pass: the output row the finished sums stream to (see block_region)
 
@@ -43,7 +47,7 @@ class MatrixOperands:
     rights: tuple[str, ...]
     before: tuple[ReadoutOperands, ...]
     after: tuple[ReadoutOperands, ...]
-    corrections: tuple[tuple[str, str], ...]  # (w, p)
+    corrections: tuple[CorrectionOperands, ...]
 
 
 def divisor_at_most(n: int, limit: int) -> int:
@@ -100,6 +104,7 @@ def tiled_pass(ops: MatrixOperands, *, lanes: int, whole_registers: int, inputs:
 
 
 def _tile(ops: MatrixOperands, rows: int, across: int, lanes: int, last: str | None) -> Tile:
+    """A tile of `rows` rows × `across` registers, s{row}_{register}, at row rt and column j."""
     cells = [(r, c) for r in range(rows) for c in range(across)]
     offset = {(r, c): r * ops.ld + c * lanes for r, c in cells}
     loads = tuple(_registers([f"s{r}_{c} = lr_load(base + {offset[r, c]})" for c in range(across)], "vec")
@@ -154,8 +159,8 @@ def row_pass(ops: MatrixOperands, *, lanes: int, vector_bytes: int, columns: int
                      for i in range(len(next_w))]
     stores = [f"lr_store({rd.sums} + j + {v * lanes}, o{i}_{v} + e{i}_{v});"
               for i, rd in enumerate(readouts) for v in range(registers)]
-    stores += [f"lr_store({p} + j + {v * lanes}, op{i}_{v} + ep{i}_{v});  /* the next token's p */"
-               for i, (_, p) in enumerate(ops.corrections[:len(next_w)]) for v in range(registers)]
+    stores += [f"lr_store({cr.p} + j + {v * lanes}, op{i}_{v} + ep{i}_{v});  /* the next token's p */"
+               for i, cr in enumerate(ops.corrections[:len(next_w)]) for v in range(registers)]
 
     def row(index: str, acc: str) -> PassRow:
         return PassRow(index, block(_row_scalars(ops, index, next_w)),
@@ -205,23 +210,23 @@ def correction_pass(ops: MatrixOperands, *, lanes: int, columns: int, registers:
 
     def row(k: str, acc: str) -> CorrectionRow:
         lines = [f"const vec s{v} = lr_load(row + {v * lanes});" for v in range(registers)]
-        for i, (w, _) in enumerate(ops.corrections):
-            lines += [f"const T w{i} = {w}[{k}];"] + [f"{acc}{i}_{v} += w{i} * s{v};" for v in range(registers)]
+        for i, cr in enumerate(ops.corrections):
+            lines += [f"const T w{i} = {cr.w}[{k}];"] + [f"{acc}{i}_{v} += w{i} * s{v};" for v in range(registers)]
         return CorrectionRow(k, tuple(lines))
     tail = None
     if columns > whole:
         tail = CorrectionTail(whole, columns, tuple(f"T a{i} = 0;" for i in range(len(ops.corrections))),
-                              tuple(f"a{i} += {w}[i] * sv;" for i, (w, _) in enumerate(ops.corrections)),
-                              tuple(f"{p}[j] = a{i};" for i, (_, p) in enumerate(ops.corrections)))
+                              tuple(f"a{i} += {cr.w}[i] * sv;" for i, cr in enumerate(ops.corrections)),
+                              tuple(f"{cr.p}[j] = a{i};" for i, cr in enumerate(ops.corrections)))
     return CorrectionPass(
         ops.name, ops.state, ops.ld, ops.rows, whole, registers * lanes,
         tuple(_registers([f"a{i}_{v} = {{0}}, e{i}_{v} = {{0}}" for v in range(registers)], "vec")
               for i in range(len(ops.corrections))),
         (row("i", "a"), row("i + 1", "e")), row(str(ops.rows - 1), "a") if ops.rows % 2 else None,
-        tuple(f"lr_store({p} + j + {v * lanes}, a{i}_{v} + e{i}_{v});"
-              for i, (_, p) in enumerate(ops.corrections) for v in range(registers)), tail)
+        tuple(f"lr_store({cr.p} + j + {v * lanes}, a{i}_{v} + e{i}_{v});"
+              for i, cr in enumerate(ops.corrections) for v in range(registers)), tail)
 
 
 def correction_arrays(ops: MatrixOperands, size: int) -> Lines:
     """The p of a token's corrections, rows of `size`."""
-    return tuple(f"T {p}[{size}] __attribute__((aligned(64)));" for _, p in ops.corrections)
+    return tuple(f"T {cr.p}[{size}] __attribute__((aligned(64)));" for cr in ops.corrections)

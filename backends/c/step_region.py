@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from ..compiler import ir
 
-from .fused_plan import NextHead, ScaleGroup, StepMatrixPass, StepRegion, StepVectorPass, VectorCorrection, VectorRead
+from .fused_plan import (CorrectionOperands, NextHead, ScaleGroup, StepMatrixPass, StepRegion, StepVectorPass,
+                         VectorRead)
 from .kernel_source import KernelSource
 from .passes import (REGISTER_BUDGET, Decay, MatrixOperands, ReadoutOperands, correction_arrays, correction_pass,
                      divisor_at_most, row_pass)
@@ -28,6 +29,7 @@ class _Values:
 
 
 def step_region(kernel: KernelSource, scales: Scales, groups: list[ScaleGroup]) -> StepRegion:
+    """The token of one (batch row, head) the decode step runs (`tok` its row of every array)."""
     k = kernel
     pr = CPrinter(k.target.ctype, k.dims, k.ref)
     terms = [state_terms(k, scales, st, updates=True, readouts=True) for st in k.program.states]
@@ -64,6 +66,7 @@ def step_region(kernel: KernelSource, scales: Scales, groups: list[ScaleGroup]) 
 
 
 def _values(pr: CPrinter, t: StateTerms) -> _Values:
+    """A state's per-token values, printed in phase 1's order: decay, corrections' w, left vectors, queries."""
     d = t.decay
     return _Values(None if d is None else Decay(pr.array(d) if d.shape else pr.scalar(d), bool(d.shape)),
                    tuple(pr.array(c.w) for c in t.corrections), tuple(pr.array(g.x) for g in t.groups),
@@ -90,16 +93,15 @@ def _state(k: KernelSource, pr: CPrinter, st: ir.State, t: StateTerms, v: _Value
     comment = k.derivation.transition(st.name).kind
     ahead = k.local("next", c)  # (the next head's rows, for the prefetches)
     ops = MatrixOperands(st.name, comment, buffer, rows, cols, True, v.decay, v.xs, rights, tuple(before),
-                         tuple(after), tuple((w, cr.p.name) for w, cr in zip(v.ws, t.corrections)))
+                         tuple(after), tuple(CorrectionOperands(w, cr.p.name) for w, cr in zip(v.ws, t.corrections)))
     if not matrix:
         decay = v.decay
         update = ((f"{decay.code}[i]" if decay.vector else "d") + " * " if decay else "") + f"{buffer}[i]" \
             + "".join(f" + {x}[i] * {y}" for x, y in zip(v.xs, rights))
         reads = [VectorRead(st.name, buffer, rows, rd.query, rd.sums) for rd in before + after]
-        return StepVectorPass(st.name, comment, buffer, rows, tuple(VectorCorrection(p, w) for w, p in ops.corrections),
-                              right_lines, tuple(reads[:len(before)]),
-                              decay.code if decay and not decay.vector else None, update,
-                              tuple(reads[len(before):])), None
+        return StepVectorPass(st.name, comment, buffer, rows, ops.corrections,
+                              tuple(reads[:len(before)]), update, tuple(reads[len(before):]), right_scalars=right_lines,
+                              scalar_decay=decay.code if decay and not decay.vector else None), None
     lanes, whole = k.target.lanes, cols // k.target.lanes
     # read twice (corrections first): the update pass runs from L1 and can prefetch the next head
     prefetches = bool(t.corrections)
