@@ -18,8 +18,8 @@ from ..compiler.linearity import ONE
 from .fused_plan import (BlockRegion, BlockVectorPass, CorrectionOperands, LazyStore, OutputRow, RangeCheck,
                          RightVector, RowsLazyDecay, ScalarLazyDecay, ScaleGroup, TokenPass, TokenUpdate, VectorRead)
 from .kernel_source import InputArray, KernelSource
-from .passes import (REGISTER_BUDGET, Decay, MatrixOperands, ReadoutOperands, correction_arrays,
-                     correction_pass, divisor_at_most, row_pass, tiled_pass)
+from .passes import (Decay, MatrixOperands, ReadoutOperands, column_block, correction_arrays, correction_pass,
+                     row_pass, tiled_pass)
 from .printer import CPrinter
 from .stabilize import Scales
 from .state_terms import StateTerms, state_terms
@@ -376,8 +376,8 @@ class _BlockRegionPlanner:
         `ws`: the block arrays of the corrections' w."""
         lanes, vector_bytes = self.k.target.lanes, self.k.target.vector_bytes
         whole = s.cols_padded // lanes
-        budget = len(ops.lefts) + 2 * len(ops.before + ops.after) + 2 * len(ops.corrections) + 1
-        registers = divisor_at_most(whole, REGISTER_BUDGET // max(1, budget))
+        # per register of the row: the right vectors', two accumulators per readout and per next p, the row's
+        registers = column_block(whole, len(ops.lefts) + 2 * len(ops.before + ops.after) + 2 * len(ws) + 1)
         first = replace(ops, update=True, decay=None, lefts=(), rights=(), before=(), after=(),
                         corrections=tuple(CorrectionOperands(f"{w}[0]", cr.p) for w, cr in zip(ws, ops.corrections)))
 
@@ -391,8 +391,7 @@ class _BlockRegionPlanner:
             return TokenUpdate(slow, lazy_pass, whole_pass)
         return TokenPass(
             correction_arrays(ops, s.cols_padded),
-            correction_pass(first, lanes=lanes, columns=s.cols_padded,
-                            registers=divisor_at_most(whole, REGISTER_BUDGET // max(1, 2 * len(ws) + 1))),
+            correction_pass(first, lanes=lanes, columns=s.cols_padded, registers=column_block(whole, 2 * len(ws) + 1)),
             tuple(rights), update(tuple(f"{w}[u + 1]" for w in ws)), update(()))
 
     # ---- phase 3 ----

@@ -56,6 +56,13 @@ def divisor_at_most(n: int, limit: int) -> int:
     return next(g for g in range(limit, 0, -1) if n % g == 0) if n else 1
 
 
+def column_block(whole_registers: int, live_per_register: int) -> int:
+    """How many registers of a row a pass over the rows takes at a time: the most that divide the row's whole
+    registers and, with `live_per_register` registers live for each (accumulators, right vectors, the row's
+    own), fit REGISTER_BUDGET (1 for a row shorter than a register)."""
+    return divisor_at_most(whole_registers, REGISTER_BUDGET // max(1, live_per_register))
+
+
 def block(lines) -> str:
     """Statements as one string, a line each (a block the template indents as a whole)."""
     return "".join(line + "\n" for line in lines)

@@ -11,8 +11,7 @@ from ..compiler import ir
 from .fused_plan import (CorrectionOperands, NextHead, ScaleGroup, StepMatrixPass, StepRegion, StepVectorPass,
                          VectorRead)
 from .kernel_source import KernelSource
-from .passes import (REGISTER_BUDGET, Decay, MatrixOperands, ReadoutOperands, correction_arrays, correction_pass,
-                     divisor_at_most, row_pass)
+from .passes import Decay, MatrixOperands, ReadoutOperands, column_block, correction_arrays, correction_pass, row_pass
 from .printer import CPrinter
 from .stabilize import Scales
 from .state_terms import StateTerms, state_terms
@@ -107,10 +106,10 @@ def _state(k: KernelSource, pr: CPrinter, st: ir.State, t: StateTerms, v: _Value
     prefetches = bool(t.corrections)
     corrections = None
     if t.corrections:
-        corrections = correction_pass(ops, lanes=lanes, columns=cols, registers=divisor_at_most(
-            whole, REGISTER_BUDGET // max(1, 2 * len(v.ws) + 1)))
-    update = row_pass(ops, lanes=lanes, vector_bytes=k.target.vector_bytes, columns=cols, registers=divisor_at_most(
-        whole, REGISTER_BUDGET // max(1, len(v.xs) + 2 * len(t.readouts) + 1)), ahead=ahead if prefetches else None)
+        corrections = correction_pass(ops, lanes=lanes, columns=cols, registers=column_block(whole, 2 * len(v.ws) + 1))
+    update = row_pass(ops, lanes=lanes, vector_bytes=k.target.vector_bytes, columns=cols,
+                      registers=column_block(whole, len(v.xs) + 2 * len(t.readouts) + 1),
+                      ahead=ahead if prefetches else None)
     return (StepMatrixPass(correction_arrays(ops, cols_padded) if t.corrections else (), corrections, right_lines,
                            update),
             NextHead(ahead, c, rows * cols, buffer) if prefetches else None)
