@@ -226,8 +226,8 @@ class KernelSource:
         return names, len(p.inputs) + len(p.params)
 
     def common(self) -> dict:
-        """The context of templates/c_common.h.j2 (which both kernels' templates include), but for the inputs,
-        the block's tokens and lr_inputs_outside's flag."""
+        """What every kernel's context gives templates/c_common.h.j2 alike (both kernels' templates include it;
+        the inputs, LR_BLOCK's tokens and checks_inputs come with the rest of each context)."""
         return dict(ctype=self.target.ctype, vector_bytes=self.target.vector_bytes, lanes=self.target.lanes,
                     header=CommonHeader.of(self.target))
 
