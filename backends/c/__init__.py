@@ -2,7 +2,9 @@
 cached on disk.
 
     backend.py     the backend's entry points (why_not, emit, load) and the recurrent form's runtime
-    generator.py   the fused recurrent kernel and decode step of a factorable recurrence (c_recurrent.c.j2)
+    generator.py   the fused recurrent kernel and decode step of a factorable recurrence (c_recurrent.c.j2),
+                   planned by state_terms.py, block_region.py, step_region.py and passes.py as the records
+                   of fused_plan.py; kernel_source.py: what it shares with general.py
     general.py     every other recurrence, its statements one by one (c_general.c.j2)
     support.py     which of the two takes a program, from its structure (no code generated to find out)
     printer.py     per-token IR expressions as C; stabilize.py: exponential feature maps a token at a time

@@ -25,7 +25,7 @@ from ..compiler.analysis import to_text, walk
 from ..dsl.errors import LinrecError
 from ..templating import c_comment_text
 
-from .generator import STEP_PARALLEL_THRESHOLD, KernelSource, Target
+from .kernel_source import STEP_PARALLEL_THRESHOLD, KernelSource, Target
 from .printer import _ELEMENTWISE, MATRIX_LEAVES, CPrinter, elu_plus_one, vector_product
 from .support import fused_refusal, printed_statements, statements_refusal
 from ..version import VERSION
@@ -237,7 +237,7 @@ class GeneralGenerator(KernelSource):
     def _statements(self, pr: StatementPrinter, updates: bool, outputs: bool) -> list[str]:
         """One token's statements in program order: the named values that read a state, the updates (in
         place) and the outputs (into their rows, out_x_t, or out_x[tok] for a scalar)."""
-        chosen = [(s, v) for s, v in printed_statements(self.p) if isinstance(s, ir.Let)
+        chosen = [(s, v) for s, v in printed_statements(self.program) if isinstance(s, ir.Let)
                   or (isinstance(s, ir.Update) and updates) or (isinstance(s, ir.Output) and outputs)]
         steps, values = [s for s, _ in chosen], [v for _, v in chosen]
         pr.expect(*values)
@@ -248,8 +248,8 @@ class GeneralGenerator(KernelSource):
                 name = self.let_names[step.name] = self.clet(step.name)
                 lines += [f"/* {step.name} = {text} */"] + self._copy(pr, value, name)
             elif isinstance(step, ir.Update):
-                st = self.p.state(step.state)
-                kind = self.d.transition(step.state).kind
+                st = self.program.state(step.state)
+                kind = self.derivation.transition(step.state).kind
                 lines += [f"/* {step.state} = {text}  ({kind}) */"]
                 lines += self._store(pr, value, self.local("buf", self.cstate(st.name)), fresh=False)
             else:
@@ -282,28 +282,27 @@ class GeneralGenerator(KernelSource):
             + self._store(pr, value, name)
 
     def _region(self, prefix: str, updates: bool, outputs: bool) -> dict:
-        pr = StatementPrinter(self.t.ctype, self.dims, self.ref, prefix)
+        pr = StatementPrinter(self.target.ctype, self.dims, self.ref, prefix)
         token = self._statements(pr, updates, outputs)
         return {"head": pr.take_head(), "token": token, "scratch": pr.scratch}
 
     def context(self) -> dict:
-        if self.p.causal:
+        if self.program.causal:
             passes = [self._region("", updates=True, outputs=True)]
         else:  # every output reads the final state: the updates over every token first, then the outputs
             passes = [self._region("", updates=True, outputs=False), self._region("n", updates=False, outputs=True)]
-        step = self._region("", updates=True, outputs=True) if self.p.causal else None
+        step = self._region("", updates=True, outputs=True) if self.program.causal else None
         scratch = max([r["scratch"] for r in passes] + ([step["scratch"]] if step else []))
         # multiply-adds per token and head, roughly: every state's elements once per statement
-        work = max(1, sum(self.size(s.shape) for s in self.p.states)) * max(1, len(self.p.steps))
+        work = max(1, sum(self.size(s.shape) for s in self.program.states)) * max(1, len(self.program.steps))
         return dict(
-            name=self.p.name, version=VERSION, filename=self.c.filename, source_comment=self.source_comment(),
-            why_not_fused=self.why_not_fused, ctype=self.t.ctype, vector_bytes=self.t.vector_bytes,
-            lanes=self.t.lanes, block_tokens=1, dims=[(d.name, self.dims[d.name]) for d in self.p.dims],
-            inputs=[{"c": self.cin(x.name), "row": self.row(self.cin(x.name)), "size": self.size(x.shape),
-                     "scalar": not x.shape, "outside": self.outside(x)} for x in self.p.inputs],
+            name=self.program.name, version=VERSION, filename=self.compiled.filename,
+            source_comment=self.source_comment(),
+            why_not_fused=self.why_not_fused, **self.common(), block_tokens=1,
+            dims=[(d.name, self.dims[d.name]) for d in self.program.dims],
+            inputs=self.input_arrays(),
             states=[{"c": self.cstate(s.name), "buf": self.local("buf", self.cstate(s.name)),
-                     "size": self.size(s.shape)} for s in self.p.states],
-            outputs=[{"c": self.cout(o.name), "row": self.row(self.cout(o.name)), "size": self.size(o.value.shape),
-                      "scalar": not o.value.shape} for o in self.p.outputs],
+                     "size": self.size(s.shape)} for s in self.program.states],
+            outputs=self.output_arrays(),
             passes=passes, step=step, scratch=scratch, step_work=work,
             step_parallel_threshold=STEP_PARALLEL_THRESHOLD, **self.entry_points())

@@ -73,7 +73,7 @@ def fused_limits(compiled: Compiled) -> str | None:
         if len(s.shape) not in (1, 2):
             return f"state '{s.name}' has shape {_shape(s.shape)}: the fused kernel holds vector and matrix states only"
         if len(s.shape) == 2 and any(value is None or not value.shape for _, value in d.transition(s.name).writes):
-            return f"a write to matrix state '{s.name}' has a scalar value, no k⊗v"  # (see Generator._plan_state)
+            return f"a write to matrix state '{s.name}' has a scalar value, no k⊗v"  # (see state_terms.py)
     return None
 
 
@@ -84,7 +84,7 @@ def _reads_the_sequence(compiled: Compiled) -> str:
 
 def fused_expressions(compiled: Compiled) -> Iterator[tuple[str, ir.Expr, ir.Expr]]:
     """(place, expression as printed, as derived) for every per-token expression the fused kernel prints
-    (Generator._plan_state, step_region and block_region): per state its decay, corrections and writes, its
+    (state_terms.py, step_region.py and block_region.py): per state its decay, corrections and writes, its
     readouts' queries, then the outputs over the readouts — printed as stabilize.Scales rewrites them (the
     shifts of exponential feature maps), derived as compiler.derive gives them (for the reasons). (The
     generator groups rank-one terms by their left vector with compiler.linearity.split_scalar, whose parts

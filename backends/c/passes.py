@@ -1,0 +1,239 @@
+"""The passes of the fused kernel over one state, unrolled: how large a tile of registers is, how many
+registers a column block holds, and the statements over those registers (s0_0, y0_1, a2, …) as C lines
+(records in fused_plan.py). What a pass reads and writes comes from block_region.py (the block arrays of the
+sequence kernel) and step_region.py (the decode step's values), as MatrixOperands."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fused_plan import (ColumnTail, CorrectionOperands, CorrectionPass, CorrectionRow, CorrectionTail, Lines,
+                         PassRow, PrefetchPace, ReadoutTile, RowPass, Tile, TiledPass)
+
+# SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
+REGISTER_BUDGET = 24
+
+
+@dataclass(frozen=True)
+class Decay:
+    """A state's decay as a pass reads it."""
+
+    code: str      # C of the decay: a scalar, or a vector indexable by row
+    vector: bool
+
+
+@dataclass(frozen=True)
+class ReadoutOperands:
+    """A readout as a pass computes it: q (None: a vector state read as it is) and where its sums go."""
+
+    query: str | None      # indexable by row
+    sums: str              # indexable by column: where the readout's sums go
+    out: str | None = None  # a tiled pass: the output row the finished sums stream to (see block_region)
+
+
+@dataclass(frozen=True)
+class MatrixOperands:
+    """What a pass over a matrix state reads and writes, as C: its buffer (rows `ld` apart), the decay, the
+    groups' left vectors (indexable by row) and right vectors (by column), the readouts before and after the
+    update, and the corrections (w indexable by row, p by column)."""
+
+    name: str
+    comment: str
+    state: str
+    rows: int
+    ld: int
+    update: bool
+    decay: Decay | None
+    lefts: tuple[str, ...]
+    rights: tuple[str, ...]
+    before: tuple[ReadoutOperands, ...]
+    after: tuple[ReadoutOperands, ...]
+    corrections: tuple[CorrectionOperands, ...]
+
+
+def divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of n that is at most `limit` (1 for n = 0)."""
+    limit = max(1, min(n, limit))
+    return next(g for g in range(limit, 0, -1) if n % g == 0) if n else 1
+
+
+def column_block(whole_registers: int, live_per_register: int) -> int:
+    """How many registers of a row a pass over the rows takes at a time: the most that divide the row's whole
+    registers and, with `live_per_register` registers live for each (accumulators, right vectors, the row's
+    own), fit REGISTER_BUDGET (1 for a row shorter than a register)."""
+    return divisor_at_most(whole_registers, REGISTER_BUDGET // max(1, live_per_register))
+
+
+def block(lines) -> str:
+    """Statements as one string, a line each (a block the template indents as a whole)."""
+    return "".join(line + "\n" for line in lines)
+
+
+def _registers(names: list[str], keyword: str) -> str:
+    """One declaration of several registers: `vec a0 = …, a1 = …;`"""
+    return f"{keyword} {', '.join(names)};"
+
+
+# ---- the register-tiled pass ---------------------------------------------------------------------------
+def tile_shape(whole_registers: int, rows: int, groups: int) -> tuple[int, int]:
+    """(registers across, rows) of a tile: wide tiles first — a row of four registers shares each broadcast
+    of x and q over four multiply-adds (measured ~8% faster than two registers for GLA at dv = 64) —, then
+    as many rows as the registers allow beside the right vectors."""
+    across = next(c for c in (4, 2, 1) if whole_registers % c == 0)
+    tall = next(r for r in (8, 6, 4, 3, 2, 1) if r * across + (groups + 2) * across <= REGISTER_BUDGET + 4)
+    return across, min(tall, rows)
+
+
+def prefetch_pace(steps: int, inputs: int) -> PrefetchPace:
+    """How a tiled pass of `steps` steps issues the next block's rows (`inputs` per token): every row on its
+    way before the pass ends, a row's lines at a time: one token's rows over one token's steps. A tiled pass
+    is bound by its multiply-adds and has load slots to spare. (A pass token after token prefetches nothing:
+    it is bound by its loads and reads from L1, and prefetches inside it cost more than a burst in phase 1,
+    measured ~5% on gated DeltaNet.)"""
+    if not inputs:
+        return PrefetchPace(0, 0)
+    return PrefetchPace(max(1, steps // inputs), -(-inputs // steps))
+
+
+def tiled_pass(ops: MatrixOperands, *, lanes: int, whole_registers: int, inputs: int, slow: str,
+               readout_arrays: tuple[str, ...]) -> TiledPass:
+    """The pass over a matrix state without corrections, a tile of rows × registers in registers for the
+    whole block: tiles of the shape tile_shape() gives, then one tile of the rows left. It prefetches the
+    next block's rows of the `inputs` inputs as it goes."""
+    across, tall = tile_shape(whole_registers, ops.rows, len(ops.lefts) if ops.update else 0)
+    main_rows = ops.rows - ops.rows % tall
+    left = ops.rows % tall
+    pace = prefetch_pace(whole_registers // across * -(-ops.rows // tall), inputs)  # (each tile once per token)
+    # `last`: C for "this is the last tile of rows", after which the readouts' sums are final
+    main = _tile(ops, tall, across, lanes, None if left else f"rt == {main_rows - tall}") if main_rows else None
+    return TiledPass(ops.name, ops.comment, ops.state, ops.ld, tall, across * lanes, across,
+                     whole_registers * lanes, readout_arrays, pace, slow, main_rows, main,
+                     _tile(ops, left, across, lanes, "1") if left else None)
+
+
+def _tile(ops: MatrixOperands, rows: int, across: int, lanes: int, last: str | None) -> Tile:
+    """A tile of `rows` rows × `across` registers, s{row}_{register}, at row rt and column j."""
+    cells = [(r, c) for r in range(rows) for c in range(across)]
+    offset = {(r, c): r * ops.ld + c * lanes for r, c in cells}
+    loads = tuple(_registers([f"s{r}_{c} = lr_load(base + {offset[r, c]})" for c in range(across)], "vec")
+                  for r in range(rows))
+    rights = []
+    for g, y in enumerate(ops.rights):
+        rights += [f"const T *yp{g} = {y} + j;",
+                   _registers([f"y{g}_{c} = lr_load(yp{g} + {c * lanes})" for c in range(across)], "const vec")]
+    decay = update = ""
+    if ops.update and ops.decay:
+        d = ops.decay
+        decay = block([f"const T *dp = {d.code} + rt;" if d.vector else f"const T d = {d.code};"]
+                      + [f"s{r}_{c} = {f'dp[{r}]' if d.vector else 'd'} * s{r}_{c};" for r, c in cells])
+    if ops.update and ops.lefts:
+        update = block([f"const T *xp{g} = {x} + rt;" for g, x in enumerate(ops.lefts)]
+                       + [f"s{r}_{c} = s{r}_{c}" + "".join(f" + xp{g}[{r}] * y{g}_{c}" for g in range(len(ops.lefts)))
+                          + ";" for r, c in cells])
+    # (stored back also by a pass that only reads, a non-causal program's readouts of the final state: the
+    # template once tested a dict's `update`, which jinja took for the dict's method, and the C stays as it was)
+    stores = tuple(f"lr_store(base + {offset[r, c]}, s{r}_{c});" for r, c in cells)
+    return Tile(rows, loads, tuple(rights), rows * across,
+                tuple(_readout_tile(rd, rows, across, lanes, last) for rd in ops.before), decay, update,
+                tuple(_readout_tile(rd, rows, across, lanes, last) for rd in ops.after), stores)
+
+
+def _readout_tile(rd: ReadoutOperands, rows: int, across: int, lanes: int, last: str | None) -> ReadoutTile:
+    """One multiply-add chain per register of the tile's columns, seeded with the sums of the tiles above:
+    the chains of successive tokens are independent, so they overlap."""
+    streams = last is not None and rd.out is not None
+    return ReadoutTile(
+        rd.query, rd.sums, _registers([f"a{c} = lr_load(o + {c * lanes})" for c in range(across)], "vec"),
+        tuple(f"a{c} += q[{r}] * s{r}_{c};" for r in range(rows) for c in range(across)),
+        tuple(f"lr_store(o + {c * lanes}, a{c});" for c in range(across)),
+        last if streams else None, rd.out if streams else None,
+        tuple(f"lr_stream_vec(out + {c * lanes}, a{c});" for c in range(across)) if streams else ())
+
+
+# ---- passes over the rows, in column blocks of registers ---------------------------------------------------
+def row_pass(ops: MatrixOperands, *, lanes: int, vector_bytes: int, columns: int, registers: int,
+             next_w: tuple[str, ...] = (), ahead: str | None = None) -> RowPass:
+    """The fused pass over the rows of a matrix state: `registers` registers of a row at a time over its
+    whole registers, then (the decode step, `columns` not a whole number of registers) the columns left one
+    by one. next_w: the next token's corrections' w (the sequence kernel forms its p in the same pass);
+    ahead: the next head's rows, prefetched a cache line of each row at a time."""
+    readouts = ops.before + ops.after
+    whole = columns // lanes * lanes
+    declarations = [_registers([f"y{g}_{v} = lr_load({y} + j + {v * lanes})" for v in range(registers)],
+                               "const vec") for g, y in enumerate(ops.rights)]
+    declarations += [_registers([f"o{i}_{v} = {{0}}, e{i}_{v} = {{0}}" for v in range(registers)], "vec")
+                     for i in range(len(readouts))]
+    declarations += [_registers([f"op{i}_{v} = {{0}}, ep{i}_{v} = {{0}}" for v in range(registers)], "vec")
+                     for i in range(len(next_w))]
+    stores = [f"lr_store({rd.sums} + j + {v * lanes}, o{i}_{v} + e{i}_{v});"
+              for i, rd in enumerate(readouts) for v in range(registers)]
+    stores += [f"lr_store({cr.p} + j + {v * lanes}, op{i}_{v} + ep{i}_{v});  /* the next token's p */"
+               for i, cr in enumerate(ops.corrections[:len(next_w)]) for v in range(registers)]
+
+    def row(index: str, acc: str) -> PassRow:
+        return PassRow(index, block(_row_scalars(ops, index, next_w)),
+                       tuple(block(_register_statements(ops, v, acc, lanes, len(next_w))) for v in range(registers)))
+    tail = None
+    if columns > whole:
+        tail = ColumnTail(
+            whole, columns,
+            tuple([f"const T y{g}_0 = {y}[j];" for g, y in enumerate(ops.rights)]
+                  + [f"T o{i}_0 = 0;" for i in range(len(readouts))]),
+            block(_row_scalars(ops, "i", next_w)), block(_register_statements(ops, 0, "o", None, len(next_w))),
+            tuple(f"{rd.sums}[j] = o{i}_0;" for i, rd in enumerate(readouts)))
+    return RowPass(
+        ops.name, ops.comment, ops.state, ops.ld, ops.rows,
+        ops.decay.code if ops.decay and not ops.decay.vector else None, whole, registers * lanes,
+        tuple(declarations), (row("i", "o"), row("i + 1", "e")), row(str(ops.rows - 1), "o") if ops.rows % 2 else None,
+        tuple(stores), ahead,
+        tuple(v * lanes for v in range(registers) if (v * vector_bytes) % 64 == 0) if ahead else (), tail)
+
+
+def _row_scalars(ops: MatrixOperands, k: str, next_w: tuple[str, ...]) -> list[str]:
+    """Row k's values of the decay (a vector's), the left vectors, the queries and the next token's w."""
+    lines = [f"const T d = {ops.decay.code}[{k}];"] if ops.decay and ops.decay.vector else []
+    lines += [f"const T x{g} = {x}[{k}];" for g, x in enumerate(ops.lefts)]
+    lines += [f"const T qb{i} = {rd.query}[{k}];" for i, rd in enumerate(ops.before)]
+    lines += [f"const T qa{i} = {rd.query}[{k}];" for i, rd in enumerate(ops.after)]
+    return lines + [f"const T wn{i} = {w}[{k}];" for i, w in enumerate(next_w)]
+
+
+def _register_statements(ops: MatrixOperands, v: int, acc: str, lanes: int | None, nexts: int) -> list[str]:
+    """Register v of a row (lanes=None: the row's single column of a column tail): the readouts before the
+    update, the update, the readouts after it and the next token's p, accumulated into `acc`'s sums."""
+    lines = [f"vec s{v} = lr_load(row + {v * lanes});" if lanes else f"T s{v} = row[0];"]
+    lines += [f"{acc}{i}_{v} += qb{i} * s{v};" for i in range(len(ops.before))]
+    if ops.update:
+        scaled = f"d * s{v}" if ops.decay else f"s{v}"
+        lines.append(f"s{v} = {scaled}" + "".join(f" + x{g} * y{g}_{v}" for g in range(len(ops.lefts))) + ";")
+        lines.append(f"lr_store(row + {v * lanes}, s{v});" if lanes else f"row[0] = s{v};")
+    lines += [f"{acc}{len(ops.before) + i}_{v} += qa{i} * s{v};" for i in range(len(ops.after))]
+    return lines + [f"{acc}p{i}_{v} += wn{i} * s{v};" for i in range(nexts)]
+
+
+def correction_pass(ops: MatrixOperands, *, lanes: int, columns: int, registers: int) -> CorrectionPass:
+    """p_r = w_rᵀ·S for the corrections of a matrix state: `registers` registers of a row at a time, then
+    the columns past the last whole register one by one."""
+    whole = columns // lanes * lanes
+
+    def row(k: str, acc: str) -> CorrectionRow:
+        lines = [f"const vec s{v} = lr_load(row + {v * lanes});" for v in range(registers)]
+        for i, cr in enumerate(ops.corrections):
+            lines += [f"const T w{i} = {cr.w}[{k}];"] + [f"{acc}{i}_{v} += w{i} * s{v};" for v in range(registers)]
+        return CorrectionRow(k, tuple(lines))
+    tail = None
+    if columns > whole:
+        tail = CorrectionTail(whole, columns, tuple(f"T a{i} = 0;" for i in range(len(ops.corrections))),
+                              tuple(f"a{i} += {cr.w}[i] * sv;" for i, cr in enumerate(ops.corrections)),
+                              tuple(f"{cr.p}[j] = a{i};" for i, cr in enumerate(ops.corrections)))
+    return CorrectionPass(
+        ops.name, ops.state, ops.ld, ops.rows, whole, registers * lanes,
+        tuple(_registers([f"a{i}_{v} = {{0}}, e{i}_{v} = {{0}}" for v in range(registers)], "vec")
+              for i in range(len(ops.corrections))),
+        (row("i", "a"), row("i + 1", "e")), row(str(ops.rows - 1), "a") if ops.rows % 2 else None,
+        tuple(f"lr_store({cr.p} + j + {v * lanes}, a{i}_{v} + e{i}_{v});"
+              for i, cr in enumerate(ops.corrections) for v in range(registers)), tail)
+
+
+def correction_arrays(ops: MatrixOperands, size: int) -> Lines:
+    """The p of a token's corrections, rows of `size`."""
+    return tuple(f"T {cr.p}[{size}] __attribute__((aligned(64)));" for cr in ops.corrections)
