@@ -38,7 +38,7 @@ class Recurrence:
     def __init__(self, compiled: Compiled):
         self.compiled = compiled
         self.program = compiled.program
-        self.derivation = compiled.derivation
+        self.decomposition = compiled.decomposition
         self._modules: dict[tuple[str, str], object] = {}
         self._steppers: dict[str, tuple] = {}  # backend → (params, compiled step bound to them)
         # a token call's sizes and params by (backend, [B, H], dtype, sizes, state shapes) → (params, dims, used):
@@ -52,7 +52,7 @@ class Recurrence:
 
     @property
     def forms(self) -> tuple[str, ...]:
-        return self.derivation.forms
+        return self.decomposition.forms
 
     @property
     def warnings(self) -> tuple:
@@ -71,7 +71,7 @@ class Recurrence:
             return  # the statements as written (verify's reference, see interface.DEFINITION)
         if form not in compiler.FORMS:
             raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(compiler.FORMS)}")
-        why = self.derivation.why_not(form)
+        why = self.decomposition.why_not(form)
         if why:
             raise LinrecError(f"'{self.name}' has no {form} form: {why}. Its forms: {', '.join(self.forms)}")
         refusal = chosen.why_not(self.compiled, form)
@@ -166,7 +166,7 @@ class Recurrence:
         other forms of a causal program that reads the sequence through attention. Their products mask the
         attention weights, not the values, and a masked weight 0 times a later token's NaN is NaN. None for
         every other form (the scans keep the rule in their kernels)."""
-        if self.derivation.sequence is None or not self.program.causal or form == "recurrent" \
+        if self.decomposition.sequence is None or not self.program.causal or form == "recurrent" \
                 or "recurrent" not in self.forms:
             return None
         module = self.module("recurrent", backend)
@@ -230,7 +230,7 @@ class Recurrence:
                 return stepper(token_inputs, state, inplace, out)
             except RuntimeInputError:
                 pass  # new sizes or dtype, or a bad array: check everything again below (and say what is wrong)
-        if self.derivation.sequence is not None:
+        if self.decomposition.sequence is not None:
             return _cache_step(self, token_inputs, state, backend, params)
         checked, shape, module, dims, used = self._token_call(token_inputs, backend, params, state)
         if module.capabilities.binds_steps:  # compiled: bind once, then only shapes are checked per call
@@ -289,7 +289,7 @@ class Recurrence:
         On every backend the step is bound to the arrays the dicts hold now: putting another array into a
         dict later changes nothing (refill the bound ones in place), and every state must be given."""
         _require_causal(self)
-        if self.derivation.sequence is not None:
+        if self.decomposition.sequence is not None:
             raise RuntimeInputError(f"'{self.name}' reads the sequence: it decodes over a KV cache that grows "
                                     f"every token, so it has no step bound to fixed arrays; use step()")
         missing = [s.name for s in self.program.states if s.name not in (state or {})]
@@ -337,7 +337,7 @@ def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backe
     NumPy whatever `backend` says (it hashes and sorts the whole sequence)."""
     if "recurrent" not in rec.forms:
         raise LinrecError(f"'{rec.name}' has no recurrent form, so no decode step: "
-                          f"{rec.derivation.why_not('recurrent')}")
+                          f"{rec.decomposition.why_not('recurrent')}")
     cache = dict(cache or {})
     unknown = sorted(set(cache) - {x.name for x in rec.program.inputs})
     if unknown:

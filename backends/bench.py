@@ -93,9 +93,9 @@ class Options:
 def flop_count(rec, dims: dict[str, int]) -> tuple[int, str, list[str]]:
     """Useful flops per token and head, derived from the program's transitions and readouts:
     (number, formula like "4·dk·dv", one line per state saying where the terms come from)."""
-    program, derivation = rec.program, rec.derivation
+    program, decomposition = rec.program, rec.decomposition
     total, formula, lines = 0, [], []
-    for tr in derivation.transitions:
+    for tr in decomposition.transitions:
         state = program.state(tr.state)
         n = prod(dims[d] for d in state.shape)
         size = "·".join(state.shape) or "1"
@@ -114,7 +114,7 @@ def flop_count(rec, dims: dict[str, int]) -> tuple[int, str, list[str]]:
             else:
                 lefts.setdefault(split_scalar(key)[1], "write")
         terms += [("rank-one update", 2)] * len(lefts) + [("write", 1)] * plain
-        for r in derivation.readouts:
+        for r in decomposition.readouts:
             if r.state == tr.state and not r.is_value:  # (a state read as it is costs no flop)
                 terms.append(("readout", 2))
         coef = sum(c for _, c in terms)
@@ -426,7 +426,7 @@ def _forms_asked(rec, opts: Options) -> tuple[list[str], bool, list[dict]]:
     for f in forms:
         if f not in compiler.FORMS:
             raise LinrecError(f"unknown form '{f}'; choose one of {', '.join(compiler.FORMS)} or auto")
-    why_not = {f: rec.derivation.why_not(f) for f in forms}
+    why_not = {f: rec.decomposition.why_not(f) for f in forms}
     skipped = [{"form": f, "backend": None, "T": None, "reason": f"'{rec.program.name}' has no {f} form: {why_not[f]}"}
                for f in forms if why_not[f]]
     return [f for f in forms if not why_not[f]], "auto" in wanted, skipped

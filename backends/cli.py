@@ -101,7 +101,7 @@ _WHEN = {"before": "before this token's update ({s}_(t−1))", "after": "after t
 # ---- check -----------------------------------------------------------------------------------
 def describe(rec, path: str) -> dict:
     """Everything `check` reports, as plain data (the --json output for one file)."""
-    p, d = rec.program, rec.derivation
+    p, d = rec.program, rec.decomposition
     updates = p.updates
     info = {
         "file": path,

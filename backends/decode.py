@@ -21,7 +21,7 @@ from .numpy.scan import rescale
 def reads_the_sequence(rec) -> bool:
     """A program whose outputs read other tokens directly (seq, lsh_attention, params over the sequence
     axis): its decode state is a KV cache, not a fixed-size recurrent state."""
-    return rec.derivation.sequence is not None
+    return rec.decomposition.sequence is not None
 
 
 def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None = None,
@@ -36,7 +36,7 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
     sequence = reads_the_sequence(rec)
     if sequence and "recurrent" not in rec.forms:
         raise LinrecError(f"'{program.name}' has no recurrent form, so no decode step: "
-                          f"{rec.derivation.why_not('recurrent')}")
+                          f"{rec.decomposition.why_not('recurrent')}")
     # the same checks, sizes and parameters as Recurrence.run, once for the whole sequence
     checked, shape = arrays.check_inputs(program, dict(inputs))
     module = rec.module("recurrent", backend if not sequence else "numpy")

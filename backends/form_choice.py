@@ -40,7 +40,7 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
     built = [f for f in forms if builds(rec.compiled, backend, f)]
     if len(built) == 1:
         return built[0], f"the only form of '{rec.name}' the {backend} backend builds"
-    sequence = rec.derivation.sequence
+    sequence = rec.decomposition.sequence
     if sequence is not None and "chunkwise" in forms:
         if sequence.kind == "lsh":
             return "chunkwise", "the bucketed form: O(T log T) instead of the dense reference's O(T²)"

@@ -97,5 +97,5 @@ def no_such_form(compiled: Compiled, form: str) -> Refusal | None:
     """The refusal every backend shares: a form the program does not have (None: it has it)."""
     if form not in FORMS:
         return Refusal(f"there is no {form} form; the forms are {', '.join(FORMS)}")
-    why = compiled.derivation.why_not(form)
+    why = compiled.decomposition.why_not(form)
     return Refusal(f"'{compiled.name}' has no {form} form: {why}") if why else None

@@ -54,7 +54,7 @@ def why_not(rec, form: str) -> str | None:
     """Why the program has no such form to check (None: it has), the decode step included."""
     if form == STEP:
         return None if decode_forms(rec) else "no decode step: it is non-causal, or has no recurrent form"
-    return rec.derivation.why_not(form)
+    return rec.decomposition.why_not(form)
 
 
 def reference_form(rec) -> str:

@@ -1,6 +1,6 @@
-"""The linrec compiler: names and shapes, IR, classification of transitions, derivation of forms.
+"""The linrec compiler: names and shapes, IR, the classification of transitions, and which forms exist.
 
-    parse (dsl) → resolve (names, shapes → IR) → derive (transitions, readouts, forms)
+    parse (dsl) → resolve (names, shapes → IR) → decompose (transitions, readouts, forms)
 """
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from pathlib import Path
 from ..dsl import LinrecError, parse
 
 from . import ir
-from .derive import FORMS, Derivation, derive
+from .decompose import FORMS, Decomposition, decompose
 from .resolve import resolve
 
 
 @dataclass(frozen=True)
 class Compiled:
-    """A checked program: its source, IR and derivation."""
+    """A checked program: its source, IR and decomposition."""
 
     source: str
     filename: str
     program: ir.Program
-    derivation: Derivation
+    decomposition: Decomposition
     warnings: tuple = field(default=(), compare=False)  # dsl.errors.LinrecWarning, located, in source order
 
     @property
@@ -30,10 +30,10 @@ class Compiled:
 
 
 def compile_source(source: str, filename: str = "<source>") -> Compiled:
-    """Parse, check and derive. Raises LinrecError with FILE:LINE:COL, the line and a caret."""
+    """Parse, check and decompose. Raises LinrecError with FILE:LINE:COL, the line and a caret."""
     try:
         program, warnings = resolve(parse(source, filename))
-        return Compiled(source, filename, program, derive(program),
+        return Compiled(source, filename, program, decompose(program),
                         tuple(w.located(source, filename) for w in warnings))
     except LinrecError as err:
         raise err.located(source, filename) from None

@@ -64,7 +64,7 @@ class LetRef(Expr):
 
 @dataclass(frozen=True)
 class ReadoutRef(Expr):
-    """The result of readout number `index` (only in derived forms: see compiler.derive)."""
+    """The result of readout number `index` (only in derived forms: see compiler.decompose)."""
 
     index: int
 

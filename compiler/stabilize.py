@@ -14,9 +14,9 @@ def stabilized_states(compiled: Compiled) -> dict[str, tuple]:
     Returns state → the α of each write; states with equal α share one M. A program with no derived forms
     has none: its reads are not all readouts q·S, which the scales are folded into (it runs as written)."""
     out = {}
-    if compiled.derivation.why_not("chunkwise"):
+    if compiled.decomposition.why_not("chunkwise"):
         return out
-    for t in compiled.derivation.transitions:
+    for t in compiled.decomposition.transitions:
         if t.corrections or not t.writes or not t.factorable:
             continue
         alphas = [split_exp(key)[1] for key, _ in t.writes]

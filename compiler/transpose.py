@@ -2,7 +2,7 @@
 
 The source document writes the delta rule in the transposed convention, S ∈ R^(dv×dk):
 S_t = S_(t−1)·(I − β k⊗k) + β v⊗k, read as S·q. Its transpose Sᵀ_t = (I − β k⊗k)·Sᵀ_(t−1) + β k⊗v, read
-as q·Sᵀ, has the left-factored shape the derived forms need. So derive() classifies the program with such a
+as q·Sᵀ, has the left-factored shape the derived forms need. So decompose() classifies the program with such a
 state replaced by its transpose, and the forms carry Sᵀ, transposing the initial and final state at the
 boundary (the recurrent form runs the statements as written).
 

@@ -3,7 +3,7 @@ direction (no cycles; each layer only below itself), and imports at the top of m
 
 The layers, bottom up (docs/backends.md, "Package layout"):
     dsl        the language: grammar, parser, syntax tree, errors
-    compiler   names, shapes, IR, transitions, derivation, analyses both backends need
+    compiler   names, shapes, IR, transitions, decomposition, analyses both backends need
     support    what backends and driver share: interface (what a backend is), arrays (call checks),
                templating (jinja, user text in comments), version
     numpy      the NumPy backend

@@ -450,7 +450,7 @@ def test_output_arrays_are_recycled_only_when_nobody_holds_them(linrec):
 
 def test_value_axis_decay_runs_statement_by_statement(linrec):
     """A decay of the value axis (S·diag(d)) is no fused kernel's: on C its statements run one by one
-    (c_general); its parallel and chunkwise forms are NumPy's, and C says so."""
+    (c_statements); its parallel and chunkwise forms are NumPy's, and C says so."""
     from linrec.dsl.errors import LinrecError
     rec = rec_for(linrec, "right")
     assert "statement by statement" in rec.emit("recurrent", backend="c")
@@ -684,7 +684,7 @@ def test_other_targets(linrec, monkeypatch, target):
     if target == "avx2" and "avx2" not in c_build._cpu_flags():
         pytest.skip("needs AVX2")
     monkeypatch.setenv("LINREC_C_TARGET", target)
-    for name in ("gated_deltanet", "early2", "gla", "right"):  # (right: statement by statement, c_general)
+    for name in ("gated_deltanet", "early2", "gla", "right"):  # (right: statement by statement, c_statements)
         rec = rec_for(linrec, name)
         mod = c_backend.CRecurrent(rec.compiled)  # a fresh module: kernels are keyed by target
         inputs = rec.random_inputs(batch=2, tokens=20, heads=2, dims=DIMS, seed=9, dtype=np.float32)
@@ -731,9 +731,9 @@ def test_heads_taken_in_turns_by_threads(linrec, monkeypatch, name, split):
     per head; Performer's running maximum (c_stabilize) moves with its head. Against NumPy float64."""
     from linrec.c import backend as c_backend
     from linrec.c import build as c_build
-    from linrec.c import generator as c_generator
-    monkeypatch.setattr(c_generator, "SEGMENT_WORK", 1)
-    monkeypatch.setattr(c_generator, "SPLIT_ALWAYS", split)
+    from linrec.c import fused as c_fused
+    monkeypatch.setattr(c_fused, "SEGMENT_WORK", 1)
+    monkeypatch.setattr(c_fused, "SPLIT_ALWAYS", split)
     rec = rec_for(linrec, name)
     mod = c_backend.CRecurrent(rec.compiled)
     dims = DIMS | ({"m": 12} if name == "performer" else {})

@@ -36,7 +36,7 @@ from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.lin")  # the scan programs (not attention)
-                  if linrec.load(p).derivation.sequence is None and "chunkwise" in linrec.load(p).forms)
+                  if linrec.load(p).decomposition.sequence is None and "chunkwise" in linrec.load(p).forms)
 TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 5e-4}
 FLOOR = {np.dtype(np.float64): 1e-30, np.dtype(np.float32): 1e-6}
 DTYPES = (np.float64, np.float32)
@@ -390,7 +390,7 @@ output o = S·q + early
 @pytest.mark.parametrize("name", list(TRANSPOSED))
 def test_transposed_states_end_to_end(name):
     rec = linrec.compile(TRANSPOSED[name], f"{name}.lin")
-    assert rec.derivation.transposed == {"S"}
+    assert rec.decomposition.transposed == {"S"}
     _end_to_end(rec)
 
 

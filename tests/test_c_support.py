@@ -5,8 +5,8 @@ internal error, UnprintableError), and a refusal of something the printer spells
 from C for nothing.
 
 Over every example, every program written in the tests (string constants of tests/*.py that compile) and
-the programs below that aim at each refusal: per kernel — the fused one (generator.py) and the statement
-kernel (general.py) — at the file's sizes (float64) and at odd sizes (float32),
+the programs below that aim at each refusal: per kernel — the fused one (fused.py) and the statement
+kernel (statements.py) — at the file's sizes (float64) and at odd sizes (float32),
 
 - the generator takes the program exactly when the predicate does, and refuses it with the predicate's
   reason (its constructor asks the predicate: one source of truth);
@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from linrec.c import general as c_general
-from linrec.c import generator as c_generator
+from linrec.c import statements as c_statements
+from linrec.c import fused as c_fused
 from linrec.c import support
 from linrec.c.build import CTYPES, vector_bytes
-from linrec.c.general import GeneralGenerator
-from linrec.c.generator import Generator, Target
+from linrec.c.statements import StatementKernel
+from linrec.c.fused import FusedKernel, Target
 from linrec.c.printer import UnprintableError
 from linrec.compiler import compile_source
 from linrec.dsl.errors import LinrecError
@@ -164,8 +164,8 @@ CORPUS = _corpus()
 # per kernel: its generator, the module whose constructor asks the predicate, the name it asks by, and
 # the predicate's parts
 KERNELS = {
-    "fused": (Generator, c_generator, "fused_refusal", support.fused_limits, support.fused_unspellable),
-    "statements": (GeneralGenerator, c_general, "statements_refusal", support.statements_limits,
+    "fused": (FusedKernel, c_fused, "fused_refusal", support.fused_limits, support.fused_unspellable),
+    "statements": (StatementKernel, c_statements, "statements_refusal", support.statements_limits,
                    support.statements_unspellable),
 }
 

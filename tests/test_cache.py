@@ -86,8 +86,8 @@ def cache(tmp_path, monkeypatch):
 # ---- item 5: keys ------------------------------------------------------------------------------------
 def test_the_code_fingerprint_covers_the_compiler_the_language_and_the_templates():
     files = {(p.parent.name, p.name) for p in c_build.code_files()}
-    assert {("compiler", "identifiers.py"), ("compiler", "derive.py"), ("dsl", "grammar.lark"),
-            ("templates", "c_recurrent.c.j2"), ("templates", "module.py.j2"), ("c", "generator.py")} <= files
+    assert {("compiler", "identifiers.py"), ("compiler", "decompose.py"), ("dsl", "grammar.lark"),
+            ("templates", "c_fused.c.j2"), ("templates", "module.py.j2"), ("c", "fused.py")} <= files
 
 
 def test_a_change_to_a_compiler_module_changes_the_alias_key(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ def test_check_reports_classes_and_forms(path, capsys):
     rec = linrec.load(path)
     assert [s["name"] for s in info["states"]] == [s.name for s in rec.program.states]
     text = json.dumps(info)
-    for t in rec.derivation.transitions:
+    for t in rec.decomposition.transitions:
         assert t.kind in text
     for form in ("recurrent", "parallel", "chunkwise"):
         assert form in text

@@ -395,8 +395,8 @@ def test_the_readme_table_of_examples_says_what_check_says():
     for name, rest in rows:
         _model, kind, *forms, _shows = (cell.strip() for cell in rest.split(" | "))
         rec = linrec.load(ROOT / "examples" / name)
-        kinds = {t.kind for t in rec.derivation.transitions}
-        if rec.derivation.sequence is not None:
+        kinds = {t.kind for t in rec.decomposition.transitions}
+        if rec.decomposition.sequence is not None:
             assert not kinds and kind == "— (reads the sequence)", name
         else:
             assert kinds == {kind.removesuffix(" (stabilized)")}, f"{name}: the table says {kind!r}, check {kinds}"

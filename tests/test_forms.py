@@ -323,7 +323,7 @@ S = M·S + k⊗v
 output o = q·S
 """, "dense.lin")
     assert rec.forms == ("recurrent",)
-    why = rec.derivation.why_not("chunkwise")
+    why = rec.decomposition.why_not("chunkwise")
     assert "dense matrix" in why and "M" in why
     with pytest.raises(linrec.LinrecError, match="has no chunkwise form"):
         rec.run(rec.random_inputs(1, 3, 1), form="chunkwise")
@@ -340,7 +340,7 @@ U = 0.5·U + 0.1·k⊗k
 output o = (q·U)·S
 """, "qread.lin")
     assert rec.forms == ("recurrent",)
-    assert "state-free q" in rec.derivation.why_not("parallel")
+    assert "state-free q" in rec.decomposition.why_not("parallel")
     x = rec.random_inputs(2, 7, 2, seed=1)
     S, U = np.zeros((2, 2, 4, 3)), np.zeros((2, 2, 4, 4))
     expected = np.zeros((2, 7, 2, 3))

@@ -36,7 +36,7 @@ S = diag(exp(g))·S + k⊗v
 output o = q·S
 output y = k·S
 """
-# the fused C kernel does not take a dense transition: C runs it statement by statement (c_general)
+# the fused C kernel does not take a dense transition: C runs it statement by statement (c_statements)
 DENSE = """\
 recurrence dense(dk = 5, dv = 7)
 input q[dk], k[dk], v[dv]
@@ -160,7 +160,7 @@ def derived_forms(plain: str, backend: str) -> list[str]:
     """The forms whose code is generated NumPy: all but C's recurrent kernels (a sequence program's C forms
     are NumPy glue around attention kernels)."""
     rec = linrec.compile(plain)
-    if backend == "c" and rec.derivation.sequence is None:
+    if backend == "c" and rec.decomposition.sequence is None:
         return [f for f in rec.forms if f != "recurrent"]
     return list(rec.forms)
 
@@ -337,7 +337,7 @@ def test_generated_names_as_user_names(name):
         assert_same_results(source, renames, "numpy", rec.forms)
     scans = [f for f in ("chunkwise", "parallel") if f in c_forms]
     c_checked = (["recurrent"] if "recurrent" in c_forms else []) + scans[:1]
-    count = C_GLUE_SAMPLE if rec.derivation.sequence is not None else C_SAMPLE
+    count = C_GLUE_SAMPLE if rec.decomposition.sequence is not None else C_SAMPLE
     for renames in renames_to(source, sorted((c_names or numpy_names) - taken), count, rng):
         assert_same_results(source, renames, "numpy", rec.forms)
         assert_same_results(source, renames, "c", c_checked)

@@ -112,9 +112,9 @@ def _kernel_sources() -> list[tuple[str, str]]:
         rec = linrec.load(EXAMPLES / f"{stem}.lin")
         compiled = rec.compiled
         for dtype in (np.float32, np.float64):
-            if compiled.derivation.sequence is not None:
+            if compiled.decomposition.sequence is not None:
                 sizes = {d.name: d.default for d in compiled.program.dims}
-                for r in compiled.derivation.sequence.softmax_readouts:
+                for r in compiled.decomposition.sequence.softmax_readouts:
                     keys, _, values = numpy_sequence.kernel_pattern(r)
                     out.append((f"{stem} attention {dtype.__name__}",
                                 c_attention.source(dtype, sizes[keys.shape[-1]], sizes[values.shape[-1]])))

@@ -85,7 +85,7 @@ def test_linformer_parallel_equals_direct_and_refuses_the_rest():
     rec = linrec.load(ROOT / "linformer.lin")
     assert rec.forms == ("parallel",)
     for form in ("recurrent", "chunkwise"):
-        assert "future ones included" in rec.derivation.why_not(form)
+        assert "future ones included" in rec.decomposition.why_not(form)
         with pytest.raises(linrec.LinrecError, match=f"no {form} form"):
             rec.run(rec.random_inputs(1, 4, 1), form=form)
     x = rec.random_inputs(2, 50, 2, dims={"dk": 5, "dv": 4, "kproj": 8}, seed=1)

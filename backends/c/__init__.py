@@ -2,10 +2,10 @@
 cached on disk.
 
     backend.py     the backend's entry points (why_not, emit, load) and the recurrent form's runtime
-    generator.py   the fused recurrent kernel and decode step of a factorable recurrence (c_recurrent.c.j2),
+    fused.py       the fused recurrent kernel and decode step of a factorable recurrence (c_fused.c.j2),
                    planned by state_terms.py, block_region.py, step_region.py and passes.py as the records
-                   of fused_plan.py; kernel_source.py: what it shares with general.py
-    general.py     every other recurrence, its statements one by one (c_general.c.j2)
+                   of fused_plan.py; kernel_source.py: what it shares with statements.py
+    statements.py  every other recurrence, its statements one by one (c_statements.c.j2)
     support.py     which of the two takes a program, from its structure (no code generated to find out)
     printer.py     per-token IR expressions as C; stabilize.py: exponential feature maps a token at a time
     step.py        the decode step from Python; buffers.py: arrays checked and aligned at the boundary

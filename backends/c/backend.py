@@ -1,9 +1,9 @@
 """The C backend: the recurrent form and a one-token decode step as C kernels, built with cffi and cached.
 
 Generated for one scalar type and one assignment of sizes (dk, dv, … are compile-time constants) by
-c_generator (templates/c_recurrent.c.j2) — one fused kernel for a factorable recurrence (decay + rank-one
+c_fused (templates/c_fused.c.j2) — one fused kernel for a factorable recurrence (decay + rank-one
 corrections + rank-one writes per state, see compiler.transitions) read through readouts q·S — or, for any
-other program, by c_general (templates/c_general.c.j2), its statements one by one; built lazily at the first
+other program, by c_statements (templates/c_statements.c.j2), its statements one by one; built lazily at the first
 call with a given (dtype, sizes) and memoized, on disk by c_build and in the process here. The decode step's
 Python side is c_step; the checks and buffers of the arrays passed to the kernels are c_arrays.
 
@@ -34,8 +34,8 @@ from . import scan as c_scan
 from . import support
 from .buffers import C_INT_MAX, RecycledArrays, aligned_copy, aligned_zeros, checked, require_c_int_sizes
 from .build import CTYPES
-from .general import GeneralGenerator
-from .generator import Generator, KernelSource, Target
+from .statements import StatementKernel
+from .fused import FusedKernel, KernelSource, Target
 from .stabilize import Scales
 from .step import Stepper
 
@@ -43,10 +43,10 @@ from .step import Stepper
 
 def recurrent_source(compiled: Compiled, dims: dict[str, int], target: Target) -> KernelSource:
     """The generator of the recurrent form's kernel: the fused one where it takes the program, else the
-    statements one by one (c_general)."""
+    statements one by one (c_statements)."""
     if support.fused_refusal(compiled) is None:
-        return Generator(compiled, dims, target)
-    return GeneralGenerator(compiled, dims, target)
+        return FusedKernel(compiled, dims, target)
+    return StatementKernel(compiled, dims, target)
 
 
 class Kernel:
@@ -225,8 +225,8 @@ NUMPY_RUNS_IT = "the NumPy backend (backend='numpy') runs it"
 
 
 def recurrent_kernel(compiled: Compiled) -> str:
-    """How C runs the recurrent form (once why_not says it does): one fused kernel (c.generator), the
-    statements one by one (c.general), or a NumPy-prepared scan (c.scan: non-causal programs with
+    """How C runs the recurrent form (once why_not says it does): one fused kernel (c.fused), the
+    statements one by one (c.statements), or a NumPy-prepared scan (c.scan: non-causal programs with
     exponential keys)."""
     if _scan_form(compiled, "recurrent"):
         return SCAN
@@ -251,7 +251,7 @@ def _sequence_source(compiled: Compiled, form: str, dtype=np.float32, dims=None)
     """The attention kernels' C source at the program's default sizes, after the NumPy glue that calls it."""
     glue = numpy_sequence.emit(compiled, form, kernels=c_attention.__name__)
     sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
-    plan = compiled.derivation.sequence
+    plan = compiled.decomposition.sequence
     glue = "\n".join(c_comment_text(line) for line in glue.split("\n"))
     parts = [f"/* NumPy glue that prepares the arrays and calls the kernels below:\n\n{glue}\n*/"]
     for r in plan.softmax_readouts:
@@ -266,7 +266,7 @@ def _sequence_source(compiled: Compiled, form: str, dtype=np.float32, dims=None)
 def emit(compiled: Compiled, form: str, **options) -> str:
     """The C source of a form (with, where NumPy prepares the arrays, the generated glue in a comment)."""
     _require(compiled, form)
-    if compiled.derivation.sequence is not None:
+    if compiled.decomposition.sequence is not None:
         return _sequence_source(compiled, form, **options)
     if _scan_form(compiled, form):
         return c_scan.emit(compiled, "chunkwise" if form == "recurrent" else form, **options)
@@ -275,7 +275,7 @@ def emit(compiled: Compiled, form: str, **options) -> str:
 
 def load(compiled: Compiled, form: str):
     _require(compiled, form)
-    if compiled.derivation.sequence is not None:
+    if compiled.decomposition.sequence is not None:
         return _exec_module(numpy_sequence.emit(compiled, form, kernels=c_attention.__name__), compiled, form,
                             "C attention", Capabilities(
                                 decodes_over_cache=numpy_sequence.kernels_decode_over_cache(compiled),
@@ -289,19 +289,19 @@ def load(compiled: Compiled, form: str):
 
 
 def fused_why_not(compiled: Compiled) -> str | None:
-    """Why the fused recurrent kernel (c.generator) does not take the program, or None when it does."""
+    """Why the fused recurrent kernel (c.fused) does not take the program, or None when it does."""
     return support.fused_refusal(compiled)
 
 
 def why_not(compiled: Compiled, form: str) -> str | None:
     """Why this backend does not build `form` of the program (a reason about the program, without advice),
     or None when it does; from the program's structure (c.support), no code is generated. The recurrent form
-    of a recurrence is the fused kernel's or, where that does not take it, the statement kernel's (c.general),
+    of a recurrence is the fused kernel's or, where that does not take it, the statement kernel's (c.statements),
     whose reason is then the one that counts."""
     refused = no_such_form(compiled, form)
     if refused:
         return refused.reason
-    if compiled.derivation.sequence is not None:
+    if compiled.decomposition.sequence is not None:
         return numpy_sequence.kernel_support(compiled)
     if _scan_form(compiled, form):
         return c_scan.why_not(compiled)

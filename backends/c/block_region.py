@@ -60,7 +60,7 @@ class _LazyFactors:
 
 class BlockArrays:
     """The block arrays of one region: the per-token values phase 1 stores, LR_BLOCK tokens of each, in the
-    thread's block buffer (generator.py lays them out)."""
+    thread's block buffer (fused.py lays them out)."""
 
     def __init__(self, printer: CPrinter, values: list[str]):
         self.printer = printer
@@ -132,7 +132,7 @@ class _BlockRegionPlanner:
         value of phase 1 and the states' passes, then the outputs."""
         k, pr = self.k, self.printer
         self._expect()
-        outputs, scaled = self.scales.outputs(k.derivation.outputs, block=True) if self.readouts else ((), [])
+        outputs, scaled = self.scales.outputs(k.decomposition.outputs, block=True) if self.readouts else ((), [])
         self.output_printer.expect(*[e for _, e in outputs])
         # the decays first: the lazy bookkeeping after them gives the factors by which the vectors that meet a
         # lazily decayed state are stored
@@ -244,7 +244,7 @@ class _BlockRegionPlanner:
         cols = k.dims[st.shape[1]] if matrix else 1
         s = _StateLayout(st.name, c, k.local("buf", c), matrix, k.dims[st.shape[0]], cols,
                          k.padded(cols) if matrix else 1,
-                         k.derivation.transition(st.name).kind if self.updates else "readouts of the final state")
+                         k.decomposition.transition(st.name).kind if self.updates else "readouts of the final state")
         decay = terms.decay if self.updates else None
         factors = lazy.scalars if lazy else {}  # Ŝ = S/c: x/c for a token's writes, q⊙c for its reads
         ws = [blocks.vector(cr.w, k.local("blk_w", c, r), s.rows, scale=factors.get(BEFORE))

@@ -1,5 +1,5 @@
-"""The plan of the fused recurrent kernel, as templates/c_recurrent.c.j2 reads it: frozen records of what each
-part of the C is made of. Python decides (generator.py for the file, block_region.py for the sequence
+"""The plan of the fused recurrent kernel, as templates/c_fused.c.j2 reads it: frozen records of what each
+part of the C is made of. Python decides (fused.py for the file, block_region.py for the sequence
 kernel's blocks of tokens, step_region.py for the decode step, passes.py for the passes over a state and
 their register tiles); the template only chooses which blocks of C appear and fills in names, sizes and the
 statements made here.

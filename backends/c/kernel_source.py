@@ -1,5 +1,5 @@
-"""What the recurrent C sources share — the fused kernels (generator.py) and the statement-by-statement ones
-(general.py): the target they are written for, the file's C names, sizes, the arrays of the entry points and
+"""What the recurrent C sources share — the fused kernels (fused.py) and the statement-by-statement ones
+(statements.py): the target they are written for, the file's C names, sizes, the arrays of the entry points and
 the entry points themselves."""
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class Argument:
 
 
 class KernelSource:
-    """What the recurrent C sources share (the fused kernels, generator.py; general.py's statement-by-statement
+    """What the recurrent C sources share (the fused kernels, fused.py; statements.py's statement-by-statement
     ones): the file's C names; sizes; and the entry points, lr_forward, lr_step and lr_step_packed, over the
     arrays in one order (array_names).
 
@@ -116,7 +116,7 @@ class KernelSource:
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         self.compiled = compiled
         self.program = compiled.program
-        self.derivation = compiled.derivation
+        self.decomposition = compiled.decomposition
         self.dims = dims
         self.target = target
         p = self.program

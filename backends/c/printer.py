@@ -41,7 +41,7 @@ _REGISTER = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v"}
 _VECTOR = {"l2norm", "groupnorm", "rmsnorm"}
 _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
-# the leaves a matrix per token can be (StatementPrinter, general.py: the statement kernel's buffers)
+# the leaves a matrix per token can be (StatementPrinter, statements.py: the statement kernel's buffers)
 MATRIX_LEAVES = (ir.InputRef, ir.ParamRef, ir.StateRef, ir.LetRef)
 
 

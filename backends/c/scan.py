@@ -214,7 +214,7 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
     """(state name, kernel structure) for every state of a program, at the given (else default) sizes: a
     c_values.Structure for a vector state read as it is, a Structure for its readouts q·S, if any, and for
     every other state."""
-    p, d = compiled.program, compiled.derivation
+    p, d = compiled.program, compiled.decomposition
     if d.sequence is not None:
         raise LinrecError(f"'{compiled.name}' reads the whole sequence: it is not a scan over a recurrent state")
     sizes = {x.name: x.default for x in p.dims} | dict(dims or {})
@@ -245,7 +245,7 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
 
 def why_not(compiled: Compiled) -> str | None:
     """Why these kernels cannot run the program's scans, or None (see VALUES_WITH_CORRECTIONS)."""
-    d = compiled.derivation
+    d = compiled.decomposition
     for state in dict.fromkeys(r.state for r in d.readouts if r.is_value):
         if d.transition(state).corrections:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
@@ -261,7 +261,7 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
     its own (the generated NumPy module of the form prepares the per-token arrays and calls them, see load)."""
     if form not in FORMS:
         raise LinrecError(f"the C scan kernels implement the parallel and chunkwise forms, not {form!r}")
-    why = compiled.derivation.why_not(form)
+    why = compiled.decomposition.why_not(form)
     if why:
         raise LinrecError(f"'{compiled.name}' has no {form} form: {why}")
     why = why_not(compiled)
@@ -279,7 +279,7 @@ def load(compiled: Compiled, form: str):
     running in C: forward(inputs, params, initial_state, dims, chunk_size=None) and default_params."""
     if form not in FORMS:
         raise LinrecError(f"the C scan kernels implement the parallel and chunkwise forms, not {form!r}")
-    why = compiled.derivation.why_not(form)
+    why = compiled.decomposition.why_not(form)
     if why:
         raise LinrecError(f"'{compiled.name}' has no {form} form: {why}")
     structures(compiled)  # a scan program with factorable states, or a clear error

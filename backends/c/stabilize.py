@@ -40,7 +40,7 @@ class Scales:
     log-scale, lsc{g} the caller's [B, H] log-scales."""
 
     def __init__(self, compiled: Compiled):
-        p, d = compiled.program, compiled.derivation
+        p, d = compiled.program, compiled.decomposition
         stable = stabilized_states(compiled) if p.causal else {}
         keys = log_scale_keys(compiled)
         self.groups: list[dict] = []  # {"alphas", "states" (names, program order), "key" ("S.log_scale")}

@@ -1,4 +1,4 @@
-"""The terms of a state's update as the fused kernels run them (generator.py): every update of a factorable
+"""The terms of a state's update as the fused kernels run them (fused.py): every update of a factorable
 recurrence (compiler.transitions) brought to
 
     S_t = D_t·S_(t−1) + Σ_g x_g ⊗ y_g
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..compiler import ir
-from ..compiler.derive import Readout
+from ..compiler.decompose import Readout
 from ..compiler.linearity import ONE, split_scalar
 from ..dsl.errors import LinrecError
 
@@ -70,7 +70,7 @@ def state_terms(kernel: KernelSource, scales: Scales, st: ir.State, *, updates: 
     right_shape = (st.shape[1],) if matrix else ()
     decay, corrections, groups = None, [], []
     if updates:
-        tr = kernel.derivation.transition(st.name)
+        tr = kernel.decomposition.transition(st.name)
         decay, writes = scales.transition(tr)
         sums: dict[ir.Expr, list[ir.Expr]] = {}   # left vector → the terms of its right vector, as IR …
         terms: dict[ir.Expr, list[Term]] = {}     # … and as Terms
@@ -88,7 +88,7 @@ def state_terms(kernel: KernelSource, scales: Scales, st: ir.State, *, updates: 
             sums.setdefault(base, []).append(_scaled(coef, rhs, right_shape))
             terms.setdefault(base, []).append(Term(coef, value=rhs))
         groups = [WriteGroup(x, _sum(sums[x], right_shape), tuple(terms[x])) for x in sums]
-    reads = [replace(r, query=scales.query(r)) for r in kernel.derivation.readouts if r.state == st.name] \
+    reads = [replace(r, query=scales.query(r)) for r in kernel.decomposition.readouts if r.state == st.name] \
         if readouts else []
     return StateTerms(decay, tuple(corrections), tuple(groups), tuple(reads))
 

@@ -37,7 +37,7 @@ def step_region(kernel: KernelSource, scales: Scales, groups: list[ScaleGroup]) 
         pr.expect(*[e for e in (t.decay,) if e is not None], *[c.w for c in t.corrections], *[g.x for g in t.groups],
                   *[g.y for g in t.groups], *t.queries())
     pr.expect(*scales.exponents())
-    outputs, scaled = scales.outputs(k.derivation.outputs, block=False)
+    outputs, scaled = scales.outputs(k.decomposition.outputs, block=False)
     pr.expect(*[e for _, e in outputs])
     # 1. the token's state-free values (first the scales of stabilized states: the rest reads them)
     scale_lines = scales.token_lines(pr, scaled, block=False)
@@ -89,7 +89,7 @@ def _state(k: KernelSource, pr: CPrinter, st: ir.State, t: StateTerms, v: _Value
         else:
             readouts.append(f"T r{r.index}[{rows if r.is_value else cols_padded}] __attribute__((aligned(64)));")
     buffer = k.local("buf", c)
-    comment = k.derivation.transition(st.name).kind
+    comment = k.decomposition.transition(st.name).kind
     ahead = k.local("next", c)  # (the next head's rows, for the prefetches)
     ops = MatrixOperands(st.name, comment, buffer, rows, cols, True, v.decay, v.xs, rights, tuple(before),
                          tuple(after), tuple(CorrectionOperands(w, cr.p.name) for w, cr in zip(v.ws, t.corrections)))

@@ -1,18 +1,18 @@
 """Which recurrent kernel of the C backend takes a program, answered from the program's structure.
 
-The C backend runs a recurrent form in one of two kernels: the fused one (generator.py: a decay plus
+The C backend runs a recurrent form in one of two kernels: the fused one (fused.py: a decay plus
 rank-one terms per state, tiles of the state in registers) or, where that one does not take the program,
-its statements one by one (general.py). Whether a kernel takes a program is decided here, before any code
+its statements one by one (statements.py). Whether a kernel takes a program is decided here, before any code
 is generated, in two parts:
 
 - the kernel's limits: what it is not built for (the fused kernel: an update that is no decay plus rank-one
   terms, a state carried transposed, a decay of the value axis, per-token matrices as inputs; the statement
   kernel: stabilized exponential feature maps, values of more than two axes);
 - spelling: every expression the kernel prints must have a C spelling in its printer (CPrinter in
-  printer.py, StatementPrinter in general.py). `_Spelling` walks exactly the expressions the kernel prints —
+  printer.py, StatementPrinter in statements.py). `_Spelling` walks exactly the expressions the kernel prints —
   for the fused kernel the transitions' decomposition (decay, corrections, writes) and the readouts'
   queries after stabilization (stabilize.Scales) and the outputs over the readouts; for the statement kernel
-  its statements (`printed_statements`, which general.py prints) — with rules that follow the printers'
+  its statements (`printed_statements`, which statements.py prints) — with rules that follow the printers'
   dispatch and read the printers' own tables (_ELEMENTWISE, _VECTOR, _REDUCE, _ROWS, matrix_vector,
   vector_product, …): a builtin added to a table is then accepted here too. tests/test_c_support.py checks
   on every example and test program that the verdicts and the printers agree.
@@ -44,10 +44,10 @@ def _shape(shape: ir.Shape) -> str:
     return "[" + ", ".join(shape) + "]"
 
 
-# ---- the fused kernel (generator.py) ---------------------------------------------------------------------
+# ---- the fused kernel (fused.py) ---------------------------------------------------------------------
 def fused_limits(compiled: Compiled) -> str | None:
     """What in the program the fused kernel is not built for, or None."""
-    p, d = compiled.program, compiled.derivation
+    p, d = compiled.program, compiled.decomposition
     if d.sequence is not None:
         return _reads_the_sequence(compiled)
     bad = [t for t in d.transitions if not t.factorable]
@@ -86,10 +86,10 @@ def fused_expressions(compiled: Compiled) -> Iterator[tuple[str, ir.Expr, ir.Exp
     """(place, expression as printed, as derived) for every per-token expression the fused kernel prints
     (state_terms.py, step_region.py and block_region.py): per state its decay, corrections and writes, its
     readouts' queries, then the outputs over the readouts — printed as stabilize.Scales rewrites them (the
-    shifts of exponential feature maps), derived as compiler.derive gives them (for the reasons). (The
+    shifts of exponential feature maps), derived as compiler.decompose gives them (for the reasons). (The
     generator groups rank-one terms by their left vector with compiler.linearity.split_scalar, whose parts
     are subexpressions of these.)"""
-    p, d = compiled.program, compiled.derivation
+    p, d = compiled.program, compiled.decomposition
     scales = Scales(compiled)
     for st in p.states:
         tr = d.transition(st.name)
@@ -116,24 +116,24 @@ def fused_unspellable(compiled: Compiled) -> str | None:
     spelling = _Spelling(_fused_leaf, matrices=False)
     for place, printed, derived in fused_expressions(compiled):
         blocker = spelling.blocker(printed)
-        if blocker is not None:  # (named as the derivation has it: no stabilizing shifts, readouts as q·S)
+        if blocker is not None:  # (named as the decomposition has it: no stabilizing shifts, readouts as q·S)
             return _computes(place, spelling.blocker(derived) or blocker, fused=True,
-                             readouts=compiled.derivation.readouts)
+                             readouts=compiled.decomposition.readouts)
     return None
 
 
 def fused_refusal(compiled: Compiled) -> str | None:
-    """Why the fused recurrent kernel (generator.py) does not take the program, or None when it does."""
+    """Why the fused recurrent kernel (fused.py) does not take the program, or None when it does."""
     return fused_limits(compiled) or fused_unspellable(compiled)
 
 
 def _fused_leaf(e: ir.Expr) -> bool:
-    """The leaves Generator.ref names: inputs, params, kernel locals and readouts (never a state: the fused
+    """The leaves FusedKernel.ref names: inputs, params, kernel locals and readouts (never a state: the fused
     kernel reads states through readouts only)."""
     return not isinstance(e, (ir.StateRef, ir.LetRef))
 
 
-# ---- the statement-by-statement kernel (general.py) ------------------------------------------------------
+# ---- the statement-by-statement kernel (statements.py) ------------------------------------------------------
 def printed_statements(program: ir.Program) -> list[tuple[ir.Step, ir.Expr]]:
     """The statement kernel's statements in program order, each with the value it prints: the named values
     that read a state (computed where they are defined: the state may change after them), every update
@@ -149,7 +149,7 @@ def printed_statements(program: ir.Program) -> list[tuple[ir.Step, ir.Expr]]:
 def statements_limits(compiled: Compiled) -> str | None:
     """What in the program the statement kernel is not built for, or None."""
     p = compiled.program
-    if compiled.derivation.sequence is not None:
+    if compiled.decomposition.sequence is not None:
         return _reads_the_sequence(compiled)
     if stabilized_states(compiled):
         fused = fused_refusal(compiled)
@@ -176,12 +176,12 @@ def statements_unspellable(compiled: Compiled) -> str | None:
 
 
 def statements_refusal(compiled: Compiled) -> str | None:
-    """Why the statement-by-statement kernel (general.py) does not take the program, or None when it does."""
+    """Why the statement-by-statement kernel (statements.py) does not take the program, or None when it does."""
     return statements_limits(compiled) or statements_unspellable(compiled)
 
 
 def _statement_leaf(e: ir.Expr) -> bool:
-    """The leaves GeneralGenerator.ref names: inputs, params, states (their buffers), named values, locals."""
+    """The leaves StatementKernel.ref names: inputs, params, states (their buffers), named values, locals."""
     return not isinstance(e, ir.ReadoutRef)
 
 

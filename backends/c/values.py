@@ -1,7 +1,7 @@
 """The parallel and chunkwise forms in C of a vector state read as a value of its own (`z*sigmoid(g)`,
 `output y = z`: HGRN- and RG-LRU-style recurrences), from templates/c_values.c.j2.
 
-c_scan's kernels compute readouts q·S; a read with no query (compiler.derive.Readout.is_value) is the
+c_scan's kernels compute readouts q·S; a read with no query (compiler.decompose.Readout.is_value) is the
 elementwise twin of those, numpy_scan.decayed_values, and runs here. c_scan.scan hands such readouts over,
 so the generated NumPy module of a form calls the same chunkwise_scan / parallel_scan either way. A kernel
 is specialized per decay (none, one per token, one per channel), number of writes, readouts (before or

@@ -24,14 +24,14 @@ class NumpyBackend:
 
     def why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         if form == DEFINITION:
-            d = compiled.derivation
+            d = compiled.decomposition
             if "recurrent" in d.forms and d.sequence is None:
                 return None
             return Refusal(f"'{compiled.name}' has no recurrence to run as written")
         return no_such_form(compiled, form)
 
     def emit(self, compiled: Compiled, form: str) -> str:
-        if compiled.derivation.sequence is not None:
+        if compiled.decomposition.sequence is not None:
             return sequence.emit(compiled, form)
         return recurrences.emit(compiled, form)
 
@@ -40,7 +40,7 @@ class NumpyBackend:
         module.form = form
         # the token loop and every check are Python's: nothing for the driver to skip; a program that
         # reads the sequence decodes by running its recurrent form over the KV cache (forward(first=…))
-        module.capabilities = Capabilities(decodes_over_cache=compiled.derivation.sequence is not None)
+        module.capabilities = Capabilities(decodes_over_cache=compiled.decomposition.sequence is not None)
         return module
 
     def recurrent_kernel(self, compiled: Compiled) -> str:

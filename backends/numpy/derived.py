@@ -73,7 +73,7 @@ class Module:
 
 @dataclass(frozen=True)
 class Layout:
-    """A state as the scan carries it, [B, H, rows, cols]: transposed where the derivation carries Sᵀ
+    """A state as the scan carries it, [B, H, rows, cols]: transposed where the decomposition carries Sᵀ
     (compiler.transpose), a vector state as one column."""
     name: str                 # the program's name of the state
     var: str                  # its variable
@@ -132,7 +132,7 @@ def helper_modules(scan_module: str) -> dict[str, frozenset[str] | None]:
 def emit_state(mod: Module, st: ir.State) -> None:
     """One state: its decomposition as per-token arrays (stabilized where its keys are exponential), its
     readouts, the call of the scan and its final state."""
-    t = mod.em.c.derivation.transition(st.name)
+    t = mod.em.c.decomposition.transition(st.name)
     lay = layout(mod.em, st)
     mod.body += header(lay, t)
     scale = running_max(mod, lay) if st.name in mod.stable.states else None
@@ -144,7 +144,7 @@ def emit_state(mod: Module, st: ir.State) -> None:
 
 def layout(em: Emitter, st: ir.State) -> Layout:
     """The state as the scan carries it."""
-    flipped = st.name in em.c.derivation.transposed
+    flipped = st.name in em.c.decomposition.transposed
     shape = tuple(reversed(st.shape)) if flipped else st.shape
     return Layout(name=st.name, var=em.name(st.name), shape=st.shape, rows=em.name(shape[0]),
                   cols="1" if len(shape) == 1 else em.name(shape[1]), flipped=flipped, vector=len(st.shape) == 1)
@@ -208,7 +208,7 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
 
 def log_of_decay(mod: Module, lay: Layout, log: ir.Expr, exact: bool, decay: ir.Expr, width: str,
                  scalar: bool) -> str:
-    """A decay's log per token, [B, T, H, width]: the derivation's log where it is exact, else the runtime's
+    """A decay's log per token, [B, T, H, width]: the decomposition's log where it is exact, else the runtime's
     log_decay of the decay itself."""
     if exact:
         return mod.per_token(log, width)
@@ -310,7 +310,7 @@ def scaled_query(mod: Module, lay: Layout, query: ir.Expr) -> tuple[str, str] | 
 def readouts(mod: Module, lay: Layout, scale: Scale | None) -> Reads:
     """The state's readouts as the scan takes them, and each one's code and log-scale for the outputs (the
     log-scale of a stabilized state's readout: the state's M as the readout sees it, plus its query's μ)."""
-    mine = [r for r in mod.em.c.derivation.readouts if r.state == lay.name]
+    mine = [r for r in mod.em.c.decomposition.readouts if r.state == lay.name]
     targets = [mod.em.fresh(f"r{r.index}") for r in mine]
     queries = []
     for r, target in zip(mine, targets):
@@ -367,7 +367,7 @@ def emit_outputs(mod: Module) -> None:
     """Every output from the readouts, over all tokens."""
     em = mod.em
     mod.body += ["", "# outputs from the readouts"]
-    for name, expr in em.c.derivation.outputs:
+    for name, expr in em.c.decomposition.outputs:
         out = next(o for o in em.p.outputs if o.name == name)
         printer = em.printer(None, readout_vars=readouts_at_scale(mod, name, expr))
         code = printer(em.refold(expr))

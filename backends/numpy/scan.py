@@ -103,7 +103,7 @@ def decayed_scores(q, bq, k, bk, strict: bool, block: int = 16) -> np.ndarray:
 def decayed_values(bq, b, v, strict: bool, block: int = 16) -> np.ndarray:
     """R[t, c] = Σ_j v_jc exp(bq_tc − b_jc) over j ≤ t (j < t when strict): a vector state's own value as it
     reaches token t, without its initial state (the elementwise twin of decayed_scores; a readout with no
-    query, see compiler.derive.Readout).
+    query, see compiler.decompose.Readout).
 
     v: [B, H, n, d] the contributions of a state [d, 1]; bq, b: [B, H, n, 1 or d] or None."""
     n = v.shape[-2]

@@ -98,7 +98,7 @@ def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
 
 def kernel_support(compiled: Compiled) -> str | None:
     """Why compiled attention kernels cannot run this program (None: they can)."""
-    plan = compiled.derivation.sequence
+    plan = compiled.decomposition.sequence
     if plan is None:
         return "not a sequence-level program"
     if plan.kind == "lsh":
@@ -119,7 +119,7 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
         return _emit_with_kernels(compiled, form, kernels)
 
     em = Emitter(compiled)
-    p, plan, n, fresh = em.p, compiled.derivation.sequence, em.name, em.fresh
+    p, plan, n, fresh = em.p, compiled.decomposition.sequence, em.name, em.fresh
     body, base = _prologue(em)
     exprs = [e for _, e in plan.outputs] + [r.scores for r in plan.softmax_readouts] \
         + [r.values for r in plan.softmax_readouts]
@@ -203,7 +203,7 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
 def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     """Per-token values in NumPy, the attention itself in compiled kernels."""
     em = Emitter(compiled)
-    plan, n, fresh = compiled.derivation.sequence, em.name, em.fresh
+    plan, n, fresh = compiled.decomposition.sequence, em.name, em.fresh
     body, base = _prologue(em)
     seq_vars, lines = _sequence_arrays(em, base, [e for r in plan.softmax_readouts for e in (r.scores, r.values)])
     body += lines
@@ -244,7 +244,7 @@ def kernels_decode_over_cache(compiled: Compiled) -> bool:
     """Whether the kernel glue computes only tokens first… (forward(first=…), a decode step over a KV
     cache): softmax attention runs the new queries alone; Reformer's LSH hashes and sorts the whole
     sequence, so its decode stays on the NumPy KV-cache form."""
-    return compiled.derivation.sequence.kind != "lsh"
+    return compiled.decomposition.sequence.kind != "lsh"
 
 
 def _prologue(em):

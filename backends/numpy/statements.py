@@ -25,7 +25,7 @@ def emit_statements(compiled: Compiled) -> str:
             if isinstance(step, ir.Let) and step.name not in em.hoisted:
                 lines.append(f"{n(step.name)} = {loop(step.value)}")
             elif isinstance(step, ir.Update) and with_updates:
-                lines.append(f"# {step.state}: {compiled.derivation.transition(step.state).kind}")
+                lines.append(f"# {step.state}: {compiled.decomposition.transition(step.state).kind}")
                 lines.append(f"{n(step.state)} = {loop(step.value)}")
             elif isinstance(step, ir.Output) and with_outputs:
                 lines.append(f"{n(step.name)}[:, t] = {loop(step.value)}")

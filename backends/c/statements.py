@@ -1,6 +1,6 @@
 """The C recurrent form and decode step of a program the fused kernels do not take, statement by statement.
 
-c_generator's fused kernels need every update factored as a decay plus rank-one terms and every read of a
+The fused kernel (c.fused) needs every update factored as a decay plus rank-one terms and every read of a
 matrix state a readout q·S. Everything else the DSL writes runs here, as the NumPy recurrent form runs it:
 an elementwise decay of a matrix (Mamba-1's exp(A⊗dt)*S), a factor on the right (S·diag(d)), a dense
 transition (W·S), a write that reads another state, a read from the right (S·q). Per (batch row, head)
@@ -213,11 +213,11 @@ class StatementPrinter(CPrinter):
             "}"])
 
 
-class GeneralGenerator(KernelSource):
+class StatementKernel(KernelSource):
     """The template's context for one (dtype, sizes): the statements of one token of one head as C, for the
     sequence kernel (the inputs' rows of token t) and the decode step (the token's rows)."""
 
-    template = "c_general.c.j2"
+    template = "c_statements.c.j2"
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         refusal = statements_refusal(compiled)  # (what this kernel takes is support.py's to say)
@@ -249,7 +249,7 @@ class GeneralGenerator(KernelSource):
                 lines += [f"/* {step.name} = {text} */"] + self._copy(pr, value, name)
             elif isinstance(step, ir.Update):
                 st = self.program.state(step.state)
-                kind = self.derivation.transition(step.state).kind
+                kind = self.decomposition.transition(step.state).kind
                 lines += [f"/* {step.state} = {text}  ({kind}) */"]
                 lines += self._store(pr, value, self.local("buf", self.cstate(st.name)), fresh=False)
             else:

@@ -1,5 +1,6 @@
-"""From the IR to what the derived forms need: transitions, readouts, outputs over readouts, and which
-forms exist (with the reason when one does not)."""
+"""The program decomposed for the derived forms: each state's transition (decay, corrections, writes), the
+readouts q·S, the outputs written over the readouts, and which forms exist (with the reason when one does
+not). The backends derive their forms' code from this."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,7 +35,10 @@ class Readout:
 
 
 @dataclass(frozen=True)
-class Derivation:
+class Decomposition:
+    """What decompose() found in a program: each state's transition, the readouts, the outputs over them,
+    the forms that do not exist and why; for a program that reads the sequence, its plan instead."""
+
     transitions: tuple[Transition, ...]
     readouts: tuple[Readout, ...]
     outputs: tuple[tuple[str, ir.Expr], ...]   # output expressions over ReadoutRef and inputs
@@ -121,10 +125,10 @@ def _orient(program: ir.Program) -> tuple[ir.Program, frozenset[str]]:
     return program, frozenset(flipped)
 
 
-def derive(program: ir.Program) -> Derivation:
+def decompose(program: ir.Program) -> Decomposition:
     if is_sequence_program(program):
         sp = plan(program)
-        return Derivation((), (), sp.outputs, sp.unavailable, sp)
+        return Decomposition((), (), sp.outputs, sp.unavailable, sp)
     program, flipped = _orient(program)
     updates = program.updates
     transitions = tuple(classify(program, updates[s.name]) for s in program.states)
@@ -137,4 +141,4 @@ def derive(program: ir.Program) -> Derivation:
     if problems:
         reason = "; ".join(dict.fromkeys(problems))
         unavailable = [("parallel", reason), ("chunkwise", reason)]
-    return Derivation(transitions, tuple(readouts), outputs, tuple(unavailable), transposed=flipped)
+    return Decomposition(transitions, tuple(readouts), outputs, tuple(unavailable), transposed=flipped)

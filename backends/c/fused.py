@@ -1,9 +1,9 @@
 """The C source of the recurrent form and the decode step of a factorable recurrence (decay + rank-one
-corrections + rank-one writes, see compiler.transitions): templates/c_recurrent.c.j2 rendered for one scalar
-type, one SIMD width and one assignment of sizes (dk, dv, … are compile-time constants). c_backend builds and
-runs what it renders.
+corrections + rank-one writes, see compiler.transitions): templates/c_fused.c.j2 rendered for one scalar
+type, one SIMD width and one assignment of sizes (dk, dv, … are compile-time constants). c.backend builds
+and runs what it renders.
 
-Generator plans the file — the state buffers, the block arrays and how many tokens a block holds, the
+FusedKernel plans the file — the state buffers, the block arrays and how many tokens a block holds, the
 segments of the thread scheduling, the stabilized states' scales —, and takes the rest from the modules of
 the plan, records of fused_plan.py all:
 
@@ -35,10 +35,10 @@ SEGMENT_WORK = 1 << 21
 SPLIT_ALWAYS = False  # tests set it: every segment end splits a group of heads (lr_release)
 
 
-class Generator(KernelSource):
+class FusedKernel(KernelSource):
     """The fused kernels' source for one (dtype, sizes): context() is the template's."""
 
-    template = "c_recurrent.c.j2"
+    template = "c_fused.c.j2"
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         refusal = fused_refusal(compiled)  # (what this kernel takes is support.py's to say)
@@ -74,7 +74,7 @@ class Generator(KernelSource):
         block_tokens, block_arrays, block_floats = self._block_buffer(forward_regions)
         # a segment (what a thread runs of a head before it looks for another, see lr_claim): whole blocks,
         # enough multiply-adds (~2M, tens of µs) that claiming a head and moving its state cost little
-        work = sum(self.size(s.shape) for s in self.program.states) * (2 + len(self.derivation.readouts))
+        work = sum(self.size(s.shape) for s in self.program.states) * (2 + len(self.decomposition.readouts))
         segment_tokens = block_tokens
         while segment_tokens * work < SEGMENT_WORK and segment_tokens < 8192:
             segment_tokens *= 2

@@ -1,4 +1,4 @@
-"""The C backend's statement-by-statement kernels (backends/c/general.py) against the NumPy recurrent form.
+"""The C backend's statement-by-statement kernels (backends/c/statements.py) against the NumPy recurrent form.
 
 They run every program the fused kernels do not take: elementwise decays of a matrix, factors on the
 right, dense transitions, per-token matrices, writes that read another state, named values that read a
