@@ -39,7 +39,7 @@ _ELEMENTWISE = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logs
 _ROWS = {"exp": "lr_exp_row", "sigmoid": "lr_sigmoid_row", "silu": "lr_silu_row"}
 # … and over one register (c_printer.lanes)
 _REGISTER = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v"}
-_VECTOR = {"l2norm", "groupnorm", "rmsnorm"}
+_VECTOR = {"l2norm", "groupnorm", "rmsnorm", "softmax"}
 _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
 
@@ -461,6 +461,13 @@ class CPrinter:
                       f"for (int i = 0; i < {n}; ++i) {{ const T c = {x}[i] - {name}_mean; "
                       f"{name}[i] = c; {name}_var += c * c; }}",
                       f"const T {name}_inv = 1 / lr_sqrt({name}_var / {nn} + {eps});", "#pragma omp simd",
+                      f"for (int i = 0; i < {n}; ++i) {name}[i] *= {name}_inv;"]
+        elif e.function == "softmax":  # shifted by the maximum: every exponent ≤ 0, the sum ≥ 1
+            lines += [f"T {name}_max = {x}[0];",
+                      f"for (int i = 1; i < {n}; ++i) {name}_max = {x}[i] > {name}_max ? {x}[i] : {name}_max;",
+                      f"T {s} = 0;",
+                      f"for (int i = 0; i < {n}; ++i) {{ {name}[i] = lr_exp({x}[i] - {name}_max); {s} += {name}[i]; }}",
+                      f"const T {name}_inv = 1 / {s};", "#pragma omp simd",
                       f"for (int i = 0; i < {n}; ++i) {name}[i] *= {name}_inv;"]
         else:
             raise self._unsupported(e)

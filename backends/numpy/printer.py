@@ -121,4 +121,7 @@ class NumpyPrinter:
         if f in _RUNTIME_FUNCS:
             self.helpers.add(f)
             return f"{f}({x}{opts})", ATOM
+        if f == "softmax":  # of a per-token vector, over its last axis (the attention helpers' one)
+            self.helpers.add("softmax")
+            return f"softmax({x})", ATOM
         raise TypeError(f"no NumPy spelling for builtin {f}")
