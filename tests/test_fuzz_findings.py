@@ -8,6 +8,7 @@ import pytest
 
 import linrec
 from linrec import registry
+from linrec.decode import run_by_steps
 from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 FILE = "found.lin"
@@ -64,3 +65,25 @@ def test_softmax_of_a_vector_runs_on_every_form_and_backend():
     for result in results.values():
         np.testing.assert_allclose(result.outputs["o"], np.stack(o, axis=1), rtol=1e-12, atol=1e-14)
         np.testing.assert_allclose(result.outputs["p"], np.stack(p, axis=1), rtol=1e-12, atol=1e-14)
+
+
+# ---- named values ------------------------------------------------------------------------------------
+def test_named_constants_and_per_head_values():
+    """A named value that is a constant (`c = 0.5`, `d = dk`) or built only from per-head params was read as
+    if it had a token axis (`c[:, t]`: an internal error, or a per-head [H, dk] value indexed along dk)."""
+    rec = linrec.compile(HEAD + "param p per head = 1 − 2^(−1 − h)\nparam r[dk] per head = uniform(0.5, 1, seed=2)\n"
+                         "c = 0.5\nd = dk\ne = p·r\nstate S[dk, dv]\nS = c·p·S + (e*k)⊗v\noutput o = d·q·S\n", FILE)
+    x = rec.random_inputs(2, 7, 2)
+    p = np.array([0.5, 0.75])
+    r = rec.default_params(2)["r"]
+    S, o = np.zeros((2, 2, 3, 2)), []
+    for t in range(7):
+        key = p[:, None] * r * x["k"][:, t]
+        S = 0.5 * p[:, None, None] * S + key[..., :, None] * x["v"][:, t, :, None, :]
+        o.append(3 * np.einsum("bhi,bhij->bhj", x["q"][:, t], S))
+    results = every_form(rec, x)
+    assert len(results) == 6
+    for result in results.values():
+        np.testing.assert_allclose(result.outputs["o"], np.stack(o, axis=1), rtol=1e-12, atol=1e-14)
+    step = run_by_steps(rec, x)
+    np.testing.assert_allclose(step.outputs["o"], np.stack(o, axis=1), rtol=1e-12, atol=1e-14)
