@@ -127,6 +127,10 @@ class _Resolver:
             if not st.per_head and any(isinstance(n, ir.HeadIndex) for n in walk(default)):
                 raise LinrecError(f"'{st.name}' uses the head index h; declare it `param {st.name} per head`",
                                   st.default.span)
+            per_head = next((n for n in walk(default) if isinstance(n, ir.ParamRef) and n.per_head), None)
+            if not st.per_head and per_head is not None:  # (its value would have a head axis it is declared without)
+                raise LinrecError(f"'{st.name}' is computed from the per-head parameter '{per_head.name}', so it "
+                                  f"differs per head too; declare it `param {st.name} per head`", per_head.span)
         self.params[st.name] = ir.Param(st.name, st.shape, st.per_head, default)
 
     def _StateDecl(self, st: ast.StateDecl):

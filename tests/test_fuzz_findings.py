@@ -87,3 +87,13 @@ def test_named_constants_and_per_head_values():
         np.testing.assert_allclose(result.outputs["o"], np.stack(o, axis=1), rtol=1e-12, atol=1e-14)
     step = run_by_steps(rec, x)
     np.testing.assert_allclose(step.outputs["o"], np.stack(o, axis=1), rtol=1e-12, atol=1e-14)
+
+
+# ---- parameters --------------------------------------------------------------------------------------
+def test_param_computed_from_a_per_head_param_must_be_per_head():
+    """`param b = sigmoid(a)` with `a` per head has a head axis it is not declared with: an internal error in
+    default_params before, a compile error at the reference now."""
+    src = HEAD + "param a[dv] per head = randn(seed=1)\nparam b[dv] = sigmoid(a)\nstate S[dk, dv]\nS = S + k⊗(b*v)\n" \
+                 "output o = q·S\n"
+    located(compile_error(src), src, 4, "a)", "'b' is computed from the per-head parameter 'a'",
+            "`param b per head`")
