@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 
 from ..dsl import ast
 from ..dsl.errors import LinrecError, LinrecWarning, Span
@@ -13,6 +14,7 @@ from ..dsl.errors import LinrecError, LinrecWarning, Span
 from . import ir
 from .analysis import rebuild, walk
 from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
+from .constants import check_constants
 from .linearity import check_linear
 
 SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
@@ -212,7 +214,9 @@ class _Resolver:
 
     # ---- expressions ----
     def expr(self, e: ast.Expr, *, in_param: bool = False, bound=None) -> ir.Expr:
-        return self._expr(e, in_param, bound or {}, ())
+        resolved = self._expr(e, in_param, bound or {}, ())
+        check_constants(resolved, {name: dim.default for name, dim in self.dims.items()})
+        return resolved
 
     def _expr(self, e, in_param, bound, stack) -> ir.Expr:
         rec = lambda x: self._expr(x, in_param, bound, stack)  # noqa: E731
@@ -409,6 +413,8 @@ class _Resolver:
             v = _number(value)
             if v is None:
                 raise LinrecError(f"option '{name}' must be a number", value.span)
+            if not math.isfinite(v):
+                raise LinrecError(f"option '{name}' must be a finite number, got {v:g}", value.span)
             if name == "seed" and not (v == int(v) and 0 <= v < 2 ** 63):
                 raise LinrecError(f"option 'seed' must be a whole number ≥ 0, got {v:g}", value.span)
             if name == "eps" and not v >= 0:  # inside a square root

@@ -97,3 +97,53 @@ def test_param_computed_from_a_per_head_param_must_be_per_head():
                  "output o = q·S\n"
     located(compile_error(src), src, 4, "a)", "'b' is computed from the per-head parameter 'a'",
             "`param b per head`")
+
+
+# ---- constants ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("default, fragment, words", [
+    ("2·1e999", "1e999", ["this number is too large"]),
+    ("dk^1000", "dk^1000", ["`dk^1000` overflows", "(at dk = 3)"]),
+    ("0.5 + 1/0", "1/0", ["`1/0` divides by zero"]),
+    ("(0.1 − dk)^0.5", "(0.1", ["has no real value", "a negative number (-2.9) to a fractional power",
+                                "(at dk = 3)"]),
+    ("log(dk − 3)", "log", ["the logarithm of zero", "(at dk = 3)"]),
+    ("sqrt(−1)", "sqrt", ["the square root of a negative number"]),
+    ("exp(1000)", "exp", ["overflows"]),
+])
+def test_constant_without_a_finite_value_is_a_compile_error(default, fragment, words):
+    """Parts of a program built from numbers and sizes alone are folded at compile time: one that has no
+    finite real value is an error there (it was an internal error in default_params — ZeroDivisionError,
+    OverflowError, `inf` printed as a Python name — or a complex number cast to real)."""
+    src = HEAD + f"param p = {default}\nstate S[dk, dv]\nS = p·S + k⊗v\noutput o = q·S\n"
+    located(compile_error(src), src, 3, fragment, *words)
+
+
+def test_constant_in_an_update_and_an_option():
+    src = HEAD + "state S[dk, dv]\nS = S + (k/(dk − 3))⊗v\noutput o = q·S\n"
+    located(compile_error(src), src, 4, "k/(dk", "`k/(dk − 3)` divides by zero (at dk = 3)")
+    src = HEAD + "state S[dk, dv]\nS = S + l2norm(k, eps=1e999)⊗v\noutput o = q·S\n"
+    located(compile_error(src), src, 4, "1e999", "option 'eps' must be a finite number")
+
+
+def test_constant_checked_again_at_the_sizes_of_a_call():
+    """A size given at run time can make a constant overflow or divide by zero that did not at the header's
+    sizes: a RuntimeInputError at the expression, before any code runs."""
+    src = HEAD + "param p = 1/(dk − 4)\nstate S[dk, dv]\nS = p·S + k⊗v\noutput o = q·S\n"
+    rec = linrec.compile(src, FILE)
+    x = rec.random_inputs(1, 3, 1, dims={"dk": 4})
+    with pytest.raises(RuntimeInputError) as info:
+        rec.run(x)
+    located(info.value, src, 3, "1/(dk", "with this call's sizes, `1/(dk − 4)` divides by zero (at dk = 4)")
+    x = rec.random_inputs(1, 3, 1, dims={"dk": 5})
+    assert np.all(rec.run(x).params["p"] == 1.0)
+
+
+def test_an_infinite_product_of_constants_is_printed_as_a_number():
+    """The compiler multiplies constant coefficients out (1e200·(1e200·S): a decay of 1e400 = inf); the
+    generated NumPy code printed it as `inf`, which is no Python name. Every form now gives what the
+    recurrence gives: non-finite states, not an internal error."""
+    rec = linrec.compile(HEAD + "state S[dk, dv]\nS = 1e200·(1e200·S) + k⊗v\noutput o = q·S\n", FILE)
+    x = rec.random_inputs(1, 4, 1)
+    with np.errstate(all="ignore"):
+        for result in every_form(rec, x).values():
+            assert not np.isfinite(result.final_state["S"]).any()
