@@ -12,12 +12,15 @@ from ..dsl import ast
 from ..dsl.errors import LinrecError, LinrecWarning, Span
 
 from . import ir
-from .analysis import rebuild, walk
+from .analysis import children, rebuild, walk
 from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
 from .constants import check_constants
 from .linearity import check_linear
 
 SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
+# How deep an expression may nest with its named values written out: the analyses and code generators walk
+# expressions recursively (the parser bounds each expression as written: dsl.parser.MAX_NESTING)
+MAX_INLINED_NESTING = 128
 RESERVED = {"I", "h"} | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
 
 
@@ -43,6 +46,7 @@ class _Resolver:
         self.states: dict[str, ir.State] = {}
         self.functions: dict[str, ast.FunctionDef] = {}
         self.lets: dict[str, ir.Expr] = {}
+        self.let_depths: dict[str, int] = {}  # how deep each value nests, written out (see _nesting)
         self.outputs: dict[str, ir.Expr] = {}
         self.updated: set[str] = set()
         self.defined_at: dict[str, Span] = {}
@@ -201,6 +205,7 @@ class _Resolver:
             raise LinrecError("cannot tell the size of I here; write it inside an expression with a sized "
                               "matrix", st.value.span)
         self.lets[st.target] = value
+        self.let_depths[st.target] = self._nesting(value)
         self.steps.append(ir.Let(st.target, value))
 
     def _OutputDef(self, st: ast.OutputDef):
@@ -215,8 +220,30 @@ class _Resolver:
     # ---- expressions ----
     def expr(self, e: ast.Expr, *, in_param: bool = False, bound=None) -> ir.Expr:
         resolved = self._expr(e, in_param, bound or {}, ())
+        depth = self._nesting(resolved)
+        if depth > MAX_INLINED_NESTING:
+            raise LinrecError(f"with its named values and functions written out, this expression nests {depth} "
+                              f"levels deep; linrec's analyses take at most {MAX_INLINED_NESTING}", e.span)
         check_constants(resolved, {name: dim.default for name, dim in self.dims.items()})
         return resolved
+
+    def _nesting(self, e: ir.Expr) -> int:
+        """How deep `e` nests once its named values are written out (the analyses inline them), counted
+        without recursion."""
+        depth_of: dict[int, int] = {}
+        stack = [(e, False)]
+        while stack:
+            node, done = stack.pop()
+            kids = children(node)
+            if done:
+                if isinstance(node, ir.LetRef):
+                    depth_of[id(node)] = self.let_depths.get(node.name, 0)
+                else:  # (a leaf is no level)
+                    depth_of[id(node)] = 1 + max((depth_of[id(k)] for k in kids), default=-1)
+            elif id(node) not in depth_of:
+                stack.append((node, True))
+                stack.extend((k, False) for k in kids)
+        return depth_of[id(e)]
 
     def _expr(self, e, in_param, bound, stack) -> ir.Expr:
         rec = lambda x: self._expr(x, in_param, bound, stack)  # noqa: E731

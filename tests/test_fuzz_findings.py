@@ -147,3 +147,59 @@ def test_an_infinite_product_of_constants_is_printed_as_a_number():
     with np.errstate(all="ignore"):
         for result in every_form(rec, x).values():
             assert not np.isfinite(result.final_state["S"]).any()
+
+
+# ---- nesting -----------------------------------------------------------------------------------------
+def nested(matrix: str, depth: int, x: str) -> str:
+    """M·(M·(…·(M·x))) with `depth` products."""
+    return "·(".join([matrix] * depth) + f"·{x}" + ")" * (depth - 1)
+
+
+@pytest.mark.parametrize("depth", [2, 5])
+def test_nested_products_of_one_matrix_parameter(depth):
+    """The C printer reads a matrix param once for two products W·x and W·y (Performer's W·k and W·q); for
+    W·(W·k) it took the inner product as the outer one's partner and recursed until the stack ran out (in
+    `check`, which asks the C generator whether it takes the program)."""
+    rec = linrec.compile(HEAD + "param M[dk, dk] = randn(std=0.5, seed=5)\nstate S[dk, dv]\n"
+                         f"S = 0.5·S + ({nested('M', depth, 'k')})⊗v\noutput o = (M·q)·S\n", FILE)
+    M = rec.default_params(1)["M"]
+    x = rec.random_inputs(1, 6, 1)
+    S, o = np.zeros((1, 1, 3, 2)), []
+    for t in range(6):
+        key = x["k"][:, t]
+        for _ in range(depth):
+            key = key @ M.T
+        S = 0.5 * S + key[..., :, None] * x["v"][:, t, :, None, :]
+        o.append(np.einsum("bhi,bhij->bhj", x["q"][:, t] @ M.T, S))
+    results = every_form(rec, x)
+    assert len(results) == 6
+    for result in results.values():
+        np.testing.assert_allclose(result.outputs["o"], np.stack(o, axis=1), rtol=1e-11, atol=1e-14)
+
+
+def test_an_expression_nested_too_deeply_is_refused_where_it_is():
+    """A few hundred levels of nesting exhausted Python's stack in the parser or the analyses (an internal
+    error); the limit is now a compile error at the part past it, as written or with values written out."""
+    src = HEAD + f"param M[dk, dk] = randn(seed=5)\nstate S[dk, dv]\nS = S + ({nested('M', 400, 'k')})⊗v\n" \
+                 "output o = q·S\n"
+    err = compile_error(src)
+    assert err.span.line == 5 and "nests more than 64 levels deep" in str(err), str(err)
+    chain = "".join(f"a{i} = a{i - 1} + k\n" for i in range(1, 300))
+    src = HEAD + "a0 = k\n" + chain + "state S[dk, dv]\nS = S + a299⊗v\noutput o = q·S\n"
+    located(compile_error(src), src, 3 + 129, "a128 + k", "with its named values and functions written out, "
+            "this expression nests 129 levels deep; linrec's analyses take at most 128")
+
+
+def test_the_deepest_nesting_allowed_runs_everywhere():
+    """At the limits — 64 levels as written, 128 with named values written out — every stage (the analyses,
+    both code generators, the C compiler) still takes the program."""
+    chain = "".join(f"a{i} = a{i - 1} + k\n" for i in range(1, 64))
+    rec = linrec.compile(HEAD + f"param M[dk, dk] = randn(std=0.3, seed=5)\nb = {nested('M', 60, 'k')}\n"
+                         f"a0 = b + k\n{chain}c = a63 + k\nstate S[dk, dv]\nS = 0.5·S + c⊗v\noutput o = q·S\n",
+                         FILE)
+    x = rec.random_inputs(1, 4, 1)
+    reference = rec.run(x, form="recurrent")
+    for result in every_form(rec, x).values():
+        np.testing.assert_allclose(result.outputs["o"], reference.outputs["o"], rtol=1e-10, atol=1e-300)
+    np.testing.assert_allclose(run_by_steps(rec, x, backend="c").outputs["o"], reference.outputs["o"],
+                               rtol=1e-10, atol=1e-300)
