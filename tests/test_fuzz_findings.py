@@ -203,3 +203,38 @@ def test_the_deepest_nesting_allowed_runs_everywhere():
         np.testing.assert_allclose(result.outputs["o"], reference.outputs["o"], rtol=1e-10, atol=1e-300)
     np.testing.assert_allclose(run_by_steps(rec, x, backend="c").outputs["o"], reference.outputs["o"],
                                rtol=1e-10, atol=1e-300)
+
+
+# ---- states with nothing to scan ---------------------------------------------------------------------
+GATED = "recurrence t(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\ninput g[dk] <= 0\n"
+
+
+@pytest.mark.parametrize("body", [
+    "state z[dk]\nz = z\noutput y = z + q",                                # left as it is, read as a value
+    "state S[dk, dv], w[dv]\nS = S + k⊗v\nw = w\noutput o = q·S",          # left as it is, never read
+    "state S[dk, dv], z[dk]\nS = diag(exp(g))·S\nz = 0.5*z + k\noutput o = z",  # only decays, never read
+    "state S[dk, dv], w[dv]\nS = S + k⊗v\nw = 0.9·w\noutput o = q·S\noutput y = w",  # only decays, read
+])
+def test_states_that_only_decay_or_stay_on_every_form(body):
+    """A state that nothing writes — left as it is, or only decaying — and perhaps nothing reads: NumPy's
+    scans found no per-token array to count the tokens from (an internal error), C's refused it ("nothing to
+    scan"). Every form now gives the recurrence's outputs and final states; the untouched state is S_0 and
+    the decaying one diag(exp(Σ g))·S_0 or 0.9^T·w_0."""
+    rec = linrec.compile(GATED + body + "\n", FILE)
+    x = rec.random_inputs(2, 5, 2)
+    rng = np.random.default_rng(0)
+    s0 = {s.name: rng.standard_normal((2, 2) + tuple({"dk": 3, "dv": 2}[d] for d in s.shape))
+          for s in rec.program.states}
+    expected = {"z = z": ("z", s0["z"]) if "z = z" in body else None,
+                "w = w": ("w", s0["w"]) if "w = w" in body else None,
+                "diag": ("S", np.exp(x["g"].sum(axis=1))[..., None] * s0["S"]) if "diag" in body else None,
+                "0.9·w": ("w", 0.9 ** 5 * s0["w"]) if "0.9·w" in body else None}
+    name, value = next(e for e in expected.values() if e is not None)
+    reference = rec.run(x, form="recurrent", initial_state=s0)
+    np.testing.assert_allclose(reference.final_state[name], value, rtol=1e-13)
+    results = every_form(rec, x, initial_state=s0)
+    assert len(results) == 6
+    for result in results.values():
+        for group in ("outputs", "final_state"):
+            for key, ref in getattr(reference, group).items():
+                np.testing.assert_allclose(getattr(result, group)[key], ref, rtol=1e-12, atol=1e-14)
