@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 
 from . import ir
-from .analysis import inline_lets, states_in, to_text, variance
+from .analysis import inline_lets, refs, states_in, to_text, variance
+from .intervals import Bounds, reads_params_without_default
 from .linearity import (ONE, NotLinear, Term, Unfactorable, add, compose, linear_terms, mul, operator_terms,
                         vector_terms)
 
@@ -124,6 +125,9 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         decay = None
     log_decay, exact = (None, True) if decay is None else log_of(decay)
     value_log, value_exact = (None, True) if value_decay is None else log_of(value_decay)
+    for d, is_exact in ((decay, exact), (value_decay, value_exact)):
+        if d is not None and not is_exact:
+            reasons.extend(_not_positive(d, state.name, program))
     if value_decay is not None and corrections:
         reasons.append(f"a decay of the value axis (`{state.name}·diag(…)`) beside a rank-one correction: the "
                        f"corrections' pseudo-values would then need a triangular system per value channel")
@@ -153,6 +157,23 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         else "general linear map"
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
                       tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact)
+
+
+def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
+    """Why the derived forms cannot take the logarithm of a decay the compiler has no symbolic logarithm of
+    (its values must then be positive), or nothing. A decay that reads params without a default is the
+    caller's to keep positive: the forms check its values when they run."""
+    if reads_params_without_default(decay, program):
+        return []
+    bounds = Bounds(program).of(decay)
+    if bounds.positive:
+        return []
+    inputs = refs(decay, ir.InputRef)
+    fix = (f"declare ranges of {', '.join(inputs)} that keep it positive, or write it as exp(…) or sigmoid(…)"
+           if inputs else "write it as exp(…) or sigmoid(…), or change the defaults it is computed from")
+    sign = "can be zero" if bounds.lo >= 0 else "is negative" if bounds.negative else "can be zero or negative"
+    return [f"the decay `{to_text(decay)}` of '{state}' {sign} (its values lie in {bounds}), and the "
+            f"parallel and chunkwise forms work with its logarithm; {fix}"]
 
 
 def split_exp(e: ir.Expr) -> tuple[ir.Expr, ir.Expr | None]:

@@ -238,3 +238,41 @@ def test_states_that_only_decay_or_stay_on_every_form(body):
         for group in ("outputs", "final_state"):
             for key, ref in getattr(reference, group).items():
                 np.testing.assert_allclose(getattr(result, group)[key], ref, rtol=1e-12, atol=1e-14)
+
+
+# ---- decays the log-space forms cannot take --------------------------------------------------------
+SIGNED = "recurrence t(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\ninput dt in (-2, 3)\ninput a in (0, 1)\n"
+
+
+@pytest.mark.parametrize("decay, sign, values", [
+    ("dt", "can be zero or negative", "(−2, 3)"),
+    ("a − 1", "is negative", "(−1, 0)"),
+    ("dt^2", "can be zero", "[0, 9)"),
+    ("0", "can be zero", "[0, 0]"),
+])
+def test_a_decay_that_can_be_zero_or_negative_has_no_log_space_forms(decay, sign, values):
+    """The parallel and chunkwise forms take the logarithm of a decay; where the compiler has no symbolic one
+    (log(exp(x)) = x), the values must be positive. check listed the forms and run refused them on valid
+    inputs ("the decay of state 'S' is not positive (min np.float64(-1.9))", a NumPy repr). The ranges of
+    what the decay is computed from now decide it, and check says why the forms are missing."""
+    rec = linrec.compile(SIGNED + f"state S[dk, dv]\nS = ({decay})·S + k⊗v\noutput o = q·S\n", FILE)
+    assert rec.forms == ("recurrent",)
+    why = rec.derivation.why_not("chunkwise")
+    assert f"the decay `{decay}` of 'S' {sign} (its values lie in {values}), and the parallel and chunkwise forms " \
+           f"work with its logarithm" in why, why
+    with pytest.raises(LinrecError, match="has no parallel form"):
+        rec.run(rec.random_inputs(1, 4, 1), form="parallel")
+    reference = rec.run(rec.random_inputs(1, 4, 1), form="recurrent")
+    assert np.all(np.isfinite(reference.outputs["o"]))
+
+
+@pytest.mark.parametrize("decay", ["(1 + a)/2", "1 − sigmoid(dt)", "sigmoid(dt) + 0.1", "g", "2^(−a)·a"])
+def test_a_decay_the_ranges_keep_positive_keeps_its_forms(decay):
+    """…and a decay whose ranges keep it positive keeps them (g: a per-head param 1 − 2^(−5 − h), RetNet's)."""
+    rec = linrec.compile(SIGNED + "param g per head = 1 − 2^(−5 − h)\n"
+                         f"state S[dk, dv]\nS = ({decay})·S + k⊗v\noutput o = q·S\n", FILE)
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    x = rec.random_inputs(2, 9, 2)
+    reference = rec.run(x, form="recurrent")
+    for result in every_form(rec, x).values():
+        np.testing.assert_allclose(result.outputs["o"], reference.outputs["o"], rtol=1e-11, atol=1e-13)

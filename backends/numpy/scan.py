@@ -37,8 +37,11 @@ def log_decay(decay, state: str) -> np.ndarray:
     """log of a decay that has no symbolic logarithm; the derived forms need it positive."""
     decay = np.asarray(decay)
     if np.any(decay <= 0) or np.any(np.isnan(decay)):
-        raise RuntimeInputError(f"the decay of state '{state}' is not positive (min {np.nanmin(decay)!r}); the "
-                                f"parallel and chunkwise forms work in log space — use the recurrent form")
+        found = "some of its values are NaN" if np.any(np.isnan(decay)) else \
+            f"it is as low as {float(np.min(decay)):g} here"
+        raise RuntimeInputError(f"the decay of state '{state}' must be positive in the parallel and chunkwise "
+                                f"forms, which work with its logarithm, but {found}; pass params that keep it "
+                                f"positive, or use the recurrent form")
     return np.log(decay)
 
 
