@@ -137,14 +137,14 @@ class _Resolver:
             if not st.per_head and per_head is not None:  # (its value would have a head axis it is declared without)
                 raise LinrecError(f"'{st.name}' is computed from the per-head parameter '{per_head.name}', so it "
                                   f"differs per head too; declare it `param {st.name} per head`", per_head.span)
-        self.params[st.name] = ir.Param(st.name, st.shape, st.per_head, default)
+        self.params[st.name] = ir.Param(st.name, st.shape, st.per_head, default, span=st.span)
 
     def _StateDecl(self, st: ast.StateDecl):
         self._define(st.name, st.span, "a state")
         self._check_shape(st.shape, st.span, "state")
         if len(st.shape) not in (1, 2):
             raise LinrecError(f"state '{st.name}' must be a vector or a matrix, e.g. `state S[dk, dv]`", st.span)
-        self.states[st.name] = ir.State(st.name, st.shape)
+        self.states[st.name] = ir.State(st.name, st.shape, span=st.span)
 
     def _FunctionDef(self, st: ast.FunctionDef):
         self._define(st.name, st.span, "a function")

@@ -276,3 +276,16 @@ def test_a_decay_the_ranges_keep_positive_keeps_its_forms(decay):
     reference = rec.run(x, form="recurrent")
     for result in every_form(rec, x).values():
         np.testing.assert_allclose(result.outputs["o"], reference.outputs["o"], rtol=1e-11, atol=1e-13)
+
+
+# ---- programs that read the sequence -----------------------------------------------------------------
+def test_errors_of_programs_that_read_the_sequence_say_where():
+    """Three refusals of programs that read the sequence had no place in the program (`fuzz.lin: error: …`):
+    now each points at what is in the way."""
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S + softmax(seq(k)·q)·seq(v)\n"
+    located(compile_error(src), src, 5, "seq(k)", "a program with states (S) cannot also read the sequence")
+    src = HEAD + "output o = softmax(seq(k, window=2)·q)·seq(v, window=3)\n"
+    located(compile_error(src), src, 3, "seq(v", "every seq(…) of a program must use the same window (found [2, 3])")
+    src = "recurrence t(dk = 3, dv = 2, m = 4, T = 8)\ninput q[dk], k[dk], v[dv]\nparam E[m, T] = randn(seed=0)\n" \
+          "output o = softmax((E·seq(k))·q)·(E·seq(v))\n"
+    located(compile_error(src), src, 3, "E", "parameter(s) E span the sequence axis 'T'", "`noncausal`")
