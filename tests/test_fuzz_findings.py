@@ -289,3 +289,23 @@ def test_errors_of_programs_that_read_the_sequence_say_where():
     src = "recurrence t(dk = 3, dv = 2, m = 4, T = 8)\ninput q[dk], k[dk], v[dv]\nparam E[m, T] = randn(seed=0)\n" \
           "output o = softmax((E·seq(k))·q)·(E·seq(v))\n"
     located(compile_error(src), src, 3, "E", "parameter(s) E span the sequence axis 'T'", "`noncausal`")
+
+
+@pytest.mark.parametrize("other, c_builds", [("(seq(k)·q)·seq(2*v)", False), ("softmax(seq(k)·q)·seq(v)", True)])
+def test_lsh_attention_beside_another_read_of_the_sequence(other, c_builds):
+    """The C glue of a program with lsh_attention took any other read of the sequence as supported and
+    printed `vecmat(matvec(, q), )` (a SyntaxError); it is now listed on C only when the kernels take it
+    (softmax(K·q)·V), and then agrees with NumPy."""
+    rec = linrec.compile("recurrence t(dk = 4, dv = 2) noncausal\ninput q[dk], k[dk], v[dv]\n"
+                         f"output o = {other}\noutput r = lsh_attention(q, v, buckets=2, rounds=1, chunk=4, seed=0)\n",
+                         FILE)
+    assert ("c" in registry.building(rec.compiled, "parallel")) is c_builds
+    if not c_builds:
+        assert "outside softmax(K·q)·V" in str(registry.refusal(rec.compiled, "c", "parallel"))
+    x = rec.random_inputs(1, 10, 2)
+    results = every_form(rec, x)
+    assert len(results) == (4 if c_builds else 2)
+    for (form, _), result in results.items():
+        same = results[form, "numpy"]
+        for name in ("o", "r"):
+            np.testing.assert_allclose(result.outputs[name], same.outputs[name], rtol=1e-12, atol=1e-14)
