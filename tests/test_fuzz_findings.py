@@ -309,3 +309,20 @@ def test_lsh_attention_beside_another_read_of_the_sequence(other, c_builds):
         same = results[form, "numpy"]
         for name in ("o", "r"):
             np.testing.assert_allclose(result.outputs[name], same.outputs[name], rtol=1e-12, atol=1e-14)
+
+
+# ---- form="auto" -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens", [8, 100])
+def test_auto_chooses_among_the_forms_the_backend_builds(tokens):
+    """form="auto" on C picked the recurrent form, which C does not build for this program (exponential
+    keys, stabilized in the fused kernel only, and a state carried transposed, which the fused kernel does
+    not take), though check listed C's parallel and chunkwise forms."""
+    rec = linrec.compile(HEAD + "state R[dv, dk]\nR = R + v⊗exp(k)\noutput o = R·exp(q)\n",
+                         FILE)
+    assert registry.building(rec.compiled, "recurrent") == ["numpy"]
+    assert registry.building(rec.compiled, "chunkwise") == ["numpy", "c"]
+    form, why = rec.choose_form("c", tokens)
+    assert form == "chunkwise" and "builds no recurrent form" in why
+    x = rec.random_inputs(1, tokens, 2)
+    np.testing.assert_allclose(rec.run(x, backend="c").outputs["o"], rec.run(x, form="recurrent").outputs["o"],
+                               rtol=1e-10)
