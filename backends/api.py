@@ -99,7 +99,7 @@ class Recurrence:
         """The file's parameter defaults for `heads` heads (float64; per-head ones as [H, *]), except those
         `given`: a default computed from another param uses the given value of that one. Whatever backend
         runs the forms, the defaults are the NumPy backend's code (seeded draws included), so both agree."""
-        sizes = {d.name: d.default for d in self.program.dims} | dict(dims or {})
+        sizes = {d.name: d.default for d in self.program.dims} | arrays.checked_sizes(self.program, dims)
         self._check_constants(sizes)
         return self.module(self.forms[0], NUMPY.name).default_params(heads, sizes, dict(given or {}))
 

@@ -21,6 +21,8 @@ SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
 # How deep an expression may nest with its named values written out: the analyses and code generators walk
 # expressions recursively (the parser bounds each expression as written: dsl.parser.MAX_NESTING)
 MAX_INLINED_NESTING = 128
+# Counts in options (seq's window, lsh_attention's buckets, rounds and chunk) reach the kernels as C ints
+MAX_COUNT = 2 ** 31
 RESERVED = {"I", "h"} | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
 
 
@@ -410,8 +412,9 @@ class _Resolver:
                    for n in walk(a)):
                 raise LinrecError(f"'{e.function}' cannot take another sequence expression", src.span)
         if e.function == "seq":
-            if opts["window"] < 0 or opts["window"] != int(opts["window"]):
-                raise LinrecError("window must be a non-negative integer (0 keeps every position)", e.span)
+            if opts["window"] < 0 or opts["window"] != int(opts["window"]) or opts["window"] >= MAX_COUNT:
+                raise LinrecError(f"window must be a whole number of positions from 0 (every position) up to "
+                                  f"{MAX_COUNT - 1}", e.span)
             return ir.Apply((SEQ,) + args[0].shape, "seq", args, tuple(opts.items()), span=e.span)
         q, v = args
         if len(q.shape) != 1:
@@ -420,8 +423,9 @@ class _Resolver:
             raise LinrecError("lsh_attention averages vectors of values, got a scalar: give it a vector, "
                               "e.g. an input v[dv]", e.args[1].span)
         for name in ("buckets", "rounds", "chunk"):
-            if opts[name] < 1 or opts[name] != int(opts[name]):
-                raise LinrecError(f"lsh_attention's {name} must be a positive integer", e.span)
+            if opts[name] < 1 or opts[name] != int(opts[name]) or opts[name] >= MAX_COUNT:
+                raise LinrecError(f"lsh_attention's {name} must be a whole number from 1 up to {MAX_COUNT - 1}",
+                                  e.span)
         if int(opts["buckets"]) % 2:
             raise LinrecError("lsh_attention's buckets must be even (hashes are argmax over [xR; −xR])", e.span)
         return ir.Apply(v.shape, "lsh_attention", args, tuple(opts.items()), span=e.span)

@@ -326,3 +326,68 @@ def test_auto_chooses_among_the_forms_the_backend_builds(tokens):
     x = rec.random_inputs(1, tokens, 2)
     np.testing.assert_allclose(rec.run(x, backend="c").outputs["o"], rec.run(x, form="recurrent").outputs["o"],
                                rtol=1e-10)
+
+
+# ---- sizes, thread counts, options -------------------------------------------------------------------
+def gla():
+    return linrec.compile("recurrence gla(dk = 4, dv = 3)\ninput q[dk], k[dk], v[dv]\ninput g[dk] <= 0\n"
+                          "state S[dk, dv]\nS = diag(exp(g))·S + k⊗v\noutput o = dk^(−1/2)·q·S\n", FILE)
+
+
+@pytest.mark.parametrize("size", [16.0, "16", 0, -2, True])
+def test_a_size_asked_for_must_be_a_whole_number(size):
+    """dims={"dk": 16.0} failed inside NumPy's shape arithmetic ('float' object cannot be interpreted as an
+    integer), dims={"dk": "16"} said `dk = 16 was asked for, but the inputs have dk = 16`."""
+    rec = gla()
+    message = f"dimension dk must be a whole number ≥ 1 (an int), got {size!r}"
+    with pytest.raises(RuntimeInputError) as info:
+        rec.random_inputs(1, 4, 1, dims={"dk": size})
+    assert str(info.value) == f"error: {message}"
+    x = rec.random_inputs(1, 4, 1, dims={"dk": 16})
+    for backend in ("numpy", "c"):
+        with pytest.raises(RuntimeInputError, match="must be a whole number"):
+            rec.run(x, dims={"dk": size}, backend=backend)
+    with pytest.raises(RuntimeInputError, match="must be a whole number"):
+        rec.default_params(2, dims={"dk": size})
+    assert rec.run(x, dims={"dk": np.int64(16)}).outputs["o"].shape == (1, 4, 1, 3)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_a_size_of_zero_from_the_arrays_is_refused(backend):
+    """An input with an axis of size 0 gave `dk^(−1/2)` a zero to divide by, or C's recurrent kernel a
+    ZeroDivisionError in its blocking (dv = 0); every size must be at least 1, like B, T and H."""
+    rec = gla()
+    x = rec.random_inputs(1, 4, 1)
+    empty = dict(x, v=x["v"][..., :0])
+    with pytest.raises(RuntimeInputError) as info:
+        rec.run(empty, backend=backend)
+    assert str(info.value) == "error: input 'v' (expected [B, T, H, dv]) has shape [1, 4, 1, 0] with dv = 0; " \
+                              "every size must be at least 1"
+    with pytest.raises(RuntimeInputError, match="initial state 'S' has dv = 0; every size must be at least 1"):
+        rec.run({k: v for k, v in x.items()}, initial_state={"S": np.zeros((1, 1, 4, 0))}, backend=backend)
+
+
+def test_an_absurd_thread_count_is_taken_as_the_most_the_kernels_use(monkeypatch):
+    """LINREC_NUM_THREADS=99999999999 (or threads=) overflowed the kernels' C int (OverflowError); counts
+    past MAX_THREADS are taken as MAX_THREADS (the kernels use at most one per batch row and head)."""
+    from linrec.c import build as c_build
+    rec = gla()
+    x = rec.random_inputs(2, 9, 2)
+    reference = rec.run(x, form="recurrent")
+    monkeypatch.setenv("LINREC_NUM_THREADS", "99999999999")
+    assert c_build.num_threads() == c_build.MAX_THREADS == 1024
+    for form in rec.forms:
+        np.testing.assert_allclose(rec.run(x, form=form, backend="c").outputs["o"], reference.outputs["o"],
+                                   rtol=1e-12)
+    monkeypatch.delenv("LINREC_NUM_THREADS")
+    np.testing.assert_allclose(rec.run(x, backend="c", threads=10 ** 12).outputs["o"], reference.outputs["o"],
+                               rtol=1e-12)
+
+
+@pytest.mark.parametrize("output", ["softmax(seq(k, window=1e30)·q)·seq(v, window=1e30)",
+                                    "softmax(seq(k, window=2147483648)·q)·seq(v, window=2147483648)",
+                                    "lsh_attention(q, v, chunk=1e12)"])
+def test_a_count_in_an_option_fits_the_kernels(output):
+    """seq(k, window=1e30) passed check and overflowed the C kernels' integers (OverflowError)."""
+    src = HEAD + f"output o = {output}\n"
+    located(compile_error(src), src, 3, "seq(k" if "seq" in output else "lsh", "up to 2147483647")
