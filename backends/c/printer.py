@@ -416,14 +416,14 @@ class CPrinter:
     def _partner(self, e: ir.Dot) -> ir.Dot | None:
         """Another W·x' with e's matrix W that this region will print and has not yet, computed where e is
         (token or head) from inputs, params and constants alone (so it can be computed here): lr_matvec2
-        then reads W once for both (Performer's W·k and W·q). Not one inside the other (W·(W·k)): that one
-        is computed first."""
+        then reads W once for both (Performer's W·k and W·q). Not one inside the other (W·(W·k)), nor one
+        whose vector holds such products itself: those are computed first, each on its own."""
         if len(e.left.shape) != 2:
             return None
         for n in self._uses:
             if isinstance(n, ir.Dot) and n != e and matrix_vector(n) and len(n.left.shape) == 2 \
                     and n.left == e.left and n not in self._cache and token_variant(n) == token_variant(e) \
-                    and n not in walk(e.right) and e not in walk(n.right) \
+                    and n not in walk(e.right) and not any(matrix_vector(x) for x in walk(n.right)) \
                     and all(isinstance(leaf, (ir.InputRef, ir.ParamRef, ir.Const, ir.DimSize, ir.HeadIndex))
                             for leaf in walk(n.right) if not children(leaf)):
                 return n

@@ -340,8 +340,7 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
         if running:
             decay_terms.append(f"scale_decay({running})  # M_(t−1) − M_t")
             helpers.add("scale_decay")
-        if not (decay_terms or t.corrections or t.writes or t.value_log_decay is not None
-                or any(r.state == st.name and not r.is_value for r in d.readouts)):
+        if not (decay_terms or t.corrections or t.writes or t.value_log_decay is not None):
             # (a state left as it is, `z = z`: no per-token array would tell the scan how many tokens there are)
             decay_terms.append("per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1")
         body.append(f"{s}_log_decay = " + (" + ".join(decay_terms) if decay_terms else "None"))
