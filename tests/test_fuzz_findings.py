@@ -412,3 +412,30 @@ def test_a_count_in_an_option_fits_the_kernels(output):
     """seq(k, window=1e30) passed check and overflowed the C kernels' integers (OverflowError)."""
     src = HEAD + f"output o = {output}\n"
     located(compile_error(src), src, 3, "seq(k" if "seq" in output else "lsh", "up to 2147483647")
+
+
+# ---- exponential feature maps ------------------------------------------------------------------------
+def test_exponential_keys_and_queries_with_a_scalar_factor_that_varies():
+    """Keys c·exp(α) are stabilized (carried as S·exp(−M)); with c a scalar that varies per token or head
+    and α a vector, the NumPy glue multiplied [B, T, H] (or [H]) by [B, T, H, dk] without a new axis (an
+    internal error in every NumPy form and C's scans)."""
+    rec = linrec.compile(HEAD + "input a\nparam s per head = uniform(0.5, 1, seed=1)\nstate S[dk, dv], z[dk]\n"
+                         "S = S + (sigmoid(a)·exp(k))⊗v\nz = sigmoid(a)·z + (1 − sigmoid(a))·exp(k)\n"
+                         "output o = ((s·exp(q))·S) / ((s·exp(q))·z)\noutput y = z*sigmoid(k)\n", FILE)
+    x = rec.random_inputs(2, 9, 2)
+    s = rec.default_params(2)["s"]
+    sig = 1 / (1 + np.exp(-x["a"]))
+    S, z, o, y = np.zeros((2, 2, 3, 2)), np.zeros((2, 2, 3)), [], []
+    for t in range(9):
+        key = sig[:, t, :, None] * np.exp(x["k"][:, t])
+        S = S + key[..., :, None] * x["v"][:, t, :, None, :]
+        z = sig[:, t, :, None] * z + (1 - sig[:, t, :, None]) * np.exp(x["k"][:, t])
+        query = s[:, None] * np.exp(x["q"][:, t])
+        o.append(np.einsum("bhi,bhij->bhj", query, S) / np.einsum("bhi,bhi->bh", query, z)[..., None])
+        y.append(z / (1 + np.exp(-x["k"][:, t])))
+    results = every_form(rec, x)
+    assert len(results) == 6
+    for result in results.values():
+        np.testing.assert_allclose(result.outputs["o"], np.stack(o, axis=1), rtol=1e-11)
+        np.testing.assert_allclose(result.outputs["y"], np.stack(y, axis=1), rtol=1e-11)
+        np.testing.assert_allclose(result.final_state["z"], z, rtol=1e-11)

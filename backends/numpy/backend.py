@@ -259,6 +259,14 @@ def _scale_seen(running: str, causal: bool, before_update: bool) -> tuple[str, s
     return running, None
 
 
+def _factor(code: str, c: ir.Expr, alpha: ir.Expr) -> str:
+    """The factor c of a key or query c·exp(α), shaped to multiply exp(α − M): a scalar c that varies per
+    token or head ([B, T, H] or [H]) against a vector α takes α's axis."""
+    if not c.shape and alpha.shape and variance(c) != "const":
+        return f"({code})[..., None]"
+    return code
+
+
 def _shifted_exp(exponent: str, shift: str, alpha: ir.Expr, product: ir.Expr) -> str:
     """exp(α − M) in NumPy, M [B, T, H] a per-token shift, shaped to multiply into `product` (a key or query
     c·exp(α)): a vector α takes M along its last axis; a scalar α times a vector c gets that axis itself."""
@@ -357,7 +365,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
         for key, value in t.writes:
             if running:
                 c, alpha = split_exp(key)
-                key_code = bind(f"per_token({prelude(c)} * {_shifted_exp(exponents[alpha], running, alpha, key)}, "
+                key_code = bind(f"per_token({_factor(prelude(c), c, alpha)} * "
+                                f"{_shifted_exp(exponents[alpha], running, alpha, key)}, "
                                 f"(batch, tokens, heads, {rows}), dtype, scalar={not key.shape})", "stable_key")
             else:
                 key_code = tok(key, rows)
@@ -387,7 +396,8 @@ def emit_scan(compiled: Compiled, form: str, scan_module: str = "linrec.numpy.sc
                     body.append(f"{query_max[beta]} = " + (f"np.max({exponents[beta]}, axis=-1)" if beta.shape
                                                              else exponents[beta]))
                 mu = query_max[beta]
-                query = bind(f"per_token({prelude(c)} * {_shifted_exp(exponents[beta], mu, beta, r.query)}, "
+                query = bind(f"per_token({_factor(prelude(c), c, beta)} * "
+                             f"{_shifted_exp(exponents[beta], mu, beta, r.query)}, "
                              f"(batch, tokens, heads, {rows}), dtype, scalar={not r.query.shape})", "stable_query")
                 queries.append(f"({query}, {r.before_update})")
                 terms.append(mu)
