@@ -35,7 +35,7 @@ class Interval:
 
     def __str__(self) -> str:
         def end(x):
-            return "−∞" if x == -INF else "∞" if x == INF else f"{x:g}".replace("-", "−")
+            return "−∞" if x == -INF else "∞" if x == INF else f"{x + 0.0:g}".replace("-", "−")  # (no −0)
         return f"{'(' if self.lo_open else '['}{end(self.lo)}, {end(self.hi)}{')' if self.hi_open else ']'}"
 
 
@@ -264,9 +264,9 @@ class Bounds:
         return ANY if p.default is None else self.of(p.default)
 
 
-def reads_params_without_default(e: ir.Expr, program: ir.Program) -> list[str]:
+def undefaulted_params(e: ir.Expr, program: ir.Program) -> list[str]:
     """The params without a default `e` depends on (directly, or through other params' defaults and named
-    values): their values are the caller's, unknown to the compiler."""
+    values): their values are the caller's, any real to the compiler."""
     params = {p.name: p for p in program.params}
     lets = program.lets
     found: dict[str, None] = {}

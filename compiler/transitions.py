@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from . import ir
 from .analysis import inline_lets, refs, states_in, to_text, variance
-from .intervals import Bounds, reads_params_without_default
+from .intervals import Bounds, undefaulted_params
 from .linearity import (ONE, NotLinear, Term, Unfactorable, add, compose, linear_terms, mul, operator_terms,
                         vector_terms)
 
@@ -161,17 +161,22 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
 
 def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
     """Why the derived forms cannot take the logarithm of a decay the compiler has no symbolic logarithm of
-    (its values must then be positive), or nothing. A decay that reads params without a default is the
-    caller's to keep positive: the forms check its values when they run."""
-    if reads_params_without_default(decay, program):
-        return []
+    (its values must then be positive), or nothing. A param without a default may be any real; one with a
+    default is taken at its default (a caller who passes values that make the decay non-positive is refused
+    when the form runs, as for an input outside its declared range)."""
     bounds = Bounds(program).of(decay)
     if bounds.positive:
         return []
-    inputs = refs(decay, ir.InputRef)
-    fix = (f"declare ranges of {', '.join(inputs)} that keep it positive, or write it as exp(…) or sigmoid(…)"
-           if inputs else "write it as exp(…) or sigmoid(…), or change the defaults it is computed from")
-    sign = "can be zero" if bounds.lo >= 0 else "is negative" if bounds.negative else "can be zero or negative"
+    hints = []
+    if bounds.hi > 0:  # it can be positive: what keeps it so is for the program to say
+        inputs, free = refs(decay, ir.InputRef), undefaulted_params(decay, program)
+        hints += [f"declare ranges of {', '.join(inputs)} that keep it positive"] if inputs else []
+        hints += [f"give {', '.join(free)} a default that keeps it positive"] if free else []
+        hints += [] if inputs or free else ["change the defaults it is computed from"]
+    hints.append("write it as exp(…) or sigmoid(…)")
+    fix = ", ".join(hints[:-1]) + (", or " if len(hints) > 1 else "") + hints[-1]
+    sign = ("is zero" if bounds.hi == 0 else "can be zero") if bounds.lo >= 0 else \
+        "is negative" if bounds.negative else "can be zero or negative"
     return [f"the decay `{to_text(decay)}` of '{state}' {sign} (its values lie in {bounds}), and the "
             f"parallel and chunkwise forms work with its logarithm; {fix}"]
 

@@ -269,21 +269,22 @@ SIGNED = "recurrence t(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\ninput dt in (
     ("dt", "can be zero or negative", "(−2, 3)"),
     ("a − 1", "is negative", "(−1, 0)"),
     ("dt^2", "can be zero", "[0, 9)"),
-    ("0", "can be zero", "[0, 0]"),
+    ("0", "is zero", "[0, 0]"),
+    ("−exp(p)", "is negative", "(−∞, 0)"),   # whatever the caller passes for p, a param without a default
 ])
 def test_a_decay_that_can_be_zero_or_negative_has_no_log_space_forms(decay, sign, values):
     """The parallel and chunkwise forms take the logarithm of a decay; where the compiler has no symbolic one
     (log(exp(x)) = x), the values must be positive. check listed the forms and run refused them on valid
     inputs ("the decay of state 'S' is not positive (min np.float64(-1.9))", a NumPy repr). The ranges of
     what the decay is computed from now decide it, and check says why the forms are missing."""
-    rec = linrec.compile(SIGNED + f"state S[dk, dv]\nS = ({decay})·S + k⊗v\noutput o = q·S\n", FILE)
+    rec = linrec.compile(SIGNED + f"param p per head\nstate S[dk, dv]\nS = ({decay})·S + k⊗v\noutput o = q·S\n", FILE)
     assert rec.forms == ("recurrent",)
     why = rec.derivation.why_not("chunkwise")
     assert f"the decay `{decay}` of 'S' {sign} (its values lie in {values}), and the parallel and chunkwise forms " \
            f"work with its logarithm" in why, why
     with pytest.raises(LinrecError, match="has no parallel form"):
-        rec.run(rec.random_inputs(1, 4, 1), form="parallel")
-    reference = rec.run(rec.random_inputs(1, 4, 1), form="recurrent")
+        rec.run(rec.random_inputs(1, 4, 1), form="parallel", params={"p": np.ones(1)})
+    reference = rec.run(rec.random_inputs(1, 4, 1), form="recurrent", params={"p": np.ones(1)})
     assert np.all(np.isfinite(reference.outputs["o"]))
 
 
