@@ -1,6 +1,7 @@
 """Parse linrec source text into the syntax tree of dsl.ast (lark LALR, positions kept)."""
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from importlib import resources
 
@@ -67,6 +68,9 @@ class _ToAst(Transformer):
     def signed_number(self, meta, children):
         sign, number = children
         value = float(number)
+        if not math.isfinite(value):  # (1e999: a range's end must be a number a comparison can use)
+            raise LinrecError("this number is too large: it is not a finite double-precision number (the largest "
+                              "is about 1.8e308)", _span(number))
         return -value if sign is not None else value
 
     def interval(self, meta, children):

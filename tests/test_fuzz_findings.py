@@ -440,3 +440,11 @@ def test_exponential_keys_and_queries_with_a_scalar_factor_that_varies():
         np.testing.assert_allclose(result.outputs["o"], np.stack(o, axis=1), rtol=1e-11)
         np.testing.assert_allclose(result.outputs["y"], np.stack(y, axis=1), rtol=1e-11)
         np.testing.assert_allclose(result.final_state["z"], z, rtol=1e-11)
+
+
+def test_a_range_with_an_infinite_end_is_a_compile_error():
+    """`input dt > 1e999` declared a range no value lies in: every call was refused ("must lie in (inf, inf)")."""
+    src = HEAD + "input dt > 1e999\nstate S[dk, dv]\nS = exp(−dt)·S + k⊗v\noutput o = q·S\n"
+    located(compile_error(src), src, 3, "1e999", "this number is too large")
+    src = HEAD + "input dt in (0, 1e999)\nstate S[dk, dv]\nS = exp(−dt)·S + k⊗v\noutput o = q·S\n"
+    located(compile_error(src), src, 3, "1e999", "this number is too large")
