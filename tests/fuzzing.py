@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import random
 import re
@@ -443,9 +444,15 @@ def _draw_params(rec, heads: int, dims: dict, rng) -> dict:
             for p in rec.program.params if p.default is None}
 
 
+# The smallest scale an array's error is measured against. The inputs are ~1: an output below this is all
+# cancellation (sum(groupnorm(x)) is 0 up to rounding, which differs between forms), not a value to match
+# to nine digits.
+SCALE_FLOOR = 1e-6
+
+
 def _error(result, reference) -> float:
-    """verify's normwise relative error max|x − ref| / max|ref| over every output and final state (inf when
-    the result is not finite where the reference is)."""
+    """verify's normwise relative error max|x − ref| / max|ref| over every output and final state, the scale
+    at least SCALE_FLOOR (inf when the result is not finite where the reference is)."""
     worst = 0.0
     for group in ("outputs", "final_state"):
         for name, ref in getattr(reference, group).items():
@@ -456,7 +463,7 @@ def _error(result, reference) -> float:
                 continue
             if not np.all(np.isfinite(got)):
                 return float("inf")
-            worst = max(worst, float(np.max(np.abs(got - ref))) / max(float(np.max(np.abs(ref))), 1e-300))
+            worst = max(worst, float(np.max(np.abs(got - ref))) / max(float(np.max(np.abs(ref))), SCALE_FLOOR))
     return worst
 
 
@@ -478,10 +485,11 @@ class Stats(Counter):
 
 
 def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, seconds: float = 20.0,
-             scan_forms_on_c: int = 1, stats: Stats | None = None) -> list[Failure]:
+             scan_forms_on_c: int = 1, stats: Stats | None = None, command_line: bool = False) -> list[Failure]:
     """Every check listed in the module's docstring, for one program. `backends`: the backends whose listed
     forms run (C builds cost ~0.5 s each: on C the recurrent form, the decode step, form="auto" and
-    `scan_forms_on_c` of the scan forms)."""
+    `scan_forms_on_c` of the scan forms). command_line: also `linrec check FILE` and `linrec run FILE`, whose
+    exit status must not be 2 (an internal error), and check's 0 or 1 must agree with the API's verdict."""
     failures: list[Failure] = []
     stats = Stats() if stats is None else stats
     stats["programs"] += 1
@@ -492,7 +500,9 @@ def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, 
     try:  # (overflows and NaNs of odd programs are their own business: no warnings from them)
         with time_limit(seconds), warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats)
+            accepted = _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats)
+            if command_line:
+                _command_line(source, accepted, fail, stats)
     except Timeout as err:
         fail("hang", str(err))
     return failures
@@ -506,19 +516,26 @@ def _internal(fail, where: str, err: BaseException):
     fail(f"internal error: {where}", f"{type(err).__name__}: {err}{place}")
 
 
-def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats):
+def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats) -> bool:
+    """Compile the program; one it accepts goes on to _run_forms. Returns whether it was accepted."""
     try:
         rec = linrec.compile(source, "fuzz.lin")
     except LinrecError as err:
         stats["rejected"] += 1
         if err.span is None:
             fail("rejected without a location", str(err))
-        return
+        return False
     except Timeout:
         raise
     except Exception as err:  # noqa: BLE001 - what the fuzzer looks for
         _internal(fail, "compile", err)
-        return
+        return False
+    _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats)
+    return True
+
+
+def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats) -> None:
+    """check's report, then every form it lists on each of `backends` against the reference."""
     try:
         info = cli.describe(rec, "fuzz.lin")
         cli.format_check(info)
@@ -597,6 +614,29 @@ def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats):
                     lambda: rec.run(inputs, form="auto", backend=backend, initial_state=state0, params=params))
 
 
+def _command_line(source: str, accepted: bool, fail, stats) -> None:
+    """`linrec check` and, for a program it accepts, `linrec run --tokens 5` on the program as a file;
+    `accepted`: whether linrec.compile took it."""
+    with tempfile.TemporaryDirectory(prefix="linrec-fuzz-") as folder:
+        path = Path(folder) / "fuzz.lin"
+        path.write_text(source, encoding="utf-8")
+        for argv in (["check", str(path)], ["run", str(path), "--tokens", "5", "--quiet"]):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = cli.main(argv)
+            stats[f"linrec {argv[0]}"] += 1
+            if status == 2:
+                fail("internal error: command line", f"linrec {argv[0]} exited with status 2: {err.getvalue()}")
+            if argv[0] == "check" and (status == 0) != accepted:
+                fail("command line disagrees", f"linrec check exited with {status}, the API "
+                                               f"{'accepted' if accepted else 'rejected'} it: {err.getvalue()}")
+            if argv[0] == "check" and status != 0:
+                return  # (rejected: nothing to run)
+
+
+COMMAND_LINE_EVERY = 10  # programs of a run that also go through `linrec check` and `linrec run`
+
+
 def programs(count: int, seed: int, mutants: float = 0.25):
     """`count` programs of one seed: generated ones and, a `mutants` fraction, mutated examples."""
     gen = ProgramGenerator(seed)
@@ -635,7 +675,7 @@ def _run(args) -> int:
     every = max(1, args.count // max(args.c, 1)) if args.c else 0
     for i, source in enumerate(programs(args.count, args.seed)):
         backends = ("numpy", "c") if every and i % every == 0 else ("numpy",)
-        failures += exercise(source, backends, seed=i, stats=stats)
+        failures += exercise(source, backends, seed=i, stats=stats, command_line=i % COMMAND_LINE_EVERY == 0)
     failed = len({f.source for f in failures})
     print(f"{args.count} programs in {time.perf_counter() - start:.1f} s: {failed} failed ({len(failures)} failures)")
     print(", ".join(f"{key}: {n}" for key, n in sorted(stats.items())))

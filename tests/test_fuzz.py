@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from fuzzing import Stats, exercise, programs, summarize
+from fuzzing import COMMAND_LINE_EVERY, Stats, exercise, programs, summarize
 
 DEFAULT_PROGRAMS = 4000
 DEFAULT_C = 32
@@ -56,11 +56,13 @@ def _report(failures, stats) -> str:
 
 
 def test_random_programs_on_numpy(numpy_batch):
-    """A batch of programs through check and every form it lists on NumPy (T = 12, small sizes)."""
+    """A batch of programs through check and every form it lists on NumPy (T = 12, small sizes); one in
+    COMMAND_LINE_EVERY through `linrec check` and `linrec run` as well."""
     seed, count = numpy_batch
     failures, stats = [], Stats()
     for i, source in enumerate(programs(count, seed)):
-        failures += exercise(source, ("numpy",), seed=i, seconds=20, stats=stats)
+        failures += exercise(source, ("numpy",), seed=i, seconds=20, stats=stats,
+                             command_line=i % COMMAND_LINE_EVERY == 0)
     assert stats["programs"] == count
     assert stats["accepted"] > count // 2, f"the generator should mostly write programs check accepts: {stats}"
     assert not failures, _report(failures, stats)
