@@ -84,9 +84,22 @@ class ProgramGenerator:
     # -- whole programs --
     def program(self) -> str:
         self.count += 1
-        if self.chance(0.12):
-            return self.attention_program()
-        return self.recurrence()
+        text = self.attention_program() if self.chance(0.12) else self.recurrence()
+        return self.spelled(text)
+
+    def spelled(self, text: str) -> str:
+        """The same program in other spellings now and then: ASCII operators, comments, continued lines."""
+        if self.chance(0.1):
+            text = text.replace("·", "@").replace("−", "-").replace("≤", "<=")
+        lines = text.splitlines()
+        if self.chance(0.1):
+            i = self.rng.randrange(len(lines))
+            lines[i] += "   # a comment: · ⊗ − */ \\"
+        if self.chance(0.05):
+            i = self.rng.randrange(1, len(lines))
+            if " + " in lines[i]:
+                lines[i] = lines[i].replace(" + ", " + \\\n    ", 1)
+        return "\n".join(lines) + "\n"
 
     def header(self, dims: dict, causal: bool) -> str:
         text = ", ".join(f"{d} = {n}" for d, n in dims.items())
@@ -130,6 +143,10 @@ class ProgramGenerator:
             body = self.pick(self.FEATURE_MAPS)
             lines.append(f"phi(x) = {body}")
             names.functions.append("phi")
+        if self.chance(0.1):  # a function of two arguments
+            lines.append("gate(x, y) = x*sigmoid(y)")
+            lines.append("kg = gate(k, q)")
+            names.vectors_k.append("kg")
         if self.chance(0.4):
             lines.append("kn = " + self.pick(["l2norm(k)", "k/norm(k)", "k", "phi(k)" if names.functions else "k"]))
             names.vectors_k.append("kn")
