@@ -448,3 +448,19 @@ def test_a_range_with_an_infinite_end_is_a_compile_error():
     located(compile_error(src), src, 3, "1e999", "this number is too large")
     src = HEAD + "input dt in (0, 1e999)\nstate S[dk, dv]\nS = exp(−dt)·S + k⊗v\noutput o = q·S\n"
     located(compile_error(src), src, 3, "1e999", "this number is too large")
+
+
+# ---- precision ---------------------------------------------------------------------------------------
+def test_a_readout_before_the_update_under_very_strong_decays():
+    """The scans took b_(t−1) as b_t − l_t, which misses the prefix sum b_(t−1) by the rounding of b_t: with
+    log-decays of −1e6 per token (A = −exp(16)), a readout of S_(t−1) came out 1e-9 off, past verify's
+    tolerance. b_(t−1) is the previous prefix sum itself now: the forms agree to rounding."""
+    rec = linrec.compile("recurrence m(dk = 4, dv = 3)\ninput x[dv], B[dk], C[dk]\ninput dt > 0\n"
+                         "param A per head = −exp(16)\nstate S[dk, dv]\noutput y = C·S\nS = exp(dt·A)·S + (dt·B)⊗x\n",
+                         FILE)
+    x = rec.random_inputs(1, 12, 2)
+    s0 = {"S": np.random.default_rng(0).standard_normal((1, 2, 4, 3))}
+    reference = rec.run(x, form="recurrent", initial_state=s0).outputs["y"]
+    for (form, backend), result in every_form(rec, x, initial_state=s0, chunk_size=5).items():
+        error = np.abs(result.outputs["y"] - reference).max() / np.abs(reference).max()
+        assert error < 1e-14, (form, backend, error)

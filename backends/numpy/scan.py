@@ -180,6 +180,13 @@ def _pseudo_values(corrections, writes, b, b_prev, s0, block):
     return [sol[..., :, i, :] for i in range(r_count)]
 
 
+def _shifted(b: np.ndarray) -> np.ndarray:
+    """b_(t−1) from the prefix sums b_t (0 before the first token): the previous sum itself, not b_t − l_t,
+    which differs from it by the rounding of b_t — |b|·ε, and exp(b_(t−1) − b_(t−1)) then misses 1 by as much
+    where the decays are strong (|b| ~ 1e7 made a readout before the update 1e-9 off)."""
+    return np.concatenate([np.zeros_like(b[..., :1, :]), b[..., :-1, :]], axis=-2)
+
+
 def _segment(s0, l, corrections, writes, readouts, causal, block, m=None):
     """One segment (the whole sequence, or a chunk) starting from state s0; m: the value axis's log-decay.
 
@@ -187,9 +194,9 @@ def _segment(s0, l, corrections, writes, readouts, causal, block, m=None):
     # prefix sums of log-decays in float64: in float32 their rounding grows with T and, exponentiated,
     # becomes a relative error of the outputs (1e-3 at T = 3000); the products stay in the working dtype
     b = None if l is None else np.cumsum(l, axis=-2, dtype=np.float64)
-    b_prev = None if l is None else b - l
+    b_prev = None if l is None else _shifted(b)
     c = None if m is None else np.cumsum(m, axis=-2, dtype=np.float64)
-    c_prev = None if m is None else c - m
+    c_prev = None if m is None else _shifted(c)
     pseudo = _pseudo_values(corrections, writes, b, b_prev, s0, block)
     terms = list(writes) + [(u, p) for (u, _), p in zip(corrections, pseudo)]
     results = None
