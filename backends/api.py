@@ -101,7 +101,19 @@ class Recurrence:
         runs the forms, the defaults are the NumPy backend's code (seeded draws included), so both agree."""
         sizes = {d.name: d.default for d in self.program.dims} | arrays.checked_sizes(self.program, dims)
         self._check_constants(sizes)
-        return self.module(self.forms[0], NUMPY.name).default_params(heads, sizes, dict(given or {}))
+        given = dict(given or {})
+        with np.errstate(all="ignore"):  # (a definition that overflows is reported below, with its place)
+            values = self.module(self.forms[0], NUMPY.name).default_params(heads, sizes, given)
+        for prm in self.program.params:
+            value = values.get(prm.name)
+            if prm.name not in given and value is not None and not np.all(np.isfinite(value)):
+                at = tuple(int(i) for i in np.argwhere(~np.isfinite(np.atleast_1d(value)))[0])
+                raise RuntimeInputError(
+                    f"the default of '{prm.name}' is not finite ({float(np.atleast_1d(value)[at]):g} at index "
+                    f"{list(at)}, with {heads} head(s)): its definition overflows or divides by zero there; pass "
+                    f"'{prm.name}' or change its definition", prm.span).located(self.compiled.source,
+                                                                             self.compiled.filename)
+        return values
 
     def _check_constants(self, sizes: dict[str, int]) -> None:
         """The program's constants folded again at a call's sizes where they differ from the header's (which

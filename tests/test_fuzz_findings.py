@@ -464,3 +464,22 @@ def test_a_readout_before_the_update_under_very_strong_decays():
     for (form, backend), result in every_form(rec, x, initial_state=s0, chunk_size=5).items():
         error = np.abs(result.outputs["y"] - reference).max() / np.abs(reference).max()
         assert error < 1e-14, (form, backend, error)
+
+
+def test_a_param_default_that_is_not_finite_is_refused_at_its_declaration():
+    """A default computed from random draws can overflow (A = −exp(exp(uniform(1, 16)))): the recurrent form
+    ran with A = −inf (a decay of 0) and the log-space forms gave NaN. Defaults are computed per call (they
+    depend on H and the sizes), so the call is refused, at the param's declaration; given values are used."""
+    src = "recurrence m(dk = 4, dv = 3)\ninput x[dv], B[dk], C[dk]\ninput dt > 0\n" \
+          "param A_log per head = exp(uniform(1, 16, seed=0))\nparam A per head = −exp(A_log)\nstate S[dk, dv]\n" \
+          "S = exp(dt·A)·S + (dt·B)⊗x\noutput y = C·S\n"
+    rec = linrec.compile(src, FILE)
+    x = rec.random_inputs(1, 6, 2)
+    for form in rec.forms:
+        with pytest.raises(RuntimeInputError) as info:
+            rec.run(x, form=form)
+        located(info.value, src, 5, "A per head", "the default of 'A' is not finite (-inf at index [0], with 2 "
+                "head(s)): its definition overflows or divides by zero there; pass 'A' or change its definition")
+    given = {"A": np.array([-1.0, -2.0])}
+    reference = rec.run(x, form="recurrent", params=given).outputs["y"]
+    np.testing.assert_allclose(rec.run(x, form="chunkwise", params=given).outputs["y"], reference, rtol=1e-12)
