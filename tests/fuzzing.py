@@ -40,7 +40,7 @@ import numpy as np
 
 import linrec
 from linrec import cli, decode, registry, verify
-from linrec.dsl.errors import LinrecError
+from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TOLERANCE = verify.TOLERANCE["float64"]
@@ -461,10 +461,10 @@ def _draw_params(rec, heads: int, dims: dict, rng) -> dict:
             for p in rec.program.params if p.default is None}
 
 
-# The smallest scale an array's error is measured against. The inputs are ~1: an output below this is all
-# cancellation (sum(groupnorm(x)) is 0 up to rounding, which differs between forms), not a value to match
-# to nine digits.
-SCALE_FLOOR = 1e-6
+# The smallest scale an array's error is measured against. The inputs are ~1: an output below this is mostly
+# cancellation — sum(groupnorm(x)) and groupnorm of a one-element vector are 0 up to rounding, which differs
+# between forms and which groupnorm's 1/√eps amplifies — not a value to match to nine digits.
+SCALE_FLOOR = 1e-2
 
 
 def _error(result, reference) -> float:
@@ -582,6 +582,12 @@ def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats) -> Non
         reference = rec.run(inputs, form=ref_form, initial_state=state0, params=params)
     except Timeout:
         raise
+    except RuntimeInputError as err:
+        if err.span is None:
+            fail("listed form refused", f"{ref_form} on numpy (the reference): {err}")
+        else:  # the program's own values at these sizes (a param default or constant that overflows): said where
+            stats["refused at these sizes"] += 1
+        return
     except LinrecError as err:
         fail("listed form refused", f"{ref_form} on numpy (the reference): {err}")
         return
