@@ -12,7 +12,7 @@ from ..dsl import ast
 from ..dsl.errors import LinrecError, LinrecWarning, Span
 
 from . import ir
-from .analysis import children, rebuild, walk
+from .analysis import children, rebuild, to_text, variance, walk
 from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
 from .constants import check_constants
 from .linearity import check_linear
@@ -411,6 +411,10 @@ class _Resolver:
             if any(isinstance(n, (ir.StateRef, ir.Apply)) and getattr(n, "function", None) in SEQUENCE
                    for n in walk(a)):
                 raise LinrecError(f"'{e.function}' cannot take another sequence expression", src.span)
+            if variance(a, self.lets) != "token":  # (a constant or a param is the same at every position)
+                raise LinrecError(f"'{e.function}' reads values that change from token to token (inputs, or "
+                                  f"values computed from them); `{to_text(a)}` is the same at every position: "
+                                  f"use it as it is", src.span)
         if e.function == "seq":
             if opts["window"] < 0 or opts["window"] != int(opts["window"]) or opts["window"] >= MAX_COUNT:
                 raise LinrecError(f"window must be a whole number of positions from 0 (every position) up to "

@@ -483,3 +483,12 @@ def test_a_param_default_that_is_not_finite_is_refused_at_its_declaration():
     given = {"A": np.array([-1.0, -2.0])}
     reference = rec.run(x, form="recurrent", params=given).outputs["y"]
     np.testing.assert_allclose(rec.run(x, form="chunkwise", params=given).outputs["y"], reference, rtol=1e-12)
+
+
+@pytest.mark.parametrize("argument", ["dv", "2", "p"])
+def test_seq_of_a_value_that_does_not_change_per_token(argument):
+    """seq(dv) — a mutation of softmax.lin — passed check and failed in the generated code (a size has no
+    token axis to swap); seq(…) and lsh_attention read per-token values, a compile error at the argument."""
+    src = HEAD + f"param p per head = 0.5\noutput o = softmax(seq(k)·q)·seq({argument})\n"
+    located(compile_error(src), src, 4, f"{argument})", "reads values that change from token to token",
+            f"`{argument}` is the same at every position")
