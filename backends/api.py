@@ -17,6 +17,7 @@ import numpy as np
 from . import arrays, compiler, form_choice, registry
 from .c import build as c_build
 from .compiler import Compiled
+from .compiler.constants import check_constants, program_expressions
 from .compiler.stabilize import log_scale_keys
 from .dsl.errors import LinrecError, RuntimeInputError
 from .interface import DEFINITION, FormModule
@@ -45,6 +46,7 @@ class Recurrence:
         # a step that is not one compiled call (the NumPy backend's) would otherwise draw its params every token
         self._token_binds: dict[tuple, tuple] = {}
         self._plans: dict[tuple, _CallPlan] = {}  # run()'s plans by call signature (see _signature)
+        self._sizes_checked: set[tuple] = set()   # sizes at which the program's constants are finite
 
     @property
     def name(self) -> str:
@@ -97,8 +99,35 @@ class Recurrence:
         """The file's parameter defaults for `heads` heads (float64; per-head ones as [H, *]), except those
         `given`: a default computed from another param uses the given value of that one. Whatever backend
         runs the forms, the defaults are the NumPy backend's code (seeded draws included), so both agree."""
-        sizes = {d.name: d.default for d in self.program.dims} | dict(dims or {})
-        return self.module(self.forms[0], NUMPY.name).default_params(heads, sizes, dict(given or {}))
+        sizes = {d.name: d.default for d in self.program.dims} | arrays.checked_sizes(self.program, dims)
+        self._check_constants(sizes)
+        given = dict(given or {})
+        with np.errstate(all="ignore"):  # (a definition that overflows is reported below, with its place)
+            values = self.module(self.forms[0], NUMPY.name).default_params(heads, sizes, given)
+        for prm in self.program.params:
+            value = values.get(prm.name)
+            if prm.name not in given and value is not None and not np.all(np.isfinite(value)):
+                at = tuple(int(i) for i in np.argwhere(~np.isfinite(np.atleast_1d(value)))[0])
+                raise RuntimeInputError(
+                    f"the default of '{prm.name}' is not finite ({float(np.atleast_1d(value)[at]):g} at index "
+                    f"{list(at)}, with {heads} head(s)): its definition overflows or divides by zero there; pass "
+                    f"'{prm.name}' or change its definition", prm.span).located(self.compiled.source,
+                                                                             self.compiled.filename)
+        return values
+
+    def _check_constants(self, sizes: dict[str, int]) -> None:
+        """The program's constants folded again at a call's sizes where they differ from the header's (which
+        the compiler checked): `dk^8` can overflow, `1/(dk − 4)` divide by zero, at other sizes."""
+        key = tuple(sorted(sizes.items()))
+        if key in self._sizes_checked:
+            return
+        if any(sizes.get(d.name) != d.default for d in self.program.dims):
+            def error(message, span):
+                return RuntimeInputError(f"with this call's sizes, {message}", span).located(
+                    self.compiled.source, self.compiled.filename)
+            for e in program_expressions(self.program):
+                check_constants(e, sizes, error)
+        self._sizes_checked.add(key)
 
     def random_inputs(self, batch: int = 2, tokens: int = 16, heads: int = 2, dims: dict | None = None,
                       dtype=np.float64, seed: int = 0, decay_scale: float = 1.0) -> dict[str, np.ndarray]:

@@ -38,6 +38,8 @@ def _float_array(name: str, value, what: str) -> np.ndarray:
 
 def _bind(dims: dict[str, int], names: tuple[str, ...], actual: tuple[int, ...], where: str, expected: str):
     for d, n in zip(names, actual):
+        if n < 1:
+            raise RuntimeInputError(f"{where} has shape {expected} with {d} = {n}; every size must be at least 1")
         if d in dims and dims[d] != n:
             raise RuntimeInputError(f"{where} has shape {expected} with {d} = {n}, but {d} = {dims[d]} "
                                     f"elsewhere (from the other arrays or the options)")
@@ -130,9 +132,7 @@ def resolve_dims(program: ir.Program, shape: CallShape, params: dict, initial_st
     """Sizes not fixed by the inputs come from `sizes`, caller-supplied params or initial states, then from
     the file's defaults."""
     dims = dict(shape.dims)
-    for name, size in (sizes or {}).items():
-        if name not in {d.name for d in program.dims}:
-            raise RuntimeInputError(f"'{program.name}' has no dimension '{name}'")
+    for name, size in checked_sizes(program, sizes).items():
         if name in dims and dims[name] != size:
             raise RuntimeInputError(f"dimension {name} = {size} was asked for, but the inputs have {name} = "
                                     f"{dims[name]}")
@@ -141,6 +141,7 @@ def resolve_dims(program: ir.Program, shape: CallShape, params: dict, initial_st
         value = (initial_state or {}).get(s.name)
         if value is not None and np.ndim(value) == 2 + len(s.shape):
             for d, n in zip(s.shape, np.shape(value)[2:]):
+                _at_least_one(f"initial state '{s.name}'", d, n)
                 dims.setdefault(d, n)
     for prm in program.params:
         if prm.name in params:
@@ -148,10 +149,30 @@ def resolve_dims(program: ir.Program, shape: CallShape, params: dict, initial_st
             offset = 1 if prm.per_head else 0
             if arr.ndim == offset + len(prm.shape):
                 for d, n in zip(prm.shape, arr.shape[offset:]):
+                    _at_least_one(f"parameter '{prm.name}'", d, n)
                     dims.setdefault(d, n)
     for d in program.dims:
         dims.setdefault(d.name, d.default)
     return dims
+
+
+def _at_least_one(where: str, dim: str, n: int) -> None:
+    if n < 1:
+        raise RuntimeInputError(f"{where} has {dim} = {n}; every size must be at least 1")
+
+
+def checked_sizes(program: ir.Program, sizes: dict | None) -> dict[str, int]:
+    """Sizes asked for by name (`dims=`): each a dimension of the program and a whole number ≥ 1."""
+    known = {d.name for d in program.dims}
+    out = {}
+    for name, size in dict(sizes or {}).items():
+        if name not in known:
+            raise RuntimeInputError(f"'{program.name}' has no dimension '{name}'; its dimensions are "
+                                    f"{', '.join(sorted(known)) or 'none'}")
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise RuntimeInputError(f"dimension {name} must be a whole number ≥ 1 (an int), got {size!r}")
+        out[name] = int(size)
+    return out
 
 
 def check_params(program: ir.Program, given: dict, defaults: dict, shape: CallShape, dims: dict) -> dict:
@@ -257,6 +278,8 @@ def random_inputs(program: ir.Program, batch: int, tokens: int, heads: int, dims
     """Seeded inputs that fit each input's declared role: intervals are sampled inside, one-sided bounds
     (log-decays ≤ 0, step sizes > 0) get magnitudes scaled by `decay_scale`, the rest is standard normal."""
     rng = np.random.default_rng(seed)
+    known = {d.name: d.default for d in program.dims}  # (sizes of other names are ignored here, as they were)
+    dims = known | checked_sizes(program, {name: n for name, n in dims.items() if name in known})
     out = {}
     for x in program.inputs:
         size = (batch, tokens, heads) + tuple(dims[d] for d in x.shape)

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from . import registry
+from .dsl.errors import LinrecError
 from .interface import FUSED
 from .registry import builds
 
@@ -33,21 +34,27 @@ _measured: dict[tuple, dict[str, float]] = {}
 
 def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
            dims: dict[str, int] | None = None, dtype=np.float32) -> tuple[str, str]:
-    """(form, reason) for a call of `tokens` tokens, among the forms `backend` builds."""
+    """(form, reason) for a call of `tokens` tokens, among the forms `backend` builds (a form the program
+    has may not be built by every backend: C does not run every recurrent form, say)."""
     forms = rec.forms
-    if len(forms) == 1:
-        return forms[0], f"the only form '{rec.name}' has"
     built = [f for f in forms if builds(rec.compiled, backend, f)]
+    if not built:
+        raise LinrecError(f"the {backend} backend builds no form of '{rec.name}': "
+                          f"{registry.refusal(rec.compiled, backend, forms[0])}")
     if len(built) == 1:
-        return built[0], f"the only form of '{rec.name}' the {backend} backend builds"
+        return built[0], (f"the only form '{rec.name}' has" if len(forms) == 1 else
+                          f"the only form of '{rec.name}' the {backend} backend builds")
     sequence = rec.decomposition.sequence
-    if sequence is not None and "chunkwise" in forms:
+    if sequence is not None and "chunkwise" in built:
         if sequence.kind == "lsh":
             return "chunkwise", "the bucketed form: O(T log T) instead of the dense reference's O(T²)"
         return "chunkwise", "blocked online softmax: linear memory, keys read once per query block"
-    if registry.backend(backend).recurrent_kernel(rec.compiled) == FUSED:
+    if "recurrent" in built and registry.backend(backend).recurrent_kernel(rec.compiled) == FUSED:
         return "recurrent", "compiled recurrent kernel: least arithmetic, state kept in registers and L1"
-    if "chunkwise" not in forms or tokens <= SHORT:
+    if "recurrent" not in built:  # (then the backend builds the parallel and chunkwise forms: C's scans)
+        return "chunkwise", f"the {backend} backend builds no recurrent form of '{rec.name}', and the chunkwise " \
+                            f"form's work grows with T, the parallel form's with T²"
+    if "chunkwise" not in built or tokens <= SHORT:
         return "recurrent", f"T ≤ {SHORT} (or no chunkwise form): a few steps, nothing to amortize"
     sizes = {d.name: d.default for d in rec.program.dims} | dict(dims or {})
     costs = per_token_cost(rec, backend, heads, batch, sizes, dtype)

@@ -149,12 +149,14 @@ class Param:
     shape: Shape
     per_head: bool
     default: Expr | None
+    span: Span | None = field(default=None, compare=False, repr=False)  # its declaration
 
 
 @dataclass(frozen=True)
 class State:
     name: str
     shape: Shape
+    span: Span | None = field(default=None, compare=False, repr=False)  # its declaration
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 
 from ..dsl import ast
 from ..dsl.errors import LinrecError, LinrecWarning, Span
 
 from . import ir
-from .analysis import rebuild, walk
+from .analysis import children, rebuild, to_text, variance, walk
 from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
+from .constants import check_constants
 from .linearity import check_linear
 
 SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
+# How deep an expression may nest with its named values written out: the analyses and code generators walk
+# expressions recursively (the parser bounds each expression as written: dsl.parser.MAX_NESTING)
+MAX_INLINED_NESTING = 128
+# Counts in options (seq's window, lsh_attention's buckets, rounds and chunk) reach the kernels as C ints
+MAX_COUNT = 2 ** 31
 RESERVED = {"I", "h"} | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
 
 
@@ -41,6 +48,7 @@ class _Resolver:
         self.states: dict[str, ir.State] = {}
         self.functions: dict[str, ast.FunctionDef] = {}
         self.lets: dict[str, ir.Expr] = {}
+        self.let_depths: dict[str, int] = {}  # how deep each value nests, written out (see _nesting)
         self.outputs: dict[str, ir.Expr] = {}
         self.updated: set[str] = set()
         self.defined_at: dict[str, Span] = {}
@@ -127,14 +135,18 @@ class _Resolver:
             if not st.per_head and any(isinstance(n, ir.HeadIndex) for n in walk(default)):
                 raise LinrecError(f"'{st.name}' uses the head index h; declare it `param {st.name} per head`",
                                   st.default.span)
-        self.params[st.name] = ir.Param(st.name, st.shape, st.per_head, default)
+            per_head = next((n for n in walk(default) if isinstance(n, ir.ParamRef) and n.per_head), None)
+            if not st.per_head and per_head is not None:  # (its value would have a head axis it is declared without)
+                raise LinrecError(f"'{st.name}' is computed from the per-head parameter '{per_head.name}', so it "
+                                  f"differs per head too; declare it `param {st.name} per head`", per_head.span)
+        self.params[st.name] = ir.Param(st.name, st.shape, st.per_head, default, span=st.span)
 
     def _StateDecl(self, st: ast.StateDecl):
         self._define(st.name, st.span, "a state")
         self._check_shape(st.shape, st.span, "state")
         if len(st.shape) not in (1, 2):
             raise LinrecError(f"state '{st.name}' must be a vector or a matrix, e.g. `state S[dk, dv]`", st.span)
-        self.states[st.name] = ir.State(st.name, st.shape)
+        self.states[st.name] = ir.State(st.name, st.shape, span=st.span)
 
     def _FunctionDef(self, st: ast.FunctionDef):
         self._define(st.name, st.span, "a function")
@@ -195,6 +207,7 @@ class _Resolver:
             raise LinrecError("cannot tell the size of I here; write it inside an expression with a sized "
                               "matrix", st.value.span)
         self.lets[st.target] = value
+        self.let_depths[st.target] = self._nesting(value)
         self.steps.append(ir.Let(st.target, value))
 
     def _OutputDef(self, st: ast.OutputDef):
@@ -208,7 +221,31 @@ class _Resolver:
 
     # ---- expressions ----
     def expr(self, e: ast.Expr, *, in_param: bool = False, bound=None) -> ir.Expr:
-        return self._expr(e, in_param, bound or {}, ())
+        resolved = self._expr(e, in_param, bound or {}, ())
+        depth = self._nesting(resolved)
+        if depth > MAX_INLINED_NESTING:
+            raise LinrecError(f"with its named values and functions written out, this expression nests {depth} "
+                              f"levels deep; linrec's analyses take at most {MAX_INLINED_NESTING}", e.span)
+        check_constants(resolved, {name: dim.default for name, dim in self.dims.items()})
+        return resolved
+
+    def _nesting(self, e: ir.Expr) -> int:
+        """How deep `e` nests once its named values are written out (the analyses inline them), counted
+        without recursion."""
+        depth_of: dict[int, int] = {}
+        stack = [(e, False)]
+        while stack:
+            node, done = stack.pop()
+            kids = children(node)
+            if done:
+                if isinstance(node, ir.LetRef):
+                    depth_of[id(node)] = self.let_depths.get(node.name, 0)
+                else:  # (a leaf is no level)
+                    depth_of[id(node)] = 1 + max((depth_of[id(k)] for k in kids), default=-1)
+            elif id(node) not in depth_of:
+                stack.append((node, True))
+                stack.extend((k, False) for k in kids)
+        return depth_of[id(e)]
 
     def _expr(self, e, in_param, bound, stack) -> ir.Expr:
         rec = lambda x: self._expr(x, in_param, bound, stack)  # noqa: E731
@@ -374,9 +411,14 @@ class _Resolver:
             if any(isinstance(n, (ir.StateRef, ir.Apply)) and getattr(n, "function", None) in SEQUENCE
                    for n in walk(a)):
                 raise LinrecError(f"'{e.function}' cannot take another sequence expression", src.span)
+            if variance(a, self.lets) != "token":  # (a constant or a param is the same at every position)
+                raise LinrecError(f"'{e.function}' reads values that change from token to token (inputs, or "
+                                  f"values computed from them); `{to_text(a)}` is the same at every position: "
+                                  f"use it as it is", src.span)
         if e.function == "seq":
-            if opts["window"] < 0 or opts["window"] != int(opts["window"]):
-                raise LinrecError("window must be a non-negative integer (0 keeps every position)", e.span)
+            if opts["window"] < 0 or opts["window"] != int(opts["window"]) or opts["window"] >= MAX_COUNT:
+                raise LinrecError(f"window must be a whole number of positions from 0 (every position) up to "
+                                  f"{MAX_COUNT - 1}", e.span)
             return ir.Apply((SEQ,) + args[0].shape, "seq", args, tuple(opts.items()), span=e.span)
         q, v = args
         if len(q.shape) != 1:
@@ -385,8 +427,9 @@ class _Resolver:
             raise LinrecError("lsh_attention averages vectors of values, got a scalar: give it a vector, "
                               "e.g. an input v[dv]", e.args[1].span)
         for name in ("buckets", "rounds", "chunk"):
-            if opts[name] < 1 or opts[name] != int(opts[name]):
-                raise LinrecError(f"lsh_attention's {name} must be a positive integer", e.span)
+            if opts[name] < 1 or opts[name] != int(opts[name]) or opts[name] >= MAX_COUNT:
+                raise LinrecError(f"lsh_attention's {name} must be a whole number from 1 up to {MAX_COUNT - 1}",
+                                  e.span)
         if int(opts["buckets"]) % 2:
             raise LinrecError("lsh_attention's buckets must be even (hashes are argmax over [xR; −xR])", e.span)
         return ir.Apply(v.shape, "lsh_attention", args, tuple(opts.items()), span=e.span)
@@ -405,6 +448,8 @@ class _Resolver:
             v = _number(value)
             if v is None:
                 raise LinrecError(f"option '{name}' must be a number", value.span)
+            if not math.isfinite(v):
+                raise LinrecError(f"option '{name}' must be a finite number, got {v:g}", value.span)
             if name == "seed" and not (v == int(v) and 0 <= v < 2 ** 63):
                 raise LinrecError(f"option 'seed' must be a whole number ≥ 0, got {v:g}", value.span)
             if name == "eps" and not v >= 0:  # inside a square root

@@ -17,7 +17,7 @@ from ..dsl.errors import LinrecError
 
 from . import ir
 from .analysis import inline_lets, rebuild, to_text, walk
-from .builtins import SEQ
+from .builtins import SEQ, SEQUENCE
 
 
 @dataclass(frozen=True)
@@ -56,22 +56,27 @@ def is_sequence_program(program: ir.Program) -> bool:
 
 def plan(program: ir.Program) -> SequencePlan:
     outputs = [(o.name, inline_lets(o.value, program.lets), o.value) for o in program.outputs]
-    if program.states:
-        raise LinrecError(f"a program with states ({', '.join(s.name for s in program.states)}) cannot also "
-                          f"read the sequence (seq, lsh_attention); write them as two programs")
-    windows = {int(dict(a.options)["window"]) for _, e, _ in outputs for a in _uses(e, "seq")}
-    if len(windows) > 1:
-        raise LinrecError(f"every seq(…) of a program must use the same window (found {sorted(windows)})")
-    window = windows.pop() if windows else 0
+    reads = [a for _, e, _ in outputs for a in walk(e) if isinstance(a, ir.Apply) and a.function in SEQUENCE]
     spanning = [p for p in program.params if SEQ in p.shape]
-    lsh = any(_uses(e, "lsh_attention") for _, e, _ in outputs)
+    if program.states:  # (pointed at the first read of the sequence, else the first param over it)
+        raise LinrecError(f"a program with states ({', '.join(s.name for s in program.states)}) cannot also "
+                          f"read the sequence (seq, lsh_attention, params over '{SEQ}'); write them as two "
+                          f"programs", reads[0].span if reads else spanning[0].span)
+    seqs = [a for a in reads if a.function == "seq"]
+    windows = [int(dict(a.options)["window"]) for a in seqs]
+    if len(set(windows)) > 1:
+        other = next(a for a, w in zip(seqs, windows) if w != windows[0])
+        raise LinrecError(f"every seq(…) of a program must use the same window (found {sorted(set(windows))}); "
+                          f"this one differs from the first", other.span)
+    window = windows[0] if windows else 0
+    lsh = any(a.function == "lsh_attention" for a in reads)
     if spanning:
         kind = "mixing"
         names = ", ".join(p.name for p in spanning)
         if program.causal:
             raise LinrecError(f"parameter(s) {names} span the sequence axis '{SEQ}' and mix every position, "
                               f"future ones included: there is no causal form — declare the recurrence "
-                              f"`noncausal` in its header")
+                              f"`noncausal` in its header", spanning[0].span)
         why = (f"{names} mix(es) every position of the sequence, future ones included: there is no recurrent "
                f"state, and no chunk can be finished before the whole sequence is seen")
         unavailable = [("recurrent", why), ("chunkwise", why)]

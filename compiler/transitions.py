@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 
 from . import ir
-from .analysis import inline_lets, states_in, to_text, variance
+from .analysis import inline_lets, refs, states_in, to_text, variance
+from .intervals import Bounds, undefaulted_params
 from .linearity import (ONE, NotLinear, Term, Unfactorable, add, compose, linear_terms, mul, operator_terms,
                         vector_terms)
 
@@ -124,6 +125,9 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         decay = None
     log_decay, exact = (None, True) if decay is None else log_of(decay)
     value_log, value_exact = (None, True) if value_decay is None else log_of(value_decay)
+    for d, is_exact in ((decay, exact), (value_decay, value_exact)):
+        if d is not None and not is_exact:
+            reasons.extend(_not_positive(d, state.name, program))
     if value_decay is not None and corrections:
         reasons.append(f"a decay of the value axis (`{state.name}·diag(…)`) beside a rank-one correction: the "
                        f"corrections' pseudo-values would then need a triangular system per value channel")
@@ -153,6 +157,28 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         else "general linear map"
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
                       tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact)
+
+
+def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
+    """Why the derived forms cannot take the logarithm of a decay the compiler has no symbolic logarithm of
+    (its values must then be positive), or nothing. A param without a default may be any real; one with a
+    default is taken at its default (a caller who passes values that make the decay non-positive is refused
+    when the form runs, as for an input outside its declared range)."""
+    bounds = Bounds(program).of(decay)
+    if bounds.positive:
+        return []
+    hints = []
+    if bounds.hi > 0:  # it can be positive: what keeps it so is for the program to say
+        inputs, free = refs(decay, ir.InputRef), undefaulted_params(decay, program)
+        hints += [f"declare ranges of {', '.join(inputs)} that keep it positive"] if inputs else []
+        hints += [f"give {', '.join(free)} a default that keeps it positive"] if free else []
+        hints += [] if inputs or free else ["change the defaults it is computed from"]
+    hints.append("write it as exp(…) or sigmoid(…)")
+    fix = ", ".join(hints[:-1]) + (", or " if len(hints) > 1 else "") + hints[-1]
+    sign = ("is zero" if bounds.hi == 0 else "can be zero") if bounds.lo >= 0 else \
+        "is negative" if bounds.negative else "can be zero or negative"
+    return [f"the decay `{to_text(decay)}` of '{state}' {sign} (its values lie in {bounds}), and the "
+            f"parallel and chunkwise forms work with its logarithm; {fix}"]
 
 
 def split_exp(e: ir.Expr) -> tuple[ir.Expr, ir.Expr | None]:

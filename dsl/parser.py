@@ -1,10 +1,11 @@
 """Parse linrec source text into the syntax tree of dsl.ast (lark LALR, positions kept)."""
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from importlib import resources
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from . import ast
@@ -67,6 +68,9 @@ class _ToAst(Transformer):
     def signed_number(self, meta, children):
         sign, number = children
         value = float(number)
+        if not math.isfinite(value):  # (1e999: a range's end must be a number a comparison can use)
+            raise LinrecError("this number is too large: it is not a finite double-precision number (the largest "
+                              "is about 1.8e308)", _span(number))
         return -value if sign is not None else value
 
     def interval(self, meta, children):
@@ -223,17 +227,41 @@ def _syntax_error(err: UnexpectedInput, source: str | None = None) -> LinrecErro
     return LinrecError(msg, Span(line, column, line, column + width))
 
 
+# How deeply an expression may nest (operators, parentheses, calls): every stage after the parser walks
+# expressions recursively, and a few hundred levels exhaust Python's stack (a RecursionError, not an answer).
+MAX_NESTING = 64
+_EXPRESSIONS = {"add", "sub", "mul", "div", "pow", "dot", "outer", "neg", "call", "keyword"}
+
+
+def _check_nesting(tree: Tree) -> None:
+    """A LinrecError at the first part of an expression nested more than MAX_NESTING levels deep (the walk
+    is iterative: the syntax tree itself may be deeper than the stack allows)."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, Tree):
+            continue
+        depth += node.data in _EXPRESSIONS
+        if depth > MAX_NESTING:
+            raise LinrecError(f"this expression nests more than {MAX_NESTING} levels deep (operators, parentheses "
+                              f"and calls); give some of its parts names of their own, e.g. `x1 = …`", _span(node.meta))
+        stack.extend((child, depth) for child in node.children)
+
+
 def parse(source: str, filename: str = "<source>") -> ast.Program:
     """Parse a program. Raises LinrecError (with file, line, column and caret) on bad syntax."""
     text = source if source.endswith("\n") else source + "\n"
     try:
         tree = _parser().parse(text)
+        _check_nesting(tree)
         return _ToAst().transform(tree)
     except VisitError as err:
         inner = err.orig_exc
         if isinstance(inner, LinrecError):
             raise inner.located(source, filename) from None
         raise
+    except LinrecError as err:
+        raise err.located(source, filename) from None
     except UnexpectedInput as err:
         if isinstance(err, UnexpectedToken) and err.token.type == "$END" and not source.strip():
             raise LinrecError("empty program: start with `recurrence NAME(dk = 64, dv = 64)`",

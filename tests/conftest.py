@@ -1,6 +1,9 @@
 """Make tests/reference_impls importable however pytest is started (`python -m pytest tests` or plain
 `pytest`), and give the session one kernel cache. linrec itself is imported from the installed package
-(`pip install .`, or `pip install -e .` while developing), never from the source folders."""
+(`pip install .`, or `pip install -e .` while developing), never from the source folders.
+
+The fuzzer's options (tests/test_fuzz.py, tests/README.md): --fuzz-programs N, --fuzz-c N, --fuzz-seed S, or
+the environment variables LINREC_FUZZ_PROGRAMS, LINREC_FUZZ_C, LINREC_FUZZ_SEED."""
 import os
 import sys
 from pathlib import Path
@@ -24,3 +27,15 @@ def cache_dir(tmp_path_factory):
         os.environ.pop("LINREC_CACHE_DIR", None)
     else:
         os.environ["LINREC_CACHE_DIR"] = old
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("linrec fuzzer (tests/test_fuzz.py)")
+    group.addoption("--fuzz-programs", type=int, default=None, metavar="N",
+                    help="random programs through check and every NumPy form (default: LINREC_FUZZ_PROGRAMS, "
+                         "else the CI size in tests/test_fuzz.py)")
+    group.addoption("--fuzz-c", type=int, default=None, metavar="N",
+                    help="random programs also through the C backend (default: LINREC_FUZZ_C, else the CI size)")
+    group.addoption("--fuzz-seed", type=int, default=None, metavar="S",
+                    help="the seed of the programs (default: LINREC_FUZZ_SEED, else 0: the same programs every "
+                         "run)")

@@ -296,8 +296,10 @@ def test_edge_cases_and_errors():
         c_scan.chunkwise_scan(s0, ld[..., :2], corr, wr, rd)
     with pytest.raises(RuntimeInputError, match="initial state"):
         c_scan.chunkwise_scan(s0[:1], ld, corr, wr, rd)
-    with pytest.raises(LinrecError, match="nothing to scan"):
-        c_scan.parallel_scan(s0, ld, [], [], [])
+    # nothing read, written or corrected (a state that only decays): its final state, without a kernel
+    out, state = c_scan.parallel_scan(s0, ld, [], [], [])
+    assert out == [] and state.dtype == s0.dtype
+    np.testing.assert_allclose(state, np.exp(ld.astype(np.float64).sum(axis=1))[..., None] * s0, rtol=1e-6)
     with pytest.raises(RuntimeInputError, match="chunk size"):
         c_scan.chunkwise_scan(s0, ld, corr, wr, rd, chunk_size=-2)
     # a vector state read as it is, whose update has a correction: its reads would need the pseudo-values

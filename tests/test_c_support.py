@@ -42,7 +42,7 @@ input q[dk], k[dk], v[dv], w[dv], g[dk] <= 0, a <= 0, beta in (0, 1)
 """
 # programs aimed at each refusal (and a few near misses each kernel takes): name → the lines after HEAD
 AIMED = {
-    # a builtin the C kernels have no form of, at every place each kernel prints
+    # softmax of a vector, at every place each kernel prints (every builtin has a C spelling: both take these)
     "softmax_output": "state S[dk, dv]\nS = exp(a)·S + k⊗v\noutput o = softmax(q·S)\n",
     "softmax_query": "state S[dk, dv]\nS = exp(a)·S + k⊗v\noutput o = softmax(q)·S\n",
     "softmax_decay": "state S[dk, dv]\nS = diag(softmax(g))·S + k⊗v\noutput o = q·S\n",
@@ -99,18 +99,18 @@ def aimed_source(name: str) -> str:
 # (fused, statements): None where the kernel takes the program, else what its reason must say
 PLACE = "output 'o'"
 REASONS = {
-    "softmax_output": ((PLACE, "`softmax(q·S)`", "no softmax"),) * 2,
-    "softmax_query": (("a readout of state 'S'", "`softmax(q)`", "no softmax"), (PLACE, "`softmax(q)`")),
-    "softmax_decay": (("the decay of state 'S'", "`softmax(g)`"), ("the update of state 'S'", "`softmax(g)`")),
-    "softmax_key": (("a write to state 'S'", "`softmax(k)`"), ("the update of state 'S'", "`softmax(k)`")),
-    "softmax_value": (("a write to state 'S'", "`softmax(v)`"), ("the update of state 'S'", "`softmax(v)`")),
-    "softmax_correction": (("a correction of state 'S'", "`softmax(k)`"), ("the update of state 'S'",)),
-    "softmax_correction_w": (("a correction of state 'S'", "`softmax(k)`"), ("the update of state 'S'",)),
-    "softmax_vector_state": (("a write to state 'z'", "`softmax(k)`"), ("the update of state 'z'", "`softmax(k)`")),
-    "softmax_bound_value": ((PLACE, "`softmax(q·S)`"), ("value 'p'", "`softmax(q·S)`")),
-    "softmax_noncausal": ((PLACE, "`softmax(q·S)`"),) * 2,
-    "softmax_scalar": ((PLACE, "`softmax(k)`"),) * 2,
-    "softmax_matrix_update": (("not a decay plus rank-one terms",), ("the update of state 'S'", "`softmax(w)`")),
+    "softmax_output": (None, None),
+    "softmax_query": (None, None),
+    "softmax_decay": (None, None),
+    "softmax_key": (None, None),
+    "softmax_value": (None, None),
+    "softmax_correction": (None, None),
+    "softmax_correction_w": (None, None),
+    "softmax_vector_state": (None, None),
+    "softmax_bound_value": (None, None),
+    "softmax_noncausal": (None, None),
+    "softmax_scalar": (None, None),
+    "softmax_matrix_update": (("not a decay plus rank-one terms",), None),
     "state_as_value": (("output 'p'", "`S·w`", "reads state 'S' only through readouts"), None),
     "state_in_query": ((PLACE, "`q·U·S`", "reads state 'S' only through readouts"), None),
     "transposed": (("state 'S' is multiplied and read from the right",), None),
@@ -125,9 +125,8 @@ REASONS = {
     "rank3_param": ((PLACE, "`q·P·v`"), ("param 'P' has shape [dk, dk, dv]", "up to matrices")),
     "stabilized_value_decay": (("state 'S' decays its value axis",),
                                ("stabilized only in the fused kernel", "does not take it", "decays its value axis")),
-    "stabilized_softmax": ((PLACE, "`softmax(exp(q)·S)`"), ("stabilized only in the fused kernel", "no softmax")),
-    "stabilized_query_softmax": (("a readout of state 'S'", "`softmax(q)`"), ("stabilized only in the fused kernel",
-                                                                               "`softmax(q)`")),
+    "stabilized_softmax": (None, ("stabilized only in the fused kernel",)),
+    "stabilized_query_softmax": (None, ("stabilized only in the fused kernel",)),
     "stabilized_fused": (None, ("stabilized only in the fused kernel",)),
     "matrix_parameter": (None, None),
     "builtins": (None, None),

@@ -354,17 +354,36 @@ output o = (q·U)·S
 
 
 def test_nonpositive_decay_is_refused_in_log_space_forms():
+    """A decay with no symbolic logarithm must be positive in the log-space forms: an input without a range
+    that keeps it so (or a param without a default) leaves the program without them, and check says why; a
+    param whose default keeps it positive keeps them, and a call that passes values that do not is refused
+    when the form runs, as an input outside its range is."""
     rec = linrec.compile("""recurrence signed(dk = 3, dv = 3)
 input q[dk], k[dk], v[dv], a
 state S[dk, dv]
 S = a·S + k⊗v
 output o = q·S
 """, "signed.lin")
+    assert rec.forms == ("recurrent",)
+    why = rec.decomposition.why_not("parallel")
+    assert "the decay `a` of 'S' can be zero or negative (its values lie in (−∞, ∞))" in why
+    assert "declare ranges of a that keep it positive" in why
     inputs = rec.random_inputs(1, 5, 1, seed=1)
-    inputs["a"][...] = -0.5
-    with pytest.raises(linrec.RuntimeInputError, match="is negative"):
+    with pytest.raises(linrec.LinrecError, match="has no parallel form: state 'S': the decay `a`"):
         rec.run(inputs, form="parallel")
     assert np.all(np.isfinite(rec.run(inputs).outputs["o"]))
+    source = "recurrence signed(dk = 3, dv = 3)\ninput q[dk], k[dk], v[dv]\nparam a per head\nstate S[dk, dv]\n" \
+             "S = a·S + k⊗v\noutput o = q·S\n"
+    rec = linrec.compile(source, "signed.lin")
+    assert rec.forms == ("recurrent",)
+    assert "give a a default that keeps it positive" in rec.decomposition.why_not("parallel")
+    rec = linrec.compile(source.replace("per head", "per head = 0.9"), "signed.lin")
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    inputs = rec.random_inputs(1, 5, 2, seed=1)
+    with pytest.raises(linrec.RuntimeInputError, match=r"the decay of state 'S' must be positive in the parallel "
+                       r"and chunkwise forms, which work with its logarithm, but it is as low as -0\.5 here"):
+        rec.run(inputs, form="parallel", params={"a": np.array([0.5, -0.5])})
+    assert np.all(np.isfinite(rec.run(inputs, params={"a": np.array([0.5, -0.5])}).outputs["o"]))
 
 
 @pytest.mark.parametrize("backend", ["numpy", "c"])

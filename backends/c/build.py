@@ -718,6 +718,11 @@ def cache_clear() -> dict:
     return result
 
 
+# The most threads a kernel is given: a larger count (LINREC_NUM_THREADS=99999999999, threads=10**6) is
+# taken as this many. The kernels use at most one thread per (batch row, head) and never more than there is
+# work for; past the cores, threads only take turns; and the count is a C int.
+MAX_THREADS = 1024
+
 # a thread count for the calls made inside `threads(n)` (Recurrence.run(threads=n)); None: the default rule
 _thread_override: contextvars.ContextVar[int | None] = contextvars.ContextVar("linrec_threads", default=None)
 
@@ -731,7 +736,7 @@ def threads(n: int | None):
         return
     if not isinstance(n, int) or n < 1:
         raise LinrecError(f"the thread count must be a positive integer, got {n!r}")
-    token = _thread_override.set(n)
+    token = _thread_override.set(min(n, MAX_THREADS))
     try:
         yield
     finally:
@@ -740,7 +745,7 @@ def threads(n: int | None):
 
 def num_threads() -> int:
     """Threads for the compiled kernels: threads(n) around the call, else LINREC_NUM_THREADS, else every
-    core this process may use."""
+    core this process may use; at most MAX_THREADS."""
     if _thread_override.get() is not None:
         return _thread_override.get()
     env = os.environ.get("LINREC_NUM_THREADS", "").strip()
@@ -751,7 +756,7 @@ def num_threads() -> int:
             n = 0
         if n < 1:
             raise LinrecError(f"LINREC_NUM_THREADS must be a positive integer, got {env!r}")
-        return n
+        return min(n, MAX_THREADS)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -38,7 +38,7 @@ _ELEMENTWISE = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logs
 _ROWS = {"exp": "lr_exp_row", "sigmoid": "lr_sigmoid_row", "silu": "lr_silu_row"}
 # … and over one register (c_printer.lanes)
 _REGISTER = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v"}
-_VECTOR = {"l2norm", "groupnorm", "rmsnorm"}
+_VECTOR = {"l2norm", "groupnorm", "rmsnorm", "softmax"}
 _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
 # the leaves a matrix per token can be (StatementPrinter, statements.py: the statement kernel's buffers)
@@ -433,12 +433,14 @@ class CPrinter:
     def _partner(self, e: ir.Dot) -> ir.Dot | None:
         """Another W·x' with e's matrix W that this region will print and has not yet, computed where e is
         (token or head) from inputs, params and constants alone (so it can be computed here): lr_matvec2
-        then reads W once for both (Performer's W·k and W·q)."""
+        then reads W once for both (Performer's W·k and W·q). Not one inside the other (W·(W·k)), nor one
+        whose vector holds such products itself: those are computed first, each on its own."""
         if len(e.left.shape) != 2:
             return None
         for n in self._uses:
             if isinstance(n, ir.Dot) and n != e and matrix_vector(n) and len(n.left.shape) == 2 \
                     and n.left == e.left and n not in self._cache and token_variant(n) == token_variant(e) \
+                    and n not in walk(e.right) and not any(matrix_vector(x) for x in walk(n.right)) \
                     and all(isinstance(leaf, (ir.InputRef, ir.ParamRef, ir.Const, ir.DimSize, ir.HeadIndex))
                             for leaf in walk(n.right) if not children(leaf)):
                 return n
@@ -478,6 +480,13 @@ class CPrinter:
                       f"for (int i = 0; i < {n}; ++i) {{ const T c = {x}[i] - {name}_mean; "
                       f"{name}[i] = c; {name}_var += c * c; }}",
                       f"const T {name}_inv = 1 / lr_sqrt({name}_var / {nn} + {eps});", "#pragma omp simd",
+                      f"for (int i = 0; i < {n}; ++i) {name}[i] *= {name}_inv;"]
+        elif e.function == "softmax":  # shifted by the maximum: every exponent ≤ 0, the sum ≥ 1
+            lines += [f"T {name}_max = {x}[0];",
+                      f"for (int i = 1; i < {n}; ++i) {name}_max = {x}[i] > {name}_max ? {x}[i] : {name}_max;",
+                      f"T {s} = 0;",
+                      f"for (int i = 0; i < {n}; ++i) {{ {name}[i] = lr_exp({x}[i] - {name}_max); {s} += {name}[i]; }}",
+                      f"const T {name}_inv = 1 / {s};", "#pragma omp simd",
                       f"for (int i = 0; i < {n}; ++i) {name}[i] *= {name}_inv;"]
         else:
             raise self._unsupported(e)

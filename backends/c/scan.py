@@ -125,11 +125,11 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     if any(q is None for q, _ in readouts):
         return _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads,
                             span_max)
+    if not (readouts or writes or corrections):  # a state nothing reads or writes: it only decays
+        return [], _only_decayed(s0, log_decay)
     per_token = [a for pair in corrections + writes for a in pair] + [q for q, _ in readouts]
     if log_decay is not None:
         per_token.append(log_decay)
-    if not per_token or not (readouts or writes or corrections):
-        raise LinrecError("nothing to scan: no readouts, writes or corrections")
     per_token = [np.asarray(a) for a in per_token]
     # the working dtype is the values' (a stabilized program's log-decay arrives in float64 whatever it is)
     values = per_token[:-1] if log_decay is not None else per_token
@@ -175,6 +175,15 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
         return outs, call(kernel(s), "lr_parallel", state, ops, outs, work, num_threads, span)
     return outs, call(kernel(s), "lr_chunkwise", state, ops, outs, work, num_threads, span,
                       chunk_of(chunk_size, tokens))
+
+
+def _only_decayed(s0, log_decay) -> np.ndarray:
+    """The final state of a state that only decays (no kernel to run): diag(exp(Σ_t log_decay_t))·S_0."""
+    s0 = np.asarray(s0)
+    if log_decay is None:
+        return s0.copy()
+    total = np.sum(np.asarray(log_decay, dtype=np.float64), axis=1)  # [B, H, 1 | dk]
+    return (np.exp(total)[..., :, None] * s0).astype(s0.dtype)
 
 
 def _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max):

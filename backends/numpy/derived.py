@@ -190,6 +190,9 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
     if scale:
         terms.append(f"scale_decay({scale.running})  # M_(t−1) − M_t")
         mod.helpers.add("scale_decay")
+    if not (terms or t.corrections or t.writes or t.value_log_decay is not None):
+        # (a state left as it is, `z = z`: no per-token array would tell the scan how many tokens there are)
+        terms.append("per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1")
     mod.body.append(f"{decay} = " + (" + ".join(terms) if terms else "None"))
     value_decay = None
     if t.value_log_decay is not None:
@@ -222,7 +225,8 @@ def write_key(mod: Module, lay: Layout, key: ir.Expr, scale: Scale | None) -> st
         return mod.per_token(key, lay.rows)
     c, alpha = split_exp(key)
     shifted = shifted_exp(mod.stable.exponents[alpha], scale.running, alpha, key)
-    return bind(mod, per_token(f"{mod.code(c)} * {shifted}", lay.rows, not key.shape), "stable_key")
+    return bind(mod, per_token(f"{factor(mod.code(c), c, alpha)} * {shifted}", lay.rows, not key.shape),
+                "stable_key")
 
 
 # ---- the stabilization of exponential keys and queries ------------------------------------------------------
@@ -248,6 +252,14 @@ def running_max(mod: Module, lay: Layout) -> Scale:
                  f"{scale.given} = initial_state.get(\"{key}\")  # [B, H] or None (then S is unscaled)",
                  f"{scale.running} = running_max({joined}, {scale.given})  # M_t [B, T, H]"]
     return scale
+
+
+def factor(code: str, c: ir.Expr, alpha: ir.Expr) -> str:
+    """The factor c of a key or query c·exp(α), shaped to multiply exp(α − M): a scalar c that varies per
+    token or head ([B, T, H] or [H]) against a vector α takes α's axis."""
+    if not c.shape and alpha.shape and variance(c) != "const":
+        return f"({code})[..., None]"
+    return code
 
 
 def shifted_exp(exponent: str, shift: str, alpha: ir.Expr, product: ir.Expr) -> str:
@@ -303,7 +315,8 @@ def scaled_query(mod: Module, lay: Layout, query: ir.Expr) -> tuple[str, str] | 
                                                            else stable.exponents[beta]))
     mu = stable.query_max[beta]
     shifted = shifted_exp(stable.exponents[beta], mu, beta, query)
-    return bind(mod, per_token(f"{mod.code(c)} * {shifted}", lay.rows, not query.shape), "stable_query"), mu
+    return bind(mod, per_token(f"{factor(mod.code(c), c, beta)} * {shifted}", lay.rows, not query.shape),
+                "stable_query"), mu
 
 
 # ---- the readouts, the scan, the final state -----------------------------------------------------------------

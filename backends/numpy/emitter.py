@@ -63,6 +63,9 @@ class Emitter:
         self.hoisted = {n for n, v in self.lets.items() if not states_in(inline_lets(v, self.lets))}
         # derived expressions come with lets inlined: fold them back to the user's names
         self._folds = {inline_lets(self.lets[n], self.lets): ir.LetRef(self.lets[n].shape, n) for n in self.hoisted}
+        # of those, the ones that change from token to token ([B, T, H, *]); the others are fixed per head
+        # ([H, *]) or constants, arrays in the call's dtype that a token's code uses whole
+        self.per_token = {n for n in self.hoisted if variance(inline_lets(self.lets[n], self.lets)) == "token"}
 
     def refold(self, e: ir.Expr) -> ir.Expr:
         if e in self._folds:
@@ -85,7 +88,7 @@ class Emitter:
                 return "h"
             if isinstance(node, ir.ParamRef):
                 return self.name(node.name)
-            if isinstance(node, ir.InputRef) or (isinstance(node, ir.LetRef) and node.name in self.hoisted):
+            if isinstance(node, ir.InputRef) or (isinstance(node, ir.LetRef) and node.name in self.per_token):
                 return self.name(node.name) + (f"[:, {token_index}]" if token_index else "")
             if isinstance(node, ir.LetRef):
                 return self.name(node.name)
@@ -136,9 +139,15 @@ class Emitter:
     def hoisted_lets(self, printer: NumpyPrinter, heading: str) -> list[str]:
         """The values that do not depend on a state, for all tokens at once, under a comment `heading` (no
         lines where there are none)."""
-        lines = [f"{self.name(step.name)} = {printer(step.value)}  # {step.name} = {to_text(step.value)}"
+        lines = [f"{self.name(step.name)} = {self._hoisted_code(step, printer)}  # {step.name} = {to_text(step.value)}"
                  for step in self.p.steps if isinstance(step, ir.Let) and step.name in self.hoisted]
         return ["", f"# {heading}"] + lines if lines else []
+
+    def _hoisted_code(self, step: ir.Let, printer: NumpyPrinter) -> str:
+        code = printer(step.value)
+        if step.name not in self.per_token:  # (a constant may print as a Python number)
+            code = f"np.asarray({code}, dtype=dtype)"
+        return code
 
     def output_alloc(self) -> list[str]:
         lines = []

@@ -5,6 +5,7 @@ explicitly with `[..., None]`, contractions use einsum with `...` so leading axe
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from ..compiler import ir
@@ -21,7 +22,8 @@ ATOM, POWER, UNARY, PRODUCT, SUM = 0, 1, 2, 3, 4
 
 
 def _float(v: float) -> str:
-    return repr(float(v))
+    # (a product of large constants the compiler multiplied out may be infinite: `inf` is no Python name)
+    return repr(float(v)) if math.isfinite(v) else f"float('{float(v)!r}')"
 
 
 class NumpyPrinter:
@@ -121,4 +123,7 @@ class NumpyPrinter:
         if f in _RUNTIME_FUNCS:
             self.helpers.add(f)
             return f"{f}({x}{opts})", ATOM
+        if f == "softmax":  # of a per-token vector, over its last axis (the attention helpers' one)
+            self.helpers.add("softmax")
+            return f"softmax({x})", ATOM
         raise TypeError(f"no NumPy spelling for builtin {f}")

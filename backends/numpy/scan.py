@@ -53,8 +53,10 @@ def log_decay(decay, state: str) -> np.ndarray:
     token, see the module's docstring)."""
     decay = np.asarray(decay)
     if np.any(decay < 0):
-        raise RuntimeInputError(f"the decay of state '{state}' is negative (min {np.nanmin(decay)!r}); the "
-                                f"parallel and chunkwise forms work in log space — use the recurrent form")
+        raise RuntimeInputError(f"the decay of state '{state}' must be positive in the parallel and chunkwise "
+                                f"forms, which work with its logarithm, but it is as low as "
+                                f"{float(np.nanmin(decay)):g} here; pass params that keep it positive, or use "
+                                f"the recurrent form")
     with np.errstate(divide="ignore"):  # log(0) = −∞: a reset
         return np.log(decay)
 
@@ -194,6 +196,13 @@ def _pseudo_values(corrections, writes, b, b_prev, s0, block):
     return [sol[..., :, i, :] for i in range(r_count)]
 
 
+def _shifted(b: np.ndarray) -> np.ndarray:
+    """b_(t−1) from the prefix sums b_t (0 before the first token): the previous sum itself, not b_t − l_t,
+    which differs from it by the rounding of b_t — |b|·ε, and exp(b_(t−1) − b_(t−1)) then misses 1 by as much
+    where the decays are strong (|b| ~ 1e7 made a readout before the update 1e-9 off)."""
+    return np.concatenate([np.zeros_like(b[..., :1, :]), b[..., :-1, :]], axis=-2)
+
+
 def _segment(s0, l, corrections, writes, readouts, causal, block, m=None):
     """One segment (the whole sequence, or a chunk) starting from state s0; m: the value axis's log-decay.
 
@@ -201,9 +210,9 @@ def _segment(s0, l, corrections, writes, readouts, causal, block, m=None):
     # prefix sums of log-decays in float64: in float32 their rounding grows with T and, exponentiated,
     # becomes a relative error of the outputs (1e-3 at T = 3000); the products stay in the working dtype
     b = None if l is None else np.cumsum(l, axis=-2, dtype=np.float64)
-    b_prev = None if l is None else b - l
+    b_prev = None if l is None else _shifted(b)
     c = None if m is None else np.cumsum(m, axis=-2, dtype=np.float64)
-    c_prev = None if m is None else c - m
+    c_prev = None if m is None else _shifted(c)
     pseudo = _pseudo_values(corrections, writes, b, b_prev, s0, block)
     terms = list(writes) + [(u, p) for (u, _), p in zip(corrections, pseudo)]
     results = None

@@ -1,0 +1,716 @@
+"""A seeded fuzzer for linrec: random programs over the grammar, and what must hold for each of them.
+
+    gen = ProgramGenerator(seed)           # one stream of programs per seed, the same on every machine
+    source = gen.program()                 # mostly programs `check` accepts: recurrences and attention
+    source = gen.mutant()                  # an example file (examples/*.lin) with a few random edits
+    failures = exercise(source, backends=("numpy",))   # [] when everything below holds
+
+What `exercise` asserts of a program (each violation is a Failure with a class and a message):
+
+* compiling it raises nothing but LinrecError, and a rejection carries a source location (a span);
+* `linrec check`'s report (cli.describe, format_check) is made without an internal error;
+* every form the report lists as available, on every backend it lists that is asked for, runs on valid
+  inputs (rec.random_inputs: declared ranges respected; params without a default drawn, see _draw_params)
+  and agrees with the float64 reference form (verify.reference_form) within verify's float64 tolerance;
+  so do the decode step (token by token, on each backend that builds the recurrent form) and form="auto";
+* nothing takes longer than a time limit (signal.setitimer: a hang is a failure, not a stuck test run).
+
+Run it longer than the test suite does with `python -m pytest tests/test_fuzz.py --fuzz-programs 20000`
+(see tests/README.md), or from here: `python tests/fuzzing.py 20000 --c 200` prints the failure classes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import linrec
+from linrec import cli, decode, verify
+from linrec.dsl.errors import LinrecError, RuntimeInputError
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TOLERANCE = verify.TOLERANCE["float64"]
+
+
+# ---- the programs --------------------------------------------------------------------------------------
+@dataclass
+class _Names:
+    """What a program under construction has declared so far, by kind."""
+
+    vectors_k: list       # per-token vectors over dk (q, k and derived ones)
+    vectors_v: list       # per-token vectors over dv
+    scalars: list         # per-token scalars
+    gates: list           # per-token log-decays ≤ 0 over dk
+    params: dict          # name → (shape, per_head)
+    functions: list       # user functions of one argument
+
+
+class ProgramGenerator:
+    """Random programs from one seed. Biased towards programs `check` accepts: shapes are tracked, every
+    state is updated once, linear in itself; a few programs carry deliberate oddities (constants folded at
+    compile time, named constants, states that only decay or are never read, windows, sizes of 1)."""
+
+    FEATURE_MAPS = ["elu(x) + 1", "relu(x)", "exp(x)", "sigmoid(x)", "l2norm(x)", "softplus(x)", "x*x",
+                    "silu(x) + 2", "exp(x − norm(x)^2/2)", "abs(x) + 0.5", "rmsnorm(x)"]
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.count = 0
+
+    # -- helpers --
+    def chance(self, p: float) -> bool:
+        return self.rng.random() < p
+
+    def pick(self, items):
+        return self.rng.choice(list(items))
+
+    def number(self) -> str:
+        return self.pick(["0.5", "2", "0.9", "1", "0.25", "3", "1e-3", "0.1", "1.5", "0"])
+
+    # -- whole programs --
+    def program(self) -> str:
+        self.count += 1
+        text = self.attention_program() if self.chance(0.12) else self.recurrence()
+        return self.spelled(text)
+
+    def spelled(self, text: str) -> str:
+        """The same program in other spellings now and then: ASCII operators, comments, continued lines."""
+        if self.chance(0.1):
+            text = text.replace("·", "@").replace("−", "-").replace("≤", "<=")
+        lines = text.splitlines()
+        if self.chance(0.1):
+            i = self.rng.randrange(len(lines))
+            lines[i] += "   # a comment: · ⊗ − */ \\"
+        if self.chance(0.05):
+            i = self.rng.randrange(1, len(lines))
+            if " + " in lines[i]:
+                lines[i] = lines[i].replace(" + ", " + \\\n    ", 1)
+        return "\n".join(lines) + "\n"
+
+    def header(self, dims: dict, causal: bool) -> str:
+        text = ", ".join(f"{d} = {n}" for d, n in dims.items())
+        return f"recurrence fz{self.count}({text})" + ("" if causal else self.pick([" noncausal", " noncausal"]))
+
+    def recurrence(self) -> str:
+        r = self.rng
+        dims = {"dk": r.choice([1, 2, 3, 4, 5]), "dv": r.choice([1, 2, 3, 4])}
+        if self.chance(0.2):
+            dims["m"] = r.choice([2, 3, 6])
+        causal = not self.chance(0.15)
+        lines = [self.header(dims, causal)]
+        names = _Names(["q", "k"], ["v"], [], [], {}, [])
+        lines.append("input q[dk], k[dk], v[dv]")
+        # scalar inputs with and without ranges
+        for name in ("a", "beta", "dt"):
+            if self.chance(0.45):
+                rng_text = self.pick(["", " <= 0", " < 0", " > 0", " in (0, 1)", " in [0.5, 1]", " >= 0",
+                                      " in (-1, 0)", " in (-2, 3)"])
+                lines.append(f"input {name}{rng_text}")
+                names.scalars.append(name)
+        if self.chance(0.45):
+            lines.append("input g[dk]" + self.pick([" <= 0", " < 0", "", " in (-1, 0)", " >= 0"]))
+            names.gates.append("g")
+        if self.chance(0.15):
+            lines.append("input x[dv]")
+            names.vectors_v.append("x")
+        # params
+        for i in range(r.choice([0, 0, 1, 1, 2, 3])):
+            lines.append(self.param(f"p{i}", dims, names))
+        if self.chance(0.1):
+            lines.append(f"param M[dk, dk]{self.pick([' = randn(std=0.3, seed=5)', ''])}")
+            names.params["M"] = (("dk", "dk"), False)
+        if "m" in dims and self.chance(0.7):
+            default = self.pick([" = random_features(seed=0)", " = randn(seed=3, std=0.3)", "",
+                                 " = random_features(seed=1, orthogonal=0)"])
+            lines.append(f"param W[m, dk]{default}")
+            names.params["W"] = (("m", "dk"), False)
+        # user functions and named values
+        if self.chance(0.5):
+            body = self.pick(self.FEATURE_MAPS)
+            lines.append(f"phi(x) = {body}")
+            names.functions.append("phi")
+        if self.chance(0.1):  # a function of two arguments
+            lines.append("gate(x, y) = x*sigmoid(y)")
+            lines.append("kg = gate(k, q)")
+            names.vectors_k.append("kg")
+        if self.chance(0.4):
+            lines.append("kn = " + self.pick(["l2norm(k)", "k/norm(k)", "k", "phi(k)" if names.functions else "k"]))
+            names.vectors_k.append("kn")
+        if self.chance(0.2):
+            lines.append("qn = " + self.pick(["l2norm(q)", "dk^(−1/2)·q", "q*2", "tanh(q)"]))
+            names.vectors_k.append("qn")
+        if self.chance(0.12):  # named constants and values of params only
+            lines.append("c = " + self.pick(["0.5", "dk", "dk^(−1/2)", "2·dv", "exp(−1)"] +
+                                            [p for p, (s, _) in names.params.items() if not s]))
+            names.scalars.append("c")
+        # states and their updates, outputs around them
+        states = []
+        if not self.chance(0.1):
+            states.append(("S", ("dk", "dv")))
+        if self.chance(0.3 if states else 1.0):
+            states.append(("z", ("dk",)))
+        if self.chance(0.15):
+            states.append(("w", ("dv",)))
+        if self.chance(0.08):
+            states.append(("R", ("dv", "dk")))
+        if "W" in names.params and self.chance(0.6):  # random features: a state over m, FAVOR+-style
+            states.append(("P", ("m", "dv")))
+        lines.append("state " + ", ".join(f"{s}[{', '.join(shape)}]" for s, shape in states))
+        body, outputs = [], []
+        for s, shape in states:
+            if self.chance(0.25):
+                outputs.append(self.output(len(outputs), states, names, before=True))
+                body.append(outputs[-1])
+            body.append(f"{s} = {self.update(s, shape, names)}")
+        for _ in range(r.choice([1, 1, 1, 2, 3])):
+            body.append(self.output(len(outputs) + len(body), states, names, before=False))
+        if not any(b.startswith("output") for b in body):
+            body.append(self.output(99, states, names, before=False))
+        if self.chance(0.2) and len(body) > 2:  # statement order matters: shuffle a pair
+            i = r.randrange(len(body) - 1)
+            body[i], body[i + 1] = body[i + 1], body[i]
+        return "\n".join(lines + body) + "\n"
+
+    def param(self, name: str, dims: dict, names: _Names) -> str:
+        shape = self.pick([(), (), ("dk",), ("dv",)])
+        per_head = self.chance(0.5)
+        choices = [" = randn(seed=1)", " = randn(std=0.1, seed=2)", " = uniform(0.5, 1, seed=0)",
+                   " = uniform(seed=4)", " = 0.9", " = dk^(−1/2)", " = log(uniform(1, 16, seed=0))", "",
+                   " = 1 − 2^(−5 − h)" if per_head else " = 0.5"]
+        earlier = [p for p, (s, ph) in names.params.items() if (s == shape or not s) and (per_head or not ph)]
+        if earlier:
+            other = self.pick(earlier)
+            choices += [f" = −exp({other})", f" = sigmoid({other})", f" = {other}*2"]
+        if self.chance(0.03):  # constants that fold to something impossible
+            choices = [" = 1e999", " = dk^1000", " = 1/0", " = (0.1 − dk)^0.5", " = log(0)", " = sqrt(−1)",
+                       " = exp(1000)", " = 0/0"]
+        default = self.pick(choices)
+        names.params[name] = (shape, per_head)
+        return f"param {name}{'[' + ', '.join(shape) + ']' if shape else ''}{' per head' if per_head else ''}{default}"
+
+    # -- expressions --
+    def key(self, names: _Names) -> str:
+        k = self.pick(names.vectors_k)
+        choices = [k, f"{k}", f"phi({k})" if names.functions else k, f"{self.pick(names.scalars)}·{k}"
+                   if names.scalars else k, f"sigmoid({k})", f"{self.number()}·{k}"]
+        square = [p for p, (s, _) in names.params.items() if s == ("dk", "dk")]
+        if square and self.chance(0.4):
+            depth = self.rng.choice([1, 2, 3, 6, 30])
+            return "·(".join([square[0]] * depth) + f"·{k}" + ")" * (depth - 1)
+        return self.pick(choices)
+
+    def write(self, names: _Names) -> str:
+        """key⊗value (⊗ binds like · and *, left to right: compound operands go in parentheses)."""
+        return f"{_operand(self.key(names))}⊗{_operand(self.value(names))}"
+
+    def value(self, names: _Names) -> str:
+        v = self.pick(names.vectors_v)
+        return self.pick([v, v, f"{self.number()}*{v}", f"tanh({v})",
+                          f"{self.pick(names.scalars)}·{v}" if names.scalars else v])
+
+    def scalar_decay(self, names: _Names) -> str:
+        choices = ["0.9", "0.5", "1"]
+        for a in names.scalars:
+            choices += [f"exp({a})", f"sigmoid({a})", a, f"exp(−softplus({a}))", f"1 − sigmoid({a})"]
+        for p, (s, _) in names.params.items():
+            if not s:
+                choices += [p, f"exp({p})", f"sigmoid({p})"]
+        return self.pick(choices)
+
+    def diagonal(self, names: _Names) -> str | None:
+        choices = []
+        for g in names.gates:
+            choices += [f"exp({g})", f"sigmoid({g})", f"exp({g})*0.5"]
+        for p, (s, _) in names.params.items():
+            if s == ("dk",):
+                choices += [f"exp(−abs({p}))", f"sigmoid({p})", p]
+        choices.append("sigmoid(k)")
+        return self.pick(choices)
+
+    def features(self, x: str) -> str:
+        """A random-feature map of x through W[m, dk] (Performer's exponential one, and others)."""
+        return self.pick([f"exp(W·{x} − norm({x})^2/2)", f"relu(W·{x})", f"exp(W·{x})", f"sigmoid(W·{x})"])
+
+    def update(self, s: str, shape: tuple, names: _Names) -> str:
+        if shape == ("dk", "dv"):
+            return self.matrix_update(s, names)
+        if shape == ("m", "dv"):
+            decay = self.pick(["", "", "0.9·", "sigmoid(beta)·" if "beta" in names.scalars else ""])
+            self.feature_map = self.pick([self.features("k"), self.features("k")])
+            return f"{decay}{s} + ({self.feature_map.replace('k', 'k')})⊗{_operand(self.value(names))}"
+        if shape == ("dv", "dk"):  # the transposed convention: multiplied and read from the right
+            beta = self.pick(names.scalars) if names.scalars else "0.5"
+            kn = self.pick(names.vectors_k)
+            return self.pick([f"{s}·(I − {beta}·{kn}⊗{kn}) + {beta}·v⊗{kn}", f"{s} + v⊗k",
+                              f"{s}·diag(exp(−abs(k))) + v⊗k"])
+        over_k = shape == ("dk",)
+        vec = self.key(names) if over_k else self.value(names)
+        decay = self.pick([None, "scalar", "diag", "diag", "right", "identity"])
+        if decay is None:
+            base = s
+        elif decay == "scalar":
+            base = f"{_operand(self.scalar_decay(names))}·{s}"
+        elif decay == "identity":
+            base = s if not self.chance(0.3) else f"1·{s}"
+        else:
+            d = self.diagonal(names) if over_k else self.pick(["sigmoid(v)", "exp(−abs(v))"])
+            base = f"{d}*{s}" if decay == "diag" else f"{s}·diag({d})"
+        if self.chance(0.06):
+            return self.pick([s, base])  # a state that only decays (or is left as it is)
+        if self.chance(0.15) and names.scalars:
+            a = self.pick(names.scalars)
+            return f"sigmoid({a})·{s} + (1 − sigmoid({a}))·{vec}"
+        return f"{base} + {vec}"
+
+    def matrix_update(self, s: str, names: _Names) -> str:
+        kn = self.pick(names.vectors_k)
+        beta = self.pick(names.scalars) if names.scalars and self.chance(0.7) else "0.5"
+        kind = self.pick(["identity", "scalar", "scalar", "diag", "diag", "value", "both", "elementwise",
+                          "dense", "none"])
+        if kind == "identity":
+            base = s
+        elif kind == "scalar":
+            base = f"{_operand(self.scalar_decay(names))}·{s}"
+        elif kind == "diag":
+            base = f"diag({self.diagonal(names)})·{s}"
+        elif kind == "value":
+            base = f"{s}·diag(sigmoid(v))"
+        elif kind == "both":
+            base = f"diag({self.diagonal(names)})·{s}·diag(exp(−abs(v)))"
+        elif kind == "elementwise":  # Mamba-1's selective scan: an elementwise decay of the matrix
+            base = f"exp(−(abs(k)⊗abs(v)))*{s}"
+        elif kind == "dense":
+            params = [p for p, (sh, _) in names.params.items() if sh == ("dk", "dk")]  # M
+            base = f"(I − 0.1·k⊗k)·(I + 0.1·q⊗q)·{s}" if not params else f"{params[0]}·{s}"
+        else:
+            base = None
+        correction = self.chance(0.3)
+        write = self.write(names)
+        if correction and base is not None:
+            form = self.pick(["(I − {b}·{k}⊗{k})·({base}) + {b}·{k}⊗v", "{base} − {b}·{k}⊗({k}·({base})) + {w}",
+                              "{base} − {b}·{k}⊗({k}·{s}) + {b}·{k}⊗v"])
+            text = form.format(b=beta, k=kn, base=base, w=write, s=s)
+            return text
+        if base is None:
+            return write if self.chance(0.5) else f"0·{s} + {write}"
+        if self.chance(0.06):
+            return base  # only decays
+        if self.chance(0.2):
+            return f"{base} + {write} + {self.write(names)}"
+        return f"{base} + {write}"
+
+    def output(self, i: int, states, names: _Names, before: bool) -> str:
+        matrices = [s for s, sh in states if sh == ("dk", "dv")]
+        transposed = [s for s, sh in states if sh == ("dv", "dk")]
+        over_k = [s for s, sh in states if sh == ("dk",)]
+        over_v = [s for s, sh in states if sh == ("dv",)]
+        q = self.pick(names.vectors_k)
+        choices = []
+        for S in matrices:
+            qq = self.pick([q, f"phi({q})" if names.functions else q, f"dk^(−1/2)·{q}", f"l2norm({q})"])
+            choices += [f"{qq}·{S}", f"{qq}·{S}", f"groupnorm({qq}·{S})", f"tanh({qq}·{S})", f"sum({qq}·{S})",
+                        f"{qq}·{S} + {self.value(names)}", f"softmax({qq}·{S})", f"({qq}·{S})*sigmoid(v)"]
+            for z in over_k:
+                choices.append(f"({qq}·{S}) / ({qq}·{z} + 1)")
+        for P in [s for s, sh in states if sh == ("m", "dv")]:
+            feature = getattr(self, "feature_map", "relu(W·k)").replace("k", "q")
+            choices += [f"{feature}·{P}", f"({feature}·{P}) / sum({feature})", f"groupnorm({feature}·{P})"]
+        for R in transposed:
+            choices += [f"{R}·{q}", f"{R}·l2norm({q})"]
+        for z in over_k:
+            choices += [f"{q}·{z}", f"{z}", f"{z}*sigmoid({q})", f"sum({z})", f"{z} + {q}"]
+        for w in over_v:
+            choices += [f"{w}", f"{w}*sigmoid(v)", f"{w} + v", f"norm({w})"]
+        if not choices or self.chance(0.03):
+            choices.append(self.pick(["q", "sum(q)", "v*2"]))
+        return f"output o{i} = {self.pick(choices)}"
+
+    def attention_program(self) -> str:
+        r = self.rng
+        dims = {"dk": r.choice([1, 2, 3, 4]), "dv": r.choice([1, 2, 3])}
+        causal = not self.chance(0.3)
+        lines = [self.header(dims, causal), "input q[dk], k[dk], v[dv]"]
+        window = self.pick(["", "", ", window=2", ", window=1", ", window=5", ", window=0"])
+        score = self.pick([f"seq(k{window})·(dk^(−1/2)·q)", f"seq(k{window})·q", f"seq(l2norm(k){window})·q"])
+        values = self.pick([f"seq(v{window})", f"seq(2*v{window})", f"seq(tanh(v){window})"])
+        out = self.pick([f"softmax({score})·{values}", f"softmax({score})·{values} + v",
+                         f"tanh(softmax({score})·{values})", f"({score})·{values}",
+                         f"softmax({score})·{values}", f"sum(softmax({score}))·v",
+                         f"2·(softmax({score})·{values})"])
+        if self.chance(0.2):  # named values: per token, and constant
+            lines.append(self.pick(["kn = l2norm(k)", "c = 0.5", "c = dk^(−1/2)"]))
+            out = out.replace("seq(k", "seq(kn" if "kn" in lines[-1] else "seq(k").replace(
+                "(dk^(−1/2)·q)", "(c·q)" if lines[-1].startswith("c") else "(dk^(−1/2)·q)")
+        lines.append(f"output o = {out}")
+        if self.chance(0.2):
+            lines.append(f"output p = softmax({score})·{values}")
+        if self.chance(0.08):
+            lines.append("output r = lsh_attention(q, v, buckets=2, rounds=1, chunk=4, seed=0)")
+        return "\n".join(lines) + "\n"
+
+    # -- mutations of the examples --
+    def mutant(self) -> str:
+        self.count += 1
+        files = sorted(EXAMPLES.glob("*.lin"))
+        lines = self.pick(files).read_text(encoding="utf-8").splitlines()
+        for _ in range(self.rng.choice([1, 1, 2, 3])):
+            lines = self.mutate(lines)
+        return "\n".join(lines) + "\n"
+
+    TOKEN = re.compile(r"[A-Za-z_][A-Za-z_0-9]*|\d+(?:\.\d+)?(?:e-?\d+)?|[·⊗−+*/^@]")
+
+    def mutate(self, lines: list[str]) -> list[str]:
+        lines = list(lines)
+        body = [i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith(("#", "recurrence"))]
+        head = next(i for i, line in enumerate(lines) if line.startswith("recurrence"))
+        how = self.pick(["token", "token", "token", "delete", "duplicate", "swap", "mode", "dims", "wrap", "append"])
+        if how == "delete" and len(body) > 2:
+            del lines[self.pick(body)]
+        elif how == "duplicate" and body:
+            i = self.pick(body)
+            lines.insert(i, lines[i])
+        elif how == "swap" and len(body) > 1:
+            i = self.rng.randrange(len(body) - 1)
+            a, b = body[i], body[i + 1]
+            lines[a], lines[b] = lines[b], lines[a]
+        elif how == "mode":
+            line = lines[head]
+            lines[head] = line.replace(" noncausal", "") if "noncausal" in line else line + " noncausal"
+        elif how == "dims":
+            lines[head] = re.sub(r"= (\d+)", lambda m: "= " + self.pick(["1", "2", "3", m.group(1), "0", "7"]),
+                                 lines[head])
+        elif how == "wrap" and body:
+            i = self.pick(body)
+            if "=" in lines[i] and not lines[i].startswith(("input", "param", "state")):
+                left, right = lines[i].split("=", 1)
+                lines[i] = f"{left}= {self.pick(['tanh', 'sigmoid', 'exp', 'sum', 'l2norm', 'softmax', 'abs'])}" \
+                           f"({right.split('#')[0].strip()})"
+        elif how == "append":
+            lines.append(self.pick(["c = 0.5", "output extra = q", "z2 = z2", "output y2 = softmax(q)",
+                                    "c = dk", "output n = sum(k)", "param P per head = 0.5", "u = u"]))
+        elif body:
+            i = self.pick(body)
+            tokens = list(self.TOKEN.finditer(lines[i]))
+            if tokens:
+                m = self.pick(tokens)
+                words = set(self.TOKEN.findall("\n".join(lines)))
+                replacement = self.replacement(m.group(0), sorted(words))
+                lines[i] = lines[i][:m.start()] + replacement + lines[i][m.end():]
+        return lines
+
+    def replacement(self, token: str, words: list[str]) -> str:
+        if token[0].isdigit():
+            return self.pick(["0", "1", "2", "0.5", "1e999", "1000", "1e-300", "16", "3"])
+        if token in "·⊗−+*/^@":
+            return self.pick(["·", "⊗", "−", "+", "*", "/", "^"])
+        return self.pick(words + ["exp", "sigmoid", "I", "h", "dk", "dv", "softmax", "seq", "tanh"])
+
+
+def _operand(text: str) -> str:
+    """text as an operand of a product: in parentheses unless it is a name or a call."""
+    return text if re.fullmatch(r"[A-Za-z_]\w*(\(.*\))?", text) and text.count("(") <= 1 else f"({text})"
+
+
+# ---- what must hold of each program ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Failure:
+    kind: str      # the class of failure, e.g. "internal error: compile"
+    message: str
+    source: str
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.message}\n--- program ---\n{self.source}"
+
+
+class Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise Timeout in the main thread after `seconds` (a program that hangs is a failure, not a stuck run)."""
+    def expire(signum, frame):
+        raise Timeout(f"still running after {seconds:g} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _draw_params(rec, heads: int, dims: dict, rng) -> dict:
+    """Values for the params a program leaves to the caller: any real is valid (no range can be declared for
+    a param), so they are drawn as verify draws them, standard normal × 0.5."""
+    return {p.name: rng.standard_normal(((heads,) if p.per_head else ()) + tuple(dims[d] for d in p.shape)) * 0.5
+            for p in rec.program.params if p.default is None}
+
+
+# The smallest scale an array's error is measured against. The inputs are ~1: an output below this is mostly
+# cancellation — sum(groupnorm(x)) and groupnorm of a one-element vector are 0 up to rounding, which differs
+# between forms and which groupnorm's 1/√eps amplifies — not a value to match to nine digits.
+SCALE_FLOOR = 1e-2
+
+
+def _error(result, reference) -> float:
+    """verify's normwise relative error max|x − ref| / max|ref| over every output and final state, the scale
+    at least SCALE_FLOOR (inf when the result is not finite where the reference is)."""
+    worst = 0.0
+    for group in ("outputs", "final_state"):
+        for name, ref in getattr(reference, group).items():
+            got = np.asarray(getattr(result, group)[name], dtype=np.float64)
+            if got.shape != ref.shape:
+                return float("inf")
+            if not ref.size:
+                continue
+            if not np.all(np.isfinite(got)):
+                return float("inf")
+            worst = max(worst, float(np.max(np.abs(got - ref))) / max(float(np.max(np.abs(ref))), SCALE_FLOOR))
+    return worst
+
+
+# Outputs and states past this size (the inputs are ~1, T ≤ 20) come from an expanding transition, such as
+# the delta rule's I − β·k⊗k with β·‖k‖² ≫ 2: the forms then round differently by up to ε times the growth
+# (the triangular solve of the parallel and chunkwise forms against the token loop), past verify's tolerance
+# for no fault of theirs. Such programs still have to run; their forms are not compared.
+GROWTH_LIMIT = 1e6
+
+
+def _comparable(result) -> bool:
+    """The reference is finite and within GROWTH_LIMIT."""
+    arrays = list(result.outputs.values()) + list(result.final_state.values())
+    return all(np.all(np.isfinite(a)) and (not a.size or np.max(np.abs(a)) <= GROWTH_LIMIT) for a in arrays)
+
+
+class Stats(Counter):
+    """What a run covered: programs, rejected, accepted, runs (a form on a backend), compared, not compared."""
+
+
+def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, seconds: float = 20.0,
+             scan_forms_on_c: int = 1, stats: Stats | None = None, command_line: bool = False) -> list[Failure]:
+    """Every check listed in the module's docstring, for one program. `backends`: the backends whose listed
+    forms run (C builds cost ~0.5 s each: on C the recurrent form, the decode step, form="auto" and
+    `scan_forms_on_c` of the scan forms). command_line: also `linrec check FILE` and `linrec run FILE`, whose
+    exit status must not be 2 (an internal error), and check's 0 or 1 must agree with the API's verdict."""
+    failures: list[Failure] = []
+    stats = Stats() if stats is None else stats
+    stats["programs"] += 1
+
+    def fail(kind: str, message: str):
+        failures.append(Failure(kind, message, source))
+
+    try:  # (overflows and NaNs of odd programs are their own business: no warnings from them)
+        with time_limit(seconds), warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            accepted = _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats)
+            if command_line:
+                _command_line(source, accepted, fail, stats)
+    except Timeout as err:
+        fail("hang", str(err))
+    return failures
+
+
+def _internal(fail, where: str, err: BaseException):
+    frames = traceback.extract_tb(err.__traceback__)
+    last = next((f for f in reversed(frames) if "linrec" in f.filename or "backends" in f.filename), frames[-1]
+                if frames else None)
+    place = f" at {Path(last.filename).name}:{last.lineno} ({last.name})" if last else ""
+    fail(f"internal error: {where}", f"{type(err).__name__}: {err}{place}")
+
+
+def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats) -> bool:
+    """Compile the program; one it accepts goes on to _run_forms. Returns whether it was accepted."""
+    try:
+        rec = linrec.compile(source, "fuzz.lin")
+    except LinrecError as err:
+        stats["rejected"] += 1
+        if err.span is None:
+            fail("rejected without a location", str(err))
+        return False
+    except Timeout:
+        raise
+    except Exception as err:  # noqa: BLE001 - what the fuzzer looks for
+        _internal(fail, "compile", err)
+        return False
+    _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats)
+    return True
+
+
+def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats) -> None:
+    """check's report, then every form it lists on each of `backends` against the reference."""
+    try:
+        info = cli.describe(rec, "fuzz.lin")
+        cli.format_check(info)
+    except Timeout:
+        raise
+    except Exception as err:  # noqa: BLE001
+        _internal(fail, "check", err)
+        return
+    stats["accepted"] += 1
+    listed = {f["form"]: f["backends"] for f in info["forms"] if f["available"]}
+    program = rec.program
+    rng = np.random.default_rng(seed)
+    batch, heads = 1 + seed % 2, 1 + (seed // 2) % 2
+    dims = {d.name: d.default for d in program.dims}
+    tokens = min(tokens, dims.get("T", tokens))  # (params over the sequence axis hold at most T positions)
+    try:
+        inputs = rec.random_inputs(batch, tokens, heads, dims, np.float64, seed=seed)
+        params = _draw_params(rec, heads, dims, rng) or None
+        state0 = verify._initial_state(program, batch, heads, dims, rng)
+    except Timeout:
+        raise
+    except Exception as err:  # noqa: BLE001
+        _internal(fail, "random inputs", err)
+        return
+    ref_form = verify.reference_form(rec)
+    try:
+        reference = rec.run(inputs, form=ref_form, initial_state=state0, params=params)
+    except Timeout:
+        raise
+    except RuntimeInputError as err:
+        if err.span is None:
+            fail("listed form refused", f"{ref_form} on numpy (the reference): {err}")
+        else:  # the program's own values at these sizes (a param default or constant that overflows): said where
+            stats["refused at these sizes"] += 1
+        return
+    except LinrecError as err:
+        fail("listed form refused", f"{ref_form} on numpy (the reference): {err}")
+        return
+    except Exception as err:  # noqa: BLE001
+        _internal(fail, f"run {ref_form} numpy", err)
+        return
+    comparable = _comparable(reference)
+
+    def attempt(what: str, run):
+        try:
+            result = run()
+        except Timeout:
+            raise
+        except LinrecError as err:
+            fail("listed form refused", f"{what}: {err}")
+            return
+        except Exception as err:  # noqa: BLE001
+            _internal(fail, f"run {what}", err)
+            return
+        stats[f"runs on {backend}"] += 1  # (the loop's backend below: attempt runs inside it)
+        if comparable:
+            stats["compared"] += 1
+            error = _error(result, reference)
+            if not error <= TOLERANCE:
+                fail("forms disagree", f"{what}: relative error {error:.3g} against the float64 {ref_form} form "
+                                       f"(tolerance {TOLERANCE:g})")
+        else:
+            stats["not compared"] += 1
+
+    for backend in backends:
+        chosen = [f for f, built in listed.items() if backend in built]
+        if backend != "numpy":  # C builds are dear: the recurrent form and a sample of the scan forms
+            scans = [f for f in chosen if f != "recurrent"]
+            chosen = [f for f in chosen if f == "recurrent"] + scans[:scan_forms_on_c]
+        for form in chosen:
+            if (form, backend) == (ref_form, "numpy"):
+                continue
+            for chunk in ((None, 5) if form == "chunkwise" and backend == "numpy" else (None,)):
+                attempt(f"{form} on {backend}" + (f" (chunk {chunk})" if chunk else ""),
+                        lambda f=form, c=chunk: rec.run(inputs, form=f, backend=backend, initial_state=state0,
+                                                        params=params, chunk_size=c))
+        if program.causal and backend in listed.get("recurrent", []):
+            attempt(f"decode step on {backend}",
+                    lambda: decode.run_by_steps(rec, inputs, backend=backend, params=params, initial_state=state0))
+        if any(backend in built for built in listed.values()):
+            attempt(f"form auto on {backend}",
+                    lambda: rec.run(inputs, form="auto", backend=backend, initial_state=state0, params=params))
+
+
+def _command_line(source: str, accepted: bool, fail, stats) -> None:
+    """`linrec check` and, for a program it accepts, `linrec run --tokens 5` on the program as a file;
+    `accepted`: whether linrec.compile took it."""
+    with tempfile.TemporaryDirectory(prefix="linrec-fuzz-") as folder:
+        path = Path(folder) / "fuzz.lin"
+        path.write_text(source, encoding="utf-8")
+        for argv in (["check", str(path)], ["run", str(path), "--tokens", "5", "--quiet"]):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = cli.main(argv)
+            stats[f"linrec {argv[0]}"] += 1
+            if status == 2:
+                fail("internal error: command line", f"linrec {argv[0]} exited with status 2: {err.getvalue()}")
+            if argv[0] == "check" and (status == 0) != accepted:
+                fail("command line disagrees", f"linrec check exited with {status}, the API "
+                                               f"{'accepted' if accepted else 'rejected'} it: {err.getvalue()}")
+            if argv[0] == "check" and status != 0:
+                return  # (rejected: nothing to run)
+
+
+COMMAND_LINE_EVERY = 10  # programs of a run that also go through `linrec check` and `linrec run`
+
+
+def programs(count: int, seed: int, mutants: float = 0.25):
+    """`count` programs of one seed: generated ones and, a `mutants` fraction, mutated examples."""
+    gen = ProgramGenerator(seed)
+    for _ in range(count):
+        yield gen.mutant() if gen.chance(mutants) else gen.program()
+
+
+def summarize(failures: list[Failure]) -> str:
+    """One line per class of failure: how many programs failed that way."""
+    classes = Counter(key for key in {(f.kind, _signature(f.message), f.source) for f in failures})
+    classes = Counter((kind, message) for kind, message, _ in classes.elements())
+    lines = [f"{n:5d}  {kind}: {message}" for (kind, message), n in classes.most_common()]
+    return "\n".join(lines)
+
+
+def _signature(message: str) -> str:
+    """A failure's message without the program's particulars, to count failures by class."""
+    text = re.sub(r"'[^']*'|`[^`]*`|\d+(\.\d+)?(e[-+]?\d+)?", "…", message.splitlines()[0])
+    return text[:140]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="fuzz linrec with random programs")
+    parser.add_argument("count", type=int, nargs="?", default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--c", type=int, default=0, help="of these, how many also run on the C backend")
+    parser.add_argument("--show", type=int, default=3, help="failing programs to print per class")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="linrec-fuzz-cache-") as cache:
+        os.environ.setdefault("LINREC_CACHE_DIR", cache)  # (kernels built here go away with the run)
+        return _run(args)
+
+
+def _run(args) -> int:
+    failures, stats, start = [], Stats(), time.perf_counter()
+    every = max(1, args.count // max(args.c, 1)) if args.c else 0
+    for i, source in enumerate(programs(args.count, args.seed)):
+        backends = ("numpy", "c") if every and i % every == 0 else ("numpy",)
+        failures += exercise(source, backends, seed=i, stats=stats, command_line=i % COMMAND_LINE_EVERY == 0)
+    failed = len({f.source for f in failures})
+    print(f"{args.count} programs in {time.perf_counter() - start:.1f} s: {failed} failed ({len(failures)} failures)")
+    print(", ".join(f"{key}: {n}" for key, n in sorted(stats.items())))
+    print(summarize(failures))
+    shown = Counter()
+    for f in failures:
+        key = (f.kind, _signature(f.message))
+        if shown[key] < args.show:
+            shown[key] += 1
+            print("\n" + str(f))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
