@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +208,31 @@ def test_more_tokens_than_a_c_int_is_a_clear_error(form):
     x = {n: np.broadcast_to(np.zeros(4), (1, 2**31, 1, 4)) for n in "qkvg"}
     with pytest.raises(linrec.RuntimeInputError, match="tokens = 2147483648: the c backend's kernels take at most"):
         rec.run(x, backend="c", form=form, dims={"dk": 4, "dv": 4})
+
+
+# ---- threads (docs/guarantees.md#threads-and-processes) ------------------------------------------------
+def test_one_recurrence_called_from_several_threads(tmp_path, monkeypatch):
+    """The first calls build and load the kernels (a fresh cache), from six threads at once, over three forms:
+    every thread gets the float64 recurrent form's outputs."""
+    monkeypatch.setenv("LINREC_CACHE_DIR", str(tmp_path / "cache"))
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    x = rec.random_inputs(2, 48, 2, dims={"dk": 8, "dv": 8}, seed=3)
+    reference = rec.run(x, form="recurrent", backend="numpy").outputs["o"]
+    results, errors = {}, []
+
+    def call(i):
+        try:
+            form = ("recurrent", "chunkwise", "parallel")[i % 3]
+            results[i] = rec.run(x, form=form, backend="c", chunk_size=16).outputs["o"]
+        except Exception as error:  # reported below, with the thread's number
+            errors.append((i, repr(error)))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(results) == 6
+    for o in results.values():
+        assert rel_err(o, reference) <= F64_RTOL
