@@ -61,6 +61,7 @@ class Array:
     size: int       # values per (batch row, head): per token for inputs and outputs; a param's whole size
     shape: str      # its trailing axes, e.g. "dk=16, dv=16" ("" for a scalar per token)
     per_head: bool  # params: [H, *] (else [*])
+    scales: tuple[str, ...] = ()  # a log-scale: the states it scales
 
     @property
     def written(self) -> bool:
@@ -172,12 +173,13 @@ class Standalone:
         # S·exp(−σ), with σ [B, H] per group of states after the states
         groups = Scales(self.compiled).groups if self.kernel_kind == FUSED else []
         self.scales = [Array(n.fresh(f"log_scale_{n.user(gr['states'][0], 'st_')}"), "log-scale",
-                             ", ".join(gr["states"]), 1, "", False) for gr in groups]
+                             ", ".join(gr["states"]), 1, "", False, tuple(gr["states"])) for gr in groups]
         self.outputs = [Array(n.user(o.name, "out_"), "output", o.name, self._size(o.value.shape),
                               self._shape(o.value.shape), False) for o in p.outputs]
         carried = self.states + self.scales
-        self.checkpoints = [Array(n.fresh(f"ckpt_{a.c}"), "checkpoint", a.dsl, a.size, a.shape, False) for a in carried]
-        self.lasts = [Array(n.fresh(f"last_{a.c}"), "last", a.dsl, a.size, a.shape, False) for a in carried]
+        self.checkpoints = [Array(n.fresh(f"ckpt_{a.c}"), "checkpoint", a.dsl, a.size, a.shape, False, a.scales)
+                            for a in carried]
+        self.lasts = [Array(n.fresh(f"last_{a.c}"), "last", a.dsl, a.size, a.shape, False, a.scales) for a in carried]
         self.dim_macros = [(d.name, f"{self.macro}_{n.user(d.name, 'dim_')}", self.dims[d.name]) for d in p.dims]
 
     @property
