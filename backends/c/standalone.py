@@ -139,7 +139,8 @@ class Standalone:
         self.params = {k: np.asarray(v, np.float64) for k, v in (params or {}).items() if v is not None}
         self.vector_bytes = c_build.vector_bytes() if vector_bytes is None else vector_bytes
         self.causal = p.causal
-        self.prefix = safe_identifier(p.name)
+        # (not the kernels' renamed vocabulary, nor the entry points' helpers: lrs_*)
+        self.prefix = safe_identifier(p.name, reserved={"lr32", "lr64", "lrs"})
         self.macro = self.prefix.upper()
         names = Namespace(reserved=set(FIXED))
         for prefix, group in (("in_", [x.name for x in p.inputs]), ("prm_", [prm.name for prm in p.params]),
@@ -305,11 +306,13 @@ def _namespaced(kernel: KernelSource, kp: str) -> str:
         bare = _BARE_NAMES.get(tok)
         return bare.format(p=kp, P=upper) if bare else tok
     text = _TOKEN.sub(rename, kernel.source())
-    entry = ["forward"] + (["step", "step_packed"] if kernel.program.causal else [])
-    for fn in entry:
-        text, n = re.subn(rf"^int {kp}_{fn}\(", f"static __attribute__((unused)) int {kp}_{fn}(", text, flags=re.M)
-        if n != 1:  # (a template that no longer defines it so: a bug of this module, not of the program)
-            raise RuntimeError(f"internal error: the kernel source defines lr_{fn} {n} times at the line start")
+    # every function the kernel defines at file scope without `static` (lr_forward, lr_step, …): file-local
+    text = re.sub(rf"^(?!static\b)((?:const\s+)?[A-Za-z_]\w*\s*\**\s*)({kp}_\w+\()",
+                  r"static __attribute__((unused)) \1\2", text, flags=re.M)
+    entry = ["forward"] + (["step"] if kernel.program.causal else [])
+    for fn in entry:  # (what the public entry points call)
+        if not re.search(rf"^static __attribute__\(\(unused\)\) int {kp}_{fn}\(", text, flags=re.M):
+            raise RuntimeError(f"internal error: the kernel source defines no lr_{fn} at the line start")
     return text
 
 
