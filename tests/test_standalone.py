@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(GCC is None, reason="needs gcc")
 RTOL = {np.float64: 1e-12, np.float32: 1e-5}
 SUFFIX = {np.float64: "f64", np.float32: "f32"}
 B, T, H = 2, 11, 3          # prefill: batch rows, tokens, heads
-EVERY, KEEP = 4, 3          # checkpoints after 4 and 8 tokens; the states after tokens 9, 10 and 11
+EVERY, KEEP = 4, 4          # checkpoints after 4 and 8 tokens; the states after tokens 8 … 11
 SLOTS = [3, 0, 4]           # three requests in a pool of five slots
 POOL = 5
 
