@@ -11,7 +11,8 @@ entry point compared with the NumPy recurrent form, the definition:
 in float64 (max|x − ref| / max|ref| ≤ 1e-12) and float32 (≤ 1e-5, against the float64 reference on the
 float32-rounded arrays). Programs: GLA, Gated DeltaNet, Mamba-2 and RetNet (per-head params), Performer
 (stabilized states carried with their log-scales), a statement-by-statement program with a per-head param
-matrix, unicode names and `*/` in its file name and comments, and a non-causal one (prefill only). Each
+matrix, names from the kernels' own vocabulary and non-ASCII ones, `*/` in its file name and comments, and
+a non-causal one (prefill only). Every array sits 8 bytes past malloc's alignment. Each
 program is built once per session (-O1, GLA at -O2), with -Wall -Wextra -Werror; bad arguments come back as error codes with
 nothing written.
 """
@@ -40,15 +41,17 @@ EVERY, KEEP = 4, 4          # checkpoints after 4 and 8 tokens; the states after
 SLOTS = [3, 0, 4]           # three requests in a pool of five slots
 POOL = 5
 
+# Mamba-1's selective scan (a decay per element of the state: the statement-by-statement kernel), its names
+# those of the kernels' own vocabulary (vec, VW, lr_forward, LR_BLOCK) and non-ASCII, `*/` in its comments
 SELECTIVE = """\
-# Mamba-1's selective scan: a decay per element of the state (the statement-by-statement kernel) */ int injected;
+# Mamba-1's selective scan */ int injected;
 recurrence selective(dk = 5, dv = 7)
-input x[dv], Bσ[dk], C[dk]
-input dt[dv] in (0, 1)
+input vec[dv], Bσ[dk], lr_forward[dk]
+input VW[dv] in (0, 1)
 param A[dk] per head = −exp(randn(std=0.5, seed=3))
 state Σ[dk, dv]
-Σ = exp(A⊗dt) * Σ + Bσ⊗(dt*x)   # */ int injected2; /*
-output y = C·Σ
+Σ = exp(A⊗VW) * Σ + Bσ⊗(VW*vec)   # */ int injected2; /*
+output LR_BLOCK = lr_forward·Σ
 """
 ENCODER = """\
 recurrence encoder(dk = 4, dv = 6)
@@ -85,7 +88,8 @@ def driver_source(sa: standalone.Standalone) -> str:
              "    char path[4096];", '    snprintf(path, sizeof path, "%s/%s.bin", dir, name);',
              '    FILE *f = fopen(path, "rb");', "    if (!f) return NULL;",
              "    fseek(f, 0, SEEK_END);", "    *bytes = ftell(f);", "    fseek(f, 0, SEEK_SET);",
-             "    void *p = malloc(*bytes ? (size_t)*bytes : 1);",
+             "    /* 8 bytes past malloc's alignment: the ABI asks for none beyond the element's (never freed) */",
+             "    char *p = (char *)malloc((size_t)*bytes + 16) + 8;",
              "    if (fread(p, 1, (size_t)*bytes, f) != (size_t)*bytes) exit(90);", "    fclose(f);",
              "    return p;", "}", "",
              "static void save(const char *dir, const char *name, const void *p, long bytes)", "{",
@@ -111,7 +115,6 @@ def driver_source(sa: standalone.Standalone) -> str:
         for a in f.arguments:
             if a.written:
                 lines.append(f'        save(dir, "{a.name}", {a.name}, bytes_{a.name});')
-        lines += [f"        free({a.name});" for a in f.arguments if a.kind in ("array", "slots")]
         lines.append("    }")
     lines += ['    printf("%d\\n", rc);', "    return 0;", "}", ""]
     return "\n".join(lines)
