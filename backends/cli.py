@@ -32,6 +32,7 @@ import numpy as np
 
 from . import api, bench, compiler, quality, registry, verify
 from .c import cache as c_cache
+from .c import standalone as c_standalone
 from .compiler import ir
 from .compiler.analysis import inline_lets, to_text, walk
 from .decode import run_by_steps
@@ -276,11 +277,22 @@ def _add_backend_form(parser: argparse.ArgumentParser, default_form: str | None 
 def _add_emit(parser: argparse.ArgumentParser):
     parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
     _add_backend_form(parser)
+    alone = parser.add_argument_group("kernels to embed without Python (--backend c --standalone)")
+    alone.add_argument("--standalone", action="store_true",
+                       help="write NAME.h and NAME.c (prefill, prefill with checkpoints and last states, decode "
+                            "step, slot-pool step; float and double) and NAME_params.bin into --out, instead of "
+                            "printing the source; see docs/embedding.md")
+    alone.add_argument("--out", "-o", metavar="DIR", help="the directory to write them to (created if missing)")
+    alone.add_argument("--heads", type=_positive_int, metavar="H",
+                       help=f"heads of the params' defaults in NAME_params.bin (default: {RUN_HEADS})")
+    alone.add_argument("--dim", dest="dims", action="append", type=_dim, metavar="NAME=SIZE",
+                       help="a dimension's size, compiled into the kernels (repeatable; default: the file's)")
     parser.epilog = """\
 examples:
   linrec emit examples/gla.lin
   linrec emit examples/gla.lin --form chunkwise > gla_chunkwise.py
   linrec emit examples/retnet.lin --backend numpy --form parallel
+  linrec emit examples/gla.lin --backend c --standalone --out build --dim dk=64 --dim dv=64
 
 The NumPy source defines default_params(heads, dims) and
 forward(inputs, params, initial_state, dims, chunk_size=None)."""
@@ -292,8 +304,39 @@ def cmd_emit(args) -> int:
     The source goes to stdout; redirect it to a file to keep it.
     """
     rec = _load(args.file)
+    if args.standalone:
+        return _emit_standalone(rec, args)
+    if args.out or args.heads or args.dims:
+        raise LinrecError("--out, --heads and --dim go with --standalone (the kernels written to files)")
     form = args.form or rec.forms[0]  # the recurrent form when the program has one
     sys.stdout.write(rec.emit(form, args.backend))
+    return 0
+
+
+def _emit_standalone(rec, args) -> int:
+    """`emit --standalone`: NAME.h, NAME.c and NAME_params.bin (c.standalone) written into --out."""
+    if args.backend != "c":
+        raise LinrecError("--standalone writes C kernels: add --backend c")
+    if args.form not in (None, "recurrent"):
+        raise LinrecError(f"--standalone exports the recurrent form (prefill and decode steps), not --form {args.form}")
+    if not args.out:
+        raise LinrecError("--standalone writes files: say where with --out DIR")
+    why = c_standalone.refusal(rec.compiled)
+    if why:
+        raise LinrecError(why)
+    sizes = dims_with_overrides(rec.program, args.dims or [])
+    heads = args.heads or RUN_HEADS
+    params = {k: v for k, v in rec.default_params(heads, sizes).items() if v is not None}
+    files = c_standalone.export(rec.compiled, sizes, heads, params)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (out / name).write_bytes(data)
+    except OSError as err:
+        raise LinrecError(f"cannot write to {out}: {err.strerror or err}") from None
+    for name in files:
+        print(out / name)
     return 0
 
 
