@@ -41,9 +41,10 @@ NAMESPACE = "linrec"
 class RecurrenceOp:
     """The custom op of one program, and how its arguments map to the program's names."""
 
-    def __init__(self, rec: Recurrence, op, schema: str):
+    def __init__(self, rec: Recurrence, op, name: str, schema: str):
         self.rec = rec
-        self.op = op  # the torch.library custom op (torch.ops.linrec.<name>)
+        self.op = op  # the torch.library custom op
+        self.name = name  # "linrec::<program>_<digest>": torch.ops.linrec.<program>_<digest>
         self.schema = schema
         program = rec.program
         self.inputs = tuple(x.name for x in program.inputs)
@@ -83,10 +84,11 @@ def _register(rec: Recurrence) -> RecurrenceOp:
     name = f"{identifier}_{digest}"
     if name not in _BY_NAME:
         schema = _schema(rec)
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", _kernel(rec), mutates_args=(), schema=schema)
+        qualified = f"{NAMESPACE}::{name}"
+        op = torch.library.custom_op(qualified, _kernel(rec), mutates_args=(), schema=schema)
         op.register_fake(_fake(rec))
         # (autograd: see the module's docstring for the hook rec.vjp takes)
-        _BY_NAME[name] = RecurrenceOp(rec, op, schema)
+        _BY_NAME[name] = RecurrenceOp(rec, op, qualified, schema)
     _OPS[rec] = _BY_NAME[name]
     return _OPS[rec]
 
