@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..api import Recurrence
-from ..arrays import checked_sizes
+from ..arrays import check_chunk_size, checked_sizes
 from ..compiler import FORMS
 from ..dsl.errors import LinrecError, RuntimeInputError
 from .convert import WIDENED, checked_tensor
@@ -33,6 +33,7 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     program = rec.program
     if form not in FORMS_TAKEN:
         raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(FORMS_TAKEN)}")
+    check_chunk_size(chunk_size)
     given = dict(inputs or {}) | named_inputs
     tensors = _named(program.inputs, given, "input", "inputs", required=True)
     states = _named(program.states, dict(initial_state or {}), "initial state", "states")

@@ -37,8 +37,8 @@ def to_array(tensor: torch.Tensor) -> np.ndarray:
 
 
 def to_tensor(array: np.ndarray, arguments: list[np.ndarray]) -> torch.Tensor:
-    """A result array as a tensor, sharing its memory. A result must not alias an argument (a custom op's
-    outputs are new tensors: an output that is a view of an input would break autograd and torch.compile),
+    """A result array as a tensor, sharing its memory. A result must not alias an argument or an earlier result
+    (a custom op's outputs are new tensors: a view of an input would break autograd and torch.compile),
     must be writeable (a tensor is) and C-contiguous (the strides the op's fake implementation promises the
     compiler); a result that is not all three is copied, any other is handed over as it is."""
     out = np.ascontiguousarray(array)  # (the array itself when it is C-contiguous already)

@@ -131,8 +131,10 @@ def _kernel(rec: Recurrence):
                              initial_state=states or None, chunk_size=chunk_size, dims=dims)
             outputs, final = result.outputs, result.final_state
         arguments = [*inputs.values(), *states.values(), *params.values()]
-        results = [to_tensor(outputs[o.name], arguments) for o in program.outputs]
-        results += [to_tensor(final[s.name], arguments) for s in program.states]
+        results = []
+        for array in [*(outputs[o.name] for o in program.outputs), *(final[s.name] for s in program.states)]:
+            results.append(to_tensor(array, arguments))
+            arguments.append(results[-1].numpy())  # (nor may results alias each other)
         return results[0] if len(results) == 1 else tuple(results)
 
     return kernel
