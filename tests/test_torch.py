@@ -236,3 +236,14 @@ def test_a_layer_that_requires_grad_says_so():
     x = tensors(layer.rec.random_inputs(1, 3, 2, dtype=np.float32))
     with torch.enable_grad(), pytest.raises(linrec.LinrecError, match="parameter 'gamma' requires grad"):
         layer(**x)
+
+
+def test_a_kv_cache_that_does_not_fit_the_tokens_is_an_error():
+    layer = lt.Layer(rec_of("softmax"), heads=2, backend="numpy")
+    x = tensors(layer.rec.random_inputs(1, 4, 2, dtype=np.float32))
+    _, cache = layer(**x)
+    with pytest.raises(linrec.RuntimeInputError, match=r"the KV cache's 'k' is torch.float32 \[1, 4, 2, 16\] and "
+                                                       r"the new tokens' torch.float32 \[1, 1, 3, 16\]"):
+        layer(q=x["q"][:, :1], k=torch.zeros(1, 1, 3, 16), v=x["v"][:, :1], state=cache)
+    with pytest.raises(linrec.RuntimeInputError, match=r"holds its inputs by name \(k, q, v\); it has k, q"):
+        layer(**{k: v[:, :1] for k, v in x.items()}, state={"q": cache["q"], "k": cache["k"]})

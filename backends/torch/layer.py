@@ -13,6 +13,7 @@ from ..compiler.analysis import refs
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError, RuntimeInputError
 from .apply import apply
+from .convert import checked_tensor
 from .op import STEP, op_for
 
 
@@ -83,6 +84,14 @@ class Layer(nn.Module):
         if set(cache) != set(given):
             raise RuntimeInputError(f"the KV cache of '{self.rec.name}' holds its inputs by name "
                                     f"({', '.join(sorted(given))}); it has {', '.join(sorted(cache)) or 'none'}")
+        for name, value in given.items():
+            old = checked_tensor(name, cache[name], "KV cache entry")
+            if not isinstance(value, torch.Tensor) or old.dim() != value.dim() or old.dtype != value.dtype \
+                    or old.shape[0] != value.shape[0] or old.shape[2:] != value.shape[2:]:
+                new_shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise RuntimeInputError(f"the KV cache's '{name}' is {old.dtype} {list(old.shape)} and the new "
+                                        f"tokens' {getattr(value, 'dtype', '')} {new_shape}: they must agree in "
+                                        f"dtype and in every size but T ([B, T, H, *])")
         grown = {name: torch.cat([cache[name], value], dim=1) for name, value in given.items()}
         new = next(iter(given.values())).shape[1]
         o, _ = apply(self.rec, grown, form=STEP if new == 1 else self.form, **options)

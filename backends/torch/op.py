@@ -63,13 +63,16 @@ class RecurrenceOp:
         return list(results[:len(self.outputs)]), list(results[len(self.outputs):])
 
 
-_OPS: dict[Recurrence, RecurrenceOp] = {}  # by Recurrence (identity): what a compiled model looks up
+# by Recurrence (identity): what a compiled model looks up, a plain dict that torch.compile traces (it keeps its
+# recurrences alive, as the registered ops keep theirs)
+_OPS: dict[Recurrence, RecurrenceOp] = {}
 _BY_NAME: dict[str, RecurrenceOp] = {}     # by op name: recurrences of the same source share an op
 
 
 def op_for(rec: Recurrence) -> RecurrenceOp:
-    """The program's custom op, registered on first use. Register it outside torch.compile (linrec.torch.Layer
-    does, when it is made): a registration is no operation a graph can hold."""
+    """The program's custom op, registered on first use. Register it before torch.compile traces a call (a
+    linrec.torch.Layer does when it is made): a registration is no operation a graph can hold, so inside a
+    compiled function it is a graph break (torch.compiler.disable), which fullgraph=True refuses."""
     found = _OPS.get(rec)
     return found if found is not None else _register(rec)
 
