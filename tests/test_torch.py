@@ -225,6 +225,8 @@ def test_errors_name_the_argument_and_the_fix():
         needing = error(q=x["q"].clone().requires_grad_())
     assert "input 'q' requires grad, but gradients through a linrec program need its derived backward " \
            "(rec.vjp)" in needing and "torch.no_grad()" in needing
+    assert "initial_state is a Tensor; pass a dict by name, e.g. initial_state={'S': ...}" in \
+        error(initial_state=torch.zeros(1, 2, 16, 16))
     with pytest.raises(linrec.LinrecError, match="unknown form 'fast'"):
         lt.apply(rec, x, form="fast")
     with pytest.raises(linrec.RuntimeInputError, match=r"input 'g' must lie in \(-inf, 0\]"):

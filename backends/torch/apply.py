@@ -6,6 +6,8 @@ contiguous copies (when there are any) as ordinary tensor operations beside it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..api import Recurrence
@@ -34,10 +36,11 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     if form not in FORMS_TAKEN:
         raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(FORMS_TAKEN)}")
     check_chunk_size(chunk_size)
-    given = dict(inputs or {}) | named_inputs
+    given = _by_name(inputs, "inputs", program.inputs) | named_inputs
     tensors = _named(program.inputs, given, "input", "inputs", required=True)
-    states = _named(program.states, dict(initial_state or {}), "initial state", "states")
-    values = _named(program.params, dict(params or {}), "parameter", "parameters")
+    states = _named(program.states, _by_name(initial_state, "initial_state", program.states), "initial state",
+                    "states")
+    values = _named(program.params, _by_name(params, "params", program.params), "parameter", "parameters")
 
     first = program.inputs[0].name
     dtype = tensors[first].dtype
@@ -64,6 +67,19 @@ def _ready(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
     """The tensor as the op takes it: in the computed dtype, C-contiguous. Both are the tensor itself when it
     is so already (zero-copy); a non-contiguous tensor is copied, once."""
     return None if tensor is None else tensor.to(dtype).contiguous()
+
+
+def _by_name(given, argument: str, declared) -> dict:
+    """A dict argument (inputs, initial_state, params) as a dict; a bare tensor is an error that shows the
+    dict to pass (flash-linear-attention passes its one state as a tensor; linrec names every state)."""
+    if given is None:
+        return {}
+    if not isinstance(given, (Mapping, torch.nn.ParameterDict)):
+        names = [d.name for d in declared]
+        example = f"{{'{names[0]}': ...}}" if names else "{}"
+        raise RuntimeInputError(f"{argument} is a {type(given).__name__}; pass a dict by name, e.g. "
+                                f"{argument}={example} (the names: {', '.join(names) or 'none'})")
+    return dict(given)
 
 
 def _named(declared, given: dict, what: str, plural: str, required: bool = False) -> dict[str, torch.Tensor]:
