@@ -88,7 +88,7 @@ def _register(rec: Recurrence) -> RecurrenceOp:
     if name not in _BY_NAME:
         schema = _schema(rec)
         qualified = f"{NAMESPACE}::{name}"
-        op = torch.library.custom_op(qualified, _kernel(rec), mutates_args=(), schema=schema)
+        op = torch.library.custom_op(qualified, _kernel(rec), mutates_args=(), device_types="cpu", schema=schema)
         op.register_fake(_fake(rec))
         # (autograd: see the module's docstring for the hook rec.vjp takes)
         _BY_NAME[name] = RecurrenceOp(rec, op, qualified, schema)
