@@ -15,11 +15,19 @@ by the program's name and a digest of its source, so every Recurrence compiled f
 Every tensor reaches the kernel as a NumPy view of its memory (no copy) and every result leaves as a tensor
 over the kernel's array (no copy): `apply` hands the op contiguous float32/float64 CPU tensors.
 
-Autograd (issue 24's `rec.vjp`) is not wired here yet. The hook it takes is
-`op.register_autograd(backward, setup_context=setup_context)`, where setup_context saves the op's positional
-tensors — the inputs, the initial states and the params, all of them arguments of the op — and its keywords,
-and backward maps the output and final-state cotangents through `rec.vjp` to the cotangents of those tensors
-(None for an absent state or param). Until then `apply` refuses tensors that require grad.
+Autograd (issue 24's `rec.vjp`) is not wired here yet; `apply` refuses tensors that require grad until it
+is. The hook, in _register beside register_fake (the op's arguments already hold all a backward needs: the
+inputs, the initial states and the params as tensors, the sizes, form and backend as keywords):
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        ctx.save_for_backward(*(t for t in inputs if t is not None))   # (and which positions were None)
+        ctx.options = keyword_only_inputs                                # sizes, form, backend, chunk_size
+    def backward(ctx, *grads):   # grads: of the outputs, then of the final states, in declaration order
+        # rec.vjp(inputs, grad_outputs, grad_final_state=..., initial_state=..., params=..., dims=..., form=...,
+        #         backend=...) → one gradient per positional tensor of the op (None where it was None)
+    op.register_autograd(backward, setup_context=setup_context)
+
+and the refusal in apply._require_no_grad goes.
 """
 from __future__ import annotations
 
