@@ -9,6 +9,8 @@ The layers, bottom up (docs/backends.md, "Package layout"):
     numpy      the NumPy backend
     c          the C backend (its scans and attention kernels run behind NumPy glue: it may use linrec.numpy)
     driver     the API, the command line, verify, bench, decode, the choice of form, the backend registry
+    torch      linrec.torch, the optional PyTorch layer (tensors, a module, a custom op) on top of the driver:
+               the only modules that import torch, which nothing below imports
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ ALLOWED = {  # layer → the layers its modules may import
     "numpy": {"numpy", "support", "compiler", "dsl"},
     "c": {"c", "numpy", "support", "compiler", "dsl"},
     "driver": {"driver", "c", "numpy", "support", "compiler", "dsl"},
+    "torch": {"torch", "driver", "c", "numpy", "support", "compiler", "dsl"},
 }
 
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    if len(parts) > 1 and parts[1] in ("dsl", "compiler", "numpy", "c"):
+    if len(parts) > 1 and parts[1] in ("dsl", "compiler", "numpy", "c", "torch"):
         return parts[1]
     return "support" if module in SUPPORT else "driver"
 
@@ -159,6 +162,28 @@ def test_one_installed_package():
     top = {f.parts[0] for f in installed[0].files or []}
     assert not top & {"dsl", "compiler", "backends"}
     assert linrec.__version__ == installed[0].version
+
+
+def test_only_linrec_torch_imports_torch():
+    """PyTorch is an optional extra: `import linrec` (and every module but linrec.torch's) must work without it,
+    so none of them may import it, even late (read from the sources), and importing linrec loads no torch."""
+    modules = package_modules()
+    importing = sorted(m for m, p in modules.items() if layer(m) != "torch" and _imports_torch(p))
+    assert importing == []
+    assert any(layer(m) == "torch" and _imports_torch(p) for m, p in modules.items())  # (the reading works)
+    run = subprocess.run([sys.executable, "-c", "import sys, linrec, linrec.cli, linrec.decode, linrec.verify; "
+                          "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
+def _imports_torch(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
 
 
 @pytest.mark.parametrize("argv", [["-m", "linrec", "--version"], ["-m", "linrec", "check", "--help"]])

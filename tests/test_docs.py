@@ -28,6 +28,9 @@ A marker, an HTML comment on a line of its own right before a block, changes how
     <!-- docs-test: file NAME -->        a ```lin block is also saved as NAME in the page's directory, for
                                          the commands after it.
 
+A page about an optional extra runs only where the extra is installed (OPTIONAL: docs/torch.md needs
+`linrec[torch]`, which CI installs); without it, its blocks are skipped.
+
 An untagged block, a tag not listed here, a marker without a reason or without a block after it, and an
 output block with nothing before it to compare with are errors. docs/index.md must list every page, and
 links between the pages must reach a file and a heading.
@@ -35,6 +38,7 @@ links between the pages must reach a file and a heading.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import re
@@ -56,6 +60,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNNABLE = ("python", "sh", "lin")
 OUTPUT = "text"
 WILDCARD = "…"
+OPTIONAL = {"torch.md": "torch"}  # page → the module of the optional extra it needs (pyproject's extras)
 COMMAND_TIMEOUT_S = 300
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
@@ -328,7 +333,10 @@ def _block_cases():
     for path, page in READ.items():
         for index, block in enumerate(page.blocks):
             marks = []
-            if block.skip is not None:
+            needs = OPTIONAL.get(path.name)
+            if needs is not None and importlib.util.find_spec(needs) is None:
+                marks.append(pytest.mark.skip(reason=f"{path.name} needs the optional extra linrec[{needs}]"))
+            elif block.skip is not None:
                 marks.append(pytest.mark.skip(reason=block.skip))
             elif block.xfail is not None:
                 marks.append(pytest.mark.xfail(reason=block.xfail, strict=True))

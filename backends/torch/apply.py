@@ -1,0 +1,170 @@
+"""linrec.torch.apply: a program on CPU tensors, through its custom op.
+
+The arguments are checked here, in plain Python over shapes and dtypes, so that torch.compile traces the
+checks (they become guards) and the graph holds the op itself: one node, with the dtype conversions and
+contiguous copies (when there are any) as ordinary tensor operations beside it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..api import Recurrence
+from ..arrays import check_chunk_size, checked_sizes
+from ..compiler import FORMS
+from ..dsl.errors import LinrecError, RuntimeInputError
+from .convert import WIDENED, checked_tensor
+from .op import STEP, op_for
+
+FORMS_TAKEN = ("auto", *FORMS, STEP)
+
+
+def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | None = None,
+          output_final_state: bool = False, form: str = "auto", backend: str = "c", params: dict | None = None,
+          dims: dict[str, int] | None = None, chunk_size: int | None = None, **named_inputs):
+    """Run `rec` on CPU tensors: inputs [B, T, H, *] by DSL name (a dict, keywords, or both), float32 or
+    float64 (bfloat16 and float16 are computed in float32 and the outputs converted back); initial states
+    [B, H, *] by name (zeros when absent); params override the file's defaults (per-head ones [H, *]).
+
+    Returns (o, final_state), flash-linear-attention's pair: `o` is the output tensor [B, T, H, *] when the
+    program has one output, else a dict of them by name; `final_state` is None unless output_final_state,
+    then a dict of the final states [B, H, *] by name (what `initial_state` takes back). form="step" is the
+    decode step: one token (T = 1) from `initial_state`."""
+    op = op_for(rec)
+    program = rec.program
+    if form not in FORMS_TAKEN:
+        raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(FORMS_TAKEN)}")
+    check_chunk_size(chunk_size)
+    given = _by_name(inputs, "inputs", program.inputs) | named_inputs
+    tensors = _named(program.inputs, given, "input", "inputs", required=True)
+    states = _named(program.states, _by_name(initial_state, "initial_state", program.states), "initial state",
+                    "states")
+    values = _named(program.params, _by_name(params, "params", program.params), "parameter", "parameters")
+
+    first = program.inputs[0].name
+    dtype = tensors[first].dtype
+    for name, t in tensors.items():
+        if t.dtype != dtype:
+            raise RuntimeInputError(f"input '{name}' is {t.dtype} but '{first}' is {dtype}; pass every input in "
+                                    f"one dtype")
+    sizes = _sizes(program, tensors, states, values, dims)
+    _require_no_grad([("input", tensors), ("initial state", states), ("parameter", values)])
+
+    computed = WIDENED.get(dtype, dtype)  # (a copy for half types; .to() and .contiguous() are no-ops else)
+    outputs, finals = op([_ready(tensors[x.name], computed) for x in program.inputs],
+                         [_ready(states.get(s.name), computed) for s in program.states],
+                         [_ready(values.get(p.name), computed) for p in program.params],
+                         [sizes[d.name] for d in program.dims], form, backend, chunk_size)
+    if computed != dtype:
+        outputs = [o.to(dtype) for o in outputs]
+    o = outputs[0] if len(outputs) == 1 else {out.name: t for out, t in zip(program.outputs, outputs)}
+    final = {s.name: t for s, t in zip(program.states, finals)} if output_final_state else None
+    return o, final
+
+
+def _ready(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The tensor as the op takes it: in the computed dtype, C-contiguous. Both are the tensor itself when it
+    is so already (zero-copy); a non-contiguous tensor is copied, once."""
+    return None if tensor is None else tensor.to(dtype).contiguous()
+
+
+def _by_name(given, argument: str, declared) -> dict:
+    """A dict argument (inputs, initial_state, params) as a dict; a bare tensor is an error that shows the
+    dict to pass (flash-linear-attention passes its one state as a tensor; linrec names every state)."""
+    if given is None:
+        return {}
+    if not isinstance(given, (Mapping, torch.nn.ParameterDict)):
+        names = [d.name for d in declared]
+        example = f"{{'{names[0]}': ...}}" if names else "{}"
+        raise RuntimeInputError(f"{argument} is a {type(given).__name__}; pass a dict by name, e.g. "
+                                f"{argument}={example} (the names: {', '.join(names) or 'none'})")
+    return dict(given)
+
+
+def _named(declared, given: dict, what: str, plural: str, required: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of one kind (inputs, initial states, params) by name, checked: no unknown names, none
+    missing when `required`, each a float tensor on the CPU."""
+    names = [d.name for d in declared]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise RuntimeInputError(f"unknown {what}(s) {', '.join(map(repr, unknown))}; the {plural} of this program "
+                                f"are {', '.join(names) or 'none'}")
+    out = {}
+    for d in declared:
+        if d.name in given and given[d.name] is not None:
+            out[d.name] = checked_tensor(d.name, given[d.name], what)
+        elif required:
+            raise RuntimeInputError(f"missing {what} '{d.name}' (expected shape {_label('[B, T, H', d.shape)})")
+    return out
+
+
+def _label(lead: str, dims) -> str:
+    return lead + "".join(", " + d for d in dims) + "]"
+
+
+def _sizes(program, inputs: dict, states: dict, params: dict, asked: dict | None) -> dict[str, int]:
+    """Every dimension's size for this call, from the shapes (plain ints, which torch.compile guards on): the
+    inputs' first, then `dims`, the initial states', the params', and the file's defaults. A shape that does
+    not fit the declarations or the other arguments is an error naming the argument."""
+    sizes: dict[str, int] = {}
+    lead = None
+    for x in program.inputs:
+        shape = tuple(inputs[x.name].shape)
+        expected = _label("[B, T, H", x.shape)
+        if len(shape) != 3 + len(x.shape):
+            raise RuntimeInputError(f"input '{x.name}' should have shape {expected} but has shape {list(shape)}")
+        if lead is None:
+            lead, first = shape[:3], x.name
+        elif shape[:3] != lead:
+            raise RuntimeInputError(f"input '{x.name}' has [B, T, H] = {list(shape[:3])} but '{first}' has "
+                                    f"{list(lead)}")
+        _bind(sizes, x.shape, shape[3:], f"input '{x.name}' {expected}")
+    if min(lead) < 1:
+        raise RuntimeInputError(f"[B, T, H] = {list(lead)}: every size must be at least 1")
+    for name, n in checked_sizes(program, asked).items():
+        _bind(sizes, (name,), (n,), "dims")
+    batch, heads = lead[0], lead[2]
+    for s in program.states:
+        if s.name in states:
+            _bind_whole(sizes, f"initial state '{s.name}'", _label("[B, H", s.shape), (batch, heads), s.shape,
+                        tuple(states[s.name].shape))
+    for p in program.params:
+        if p.name in params:
+            label = _label("[H", p.shape) if p.per_head else "[" + ", ".join(p.shape) + "]"
+            _bind_whole(sizes, f"parameter '{p.name}'", label, (heads,) if p.per_head else (), p.shape,
+                        tuple(params[p.name].shape))
+    for d in program.dims:
+        sizes.setdefault(d.name, d.default)
+    return sizes
+
+
+def _bind_whole(sizes: dict, where: str, label: str, lead: tuple, dims: tuple, shape: tuple) -> None:
+    """A state's or param's shape: its leading sizes (B, H or H) as the inputs', its dimensions as bound."""
+    if len(shape) != len(lead) + len(dims) or shape[:len(lead)] != lead:
+        raise RuntimeInputError(f"{where} should have shape {label} (with {list(lead)} from the inputs) but has "
+                                f"shape {list(shape)}")
+    _bind(sizes, dims, shape[len(lead):], f"{where} {label}")
+
+
+def _bind(sizes: dict, dims: tuple, actual: tuple, where: str) -> None:
+    for d, n in zip(dims, actual):
+        if n < 1:
+            raise RuntimeInputError(f"{where} has {d} = {n}; every size must be at least 1")
+        if sizes.get(d, n) != n:
+            raise RuntimeInputError(f"{where} has {d} = {n}, but {d} = {sizes[d]} elsewhere (from the inputs or "
+                                    f"dims)")
+        sizes[d] = n
+
+
+def _require_no_grad(groups: list[tuple[str, dict[str, torch.Tensor]]]) -> None:
+    """Tensors that require grad are refused while the op has no backward: a result that silently carried no
+    gradient would train nothing and say nothing."""
+    if not torch.is_grad_enabled():
+        return
+    needing = [f"{what} '{name}'" for what, tensors in groups for name, t in tensors.items() if t.requires_grad]
+    if needing:
+        raise LinrecError(f"{', '.join(needing)} require{'s' if len(needing) == 1 else ''} grad, but gradients "
+                          f"through a linrec program "
+                          f"need its derived backward (rec.vjp), which linrec.torch does not wire to its op yet; "
+                          f"run it under torch.no_grad() or torch.inference_mode(), or pass detached tensors")

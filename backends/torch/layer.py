@@ -1,0 +1,100 @@
+"""linrec.torch.Layer: a program as an nn.Module whose params are nn.Parameters."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..api import Recurrence, load
+from ..compiler import ir
+from ..compiler.analysis import refs
+from ..decode import reads_the_sequence
+from ..dsl.errors import LinrecError, RuntimeInputError
+from .apply import apply
+from .convert import checked_tensor
+from .op import STEP, op_for
+
+
+def trainable_params(program: ir.Program, given=()) -> tuple[str, ...]:
+    """The params a Layer holds as nn.Parameters: those whose default reads no other param (Mamba-2's A_log and
+    D, not A = −exp(A_log), which the program computes from A_log on every call), and any given explicitly."""
+    return tuple(p.name for p in program.params
+                 if p.name in given or p.default is None or not refs(p.default, ir.ParamRef))
+
+
+class Layer(nn.Module):
+    """A linrec program as a module: `Layer("examples/gla.lin", heads=4, dims={"dk": 64, "dv": 64})`.
+
+    Its params (per-head ones [H, *]) are nn.Parameters in `self.params`, initialised from the file's defaults
+    (`rec.default_params`) or from `params=`. forward takes the program's inputs [B, T, H, *] by name (or
+    positionally, in declaration order) and returns (o, state): `o` as linrec.torch.apply returns it, `state`
+    the final states by name. Passing `state=` continues from it; with one token (T = 1) that is the decode
+    step. A program that reads the sequence (softmax attention) keeps its KV cache as its state: the inputs
+    so far, [B, t, H, *] by name."""
+
+    def __init__(self, program: str | Path | Recurrence, heads: int, dims: dict[str, int] | None = None, *,
+                 params: dict | None = None, form: str = "auto", backend: str = "c",
+                 chunk_size: int | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.rec = program if isinstance(program, Recurrence) else load(program)
+        self.heads = heads
+        self.dims = dict(dims or {})
+        self.form, self.backend, self.chunk_size = form, backend, chunk_size
+        given = {name: np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value, np.float64)
+                 for name, value in dict(params or {}).items()}
+        values = self.rec.default_params(heads, self.dims, given)
+        self.params = nn.ParameterDict()
+        for name in trainable_params(self.rec.program, given):
+            if values.get(name) is None:
+                raise RuntimeInputError(f"parameter '{name}' of '{self.rec.name}' has no default; pass its "
+                                        f"initial value: Layer(..., params={{'{name}': ...}})")
+            self.params[name] = nn.Parameter(torch.as_tensor(values[name], dtype=dtype))
+        self.op = op_for(self.rec)  # registered now: torch.compile then finds it (a registration is no graph op)
+
+    def extra_repr(self) -> str:
+        return f"'{self.rec.name}' ({self.rec.compiled.filename}), heads={self.heads}, backend={self.backend!r}"
+
+    def forward(self, *args, state: dict | None = None, **inputs):
+        names = [x.name for x in self.rec.program.inputs]
+        if len(args) > len(names):
+            raise RuntimeInputError(f"{len(args)} positional inputs, but '{self.rec.name}' has {len(names)}: "
+                                    f"{', '.join(names)}")
+        given = dict(zip(names, args)) | inputs
+        params = {name: value for name, value in self.params.items()}
+        options = dict(backend=self.backend, params=params, dims=self.dims, chunk_size=self.chunk_size)
+        if reads_the_sequence(self.rec):
+            return self._over_cache(given, state, options)
+        tokens = next((t.shape[1] for t in given.values() if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+        decode = state is not None and tokens == 1 and self.rec.program.causal
+        return apply(self.rec, given, initial_state=state, output_final_state=True,
+                     form=STEP if decode else self.form, **options)
+
+    def _over_cache(self, given: dict, cache: dict | None, options: dict):
+        """A program that reads the sequence: its state is the KV cache, the inputs so far. New tokens are
+        appended to it; one token runs as the decode step (its query against the cache), more as a sequence
+        whose last outputs are theirs."""
+        if not cache:
+            o, _ = apply(self.rec, given, form=self.form, **options)
+            return o, dict(given)
+        if not self.rec.program.causal:
+            raise LinrecError(f"'{self.rec.name}' is non-causal: every output reads the whole sequence, so it "
+                              f"cannot continue from a cache; pass the whole sequence")
+        if set(cache) != set(given):
+            raise RuntimeInputError(f"the KV cache of '{self.rec.name}' holds its inputs by name "
+                                    f"({', '.join(sorted(given))}); it has {', '.join(sorted(cache)) or 'none'}")
+        for name, value in given.items():
+            old = checked_tensor(name, cache[name], "KV cache entry")
+            if not isinstance(value, torch.Tensor) or old.dim() != value.dim() or old.dtype != value.dtype \
+                    or old.shape[0] != value.shape[0] or old.shape[2:] != value.shape[2:]:
+                new_shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise RuntimeInputError(f"the KV cache's '{name}' is {old.dtype} {list(old.shape)} and the new "
+                                        f"tokens' {getattr(value, 'dtype', '')} {new_shape}: they must agree in "
+                                        f"dtype and in every size but T ([B, T, H, *])")
+        grown = {name: torch.cat([cache[name], value], dim=1) for name, value in given.items()}
+        new = next(iter(given.values())).shape[1]
+        o, _ = apply(self.rec, grown, form=STEP if new == 1 else self.form, **options)
+        if new > 1:
+            o = o[:, -new:] if isinstance(o, torch.Tensor) else {k: v[:, -new:] for k, v in o.items()}
+        return o, grown

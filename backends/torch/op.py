@@ -1,0 +1,193 @@
+"""One torch.library custom op per program, registered when a program is first used from PyTorch.
+
+A custom op's schema is fixed, and each program has its own inputs, states and params. So each program gets
+an op of its own, with a schema generated from its declarations (`RecurrenceOp.schema`):
+
+    linrec::gla_<digest>(Tensor in_q, Tensor in_k, Tensor in_v, Tensor in_g, Tensor? state_S,
+                         *, SymInt[] sizes, str form, str backend, int? chunk_size) -> (Tensor, Tensor)
+
+Positional tensors: the inputs [B, T, H, *], then the initial states [B, H, *] (None: zeros), then the params
+(None: the file's default) — each group in declaration order. Keywords: the program's dimension sizes in
+declaration order (the fake implementation needs those no tensor shows), the form, the backend and the chunk
+size. Returns the outputs [B, T, H, *], then the final states [B, H, *], in declaration order. The op is named
+by the program's name and a digest of its source, so every Recurrence compiled from the same text shares one.
+
+Every tensor reaches the kernel as a NumPy view of its memory (no copy) and every result leaves as a tensor
+over the kernel's array (no copy): `apply` hands the op contiguous float32/float64 CPU tensors.
+
+Autograd (issue 24's `rec.vjp`) is not wired here yet; `apply` refuses tensors that require grad until it
+is. The hook, in _register beside register_fake (the op's arguments already hold all a backward needs: the
+inputs, the initial states and the params as tensors, the sizes, form and backend as keywords):
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        ctx.save_for_backward(*(t for t in inputs if t is not None))   # (and which positions were None)
+        ctx.options = keyword_only_inputs                                # sizes, form, backend, chunk_size
+    def backward(ctx, *grads):   # grads: of the outputs, then of the final states, in declaration order
+        # rec.vjp(inputs, grad_outputs, grad_final_state=..., initial_state=..., params=..., dims=..., form=...,
+        #         backend=...) → one gradient per positional tensor of the op (None where it was None)
+    op.register_autograd(backward, setup_context=setup_context)
+
+and the refusal in apply._require_no_grad goes.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+
+import numpy as np
+import torch
+
+from ..api import Recurrence
+from ..decode import at_true_scale, reads_the_sequence
+from ..dsl.errors import LinrecError
+from .convert import to_array, to_tensor
+
+STEP = "step"  # the op's `form` for the decode step: one token through Recurrence.step (see _step)
+NAMESPACE = "linrec"
+
+
+class RecurrenceOp:
+    """The custom op of one program, and how its arguments map to the program's names."""
+
+    def __init__(self, rec: Recurrence, op, name: str, schema: str):
+        self.rec = rec
+        self.op = op  # the torch.library custom op
+        self.name = name  # "linrec::<program>_<digest>": torch.ops.linrec.<program>_<digest>
+        self.schema = schema
+        program = rec.program
+        self.inputs = tuple(x.name for x in program.inputs)
+        self.states = tuple(s.name for s in program.states)
+        self.params = tuple(p.name for p in program.params)
+        self.outputs = tuple(o.name for o in program.outputs)
+        self.dims = tuple(d.name for d in program.dims)
+
+    def __call__(self, inputs: list, states: list, params: list, sizes: list, form: str, backend: str,
+                 chunk_size: int | None) -> tuple[list, list]:
+        """(outputs, final states), each a list in declaration order."""
+        results = self.op(*inputs, *states, *params, sizes=sizes, form=form, backend=backend,
+                          chunk_size=chunk_size)
+        if isinstance(results, torch.Tensor):  # (a schema of one result returns it bare)
+            results = (results,)
+        return list(results[:len(self.outputs)]), list(results[len(self.outputs):])
+
+
+# by Recurrence (identity): what a compiled model looks up, a plain dict that torch.compile traces (it keeps its
+# recurrences alive, as the registered ops keep theirs)
+_OPS: dict[Recurrence, RecurrenceOp] = {}
+_BY_NAME: dict[str, RecurrenceOp] = {}     # by op name: recurrences of the same source share an op
+
+
+def op_for(rec: Recurrence) -> RecurrenceOp:
+    """The program's custom op, registered on first use. Register it before torch.compile traces a call (a
+    linrec.torch.Layer does when it is made): a registration is no operation a graph can hold, so inside a
+    compiled function it is a graph break (torch.compiler.disable), which fullgraph=True refuses."""
+    found = _OPS.get(rec)
+    return found if found is not None else _register(rec)
+
+
+@torch.compiler.disable
+def _register(rec: Recurrence) -> RecurrenceOp:
+    program = rec.program
+    if not program.inputs:
+        raise LinrecError(f"'{program.name}' has no inputs: a PyTorch op takes its B, T and H from them")
+    identifier = re.sub(r"\W", "_", program.name, flags=re.ASCII)
+    digest = hashlib.sha256(rec.compiled.source.encode("utf-8")).hexdigest()[:16]
+    name = f"{identifier}_{digest}"
+    if name not in _BY_NAME:
+        schema = _schema(rec)
+        qualified = f"{NAMESPACE}::{name}"
+        op = torch.library.custom_op(qualified, _kernel(rec), mutates_args=(), device_types="cpu", schema=schema)
+        op.register_fake(_fake(rec))
+        # (autograd: see the module's docstring for the hook rec.vjp takes)
+        _BY_NAME[name] = RecurrenceOp(rec, op, qualified, schema)
+    _OPS[rec] = _BY_NAME[name]
+    return _OPS[rec]
+
+
+def _argument(prefix: str, name: str, index: int) -> str:
+    """A schema argument's name: the DSL name where it is a plain ASCII identifier, else its position."""
+    return f"{prefix}_{name}" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else f"{prefix}_{index}"
+
+
+def _schema(rec: Recurrence) -> str:
+    program = rec.program
+    tensors = [f"Tensor {_argument('in', x.name, i)}" for i, x in enumerate(program.inputs)]
+    tensors += [f"Tensor? {_argument('state', s.name, i)}" for i, s in enumerate(program.states)]
+    tensors += [f"Tensor? {_argument('param', p.name, i)}" for i, p in enumerate(program.params)]
+    count = len(program.outputs) + len(program.states)
+    returns = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
+    return f"({', '.join(tensors)}, *, SymInt[] sizes, str form, str backend, int? chunk_size) -> {returns}"
+
+
+def _split(program, tensors: tuple) -> tuple[tuple, tuple, tuple]:
+    n_in, n_states = len(program.inputs), len(program.states)
+    return tensors[:n_in], tensors[n_in:n_in + n_states], tensors[n_in + n_states:]
+
+
+def _kernel(rec: Recurrence):
+    """The op's CPU implementation: the tensors as NumPy views, Recurrence.run (or .step), the results as
+    tensors."""
+    program = rec.program
+
+    def kernel(*tensors, sizes, form, backend, chunk_size):
+        inputs, states, params = _split(program, tensors)
+        inputs = {x.name: to_array(t) for x, t in zip(program.inputs, inputs)}
+        states = {s.name: to_array(t) for s, t in zip(program.states, states) if t is not None}
+        params = {p.name: to_array(t) for p, t in zip(program.params, params) if t is not None}
+        dims = {d.name: int(n) for d, n in zip(program.dims, sizes)}
+        if form == STEP:
+            outputs, final = _step(rec, inputs, states, params, dims, backend)
+        else:
+            result = rec.run(inputs, form=form, backend=backend, params=params or None,
+                             initial_state=states or None, chunk_size=chunk_size, dims=dims)
+            outputs, final = result.outputs, result.final_state
+        arguments = [*inputs.values(), *states.values(), *params.values()]
+        results = []
+        for array in [*(outputs[o.name] for o in program.outputs), *(final[s.name] for s in program.states)]:
+            results.append(to_tensor(array, arguments))
+            arguments.append(results[-1].numpy())  # (nor may results alias each other)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    return kernel
+
+
+def _step(rec: Recurrence, inputs: dict, states: dict, params: dict, dims: dict, backend: str):
+    """The decode step, as sequences of one token: outputs [B, 1, H, *] and final states [B, H, *] at their
+    true scale (as the sequence forms return them). A program that reads the sequence gets the KV cache and the
+    new token as one sequence [B, t, H, *] and returns the last token's outputs, [B, 1, H, *]."""
+    if reads_the_sequence(rec):
+        token = {name: a[:, -1] for name, a in inputs.items()}
+        tokens = next(iter(inputs.values())).shape[1]
+        cache = {name: a[:, :-1] for name, a in inputs.items()} if tokens > 1 else None
+        outputs, _ = rec.step(token, cache, backend=backend, params=params or None)
+        return {name: v[:, None] for name, v in outputs.items()}, {}
+    first = next(iter(inputs.values()))
+    if first.shape[1] != 1:
+        raise LinrecError(f"form='{STEP}' runs one token, but the inputs have T = {first.shape[1]}; use a "
+                          f"sequence form (form='auto') for more")
+    batch, heads = first.shape[0], first.shape[2]
+    for s in rec.program.states:  # a state not given starts from zeros of the call's sizes (dims included)
+        if s.name not in states:
+            states[s.name] = np.zeros((batch, heads, *(dims[d] for d in s.shape)), dtype=first.dtype)
+    outputs, final = rec.step({name: a[:, 0] for name, a in inputs.items()}, states, backend=backend,
+                              params=params or None)
+    return {name: v[:, None] for name, v in outputs.items()}, at_true_scale(rec, final)
+
+
+def _fake(rec: Recurrence):
+    """The op's shapes and dtypes without running it (for torch.compile): outputs [B, T, H, *] (T = 1 for the
+    decode step) and final states [B, H, *], sized by the program's declarations, in the inputs' dtype."""
+    program = rec.program
+
+    def fake(*tensors, sizes, form, backend, chunk_size):
+        first = tensors[0]
+        batch, tokens, heads = first.shape[:3]
+        if form == STEP:
+            tokens = 1
+        dims = dict(zip((d.name for d in program.dims), sizes))
+        results = [first.new_empty((batch, tokens, heads, *(dims[d] for d in o.value.shape)))
+                   for o in program.outputs]
+        results += [first.new_empty((batch, heads, *(dims[d] for d in s.shape))) for s in program.states]
+        return results[0] if len(results) == 1 else tuple(results)
+
+    return fake

@@ -1,0 +1,251 @@
+"""linrec.torch: tensors through the custom op equal Recurrence.run on the same arrays (float64, both backends),
+without copies; Layer's params and forward; the decode step equals the full forward; torch.compile takes a
+model that uses the op whole (fullgraph); bad tensors are clear errors. Skipped without torch (CI installs it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import linrec  # noqa: E402
+import linrec.torch as lt  # noqa: E402
+from linrec.api import Recurrence  # noqa: E402
+
+EXACT = 1e-12  # float64: the op runs the very kernel run() runs, so only a different evaluation could differ
+
+# (file, dims, forms to compare): one of each kind — a diagonal decay, params per head and one computed from
+# another, two states, the delta rule, a stabilized feature map, a group norm, attention, a non-causal program
+CASES = [
+    ("gla", None, ("recurrent", "chunkwise")),
+    ("mamba2", None, ("recurrent",)),
+    ("linear_transformer", None, ("recurrent",)),
+    ("deltanet", None, ("recurrent",)),
+    ("performer", {"m": 8}, ("recurrent",)),
+    ("retnet", None, ("parallel",)),
+    ("softmax", None, ("recurrent",)),
+    ("linformer", {"kproj": 4, "T": 16}, ("parallel",)),
+]
+ON_C = {"gla", "mamba2", "linear_transformer", "performer", "softmax"}  # (a C kernel each, built once)
+RECS: dict[str, Recurrence] = {}
+
+
+def rec_of(name: str) -> Recurrence:
+    if name not in RECS:
+        RECS[name] = linrec.load(f"examples/{name}.lin")
+    return RECS[name]
+
+
+def tensors(arrays: dict) -> dict:
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():  # (the op has no backward yet: tensors that require grad are refused)
+        yield
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("name, dims, forms", CASES, ids=[c[0] for c in CASES])
+def test_apply_equals_run(name, dims, forms, backend):
+    if backend == "c" and name not in ON_C:
+        pytest.skip("C kernels built for a subset (each costs a compile)")
+    rec = rec_of(name)
+    x = rec.random_inputs(2, 7, 3, dims=dims or {}, seed=11)
+    state0 = {s.name: np.random.default_rng(5).standard_normal(
+        (2, 3, *(dict({d.name: d.default for d in rec.program.dims}, **(dims or {}))[d] for d in s.shape)))
+        for s in rec.program.states}
+    for form in forms:
+        ref = rec.run(x, form=form, backend=backend, dims=dims, initial_state=state0 or None, chunk_size=3)
+        o, final = lt.apply(rec, tensors(x), form=form, backend=backend, dims=dims, chunk_size=3,
+                            initial_state=tensors(state0) or None, output_final_state=True)
+        outputs = o if isinstance(o, dict) else {rec.program.outputs[0].name: o}
+        assert set(outputs) == set(ref.outputs) and set(final) == {s.name for s in rec.program.states}
+        for k, v in outputs.items():
+            assert v.dtype == torch.float64 and v.shape == ref.outputs[k].shape
+            assert np.abs(v.numpy() - ref.outputs[k]).max() <= EXACT, (form, k)
+        for k, v in final.items():
+            assert np.abs(v.numpy() - ref.final_state[k]).max() <= EXACT, (form, k)
+
+
+def test_the_return_convention():
+    rec = rec_of("linear_transformer")
+    x = tensors(rec.random_inputs(1, 4, 2))
+    o, final = lt.apply(rec, x)
+    assert isinstance(o, torch.Tensor) and final is None  # one output: the tensor (flash-linear-attention's pair)
+    o, final = lt.apply(rec, x, output_final_state=True, backend="numpy")
+    assert sorted(final) == ["S", "z"]
+    again, _ = lt.apply(rec, {k: v[:, :2] for k, v in x.items()}, backend="numpy", output_final_state=True)
+    rest, end = lt.apply(rec, {k: v[:, 2:] for k, v in x.items()}, backend="numpy", output_final_state=True,
+                         initial_state=_)  # the final state dict is what initial_state takes back
+    assert torch.allclose(torch.cat([again, rest], 1), o, atol=1e-5)
+    two = linrec.compile("recurrence two(d = 4)\ninput x[d]\nstate S[d]\nS = S + x\noutput a = S\noutput b = 2·x\n")
+    o, _ = lt.apply(two, x=torch.ones(1, 3, 2, 4), backend="numpy")
+    assert sorted(o) == ["a", "b"] and float(o["a"][0, 2, 0, 0]) == 3.0 and float(o["b"][0, 0, 0, 0]) == 2.0
+
+
+def test_zero_copy(monkeypatch):
+    """Contiguous float tensors reach the kernel as views of their memory, and its result arrays come back as
+    the tensors' memory; a non-contiguous tensor is copied once, with the same result."""
+    rec = rec_of("gla")
+    seen = {}
+    real_run = Recurrence.run
+
+    def spy(self, inputs=None, **options):
+        result = real_run(self, inputs, **options)
+        seen["inputs"] = {k: v.ctypes.data for k, v in inputs.items()}
+        seen["outputs"] = {k: v.ctypes.data for k, v in result.outputs.items()}
+        seen["states"] = {k: v.ctypes.data for k, v in result.final_state.items()}
+        return result
+
+    monkeypatch.setattr(Recurrence, "run", spy)
+    x = tensors(rec.random_inputs(2, 8, 2, dtype=np.float32))
+    o, final = lt.apply(rec, x, backend="c", output_final_state=True)
+    assert seen["inputs"] == {k: v.data_ptr() for k, v in x.items()}
+    assert seen["outputs"] == {"o": o.data_ptr()} and seen["states"] == {"S": final["S"].data_ptr()}
+
+    strided = {k: v.transpose(1, 2).contiguous().transpose(1, 2) for k, v in x.items()}  # same values
+    assert not strided["q"].is_contiguous()
+    o2, _ = lt.apply(rec, strided, backend="c")
+    assert seen["inputs"]["q"] != strided["q"].data_ptr()  # (copied)
+    assert torch.equal(o2, o)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_types_are_computed_in_float32(half):
+    rec = rec_of("gla")
+    x = {k: v.to(half) for k, v in tensors(rec.random_inputs(1, 6, 2, dtype=np.float32)).items()}
+    o, final = lt.apply(rec, x, backend="numpy", output_final_state=True)
+    ref = rec.run({k: v.float().numpy() for k, v in x.items()}, backend="numpy")
+    assert o.dtype == half and final["S"].dtype == torch.float32
+    assert torch.equal(o, torch.from_numpy(ref.outputs["o"]).to(half))
+    assert torch.equal(final["S"], torch.from_numpy(ref.final_state["S"]))
+
+
+def test_layer_params_are_the_files_defaults():
+    layer = lt.Layer("examples/mamba2.lin", heads=3, dtype=torch.float64)
+    defaults = layer.rec.default_params(3)
+    names = dict(layer.named_parameters())
+    assert sorted(names) == ["params.A_log", "params.D"]  # A = −exp(A_log) is computed from A_log, not held
+    for name in ("A_log", "D"):
+        assert isinstance(layer.params[name], torch.nn.Parameter) and layer.params[name].shape == (3,)
+        assert np.array_equal(layer.params[name].detach().numpy(), defaults[name])
+
+    x = layer.rec.random_inputs(2, 5, 3, seed=4)
+    layer.params["A_log"].copy_(torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64))  # a trained value
+    o, state = layer(**tensors(x))
+    ref = layer.rec.run(x, backend="c", params={"A_log": np.array([0.5, 1.0, 2.0]), "D": defaults["D"]})
+    assert np.abs(o.numpy() - ref.outputs["y"]).max() <= EXACT
+    assert np.abs(state["S"].numpy() - ref.final_state["S"]).max() <= EXACT
+    positional, _ = layer(*tensors(x).values())  # inputs in declaration order
+    assert torch.equal(positional, o)
+
+
+def test_layer_params_given_and_missing():
+    layer = lt.Layer("examples/retnet.lin", heads=2, params={"gamma": torch.tensor([0.5, 0.25])})
+    assert layer.params["gamma"].tolist() == [0.5, 0.25] and layer.params["gamma"].dtype == torch.float32
+    nodefault = linrec.compile("recurrence p(d = 4)\ninput x[d]\nparam w[d]\noutput o = w·x\n")
+    with pytest.raises(linrec.RuntimeInputError, match=r"parameter 'w' of 'p' has no default; pass its initial"):
+        lt.Layer(nodefault, heads=2)
+
+
+@pytest.mark.parametrize("name, dims, backend", [("gla", None, "c"), ("performer", {"m": 8}, "c"),
+                                                 ("linear_transformer", None, "numpy"), ("softmax", None, "c"),
+                                                 ("softmax", None, "numpy")])
+def test_decode_step_equals_the_full_forward(name, dims, backend):
+    """A prompt, then one token at a time with the state (the decode step; softmax: its KV cache), equals one
+    forward pass over all the tokens: outputs and final state."""
+    layer = lt.Layer(rec_of(name), heads=2, dims=dims, dtype=torch.float64, backend=backend)
+    x = tensors(layer.rec.random_inputs(2, 7, 2, dims=dims or {}, seed=3))
+    full, end = layer(**x)
+    o, state = layer(**{k: v[:, :3] for k, v in x.items()})
+    outputs = [o]
+    for t in range(3, 7):
+        o, state = layer(**{k: v[:, t:t + 1] for k, v in x.items()}, state=state)
+        outputs.append(o)
+    assert (torch.cat(outputs, 1) - full).abs().max() <= EXACT
+    assert sorted(state) == sorted(end) and all((state[k] - end[k]).abs().max() <= EXACT for k in end)
+
+
+def test_torch_compile_fullgraph():
+    """A model around the op compiles whole (fullgraph=True fails on any graph break) and computes what the
+    eager model computes."""
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 4 * 2 * 16)
+            self.gla = lt.Layer("examples/gla.lin", heads=2)
+
+        def forward(self, x):  # x: [B, T, 8]
+            q, k, v, g = self.proj(x).unflatten(-1, (4, 2, 16)).unbind(2)
+            o, state = self.gla(q=q, k=k, v=v, g=-torch.nn.functional.softplus(g))
+            return o.sum(-1) + state["S"].mean()
+
+    torch.manual_seed(0)
+    model = Tiny()
+    x = torch.randn(2, 5, 8)
+    graphs = []
+
+    def recording(graph, example_inputs):  # aot_eager: traces the op's fake implementation, runs eagerly
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+    compiled = torch.compile(model, fullgraph=True, backend=recording)
+    assert torch.allclose(compiled(x), model(x), atol=1e-5)
+    assert len(graphs) == 1
+    ops = [str(node.target) for node in graphs[0].graph.nodes if "linrec" in str(node.target)]
+    assert ops == [model.gla.op.name.replace("::", ".") + ".default"]  # the op, one node
+
+
+def test_errors_name_the_argument_and_the_fix():
+    rec = rec_of("gla")
+    x = tensors(rec.random_inputs(1, 4, 2, dtype=np.float32))
+
+    def error(**change):
+        given = dict(x)
+        options = {k: change.pop(k) for k in ("initial_state", "params", "dims") if k in change}
+        given.update(change)
+        with pytest.raises(linrec.LinrecError) as err:
+            lt.apply(rec, given, backend="numpy", **options)
+        return str(err.value)
+
+    assert "input 'q' is on device 'meta'" in error(q=x["q"].to("meta")) and ".cpu()" in error(q=x["q"].to("meta"))
+    assert "input 'k' has dtype torch.int64; pass float32 or float64" in error(k=x["k"].long())
+    assert "input 'v' is a ndarray, not a torch.Tensor" in error(v=x["v"].numpy())
+    assert "input 'q' should have shape [B, T, H, dk] but has shape [1, 4, 2]" in error(q=x["q"][..., 0])
+    assert "input 'v' has [B, T, H] = [1, 3, 2] but 'q' has [1, 4, 2]" in error(v=x["v"][:, :3])
+    assert "input 'k' [B, T, H, dk] has dk = 8, but dk = 16 elsewhere" in error(k=x["k"][..., :8])
+    assert "input 'k' is torch.float64 but 'q' is torch.float32" in error(k=x["k"].double())
+    assert "unknown input(s) 'z'" in error(z=x["q"])
+    assert "initial state 'S' should have shape [B, H, dk, dv]" in error(initial_state={"S": torch.zeros(2, 16, 16)})
+    assert "unknown initial state(s) 'T'" in error(initial_state={"T": torch.zeros(1)})
+    assert "dims has dk = 8, but dk = 16 elsewhere" in error(dims={"dk": 8})
+    with torch.enable_grad():
+        needing = error(q=x["q"].clone().requires_grad_())
+    assert "input 'q' requires grad, but gradients through a linrec program need its derived backward " \
+           "(rec.vjp)" in needing and "torch.no_grad()" in needing
+    assert "initial_state is a Tensor; pass a dict by name, e.g. initial_state={'S': ...}" in \
+        error(initial_state=torch.zeros(1, 2, 16, 16))
+    with pytest.raises(linrec.LinrecError, match="unknown form 'fast'"):
+        lt.apply(rec, x, form="fast")
+    with pytest.raises(linrec.RuntimeInputError, match=r"input 'g' must lie in \(-inf, 0\]"):
+        lt.apply(rec, dict(x, g=x["g"].abs() + 1), backend="numpy")  # the kernel's own checks still apply
+
+
+def test_a_layer_that_requires_grad_says_so():
+    layer = lt.Layer("examples/retnet.lin", heads=2)
+    x = tensors(layer.rec.random_inputs(1, 3, 2, dtype=np.float32))
+    with torch.enable_grad(), pytest.raises(linrec.LinrecError, match="parameter 'gamma' requires grad"):
+        layer(**x)
+
+
+def test_a_kv_cache_that_does_not_fit_the_tokens_is_an_error():
+    layer = lt.Layer(rec_of("softmax"), heads=2, backend="numpy")
+    x = tensors(layer.rec.random_inputs(1, 4, 2, dtype=np.float32))
+    _, cache = layer(**x)
+    with pytest.raises(linrec.RuntimeInputError, match=r"the KV cache's 'k' is torch.float32 \[1, 4, 2, 16\] and "
+                                                       r"the new tokens' torch.float32 \[1, 1, 3, 16\]"):
+        layer(q=x["q"][:, :1], k=torch.zeros(1, 1, 3, 16), v=x["v"][:, :1], state=cache)
+    with pytest.raises(linrec.RuntimeInputError, match=r"holds its inputs by name \(k, q, v\); it has k, q"):
+        layer(**{k: v[:, :1] for k, v in x.items()}, state={"q": cache["q"], "k": cache["k"]})
