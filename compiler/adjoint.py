@@ -1,0 +1,356 @@
+"""The adjoint of a recurrence: its vector–Jacobian product, derived from the statements by reverse-mode
+differentiation (docs/gradients.md).
+
+One token's statements run forward in order; their adjoint runs them backwards. Each statement `x = e` is
+seeded with the adjoint of x (∂L/∂x: the output's upstream gradient, the named value's accumulated adjoint,
+the state's adjoint after the update) and the chain rule walks e from the root to its leaves, where the
+contributions accumulate: into the adjoints of inputs, params, named values and states (the version before
+or after this token's update, as the statement read it). What is done to a state's adjoint is the transpose
+of what the update does to the state — the adjoint recurrence of adjoint.md — without the compiler knowing
+any variant: it is only the chain rule over the IR.
+
+The derivative expressions are IR over a few nodes of this module: `GradRef` (an adjoint variable),
+`Einsum` (a contraction of element axes, for transposes and sums), `Vjp` (a builtin's vector–Jacobian
+product: the backend supplies it, as it supplies the builtin). Points where a builtin has no derivative:
+relu and abs at 0 take the subgradient 0, norm at the zero vector the subgradient 0 (as PyTorch does);
+sqrt, and a power below 1, at 0 have an infinite slope — the backend's Vjp reports the place when one is
+used there with a nonzero upstream gradient.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..dsl.errors import Span
+
+from . import Compiled, ir
+from .analysis import inline_lets, states_in, to_text, walk
+
+_LETTERS = "ijklmnpqrs"
+
+
+# ---- the nodes of derivative expressions --------------------------------------------------------------
+@dataclass(frozen=True)
+class GradRef(ir.LetRef):
+    """The adjoint of a value, read: kind "output" (the upstream gradient of an output at this token), "let",
+    "state" (version "prev" or "new"), "param", or "temp" (a gradient the sweep bound to a name because two
+    subexpressions use it). A LetRef so that the IR's analyses treat it as the per-token value it is."""
+
+    kind: str = "temp"
+    version: str = ""
+
+
+@dataclass(frozen=True)
+class Einsum(ir.Apply):
+    """A contraction over element axes, `spec` in numpy.einsum's notation without the leading axes (which
+    broadcast): "ij,j->i" is a matrix–vector product, "ij->ji" a transpose, "ij->" a sum."""
+
+    spec: str = ""
+
+
+@dataclass(frozen=True)
+class Vjp(ir.Apply):
+    """The vector–Jacobian product of the builtin `function` at args[0] with upstream gradient args[1] (for
+    "pow", args[2] is the exponent): the gradient with respect to args[0]. `site` names the call in the
+    program, for the error where the builtin has no derivative."""
+
+    site: str = ""
+
+
+# ---- the statements of an adjoint ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """What a contribution accumulates into: kind "input" | "param" | "let" | "state" (version "prev" or
+    "new")."""
+
+    kind: str
+    name: str
+    version: str = ""
+
+
+@dataclass(frozen=True)
+class Accumulate:
+    """target += value (the backend reduces broadcast axes where the target has fewer)."""
+
+    target: Target
+    value: ir.Expr
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A temporary: name = value (an upstream gradient that more than one subexpression uses)."""
+
+    name: str
+    value: ir.Expr
+
+
+@dataclass(frozen=True)
+class StepAdjoint:
+    """The adjoint of one forward statement: its seed (the adjoint of what it assigns) and the statements
+    that carry the seed to the leaves."""
+
+    step: ir.Step | ir.Param
+    seed: GradRef
+    statements: tuple[Accumulate | Bind, ...]
+
+
+@dataclass(frozen=True)
+class Adjoint:
+    """A program's adjoint, per token: `loop` — the statements computed token by token (the updates, the
+    outputs and the named values that read a state), in reverse order; `hoisted` — the named values that read
+    no state, computed for all tokens at once before the loop, in reverse order; `params` — params whose
+    defaults are computed from other params, for when their defaults are used, in reverse order."""
+
+    loop: tuple[StepAdjoint, ...]
+    hoisted: tuple[StepAdjoint, ...]
+    params: tuple[StepAdjoint, ...]
+    hoisted_lets: frozenset[str]
+    loop_lets: tuple[str, ...]
+
+
+def why_no_adjoint(program: ir.Program, sequence_reads: bool) -> str | None:
+    """Why the adjoint is not derived for a program (`sequence_reads`: it reads the sequence), or None."""
+    if sequence_reads:
+        return ("the program reads the sequence (seq, lsh_attention, params over T): the backward of "
+                "attention over the sequence is not derived")
+    if not program.causal:
+        return ("the program is non-causal (its outputs read the final state): the backward is derived for "
+                "causal recurrences only")
+    if not program.inputs:
+        return "the program has no inputs"
+    return None
+
+
+def derive(program: ir.Program, source: str = "", filename: str = "") -> Adjoint:
+    """The adjoint of a causal recurrence (see why_no_adjoint), derived from its statements."""
+    lets = program.lets
+    hoisted = frozenset(n for n, v in lets.items() if not states_in(inline_lets(v, lets)))
+    live = _Liveness(lets)
+    site = functools.partial(_site, source=source, filename=filename)
+    loop, top = [], []
+    for step in reversed(program.steps):
+        if isinstance(step, ir.Let):
+            seed = GradRef(step.value.shape, step.name, kind="let")
+            adjoint = _sweep(step.value, seed, live, site, step)
+            (top if step.name in hoisted else loop).append(adjoint)
+        elif isinstance(step, ir.Update):
+            seed = GradRef(step.value.shape, step.state, kind="state", version="new")
+            loop.append(_sweep(step.value, seed, live, site, step))
+        else:
+            loop.append(_sweep(step.value, GradRef(step.value.shape, step.name, kind="output"), live, site, step))
+    params = []
+    for prm in reversed(program.params):
+        if prm.default is not None and any(isinstance(n, ir.ParamRef) for n in walk(prm.default)):
+            seed = GradRef(prm.shape, prm.name, kind="param")
+            params.append(_sweep(prm.default, _fit(seed, prm.default.shape), live, site, prm, seed))
+    loop_lets = tuple(n for n in lets if n not in hoisted)
+    return Adjoint(tuple(loop), tuple(top), tuple(params), hoisted, loop_lets)
+
+
+def _site(e: ir.Expr, source: str, filename: str) -> str:
+    """Where a builtin is called, for an error message: `sqrt(x)` at FILE:LINE:COL."""
+    span: Span | None = e.span
+    where = f" at {filename or '<source>'}:{span.line}:{span.column}" if span is not None else ""
+    return f"`{to_text(e)}`{where}"
+
+
+class _Liveness:
+    """Which expressions carry a gradient: they read an input, a param, a state or a named value that does."""
+
+    def __init__(self, lets: dict[str, ir.Expr]):
+        self.lets = lets
+        self.live_lets = {n for n, v in lets.items() if self._reads_leaf(inline_lets(v, lets))}
+
+    @staticmethod
+    def _reads_leaf(e: ir.Expr) -> bool:
+        return any(isinstance(n, (ir.InputRef, ir.ParamRef, ir.StateRef)) for n in walk(e))
+
+    def __call__(self, e: ir.Expr) -> bool:
+        return any(isinstance(n, (ir.InputRef, ir.ParamRef, ir.StateRef))
+                   or (isinstance(n, ir.LetRef) and n.name in self.live_lets) for n in walk(e))
+
+
+def _sweep(value: ir.Expr, seed: ir.Expr, live: _Liveness, site, step, named_seed: GradRef | None = None
+           ) -> StepAdjoint:
+    sweep = _Sweep(live, site, prefix=_temp_prefix(step))
+    sweep.grad(value, seed)
+    return StepAdjoint(step, named_seed or seed, tuple(sweep.out))
+
+
+def _temp_prefix(step) -> str:
+    name = step.state if isinstance(step, ir.Update) else step.name
+    return f"g_{name}"
+
+
+# ---- the chain rule ------------------------------------------------------------------------------------
+def _arith(op: str, a: ir.Expr, b: ir.Expr) -> ir.Arith:
+    return ir.Arith(a.shape or b.shape, op, a, b)
+
+
+def _neg(a: ir.Expr) -> ir.Expr:
+    return a.operand if isinstance(a, ir.Neg) else ir.Neg(a.shape, a)
+
+
+def _fit(g: ir.Expr, shape: ir.Shape) -> ir.Expr:
+    """The gradient of an operand that broadcast: a scalar operand of a vector operation gets the sum."""
+    if g.shape == shape:
+        return g
+    if not shape:
+        letters = _LETTERS[:len(g.shape)]
+        return Einsum((), "einsum", (g,), spec=f"{letters}->")
+    raise TypeError(f"internal error: a gradient of shape {g.shape} for an operand of shape {shape}")
+
+
+def _sum_axes(e: ir.Expr) -> bool:
+    return isinstance(e, (GradRef, ir.Const, ir.InputRef, ir.ParamRef, ir.LetRef, ir.StateRef, ir.DimSize))
+
+
+class _Sweep:
+    def __init__(self, live: _Liveness, site, prefix: str):
+        self.live, self.site, self.prefix = live, site, prefix
+        self.out: list[Accumulate | Bind] = []
+
+    def shared(self, g: ir.Expr) -> ir.Expr:
+        """g bound to a temporary when it is more than a name: two subexpressions use it."""
+        if _sum_axes(g):
+            return g
+        name = f"{self.prefix}_{sum(isinstance(s, Bind) for s in self.out)}"
+        self.out.append(Bind(name, g))
+        return GradRef(g.shape, name, kind="temp")
+
+    def grad(self, e: ir.Expr, g: ir.Expr) -> None:
+        """Carry the gradient g of e (of e's shape) to e's leaves."""
+        if not self.live(e):
+            return
+        if isinstance(e, ir.InputRef):
+            self.out.append(Accumulate(Target("input", e.name), g))
+        elif isinstance(e, ir.ParamRef):
+            self.out.append(Accumulate(Target("param", e.name), g))
+        elif isinstance(e, ir.LetRef):
+            self.out.append(Accumulate(Target("let", e.name), g))
+        elif isinstance(e, ir.StateRef):
+            self.out.append(Accumulate(Target("state", e.name, e.version), g))
+        elif isinstance(e, ir.Neg):
+            self.grad(e.operand, _neg(g))
+        elif isinstance(e, ir.Arith):
+            self.arith(e, g)
+        elif isinstance(e, ir.Dot):
+            self.dot(e, g)
+        elif isinstance(e, ir.Outer):
+            self.outer(e, g)
+        elif isinstance(e, ir.Diag):
+            self.grad(e.operand, Einsum(e.operand.shape, "einsum", (g,), spec="ii->i"))
+        elif isinstance(e, ir.Apply):
+            self.apply(e, g)
+        else:  # Const, DimSize, HeadIndex, Identity, Random: no gradient (and never live)
+            raise TypeError(f"internal error: no derivative rule for {type(e).__name__}")
+
+    def pair(self, e: ir.Expr, g: ir.Expr) -> ir.Expr:
+        """g shared when both operands of e carry a gradient."""
+        both = sum(self.live(c) for c in (e.left, e.right)) == 2
+        return self.shared(g) if both else g
+
+    def arith(self, e: ir.Arith, g: ir.Expr) -> None:
+        a, b = e.left, e.right
+        g = self.pair(e, g)
+        if e.op == "add":
+            self.grad(a, _fit(g, a.shape))
+            self.grad(b, _fit(g, b.shape))
+        elif e.op == "sub":
+            self.grad(a, _fit(g, a.shape))
+            self.grad(b, _fit(_neg(g), b.shape))
+        elif e.op == "mul":
+            self.grad(a, _fit(_arith("mul", g, b), a.shape))
+            self.grad(b, _fit(_arith("mul", g, a), b.shape))
+        elif e.op == "div":
+            self.grad(a, _fit(_arith("div", g, b), a.shape))
+            # ∂(a/b)/∂b = −(a/b)/b
+            self.grad(b, _fit(_neg(_arith("div", _arith("mul", g, e), b)), b.shape))
+        elif e.op == "pow":
+            # ∂(a^b)/∂a = b·a^(b−1), checked at a = 0 by the backend (an infinite slope for b < 1)
+            self.grad(a, _fit(Vjp(e.shape, "pow", (a, g, b), site=self.site(e)), a.shape))
+            # ∂(a^b)/∂b = a^b·log(a)
+            self.grad(b, _fit(_arith("mul", _arith("mul", g, e), ir.Apply(a.shape, "log", (a,))), b.shape))
+        else:
+            raise TypeError(f"internal error: no derivative rule for the operator {e.op}")
+
+    def dot(self, e: ir.Dot, g: ir.Expr) -> None:
+        a, b = e.left, e.right
+        if not a.shape or not b.shape:  # a scalar scales
+            self.arith(ir.Arith(e.shape, "mul", a, b, span=e.span), g)
+            return
+        if isinstance(a, ir.Identity):
+            self.grad(b, g)
+            return
+        if isinstance(b, ir.Identity):
+            self.grad(a, g)
+            return
+        g = self.pair(e, g)
+        if isinstance(a, ir.Diag):  # diag(d)·X scales X's rows: ∂d_i = Σ_j g_ij X_ij, ∂X = diag(d)·g
+            rows = Einsum(a.operand.shape, "einsum", (g, b), spec="ij,ij->i") if len(b.shape) == 2 \
+                else _arith("mul", g, b)
+            self.grad(a.operand, rows)
+            self.grad(b, ir.Dot(b.shape, a, g))
+            return
+        if isinstance(b, ir.Diag):  # X·diag(d) scales X's columns
+            cols = Einsum(b.operand.shape, "einsum", (g, a), spec="ij,ij->j") if len(a.shape) == 2 \
+                else _arith("mul", g, a)
+            self.grad(b.operand, cols)
+            self.grad(a, ir.Dot(a.shape, g, b))
+            return
+        ranks = (len(a.shape), len(b.shape))
+        if ranks == (1, 1):  # a·b is a scalar
+            self.grad(a, _arith("mul", g, b))
+            self.grad(b, _arith("mul", g, a))
+        elif ranks == (1, 2):  # (a·B)_j = Σ_i a_i B_ij
+            self.grad(a, ir.Dot(a.shape, b, g))
+            self.grad(b, ir.Outer(b.shape, a, g))
+        elif ranks == (2, 1):  # (A·b)_i = Σ_j A_ij b_j
+            self.grad(a, ir.Outer(a.shape, g, b))
+            self.grad(b, ir.Dot(b.shape, g, a))
+        else:  # numpy.dot: a's last axis with b's first
+            la = _LETTERS[:ranks[0]]
+            lb = la[-1] + _LETTERS[ranks[0]:ranks[0] + ranks[1] - 1]
+            lo = la[:-1] + lb[1:]
+            self.grad(a, Einsum(a.shape, "einsum", (g, b), spec=f"{lo},{lb}->{la}"))
+            self.grad(b, Einsum(b.shape, "einsum", (a, g), spec=f"{la},{lo}->{lb}"))
+
+    def outer(self, e: ir.Outer, g: ir.Expr) -> None:
+        a, b = e.left, e.right
+        g = self.pair(e, g)
+        if len(a.shape) == 1 and len(b.shape) == 1:
+            self.grad(a, ir.Dot(a.shape, g, b))
+            self.grad(b, ir.Dot(b.shape, a, g))
+            return
+        la, lb = _LETTERS[:len(a.shape)], _LETTERS[len(a.shape):len(a.shape) + len(b.shape)]
+        self.grad(a, Einsum(a.shape, "einsum", (g, b), spec=f"{la}{lb},{lb}->{la}"))
+        self.grad(b, Einsum(b.shape, "einsum", (a, g), spec=f"{la},{la}{lb}->{lb}"))
+
+    def apply(self, e: ir.Apply, g: ir.Expr) -> None:
+        (x,) = e.args
+        if e.function == "exp":
+            self.grad(x, _arith("mul", g, e))
+        elif e.function == "log":
+            self.grad(x, _arith("div", g, x))
+        else:  # the backend's vector–Jacobian product of the builtin
+            self.grad(x, Vjp(x.shape, e.function, (x, g), e.options, site=self.site(e)))
+
+
+
+# the forms whose backward is derived (see why_no_gradient)
+GRADIENT_FORMS = ("recurrent",)
+
+
+def why_no_gradient(compiled: Compiled, form: str) -> str | None:
+    """Why a gradient form of the program is not derived, or None (a gradient form needs the forward form
+    it differentiates)."""
+    d = compiled.decomposition
+    if form not in d.forms:
+        return f"there is no {form} forward form: {d.why_not(form)}"
+    reason = why_no_adjoint(compiled.program, d.sequence is not None)
+    if reason:
+        return reason
+    if form not in GRADIENT_FORMS:
+        return (f"the {form} backward is not derived: the recurrent backward (the adjoint recurrence run in "
+                f"reverse, states recomputed from checkpoints) computes the same gradients")
+    return None
