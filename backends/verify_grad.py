@@ -138,7 +138,7 @@ def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = F
                     else:
                         diff, err, worst = _against(result.grads, reference)
                         tol, note = FLOAT32_TOLERANCE, f"against float64; worst: {worst}"
-                    row = Row(f"{form} grad", backend, dtype, case.name, chunk, diff, err, tol,
+                    row = Row(form, backend, dtype, case.name, chunk, diff, err, tol,
                               bool(err <= tol), note)
                     rows.append(row)
                     if on_row:

@@ -351,6 +351,5 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
     if reason:
         return reason
     if form not in GRADIENT_FORMS:
-        return (f"the {form} backward is not derived: the recurrent backward (the adjoint recurrence run in "
-                f"reverse, states recomputed from checkpoints) computes the same gradients")
+        return f"not derived (the recurrent backward computes the same gradients)"
     return None

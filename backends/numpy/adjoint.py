@@ -41,7 +41,11 @@ class AdjointPrinter(NumpyPrinter):
         if isinstance(e, Vjp):
             helper = f"vjp_{e.function}"
             self.helpers.add(helper)
-            args = ", ".join(self(a) for a in e.args)
+            if e.function == "pow":  # elementwise with a scalar base or exponent: align the element axes
+                rank = len(e.shape)
+                args = ", ".join(self._expand(a, rank) or self(a) for a in e.args)
+            else:
+                args = ", ".join(self(a) for a in e.args)
             args += "".join(f", {k}={float(v)!r}" for k, v in e.options)
             if e.function in _SITED:
                 args += f", site={e.site!r}"
@@ -133,9 +137,9 @@ class _BackwardEmitter:
         if t.kind == "state":
             return f"{self.d[('state', t.name, t.version)]} += {value}"
         name = self.d[(t.kind, t.name)]
-        if t.kind == "input" or (t.kind == "let" and t.name not in self.adjoint.hoisted_lets):
-            return f"{name}{at} += {value}"
-        if t.kind == "let" and t.name in self.per_token_lets:
+        if t.kind == "let" and t.name not in self.adjoint.hoisted_lets:
+            return f"{name} += {value}"  # a value that reads a state: this token's, [B, H, *]
+        if t.kind == "input" or (t.kind == "let" and t.name in self.per_token_lets):
             return f"{name}{at} += {value}"
         self.helpers.add("unbroadcast")  # a param, or a value fixed per head: summed over what it broadcast along
         return f"{name} += unbroadcast({value}, {name}.shape)"
