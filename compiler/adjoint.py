@@ -351,5 +351,5 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
     if reason:
         return reason
     if form not in GRADIENT_FORMS:
-        return f"not derived (the recurrent backward computes the same gradients)"
+        return "not derived (the recurrent backward computes the same gradients)"
     return None

@@ -32,8 +32,7 @@ def _infinite_slope(where, x, g, site: str, builtin: str) -> None:
     if np.any(bad):
         index = [int(i) for i in np.argwhere(bad)[0]]
         raise RuntimeInputError(f"{builtin} has no derivative at 0 (its slope is infinite), and the gradient "
-                                f"needs it there: {site}, at index {index} of its argument (leading axes "
-                                f"batch, head). Keep the argument away from 0 (e.g. add a small constant)")
+                                f"needs it there: {site}, at index {index} of its argument. Keep the argument away from 0 (e.g. add a small constant)")
 
 
 def vjp_sigmoid(x, g):
