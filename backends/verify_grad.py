@@ -8,7 +8,8 @@ the fourth-order central difference (8(L(x + εd) − L(x − εd)) − (L(x + 2
 The error of one comparison is |fd − ⟨∇, d⟩| / max(|fd|, |⟨∇, d⟩|, r/1e-6), where r = 64·eps·Σ|terms of L|/ε
 bounds what rounding leaves of the difference quotient (a derivative that small — zero by cancellation, or
 through a decay of e^−300 — is checked to r in absolute terms). Tolerance: 1e-6 in float64. A float32
-gradient is compared with the float64 one: max|g32 − g64| / max|g64| ≤ 5e-4.
+gradient is compared with the float64 one: max|g32 − g64| / max|g64| ≤ 5e-4, max|g64| at least float32's
+eps times the largest gradient of the call (what float32 can hold beside it).
 """
 from __future__ import annotations
 
@@ -151,12 +152,15 @@ def _against(grads: dict, reference: dict | None) -> tuple[float, float, str]:
     if reference is None:
         return float("inf"), float("inf"), "no float64 reference"
     worst, worst_abs, name = 0.0, 0.0, ""
+    # an array far below the largest gradient (an initial state's, through a decay of e^−300) is compared at
+    # the float32 rounding of the largest: below that float32 cannot hold it (it underflows to zero)
+    largest = max((float(np.max(np.abs(ref), initial=0.0)) for ref in reference.values()), default=0.0)
     for k, ref in reference.items():
         got = np.asarray(grads[k], np.float64)
         if not np.all(np.isfinite(got)):
             return float("inf"), float("inf"), k
         diff = float(np.max(np.abs(got - ref), initial=0.0))
-        scale = float(np.max(np.abs(ref), initial=0.0))
+        scale = max(float(np.max(np.abs(ref), initial=0.0)), float(np.finfo(np.float32).eps) * largest)
         err = diff / scale if scale else diff
         if err >= worst:
             worst, worst_abs, name = err, diff, k

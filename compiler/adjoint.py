@@ -113,16 +113,14 @@ def why_no_adjoint(program: ir.Program, sequence_reads: bool) -> str | None:
     if sequence_reads:
         return ("the program reads the sequence (seq, lsh_attention, params over T): the backward of "
                 "attention over the sequence is not derived")
-    if not program.causal:
-        return ("the program is non-causal (its outputs read the final state): the backward is derived for "
-                "causal recurrences only")
     if not program.inputs:
         return "the program has no inputs"
     return None
 
 
 def derive(program: ir.Program, source: str = "", filename: str = "") -> Adjoint:
-    """The adjoint of a causal recurrence (see why_no_adjoint), derived from its statements."""
+    """The adjoint of a recurrence (see why_no_adjoint), derived from its statements. (For a non-causal one
+    the backend runs the outputs' adjoints first, every token reading the final states, then the updates'.)"""
     lets = program.lets
     hoisted = frozenset(n for n, v in lets.items() if not states_in(inline_lets(v, lets)))
     live = _Liveness(lets)

@@ -147,6 +147,17 @@ S = S·(I − beta·k⊗k) + beta·v⊗k
 z = sigmoid(f)*z + (1 − sigmoid(f))*v
 output o = S·q + z*sigmoid(v)
 """,
+    # non-causal: every output reads the final states
+    "noncausal": """
+recurrence bidir(dk = 4, dv = 3) noncausal
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dk, dv], z[dk]
+kk = l2norm(k)
+S = diag(exp(g))·S + kk⊗v
+z = z + exp(kk)
+y = q·S
+output o = y / (exp(q)·z) + q·S*sigmoid(v)
+""",
     # a per-head param whose default is computed from another (the gradient flows on when it is not given)
     "chained": """
 recurrence chained(dk = 4, dv = 3)

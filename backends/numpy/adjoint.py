@@ -100,21 +100,24 @@ class _BackwardEmitter:
         return name
 
     # ---- statements ----
-    def token_forward(self, printer, with_outputs: bool) -> list[str]:
+    def token_forward(self, printer, with_outputs: bool, with_updates: bool = True) -> list[str]:
         """One token's statements with both versions of each state named: S_prev (before this token's update)
         and S (after it). The caller binds S_prev first."""
         n, lines = self.em.name, []
         for step in self.p.steps:
             if isinstance(step, ir.Let) and step.name not in self.adjoint.hoisted_lets:
                 lines.append(f"{n(step.name)} = {printer(step.value)}")
-            elif isinstance(step, ir.Update):
+            elif isinstance(step, ir.Update) and with_updates:
                 lines.append(f"{n(step.state)} = {printer(step.value)}")
             elif isinstance(step, ir.Output) and with_outputs:
                 lines.append(f"{n(step.name)}[:, t] = {printer(step.value)}")
         self.helpers |= printer.helpers
         return lines
 
-    def step_adjoint(self, adj: StepAdjoint, printer: AdjointPrinter, token_index: str | None) -> list[str]:
+    def step_adjoint(self, adj: StepAdjoint, printer: AdjointPrinter, token_index: str | None,
+                     final_reads: bool = False) -> list[str]:
+        """The adjoint statements of one forward statement. final_reads: the statement read the final states
+        (a non-causal program's outputs), whatever version it names: their adjoints go to the final states'."""
         step = adj.step
         if isinstance(step, ir.Update):
             what = f"{step.state} = {to_text(step.value)}"
@@ -125,17 +128,18 @@ class _BackwardEmitter:
         lines = [f"# adjoint of {what}"]
         for s in adj.statements:
             if isinstance(s, Accumulate):
-                lines.append(self.accumulate(s, printer, token_index))
+                lines.append(self.accumulate(s, printer, token_index, final_reads))
             else:
                 lines.append(f"{self.grad_name(GradRef(s.value.shape, s.name), token_index)} = {printer(s.value)}")
         self.helpers |= printer.helpers
         return lines if len(lines) > 1 else []
 
-    def accumulate(self, s: Accumulate, printer: AdjointPrinter, token_index: str | None) -> str:
+    def accumulate(self, s: Accumulate, printer: AdjointPrinter, token_index: str | None,
+                   final_reads: bool = False) -> str:
         t, value = s.target, printer(s.value)
         at = f"[:, {token_index}]" if token_index else ""
         if t.kind == "state":
-            return f"{self.d[('state', t.name, t.version)]} += {value}"
+            return f"{self.d[('state', t.name, 'new' if final_reads else t.version)]} += {value}"
         name = self.d[(t.kind, t.name)]
         if t.kind == "let" and t.name not in self.adjoint.hoisted_lets:
             return f"{name} += {value}"  # a value that reads a state: this token's, [B, H, *]
@@ -159,11 +163,16 @@ class _BackwardEmitter:
                  _assign(S, [f"initial_state[\"{s}\"]" for s in states]),
                  f"{self.checkpoints} = []"]
         body += em.output_alloc()
+        causal = p.causal
         body += ["for t in range(tokens):",
                  f"    if t % {self.segment} == 0:",
                  f"        {self.checkpoints}.append(({', '.join(S)},))",
                  "    " + _assign(prev, S)]
-        body += ["    " + x for x in self.token_forward(loop, with_outputs=True)]
+        body += ["    " + x for x in self.token_forward(loop, with_outputs=causal)]
+        if not causal:
+            body += ["# non-causal: every output reads the final states",
+                     "for t in range(tokens):", "    " + _assign(prev, S)]
+            body += ["    " + x for x in self.token_forward(loop, with_outputs=True, with_updates=False)]
         body += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
                  "final_state = {" + ", ".join(f"\"{s}\": {n(s)}" for s in states) + "}"]
         body += ["", "# adjoints: of the outputs (given), the inputs, the params and the values computed for all tokens"]
@@ -182,6 +191,16 @@ class _BackwardEmitter:
         for s in states:
             body.append(f"{self.d[('state', s, 'new')]} = np.array(grad_final_state[\"{s}\"], dtype=dtype) "
                         f"if grad_final_state.get(\"{s}\") is not None else np.zeros_like({n(s)})")
+        zeros = [f"{self.d[('let', name)]} = np.zeros((batch, heads"
+                 + "".join(", " + n(d) for d in p.lets[name].shape) + "), dtype)" for name in self.adjoint.loop_lets]
+        if not causal:
+            body += ["", "# the outputs read the final states: their adjoints first, into the final states'",
+                     "for t in range(tokens):", "    " + _assign(prev, S)]
+            body += ["    " + x for x in self.token_forward(loop, with_outputs=False, with_updates=False)]
+            body += ["    " + x for x in zeros]
+            for adj in self.adjoint.loop:
+                if not isinstance(adj.step, ir.Update):
+                    body += ["    " + x for x in self.step_adjoint(adj, loop, "t", final_reads=True)]
         body += ["", "# the segments from the last: recompute their states from the checkpoint, then the adjoints "
                      "token by token in reverse",
                  f"for start in reversed(range(0, tokens, {self.segment})):",
@@ -196,12 +215,11 @@ class _BackwardEmitter:
                  "        " + _assign(prev, [f"*{self.before}[t - start]"]),
                  "        # this token's forward again: the values that read a state, the states after it"]
         body += ["        " + x for x in self.token_forward(loop, with_outputs=False)]
-        zeros = [f"{self.d[('state', s, 'prev')]} = np.zeros_like({self.prev[s]})" for s in states]
-        zeros += [f"{self.d[('let', name)]} = np.zeros((batch, heads"
-                  + "".join(", " + n(d) for d in p.lets[name].shape) + "), dtype)" for name in self.adjoint.loop_lets]
+        body += ["        " + f"{self.d[('state', s, 'prev')]} = np.zeros_like({self.prev[s]})" for s in states]
         body += ["        " + x for x in zeros]
         for adj in self.adjoint.loop:
-            body += ["        " + x for x in self.step_adjoint(adj, loop, "t")]
+            if causal or not isinstance(adj.step, ir.Output):
+                body += ["        " + x for x in self.step_adjoint(adj, loop, "t")]
         body += ["        " + f"{self.d[('state', s, 'new')]} = {self.d[('state', s, 'prev')]}" for s in states]
         top = [x for adj in self.adjoint.hoisted for x in self.step_adjoint(adj, prelude, None)]
         if top:
