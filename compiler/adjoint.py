@@ -18,13 +18,16 @@ used there with a nonzero upstream gradient.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 from ..dsl.errors import Span
 
 from . import Compiled, ir
-from .analysis import inline_lets, states_in, to_text, walk
+from .analysis import inline_lets, rebuild, states_in, to_text, walk
+from .builtins import SEQUENCE
+from .sequence import SequencePlan
 
 _LETTERS = "ijklmnpqrs"
 
@@ -33,7 +36,8 @@ _LETTERS = "ijklmnpqrs"
 @dataclass(frozen=True)
 class GradRef(ir.LetRef):
     """The adjoint of a value, read: kind "output" (the upstream gradient of an output at this token), "let",
-    "state" (version "prev" or "new"), "param", or "temp" (a gradient the sweep bound to a name because two
+    "state" (version "prev" or "new"), "param", "sequence" (of a seq(…) read's argument, gathered over the
+    tokens that read it), or "temp" (a gradient the sweep bound to a name because two
     subexpressions use it). A LetRef so that the IR's analyses treat it as the per-token value it is."""
 
     kind: str = "temp"
@@ -61,7 +65,7 @@ class Vjp(ir.Apply):
 @dataclass(frozen=True)
 class Target:
     """What a contribution accumulates into: kind "input" | "param" | "let" | "state" (version "prev" or
-    "new")."""
+    "new") | "sequence" (name: the index of a seq(…) read, its gradient at the visible positions)."""
 
     kind: str
     name: str
@@ -95,24 +99,37 @@ class StepAdjoint:
 
 
 @dataclass(frozen=True)
+class SequenceRead:
+    """seq(arg) (a program that reads the sequence): arg at every visible position. Its adjoint gathers, for
+    each position, the gradients of every token that read it; then they flow into arg, for all tokens."""
+
+    index: int
+    arg: ir.Expr
+
+
+@dataclass(frozen=True)
 class Adjoint:
     """A program's adjoint, per token: `loop` — the statements computed token by token (the updates, the
     outputs and the named values that read a state), in reverse order; `hoisted` — the named values that read
     no state, computed for all tokens at once before the loop, in reverse order; `params` — params whose
-    defaults are computed from other params, for when their defaults are used, in reverse order."""
+    defaults are computed from other params, for when their defaults are used, in reverse order. In a
+    program that reads the sequence (softmax attention), the named values that read it are inlined into the
+    outputs, and `sequences` holds the adjoint of each seq(x)."""
 
     loop: tuple[StepAdjoint, ...]
     hoisted: tuple[StepAdjoint, ...]
     params: tuple[StepAdjoint, ...]
     hoisted_lets: frozenset[str]
     loop_lets: tuple[str, ...]
+    sequences: tuple[StepAdjoint, ...] = ()  # seq(x) reads: their adjoints, run before `hoisted`
 
 
-def why_no_adjoint(program: ir.Program, sequence_reads: bool) -> str | None:
-    """Why the adjoint is not derived for a program (`sequence_reads`: it reads the sequence), or None."""
-    if sequence_reads:
-        return ("the program reads the sequence (seq, lsh_attention, params over T): the backward of "
-                "attention over the sequence is not derived")
+def why_no_adjoint(program: ir.Program, sequence: SequencePlan | None) -> str | None:
+    """Why the adjoint is not derived for a program (`sequence`: its plan, if it reads the sequence), or
+    None."""
+    if sequence is not None and sequence.kind != "attention":
+        return (f"the program reads the sequence other than through seq(…) ({sequence.kind}): only attention "
+                f"over seq(…) is differentiated")
     if not program.inputs:
         return "the program has no inputs"
     return None
@@ -121,11 +138,13 @@ def why_no_adjoint(program: ir.Program, sequence_reads: bool) -> str | None:
 def derive(program: ir.Program, source: str = "", filename: str = "") -> Adjoint:
     """The adjoint of a recurrence (see why_no_adjoint), derived from its statements. (For a non-causal one
     the backend runs the outputs' adjoints first, every token reading the final states, then the updates'.)"""
+    program = _sequence_reads_inlined(program)
     lets = program.lets
     hoisted = frozenset(n for n, v in lets.items() if not states_in(inline_lets(v, lets)))
     live = _Liveness(lets)
     site = functools.partial(_site, source=source, filename=filename)
-    loop, top = [], []
+    loop, top, sequences = [], [], []
+    _sweep = functools.partial(_sweep_statement, sequences=sequences)
     for step in reversed(program.steps):
         if isinstance(step, ir.Let):
             seed = GradRef(step.value.shape, step.name, kind="let")
@@ -141,8 +160,31 @@ def derive(program: ir.Program, source: str = "", filename: str = "") -> Adjoint
         if prm.default is not None and any(isinstance(n, ir.ParamRef) for n in walk(prm.default)):
             seed = GradRef(prm.shape, prm.name, kind="param")
             params.append(_sweep(prm.default, _fit(seed, prm.default.shape), live, site, prm, seed))
+    reads = []
+    for i, arg in enumerate(sequences):  # (an argument's own sweep reads no sequence: args are per token)
+        seed = GradRef(arg.shape, str(i), kind="sequence")
+        reads.append(_sweep(arg, seed, live, site, SequenceRead(i, arg)))
     loop_lets = tuple(n for n in lets if n not in hoisted)
-    return Adjoint(tuple(loop), tuple(top), tuple(params), hoisted, loop_lets)
+    return Adjoint(tuple(loop), tuple(top), tuple(params), hoisted, loop_lets, tuple(reads))
+
+
+def _sequence_reads_inlined(program: ir.Program) -> ir.Program:
+    """The program with every named value that reads the sequence (seq) inlined where it is used: such a
+    value is not per token ([T, *] at each token), so it is recomputed at each token with the outputs."""
+    lets = program.lets
+    reading = {n for n, v in lets.items() if any(isinstance(x, ir.Apply) and x.function in SEQUENCE
+                                                  for x in walk(inline_lets(v, lets)))}
+    if not reading:
+        return program
+
+    def unfold(e: ir.Expr) -> ir.Expr:
+        return rebuild(e, lambda n: unfold(lets[n.name]) if isinstance(n, ir.LetRef) and n.name in reading else n)
+    steps = []
+    for step in program.steps:
+        if isinstance(step, ir.Let) and step.name in reading:
+            continue
+        steps.append(dataclasses.replace(step, value=unfold(step.value)))
+    return dataclasses.replace(program, steps=tuple(steps))
 
 
 def _site(e: ir.Expr, source: str, filename: str) -> str:
@@ -168,14 +210,16 @@ class _Liveness:
                    or (isinstance(n, ir.LetRef) and n.name in self.live_lets) for n in walk(e))
 
 
-def _sweep(value: ir.Expr, seed: ir.Expr, live: _Liveness, site, step, named_seed: GradRef | None = None
-           ) -> StepAdjoint:
-    sweep = _Sweep(live, site, prefix=_temp_prefix(step))
+def _sweep_statement(value: ir.Expr, seed: ir.Expr, live: _Liveness, site, step,
+                     named_seed: GradRef | None = None, *, sequences: list[ir.Expr]) -> StepAdjoint:
+    sweep = _Sweep(live, site, prefix=_temp_prefix(step), sequences=sequences)
     sweep.grad(value, seed)
     return StepAdjoint(step, named_seed or seed, tuple(sweep.out))
 
 
 def _temp_prefix(step) -> str:
+    if isinstance(step, SequenceRead):
+        return f"g_seq{step.index}"
     name = step.state if isinstance(step, ir.Update) else step.name
     return f"g_{name}"
 
@@ -204,8 +248,9 @@ def _sum_axes(e: ir.Expr) -> bool:
 
 
 class _Sweep:
-    def __init__(self, live: _Liveness, site, prefix: str):
+    def __init__(self, live: _Liveness, site, prefix: str, sequences: list[ir.Expr]):
         self.live, self.site, self.prefix = live, site, prefix
+        self.sequences = sequences  # the arguments of seq(…) met so far, shared by the program's sweeps
         self.out: list[Accumulate | Bind] = []
 
     def shared(self, g: ir.Expr) -> ir.Expr:
@@ -325,6 +370,14 @@ class _Sweep:
         self.grad(b, Einsum(b.shape, "einsum", (a, g), spec=f"{la},{la}{lb}->{lb}"))
 
     def apply(self, e: ir.Apply, g: ir.Expr) -> None:
+        if e.function == "seq":  # the gradient at each visible position gathers into that position's
+            (x,) = e.args
+            if x not in self.sequences:
+                self.sequences.append(x)
+            self.out.append(Accumulate(Target("sequence", str(self.sequences.index(x))), g))
+            return
+        if e.function in SEQUENCE:
+            raise TypeError(f"internal error: no derivative rule for {e.function} (why_no_adjoint refuses it)")
         (x,) = e.args
         if e.function == "exp":
             self.grad(x, _arith("mul", g, e))
@@ -345,7 +398,7 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
     d = compiled.decomposition
     if form not in d.forms:
         return f"there is no {form} forward form: {d.why_not(form)}"
-    reason = why_no_adjoint(compiled.program, d.sequence is not None)
+    reason = why_no_adjoint(compiled.program, d.sequence)
     if reason:
         return reason
     if form not in GRADIENT_FORMS:

@@ -10,11 +10,12 @@ after them, for all tokens at once again.
 from __future__ import annotations
 
 from ..compiler import Compiled, ir
-from ..compiler.adjoint import Accumulate, Adjoint, Einsum, GradRef, StepAdjoint, Vjp, derive
+from ..compiler.adjoint import Accumulate, Adjoint, Einsum, GradRef, SequenceRead, StepAdjoint, Vjp, derive
 from ..compiler.analysis import to_text, walk
 from ..templating import environment
 from ..version import VERSION
 from .emitter import NUMPY_MODULES, Emitter, imports, source_comment
+from .sequence import visible_slice
 from .printer import ATOM, NumpyPrinter
 from .vjp import HELPERS
 
@@ -27,13 +28,16 @@ class AdjointPrinter(NumpyPrinter):
     """NumpyPrinter for derivative expressions: adjoints by name (`grad(node)`), contractions as einsum with
     the leading axes broadcast, builtins' vector–Jacobian products as calls of linrec.numpy.vjp."""
 
-    def __init__(self, ref, grad):
+    def __init__(self, ref, grad, seq=None):
         super().__init__(ref)
         self.grad = grad
+        self.seq = seq  # seq(x) → the code of x at the visible positions (programs that read the sequence)
 
     def _p(self, e: ir.Expr):
         if isinstance(e, GradRef):
             return self.grad(e), ATOM
+        if isinstance(e, ir.Apply) and e.function == "seq":
+            return self.seq(e.args[0]), ATOM
         if isinstance(e, Einsum):
             inputs, output = e.spec.split("->")
             spec = ",".join("..." + s for s in inputs.split(",")) + "->..." + output
@@ -75,6 +79,12 @@ class _BackwardEmitter:
         self.segment, self.checkpoints, self.before = em.fresh("segment"), em.fresh("checkpoints"), \
             em.fresh("states_before")
         self.per_token_lets = em.per_token
+        # programs that read the sequence: each seq(x) argument head-major [B, H, T, *], and its adjoint
+        self.seq_vars = {}
+        for adj in self.adjoint.sequences:
+            arg = adj.step.arg
+            label = n(arg.name) if isinstance(arg, (ir.InputRef, ir.LetRef)) else f"x{adj.step.index}"
+            self.seq_vars[adj.step.index] = (em.fresh(f"{label}_seq"), em.fresh(f"d_{label}_seq"))
 
     # ---- printers ----
     def printer(self, token_index: str | None) -> AdjointPrinter:
@@ -85,13 +95,19 @@ class _BackwardEmitter:
             if isinstance(node, ir.StateRef):
                 return prev[node.name] if node.version == "prev" else self.em.name(node.name)
             return base.ref(node)
-        return AdjointPrinter(ref, lambda g: self.grad_name(g, token_index))
+
+        def seq(arg: ir.Expr) -> str:
+            index = next(a.step.index for a in self.adjoint.sequences if a.step.arg == arg)
+            return f"{self.seq_vars[index][0]}[:, :, keys]"
+        return AdjointPrinter(ref, lambda g: self.grad_name(g, token_index), seq)
 
     def grad_name(self, g: GradRef, token_index: str | None) -> str:
         if g.kind == "temp":
             return self.temps.setdefault(g.name, self.em.fresh(g.name))
         if g.kind == "state":
             return self.d[("state", g.name, g.version)]
+        if g.kind == "sequence":  # (read for all tokens at once: back to [B, T, H, *])
+            return f"np.swapaxes({self.seq_vars[int(g.name)][1]}, 1, 2)"
         name = self.d[(g.kind, g.name)]
         at = f"[:, {token_index}]" if token_index else ""
         if g.kind == "output" or (g.kind == "let" and g.name in self.per_token_lets and g.name in
@@ -119,7 +135,9 @@ class _BackwardEmitter:
         """The adjoint statements of one forward statement. final_reads: the statement read the final states
         (a non-causal program's outputs), whatever version it names: their adjoints go to the final states'."""
         step = adj.step
-        if isinstance(step, ir.Update):
+        if isinstance(step, SequenceRead):
+            what = f"seq({to_text(step.arg)}), gathered over the tokens that read each position"
+        elif isinstance(step, ir.Update):
             what = f"{step.state} = {to_text(step.value)}"
         elif isinstance(step, ir.Param):
             what = f"param {step.name} = {to_text(step.default)}"
@@ -140,6 +158,8 @@ class _BackwardEmitter:
         at = f"[:, {token_index}]" if token_index else ""
         if t.kind == "state":
             return f"{self.d[('state', t.name, 'new' if final_reads else t.version)]} += {value}"
+        if t.kind == "sequence":  # this token's gradient at the positions it sees
+            return f"{self.seq_vars[int(t.name)][1]}[:, :, keys] += {value}"
         name = self.d[(t.kind, t.name)]
         if t.kind == "let" and t.name not in self.adjoint.hoisted_lets:
             return f"{name} += {value}"  # a value that reads a state: this token's, [B, H, *]
@@ -149,7 +169,74 @@ class _BackwardEmitter:
         return f"{name} += unbroadcast({value}, {name}.shape)"
 
     # ---- the module ----
+    def adjoint_arrays(self) -> list[str]:
+        """The adjoints' arrays: of the outputs (given), the inputs, the params, the values computed for all
+        tokens."""
+        p, n = self.p, self.em.name
+        body = ["", "# adjoints: of the outputs (given), the inputs, the params and the values computed for all tokens"]
+        for o in p.outputs:
+            body.append(f"{self.d[('output', o.name)]} = grad_outputs[\"{o.name}\"]")
+        for x in p.inputs:
+            body.append(f"{self.d[('input', x.name)]} = np.zeros_like({n(x.name)})")
+        for prm in p.params:
+            body.append(f"{self.d[('param', prm.name)]} = np.zeros(np.shape({n(prm.name)}), dtype)")
+        for name in p.lets:
+            if name in self.adjoint.hoisted_lets:
+                shape = f"np.shape({n(name)})" if name not in self.per_token_lets else \
+                    "(batch, tokens, heads" + "".join(", " + n(d) for d in p.lets[name].shape) + ")"
+                body.append(f"{self.d[('let', name)]} = np.zeros({shape}, dtype)")
+        return body
+
+    def tail(self, prelude: AdjointPrinter) -> list[str]:
+        """After the token loops: the sequence reads', the hoisted values' and the params' adjoints, for all
+        tokens at once; the gradients returned."""
+        p, body = self.p, []
+        reads = [x for adj in self.adjoint.sequences for x in self.step_adjoint(adj, prelude, None)]
+        if reads:
+            body += ["", "# the sequence's positions, each with the gradients of every token that read it"] + reads
+        top = [x for adj in self.adjoint.hoisted for x in self.step_adjoint(adj, prelude, None)]
+        if top:
+            body += ["", "# the values that do not depend on a state, for all tokens at once"] + top
+        if self.adjoint.params:
+            body += ["", "# params whose default is computed from other params: where the default was used, "
+                         "the gradient flows on"] + self.param_chain()
+        grads = [f"\"{x.name}\": {self.d[('input', x.name)]}" for x in p.inputs]
+        grads += [f"\"{prm.name}\": {self.d[('param', prm.name)]}" for prm in p.params]
+        grads += [f"\"{s.name}\": {self.d[('state', s.name, 'new')]}" for s in p.states]
+        return body + ["", "grads = {" + ", ".join(grads) + "}", "return outputs, final_state, grads"]
+
+    def attention_body(self) -> list[str]:
+        """A program that reads the sequence (softmax attention): each token against the positions it sees
+        (the KV cache), forward, then each token's adjoint, whose gradients at the positions gather into the
+        sequence's adjoint."""
+        em, p, n = self.em, self.p, self.em.name
+        prelude, loop = self.printer(None), self.printer("t")
+        body = em.prologue() + [f"causal = {p.causal}"]
+        body += em.hoisted_lets(prelude, "per-token values, for all tokens at once")
+        body += ["", "# the sequence, head-major [B, H, T, *]: what seq(x) reads"]
+        for adj in self.adjoint.sequences:
+            body.append(f"{self.seq_vars[adj.step.index][0]} = np.swapaxes({prelude(adj.step.arg)}, 1, 2)")
+        lo, hi = visible_slice(p.causal, self.c.decomposition.sequence.window)
+        body += em.output_alloc()
+        body += ["", "# the forward: each token against the positions it sees (the KV cache)",
+                 "for t in range(tokens):", f"    keys = slice({lo}, {hi})"]
+        body += ["    " + x for x in self.token_forward(loop, with_outputs=True)]
+        body += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
+                 "final_state = {}"]
+        body += self.adjoint_arrays()
+        body += [f"{d} = np.zeros_like({var})" for var, d in self.seq_vars.values()]
+        body += ["", "# each token's adjoint: its gradients at the positions it sees gather into the sequence's",
+                 "for t in range(tokens):", f"    keys = slice({lo}, {hi})"]
+        for adj in self.adjoint.loop:
+            body += ["    " + x for x in self.step_adjoint(adj, loop, "t")]
+        tail = self.tail(prelude)
+        self.helpers |= prelude.helpers | loop.helpers
+        return body + tail
+
     def body(self) -> list[str]:
+        """The recurrent backward of a recurrence (one that reads the sequence: attention_body)."""
+        if self.c.decomposition.sequence is not None:
+            return self.attention_body()
         em, p, n = self.em, self.p, self.em.name
         states = [s.name for s in p.states]
         S = [n(s) for s in states]
@@ -175,18 +262,7 @@ class _BackwardEmitter:
             body += ["    " + x for x in self.token_forward(loop, with_outputs=True, with_updates=False)]
         body += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
                  "final_state = {" + ", ".join(f"\"{s}\": {n(s)}" for s in states) + "}"]
-        body += ["", "# adjoints: of the outputs (given), the inputs, the params and the values computed for all tokens"]
-        for o in p.outputs:
-            body.append(f"{self.d[('output', o.name)]} = grad_outputs[\"{o.name}\"]")
-        for x in p.inputs:
-            body.append(f"{self.d[('input', x.name)]} = np.zeros_like({n(x.name)})")
-        for prm in p.params:
-            body.append(f"{self.d[('param', prm.name)]} = np.zeros(np.shape({n(prm.name)}), dtype)")
-        for name in p.lets:
-            if name in self.adjoint.hoisted_lets:
-                shape = f"np.shape({n(name)})" if name not in self.per_token_lets else \
-                    "(batch, tokens, heads" + "".join(", " + n(d) for d in p.lets[name].shape) + ")"
-                body.append(f"{self.d[('let', name)]} = np.zeros({shape}, dtype)")
+        body += self.adjoint_arrays()
         body.append("# of the states after the last token")
         for s in states:
             body.append(f"{self.d[('state', s, 'new')]} = np.array(grad_final_state[\"{s}\"], dtype=dtype) "
@@ -221,18 +297,9 @@ class _BackwardEmitter:
             if causal or not isinstance(adj.step, ir.Output):
                 body += ["        " + x for x in self.step_adjoint(adj, loop, "t")]
         body += ["        " + f"{self.d[('state', s, 'new')]} = {self.d[('state', s, 'prev')]}" for s in states]
-        top = [x for adj in self.adjoint.hoisted for x in self.step_adjoint(adj, prelude, None)]
-        if top:
-            body += ["", "# the values that do not depend on a state, for all tokens at once"] + top
-        if self.adjoint.params:
-            chain = self.param_chain()
-            body += ["", "# params whose default is computed from other params: where the default was used, "
-                         "the gradient flows on"] + chain
-        grads = [f"\"{x.name}\": {self.d[('input', x.name)]}" for x in p.inputs]
-        grads += [f"\"{prm.name}\": {self.d[('param', prm.name)]}" for prm in p.params]
-        grads += [f"\"{s}\": {self.d[('state', s, 'new')]}" for s in states]
-        body += ["", "grads = {" + ", ".join(grads) + "}", "return outputs, final_state, grads"]
-        return body
+        tail = self.tail(prelude)
+        self.helpers |= prelude.helpers | loop.helpers
+        return body + tail
 
     def param_chain(self) -> list[str]:
         printer = self.printer(None)
