@@ -7,8 +7,9 @@ direction d, and the loss L = Σ ḡ_o·o + Σ ḡ_S·S_T with random upstream g
 the fourth-order central difference (8(L(x + εd) − L(x − εd)) − (L(x + 2εd) − L(x − 2εd))) / 12ε, ε = 1e-5.
 The error of one comparison is |fd − ⟨∇, d⟩| / max(|fd|, |⟨∇, d⟩|, r/1e-6), where r = 64·eps·Σ|terms of L|/ε
 bounds what rounding leaves of the difference quotient (a derivative that small — zero by cancellation, or
-through a decay of e^−300 — is checked to r in absolute terms). Tolerance: 1e-6 in float64. A float32
-gradient is compared with the float64 one: max|g32 − g64| / max|g64| ≤ 5e-4, max|g64| at least float32's
+through a decay of e^−300 — is checked to r in absolute terms). Tolerance: 1e-6 in float64. Every other
+gradient form (parallel, chunkwise) is compared with the float64 recurrent gradient at 1e-9, and a float32
+gradient of any form at 5e-4: max|g32 − g64| / max|g64| ≤ 5e-4, max|g64| at least float32's
 eps times the largest gradient of the call (what float32 can hold beside it).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .compiler.builtins import SEQ
 from .verify import Row, _initial_state, _params_without_default
 
 FD_TOLERANCE = 1e-6
+FORM_TOLERANCE = 1e-9       # another gradient form in float64 against the recurrent one
 FLOAT32_TOLERANCE = 5e-4
 EPSILON = 1e-5   # the step of the central differences
 ROUNDING = 64 * np.finfo(np.float64).eps  # the relative rounding error of a loss, generously
@@ -113,14 +115,17 @@ def _case_arrays(rec, case: Case, seed: int):
 
 def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = False, seed: int = 0,
         on_row=None) -> list[Row]:
+    """The recurrent gradient in float64 against finite differences; every other gradient form in float64
+    against it (1e-9, the forms' tolerance); float32 gradients against the float64 recurrent one (5e-4)."""
     rows = []
     plan = gradient_forms(rec, backends)
+    plan.sort(key=lambda fb: fb[0] != "recurrent")  # (the recurrent gradient first: the others' reference)
     for case in battery(rec.program, quick):
         if not plan:
             break
         inputs, params, state0, g_out, g_state = _case_arrays(rec, case, seed)
+        reference = None
         for form, backend in plan:
-            reference = None
             for dtype in dtypes:
                 for chunk in (case.chunk_sizes if dtype == "float64" else (None,)):
                     cast = {k: v.astype(dtype) for k, v in inputs.items()}
@@ -129,7 +134,7 @@ def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = F
                                      initial_state={k: v.astype(dtype) for k, v in state0.items()},
                                      params={k: v.astype(dtype) for k, v in params.items()},
                                      dims=case.dims, chunk_size=chunk)
-                    if dtype == "float64":
+                    if dtype == "float64" and form == "recurrent":
                         errors = directional_errors(rec, inputs, params, state0, g_out, g_state, result.grads,
                                                     case.dims, seed)
                         worst = max(errors, key=lambda k: errors[k][1]) if errors else ""
@@ -137,8 +142,12 @@ def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = F
                         tol, note = FD_TOLERANCE, f"finite differences; worst: {worst}"
                         reference = reference or result.grads
                     else:
+                        if reference is None:  # (no recurrent gradient to compare with: the float64 one of this form)
+                            reference = rec.vjp(inputs, g_out, form=form, backend=backend, grad_final_state=g_state,
+                                                initial_state=state0, params=params, dims=case.dims).grads
                         diff, err, worst = _against(result.grads, reference)
-                        tol, note = FLOAT32_TOLERANCE, f"against float64; worst: {worst}"
+                        tol = FORM_TOLERANCE if dtype == "float64" else FLOAT32_TOLERANCE
+                        note = f"against the float64 recurrent gradient; worst: {worst}"
                     row = Row(form, backend, dtype, case.name, chunk, diff, err, tol,
                               bool(err <= tol), note)
                     rows.append(row)
@@ -148,19 +157,20 @@ def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = F
 
 
 def _against(grads: dict, reference: dict | None) -> tuple[float, float, str]:
-    """(max abs, max rel, the worst array's name) of float32 gradients against the float64 ones."""
+    """(max abs, max rel, the worst array's name) of gradients against the float64 recurrent ones."""
     if reference is None:
         return float("inf"), float("inf"), "no float64 reference"
     worst, worst_abs, name = 0.0, 0.0, ""
     # an array far below the largest gradient (an initial state's, through a decay of e^−300) is compared at
-    # the float32 rounding of the largest: below that float32 cannot hold it (it underflows to zero)
+    # the rounding of the largest: below that the dtype cannot hold it beside the largest (float32 underflows
+    # to zero; a sum in another order leaves float64 rounding of the largest terms)
     largest = max((float(np.max(np.abs(ref), initial=0.0)) for ref in reference.values()), default=0.0)
     for k, ref in reference.items():
         got = np.asarray(grads[k], np.float64)
         if not np.all(np.isfinite(got)):
             return float("inf"), float("inf"), k
         diff = float(np.max(np.abs(got - ref), initial=0.0))
-        scale = max(float(np.max(np.abs(ref), initial=0.0)), float(np.finfo(np.float32).eps) * largest)
+        scale = max(float(np.max(np.abs(ref), initial=0.0)), float(np.finfo(grads[k].dtype).eps) * largest)
         err = diff / scale if scale else diff
         if err >= worst:
             worst, worst_abs, name = err, diff, k

@@ -37,7 +37,7 @@ _LETTERS = "ijklmnpqrs"
 class GradRef(ir.LetRef):
     """The adjoint of a value, read: kind "output" (the upstream gradient of an output at this token), "let",
     "state" (version "prev" or "new"), "param", "sequence" (of a seq(…) read's argument, gathered over the
-    tokens that read it), or "temp" (a gradient the sweep bound to a name because two
+    tokens that read it), "quantity" (of a per-token array of the decomposition), or "temp" (a gradient the sweep bound to a name because two
     subexpressions use it). A LetRef so that the IR's analyses treat it as the per-token value it is."""
 
     kind: str = "temp"
@@ -65,7 +65,8 @@ class Vjp(ir.Apply):
 @dataclass(frozen=True)
 class Target:
     """What a contribution accumulates into: kind "input" | "param" | "let" | "state" (version "prev" or
-    "new") | "sequence" (name: the index of a seq(…) read, its gradient at the visible positions)."""
+    "new") | "sequence" (name: the index of a seq(…) read, its gradient at the visible positions) |
+    "readout" (name: a readout's index, in a decomposition's outputs)."""
 
     kind: str
     name: str
@@ -206,7 +207,7 @@ class _Liveness:
         return any(isinstance(n, (ir.InputRef, ir.ParamRef, ir.StateRef)) for n in walk(e))
 
     def __call__(self, e: ir.Expr) -> bool:
-        return any(isinstance(n, (ir.InputRef, ir.ParamRef, ir.StateRef))
+        return any(isinstance(n, (ir.InputRef, ir.ParamRef, ir.StateRef, ir.ReadoutRef))
                    or (isinstance(n, ir.LetRef) and n.name in self.live_lets) for n in walk(e))
 
 
@@ -220,6 +221,8 @@ def _sweep_statement(value: ir.Expr, seed: ir.Expr, live: _Liveness, site, step,
 def _temp_prefix(step) -> str:
     if isinstance(step, SequenceRead):
         return f"g_seq{step.index}"
+    if isinstance(step, Quantity):
+        return "g_" + step.label.replace(".", "_")
     name = step.state if isinstance(step, ir.Update) else step.name
     return f"g_{name}"
 
@@ -273,6 +276,8 @@ class _Sweep:
             self.out.append(Accumulate(Target("let", e.name), g))
         elif isinstance(e, ir.StateRef):
             self.out.append(Accumulate(Target("state", e.name, e.version), g))
+        elif isinstance(e, ir.ReadoutRef):  # (the outputs of a decomposition, over its readouts q·S)
+            self.out.append(Accumulate(Target("readout", str(e.index)), g))
         elif isinstance(e, ir.Neg):
             self.grad(e.operand, _neg(g))
         elif isinstance(e, ir.Arith):
@@ -388,8 +393,8 @@ class _Sweep:
 
 
 
-# the forms whose backward is derived (see why_no_gradient)
-GRADIENT_FORMS = ("recurrent",)
+# the forms whose backward is derived where the program allows (see why_no_gradient)
+GRADIENT_FORMS = ("recurrent", "parallel", "chunkwise")
 
 
 def why_no_gradient(compiled: Compiled, form: str) -> str | None:
@@ -401,6 +406,92 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
     reason = why_no_adjoint(compiled.program, d.sequence)
     if reason:
         return reason
-    if form not in GRADIENT_FORMS:
-        return "not derived (the recurrent backward computes the same gradients)"
+    if form != "recurrent":
+        return why_no_decomposed_adjoint(compiled, form)
     return None
+
+
+# ---- the adjoint over the decomposition: the parallel and chunkwise backward ------------------------------
+# For a state whose update is a decay plus rank-one writes, read by readouts q·S, the adjoint is again such a
+# recurrence, run in reverse: a backend runs it as a masked product inside a chunk, with the adjoint state
+# passed from chunk to chunk (adjoint.md). What is left is the chain rule from the outputs to the readouts,
+# and from the per-token arrays of the decomposition (log-decay, keys, values, queries) to the inputs and
+# params: sweeps over those expressions, for all tokens at once.
+@dataclass(frozen=True)
+class Quantity:
+    """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay", "S.key0",
+    "S.value0", "r1" — a readout's query) and the expression it is computed from."""
+
+    label: str
+    value: ir.Expr
+
+    @property
+    def name(self) -> str:
+        return self.label
+
+
+@dataclass(frozen=True)
+class DecomposedAdjoint:
+    """outputs: each output's adjoint, over the readouts (seeding their adjoints, kind "readout") and the
+    values that read no state; quantities: the sweep of each per-token array's adjoint (kind "quantity")
+    into the inputs, params and named values; hoisted and params as in Adjoint."""
+
+    outputs: tuple[StepAdjoint, ...]
+    quantities: tuple[StepAdjoint, ...]
+    hoisted: tuple[StepAdjoint, ...]
+    params: tuple[StepAdjoint, ...]
+    hoisted_lets: frozenset[str]
+
+
+def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
+    """Why the parallel or chunkwise backward (a decay plus rank-one writes, run in reverse) is not derived
+    for a program, or None."""
+    d = compiled.decomposition
+    if d.sequence is not None:
+        return f"the {form} backward of attention over the sequence is not derived"
+    if not compiled.program.causal:
+        return f"the {form} backward of a non-causal program is not derived"
+    for t in d.transitions:
+        if t.corrections:
+            return (f"'{t.state}' has {len(t.corrections)} rank-one correction(s): their {form} backward (the "
+                    f"UT transform of the adjoint, run in reverse) is not derived")
+        if t.value_decay is not None:
+            return f"'{t.state}' decays its value axis: the {form} backward of that is not derived"
+    if d.transposed:
+        return f"{', '.join(sorted(d.transposed))} is carried transposed: the {form} backward of that is not derived"
+    if any(r.is_value for r in d.readouts):
+        return f"an output reads a state as a value (not q·S): the {form} backward of that is not derived"
+    return None
+
+
+def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoint:
+    """The adjoint of a program's outputs over its readouts, and of its decomposition's per-token arrays (see
+    why_no_decomposed_adjoint). `refold`: the backend's folding of inlined named values back to their names."""
+    program, d = compiled.program, compiled.decomposition
+    lets = program.lets
+    hoisted = frozenset(n for n, v in lets.items() if not states_in(inline_lets(v, lets)))
+    live = _Liveness(lets)
+    site = functools.partial(_site, source=compiled.source, filename=compiled.filename)
+    sweep = functools.partial(_sweep_statement, sequences=[])
+    outputs = []
+    for name, expr in reversed(d.outputs):
+        value = refold(expr)
+        outputs.append(sweep(value, GradRef(value.shape, name, kind="output"), live, site, ir.Output(name, value)))
+    quantities = []
+
+    def quantity(label: str, expr: ir.Expr | None):
+        if expr is not None:
+            value = refold(expr)
+            seed = GradRef(value.shape, label, kind="quantity")
+            quantities.append(sweep(value, seed, live, site, Quantity(label, value)))
+    for t in d.transitions:
+        quantity(f"{t.state}.log_decay", t.log_decay)
+        for j, (key, value) in enumerate(t.writes):
+            quantity(f"{t.state}.key{j}", key)
+            quantity(f"{t.state}.value{j}", value)
+    for r in d.readouts:
+        quantity(f"r{r.index}", r.query)
+    top = [sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step)
+           for step in reversed(program.steps) if isinstance(step, ir.Let) and step.name in hoisted]
+    chained = derive(program, compiled.source, compiled.filename).params
+    return DecomposedAdjoint(tuple(outputs), tuple(quantities), tuple(top), chained, hoisted)

@@ -147,6 +147,17 @@ S = S·(I − beta·k⊗k) + beta·v⊗k
 z = sigmoid(f)*z + (1 − sigmoid(f))*v
 output o = S·q + z*sigmoid(v)
 """,
+    # reads before the update, a decay whose log is taken numerically, a vector state, two readouts of one state
+    "before": """
+recurrence before(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], a[dk]
+param gamma per head = uniform(0.5, 0.9, seed=1)
+state S[dk, dv], z[dk]
+output o = (q·S) / (1 + sigmoid(q)·z)
+S = diag(sigmoid(a))·S + k⊗v
+z = gamma*z + sigmoid(k)
+output p = (2*q)·S
+""",
     # non-causal: every output reads the final states
     "noncausal": """
 recurrence bidir(dk = 4, dv = 3) noncausal
@@ -231,6 +242,59 @@ def test_mamba2_a_log():
     np.testing.assert_allclose(result.grads["A_log"], result.grads["A"] * result.params["A"], rtol=1e-12)
 
 
+# ---- the parallel and chunkwise backward -----------------------------------------------------------------
+FORM_TOLERANCE = 1e-9  # another gradient form in float64 against the recurrent one (the forms' tolerance)
+
+
+def assert_same_gradients(got, reference, tolerance=FORM_TOLERANCE):
+    """max|got − ref| / max|ref| per array (an array far below the call's largest gradient — an initial
+    state's through a decay of e^−300 — at the rounding of the largest), outputs and final states too."""
+    largest = max(float(np.max(np.abs(v), initial=0.0)) for v in reference.grads.values())
+    for name, ref in reference.grads.items():
+        scale = max(float(np.max(np.abs(ref), initial=0.0)), np.finfo(got.grads[name].dtype).eps * largest)
+        assert np.max(np.abs(got.grads[name] - ref), initial=0.0) <= tolerance * scale, name
+    for group in ("outputs", "final_state"):
+        for name, ref in getattr(reference, group).items():
+            err = np.max(np.abs(getattr(got, group)[name] - ref), initial=0.0)
+            assert err <= tolerance * np.max(np.abs(ref), initial=1e-300), name
+
+
+DERIVED = [("example", name) for name in ("gla", "mamba2", "retnet", "linear_transformer", "performer")] + \
+    [("program", name) for name in ("elementwise", "vectors", "before", "chained")]
+
+
+@pytest.mark.parametrize("kind, name", DERIVED)
+@pytest.mark.parametrize("form", ["parallel", "chunkwise"])
+def test_parallel_and_chunkwise_backward(kind, name, form):
+    """Decay plus writes, read by q·S: the adjoint recurrence run chunk by chunk in reverse (and as one chunk:
+    the parallel form) gives the recurrent backward's gradients to 1e-9 — ragged T with chunks of 4, strong
+    decay, T = 1, a sequence of several default chunks; float32 at 5e-4."""
+    rec = example(name) if kind == "example" else linrec.compile(PROGRAMS[name])
+    assert gradient_refusal(rec, form, "numpy") is None
+    small = {d.name: min(d.default, 6) for d in rec.program.dims}
+    for batch, tokens, heads, scale, chunk in [(2, 13, 3, 1.0, 4), (2, 20, 2, 40.0, 8), (1, 1, 2, 1.0, None),
+                                              (1, 150, 1, 1.0, None)]:
+        x, p, s0, g_out, g_state = arrays_for(rec, batch, tokens, heads, small, seed=11, decay_scale=scale)
+        reference = rec.vjp(x, g_out, grad_final_state=g_state, initial_state=s0, params=p, dims=small)
+        got = rec.vjp(x, g_out, grad_final_state=g_state, initial_state=s0, params=p, dims=small, form=form,
+                      chunk_size=chunk)
+        assert_same_gradients(got, reference)
+    f32 = lambda d: {k: v.astype(np.float32) for k, v in d.items()}  # noqa: E731
+    got = rec.vjp(f32(x), f32(g_out), grad_final_state=f32(g_state), initial_state=f32(s0), params=f32(p),
+                  dims=small, form=form)
+    assert_same_gradients(got, reference, 5e-4)
+
+
+def test_which_programs_have_the_derived_backward():
+    """From the structure: programs with rank-one corrections (the delta rule), non-causal ones and attention
+    have the recurrent backward only (reads before the update are no obstacle: `before` above)."""
+    for name in ("deltanet", "gated_deltanet", "softmax"):
+        assert gradient_refusal(example(name), "recurrent", "numpy") is None
+        assert gradient_refusal(example(name), "chunkwise", "numpy") is not None
+    for name in ("values", "noncausal", "window"):
+        assert gradient_refusal(linrec.compile(PROGRAMS[name]), "parallel", "numpy") is not None
+
+
 # ---- checkpoints, outputs, shapes ------------------------------------------------------------------------
 def test_checkpoint_interval_changes_nothing():
     rec = example("gated_deltanet")
@@ -304,8 +368,9 @@ def test_forms_and_backends_without_a_gradient():
     rec = example("gla")
     inputs = rec.random_inputs(1, 4, 1, {"dk": 4, "dv": 4})
     g_out = {"o": np.ones((1, 4, 1, 4))}
-    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the numpy backend: not derived"):
-        rec.vjp(inputs, g_out, form="chunkwise")
+    delta = example("deltanet")
+    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the numpy backend: 'S' has 1 rank-one"):
+        delta.vjp(delta.random_inputs(1, 4, 1), {"o": np.ones((1, 4, 1, 16))}, form="chunkwise")
     with pytest.raises(linrec.LinrecError, match="no recurrent gradient on the c backend: the C backend derives no"):
         rec.vjp(inputs, g_out, backend="c")
     reformer = example("reformer")

@@ -5,9 +5,10 @@
     derived.py    the derived forms: the decomposition as per-token arrays, handed to the scans of scan.py
     sequence.py   the generated modules of programs that read the sequence (softmax attention and relatives)
     adjoint.py    the recurrent backward: the adjoint of the statements (compiler.adjoint) as a reverse sweep
+    adjoint_derived.py  the parallel and chunkwise backward, from the decomposition (adjoint_scan.py runs it)
     emitter.py    what every generated module shares: names, printers, prologue, the template and its imports
     printer.py    IR expressions as NumPy code
-    runtime.py, scan.py, attention.py, vjp.py   what the generated code calls: builtins, the scans of the
+    runtime.py, scan.py, attention.py, vjp.py, adjoint_scan.py   what the generated code calls: builtins, the scans of the
                   derived forms, masks and softmax, the builtins' vector–Jacobian products
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..interface import DEFINITION, INTERPRETED, Capabilities, Refusal, no_such_
 from . import backend as recurrences
 from . import sequence
 from .adjoint import emit_backward
+from .adjoint_derived import emit_decomposed_backward
 
 
 class NumpyBackend:
@@ -55,7 +57,7 @@ class NumpyBackend:
         return None if reason is None else Refusal(reason)
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
-        return emit_backward(compiled)
+        return emit_backward(compiled) if form == "recurrent" else emit_decomposed_backward(compiled, form)
 
     def load_gradient(self, compiled: Compiled, form: str):
         module = recurrences.module_from_source(self.emit_gradient(compiled, form), compiled, form, "backward")
