@@ -630,8 +630,8 @@ def _add_verify(parser: argparse.ArgumentParser):
                              "against examples/softmax.lin)")
     parser.add_argument("--seeds", type=_positive_int, default=8, help="seeds averaged by --against")
     parser.add_argument("--grad", action="store_true",
-                        help="instead: every gradient form against central finite differences of the float64 "
-                             "forward (float32 against float64; docs/gradients.md)")
+                        help="instead: the gradient forms: the recurrent one against central finite differences "
+                             "of the float64 forward, the others against it (docs/gradients.md)")
     parser.epilog = """\
 examples:
   linrec verify examples/performer.lin --against examples/softmax.lin
@@ -669,7 +669,8 @@ def _verify_gradients(rec, args) -> int:
         why = "; ".join(f"{f} on {b}: {w}" for f, b, w in verify_grad.missing(rec, backends) if f == "recurrent")
         raise LinrecError(f"'{rec.name}' has no gradient form to verify: {why}")
     if not args.json:
-        print(f"{rec.name}: every gradient form against central finite differences of the float64 forward")
+        print(f"{rec.name}: the recurrent gradient against central finite differences of the float64 forward, "
+              f"the other gradient forms against it")
         print(verify.HEADER)
     rows = verify_grad.run(rec, backends=backends, dtypes=tuple(args.dtype or ("float64", "float32")),
                            quick=args.quick, seed=args.seed,

@@ -106,7 +106,7 @@ class _DecomposedEmitter(_BackwardEmitter):
             for r in reads) + "]")
         vector = len(st.shape) == 1
         s0 = f"initial_state[\"{st.name}\"]" + ("[..., None]" if vector else "")
-        targets = "".join(self.readout_vars[r.index] + ", " for r in reads)
+        targets = ", ".join(self.readout_vars[r.index] for r in reads)
         lines.append(f"[{targets}], {n(st.name)}, {starts} = decay_scan({s0}, {decay}, {writes}, {queries}, {self.chunk})")
         if vector:  # a vector state is carried as one column
             lines += [f"{n(st.name)} = {n(st.name)}[..., 0]"]
