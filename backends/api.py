@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arrays, compiler, form_choice, registry
+from . import arrays, compiler, form_choice, gradients, registry
 from .c import build as c_build
 from .compiler import Compiled
 from .compiler.constants import check_constants, program_expressions
@@ -220,6 +220,24 @@ class Recurrence:
         defaults = {k: v for k, v in self.default_params(shape.heads, dims, given_f64).items()
                     if k not in params}
         return dims, arrays.check_params(self.program, params, defaults, shape, dims)
+
+    # ---- gradients (docs/gradients.md) ----
+    def vjp(self, inputs: dict, grad_outputs: dict | None = None, *, form: str = "recurrent",
+            backend: str = "numpy", grad_final_state: dict | None = None, initial_state: dict | None = None,
+            params: dict | None = None, dims: dict[str, int] | None = None, chunk_size: int | None = None,
+            missing: str = "error") -> gradients.VjpResult:
+        """The forward and its vector–Jacobian product: given the gradient of a loss with respect to every
+        output [B, T, H, *] (`grad_outputs`, by output name) and optionally to the final states [B, H, *]
+        (`grad_final_state`), the gradients of every input, param and initial state (`result.grads`, by name;
+        per-head params [H, *], shared ones summed over heads). An output without a gradient is an error
+        unless missing="zero". `chunk_size`: tokens between the forward's checkpoints (default √T)."""
+        return gradients.vjp(self, inputs, grad_outputs, form=form, backend=backend,
+                             grad_final_state=grad_final_state, initial_state=initial_state, params=params,
+                             dims=dims, chunk_size=chunk_size, missing=missing)
+
+    def emit_gradient(self, form: str = "recurrent", backend: str = "numpy") -> str:
+        """The generated source of a form's backward."""
+        return gradients.emit(self, form, backend)
 
     # ---- decode: prefill a prompt, then one token at a time with O(1) state ----
     def prefill(self, inputs: dict | None = None, *, backend: str = "numpy", params: dict | None = None,

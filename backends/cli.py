@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import api, bench, compiler, quality, registry, verify
+from . import api, bench, compiler, gradients, quality, registry, verify, verify_grad
 from .c import cache as c_cache
 from .c import standalone as c_standalone
 from .compiler import ir
@@ -109,7 +109,7 @@ def describe(rec, path: str) -> dict:
         "name": p.name,
         "mode": "causal" if p.causal else "noncausal",
         "dims": [{"name": dim.name, "default": dim.default} for dim in p.dims],
-        "inputs": [], "params": [], "states": [], "outputs": [], "forms": [],
+        "inputs": [], "params": [], "states": [], "outputs": [], "forms": [], "gradients": [],
         "warnings": [{"message": w.message, "line": w.span.line, "column": w.span.column}
                      for w in rec.compiled.warnings],
     }
@@ -145,6 +145,13 @@ def describe(rec, path: str) -> dict:
         if form == "recurrent" and "c" in entry["backends"] and d.sequence is None:
             entry["c_kernel"] = registry.backend("c").recurrent_kernel(rec.compiled)
         info["forms"].append(entry)
+    for form in _form_names():  # the backward of each form (docs/gradients.md)
+        backends = [b for b in _backend_names() if gradients.gradient_refusal(rec, form, b) is None]
+        reason = None if backends else gradients.gradient_refusal(rec, form, "numpy")
+        if d.why_not(form):
+            reason = f"there is no {form} forward form"
+        info["gradients"].append({"form": form, "available": bool(backends), "reason": reason,
+                                  "backends": backends})
     plan = d.sequence
     info["sequence"] = None if plan is None else {
         "kind": plan.kind, "window": plan.window,
@@ -216,6 +223,14 @@ def format_check(info: dict) -> str:
                                    subsequent_indent=" " * 14)
             out.append(f"  {f['form']:<10}  not available:")
             out.append(reason)
+
+    out += ["", "gradients (the backward of each form: linrec emit --grad, Recurrence.vjp)"]
+    for g in info["gradients"]:
+        if g["available"]:
+            out.append(f"  {g['form']:<10}  available (backends: {', '.join(g['backends'])})")
+        else:
+            out.append(f"  {g['form']:<10}  not available:")
+            out.append(textwrap.fill(g["reason"], width=96, initial_indent=" " * 14, subsequent_indent=" " * 14))
     return "\n".join(out)
 
 
@@ -277,6 +292,9 @@ def _add_backend_form(parser: argparse.ArgumentParser, default_form: str | None 
 def _add_emit(parser: argparse.ArgumentParser):
     parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
     _add_backend_form(parser)
+    parser.add_argument("--grad", action="store_true",
+                        help="the form's backward instead: the forward with checkpoints and the adjoint of the "
+                             "statements (docs/gradients.md)")
     alone = parser.add_argument_group("kernels to embed without Python (--backend c --standalone)")
     alone.add_argument("--standalone", action="store_true",
                        help="write NAME.h and NAME.c (prefill, prefill with checkpoints and last states, decode "
@@ -293,9 +311,12 @@ examples:
   linrec emit examples/gla.lin --form chunkwise > gla_chunkwise.py
   linrec emit examples/retnet.lin --backend numpy --form parallel
   linrec emit examples/gla.lin --backend c --standalone --out build --dim dk=64 --dim dv=64
+  linrec emit examples/deltanet.lin --grad --form recurrent
 
 The NumPy source defines default_params(heads, dims) and
-forward(inputs, params, initial_state, dims, chunk_size=None)."""
+forward(inputs, params, initial_state, dims, chunk_size=None); with --grad,
+backward(inputs, params, initial_state, dims, grad_outputs, grad_final_state,
+derived_params=(), chunk_size=None)."""
 
 
 def cmd_emit(args) -> int:
@@ -305,11 +326,14 @@ def cmd_emit(args) -> int:
     """
     rec = _load(args.file)
     if args.standalone:
+        if args.grad:
+            raise LinrecError("--standalone writes the forward kernels only: leave out --grad (the backward is "
+                              "NumPy's, docs/gradients.md)")
         return _emit_standalone(rec, args)
     if args.out or args.heads or args.dims:
         raise LinrecError("--out, --heads and --dim go with --standalone (the kernels written to files)")
     form = args.form or rec.forms[0]  # the recurrent form when the program has one
-    sys.stdout.write(rec.emit(form, args.backend))
+    sys.stdout.write(rec.emit_gradient(form, args.backend) if args.grad else rec.emit(form, args.backend))
     return 0
 
 
@@ -651,9 +675,13 @@ def _add_verify(parser: argparse.ArgumentParser):
                              "16, 64, 256, 1024 random features, orthogonal and i.i.d. (e.g. Performer "
                              "against examples/softmax.lin)")
     parser.add_argument("--seeds", type=_positive_int, default=8, help="seeds averaged by --against")
+    parser.add_argument("--grad", action="store_true",
+                        help="instead: the gradient forms: the recurrent one against central finite differences "
+                             "of the float64 forward, the others against it (docs/gradients.md)")
     parser.epilog = """\
 examples:
   linrec verify examples/performer.lin --against examples/softmax.lin
+  linrec verify examples/gla.lin --grad --quick
   linrec verify examples/gla.lin
   linrec verify examples/deltanet.lin --quick --json > deltanet.json
 
@@ -677,6 +705,35 @@ def _verify_against(rec, exact, args) -> int:
     return 0
 
 
+def _verify_gradients(rec, args) -> int:
+    """`verify --grad`: every gradient form a backend builds, on the gradient battery (verify_grad)."""
+    if args.form and args.form != ["recurrent"]:
+        raise LinrecError("verify --grad checks the gradient forms the backends build (recurrent); leave out "
+                          "--form, or pass --form recurrent")
+    backends = args.backend or _backend_names()
+    if not verify_grad.gradient_forms(rec, backends):
+        why = "; ".join(f"{f} on {b}: {w}" for f, b, w in verify_grad.missing(rec, backends) if f == "recurrent")
+        raise LinrecError(f"'{rec.name}' has no gradient form to verify: {why}")
+    if not args.json:
+        print(f"{rec.name}: the recurrent gradient against central finite differences of the float64 forward, "
+              f"the other gradient forms against it")
+        print(verify.HEADER)
+    rows = verify_grad.run(rec, backends=backends, dtypes=tuple(args.dtype or ("float64", "float32")),
+                           quick=args.quick, seed=args.seed,
+                           on_row=None if args.json else lambda r: print(verify.format_row(r), flush=True))
+    failed = [r for r in rows if not r.passed]
+    absent = verify_grad.missing(rec, backends)
+    if args.json:
+        print(json.dumps({"program": rec.name, "file": args.file, "passed": not failed,
+                          "not_implemented": [{"form": f, "backend": b, "why": why} for f, b, why in absent],
+                          "tolerance": {"finite differences": verify_grad.FD_TOLERANCE,
+                                        "float32": verify_grad.FLOAT32_TOLERANCE},
+                          "rows": [r.as_dict() for r in rows]}, indent=1))
+    else:
+        print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
 def cmd_verify(args) -> int:
     """Check every form on every backend against the float64 recurrent form.
 
@@ -687,6 +744,8 @@ def cmd_verify(args) -> int:
     rec = _load(args.file)
     if args.against:
         return _verify_against(rec, _load(args.against), args)
+    if args.grad:
+        return _verify_gradients(rec, args)
     backends = args.backend or _backend_names()
     forms = args.form or list(rec.forms) + verify.decode_forms(rec)
     for form in forms:

@@ -92,6 +92,13 @@ class Backend(Protocol):
         """How this backend runs the program's recurrent form: FUSED, STATEMENTS, SCAN or INTERPRETED."""
         ...
 
+    def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
+        """None when this backend builds the backward of `form` (docs/gradients.md), else why not. A backend
+        that builds one also has emit_gradient(compiled, form) → source and load_gradient(compiled, form) →
+        a module whose backward(inputs, params, initial_state, dims, grad_outputs, grad_final_state,
+        derived_params, chunk_size) returns (outputs, final states, gradients by name)."""
+        ...
+
 
 def no_such_form(compiled: Compiled, form: str) -> Refusal | None:
     """The refusal every backend shares: a form the program does not have (None: it has it)."""

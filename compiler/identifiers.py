@@ -13,6 +13,8 @@ import keyword
 import re
 from typing import Hashable, Iterable
 
+from .builtins import BUILTINS
+
 _C_KEYWORDS = set("""auto break case char const continue default do double else enum extern float for goto if
 inline int long register restrict return short signed sizeof static struct switch typedef union unsigned void
 volatile while main""".split())
@@ -31,6 +33,11 @@ INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one",
              "visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step", "attention",
              "lsh_attention_dense", "lsh_attention_bucketed", "causal", "visible", "keys", "queries", "block",
              "scores", "key_start", "acc", "l", "m"}
+# The backward modules' (linrec.numpy.adjoint): their function's parameters, and the vector–Jacobian products of
+# the builtins they import from linrec.numpy.vjp.
+INTERNAL |= {"backward", "grad_outputs", "grad_final_state", "derived_params", "grads", "unbroadcast", "vjp_pow",
+             "decay_scan", "decay_scan_backward"}
+INTERNAL |= {f"vjp_{name}" for name in BUILTINS}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

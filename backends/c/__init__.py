@@ -41,5 +41,9 @@ class CBackend:
     def recurrent_kernel(self, compiled: Compiled) -> str:
         return backend.recurrent_kernel(compiled)
 
+    def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
+        return Refusal("the C backend derives no backward", "the NumPy backend runs the recurrent backward "
+                       "(backend='numpy')")
+
 
 BACKEND = CBackend()

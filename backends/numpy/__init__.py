@@ -4,17 +4,22 @@
     statements.py the recurrent form, the statements as written (the definition the other forms must match)
     derived.py    the derived forms: the decomposition as per-token arrays, handed to the scans of scan.py
     sequence.py   the generated modules of programs that read the sequence (softmax attention and relatives)
+    adjoint.py    the recurrent backward: the adjoint of the statements (compiler.adjoint) as a reverse sweep
+    adjoint_derived.py  the parallel and chunkwise backward, from the decomposition (adjoint_scan.py runs it)
     emitter.py    what every generated module shares: names, printers, prologue, the template and its imports
     printer.py    IR expressions as NumPy code
-    runtime.py, scan.py, attention.py   what the generated code calls: builtins, the scans of the derived
-                  forms, masks and softmax
+    runtime.py, scan.py, attention.py, vjp.py, adjoint_scan.py   what the generated code calls: builtins, the scans of the
+                  derived forms, masks and softmax, the builtins' vector–Jacobian products
 """
 from __future__ import annotations
 
 from ..compiler import Compiled
+from ..compiler.adjoint import why_no_gradient
 from ..interface import DEFINITION, INTERPRETED, Capabilities, Refusal, no_such_form
 from . import backend as recurrences
 from . import sequence
+from .adjoint import emit_backward
+from .adjoint_derived import emit_decomposed_backward
 
 
 class NumpyBackend:
@@ -45,6 +50,19 @@ class NumpyBackend:
 
     def recurrent_kernel(self, compiled: Compiled) -> str:
         return INTERPRETED
+
+    # ---- gradients (docs/gradients.md) ----
+    def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
+        reason = why_no_gradient(compiled, form)
+        return None if reason is None else Refusal(reason)
+
+    def emit_gradient(self, compiled: Compiled, form: str) -> str:
+        return emit_backward(compiled) if form == "recurrent" else emit_decomposed_backward(compiled, form)
+
+    def load_gradient(self, compiled: Compiled, form: str):
+        module = recurrences.module_from_source(self.emit_gradient(compiled, form), compiled, form, "backward")
+        module.form = form
+        return module
 
 
 BACKEND = NumpyBackend()

@@ -146,12 +146,7 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
     elif form == "recurrent":
         pr = printer("t", lambda var: f"{var}[:, :, keys]", "None")
         body += em.output_alloc()
-        if p.causal:
-            lo = f"max(0, t - {window - 1})" if window else "0"
-            hi = "t + 1"
-        else:
-            lo = f"max(0, t - {window - 1})" if window else "0"
-            hi = f"min(tokens, t + {window})" if window else "tokens"
+        lo, hi = visible_slice(p.causal, window)
         body += ["", "# the KV cache: the keys and values of the positions each token sees",
                  "for t in range(first, tokens):", f"    keys = slice({lo}, {hi})"]
         for name, expr in plan.outputs:
@@ -236,6 +231,14 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     if plan.softmax_readouts:
         helpers.add("attention")  # (written out above: the compiled kernel)
     return em.render(form, body, helpers, {kernels: KERNELS, **NUMPY_MODULES})
+
+
+def visible_slice(causal: bool, window: int) -> tuple[str, str]:
+    """The code of the first and the end position token t sees (its KV cache: `keys = slice(lo, hi)`)."""
+    lo = f"max(0, t - {window - 1})" if window else "0"
+    if causal:
+        return lo, "t + 1"
+    return lo, (f"min(tokens, t + {window})" if window else "tokens")
 
 
 def kernels_decode_over_cache(compiled: Compiled) -> bool:

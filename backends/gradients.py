@@ -1,0 +1,144 @@
+"""Recurrence.vjp: the forward and its vector–Jacobian product, from the backward the compiler derives
+(compiler.adjoint; docs/gradients.md). The arguments are checked here — the upstream gradients against the
+outputs and states they belong to — and the backend's backward module does the rest."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import arrays, registry
+from .compiler import FORMS
+from .compiler.adjoint import GRADIENT_FORMS
+from .dsl.errors import LinrecError, RuntimeInputError
+
+MISSING = ("error", "zero")  # what a missing output gradient is: an error, or zeros when the caller says so
+
+
+@dataclass
+class VjpResult:
+    """outputs and final_state as run() gives them; grads: ∂L/∂x for every input, param and initial state by
+    its name in the program (params as passed: per-head ones [H, *], shared ones summed over heads)."""
+
+    outputs: dict[str, np.ndarray]
+    final_state: dict[str, np.ndarray]
+    grads: dict[str, np.ndarray]
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def gradient_refusal(rec, form: str, backend: str) -> str | None:
+    """Why the backend does not build the backward of this form of the program, or None."""
+    if form not in FORMS:
+        return f"unknown form '{form}'; choose one of {', '.join(FORMS)}"
+    refusal = registry.backend(backend).gradient_why_not(rec.compiled, form)
+    return None if refusal is None else str(refusal)
+
+
+def gradient_module(rec, form: str, backend: str):
+    """The loaded backward module of a form (built once per recurrence)."""
+    key = ("gradient", backend, form)
+    if key not in rec._modules:
+        why = gradient_refusal(rec, form, backend)
+        if why:
+            raise LinrecError(f"'{rec.name}' has no {form} gradient on the {backend} backend: {why}. Gradient forms "
+                              f"derived: {', '.join(GRADIENT_FORMS)} (see `linrec check`)")
+        rec._modules[key] = registry.backend(backend).load_gradient(rec.compiled, form)
+    return rec._modules[key]
+
+
+def emit(rec, form: str, backend: str) -> str:
+    gradient_module(rec, form, backend)  # (the errors)
+    return registry.backend(backend).emit_gradient(rec.compiled, form)
+
+
+def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str, grad_final_state: dict | None,
+        initial_state: dict | None, params: dict | None, dims: dict | None, chunk_size: int | None,
+        missing: str) -> VjpResult:
+    if missing not in MISSING:
+        raise RuntimeInputError(f"missing={missing!r}: choose 'error' (every output needs a gradient) or 'zero' "
+                                f"(an output without one has gradient zero)")
+    chunk = arrays.check_chunk_size(chunk_size)
+    module = gradient_module(rec, form, backend)
+    program = rec.program
+    checked, shape = arrays.check_inputs(program, dict(inputs or {}))
+    sizes, used = rec.bind(module, shape, params, initial_state, dims)
+    state0 = arrays.check_initial_state(program, initial_state, shape, sizes)
+    upstream = _output_gradients(program, grad_outputs, shape, sizes, missing)
+    final_upstream = _state_gradients(program, grad_final_state, shape, sizes)
+    given = set(params or {})
+    derived = tuple(p.name for p in program.params if p.name not in given)
+    with np.errstate(all="ignore"):  # (non-finite values are found below, with what they mean)
+        outputs, final, grads = module.backward(checked, used, state0, sizes, upstream, final_upstream, derived,
+                                                chunk_size=None if chunk is None else min(chunk, shape.tokens))
+    _check_finite(rec, checked, used, state0, outputs, final, grads)
+    return VjpResult(outputs, final, grads, dict(used))
+
+
+def _output_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict, missing: str) -> dict:
+    given = dict(given or {})
+    names = [o.name for o in program.outputs]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise RuntimeInputError(f"grad_outputs has unknown output(s) {', '.join(map(repr, unknown))}; the outputs "
+                                f"of '{program.name}' are {', '.join(names)}")
+    out = {}
+    for o in program.outputs:
+        expected = (shape.batch, shape.tokens, shape.heads) + tuple(sizes[d] for d in o.value.shape)
+        label = "[B, T, H" + "".join(", " + d for d in o.value.shape) + "]"
+        if given.get(o.name) is None:
+            if missing == "error":
+                raise RuntimeInputError(f"no gradient for output '{o.name}' (shape {label} = {list(expected)}); "
+                                        f"pass grad_outputs['{o.name}'], or missing='zero' if the loss does not "
+                                        f"use it")
+            out[o.name] = np.zeros(expected, shape.dtype)
+            continue
+        out[o.name] = _gradient_array(f"grad_outputs['{o.name}']", given[o.name], expected, label, shape.dtype)
+    return out
+
+
+def _state_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict) -> dict:
+    given = dict(given or {})
+    names = [s.name for s in program.states]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise RuntimeInputError(f"grad_final_state has unknown state(s) {', '.join(map(repr, unknown))}; the "
+                                f"states of '{program.name}' are {', '.join(names) or 'none'}")
+    out = {}
+    for s in program.states:
+        if given.get(s.name) is not None:
+            expected = (shape.batch, shape.heads) + tuple(sizes[d] for d in s.shape)
+            label = "[B, H" + "".join(", " + d for d in s.shape) + "]"
+            out[s.name] = _gradient_array(f"grad_final_state['{s.name}']", given[s.name], expected, label,
+                                          shape.dtype)
+    return out
+
+
+def _gradient_array(what: str, value, expected: tuple, label: str, dtype: np.dtype) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
+        raise RuntimeInputError(f"{what} is not an array") from None
+    if arr.shape != expected:
+        raise RuntimeInputError(f"{what} should have shape {label} = {list(expected)} (the shape of what it is "
+                                f"the gradient of) but has shape {list(arr.shape)}")
+    if arr.dtype != dtype:
+        raise RuntimeInputError(f"{what} is {arr.dtype} but the inputs are {dtype}; pass the gradients in the "
+                                f"inputs' dtype")
+    return arr
+
+
+def _check_finite(rec, inputs, params, state0, outputs, final, grads) -> None:
+    """Finite arguments whose forward by the statements overflows: the gradient is the statements' (for
+    stabilized exponential feature maps, their unstabilized math), and it is not finite there."""
+    def finite(values) -> bool:
+        return all(np.all(np.isfinite(v)) for v in values)
+    if not finite([*inputs.values(), *params.values(), *state0.values()]):
+        return  # (non-finite in, non-finite out: docs/guarantees.md)
+    for what, values in (("output", outputs), ("final state", final)):
+        for name, value in values.items():
+            if not np.all(np.isfinite(value)):
+                raise RuntimeInputError(f"the {what} '{name}' of the statements as written is not finite for these "
+                                        f"(finite) arguments: the backward differentiates the statements as "
+                                        f"written — for exponential feature maps, without the stabilization of "
+                                        f"the forward forms — and they overflow here; scale the inputs down, or "
+                                        f"run in float64")

@@ -1,0 +1,146 @@
+"""The parallel and chunkwise backward of a recurrence as a NumPy module: from the decomposition of every
+state (a decay plus rank-one writes, read by readouts q·S; compiler.adjoint.why_no_decomposed_adjoint says
+which programs), the adjoint recurrence run chunk by chunk in reverse (linrec.numpy.adjoint_scan), and the
+chain rule from the outputs to the readouts and from the per-token arrays to the inputs and params
+(compiler.adjoint.derive_decomposed).
+
+backward() reads, in order: the per-token arrays of each state and its forward scan (keeping the state
+before each chunk); the outputs from the readouts; the outputs' adjoints into the readouts'; each state's
+backward scan, from its last chunk; the per-token arrays' adjoints into their expressions; the values that
+read no state and the params, as the recurrent backward ends.
+"""
+from __future__ import annotations
+
+from ..compiler import Compiled, ir
+from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
+from .adjoint import ADJOINT_SCANS, AdjointPrinter, _BackwardEmitter
+from .derived import canonical_text, per_token
+
+DEFAULT_CHUNK = 64
+
+
+class _DecomposedEmitter(_BackwardEmitter):
+    def __init__(self, compiled: Compiled, form: str):
+        super().__init__(compiled)
+        self.form = form
+        self.decomposed = derive_decomposed(compiled, self.em.refold)
+        em, n = self.em, self.em.name
+        self.readout_vars = {r.index: em.fresh(f"r{r.index}") for r in compiled.decomposition.readouts}
+        for i, var in self.readout_vars.items():
+            self.d[("readout", str(i))] = em.fresh(f"d_{var}")
+        self.arrays = {}  # state → (log-decay, writes, queries, chunk starts) variables, and their adjoints'
+        for st in self.p.states:
+            s = n(st.name)
+            self.arrays[st.name] = tuple(em.fresh(f"{s}_{what}") for what in (
+                "log_decay", "writes", "queries", "starts", "d_log_decay", "d_writes", "d_queries"))
+        self.seeds: dict[str, str] = {}  # a per-token array's label → the code of its adjoint
+        self.chunk = em.fresh("chunk")
+
+    def printer(self, token_index):
+        base = self.em.printer(token_index, readout_vars=self.readout_vars)
+        return AdjointPrinter(base.ref, lambda g: self.grad_name(g, token_index))
+
+    def grad_name(self, g: GradRef, token_index):
+        if g.kind == "quantity":
+            return self.seeds[g.name]
+        return super().grad_name(g, token_index)
+
+    def accumulate(self, s: Accumulate, printer, token_index, final_reads=False) -> str:
+        if s.target.kind == "readout":
+            return f"{self.d[('readout', s.target.name)]} += {printer(s.value)}"
+        return super().accumulate(s, printer, token_index, final_reads)
+
+    def body(self) -> list[str]:
+        em, p, n, d = self.em, self.p, self.em.name, self.c.decomposition
+        prelude = self.printer(None)
+        body = em.prologue()
+        body += em.hoisted_lets(prelude, "values that do not depend on a state, for all tokens at once")
+        chunk = "max(tokens, 1)" if self.form == "parallel" else f"chunk_size or {DEFAULT_CHUNK}"
+        body += ["", f"{self.chunk} = {chunk}  # tokens per chunk" + ("  (parallel: one chunk)" if self.form == "parallel"
+                                                               else "")]
+        self.helpers |= {"per_token"} | ADJOINT_SCANS
+        for st in p.states:
+            body += self.state_forward(st, prelude)
+        body += ["", "# outputs from the readouts"]
+        for name, expr in d.outputs:
+            out = next(o for o in p.outputs if o.name == name)
+            dims = "".join(", " + n(x) for x in out.value.shape)
+            body.append(f"{n(name)} = np.broadcast_to({prelude(em.refold(expr))}, (batch, tokens, heads{dims}))"
+                        f".astype(dtype)")
+        body += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
+                 "final_state = {" + ", ".join(f"\"{s.name}\": {n(s.name)}" for s in p.states) + "}"]
+        body += self.adjoint_arrays()
+        body += [f"{self.d[('readout', str(i))]} = np.zeros_like({var})" for i, var in self.readout_vars.items()]
+        for adj in self.decomposed.outputs:
+            body += self.step_adjoint(adj, prelude, None)
+        for st in p.states:
+            body += self.state_backward(st)
+        body += ["", "# the per-token arrays' adjoints into the expressions they are computed from"]
+        for adj in self.decomposed.quantities:
+            body += self.step_adjoint(adj, prelude, None)
+        tail = self.tail(prelude)
+        self.helpers |= prelude.helpers
+        return body + tail
+
+    def state_forward(self, st: ir.State, prelude) -> list[str]:
+        """The state's per-token arrays, and its forward scan."""
+        em, n = self.em, self.em.name
+        t = self.c.decomposition.transition(st.name)
+        decay, writes, queries, starts = self.arrays[st.name][:4]
+        rows, cols = n(st.shape[0]), ("1" if len(st.shape) == 1 else n(st.shape[1]))
+        lines = ["", f"# {st.name}: {t.kind}", f"#   {st.name}_t = {canonical_text(t)}"]
+        if t.log_decay is None:
+            lines.append(f"{decay} = per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1")
+        else:
+            width = rows if t.log_decay.shape else "1"
+            lines.append(f"{decay} = {per_token(prelude(em.refold(t.log_decay)), width, not t.log_decay.shape)}")
+        pairs = []
+        for key, value in t.writes:
+            val = per_token(prelude(em.refold(value)), cols, not value.shape) if value is not None else \
+                "np.ones((batch, tokens, heads, 1), dtype)"
+            pairs.append(f"({per_token(prelude(em.refold(key)), rows, not key.shape)}, {val})")
+        lines.append(f"{writes} = [" + ", ".join(pairs) + "]")
+        reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
+        lines.append(f"{queries} = [" + ", ".join(
+            f"({per_token(prelude(em.refold(r.query)), rows, not r.query.shape)}, {r.before_update})"
+            for r in reads) + "]")
+        vector = len(st.shape) == 1
+        s0 = f"initial_state[\"{st.name}\"]" + ("[..., None]" if vector else "")
+        targets = ", ".join(self.readout_vars[r.index] for r in reads)
+        lines.append(f"[{targets}], {n(st.name)}, {starts} = decay_scan({s0}, {decay}, {writes}, {queries}, {self.chunk})")
+        if vector:  # a vector state is carried as one column
+            lines += [f"{n(st.name)} = {n(st.name)}[..., 0]"]
+            lines += [f"{self.readout_vars[r.index]} = {self.readout_vars[r.index]}[..., 0]" for r in reads]
+        return lines
+
+    def state_backward(self, st: ir.State) -> list[str]:
+        """The state's adjoint, run backwards chunk by chunk; the seeds of its per-token arrays' adjoints."""
+        t = self.c.decomposition.transition(st.name)
+        decay, writes, queries, starts, d_decay, d_writes, d_queries = self.arrays[st.name]
+        reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
+        vector = len(st.shape) == 1
+        column = "[..., None]" if vector else ""
+        grads = ", ".join(self.d[("readout", str(r.index))] + column for r in reads)
+        final = f"grad_final_state.get(\"{st.name}\")"
+        if vector:
+            final = f"None if {final} is None else {final}[..., None]"
+        state = self.d[("state", st.name, "new")]
+        lines = ["", f"# {st.name}'s adjoint: the transposed recurrence, from the last chunk",
+                 f"{d_decay}, {d_writes}, {d_queries}, {state} = decay_scan_backward(initial_state[\"{st.name}\"]"
+                 f"{column}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], {final})"]
+        if vector:
+            lines.append(f"{state} = {state}[..., 0]")
+        if t.log_decay is not None:
+            self.seeds[f"{st.name}.log_decay"] = d_decay + ("" if t.log_decay.shape else "[..., 0]")
+        for j, (key, value) in enumerate(t.writes):
+            self.seeds[f"{st.name}.key{j}"] = f"{d_writes}[{j}][0]" + ("" if key.shape else "[..., 0]")
+            if value is not None:
+                self.seeds[f"{st.name}.value{j}"] = f"{d_writes}[{j}][1]" + ("" if value.shape else "[..., 0]")
+        for i, r in enumerate(reads):
+            self.seeds[f"r{r.index}"] = f"{d_queries}[{i}]" + ("" if r.query.shape else "[..., 0]")
+        return lines
+
+
+def emit_decomposed_backward(compiled: Compiled, form: str) -> str:
+    """The parallel or chunkwise backward (see compiler.adjoint.why_no_decomposed_adjoint)."""
+    return _DecomposedEmitter(compiled, form).render()

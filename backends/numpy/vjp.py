@@ -1,0 +1,126 @@
+"""The builtins' vector–Jacobian products, which generated backward code calls (compiler.adjoint.Vjp):
+vjp_f(x, g) is the gradient with respect to x of Σ g·f(x), over the last axis for the vector builtins.
+
+Where a builtin has no derivative: relu and abs at 0 take the subgradient 0, and norm at the zero vector the
+subgradient 0 (PyTorch's choices). sqrt, and a power below 1, at 0 have an infinite slope: used there with a
+nonzero upstream gradient they raise RuntimeInputError naming the place in the program (`site`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dsl.errors import RuntimeInputError
+from .runtime import sigmoid
+
+
+def unbroadcast(g, shape):
+    """g summed over the axes a value of `shape` was broadcast along (leading axes, and axes of size 1): the
+    gradient of a per-head or shared param (or value) from contributions per token and head."""
+    g = np.asarray(g)
+    if g.shape == tuple(shape):
+        return g
+    extra = g.ndim - len(shape)
+    if extra < 0:
+        return np.broadcast_to(g, shape)
+    g = g.sum(axis=tuple(range(extra))) if extra else g
+    ones = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    return g.sum(axis=ones, keepdims=True) if ones else g
+
+
+def _infinite_slope(where, x, g, site: str, builtin: str) -> None:
+    bad = where & (g != 0)
+    if np.any(bad):
+        index = [int(i) for i in np.argwhere(bad)[0]]
+        raise RuntimeInputError(f"{builtin} has no derivative at 0 (its slope is infinite), and the gradient "
+                                f"needs it there: {site}, at index {index} of its argument. Keep the argument away from 0 (e.g. add a small constant)")
+
+
+def vjp_sigmoid(x, g):
+    return g * sigmoid(x) * sigmoid(-x)
+
+
+def vjp_logsigmoid(x, g):
+    return g * sigmoid(-x)
+
+
+def vjp_softplus(x, g):
+    return g * sigmoid(x)
+
+
+def vjp_relu(x, g):
+    return g * (x > 0)  # subgradient 0 at 0
+
+
+def vjp_elu(x, g):
+    return g * np.where(x > 0, 1.0, np.exp(np.minimum(x, 0)))
+
+
+def vjp_silu(x, g):
+    s = sigmoid(x)
+    return g * s * (1 + x * sigmoid(-x))
+
+
+def vjp_tanh(x, g):
+    y = np.tanh(x)
+    return g * (1 - y * y)
+
+
+def vjp_sqrt(x, g, site=""):
+    x, g = np.broadcast_arrays(x, g)
+    _infinite_slope(x == 0, x, g, site, "sqrt")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(g == 0, 0.0, g / (2 * np.sqrt(np.where(x == 0, 1.0, x))))
+
+
+def vjp_pow(x, g, p, site=""):
+    """∂(x^p)/∂x = p·x^(p−1); at x = 0: 0 for p = 0 and p ≥ 1, infinite for 0 < p < 1 and p < 0."""
+    x, g, p = np.broadcast_arrays(x, g, p)
+    _infinite_slope((x == 0) & (p < 1) & (p != 0), x, g, site, "a power below 1")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slope = np.where(p == 0, 0.0, p * np.where(x == 0, 0.0, x) ** (p - 1))
+        slope = np.where((x == 0) & (p == 1), 1.0, np.where((x == 0) & (p > 1), 0.0, slope))
+    return g * slope
+
+
+def vjp_abs(x, g):
+    return g * np.sign(x)  # subgradient 0 at 0
+
+
+def vjp_l2norm(x, g, eps=1e-6):
+    r = np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+    return g / r - x * (np.sum(x * g, axis=-1, keepdims=True) / r ** 3)
+
+
+def vjp_rmsnorm(x, g, eps=1e-6):
+    r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return g / r - x * (np.mean(x * g, axis=-1, keepdims=True) / r ** 3)
+
+
+def vjp_groupnorm(x, g, eps=1e-5):
+    centered = x - np.mean(x, axis=-1, keepdims=True)
+    r = np.sqrt(np.mean(centered * centered, axis=-1, keepdims=True) + eps)
+    y = centered / r
+    return (g - np.mean(g, axis=-1, keepdims=True) - y * np.mean(g * y, axis=-1, keepdims=True)) / r
+
+
+def vjp_softmax(x, g):
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    y = e / np.sum(e, axis=-1, keepdims=True)
+    return y * (g - np.sum(g * y, axis=-1, keepdims=True))
+
+
+def vjp_sum(x, g):
+    return np.expand_dims(g, -1) * np.ones_like(x)
+
+
+def vjp_mean(x, g):
+    return np.expand_dims(g, -1) * np.ones_like(x) / np.shape(x)[-1]
+
+
+def vjp_norm(x, g):
+    r = np.linalg.norm(x, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.expand_dims(g, -1) * np.where(r == 0, 0.0, x / np.where(r == 0, 1.0, r))  # 0 at 0
+
+
+HELPERS = frozenset(name for name in globals() if name.startswith("vjp_")) | {"unbroadcast"}

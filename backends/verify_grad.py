@@ -1,0 +1,177 @@
+"""`linrec verify --grad`: every gradient form on every backend that builds it, over a battery of generated
+inputs (T = 1, ragged T, odd sizes, strong decay to log-decay −20, random initial states and checkpoint
+intervals), checked against central finite differences of the float64 recurrent forward.
+
+The check is directional (adjoint.md, "Checking"): for each input, param and initial state x, a random
+direction d, and the loss L = Σ ḡ_o·o + Σ ḡ_S·S_T with random upstream gradients, compare ⟨∂L/∂x, d⟩ with
+the fourth-order central difference (8(L(x + εd) − L(x − εd)) − (L(x + 2εd) − L(x − 2εd))) / 12ε, ε = 1e-5.
+The error of one comparison is |fd − ⟨∇, d⟩| / max(|fd|, |⟨∇, d⟩|, r/1e-6), where r = 64·eps·Σ|terms of L|/ε
+bounds what rounding leaves of the difference quotient (a derivative that small — zero by cancellation, or
+through a decay of e^−300 — is checked to r in absolute terms). Tolerance: 1e-6 in float64. Every other
+gradient form (parallel, chunkwise) is compared with the float64 recurrent gradient at 1e-9, and a float32
+gradient of any form at 5e-4: max|g32 − g64| / max|g64| ≤ 5e-4, max|g64| at least float32's
+eps times the largest gradient of the call (what float32 can hold beside it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import gradients
+from .compiler import FORMS
+from .compiler.builtins import SEQ
+from .verify import Row, _initial_state, _params_without_default
+
+FD_TOLERANCE = 1e-6
+FORM_TOLERANCE = 1e-9       # another gradient form in float64 against the recurrent one
+FLOAT32_TOLERANCE = 5e-4
+EPSILON = 1e-5   # the step of the central differences
+ROUNDING = 64 * np.finfo(np.float64).eps  # the relative rounding error of a loss, generously
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    tokens: int
+    heads: int
+    dims: dict = field(default_factory=dict)
+    decay_scale: float = 1.0
+    chunk_sizes: tuple = (None,)   # tokens between the forward's checkpoints (None: √T)
+
+
+def battery(program, quick: bool = False) -> list[Case]:
+    sized = [d for d in program.dims if d.name != SEQ]
+    small = {d.name: min(d.default, 6) for d in sized}
+    odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)}
+    cases = [Case("T=1", 2, 1, 2, small),
+             Case("ragged T", 2, 13, 3, small, chunk_sizes=(None, 4)),
+             Case("odd dims", 1, 9, 2, odd, chunk_sizes=(2,)),
+             Case("strong decay", 2, 12, 2, small, decay_scale=40.0)]
+    if not quick:
+        cases += [Case("several B, H", 3, 24, 4, small, chunk_sizes=(5,)),
+                  Case("long T", 1, 200, 1, small, chunk_sizes=(None, 64))]
+    return cases
+
+
+def gradient_forms(rec, backends) -> list[tuple[str, str]]:
+    """(form, backend) for every gradient form a backend builds for the program."""
+    return [(form, b) for form in FORMS for b in backends if gradients.gradient_refusal(rec, form, b) is None]
+
+
+def missing(rec, backends) -> list[tuple[str, str, str]]:
+    """(form, backend, why) for the gradient forms not built."""
+    return [(form, b, why) for form in FORMS for b in backends
+            if (why := gradients.gradient_refusal(rec, form, b)) is not None]
+
+
+def directional_errors(rec, inputs, params, state0, grad_outputs, grad_state, grads, dims=None,
+                       seed: int = 0) -> dict[str, tuple[float, float]]:
+    """name → (absolute, relative) error of ⟨grads[name], d⟩ against central differences of the float64
+    recurrent forward, for one random direction d per input, param and initial state (see the module's
+    docstring)."""
+    rng = np.random.default_rng([seed, 1])  # (not the inputs' stream: d = x would hide a scale invariance)
+
+    def loss(x, p, s) -> tuple[float, float]:
+        r = rec.run(x, form="recurrent", params=p, initial_state=s, dims=dims)
+        terms = [g * r.outputs[k] for k, g in grad_outputs.items()] + \
+            [g * r.final_state[k] for k, g in grad_state.items()]
+        return sum(float(np.sum(t)) for t in terms), sum(float(np.sum(np.abs(t))) for t in terms)
+
+    errors = {}
+    for group, values in (("input", inputs), ("param", params), ("state", state0)):
+        for name, value in values.items():
+            direction = rng.standard_normal(np.shape(value))
+
+            def moved(steps: int) -> tuple[float, float]:
+                args = {"input": dict(inputs), "param": dict(params), "state": dict(state0)}
+                args[group][name] = value + steps * EPSILON * direction
+                return loss(args["input"], args["param"], args["state"])
+            with np.errstate(all="ignore"):
+                (a, size), (b, _), (c, _), (d, _) = moved(1), moved(-1), moved(2), moved(-2)
+            numeric = (8 * (a - b) - (c - d)) / (12 * EPSILON)  # fourth order: truncation ~ε⁴
+            analytic = float(np.sum(np.asarray(grads[name], np.float64) * direction))
+            # what rounding alone leaves of the difference quotient: a derivative below it is checked absolutely
+            rounding = ROUNDING * size / EPSILON
+            scale = max(abs(numeric), abs(analytic), rounding / FD_TOLERANCE)
+            errors[name] = (abs(numeric - analytic), 0.0 if scale == 0 else abs(numeric - analytic) / scale)
+    return errors
+
+
+def _case_arrays(rec, case: Case, seed: int):
+    rng = np.random.default_rng(seed)
+    inputs = rec.random_inputs(case.batch, case.tokens, case.heads, case.dims, np.float64, seed=seed,
+                               decay_scale=case.decay_scale)
+    dims = {d.name: d.default for d in rec.program.dims} | case.dims
+    state0 = _initial_state(rec.program, case.batch, case.heads, dims, rng)
+    drawn = _params_without_default(rec.program, case.heads, dims, rng)
+    base = rec.run(inputs, form="recurrent", initial_state=state0, params=drawn or None, dims=case.dims)
+    params = {k: np.array(v, dtype=np.float64) for k, v in base.params.items()}
+    grad_outputs = {k: rng.standard_normal(v.shape) for k, v in base.outputs.items()}
+    grad_state = {k: rng.standard_normal(v.shape) for k, v in base.final_state.items() if k in state0}
+    return inputs, params, state0, grad_outputs, grad_state
+
+
+def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = False, seed: int = 0,
+        on_row=None) -> list[Row]:
+    """The recurrent gradient in float64 against finite differences; every other gradient form in float64
+    against it (1e-9, the forms' tolerance); float32 gradients against the float64 recurrent one (5e-4)."""
+    rows = []
+    plan = gradient_forms(rec, backends)
+    plan.sort(key=lambda fb: fb[0] != "recurrent")  # (the recurrent gradient first: the others' reference)
+    for case in battery(rec.program, quick):
+        if not plan:
+            break
+        inputs, params, state0, g_out, g_state = _case_arrays(rec, case, seed)
+        reference = None
+        for form, backend in plan:
+            for dtype in dtypes:
+                for chunk in (case.chunk_sizes if dtype == "float64" else (None,)):
+                    cast = {k: v.astype(dtype) for k, v in inputs.items()}
+                    result = rec.vjp(cast, {k: v.astype(dtype) for k, v in g_out.items()}, form=form,
+                                     backend=backend, grad_final_state={k: v.astype(dtype) for k, v in g_state.items()},
+                                     initial_state={k: v.astype(dtype) for k, v in state0.items()},
+                                     params={k: v.astype(dtype) for k, v in params.items()},
+                                     dims=case.dims, chunk_size=chunk)
+                    if dtype == "float64" and form == "recurrent":
+                        errors = directional_errors(rec, inputs, params, state0, g_out, g_state, result.grads,
+                                                    case.dims, seed)
+                        worst = max(errors, key=lambda k: errors[k][1]) if errors else ""
+                        diff, err = errors.get(worst, (0.0, 0.0))
+                        tol, note = FD_TOLERANCE, f"finite differences; worst: {worst}"
+                        reference = reference or result.grads
+                    else:
+                        if reference is None:  # (no recurrent gradient to compare with: the float64 one of this form)
+                            reference = rec.vjp(inputs, g_out, form=form, backend=backend, grad_final_state=g_state,
+                                                initial_state=state0, params=params, dims=case.dims).grads
+                        diff, err, worst = _against(result.grads, reference)
+                        tol = FORM_TOLERANCE if dtype == "float64" else FLOAT32_TOLERANCE
+                        note = f"against the float64 recurrent gradient; worst: {worst}"
+                    row = Row(form, backend, dtype, case.name, chunk, diff, err, tol,
+                              bool(err <= tol), note)
+                    rows.append(row)
+                    if on_row:
+                        on_row(row)
+    return rows
+
+
+def _against(grads: dict, reference: dict | None) -> tuple[float, float, str]:
+    """(max abs, max rel, the worst array's name) of gradients against the float64 recurrent ones."""
+    if reference is None:
+        return float("inf"), float("inf"), "no float64 reference"
+    worst, worst_abs, name = 0.0, 0.0, ""
+    # an array far below the largest gradient (an initial state's, through a decay of e^−300) is compared at
+    # the rounding of the largest: below that the dtype cannot hold it beside the largest (float32 underflows
+    # to zero; a sum in another order leaves float64 rounding of the largest terms)
+    largest = max((float(np.max(np.abs(ref), initial=0.0)) for ref in reference.values()), default=0.0)
+    for k, ref in reference.items():
+        got = np.asarray(grads[k], np.float64)
+        if not np.all(np.isfinite(got)):
+            return float("inf"), float("inf"), k
+        diff = float(np.max(np.abs(got - ref), initial=0.0))
+        scale = max(float(np.max(np.abs(ref), initial=0.0)), float(np.finfo(grads[k].dtype).eps) * largest)
+        err = diff / scale if scale else diff
+        if err >= worst:
+            worst, worst_abs, name = err, diff, k
+    return worst_abs, worst, name

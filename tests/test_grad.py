@@ -1,0 +1,419 @@
+"""Derived gradients (docs/gradients.md): Recurrence.vjp against central finite differences of the float64
+forward, for every example that has a recurrent form and for programs that exercise every builtin and
+every kind of statement; the checkpoint interval changes nothing; bad arguments are clear errors.
+
+The finite-difference check is verify_grad.directional_errors: per input, param and initial state a random
+direction d, ⟨∂L/∂x, d⟩ against a fourth-order central difference of L = Σ ḡ·outputs + Σ ḡ_S·final states
+(ε = 1e-5), relative error ≤ 1e-6 (test_checker_catches_a_wrong_gradient shows it fails a gradient off by
+1e-5). Cases: ragged T, random initial states (vector states positive, as normalizers are), strong decay
+(log-decays to about −20), T = 1, odd sizes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import linrec
+from linrec import verify_grad
+from linrec.cli import main
+from linrec.compiler import ir
+from linrec.compiler.analysis import walk
+from linrec.compiler.builtins import BUILTINS
+from linrec.gradients import gradient_refusal
+from linrec.verify import _initial_state
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ALL_EXAMPLES = sorted(p.stem for p in EXAMPLES.glob("*.lin"))
+FD_TOLERANCE = 1e-6
+
+_RECS: dict[str, linrec.Recurrence] = {}
+
+
+def example(name: str) -> linrec.Recurrence:
+    if name not in _RECS:
+        _RECS[name] = linrec.load(EXAMPLES / f"{name}.lin")
+    return _RECS[name]
+
+
+def arrays_for(rec, batch, tokens, heads, dims=None, seed=0, decay_scale=1.0):
+    """Inputs, params (all passed), random initial states and random upstream gradients, float64."""
+    rng = np.random.default_rng(seed + 100)
+    inputs = rec.random_inputs(batch, tokens, heads, dims, np.float64, seed=seed, decay_scale=decay_scale)
+    sizes = {d.name: d.default for d in rec.program.dims} | dict(dims or {})
+    state0 = _initial_state(rec.program, batch, heads, sizes, rng)
+    base = rec.run(inputs, form="recurrent", initial_state=state0, dims=dims)
+    params = {k: np.array(v) for k, v in base.params.items()}
+    grad_outputs = {k: rng.standard_normal(v.shape) for k, v in base.outputs.items()}
+    grad_state = {k: rng.standard_normal(v.shape) for k, v in base.final_state.items()}
+    return inputs, params, state0, grad_outputs, grad_state
+
+
+def check_gradients(rec, batch, tokens, heads, dims=None, seed=0, decay_scale=1.0, chunk_size=None):
+    inputs, params, state0, g_out, g_state = arrays_for(rec, batch, tokens, heads, dims, seed, decay_scale)
+    result = rec.vjp(inputs, g_out, grad_final_state=g_state, initial_state=state0, params=params, dims=dims,
+                     chunk_size=chunk_size)
+    assert set(result.grads) == set(inputs) | set(params) | set(state0)
+    for name, value in result.grads.items():
+        where = inputs.get(name, params.get(name, state0.get(name)))
+        assert np.shape(value) == np.shape(where), name
+        assert np.all(np.isfinite(value)), name
+    errors = verify_grad.directional_errors(rec, inputs, params, state0, g_out, g_state, result.grads, dims, seed)
+    assert errors and set(errors) == set(result.grads)
+    bad = {name: rel for name, (_, rel) in errors.items() if not rel <= FD_TOLERANCE}
+    assert not bad, f"finite differences disagree (relative errors {bad})"
+    return result
+
+
+# ---- every example ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ALL_EXAMPLES)
+def test_every_example(name):
+    """Ragged T with random initial states, strong decay (log-decay down to about −20), T = 1 and odd
+    sizes, for every example with a recurrent gradient; the others say why they have none."""
+    rec = example(name)
+    why = gradient_refusal(rec, "recurrent", "numpy")
+    if why is not None:
+        assert "recurrent" not in rec.forms, why  # (Linformer, Reformer: they have no recurrent form)
+        pytest.skip(f"no recurrent gradient: {why}")
+    small = {d.name: min(d.default, 6) for d in rec.program.dims}
+    odd = {d.name: 5 + 2 * i for i, d in enumerate(rec.program.dims)}
+    check_gradients(rec, 2, 11, 3, small, seed=1, chunk_size=4)
+    check_gradients(rec, 2, 9, 2, small, seed=2, decay_scale=40.0)
+    check_gradients(rec, 1, 1, 2, small, seed=3)
+    check_gradients(rec, 1, 6, 1, odd, seed=4, chunk_size=2)
+
+
+def test_strong_decay_reaches_minus_twenty():
+    """The strong-decay case above has log-decays near −20 (the battery's decay_scale of 40)."""
+    inputs = example("gla").random_inputs(2, 9, 2, {"dk": 6, "dv": 6}, decay_scale=40.0, seed=2)
+    assert inputs["g"].min() < -20
+
+
+def test_checker_catches_a_wrong_gradient():
+    rec = example("gated_deltanet")
+    inputs, params, state0, g_out, g_state = arrays_for(rec, 2, 7, 2, {"dk": 5, "dv": 4}, seed=5)
+    result = rec.vjp(inputs, g_out, grad_final_state=g_state, initial_state=state0, params=params,
+                     dims={"dk": 5, "dv": 4})
+    errors = verify_grad.directional_errors(rec, inputs, params, state0, g_out, g_state, result.grads,
+                                            {"dk": 5, "dv": 4})
+    assert max(rel for _, rel in errors.values()) < 1e-8
+    wrong = dict(result.grads, k=result.grads["k"] * (1 + 1e-5))
+    errors = verify_grad.directional_errors(rec, inputs, params, state0, g_out, g_state, wrong, {"dk": 5, "dv": 4})
+    assert errors["k"][1] > FD_TOLERANCE
+
+
+# ---- every builtin and every kind of statement -----------------------------------------------------------
+PROGRAMS = {
+    "elementwise": """
+recurrence elementwise(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], a[dk], p in (0.5, 2)
+state S[dk, dv]
+kk = sigmoid(a)*exp(tanh(k)) + softplus(q)*silu(k) − logsigmoid(a)*relu(k) + elu(q)*abs(k)
+S = diag(exp(−softplus(a)))·S + kk⊗v
+output o = (sqrt(p)*q + log(p)*k)·S
+""",
+    "vectors": """
+recurrence vectors(dk = 5, dv = 3)
+input q[dk], k[dk], v[dv], g in (−3, −0.1)
+state S[dk, dv]
+S = exp(g)·S + l2norm(k, eps=1e-3)⊗rmsnorm(v)
+output o = groupnorm(softmax(q)·S) * mean(q) + sum(k)·norm(q)·(q·S)
+""",
+    # several states, a value read before the update, per-head and shared params, a user function, powers
+    # with a variable exponent, products of matrices, diag, a division, two outputs
+    "statements": """
+recurrence statements(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], beta in (0, 1), p in (0.5, 2)
+param W[dk, dk] = randn(seed=0, std=0.3)
+param u per head = randn(seed=1)
+param decay[dk] = uniform(0.5, 0.9, seed=2)
+phi(x) = elu(x) + 1
+state S[dk, dv], z[dk], M[dk, dk]
+y = q·S
+S = diag(decay)·S + phi(k)⊗v
+z = decay*z + phi(k)^2
+M = 0.5·M·W + beta·k⊗k
+r = (phi(q)·S) / (phi(q)·z + 1)
+output o = r*u + y / (1 + norm(y)^2) + sum((1 + sigmoid(q))^p)
+output m = (M·q)·(W·k) + sum((diag(k)·M)·q)·p^(−1/2)
+""",
+    # the transposed convention (S·(I − β k⊗k)), a vector state read as a value, a value decay
+    "values": """
+recurrence values(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], f[dv], beta in (0, 1)
+state S[dv, dk], z[dv]
+S = S·(I − beta·k⊗k) + beta·v⊗k
+z = sigmoid(f)*z + (1 − sigmoid(f))*v
+output o = S·q + z*sigmoid(v)
+""",
+    # reads before the update, a decay whose log is taken numerically, a vector state, two readouts of one state
+    "before": """
+recurrence before(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], a[dk]
+param gamma per head = uniform(0.5, 0.9, seed=1)
+state S[dk, dv], z[dk]
+output o = (q·S) / (1 + sigmoid(q)·z)
+S = diag(sigmoid(a))·S + k⊗v
+z = gamma*z + sigmoid(k)
+output p = (2*q)·S
+""",
+    # non-causal: every output reads the final states
+    "noncausal": """
+recurrence bidir(dk = 4, dv = 3) noncausal
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dk, dv], z[dk]
+kk = l2norm(k)
+S = diag(exp(g))·S + kk⊗v
+z = z + exp(kk)
+y = q·S
+output o = y / (exp(q)·z) + q·S*sigmoid(v)
+""",
+    # attention over the sequence: a sliding window, a named value under seq, a scalar sequence
+    "window": """
+recurrence swa(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], g in (−2, 0)
+kn = l2norm(k)
+output o = softmax(seq(kn, window=3)·q + seq(g, window=3))·seq(v, window=3) * sigmoid(q·q)
+""",
+    # non-causal attention, a sum over the sequence, seq of an expression
+    "bidirectional attention": """
+recurrence battn(dk = 4, dv = 3) noncausal
+input q[dk], k[dk], v[dv]
+output o = softmax(seq(k)·q)·seq(exp(v)) + sum(seq(k)·q)*q·q
+""",
+    # a per-head param whose default is computed from another (the gradient flows on when it is not given)
+    "chained": """
+recurrence chained(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv]
+param base per head = randn(seed=3)
+param gamma per head = sigmoid(base + h)
+param scale[dv] = uniform(0.5, 1.5, seed=4)
+state S[dk, dv]
+S = gamma·S + k⊗(v*scale)
+output o = q·S
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_programs(name):
+    """Each program at ragged T with random initial states (checkpoints every 3 tokens), and at strong decay."""
+    rec = linrec.compile(PROGRAMS[name])
+    check_gradients(rec, 2, 8, 3, seed=6, chunk_size=3)
+    check_gradients(rec, 1, 5, 2, seed=7, decay_scale=40.0)
+
+
+def test_every_builtin_is_covered():
+    """The programs above call every builtin (the sequence builtins aside: no recurrent gradient)."""
+    called = set()
+    for source in PROGRAMS.values():
+        program = linrec.compile(source).program
+        for e in [*(s.value for s in program.steps)]:
+            called |= {n.function for n in walk(e) if isinstance(n, ir.Apply)}
+    assert set(BUILTINS) <= called, set(BUILTINS) - called
+
+
+def test_default_computed_from_another_param():
+    """gamma = sigmoid(base + h): not passed, gamma's gradient flows into base; passed, base gets none."""
+    rec = linrec.compile(PROGRAMS["chained"])
+    inputs = rec.random_inputs(2, 6, 3, seed=1)
+    rng = np.random.default_rng(0)
+    g_out = {"o": rng.standard_normal((2, 6, 3, 3))}
+    base = rng.standard_normal(3)
+    result = rec.vjp(inputs, g_out, params={"base": base})
+
+    def loss(b):
+        return float(np.sum(g_out["o"] * rec.run(inputs, form="recurrent", params={"base": b}).outputs["o"]))
+    d = rng.standard_normal(3)
+    numeric = (loss(base + 1e-6 * d) - loss(base - 1e-6 * d)) / 2e-6
+    assert abs(numeric - np.sum(result.grads["base"] * d)) <= 1e-7 * abs(numeric)
+    given = rec.vjp(inputs, g_out, params={"base": base, "gamma": result.params["gamma"]})
+    assert np.all(given.grads["base"] == 0)
+    np.testing.assert_allclose(given.grads["gamma"], result.grads["gamma"], rtol=1e-12)
+
+
+def test_mamba2_a_log():
+    """Mamba-2's A = −exp(A_log) by default: the gradient of A_log is A's times −exp(A_log)."""
+    rec = example("mamba2")
+    inputs = rec.random_inputs(1, 5, 2, {"dk": 4, "dv": 3}, seed=3)
+    g_out = {"y": np.random.default_rng(1).standard_normal((1, 5, 2, 3))}
+    result = rec.vjp(inputs, g_out)
+    np.testing.assert_allclose(result.grads["A_log"], result.grads["A"] * result.params["A"], rtol=1e-12)
+
+
+# ---- the parallel and chunkwise backward -----------------------------------------------------------------
+FORM_TOLERANCE = 1e-9  # another gradient form in float64 against the recurrent one (the forms' tolerance)
+
+
+def assert_same_gradients(got, reference, tolerance=FORM_TOLERANCE):
+    """max|got − ref| / max|ref| per array (an array far below the call's largest gradient — an initial
+    state's through a decay of e^−300 — at the rounding of the largest), outputs and final states too."""
+    largest = max(float(np.max(np.abs(v), initial=0.0)) for v in reference.grads.values())
+    for name, ref in reference.grads.items():
+        scale = max(float(np.max(np.abs(ref), initial=0.0)), np.finfo(got.grads[name].dtype).eps * largest)
+        assert np.max(np.abs(got.grads[name] - ref), initial=0.0) <= tolerance * scale, name
+    for group in ("outputs", "final_state"):
+        for name, ref in getattr(reference, group).items():
+            err = np.max(np.abs(getattr(got, group)[name] - ref), initial=0.0)
+            assert err <= tolerance * np.max(np.abs(ref), initial=1e-300), name
+
+
+DERIVED = [("example", name) for name in ("gla", "mamba2", "retnet", "linear_transformer", "performer")] + \
+    [("program", name) for name in ("elementwise", "vectors", "before", "chained")]
+
+
+@pytest.mark.parametrize("kind, name", DERIVED)
+@pytest.mark.parametrize("form", ["parallel", "chunkwise"])
+def test_parallel_and_chunkwise_backward(kind, name, form):
+    """Decay plus writes, read by q·S: the adjoint recurrence run chunk by chunk in reverse (and as one chunk:
+    the parallel form) gives the recurrent backward's gradients to 1e-9 — ragged T with chunks of 4, strong
+    decay, T = 1, a sequence of several default chunks; float32 at 5e-4."""
+    rec = example(name) if kind == "example" else linrec.compile(PROGRAMS[name])
+    assert gradient_refusal(rec, form, "numpy") is None
+    small = {d.name: min(d.default, 6) for d in rec.program.dims}
+    for batch, tokens, heads, scale, chunk in [(2, 13, 3, 1.0, 4), (2, 20, 2, 40.0, 8), (1, 1, 2, 1.0, None),
+                                              (1, 150, 1, 1.0, None)]:
+        x, p, s0, g_out, g_state = arrays_for(rec, batch, tokens, heads, small, seed=11, decay_scale=scale)
+        reference = rec.vjp(x, g_out, grad_final_state=g_state, initial_state=s0, params=p, dims=small)
+        got = rec.vjp(x, g_out, grad_final_state=g_state, initial_state=s0, params=p, dims=small, form=form,
+                      chunk_size=chunk)
+        assert_same_gradients(got, reference)
+    f32 = lambda d: {k: v.astype(np.float32) for k, v in d.items()}  # noqa: E731
+    got = rec.vjp(f32(x), f32(g_out), grad_final_state=f32(g_state), initial_state=f32(s0), params=f32(p),
+                  dims=small, form=form)
+    assert_same_gradients(got, reference, 5e-4)
+
+
+def test_which_programs_have_the_derived_backward():
+    """From the structure: programs with rank-one corrections (the delta rule), non-causal ones and attention
+    have the recurrent backward only (reads before the update are no obstacle: `before` above)."""
+    for name in ("deltanet", "gated_deltanet", "softmax"):
+        assert gradient_refusal(example(name), "recurrent", "numpy") is None
+        assert gradient_refusal(example(name), "chunkwise", "numpy") is not None
+    for name in ("values", "noncausal", "window"):
+        assert gradient_refusal(linrec.compile(PROGRAMS[name]), "parallel", "numpy") is not None
+
+
+# ---- checkpoints, outputs, shapes ------------------------------------------------------------------------
+def test_checkpoint_interval_changes_nothing():
+    rec = example("gated_deltanet")
+    inputs, params, state0, g_out, g_state = arrays_for(rec, 2, 17, 2, {"dk": 5, "dv": 4}, seed=8)
+    results = [rec.vjp(inputs, g_out, grad_final_state=g_state, initial_state=state0, chunk_size=c)
+               for c in (None, 1, 3, 16, 17, 1000)]
+    for other in results[1:]:
+        for name, value in results[0].grads.items():
+            np.testing.assert_allclose(other.grads[name], value, rtol=0, atol=1e-12 * np.max(np.abs(value)))
+
+
+def test_outputs_and_final_state_are_the_forward():
+    rec = example("deltanet")
+    inputs, params, state0, g_out, _ = arrays_for(rec, 2, 9, 2, {"dk": 5, "dv": 4}, seed=9)
+    result = rec.vjp(inputs, g_out, initial_state=state0)
+    forward = rec.run(inputs, form="recurrent", initial_state=state0)
+    np.testing.assert_allclose(result.outputs["o"], forward.outputs["o"], rtol=0, atol=1e-13)
+    np.testing.assert_allclose(result.final_state["S"], forward.final_state["S"], rtol=0, atol=1e-13)
+
+
+def test_float32():
+    rec = example("gla")
+    inputs, params, state0, g_out, g_state = arrays_for(rec, 2, 40, 2, {"dk": 8, "dv": 8}, seed=10)
+    exact = rec.vjp(inputs, g_out, grad_final_state=g_state, initial_state=state0)
+    f32 = {k: v.astype(np.float32) for k, v in inputs.items()}
+    result = rec.vjp(f32, {k: v.astype(np.float32) for k, v in g_out.items()},
+                     grad_final_state={k: v.astype(np.float32) for k, v in g_state.items()},
+                     initial_state={k: v.astype(np.float32) for k, v in state0.items()})
+    for name, value in exact.grads.items():
+        assert result.grads[name].dtype == np.float32
+        assert np.max(np.abs(result.grads[name] - value)) <= 5e-4 * np.max(np.abs(value)), name
+
+
+def test_missing_output_gradient():
+    rec = linrec.compile(PROGRAMS["statements"])
+    inputs = rec.random_inputs(1, 4, 2, seed=0)
+    g_o = np.ones((1, 4, 2, 3))
+    with pytest.raises(linrec.RuntimeInputError, match=r"no gradient for output 'm'.*missing='zero'"):
+        rec.vjp(inputs, {"o": g_o})
+    zero = rec.vjp(inputs, {"o": g_o}, missing="zero")
+    explicit = rec.vjp(inputs, {"o": g_o, "m": np.zeros((1, 4, 2))})
+    for name, value in explicit.grads.items():
+        np.testing.assert_array_equal(zero.grads[name], value)
+    with pytest.raises(linrec.RuntimeInputError, match="missing='maybe'"):
+        rec.vjp(inputs, {"o": g_o}, missing="maybe")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"o": np.ones((1, 4, 2, 5))}, r"grad_outputs\['o'\] should have shape \[B, T, H, dv\] = \[1, 4, 2, 4\]"),
+    ({"o": np.ones((1, 4, 2, 4), np.float32)}, r"grad_outputs\['o'\] is float32 but the inputs are float64"),
+    ({"o": np.ones((1, 4, 2, 4)), "p": np.ones(3)}, r"unknown output\(s\) 'p'; the outputs of 'gla' are o"),
+])
+def test_bad_output_gradients(bad, message):
+    rec = example("gla")
+    inputs = rec.random_inputs(1, 4, 2, {"dk": 4, "dv": 4})
+    with pytest.raises(linrec.RuntimeInputError, match=message):
+        rec.vjp(inputs, bad)
+
+
+def test_bad_final_state_gradient():
+    rec = example("gla")
+    inputs = rec.random_inputs(1, 4, 2, {"dk": 4, "dv": 4})
+    g_out = {"o": np.ones((1, 4, 2, 4))}
+    with pytest.raises(linrec.RuntimeInputError, match=r"grad_final_state\['S'\] should have shape \[B, H, dk, dv\]"):
+        rec.vjp(inputs, g_out, grad_final_state={"S": np.ones((1, 2, 4))})
+    with pytest.raises(linrec.RuntimeInputError, match=r"unknown state\(s\) 'T'"):
+        rec.vjp(inputs, g_out, grad_final_state={"T": np.ones((1, 2, 4, 4))})
+
+
+def test_forms_and_backends_without_a_gradient():
+    rec = example("gla")
+    inputs = rec.random_inputs(1, 4, 1, {"dk": 4, "dv": 4})
+    g_out = {"o": np.ones((1, 4, 1, 4))}
+    delta = example("deltanet")
+    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the numpy backend: 'S' has 1 rank-one"):
+        delta.vjp(delta.random_inputs(1, 4, 1), {"o": np.ones((1, 4, 1, 16))}, form="chunkwise")
+    with pytest.raises(linrec.LinrecError, match="no recurrent gradient on the c backend: the C backend derives no"):
+        rec.vjp(inputs, g_out, backend="c")
+    reformer = example("reformer")
+    with pytest.raises(linrec.LinrecError, match="no recurrent gradient.*there is no recurrent forward form: LSH"):
+        reformer.vjp(reformer.random_inputs(1, 4, 1), {})
+
+
+# ---- points without a derivative -------------------------------------------------------------------------
+def test_sqrt_at_zero_names_the_place():
+    rec = linrec.compile("recurrence r(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                         "S = S + sqrt(abs(k))⊗v\noutput o = q·S\n", "r.lin")
+    inputs = rec.random_inputs(1, 3, 1, seed=0)
+    inputs["k"][0, 1, 0, 2] = 0.0
+    with pytest.raises(linrec.RuntimeInputError, match=r"sqrt has no derivative at 0.*`sqrt\(abs\(k\)\)` at r.lin:4:9"):
+        rec.vjp(inputs, {"o": np.ones((1, 3, 1, 2))})
+    inputs["k"][0, 1, 0, 2] = 0.5
+    assert np.all(np.isfinite(rec.vjp(inputs, {"o": np.ones((1, 3, 1, 2))}).grads["k"]))
+
+
+def test_subgradients_at_zero():
+    """abs and relu at 0: subgradient 0; norm of the zero vector: 0."""
+    rec = linrec.compile("recurrence r(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                         "S = S + (abs(k) + relu(k))⊗v\noutput o = q·S*norm(q)\n")
+    inputs = rec.random_inputs(1, 3, 1, seed=0)
+    inputs["k"][0, 0, 0, :] = 0.0
+    inputs["q"][0, 1, 0, :] = 0.0
+    grads = rec.vjp(inputs, {"o": np.ones((1, 3, 1, 2))}).grads
+    assert np.all(grads["k"][0, 0, 0] == 0) and np.all(grads["q"][0, 1, 0] == 0)
+    assert np.all(grads["k"][0, 1, 0] != 0) and np.all(grads["q"][0, 2, 0] != 0)
+
+
+# ---- command line ----------------------------------------------------------------------------------------
+def test_cli(capsys):
+    gla = str(EXAMPLES / "gla.lin")
+    assert main(["check", gla]) == 0
+    out = capsys.readouterr().out
+    assert "gradients" in out and "  recurrent   available (backends: numpy)" in out.split("gradients")[1]
+    assert main(["emit", gla, "--grad", "--form", "recurrent"]) == 0
+    source = capsys.readouterr().out
+    assert "def backward(" in source and "d_S_prev" in source
+    assert main(["verify", gla, "--grad", "--quick", "--dtype", "float64"]) == 0
+    assert "0 failed" in capsys.readouterr().out
+    assert main(["emit", str(EXAMPLES / "softmax.lin"), "--grad"]) == 0
+    assert "d_k_seq[:, :, keys] +=" in capsys.readouterr().out
+    assert main(["emit", str(EXAMPLES / "linformer.lin"), "--grad"]) == 1
+    assert "reads the sequence other than through seq(…) (mixing)" in capsys.readouterr().err
