@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import ir
-from .analysis import rebuild
+from .analysis import inline_lets, rebuild, states_in
 
 _STEP = "step "
 
@@ -70,3 +70,17 @@ class StepValues:
             between.add(node.name)
             return rebuild(self.values[node.name][count - 1], visit)
         return rebuild(e, visit), between
+
+
+def composed_update(program: ir.Program, update: ir.Update) -> ir.Expr:
+    """The update as `check` reports it: for one composed from several assignments, with the named values
+    that read a state written out (they hold the intermediate values the steps saw)."""
+    if len(update.assignments) < 2:
+        return update.value
+    lets = program.lets
+
+    def visit(node: ir.Expr) -> ir.Expr:
+        if isinstance(node, ir.LetRef) and states_in(inline_lets(node, lets)):
+            return rebuild(lets[node.name], visit)
+        return node
+    return rebuild(update.value, visit)
