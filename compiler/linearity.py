@@ -230,12 +230,12 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
         if not other.shape:  # a scalar factor
             c = ir.Arith((), "div", ONE, other) if isinstance(e, ir.Arith) and e.op == "div" else other
             return [t.scaled(c) for t in terms], rebuilt(rem)
-        return [t for term in terms for t in _product(e, term, inner, other, in_left)], rebuilt(rem)
+        return [t for term in terms for t in _product(e, term, inner, other, in_left, state)], rebuilt(rem)
     raise _applies_a_function(e, state)
 
 
-def _product(e: ir.Arith | ir.Dot | ir.Outer, t: Term, inner: ir.Expr, other: ir.Expr,
-             in_left: bool) -> list[Term]:
+def _product(e: ir.Arith | ir.Dot | ir.Outer, t: Term, inner: ir.Expr, other: ir.Expr, in_left: bool,
+             state: str) -> list[Term]:
     """The terms of `e`, a product of the state-free `other` (not a scalar) with the term t of `inner`.
     inner's rank says which ends of t are open: a matrix (L·S·R), a row (qᵀ·S·R, its left a covector), a
     column (L·S·x, its right a vector; for a vector state z, L·z) or a scalar (qᵀ·S·x)."""
@@ -243,7 +243,7 @@ def _product(e: ir.Arith | ir.Dot | ir.Outer, t: Term, inner: ir.Expr, other: ir
     column = len(inner.shape) == 1 and not row
     if isinstance(e, ir.Arith):
         if e.op not in ("mul", "div") or len(other.shape) != 1 or (e.op == "div" and not in_left):
-            raise _unfactorable(e)
+            raise _unfactorable(e, state)
         d = other if e.op == "mul" else ir.Arith(other.shape, "div", ONE, other)
         if not inner.shape:  # d * (qᵀ·S·x) = (d⊗q)·S·x
             return [Term(t.coef, Factor("outer", d, t.left.u), t.right)]
@@ -255,28 +255,28 @@ def _product(e: ir.Arith | ir.Dot | ir.Outer, t: Term, inner: ir.Expr, other: ir
             return [Term(t.coef, Factor("outer", other, t.left.u), t.right)]  # u⊗(qᵀ·S·R) = (u⊗q)·S·R
         if in_left and column and t.right is not None and t.right.kind == "vector":
             return [Term(t.coef, t.left, Factor("outer", t.right.u, other))]  # (L·S·x)⊗w = L·S·(x⊗w)
-        raise _unfactorable(e)
+        raise _unfactorable(e, state)
     if not inner.shape:  # a scalar times a vector: d·(qᵀ·S·x)
         if len(other.shape) != 1:
-            raise _unfactorable(e)
+            raise _unfactorable(e, state)
         return [Term(t.coef, Factor("outer", other, t.left.u), t.right)]
     if not in_left:  # other·inner
         if len(other.shape) == 2:  # M·X: a left factor
             if row:
-                raise _unfactorable(e)
+                raise _unfactorable(e, state)
             return [_left(f, t.scaled(c)) for c, f in operator_terms(other)]
         if row:  # x·(qᵀ·S·R) = qᵀ·S·(R·x)
             return [_right(t, Factor("vector", other))]
         if t.right is not None and t.right.kind != "vector" and column:
-            raise _unfactorable(e)
+            raise _unfactorable(e, state)
         return [_left(Factor("covector", other), t)]  # x·(L·S·R) = (Lᵀx)ᵀ·S·R
     if len(other.shape) == 2:  # X·M: a right factor
         if t.right is not None and t.right.kind == "vector":
-            raise _unfactorable(e)
+            raise _unfactorable(e, state)
         return [_right(t.scaled(c), f) for c, f in operator_terms(other)]
     if column:  # (L·S·x)·y = (Lᵀy)ᵀ·S·x
         if t.right is not None and t.right.kind != "vector":
-            raise _unfactorable(e)
+            raise _unfactorable(e, state)
         return [_left(Factor("covector", other), t)]
     return [_right(t, Factor("vector", other))]  # (qᵀ·S·R)·x and (L·S·R)·x: R·x
 
@@ -291,8 +291,8 @@ def _right(t: Term, f: Factor) -> Term:
     return Term(mul(c, t.coef), t.left, ff)
 
 
-def _unfactorable(e: ir.Expr) -> "Unfactorable":
-    return Unfactorable(f"`{to_text(e)}` is linear in the state but not a product the forms can factor "
+def _unfactorable(e: ir.Expr, state: str) -> "Unfactorable":
+    return Unfactorable(f"`{to_text(e)}` is linear in '{state}' but not a product the forms can factor "
                         f"(left factors such as a·S, diag(d)·S, (I − u⊗w)·S)")
 
 
