@@ -12,7 +12,7 @@ from ..dsl import ast
 from ..dsl.errors import LinrecError, LinrecWarning, Span
 
 from . import ir
-from .analysis import children, rebuild, to_text, variance, walk
+from .analysis import children, rebuild, refs, to_text, variance, walk
 from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
 from .constants import check_constants
 from .linearity import check_linear
@@ -112,10 +112,15 @@ class _Resolver:
         step runs."""
         updated_at = {s.state: i for i, s in enumerate(self.steps) if isinstance(s, ir.Update)}
         settled = []
+        held: dict[str, set[str]] = {}  # named value → the states it reads between two of their assignments
         for i, (step, span) in enumerate(zip(self.steps, self.step_spans)):
             value, between = self.assigned.settle(step.value)
-            if between and not self.p.causal and not isinstance(step, ir.Update):
-                state = sorted(between)[0]
+            if isinstance(step, ir.Let):
+                held[step.name] = between.union(*(held[n] for n in refs(step.value, ir.LetRef)))
+            if isinstance(step, ir.Output) and not self.p.causal:
+                read = between.union(*(held[n] for n in refs(step.value, ir.LetRef)))
+                state = min(read, default=None)
+            if isinstance(step, ir.Output) and not self.p.causal and state is not None:
                 raise LinrecError(f"this reads '{state}' between two of its assignments, but a non-causal "
                                   f"program's outputs read each state after every token has updated it; read "
                                   f"'{state}' after its last assignment", span)
