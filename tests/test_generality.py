@@ -70,6 +70,7 @@ READOUTS = {
     "read_then_matrix": "(q·S)·W",
     "scaled_inside": "2·(q·(exp(a)·S))",
     "matrix_inside": "q·(S·W)·W − (p·(S·diag(w)))*w",
+    "both_sides": "q·(S·w) + (p·S)·w",  # a scalar
     "inside_a_function": "groupnorm(q·(S·diag(w)))*(p·S·w)",
 }
 READOUTS_TOGETHER = READOUT_HEAD.format(name="readouts_together") + "".join(
