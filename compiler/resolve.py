@@ -117,13 +117,13 @@ class _Resolver:
             value, between = self.assigned.settle(step.value)
             if isinstance(step, ir.Let):
                 held[step.name] = between.union(*(held[n] for n in refs(step.value, ir.LetRef)))
-            if isinstance(step, ir.Output) and not self.p.causal:
+            elif isinstance(step, ir.Output) and not self.p.causal:
                 read = between.union(*(held[n] for n in refs(step.value, ir.LetRef)))
-                state = min(read, default=None)
-            if isinstance(step, ir.Output) and not self.p.causal and state is not None:
-                raise LinrecError(f"this reads '{state}' between two of its assignments, but a non-causal "
-                                  f"program's outputs read each state after every token has updated it; read "
-                                  f"'{state}' after its last assignment", span)
+                if read:
+                    state = min(read)
+                    raise LinrecError(f"this reads '{state}' between two of its assignments, but a non-causal "
+                                      f"program's outputs read each state after every token has updated it; "
+                                      f"read '{state}' after its last assignment", span)
             late = next((n.name for n in walk(value) if isinstance(n, ir.StateRef) and n.version == "prev"
                          and updated_at[n.name] < i), None)
             if late is not None:  # (only a value carried from an earlier assignment can be late)

@@ -184,6 +184,21 @@ output o = (q·S)/(1 + abs(q·z))
         assert rel_err(got.outputs["o"], o) <= TOL, form
 
 
+def test_noncausal_steps_with_a_value_between_them():
+    # a value between the steps that only the update reads is fine in a non-causal program (its outputs read
+    # the final state; test_errors has the refusal of an output between the steps)
+    rec = linrec.compile(GDN_IN_STEPS.replace("dv = 16)", "dv = 16) noncausal").replace("output mid = qn·S\n", ""),
+                         "noncausal_steps.lin")
+    assert rec.forms == FORMS
+    x, s0 = inputs_for(rec, seed=19)
+    want = compiled("gated_deltanet").run(x, form="recurrent", initial_state=s0, dims=DIMS).final_state
+    for form in FORMS:
+        got = rec.run(x, form=form, initial_state=s0, chunk_size=CHUNK, dims=DIMS)
+        assert rel_err(got.final_state["S"], want["S"]) <= TOL, form
+        final = ref.l2norm(x["q"][0, 5, 1]) @ got.final_state["S"][0, 1] * DIMS["dk"] ** -0.5
+        assert rel_err(got.outputs["o"][0, 5, 1], final) <= TOL, form
+
+
 # ---- elementwise powers -----------------------------------------------------------------------------------
 def test_a_vector_exponent_against_a_loop():
     rec = compiled("vector_power", VECTOR_POWER)
