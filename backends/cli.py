@@ -35,6 +35,7 @@ from .c import cache as c_cache
 from .c import standalone as c_standalone
 from .compiler import ir
 from .compiler.analysis import inline_lets, to_text, walk
+from .compiler.steps import composed_update
 from .decode import run_by_steps
 from .dim_option import dims_with_overrides
 from .dsl.errors import LinrecError, RuntimeInputError
@@ -129,7 +130,8 @@ def describe(rec, path: str) -> dict:
         t = d.transition(s.name)
         info["states"].append({
             "name": s.name, "shape": ["B", "H", *s.shape], "transition": t.kind,
-            "update": f"{s.name} = {to_text(updates[s.name].value)}", "reasons": list(t.reasons),
+            "update": f"{s.name} = {to_text(composed_update(p, updates[s.name]))}", "reasons": list(t.reasons),
+            "assignments": [span.line for span in updates[s.name].assignments],  # more than one: composed
             "transposed": s.name in d.transposed,  # the derived forms carry it as its transpose
         })
     for out in p.outputs:
@@ -200,6 +202,9 @@ def format_check(info: dict) -> str:
                                               for s in info["states"]])):
         out.append(row + (f" of {s['name']}ᵀ (multiplied and read from the right)" if s["transposed"] else ""))
         out.append("      " + s["update"])
+        if len(s["assignments"]) > 1:
+            lines = ", ".join(map(str, s["assignments"][:-1])) + f" and {s['assignments'][-1]}"
+            out.append(f"      composed from its assignments on lines {lines}")
 
     out += ["", "outputs"]
     for o, row in zip(info["outputs"], _table([[o["name"], _shape(o["shape"])] for o in info["outputs"]])):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from . import ir
 from .analysis import inline_lets, rebuild, states_in, to_text, walk
+from .readouts import in_readout_shape
 from .sequence import SequencePlan, is_sequence_program, plan
 from .transitions import Transition, classify
 from .transpose import transposed
@@ -86,7 +87,7 @@ def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: li
 
     outputs = []
     for out in program.outputs:
-        expr = rebuild(rebuild(inline_lets(out.value, program.lets), contraction), value)
+        expr = rebuild(rebuild(_read_value(program, out), contraction), value)
         for n in walk(expr):
             if isinstance(n, ir.StateRef):
                 problems.append(f"output '{out.name}' uses matrix state '{n.name}' other than through a readout "
@@ -96,10 +97,16 @@ def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: li
     return tuple(outputs)
 
 
+def _read_value(program: ir.Program, out: ir.Output) -> ir.Expr:
+    """The output's value with its named values written out and its linear reads of matrix states in the
+    readout shape q·S (compiler.readouts)."""
+    return in_readout_shape(inline_lets(out.value, program.lets), program.states)
+
+
 def _read_through_readouts(program: ir.Program, state: str) -> bool:
     """Every output reads `state` through a readout q·S with a state-free q."""
     for out in program.outputs:
-        nodes = list(walk(inline_lets(out.value, program.lets)))
+        nodes = list(walk(_read_value(program, out)))
         uses = sum(isinstance(n, ir.StateRef) and n.name == state for n in nodes)
         readouts = sum(_is_readout(n, state) for n in nodes)
         if uses != readouts:

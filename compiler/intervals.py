@@ -195,6 +195,9 @@ def _power(a: Interval, b: Interval) -> Interval:
             return point(1.0)
         r = _apply("exp", _mul(b, point(math.log(base))))
         return Interval(r.lo, r.hi, True if r.lo == 0 else r.lo_open, r.hi_open)
+    if a.positive:  # a positive base to any exponent (an elementwise power): exp(b·log a) > 0
+        r = _apply("exp", _mul(b, _apply("log", a)))
+        return Interval(r.lo, r.hi, True if r.lo == 0 else r.lo_open, r.hi_open)
     return ANY
 
 

@@ -167,9 +167,13 @@ class Let:
 
 @dataclass(frozen=True)
 class Update:
+    """The state's update for one token. A state assigned in steps has one Update, their composition
+    (compiler.steps); `assignments` are where each step is written."""
+
     state: str
     value: Expr
     span: Span | None = field(default=None, compare=False, repr=False)
+    assignments: tuple[Span, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)

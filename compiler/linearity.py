@@ -1,8 +1,13 @@
-"""The algebra of state updates: write an update as Σ coef·L·S·R + (a state-free remainder).
+"""The algebra of expressions linear in a state: write one as Σ coef·L·S·R + (a state-free remainder).
 
 L and R are *factors*: the identity, diag(d), an outer product u⊗w, or a dense matrix. Products of factors
 collapse to a single factor (diag(a)·diag(b) = diag(a⊙b), diag(d)·(u⊗w) = (d⊙u)⊗w, (u1⊗w1)·(u2⊗w2) =
 (w1·u2)·u1⊗w2, …), so every update reduces to a short list of terms whatever way the user wrote it.
+
+A linear expression of lower rank than the state is a term with a vector at one end: a row read q·S·R has
+the *covector* q as its left factor (qᵀ·), a column S·x the *vector* x as its right factor (·x), and a scalar
+q·S·x both. So `k⊗(v − p·S)` is k⊗v plus the term −(k⊗p)·S, and `q·(S·diag(w))` the term (q)ᵀ·S·diag(w):
+the same terms whichever way the products were written or nested.
 """
 from __future__ import annotations
 
@@ -58,8 +63,8 @@ def vdot(a: ir.Expr, b: ir.Expr) -> ir.Expr:
 # ---- factors and terms ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Factor:
-    kind: str                # "identity" | "diag" | "outer" | "dense"
-    u: ir.Expr | None = None  # diag: the diagonal; outer: the left vector; dense: the matrix
+    kind: str                # "identity" | "diag" | "outer" | "dense" | "covector" (left) | "vector" (right)
+    u: ir.Expr | None = None  # diag: the diagonal; outer: the left vector; dense: the matrix; (co)vector: it
     w: ir.Expr | None = None  # outer: the right vector
 
 
@@ -89,7 +94,12 @@ def _as_matrix(f: Factor, n: str) -> ir.Expr:
 
 
 def compose(a: Factor, b: Factor) -> tuple[ir.Expr, Factor]:
-    """a·b as (scalar coefficient, factor)."""
+    """a·b as (scalar coefficient, factor). A covector on the left stays one (qᵀ·M = (Mᵀq)ᵀ), as does a
+    vector on the right (M·x)."""
+    if a.kind == "covector":
+        return _covector_times(a.u, b)
+    if b.kind == "vector":
+        return _times_vector(a, b.u)
     if a.kind == "identity":
         return ONE, b
     if b.kind == "identity":
@@ -104,6 +114,30 @@ def compose(a: Factor, b: Factor) -> tuple[ir.Expr, Factor]:
         return vdot(a.w, b.u), Factor("outer", a.u, b.w)
     left, right = _as_matrix(a, "n"), _as_matrix(b, "n")
     return ONE, Factor("dense", ir.Dot((left.shape[0], right.shape[-1]), left, right))
+
+
+def _covector_times(q: ir.Expr, f: Factor) -> tuple[ir.Expr, Factor]:
+    if f.kind == "identity":
+        return ONE, Factor("covector", q)
+    if f.kind == "diag":
+        return ONE, Factor("covector", mul(q, f.u))
+    if f.kind == "outer":  # q·(u⊗w) = (q·u)·w
+        return vdot(q, f.u), Factor("covector", f.w)
+    if f.kind == "dense":
+        return ONE, Factor("covector", ir.Dot(f.u.shape[1:], q, f.u))
+    raise Unfactorable(f"`{to_text(q)}` contracts a {f.kind}")
+
+
+def _times_vector(f: Factor, x: ir.Expr) -> tuple[ir.Expr, Factor]:
+    if f.kind == "identity":
+        return ONE, Factor("vector", x)
+    if f.kind == "diag":
+        return ONE, Factor("vector", mul(f.u, x))
+    if f.kind == "outer":  # (u⊗w)·x = (w·x)·u
+        return vdot(f.w, x), Factor("vector", f.u)
+    if f.kind == "dense":
+        return ONE, Factor("vector", ir.Dot(f.u.shape[:1], f.u, x))
+    raise Unfactorable(f"a {f.kind} contracts `{to_text(x)}`")
 
 
 def operator_terms(m: ir.Expr) -> list[tuple[ir.Expr, Factor]]:
@@ -184,19 +218,8 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
         return lt + rt, rem
     if isinstance(e, (ir.Arith, ir.Dot, ir.Outer)):
         in_left = _side_with_state(e, state)
-        in_right = not in_left
         other = e.right if in_left else e.left
         inner = e.left if in_left else e.right
-        if isinstance(e, ir.Outer) and in_right and isinstance(inner, ir.Dot) and len(inner.left.shape) == 1 \
-                and not contains_state(inner.left, state):
-            # u ⊗ (w·X) = (u⊗w)·X: the expanded form of a rank-one correction
-            return linear_terms(ir.Dot(e.shape, ir.Outer((e.left.shape[0], inner.left.shape[0]),
-                                                          e.left, inner.left), inner.right), state)
-        if isinstance(e, ir.Arith) and e.op in ("mul", "div") and len(inner.shape) == 1 \
-                and other.shape == inner.shape and (e.op == "mul" or in_left):
-            # d*x and x/d for a vector x: diag(d)·x and diag(1/d)·x (an elementwise decay of a vector state)
-            d = other if e.op == "mul" else ir.Arith(other.shape, "div", ONE, other)
-            return linear_terms(ir.Dot(e.shape, ir.Diag(inner.shape * 2, d), inner), state)
         terms, rem = linear_terms(inner, state)
 
         def rebuilt(r):
@@ -207,23 +230,70 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
         if not other.shape:  # a scalar factor
             c = ir.Arith((), "div", ONE, other) if isinstance(e, ir.Arith) and e.op == "div" else other
             return [t.scaled(c) for t in terms], rebuilt(rem)
-        if isinstance(e, ir.Dot) and in_right and len(other.shape) == 2:  # M·X: a left factor
-            out = []
-            for c, f in operator_terms(other):
-                for t in terms:
-                    cc, ff = compose(f, t.left)
-                    out.append(Term(mul(mul(c, cc), t.coef), ff, t.right))
-            return out, rebuilt(rem)
-        if isinstance(e, ir.Dot) and in_left and len(other.shape) == 2:  # X·M: a right factor
-            out = []
-            for c, f in operator_terms(other):
-                for t in terms:
-                    cc, ff = compose(t.right or IDENTITY, f)
-                    out.append(Term(mul(mul(c, cc), t.coef), t.left, ff))
-            return out, rebuilt(rem)
-        raise Unfactorable(f"`{to_text(e)}` is linear in '{state}' but not a product the forms can factor "
-                           f"(left factors such as a·S, diag(d)·S, (I − u⊗w)·S)")
+        return [t for term in terms for t in _product(e, term, inner, other, in_left, state)], rebuilt(rem)
     raise _applies_a_function(e, state)
+
+
+def _product(e: ir.Arith | ir.Dot | ir.Outer, t: Term, inner: ir.Expr, other: ir.Expr, in_left: bool,
+             state: str) -> list[Term]:
+    """The terms of `e`, a product of the state-free `other` (not a scalar) with the term t of `inner`.
+    inner's rank says which ends of t are open: a matrix (L·S·R), a row (qᵀ·S·R, its left a covector), a
+    column (L·S·x, its right a vector; for a vector state z, L·z) or a scalar (qᵀ·S·x)."""
+    row = t.left.kind == "covector"
+    column = len(inner.shape) == 1 and not row
+    if isinstance(e, ir.Arith):
+        if e.op not in ("mul", "div") or len(other.shape) != 1 or (e.op == "div" and not in_left):
+            raise _unfactorable(e, state)
+        d = other if e.op == "mul" else ir.Arith(other.shape, "div", ONE, other)
+        if not inner.shape:  # d * (qᵀ·S·x) = (d⊗q)·S·x
+            return [Term(t.coef, Factor("outer", d, t.left.u), t.right)]
+        if row:  # (qᵀ·S·R) ⊙ d = qᵀ·S·R·diag(d)
+            return [_right(t, Factor("diag", d))]
+        return [_left(Factor("diag", d), t)]  # d ⊙ (L·S·x) = diag(d)·L·S·x (d*z for a vector state)
+    if isinstance(e, ir.Outer):
+        if not in_left and row:
+            return [Term(t.coef, Factor("outer", other, t.left.u), t.right)]  # u⊗(qᵀ·S·R) = (u⊗q)·S·R
+        if in_left and column and t.right is not None and t.right.kind == "vector":
+            return [Term(t.coef, t.left, Factor("outer", t.right.u, other))]  # (L·S·x)⊗w = L·S·(x⊗w)
+        raise _unfactorable(e, state)
+    if not inner.shape:  # a scalar times a vector: d·(qᵀ·S·x)
+        if len(other.shape) != 1:
+            raise _unfactorable(e, state)
+        return [Term(t.coef, Factor("outer", other, t.left.u), t.right)]
+    if not in_left:  # other·inner
+        if len(other.shape) == 2:  # M·X: a left factor
+            if row:
+                raise _unfactorable(e, state)
+            return [_left(f, t.scaled(c)) for c, f in operator_terms(other)]
+        if row:  # x·(qᵀ·S·R) = qᵀ·S·(R·x)
+            return [_right(t, Factor("vector", other))]
+        if t.right is not None and t.right.kind != "vector" and column:
+            raise _unfactorable(e, state)
+        return [_left(Factor("covector", other), t)]  # x·(L·S·R) = (Lᵀx)ᵀ·S·R
+    if len(other.shape) == 2:  # X·M: a right factor
+        if t.right is not None and t.right.kind == "vector":
+            raise _unfactorable(e, state)
+        return [_right(t.scaled(c), f) for c, f in operator_terms(other)]
+    if column:  # (L·S·x)·y = (Lᵀy)ᵀ·S·x
+        if t.right is not None and t.right.kind != "vector":
+            raise _unfactorable(e, state)
+        return [_left(Factor("covector", other), t)]
+    return [_right(t, Factor("vector", other))]  # (qᵀ·S·R)·x and (L·S·R)·x: R·x
+
+
+def _left(f: Factor, t: Term) -> Term:
+    c, ff = compose(f, t.left)
+    return Term(mul(c, t.coef), ff, t.right)
+
+
+def _right(t: Term, f: Factor) -> Term:
+    c, ff = compose(t.right or IDENTITY, f)
+    return Term(mul(c, t.coef), t.left, ff)
+
+
+def _unfactorable(e: ir.Expr, state: str) -> "Unfactorable":
+    return Unfactorable(f"`{to_text(e)}` is linear in '{state}' but not a product the forms can factor "
+                        f"(left factors such as a·S, diag(d)·S, (I − u⊗w)·S)")
 
 
 def check_linear(value: ir.Expr, state: str, lets: dict[str, ir.Expr]) -> None:

@@ -12,10 +12,11 @@ from ..dsl import ast
 from ..dsl.errors import LinrecError, LinrecWarning, Span
 
 from . import ir
-from .analysis import children, rebuild, to_text, variance, walk
+from .analysis import children, rebuild, refs, to_text, variance, walk
 from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
 from .constants import check_constants
 from .linearity import check_linear
+from .steps import StepValues
 
 SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
 # How deep an expression may nest with its named values written out: the analyses and code generators walk
@@ -49,10 +50,12 @@ class _Resolver:
         self.functions: dict[str, ast.FunctionDef] = {}
         self.lets: dict[str, ir.Expr] = {}
         self.let_depths: dict[str, int] = {}  # how deep each value nests, written out (see _nesting)
+        self.step_depths: dict[tuple[str, str], int] = {}  # (state, version) → how deep its value nests
         self.outputs: dict[str, ir.Expr] = {}
-        self.updated: set[str] = set()
+        self.assigned = StepValues()  # each state's value after each of its assignments (compiler.steps)
         self.defined_at: dict[str, Span] = {}
         self.steps: list[ir.Step] = []
+        self.step_spans: list[Span] = []  # where each step is written
         self.used: set[str] = set()  # inputs, params, values and functions some expression refers to
         self.warnings: tuple[LinrecWarning, ...] = ()  # set by run()
 
@@ -94,14 +97,46 @@ class _Resolver:
         for f in self.functions.values():  # a function body is only resolved where it is called
             self._check_function_names(f)
         for name, st in self.states.items():
-            if name not in self.updated:
+            if not self.assigned.assignments(name):
                 raise LinrecError(f"state '{name}' is never updated; add a line `{name} = …` that says how it "
                                   f"evolves per token", self.defined_at[name])
         if not self.outputs:
             raise LinrecError("the program has no output; add a line such as `output o = q·S`", self.p.span)
         self.warnings = tuple(self._unused())
         return ir.Program(self.p.name, self.p.causal, tuple(self.dims.values()), tuple(self.inputs.values()),
-                          tuple(self.params.values()), tuple(self.states.values()), tuple(self.steps))
+                          tuple(self.params.values()), tuple(self.states.values()), self._settled_steps())
+
+    def _settled_steps(self) -> tuple[ir.Step, ...]:
+        """The steps with every state read as S_(t−1) or S_t (compiler.steps): a read between two assignments
+        of a state holds the intermediate value written over S_(t−1), which must still be there where the
+        step runs."""
+        updated_at = {s.state: i for i, s in enumerate(self.steps) if isinstance(s, ir.Update)}
+        settled = []
+        held: dict[str, set[str]] = {}  # named value → the states it reads between two of their assignments
+        for i, (step, span) in enumerate(zip(self.steps, self.step_spans)):
+            value, between = self.assigned.settle(step.value)
+            if isinstance(step, ir.Let):
+                held[step.name] = between.union(*(held[n] for n in refs(step.value, ir.LetRef)))
+            elif isinstance(step, ir.Output) and not self.p.causal:
+                read = between.union(*(held[n] for n in refs(step.value, ir.LetRef)))
+                if read:
+                    state = min(read)
+                    raise LinrecError(f"this reads '{state}' between two of its assignments, but a non-causal "
+                                      f"program's outputs read each state after every token has updated it; "
+                                      f"read '{state}' after its last assignment", span)
+            late = next((n.name for n in walk(value) if isinstance(n, ir.StateRef) and n.version == "prev"
+                         and updated_at[n.name] < i), None)
+            if late is not None:  # (only a value carried from an earlier assignment can be late)
+                holder = sorted(between)[0] if between else step.state
+                how = (f"this reads '{holder}' between two of its assignments, and that value reads"
+                       if between else f"an earlier assignment of '{holder}' reads")
+                raise LinrecError(
+                    f"{how} '{late}' before its update (line {self.step_spans[updated_at[late]].line}); linrec "
+                    f"composes the assignments of '{holder}' into one update at its last (line "
+                    f"{self.step_spans[updated_at[holder]].line}), where '{late}' is already updated: update "
+                    f"'{late}' before the first assignment of '{holder}' or after its last", span)
+            settled.append(dataclasses.replace(step, value=value))
+        return tuple(settled)
 
     def _unused(self):
         """Declared inputs, params, values and functions that nothing reads, in source order. An unused input
@@ -187,17 +222,13 @@ class _Resolver:
         value = self.expr(st.value)
         if st.target in self.states:
             state = self.states[st.target]
-            if st.target in self.updated:
-                raise LinrecError(f"state '{st.target}' is updated twice; write its whole update in one line",
-                                  st.span)
             if SQUARE in value.shape and len(state.shape) == 2 and state.shape[0] == state.shape[1]:
                 value = _settle(value, state.shape[0])
             if value.shape != state.shape:
                 raise LinrecError(f"the update of '{st.target}' has shape {_fmt(value.shape)} but the state is "
                                   f"declared {_fmt(state.shape)}", st.value.span)
             check_linear(value, st.target, self.lets)
-            self.updated.add(st.target)
-            self.steps.append(ir.Update(st.target, value, st.span))
+            self._assign(st.target, value, st.span)
             return
         if st.target in self.inputs or st.target in self.params or st.target in self.dims:
             raise LinrecError(f"'{st.target}' is an input, parameter or dimension and cannot be assigned; "
@@ -208,7 +239,28 @@ class _Resolver:
                               "matrix", st.value.span)
         self.lets[st.target] = value
         self.let_depths[st.target] = self._nesting(value)
-        self.steps.append(ir.Let(st.target, value))
+        self._step(ir.Let(st.target, value), st.span)
+
+    def _assign(self, state: str, value: ir.Expr, span: Span):
+        """An assignment of a state. A later one composes with the ones before it (compiler.steps): the
+        composed update replaces the earlier one and takes the place of this one."""
+        earlier = next((i for i, s in enumerate(self.steps) if isinstance(s, ir.Update) and s.state == state),
+                       None)
+        assignments = ()
+        if earlier is not None:
+            assignments = self.steps[earlier].assignments
+            del self.steps[earlier], self.step_spans[earlier]
+        composed = self.assigned.assign(state, value)
+        depth = self._nesting(composed)
+        if depth > MAX_INLINED_NESTING:
+            raise LinrecError(f"with the assignments of '{state}' composed, its update nests {depth} levels "
+                              f"deep; linrec's analyses take at most {MAX_INLINED_NESTING}", span)
+        self.step_depths[(state, self.assigned.version(state))] = depth  # (a later read may hold this value)
+        self._step(ir.Update(state, composed, span, assignments + (span,)), span)
+
+    def _step(self, step: ir.Step, span: Span):
+        self.steps.append(step)
+        self.step_spans.append(span)
 
     def _OutputDef(self, st: ast.OutputDef):
         self._define(st.name, st.span, "an output")
@@ -217,7 +269,7 @@ class _Resolver:
             raise LinrecError(f"output '{st.name}' has shape {_fmt(value.shape)}; outputs are scalars or "
                               f"vectors per token and head", st.value.span)
         self.outputs[st.name] = value
-        self.steps.append(ir.Output(st.name, value))
+        self._step(ir.Output(st.name, value), st.span)
 
     # ---- expressions ----
     def expr(self, e: ast.Expr, *, in_param: bool = False, bound=None) -> ir.Expr:
@@ -240,6 +292,8 @@ class _Resolver:
             if done:
                 if isinstance(node, ir.LetRef):
                     depth_of[id(node)] = self.let_depths.get(node.name, 0)
+                elif isinstance(node, ir.StateRef):  # between assignments, it stands for their value
+                    depth_of[id(node)] = self.step_depths.get((node.name, node.version), 0)
                 else:  # (a leaf is no level)
                     depth_of[id(node)] = 1 + max((depth_of[id(k)] for k in kids), default=-1)
             elif id(node) not in depth_of:
@@ -286,8 +340,7 @@ class _Resolver:
             self.used.add(n)
             return ir.InputRef(self.inputs[n].shape, n, span=sp)
         if n in self.states:
-            version = "new" if n in self.updated else "prev"
-            return ir.StateRef(self.states[n].shape, n, version, span=sp)
+            return ir.StateRef(self.states[n].shape, n, self.assigned.version(n), span=sp)
         if n in self.lets:
             self.used.add(n)
             return ir.LetRef(self.lets[n].shape, n, span=sp)
@@ -322,10 +375,11 @@ class _Resolver:
                     if op == "mul" and len(vector) == 1 and len(matrix) == 2 and vector[0] == matrix[d]]
             hint = f"; to scale a matrix by a vector, write for {' or '.join(ways)}" if ways else ""
             raise LinrecError(f"shape mismatch in '{_opname(op)}': {_fmt(sa)} and {_fmt(sb)}{hint}", sp)
-        if op == "pow":
-            if sb:
-                raise LinrecError(f"the exponent must be a scalar, not {_fmt(sb)}", e.right.span)
-            return ir.Arith(sa, op, a, b, span=sp)
+        if op == "pow":  # elementwise: a scalar on either side broadcasts
+            if sa and sb and sa != sb:
+                raise LinrecError(f"shape mismatch in '^': {_fmt(sa)} and {_fmt(sb)}; the exponent is a scalar "
+                                  f"or has the base's shape (elementwise powers)", sp)
+            return ir.Arith(sa or sb, op, a, b, span=sp)
         if op == "outer":
             if len(sa) != 1 or len(sb) != 1:
                 raise LinrecError(f"'⊗' takes two vectors, got {_fmt(sa)} and {_fmt(sb)}", sp)

@@ -50,7 +50,7 @@ def log_of(e: ir.Expr) -> tuple[ir.Expr, bool]:
         (la, ea), (lb, eb) = log_of(e.left), log_of(e.right)
         op = "sub" if isinstance(e, ir.Arith) and e.op == "div" else "add"
         return ir.Arith(la.shape or lb.shape, op, la, lb), ea and eb
-    if isinstance(e, ir.Arith) and e.op == "pow" and not e.right.shape:
+    if isinstance(e, ir.Arith) and e.op == "pow":  # log(x^y) = y·log x, elementwise for a vector exponent
         la, ea = log_of(e.left)
         return mul(e.right, la), ea
     return ir.Apply(e.shape, "log", (e,)), False

@@ -176,6 +176,11 @@ class ProgramGenerator:
                 outputs.append(self.output(len(outputs), states, names, before=True))
                 body.append(outputs[-1])
             body.append(f"{s} = {self.update(s, shape, names)}")
+            if self.chance(0.15):  # updates in steps: each assignment sees the one before it
+                if self.chance(0.3):
+                    outputs.append(self.output(len(outputs) + len(body), states, names, before=True))
+                    body.append(outputs[-1])
+                body.append(f"{s} = {self.next_step(s, shape, names)}")
         for _ in range(r.choice([1, 1, 1, 2, 3])):
             body.append(self.output(len(outputs) + len(body), states, names, before=False))
         if not any(b.startswith("output") for b in body):
@@ -206,7 +211,8 @@ class ProgramGenerator:
     def key(self, names: _Names) -> str:
         k = self.pick(names.vectors_k)
         choices = [k, f"{k}", f"phi({k})" if names.functions else k, f"{self.pick(names.scalars)}·{k}"
-                   if names.scalars else k, f"sigmoid({k})", f"{self.number()}·{k}"]
+                   if names.scalars else k, f"sigmoid({k})", f"{self.number()}·{k}",
+                   f"{k}*sigmoid(q)^(1 + tanh({k}))"]  # an elementwise power with a vector exponent
         square = [p for p, (s, _) in names.params.items() if s == ("dk", "dk")]
         if square and self.chance(0.4):
             depth = self.rng.choice([1, 2, 3, 6, 30])
@@ -276,6 +282,19 @@ class ProgramGenerator:
             return f"sigmoid({a})·{s} + (1 − sigmoid({a}))·{vec}"
         return f"{base} + {vec}"
 
+    def next_step(self, s: str, shape: tuple, names: _Names) -> str:
+        """A further assignment of a state already assigned in this token (linear in it)."""
+        kn = self.pick(names.vectors_k)
+        choices = [f"0.5·{s}", f"{s}"]
+        if shape == ("dk", "dv"):
+            choices += [f"{s} + {self.write(names)}", f"{s} − 0.5·{kn}⊗({kn}·{s})", f"{s}·diag(sigmoid(v))",
+                        f"{s} + 0.5·{kn}⊗(v − {kn}·{s})"]
+        elif shape == ("dk",):
+            choices += [f"{s} + {self.key(names)}", f"sigmoid(k)*{s}"]
+        elif shape == ("dv",):
+            choices += [f"{s} + {self.value(names)}"]
+        return self.pick(choices)
+
     def matrix_update(self, s: str, names: _Names) -> str:
         kn = self.pick(names.vectors_k)
         beta = self.pick(names.scalars) if names.scalars and self.chance(0.7) else "0.5"
@@ -323,7 +342,10 @@ class ProgramGenerator:
         for S in matrices:
             qq = self.pick([q, f"phi({q})" if names.functions else q, f"dk^(−1/2)·{q}", f"l2norm({q})"])
             choices += [f"{qq}·{S}", f"{qq}·{S}", f"groupnorm({qq}·{S})", f"tanh({qq}·{S})", f"sum({qq}·{S})",
-                        f"{qq}·{S} + {self.value(names)}", f"softmax({qq}·{S})", f"({qq}·{S})*sigmoid(v)"]
+                        f"{qq}·{S} + {self.value(names)}", f"softmax({qq}·{S})", f"({qq}·{S})*sigmoid(v)",
+                        # linear reads in other shapes (readouts by linearity)
+                        f"{qq}·({S}·diag(sigmoid(v)))", f"(k + {qq})·{S}", f"{qq}·({S} + k⊗v)",
+                        f"0.5·({qq}·(2·{S}))", f"{qq}·({S}·v)"]
             for z in over_k:
                 choices.append(f"({qq}·{S}) / ({qq}·{z} + 1)")
         for P in [s for s, sh in states if sh == ("m", "dv")]:

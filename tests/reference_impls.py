@@ -1,4 +1,4 @@
-"""Independent reference implementations of the six example recurrences, written from the math.
+"""Independent reference implementations of the example recurrences, written from the math.
 
 Nothing here imports linrec. Every function loops explicitly over batch b, head h and token t with plain
 NumPy in float64, following the conventions of /work/shared/reference/forms.md:
@@ -151,6 +151,51 @@ def linear_transformer(inputs, params, state0):
     return {"o": o}, {"S": S_final, "z": z_final}
 
 
+def gdn2(inputs, params, state0):
+    """S = (I − k̂ (b ⊙ k̂)ᵀ) diag(exp(g)) S + k̂ (w ⊙ v)ᵀ;  o = dk^(-1/2) q̂ᵀ S: an erase gate b on the key
+    axis, a write gate w on the value axis, a decay per key channel."""
+    x = _f64(inputs)
+    q, k, v, b, w, g = x["q"], x["k"], x["v"], x["b"], x["w"], x["g"]
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    o = np.zeros((B, T, H, dv))
+    S_final = np.zeros((B, H, dk, dv))
+    for bi in range(B):
+        for h in range(H):
+            S = np.array(state0["S"][bi, h], dtype=np.float64)
+            for t in range(T):
+                qn = l2norm(q[bi, t, h])
+                kn = l2norm(k[bi, t, h])
+                erase = np.eye(dk) - np.outer(kn, b[bi, t, h] * kn)
+                S = erase @ np.diag(np.exp(g[bi, t, h])) @ S + np.outer(kn, w[bi, t, h] * v[bi, t, h])
+                o[bi, t, h] = dk ** -0.5 * (qn @ S)
+            S_final[bi, h] = S
+    return {"o": o}, {"S": S_final}
+
+
+def comba(inputs, params, state0):
+    """Per token: p = σ(d_h) k̂ (the read key); v' = v − Sᵀ p with the state before the decay;
+    S = exp(g) S + β k̂ v'ᵀ;  o = dk^(-1/2) (q̂ − D_h p)ᵀ S. Params d, D per head ([H])."""
+    x = _f64(inputs)
+    q, k, v, beta, g = x["q"], x["k"], x["v"], x["beta"], x["g"]
+    d, D = np.asarray(params["d"], np.float64), np.asarray(params["D"], np.float64)
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    o = np.zeros((B, T, H, dv))
+    S_final = np.zeros((B, H, dk, dv))
+    for b in range(B):
+        for h in range(H):
+            S = np.array(state0["S"][b, h], dtype=np.float64)
+            for t in range(T):
+                kn = l2norm(k[b, t, h])
+                p = kn / (1.0 + np.exp(-d[h]))
+                corrected = v[b, t, h] - S.T @ p
+                S = np.exp(g[b, t, h]) * S + beta[b, t, h] * np.outer(kn, corrected)
+                o[b, t, h] = dk ** -0.5 * ((l2norm(q[b, t, h]) - D[h] * p) @ S)
+            S_final[b, h] = S
+    return {"o": o}, {"S": S_final}
+
+
 REFERENCES = {
     "gla": gla,
     "retnet": retnet,
@@ -158,4 +203,6 @@ REFERENCES = {
     "deltanet": deltanet,
     "gated_deltanet": gated_deltanet,
     "linear_transformer": linear_transformer,
+    "gdn2": gdn2,
+    "comba": comba,
 }

@@ -237,9 +237,20 @@ def test_redefined_output():
     check(compile_error(src), src, where(src, 6, "o ="), "'o' is already defined (line 5)", width=1)
 
 
-def test_state_updated_twice():
-    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\nS = S + k⊗v\noutput o = q·S\n"
-    check(compile_error(src), src, (5, 1), "state 'S' is updated twice")
+def test_state_in_steps_around_another_update():
+    # S's steps are composed at its last assignment, where z already holds its new value
+    src = HEAD + "state S[dk, dv], z[dk]\nS = S + (z*k)⊗v\nz = z + k\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, (6, 1), "an earlier assignment of 'S' reads 'z' before its update (line 5)",
+          "update 'z' before the first assignment of 'S' or after its last")
+    src = HEAD + "state S[dk, dv], z[dk]\nS = S + (z*k)⊗v\nz = z + k\noutput p = q·S\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, (6, 8), "this reads 'S' between two of its assignments, and that value reads "
+          "'z' before its update (line 5)", "one update at its last (line 7)")
+
+
+def test_noncausal_output_between_steps():
+    src = HEAD.replace("dv = 3)", "dv = 3) noncausal") + "state S[dk, dv]\nS = S + k⊗v\noutput p = q·S\n" \
+        "S = 0.5·S\noutput o = q·S\n"
+    check(compile_error(src), src, (5, 8), "a non-causal program's outputs read each state after every token")
 
 
 def test_assigning_an_input():

@@ -21,7 +21,7 @@ import linrec
 import reference_impls as ref
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NAMES = ["gla", "retnet", "mamba2", "deltanet", "gated_deltanet", "linear_transformer"]
+NAMES = ["gla", "retnet", "mamba2", "deltanet", "gated_deltanet", "linear_transformer", "gdn2", "comba"]
 
 FLOAT64_RTOL = 1e-10
 FLOAT32_RTOL = 5e-6
@@ -35,6 +35,10 @@ INPUT_SPECS = {
     "gated_deltanet": {"q": ("normal", "dk"), "k": ("normal", "dk"), "v": ("normal", "dv"),
                        "beta": ("unit", None), "g": ("logdecay", None)},
     "linear_transformer": {"q": ("normal", "dk"), "k": ("normal", "dk"), "v": ("normal", "dv")},
+    "gdn2": {"q": ("normal", "dk"), "k": ("normal", "dk"), "v": ("normal", "dv"), "b": ("unit", "dk"),
+             "w": ("unit", "dv"), "g": ("logdecay", "dk")},
+    "comba": {"q": ("normal", "dk"), "k": ("normal", "dk"), "v": ("normal", "dv"), "beta": ("unit", None),
+              "g": ("logdecay", None)},
 }
 STATE_SPECS = {name: {"S": ("normal", ("dk", "dv"))} for name in NAMES}
 STATE_SPECS["linear_transformer"] = {"S": ("normal", ("dk", "dv")), "z": ("positive", ("dk",))}
@@ -88,6 +92,8 @@ def ref_params(name, H, res_params):
         return {"gamma": ref.retnet_gamma(H)}
     if name == "mamba2":
         return {"A": res_params["A"], "D": res_params["D"]}
+    if name == "comba":
+        return {"d": res_params["d"], "D": res_params["D"]}
     return {}
 
 
