@@ -179,7 +179,7 @@ def run_packed(forward: Forward, inputs: dict, state0: dict, offsets: np.ndarray
                scales: frozenset[str] = frozenset()) -> tuple[Served, np.ndarray]:
     """Packed sequences: inputs [1, T_total, H, *], initial states [N, H, *] (given or zeros) → the outputs
     [1, T_total, H, *], final states [N, H, *], checkpoints packed per sequence [1, Σ ⌊len_i / C⌋, H, *],
-    last states [N, K, H, *]; and the checkpoints' offsets [N + 1] (empty without state_every)."""
+    last states [N, K, H, *]; and the checkpoints' offsets [N + 1] (empty without checkpoints)."""
     outputs, finals, checkpoints, last_states, counts = [], [], [], [], []
     for i, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         own = {k: v[i:i + 1] for k, v in state0.items()}
@@ -204,8 +204,8 @@ def run_packed(forward: Forward, inputs: dict, state0: dict, offsets: np.ndarray
         packed.checkpoints = _concatenate(checkpoints, axis=1)
     if last is not None and stateful:
         packed.last_states = _concatenate(last_states, axis=0)
-    checkpoint_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64) if every is not None \
-        else np.zeros(0, np.int64)
+    checkpoint_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64) \
+        if every is not None and stateful else np.zeros(0, np.int64)
     return packed, checkpoint_offsets
 
 
