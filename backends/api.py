@@ -201,12 +201,17 @@ class Recurrence:
 
     def _serve(self, plan: "_CallPlan", checked: dict, state0, chunk, every, last, offsets) -> Result:
         """run() with the states a serving engine asks for, or packed sequences (backends/serving.py): the
-        plan's form over segments, each started from the state the previous one ended with."""
+        kernel writes the states as it passes them where it can (capabilities.snapshots), else the plan's
+        form runs over segments, each started from the state the previous one ended with."""
         def forward(inputs, state):
             tokens = next(iter(inputs.values())).shape[1]
             return _forward(plan, inputs, state, None if chunk is None else min(chunk, tokens))
+        snapshots = None
+        if plan.module.capabilities.snapshots and plan.nonfinite_tail is None:  # the kernel writes them itself
+            def snapshots(inputs, state, stops):
+                return plan.module.forward_snapshots(inputs, plan.params, state, plan.dims, stops)
         how = dict(every=every, last=last, causal=self.program.causal, stateful=bool(self.program.states),
-                   scales=self._log_scales)
+                   scales=self._log_scales, snapshots=snapshots)
         if offsets is None:
             served, checkpoint_offsets = serving.run_sequence(forward, checked, state0, **how), None
         else:

@@ -4,11 +4,12 @@
     res = rec.run(x, keep_last=4)                      # res.last_states["S"]: [B, 4, H, *]
     res = rec.run(packed, cu_seqlens=[0, 5, 37, 64])   # inputs [1, 64, H, *]; states [3, H, *]
 
-How, for every form of every program: the form runs segment by segment, each segment starting from the
-state the previous one ended with, and the segments end at the tokens whose states are asked for (every
-C-th token, each of the last K). A recurrence's state after token t does not depend on how the tokens
-before it were grouped, so this is exact in every form (the chunkwise form's own chunk boundaries
-coincide with the segments' when C is a multiple of its chunk size). A packed batch runs each sequence
+How: the fused C kernel of the recurrent form writes the states asked for as it passes them (its blocks
+end at those tokens), in one call. Every other form of every program runs segment by segment, each segment
+starting from the state the previous one ended with, and the segments end at the tokens whose states are
+asked for (every C-th token, each of the last K). A recurrence's state after token t does not depend on
+how the tokens before it were grouped, so this is exact in every form (the chunkwise form's own chunk
+boundaries coincide with the segments' when C is a multiple of its chunk size). A packed batch runs each sequence
 as a call of its own, so that no sequence reads another's tokens in any form, whatever the chunk size.
 
 A non-causal program's outputs read the final state of the whole sequence: its outputs come from one run
@@ -26,6 +27,9 @@ from .dsl.errors import RuntimeInputError
 
 # forward(inputs [B, t, H, *], initial states [B, H, *] or None for zeros) → (outputs, final states)
 Forward = Callable[[dict, "dict | None"], tuple[dict, dict]]
+# snapshots(inputs, initial states, stops) → (outputs, final states, the states after each token count in
+# stops [B, len(stops), H, *]): a kernel that writes them as it passes (the fused C kernel), in one call
+Snapshots = Callable[[dict, "dict | None", list], tuple[dict, dict, dict]]
 
 
 def _whole_number(value) -> bool:
@@ -144,15 +148,29 @@ class Served:
 
 
 def run_sequence(forward: Forward, inputs: dict, state0: dict | None, every: int | None, last: int | None,
-                 causal: bool, stateful: bool, scales: frozenset[str] = frozenset()) -> Served:
-    """One batch of equal-length sequences [B, T, H, *], with the states asked for. `scales`: the log-scale
-    keys carried beside stabilized states (handed from segment to segment in float64, as check_initial_state
-    gives them to the forms)."""
+                 causal: bool, stateful: bool, scales: frozenset[str] = frozenset(),
+                 snapshots: Snapshots | None = None) -> Served:
+    """One batch of equal-length sequences [B, T, H, *], with the states asked for: from `snapshots` in one
+    call where the form writes them itself, else segment by segment. `scales`: the log-scale keys carried
+    beside stabilized states (handed from segment to segment in float64, as check_initial_state gives them
+    to the forms)."""
     first = next(iter(inputs.values()))
     batch, tokens = first.shape[:2]
     if not stateful or (every is None and last is None):  # (a program without states has none to give)
         outputs, final = forward(inputs, state0)
         return Served(outputs, final)
+    if snapshots is not None:
+        at = stops(tokens, every, last)
+        outputs, final, taken = snapshots(inputs, state0, at)
+        index = {t: i for i, t in enumerate(at)}
+        served = Served(outputs, final)
+        if every is not None:
+            picked = [index[t] for t in range(every, tokens + 1, every)]
+            first = picked == list(range(len(picked)))  # the first stops: a view of them, no copy
+            served.checkpoints = {k: v[:, :len(picked)] if first else v[:, picked] for k, v in taken.items()}
+        if last is not None:
+            served.last_states = {k: v[:, index[tokens - last + 1]:] for k, v in taken.items()}
+        return served
     pieces, taken = [], {}
     state, start = state0, 0
     for end in stops(tokens, every, last):
@@ -175,8 +193,8 @@ def run_sequence(forward: Forward, inputs: dict, state0: dict | None, every: int
 
 
 def run_packed(forward: Forward, inputs: dict, state0: dict, offsets: np.ndarray, every: int | None,
-               last: int | None, causal: bool, stateful: bool,
-               scales: frozenset[str] = frozenset()) -> tuple[Served, np.ndarray]:
+               last: int | None, causal: bool, stateful: bool, scales: frozenset[str] = frozenset(),
+               snapshots: Snapshots | None = None) -> tuple[Served, np.ndarray]:
     """Packed sequences: inputs [1, T_total, H, *], initial states [N, H, *] (given or zeros) → the outputs
     [1, T_total, H, *], final states [N, H, *], checkpoints packed per sequence [1, Σ ⌊len_i / C⌋, H, *],
     last states [N, K, H, *]; and the checkpoints' offsets [N + 1] (empty without checkpoints)."""
@@ -190,7 +208,7 @@ def run_packed(forward: Forward, inputs: dict, state0: dict, offsets: np.ndarray
             counts.append(0)
             continue
         served = run_sequence(forward, {k: v[:, start:end] for k, v in inputs.items()}, own, every, last,
-                              causal, stateful, scales)
+                              causal, stateful, scales, snapshots)
         outputs.append(served.outputs)
         finals.append(served.final)
         if every is not None and stateful:

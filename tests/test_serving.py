@@ -403,3 +403,26 @@ def test_run_command_refuses_bad_serving_options(capsys):
         main(["run", "--help"])
     helptext = capsys.readouterr().out
     assert "--state-every C" in helptext and "--keep-last K" in helptext and "--cu-seqlens OFFSETS" in helptext
+
+
+# ---- the fused C kernel writes the states as it passes them ------------------------------------------------
+def test_the_fused_kernel_writes_snapshots_in_one_call():
+    """Programs whose recurrent form is the fused kernel get their checkpoints and last states from it in
+    one call (its blocks end at the tokens asked for), here across many blocks and both threads, with the
+    stops off the blocks' boundaries; every other form (and the statement kernels) runs segments."""
+    rec = PROGRAMS["gla"]
+    assert rec.module("recurrent", "c").capabilities.snapshots
+    assert not rec.module("chunkwise", "c").capabilities.snapshots
+    assert not rec.module("recurrent", "numpy").capabilities.snapshots
+    x = rec.random_inputs(2, 301, 3, seed=4)
+    s0 = {"S": np.random.default_rng(2).standard_normal((2, 3, 16, 16))}
+    res = rec.run(x, form="recurrent", backend="c", initial_state=s0, state_every=7, keep_last=5, threads=2)
+    ref = rec.run(x, form="chunkwise", initial_state=s0, state_every=7, keep_last=5)
+    for got, want in ((res.checkpoints, ref.checkpoints), (res.last_states, ref.last_states),
+                      (res.outputs, ref.outputs), (res.final_state, ref.final_state)):
+        for k, v in want.items():
+            assert_close(got[k], v)
+    assert res.checkpoints["S"].shape == (2, 43, 3, 16, 16)
+    for j in (0, 20, 42):
+        at = rec.run(prefix(x, 7 * (j + 1)), form="recurrent", initial_state=s0).final_state["S"]
+        assert_close(res.checkpoints["S"][:, j], at)

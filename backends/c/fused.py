@@ -39,6 +39,7 @@ class FusedKernel(KernelSource):
     """The fused kernels' source for one (dtype, sizes): context() is the template's."""
 
     template = "c_fused.c.j2"
+    writes_snapshots = True
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         refusal = fused_refusal(compiled)  # (what this kernel takes is support.py's to say)
