@@ -3,10 +3,12 @@
     out, pool = rec.step(tokens, pool, slots=idx)   # tokens [N, H, *]; pool[name] [P, H, *]; idx int [N]
 
 The rows pool[name][idx] advance by one token in place; every other row stays as it was, bit for bit.
-How: the N rows are gathered into contiguous [N, H, *] buffers, the ordinary decode step runs on them — one
-compiled call for all requests and heads on the C backend — and the rows are written back. Every argument
-is checked before the step runs, and the pool is written only after it has succeeded, so a bad call (or a
-token out of its declared range) leaves every row as it was.
+How: where the backend's step indexes slots itself (capabilities.steps_slots: the fused C kernel's
+lr_step_slots), one call reads and writes each active row where it lies. Otherwise the N rows are gathered
+into contiguous [N, H, *] buffers, the ordinary decode step runs on them (one compiled call for all
+requests and heads on C) and the rows are written back after it has succeeded. Every argument is checked
+before the step runs, and the kernel checks the tokens' ranges before it touches a row, so a bad call (or
+a token out of its declared range) leaves every row as it was.
 """
 from __future__ import annotations
 
@@ -88,8 +90,9 @@ def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype,
 
 
 class _PoolCall:
-    """One slot-pool call's checked pieces: the pool's arrays (log-scales absent from it made, at the true
-    scale, NaN) and the rows of the active requests gathered into contiguous buffers."""
+    """One slot-pool call's checked pieces: the pool's arrays (with the log-scales absent from it, made at
+    the true scale: NaN), the slots, and how the step runs — the kernel's own slot step where the backend has
+    one and the pool's arrays suit it (C-contiguous), else on rows gathered into contiguous buffers."""
 
     def __init__(self, rec, token_inputs: dict, pool, slots, backend: str, params):
         if rec.decomposition.sequence is not None:
@@ -97,20 +100,23 @@ class _PoolCall:
                                     f"every token, not a fixed-size state a pool of slots can hold")
         idx = slot_array(slots)
         require_dict(pool)
-        _, shape, _, dims, _ = rec._token_call(token_inputs, backend, params,
-                                               {k: v for k, v in pool.items() if np.ndim(v) >= 2})
+        _, shape, module, dims, used = rec._token_call(token_inputs, backend, params,
+                                                       {k: v for k, v in pool.items() if np.ndim(v) >= 2})
         scales = rec._log_scales
         size = check_pool(rec.program, pool, shape.heads, dims, shape.dtype, scales)
         self.idx = check_slot_values(idx, shape.batch, size)
         self.arrays = dict(pool)
         self.made = {key: np.full((size, shape.heads), np.nan, shape.dtype) for key in scales if key not in pool}
         self.arrays.update(self.made)
-        self.rows = {k: v[self.idx] for k, v in self.arrays.items()}  # (fancy indexing: C-contiguous copies)
         self.requests, self.size = shape.batch, size
+        self.kernel = module.slot_step(used, dims) if module.capabilities.steps_slots and \
+            all(a.flags.c_contiguous for a in self.arrays.values()) else None
+        # the gathered rows (fancy indexing: C-contiguous copies), where the step runs on them
+        self.rows = None if self.kernel else {k: v[self.idx] for k, v in self.arrays.items()}
 
     def gather(self, idx: np.ndarray) -> None:
-        for k, v in self.arrays.items():
-            np.take(v, idx, axis=0, out=self.rows[k])
+        for k, v in self.arrays.items():  # (not np.take(…, out=): it copies a non-contiguous pool whole)
+            self.rows[k][...] = v[idx]
 
     def scatter(self, idx: np.ndarray) -> None:
         for k, v in self.arrays.items():
@@ -121,8 +127,11 @@ def step(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out):
     """Recurrence.step(tokens, pool, slots=idx): (outputs [N, H, *], pool), the pool's rows idx advanced in
     place. A log-scale of a stabilized state that the pool lacks is added to it (NaN elsewhere: true scale)."""
     call = _PoolCall(rec, token_inputs, pool, slots, backend, params)
-    outputs, _ = rec.step(token_inputs, call.rows, backend=backend, params=params, inplace=True, out=out)
-    call.scatter(call.idx)
+    if call.kernel is not None:
+        outputs = call.kernel(token_inputs, call.arrays, call.idx, out)
+    else:
+        outputs, _ = rec.step(token_inputs, call.rows, backend=backend, params=params, inplace=True, out=out)
+        call.scatter(call.idx)
     pool.update(call.made)
     return outputs, pool
 
@@ -134,12 +143,22 @@ def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out):
     call = _PoolCall(rec, token_inputs, pool, slots, backend, params)
     pool.update(call.made)  # (bound now: the step writes them from its first call on)
     held = slots if isinstance(slots, np.ndarray) else call.idx  # (an array refilled in place is read again)
+    if call.kernel is not None:
+        kernel, arrays = call.kernel, call.arrays
+        buffers = dict(out) if out is not None else {}
+
+        def run_kernel():
+            idx = check_slot_values(slot_array(held), call.requests, call.size)
+            outputs = kernel(token_inputs, arrays, idx, buffers)
+            buffers.update(outputs)  # (made at the first call, reused after)
+            return outputs
+        return run_kernel
     inner = rec.bind_step(token_inputs, call.rows, backend=backend, params=params, out=out)
 
-    def run():
+    def run_rows():
         idx = check_slot_values(slot_array(held), call.requests, call.size)
         call.gather(idx)
         outputs = inner()
         call.scatter(idx)
         return outputs
-    return run
+    return run_rows

@@ -38,6 +38,7 @@ from .build import CTYPES
 from .statements import StatementKernel
 from .fused import FusedKernel, KernelSource, Target
 from .stabilize import Scales
+from .slot_step import SlotStep
 from .step import Stepper
 
 
@@ -87,7 +88,9 @@ class CRecurrent:
         self.compiled = compiled
         self.program = compiled.program
         # the fused kernel writes the states asked for (checkpoints, the last K) as it passes them
-        self.capabilities = replace(CRecurrent.capabilities, snapshots=support.fused_refusal(compiled) is None)
+        fused = support.fused_refusal(compiled) is None
+        self.capabilities = replace(CRecurrent.capabilities, snapshots=fused,
+                                    steps_slots=fused and compiled.program.causal)
         self._kernels: dict[tuple, Kernel] = {}
         self._lock = threading.Lock()
         self._outputs = RecycledArrays(keep=2 * len(self.program.outputs))  # this call's and the last one's
@@ -229,6 +232,10 @@ class CRecurrent:
 
     def stepper(self, params, dims, num_threads=None) -> "Stepper":
         return Stepper(self, params, dims, num_threads)
+
+    def slot_step(self, params, dims) -> SlotStep:
+        """The decode step over a pool of states, by slot (capabilities.steps_slots: the fused kernel's)."""
+        return SlotStep(self, params, dims)
 
 def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
     """A state [B, H, *] carried as S·exp(−σ), σ [B, H] (NaN: 0), back at its true scale S."""

@@ -113,6 +113,7 @@ class KernelSource:
 
     template = ""  # the file under templates/ that source() renders with context()
     writes_snapshots = False  # lr_forward_snapshots: the states after given token counts, written as it passes
+    steps_slots = False       # lr_step_slots: the decode step over a pool of states, by slot
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         self.compiled = compiled
@@ -248,11 +249,15 @@ class KernelSource:
             args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads", "const int64_t *restrict stops",
                     "int64_t nstops", f"{ct} *const *restrict snaps"]) + ")"
         stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
-        call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
+        slots = "int lr_step_slots(" + ", ".join(
+            args + ["const int64_t *restrict slots", "int64_t B", "int64_t H", "int nthreads"]) + ")"
+        # (the arrays, then the slots of a pool: NULL for the ordinary step)
+        call = f"typedef struct {{ void *arrays[{len(names) + 1}]; int64_t B, H; int nthreads; }} lr_step_call;"
         return dict(
             checks_inputs=any(self.outside(x) for x in self.program.inputs),  # (lr_inputs_outside is emitted)
             forward_signature=fwd, step_signature=stp if self.program.causal else "",
             snapshots_signature=snapshots if self.writes_snapshots else "", forward_arguments=", ".join(names),
+            step_slots_signature=slots if self.steps_slots and self.program.causal else "",
             step_packed_signature="int lr_step_packed(const lr_step_call *call)", step_call_struct=call,
             step_args=[Argument(n, a) for n, a in zip(names, args)])
 
@@ -273,6 +278,8 @@ class KernelSource:
         if sig["step_signature"]:
             out += strip(sig["step_signature"]) + ";\n" + sig["step_call_struct"] + "\n" \
                 + sig["step_packed_signature"] + ";\n"
+        if sig["step_slots_signature"]:
+            out += strip(sig["step_slots_signature"]) + ";\n"
         return out
 
     def source(self) -> str:
