@@ -176,6 +176,7 @@ class Recurrence:
             checked = given  # arrays of the names, shapes and dtypes that were checked when the plan was made
         if offsets is not None:
             serving.check_packed_call(offsets, plan.shape.batch, plan.shape.tokens)
+            serving.check_packed_states(initial_state, len(offsets) - 1)
         serving.check_keep_last_fits(last, np.diff(offsets) if offsets is not None else [plan.shape.tokens])
         able = plan.module.capabilities
         if able.largest_count is not None:

@@ -95,6 +95,17 @@ def check_packed_call(offsets: np.ndarray, batch: int, tokens: int) -> None:
                                 f"axis), got {int(offsets[-1])}")
 
 
+def check_packed_states(initial_state: dict | None, sequences: int) -> None:
+    """With cu_seqlens, an initial state per sequence: [N, H, *] (the shape's other axes are checked with
+    the rest of the call)."""
+    for name, value in (initial_state or {}).items():
+        rows = np.shape(value)[0] if np.ndim(value) else None
+        if rows != sequences:
+            raise RuntimeInputError(f"with cu_seqlens, initial state '{name}' holds one state per sequence, "
+                                    f"[N, H, *] with N = {sequences} (len(cu_seqlens) − 1), got shape "
+                                    f"{list(np.shape(value))}")
+
+
 def check_keep_last_fits(keep_last: int | None, lengths) -> None:
     """keep_last at most the length of every sequence (the states after tokens that exist)."""
     if keep_last is None:

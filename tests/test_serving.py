@@ -307,6 +307,13 @@ def test_bad_serving_arguments(kwargs, message):
         rec.run(inputs_for(rec, 1, 10), backend="c", **kwargs)
 
 
+def test_cu_seqlens_needs_an_initial_state_per_sequence():
+    rec = PROGRAMS["gla"]
+    with pytest.raises(linrec.RuntimeInputError, match=r"initial state 'S' holds one state per sequence, \[N, H, "
+                                                       r"\*\] with N = 2 .* got shape \[3, 2, 4, 4\]"):
+        rec.run(inputs_for(rec, 1, 10), cu_seqlens=[0, 4, 10], initial_state={"S": np.zeros((3, 2, 4, 4))})
+
+
 def test_cu_seqlens_needs_one_packed_row():
     rec = PROGRAMS["gla"]
     with pytest.raises(linrec.RuntimeInputError, match="with cu_seqlens the inputs are one packed row .* batch "
