@@ -29,13 +29,24 @@ output o = q·S
 """
 
 
+# a decay along the value axis: C runs its recurrent form statement by statement (no fused kernel), so its
+# snapshots come from segments and its slot pool from gathered rows
+VALUE_DECAY = """recurrence value_decay(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv], g[dv] <= 0
+state S[dk, dv]
+S = S·diag(exp(g)) + k⊗v
+output o = q·S
+"""
+SOURCES = {"noncausal": NONCAUSAL, "value_decay": VALUE_DECAY}
+
+
 def _load(name: str):
-    return linrec.compile(NONCAUSAL, "enc.lin") if name == "noncausal" else linrec.load(EXAMPLES / f"{name}.lin")
+    return linrec.compile(SOURCES[name], f"{name}.lin") if name in SOURCES else linrec.load(EXAMPLES / f"{name}.lin")
 
 
 PROGRAMS = {name: _load(name) for name in ("gla", "deltanet", "performer", "mamba2", "linear_transformer",
-                                           "noncausal", "softmax", "reformer", "linformer")}
-STATEFUL = ["gla", "deltanet", "performer", "mamba2", "noncausal"]
+                                           "noncausal", "value_decay", "softmax", "reformer", "linformer")}
+STATEFUL = ["gla", "deltanet", "performer", "mamba2", "noncausal", "value_decay"]
 
 
 def sizes(rec) -> dict:
@@ -225,7 +236,8 @@ def pool_and_tokens(rec, size, slots, dtype, seed=0):
 
 
 @pytest.mark.parametrize("name, dtype", [("gla", np.float64), ("gla", np.float32), ("deltanet", np.float64),
-                                         ("performer", np.float64), ("mamba2", np.float64)])
+                                         ("performer", np.float64), ("mamba2", np.float64),
+                                         ("value_decay", np.float64)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_slot_pool_step_equals_per_request_steps(name, backend, dtype):
     rec = PROGRAMS[name]
@@ -419,6 +431,7 @@ def test_the_fused_kernel_writes_snapshots_in_one_call():
     stops off the blocks' boundaries; every other form (and the statement kernels) runs segments."""
     rec = PROGRAMS["gla"]
     assert rec.module("recurrent", "c").capabilities.snapshots
+    assert not PROGRAMS["value_decay"].module("recurrent", "c").capabilities.snapshots  # (statement by statement)
     assert not rec.module("chunkwise", "c").capabilities.snapshots
     assert not rec.module("recurrent", "numpy").capabilities.snapshots
     x = rec.random_inputs(2, 301, 3, seed=4)
