@@ -660,6 +660,9 @@ Each row compares one form on one backend in one dtype, on one case of generated
 (T = 1, ragged T, odd sizes, several B and H, mild and strong decay, long T; chunk sizes vary),
 with the float64 NumPy recurrent form: outputs and final states, as max|x − ref| (max abs) and
 max|x − ref| / max|ref| (max rel). Tolerances: 1e-9 in float64, 5e-4 in float32.
+The last rows check what serving asks of each form (docs/serving.md): checkpoints (state_every), the
+last K states (keep_last), packed batches (cu_seqlens, ragged lengths with 0 and 1) and the slot-pool
+decode step (other slots bit-identical).
 Exit status 1 when any row fails."""
 
 
