@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from . import arrays, compiler, form_choice, gradients, registry
+from . import arrays, compiler, form_choice, gradients, registry, serving, slot_pool
 from .c import build as c_build
 from .compiler import Compiled
 from .compiler.constants import check_constants, program_expressions
@@ -28,9 +28,15 @@ PLANS_KEPT = 32  # call signatures whose plans run() keeps (the oldest goes firs
 
 @dataclass
 class Result:
+    """A run's arrays by DSL name. The serving fields (docs/serving.md) are empty unless asked for:
+    `checkpoints` [B, T // C, H, *] (state_every=C; with cu_seqlens [1, Σ ⌊len_i / C⌋, H, *], sequence i's at
+    checkpoint_offsets[i]:checkpoint_offsets[i + 1]), `last_states` [B, K, H, *] (keep_last=K)."""
     outputs: dict[str, np.ndarray]
     final_state: dict[str, np.ndarray]
     params: dict[str, np.ndarray] = field(default_factory=dict)
+    checkpoints: dict[str, np.ndarray] = field(default_factory=dict)
+    last_states: dict[str, np.ndarray] = field(default_factory=dict)
+    checkpoint_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 class Recurrence:
@@ -143,12 +149,22 @@ class Recurrence:
 
     def run(self, inputs: dict | None = None, *, form: str = "auto", backend: str = "numpy",
             params: dict | None = None, initial_state: dict | None = None, chunk_size: int | None = None,
-            dims: dict[str, int] | None = None, threads: int | None = None, **named_inputs) -> Result:
+            dims: dict[str, int] | None = None, threads: int | None = None, state_every: int | None = None,
+            keep_last: int | None = None, cu_seqlens=None, **named_inputs) -> Result:
         """Run a form. Inputs [B, T, H, *] by DSL name (a dict, keywords, or both); initial states
         [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *]);
         `threads`: for the C backend (default LINREC_NUM_THREADS, else every core). `chunk_size`: tokens per
-        chunk of the chunkwise form (a positive integer; one longer than the sequence is the whole sequence)."""
+        chunk of the chunkwise form (a positive integer; one longer than the sequence is the whole sequence).
+        Serving (docs/serving.md): `state_every=C` returns res.checkpoints, the states after every C-th token;
+        `keep_last=K` res.last_states, the states after each of the last K tokens; `cu_seqlens` (an int array
+        [N + 1] of offsets) runs packed sequences: inputs [1, T_total, H, *], states [N, H, *]."""
         chunk = arrays.check_chunk_size(chunk_size)
+        every, last = serving.check_state_every(state_every), serving.check_keep_last(keep_last)
+        offsets = serving.check_cu_seqlens(cu_seqlens)
+        if offsets is not None:
+            why = serving.why_not_packed(self.program, self.decomposition.sequence)
+            if why:
+                raise RuntimeInputError(f"'{self.name}' does not take cu_seqlens: {why}")
         given = dict(inputs or {}) | named_inputs
         signature = _signature(given, initial_state, form, backend, params, dims)
         plan = self._plans.get(signature) if signature is not None else None
@@ -158,12 +174,20 @@ class Recurrence:
                 _remember(self._plans, signature, plan)
         else:
             checked = given  # arrays of the names, shapes and dtypes that were checked when the plan was made
+        if offsets is not None:
+            serving.check_packed_call(offsets, plan.shape.batch, plan.shape.tokens)
+            serving.check_packed_states(initial_state, len(offsets) - 1)
+        serving.check_keep_last_fits(last, np.diff(offsets) if offsets is not None else [plan.shape.tokens])
         able = plan.module.capabilities
         if able.largest_count is not None:
             arrays.require_counts(plan.shape, able.largest_count, backend)
         if not able.checks_ranges:
             arrays.check_ranges(self.program, checked)
-        if initial_state is None and able.zero_states:
+        if offsets is not None:  # one initial state per packed sequence (made here when absent, for the empty ones)
+            state0 = arrays.check_initial_state(self.program, initial_state,
+                                                replace(plan.shape, batch=len(offsets) - 1), plan.dims,
+                                                self._log_scales)
+        elif initial_state is None and able.zero_states:
             state0 = None
         else:
             state0 = arrays.check_initial_state(self.program, initial_state, plan.shape, plan.dims,
@@ -171,8 +195,32 @@ class Recurrence:
         if chunk is not None:  # clamped to T for every form and backend: no chunk size overflows a kernel's int
             chunk = min(chunk, max(plan.shape.tokens, 1))
         with c_build.threads(threads) if threads is not None else nullcontext():
-            outputs, final = _forward(plan, checked, state0, chunk)
-        return Result(outputs, final, dict(plan.params))
+            if offsets is None and every is None and last is None:
+                outputs, final = _forward(plan, checked, state0, chunk)
+                return Result(outputs, final, dict(plan.params))
+            return self._serve(plan, checked, state0, chunk, every, last, offsets)
+
+    def _serve(self, plan: "_CallPlan", checked: dict, state0, chunk, every, last, offsets) -> Result:
+        """run() with the states a serving engine asks for, or packed sequences (backends/serving.py): the
+        kernel writes the states as it passes them where it can (capabilities.snapshots), else the plan's
+        form runs over segments, each started from the state the previous one ended with."""
+        def forward(inputs, state):
+            tokens = next(iter(inputs.values())).shape[1]
+            return _forward(plan, inputs, state, None if chunk is None else min(chunk, tokens))
+        snapshots = None
+        if plan.module.capabilities.snapshots and plan.nonfinite_tail is None:  # the kernel writes them itself
+            def snapshots(inputs, state, stops):
+                return plan.module.forward_snapshots(inputs, plan.params, state, plan.dims, stops)
+        how = dict(every=every, last=last, causal=self.program.causal, stateful=bool(self.program.states),
+                   scales=self._log_scales, snapshots=snapshots)
+        if offsets is None:
+            served, checkpoint_offsets = serving.run_sequence(forward, checked, state0, **how), None
+        else:
+            served, checkpoint_offsets = serving.run_packed(forward, checked, state0, offsets, **how)
+        result = Result(served.outputs, served.final, dict(plan.params), served.checkpoints, served.last_states)
+        if checkpoint_offsets is not None:
+            result.checkpoint_offsets = checkpoint_offsets
+        return result
 
     def _plan(self, given: dict, form: str, backend: str, params: dict | None, initial_state: dict | None,
               dims: dict[str, int] | None) -> tuple[dict, "_CallPlan"]:
@@ -242,29 +290,38 @@ class Recurrence:
     # ---- decode: prefill a prompt, then one token at a time with O(1) state ----
     def prefill(self, inputs: dict | None = None, *, backend: str = "numpy", params: dict | None = None,
                 initial_state: dict | None = None, dims: dict[str, int] | None = None,
+                state_every: int | None = None, keep_last: int | None = None, cu_seqlens=None,
                 **named_inputs) -> Result:
         """Run the recurrent form over a prompt; `result.final_state` is the state to `step` from.
-        Stabilized states come back scaled, with their log-scale ("S.log_scale"), for the steps to go on."""
+        Stabilized states come back scaled, with their log-scale ("S.log_scale"), for the steps to go on
+        (checkpoints and last states too). `state_every`, `keep_last` and `cu_seqlens` as in run()."""
         given = dict(inputs or {}) | named_inputs
         state = dict(initial_state or {})
+        offsets = serving.check_cu_seqlens(cu_seqlens)
         if self._log_scales and given:
             first = np.asarray(next(iter(given.values())))
             if first.ndim >= 3:
+                rows = first.shape[0] if offsets is None else len(offsets) - 1  # (one per packed sequence)
                 for key in self._log_scales:
-                    state.setdefault(key, np.full((first.shape[0], first.shape[2]), np.nan))
+                    state.setdefault(key, np.full((rows, first.shape[2]), np.nan))
         return self.run(given, form="recurrent", backend=backend, params=params, initial_state=state or None,
-                        dims=dims)
+                        dims=dims, state_every=state_every, keep_last=keep_last, cu_seqlens=offsets)
 
     def step(self, token_inputs: dict, state: dict | None, *, backend: str = "numpy",
-             params: dict | None = None, inplace: bool = False, out: dict | None = None) -> tuple[dict, dict]:
+             params: dict | None = None, inplace: bool = False, out: dict | None = None,
+             slots=None) -> tuple[dict, dict]:
         """One token: inputs [B, H, *] by DSL name, states [B, H, *] → (outputs [B, H, *], new states).
         The same on every backend (docs/api.md, "Decode"): a state not given starts from zeros; inplace=True
         updates the given state arrays (of the inputs' dtype, writeable) and returns them — the fast decode
         loop — otherwise the given states are left alone (converted to the inputs' dtype, as run() does).
         `params` are read when a step first sees them: a dict whose values are replaced is read again, an
         array changed in place is not. `out` holds output arrays to reuse. The C backend checks shapes and
-        dtypes when an array changes, and its kernel the declared value ranges on every call."""
+        dtypes when an array changes, and its kernel the declared value ranges on every call.
+        `slots` (an int array [N] of distinct rows): `state` is a pool of slots, arrays [P, H, *], and the
+        tokens [N, H, *] advance the rows pool[·][slots] in place, nothing else (backends/slot_pool.py)."""
         _require_causal(self)
+        if slots is not None:
+            return slot_pool.step(self, token_inputs, state, slots, backend, params, out)
         bound = self._steppers.get(backend)  # a compiled step bound before (never for a KV cache)
         if bound is not None and bound[0].same(params):
             stepper = bound[1]
@@ -327,15 +384,19 @@ class Recurrence:
         return checked, shape, module, dims, used
 
     def bind_step(self, token_inputs: dict, state: dict, *, backend: str = "numpy", params: dict | None = None,
-                  out: dict | None = None):
+                  out: dict | None = None, slots=None):
         """The decode step bound to these very arrays: returns step(), which runs one token — reads the token
         buffers `token_inputs` ([B, H, *]; refill them in place between calls), updates `state` in place
         and writes the outputs — and returns the outputs dict (`out`'s arrays, created when absent). Every
         array is checked here, once; the C kernel checks the declared value ranges on every call (and
         updates nothing when one fails). The cheapest decode loop from Python: one call per token.
         On every backend the step is bound to the arrays the dicts hold now: putting another array into a
-        dict later changes nothing (refill the bound ones in place), and every state must be given."""
+        dict later changes nothing (refill the bound ones in place), and every state must be given.
+        `slots`: `state` is a pool of slots [P, H, *], as in step(); an int array of slots may be refilled in
+        place between calls (it is checked every call)."""
         _require_causal(self)
+        if slots is not None:
+            return slot_pool.bind(self, token_inputs, state, slots, backend, params, out)
         if self.decomposition.sequence is not None:
             raise RuntimeInputError(f"'{self.name}' reads the sequence: it decodes over a KV cache that grows "
                                     f"every token, so it has no step bound to fixed arrays; use step()")

@@ -404,6 +404,15 @@ def _dim(text: str) -> tuple[str, int]:
     return name, _positive_int(size.strip())
 
 
+def _offsets(text: str) -> list[int]:
+    """--cu-seqlens: comma-separated integers (Recurrence.run checks that they are offsets that fit)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integer offsets such as 0,5,37,64, got "
+                                         f"{text!r}") from None
+
+
 GENERATION_OPTIONS = ("batch", "tokens", "heads", "dims", "dtype", "seed")
 RUN_BATCH, RUN_TOKENS, RUN_HEADS, RUN_DTYPE, RUN_SEED = 2, 16, 2, "float64", 0  # generated inputs' defaults
 
@@ -414,6 +423,17 @@ def _add_run(parser: argparse.ArgumentParser):
     parser.add_argument("--chunk-size", type=_chunk_size, metavar="C",
                         help="chunk length for the chunkwise form, a positive integer (default: the form's own "
                              "choice; one longer than the sequence runs it as one chunk)")
+    serve = parser.add_argument_group("serving (docs/serving.md)")
+    serve.add_argument("--state-every", type=_positive_int, metavar="C",
+                       help="also return the state after every C-th token (checkpoints [B, T // C, H, *], "
+                            "written to --out as checkpoints.NAME)")
+    serve.add_argument("--keep-last", type=_positive_int, metavar="K",
+                       help="also return the states after each of the last K tokens, oldest first (last states "
+                            "[B, K, H, *], written to --out as last_states.NAME)")
+    serve.add_argument("--cu-seqlens", type=_offsets, metavar="OFFSETS",
+                       help="packed variable-length sequences: offsets 0,…,T_total into one row [1, T_total, H, "
+                            "*]; initial and final states [N, H, *] (generated inputs: B = 1 and T = the last "
+                            "offset unless given)")
     io = parser.add_argument_group("arrays from and to files")
     io.add_argument("--inputs", metavar="IN.npz",
                     help="arrays by DSL name: inputs [B, T, H, *]; arrays named like a state are initial "
@@ -441,6 +461,7 @@ examples:
   linrec run examples/gla.lin --save-inputs in.npz --out recurrent.npz
   linrec run examples/gla.lin --inputs in.npz --form chunkwise --chunk-size 16 --out chunkwise.npz
   linrec run examples/gla.lin --backend c --form step     # token by token through the decode step
+  linrec run examples/gla.lin --cu-seqlens 0,5,37,64 --state-every 16 --keep-last 2
 
 Making an input file with NumPy (names as in the program):
   np.savez("in.npz", q=q, k=k, v=v, g=g)   # each [B, T, H, *]; S=S0 for an initial state
@@ -533,9 +554,12 @@ class RunOutcome:
 
 
 def _generated_shape(args) -> tuple[int, int, int, np.dtype]:
-    """B, T, H and dtype of generated inputs: the options given, else the defaults."""
-    return (args.batch or RUN_BATCH, args.tokens or RUN_TOKENS, args.heads or RUN_HEADS,
-            np.dtype(args.dtype or RUN_DTYPE))
+    """B, T, H and dtype of generated inputs: the options given, else the defaults (with --cu-seqlens, one
+    packed row as long as the last offset)."""
+    packed = args.cu_seqlens is not None
+    batch = args.batch or (1 if packed else RUN_BATCH)
+    tokens = args.tokens or (max(args.cu_seqlens[-1], 1) if packed else RUN_TOKENS)
+    return batch, tokens, args.heads or RUN_HEADS, np.dtype(args.dtype or RUN_DTYPE)
 
 
 def _auto_form(rec, args) -> str:
@@ -555,10 +579,15 @@ def _auto_form(rec, args) -> str:
 
 def _run_form(rec, form: str, args, inputs, params=None, initial_state=None):
     """rec.run with the chosen form; --form step goes token by token through Recurrence.step."""
+    serving = {"state_every": args.state_every, "keep_last": args.keep_last, "cu_seqlens": args.cu_seqlens}
     if form == "step":
+        given = [f"--{name.replace('_', '-')}" for name, value in serving.items() if value is not None]
+        if given:
+            raise LinrecError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the sequence forms, "
+                              f"not to --form step; choose {' or '.join(rec.forms)}")
         return run_by_steps(rec, inputs, backend=args.backend, params=params, initial_state=initial_state)
     return rec.run(inputs, form=form, backend=args.backend, params=params, initial_state=initial_state,
-                   chunk_size=args.chunk_size)
+                   chunk_size=args.chunk_size, **serving)
 
 
 def _refuse_generation_options(args) -> None:
@@ -633,13 +662,26 @@ def _run_summary(name: str, form: str, args, ran: RunOutcome, written: str | Non
         how += f", chunk size {args.chunk_size}"
     result = ran.result
     lines = [f"{name}: {how}", f"inputs: {ran.origin}"]
-    lines += _summary([("input", ran.inputs), ("output", result.outputs), ("state", result.final_state)])
+    lines += _summary([("input", ran.inputs), ("output", result.outputs), ("state", result.final_state),
+                       ("checkpoint", result.checkpoints), ("last", result.last_states)])
+    if result.checkpoint_offsets.size:
+        lines.append(f"checkpoint offsets (per packed sequence): {','.join(map(str, result.checkpoint_offsets))}")
     if result.params:
         lines += ["params (as used):"] + _param_rows(result.params)
     if written:
-        lines.append(f"wrote {len(result.outputs)} output(s), {len(result.final_state)} final state(s) and "
-                     f"{len(result.params)} param(s) to {written}")
+        lines.append(f"wrote {len(_saved(result))} array(s) to {written}")
     return "\n".join(lines)
+
+
+def _saved(result: api.Result) -> dict[str, np.ndarray]:
+    """What --out writes: outputs, final states and params by DSL name, checkpoints and last states as
+    checkpoints.NAME and last_states.NAME, and checkpoint_offsets (packed runs)."""
+    arrays = {**result.outputs, **result.final_state, **result.params}
+    arrays |= {f"checkpoints.{k}": v for k, v in result.checkpoints.items()}
+    arrays |= {f"last_states.{k}": v for k, v in result.last_states.items()}
+    if result.checkpoint_offsets.size:
+        arrays["checkpoint_offsets"] = result.checkpoint_offsets
+    return arrays
 
 
 def cmd_run(args) -> int:
@@ -656,7 +698,7 @@ def cmd_run(args) -> int:
               file=sys.stderr)
     ran = _run_on_file(rec, form, args) if args.inputs is not None else _run_on_generated(rec, form, args)
     result = ran.result
-    written = _write_npz(args.out, {**result.outputs, **result.final_state, **result.params}) if args.out else None
+    written = _write_npz(args.out, _saved(result)) if args.out else None
     if not args.quiet:
         print(_run_summary(rec.program.name, form, args, ran, written))
     return 0
@@ -694,6 +736,9 @@ Each row compares one form on one backend in one dtype, on one case of generated
 (T = 1, ragged T, odd sizes, several B and H, mild and strong decay, long T; chunk sizes vary),
 with the float64 NumPy recurrent form: outputs and final states, as max|x − ref| (max abs) and
 max|x − ref| / max|ref| (max rel). Tolerances: 1e-9 in float64, 5e-4 in float32.
+The last rows check what serving asks of each form (docs/serving.md): checkpoints (state_every), the
+last K states (keep_last), packed batches (cu_seqlens, ragged lengths with 0 and 1) and the slot-pool
+decode step (other slots bit-identical).
 Exit status 1 when any row fails."""
 
 

@@ -54,6 +54,8 @@ class Capabilities:
     binds_steps: bool = False         # stepper(params, dims): a compiled decode step bound to arrays
     decodes_over_cache: bool = False  # (a program that reads the sequence) its step runs in compiled kernels
     largest_count: int | None = None  # the most batch rows, tokens or heads one call may have (None: no limit)
+    snapshots: bool = False           # forward_snapshots(…, stops): also the states after given token counts
+    steps_slots: bool = False         # slot_step(params, dims): the decode step over a pool of states, by slot
 
 
 class FormModule(Protocol):

@@ -20,9 +20,10 @@ import numpy as np
 from .compiler.builtins import SEQ
 from .compiler.sequence import is_sequence_program
 from .compiler.stabilize import stabilized_states
-from .decode import run_by_steps
+from .decode import at_true_scale, run_by_steps
 from .interface import DEFINITION
 from .registry import STEP, refusal
+from .serving import why_not_packed
 
 TOLERANCE = {"float64": 1e-9, "float32": 5e-4}
 PARALLEL_MAX_T = 4096  # the parallel form holds T×T scores per head: checked up to this length
@@ -188,7 +189,162 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
         rows.append(row)
         if on_row:
             on_row(row)
+    for row in serving_rows(rec, backends, forms, dtypes, seed, on_progress):
+        rows.append(row)
+        if on_row:
+            on_row(row)
     return rows
+
+
+# ---- serving (docs/serving.md): checkpoints, last-K states, packed batches, the slot-pool step ----
+SERVING_TOKENS, SERVING_EVERY, SERVING_LAST = 37, 6, 3
+SERVING_LENGTHS = (0, 1, 13, 0, 7, 16)  # ragged: empty, one token, none a multiple of the chunk sizes below
+SERVING_CHUNKS = (4, 16)
+POOL_SLOTS, POOL_ROWS = 6, (4, 0, 2)    # requests at these slots of a pool of 6; the other slots stay
+
+
+def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None) -> list[Row]:
+    """Rows for what a serving engine asks, each against the float64 reference form run on its own:
+    `checkpoints` (state_every: each the reference state after its token), `last K` (keep_last: entry j − 1
+    is running the prompt and j draft tokens alone), `cu_seqlens` (each packed sequence equals it run alone,
+    with its own initial state; lengths 0, 1 and none a multiple of the chunk size), and `slot pool` (with
+    the decode step: the pool's rows equal per-request steps, the other rows bit-identical)."""
+    program = rec.program
+    small = {d.name: min(d.default, 8) for d in program.dims if d.name != SEQ}
+    dims = {d.name: d.default for d in program.dims} | small
+    rng = np.random.default_rng(seed)
+    ref_form = reference_form(rec)
+    stateful = bool(program.states)
+    packed = why_not_packed(program, rec.decomposition.sequence) is None
+    tokens = SERVING_TOKENS if SEQ not in dims else min(SERVING_TOKENS, dims[SEQ])
+    inputs = rec.random_inputs(2, tokens, 2, small, np.float64, seed=seed)
+    state0 = _initial_state(program, 2, 2, dims, rng)
+    drawn = _params_without_default(program, 2, dims, rng) or None
+    whole = rec.run(inputs, form=ref_form, initial_state=state0, params=drawn)
+    params = whole.params
+
+    def prefix_states(ends, source=inputs, start=state0):
+        return [rec.run({k: v[:, :end] for k, v in source.items()}, form=ref_form, initial_state=start,
+                        params=params).final_state for end in ends]
+
+    refs = {}
+    if stateful:
+        refs["checkpoints"] = prefix_states(range(SERVING_EVERY, tokens + 1, SERVING_EVERY))
+        refs["last K"] = prefix_states(range(tokens - SERVING_LAST + 1, tokens + 1))
+    offsets = np.concatenate([[0], np.cumsum(SERVING_LENGTHS)])
+    if packed:
+        row_inputs = rec.random_inputs(1, int(offsets[-1]), 2, small, np.float64, seed=seed + 1)
+        row_state0 = _initial_state(program, len(SERVING_LENGTHS), 2, dims, rng)
+        alone = []
+        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+            own = {k: v[i:i + 1] for k, v in row_state0.items()}
+            part = {k: v[:, a:b] for k, v in row_inputs.items()}
+            if a == b:
+                alone.append((None, own, []))
+                continue
+            res = rec.run(part, form=ref_form, initial_state=own, params=params)
+            alone.append((res.outputs, res.final_state,
+                          prefix_states(range(SERVING_EVERY, b - a + 1, SERVING_EVERY), part, own) if stateful else []))
+    rows = []
+    sequence_forms = [f for f in forms if f != STEP]
+    plan = [(f, b, d, c) for f in sequence_forms for b in backends if builds(rec, b, f) for d in dtypes
+            for c in (SERVING_CHUNKS if f == "chunkwise" else (None,))]
+    for i, (form, backend, dtype, chunk) in enumerate(plan):
+        if on_progress:
+            on_progress(i, len(plan), f"serving: {form} {backend} {dtype}")
+        cast = {k: v.astype(dtype) for k, v in inputs.items()}
+        s0 = {k: v.astype(dtype) for k, v in state0.items()}
+        used = {k: v.astype(dtype) for k, v in params.items()}
+        run = dict(form=form, backend=backend, params=used, chunk_size=chunk)
+        if stateful:
+            res = rec.run(cast, initial_state=s0, state_every=SERVING_EVERY, **run)
+            pairs = _result_pairs(res, whole) + _state_pairs(res.checkpoints, refs["checkpoints"])
+            rows.append(_serving_row(form, backend, dtype, "checkpoints", chunk, pairs))
+            res = rec.run(cast, initial_state=s0, keep_last=SERVING_LAST, **run)
+            pairs = _result_pairs(res, whole) + _state_pairs(res.last_states, refs["last K"])
+            rows.append(_serving_row(form, backend, dtype, "last K", chunk, pairs))
+        if packed:
+            res = rec.run({k: v.astype(dtype) for k, v in row_inputs.items()},
+                          initial_state={k: v.astype(dtype) for k, v in row_state0.items()},
+                          cu_seqlens=offsets, state_every=SERVING_EVERY if stateful else None, **run)
+            pairs = []
+            for n, (outputs, final, checkpoints) in enumerate(alone):
+                a, b = offsets[n], offsets[n + 1]
+                pairs += [(res.outputs[k][:, a:b], v) for k, v in (outputs or {}).items()]
+                pairs += [(res.final_state[k][n:n + 1], v) for k, v in final.items()]
+                c0, c1 = (res.checkpoint_offsets[n:n + 2] if stateful else (0, 0))
+                if stateful and c1 - c0 != len(checkpoints):
+                    pairs.append((np.array([np.inf]), np.array([1.0])))  # (a wrong count of checkpoints fails)
+                taken = {k: v[:, c0:c1] for k, v in res.checkpoints.items()}
+                pairs += _state_pairs(taken, checkpoints)
+            rows.append(_serving_row(form, backend, dtype, "cu_seqlens", chunk, pairs))
+    if STEP in forms and stateful and program.causal:
+        for backend in backends:
+            if builds(rec, backend, STEP):
+                for dtype in dtypes:
+                    rows.append(_slot_pool_row(rec, backend, dtype, params, dims, seed))
+    return rows
+
+
+def _result_pairs(result, reference) -> list[tuple]:
+    """(got, reference) for every output and final state of a run."""
+    return [(getattr(result, group)[name], ref) for group in ("outputs", "final_state")
+            for name, ref in getattr(reference, group).items()]
+
+
+def _state_pairs(taken: dict, references: list[dict]) -> list[tuple]:
+    """(got, reference) for states taken along the way ([B, n, H, *] by name) and the reference states
+    [B, H, *] one by one; a count that differs is a failure."""
+    pairs = []
+    for name in (references[0] if references else taken):
+        got = taken.get(name)
+        if got is None or got.shape[1] != len(references):
+            return [(np.array([np.inf]), np.array([1.0]))]
+        pairs += [(got[:, j], ref[name]) for j, ref in enumerate(references)]
+    return pairs
+
+
+def _serving_row(form, backend, dtype, case, chunk, pairs, note="") -> Row:
+    worst_abs, worst_rel = 0.0, 0.0
+    for got, ref in pairs:
+        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        if got.shape != ref.shape or not np.all(np.isfinite(got)):
+            worst_abs = worst_rel = float("inf")
+            break
+        if ref.size:
+            err = float(np.max(np.abs(got - ref)))
+            worst_abs = max(worst_abs, err)
+            worst_rel = max(worst_rel, err / max(float(np.max(np.abs(ref))), 1e-300))
+    tol = TOLERANCE[dtype]
+    return Row(form, backend, dtype, case, chunk, worst_abs, worst_rel, tol, bool(worst_rel <= tol), note)
+
+
+def _slot_pool_row(rec, backend, dtype, params, dims, seed) -> Row:
+    """One slot-pool step over a pool of POOL_SLOTS rows: the active rows against each request's float64
+    step on NumPy, the other rows compared bit for bit (any change fails the row)."""
+    rng = np.random.default_rng(seed + 2)
+    pool = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in
+            _initial_state(rec.program, POOL_SLOTS, 2, dims, rng).items()}
+    before = {k: v.copy() for k, v in pool.items()}
+    slots = np.array(POOL_ROWS)
+    tokens = {k: np.ascontiguousarray(v[:, 0]) for k, v in
+              rec.random_inputs(len(slots), 1, 2, {k: v for k, v in dims.items() if k != SEQ}, np.float64,
+                                seed=seed + 3).items()}
+    outputs, _ = rec.step({k: v.astype(dtype) for k, v in tokens.items()}, pool, backend=backend,
+                          params={k: v.astype(dtype) for k, v in params.items()}, slots=slots)
+    pairs = []
+    for n, slot in enumerate(slots):
+        own = {k: v[slot:slot + 1].astype(np.float64) for k, v in before.items()}
+        ref_out, ref_state = rec.step({k: v[n:n + 1] for k, v in tokens.items()}, own, params=params)
+        pairs += [(outputs[k][n:n + 1], v) for k, v in ref_out.items()]
+        got = at_true_scale(rec, {k: v[slot:slot + 1] for k, v in pool.items()})
+        pairs += [(got[k], v) for k, v in at_true_scale(rec, ref_state).items()]
+    others = [s for s in range(POOL_SLOTS) if s not in set(POOL_ROWS)]
+    kept = all(np.array_equal(pool[k][others], before[k][others]) for k in before)
+    row = _serving_row(STEP, backend, dtype, "slot pool", None, pairs,
+                       note="other slots bit-identical" if kept else "OTHER SLOTS CHANGED")
+    row.passed = row.passed and kept
+    return row
 
 
 def missing(rec, backends, forms=None) -> list[tuple[str, str, str]]:

@@ -14,6 +14,7 @@ Python side is c_step; the checks and buffers of the arrays passed to the kernel
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from .build import CTYPES
 from .statements import StatementKernel
 from .fused import FusedKernel, KernelSource, Target
 from .stabilize import Scales
+from .slot_step import SlotStep
 from .step import Stepper
 
 
@@ -85,6 +87,10 @@ class CRecurrent:
         _require(compiled, "recurrent")
         self.compiled = compiled
         self.program = compiled.program
+        # the fused kernel writes the states asked for (checkpoints, the last K) as it passes them
+        fused = support.fused_refusal(compiled) is None
+        self.capabilities = replace(CRecurrent.capabilities, snapshots=fused,
+                                    steps_slots=fused and compiled.program.causal)
         self._kernels: dict[tuple, Kernel] = {}
         self._lock = threading.Lock()
         self._outputs = RecycledArrays(keep=2 * len(self.program.outputs))  # this call's and the last one's
@@ -148,6 +154,17 @@ class CRecurrent:
         """Inputs [B, T, H, *], params as from default_params, initial states [B, H, *] (not modified).
         Returns (outputs [B, T, H, *], final states [B, H, *]). `out` may hold preallocated output arrays
         (C-contiguous, right shape and dtype) to write into: a new array's first touch costs page faults."""
+        outputs, finals, _ = self._run(inputs, params, initial_state, dims, num_threads, out, None)
+        return outputs, finals
+
+    def forward_snapshots(self, inputs, params, initial_state, dims, stops, num_threads=None):
+        """forward, and the states after each of the token counts `stops` (increasing, in 1 … T), written
+        by the fused kernel as it passes them: (outputs, final states, snapshots [B, len(stops), H, *] by
+        name). Stabilized states come as the final ones do: with their log-scale ([B, len(stops), H]) when
+        the initial states have one, else at their true scale."""
+        return self._run(inputs, params, initial_state, dims, num_threads, None, stops)
+
+    def _run(self, inputs, params, initial_state, dims, num_threads, out, stops):
         p = self.program
         if not p.inputs:
             raise RuntimeInputError("the program has no inputs to take B, T and H from")
@@ -176,9 +193,20 @@ class CRecurrent:
         threads = c_build.num_threads() if num_threads is None else int(num_threads)
         fb, ptr = k.ffi.from_buffer, k.ptr
         cargs = [fb(ptr, a) for a in args] + [fb(ptr, outputs[o.name]) for o in p.outputs]
+        snapshots = {}
+        if stops is not None:
+            stops = np.ascontiguousarray(stops, dtype=np.int64)
+            lead = (batch, len(stops), heads)
+            snapshots = {s.name: np.empty(lead + tuple(k.dims[d] for d in s.shape), dtype) for s in p.states}
+            snapshots |= {key: np.empty(lead, dtype) for key, _ in self.scales}
+            pointers = [fb(ptr, a) for a in snapshots.values()]  # (kept alive through the call)
+            cargs += [fb("int64_t[]", stops), len(stops),
+                      k.ffi.new(f"{k.ctype} *[]", [k.ffi.cast(f"{k.ctype} *", a) for a in pointers])]
         if batch * tokens * heads:
             require_c_int_sizes(batch=batch, tokens=tokens, heads=heads)
-            rc = k.lib.lr_forward(*cargs, batch, tokens, heads, threads)
+            entry = k.lib.lr_forward if stops is None else k.lib.lr_forward_snapshots
+            rc = entry(*cargs, batch, tokens, heads, threads) if stops is None else \
+                entry(*cargs[:-3], batch, tokens, heads, threads, *cargs[-3:])
             if rc == 2:  # an input outside its declared range: find it and say where
                 arrays.check_ranges(p, dict(zip((x.name for x in p.inputs), args)))
                 raise RuntimeInputError("an input lies outside its declared range")  # (the scan names it)
@@ -189,7 +217,13 @@ class CRecurrent:
                 scale = finals.pop(key)
                 for name in names:
                     finals[name] = _true_scale(finals[name], scale, dtype)
-        return outputs, finals
+                if snapshots:  # (each snapshot a state of its own: [B·n, H, *])
+                    scale = snapshots.pop(key)
+                    for name in names:
+                        kept = snapshots[name]
+                        flat = _true_scale(kept.reshape((-1,) + kept.shape[2:]), scale.reshape(-1, heads), dtype)
+                        snapshots[name] = flat.reshape(kept.shape)
+        return outputs, finals, snapshots
 
     def step(self, token_inputs, state, params, dims, num_threads=None, inplace=False, out=None):
         """One token: inputs [B, H, *], states [B, H, *]. Returns (outputs [B, H, *], states). With
@@ -198,6 +232,10 @@ class CRecurrent:
 
     def stepper(self, params, dims, num_threads=None) -> "Stepper":
         return Stepper(self, params, dims, num_threads)
+
+    def slot_step(self, params, dims) -> SlotStep:
+        """The decode step over a pool of states, by slot (capabilities.steps_slots: the fused kernel's)."""
+        return SlotStep(self, params, dims)
 
 def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
     """A state [B, H, *] carried as S·exp(−σ), σ [B, H] (NaN: 0), back at its true scale S."""

@@ -39,6 +39,8 @@ class FusedKernel(KernelSource):
     """The fused kernels' source for one (dtype, sizes): context() is the template's."""
 
     template = "c_fused.c.j2"
+    writes_snapshots = True
+    steps_slots = True
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         refusal = fused_refusal(compiled)  # (what this kernel takes is support.py's to say)
@@ -144,5 +146,5 @@ class FusedKernel(KernelSource):
                 g, f"lsc{g}", names,
                 at_start=ScaleStart(names, f"lsc{g}[bh]", f"all_ls{g}[bh * 16]", f"all_ls{g}[bh * 16 + 1]",
                                     all_zero("bh")),
-                at_token=ScaleStart(names, f"lsc{g}[tok]", f"ls{g}", f"mx{g}", all_zero("tok"))))
+                at_token=ScaleStart(names, f"lsc{g}[row]", f"ls{g}", f"mx{g}", all_zero("row"))))
         return out

@@ -112,6 +112,8 @@ class KernelSource:
     no user name can reach them."""
 
     template = ""  # the file under templates/ that source() renders with context()
+    writes_snapshots = False  # lr_forward_snapshots: the states after given token counts, written as it passes
+    steps_slots = False       # lr_step_slots: the decode step over a pool of states, by slot
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         self.compiled = compiled
@@ -243,11 +245,19 @@ class KernelSource:
         args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}"
                 + (" __attribute__((unused))" if name in unread else "") for i, name in enumerate(names)]
         fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
+        snapshots = "int lr_forward_snapshots(" + ", ".join(
+            args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads", "const int64_t *restrict stops",
+                    "int64_t nstops", f"{ct} *const *restrict snaps"]) + ")"
         stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
-        call = f"typedef struct {{ void *arrays[{len(names)}]; int64_t B, H; int nthreads; }} lr_step_call;"
+        slots = "int lr_step_slots(" + ", ".join(
+            args + ["const int64_t *restrict slots", "int64_t B", "int64_t H", "int nthreads"]) + ")"
+        # (the arrays, then the slots of a pool: NULL for the ordinary step)
+        call = f"typedef struct {{ void *arrays[{len(names) + 1}]; int64_t B, H; int nthreads; }} lr_step_call;"
         return dict(
             checks_inputs=any(self.outside(x) for x in self.program.inputs),  # (lr_inputs_outside is emitted)
             forward_signature=fwd, step_signature=stp if self.program.causal else "",
+            snapshots_signature=snapshots if self.writes_snapshots else "", forward_arguments=", ".join(names),
+            step_slots_signature=slots if self.steps_slots and self.program.causal else "",
             step_packed_signature="int lr_step_packed(const lr_step_call *call)", step_call_struct=call,
             step_args=[Argument(n, a) for n, a in zip(names, args)])
 
@@ -263,9 +273,13 @@ class KernelSource:
         sig = self.entry_points()
         strip = lambda s: s.replace("restrict ", "").replace(" __attribute__((unused))", "")  # noqa: E731
         out = strip(sig["forward_signature"]) + ";\n"
+        if sig["snapshots_signature"]:
+            out += strip(sig["snapshots_signature"]) + ";\n"
         if sig["step_signature"]:
             out += strip(sig["step_signature"]) + ";\n" + sig["step_call_struct"] + "\n" \
                 + sig["step_packed_signature"] + ";\n"
+        if sig["step_slots_signature"]:
+            out += strip(sig["step_slots_signature"]) + ";\n"
         return out
 
     def source(self) -> str:

@@ -176,7 +176,7 @@ class Stepper:
         keep their buffers alive and pinned)."""
         n_in = len(self._in_names)
         call = self._ffi.new("lr_step_call *")
-        call.arrays = self._seen_ptr[:n_in] + self._param_ptrs + self._seen_ptr[n_in:]
+        call.arrays = self._seen_ptr[:n_in] + self._param_ptrs + self._seen_ptr[n_in:] + [self._ffi.NULL]  # (no slots)
         call.B, call.H, call.nthreads = self._batch, self._heads, self.threads
         return call
 

@@ -1,0 +1,164 @@
+"""The decode step over a pool of state slots (continuous batching, as vLLM's Mamba cache keeps them):
+
+    out, pool = rec.step(tokens, pool, slots=idx)   # tokens [N, H, *]; pool[name] [P, H, *]; idx int [N]
+
+The rows pool[name][idx] advance by one token in place; every other row stays as it was, bit for bit.
+How: where the backend's step indexes slots itself (capabilities.steps_slots: the fused C kernel's
+lr_step_slots), one call reads and writes each active row where it lies. Otherwise the N rows are gathered
+into contiguous [N, H, *] buffers, the ordinary decode step runs on them (one compiled call for all
+requests and heads on C) and the rows are written back after it has succeeded. Every argument is checked
+before the step runs, and the kernel checks the tokens' ranges before it touches a row, so a bad call (or
+a token out of its declared range) leaves every row as it was.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .dsl.errors import RuntimeInputError
+
+
+def slot_array(slots) -> np.ndarray:
+    """slots as a 1-D integer array (not yet checked against the pool: check_slot_values)."""
+    try:
+        idx = np.asarray(slots)
+    except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
+        raise RuntimeInputError(f"slots must be an integer array [N] of pool rows, got "
+                                f"{type(slots).__name__}") from None
+    if idx.dtype.kind not in "iu":
+        raise RuntimeInputError(f"slots must be an integer array [N] of pool rows, got dtype {idx.dtype}; pass "
+                                f"int32 or int64 indices")
+    if idx.ndim != 1:
+        raise RuntimeInputError(f"slots must be a 1-D array [N] (one pool row per request), got shape "
+                                f"{list(idx.shape)}")
+    return idx
+
+
+def check_slot_values(idx: np.ndarray, requests: int, pool_size: int) -> np.ndarray:
+    """One distinct row in [0, P) per request, as int64."""
+    if idx.shape[0] != requests:
+        raise RuntimeInputError(f"slots has {idx.shape[0]} entries but the tokens are for N = {requests} "
+                                f"requests; pass one pool row per request")
+    idx = idx.astype(np.int64, copy=False)
+    outside = (idx < 0) | (idx >= pool_size)
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise RuntimeInputError(f"slots[{i}] = {int(idx[i])} is outside the pool's {pool_size} rows [0, {pool_size}); "
+                                f"pass only the slots of active requests")
+    if np.unique(idx).size != idx.size:
+        seen: dict[int, int] = {}
+        for i, s in enumerate(idx.tolist()):
+            if s in seen:
+                raise RuntimeInputError(f"slots[{seen[s]}] and slots[{i}] are both {s}: each request needs a "
+                                        f"slot of its own")
+            seen[s] = i
+    return idx
+
+
+def require_dict(pool) -> None:
+    if not isinstance(pool, dict):
+        raise RuntimeInputError(f"the pool must be a dict of state arrays [P, H, *] by name, got "
+                                f"{type(pool).__name__}")
+
+
+def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype, scales) -> int:
+    """The pool: a dict holding every state as a writeable array [P, H, *] of the tokens' dtype (and the
+    log-scales [P, H] of stabilized states, when present, likewise). Returns P."""
+    require_dict(pool)
+    missing = [s.name for s in program.states if s.name not in pool]
+    if missing:
+        raise RuntimeInputError(f"the pool must hold every state (missing: {', '.join(missing)}), each [P, H, *]")
+    unknown = sorted(set(pool) - {s.name for s in program.states} - set(scales))
+    if unknown:
+        raise RuntimeInputError(f"the pool holds unknown name(s) {', '.join(map(repr, unknown))}; the states of "
+                                f"'{program.name}' are {', '.join(s.name for s in program.states)}")
+    size = None
+    wanted = [(s.name, tuple(dims[d] for d in s.shape), "[P, H" + "".join(", " + d for d in s.shape) + "]")
+              for s in program.states] + [(key, (), "[P, H]") for key in sorted(scales) if key in pool]
+    for name, tail, label in wanted:
+        arr = pool[name]
+        if not (type(arr) is np.ndarray and arr.dtype == dtype and arr.ndim == 2 + len(tail)
+                and arr.shape[1:] == (heads,) + tail and arr.flags.writeable):
+            got = f"{arr.dtype} {list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
+            raise RuntimeInputError(f"pool['{name}'] must be a writeable {dtype} array of shape {label} = "
+                                    f"[P, {', '.join(str(n) for n in (heads,) + tail)}] (the tokens' dtype and "
+                                    f"sizes), got {got}")
+        if size is not None and arr.shape[0] != size:
+            raise RuntimeInputError(f"pool['{name}'] has {arr.shape[0]} slots but the other pool arrays have "
+                                    f"{size}; every pool array needs the same P")
+        size = arr.shape[0]
+    return size
+
+
+class _PoolCall:
+    """One slot-pool call's checked pieces: the pool's arrays (with the log-scales absent from it, made at
+    the true scale: NaN), the slots, and how the step runs — the kernel's own slot step where the backend has
+    one and the pool's arrays suit it (C-contiguous), else on rows gathered into contiguous buffers."""
+
+    def __init__(self, rec, token_inputs: dict, pool, slots, backend: str, params):
+        if rec.decomposition.sequence is not None:
+            raise RuntimeInputError(f"'{rec.name}' reads the sequence: its decode state is a KV cache that grows "
+                                    f"every token, not a fixed-size state a pool of slots can hold")
+        idx = slot_array(slots)
+        require_dict(pool)
+        _, shape, module, dims, used = rec._token_call(token_inputs, backend, params,
+                                                       {k: v for k, v in pool.items() if np.ndim(v) >= 2})
+        scales = rec._log_scales
+        size = check_pool(rec.program, pool, shape.heads, dims, shape.dtype, scales)
+        self.idx = check_slot_values(idx, shape.batch, size)
+        self.arrays = dict(pool)
+        self.made = {key: np.full((size, shape.heads), np.nan, shape.dtype) for key in scales if key not in pool}
+        self.arrays.update(self.made)
+        self.requests, self.size = shape.batch, size
+        self.kernel = module.slot_step(used, dims) if module.capabilities.steps_slots and \
+            all(a.flags.c_contiguous for a in self.arrays.values()) else None
+        # the gathered rows (fancy indexing: C-contiguous copies), where the step runs on them
+        self.rows = None if self.kernel else {k: v[self.idx] for k, v in self.arrays.items()}
+
+    def gather(self, idx: np.ndarray) -> None:
+        for k, v in self.arrays.items():  # (not np.take(…, out=): it copies a non-contiguous pool whole)
+            self.rows[k][...] = v[idx]
+
+    def scatter(self, idx: np.ndarray) -> None:
+        for k, v in self.arrays.items():
+            v[idx] = self.rows[k]
+
+
+def step(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out):
+    """Recurrence.step(tokens, pool, slots=idx): (outputs [N, H, *], pool), the pool's rows idx advanced in
+    place. A log-scale of a stabilized state that the pool lacks is added to it (NaN elsewhere: true scale)."""
+    call = _PoolCall(rec, token_inputs, pool, slots, backend, params)
+    if call.kernel is not None:
+        outputs = call.kernel(token_inputs, call.arrays, call.idx, out)
+    else:
+        outputs, _ = rec.step(token_inputs, call.rows, backend=backend, params=params, inplace=True, out=out)
+        call.scatter(call.idx)
+    pool.update(call.made)
+    return outputs, pool
+
+
+def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out):
+    """Recurrence.bind_step(tokens, pool, slots=idx): step() → outputs, one token for the requests at the
+    slots on these very arrays. The slots are checked again every call, so an int array refilled in place
+    (another set of N requests) is safe; the token buffers are refilled in place as for any bound step."""
+    call = _PoolCall(rec, token_inputs, pool, slots, backend, params)
+    pool.update(call.made)  # (bound now: the step writes them from its first call on)
+    held = slots if isinstance(slots, np.ndarray) else call.idx  # (an array refilled in place is read again)
+    if call.kernel is not None:
+        kernel, arrays = call.kernel, call.arrays
+        buffers = dict(out) if out is not None else {}
+
+        def run_kernel():
+            idx = check_slot_values(slot_array(held), call.requests, call.size)
+            outputs = kernel(token_inputs, arrays, idx, buffers)
+            buffers.update(outputs)  # (made at the first call, reused after)
+            return outputs
+        return run_kernel
+    inner = rec.bind_step(token_inputs, call.rows, backend=backend, params=params, out=out)
+
+    def run_rows():
+        idx = check_slot_values(slot_array(held), call.requests, call.size)
+        call.gather(idx)
+        outputs = inner()
+        call.scatter(idx)
+        return outputs
+    return run_rows
