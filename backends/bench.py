@@ -1,4 +1,4 @@
-"""`linrec bench FILE`: time every form on every backend against a same-run float32 matmul.
+"""`linrec bench FILE`: time every form on every backend against the machine's own limits, measured in the run.
 
 For B = 1, H = 8 and dk = dv = 64 (only the dimensions the file declares; `--dim` overrides), float32,
 T ∈ {1024, 4096, 16384, 32768} (`--quick`: {256, 1024}, fewer repeats) it reports per form × backend
@@ -12,13 +12,16 @@ T ∈ {1024, 4096, 16384, 32768} (`--quick`: {256, 1024}, fewer repeats) it repo
   queries; a vector state counts its size instead of dk·dv). That is the issue's ~4·dk·dv for GLA and
   ~6·dk·dv for the delta rules, the same count for every form, so a form that does more arithmetic
   (parallel, chunkwise) is not credited for it;
-* each as a fraction of a plain float32 NumPy matmul (2048³, median of repeats) timed in the same run in a
-  subprocess with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (and, when the environment sets them, also
-  as given: the "pinned" figure), with the BLAS kernel that ran (threadpoolctl, when installed); and of the
-  recurrent-form bound: the time the useful flops take at that matmul rate (the two fractions are the
-  same number: bound time / time = GFLOP/s / matmul GFLOP/s);
+* the bound: the time those useful flops take at the cores' float32 multiply-add peak, measured in the same
+  run with the same thread count (linrec.machine.fma_peak), and the row's fraction of it (bound time / time);
+* as an extra column, the fraction of a plain float32 NumPy matmul (2048³, median of repeats) timed in the
+  same run in a subprocess with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (and, when the environment sets
+  them, also as given: the "pinned" figure), with the BLAS kernel that ran (threadpoolctl, when installed) —
+  a figure that moves with the OpenBLAS build NumPy ships, hence not the bound;
 * the decode step (one token of one layer, from a prefilled state) in µs per call: bound to its arrays
-  (`Recurrence.bind_step`) and through `Recurrence.step(inplace=True, out=…)`;
+  (`Recurrence.bind_step`) and through `Recurrence.step(inplace=True, out=…)`, against its own bound: the
+  state bytes a step reads and writes (2 · B · H · Σ state sizes · 4) at the memory bandwidth measured in
+  the same run (STREAM's triad over arrays larger than the last-level cache, linrec.machine.triad);
 * the state bytes of one layer against the KV cache of softmax attention at each T;
 * what `--form auto` picks for each T and backend and why (and whether it was the fastest measured);
 * for compiled backends: the first build of the kernel (a fresh process with an empty cache) and a cached
@@ -47,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import api, arrays, compiler, registry
+from . import api, arrays, compiler, machine, registry
 from .c import build as c_build
 from .compiler.linearity import split_scalar
 from .decode import reads_the_sequence
@@ -547,6 +550,37 @@ def matmul_reference(threads: int, quick: bool, say) -> dict:
             "blas_summary": blas_summary(ref.get("blas"))}
 
 
+def machine_reference(threads: int, quick: bool, say) -> dict:
+    """The machine's limits with the run's thread count (linrec.machine.limits): "fma_peak_gflops" (the bound
+    of the prefill rows), "bandwidth_gbs" (the bound of the decode steps), "machine_limits" (the details), or
+    None for each with the error in "machine_limits"."""
+    say(f"the machine's limits: float32 multiply-add peak and memory bandwidth (triad), {threads} thread(s) …")
+    try:
+        limits = machine.limits(threads, quick)
+    except LinrecError as err:
+        return {"fma_peak_gflops": None, "bandwidth_gbs": None, "machine_limits": {"error": str(err)}}
+    return {"fma_peak_gflops": limits["fma_peak"]["gflops"], "bandwidth_gbs": limits["triad"]["gbs"],
+            "machine_limits": limits}
+
+
+def with_decode_bounds(decode: dict[str, dict], moved: int, gbs: float | None) -> dict[str, dict]:
+    """Each backend's decode figures with their bound: `moved`, the state bytes one step reads and writes, at
+    the bandwidth `gbs` (GB/s), in µs ("bound_us"), and its fraction of the bound step's µs
+    ("fraction_of_bound"); None without a bandwidth."""
+    bound_us = moved / (gbs * 1e3) if gbs else None
+    return {b: dict(d, state_bytes_moved=moved, bound_us=bound_us,
+                    fraction_of_bound=bound_us / d["us"] if bound_us else None) for b, d in decode.items()}
+
+
+def _cache_notes(state: int, limits: dict) -> list[str]:
+    """A note when one layer's state fits in the last-level cache: a decode loop keeps it there."""
+    llc = max(limits.get("caches", {}).values(), default=0) if isinstance(limits.get("caches"), dict) else 0
+    if not llc or state > llc:
+        return []
+    return [f"the decode step's state ({_bytes(state)}) fits in the caches (last level {_bytes(llc)}): a decode "
+            f"loop keeps it there, so a step can beat the bound of the memory bandwidth (fractions above 100%)"]
+
+
 @dataclass
 class KernelLoads:
     """Each compiled backend's first build (s) and cached load (ms), both in fresh processes, the details
@@ -588,21 +622,23 @@ def kernel_loads(rec, plan: Plan, path: str, say) -> KernelLoads:
 
 
 def _row(form: str, backend: str, tokens: int, times: list[float], warmup_s: float, flops: int,
-         sgemm: float | None) -> dict:
-    """One timed row: median ms, tokens/s, useful GFLOP/s, their fraction of the matmul and the bound (the
-    useful flops at the matmul's rate; None without a matmul or a flop count)."""
+         sgemm: float | None, peak: float | None, batch: int = BATCH, heads: int = HEADS) -> dict:
+    """One timed row: median ms, tokens/s, useful GFLOP/s; the bound (the useful flops at the multiply-add
+    peak `peak`, GFLOP/s) and the row's fraction of it; the fraction of the matmul `sgemm`. Each None without
+    its reference or a flop count."""
     ms = statistics.median(times) * 1e3
-    total = BATCH * tokens * HEADS * flops
+    total = batch * tokens * heads * flops
     gflops = total / (ms * 1e6) if flops else None
-    ok = bool(sgemm and flops)
-    return {"form": form, "backend": backend, "T": tokens, "ms": ms, "tokens_per_s": BATCH * tokens / (ms / 1e3),
-            "gflops": gflops, "fraction_of_sgemm": gflops / sgemm if ok else None,
-            "bound_ms": total / (sgemm * 1e6) if ok else None,
-            "fraction_of_bound": (total / (sgemm * 1e6)) / ms if ok else None,
+    bound_ms = total / (peak * 1e6) if peak and flops else None
+    return {"form": form, "backend": backend, "T": tokens, "ms": ms,
+            "tokens_per_s": batch * tokens / (ms / 1e3), "gflops": gflops,
+            "bound_ms": bound_ms, "fraction_of_bound": bound_ms / ms if bound_ms else None,
+            "fraction_of_sgemm": gflops / sgemm if sgemm and flops else None,
             "repeats": len(times), "min_ms": min(times) * 1e3, "warmup_s": warmup_s}
 
 
-def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, say) -> tuple[list[dict], list[dict], dict]:
+def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, peak: float | None,
+              say) -> tuple[list[dict], list[dict], dict]:
     """Times each (form, backend, T) of the plan: one warm-up call, then repeats within the budget. Returns
     the rows, a skipped entry for each that failed, and the input checks' ms at each T (input_check_ms)."""
     rows, failed, check_ms = [], [], {}
@@ -623,7 +659,7 @@ def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, say) -> tuple[li
         except (LinrecError, MemoryError) as err:
             failed.append({"form": f, "backend": b, "T": t, "reason": f"failed: {err}"})
             continue
-        rows.append(_row(f, b, t, times, warm, flops, sgemm))
+        rows.append(_row(f, b, t, times, warm, flops, sgemm, peak))
     return rows, failed, check_ms
 
 
@@ -699,20 +735,27 @@ def run(opts: Options, progress=None) -> dict:
     report.update(matmul_reference(plan.threads, opts.quick, say))
     sgemm = report["sgemm_gflops"]
     if sgemm is None:
-        notes.append(f"the matmul reference failed ({report['sgemm'].get('error')}): no fractions")
+        notes.append(f"the matmul reference failed ({report['sgemm'].get('error')}): no fractions of it")
+    report.update(machine_reference(plan.threads, opts.quick, say))
+    if report["fma_peak_gflops"] is None:
+        notes.append(f"the machine's limits were not measured ({report['machine_limits']['error']}): no bounds")
     with _thread_settings(plan.threads) as blas_limited:
         if not blas_limited:
             notes.append(NO_THREADPOOLCTL)
         kernels = kernel_loads(rec, plan, opts.file, say)
-        rows, failed, check_ms = time_rows(rec, plan, flops, sgemm, say)
+        rows, failed, check_ms = time_rows(rec, plan, flops, sgemm, report["fma_peak_gflops"], say)
         decode, decode_notes = decode_steps(rec, plan, opts.quick, say)
     others = _others_cores(ticks, _cpu_ticks())
+    state = state_bytes(rec, plan.dims)
+    decode = with_decode_bounds(decode, 2 * BATCH * state, report["bandwidth_gbs"])
+    if decode:
+        decode_notes += _cache_notes(BATCH * state, report["machine_limits"])
     report.update({
         "other_processes_cores": others,
         "rows": rows, "skipped": plan.skipped + failed, "auto": _auto_against_rows(plan.auto, rows),
         "scaling": scaling(rows),
         "decode_us": {b: d["us"] for b, d in decode.items()}, "decode": decode, "input_check_ms": check_ms,
-        "state_bytes": state_bytes(rec, plan.dims),
+        "state_bytes": state,
         "kv_cache_bytes": {str(t): kv_cache_bytes(t, plan.dims) for t in plan.tokens},
         "build_s": kernels.build_s, "cached_load_ms": kernels.cached_load_ms, "loads": kernels.loads,
         "notes": notes + kernels.notes + decode_notes + _busy_notes(others),
@@ -752,6 +795,21 @@ def _opening_lines(rep: dict) -> list[str]:
             "useful flops: none counted (no recurrent state)"]
 
 
+def _limits_lines(rep: dict) -> list[str]:
+    """The machine's limits: the bounds of the rows and of the decode step."""
+    lim = rep["machine_limits"]
+    if rep["fma_peak_gflops"] is None:
+        return [f"bounds: the machine's limits were not measured: {lim.get('error')}"]
+    peak, triad = lim["fma_peak"], lim["triad"]
+    llc = triad["last_level_cache_bytes"]
+    return [f"bound of the rows: float32 multiply-add peak {peak['gflops']:.1f} GFLOP/s ({peak['threads']} thread(s), "
+            f"{peak['vector_bytes'] * 8}-bit registers, 12 independent chains per thread, best of 3)",
+            f"bound of the decode step: memory bandwidth {triad['gbs']:.1f} GB/s (triad a = b + s·c over 3 × "
+            f"{_bytes(triad['array_bytes'])}, last-level cache {'unknown' if not llc else _bytes(llc)}, "
+            f"{triad['threads']} thread(s), {'non-temporal' if triad['non_temporal'] else 'plain'} stores, best of "
+            f"{triad['repeats']})"]
+
+
 def _reference_lines(rep: dict) -> list[str]:
     """The matmul reference, unpinned and with the environment as given."""
     ref = rep["sgemm"]
@@ -776,15 +834,15 @@ def _rows_lines(rep: dict) -> list[str]:
     """The table of timed rows."""
     if not rep["rows"]:
         return ["  (no rows measured)"]
-    table = [["form", "backend", "T", "ms", "tokens/s", "GFLOP/s", "of matmul", "bound ms", "of bound", "reps"]]
+    table = [["form", "backend", "T", "ms", "tokens/s", "GFLOP/s", "bound ms", "of bound", "of matmul", "reps"]]
     for r in rep["rows"]:
         table.append([r["form"], r["backend"], str(r["T"]), f"{r['ms']:.3f}", f"{r['tokens_per_s']:.3g}",
-                      "-" if r["gflops"] is None else f"{r['gflops']:.2f}", _pct(r["fraction_of_sgemm"]),
+                      "-" if r["gflops"] is None else f"{r['gflops']:.2f}",
                       "-" if r["bound_ms"] is None else f"{r['bound_ms']:.3f}", _pct(r["fraction_of_bound"]),
-                      str(r["repeats"])])
+                      _pct(r["fraction_of_sgemm"]), str(r["repeats"])])
     return _table(table, {2, 3, 4, 5, 6, 7, 8, 9}) + [
         "  (ms: median of Recurrence.run after a warm-up call, input checks included; bound: the useful flops at "
-        "the matmul's GFLOP/s)"]
+        "the multiply-add peak; of matmul: GFLOP/s over the matmul's)"]
 
 
 def _skipped_lines(rep: dict) -> list[str]:
@@ -828,10 +886,16 @@ def _input_check_lines(rep: dict) -> list[str]:
 def _decode_lines(rep: dict) -> list[str]:
     if not rep["decode_us"]:
         return []
-    return ["decode step, one token, B=1, H=8, per call from Python — bound (Recurrence.bind_step): "
-            + ", ".join(f"{b} {us:.2f} µs" for b, us in rep["decode_us"].items())
-            + "; Recurrence.step(inplace=True, out=…), the same arrays each call: "
-            + ", ".join(f"{b} {d['step_us']:.2f} µs" for b, d in rep["decode"].items())]
+    out = [f"decode step, one token, B={rep['batch']}, H={rep['heads']}, per call from Python — bound to its arrays "
+           "(Recurrence.bind_step): " + ", ".join(f"{b} {us:.2f} µs" for b, us in rep["decode_us"].items())
+           + "; Recurrence.step(inplace=True, out=…), the same arrays each call: "
+           + ", ".join(f"{b} {d['step_us']:.2f} µs" for b, d in rep["decode"].items())]
+    first = next(iter(rep["decode"].values()))
+    if first.get("bound_us"):
+        out.append(f"  bound: the {first['state_bytes_moved']} state bytes a step reads and writes at "
+                   f"{rep['bandwidth_gbs']:.1f} GB/s = {first['bound_us']:.2f} µs; of bound (bound_step): "
+                   + ", ".join(f"{b} {_pct(d['fraction_of_bound'])}" for b, d in rep["decode"].items()))
+    return out
 
 
 def _memory_line(rep: dict) -> str:
@@ -869,7 +933,8 @@ def _kernel_lines(rep: dict) -> list[str]:
 def format_report(rep: dict) -> str:
     """The human-readable report of `linrec bench`: the run's settings and reference, the table of rows,
     then one section for each of the other measurements, the notes and the plot."""
-    out = _opening_lines(rep) + _reference_lines(rep) + [""] + _rows_lines(rep) + _skipped_lines(rep)
+    out = _opening_lines(rep) + _limits_lines(rep) + _reference_lines(rep) + [""] + _rows_lines(rep)
+    out += _skipped_lines(rep)
     out += _scaling_lines(rep) + _input_check_lines(rep) + _decode_lines(rep) + [_memory_line(rep)]
     out += _auto_lines(rep) + _kernel_lines(rep) + [f"note: {n}" for n in rep["notes"]]
     if rep.get("plot"):
@@ -889,10 +954,10 @@ def plot(rep: dict, path: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 5))
     for (f, b), series in _series(rep["rows"]).items():
         ax.plot([s[0] for s in series], [s[1] for s in series], marker="o", label=f"{f} ({b})")
-    if rep["sgemm_gflops"] and rep["tokens"] and rep["flops_per_token_head"]:
-        ts = rep["tokens"]
-        bound = [BATCH * t * HEADS * rep["flops_per_token_head"] / (rep["sgemm_gflops"] * 1e6) for t in ts]
-        ax.plot(ts, bound, "k--", label=f"bound: useful flops at matmul {rep['sgemm_gflops']:.0f} GFLOP/s")
+    if rep["fma_peak_gflops"] and rep["tokens"] and rep["flops_per_token_head"]:
+        ts, peak = rep["tokens"], rep["fma_peak_gflops"]
+        bound = [rep["batch"] * t * rep["heads"] * rep["flops_per_token_head"] / (peak * 1e6) for t in ts]
+        ax.plot(ts, bound, "k--", label=f"bound: useful flops at the multiply-add peak {peak:.0f} GFLOP/s")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("T (tokens)")

@@ -29,9 +29,14 @@ def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
     report = json.loads(capsys.readouterr().out)
     assert os.environ.get("LINREC_NUM_THREADS") == before  # the thread setting does not leak
     for key in ("sgemm_gflops", "blas", "threads", "rows", "decode_us", "state_bytes", "kv_cache_bytes", "auto",
-                "build_s", "cached_load_ms", "flops_per_token_head", "sgemm_pinned_gflops"):
+                "build_s", "cached_load_ms", "flops_per_token_head", "sgemm_pinned_gflops", "fma_peak_gflops",
+                "bandwidth_gbs", "machine_limits"):
         assert key in report, key
     assert report["threads"] == 1 and report["sgemm_gflops"] > 0
+    # the bounds: the multiply-add peak and the triad's bandwidth, measured with the run's thread count
+    assert report["fma_peak_gflops"] > 0 and report["bandwidth_gbs"] > 0
+    assert report["machine_limits"]["fma_peak"]["threads"] == report["machine_limits"]["triad"]["threads"] == 1
+    assert report["machine_limits"]["triad"]["array_bytes"] >= 64 << 20
     assert report["dims"] == {"dk": 64, "dv": 64} and report["tokens"] == [64]
     assert report["flops_per_token_head"] == 4 * 64 * 64  # rank-one update + readout (the decay is lazy)
     rows = report["rows"]
@@ -39,9 +44,17 @@ def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
                                                          ("recurrent", "c")}
     for r in rows:
         assert r["T"] == 64
-        for key in ("ms", "tokens_per_s", "gflops", "fraction_of_sgemm"):
+        for key in ("ms", "tokens_per_s", "gflops", "fraction_of_sgemm", "bound_ms", "fraction_of_bound"):
             assert r[key] > 0, (r, key)
+        # the bound is the useful flops at the peak; the fraction, bound time over measured time
+        useful = 1 * 64 * 8 * report["flops_per_token_head"]
+        assert r["bound_ms"] == pytest.approx(useful / (report["fma_peak_gflops"] * 1e6), rel=1e-12)
+        assert r["fraction_of_bound"] == pytest.approx(r["bound_ms"] / r["ms"], rel=1e-12)
     assert set(report["decode_us"]) == {"numpy", "c"} and all(v > 0 for v in report["decode_us"].values())
+    for d in report["decode"].values():  # a step reads and writes every state byte once
+        assert d["state_bytes_moved"] == 2 * 8 * 64 * 64 * 4
+        assert d["bound_us"] == pytest.approx(d["state_bytes_moved"] / (report["bandwidth_gbs"] * 1e3), rel=1e-12)
+        assert d["fraction_of_bound"] == pytest.approx(d["bound_us"] / d["us"], rel=1e-12)
     assert report["state_bytes"] == 8 * 64 * 64 * 4
     assert report["kv_cache_bytes"] == {"64": 2 * 64 * 8 * 64 * 4}
     assert {a["backend"] for a in report["auto"]} == {"numpy", "c"}
