@@ -90,6 +90,11 @@ class Options:
     dims: dict[str, int] = field(default_factory=dict)
     plot: str | None = None
     limits: bool = True                     # False: run every form at every T (see MAX_TOKENS)
+    shapes: str | None = None               # "model": the grid of linrec.bench_shapes instead
+    grid_dims: list[tuple[int, int]] | None = None  # --shapes model: only these (dk, dv) …
+    heads: list[int] | None = None          # … these H …
+    batches: list[int] | None = None        # … these B (T: `tokens`, when given)
+    decode: bool = True                     # --shapes model: also the decode steps
 
 
 # ---- what is counted ----------------------------------------------------------------------------------
@@ -265,7 +270,8 @@ def load_times(path: str, backend: str, dims: dict[str, int], threads: int) -> d
 
 
 # ---- timing in this process ---------------------------------------------------------------------------
-def _timed(fn, repeats: int, budget_s: float) -> list[float]:
+def timed(fn, repeats: int, budget_s: float) -> list[float]:
+    """The seconds of each of `repeats` calls of fn, fewer once they took `budget_s` (at least one)."""
     times = []
     start = time.perf_counter()
     for _ in range(repeats):
@@ -277,14 +283,15 @@ def _timed(fn, repeats: int, budget_s: float) -> list[float]:
     return times
 
 
-def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool) -> dict:
-    """One token of one layer (B = 1, H heads) from a prefilled state, in the two decode loops the README
+def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool, batch: int = BATCH,
+                   heads: int = HEADS) -> dict:
+    """One token of one layer (`batch` requests, `heads` heads) from a prefilled state, in the two decode loops the README
     shows: "us", the step bound to its arrays (Recurrence.bind_step: one call per token, token buffers
     refilled in place) and "step_us", Recurrence.step(inplace=True, out=…) passed the same arrays each
     call. µs per call, the median over batches of calls (each batch long enough to dwarf the timer), after
     a warm-up of at least 10 ms of calls (helper threads started, states in cache: a decode loop's steady
     state)."""
-    x = rec.random_inputs(batch=BATCH, tokens=17, heads=HEADS, dims=dims, dtype=np.float32, seed=1)
+    x = rec.random_inputs(batch=batch, tokens=17, heads=heads, dims=dims, dtype=np.float32, seed=1)
     token = {k: np.ascontiguousarray(v[:, -1]) for k, v in x.items()}
     # the decode loop as users write it: prefill a prompt, then step from the state it returns
     state = rec.prefill({k: v[:, :-1] for k, v in x.items()}, backend=backend).final_state
@@ -335,7 +342,7 @@ def input_check_ms(program, inputs: dict) -> dict[str, float]:
 
 
 @contextmanager
-def _thread_settings(threads: int):
+def thread_settings(threads: int):
     """The thread count for the C kernels (c_build.threads) and NumPy's BLAS (threadpoolctl)."""
     with ExitStack() as stack:
         stack.enter_context(c_build.threads(threads))
@@ -354,14 +361,14 @@ def default_threads() -> tuple[int, str]:
     return c_build.num_threads(), source
 
 
-def _load_average() -> float | None:
+def load_average() -> float | None:
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
 
 
-def _cpu_ticks() -> tuple[float, int, int] | None:
+def cpu_ticks() -> tuple[float, int, int] | None:
     """(wall time, busy ticks of the whole machine, ticks of this process and its finished children) from
     /proc: the difference between two readings tells how much CPU other processes took meanwhile."""
     try:
@@ -376,8 +383,8 @@ def _cpu_ticks() -> tuple[float, int, int] | None:
         return None
 
 
-def _others_cores(start, end) -> float | None:
-    """Average number of cores other processes kept busy between two _cpu_ticks() readings."""
+def others_cores(start, end) -> float | None:
+    """Average number of cores other processes kept busy between two cpu_ticks() readings."""
     if start is None or end is None or end[0] <= start[0]:
         return None
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -392,7 +399,7 @@ def _blas_in_process():
     return threadpoolctl.threadpool_info()
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
     return c_build.cpu_model() or platform.machine()
 
 
@@ -412,7 +419,7 @@ class Plan:
     skipped: list[dict]                     # what is not timed, and why
 
 
-def _require_param_defaults(program) -> None:
+def require_param_defaults(program) -> None:
     """The benchmark generates its inputs and takes every param at its default: a param without one is an
     error."""
     missing = [p.name for p in program.params if p.default is None]
@@ -421,7 +428,7 @@ def _require_param_defaults(program) -> None:
                           f"params all have defaults")
 
 
-def _forms_asked(rec, opts: Options) -> tuple[list[str], bool, list[dict]]:
+def forms_asked(rec, opts: Options) -> tuple[list[str], bool, list[dict]]:
     """The forms to time (those asked for, default every form the program has; an unknown name is an error),
     whether `auto` was asked for, and a skipped entry for each the program has not."""
     wanted = list(dict.fromkeys(opts.forms or list(rec.forms)))
@@ -435,7 +442,7 @@ def _forms_asked(rec, opts: Options) -> tuple[list[str], bool, list[dict]]:
     return [f for f in forms if not why_not[f]], "auto" in wanted, skipped
 
 
-def _above_limit(form: str, backend: str, tokens: int, limit: int) -> dict:
+def above_limit(form: str, backend: str, tokens: int, limit: int) -> dict:
     """The skipped entry of a form not run at this T (see MAX_TOKENS), with the reason and how to run it."""
     why = "T² work per head" if form == "parallel" else "interpreter overhead per token"
     return {"form": form, "backend": backend, "T": tokens,
@@ -443,7 +450,7 @@ def _above_limit(form: str, backend: str, tokens: int, limit: int) -> dict:
                       f"T = {limit} ({why}; --no-limits runs it)"}
 
 
-def _backend_combos(rec, backend: str, forms: list[str], tokens: list[int],
+def backend_combos(rec, backend: str, forms: list[str], tokens: list[int],
                     limits: bool) -> tuple[list[tuple[str, str, int]], list[dict]]:
     """The (form, backend, T) this backend times of the forms asked for, and what it skips: a form it does
     not build (said once, not as a failure at every T) and, with limits, a T above MAX_TOKENS."""
@@ -457,7 +464,7 @@ def _backend_combos(rec, backend: str, forms: list[str], tokens: list[int],
         for t in tokens:
             limit = max_tokens(f, backend) if limits else None
             if limit is not None and t > limit:
-                skipped.append(_above_limit(f, backend, t, limit))
+                skipped.append(above_limit(f, backend, t, limit))
             else:
                 combos.append((f, backend, t))
     return combos, skipped
@@ -476,14 +483,14 @@ def make_plan(rec, opts: Options) -> Plan:
     """The sizes, threads, repeats and backends of the run, the (form, backend, T) it times — ordered by T,
     then form, then backend — what `--form auto` picks (timed too when asked for) and what is skipped."""
     dims = dims_with_overrides(rec.program, opts.dims.items(), preset=BENCH_DIMS)
-    _require_param_defaults(rec.program)
+    require_param_defaults(rec.program)
     threads, threads_from = (opts.threads, "--threads") if opts.threads is not None else default_threads()
     tokens = sorted(set(opts.tokens))
     backends = list(dict.fromkeys(opts.backends or list(registry.BACKENDS)))
-    forms, with_auto, skipped = _forms_asked(rec, opts)
+    forms, with_auto, skipped = forms_asked(rec, opts)
     combos, auto = [], []
     for b in backends:
-        timed, not_timed = _backend_combos(rec, b, forms, tokens, opts.limits)
+        timed, not_timed = backend_combos(rec, b, forms, tokens, opts.limits)
         combos += timed
         skipped += not_timed
         choices = _auto_choices(rec, b, tokens, dims)
@@ -509,15 +516,15 @@ def _opening(opts: Options, rec, plan: Plan, flops: tuple[int, str, list[str]]) 
         "file": opts.file, "program": rec.program.name, "dtype": "float32", "batch": BATCH, "heads": HEADS,
         "dims": plan.dims, "tokens": plan.tokens, "threads": plan.threads, "threads_from": plan.threads_from,
         "repeats": plan.repeats, "budget_s": plan.budget_s, "quick": opts.quick,
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "numpy": np.__version__},
         "flops_per_token_head": total, "flop_formula": formula, "flop_terms": terms,
-        "load_average_start": _load_average(), "blas_in_process": _blas_in_process(),
-        "c": _c_settings(),
+        "load_average_start": load_average(), "blas_in_process": _blas_in_process(),
+        "c": c_settings(),
     }
 
 
-def _c_settings() -> dict:
+def c_settings() -> dict:
     """The C backend's cache directory, compiler flags and vector width (or the error that hid them)."""
     try:
         return {"cache_dir": str(c_build.cache_dir()), "flags": c_build.flags(),
@@ -572,12 +579,12 @@ def with_decode_bounds(decode: dict[str, dict], moved: int, gbs: float | None) -
                     fraction_of_bound=bound_us / d["us"] if bound_us else None) for b, d in decode.items()}
 
 
-def _cache_notes(state: int, limits: dict) -> list[str]:
+def cache_notes(state: int, limits: dict) -> list[str]:
     """A note when one layer's state fits in the last-level cache: a decode loop keeps it there."""
     llc = max(limits.get("caches", {}).values(), default=0) if isinstance(limits.get("caches"), dict) else 0
     if not llc or state > llc:
         return []
-    return [f"the decode step's state ({_bytes(state)}) fits in the caches (last level {_bytes(llc)}): a decode "
+    return [f"the decode step's state ({format_bytes(state)}) fits in the caches (last level {format_bytes(llc)}): a decode "
             f"loop keeps it there, so a step can beat the bound of the memory bandwidth (fractions above 100%)"]
 
 
@@ -621,7 +628,7 @@ def kernel_loads(rec, plan: Plan, path: str, say) -> KernelLoads:
     return result
 
 
-def _row(form: str, backend: str, tokens: int, times: list[float], warmup_s: float, flops: int,
+def row_of(form: str, backend: str, tokens: int, times: list[float], warmup_s: float, flops: int,
          sgemm: float | None, peak: float | None, batch: int = BATCH, heads: int = HEADS) -> dict:
     """One timed row: median ms, tokens/s, useful GFLOP/s; the bound (the useful flops at the multiply-add
     peak `peak`, GFLOP/s) and the row's fraction of it; the fraction of the matmul `sgemm`. Each None without
@@ -655,11 +662,11 @@ def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, peak: float | No
             t0 = time.perf_counter()
             rec.run(x, form=f, backend=b)
             warm = time.perf_counter() - t0
-            times = _timed(lambda x=x, f=f, b=b: rec.run(x, form=f, backend=b), plan.repeats, plan.budget_s)
+            times = timed(lambda x=x, f=f, b=b: rec.run(x, form=f, backend=b), plan.repeats, plan.budget_s)
         except (LinrecError, MemoryError) as err:
             failed.append({"form": f, "backend": b, "T": t, "reason": f"failed: {err}"})
             continue
-        rows.append(_row(f, b, t, times, warm, flops, sgemm, peak))
+        rows.append(row_of(f, b, t, times, warm, flops, sgemm, peak))
     return rows, failed, check_ms
 
 
@@ -709,7 +716,7 @@ def scaling(rows: list[dict]) -> list[dict]:
             for (f, b), series in _series(rows).items() for (t1, m1), (t2, m2) in zip(series, series[1:])]
 
 
-def _busy_notes(others: float | None) -> list[str]:
+def busy_notes(others: float | None) -> list[str]:
     """A note when other processes kept more than a quarter of a core busy during the run."""
     if others is None or others <= 0.25:
         return []
@@ -726,7 +733,7 @@ def run(opts: Options, progress=None) -> dict:
     """Everything `linrec bench` reports, as plain data (the --json object): the plan, the same-run matmul,
     then, with the run's thread count, the compiled kernels' loads, the timed rows and the decode step."""
     say = progress or (lambda text: None)
-    ticks = _cpu_ticks()
+    ticks = cpu_ticks()
     rec = api.load(opts.file)
     plan = make_plan(rec, opts)
     report = _opening(opts, rec, plan, flop_count(rec, plan.dims))
@@ -739,17 +746,17 @@ def run(opts: Options, progress=None) -> dict:
     report.update(machine_reference(plan.threads, opts.quick, say))
     if report["fma_peak_gflops"] is None:
         notes.append(f"the machine's limits were not measured ({report['machine_limits']['error']}): no bounds")
-    with _thread_settings(plan.threads) as blas_limited:
+    with thread_settings(plan.threads) as blas_limited:
         if not blas_limited:
             notes.append(NO_THREADPOOLCTL)
         kernels = kernel_loads(rec, plan, opts.file, say)
         rows, failed, check_ms = time_rows(rec, plan, flops, sgemm, report["fma_peak_gflops"], say)
         decode, decode_notes = decode_steps(rec, plan, opts.quick, say)
-    others = _others_cores(ticks, _cpu_ticks())
+    others = others_cores(ticks, cpu_ticks())
     state = state_bytes(rec, plan.dims)
     decode = with_decode_bounds(decode, 2 * BATCH * state, report["bandwidth_gbs"])
     if decode:
-        decode_notes += _cache_notes(BATCH * state, report["machine_limits"])
+        decode_notes += cache_notes(BATCH * state, report["machine_limits"])
     report.update({
         "other_processes_cores": others,
         "rows": rows, "skipped": plan.skipped + failed, "auto": _auto_against_rows(plan.auto, rows),
@@ -758,7 +765,7 @@ def run(opts: Options, progress=None) -> dict:
         "state_bytes": state,
         "kv_cache_bytes": {str(t): kv_cache_bytes(t, plan.dims) for t in plan.tokens},
         "build_s": kernels.build_s, "cached_load_ms": kernels.cached_load_ms, "loads": kernels.loads,
-        "notes": notes + kernels.notes + decode_notes + _busy_notes(others),
+        "notes": notes + kernels.notes + decode_notes + busy_notes(others),
     })
     if opts.plot:
         report["plot"] = plot(report, opts.plot)
@@ -766,7 +773,7 @@ def run(opts: Options, progress=None) -> dict:
 
 
 # ---- output -------------------------------------------------------------------------------------------
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -774,11 +781,11 @@ def _bytes(n: float) -> str:
     return str(n)
 
 
-def _pct(x) -> str:
+def percent(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+def table_lines(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
             .rstrip() for r in rows]
@@ -805,7 +812,7 @@ def _limits_lines(rep: dict) -> list[str]:
     return [f"bound of the rows: float32 multiply-add peak {peak['gflops']:.1f} GFLOP/s ({peak['threads']} thread(s), "
             f"{peak['vector_bytes'] * 8}-bit registers, 12 independent chains per thread, best of 3)",
             f"bound of the decode step: memory bandwidth {triad['gbs']:.1f} GB/s (triad a = b + s·c over 3 × "
-            f"{_bytes(triad['array_bytes'])}, last-level cache {'unknown' if not llc else _bytes(llc)}, "
+            f"{format_bytes(triad['array_bytes'])}, last-level cache {'unknown' if not llc else format_bytes(llc)}, "
             f"{triad['threads']} thread(s), {'non-temporal' if triad['non_temporal'] else 'plain'} stores, best of "
             f"{triad['repeats']})"]
 
@@ -838,9 +845,9 @@ def _rows_lines(rep: dict) -> list[str]:
     for r in rep["rows"]:
         table.append([r["form"], r["backend"], str(r["T"]), f"{r['ms']:.3f}", f"{r['tokens_per_s']:.3g}",
                       "-" if r["gflops"] is None else f"{r['gflops']:.2f}",
-                      "-" if r["bound_ms"] is None else f"{r['bound_ms']:.3f}", _pct(r["fraction_of_bound"]),
-                      _pct(r["fraction_of_sgemm"]), str(r["repeats"])])
-    return _table(table, {2, 3, 4, 5, 6, 7, 8, 9}) + [
+                      "-" if r["bound_ms"] is None else f"{r['bound_ms']:.3f}", percent(r["fraction_of_bound"]),
+                      percent(r["fraction_of_sgemm"]), str(r["repeats"])])
+    return table_lines(table, {2, 3, 4, 5, 6, 7, 8, 9}) + [
         "  (ms: median of Recurrence.run after a warm-up call, input checks included; bound: the useful flops at "
         "the multiply-add peak; of matmul: GFLOP/s over the matmul's)"]
 
@@ -894,13 +901,13 @@ def _decode_lines(rep: dict) -> list[str]:
     if first.get("bound_us"):
         out.append(f"  bound: the {first['state_bytes_moved']} state bytes a step reads and writes at "
                    f"{rep['bandwidth_gbs']:.1f} GB/s = {first['bound_us']:.2f} µs; of bound (bound_step): "
-                   + ", ".join(f"{b} {_pct(d['fraction_of_bound'])}" for b, d in rep["decode"].items()))
+                   + ", ".join(f"{b} {percent(d['fraction_of_bound'])}" for b, d in rep["decode"].items()))
     return out
 
 
 def _memory_line(rep: dict) -> str:
-    return (f"memory per layer (B=1, float32): state {_bytes(rep['state_bytes'])} ({rep['state_bytes']} B) vs "
-            "softmax KV cache 2·T·H·d·4: " + ", ".join(f"T={t} {_bytes(n)}" for t, n in rep["kv_cache_bytes"].items()))
+    return (f"memory per layer (B=1, float32): state {format_bytes(rep['state_bytes'])} ({rep['state_bytes']} B) vs "
+            "softmax KV cache 2·T·H·d·4: " + ", ".join(f"T={t} {format_bytes(n)}" for t, n in rep["kv_cache_bytes"].items()))
 
 
 def _auto_lines(rep: dict) -> list[str]:

@@ -196,3 +196,47 @@ def test_run_by_steps_with_params_and_errors(cache_dir):
                                "S = S + k⊗v\noutput o = k·S\n")
     with pytest.raises(LinrecError, match="non-causal"):
         run_by_steps(noncausal, noncausal.random_inputs(1, 3, 1, dims={"dk": 4, "dv": 4}))
+
+
+# ---- bench --shapes model ----------------------------------------------------------------------------
+def test_bench_model_grid_in_parts(cache_dir, capsys):
+    """--shapes model kept to one (dk, dv) of tiny sizes, one H, one B, one T: every row of the C forms with
+    its bound at the multiply-add peak, the decode step of one request with its bandwidth bound, and each
+    row against the best of its form ("vs best", 1 for the best)."""
+    code = main(["bench", str(EXAMPLES / "gla.lin"), "--shapes", "model", "--grid-dims", "16x8", "--grid-dims",
+                 "8x8", "--heads", "2", "--batch", "2", "--T", "32", "--form", "recurrent", "--quick",
+                 "--repeats", "1", "--json", "--threads", "1"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["shapes"] == "model" and report["backends"] == ["c"] and report["forms"] == ["recurrent"]
+    rows = report["rows"]
+    assert sorted((r["dk"], r["dv"], r["H"], r["B"], r["T"]) for r in rows) == [(8, 8, 2, 2, 32), (16, 8, 2, 2, 32)]
+    for r in rows:
+        useful = r["B"] * r["T"] * r["H"] * 4 * r["dk"] * r["dv"]  # GLA: 4·dk·dv per token and head
+        assert r["bound_ms"] == pytest.approx(useful / (report["fma_peak_gflops"] * 1e6), rel=1e-12)
+        assert r["fraction_of_bound"] == pytest.approx(r["bound_ms"] / r["ms"], rel=1e-12)
+    assert min(r["vs_best"] for r in rows) == 1.0
+    steps = report["decode"]
+    assert sorted((d["dk"], d["dv"], d["H"], d["B"]) for d in steps) == [(8, 8, 2, 1), (16, 8, 2, 1)]
+    for d in steps:
+        assert d["state_bytes_moved"] == 2 * d["H"] * d["dk"] * d["dv"] * 4 and d["us"] > 0
+        assert d["state_in_last_level_cache"] in (True, False)
+        assert d["fraction_of_bound"] == pytest.approx(d["bound_us"] / d["us"], rel=1e-12)
+
+
+def test_model_grid_and_its_limits(cache_dir, capsys):
+    """The whole grid is 48 prefill shapes and 12 decode steps; a shape whose arrays would not fit in half of
+    the memory available is not run, with the reason; the grid's options need --shapes model."""
+    from linrec import bench, bench_shapes
+    shapes, decode = bench_shapes.grid(bench.Options(file="x.lin", tokens=[]))
+    assert len(shapes) == 4 * 3 * 2 * 2 and len(decode) == 4 * 3
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    big = bench_shapes.Shape(dk=256, dv=256, heads=32, batch=4, tokens=16384)
+    assert bench_shapes.array_bytes(rec, big) == 4 * 16384 * 32 * (3 * 256 + 256 + 256) * 4  # q k g, v; o
+    assert "of memory available" in bench_shapes._too_large(rec, big, free=1 << 30)
+    assert bench_shapes._too_large(rec, big, free=1 << 50) is None
+    assert main(["bench", str(EXAMPLES / "gla.lin"), "--heads", "8"]) == 1
+    assert "add --shapes model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", str(EXAMPLES / "gla.lin"), "--shapes", "model", "--grid-dims", "12"])
+    assert exit_.value.code == 1 and "DKxDV such as 128x64" in capsys.readouterr().err
