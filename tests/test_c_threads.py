@@ -4,7 +4,7 @@ A (batch row, head) pair is computed by one thread at a time, in the same order 
 thread it is (lr_claim may move it between threads at segment ends), so the outputs and final states on two
 threads must equal those on one bit for bit — in the fused kernel (GLA, gated DeltaNet, heads split between
 threads at every segment end), the statement-by-statement one, and the decode step run in parts on the
-helper pool. The thread count a call uses depends on its work (LR_THREAD_WORK: a thread per 2M multiply-adds
+helper pool or as an OpenMP loop. The thread count a call uses depends on its work (LR_THREAD_WORK: a thread per 2M multiply-adds
 by default); these tests set it to 1 multiply-add so that their tiny sizes run on every thread asked for, and
 check that the default runs them too (on one thread). Each result is also checked against the float64 NumPy
 recurrent form (1e-10, as in test_c_backend).
@@ -76,19 +76,23 @@ def test_prefill_identical_on_one_and_two_threads(linrec, monkeypatch, name):
         assert rel_err(two.final_state[k], ref.final_state[k]) <= F64_RTOL, k
 
 
-@pytest.mark.parametrize("name", ["gla", "gated_deltanet"])
-def test_decode_step_identical_alone_and_in_parts(linrec, monkeypatch, name):
-    """Steps on the caller's thread alone (the default at this size) and in parts on the helper pool
-    (POOL_PART_WORK = 1: as many parts as threads) give the same states and outputs, bit for bit."""
+@pytest.mark.parametrize("batch, heads", [(2, 8), (8, 512)])
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "cross"])
+def test_decode_step_identical_alone_and_in_parts(linrec, monkeypatch, name, batch, heads):
+    """Steps on the caller's thread alone and on two threads give the same states and outputs, bit for bit:
+    B·H = 16 heads on the caller alone (the default at this size) and in parts on the helper pool
+    (POOL_PART_WORK = 1: as many parts as threads); 4096 heads (over 1M multiply-adds) as an OpenMP loop."""
     from linrec.c import build as c_build
     from linrec.c import fused as c_fused
-    rec = rec_for(linrec, name)
-    batch, heads = 2, 8
-    inputs = rec.random_inputs(batch=batch, tokens=6, heads=heads, dims=DIMS, seed=6)
-    state0 = random_state(rec, batch, heads, DIMS, np.float64, 6)
+    rec = _program(linrec, name)
+    dims = {d.name: d.default for d in rec.program.dims} if name in PROGRAMS else DIMS
+    inputs = rec.random_inputs(batch=batch, tokens=6, heads=heads, dims=dims, seed=6)
+    state0 = random_state(rec, batch, heads, dims, np.float64, 6)
     ref = rec.run(inputs, form="recurrent", backend="numpy", initial_state=state0)
     results = []
-    for part_work, threads in ((c_fused.POOL_PART_WORK, 2), (1, 1), (1, 2)):
+    default = c_fused.POOL_PART_WORK
+    runs = ((default, 2), (1, 1), (1, 2)) if heads == 8 else ((default, 1), (default, 2))
+    for part_work, threads in runs:
         monkeypatch.setattr(c_fused, "POOL_PART_WORK", part_work)
         state = {k: v.copy() for k, v in state0.items()}
         outs = []
