@@ -13,7 +13,8 @@ T ∈ {1024, 4096, 16384, 32768} (`--quick`: {256, 1024}, fewer repeats) it repo
   ~6·dk·dv for the delta rules, the same count for every form, so a form that does more arithmetic
   (parallel, chunkwise) is not credited for it;
 * the bound: the time those useful flops take at the cores' float32 multiply-add peak, measured in the same
-  run with the same thread count (linrec.machine.fma_peak), and the row's fraction of it (bound time / time);
+  run with the same thread count (linrec.machine.fma_peak) at its start and at its end, the higher of the two,
+  and the row's fraction of it (bound time / time);
 * as an extra column, the fraction of a plain float32 NumPy matmul (2048³, median of repeats) timed in the
   same run in a subprocess with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (and, when the environment sets
   them, also as given: the "pinned" figure), with the BLAS kernel that ran (threadpoolctl, when installed) —
@@ -557,17 +558,36 @@ def matmul_reference(threads: int, quick: bool, say) -> dict:
             "blas_summary": blas_summary(ref.get("blas"))}
 
 
-def machine_reference(threads: int, quick: bool, say) -> dict:
+def machine_reference(threads: int, quick: bool, say, earlier: dict | None = None) -> dict:
     """The machine's limits with the run's thread count (linrec.machine.limits): "fma_peak_gflops" (the bound
     of the prefill rows), "bandwidth_gbs" (the bound of the decode steps), "machine_limits" (the details), or
-    None for each with the error in "machine_limits"."""
+    None for each with the error in "machine_limits". With `earlier`, this function's result at the start of
+    the run: measured again (at its end) and combined — each bound the higher of the two, since a busy spell
+    slows a measurement and never speeds it up — with this measurement's details in "machine_limits_end"."""
+    if earlier is not None and earlier["fma_peak_gflops"] is None:
+        return {}
     say(f"the machine's limits: float32 multiply-add peak and memory bandwidth (triad), {threads} thread(s) …")
     try:
         limits = machine.limits(threads, quick)
     except LinrecError as err:
+        if earlier is not None:
+            return {"machine_limits_end": {"error": str(err)}}
         return {"fma_peak_gflops": None, "bandwidth_gbs": None, "machine_limits": {"error": str(err)}}
-    return {"fma_peak_gflops": limits["fma_peak"]["gflops"], "bandwidth_gbs": limits["triad"]["gbs"],
-            "machine_limits": limits}
+    if earlier is None:
+        return {"fma_peak_gflops": limits["fma_peak"]["gflops"], "bandwidth_gbs": limits["triad"]["gbs"],
+                "machine_limits": limits}
+    return {"fma_peak_gflops": max(earlier["fma_peak_gflops"], limits["fma_peak"]["gflops"]),
+            "bandwidth_gbs": max(earlier["bandwidth_gbs"], limits["triad"]["gbs"]), "machine_limits_end": limits}
+
+
+def with_row_bounds(rows: list[dict], peak: float | None) -> list[dict]:
+    """The rows with their bound at the multiply-add peak `peak` (GFLOP/s): "bound_ms", the time their useful
+    flops take at it, and "fraction_of_bound", bound_ms / ms (None without a peak or a flop count)."""
+    out = []
+    for r in rows:
+        bound_ms = r["gflops"] * r["ms"] / peak if peak and r["gflops"] else None
+        out.append(dict(r, bound_ms=bound_ms, fraction_of_bound=bound_ms / r["ms"] if bound_ms else None))
+    return out
 
 
 def with_decode_bounds(decode: dict[str, dict], moved: int, gbs: float | None) -> dict[str, dict]:
@@ -752,6 +772,8 @@ def run(opts: Options, progress=None) -> dict:
         kernels = kernel_loads(rec, plan, opts.file, say)
         rows, failed, check_ms = time_rows(rec, plan, flops, sgemm, report["fma_peak_gflops"], say)
         decode, decode_notes = decode_steps(rec, plan, opts.quick, say)
+    report.update(machine_reference(plan.threads, opts.quick, say, earlier=report))
+    rows = with_row_bounds(rows, report["fma_peak_gflops"])
     others = others_cores(ticks, cpu_ticks())
     state = state_bytes(rec, plan.dims)
     decode = with_decode_bounds(decode, 2 * BATCH * state, report["bandwidth_gbs"])
@@ -809,12 +831,17 @@ def _limits_lines(rep: dict) -> list[str]:
         return [f"bounds: the machine's limits were not measured: {lim.get('error')}"]
     peak, triad = lim["fma_peak"], lim["triad"]
     llc = triad["last_level_cache_bytes"]
-    return [f"bound of the rows: float32 multiply-add peak {peak['gflops']:.1f} GFLOP/s ({peak['threads']} thread(s), "
-            f"{peak['vector_bytes'] * 8}-bit registers, 12 independent chains per thread, best of 3)",
-            f"bound of the decode step: memory bandwidth {triad['gbs']:.1f} GB/s (triad a = b + s·c over 3 × "
+    end = rep.get("machine_limits_end", {})
+    two = ("fma_peak" in end, "triad" in end)
+    return [f"bound of the rows: float32 multiply-add peak {rep['fma_peak_gflops']:.1f} GFLOP/s ({peak['threads']} "
+            f"thread(s), {peak['vector_bytes'] * 8}-bit registers, 12 independent chains per thread, best of 3"
+            + (f"; the higher of {peak['gflops']:.1f} at the start of the run and {end['fma_peak']['gflops']:.1f} at "
+               f"its end" if two[0] else "") + ")",
+            f"bound of the decode step: memory bandwidth {rep['bandwidth_gbs']:.1f} GB/s (triad a = b + s·c over 3 × "
             f"{format_bytes(triad['array_bytes'])}, last-level cache {'unknown' if not llc else format_bytes(llc)}, "
             f"{triad['threads']} thread(s), {'non-temporal' if triad['non_temporal'] else 'plain'} stores, best of "
-            f"{triad['repeats']})"]
+            f"{triad['repeats']}" + (f"; the higher of {triad['gbs']:.1f} at the start and {end['triad']['gbs']:.1f} "
+                                     f"at the end" if two[1] else "") + ")"]
 
 
 def _reference_lines(rep: dict) -> list[str]:

@@ -222,6 +222,9 @@ def run(opts: bench.Options, progress=None) -> dict:
         rows, not_run = prefill_rows(rec, opts, shapes, forms, backends, report, report["sgemm_gflops"], say)
         llc = max(report["machine_limits"].get("caches", {}).values(), default=None)
         steps, decode_notes = decode_rows(rec, opts, decode, backends, report["bandwidth_gbs"], llc, say)
+    report.update(bench.machine_reference(threads, opts.quick, say, earlier=report))
+    rows = bench.with_row_bounds(rows, report["fma_peak_gflops"])
+    steps = [bench.with_decode_bounds({"_": d}, d["state_bytes_moved"], report["bandwidth_gbs"])["_"] for d in steps]
     against_best(rows, lambda r: r["gflops"])
     against_best(steps, lambda r: r["state_bytes_moved"] / r["us"] if r.get("us") else None)
     others = bench.others_cores(ticks, bench.cpu_ticks())
@@ -242,7 +245,8 @@ def format_report(rep: dict) -> str:
     if rep["fma_peak_gflops"]:
         out.append(f"bounds: float32 multiply-add peak {rep['fma_peak_gflops']:.1f} GFLOP/s (prefill), memory "
                    f"bandwidth {rep['bandwidth_gbs']:.1f} GB/s (triad over 3 × "
-                   f"{bench.format_bytes(lim['triad']['array_bytes'])}: decode); matmul "
+                   f"{bench.format_bytes(lim['triad']['array_bytes'])}: decode), each the higher of a measurement at "
+                   f"the start and one at the end of the run; matmul "
                    + (f"{rep['sgemm_gflops']:.1f} GFLOP/s" if rep["sgemm_gflops"] else "failed"))
     if rep["rows"]:
         table = [["dk", "dv", "H", "B", "T", "form", "backend", "ms", "GFLOP/s", "bound ms", "of bound",

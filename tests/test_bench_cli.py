@@ -36,6 +36,10 @@ def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
     # the bounds: the multiply-add peak and the triad's bandwidth, measured with the run's thread count
     assert report["fma_peak_gflops"] > 0 and report["bandwidth_gbs"] > 0
     assert report["machine_limits"]["fma_peak"]["threads"] == report["machine_limits"]["triad"]["threads"] == 1
+    # measured at the start and at the end of the run: each bound the higher of the two
+    start, end = report["machine_limits"], report["machine_limits_end"]
+    assert report["fma_peak_gflops"] == max(start["fma_peak"]["gflops"], end["fma_peak"]["gflops"])
+    assert report["bandwidth_gbs"] == max(start["triad"]["gbs"], end["triad"]["gbs"])
     assert report["machine_limits"]["triad"]["array_bytes"] >= 64 << 20
     assert report["dims"] == {"dk": 64, "dv": 64} and report["tokens"] == [64]
     assert report["flops_per_token_head"] == 4 * 64 * 64  # rank-one update + readout (the decay is lazy)
