@@ -53,7 +53,7 @@ def table(paths: list[str]) -> str:
     reports = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
     out = []
     for rep in reports:
-        out.append(f"**{rep['program']}**: {rep['threads']} thread(s), multiply-add peak "
+        out.append(f"* **{rep['program']}**: {rep['threads']} thread(s), multiply-add peak "
                    f"{_num(rep['fma_peak_gflops'], '.0f')} GFLOP/s, bandwidth {_num(rep['bandwidth_gbs'], '.1f')} GB/s, "
                    f"matmul {_num(rep['sgemm_gflops'], '.0f')} GFLOP/s; other processes kept "
                    f"{_num(rep.get('other_processes_cores'), '.2f')} core(s) busy")
