@@ -787,6 +787,7 @@ def run(opts: Options, progress=None) -> dict:
         "state_bytes": state,
         "kv_cache_bytes": {str(t): kv_cache_bytes(t, plan.dims) for t in plan.tokens},
         "build_s": kernels.build_s, "cached_load_ms": kernels.cached_load_ms, "loads": kernels.loads,
+        "openmp_wait_policy": c_build.openmp_wait_policy(),
         "notes": notes + kernels.notes + decode_notes + busy_notes(others),
     })
     if opts.plot:

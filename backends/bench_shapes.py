@@ -26,6 +26,7 @@ from math import prod
 import numpy as np
 
 from . import api, bench
+from .c import build as c_build
 from .decode import reads_the_sequence
 from .dsl.errors import LinrecError
 
@@ -229,6 +230,7 @@ def run(opts: bench.Options, progress=None) -> dict:
     against_best(steps, lambda r: r["state_bytes_moved"] / r["us"] if r.get("us") else None)
     others = bench.others_cores(ticks, bench.cpu_ticks())
     report.update({"rows": rows, "decode": steps, "skipped": skipped + not_run, "other_processes_cores": others,
+                   "openmp_wait_policy": c_build.openmp_wait_policy(),
                    "notes": notes + decode_notes + bench.busy_notes(others)})
     return report
 

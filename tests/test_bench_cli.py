@@ -41,6 +41,7 @@ def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
     assert report["fma_peak_gflops"] == max(start["fma_peak"]["gflops"], end["fma_peak"]["gflops"])
     assert report["bandwidth_gbs"] == max(start["triad"]["gbs"], end["triad"]["gbs"])
     assert report["machine_limits"]["triad"]["array_bytes"] >= 64 << 20
+    assert report["openmp_wait_policy"].startswith(("passive", "as the environment", "the OpenMP runtime's"))
     assert report["dims"] == {"dk": 64, "dv": 64} and report["tokens"] == [64]
     assert report["flops_per_token_head"] == 4 * 64 * 64  # rank-one update + readout (the decay is lazy)
     rows = report["rows"]
