@@ -1,4 +1,4 @@
-"""`linrec bench FILE`: time every form on every backend against a same-run float32 matmul.
+"""`linrec bench FILE`: time every form on every backend against the machine's own limits, measured in the run.
 
 For B = 1, H = 8 and dk = dv = 64 (only the dimensions the file declares; `--dim` overrides), float32,
 T ∈ {1024, 4096, 16384, 32768} (`--quick`: {256, 1024}, fewer repeats) it reports per form × backend
@@ -12,13 +12,17 @@ T ∈ {1024, 4096, 16384, 32768} (`--quick`: {256, 1024}, fewer repeats) it repo
   queries; a vector state counts its size instead of dk·dv). That is the issue's ~4·dk·dv for GLA and
   ~6·dk·dv for the delta rules, the same count for every form, so a form that does more arithmetic
   (parallel, chunkwise) is not credited for it;
-* each as a fraction of a plain float32 NumPy matmul (2048³, median of repeats) timed in the same run in a
-  subprocess with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (and, when the environment sets them, also
-  as given: the "pinned" figure), with the BLAS kernel that ran (threadpoolctl, when installed); and of the
-  recurrent-form bound: the time the useful flops take at that matmul rate (the two fractions are the
-  same number: bound time / time = GFLOP/s / matmul GFLOP/s);
+* the bound: the time those useful flops take at the cores' float32 multiply-add peak, measured in the same
+  run with the same thread count (linrec.machine.fma_peak) at its start and at its end, the higher of the two,
+  and the row's fraction of it (bound time / time);
+* as an extra column, the fraction of a plain float32 NumPy matmul (2048³, median of repeats) timed in the
+  same run in a subprocess with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (and, when the environment sets
+  them, also as given: the "pinned" figure), with the BLAS kernel that ran (threadpoolctl, when installed) —
+  a figure that moves with the OpenBLAS build NumPy ships, hence not the bound;
 * the decode step (one token of one layer, from a prefilled state) in µs per call: bound to its arrays
-  (`Recurrence.bind_step`) and through `Recurrence.step(inplace=True, out=…)`;
+  (`Recurrence.bind_step`) and through `Recurrence.step(inplace=True, out=…)`, against its own bound: the
+  state bytes a step reads and writes (2 · B · H · Σ state sizes · 4) at the memory bandwidth measured in
+  the same run (STREAM's triad over arrays larger than the last-level cache, linrec.machine.triad);
 * the state bytes of one layer against the KV cache of softmax attention at each T;
 * what `--form auto` picks for each T and backend and why (and whether it was the fastest measured);
 * for compiled backends: the first build of the kernel (a fresh process with an empty cache) and a cached
@@ -47,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import api, arrays, compiler, registry
+from . import api, arrays, compiler, machine, registry
 from .c import build as c_build
 from .compiler.linearity import split_scalar
 from .decode import reads_the_sequence
@@ -87,6 +91,11 @@ class Options:
     dims: dict[str, int] = field(default_factory=dict)
     plot: str | None = None
     limits: bool = True                     # False: run every form at every T (see MAX_TOKENS)
+    shapes: str | None = None               # "model": the grid of linrec.bench_shapes instead
+    grid_dims: list[tuple[int, int]] | None = None  # --shapes model: only these (dk, dv) …
+    heads: list[int] | None = None          # … these H …
+    batches: list[int] | None = None        # … these B (T: `tokens`, when given)
+    decode: bool = True                     # --shapes model: also the decode steps
 
 
 # ---- what is counted ----------------------------------------------------------------------------------
@@ -262,7 +271,8 @@ def load_times(path: str, backend: str, dims: dict[str, int], threads: int) -> d
 
 
 # ---- timing in this process ---------------------------------------------------------------------------
-def _timed(fn, repeats: int, budget_s: float) -> list[float]:
+def timed(fn, repeats: int, budget_s: float) -> list[float]:
+    """The seconds of each of `repeats` calls of fn, fewer once they took `budget_s` (at least one)."""
     times = []
     start = time.perf_counter()
     for _ in range(repeats):
@@ -274,14 +284,15 @@ def _timed(fn, repeats: int, budget_s: float) -> list[float]:
     return times
 
 
-def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool) -> dict:
-    """One token of one layer (B = 1, H heads) from a prefilled state, in the two decode loops the README
+def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool, batch: int = BATCH,
+                   heads: int = HEADS) -> dict:
+    """One token of one layer (`batch` requests, `heads` heads) from a prefilled state, in the two decode loops the README
     shows: "us", the step bound to its arrays (Recurrence.bind_step: one call per token, token buffers
     refilled in place) and "step_us", Recurrence.step(inplace=True, out=…) passed the same arrays each
     call. µs per call, the median over batches of calls (each batch long enough to dwarf the timer), after
     a warm-up of at least 10 ms of calls (helper threads started, states in cache: a decode loop's steady
     state)."""
-    x = rec.random_inputs(batch=BATCH, tokens=17, heads=HEADS, dims=dims, dtype=np.float32, seed=1)
+    x = rec.random_inputs(batch=batch, tokens=17, heads=heads, dims=dims, dtype=np.float32, seed=1)
     token = {k: np.ascontiguousarray(v[:, -1]) for k, v in x.items()}
     # the decode loop as users write it: prefill a prompt, then step from the state it returns
     state = rec.prefill({k: v[:, :-1] for k, v in x.items()}, backend=backend).final_state
@@ -332,7 +343,7 @@ def input_check_ms(program, inputs: dict) -> dict[str, float]:
 
 
 @contextmanager
-def _thread_settings(threads: int):
+def thread_settings(threads: int):
     """The thread count for the C kernels (c_build.threads) and NumPy's BLAS (threadpoolctl)."""
     with ExitStack() as stack:
         stack.enter_context(c_build.threads(threads))
@@ -351,14 +362,14 @@ def default_threads() -> tuple[int, str]:
     return c_build.num_threads(), source
 
 
-def _load_average() -> float | None:
+def load_average() -> float | None:
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
 
 
-def _cpu_ticks() -> tuple[float, int, int] | None:
+def cpu_ticks() -> tuple[float, int, int] | None:
     """(wall time, busy ticks of the whole machine, ticks of this process and its finished children) from
     /proc: the difference between two readings tells how much CPU other processes took meanwhile."""
     try:
@@ -373,8 +384,8 @@ def _cpu_ticks() -> tuple[float, int, int] | None:
         return None
 
 
-def _others_cores(start, end) -> float | None:
-    """Average number of cores other processes kept busy between two _cpu_ticks() readings."""
+def others_cores(start, end) -> float | None:
+    """Average number of cores other processes kept busy between two cpu_ticks() readings."""
     if start is None or end is None or end[0] <= start[0]:
         return None
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -389,7 +400,7 @@ def _blas_in_process():
     return threadpoolctl.threadpool_info()
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
     return c_build.cpu_model() or platform.machine()
 
 
@@ -409,7 +420,7 @@ class Plan:
     skipped: list[dict]                     # what is not timed, and why
 
 
-def _require_param_defaults(program) -> None:
+def require_param_defaults(program) -> None:
     """The benchmark generates its inputs and takes every param at its default: a param without one is an
     error."""
     missing = [p.name for p in program.params if p.default is None]
@@ -418,7 +429,7 @@ def _require_param_defaults(program) -> None:
                           f"params all have defaults")
 
 
-def _forms_asked(rec, opts: Options) -> tuple[list[str], bool, list[dict]]:
+def forms_asked(rec, opts: Options) -> tuple[list[str], bool, list[dict]]:
     """The forms to time (those asked for, default every form the program has; an unknown name is an error),
     whether `auto` was asked for, and a skipped entry for each the program has not."""
     wanted = list(dict.fromkeys(opts.forms or list(rec.forms)))
@@ -432,7 +443,7 @@ def _forms_asked(rec, opts: Options) -> tuple[list[str], bool, list[dict]]:
     return [f for f in forms if not why_not[f]], "auto" in wanted, skipped
 
 
-def _above_limit(form: str, backend: str, tokens: int, limit: int) -> dict:
+def above_limit(form: str, backend: str, tokens: int, limit: int) -> dict:
     """The skipped entry of a form not run at this T (see MAX_TOKENS), with the reason and how to run it."""
     why = "T² work per head" if form == "parallel" else "interpreter overhead per token"
     return {"form": form, "backend": backend, "T": tokens,
@@ -440,7 +451,7 @@ def _above_limit(form: str, backend: str, tokens: int, limit: int) -> dict:
                       f"T = {limit} ({why}; --no-limits runs it)"}
 
 
-def _backend_combos(rec, backend: str, forms: list[str], tokens: list[int],
+def backend_combos(rec, backend: str, forms: list[str], tokens: list[int],
                     limits: bool) -> tuple[list[tuple[str, str, int]], list[dict]]:
     """The (form, backend, T) this backend times of the forms asked for, and what it skips: a form it does
     not build (said once, not as a failure at every T) and, with limits, a T above MAX_TOKENS."""
@@ -454,7 +465,7 @@ def _backend_combos(rec, backend: str, forms: list[str], tokens: list[int],
         for t in tokens:
             limit = max_tokens(f, backend) if limits else None
             if limit is not None and t > limit:
-                skipped.append(_above_limit(f, backend, t, limit))
+                skipped.append(above_limit(f, backend, t, limit))
             else:
                 combos.append((f, backend, t))
     return combos, skipped
@@ -473,14 +484,14 @@ def make_plan(rec, opts: Options) -> Plan:
     """The sizes, threads, repeats and backends of the run, the (form, backend, T) it times — ordered by T,
     then form, then backend — what `--form auto` picks (timed too when asked for) and what is skipped."""
     dims = dims_with_overrides(rec.program, opts.dims.items(), preset=BENCH_DIMS)
-    _require_param_defaults(rec.program)
+    require_param_defaults(rec.program)
     threads, threads_from = (opts.threads, "--threads") if opts.threads is not None else default_threads()
     tokens = sorted(set(opts.tokens))
     backends = list(dict.fromkeys(opts.backends or list(registry.BACKENDS)))
-    forms, with_auto, skipped = _forms_asked(rec, opts)
+    forms, with_auto, skipped = forms_asked(rec, opts)
     combos, auto = [], []
     for b in backends:
-        timed, not_timed = _backend_combos(rec, b, forms, tokens, opts.limits)
+        timed, not_timed = backend_combos(rec, b, forms, tokens, opts.limits)
         combos += timed
         skipped += not_timed
         choices = _auto_choices(rec, b, tokens, dims)
@@ -506,15 +517,15 @@ def _opening(opts: Options, rec, plan: Plan, flops: tuple[int, str, list[str]]) 
         "file": opts.file, "program": rec.program.name, "dtype": "float32", "batch": BATCH, "heads": HEADS,
         "dims": plan.dims, "tokens": plan.tokens, "threads": plan.threads, "threads_from": plan.threads_from,
         "repeats": plan.repeats, "budget_s": plan.budget_s, "quick": opts.quick,
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "numpy": np.__version__},
         "flops_per_token_head": total, "flop_formula": formula, "flop_terms": terms,
-        "load_average_start": _load_average(), "blas_in_process": _blas_in_process(),
-        "c": _c_settings(),
+        "load_average_start": load_average(), "blas_in_process": _blas_in_process(),
+        "c": c_settings(),
     }
 
 
-def _c_settings() -> dict:
+def c_settings() -> dict:
     """The C backend's cache directory, compiler flags and vector width (or the error that hid them)."""
     try:
         return {"cache_dir": str(c_build.cache_dir()), "flags": c_build.flags(),
@@ -545,6 +556,56 @@ def matmul_reference(threads: int, quick: bool, say) -> dict:
     return {"sgemm_gflops": ref["gflops"], "sgemm": ref, "sgemm_pinned_gflops": pinned.get("gflops"),
             "sgemm_pinned": pinned, "pinned_env": pinned_env, "blas": ref.get("blas"),
             "blas_summary": blas_summary(ref.get("blas"))}
+
+
+def machine_reference(threads: int, quick: bool, say, earlier: dict | None = None) -> dict:
+    """The machine's limits with the run's thread count (linrec.machine.limits): "fma_peak_gflops" (the bound
+    of the prefill rows), "bandwidth_gbs" (the bound of the decode steps), "machine_limits" (the details), or
+    None for each with the error in "machine_limits". With `earlier`, this function's result at the start of
+    the run: measured again (at its end) and combined — each bound the higher of the two, since a busy spell
+    slows a measurement and never speeds it up — with this measurement's details in "machine_limits_end"."""
+    if earlier is not None and earlier["fma_peak_gflops"] is None:
+        return {}
+    say(f"the machine's limits: float32 multiply-add peak and memory bandwidth (triad), {threads} thread(s) …")
+    try:
+        limits = machine.limits(threads, quick)
+    except LinrecError as err:
+        if earlier is not None:
+            return {"machine_limits_end": {"error": str(err)}}
+        return {"fma_peak_gflops": None, "bandwidth_gbs": None, "machine_limits": {"error": str(err)}}
+    if earlier is None:
+        return {"fma_peak_gflops": limits["fma_peak"]["gflops"], "bandwidth_gbs": limits["triad"]["gbs"],
+                "machine_limits": limits}
+    return {"fma_peak_gflops": max(earlier["fma_peak_gflops"], limits["fma_peak"]["gflops"]),
+            "bandwidth_gbs": max(earlier["bandwidth_gbs"], limits["triad"]["gbs"]), "machine_limits_end": limits}
+
+
+def with_row_bounds(rows: list[dict], peak: float | None) -> list[dict]:
+    """The rows with their bound at the multiply-add peak `peak` (GFLOP/s): "bound_ms", the time their useful
+    flops take at it, and "fraction_of_bound", bound_ms / ms (None without a peak or a flop count)."""
+    out = []
+    for r in rows:
+        bound_ms = r["gflops"] * r["ms"] / peak if peak and r["gflops"] else None
+        out.append(dict(r, bound_ms=bound_ms, fraction_of_bound=bound_ms / r["ms"] if bound_ms else None))
+    return out
+
+
+def with_decode_bounds(decode: dict[str, dict], moved: int, gbs: float | None) -> dict[str, dict]:
+    """Each backend's decode figures with their bound: `moved`, the state bytes one step reads and writes, at
+    the bandwidth `gbs` (GB/s), in µs ("bound_us"), and its fraction of the bound step's µs
+    ("fraction_of_bound"); None without a bandwidth."""
+    bound_us = moved / (gbs * 1e3) if gbs else None
+    return {b: dict(d, state_bytes_moved=moved, bound_us=bound_us,
+                    fraction_of_bound=bound_us / d["us"] if bound_us else None) for b, d in decode.items()}
+
+
+def cache_notes(state: int, limits: dict) -> list[str]:
+    """A note when one layer's state fits in the last-level cache: a decode loop keeps it there."""
+    llc = max(limits.get("caches", {}).values(), default=0) if isinstance(limits.get("caches"), dict) else 0
+    if not llc or state > llc:
+        return []
+    return [f"the decode step's state ({format_bytes(state)}) fits in the caches (last level {format_bytes(llc)}): a decode "
+            f"loop keeps it there, so a step can beat the bound of the memory bandwidth (fractions above 100%)"]
 
 
 @dataclass
@@ -587,22 +648,24 @@ def kernel_loads(rec, plan: Plan, path: str, say) -> KernelLoads:
     return result
 
 
-def _row(form: str, backend: str, tokens: int, times: list[float], warmup_s: float, flops: int,
-         sgemm: float | None) -> dict:
-    """One timed row: median ms, tokens/s, useful GFLOP/s, their fraction of the matmul and the bound (the
-    useful flops at the matmul's rate; None without a matmul or a flop count)."""
+def row_of(form: str, backend: str, tokens: int, times: list[float], warmup_s: float, flops: int,
+         sgemm: float | None, peak: float | None, batch: int = BATCH, heads: int = HEADS) -> dict:
+    """One timed row: median ms, tokens/s, useful GFLOP/s; the bound (the useful flops at the multiply-add
+    peak `peak`, GFLOP/s) and the row's fraction of it; the fraction of the matmul `sgemm`. Each None without
+    its reference or a flop count."""
     ms = statistics.median(times) * 1e3
-    total = BATCH * tokens * HEADS * flops
+    total = batch * tokens * heads * flops
     gflops = total / (ms * 1e6) if flops else None
-    ok = bool(sgemm and flops)
-    return {"form": form, "backend": backend, "T": tokens, "ms": ms, "tokens_per_s": BATCH * tokens / (ms / 1e3),
-            "gflops": gflops, "fraction_of_sgemm": gflops / sgemm if ok else None,
-            "bound_ms": total / (sgemm * 1e6) if ok else None,
-            "fraction_of_bound": (total / (sgemm * 1e6)) / ms if ok else None,
+    bound_ms = total / (peak * 1e6) if peak and flops else None
+    return {"form": form, "backend": backend, "T": tokens, "ms": ms,
+            "tokens_per_s": batch * tokens / (ms / 1e3), "gflops": gflops,
+            "bound_ms": bound_ms, "fraction_of_bound": bound_ms / ms if bound_ms else None,
+            "fraction_of_sgemm": gflops / sgemm if sgemm and flops else None,
             "repeats": len(times), "min_ms": min(times) * 1e3, "warmup_s": warmup_s}
 
 
-def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, say) -> tuple[list[dict], list[dict], dict]:
+def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, peak: float | None,
+              say) -> tuple[list[dict], list[dict], dict]:
     """Times each (form, backend, T) of the plan: one warm-up call, then repeats within the budget. Returns
     the rows, a skipped entry for each that failed, and the input checks' ms at each T (input_check_ms)."""
     rows, failed, check_ms = [], [], {}
@@ -619,11 +682,11 @@ def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, say) -> tuple[li
             t0 = time.perf_counter()
             rec.run(x, form=f, backend=b)
             warm = time.perf_counter() - t0
-            times = _timed(lambda x=x, f=f, b=b: rec.run(x, form=f, backend=b), plan.repeats, plan.budget_s)
+            times = timed(lambda x=x, f=f, b=b: rec.run(x, form=f, backend=b), plan.repeats, plan.budget_s)
         except (LinrecError, MemoryError) as err:
             failed.append({"form": f, "backend": b, "T": t, "reason": f"failed: {err}"})
             continue
-        rows.append(_row(f, b, t, times, warm, flops, sgemm))
+        rows.append(row_of(f, b, t, times, warm, flops, sgemm, peak))
     return rows, failed, check_ms
 
 
@@ -673,7 +736,7 @@ def scaling(rows: list[dict]) -> list[dict]:
             for (f, b), series in _series(rows).items() for (t1, m1), (t2, m2) in zip(series, series[1:])]
 
 
-def _busy_notes(others: float | None) -> list[str]:
+def busy_notes(others: float | None) -> list[str]:
     """A note when other processes kept more than a quarter of a core busy during the run."""
     if others is None or others <= 0.25:
         return []
@@ -690,7 +753,7 @@ def run(opts: Options, progress=None) -> dict:
     """Everything `linrec bench` reports, as plain data (the --json object): the plan, the same-run matmul,
     then, with the run's thread count, the compiled kernels' loads, the timed rows and the decode step."""
     say = progress or (lambda text: None)
-    ticks = _cpu_ticks()
+    ticks = cpu_ticks()
     rec = api.load(opts.file)
     plan = make_plan(rec, opts)
     report = _opening(opts, rec, plan, flop_count(rec, plan.dims))
@@ -699,23 +762,33 @@ def run(opts: Options, progress=None) -> dict:
     report.update(matmul_reference(plan.threads, opts.quick, say))
     sgemm = report["sgemm_gflops"]
     if sgemm is None:
-        notes.append(f"the matmul reference failed ({report['sgemm'].get('error')}): no fractions")
-    with _thread_settings(plan.threads) as blas_limited:
+        notes.append(f"the matmul reference failed ({report['sgemm'].get('error')}): no fractions of it")
+    report.update(machine_reference(plan.threads, opts.quick, say))
+    if report["fma_peak_gflops"] is None:
+        notes.append(f"the machine's limits were not measured ({report['machine_limits']['error']}): no bounds")
+    with thread_settings(plan.threads) as blas_limited:
         if not blas_limited:
             notes.append(NO_THREADPOOLCTL)
         kernels = kernel_loads(rec, plan, opts.file, say)
-        rows, failed, check_ms = time_rows(rec, plan, flops, sgemm, say)
+        rows, failed, check_ms = time_rows(rec, plan, flops, sgemm, report["fma_peak_gflops"], say)
         decode, decode_notes = decode_steps(rec, plan, opts.quick, say)
-    others = _others_cores(ticks, _cpu_ticks())
+    report.update(machine_reference(plan.threads, opts.quick, say, earlier=report))
+    rows = with_row_bounds(rows, report["fma_peak_gflops"])
+    others = others_cores(ticks, cpu_ticks())
+    state = state_bytes(rec, plan.dims)
+    decode = with_decode_bounds(decode, 2 * BATCH * state, report["bandwidth_gbs"])
+    if decode:
+        decode_notes += cache_notes(BATCH * state, report["machine_limits"])
     report.update({
         "other_processes_cores": others,
         "rows": rows, "skipped": plan.skipped + failed, "auto": _auto_against_rows(plan.auto, rows),
         "scaling": scaling(rows),
         "decode_us": {b: d["us"] for b, d in decode.items()}, "decode": decode, "input_check_ms": check_ms,
-        "state_bytes": state_bytes(rec, plan.dims),
+        "state_bytes": state,
         "kv_cache_bytes": {str(t): kv_cache_bytes(t, plan.dims) for t in plan.tokens},
         "build_s": kernels.build_s, "cached_load_ms": kernels.cached_load_ms, "loads": kernels.loads,
-        "notes": notes + kernels.notes + decode_notes + _busy_notes(others),
+        "openmp_wait_policy": c_build.openmp_wait_policy(),
+        "notes": notes + kernels.notes + decode_notes + busy_notes(others),
     })
     if opts.plot:
         report["plot"] = plot(report, opts.plot)
@@ -723,7 +796,7 @@ def run(opts: Options, progress=None) -> dict:
 
 
 # ---- output -------------------------------------------------------------------------------------------
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -731,11 +804,11 @@ def _bytes(n: float) -> str:
     return str(n)
 
 
-def _pct(x) -> str:
+def percent(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+def table_lines(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
             .rstrip() for r in rows]
@@ -750,6 +823,26 @@ def _opening_lines(rep: dict) -> list[str]:
             (f"useful flops per token and head: {rep['flop_formula']} = {rep['flops_per_token_head']}  "
              f"(" + "; ".join(rep["flop_terms"]) + ")") if rep["flops_per_token_head"] else
             "useful flops: none counted (no recurrent state)"]
+
+
+def _limits_lines(rep: dict) -> list[str]:
+    """The machine's limits: the bounds of the rows and of the decode step."""
+    lim = rep["machine_limits"]
+    if rep["fma_peak_gflops"] is None:
+        return [f"bounds: the machine's limits were not measured: {lim.get('error')}"]
+    peak, triad = lim["fma_peak"], lim["triad"]
+    llc = triad["last_level_cache_bytes"]
+    end = rep.get("machine_limits_end", {})
+    two = ("fma_peak" in end, "triad" in end)
+    return [f"bound of the rows: float32 multiply-add peak {rep['fma_peak_gflops']:.1f} GFLOP/s ({peak['threads']} "
+            f"thread(s), {peak['vector_bytes'] * 8}-bit registers, 12 independent chains per thread, best of 3"
+            + (f"; the higher of {peak['gflops']:.1f} at the start of the run and {end['fma_peak']['gflops']:.1f} at "
+               f"its end" if two[0] else "") + ")",
+            f"bound of the decode step: memory bandwidth {rep['bandwidth_gbs']:.1f} GB/s (triad a = b + s·c over 3 × "
+            f"{format_bytes(triad['array_bytes'])}, last-level cache {'unknown' if not llc else format_bytes(llc)}, "
+            f"{triad['threads']} thread(s), {'non-temporal' if triad['non_temporal'] else 'plain'} stores, best of "
+            f"{triad['repeats']}" + (f"; the higher of {triad['gbs']:.1f} at the start and {end['triad']['gbs']:.1f} "
+                                     f"at the end" if two[1] else "") + ")"]
 
 
 def _reference_lines(rep: dict) -> list[str]:
@@ -776,15 +869,15 @@ def _rows_lines(rep: dict) -> list[str]:
     """The table of timed rows."""
     if not rep["rows"]:
         return ["  (no rows measured)"]
-    table = [["form", "backend", "T", "ms", "tokens/s", "GFLOP/s", "of matmul", "bound ms", "of bound", "reps"]]
+    table = [["form", "backend", "T", "ms", "tokens/s", "GFLOP/s", "bound ms", "of bound", "of matmul", "reps"]]
     for r in rep["rows"]:
         table.append([r["form"], r["backend"], str(r["T"]), f"{r['ms']:.3f}", f"{r['tokens_per_s']:.3g}",
-                      "-" if r["gflops"] is None else f"{r['gflops']:.2f}", _pct(r["fraction_of_sgemm"]),
-                      "-" if r["bound_ms"] is None else f"{r['bound_ms']:.3f}", _pct(r["fraction_of_bound"]),
-                      str(r["repeats"])])
-    return _table(table, {2, 3, 4, 5, 6, 7, 8, 9}) + [
+                      "-" if r["gflops"] is None else f"{r['gflops']:.2f}",
+                      "-" if r["bound_ms"] is None else f"{r['bound_ms']:.3f}", percent(r["fraction_of_bound"]),
+                      percent(r["fraction_of_sgemm"]), str(r["repeats"])])
+    return table_lines(table, {2, 3, 4, 5, 6, 7, 8, 9}) + [
         "  (ms: median of Recurrence.run after a warm-up call, input checks included; bound: the useful flops at "
-        "the matmul's GFLOP/s)"]
+        "the multiply-add peak; of matmul: GFLOP/s over the matmul's)"]
 
 
 def _skipped_lines(rep: dict) -> list[str]:
@@ -828,15 +921,21 @@ def _input_check_lines(rep: dict) -> list[str]:
 def _decode_lines(rep: dict) -> list[str]:
     if not rep["decode_us"]:
         return []
-    return ["decode step, one token, B=1, H=8, per call from Python — bound (Recurrence.bind_step): "
-            + ", ".join(f"{b} {us:.2f} µs" for b, us in rep["decode_us"].items())
-            + "; Recurrence.step(inplace=True, out=…), the same arrays each call: "
-            + ", ".join(f"{b} {d['step_us']:.2f} µs" for b, d in rep["decode"].items())]
+    out = [f"decode step, one token, B={rep['batch']}, H={rep['heads']}, per call from Python — bound to its arrays "
+           "(Recurrence.bind_step): " + ", ".join(f"{b} {us:.2f} µs" for b, us in rep["decode_us"].items())
+           + "; Recurrence.step(inplace=True, out=…), the same arrays each call: "
+           + ", ".join(f"{b} {d['step_us']:.2f} µs" for b, d in rep["decode"].items())]
+    first = next(iter(rep["decode"].values()))
+    if first.get("bound_us"):
+        out.append(f"  bound: the {first['state_bytes_moved']} state bytes a step reads and writes at "
+                   f"{rep['bandwidth_gbs']:.1f} GB/s = {first['bound_us']:.2f} µs; of bound (bound_step): "
+                   + ", ".join(f"{b} {percent(d['fraction_of_bound'])}" for b, d in rep["decode"].items()))
+    return out
 
 
 def _memory_line(rep: dict) -> str:
-    return (f"memory per layer (B=1, float32): state {_bytes(rep['state_bytes'])} ({rep['state_bytes']} B) vs "
-            "softmax KV cache 2·T·H·d·4: " + ", ".join(f"T={t} {_bytes(n)}" for t, n in rep["kv_cache_bytes"].items()))
+    return (f"memory per layer (B=1, float32): state {format_bytes(rep['state_bytes'])} ({rep['state_bytes']} B) vs "
+            "softmax KV cache 2·T·H·d·4: " + ", ".join(f"T={t} {format_bytes(n)}" for t, n in rep["kv_cache_bytes"].items()))
 
 
 def _auto_lines(rep: dict) -> list[str]:
@@ -869,7 +968,8 @@ def _kernel_lines(rep: dict) -> list[str]:
 def format_report(rep: dict) -> str:
     """The human-readable report of `linrec bench`: the run's settings and reference, the table of rows,
     then one section for each of the other measurements, the notes and the plot."""
-    out = _opening_lines(rep) + _reference_lines(rep) + [""] + _rows_lines(rep) + _skipped_lines(rep)
+    out = _opening_lines(rep) + _limits_lines(rep) + _reference_lines(rep) + [""] + _rows_lines(rep)
+    out += _skipped_lines(rep)
     out += _scaling_lines(rep) + _input_check_lines(rep) + _decode_lines(rep) + [_memory_line(rep)]
     out += _auto_lines(rep) + _kernel_lines(rep) + [f"note: {n}" for n in rep["notes"]]
     if rep.get("plot"):
@@ -889,10 +989,10 @@ def plot(rep: dict, path: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 5))
     for (f, b), series in _series(rep["rows"]).items():
         ax.plot([s[0] for s in series], [s[1] for s in series], marker="o", label=f"{f} ({b})")
-    if rep["sgemm_gflops"] and rep["tokens"] and rep["flops_per_token_head"]:
-        ts = rep["tokens"]
-        bound = [BATCH * t * HEADS * rep["flops_per_token_head"] / (rep["sgemm_gflops"] * 1e6) for t in ts]
-        ax.plot(ts, bound, "k--", label=f"bound: useful flops at matmul {rep['sgemm_gflops']:.0f} GFLOP/s")
+    if rep["fma_peak_gflops"] and rep["tokens"] and rep["flops_per_token_head"]:
+        ts, peak = rep["tokens"], rep["fma_peak_gflops"]
+        bound = [rep["batch"] * t * rep["heads"] * rep["flops_per_token_head"] / (peak * 1e6) for t in ts]
+        ax.plot(ts, bound, "k--", label=f"bound: useful flops at the multiply-add peak {peak:.0f} GFLOP/s")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("T (tokens)")

@@ -4,7 +4,7 @@
     linrec emit FILE.lin          the generated source of one form
     linrec run FILE.lin           run a form on seeded random inputs, or on arrays from an .npz file
     linrec verify FILE.lin        check every form on every backend against the float64 recurrent form
-    linrec bench FILE.lin         time every form on every backend against a same-run float32 matmul
+    linrec bench FILE.lin         time every form on every backend against the machine's own limits
     linrec cache info|clear       the C backend's on-disk kernel cache
 
 Each subcommand is one entry of COMMANDS: a function that adds its arguments to its parser (and sets the
@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import api, bench, compiler, gradients, quality, registry, verify, verify_grad
+from . import api, bench, bench_shapes, compiler, gradients, quality, registry, verify, verify_grad
 from .c import cache as c_cache
 from .c import standalone as c_standalone
 from .compiler import ir
@@ -844,6 +844,18 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _dk_dv(text: str) -> tuple[int, int]:
+    """DKxDV (e.g. 128x64) → (128, 64)."""
+    parts = text.lower().replace("×", "x").split("x")
+    try:
+        dk, dv = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected DKxDV such as 128x64, got {text!r}") from None
+    if dk < 1 or dv < 1:
+        raise argparse.ArgumentTypeError(f"expected positive sizes in DKxDV, got {text!r}")
+    return dk, dv
+
+
 def _add_bench(parser: argparse.ArgumentParser):
     parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
@@ -874,50 +886,79 @@ def _add_bench(parser: argparse.ArgumentParser):
     parser.add_argument("--no-limits", dest="limits", action="store_false",
                         help="also run the parallel form above T = 4096 and the NumPy recurrent form above "
                              "T = 4096 (slow: T² work, per-token interpreter overhead)")
+    grid = parser.add_argument_group(
+        "the model grid", f"--shapes model: (dk, dv) in {' '.join(f'{a}x{b}' for a, b in bench_shapes.MODEL_DIMS)}, "
+        f"H in {', '.join(map(str, bench_shapes.MODEL_HEADS))}, B in "
+        f"{', '.join(map(str, bench_shapes.MODEL_BATCHES))}, T in {', '.join(map(str, bench_shapes.MODEL_TOKENS))} "
+        f"(prefill; C backend unless --backend; {bench_shapes.GRID_REPEATS} repeats), and the decode step of "
+        "one request at each (dk, dv) and H; these options keep parts of it")
+    grid.add_argument("--shapes", choices=["model"], help="run the model grid instead of the T sweep")
+    grid.add_argument("--grid-dims", dest="grid_dims", action="append", type=_dk_dv, metavar="DKxDV",
+                      help="only this (dk, dv), e.g. 128x64 (repeatable)")
+    grid.add_argument("--heads", action="append", type=_positive_int, metavar="H", help="only this H (repeatable)")
+    grid.add_argument("--batch", dest="batches", action="append", type=_positive_int, metavar="B",
+                      help="only this B for the prefill (repeatable)")
+    grid.add_argument("--no-decode", dest="decode", action="store_false", help="leave out the decode steps")
     parser.epilog = """\
 examples:
   linrec bench examples/gla.lin
   linrec bench examples/gated_deltanet.lin --threads 1 --json > gdn_1thread.json
   linrec bench examples/gla.lin --quick --backend c --form auto
   linrec bench examples/gla.lin --T 4096 --form recurrent --form chunkwise --plot gla.png
+  linrec bench examples/gla.lin --shapes model --grid-dims 128x128 --heads 16 --T 4096 --form recurrent
 
 B = 1, H = 8, dk = dv = 64, float32. Each row is the median wall time of Recurrence.run (after one
 warm-up call) and its useful GFLOP/s — the recurrent form's flops per token and head (2·dk·dv per
 rank-one update, terms with the same left vector counted once; 2·dk·dv per correction wᵀS and per
-readout; nothing for a diagonal or scalar decay, applied lazily), the same count for every form — as a fraction of a float32 NumPy matmul timed in the same run (with OPENBLAS_CORETYPE
-and OPENBLAS_L2_SIZE unset; the BLAS kernel shown when threadpoolctl is installed). The parallel form
-(T² work, every backend) and the NumPy recurrent form are not run above T = 4096 unless --no-limits.
-Also: the decode step per token, state bytes against a softmax KV cache, what --form auto picks, the C
-kernel's first build and cached load.
+readout; nothing for a diagonal or scalar decay, applied lazily), the same count for every form — against
+its bound: the time those flops take at the cores' float32 multiply-add peak, measured in the same run
+(12 independent register chains per thread). The decode step is held against the time its state bytes
+(read and written) take at the memory bandwidth measured in the same run (STREAM's triad over arrays
+larger than the last-level cache). An extra column gives the fraction of a float32 NumPy matmul timed
+in the same run (OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset; the BLAS kernel shown when threadpoolctl
+is installed): it moves with the OpenBLAS build. The parallel form (T² work, every backend) and the NumPy
+recurrent form are not run above T = 4096 unless --no-limits. Also: state bytes against a softmax KV
+cache, what --form auto picks, the C kernel's first build and cached load.
 pip install 'linrec[bench]' adds threadpoolctl and matplotlib."""
 
 
 def cmd_bench(args) -> int:
-    """Time every form on every backend against a same-run float32 matmul.
+    """Time every form on every backend against the machine's limits measured in the same run.
 
-    Reports median ms, tokens/s, useful GFLOP/s and their fraction of the matmul reference for
-    each form, backend and sequence length, the decode-step time per token, state against KV-cache
-    bytes, the automatic form choice and the C kernel's build and cached-load times.
+    Reports median ms, tokens/s, useful GFLOP/s and their fraction of the multiply-add-peak bound (and
+    of a same-run matmul) for each form, backend and sequence length, the decode-step time per token
+    against its memory-bandwidth bound, state against KV-cache bytes, the automatic form choice and the
+    C kernel's build and cached-load times; with --shapes model, the model grid of shapes.
     """
-
+    grid_only = [name for name, given in (("--grid-dims", args.grid_dims), ("--heads", args.heads),
+                                          ("--batch", args.batches), ("--no-decode", not args.decode)) if given]
+    if grid_only and not args.shapes:
+        raise LinrecError(f"{', '.join(grid_only)} keep parts of the model grid: add --shapes model")
+    if args.shapes and (args.plot or args.dims):
+        raise LinrecError("--shapes model sets dk and dv itself and has no --plot: use --grid-dims, and "
+                          "benchmarks/model_shapes.py plot for a plot")
     opts = bench.Options(file=args.file, quick=args.quick, forms=args.form, backends=args.backend,
                          threads=args.threads, repeats=args.repeats, budget_s=args.budget,
-                         dims=dict(args.dims or []), plot=args.plot, limits=args.limits)
+                         dims=dict(args.dims or []), plot=args.plot, limits=args.limits, shapes=args.shapes,
+                         grid_dims=args.grid_dims, heads=args.heads, batches=args.batches, decode=args.decode)
     if args.tokens:
         opts.tokens = list(args.tokens)
+    elif args.shapes:
+        opts.tokens = list(bench_shapes.MODEL_TOKENS)
     elif args.quick:
         opts.tokens = list(bench.QUICK_TOKENS)
     progress = None
     if args.json or sys.stderr.isatty():
         def progress(text):
             print(f"{PROG} bench: {text}", file=sys.stderr, flush=True)
-    report = bench.run(opts, progress)
+    module = bench_shapes if args.shapes else bench
+    report = module.run(opts, progress)
     if args.json:
         print(json.dumps(report, indent=1, ensure_ascii=False))
         if report.get("plot"):
             print(f"{PROG}: {report['plot']}", file=sys.stderr)
     else:
-        print(bench.format_report(report))
+        print(module.format_report(report))
     return 0
 
 

@@ -29,9 +29,19 @@ def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
     report = json.loads(capsys.readouterr().out)
     assert os.environ.get("LINREC_NUM_THREADS") == before  # the thread setting does not leak
     for key in ("sgemm_gflops", "blas", "threads", "rows", "decode_us", "state_bytes", "kv_cache_bytes", "auto",
-                "build_s", "cached_load_ms", "flops_per_token_head", "sgemm_pinned_gflops"):
+                "build_s", "cached_load_ms", "flops_per_token_head", "sgemm_pinned_gflops", "fma_peak_gflops",
+                "bandwidth_gbs", "machine_limits"):
         assert key in report, key
     assert report["threads"] == 1 and report["sgemm_gflops"] > 0
+    # the bounds: the multiply-add peak and the triad's bandwidth, measured with the run's thread count
+    assert report["fma_peak_gflops"] > 0 and report["bandwidth_gbs"] > 0
+    assert report["machine_limits"]["fma_peak"]["threads"] == report["machine_limits"]["triad"]["threads"] == 1
+    # measured at the start and at the end of the run: each bound the higher of the two
+    start, end = report["machine_limits"], report["machine_limits_end"]
+    assert report["fma_peak_gflops"] == max(start["fma_peak"]["gflops"], end["fma_peak"]["gflops"])
+    assert report["bandwidth_gbs"] == max(start["triad"]["gbs"], end["triad"]["gbs"])
+    assert report["machine_limits"]["triad"]["array_bytes"] >= 64 << 20
+    assert report["openmp_wait_policy"].startswith(("passive", "as the environment", "the OpenMP runtime's"))
     assert report["dims"] == {"dk": 64, "dv": 64} and report["tokens"] == [64]
     assert report["flops_per_token_head"] == 4 * 64 * 64  # rank-one update + readout (the decay is lazy)
     rows = report["rows"]
@@ -39,9 +49,17 @@ def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
                                                          ("recurrent", "c")}
     for r in rows:
         assert r["T"] == 64
-        for key in ("ms", "tokens_per_s", "gflops", "fraction_of_sgemm"):
+        for key in ("ms", "tokens_per_s", "gflops", "fraction_of_sgemm", "bound_ms", "fraction_of_bound"):
             assert r[key] > 0, (r, key)
+        # the bound is the useful flops at the peak; the fraction, bound time over measured time
+        useful = 1 * 64 * 8 * report["flops_per_token_head"]
+        assert r["bound_ms"] == pytest.approx(useful / (report["fma_peak_gflops"] * 1e6), rel=1e-12)
+        assert r["fraction_of_bound"] == pytest.approx(r["bound_ms"] / r["ms"], rel=1e-12)
     assert set(report["decode_us"]) == {"numpy", "c"} and all(v > 0 for v in report["decode_us"].values())
+    for d in report["decode"].values():  # a step reads and writes every state byte once
+        assert d["state_bytes_moved"] == 2 * 8 * 64 * 64 * 4
+        assert d["bound_us"] == pytest.approx(d["state_bytes_moved"] / (report["bandwidth_gbs"] * 1e3), rel=1e-12)
+        assert d["fraction_of_bound"] == pytest.approx(d["bound_us"] / d["us"], rel=1e-12)
     assert report["state_bytes"] == 8 * 64 * 64 * 4
     assert report["kv_cache_bytes"] == {"64": 2 * 64 * 8 * 64 * 4}
     assert {a["backend"] for a in report["auto"]} == {"numpy", "c"}
@@ -183,3 +201,47 @@ def test_run_by_steps_with_params_and_errors(cache_dir):
                                "S = S + k⊗v\noutput o = k·S\n")
     with pytest.raises(LinrecError, match="non-causal"):
         run_by_steps(noncausal, noncausal.random_inputs(1, 3, 1, dims={"dk": 4, "dv": 4}))
+
+
+# ---- bench --shapes model ----------------------------------------------------------------------------
+def test_bench_model_grid_in_parts(cache_dir, capsys):
+    """--shapes model kept to one (dk, dv) of tiny sizes, one H, one B, one T: every row of the C forms with
+    its bound at the multiply-add peak, the decode step of one request with its bandwidth bound, and each
+    row against the best of its form ("vs best", 1 for the best)."""
+    code = main(["bench", str(EXAMPLES / "gla.lin"), "--shapes", "model", "--grid-dims", "16x8", "--grid-dims",
+                 "8x8", "--heads", "2", "--batch", "2", "--T", "32", "--form", "recurrent", "--quick",
+                 "--repeats", "1", "--json", "--threads", "1"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["shapes"] == "model" and report["backends"] == ["c"] and report["forms"] == ["recurrent"]
+    rows = report["rows"]
+    assert sorted((r["dk"], r["dv"], r["H"], r["B"], r["T"]) for r in rows) == [(8, 8, 2, 2, 32), (16, 8, 2, 2, 32)]
+    for r in rows:
+        useful = r["B"] * r["T"] * r["H"] * 4 * r["dk"] * r["dv"]  # GLA: 4·dk·dv per token and head
+        assert r["bound_ms"] == pytest.approx(useful / (report["fma_peak_gflops"] * 1e6), rel=1e-12)
+        assert r["fraction_of_bound"] == pytest.approx(r["bound_ms"] / r["ms"], rel=1e-12)
+    assert min(r["vs_best"] for r in rows) == 1.0
+    steps = report["decode"]
+    assert sorted((d["dk"], d["dv"], d["H"], d["B"]) for d in steps) == [(8, 8, 2, 1), (16, 8, 2, 1)]
+    for d in steps:
+        assert d["state_bytes_moved"] == 2 * d["H"] * d["dk"] * d["dv"] * 4 and d["us"] > 0
+        assert d["state_in_last_level_cache"] in (True, False)
+        assert d["fraction_of_bound"] == pytest.approx(d["bound_us"] / d["us"], rel=1e-12)
+
+
+def test_model_grid_and_its_limits(cache_dir, capsys):
+    """The whole grid is 48 prefill shapes and 12 decode steps; a shape whose arrays would not fit in half of
+    the memory available is not run, with the reason; the grid's options need --shapes model."""
+    from linrec import bench, bench_shapes
+    shapes, decode = bench_shapes.grid(bench.Options(file="x.lin", tokens=[]))
+    assert len(shapes) == 4 * 3 * 2 * 2 and len(decode) == 4 * 3
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    big = bench_shapes.Shape(dk=256, dv=256, heads=32, batch=4, tokens=16384)
+    assert bench_shapes.array_bytes(rec, big) == 4 * 16384 * 32 * (3 * 256 + 256 + 256) * 4  # q k g, v; o
+    assert "of memory available" in bench_shapes._too_large(rec, big, free=1 << 30)
+    assert bench_shapes._too_large(rec, big, free=1 << 50) is None
+    assert main(["bench", str(EXAMPLES / "gla.lin"), "--heads", "8"]) == 1
+    assert "add --shapes model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", str(EXAMPLES / "gla.lin"), "--shapes", "model", "--grid-dims", "12"])
+    assert exit_.value.code == 1 and "DKxDV such as 128x64" in capsys.readouterr().err

@@ -319,7 +319,9 @@ def _chained_steps(rec, inputs, split, state, dtype=np.float64):
 @pytest.mark.parametrize("batch, heads", [(4, 32), (8, 512)])
 @pytest.mark.parametrize("name", ["gla", "gated_deltanet", "mix", "early"])
 def test_steps_on_threads_equal_prefill(linrec, monkeypatch, name, batch, heads):
+    from linrec.c import fused as c_fused
     monkeypatch.setenv("LINREC_NUM_THREADS", "2")
+    monkeypatch.setattr(c_fused, "POOL_PART_WORK", 16384)  # (4, 32): a step of 2 parts at these tiny sizes
     rec = rec_for(linrec, name)
     inputs, full, head = _prefills(rec, "c", batch, 7, heads, 2, seed=8)
     outs, state = _chained_steps(rec, inputs, 2, head.final_state)
@@ -332,7 +334,9 @@ import numpy as np
 sys.path[:0] = [{tests!r}]
 os.environ["LINREC_NUM_THREADS"] = "2"
 import linrec
+from linrec.c import fused
 from test_c_backend import DIMS, _chained_steps, rel_err
+fused.POOL_PART_WORK = 16384  # a step of 2 parts (a helper thread) at these tiny sizes
 rec = linrec.load({path!r})
 inputs = rec.random_inputs(batch=4, tokens=9, heads=32, dims=DIMS, seed=9)
 full = rec.prefill(inputs, backend="c")
@@ -732,7 +736,9 @@ def test_heads_taken_in_turns_by_threads(linrec, monkeypatch, name, split):
     from linrec.c import backend as c_backend
     from linrec.c import build as c_build
     from linrec.c import fused as c_fused
+    from linrec.c import kernel_source
     monkeypatch.setattr(c_fused, "SEGMENT_WORK", 1)
+    monkeypatch.setattr(kernel_source, "THREAD_WORK", 1)  # every thread asked for, at these tiny sizes
     monkeypatch.setattr(c_fused, "SPLIT_ALWAYS", split)
     rec = rec_for(linrec, name)
     mod = c_backend.CRecurrent(rec.compiled)

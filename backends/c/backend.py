@@ -35,6 +35,8 @@ from . import scan as c_scan
 from . import support
 from .buffers import C_INT_MAX, RecycledArrays, aligned_copy, aligned_zeros, checked, require_c_int_sizes
 from .build import CTYPES
+from . import fused as c_fused
+from . import kernel_source
 from .statements import StatementKernel
 from .fused import FusedKernel, KernelSource, Target
 from .stabilize import Scales
@@ -51,6 +53,12 @@ def recurrent_source(compiled: Compiled, dims: dict[str, int], target: Target) -
     return StatementKernel(compiled, dims, target)
 
 
+def kernel_tunables() -> tuple:
+    """The generators' settings that tests change (segments, splits, threads per work, decode parts): part of
+    a kernel's alias, so that a kernel rendered with other settings is never found in their place."""
+    return (c_fused.SEGMENT_WORK, c_fused.SPLIT_ALWAYS, c_fused.POOL_PART_WORK, kernel_source.THREAD_WORK)
+
+
 class Kernel:
     """One built extension: lr_forward (and lr_step) for one dtype and one assignment of sizes."""
 
@@ -61,7 +69,7 @@ class Kernel:
         self._compiled = compiled
         # a cached kernel is found from the program and sizes alone: no rendering, no compiler run
         alias = c_build.alias_key("recurrent", compiled.source, repr(sorted(self.dims.items())),
-                                  repr(self.target))
+                                  repr(self.target), repr(kernel_tunables()))
         self.module = c_build.load_alias(alias)
         if self.module is None:
             gen = recurrent_source(compiled, self.dims, self.target)
@@ -102,7 +110,7 @@ class CRecurrent:
         if dtype not in CTYPES:
             raise RuntimeInputError(f"the C backend runs float32 or float64 arrays, not {dtype}")
         used = {d.name: int(dims[d.name]) for d in self.program.dims}
-        key = (dtype.str, tuple(sorted(used.items())), c_build.target_key())
+        key = (dtype.str, tuple(sorted(used.items())), c_build.target_key(), kernel_tunables())
         k = self._kernels.get(key)
         if k is None:
             with self._lock:

@@ -392,8 +392,64 @@ def _import(name: str, path: Path):
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with _threads_that_sleep():
+        spec.loader.exec_module(module)
     return module
+
+
+# ---- how OpenMP's threads wait ----------------------------------------------------------------------------
+# OpenMP's runtime reads its settings from the environment once, when it is loaded into the process — with
+# the first kernel, unless another library loaded it before. By default its threads spin for a while (GCC's
+# libgomp: up to ~300000 pauses, milliseconds) at the end of a parallel region and between regions: on a core
+# another program holds, that spinning takes that program's time, and a thread of the team that waits for
+# such a core waits a whole time slice while its team-mate keeps the other core busy spinning (GLA's prefill
+# took 4× its quiet time with one other program busy). So the first kernel loads with OMP_WAIT_POLICY=passive
+# — waiting threads sleep at once; waking them costs a few µs, and the kernels start threads only for work
+# that takes much longer (lr_threads_for) — unless the environment sets how OpenMP waits itself.
+OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+OPENMP_RUNTIMES = ("libgomp.so.1", "libomp.so", "libomp.so.5", "libiomp5.so")
+_openmp_wait: list[str] = []  # how this process's OpenMP threads wait, once the first kernel loaded
+
+
+def _openmp_runtime_loaded() -> bool:
+    """Whether an OpenMP runtime the kernels link (GCC's or LLVM's) is in this process already."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return any(line.rstrip().rsplit("/", 1)[-1] in OPENMP_RUNTIMES for line in f)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _threads_that_sleep():
+    """Around the first kernel's import: OMP_WAIT_POLICY=passive while it loads the OpenMP runtime (then the
+    environment as it was: child processes get the user's), unless the environment sets how OpenMP waits or
+    the runtime is loaded already (openmp_wait_policy says which)."""
+    if _openmp_wait:
+        yield
+        return
+    given = {v: os.environ[v] for v in OPENMP_WAIT_VARIABLES if v in os.environ}
+    if given:
+        _openmp_wait.append("as the environment sets it: " + ", ".join(f"{k}={v}" for k, v in given.items()))
+        yield
+    elif _openmp_runtime_loaded():
+        _openmp_wait.append("the OpenMP runtime's default (it was loaded before linrec's first kernel, by another "
+                            "library: its threads spin a while before they sleep; set OMP_WAIT_POLICY=passive "
+                            "before starting Python to change that)")
+        yield
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
+        try:
+            yield
+        finally:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+        _openmp_wait.append("passive (set by linrec as the OpenMP runtime loaded with its first kernel): waiting "
+                            "threads sleep at once")
+
+
+def openmp_wait_policy() -> str:
+    """How the OpenMP threads of the kernels wait in this process (set when the first kernel loads)."""
+    return _openmp_wait[0] if _openmp_wait else "not known yet: no kernel has been loaded in this process"
 
 
 def _load_or_build_in(root: Path, key: str, source: str, cdef: str, label: str):

@@ -33,6 +33,9 @@ BLOCK_BYTES = 24 * 1024
 # Multiply-adds a thread runs of one head before it looks for the head furthest behind (see lr_claim).
 SEGMENT_WORK = 1 << 21
 SPLIT_ALWAYS = False  # tests set it: every segment end splits a group of heads (lr_release)
+# Multiply-adds a part of a decode step should have at least to go to a helper thread (LR_POOL_PART_WORK in
+# c_step_pool.h.j2): a smaller step runs on the caller alone (tests lower it to run tiny steps in parts).
+POOL_PART_WORK = 1 << 17
 
 
 class FusedKernel(KernelSource):
@@ -89,7 +92,7 @@ class FusedKernel(KernelSource):
             inputs=inputs, outputs=outputs, states=states, scales=groups,
             forward_regions=forward_regions, step_region=step,
             block_tokens=block_tokens, block_arrays=block_arrays, block_floats=block_floats,
-            segment_tokens=segment_tokens, split_always=SPLIT_ALWAYS,
+            segment_tokens=segment_tokens, split_always=SPLIT_ALWAYS, pool_part_work=POOL_PART_WORK,
             # the next block's rows noted in phase 1 and prefetched by the tiled passes (lr_prefetch_row)
             notes_rows=any(r.notes_rows for r in forward_regions),
             rows_alike=len({x.prefetch_lines for x in inputs}) == 1 and len({x.size for x in inputs}) == 1,

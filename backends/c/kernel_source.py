@@ -18,6 +18,9 @@ from .printer import CPrinter, Local
 
 # Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
 STEP_PARALLEL_THRESHOLD = 1 << 20
+# Multiply-adds a thread of a sequence kernel should have at least (LR_THREAD_WORK in c_common.h.j2): a call
+# starts no more threads than its work has of these (tests set it to 1 to run tiny sizes on several threads).
+THREAD_WORK = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,7 @@ class KernelSource:
         """What every kernel's context gives templates/c_common.h.j2 alike (both kernels' templates include it;
         the inputs, LR_BLOCK's tokens and checks_inputs come with the rest of each context)."""
         return dict(ctype=self.target.ctype, vector_bytes=self.target.vector_bytes, lanes=self.target.lanes,
-                    header=CommonHeader.of(self.target))
+                    header=CommonHeader.of(self.target), thread_work=THREAD_WORK)
 
     def entry_points(self) -> dict:
         """The signatures of lr_forward, lr_step (causal programs) and lr_step_packed, the struct the last
