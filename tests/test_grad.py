@@ -285,6 +285,17 @@ def test_parallel_and_chunkwise_backward(kind, name, form):
     assert_same_gradients(got, reference, 5e-4)
 
 
+def test_a_decay_of_zero():
+    """A reset (log-decay −∞): the recurrent backward takes it (exp(−∞) = 0); the chunkwise one says to."""
+    rec = example("gla")
+    x = rec.random_inputs(1, 6, 1, {"dk": 4, "dv": 4}, seed=0)
+    x["g"][0, 3, 0, 1] = -np.inf
+    up = {"o": np.ones((1, 6, 1, 4))}
+    assert all(np.all(np.isfinite(g)) for name, g in rec.vjp(x, up).grads.items() if name != "g")
+    with pytest.raises(linrec.RuntimeInputError, match="a decay of exactly 0.*form='recurrent'"):
+        rec.vjp(x, up, form="chunkwise")
+
+
 def test_which_programs_have_the_derived_backward():
     """From the structure: programs with rank-one corrections (the delta rule), non-causal ones and attention
     have the recurrent backward only (reads before the update are no obstacle: `before` above)."""

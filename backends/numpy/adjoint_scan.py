@@ -19,11 +19,14 @@ chunk (T/C states); the backward runs the chunks from the last, with the adjoint
 
 and the log-decays' gradient through Λ: every pairwise product e^{Λ_t − Λ_j} gives +P to Λ_t and −P to Λ_j
 (P its contribution to the loss), the chunk's end state Σ_v S_b ⊙ Ŝ_b to Λ_L; then ∂l_s = Σ_{t ≥ s} ∂Λ_t.
-A parallel form is one chunk of the whole sequence.
+A parallel form is one chunk of the whole sequence. The pairwise products are formed ROWS tokens t at a
+time, so memory stays [B, H, ROWS, C, K] however long the chunk.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from ..dsl.errors import RuntimeInputError
 
 
 def _heads(x, width=None):
@@ -34,12 +37,24 @@ def _heads(x, width=None):
     return np.ascontiguousarray(x)
 
 
-def _pairs(read, cumulative, strict: bool):
-    """e^{read_t − cumulative_j} for j ≤ t (j < t where strict), else 0: [B, H, C, C, K]."""
-    size = read.shape[2]
-    keep = np.tril(np.ones((size, size), dtype=bool), -1 if strict else 0)[:, :, None]
-    diff = read[:, :, :, None, :] - cumulative[:, :, None, :, :]
+ROWS = 64  # the rows (tokens t) of the pairwise products formed at once: memory [B, H, ROWS, C, K]
+
+
+def _lower(rows: range, size: int, strict: bool) -> np.ndarray:
+    """[rows, size, 1]: j ≤ t (j < t where strict) for the chunk's tokens t in `rows`, j < size."""
+    return (np.arange(size)[None, :] <= np.asarray(rows)[:, None] - (1 if strict else 0))[:, :, None]
+
+
+def _pairs(read, cumulative, rows: range, strict: bool):
+    """e^{read_t − cumulative_j} for the tokens t in `rows` and j ≤ t (j < t where strict), else 0:
+    [B, H, len(rows), C, K]. The exponent is masked before the exponential: what is kept is ≤ 0 for decays ≤ 1."""
+    keep = _lower(rows, cumulative.shape[2], strict)
+    diff = read[:, :, rows.start:rows.stop, None, :] - cumulative[:, :, None, :, :]
     return np.where(keep, np.exp(np.where(keep, diff, 0.0)), 0.0)
+
+
+def _row_blocks(size: int):
+    return [range(first, min(first + ROWS, size)) for first in range(0, size, ROWS)]
 
 
 class _Chunk:
@@ -59,6 +74,9 @@ def decay_scan(s0, log_decay, writes, queries, chunk):
     chunk). s0 [B, H, K, V]; log_decay [B, T, H, K or 1]; writes [(key [B, T, H, K], value [B, T, H, V])]."""
     K, V = s0.shape[-2:]
     l = _heads(log_decay, K)
+    if np.isneginf(l).any():
+        raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
+                                "backward work with finite log-decays; use form='recurrent' for this call")
     ws = [(_heads(k, K), _heads(v, V)) for k, v in writes]
     qs = [(_heads(q, K), before) for q, before in queries]
     batch, heads, tokens = l.shape[:3]
@@ -70,11 +88,13 @@ def decay_scan(s0, log_decay, writes, queries, chunk):
         starts.append(state)
         for (q, before), out in zip(qs, results):
             qc, read = q[:, :, c.start:c.stop], c.read(before)
-            pairs = _pairs(read, c.cum, before)
             r = np.einsum("bhtk,bhkv->bhtv", qc * np.exp(read), state)
-            for k, v in ws:
-                a = np.einsum("bhtk,bhjk,bhtjk->bhtj", qc, k[:, :, c.start:c.stop], pairs)
-                r = r + a @ v[:, :, c.start:c.stop]
+            for rows in _row_blocks(c.stop - c.start):
+                pairs = _pairs(read, c.cum, rows, before)
+                at = slice(rows.start, rows.stop)
+                for k, v in ws:
+                    a = np.einsum("bhtk,bhjk,bhtjk->bhtj", qc[:, :, at], k[:, :, c.start:c.stop], pairs)
+                    r[:, :, at] += a @ v[:, :, c.start:c.stop]
             out[:, :, c.start:c.stop] = r
         last = c.cum[:, :, -1]
         state = np.exp(last)[..., None] * state
@@ -121,18 +141,21 @@ def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_read
         adjoint_before = np.exp(last)[..., None] * adjoint
         for (q, before), dq, dr in zip(qs, dqs, drs):
             qc, drc, read = q[:, :, here], dr[:, :, here], c.read(before)
-            pairs = _pairs(read, c.cum, before)
-            spans = np.tril(np.ones((size, size), dtype=bool), -1 if before else 0)[:, :, None]  # s ≤ t (< t)
-            for (k, v), (dk, dv) in zip(ws, dws):
-                kc, vc = k[:, :, here], v[:, :, here]
-                a = np.einsum("bhtk,bhjk,bhtjk->bhtj", qc, kc, pairs)
-                da = drc @ np.swapaxes(vc, -1, -2)                    # ∂A_tj = ∂r_t·v_j
-                dv[:, :, here] += np.swapaxes(a, -1, -2) @ drc
-                dq[:, :, here] += np.einsum("bhtj,bhjk,bhtjk->bhtk", da, kc, pairs)
-                dk[:, :, here] += np.einsum("bhtj,bhtk,bhtjk->bhjk", da, qc, pairs)
-                contribution = da[..., None] * qc[:, :, :, None, :] * kc[:, :, None, :, :] * pairs  # [t, j]
-                # token s gets Σ_t Σ_(j < s) of it, over the t whose decay spans s
-                d_log += np.where(spans, _exclusive_cumsum(contribution, axis=3), 0.0).sum(axis=2)
+            for rows in _row_blocks(size):
+                pairs = _pairs(read, c.cum, rows, before)
+                spans = _lower(rows, size, before)  # the tokens s whose decay a row t's pairs span: s ≤ t (< t)
+                at = slice(c.start + rows.start, c.start + rows.stop)
+                q_rows, dr_rows = q[:, :, at], dr[:, :, at]
+                for (k, v), (dk, dv) in zip(ws, dws):
+                    kc, vc = k[:, :, here], v[:, :, here]
+                    a = np.einsum("bhtk,bhjk,bhtjk->bhtj", q_rows, kc, pairs)
+                    da = dr_rows @ np.swapaxes(vc, -1, -2)                    # ∂A_tj = ∂r_t·v_j
+                    dv[:, :, here] += np.swapaxes(a, -1, -2) @ dr_rows
+                    dq[:, :, at] += np.einsum("bhtj,bhjk,bhtjk->bhtk", da, kc, pairs)
+                    dk[:, :, here] += np.einsum("bhtj,bhtk,bhtjk->bhjk", da, q_rows, pairs)
+                    contribution = da[..., None] * q_rows[:, :, :, None, :] * kc[:, :, None, :, :] * pairs  # [t, j]
+                    # token s gets Σ_t Σ_(j < s) of it, over the t whose decay spans s
+                    d_log += np.where(spans, _exclusive_cumsum(contribution, axis=3), 0.0).sum(axis=2)
             grown = np.exp(read)
             state_dr = np.einsum("bhkv,bhtv->bhtk", before_chunk, drc)   # S_a ∂r_t
             dq[:, :, here] += grown * state_dr
