@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
-from .adjoint import ADJOINT_SCANS, AdjointPrinter, _BackwardEmitter
+from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
 from .derived import canonical_text, per_token
 
 DEFAULT_CHUNK = 64
 
 
-class _DecomposedEmitter(_BackwardEmitter):
+class _DecomposedEmitter(BackwardEmitter):
+    """The parallel or chunkwise backward's module: the recurrent one's names and statements, with the
+    readouts' adjoints, each state's scans and the seeds of its per-token arrays' adjoints."""
+
     def __init__(self, compiled: Compiled, form: str):
         super().__init__(compiled)
         self.form = form
