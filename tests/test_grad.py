@@ -159,6 +159,14 @@ S = diag(sigmoid(a))·S + k⊗v
 z = gamma*z + sigmoid(k)
 output p = (2*q)·S
 """,
+    # the transposed convention without a correction: S multiplied and read from the right
+    "transposed": """
+recurrence transposed(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dv, dk]
+S = S·diag(exp(g)) + v⊗k
+output o = S·q
+""",
     # non-causal: every output reads the final states
     "noncausal": """
 recurrence bidir(dk = 4, dv = 3) noncausal
@@ -261,7 +269,7 @@ def assert_same_gradients(got, reference, tolerance=FORM_TOLERANCE):
 
 
 DERIVED = [("example", name) for name in ("gla", "mamba2", "retnet", "linear_transformer", "performer")] + \
-    [("program", name) for name in ("elementwise", "vectors", "before", "chained")]
+    [("program", name) for name in ("elementwise", "vectors", "before", "chained", "transposed")]
 
 
 @pytest.mark.parametrize("kind, name", DERIVED)
