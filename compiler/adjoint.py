@@ -133,6 +133,11 @@ def why_no_adjoint(program: ir.Program, sequence: SequencePlan | None) -> str | 
                 f"over seq(…) is differentiated")
     if not program.inputs:
         return "the program has no inputs"
+    for prm in program.params:  # (the gradient would flow through the draw: it has no value in the IR)
+        nodes = list(walk(prm.default)) if prm.default is not None else []
+        if any(isinstance(n, ir.Random) for n in nodes) and any(isinstance(n, ir.ParamRef) for n in nodes):
+            return (f"the default of param '{prm.name}' combines a random draw with another param: the gradient "
+                    f"through it is not derived (define the draw as a param of its own)")
     return None
 
 
@@ -246,7 +251,8 @@ def _fit(g: ir.Expr, shape: ir.Shape) -> ir.Expr:
     raise TypeError(f"internal error: a gradient of shape {g.shape} for an operand of shape {shape}")
 
 
-def _sum_axes(e: ir.Expr) -> bool:
+def _is_name(e: ir.Expr) -> bool:
+    """An expression that is no computation to repeat: a temporary would not make the code cheaper."""
     return isinstance(e, (GradRef, ir.Const, ir.InputRef, ir.ParamRef, ir.LetRef, ir.StateRef, ir.DimSize))
 
 
@@ -258,7 +264,7 @@ class _Sweep:
 
     def shared(self, g: ir.Expr) -> ir.Expr:
         """g bound to a temporary when it is more than a name: two subexpressions use it."""
-        if _sum_axes(g):
+        if _is_name(g):
             return g
         name = f"{self.prefix}_{sum(isinstance(s, Bind) for s in self.out)}"
         self.out.append(Bind(name, g))
@@ -457,8 +463,6 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
                     f"UT transform of the adjoint, run in reverse) is not derived")
         if t.value_decay is not None:
             return f"'{t.state}' decays its value axis: the {form} backward of that is not derived"
-    if d.transposed:
-        return f"{', '.join(sorted(d.transposed))} is carried transposed: the {form} backward of that is not derived"
     if any(r.is_value for r in d.readouts):
         return f"an output reads a state as a value (not q·S): the {form} backward of that is not derived"
     return None

@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fuzzing
 import linrec
 from linrec import verify_grad
 from linrec.cli import main
 from linrec.compiler import ir
 from linrec.compiler.analysis import walk
-from linrec.compiler.builtins import BUILTINS
+from linrec.compiler.builtins import BUILTINS, SEQ
 from linrec.gradients import gradient_refusal
 from linrec.verify import _initial_state
 
@@ -158,6 +159,14 @@ S = diag(sigmoid(a))·S + k⊗v
 z = gamma*z + sigmoid(k)
 output p = (2*q)·S
 """,
+    # the transposed convention without a correction: S multiplied and read from the right
+    "transposed": """
+recurrence transposed(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dv, dk]
+S = S·diag(exp(g)) + v⊗k
+output o = S·q
+""",
     # non-causal: every output reads the final states
     "noncausal": """
 recurrence bidir(dk = 4, dv = 3) noncausal
@@ -260,7 +269,7 @@ def assert_same_gradients(got, reference, tolerance=FORM_TOLERANCE):
 
 
 DERIVED = [("example", name) for name in ("gla", "mamba2", "retnet", "linear_transformer", "performer")] + \
-    [("program", name) for name in ("elementwise", "vectors", "before", "chained")]
+    [("program", name) for name in ("elementwise", "vectors", "before", "chained", "transposed")]
 
 
 @pytest.mark.parametrize("kind, name", DERIVED)
@@ -285,6 +294,17 @@ def test_parallel_and_chunkwise_backward(kind, name, form):
     assert_same_gradients(got, reference, 5e-4)
 
 
+def test_a_decay_of_zero():
+    """A reset (log-decay −∞): the recurrent backward takes it (exp(−∞) = 0); the chunkwise one says to."""
+    rec = example("gla")
+    x = rec.random_inputs(1, 6, 1, {"dk": 4, "dv": 4}, seed=0)
+    x["g"][0, 3, 0, 1] = -np.inf
+    up = {"o": np.ones((1, 6, 1, 4))}
+    assert all(np.all(np.isfinite(g)) for name, g in rec.vjp(x, up).grads.items() if name != "g")
+    with pytest.raises(linrec.RuntimeInputError, match="a decay of exactly 0.*form='recurrent'"):
+        rec.vjp(x, up, form="chunkwise")
+
+
 def test_which_programs_have_the_derived_backward():
     """From the structure: programs with rank-one corrections (the delta rule), non-causal ones and attention
     have the recurrent backward only (reads before the update are no obstacle: `before` above)."""
@@ -293,6 +313,48 @@ def test_which_programs_have_the_derived_backward():
         assert gradient_refusal(example(name), "chunkwise", "numpy") is not None
     for name in ("values", "noncausal", "window"):
         assert gradient_refusal(linrec.compile(PROGRAMS[name]), "parallel", "numpy") is not None
+
+
+# ---- random programs -------------------------------------------------------------------------------------
+FUZZ_PROGRAMS = 40  # (tests/fuzzing.py's generator; ~5 s. 1300 of them passed when this was written)
+
+
+def test_random_programs():
+    """Programs from the fuzzer's generator (and mutated examples): every one with a gradient form gets a
+    recurrent gradient that finite differences confirm, and parallel and chunkwise ones (where they exist)
+    that agree with it to 1e-9 (outputs below 1e-2 of the inputs' scale are cancellation, as the fuzzer
+    says: Performer with one feature has an output that does not depend on q, so its gradient is rounding)."""
+    checked = 0
+    for i, source in enumerate(fuzzing.programs(FUZZ_PROGRAMS, seed=7)):
+        try:
+            rec = linrec.compile(source)
+        except linrec.LinrecError:
+            continue
+        forms = [f for f in ("recurrent", "parallel", "chunkwise") if gradient_refusal(rec, f, "numpy") is None]
+        if not forms:
+            continue
+        rng = np.random.default_rng(i)
+        dims = {d.name: min(d.default, 5) for d in rec.program.dims if d.name != SEQ}
+        inputs = rec.random_inputs(2, 6, 2, dims, seed=i)
+        drawn = fuzzing._draw_params(rec, 2, {d.name: d.default for d in rec.program.dims} | dims, rng)
+        base = rec.run(inputs, form="recurrent", params=drawn or None, dims=dims)
+        if not all(np.all(np.isfinite(v)) for v in [*base.outputs.values(), *base.final_state.values()]):
+            continue  # (a program whose forward overflows at these inputs: vjp says so, tested above)
+        params = {k: np.array(v) for k, v in base.params.items()}
+        state0 = {k: rng.standard_normal(v.shape) * 0.3 for k, v in base.final_state.items()}
+        g_out = {k: rng.standard_normal(v.shape) for k, v in base.outputs.items()}
+        g_state = {k: rng.standard_normal(v.shape) for k, v in state0.items()}
+        reference = rec.vjp(inputs, g_out, grad_final_state=g_state, initial_state=state0, params=params, dims=dims)
+        errors = verify_grad.directional_errors(rec, inputs, params, state0, g_out, g_state, reference.grads, dims, i)
+        assert max((rel for _, rel in errors.values()), default=0.0) <= FD_TOLERANCE, (errors, source)
+        for form in forms[1:]:
+            got = rec.vjp(inputs, g_out, grad_final_state=g_state, initial_state=state0, params=params, dims=dims,
+                          form=form, chunk_size=4)
+            for name, ref in reference.grads.items():
+                scale = max(float(np.max(np.abs(ref), initial=0.0)), fuzzing.SCALE_FLOOR)
+                assert np.max(np.abs(got.grads[name] - ref), initial=0.0) <= FORM_TOLERANCE * scale, (name, source)
+        checked += 1
+    assert checked >= FUZZ_PROGRAMS // 2
 
 
 # ---- checkpoints, outputs, shapes ------------------------------------------------------------------------

@@ -58,7 +58,11 @@ class AdjointPrinter(NumpyPrinter):
         return super()._p(e)
 
 
-class _BackwardEmitter:
+class BackwardEmitter:
+    """The recurrent backward's module: names (each adjoint `d_x`, the states before the update `S_prev`),
+    printers, the statements' adjoints as lines, and the module's body. adjoint_derived's emitter of the
+    parallel and chunkwise backward builds on it."""
+
     def __init__(self, compiled: Compiled):
         self.c = compiled
         self.em = em = Emitter(compiled)
@@ -333,4 +337,4 @@ def _assign(names: list[str], values: list[str]) -> str:
 
 def emit_backward(compiled: Compiled) -> str:
     """The recurrent backward of a causal recurrence (compiler.adjoint.why_no_adjoint says which)."""
-    return _BackwardEmitter(compiled).render()
+    return BackwardEmitter(compiled).render()

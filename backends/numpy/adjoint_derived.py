@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
-from .adjoint import ADJOINT_SCANS, AdjointPrinter, _BackwardEmitter
+from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
 from .derived import canonical_text, per_token
 
 DEFAULT_CHUNK = 64
 
 
-class _DecomposedEmitter(_BackwardEmitter):
+class _DecomposedEmitter(BackwardEmitter):
+    """The parallel or chunkwise backward's module: the recurrent one's names and statements, with the
+    readouts' adjoints, each state's scans and the seeds of its per-token arrays' adjoints."""
+
     def __init__(self, compiled: Compiled, form: str):
         super().__init__(compiled)
         self.form = form
@@ -87,7 +90,8 @@ class _DecomposedEmitter(_BackwardEmitter):
         em, n = self.em, self.em.name
         t = self.c.decomposition.transition(st.name)
         decay, writes, queries, starts = self.arrays[st.name][:4]
-        rows, cols = n(st.shape[0]), ("1" if len(st.shape) == 1 else n(st.shape[1]))
+        shape = tuple(reversed(st.shape)) if st.name in self.c.decomposition.transposed else st.shape
+        rows, cols = n(shape[0]), ("1" if len(shape) == 1 else n(shape[1]))
         lines = ["", f"# {st.name}: {t.kind}", f"#   {st.name}_t = {canonical_text(t)}"]
         if t.log_decay is None:
             lines.append(f"{decay} = per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1")
@@ -105,31 +109,43 @@ class _DecomposedEmitter(_BackwardEmitter):
             f"({per_token(prelude(em.refold(r.query)), rows, not r.query.shape)}, {r.before_update})"
             for r in reads) + "]")
         vector = len(st.shape) == 1
-        s0 = f"initial_state[\"{st.name}\"]" + ("[..., None]" if vector else "")
+        s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
         lines.append(f"[{targets}], {n(st.name)}, {starts} = decay_scan({s0}, {decay}, {writes}, {queries}, {self.chunk})")
+        lines.append(f"{n(st.name)} = {self.declared(st, n(st.name))}")
         if vector:  # a vector state is carried as one column
-            lines += [f"{n(st.name)} = {n(st.name)}[..., 0]"]
             lines += [f"{self.readout_vars[r.index]} = {self.readout_vars[r.index]}[..., 0]" for r in reads]
         return lines
+
+    def carried(self, st: ir.State, code: str) -> str:
+        """A state [B, H, *] as the scans carry it: a vector as one column, a state the decomposition
+        transposes (compiler.transpose) transposed."""
+        if len(st.shape) == 1:
+            return f"{code}[..., None]"
+        return f"np.swapaxes({code}, -1, -2)" if st.name in self.c.decomposition.transposed else code
+
+    def declared(self, st: ir.State, code: str) -> str:
+        """A carried state back in its declared layout."""
+        if len(st.shape) == 1:
+            return f"{code}[..., 0]"
+        return f"np.swapaxes({code}, -1, -2)" if st.name in self.c.decomposition.transposed else code
 
     def state_backward(self, st: ir.State) -> list[str]:
         """The state's adjoint, run backwards chunk by chunk; the seeds of its per-token arrays' adjoints."""
         t = self.c.decomposition.transition(st.name)
         decay, writes, queries, starts, d_decay, d_writes, d_queries = self.arrays[st.name]
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
-        vector = len(st.shape) == 1
-        column = "[..., None]" if vector else ""
+        column = "[..., None]" if len(st.shape) == 1 else ""
         grads = ", ".join(self.d[("readout", str(r.index))] + column for r in reads)
-        final = f"grad_final_state.get(\"{st.name}\")"
-        if vector:
-            final = f"None if {final} is None else {final}[..., None]"
+        given = f"grad_final_state.get(\"{st.name}\")"
+        final = given if self.carried(st, "x") == "x" else f"None if {given} is None else {self.carried(st, given)}"
         state = self.d[("state", st.name, "new")]
+        s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         lines = ["", f"# {st.name}'s adjoint: the transposed recurrence, from the last chunk",
-                 f"{d_decay}, {d_writes}, {d_queries}, {state} = decay_scan_backward(initial_state[\"{st.name}\"]"
-                 f"{column}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], {final})"]
-        if vector:
-            lines.append(f"{state} = {state}[..., 0]")
+                 f"{d_decay}, {d_writes}, {d_queries}, {state} = decay_scan_backward({s0}, {decay}, {writes}, "
+                 f"{queries}, {starts}, {self.chunk}, [{grads}], {final})"]
+        if self.declared(st, "x") != "x":
+            lines.append(f"{state} = {self.declared(st, state)}")
         if t.log_decay is not None:
             self.seeds[f"{st.name}.log_decay"] = d_decay + ("" if t.log_decay.shape else "[..., 0]")
         for j, (key, value) in enumerate(t.writes):
