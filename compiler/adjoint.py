@@ -457,6 +457,8 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
                     f"UT transform of the adjoint, run in reverse) is not derived")
         if t.value_decay is not None:
             return f"'{t.state}' decays its value axis: the {form} backward of that is not derived"
+        if t.elementwise:
+            return f"'{t.state}' decays elementwise (`X*{t.state}`): the {form} backward of that is not derived"
     if d.transposed:
         return f"{', '.join(sorted(d.transposed))} is carried transposed: the {form} backward of that is not derived"
     if any(r.is_value for r in d.readouts):
