@@ -106,9 +106,8 @@ def compose(a: Factor, b: Factor) -> tuple[ir.Expr, Factor]:
         return ONE, b
     if b.kind == "identity":
         return ONE, a
-    if "hadamard" in (a.kind, b.kind):  # X⊙(M·S) is no product of factors: the forms take X⊙S alone
-        raise Unfactorable("an elementwise product with the state (`X*S`) meets another factor of it; the forms "
-                           "take an elementwise decay only as the whole factor of its term (`exp(X)*S`)")
+    if "hadamard" in (a.kind, b.kind):  # M·(X⊙S) is no product of factors: the forms take X⊙S alone
+        raise _elementwise_beside_a_factor()
     if a.kind == "diag" and b.kind == "diag":
         return ONE, Factor("diag", mul(a.u, b.u))
     if a.kind == "diag" and b.kind == "outer":
@@ -249,8 +248,9 @@ def _product(e: ir.Arith | ir.Dot | ir.Outer, t: Term, inner: ir.Expr, other: ir
     column (L·S·x, its right a vector; for a vector state z, L·z) or a scalar (qᵀ·S·x)."""
     row = t.left.kind == "covector"
     column = len(inner.shape) == 1 and not row
-    if isinstance(e, ir.Arith) and e.op == "mul" and len(other.shape) == 2 and len(inner.shape) == 2 \
-            and t.right is None and t.left.kind in ("identity", "hadamard"):
+    if isinstance(e, ir.Arith) and e.op == "mul" and len(other.shape) == 2 and len(inner.shape) == 2:
+        if t.right is not None or t.left.kind not in ("identity", "hadamard"):
+            raise _elementwise_beside_a_factor(e)
         # X ⊙ (c·S) or X ⊙ (Y ⊙ S): an elementwise transition, one scalar recurrence per element
         return [Term(t.coef, Factor("hadamard", other if t.left.kind == "identity" else mul(other, t.left.u)))]
     if isinstance(e, ir.Arith):
@@ -301,6 +301,12 @@ def _left(f: Factor, t: Term) -> Term:
 def _right(t: Term, f: Factor) -> Term:
     c, ff = compose(t.right or IDENTITY, f)
     return Term(mul(c, t.coef), t.left, ff)
+
+
+def _elementwise_beside_a_factor(e: ir.Expr | None = None) -> "Unfactorable":
+    where = f" in `{to_text(e)}`" if e is not None else ""
+    return Unfactorable(f"an elementwise product with the state (`X*S`) meets another factor of it{where}; the "
+                        f"forms take an elementwise decay only as the whole factor of its term (`exp(X)*S`)")
 
 
 def _unfactorable(e: ir.Expr, state: str) -> "Unfactorable":

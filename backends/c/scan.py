@@ -295,6 +295,9 @@ def load(compiled: Compiled, form: str):
     why = compiled.decomposition.why_not(form)
     if why:
         raise LinrecError(f"'{compiled.name}' has no {form} form: {why}")
+    refused = why_not(compiled)
+    if refused:
+        raise LinrecError(f"the C scan kernels do not run the {form} form of '{compiled.name}': {refused}")
     structures(compiled)  # a scan program with factorable states, or a clear error
     source = emit_derived(compiled, form, scan_module=__name__)
     module = numpy_backend.module_from_source(source, compiled, form, "C scan")
