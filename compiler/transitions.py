@@ -126,7 +126,8 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
             reasons.append(f"the transition contains the dense matrix `{to_text(t.left.u)}`, which has no "
                            f"decay-plus-rank-one structure")
     if elementwise is not None:
-        reasons.extend(_beside_elementwise(state.name, scalar is not None or diagonal is not None, corrections))
+        reasons.extend(_beside_elementwise(state.name, scalar is not None or diagonal is not None, corrections,
+                                           value_decay is not None))
         decay = elementwise
     elif scalar is not None and diagonal is not None:
         decay = add(diagonal, scalar)
@@ -173,12 +174,15 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
                       tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact)
 
 
-def _beside_elementwise(state: str, other_decay: bool, corrections) -> list[str]:
+def _beside_elementwise(state: str, other_decay: bool, corrections, value_decay: bool) -> list[str]:
     """Why an elementwise decay X⊙S cannot be taken with the rest of the update, or nothing. Each element of
     S is then a scalar recurrence of its own; a rank-one correction u⊗(wᵀS) mixes the rows, so the
     elements no longer separate (the pseudo-values would need the decays of every element they mix), and a
     decay of another shape beside it (a·S + X⊙S) is to be written inside the elementwise one."""
     reasons = []
+    if value_decay:
+        reasons.append(f"'{state}' has an elementwise decay (`X*{state}`) and a decay of its value axis "
+                       f"(`{state}·diag(e)`); write both into the one elementwise factor")
     if other_decay:
         reasons.append(f"'{state}' has an elementwise decay (`X*{state}`) beside a scalar or diagonal one; write "
                        f"them as one elementwise factor, (X + a)*{state}")

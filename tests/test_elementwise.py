@@ -108,6 +108,7 @@ def test_an_elementwise_decay_has_every_form(name, source):
     ("S = exp(G)*S − k⊗(k·S) + k⊗v", "beside a rank-one correction"),
     ("S = exp(G)*S + 0.5·S + k⊗v", "beside a scalar or diagonal one"),
     ("S = diag(exp(g))·(exp(G)*S) + k⊗v", "meets another factor of it"),
+    ("S = (exp(G)*S)·diag(exp(v)) + k⊗v", "and a decay of its value axis"),
 ])
 def test_what_an_elementwise_decay_does_not_take_is_refused_with_a_reason(update, reason):
     rec = linrec.compile(f"""recurrence r(dk = 5, dv = 4)
