@@ -463,6 +463,8 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
                     f"UT transform of the adjoint, run in reverse) is not derived")
         if t.value_decay is not None:
             return f"'{t.state}' decays its value axis: the {form} backward of that is not derived"
+        if t.elementwise:
+            return f"'{t.state}' decays elementwise (`X*{t.state}`): the {form} backward of that is not derived"
     if any(r.is_value for r in d.readouts):
         return f"an output reads a state as a value (not q·S): the {form} backward of that is not derived"
     return None

@@ -1,6 +1,7 @@
 """The algebra of expressions linear in a state: write one as Σ coef·L·S·R + (a state-free remainder).
 
-L and R are *factors*: the identity, diag(d), an outer product u⊗w, or a dense matrix. Products of factors
+L and R are *factors*: the identity, diag(d), an outer product u⊗w, or a dense matrix; and on its own, with
+no other factor, an elementwise (Hadamard) product X⊙S with a matrix X (Mamba-1's exp(Δ·A)*S). Products of factors
 collapse to a single factor (diag(a)·diag(b) = diag(a⊙b), diag(d)·(u⊗w) = (d⊙u)⊗w, (u1⊗w1)·(u2⊗w2) =
 (w1·u2)·u1⊗w2, …), so every update reduces to a short list of terms whatever way the user wrote it.
 
@@ -64,7 +65,8 @@ def vdot(a: ir.Expr, b: ir.Expr) -> ir.Expr:
 @dataclass(frozen=True)
 class Factor:
     kind: str                # "identity" | "diag" | "outer" | "dense" | "covector" (left) | "vector" (right)
-    u: ir.Expr | None = None  # diag: the diagonal; outer: the left vector; dense: the matrix; (co)vector: it
+    #                          | "hadamard" (X⊙S: elementwise, as the term's only factor)
+    u: ir.Expr | None = None  # diag: the diagonal; outer: the left vector; dense, hadamard: the matrix; (co)vector: it
     w: ir.Expr | None = None  # outer: the right vector
 
 
@@ -104,6 +106,8 @@ def compose(a: Factor, b: Factor) -> tuple[ir.Expr, Factor]:
         return ONE, b
     if b.kind == "identity":
         return ONE, a
+    if "hadamard" in (a.kind, b.kind):  # M·(X⊙S) is no product of factors: the forms take X⊙S alone
+        raise _elementwise_beside_a_factor()
     if a.kind == "diag" and b.kind == "diag":
         return ONE, Factor("diag", mul(a.u, b.u))
     if a.kind == "diag" and b.kind == "outer":
@@ -117,6 +121,9 @@ def compose(a: Factor, b: Factor) -> tuple[ir.Expr, Factor]:
 
 
 def _covector_times(q: ir.Expr, f: Factor) -> tuple[ir.Expr, Factor]:
+    if f.kind == "hadamard":
+        raise Unfactorable(f"`{to_text(q)}` contracts an elementwise product with the state (`X*S`), which the "
+                           f"forms take only as a transition")
     if f.kind == "identity":
         return ONE, Factor("covector", q)
     if f.kind == "diag":
@@ -241,6 +248,11 @@ def _product(e: ir.Arith | ir.Dot | ir.Outer, t: Term, inner: ir.Expr, other: ir
     column (L·S·x, its right a vector; for a vector state z, L·z) or a scalar (qᵀ·S·x)."""
     row = t.left.kind == "covector"
     column = len(inner.shape) == 1 and not row
+    if isinstance(e, ir.Arith) and e.op == "mul" and len(other.shape) == 2 and len(inner.shape) == 2:
+        if t.right is not None or t.left.kind not in ("identity", "hadamard"):
+            raise _elementwise_beside_a_factor(e)
+        # X ⊙ (c·S) or X ⊙ (Y ⊙ S): an elementwise transition, one scalar recurrence per element
+        return [Term(t.coef, Factor("hadamard", other if t.left.kind == "identity" else mul(other, t.left.u)))]
     if isinstance(e, ir.Arith):
         if e.op not in ("mul", "div") or len(other.shape) != 1 or (e.op == "div" and not in_left):
             raise _unfactorable(e, state)
@@ -289,6 +301,12 @@ def _left(f: Factor, t: Term) -> Term:
 def _right(t: Term, f: Factor) -> Term:
     c, ff = compose(t.right or IDENTITY, f)
     return Term(mul(c, t.coef), t.left, ff)
+
+
+def _elementwise_beside_a_factor(e: ir.Expr | None = None) -> "Unfactorable":
+    where = f" in `{to_text(e)}`" if e is not None else ""
+    return Unfactorable(f"an elementwise product with the state (`X*S`) meets another factor of it{where}; the "
+                        f"forms take an elementwise decay only as the whole factor of its term (`exp(X)*S`)")
 
 
 def _unfactorable(e: ir.Expr, state: str) -> "Unfactorable":

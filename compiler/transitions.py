@@ -1,7 +1,8 @@
 """Classify each state's transition and decompose its update for the derived forms.
 
 Every factorable update is brought to   S_t = D_t·S_(t−1)·E_t + Σ_r u_r⊗(w_r·S_(t−1)) + Σ_j key_j⊗value_j
-with D_t a positive scalar or diagonal decay carried in log space, E_t a diagonal decay of the value axis
+with D_t a positive scalar or diagonal decay carried in log space — or an elementwise one, D_t⊙S_(t−1) with a
+matrix D_t (Mamba-1's exp(Δ·A)*S: one scalar recurrence per element; then with no correction), E_t a diagonal decay of the value axis
 (the columns of a matrix state: `S·diag(d)`; absent unless written, and then with no correction), a few
 rank-one corrections (u, w) and rank-one writes (key, value). Nothing here knows a variant by name: the
 class follows from the terms.
@@ -22,7 +23,7 @@ from .linearity import (ONE, NotLinear, Term, Unfactorable, add, compose, linear
 class Transition:
     state: str
     kind: str                                   # human-readable class, e.g. "diagonal decay"
-    decay: ir.Expr | None                       # D_t: scalar () or vector [n]; None when D = I
+    decay: ir.Expr | None                       # D_t: scalar (), vector [n] or, elementwise, matrix [n, m]; None: I
     log_decay: ir.Expr | None                   # log D_t, simplified symbolically where possible
     log_is_exact: bool                          # False: log(D) computed numerically (needs D > 0)
     corrections: tuple[tuple[ir.Expr, ir.Expr], ...]  # (u, w): + u⊗(wᵀS_(t−1))
@@ -35,6 +36,11 @@ class Transition:
     @property
     def factorable(self) -> bool:
         return not self.reasons
+
+    @property
+    def elementwise(self) -> bool:
+        """D_t⊙S_(t−1): a decay per element of a matrix state (its log-decay has the state's shape)."""
+        return self.decay is not None and len(self.decay.shape) == 2
 
 
 def log_of(e: ir.Expr) -> tuple[ir.Expr, bool]:
@@ -59,6 +65,8 @@ def log_of(e: ir.Expr) -> tuple[ir.Expr, bool]:
 def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = None) -> str:
     if decay is None:
         base = "identity" if value_decay is None else ""
+    elif len(decay.shape) == 2:
+        base = "elementwise decay"
     elif decay.shape:
         base = "diagonal decay"
     else:
@@ -98,6 +106,7 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         terms = [Term(t.coef, t.left) for t in terms]
     scalar: ir.Expr | None = None
     diagonal: ir.Expr | None = None
+    elementwise: ir.Expr | None = None
     corrections = []
     for t in terms:
         if t.right is not None and t.right.kind != "identity":
@@ -109,12 +118,18 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
             scalar = t.coef if scalar is None else add(scalar, t.coef)
         elif kind == "diag":
             diagonal = mul(t.coef, t.left.u) if diagonal is None else add(diagonal, mul(t.coef, t.left.u))
+        elif kind == "hadamard":
+            elementwise = mul(t.coef, t.left.u) if elementwise is None else add(elementwise, mul(t.coef, t.left.u))
         elif kind == "outer":
             corrections.append((mul(t.coef, t.left.u), t.left.w))
         else:
             reasons.append(f"the transition contains the dense matrix `{to_text(t.left.u)}`, which has no "
                            f"decay-plus-rank-one structure")
-    if scalar is not None and diagonal is not None:
+    if elementwise is not None:
+        reasons.extend(_beside_elementwise(state.name, scalar is not None or diagonal is not None, corrections,
+                                           value_decay is not None))
+        decay = elementwise
+    elif scalar is not None and diagonal is not None:
         decay = add(diagonal, scalar)
     else:
         decay = diagonal if diagonal is not None else scalar
@@ -157,6 +172,25 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         else "general linear map"
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
                       tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact)
+
+
+def _beside_elementwise(state: str, other_decay: bool, corrections, value_decay: bool) -> list[str]:
+    """Why an elementwise decay X⊙S cannot be taken with the rest of the update, or nothing. Each element of
+    S is then a scalar recurrence of its own; a rank-one correction u⊗(wᵀS) mixes the rows, so the
+    elements no longer separate (the pseudo-values would need the decays of every element they mix), and a
+    decay of another shape beside it (a·S + X⊙S) is to be written inside the elementwise one."""
+    reasons = []
+    if value_decay:
+        reasons.append(f"'{state}' has an elementwise decay (`X*{state}`) and a decay of its value axis "
+                       f"(`{state}·diag(e)`); write both into the one elementwise factor")
+    if other_decay:
+        reasons.append(f"'{state}' has an elementwise decay (`X*{state}`) beside a scalar or diagonal one; write "
+                       f"them as one elementwise factor, (X + a)*{state}")
+    if corrections:
+        reasons.append(f"an elementwise decay of '{state}' (`X*{state}`) beside a rank-one correction: the "
+                       f"correction mixes the elements that the decay keeps apart, and the pseudo-values would "
+                       f"need a decay per element they mix")
+    return reasons
 
 
 def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:

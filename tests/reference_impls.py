@@ -95,6 +95,31 @@ def mamba2(inputs, params, state0):
     return {"y": y}, {"S": S_final}
 
 
+def mamba1(inputs, params, state0):
+    """Mamba-1's selective scan, element by element: h[n, c] = exp(Δ[c]·A_h[n, c])·h[n, c] + Δ[c]·B[n]·x[c];
+    y[c] = Σ_n C[n]·h[n, c] + D_h[c]·x[c]. Params A, D per head ([H, dk, dv] and [H, dv])."""
+    a = _f64(inputs)
+    xs, Bm, Cm, dt = a["x"], a["B"], a["C"], a["dt"]
+    A = np.asarray(params["A"], dtype=np.float64)
+    D = np.asarray(params["D"], dtype=np.float64)
+    Bsz, T, H, dk = Bm.shape
+    dv = xs.shape[-1]
+    y = np.zeros((Bsz, T, H, dv))
+    S_final = np.zeros((Bsz, H, dk, dv))
+    for b in range(Bsz):
+        for h in range(H):
+            S = np.array(state0["S"][b, h], dtype=np.float64)
+            for t in range(T):
+                for n in range(dk):
+                    for c in range(dv):
+                        delta = dt[b, t, h, c]
+                        S[n, c] = np.exp(delta * A[h, n, c]) * S[n, c] + delta * Bm[b, t, h, n] * xs[b, t, h, c]
+                for c in range(dv):
+                    y[b, t, h, c] = sum(Cm[b, t, h, n] * S[n, c] for n in range(dk)) + D[h, c] * xs[b, t, h, c]
+            S_final[b, h] = S
+    return {"y": y}, {"S": S_final}
+
+
 def _delta(inputs, state0, gated):
     x = _f64(inputs)
     q, k, v, beta = x["q"], x["k"], x["v"], x["beta"]
@@ -200,6 +225,7 @@ REFERENCES = {
     "gla": gla,
     "retnet": retnet,
     "mamba2": mamba2,
+    "mamba1": mamba1,
     "deltanet": deltanet,
     "gated_deltanet": gated_deltanet,
     "linear_transformer": linear_transformer,

@@ -35,8 +35,9 @@ from linrec.numpy import scan as numpy_scan
 from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.lin")  # the scan programs (not attention)
-                  if linrec.load(p).decomposition.sequence is None and "chunkwise" in linrec.load(p).forms)
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.lin")  # the scan programs (not attention) C's scans take
+                  if linrec.load(p).decomposition.sequence is None and "chunkwise" in linrec.load(p).forms
+                  and c_scan.why_not(linrec.load(p).compiled) is None)
 TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 5e-4}
 FLOOR = {np.dtype(np.float64): 1e-30, np.dtype(np.float32): 1e-6}
 DTYPES = (np.float64, np.float32)

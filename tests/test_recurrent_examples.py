@@ -21,7 +21,7 @@ import linrec
 import reference_impls as ref
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NAMES = ["gla", "retnet", "mamba2", "deltanet", "gated_deltanet", "linear_transformer", "gdn2", "comba"]
+NAMES = ["gla", "retnet", "mamba2", "deltanet", "gated_deltanet", "linear_transformer", "gdn2", "comba", "mamba1"]
 
 FLOAT64_RTOL = 1e-10
 FLOAT32_RTOL = 5e-6
@@ -31,6 +31,7 @@ INPUT_SPECS = {
     "gla": {"q": ("normal", "dk"), "k": ("normal", "dk"), "v": ("normal", "dv"), "g": ("logdecay", "dk")},
     "retnet": {"q": ("normal", "dk"), "k": ("normal", "dk"), "v": ("normal", "dv")},
     "mamba2": {"x": ("normal", "dv"), "B": ("normal", "dk"), "C": ("normal", "dk"), "dt": ("positive", None)},
+    "mamba1": {"x": ("normal", "dv"), "B": ("normal", "dk"), "C": ("normal", "dk"), "dt": ("positive", "dv")},
     "deltanet": {"q": ("normal", "dk"), "k": ("normal", "dk"), "v": ("normal", "dv"), "beta": ("unit", None)},
     "gated_deltanet": {"q": ("normal", "dk"), "k": ("normal", "dk"), "v": ("normal", "dv"),
                        "beta": ("unit", None), "g": ("logdecay", None)},
@@ -90,7 +91,7 @@ def ref_params(name, H, res_params):
     """The parameters the reference uses: RetNet's γ from its formula; Mamba-2's A, D as linrec used them."""
     if name == "retnet":
         return {"gamma": ref.retnet_gamma(H)}
-    if name == "mamba2":
+    if name in ("mamba2", "mamba1"):
         return {"A": res_params["A"], "D": res_params["D"]}
     if name == "comba":
         return {"d": res_params["d"], "D": res_params["D"]}

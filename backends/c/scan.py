@@ -255,6 +255,10 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
 def why_not(compiled: Compiled) -> str | None:
     """Why these kernels cannot run the program's scans, or None (see VALUES_WITH_CORRECTIONS)."""
     d = compiled.decomposition
+    for t in d.transitions:
+        if t.elementwise:
+            return (f"state '{t.state}' decays elementwise (`X*{t.state}`, a decay per element): the compiled scans "
+                    f"carry one log-decay per token or per row")
     for state in dict.fromkeys(r.state for r in d.readouts if r.is_value):
         if d.transition(state).corrections:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
@@ -291,6 +295,9 @@ def load(compiled: Compiled, form: str):
     why = compiled.decomposition.why_not(form)
     if why:
         raise LinrecError(f"'{compiled.name}' has no {form} form: {why}")
+    refused = why_not(compiled)
+    if refused:
+        raise LinrecError(f"the C scan kernels do not run the {form} form of '{compiled.name}': {refused}")
     structures(compiled)  # a scan program with factorable states, or a clear error
     source = emit_derived(compiled, form, scan_module=__name__)
     module = numpy_backend.module_from_source(source, compiled, form, "C scan")

@@ -6,8 +6,8 @@ its statements one by one (statements.py). Whether a kernel takes a program is d
 is generated, in two parts:
 
 - the kernel's limits: what it is not built for (the fused kernel: an update that is no decay plus rank-one
-  terms, a state carried transposed, a decay of the value axis, per-token matrices as inputs; the statement
-  kernel: stabilized exponential feature maps, values of more than two axes);
+  terms, a state carried transposed, a decay of the value axis, an elementwise decay, per-token matrices as
+  inputs; the statement kernel: stabilized exponential feature maps, values of more than two axes);
 - spelling: every expression the kernel prints must have a C spelling in its printer (CPrinter in
   printer.py, StatementPrinter in statements.py). `_Spelling` walks exactly the expressions the kernel prints —
   for the fused kernel the transitions' decomposition (decay, corrections, writes) and the readouts'
@@ -63,6 +63,9 @@ def fused_limits(compiled: Compiled) -> str | None:
         return (f"state {names} is multiplied and read from the right: the derived forms carry it transposed, the "
                 f"fused kernel only as declared")
     for t in d.transitions:
+        if t.elementwise:
+            return (f"state '{t.state}' decays elementwise (`X*{t.state}`, a decay per element), which the fused "
+                    f"kernel's lazy decay of the rows does not take")
         if t.value_decay is not None:
             return (f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which the fused kernel's lazy "
                     f"decay of the rows does not take")

@@ -162,6 +162,8 @@ def canonical_text(t: Transition) -> str:
     state = f"{t.state}_(t−1)" + ("" if t.value_decay is None else f"·diag({to_text(t.value_decay)})")
     if t.decay is None:
         parts.append(state)
+    elif t.elementwise:
+        parts.append(f"({to_text(t.decay)})⊙{state}")
     else:
         parts.append(f"{'diag(' + to_text(t.decay) + ')' if t.decay.shape else to_text(t.decay)}·{state}")
     for u, w in t.corrections:
@@ -185,10 +187,11 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
     decay, corrections, writes = (mod.em.fresh(f"{s}_{what}") for what in ("log_decay", "corrections", "writes"))
     terms = []
     if t.log_decay is not None:
-        width = lay.rows if t.log_decay.shape else "1"
+        # one log-decay per token, per row, or per element ([B, T, H, rows, cols]: an elementwise decay)
+        width = f"{lay.rows}, {lay.cols}" if t.elementwise else lay.rows if t.log_decay.shape else "1"
         terms.append(log_of_decay(mod, lay, t.log_decay, t.log_is_exact, t.decay, width, not t.decay.shape))
     if scale:
-        terms.append(f"scale_decay({scale.running})  # M_(t−1) − M_t")
+        terms.append(f"scale_decay({scale.running})" + ("[..., None]" if t.elementwise else "") + "  # M_(t−1) − M_t")
         mod.helpers.add("scale_decay")
     if not (terms or t.corrections or t.writes or t.value_log_decay is not None):
         # (a state left as it is, `z = z`: no per-token array would tell the scan how many tokens there are)

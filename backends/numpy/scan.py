@@ -4,7 +4,8 @@ Generated code hands each state over in the canonical form the compiler derived 
 
     S_t = diag(exp(l_t))·S_(t−1)·diag(exp(m_t)) + Σ_r u_r,t ⊗ (w_r,tᵀ S_(t−1)) + Σ_i κ_i,t ⊗ x_i,t
 
-with l_t the log-decay (absent, one value, or one per row), m_t a log-decay of the value axis (absent, or
+with l_t the log-decay (absent, one value, one per row, or one per element: an elementwise decay
+exp(l_t)⊙S_(t−1), [B, T, H, dk, dv], without corrections, run by linrec.numpy.elementwise_scan), m_t a log-decay of the value axis (absent, or
 one per column; then without corrections), corrections (u, w) and writes (κ, x). With b_t = Σ_(s≤t) l_s
 and c_t = Σ_(s≤t) m_s every contribution N_j = Σ_r u_r,j p_r,jᵀ + Σ_i κ_i,j x_i,jᵀ reaches S_t scaled by
 exp(b_t − b_j) per row and exp(c_t − c_j) per column, so
@@ -30,6 +31,7 @@ import numpy as np
 
 from ..arrays import nonfinite_tokens
 from ..dsl.errors import RuntimeInputError
+from .elementwise_scan import elementwise_segment
 
 
 # A log-decay at or below this is a decay of exactly 0: exp underflows to 0 below about −745.13 in float64
@@ -207,6 +209,8 @@ def _segment(s0, l, corrections, writes, readouts, causal, block, m=None):
     """One segment (the whole sequence, or a chunk) starting from state s0; m: the value axis's log-decay.
 
     Returns (readouts or None when non-causal, state after the segment)."""
+    if _is_elementwise(l):
+        return elementwise_segment(s0, l, writes, readouts, causal, block=16)
     # prefix sums of log-decays in float64: in float32 their rounding grows with T and, exponentiated,
     # becomes a relative error of the outputs (1e-3 at T = 3000); the products stay in the working dtype
     b = None if l is None else np.cumsum(l, axis=-2, dtype=np.float64)
@@ -244,10 +248,17 @@ def _segment(s0, l, corrections, writes, readouts, causal, block, m=None):
     return results, end
 
 
+def _is_elementwise(log_decay) -> bool:
+    """A log-decay per element of a matrix state: [B, T, H, dk, dv] (head-major [B, H, T, dk, dv])."""
+    return log_decay is not None and np.ndim(log_decay) == 5
+
+
 def _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay=None):
     hm = _head_major
     if value_log_decay is not None and corrections:
         raise ValueError("a decay of the value axis with corrections has no derived form")
+    if _is_elementwise(log_decay) and (corrections or value_log_decay is not None):
+        raise ValueError("an elementwise decay with corrections or a decay of the value axis has no derived form")
     return (s0, hm(log_decay), [(hm(u), hm(w)) for u, w in corrections], [(hm(k), hm(x)) for k, x in writes],
             [(hm(q), before) for q, before in readouts], hm(value_log_decay))
 
@@ -267,7 +278,10 @@ def _finish(results, end, readouts_hm, causal, tokens):
 
 def _tokens(log_decay, corrections, writes, readouts, value_log_decay=None) -> int:
     arrays = [q for q, _ in readouts if q is not None] + [k for k, _ in writes] + [u for u, _ in corrections]
-    return (arrays[0] if arrays else log_decay if log_decay is not None else value_log_decay).shape[-2]
+    if arrays:
+        return arrays[0].shape[-2]
+    return log_decay.shape[-3] if _is_elementwise(log_decay) else \
+        (log_decay if log_decay is not None else value_log_decay).shape[-2]
 
 
 def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None, value_log_decay=None):
@@ -299,7 +313,7 @@ def _chunkwise(s0, log_decay, corrections, writes, readouts, causal, chunk_size,
     for s in range(0, tokens, chunk):
         cut = slice(s, min(s + chunk, tokens))
         results, state = _segment(
-            state, None if l is None else l[..., cut, :], [(u[..., cut, :], w[..., cut, :]) for u, w in corr],
+            state, None if l is None else l[..., cut, :, :] if _is_elementwise(l) else l[..., cut, :], [(u[..., cut, :], w[..., cut, :]) for u, w in corr],
             [(k[..., cut, :], x[..., cut, :]) for k, x in wr],
             [(None if q is None else q[..., cut, :], b) for q, b in rd], causal, block=16,
             m=None if m is None else m[..., cut, :])
@@ -342,8 +356,9 @@ def _tokens_before(first, tokens: int, log_decay, corrections, writes, readouts,
     log-decay 0 and every vector 0 (a readout of it is 0)."""
     keep = np.arange(tokens)[None, :, None] < first[:, None, :]  # [B, T, H]
 
-    def kept(a):
-        return None if a is None else np.where(keep[..., None], a, np.zeros((), a.dtype))
+    def kept(a):  # (the keep mask [B, T, H] over the axes after H: one, or two for an elementwise log-decay)
+        return None if a is None else np.where(keep.reshape(keep.shape + (1,) * (a.ndim - 3)), a,
+                                                np.zeros((), a.dtype))
 
     return (kept(log_decay), [(kept(u), kept(w)) for u, w in corrections], [(kept(k), kept(x)) for k, x in writes],
             [(kept(q), b) for q, b in readouts], kept(value_log_decay))
@@ -407,7 +422,9 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
             if before and causal:
                 r[..., t, :] = _read(at(q, t), state)
         pseudo = [np.einsum("...i,...ij->...j", w[..., t, :], state) for _, w in corr]
-        if l is not None:
+        if _is_elementwise(l):
+            state = np.exp(l[..., t, :, :]).astype(state.dtype) * state
+        elif l is not None:
             state = np.exp(l[..., t, :]).astype(state.dtype)[..., :, None] * state
         if m is not None:
             state = state * np.exp(m[..., t, :]).astype(state.dtype)[..., None, :]
