@@ -12,7 +12,8 @@ backend unless --backend says otherwise, with the run's thread count:
 * the prefill of a packed batch of N sequences of mixed lengths (`Recurrence.run(x, cu_seqlens=offsets)`,
   inputs [1, Σ len, H, *]) against the same sequences padded to the longest into a batch [N, T_max, H, *]
   (`Recurrence.run(x)`), both timed (median of `repeats` after a warm-up), and the ratio padded ms / packed
-  ms. The lengths are drawn uniformly from [1, T_max] (seeded), the first one T_max. The padding tokens are
+  ms, beside the token ratio padded tokens / real tokens (what that ratio would be if each run cost only
+  its tokens). The lengths are drawn uniformly from [1, T_max] (seeded), the first one T_max. The padding tokens are
   valid generated tokens after each sequence: their outputs are thrown away (timing only; an engine that
   pads needs the state before them, which the packed run gives directly). Tokens/s counts the real tokens
   for both. The forms timed: recurrent and chunkwise where the program has them (--form chooses).
@@ -216,6 +217,7 @@ def prefill_rows(rec, opts: bench.Options, dims_grid: list[tuple[int, int]], hea
                         rows.append(dict(where, form=f, backend=b, lengths=lengths, tokens=total,
                                          padded_tokens=sequences * longest, packed_ms=packed_ms,
                                          padded_ms=padded_ms, padded_over_packed=padded_ms / packed_ms,
+                                         token_ratio=sequences * longest / total,
                                          packed_tokens_per_s=total / (packed_ms / 1e3),
                                          padded_tokens_per_s=total / (padded_ms / 1e3),
                                          useful_flops=total * h * flops if flops else None,
@@ -316,16 +318,17 @@ def format_report(rep: dict) -> str:
                 "so a step can beat the bound):"] + bench.table_lines(table, {0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11})
     if rep["prefill"]:
         table = [["dk", "dv", "H", "N", "T_max", "tokens", "padded", "form", "backend", "packed ms", "padded ms",
-                  "padded/packed", "packed tok/s", "of bound"]]
+                  "padded/packed", "token ratio", "packed tok/s", "of bound"]]
         for r in rep["prefill"]:
             table.append([str(r["dk"]), str(r["dv"]), str(r["H"]), str(r["N"]), str(r["T_max"]), str(r["tokens"]),
                           str(r["padded_tokens"]), r["form"], r["backend"], f"{r['packed_ms']:.2f}",
-                          f"{r['padded_ms']:.2f}", f"{r['padded_over_packed']:.2f}",
+                          f"{r['padded_ms']:.2f}", f"{r['padded_over_packed']:.2f}", f"{r['token_ratio']:.2f}",
                           f"{r['packed_tokens_per_s']:.4g}", bench.percent(r["packed_fraction_of_bound"])])
         out += ["", "prefill of N sequences of mixed lengths: packed (cu_seqlens, [1, tokens, H, *]) against padded "
                 "to the longest ([N, T_max, H, *]); median ms; tokens/s of the real tokens; of bound: the packed "
-                "run's useful flops at the multiply-add peak:"] + bench.table_lines(
-                    table, {0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13})
+                "run's useful flops at the multiply-add peak; token ratio: padded tokens / real tokens, the padded/packed a "
+                "packed run costing only its tokens would reach):"] + bench.table_lines(
+                    table, {0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13, 14})
     if rep["skipped"]:
         out += ["", "not measured:"]
         for s in rep["skipped"]:

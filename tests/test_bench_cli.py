@@ -274,6 +274,7 @@ def test_bench_serving_rows_at_tiny_sizes(cache_dir, capsys):
     assert (row["dk"], row["dv"], row["H"], row["N"], row["T_max"], row["form"]) == (8, 4, 2, 3, 24, "recurrent")
     assert len(row["lengths"]) == 3 and max(row["lengths"]) == 24 and min(row["lengths"]) >= 1
     assert row["tokens"] == sum(row["lengths"]) and row["padded_tokens"] == 3 * 24
+    assert row["token_ratio"] == pytest.approx(3 * 24 / row["tokens"], rel=1e-12)
     assert row["packed_ms"] > 0 and row["padded_ms"] > 0
     assert row["padded_over_packed"] == pytest.approx(row["padded_ms"] / row["packed_ms"], rel=1e-12)
     assert row["packed_tokens_per_s"] == pytest.approx(row["tokens"] / (row["packed_ms"] / 1e3), rel=1e-12)
