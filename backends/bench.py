@@ -748,12 +748,12 @@ def scaling(rows: list[dict]) -> list[dict]:
             for (f, b), series in _series(rows).items() for (t1, m1), (t2, m2) in zip(series, series[1:])]
 
 
-def busy_notes(others: float | None) -> list[str]:
+def busy_notes(others: float | None, what: str = "these times (and the matmul reference)") -> list[str]:
     """A note when other processes kept more than a quarter of a core busy during the run."""
     if others is None or others <= 0.25:
         return []
     return [f"the machine was busy: other processes kept {others:.2f} core(s) busy on average during this run, "
-            f"so these times (and the matmul reference) are pessimistic and noisy"]
+            f"so {what} are pessimistic and noisy"]
 
 
 # ---- the run ------------------------------------------------------------------------------------------

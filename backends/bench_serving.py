@@ -286,7 +286,8 @@ def run(opts: bench.Options, progress=None) -> dict:
     others = bench.others_cores(ticks, bench.cpu_ticks())
     report.update({"decode": steps, "prefill": rows, "skipped": skipped + not_run, "other_processes_cores": others,
                    "openmp_wait_policy": c_build.openmp_wait_policy(),
-                   "notes": notes + decode_notes + bench.busy_notes(others)})
+                   "notes": notes + decode_notes
+                   + bench.busy_notes(others, "these times (and the bandwidth and peak measured)")})
     return report
 
 
