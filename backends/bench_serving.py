@@ -32,7 +32,7 @@ from math import prod
 
 import numpy as np
 
-from . import api, bench, bench_shapes
+from . import api, bench, bench_shapes, serving
 from .c import build as c_build
 from .decode import reads_the_sequence
 from .dsl.errors import LinrecError
@@ -236,15 +236,23 @@ def with_prefill_bounds(rows: list[dict], peak: float | None) -> list[dict]:
     return out
 
 
-def _forms(rec, opts: bench.Options) -> tuple[list[str], list[dict]]:
-    """The forms asked for (bench.forms_asked), by default those of PREFILL_FORMS the program has."""
+def _forms(rec, opts: bench.Options) -> tuple[list[str], list[dict], list[str]]:
+    """The prefill's forms: those asked for (bench.forms_asked), by default those of PREFILL_FORMS the program
+    has; what is skipped; and a note when there is no packed prefill to time (and why)."""
+    why = serving.why_not_packed(rec.program, rec.decomposition.sequence)
+    if why:
+        return [], [], [f"'{rec.program.name}' does not take cu_seqlens ({why}): no prefill rows"]
     if opts.forms:
         forms, with_auto, skipped = bench.forms_asked(rec, opts)
         if with_auto:
             raise LinrecError("--shapes serving times the forms by name: pass --form recurrent or --form chunkwise "
                               "(not auto)")
-        return forms, skipped
-    return [f for f in PREFILL_FORMS if f in rec.forms and not rec.decomposition.why_not(f)], []
+        return forms, skipped, []
+    forms = [f for f in PREFILL_FORMS if f in rec.forms and not rec.decomposition.why_not(f)]
+    if not forms:
+        return [], [], [f"'{rec.program.name}' has no {' or '.join(PREFILL_FORMS)} form (its forms: "
+                        f"{', '.join(rec.forms)}): no prefill rows unless --form names one"]
+    return forms, [], []
 
 
 def run(opts: bench.Options, progress=None) -> dict:
@@ -256,7 +264,7 @@ def run(opts: bench.Options, progress=None) -> dict:
     bench.require_param_defaults(rec.program)
     threads, threads_from = (opts.threads, "--threads") if opts.threads is not None else bench.default_threads()
     backends = list(dict.fromkeys(opts.backends or DEFAULT_BACKENDS))
-    forms, skipped = _forms(rec, opts)
+    forms, skipped, notes = _forms(rec, opts)
     requests = _requests(opts) if opts.decode else []
     dims_grid = list(dict.fromkeys(opts.grid_dims or SERVING_DIMS))
     heads = list(dict.fromkeys(opts.heads or SERVING_HEADS))
@@ -268,7 +276,6 @@ def run(opts: bench.Options, progress=None) -> dict:
                        "pool": opts.pool or POOL_SLOTS, "T_max": sorted(set(opts.tokens or PREFILL_TOKENS)),
                        "sequences": list(opts.batches or PREFILL_SEQUENCES)}}
     report.update(bench.machine_reference(threads, opts.quick, say))
-    notes = []
     if report["fma_peak_gflops"] is None:
         notes.append(f"the machine's limits were not measured ({report['machine_limits']['error']}): no bounds")
     with bench.thread_settings(threads):

@@ -297,6 +297,12 @@ def test_bench_serving_options_and_their_errors(cache_dir, capsys):
         for k in packed:
             assert padded[k].shape[:2] == (3, 100) and np.array_equal(padded[k][i, :n], packed[k][0, start:start + n])
         start += n
+    # a program that refuses cu_seqlens, or has neither form timed by default, has no prefill rows, and says why
+    from linrec import bench
+    linformer = linrec.load(EXAMPLES / "linformer.lin")
+    assert bench_serving._forms(linformer, bench.Options(file="linformer.lin"))[2][0].startswith(
+        "'linformer' does not take cu_seqlens (its parameter(s) E, F span the sequence axis")
+    assert bench_serving._forms(rec, bench.Options(file="gla.lin")) == (["recurrent", "chunkwise"], [], [])
     assert main(["bench", str(EXAMPLES / "gla.lin"), "--requests", "4"]) == 1
     assert "add --shapes serving" in capsys.readouterr().err
     assert main(["bench", str(EXAMPLES / "gla.lin"), "--shapes", "serving", "--requests", "9", "--pool", "8"]) == 1
