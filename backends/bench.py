@@ -45,7 +45,6 @@ import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from math import prod
 from pathlib import Path
 
@@ -91,11 +90,14 @@ class Options:
     dims: dict[str, int] = field(default_factory=dict)
     plot: str | None = None
     limits: bool = True                     # False: run every form at every T (see MAX_TOKENS)
-    shapes: str | None = None               # "model": the grid of linrec.bench_shapes instead
-    grid_dims: list[tuple[int, int]] | None = None  # --shapes model: only these (dk, dv) …
+    shapes: str | None = None               # "model": the grid of linrec.bench_shapes instead; "serving":
+                                            # linrec.bench_serving's slot-pool step and packed prefill
+    grid_dims: list[tuple[int, int]] | None = None  # --shapes model/serving: only these (dk, dv) …
     heads: list[int] | None = None          # … these H …
-    batches: list[int] | None = None        # … these B (T: `tokens`, when given)
-    decode: bool = True                     # --shapes model: also the decode steps
+    batches: list[int] | None = None        # … these B (T: `tokens`, when given; serving: sequences packed)
+    decode: bool = True                     # --shapes model/serving: also the decode steps
+    requests: list[int] | None = None       # --shapes serving: the decode step's N active requests …
+    pool: int | None = None                 # … in a pool of this many slots
 
 
 # ---- what is counted ----------------------------------------------------------------------------------
@@ -304,27 +306,37 @@ def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool, batch: 
     def step():
         rec.step(token, state, backend=backend, inplace=True, out=out)
 
-    def seconds(fn, n):
+    result = {"first_call_ms": first_ms, "batches": call_batches(quick)}
+    result["us"], result["calls_per_batch"] = per_call_us(bound, quick)
+    result["step_us"], result["step_calls_per_batch"] = per_call_us(step, quick)
+    return result
+
+
+def call_batches(quick: bool) -> int:
+    """How many batches of calls per_call_us takes the median of."""
+    return 5 if quick else 21
+
+
+def per_call_us(fn, quick: bool) -> tuple[float, int]:
+    """µs per call of fn (a decode step: microseconds to milliseconds), and the calls per batch: the median
+    over batches of calls, each batch long enough to dwarf the timer, after a warm-up of at least 10 ms of
+    calls (helper threads started, states in cache: a decode loop's steady state)."""
+    def seconds(n):
         t = time.perf_counter()
         for _ in range(n):
             fn()
         return time.perf_counter() - t
 
-    target, batches = (0.002, 5) if quick else (0.005, 21)
-    result = {"first_call_ms": first_ms, "batches": batches}
-    for key, fn in (("us", bound), ("step_us", step)):
-        batch = partial(seconds, fn)
-        n, spent = 1, 0.0
-        while n < 1 << 20:
-            took = batch(n)
-            spent += took
-            if took >= target and spent >= 0.01:
-                break
-            n *= 2
-        per_call = [batch(n) / n for _ in range(batches)]
-        result[key] = statistics.median(per_call) * 1e6
-        result["calls_per_batch" if key == "us" else "step_calls_per_batch"] = n
-    return result
+    target = 0.002 if quick else 0.005
+    n, spent = 1, 0.0
+    while n < 1 << 20:
+        took = seconds(n)
+        spent += took
+        if took >= target and spent >= 0.01:
+            break
+        n *= 2
+    per_call = [seconds(n) / n for _ in range(call_batches(quick))]
+    return statistics.median(per_call) * 1e6, n
 
 
 def input_check_ms(program, inputs: dict) -> dict[str, float]:
@@ -736,12 +748,12 @@ def scaling(rows: list[dict]) -> list[dict]:
             for (f, b), series in _series(rows).items() for (t1, m1), (t2, m2) in zip(series, series[1:])]
 
 
-def busy_notes(others: float | None) -> list[str]:
+def busy_notes(others: float | None, what: str = "these times (and the matmul reference)") -> list[str]:
     """A note when other processes kept more than a quarter of a core busy during the run."""
     if others is None or others <= 0.25:
         return []
     return [f"the machine was busy: other processes kept {others:.2f} core(s) busy on average during this run, "
-            f"so these times (and the matmul reference) are pessimistic and noisy"]
+            f"so {what} are pessimistic and noisy"]
 
 
 # ---- the run ------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import api, bench, bench_shapes, compiler, gradients, quality, registry, verify, verify_grad
+from . import api, bench, bench_serving, bench_shapes, compiler, gradients, quality, registry, verify, verify_grad
 from .c import cache as c_cache
 from .c import standalone as c_standalone
 from .compiler import ir
@@ -892,13 +892,29 @@ def _add_bench(parser: argparse.ArgumentParser):
         f"{', '.join(map(str, bench_shapes.MODEL_BATCHES))}, T in {', '.join(map(str, bench_shapes.MODEL_TOKENS))} "
         f"(prefill; C backend unless --backend; {bench_shapes.GRID_REPEATS} repeats), and the decode step of "
         "one request at each (dk, dv) and H; these options keep parts of it")
-    grid.add_argument("--shapes", choices=["model"], help="run the model grid instead of the T sweep")
+    grid.add_argument("--shapes", choices=["model", "serving"],
+                      help="model: run the model grid instead of the T sweep; serving: the slot-pool decode step "
+                           "and the packed prefill (below)")
     grid.add_argument("--grid-dims", dest="grid_dims", action="append", type=_dk_dv, metavar="DKxDV",
                       help="only this (dk, dv), e.g. 128x64 (repeatable)")
     grid.add_argument("--heads", action="append", type=_positive_int, metavar="H", help="only this H (repeatable)")
     grid.add_argument("--batch", dest="batches", action="append", type=_positive_int, metavar="B",
-                      help="only this B for the prefill (repeatable)")
+                      help="only this B for the prefill (repeatable); --shapes serving: the number of sequences "
+                           "packed")
     grid.add_argument("--no-decode", dest="decode", action="store_false", help="leave out the decode steps")
+    serving = parser.add_argument_group(
+        "serving", f"--shapes serving: the slot-pool decode step (Recurrence.bind_step(…, slots=idx)) of N in "
+        f"{', '.join(map(str, bench_serving.REQUESTS))} requests in a pool of {bench_serving.POOL_SLOTS} slots, "
+        f"tokens/s and µs against its state bytes at the memory bandwidth; and the prefill of "
+        f"{bench_serving.PREFILL_SEQUENCES[0]} sequences of mixed lengths up to T_max = "
+        f"{bench_serving.PREFILL_TOKENS[0]} packed (cu_seqlens) against the same padded to T_max (ratio of "
+        f"times); H = {bench_serving.SERVING_HEADS[0]}, dk = dv = {bench_serving.SERVING_DIMS[0][0]}, C backend "
+        f"unless --backend, forms {' and '.join(bench_serving.PREFILL_FORMS)} unless --form; --grid-dims, "
+        f"--heads, --T (T_max), --batch (sequences) and --no-decode change it too")
+    serving.add_argument("--requests", action="append", type=_positive_int, metavar="N",
+                         help="with --shapes serving: this many active requests a decode step (repeatable)")
+    serving.add_argument("--pool", type=_positive_int, metavar="P",
+                         help=f"with --shapes serving: slots in the pool (default {bench_serving.POOL_SLOTS})")
     parser.epilog = """\
 examples:
   linrec bench examples/gla.lin
@@ -906,6 +922,7 @@ examples:
   linrec bench examples/gla.lin --quick --backend c --form auto
   linrec bench examples/gla.lin --T 4096 --form recurrent --form chunkwise --plot gla.png
   linrec bench examples/gla.lin --shapes model --grid-dims 128x128 --heads 16 --T 4096 --form recurrent
+  linrec bench examples/gated_deltanet.lin --shapes serving --requests 64 --json
 
 B = 1, H = 8, dk = dv = 64, float32. Each row is the median wall time of Recurrence.run (after one
 warm-up call) and its useful GFLOP/s — the recurrent form's flops per token and head (2·dk·dv per
@@ -928,30 +945,37 @@ def cmd_bench(args) -> int:
     Reports median ms, tokens/s, useful GFLOP/s and their fraction of the multiply-add-peak bound (and
     of a same-run matmul) for each form, backend and sequence length, the decode-step time per token
     against its memory-bandwidth bound, state against KV-cache bytes, the automatic form choice and the
-    C kernel's build and cached-load times; with --shapes model, the model grid of shapes.
+    C kernel's build and cached-load times; with --shapes model, the model grid of shapes; with --shapes
+    serving, the slot-pool decode step and the packed prefill against the padded one.
     """
     grid_only = [name for name, given in (("--grid-dims", args.grid_dims), ("--heads", args.heads),
                                           ("--batch", args.batches), ("--no-decode", not args.decode)) if given]
     if grid_only and not args.shapes:
-        raise LinrecError(f"{', '.join(grid_only)} keep parts of the model grid: add --shapes model")
+        raise LinrecError(f"{', '.join(grid_only)} keep parts of the model grid: add --shapes model (or serving)")
+    serving_only = [name for name, given in (("--requests", args.requests), ("--pool", args.pool)) if given]
+    if serving_only and args.shapes != "serving":
+        raise LinrecError(f"{', '.join(serving_only)} set the slot-pool decode step: add --shapes serving")
     if args.shapes and (args.plot or args.dims):
-        raise LinrecError("--shapes model sets dk and dv itself and has no --plot: use --grid-dims, and "
-                          "benchmarks/model_shapes.py plot for a plot")
+        raise LinrecError(f"--shapes {args.shapes} sets dk and dv itself and has no --plot: use --grid-dims"
+                          + (", and benchmarks/model_shapes.py plot for a plot" if args.shapes == "model" else ""))
     opts = bench.Options(file=args.file, quick=args.quick, forms=args.form, backends=args.backend,
                          threads=args.threads, repeats=args.repeats, budget_s=args.budget,
                          dims=dict(args.dims or []), plot=args.plot, limits=args.limits, shapes=args.shapes,
-                         grid_dims=args.grid_dims, heads=args.heads, batches=args.batches, decode=args.decode)
+                         grid_dims=args.grid_dims, heads=args.heads, batches=args.batches, decode=args.decode,
+                         requests=args.requests, pool=args.pool)
     if args.tokens:
         opts.tokens = list(args.tokens)
-    elif args.shapes:
+    elif args.shapes == "model":
         opts.tokens = list(bench_shapes.MODEL_TOKENS)
+    elif args.shapes == "serving":
+        opts.tokens = list(bench_serving.PREFILL_TOKENS)
     elif args.quick:
         opts.tokens = list(bench.QUICK_TOKENS)
     progress = None
     if args.json or sys.stderr.isatty():
         def progress(text):
             print(f"{PROG} bench: {text}", file=sys.stderr, flush=True)
-    module = bench_shapes if args.shapes else bench
+    module = {"model": bench_shapes, "serving": bench_serving}.get(args.shapes, bench)
     report = module.run(opts, progress)
     if args.json:
         print(json.dumps(report, indent=1, ensure_ascii=False))

@@ -245,3 +245,65 @@ def test_model_grid_and_its_limits(cache_dir, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", str(EXAMPLES / "gla.lin"), "--shapes", "model", "--grid-dims", "12"])
     assert exit_.value.code == 1 and "DKxDV such as 128x64" in capsys.readouterr().err
+
+
+# ---- bench --shapes serving --------------------------------------------------------------------------
+def test_bench_serving_rows_at_tiny_sizes(cache_dir, capsys):
+    """--shapes serving at tiny sizes: a slot-pool row for each N with its tokens/s and its bound (the N rows'
+    state bytes, read and written, at the same-run bandwidth), and a prefill row per form with the packed and
+    the padded batch timed over the same sequences (correctness of the report only: no speed asserted)."""
+    code = main(["bench", str(EXAMPLES / "gated_deltanet.lin"), "--shapes", "serving", "--grid-dims", "8x4",
+                 "--heads", "2", "--requests", "1", "--requests", "3", "--pool", "5", "--T", "24", "--batch", "3",
+                 "--form", "recurrent", "--quick", "--repeats", "1", "--json", "--threads", "1"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["shapes"] == "serving" and report["backends"] == ["c"] and report["forms"] == ["recurrent"]
+    assert report["bandwidth_gbs"] > 0 and report["fma_peak_gflops"] > 0
+    steps = report["decode"]
+    assert sorted((d["dk"], d["dv"], d["H"], d["N"], d["P"]) for d in steps) == [(8, 4, 2, 1, 5), (8, 4, 2, 3, 5)]
+    for d in steps:
+        assert d["us"] > 0 and d["step_us"] > 0
+        assert d["tokens_per_s"] == pytest.approx(d["N"] / (d["us"] * 1e-6), rel=1e-12)
+        assert d["state_bytes_moved"] == 2 * d["N"] * 2 * 8 * 4 * 4   # S [dk, dv] of each active row, twice
+        assert d["pool_bytes"] == 5 * 2 * 8 * 4 * 4
+        assert d["bound_us"] == pytest.approx(d["state_bytes_moved"] / (report["bandwidth_gbs"] * 1e3), rel=1e-12)
+        assert d["fraction_of_bound"] == pytest.approx(d["bound_us"] / d["us"], rel=1e-12)
+        llc = max(report["machine_limits"]["caches"].values(), default=0)  # (unknown on some machines: none)
+        assert d["state_in_last_level_cache"] is (0 < d["state_bytes_moved"] // 2 <= llc)
+    [row] = report["prefill"]
+    assert (row["dk"], row["dv"], row["H"], row["N"], row["T_max"], row["form"]) == (8, 4, 2, 3, 24, "recurrent")
+    assert len(row["lengths"]) == 3 and max(row["lengths"]) == 24 and min(row["lengths"]) >= 1
+    assert row["tokens"] == sum(row["lengths"]) and row["padded_tokens"] == 3 * 24
+    assert row["token_ratio"] == pytest.approx(3 * 24 / row["tokens"], rel=1e-12)
+    assert row["packed_ms"] > 0 and row["padded_ms"] > 0
+    assert row["padded_over_packed"] == pytest.approx(row["padded_ms"] / row["packed_ms"], rel=1e-12)
+    assert row["packed_tokens_per_s"] == pytest.approx(row["tokens"] / (row["packed_ms"] / 1e3), rel=1e-12)
+    assert row["useful_flops"] == row["tokens"] * 2 * 6 * 8 * 4     # gated DeltaNet: 6·dk·dv a token and head
+    assert row["bound_ms"] == pytest.approx(row["useful_flops"] / (report["fma_peak_gflops"] * 1e6), rel=1e-12)
+
+
+def test_bench_serving_options_and_their_errors(cache_dir, capsys):
+    """The lengths are mixed, seeded and reach T_max; the padded batch holds each sequence at the start of
+    its row; --requests and --pool need --shapes serving, and N above the pool is an error naming --requests."""
+    from linrec import bench_serving
+    lengths = bench_serving._lengths(8, 100)
+    assert lengths == bench_serving._lengths(8, 100) and lengths[0] == 100 and len(set(lengths)) > 1
+    assert all(1 <= n <= 100 for n in lengths)
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    packed = rec.random_inputs(1, sum(lengths[:3]), 2, dims={"dk": 4, "dv": 4}, dtype=np.float32)
+    padded = bench_serving._padded(rec, packed, lengths[:3], 2, {"dk": 4, "dv": 4})
+    start = 0
+    for i, n in enumerate(lengths[:3]):
+        for k in packed:
+            assert padded[k].shape[:2] == (3, 100) and np.array_equal(padded[k][i, :n], packed[k][0, start:start + n])
+        start += n
+    # a program that refuses cu_seqlens, or has neither form timed by default, has no prefill rows, and says why
+    from linrec import bench
+    linformer = linrec.load(EXAMPLES / "linformer.lin")
+    assert bench_serving._forms(linformer, bench.Options(file="linformer.lin"))[2][0].startswith(
+        "'linformer' does not take cu_seqlens (its parameter(s) E, F span the sequence axis")
+    assert bench_serving._forms(rec, bench.Options(file="gla.lin")) == (["recurrent", "chunkwise"], [], [])
+    assert main(["bench", str(EXAMPLES / "gla.lin"), "--requests", "4"]) == 1
+    assert "add --shapes serving" in capsys.readouterr().err
+    assert main(["bench", str(EXAMPLES / "gla.lin"), "--shapes", "serving", "--requests", "9", "--pool", "8"]) == 1
+    assert "--requests 9 is more than the pool's 8 slots" in capsys.readouterr().err
