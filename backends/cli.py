@@ -935,7 +935,8 @@ def cmd_bench(args) -> int:
     Reports median ms, tokens/s, useful GFLOP/s and their fraction of the multiply-add-peak bound (and
     of a same-run matmul) for each form, backend and sequence length, the decode-step time per token
     against its memory-bandwidth bound, state against KV-cache bytes, the automatic form choice and the
-    C kernel's build and cached-load times; with --shapes model, the model grid of shapes.
+    C kernel's build and cached-load times; with --shapes model, the model grid of shapes; with --grad, the
+    backward (Recurrence.vjp) against the forward.
     """
     grid_only = [name for name, given in (("--grid-dims", args.grid_dims), ("--heads", args.heads),
                                           ("--batch", args.batches), ("--no-decode", not args.decode)) if given]
