@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import api, bench, bench_serving, bench_shapes, compiler, gradients, quality, registry, verify, verify_grad
+from . import api, bench, bench_grad, bench_serving, bench_shapes, compiler, gradients, quality, registry, verify, verify_grad
 from .c import cache as c_cache
 from .c import standalone as c_standalone
 from .compiler import ir
@@ -886,6 +886,12 @@ def _add_bench(parser: argparse.ArgumentParser):
     parser.add_argument("--no-limits", dest="limits", action="store_false",
                         help="also run the parallel form above T = 4096 and the NumPy recurrent form above "
                              "T = 4096 (slow: T² work, per-token interpreter overhead)")
+    parser.add_argument("--grad", action="store_true",
+                        help=f"time the backward (Recurrence.vjp, which includes its forward recomputation) "
+                             f"against the forward, per form and backend with a gradient form (the others listed "
+                             f"with the reason): dk = dv in {{{', '.join(map(str, bench_grad.GRAD_DIMS))}}} (--dim "
+                             f"sets one size), T in {{{', '.join(map(str, bench_grad.GRAD_TOKENS))}}} (--T "
+                             f"overrides); each row: forward ms, backward ms, backward / fastest forward")
     grid = parser.add_argument_group(
         "the model grid", f"--shapes model: (dk, dv) in {' '.join(f'{a}x{b}' for a, b in bench_shapes.MODEL_DIMS)}, "
         f"H in {', '.join(map(str, bench_shapes.MODEL_HEADS))}, B in "
@@ -923,6 +929,7 @@ examples:
   linrec bench examples/gla.lin --T 4096 --form recurrent --form chunkwise --plot gla.png
   linrec bench examples/gla.lin --shapes model --grid-dims 128x128 --heads 16 --T 4096 --form recurrent
   linrec bench examples/gated_deltanet.lin --shapes serving --requests 64 --json
+  linrec bench examples/gla.lin --grad --dim dk=64 --dim dv=64 --T 4096
 
 B = 1, H = 8, dk = dv = 64, float32. Each row is the median wall time of Recurrence.run (after one
 warm-up call) and its useful GFLOP/s — the recurrent form's flops per token and head (2·dk·dv per
@@ -946,7 +953,8 @@ def cmd_bench(args) -> int:
     of a same-run matmul) for each form, backend and sequence length, the decode-step time per token
     against its memory-bandwidth bound, state against KV-cache bytes, the automatic form choice and the
     C kernel's build and cached-load times; with --shapes model, the model grid of shapes; with --shapes
-    serving, the slot-pool decode step and the packed prefill against the padded one.
+    serving, the slot-pool decode step and the packed prefill against the padded one; with --grad, the
+    backward (Recurrence.vjp) against the forward.
     """
     grid_only = [name for name, given in (("--grid-dims", args.grid_dims), ("--heads", args.heads),
                                           ("--batch", args.batches), ("--no-decode", not args.decode)) if given]
@@ -958,6 +966,9 @@ def cmd_bench(args) -> int:
     if args.shapes and (args.plot or args.dims):
         raise LinrecError(f"--shapes {args.shapes} sets dk and dv itself and has no --plot: use --grid-dims"
                           + (", and benchmarks/model_shapes.py plot for a plot" if args.shapes == "model" else ""))
+    if args.grad and (args.shapes or args.plot):
+        raise LinrecError("--grad has its own sizes and no plot: leave out --shapes and --plot (--dim and --T "
+                          "choose the sizes)")
     opts = bench.Options(file=args.file, quick=args.quick, forms=args.form, backends=args.backend,
                          threads=args.threads, repeats=args.repeats, budget_s=args.budget,
                          dims=dict(args.dims or []), plot=args.plot, limits=args.limits, shapes=args.shapes,
@@ -969,13 +980,15 @@ def cmd_bench(args) -> int:
         opts.tokens = list(bench_shapes.MODEL_TOKENS)
     elif args.shapes == "serving":
         opts.tokens = list(bench_serving.PREFILL_TOKENS)
+    elif args.grad:
+        opts.tokens = list(bench.QUICK_TOKENS if args.quick else bench_grad.GRAD_TOKENS)
     elif args.quick:
         opts.tokens = list(bench.QUICK_TOKENS)
     progress = None
     if args.json or sys.stderr.isatty():
         def progress(text):
             print(f"{PROG} bench: {text}", file=sys.stderr, flush=True)
-    module = {"model": bench_shapes, "serving": bench_serving}.get(args.shapes, bench)
+    module = bench_grad if args.grad else {"model": bench_shapes, "serving": bench_serving}.get(args.shapes, bench)
     report = module.run(opts, progress)
     if args.json:
         print(json.dumps(report, indent=1, ensure_ascii=False))

@@ -70,6 +70,39 @@ def test_bench_quick_json_has_the_documented_keys(cache_dir, capsys):
     assert missing <= {s["form"] for s in report["skipped"] if s["backend"] == "c"}
 
 
+def test_bench_grad_rows(capsys):
+    """--grad at a tiny size: a backward row per gradient form on NumPy, each with its forward, the fastest
+    forward at the size and their ratio; the C backend's missing backward listed with its reason; a form
+    above its T limit skipped for forward and backward alike. (No speed is asserted.)"""
+    code = main(["bench", str(EXAMPLES / "gla.lin"), "--grad", "--json", "--dim", "dk=8", "--dim", "dv=8",
+                 "--T", "32", "--T", "4097", "--form", "recurrent", "--form", "chunkwise", "--repeats", "1",
+                 "--threads", "1"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["grad"] and report["sizes"] == [{"dk": 8, "dv": 8}] and report["tokens"] == [32, 4097]
+    forward = {(r["form"], r["backend"], r["T"]): r["ms"] for r in report["forward"]}
+    assert set(forward) == {("recurrent", "numpy", 32), ("chunkwise", "numpy", 32), ("recurrent", "c", 32),
+                            ("chunkwise", "numpy", 4097), ("recurrent", "c", 4097)} | (
+        {("chunkwise", "c", 32), ("chunkwise", "c", 4097)} & set(forward))
+    rows = {(r["form"], r["backend"], r["T"]): r for r in report["rows"]}
+    assert set(rows) == {("recurrent", "numpy", 32), ("chunkwise", "numpy", 32), ("chunkwise", "numpy", 4097)}
+    for (form, backend, t), r in rows.items():
+        fastest = min(ms for (_, _, at), ms in forward.items() if at == t)
+        assert r["ms"] > 0 and r["repeats"] == 1 and (r["dk"], r["dv"]) == (8, 8)
+        assert r["forward_ms"] == forward[(form, backend, t)]
+        assert r["fastest_forward_ms"] == fastest and r["ratio"] == pytest.approx(r["ms"] / fastest, rel=1e-12)
+    reasons = {(s["pass"], s["form"], s["backend"], s["T"]): s["reason"] for s in report["skipped"]}
+    for form in ("recurrent", "chunkwise"):   # once, not at every size
+        assert "C backend derives no backward" in reasons[("backward", form, "c", None)]
+    assert "not run above T = 4096" in reasons[("backward", "recurrent", "numpy", 4097)]
+    assert "not run above T = 4096" in reasons[("forward", "recurrent", "numpy", 4097)]
+
+
+def test_bench_grad_refuses_shapes(capsys):
+    assert main(["bench", str(EXAMPLES / "gla.lin"), "--grad", "--shapes", "model"]) != 0
+    assert "--grad has its own sizes" in capsys.readouterr().err
+
+
 DELTA_VECTOR_READ = """recurrence delta_read(d = 8)
 input k[d], v, beta in (0, 1)
 kn = l2norm(k)

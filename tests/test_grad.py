@@ -479,3 +479,88 @@ def test_cli(capsys):
     assert "d_k_seq[:, :, keys] +=" in capsys.readouterr().out
     assert main(["emit", str(EXAMPLES / "linformer.lin"), "--grad"]) == 1
     assert "reads the sequence other than through seq(…) (mixing)" in capsys.readouterr().err
+
+
+# ---- long sequences: gradients stay finite where the forward is stable ------------------------------------
+LONG = 32768   # tokens; B = H = 1, small dims, float64
+SPLIT = 256    # the last tokens, run again alone from the state the long forward had before them
+
+
+def _long_inputs(rec, dims, seed):
+    x = rec.random_inputs(1, LONG, 1, dims, np.float64, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    up = {o.name: rng.standard_normal((1, LONG, 1) + tuple(dims[d] for d in o.value.shape))
+          for o in rec.program.outputs}
+    return x, up
+
+
+def _assert_finite(result):
+    for name, g in result.grads.items():
+        assert np.all(np.isfinite(g)), name
+
+
+def _assert_split_agrees(rec, x, up, long, dims, form):
+    """The long call's gradients of the last SPLIT tokens are those of the last SPLIT tokens run alone
+    (recurrent backward: the definition) from the state the forward reaches before them — to 1e-9 of each
+    array's largest value."""
+    head = {k: v[:, :-SPLIT] for k, v in x.items()}
+    before = rec.run(head, form=form, dims=dims).final_state
+    tail = rec.vjp({k: v[:, -SPLIT:] for k, v in x.items()}, {k: v[:, -SPLIT:] for k, v in up.items()},
+                   initial_state=before, dims=dims)
+    for name in x:
+        ref, got = tail.grads[name], long.grads[name][:, -SPLIT:]
+        assert np.max(np.abs(got - ref)) <= FORM_TOLERANCE * np.max(np.abs(ref)), name
+
+
+def test_long_gla_strong_and_vanishing_decays():
+    """GLA at T = 32768 (chunkwise backward, the fastest gradient form) with log-decays from mild to −20 (strong)
+    and from −20 to −700 (decays of e^−700, near zero but not a reset), mixed token by token and channel by
+    channel: every gradient is finite, and the last tokens' agree with the same tokens run alone."""
+    rec, dims = example("gla"), {"dk": 4, "dv": 4}
+    x, up = _long_inputs(rec, dims, seed=3)
+    rng = np.random.default_rng(7)
+    kind = rng.integers(0, 3, x["g"].shape)
+    x["g"] = np.choose(kind, [-rng.uniform(0, 1, kind.shape), -rng.uniform(1, 20, kind.shape),
+                              -rng.uniform(20, 700, kind.shape)])
+    long = rec.vjp(x, up, form="chunkwise", dims=dims)
+    _assert_finite(long)
+    assert np.max(np.abs(long.grads["g"])) > 0 and np.max(np.abs(long.grads["k"][:, :SPLIT])) > 0
+    _assert_split_agrees(rec, x, up, long, dims, "chunkwise")
+
+
+def test_long_gla_resets():
+    """A decay of exactly 0 (log-decay −∞) at token t resets the state (docs/guarantees.md). At T = 32768 with
+    resets in every channel at three tokens (the recurrent backward: the chunkwise one refuses −∞, says so, and
+    test_a_decay_of_zero covers that): every gradient is finite — ∂g is 0 where g = −∞ — the inputs before the
+    last reset get exactly zero gradient from the outputs after it, the initial state too, and the tokens from
+    the last reset on have the gradients of those tokens run alone from a zero state."""
+    rec, dims = example("gla"), {"dk": 4, "dv": 4}
+    x, up = _long_inputs(rec, dims, seed=5)
+    resets = [1000, 20000, LONG - 300]
+    x["g"][:, resets] = -np.inf
+    last = resets[-1]
+    after = {k: np.where(np.arange(LONG)[None, :, None, None] >= last, v, 0.0) for k, v in up.items()}
+    state0 = {"S": np.random.default_rng(0).standard_normal((1, 1, 4, 4))}
+    long = rec.vjp(x, after, initial_state=state0, dims=dims)
+    _assert_finite(long)
+    assert np.all(long.grads["g"][:, resets] == 0.0)
+    for name in x:
+        assert np.all(long.grads[name][:, :last] == 0.0), name   # exactly: a reset cuts every path
+    assert np.all(long.grads["S"] == 0.0)
+    alone = rec.vjp({k: v[:, last:] for k, v in x.items()}, {k: v[:, last:] for k, v in up.items()}, dims=dims)
+    for name in x:
+        ref = alone.grads[name]
+        assert np.max(np.abs(long.grads[name][:, last:] - ref)) <= FORM_TOLERANCE * np.max(np.abs(ref)), name
+
+
+def test_long_performer():
+    """Performer (exponential feature maps: forward stabilized, backward the statements as written —
+    docs/gradients.md) at T = 32768, chunkwise backward, inputs scaled up ×3 so the features span many orders
+    of magnitude: every gradient is finite and the last tokens' agree with the same tokens run alone from the
+    forward's state before them (whose sums have grown over 32512 tokens)."""
+    rec, dims = example("performer"), {"dk": 4, "dv": 4, "m": 8}
+    x, up = _long_inputs(rec, dims, seed=9)
+    x = {k: 3 * v for k, v in x.items()}
+    long = rec.vjp(x, up, form="chunkwise", dims=dims)
+    _assert_finite(long)
+    _assert_split_agrees(rec, x, up, long, dims, "chunkwise")
