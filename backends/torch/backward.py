@@ -28,7 +28,7 @@ from ..gradients import gradient_refusal
 from .convert import to_array, to_tensor
 
 STEP = "step"  # the forward op's `form` for the decode step (op.STEP)
-AUTO_ORDER = ("chunkwise", "recurrent")  # form="auto": the vectorized backward where it is derived
+AUTO_ORDER = ("recurrent",)  # form="auto": at small dk the fastest NumPy backward (docs/torch.md, "Gradients")
 
 
 def gradient_plan(rec: Recurrence, form: str, backend: str) -> tuple[str, str]:
@@ -45,7 +45,7 @@ def gradient_plan(rec: Recurrence, form: str, backend: str) -> tuple[str, str]:
             why = gradient_refusal(rec, gradient_form, where)
             if why is None:
                 return gradient_form, where
-            reasons.append(f"{gradient_form} on {where}: {why}")
+        reasons.append(f"{gradient_form}: {why}")  # (NumPy's reason: the backend that derives the most)
     raise LinrecError(f"'{rec.name}' has no derived backward for form '{form}', so no gradient through linrec.torch "
                       f"({'; '.join(reasons)}); run it under torch.no_grad(), or see `linrec check`")
 
