@@ -39,6 +39,10 @@ LONG_CONTEXT = 32768  # tokens at which the memory is compared
 # an input bounded above only is a log-decay in every shipped program; 1/16 of a log-sigmoid keeps exp(g) near
 # 1 when training starts (GLA's normalizer), so the first steps do not forget the context within a few tokens
 UPPER_BOUND_SCALE = 1 / 16
+# an input bounded below only starts near its bound, softplus(−4) ≈ 0.02 above it: in the shipped programs it is
+# a step size (Mamba-2's dt, which Mamba initializes in [0.001, 0.1]); at softplus(0) ≈ 0.69 times A in
+# [−16, −1] a layer forgets within a few tokens, and a model of them stayed at chance (docs/torch.md)
+LOWER_BOUND_SHIFT = -4.0
 OPEN_MARGIN = 1e-4  # an open bound is kept this far off: sigmoid and softplus round onto it in float32
 
 
@@ -82,7 +86,7 @@ def input_map(declared: ir.Input):
         return lambda t: (low + (high - low) * torch.sigmoid(t)).clamp(lo, hi)
     if low is not None:
         margin = OPEN_MARGIN if declared.low_open else 0.0
-        return lambda t: low + margin + nn.functional.softplus(t)
+        return lambda t: low + margin + nn.functional.softplus(t + LOWER_BOUND_SHIFT)
     margin = OPEN_MARGIN if declared.high_open else 0.0
     return lambda t: high - margin + UPPER_BOUND_SCALE * nn.functional.logsigmoid(t)
 
@@ -248,7 +252,11 @@ def layer_memory(layer: lt.Layer, tokens: int, bytes_per_value: int = 4) -> int:
 
 
 def megabytes(n: int) -> str:
-    return f"{n / 2**20:.3f} MB" if n < 2**30 else f"{n / 2**30:.2f} GB"
+    """Bytes as KB, MB or GB (binary)."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KB"
 
 
 def run_model(spec: str, args, show: bool = True) -> dict:
@@ -276,12 +284,11 @@ def run_model(spec: str, args, show: bool = True) -> dict:
 
 
 def table(results: list[dict], args) -> str:
-    rows = ["| model | layers | accuracy | final loss | train time | state at 32k tokens | vs all-softmax KV cache |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| model | layers | steps | accuracy | train time | decode vs forward | state at 32k tokens | "
+            "vs all-softmax KV cache |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        last = float(np.mean(r["losses"][-max(1, len(r["losses"]) // 20):])) if r["losses"] else float("nan")
-        rows.append(f"| {r['label']} | {len(r['model'].blocks)} | {r['accuracy']:.3f} | {last:.3f} | "
-                    f"{r['seconds']:.0f} s | {megabytes(r['memory'])} | "
+        rows.append(f"| {r['label']} | {len(r['model'].blocks)} | {args.steps} | {r['accuracy']:.3f} | "
+                    f"{r['seconds']:.0f} s | {r['decode']:.1e} | {megabytes(r['memory'])} | "
                     f"{r['memory'] / r['softmax_memory']:.2%} |")
     return "\n".join(rows)
 

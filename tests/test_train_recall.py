@@ -91,3 +91,9 @@ def test_the_command_line(capsys):
     assert results[0]["decode"] <= 1e-4
     with pytest.raises(SystemExit, match="no such program file 'nope.lin'"):
         train_recall.main(["examples/gla.lin,nope.lin"])
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as done:
+        train_recall.main(["--help"])
+    assert done.value.code == 0 and "LAYERS" in capsys.readouterr().out
