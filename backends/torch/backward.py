@@ -9,8 +9,9 @@ Its tensors: the forward op's (inputs, initial states, params), then the gradien
 (outputs, then final states; None: zero). It returns one gradient per forward tensor, in the same order: an
 empty tensor where the forward's argument was None (autograd's formula turns it back into None).
 
-Which backward runs: the gradient form of the forward's form where one is derived (form="auto": chunkwise,
-else recurrent), on the forward's backend when it builds that gradient, else on NumPy. The gradients of every
+Which backward runs: the gradient form of the forward's form where one is derived, else the recurrent one
+(form="auto": the recurrent one, the fastest NumPy backward at small models' sizes), on the forward's backend
+when it builds that gradient, else on NumPy. The gradients of every
 form agree to 1e-9 (docs/gradients.md), so the choice is one of speed only. The decode step (form="step") is
 the recurrent form over its one token; for a program that reads the sequence, over the KV cache and the token
 with a gradient on the last position only.
