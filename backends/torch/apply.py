@@ -14,8 +14,8 @@ from ..api import Recurrence
 from ..arrays import check_chunk_size, checked_sizes
 from ..compiler import FORMS
 from ..dsl.errors import LinrecError, RuntimeInputError
-from .convert import WIDENED, checked_tensor
 from .backward import gradient_plan
+from .convert import WIDENED, checked_tensor
 from .op import STEP, op_for
 
 FORMS_TAKEN = ("auto", *FORMS, STEP)
@@ -156,7 +156,6 @@ def _bind(sizes: dict, dims: tuple, actual: tuple, where: str) -> None:
             raise RuntimeInputError(f"{where} has {d} = {n}, but {d} = {sizes[d]} elsewhere (from the inputs or "
                                     f"dims)")
         sizes[d] = n
-
 
 
 def _check_differentiable(rec: Recurrence, form: str, backend: str, groups: list[dict[str, torch.Tensor]]) -> None:
