@@ -42,7 +42,7 @@ def tensors(arrays: dict) -> dict:
 
 @pytest.fixture(autouse=True)
 def no_grad():
-    with torch.no_grad():  # (the op has no backward yet: tensors that require grad are refused)
+    with torch.no_grad():  # (the forward alone; gradients through the op: tests/test_torch_grad.py)
         yield
 
 
@@ -221,23 +221,12 @@ def test_errors_name_the_argument_and_the_fix():
     assert "initial state 'S' should have shape [B, H, dk, dv]" in error(initial_state={"S": torch.zeros(2, 16, 16)})
     assert "unknown initial state(s) 'T'" in error(initial_state={"T": torch.zeros(1)})
     assert "dims has dk = 8, but dk = 16 elsewhere" in error(dims={"dk": 8})
-    with torch.enable_grad():
-        needing = error(q=x["q"].clone().requires_grad_())
-    assert "input 'q' requires grad, but gradients through a linrec program need its derived backward " \
-           "(rec.vjp)" in needing and "torch.no_grad()" in needing
     assert "initial_state is a Tensor; pass a dict by name, e.g. initial_state={'S': ...}" in \
         error(initial_state=torch.zeros(1, 2, 16, 16))
     with pytest.raises(linrec.LinrecError, match="unknown form 'fast'"):
         lt.apply(rec, x, form="fast")
     with pytest.raises(linrec.RuntimeInputError, match=r"input 'g' must lie in \(-inf, 0\]"):
         lt.apply(rec, dict(x, g=x["g"].abs() + 1), backend="numpy")  # the kernel's own checks still apply
-
-
-def test_a_layer_that_requires_grad_says_so():
-    layer = lt.Layer("examples/retnet.lin", heads=2)
-    x = tensors(layer.rec.random_inputs(1, 3, 2, dtype=np.float32))
-    with torch.enable_grad(), pytest.raises(linrec.LinrecError, match="parameter 'gamma' requires grad"):
-        layer(**x)
 
 
 def test_a_kv_cache_that_does_not_fit_the_tokens_is_an_error():

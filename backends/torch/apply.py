@@ -14,6 +14,7 @@ from ..api import Recurrence
 from ..arrays import check_chunk_size, checked_sizes
 from ..compiler import FORMS
 from ..dsl.errors import LinrecError, RuntimeInputError
+from .backward import gradient_plan
 from .convert import WIDENED, checked_tensor
 from .op import STEP, op_for
 
@@ -49,7 +50,7 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
             raise RuntimeInputError(f"input '{name}' is {t.dtype} but '{first}' is {dtype}; pass every input in "
                                     f"one dtype")
     sizes = _sizes(program, tensors, states, values, dims)
-    _require_no_grad([("input", tensors), ("initial state", states), ("parameter", values)])
+    _check_differentiable(rec, form, backend, [tensors, states, values])
 
     computed = WIDENED.get(dtype, dtype)  # (a copy for half types; .to() and .contiguous() are no-ops else)
     outputs, finals = op([_ready(tensors[x.name], computed) for x in program.inputs],
@@ -157,14 +158,11 @@ def _bind(sizes: dict, dims: tuple, actual: tuple, where: str) -> None:
         sizes[d] = n
 
 
-def _require_no_grad(groups: list[tuple[str, dict[str, torch.Tensor]]]) -> None:
-    """Tensors that require grad are refused while the op has no backward: a result that silently carried no
-    gradient would train nothing and say nothing."""
-    if not torch.is_grad_enabled():
+def _check_differentiable(rec: Recurrence, form: str, backend: str, groups: list[dict[str, torch.Tensor]]) -> None:
+    """A call that autograd will differentiate needs a derived backward: a program without one (no recurrent
+    form: Linformer, Reformer) is refused now, rather than at loss.backward(). (Not while torch.compile traces:
+    the backward op says the same when it runs.)"""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
-    needing = [f"{what} '{name}'" for what, tensors in groups for name, t in tensors.items() if t.requires_grad]
-    if needing:
-        raise LinrecError(f"{', '.join(needing)} require{'s' if len(needing) == 1 else ''} grad, but gradients "
-                          f"through a linrec program "
-                          f"need its derived backward (rec.vjp), which linrec.torch does not wire to its op yet; "
-                          f"run it under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+    if any(t.requires_grad for tensors in groups for t in tensors.values()):
+        gradient_plan(rec, form, backend)

@@ -15,19 +15,9 @@ by the program's name and a digest of its source, so every Recurrence compiled f
 Every tensor reaches the kernel as a NumPy view of its memory (no copy) and every result leaves as a tensor
 over the kernel's array (no copy): `apply` hands the op contiguous float32/float64 CPU tensors.
 
-Autograd (issue 24's `rec.vjp`) is not wired here yet; `apply` refuses tensors that require grad until it
-is. The hook, in _register beside register_fake (the op's arguments already hold all a backward needs: the
-inputs, the initial states and the params as tensors, the sizes, form and backend as keywords):
-
-    def setup_context(ctx, inputs, keyword_only_inputs, output):
-        ctx.save_for_backward(*(t for t in inputs if t is not None))   # (and which positions were None)
-        ctx.options = keyword_only_inputs                                # sizes, form, backend, chunk_size
-    def backward(ctx, *grads):   # grads: of the outputs, then of the final states, in declaration order
-        # rec.vjp(inputs, grad_outputs, grad_final_state=..., initial_state=..., params=..., dims=..., form=...,
-        #         backend=...) → one gradient per positional tensor of the op (None where it was None)
-    op.register_autograd(backward, setup_context=setup_context)
-
-and the refusal in apply._require_no_grad goes.
+Autograd: the op's backward is a second custom op, `<name>_backward` (backward.py), which runs the derived
+vector–Jacobian product (Recurrence.vjp) on the saved arguments and the cotangents of the outputs and final
+states; `register_autograd` wires it, so gradients reach every input, initial state and param tensor.
 """
 from __future__ import annotations
 
@@ -40,9 +30,10 @@ import torch
 from ..api import Recurrence
 from ..decode import at_true_scale, reads_the_sequence
 from ..dsl.errors import LinrecError
+from . import backward
+from .backward import STEP  # the op's `form` for the decode step: one token through Recurrence.step (see _step)
 from .convert import to_array, to_tensor
 
-STEP = "step"  # the op's `form` for the decode step: one token through Recurrence.step (see _step)
 NAMESPACE = "linrec"
 
 
@@ -98,7 +89,11 @@ def _register(rec: Recurrence) -> RecurrenceOp:
         qualified = f"{NAMESPACE}::{name}"
         op = torch.library.custom_op(qualified, _kernel(rec), mutates_args=(), device_types="cpu", schema=schema)
         op.register_fake(_fake(rec))
-        # (autograd: see the module's docstring for the hook rec.vjp takes)
+        backward_op = torch.library.custom_op(f"{qualified}_backward", backward.kernel(rec), mutates_args=(),
+                                              device_types="cpu", schema=backward.schema(rec, _argument))
+        backward_op.register_fake(backward.fake(rec))
+        setup_context, formula = backward.autograd_formula(rec, backward_op)
+        op.register_autograd(formula, setup_context=setup_context)
         _BY_NAME[name] = RecurrenceOp(rec, op, qualified, schema)
     _OPS[rec] = _BY_NAME[name]
     return _OPS[rec]

@@ -1,0 +1,159 @@
+"""The backward of a program's custom op: its derived vector–Jacobian product (Recurrence.vjp), itself a custom
+op so that torch.compile traces a backward pass around it (autograd's formula must be traceable: it calls the
+backward op, whose fake implementation gives the gradients' shapes, and never touches the tensors' memory).
+
+    linrec::gla_<digest>_backward(Tensor in_q, …, Tensor? state_S, Tensor? dout_o, Tensor? dstate_S,
+                                  *, SymInt[] sizes, str form, str backend, int? chunk_size) -> (Tensor, …)
+
+Its tensors: the forward op's (inputs, initial states, params), then the gradients of the forward's results
+(outputs, then final states; None: zero). It returns one gradient per forward tensor, in the same order: an
+empty tensor where the forward's argument was None (autograd's formula turns it back into None).
+
+Which backward runs: the gradient form of the forward's form where one is derived, else the recurrent one
+(form="auto": the recurrent one, the fastest NumPy backward at small models' sizes), on the forward's backend
+when it builds that gradient, else on NumPy. The gradients of every
+form agree to 1e-9 (docs/gradients.md), so the choice is one of speed only. The decode step (form="step") is
+the recurrent form over its one token; for a program that reads the sequence, over the KV cache and the token
+with a gradient on the last position only.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..api import Recurrence
+from ..compiler import FORMS
+from ..decode import reads_the_sequence
+from ..dsl.errors import LinrecError
+from ..gradients import gradient_refusal
+from .convert import to_array, to_tensor
+
+STEP = "step"  # the forward op's `form` for the decode step (op.STEP)
+AUTO_ORDER = ("recurrent",)  # form="auto": at small dk the fastest NumPy backward (docs/torch.md, "Gradients")
+
+
+def gradient_plan(rec: Recurrence, form: str, backend: str) -> tuple[str, str]:
+    """(gradient form, backend) of the backward of a forward call with this form and backend."""
+    if form == STEP:
+        forms = ("recurrent",)
+    elif form in FORMS:
+        forms = (form, "recurrent")
+    else:
+        forms = AUTO_ORDER
+    reasons = []
+    for gradient_form in dict.fromkeys(forms):
+        for where in dict.fromkeys((backend, "numpy")):
+            why = gradient_refusal(rec, gradient_form, where)
+            if why is None:
+                return gradient_form, where
+        reasons.append(f"{gradient_form}: {why}")  # (NumPy's reason: the backend that derives the most)
+    raise LinrecError(f"'{rec.name}' has no derived backward for form '{form}', so no gradient through linrec.torch "
+                      f"({'; '.join(reasons)}); run it under torch.no_grad(), or see `linrec check`")
+
+
+def schema(rec: Recurrence, argument) -> str:
+    """The backward op's schema (argument(prefix, name, index): a schema argument's name, op._argument)."""
+    program = rec.program
+    tensors = [f"Tensor {argument('in', x.name, i)}" for i, x in enumerate(program.inputs)]
+    tensors += [f"Tensor? {argument('state', s.name, i)}" for i, s in enumerate(program.states)]
+    tensors += [f"Tensor? {argument('param', p.name, i)}" for i, p in enumerate(program.params)]
+    tensors += [f"Tensor? {argument('dout', o.name, i)}" for i, o in enumerate(program.outputs)]
+    tensors += [f"Tensor? {argument('dstate', s.name, i)}" for i, s in enumerate(program.states)]
+    count = len(program.inputs) + len(program.states) + len(program.params)
+    returns = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
+    return f"({', '.join(tensors)}, *, SymInt[] sizes, str form, str backend, int? chunk_size) -> {returns}"
+
+
+def _split(program, tensors: tuple) -> tuple[tuple, tuple, tuple, tuple, tuple]:
+    """(inputs, initial states, params, output gradients, final-state gradients)."""
+    counts = [len(program.inputs), len(program.states), len(program.params), len(program.outputs),
+              len(program.states)]
+    groups, start = [], 0
+    for n in counts:
+        groups.append(tuple(tensors[start:start + n]))
+        start += n
+    return tuple(groups)
+
+
+def kernel(rec: Recurrence):
+    """The backward op's CPU implementation: the tensors as NumPy views, Recurrence.vjp, the gradients as
+    tensors."""
+    program = rec.program
+
+    def backward_kernel(*tensors, sizes, form, backend, chunk_size):
+        inputs, states, params, grad_outputs, grad_final = _split(program, tensors)
+        arrays = {x.name: to_array(t) for x, t in zip(program.inputs, inputs)}
+        state0 = {s.name: to_array(t) for s, t in zip(program.states, states) if t is not None}
+        values = {p.name: to_array(t) for p, t in zip(program.params, params) if t is not None}
+        upstream = {o.name: to_array(g) for o, g in zip(program.outputs, grad_outputs) if g is not None}
+        upstream_final = {s.name: to_array(g) for s, g in zip(program.states, grad_final) if g is not None}
+        dims = {d.name: int(n) for d, n in zip(program.dims, sizes)}
+        gradient_form, where = gradient_plan(rec, form, backend)
+        if form == STEP and reads_the_sequence(rec):
+            # the KV cache and the new token as one sequence: only its last position's outputs were returned
+            tokens = next(iter(arrays.values())).shape[1]
+            upstream = {name: _at_last(g, tokens) for name, g in upstream.items()}
+        result = rec.vjp(arrays, upstream, form=gradient_form, backend=where, grad_final_state=upstream_final,
+                         initial_state=state0 or None, params=values or None, dims=dims,
+                         chunk_size=chunk_size, missing="zero")
+        given = [*arrays.values(), *state0.values(), *values.values()]
+        grads = []
+        for name, t in [*((x.name, t) for x, t in zip(program.inputs, inputs)),
+                        *((s.name, t) for s, t in zip(program.states, states)),
+                        *((p.name, t) for p, t in zip(program.params, params))]:
+            if t is None:
+                grads.append(torch.empty(0, dtype=inputs[0].dtype))
+                continue
+            grads.append(to_tensor(np.asarray(result.grads[name], dtype=to_array(t).dtype), given))
+            given.append(grads[-1].numpy())
+        return grads[0] if len(grads) == 1 else tuple(grads)
+
+    return backward_kernel
+
+
+def _at_last(gradient: np.ndarray, tokens: int) -> np.ndarray:
+    """A gradient of the last position's outputs [B, 1, H, *], as one of the whole sequence's [B, T, H, *]."""
+    whole = np.zeros(gradient.shape[:1] + (tokens,) + gradient.shape[2:], gradient.dtype)
+    whole[:, -1:] = gradient
+    return whole
+
+
+def fake(rec: Recurrence):
+    """The gradients' shapes and dtype without running the backward (for torch.compile): each that of its
+    argument, an empty tensor for an argument that was None."""
+    program = rec.program
+
+    def backward_fake(*tensors, sizes, form, backend, chunk_size):
+        inputs, states, params, _, _ = _split(program, tensors)
+        grads = [t.new_empty(t.shape) if t is not None else inputs[0].new_empty((0,))
+                 for t in (*inputs, *states, *params)]
+        return grads[0] if len(grads) == 1 else tuple(grads)
+
+    return backward_fake
+
+
+def autograd_formula(rec: Recurrence, backward_op):
+    """(setup_context, backward) for register_autograd: the forward's tensors and keywords saved, and the
+    cotangents of its outputs and final states mapped through the backward op to one gradient per tensor
+    argument (None for an argument that was None or needs none)."""
+    program = rec.program
+    count = len(program.inputs) + len(program.states) + len(program.params)
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        present = [t is not None for t in inputs]
+        ctx.present = present
+        ctx.save_for_backward(*(t for t in inputs if t is not None))
+        ctx.options = dict(keyword_only_inputs)
+
+    def backward(ctx, *grads):
+        saved = iter(ctx.saved_tensors)
+        tensors = [next(saved) if present else None for present in ctx.present]
+        if not any(ctx.needs_input_grad[:count]):
+            return (None,) * count
+        results = backward_op(*tensors, *grads, **ctx.options)
+        if isinstance(results, torch.Tensor):
+            results = (results,)
+        return tuple(g if present and needed else None
+                     for g, present, needed in zip(results, ctx.present, ctx.needs_input_grad))
+
+    return setup_context, backward

@@ -1,0 +1,164 @@
+"""Gradients through linrec.torch's custom op: torch.autograd.gradcheck (float64, against finite differences of
+the op itself) for every example that has a recurrent form — inputs, params (a Layer's nn.Parameters) and
+initial states; the op's gradients equal Recurrence.vjp's on the same arrays; the decode step's gradient; a
+compiled model's backward pass (fullgraph); a program without a derived backward is refused when it would need
+one. Skipped without torch (CI installs it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import linrec  # noqa: E402
+import linrec.torch as lt  # noqa: E402
+
+EXACT = 1e-12  # float64: the op's backward runs rec.vjp itself, so only a different evaluation could differ
+SMALL = {"dk": 3, "dv": 4}  # (gradcheck perturbs every element: keep it small)
+# every example with a recurrent form, with the sizes of its dimensions
+GRADIENT_EXAMPLES = [("gla", SMALL), ("retnet", SMALL), ("mamba2", SMALL), ("deltanet", SMALL),
+                     ("gated_deltanet", SMALL), ("linear_transformer", SMALL), ("performer", dict(SMALL, m=4)),
+                     ("softmax", SMALL)]
+
+
+def layer_of(name: str, dims: dict, heads: int = 1) -> lt.Layer:
+    return lt.Layer(f"examples/{name}.lin", heads=heads, dims=dims, dtype=torch.float64, backend="numpy")
+
+
+def arguments(layer: lt.Layer, batch: int = 1, tokens: int = 5, seed: int = 0):
+    """Inputs, initial states and params as float64 leaf tensors that require grad."""
+    rec, heads = layer.rec, layer.heads
+    x = rec.random_inputs(batch, tokens, heads, dims=layer.dims, seed=seed)
+    sizes = {d.name: layer.dims.get(d.name, d.default) for d in rec.program.dims}
+    rng = np.random.default_rng(seed + 1)
+    states = {s.name: 0.5 * rng.standard_normal((batch, heads, *(sizes[d] for d in s.shape)))
+              for s in rec.program.states}
+    leaf = {}
+    for group in (x, states):
+        for name, value in group.items():
+            leaf[name] = torch.from_numpy(value).requires_grad_()
+    return {k: leaf[k] for k in x}, {k: leaf[k] for k in states}
+
+
+def call(layer: lt.Layer, inputs: dict, states: dict, params: dict, **options):
+    o, final = lt.apply(layer.rec, inputs, initial_state=states or None, params=params, output_final_state=True,
+                        backend=layer.backend, dims=layer.dims, **options)
+    outputs = [o] if isinstance(o, torch.Tensor) else list(o.values())
+    return (*outputs, *final.values())
+
+
+@pytest.mark.parametrize("name, dims", GRADIENT_EXAMPLES, ids=[e[0] for e in GRADIENT_EXAMPLES])
+def test_gradcheck(name, dims):
+    layer = layer_of(name, dims)
+    inputs, states = arguments(layer)
+    params = dict(layer.params.items())
+    names = [*inputs, *states, *params]
+
+    def f(*tensors):
+        given = dict(zip(names, tensors))
+        return call(layer, {k: given[k] for k in inputs}, {k: given[k] for k in states},
+                    {k: given[k] for k in params})
+
+    assert torch.autograd.gradcheck(f, (*inputs.values(), *states.values(), *params.values()), eps=1e-6,
+                                    atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name, form", [("gla", "chunkwise"), ("mamba2", "auto"), ("deltanet", "recurrent"),
+                                        ("linear_transformer", "auto"), ("softmax", "auto")])
+def test_gradients_equal_vjp(name, form):
+    """loss.backward() through the op gives rec.vjp's gradients on the same arrays (outputs and final states
+    both carry a cotangent), and its forward rec.run's outputs."""
+    layer = layer_of(name, SMALL, heads=2)
+    inputs, states = arguments(layer, batch=2, tokens=9, seed=4)
+    params = dict(layer.params.items())
+    results = call(layer, inputs, states, params, form=form, chunk_size=4)
+    rng = np.random.default_rng(9)
+    cotangents = [rng.standard_normal(tuple(r.shape)) for r in results]
+    sum(torch.sum(r * torch.from_numpy(c)) for r, c in zip(results, cotangents)).backward()
+
+    rec = layer.rec
+    outputs = [o.name for o in rec.program.outputs]
+    gradient_form = {"auto": "recurrent"}  # (the backward form="auto" runs: backward.AUTO_ORDER)
+    arrays = {k: v.detach().numpy() for k, v in inputs.items()}
+    state0 = {k: v.detach().numpy() for k, v in states.items()}
+    values = {k: v.detach().numpy() for k, v in params.items()}
+    ref = rec.vjp(arrays, dict(zip(outputs, cotangents)), form=gradient_form.get(form, form),
+                  grad_final_state=dict(zip(states, cotangents[len(outputs):])), initial_state=state0 or None,
+                  params=values or None, dims=layer.dims, chunk_size=4)
+    run = rec.run(arrays, form=form, initial_state=state0 or None, params=values or None, chunk_size=4)
+    for got, name_ in zip(results, outputs):
+        assert np.abs(got.detach().numpy() - run.outputs[name_]).max() <= EXACT
+    for name_, tensor in [*inputs.items(), *states.items(), *params.items()]:
+        assert tensor.grad is not None, name_
+        assert np.abs(tensor.grad.numpy() - ref.grads[name_]).max() <= EXACT * max(1, np.abs(ref.grads[name_]).max())
+
+
+def test_mamba2_A_log_gets_the_gradient_of_A():
+    """A Layer holds A_log, not A = −exp(A_log): the gradient reaches A_log through the program's default."""
+    layer = layer_of("mamba2", SMALL, heads=2)
+    inputs, _ = arguments(layer)
+    y, _ = layer(**inputs)
+    y.sum().backward()
+    ref = layer.rec.vjp({k: v.detach().numpy() for k, v in inputs.items()}, {"y": np.ones(tuple(y.shape))},
+                        params={k: v.detach().numpy() for k, v in layer.params.items()}, dims=layer.dims)
+    assert layer.params["A_log"].grad is not None and np.abs(layer.params["A_log"].grad.numpy()).max() > 0
+    assert np.abs(layer.params["A_log"].grad.numpy() - ref.grads["A_log"]).max() <= EXACT
+
+
+@pytest.mark.parametrize("name", ["gla", "performer", "softmax"])
+def test_gradcheck_through_the_decode_step(name):
+    """form='step' (one token from a state; softmax: the KV cache and the new token) differentiates too."""
+    dims = dict(SMALL, m=4) if name == "performer" else SMALL
+    layer = layer_of(name, dims)
+    inputs, states = arguments(layer, tokens=4, seed=2)
+    if name == "softmax":  # the state is the KV cache: the tokens so far
+        def f(*tensors):
+            given = dict(zip(inputs, tensors))
+            o, _ = layer(**{k: v[:, 3:] for k, v in given.items()}, state={k: v[:, :3] for k, v in given.items()})
+            return o
+        assert torch.autograd.gradcheck(f, tuple(inputs.values()), eps=1e-6, atol=1e-7, rtol=1e-6)
+        return
+    names = [*inputs, *states]
+
+    def step(*tensors):
+        given = dict(zip(names, tensors))
+        o, state = layer(**{k: given[k][:, :1] for k in inputs}, state={k: given[k] for k in states})
+        return (o, *state.values())
+
+    assert torch.autograd.gradcheck(step, (*inputs.values(), *states.values()), eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+def test_compiled_backward_fullgraph():
+    """A small model with the op compiles whole with its backward pass (loss.backward()), and its gradients
+    are the eager model's."""
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 4 * 2 * 4, dtype=torch.float64)
+            self.gla = lt.Layer("examples/gla.lin", heads=2, dims={"dk": 4, "dv": 4}, dtype=torch.float64)
+
+        def forward(self, x):
+            q, k, v, g = self.proj(x).unflatten(-1, (4, 2, 4)).unbind(2)
+            o, state = self.gla(q=q, k=k, v=v, g=-torch.nn.functional.softplus(g))
+            return (o ** 2).mean() + state["S"].pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Tiny()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    model(x).backward()
+    eager = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(x).backward()
+    assert sorted(eager) == ["proj.bias", "proj.weight"]  # (GLA has no params)
+    for k, p in model.named_parameters():
+        assert (p.grad - eager[k]).abs().max() <= 1e-12, k
+
+
+def test_a_program_without_a_backward_is_refused_when_it_needs_one():
+    rec = linrec.load("examples/linformer.lin")
+    x = {k: torch.from_numpy(v) for k, v in rec.random_inputs(1, 16, 1, dims={"kproj": 4, "T": 16}).items()}
+    with pytest.raises(linrec.LinrecError, match="'linformer' has no derived backward for form 'auto'"):
+        lt.apply(rec, dict(x, q=x["q"].requires_grad_()), dims={"kproj": 4, "T": 16}, backend="numpy")
+    with torch.no_grad():  # (the forward alone is fine)
+        lt.apply(rec, x, dims={"kproj": 4, "T": 16}, backend="numpy")
