@@ -20,7 +20,7 @@ import pytest
 import linrec
 from linrec import registry
 from linrec.c import build as c_build
-from linrec.c.kernel_source import CommonHeader, Target
+from linrec.c.kernel_source import THREAD_WORK, CommonHeader, Target
 from linrec.numpy import runtime
 from linrec.templating import environment
 
@@ -274,7 +274,7 @@ def helper_kernel(ctype: str):
     lanes = c_build.vector_bytes() // (4 if ctype == "float" else 8)
     common = environment("linrec.c").get_template("c_common.h.j2").render(
         ctype=ctype, vector_bytes=c_build.vector_bytes(), lanes=lanes, block_tokens=16, inputs=[],
-        checks_inputs=False, header=CommonHeader.of(Target(ctype, c_build.vector_bytes())))
+        checks_inputs=False, header=CommonHeader.of(Target(ctype, c_build.vector_bytes())), thread_work=THREAD_WORK)
     calls = [f"void s_{n}(const T *x, T *y, int n) {{ for (int i = 0; i < n; ++i) y[i] = {f}(x[i]); }}"
              for n, f in SCALAR_HELPERS.items()]
     calls += [f"void v_{n}(const T *x, T *y, int n) {{ for (int i = 0; i + VW <= n; i += VW) "
