@@ -820,6 +820,11 @@ def percent(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def number(value, spec: str) -> str:
+    """A table cell: `value` formatted, or "-" where there is none."""
+    return "-" if value is None else format(value, spec)
+
+
 def table_lines(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))

@@ -299,10 +299,6 @@ def run(opts: bench.Options, progress=None) -> dict:
 
 
 # ---- output -------------------------------------------------------------------------------------------
-def _x(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_report(rep: dict) -> str:
     lim = rep.get("machine_limits", {})
     out = [f"{rep['program']} ({rep['file']}): serving, float32, {rep['threads']} thread(s) (from "
@@ -318,7 +314,7 @@ def format_report(rep: dict) -> str:
         for d in rep["decode"]:
             table.append([str(d["dk"]), str(d["dv"]), str(d["H"]), str(d["N"]), str(d["P"]), d["backend"],
                           f"{d['us']:.2f}", f"{d['tokens_per_s']:.4g}", f"{d['step_us']:.2f}",
-                          str(d["state_bytes_moved"]), _x(d["bound_us"], ".2f"), bench.percent(d["fraction_of_bound"]),
+                          str(d["state_bytes_moved"]), bench.number(d["bound_us"], ".2f"), bench.percent(d["fraction_of_bound"]),
                           "yes" if d["state_in_last_level_cache"] else "no"])
         out += ["", "slot-pool decode step, N requests in a pool of P slots (µs: bind_step(…, slots=idx), one call "
                 "per token; step() µs: step(…, slots=idx); state bytes: the N rows read and written; bound: those "

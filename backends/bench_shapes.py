@@ -236,10 +236,6 @@ def run(opts: bench.Options, progress=None) -> dict:
 
 
 # ---- output -------------------------------------------------------------------------------------------
-def _x(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_report(rep: dict) -> str:
     lim = rep.get("machine_limits", {})
     out = [f"{rep['program']} ({rep['file']}): the model grid, float32, {rep['threads']} thread(s) (from "
@@ -255,9 +251,9 @@ def format_report(rep: dict) -> str:
                   "of matmul", "vs best"]]
         for r in rep["rows"]:
             table.append([str(r["dk"]), str(r["dv"]), str(r["H"]), str(r["B"]), str(r["T"]), r["form"],
-                          r["backend"], f"{r['ms']:.2f}", _x(r["gflops"], ".1f"), _x(r["bound_ms"], ".2f"),
+                          r["backend"], f"{r['ms']:.2f}", bench.number(r["gflops"], ".1f"), bench.number(r["bound_ms"], ".2f"),
                           bench.percent(r["fraction_of_bound"]), bench.percent(r["fraction_of_sgemm"]),
-                          _x(r["vs_best"], ".2f")])
+                          bench.number(r["vs_best"], ".2f")])
         out += ["", "prefill (Recurrence.run, median; bound: the useful flops at the peak; vs best: × slower per "
                 "useful flop than the best shape of the form and backend):"] + bench.table_lines(
                     table, {0, 1, 2, 3, 4, 7, 8, 9, 10, 11, 12})
@@ -265,8 +261,8 @@ def format_report(rep: dict) -> str:
         table = [["dk", "dv", "H", "B", "backend", "µs", "state bytes", "bound µs", "of bound", "vs best", "in LLC"]]
         for d in rep["decode"]:
             table.append([str(d["dk"]), str(d["dv"]), str(d["H"]), str(d["B"]), d["backend"], f"{d['us']:.2f}",
-                          str(d["state_bytes_moved"]), _x(d["bound_us"], ".2f"), bench.percent(d["fraction_of_bound"]),
-                          _x(d["vs_best"], ".2f"), "yes" if d["state_in_last_level_cache"] else "no"])
+                          str(d["state_bytes_moved"]), bench.number(d["bound_us"], ".2f"), bench.percent(d["fraction_of_bound"]),
+                          bench.number(d["vs_best"], ".2f"), "yes" if d["state_in_last_level_cache"] else "no"])
         out += ["", "decode step of one request (bound to its arrays; state bytes: read and written; bound: those "
                 "bytes at the bandwidth; vs best: × slower per state byte than the best shape; in LLC: the state "
                 "fits in the last-level cache, where a decode loop keeps it, so a step can beat the bound):"

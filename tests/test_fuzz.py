@@ -19,7 +19,7 @@ import pytest
 
 from fuzzing import COMMAND_LINE_EVERY, Stats, exercise, programs, summarize
 
-DEFAULT_PROGRAMS = 4000
+DEFAULT_PROGRAMS = 3000
 DEFAULT_C = 32
 BATCH = 250
 SHOWN = 3  # failing programs printed per class
