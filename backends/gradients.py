@@ -74,13 +74,17 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     return VjpResult(outputs, final, grads, dict(used))
 
 
-def _output_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict, missing: str) -> dict:
-    given = dict(given or {})
-    names = [o.name for o in program.outputs]
+def _refuse_unknown(argument: str, kind: str, kinds: str, given: dict, names: list[str], program) -> None:
+    """An error naming the keys of `given` that are none of `names` (the program's outputs or states)."""
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise RuntimeInputError(f"grad_outputs has unknown output(s) {', '.join(map(repr, unknown))}; the outputs "
-                                f"of '{program.name}' are {', '.join(names)}")
+        raise RuntimeInputError(f"{argument} has unknown {kind} {', '.join(map(repr, unknown))}; the {kinds} of "
+                                f"'{program.name}' are {', '.join(names) or 'none'}")
+
+
+def _output_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict, missing: str) -> dict:
+    given = dict(given or {})
+    _refuse_unknown("grad_outputs", "output(s)", "outputs", given, [o.name for o in program.outputs], program)
     out = {}
     for o in program.outputs:
         expected = (shape.batch, shape.tokens, shape.heads) + tuple(sizes[d] for d in o.value.shape)
@@ -98,11 +102,7 @@ def _output_gradients(program, given: dict | None, shape: arrays.CallShape, size
 
 def _state_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict) -> dict:
     given = dict(given or {})
-    names = [s.name for s in program.states]
-    unknown = sorted(set(given) - set(names))
-    if unknown:
-        raise RuntimeInputError(f"grad_final_state has unknown state(s) {', '.join(map(repr, unknown))}; the "
-                                f"states of '{program.name}' are {', '.join(names) or 'none'}")
+    _refuse_unknown("grad_final_state", "state(s)", "states", given, [s.name for s in program.states], program)
     out = {}
     for s in program.states:
         if given.get(s.name) is not None:

@@ -14,11 +14,9 @@ eps times the largest gradient of the call (what float32 can hold beside it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from . import gradients
+from . import gradients, verify
 from .compiler import FORMS
 from .compiler.builtins import SEQ
 from .verify import Row, _initial_state, _params_without_default
@@ -30,25 +28,20 @@ EPSILON = 1e-5   # the step of the central differences
 ROUNDING = 64 * np.finfo(np.float64).eps  # the relative rounding error of a loss, generously
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    batch: int
-    tokens: int
-    heads: int
-    dims: dict = field(default_factory=dict)
-    decay_scale: float = 1.0
-    chunk_sizes: tuple = (None,)   # tokens between the forward's checkpoints (None: √T)
+# verify's cases; a gradient case's chunk_sizes are the vjp's chunk_size: tokens between the forward's
+# checkpoints (None: √T)
+Case = verify.Case
+EVERY_SQRT_T = (None,)
 
 
 def battery(program, quick: bool = False) -> list[Case]:
     sized = [d for d in program.dims if d.name != SEQ]
     small = {d.name: min(d.default, 6) for d in sized}
     odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)}
-    cases = [Case("T=1", 2, 1, 2, small),
+    cases = [Case("T=1", 2, 1, 2, small, chunk_sizes=EVERY_SQRT_T),
              Case("ragged T", 2, 13, 3, small, chunk_sizes=(None, 4)),
              Case("odd dims", 1, 9, 2, odd, chunk_sizes=(2,)),
-             Case("strong decay", 2, 12, 2, small, decay_scale=40.0)]
+             Case("strong decay", 2, 12, 2, small, decay_scale=40.0, chunk_sizes=EVERY_SQRT_T)]
     if not quick:
         cases += [Case("several B, H", 3, 24, 4, small, chunk_sizes=(5,)),
                   Case("long T", 1, 200, 1, small, chunk_sizes=(None, 64))]
