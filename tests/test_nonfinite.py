@@ -20,7 +20,7 @@ import pytest
 import linrec
 from linrec import registry
 from linrec.c import build as c_build
-from linrec.c.kernel_source import THREAD_WORK, CommonHeader, Target
+from linrec.c.kernel_source import Target, common_context
 from linrec.numpy import runtime
 from linrec.templating import environment
 
@@ -271,10 +271,8 @@ SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.5, -2.5]
 def helper_kernel(ctype: str):
     """c_common.h.j2's helpers for the current target, each applied to an array: s_NAME (the scalar
     helper per element), v_NAME (one register at a time), r_NAME (the row helper); and lr_max_row."""
-    lanes = c_build.vector_bytes() // (4 if ctype == "float" else 8)
     common = environment("linrec.c").get_template("c_common.h.j2").render(
-        ctype=ctype, vector_bytes=c_build.vector_bytes(), lanes=lanes, block_tokens=16, inputs=[],
-        checks_inputs=False, header=CommonHeader.of(Target(ctype, c_build.vector_bytes())), thread_work=THREAD_WORK)
+        **common_context(Target(ctype, c_build.vector_bytes())), block_tokens=16, inputs=[], checks_inputs=False)
     calls = [f"void s_{n}(const T *x, T *y, int n) {{ for (int i = 0; i < n; ++i) y[i] = {f}(x[i]); }}"
              for n, f in SCALAR_HELPERS.items()]
     calls += [f"void v_{n}(const T *x, T *y, int n) {{ for (int i = 0; i + VW <= n; i += VW) "

@@ -102,6 +102,13 @@ class Argument:
     declaration: str
 
 
+def common_context(target: Target) -> dict:
+    """What templates/c_common.h.j2 needs for a target beyond the program (KernelSource.common; also the
+    helpers' own test kernel, which renders the header alone)."""
+    return dict(ctype=target.ctype, vector_bytes=target.vector_bytes, lanes=target.lanes,
+                header=CommonHeader.of(target), thread_work=THREAD_WORK)
+
+
 class KernelSource:
     """What the recurrent C sources share (the fused kernels, fused.py; statements.py's statement-by-statement
     ones): the file's C names; sizes; and the entry points, lr_forward, lr_step and lr_step_packed, over the
@@ -233,8 +240,7 @@ class KernelSource:
     def common(self) -> dict:
         """What every kernel's context gives templates/c_common.h.j2 alike (both kernels' templates include it;
         the inputs, LR_BLOCK's tokens and checks_inputs come with the rest of each context)."""
-        return dict(ctype=self.target.ctype, vector_bytes=self.target.vector_bytes, lanes=self.target.lanes,
-                    header=CommonHeader.of(self.target), thread_work=THREAD_WORK)
+        return common_context(self.target)
 
     def entry_points(self) -> dict:
         """The signatures of lr_forward, lr_step (causal programs) and lr_step_packed, the struct the last
