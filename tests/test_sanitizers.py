@@ -1,6 +1,6 @@
 """The generated C under AddressSanitizer and UndefinedBehaviorSanitizer, and without compiler warnings.
 
-* Sanitized: every example is built with `-fsanitize=address,undefined` (LINREC_CFLAGS, so into a cache of
+* Sanitized: every example is built with `-O1 -fsanitize=address,undefined` (LINREC_CFLAGS, so into a cache of
   its own) in a child process — the address sanitizer's runtime must be loaded before Python's allocator
   is, hence LD_PRELOAD — and run in every form C builds and its decode step, at sizes that are no whole
   number of registers, against the float64 NumPy forms (1e-9). A sanitizer's report, or any difference,
@@ -31,7 +31,9 @@ from linrec.numpy import sequence as numpy_sequence
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PROGRAMS = sorted(p.stem for p in EXAMPLES.glob("*.lin"))
-SANITIZERS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+# -O1, as the sanitizers' own documentation advises: every memory access of the source is still checked, and
+# the instrumented kernels compile about 4x faster than at linrec's -O3 (the build was a third of the suite).
+SANITIZERS = "-O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "SUMMARY: UndefinedBehaviorSanitizer")
 
 # The child: every C form and the decode step of each program against NumPy, one JSON line per comparison.
