@@ -426,7 +426,8 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
 @dataclass(frozen=True)
 class Quantity:
     """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay", "S.key0",
-    "S.value0", "r1" — a readout's query) and the expression it is computed from."""
+    "S.value0", "S.correction0_u" and "S.correction0_w" — a correction u ⊗ (w·S_(t−1)) —, "r1" — a readout's
+    query) and the expression it is computed from."""
 
     label: str
     value: ir.Expr
@@ -458,9 +459,6 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
     if not compiled.program.causal:
         return f"the {form} backward of a non-causal program is not derived"
     for t in d.transitions:
-        if t.corrections:
-            return (f"'{t.state}' has {len(t.corrections)} rank-one correction(s): their {form} backward (the "
-                    f"UT transform of the adjoint, run in reverse) is not derived")
         if t.value_decay is not None:
             return f"'{t.state}' decays its value axis: the {form} backward of that is not derived"
         if t.elementwise:
@@ -495,6 +493,9 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
         for j, (key, value) in enumerate(t.writes):
             quantity(f"{t.state}.key{j}", key)
             quantity(f"{t.state}.value{j}", value)
+        for j, (u, w) in enumerate(t.corrections):  # + u ⊗ (w·S_(t−1)): the UT transform's backward seeds them
+            quantity(f"{t.state}.correction{j}_u", u)
+            quantity(f"{t.state}.correction{j}_w", w)
     for r in d.readouts:
         quantity(f"r{r.index}", r.query)
     top = [sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step)
