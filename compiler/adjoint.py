@@ -418,11 +418,12 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
 
 
 # ---- the adjoint over the decomposition: the parallel and chunkwise backward ------------------------------
-# For a state whose update is a decay plus rank-one writes, read by readouts q·S, the adjoint is again such a
-# recurrence, run in reverse: a backend runs it as a masked product inside a chunk, with the adjoint state
-# passed from chunk to chunk (adjoint.md). What is left is the chain rule from the outputs to the readouts,
-# and from the per-token arrays of the decomposition (log-decay, keys, values, queries) to the inputs and
-# params: sweeps over those expressions, for all tokens at once.
+# For a state whose update is a decay plus rank-one corrections and writes, read by readouts q·S, the adjoint is
+# again such a recurrence, run in reverse: a backend runs it as a masked product inside a chunk, with the adjoint
+# state passed from chunk to chunk (adjoint.md; corrections through the transposed UT transform). What is left
+# is the chain rule from the outputs to the readouts, and from the per-token arrays of the decomposition
+# (log-decay, keys, values, corrections' u and w, queries) to the inputs and params: sweeps over those
+# expressions, for all tokens at once.
 @dataclass(frozen=True)
 class Quantity:
     """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay", "S.key0",
@@ -451,8 +452,8 @@ class DecomposedAdjoint:
 
 
 def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
-    """Why the parallel or chunkwise backward (a decay plus rank-one writes, run in reverse) is not derived
-    for a program, or None."""
+    """Why the parallel or chunkwise backward (a decay plus rank-one corrections and writes, run in reverse) is
+    not derived for a program, or None."""
     d = compiled.decomposition
     if d.sequence is not None:
         return f"the {form} backward of attention over the sequence is not derived"

@@ -1,7 +1,7 @@
 """The parallel and chunkwise backward of a recurrence as a NumPy module: from the decomposition of every
-state (a decay plus rank-one writes, read by readouts q·S; compiler.adjoint.why_no_decomposed_adjoint says
-which programs), the adjoint recurrence run chunk by chunk in reverse (linrec.numpy.adjoint_scan), and the
-chain rule from the outputs to the readouts and from the per-token arrays to the inputs and params
+state (a decay plus rank-one corrections and writes, read by readouts q·S;
+compiler.adjoint.why_no_decomposed_adjoint says which programs), the adjoint recurrence run chunk by chunk in
+reverse (linrec.numpy.adjoint_scan), and the chain rule from the outputs to the readouts and from the per-token arrays to the inputs and params
 (compiler.adjoint.derive_decomposed).
 
 backward() reads, in order: the per-token arrays of each state and its forward scan (keeping the state
@@ -173,7 +173,8 @@ class _DecomposedEmitter(BackwardEmitter):
         corrections = f", corrections={a.corrections}" if t.corrections else ""
         comment = (" (its corrections: the UT transform's solve, transposed, per chunk)" if t.corrections else "")
         lines = ["", f"# {st.name}'s adjoint: the transposed recurrence, from the last chunk" + comment,
-                 f"{d_decay}, {d_writes}, {d_queries}, {state}, {d_corrections} = decay_scan_backward({s0}, "
+                 f"{d_decay}, {d_writes}, {d_queries}, {state}, {d_corrections if t.corrections else '_'} = "
+                 f"decay_scan_backward({s0}, "
                  f"{decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], {final}{corrections})"]
         if self.declared(st, "x") != "x":
             lines.append(f"{state} = {self.declared(st, state)}")
