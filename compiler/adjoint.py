@@ -426,7 +426,8 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
 # expressions, for all tokens at once.
 @dataclass(frozen=True)
 class Quantity:
-    """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay", "S.key0",
+    """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay",
+    "S.value_log_decay", "S.key0",
     "S.value0", "S.correction0_u" and "S.correction0_w" — a correction u ⊗ (w·S_(t−1)) —, "r1" — a readout's
     query) and the expression it is computed from."""
 
@@ -460,8 +461,6 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
     if not compiled.program.causal:
         return f"the {form} backward of a non-causal program is not derived"
     for t in d.transitions:
-        if t.value_decay is not None:
-            return f"'{t.state}' decays its value axis: the {form} backward of that is not derived"
         if t.elementwise:
             return f"'{t.state}' decays elementwise (`X*{t.state}`): the {form} backward of that is not derived"
     if any(r.is_value for r in d.readouts):
@@ -491,6 +490,7 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
             quantities.append(sweep(value, seed, live, site, Quantity(label, value)))
     for t in d.transitions:
         quantity(f"{t.state}.log_decay", t.log_decay)
+        quantity(f"{t.state}.value_log_decay", t.value_log_decay)  # (S·diag(e^m): None where the columns keep)
         for j, (key, value) in enumerate(t.writes):
             quantity(f"{t.state}.key{j}", key)
             quantity(f"{t.state}.value{j}", value)

@@ -1,10 +1,12 @@
 """The parallel and chunkwise backward of states with rank-one corrections (docs/gradients.md: the UT
-transform's solve, transposed, per chunk): against the recurrent backward at 1e-9 in float64 (relative to
-each gradient's largest entry, test_grad.assert_same_gradients) and 5e-4 in float32, for every example whose
-decomposition has corrections — found from the decomposition, not by name — and for programs of the same
-structure: several corrections on either side of a per-key decay, the transposed convention, a vector state,
-a read before the update. Cases: ragged T with chunks that do not divide it, odd sizes, T = 1, strong decay
-(log-decays to about −20 and beyond), random initial states and final-state gradients.
+transform's solve, transposed, per chunk) and of states whose value axis decays (S·diag(e^m)): against the
+recurrent backward at 1e-9 in float64 (relative to each gradient's largest entry,
+test_grad.assert_same_gradients) and 5e-4 in float32, for every example whose decomposition has corrections —
+found from the decomposition, not by name — and for programs of the same structure: several corrections on
+either side of a per-key decay, the transposed convention, a vector state, a read before the update; a value
+decay beside a scalar or a per-key decay, in either convention. Cases: ragged T with chunks that do not divide
+it, odd sizes, T = 1, strong decay (log-decays to about −20 and beyond), random initial states and
+final-state gradients.
 """
 from __future__ import annotations
 
@@ -42,11 +44,28 @@ z = (I − beta·kn⊗kn)·z + kn
 output o = y + S·sigmoid(q)
 output m = q·z
 """,
+    # both axes decay: a scalar decay of the rows, a gate per value column (log: logsigmoid), a read before
+    "value decay": """
+recurrence valued(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv], g <= 0, a[dv]
+state S[dk, dv]
+y = q·S
+S = exp(g)·S·diag(sigmoid(a)) + k⊗v
+output o = y + sigmoid(q)·S
+""",
+    # the transposed convention: S[dv, dk] decays per key channel from the right and per value from the left
+    "value decay, transposed": """
+recurrence valued_t(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv], g[dk] <= 0, gv[dv] <= 0
+state S[dv, dk]
+S = diag(exp(gv))·S·diag(exp(g)) + v⊗k
+output o = S·q
+""",
 }
 
 
 def _program(kind: str, name: str) -> linrec.Recurrence:
-    return example(name) if kind == "example" else linrec.compile(PROGRAMS[name], f"{name}.lin")
+    return example(name) if kind == "example" else linrec.compile(PROGRAMS[name], f"{name.replace(' ', '_')}.lin")
 
 
 CASES = [("example", name) for name in WITH_CORRECTIONS] + [("program", name) for name in PROGRAMS]
@@ -102,6 +121,13 @@ def test_strong_decay_over_many_tokens(name):
         assert_same_gradients(got, reference, 5e-4)
 
 
+def test_the_value_decays_are_what_is_tested():
+    """The value-decay programs decompose with a decay of the value axis (of Sᵀ's, for the transposed one)."""
+    for name in ("value decay", "value decay, transposed"):
+        (t,) = _program("program", name).decomposition.transitions
+        assert t.value_log_decay is not None and not t.corrections
+
+
 def test_the_chunk_size_changes_nothing():
     """The gradients do not depend on the chunk (1, one that does not divide T, T itself, more than T)."""
     rec = example("gated_deltanet")
@@ -115,5 +141,5 @@ def test_the_chunk_size_changes_nothing():
 def test_emitted_backward_names_the_corrections():
     """The generated chunkwise backward hands the corrections to both scans and seeds their adjoints."""
     source = example("deltanet").emit_gradient("chunkwise")
-    assert "decay_scan_backward(" in source and "corrections=S_corrections" in source
-    assert "S_d_corrections[0][0]" in source and "S_d_corrections[0][1]" in source
+    assert source.count("corrections=S_corrections") == 2  # the forward scan and its backward
+    assert "S_grads.corrections[0][0]" in source and "S_grads.corrections[0][1]" in source

@@ -24,20 +24,19 @@ DEFAULT_CHUNK = 64
 
 @dataclass(frozen=True)
 class StateArrays:
-    """The variables of a state's per-token arrays in the generated module (log-decay, writes, corrections,
-    readouts' queries), of the states before each chunk, and of the arrays' adjoints."""
+    """The variables of a state's per-token arrays in the generated module (log-decays of its rows and of its
+    value axis, writes, corrections, readouts' queries), of the states before each chunk, and of the arrays'
+    adjoints (linrec.numpy.adjoint_scan.ScanGrads)."""
 
-    NAMES: ClassVar[tuple[str, ...]] = ("log_decay", "writes", "corrections", "queries", "starts", "d_log_decay",
-                                        "d_writes", "d_corrections", "d_queries")
+    NAMES: ClassVar[tuple[str, ...]] = ("log_decay", "value_log_decay", "writes", "corrections", "queries", "starts",
+                                        "grads")
     log_decay: str
+    value_log_decay: str
     writes: str
     corrections: str
     queries: str
     starts: str
-    d_log_decay: str
-    d_writes: str
-    d_corrections: str
-    d_queries: str
+    grads: str
 
 
 class _DecomposedEmitter(BackwardEmitter):
@@ -124,6 +123,8 @@ class _DecomposedEmitter(BackwardEmitter):
             val = per_token(prelude(em.refold(value)), cols, not value.shape) if value is not None else \
                 "np.ones((batch, tokens, heads, 1), dtype)"
             pairs.append(f"({per_token(prelude(em.refold(key)), rows, not key.shape)}, {val})")
+        if t.value_log_decay is not None:  # S·diag(e^m): one log-decay per value column
+            lines.append(f"{a.value_log_decay} = {per_token(prelude(em.refold(t.value_log_decay)), cols, False)}")
         lines.append(f"{writes} = [" + ", ".join(pairs) + "]")
         if t.corrections:
             lines.append(f"{a.corrections} = [" + ", ".join(
@@ -136,13 +137,19 @@ class _DecomposedEmitter(BackwardEmitter):
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
-        corrections = f", corrections={a.corrections}" if t.corrections else ""
         lines.append(f"[{targets}], {n(st.name)}, {starts} = decay_scan({s0}, {decay}, {writes}, {queries}, "
-                     f"{self.chunk}{corrections})")
+                     f"{self.chunk}{self.optional_arrays(st.name)})")
         lines.append(f"{n(st.name)} = {self.declared(st, n(st.name))}")
         if vector:  # a vector state is carried as one column
             lines += [f"{self.readout_vars[r.index]} = {self.readout_vars[r.index]}[..., 0]" for r in reads]
         return lines
+
+    def optional_arrays(self, state: str) -> str:
+        """The scans' keyword arguments for the state's corrections and its value axis's decay, where it has
+        them."""
+        t, a = self.c.decomposition.transition(state), self.arrays[state]
+        return (f", corrections={a.corrections}" if t.corrections else "") + \
+            (f", value_log_decay={a.value_log_decay}" if t.value_log_decay is not None else "")
 
     def carried(self, st: ir.State, code: str) -> str:
         """A state [B, H, *] as the scans carry it: a vector as one column, a state the decomposition
@@ -161,8 +168,7 @@ class _DecomposedEmitter(BackwardEmitter):
         """The state's adjoint, run backwards chunk by chunk; the seeds of its per-token arrays' adjoints."""
         t = self.c.decomposition.transition(st.name)
         a = self.arrays[st.name]
-        decay, writes, queries, starts = a.log_decay, a.writes, a.queries, a.starts
-        d_decay, d_writes, d_queries, d_corrections = a.d_log_decay, a.d_writes, a.d_queries, a.d_corrections
+        decay, writes, queries, starts, g = a.log_decay, a.writes, a.queries, a.starts, a.grads
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
         column = "[..., None]" if len(st.shape) == 1 else ""
         grads = ", ".join(self.d[("readout", str(r.index))] + column for r in reads)
@@ -170,25 +176,24 @@ class _DecomposedEmitter(BackwardEmitter):
         final = given if self.carried(st, "x") == "x" else f"None if {given} is None else {self.carried(st, given)}"
         state = self.d[("state", st.name, "new")]
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
-        corrections = f", corrections={a.corrections}" if t.corrections else ""
         comment = (" (its corrections: the UT transform's solve, transposed, per chunk)" if t.corrections else "")
         lines = ["", f"# {st.name}'s adjoint: the transposed recurrence, from the last chunk" + comment,
-                 f"{d_decay}, {d_writes}, {d_queries}, {state}, {d_corrections if t.corrections else '_'} = "
-                 f"decay_scan_backward({s0}, "
-                 f"{decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], {final}{corrections})"]
-        if self.declared(st, "x") != "x":
-            lines.append(f"{state} = {self.declared(st, state)}")
+                 f"{g} = decay_scan_backward({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
+                 f"{final}{self.optional_arrays(st.name)})",
+                 f"{state} = {self.declared(st, g + '.initial_state')}"]
         if t.log_decay is not None:
-            self.seeds[f"{st.name}.log_decay"] = d_decay + ("" if t.log_decay.shape else "[..., 0]")
+            self.seeds[f"{st.name}.log_decay"] = f"{g}.log_decay" + ("" if t.log_decay.shape else "[..., 0]")
+        if t.value_log_decay is not None:
+            self.seeds[f"{st.name}.value_log_decay"] = f"{g}.value_log_decay"
         for j, (key, value) in enumerate(t.writes):
-            self.seeds[f"{st.name}.key{j}"] = f"{d_writes}[{j}][0]" + ("" if key.shape else "[..., 0]")
+            self.seeds[f"{st.name}.key{j}"] = f"{g}.writes[{j}][0]" + ("" if key.shape else "[..., 0]")
             if value is not None:
-                self.seeds[f"{st.name}.value{j}"] = f"{d_writes}[{j}][1]" + ("" if value.shape else "[..., 0]")
+                self.seeds[f"{st.name}.value{j}"] = f"{g}.writes[{j}][1]" + ("" if value.shape else "[..., 0]")
         for j, (u, w) in enumerate(t.corrections):
-            self.seeds[f"{st.name}.correction{j}_u"] = f"{d_corrections}[{j}][0]" + ("" if u.shape else "[..., 0]")
-            self.seeds[f"{st.name}.correction{j}_w"] = f"{d_corrections}[{j}][1]" + ("" if w.shape else "[..., 0]")
+            self.seeds[f"{st.name}.correction{j}_u"] = f"{g}.corrections[{j}][0]" + ("" if u.shape else "[..., 0]")
+            self.seeds[f"{st.name}.correction{j}_w"] = f"{g}.corrections[{j}][1]" + ("" if w.shape else "[..., 0]")
         for i, r in enumerate(reads):
-            self.seeds[f"r{r.index}"] = f"{d_queries}[{i}]" + ("" if r.query.shape else "[..., 0]")
+            self.seeds[f"r{r.index}"] = f"{g}.queries[{i}]" + ("" if r.query.shape else "[..., 0]")
         return lines
 
 

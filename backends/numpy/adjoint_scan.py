@@ -37,6 +37,7 @@ correction's pseudo-value is kept between passes: each chunk's are recomputed fr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,23 +66,36 @@ def _row_blocks(size: int):
 
 
 class _Chunk:
-    """One chunk's cumulative log-decays and the readouts' versions of them. The prefix sums are float64 (in
-    float32 their rounding, |Λ|·ε, would become a relative error of every e^{Λ_t − Λ_j} of nearby tokens under
-    strong decay); the exponentials are cast back to the working dtype."""
+    """One chunk's cumulative log-decays (of the key axis, and of the value axis where it decays) and the
+    readouts' versions of them; the exponentials are cast back to the working dtype."""
 
-    def __init__(self, log_decay, start, stop, dtype):
+    def __init__(self, log_decay, start, stop, dtype, value_log_decay=None):
         self.start, self.stop, self.size, self.dtype = start, stop, stop - start, dtype
         self.l = log_decay[:, :, start:stop]
-        self.cum = np.cumsum(self.l, axis=2, dtype=np.float64)  # Λ_t, after token t
-        # Λ_(t−1): the previous sum itself, not Λ_t − l_t (which misses it by the rounding of Λ_t)
-        self.prev = np.concatenate([np.zeros_like(self.cum[:, :, :1]), self.cum[:, :, :-1]], axis=2)
+        self.cum, self.prev = _prefix_sums(self.l)  # Λ_t after token t, Λ_(t−1)
         self.last = self.cum[:, :, -1]
+        # the value axis's log-decays m (S·diag(e^m)) and their sums C, or None
+        self.m = None if value_log_decay is None else value_log_decay[:, :, start:stop]
+        self.col_cum, self.col_prev = (None, None) if self.m is None else _prefix_sums(self.m)
 
     def cut(self, x):
         return x[:, :, self.start:self.stop]
 
     def read(self, before: bool):
         return self.prev if before else self.cum
+
+    def read_columns(self, before: bool):
+        return self.col_prev if before else self.col_cum
+
+    def columns(self, x, at: slice, before: bool):
+        """x [B, H, n, V] (of the tokens `at`) scaled by e^{C_t} (e^{C_(t−1)} where `before`): what the value
+        axis's decay does to a readout of the state before the chunk."""
+        return x if self.m is None else x * self.exp(self.read_columns(before)[:, :, at])
+
+    def column_pairs(self, rows: range, before: bool):
+        """e^{C_t − C_j} per value column for the tokens t in `rows` and j ≤ t (j < t where `before`), else 0:
+        [B, H, len(rows), C, V]; None where the value axis does not decay."""
+        return None if self.m is None else self._masked(self.read_columns(before), self.col_cum, rows, before)
 
     def exp(self, x):
         return np.exp(x).astype(self.dtype, copy=False)
@@ -90,18 +104,30 @@ class _Chunk:
         """e^{read_t − Λ_j} for the tokens t in `rows` and j ≤ t (j < t where strict), else 0:
         [B, H, len(rows), C, K]. The exponent is masked before the exponential: what is kept is ≤ 0 for decays
         ≤ 1."""
+        return self._masked(read, self.cum, rows, strict)
+
+    def _masked(self, read, cum, rows: range, strict: bool):
         keep = _lower(rows, self.size, strict)
-        diff = read[:, :, rows.start:rows.stop, None, :] - self.cum[:, :, None, :, :]
+        diff = read[:, :, rows.start:rows.stop, None, :] - cum[:, :, None, :, :]
         return np.where(keep, self.exp(np.where(keep, diff, 0.0)), np.zeros((), self.dtype))
 
 
+def _prefix_sums(l):
+    """(Λ_t, Λ_(t−1)) along the tokens of l [B, H, n, *]: float64 (in float32 their rounding, |Λ|·ε, would
+    become a relative error of every e^{Λ_t − Λ_j} of nearby tokens under strong decay); Λ_(t−1) is the previous
+    sum itself, not Λ_t − l_t (which misses it by the rounding of Λ_t)."""
+    cum = np.cumsum(l, axis=2, dtype=np.float64)
+    return cum, np.concatenate([np.zeros_like(cum[:, :, :1]), cum[:, :, :-1]], axis=2)
+
+
 # ---- the forward -------------------------------------------------------------------------------------------
-def decay_scan(s0, log_decay, writes, queries, chunk, corrections=()):
+def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None):
     """The forward: (readouts [B, T, H, V] for each (query, before), the final state, the states before each
     chunk). s0 [B, H, K, V]; log_decay [B, T, H, K or 1]; writes [(key [B, T, H, K], value [B, T, H, V])];
-    corrections [(u [B, T, H, K], w [B, T, H, K])]: + u ⊗ (w·S_(t−1))."""
+    corrections [(u [B, T, H, K], w [B, T, H, K])]: + u ⊗ (w·S_(t−1)); value_log_decay None or [B, T, H, V]:
+    the state's columns decay too, S·diag(e^m) (then without corrections)."""
     K, V = s0.shape[-2:]
-    l = _log_decays(log_decay)
+    l, m = _log_decays(log_decay), None if value_log_decay is None else _log_decays(value_log_decay)
     ws = [(_heads(k, K), _heads(v, V)) for k, v in writes]
     cs = [(_heads(u, K), _heads(w, K)) for u, w in corrections]
     qs = [(_heads(q, K), before) for q, before in queries]
@@ -110,7 +136,7 @@ def decay_scan(s0, log_decay, writes, queries, chunk, corrections=()):
     results = [np.empty((batch, heads, tokens, V), dtype=state.dtype) for _ in qs]
     starts = []
     for start in range(0, tokens, chunk):
-        c = _Chunk(l, start, min(start + chunk, tokens), state.dtype)
+        c = _Chunk(l, start, min(start + chunk, tokens), state.dtype, m)
         starts.append(state)
         wc = [(c.cut(k), c.cut(v)) for k, v in ws]
         if cs:
@@ -129,25 +155,32 @@ def _log_decays(log_decay):
                                 "backward work with finite log-decays; use form='recurrent' for this call")
     return l
 
-
 def _readout(c: _Chunk, state, q, before: bool, writes):
     """q_t·S_t (q_t·S_(t−1) where `before`) for the chunk's tokens: chunk-local q [B, H, n, K] and writes."""
     read = c.read(before)
-    r = np.einsum("bhtk,bhkv->bhtv", q * c.exp(read), state)
+    r = c.columns(np.einsum("bhtk,bhkv->bhtv", q * c.exp(read), state), slice(None), before)
     for rows in _row_blocks(c.size):
-        pairs = c.pairs(read, rows, before)
+        pairs, columns = c.pairs(read, rows, before), c.column_pairs(rows, before)
         at = slice(rows.start, rows.stop)
         for k, v in writes:
-            r[:, :, at] += _scores(q[:, :, at], k, pairs) @ v
+            a = _scores(q[:, :, at], k, pairs)
+            r[:, :, at] += a @ v if columns is None else np.einsum("bhtj,bhjv,bhtjv->bhtv", a, v, columns)
     return r
 
 
 def _end_state(c: _Chunk, state, writes):
-    """The state after the chunk: e^{Λ_L}·S_a + Σ_j e^{Λ_L − Λ_j}·k_j ⊗ v_j."""
+    """The state after the chunk: e^{Λ_L}·S_a·e^{C_L} + Σ_j (e^{Λ_L − Λ_j} k_j) ⊗ (e^{C_L − C_j} v_j)."""
     state = c.exp(c.last)[..., None] * state
+    if c.m is not None:
+        state = state * c.exp(c.col_cum[:, :, -1])[:, :, None, :]
     for k, v in writes:
-        state = state + np.einsum("bhjk,bhjv->bhkv", k * c.exp(c.last[:, :, None] - c.cum), v)
+        state = state + np.einsum("bhjk,bhjv->bhkv", k * c.exp(c.last[:, :, None] - c.cum), _column_tail(c, v))
     return state
+
+
+def _column_tail(c: _Chunk, v):
+    """v_j ⊙ e^{C_L − C_j}: a value as it reaches the chunk's end (v itself where the value axis does not decay)."""
+    return v if c.m is None else v * c.exp(c.col_cum[:, :, -1:] - c.col_cum)
 
 
 def _pseudo_values(c: _Chunk, state, corrections, writes):
@@ -188,11 +221,25 @@ def _solve_transposed(system, rhs):
 
 
 # ---- the backward ------------------------------------------------------------------------------------------
-def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=()):
-    """The backward of decay_scan: (∂log_decay [B, T, H, as given], [(∂key, ∂value)], [∂query], ∂s0,
-    [(∂u, ∂w)]) from the readouts' gradients [B, T, H, V] and the final state's (None: zero)."""
+class ScanGrads(NamedTuple):
+    """decay_scan_backward's gradients, [B, T, H, *] as the arrays were given: of the log-decays, of each
+    write's (key, value), of each readout's query, of the initial state [B, H, K, V], of each correction's (u,
+    w), and of the value axis's log-decays (None where it does not decay)."""
+
+    log_decay: np.ndarray
+    writes: list
+    queries: list
+    initial_state: np.ndarray
+    corrections: list
+    value_log_decay: np.ndarray | None
+
+
+def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
+                        value_log_decay=None) -> ScanGrads:
+    """The backward of decay_scan (the same arguments, the states before each chunk it returned, the readouts'
+    gradients [B, T, H, V] and the final state's, None: zero)."""
     K, V = s0.shape[-2:]
-    l = _heads(log_decay)
+    l, m = _heads(log_decay), None if value_log_decay is None else _heads(value_log_decay)
     fold = (lambda x: x.sum(axis=-1, keepdims=True)) if l.shape[-1] == 1 else (lambda x: x)  # noqa: E731
     ws = [(_heads(k, K), _heads(v, V)) for k, v in writes]
     cs = [(_heads(u, K), _heads(w, K)) for u, w in corrections]
@@ -202,12 +249,13 @@ def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_read
     dtype = np.result_type(s0, l)
     adjoint = np.zeros((batch, heads, K, V), dtype) if grad_final is None else np.array(grad_final, dtype=dtype)
     dl = np.zeros(l.shape, dtype)
+    dm = None if m is None else np.zeros(m.shape, dtype)
     dws = [(np.zeros((batch, heads, tokens, K), dtype), np.zeros((batch, heads, tokens, V), dtype)) for _ in ws]
     dcs = [(np.zeros((batch, heads, tokens, K), dtype), np.zeros((batch, heads, tokens, K), dtype)) for _ in cs]
     dqs = [np.zeros((batch, heads, tokens, K), dtype) for _ in qs]
     bounds = list(range(0, tokens, chunk))
     for index in reversed(range(len(bounds))):
-        c = _Chunk(l, bounds[index], min(bounds[index] + chunk, tokens), dtype)
+        c = _Chunk(l, bounds[index], min(bounds[index] + chunk, tokens), dtype, m)
         before_chunk = starts[index]
         wc = [(c.cut(k), c.cut(v)) for k, v in ws]
         if cs:
@@ -224,6 +272,8 @@ def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_read
             grads = grads.plus(_chunk_backward(c, before_chunk, None, wc, [(w, True) for _, w in corr], lam, fold))
         here = slice(c.start, c.stop)
         dl[:, :, here] = grads.log_decay
+        if dm is not None:
+            dm[:, :, here] = grads.value_log_decay
         for (dk, dv), (gk, gv) in zip(dws, grads.writes):
             dk[:, :, here], dv[:, :, here] = gk, gv
         for (du, dw), (gu, _), gw in zip(dcs, grads.writes[len(ws):], grads.queries[len(qs):]):
@@ -232,23 +282,25 @@ def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_read
             dq[:, :, here] = g
         adjoint = grads.adjoint
     back = lambda x: np.moveaxis(x, 2, 1)  # noqa: E731 - [B, H, T, n] → [B, T, H, n]
-    return (back(dl), [(back(dk), back(dv)) for dk, dv in dws], [back(dq) for dq in dqs], adjoint,
-            [(back(du), back(dw)) for du, dw in dcs])
+    return ScanGrads(back(dl), [(back(dk), back(dv)) for dk, dv in dws], [back(dq) for dq in dqs], adjoint,
+                     [(back(du), back(dw)) for du, dw in dcs], None if dm is None else back(dm))
 
 
 @dataclass
 class _ChunkGrads:
-    """One chunk's gradients, chunk-local [B, H, n, *]: of the log-decays, of each write's key and value, of
-    each readout's query, and the adjoint state before the chunk."""
+    """One chunk's gradients, chunk-local [B, H, n, *]: of the log-decays (of the value axis too, or None), of
+    each write's key and value, of each readout's query, and the adjoint state before the chunk."""
 
     log_decay: np.ndarray
+    value_log_decay: np.ndarray | None
     writes: list
     queries: list
     adjoint: np.ndarray
 
     def plus(self, other: "_ChunkGrads") -> "_ChunkGrads":
         """The sum of two passes over the same writes; the queries of the other pass follow this one's."""
-        return _ChunkGrads(self.log_decay + other.log_decay,
+        value = None if self.value_log_decay is None else self.value_log_decay + other.value_log_decay
+        return _ChunkGrads(self.log_decay + other.log_decay, value,
                            [(a + c, b + d) for (a, b), (c, d) in zip(self.writes, other.writes)],
                            self.queries + other.queries, self.adjoint + other.adjoint)
 
@@ -258,34 +310,51 @@ def _chunk_backward(c: _Chunk, before_chunk, adjoint, writes, queries, grad_read
     and the readouts' gradients (chunk-local arrays). ∂l_s directly, as the sum of the terms whose decay
     spans token s (no ±P that cancel: float32 keeps them): the chunk's end state e^{Λ_L}·S_a spans every
     token; a write j, decayed by e^{Λ_L − Λ_j}, spans j < s; a pair (t, j) of a readout spans j < s ≤ t
-    (≤ t − 1 before the update), its S_a term s ≤ t (≤ t − 1)."""
-    size = c.size
+    (≤ t − 1 before the update), its S_a term s ≤ t (≤ t − 1). A decay of the value axis, e^{C_t − C_j} per
+    column, spans the same tokens: ∂m_s sums the same terms, per value column."""
+    size, valued = c.size, c.m is not None
     d_log = np.zeros(c.l.shape, c.dtype)
+    d_col = np.zeros(c.m.shape, c.dtype) if valued else None
     dws = [(np.zeros_like(k), np.zeros_like(v)) for k, v in writes]
     dqs = [np.zeros_like(q) for q, _ in queries]
     adjoint_before = np.zeros_like(before_chunk)
     if adjoint is not None:
-        grown_last = c.exp(c.last)
-        d_log += fold(np.einsum("bhkv,bhkv->bhk", grown_last[..., None] * before_chunk, adjoint))[:, :, None]
+        grown_last = c.exp(c.last)[..., None]
+        if valued:
+            grown_last = grown_last * c.exp(c.col_cum[:, :, -1])[:, :, None, :]
+        end = grown_last * before_chunk * adjoint          # the end state's S_a term, times Ŝ_b
+        d_log += fold(end.sum(axis=-1))[:, :, None]
+        if valued:
+            d_col += end.sum(axis=-2)[:, :, None]
         tail = c.exp(c.last[:, :, None] - c.cum)
         for (k, v), (dk, dv) in zip(writes, dws):
-            decayed = k * tail
-            adjoint_v = np.einsum("bhkv,bhjv->bhjk", adjoint, v)   # Ŝ_b v_j
+            decayed, reaching = k * tail, _column_tail(c, v)
+            adjoint_v = np.einsum("bhkv,bhjv->bhjk", adjoint, reaching)   # Ŝ_b v_j (as it reaches the end)
+            adjoint_k = np.einsum("bhjk,bhkv->bhjv", decayed, adjoint)    # Ŝ_bᵀ k_j (as it reaches the end)
             dk += tail * adjoint_v
-            dv += np.einsum("bhjk,bhkv->bhjv", decayed, adjoint)
+            dv += _column_tail(c, adjoint_k)
             d_log += _exclusive_cumsum(fold(decayed * adjoint_v))
-        adjoint_before = adjoint_before + grown_last[..., None] * adjoint
+            if valued:
+                d_col += _exclusive_cumsum(reaching * adjoint_k)
+        adjoint_before = adjoint_before + grown_last * adjoint
     for (q, before), dq, dr in zip(queries, dqs, grad_readouts):
         read = c.read(before)
         for rows in _row_blocks(size):
-            pairs = c.pairs(read, rows, before)
+            pairs, columns = c.pairs(read, rows, before), c.column_pairs(rows, before)
             spans = _lower(rows, size, before)  # the tokens s whose decay a row t's pairs span: s ≤ t (< t)
             at = slice(rows.start, rows.stop)
             q_rows, dr_rows = q[:, :, at], dr[:, :, at]
             for (k, v), (dk, dv) in zip(writes, dws):
                 a = _scores(q_rows, k, pairs)
-                da = dr_rows @ np.swapaxes(v, -1, -2)                    # ∂A_tj = ∂r_t·v_j
-                dv += np.swapaxes(a, -1, -2) @ dr_rows
+                if columns is None:
+                    da = dr_rows @ np.swapaxes(v, -1, -2)                    # ∂A_tj = ∂r_t·v_j
+                    dv += np.swapaxes(a, -1, -2) @ dr_rows
+                else:  # r_tc = Σ_j A_tj v_jc e^{C_tc − C_jc}
+                    weighted = dr_rows[:, :, :, None, :] * columns            # ∂r_tc e^{C_tc − C_jc}
+                    da = np.einsum("bhtjv,bhjv->bhtj", weighted, v)
+                    dv += np.einsum("bhtj,bhtjv->bhjv", a, weighted)
+                    contribution = a[..., None] * v[:, :, None] * weighted   # each pair's part, per column
+                    d_col += np.where(spans, _exclusive_cumsum(contribution, axis=3), 0.0).sum(axis=2)
                 dq[:, :, at] += _weighted(da, k, pairs, columns=False)
                 dk += _weighted(da, q_rows, pairs, columns=True)
                 if pairs.shape[-1] == 1:  # each pair's part of the loss, [t, j, key or 1]
@@ -295,14 +364,18 @@ def _chunk_backward(c: _Chunk, before_chunk, adjoint, writes, queries, grad_read
                 # token s gets Σ_t Σ_(j < s) of it, over the t whose decay spans s
                 d_log += np.where(spans, _exclusive_cumsum(contribution, axis=3), 0.0).sum(axis=2)
         grown = c.exp(read)
-        state_dr = np.einsum("bhkv,bhtv->bhtk", before_chunk, dr)   # S_a ∂r_t
+        dr_seen = c.columns(dr, slice(None), before)                  # ∂r_t ⊙ e^{C_t}: what S_a's term sees
+        state_dr = np.einsum("bhkv,bhtv->bhtk", before_chunk, dr_seen)   # S_a ∂r_t
         dq += grown * state_dr
-        through = fold(q * grown * state_dr)
-        if before:
-            through = np.concatenate([through[:, :, 1:], np.zeros_like(through[:, :, :1])], axis=2)
-        d_log += np.flip(np.cumsum(np.flip(through, axis=2), axis=2), axis=2)   # Σ_(t ≥ s)
-        adjoint_before = adjoint_before + np.einsum("bhtk,bhtv->bhkv", q * grown, dr)
-    return _ChunkGrads(d_log, dws, dqs, adjoint_before)
+        through = [fold(q * grown * state_dr)]
+        if valued:  # the S_a term's part of the loss per value column: (q ⊙ e^{Λ_t})·S_a ⊙ ∂r_t e^{C_t}
+            through.append(np.einsum("bhtk,bhkv->bhtv", q * grown, before_chunk) * dr_seen)
+        for part, total in zip(through, (d_log, d_col)):
+            if before:
+                part = np.concatenate([part[:, :, 1:], np.zeros_like(part[:, :, :1])], axis=2)
+            total += np.flip(np.cumsum(np.flip(part, axis=2), axis=2), axis=2)   # Σ_(t ≥ s)
+        adjoint_before = adjoint_before + np.einsum("bhtk,bhtv->bhkv", q * grown, dr_seen)
+    return _ChunkGrads(d_log, d_col, dws, dqs, adjoint_before)
 
 
 def _scores(q_rows, k, pairs):
