@@ -1,5 +1,6 @@
 """The parallel and chunkwise backward of a state whose update is a decay plus rank-one corrections and
-rank-one writes, read by readouts q·S (adjoint.md): generated gradient modules call these.
+rank-one writes (or a decay of both axes plus writes), read by readouts q·S (adjoint.md): generated gradient
+modules call these.
 
 One state, per chunk of C tokens, with Λ_t the cumulative log-decay inside the chunk (a vector over the key
 axis; a scalar decay is the same on every key):
@@ -33,6 +34,11 @@ queries w read before the update with gradients λ and no end state, gives their
 ∂w from those readouts, ∂u as the corrections' keys, their terms of ∂l and of Ŝ_a (Σ_t (w_t ⊙ e^{Λ_(t−1)}) ⊗
 λ_t). Several corrections interleave their tokens, (t, r), so the system stays triangular in t. No
 correction's pseudo-value is kept between passes: each chunk's are recomputed from the state before it.
+
+A decay of the value axis too, S_t = diag(e^{l_t})·S_(t−1)·diag(e^{m_t}) + k ⊗ v (then without corrections),
+scales each value column of a pair (t, j) by e^{C_t − C_j} (C: the prefix sums of m), formed pairwise and
+masked like the rows' factors: r_tc = Σ_j A_tj v_jc e^{C_tc − C_jc}, so ∂v_jc = Σ_t A_tj ∂r_tc e^{C_tc − C_jc},
+∂A_tj = Σ_c ∂r_tc v_jc e^{C_tc − C_jc}, and ∂m_s sums per column the same spanning terms as ∂l_s per row.
 """
 from __future__ import annotations
 
