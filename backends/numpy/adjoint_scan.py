@@ -96,10 +96,10 @@ class _Chunk:
     def read_columns(self, before: bool):
         return self.col_prev if before else self.col_cum
 
-    def columns(self, x, at: slice, before: bool):
-        """x [B, H, n, V] (of the tokens `at`) scaled by e^{C_t} (e^{C_(t−1)} where `before`): what the value
-        axis's decay does to a readout of the state before the chunk."""
-        return x if self.m is None else x * self.exp(self.read_columns(before)[:, :, at])
+    def columns(self, x, before: bool):
+        """x [B, H, n, V] scaled by e^{C_t} (e^{C_(t−1)} where `before`): what the value axis's decay does to a
+        readout of the state before the chunk."""
+        return x if self.m is None else x * self.exp(self.read_columns(before))
 
     def column_pairs(self, rows: range, before: bool):
         """e^{C_t − C_j} per value column for the tokens t in `rows` and j ≤ t (j < t where `before`), else 0:
@@ -164,10 +164,11 @@ def _log_decays(log_decay):
                                 "backward work with finite log-decays; use form='recurrent' for this call")
     return l
 
+
 def _readout(c: _Chunk, state, q, before: bool, writes):
     """q_t·S_t (q_t·S_(t−1) where `before`) for the chunk's tokens: chunk-local q [B, H, n, K] and writes."""
     read = c.read(before)
-    r = c.columns(np.einsum("bhtk,bhkv->bhtv", q * c.exp(read), state), slice(None), before)
+    r = c.columns(np.einsum("bhtk,bhkv->bhtv", q * c.exp(read), state), before)
     for rows in _row_blocks(c.size):
         pairs, columns = c.pairs(read, rows, before), c.column_pairs(rows, before)
         at = slice(rows.start, rows.stop)
@@ -373,7 +374,7 @@ def _chunk_backward(c: _Chunk, before_chunk, adjoint, writes, queries, grad_read
                 # token s gets Σ_t Σ_(j < s) of it, over the t whose decay spans s
                 d_log += np.where(spans, _exclusive_cumsum(contribution, axis=3), 0.0).sum(axis=2)
         grown = c.exp(read)
-        dr_seen = c.columns(dr, slice(None), before)                  # ∂r_t ⊙ e^{C_t}: what S_a's term sees
+        dr_seen = c.columns(dr, before)                 # ∂r_t ⊙ e^{C_t}: what S_a's term sees
         state_dr = np.einsum("bhkv,bhtv->bhtk", before_chunk, dr_seen)   # S_a ∂r_t
         dq += grown * state_dr
         through = [fold(q * grown * state_dr)]
