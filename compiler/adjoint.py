@@ -427,9 +427,8 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
 @dataclass(frozen=True)
 class Quantity:
     """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay",
-    "S.value_log_decay", "S.key0",
-    "S.value0", "S.correction0_u" and "S.correction0_w" — a correction u ⊗ (w·S_(t−1)) —, "r1" — a readout's
-    query) and the expression it is computed from."""
+    "S.value_log_decay" — of S·diag(e^m) —, "S.key0", "S.value0", "S.correction0_u" and "S.correction0_w" — of a
+    correction u ⊗ (w·S_(t−1)) —, "r1" — a readout's query) and the expression it is computed from."""
 
     label: str
     value: ir.Expr
@@ -490,7 +489,7 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
             quantities.append(sweep(value, seed, live, site, Quantity(label, value)))
     for t in d.transitions:
         quantity(f"{t.state}.log_decay", t.log_decay)
-        quantity(f"{t.state}.value_log_decay", t.value_log_decay)  # (S·diag(e^m): None where the columns keep)
+        quantity(f"{t.state}.value_log_decay", t.value_log_decay)  # (S·diag(e^m); None: the columns do not decay)
         for j, (key, value) in enumerate(t.writes):
             quantity(f"{t.state}.key{j}", key)
             quantity(f"{t.state}.value{j}", value)
