@@ -418,15 +418,17 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
 
 
 # ---- the adjoint over the decomposition: the parallel and chunkwise backward ------------------------------
-# For a state whose update is a decay plus rank-one writes, read by readouts q·S, the adjoint is again such a
-# recurrence, run in reverse: a backend runs it as a masked product inside a chunk, with the adjoint state
-# passed from chunk to chunk (adjoint.md). What is left is the chain rule from the outputs to the readouts,
-# and from the per-token arrays of the decomposition (log-decay, keys, values, queries) to the inputs and
-# params: sweeps over those expressions, for all tokens at once.
+# For a state whose update is a decay plus rank-one corrections and writes, read by readouts q·S, the adjoint is
+# again such a recurrence, run in reverse: a backend runs it as a masked product inside a chunk, with the adjoint
+# state passed from chunk to chunk (adjoint.md; corrections through the transposed UT transform). What is left
+# is the chain rule from the outputs to the readouts, and from the per-token arrays of the decomposition
+# (log-decay, keys, values, corrections' u and w, queries) to the inputs and params: sweeps over those
+# expressions, for all tokens at once.
 @dataclass(frozen=True)
 class Quantity:
-    """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay", "S.key0",
-    "S.value0", "r1" — a readout's query) and the expression it is computed from."""
+    """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay",
+    "S.value_log_decay" — of S·diag(e^m) —, "S.key0", "S.value0", "S.correction0_u" and "S.correction0_w" — of a
+    correction u ⊗ (w·S_(t−1)) —, "r1" — a readout's query) and the expression it is computed from."""
 
     label: str
     value: ir.Expr
@@ -450,19 +452,14 @@ class DecomposedAdjoint:
 
 
 def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
-    """Why the parallel or chunkwise backward (a decay plus rank-one writes, run in reverse) is not derived
-    for a program, or None."""
+    """Why the parallel or chunkwise backward (a decay plus rank-one corrections and writes, run in reverse) is
+    not derived for a program, or None."""
     d = compiled.decomposition
     if d.sequence is not None:
         return f"the {form} backward of attention over the sequence is not derived"
     if not compiled.program.causal:
         return f"the {form} backward of a non-causal program is not derived"
     for t in d.transitions:
-        if t.corrections:
-            return (f"'{t.state}' has {len(t.corrections)} rank-one correction(s): their {form} backward (the "
-                    f"UT transform of the adjoint, run in reverse) is not derived")
-        if t.value_decay is not None:
-            return f"'{t.state}' decays its value axis: the {form} backward of that is not derived"
         if t.elementwise:
             return f"'{t.state}' decays elementwise (`X*{t.state}`): the {form} backward of that is not derived"
     if any(r.is_value for r in d.readouts):
@@ -492,9 +489,13 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
             quantities.append(sweep(value, seed, live, site, Quantity(label, value)))
     for t in d.transitions:
         quantity(f"{t.state}.log_decay", t.log_decay)
+        quantity(f"{t.state}.value_log_decay", t.value_log_decay)  # (S·diag(e^m); None: the columns do not decay)
         for j, (key, value) in enumerate(t.writes):
             quantity(f"{t.state}.key{j}", key)
             quantity(f"{t.state}.value{j}", value)
+        for j, (u, w) in enumerate(t.corrections):  # + u ⊗ (w·S_(t−1)): the UT transform's backward seeds them
+            quantity(f"{t.state}.correction{j}_u", u)
+            quantity(f"{t.state}.correction{j}_w", w)
     for r in d.readouts:
         quantity(f"r{r.index}", r.query)
     top = [sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step)

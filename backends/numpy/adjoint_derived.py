@@ -1,7 +1,7 @@
 """The parallel and chunkwise backward of a recurrence as a NumPy module: from the decomposition of every
-state (a decay plus rank-one writes, read by readouts q·S; compiler.adjoint.why_no_decomposed_adjoint says
-which programs), the adjoint recurrence run chunk by chunk in reverse (linrec.numpy.adjoint_scan), and the
-chain rule from the outputs to the readouts and from the per-token arrays to the inputs and params
+state (a decay plus rank-one corrections and writes, read by readouts q·S;
+compiler.adjoint.why_no_decomposed_adjoint says which programs), the adjoint recurrence run chunk by chunk in
+reverse (linrec.numpy.adjoint_scan), and the chain rule from the outputs to the readouts and from the per-token arrays to the inputs and params
 (compiler.adjoint.derive_decomposed).
 
 backward() reads, in order: the per-token arrays of each state and its forward scan (keeping the state
@@ -11,12 +11,32 @@ read no state and the params, as the recurrent backward ends.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
 from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
 from .derived import canonical_text, per_token
 
 DEFAULT_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class StateArrays:
+    """The variables of a state's per-token arrays in the generated module (log-decays of its rows and of its
+    value axis, writes, corrections, readouts' queries), of the states before each chunk, and of the arrays'
+    adjoints (linrec.numpy.adjoint_scan.ScanGrads)."""
+
+    NAMES: ClassVar[tuple[str, ...]] = ("log_decay", "value_log_decay", "writes", "corrections", "queries", "starts",
+                                        "grads")
+    log_decay: str
+    value_log_decay: str
+    writes: str
+    corrections: str
+    queries: str
+    starts: str
+    grads: str
 
 
 class _DecomposedEmitter(BackwardEmitter):
@@ -31,11 +51,10 @@ class _DecomposedEmitter(BackwardEmitter):
         self.readout_vars = {r.index: em.fresh(f"r{r.index}") for r in compiled.decomposition.readouts}
         for i, var in self.readout_vars.items():
             self.d[("readout", str(i))] = em.fresh(f"d_{var}")
-        self.arrays = {}  # state → (log-decay, writes, queries, chunk starts) variables, and their adjoints'
+        self.arrays = {}  # state → its per-token arrays' variables and their adjoints' (StateArrays)
         for st in self.p.states:
             s = n(st.name)
-            self.arrays[st.name] = tuple(em.fresh(f"{s}_{what}") for what in (
-                "log_decay", "writes", "queries", "starts", "d_log_decay", "d_writes", "d_queries"))
+            self.arrays[st.name] = StateArrays(*(em.fresh(f"{s}_{what}") for what in StateArrays.NAMES))
         self.seeds: dict[str, str] = {}  # a per-token array's label → the code of its adjoint
         self.chunk = em.fresh("chunk")
 
@@ -89,7 +108,8 @@ class _DecomposedEmitter(BackwardEmitter):
         """The state's per-token arrays, and its forward scan."""
         em, n = self.em, self.em.name
         t = self.c.decomposition.transition(st.name)
-        decay, writes, queries, starts = self.arrays[st.name][:4]
+        a = self.arrays[st.name]
+        decay, writes, queries, starts = a.log_decay, a.writes, a.queries, a.starts
         shape = tuple(reversed(st.shape)) if st.name in self.c.decomposition.transposed else st.shape
         rows, cols = n(shape[0]), ("1" if len(shape) == 1 else n(shape[1]))
         lines = ["", f"# {st.name}: {t.kind}", f"#   {st.name}_t = {canonical_text(t)}"]
@@ -103,7 +123,13 @@ class _DecomposedEmitter(BackwardEmitter):
             val = per_token(prelude(em.refold(value)), cols, not value.shape) if value is not None else \
                 "np.ones((batch, tokens, heads, 1), dtype)"
             pairs.append(f"({per_token(prelude(em.refold(key)), rows, not key.shape)}, {val})")
+        if t.value_log_decay is not None:  # S·diag(e^m): one log-decay per value column
+            lines.append(f"{a.value_log_decay} = {per_token(prelude(em.refold(t.value_log_decay)), cols, False)}")
         lines.append(f"{writes} = [" + ", ".join(pairs) + "]")
+        if t.corrections:
+            lines.append(f"{a.corrections} = [" + ", ".join(
+                f"({per_token(prelude(em.refold(u)), rows, not u.shape)}, "
+                f"{per_token(prelude(em.refold(w)), rows, not w.shape)})" for u, w in t.corrections) + "]")
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
         lines.append(f"{queries} = [" + ", ".join(
             f"({per_token(prelude(em.refold(r.query)), rows, not r.query.shape)}, {r.before_update})"
@@ -111,11 +137,19 @@ class _DecomposedEmitter(BackwardEmitter):
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
-        lines.append(f"[{targets}], {n(st.name)}, {starts} = decay_scan({s0}, {decay}, {writes}, {queries}, {self.chunk})")
+        lines.append(f"[{targets}], {n(st.name)}, {starts} = decay_scan({s0}, {decay}, {writes}, {queries}, "
+                     f"{self.chunk}{self.optional_arrays(st.name)})")
         lines.append(f"{n(st.name)} = {self.declared(st, n(st.name))}")
         if vector:  # a vector state is carried as one column
             lines += [f"{self.readout_vars[r.index]} = {self.readout_vars[r.index]}[..., 0]" for r in reads]
         return lines
+
+    def optional_arrays(self, state: str) -> str:
+        """The scans' keyword arguments for the state's corrections and its value axis's decay, where it has
+        them."""
+        t, a = self.c.decomposition.transition(state), self.arrays[state]
+        return (f", corrections={a.corrections}" if t.corrections else "") + \
+            (f", value_log_decay={a.value_log_decay}" if t.value_log_decay is not None else "")
 
     def carried(self, st: ir.State, code: str) -> str:
         """A state [B, H, *] as the scans carry it: a vector as one column, a state the decomposition
@@ -133,7 +167,8 @@ class _DecomposedEmitter(BackwardEmitter):
     def state_backward(self, st: ir.State) -> list[str]:
         """The state's adjoint, run backwards chunk by chunk; the seeds of its per-token arrays' adjoints."""
         t = self.c.decomposition.transition(st.name)
-        decay, writes, queries, starts, d_decay, d_writes, d_queries = self.arrays[st.name]
+        a = self.arrays[st.name]
+        decay, writes, queries, starts, g = a.log_decay, a.writes, a.queries, a.starts, a.grads
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
         column = "[..., None]" if len(st.shape) == 1 else ""
         grads = ", ".join(self.d[("readout", str(r.index))] + column for r in reads)
@@ -141,19 +176,24 @@ class _DecomposedEmitter(BackwardEmitter):
         final = given if self.carried(st, "x") == "x" else f"None if {given} is None else {self.carried(st, given)}"
         state = self.d[("state", st.name, "new")]
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
-        lines = ["", f"# {st.name}'s adjoint: the transposed recurrence, from the last chunk",
-                 f"{d_decay}, {d_writes}, {d_queries}, {state} = decay_scan_backward({s0}, {decay}, {writes}, "
-                 f"{queries}, {starts}, {self.chunk}, [{grads}], {final})"]
-        if self.declared(st, "x") != "x":
-            lines.append(f"{state} = {self.declared(st, state)}")
+        comment = (" (its corrections: the UT transform's solve, transposed, per chunk)" if t.corrections else "")
+        lines = ["", f"# {st.name}'s adjoint: the transposed recurrence, from the last chunk" + comment,
+                 f"{g} = decay_scan_backward({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
+                 f"{final}{self.optional_arrays(st.name)})",
+                 f"{state} = {self.declared(st, g + '.initial_state')}"]
         if t.log_decay is not None:
-            self.seeds[f"{st.name}.log_decay"] = d_decay + ("" if t.log_decay.shape else "[..., 0]")
+            self.seeds[f"{st.name}.log_decay"] = f"{g}.log_decay" + ("" if t.log_decay.shape else "[..., 0]")
+        if t.value_log_decay is not None:
+            self.seeds[f"{st.name}.value_log_decay"] = f"{g}.value_log_decay"
         for j, (key, value) in enumerate(t.writes):
-            self.seeds[f"{st.name}.key{j}"] = f"{d_writes}[{j}][0]" + ("" if key.shape else "[..., 0]")
+            self.seeds[f"{st.name}.key{j}"] = f"{g}.writes[{j}][0]" + ("" if key.shape else "[..., 0]")
             if value is not None:
-                self.seeds[f"{st.name}.value{j}"] = f"{d_writes}[{j}][1]" + ("" if value.shape else "[..., 0]")
+                self.seeds[f"{st.name}.value{j}"] = f"{g}.writes[{j}][1]" + ("" if value.shape else "[..., 0]")
+        for j, (u, w) in enumerate(t.corrections):
+            self.seeds[f"{st.name}.correction{j}_u"] = f"{g}.corrections[{j}][0]" + ("" if u.shape else "[..., 0]")
+            self.seeds[f"{st.name}.correction{j}_w"] = f"{g}.corrections[{j}][1]" + ("" if w.shape else "[..., 0]")
         for i, r in enumerate(reads):
-            self.seeds[f"r{r.index}"] = f"{d_queries}[{i}]" + ("" if r.query.shape else "[..., 0]")
+            self.seeds[f"r{r.index}"] = f"{g}.queries[{i}]" + ("" if r.query.shape else "[..., 0]")
         return lines
 
 

@@ -150,7 +150,7 @@ def decayed_columns(a, cq, c, x, strict: bool, block: int = 16) -> np.ndarray:
     return out
 
 
-def _solve_unit_lower(m, rhs, block: int = 64):
+def solve_unit_lower(m, rhs, block: int = 64):
     """Solve M·X = rhs for unit lower-triangular M [.., n, n] by blocked forward substitution."""
     n = m.shape[-1]
     x = np.empty_like(rhs)
@@ -187,13 +187,13 @@ def _pseudo_values(corrections, writes, b, b_prev, s0, block):
         rows.append([decayed_scores(w, b_prev, u, b, True, block) for u, _ in corrections])
     if r_count == 1:
         m = np.eye(n, dtype=s0.dtype) - rows[0][0]
-        return [_solve_unit_lower(m, rhs[0], block=64)]
+        return [solve_unit_lower(m, rhs[0], block=64)]
     # several corrections: interleave (t, r) so the system stays lower triangular in t
     a = np.stack([np.stack(row, axis=-1) for row in rows], axis=-3)  # [.., n, R, n, R]
     a = a.reshape(a.shape[:-4] + (n * r_count, n * r_count))
     m = np.eye(n * r_count, dtype=s0.dtype) - a
     stacked = np.stack(rhs, axis=-2).reshape(rhs[0].shape[:-2] + (n * r_count, rhs[0].shape[-1]))
-    sol = _solve_unit_lower(m, stacked, block=64 * r_count)
+    sol = solve_unit_lower(m, stacked, block=64 * r_count)
     sol = sol.reshape(rhs[0].shape[:-2] + (n, r_count, rhs[0].shape[-1]))
     return [sol[..., :, i, :] for i in range(r_count)]
 
