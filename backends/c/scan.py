@@ -82,6 +82,19 @@ class Structure:
 
 
 # ---- the C source -------------------------------------------------------------------------------------
+def tile_registers(vector_bytes: int) -> int:
+    """Column registers of the widest GEMM tile (NB): 4 with AVX-512's 32 registers, else 3 (16)."""
+    return 4 if vector_bytes >= 64 else 3
+
+
+def tile_rows(vector_bytes: int) -> list[int]:
+    """Rows of a GEMM register tile for nb = 1 … NB column registers: rows × nb accumulators, nb operands and
+    a broadcast within the register file (32 vector registers with AVX-512, 16 with AVX2), at most SUB_BLOCK
+    rows (a panel). A narrow tile takes more rows, so that each row of B is loaded once or twice per panel
+    instead of once per 6 rows."""
+    return [16, 12, 8, 6] if vector_bytes >= 64 else [8, 6, 4]
+
+
 def render(s: Structure, form: str | None = None) -> str:
     """The C source of one kernel."""
     lanes = s.lanes
@@ -92,8 +105,7 @@ def render(s: Structure, form: str | None = None) -> str:
         lanes=lanes, dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, sb=SUB_BLOCK,
         decay=DECAYS.index(s.decay), db=s.dk if s.decay == "row" else 1, corrections=s.corrections,
         writes=s.writes, readouts=len(s.before), causal=s.causal,
-        # register tiles: MR rows × NB registers of accumulators, plus NB + 1 registers of operands
-        mr=6 if s.vector_bytes >= 64 else 4, nb=4 if s.vector_bytes >= 64 else 3, qprev=", ".join(map(str, qprev)),
+        nb=tile_registers(s.vector_bytes), tile_rows=tile_rows(s.vector_bytes), qprev=", ".join(map(str, qprev)),
         widths=", ".join(map(str, ([s.dk if s.decay == "row" else 1] if s.decay != "none" else [])
                              + [s.dk] * 2 * s.corrections + [s.dk, s.dv] * s.writes + [s.dk] * len(s.before))),
         n_inputs=(s.decay != "none") + 2 * s.corrections + 2 * s.writes + len(s.before))
