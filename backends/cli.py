@@ -882,6 +882,9 @@ def _add_bench(parser: argparse.ArgumentParser):
                              "form Recurrence.choose_form picks for each T and backend")
     parser.add_argument("--backend", action="append", choices=_backend_names(),
                         help="time this backend (repeatable; default: every backend)")
+    parser.add_argument("--state-dtype", choices=("float32", BFLOAT16), metavar="{float32,bfloat16}",
+                        help="the decode rows' state between calls: bfloat16 halves the state bytes they move "
+                             "and are bounded by (default: float32)")
     parser.add_argument("--threads", type=_positive_int, metavar="N",
                         help="threads for the C kernels (LINREC_NUM_THREADS) and NumPy's BLAS (default: "
                              "LINREC_NUM_THREADS, else every core)")
@@ -985,6 +988,7 @@ def cmd_bench(args) -> int:
                          threads=args.threads, repeats=args.repeats, budget_s=args.budget,
                          dims=dict(args.dims or []), plot=args.plot, limits=args.limits, shapes=args.shapes,
                          grid_dims=args.grid_dims, heads=args.heads, batches=args.batches, decode=args.decode,
+                         state_dtype=args.state_dtype if args.state_dtype == BFLOAT16 else None,
                          requests=args.requests, pool=args.pool)
     if args.tokens:
         opts.tokens = list(args.tokens)
