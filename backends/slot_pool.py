@@ -83,13 +83,13 @@ def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype,
                 and arr.shape[1:] == (heads,) + tail and arr.flags.writeable):
             got = f"{arr.dtype} {list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
             if wants != dtype:
-                kind = "uint16 array (bfloat16 bits, as state_dtype='bfloat16' keeps them)"
+                why = "bfloat16 bits, as state_dtype='bfloat16' keeps them, and the tokens' sizes"
             elif isinstance(arr, np.ndarray) and arr.dtype == np.uint16:
-                kind = f"{dtype} array (the tokens' dtype; a pool of bfloat16 bits needs state_dtype='bfloat16')"
+                why = "the tokens' dtype and sizes; a pool of bfloat16 bits needs state_dtype='bfloat16'"
             else:
-                kind = f"{dtype} array (the tokens' dtype)"
-            raise RuntimeInputError(f"pool['{name}'] must be a writeable {kind} of shape {label} = "
-                                    f"[P, {', '.join(str(n) for n in (heads,) + tail)}], got {got}")
+                why = "the tokens' dtype and sizes"
+            raise RuntimeInputError(f"pool['{name}'] must be a writeable {wants} array of shape {label} = "
+                                    f"[P, {', '.join(str(n) for n in (heads,) + tail)}] ({why}), got {got}")
         if size is not None and arr.shape[0] != size:
             raise RuntimeInputError(f"pool['{name}'] has {arr.shape[0]} slots but the other pool arrays have "
                                     f"{size}; every pool array needs the same P")
