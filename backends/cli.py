@@ -726,6 +726,9 @@ def _add_verify(parser: argparse.ArgumentParser):
                              "the tokens one at a time through the decode step, up to 200 tokens)")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"),
                         help="check this dtype (repeatable; default: both)")
+    parser.add_argument("--state-dtype", choices=("float32", BFLOAT16), metavar="{float32,bfloat16}",
+                        help="bfloat16: also the decode step with its state kept in bfloat16 (float32 tokens; "
+                             "rows 'float32+bf16', form step, at their own tolerance, docs/serving.md)")
     parser.add_argument("--quick", action="store_true", help="a shorter battery (long T = 2048, fewer cases)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     parser.add_argument("--seed", type=_nonnegative_int, default=0, help="seed of the generated inputs")
@@ -741,6 +744,7 @@ def _add_verify(parser: argparse.ArgumentParser):
 examples:
   linrec verify examples/performer.lin --against examples/softmax.lin
   linrec verify examples/gla.lin --grad --quick
+  linrec verify examples/gated_deltanet.lin --form step --state-dtype bfloat16
   linrec verify examples/gla.lin
   linrec verify examples/deltanet.lin --quick --json > deltanet.json
 
@@ -830,7 +834,8 @@ def cmd_verify(args) -> int:
 
     progress = verify.progress_to_stderr if (args.json or sys.stderr.isatty()) else None
     rows = verify.run(rec, backends=backends, forms=forms, dtypes=tuple(args.dtype or ("float64", "float32")),
-                      quick=args.quick, seed=args.seed, on_row=on_row, on_progress=progress)
+                      quick=args.quick, seed=args.seed, on_row=on_row, on_progress=progress,
+                      state_bf16=args.state_dtype == BFLOAT16)
     failed = [r for r in rows if not r.passed]
     absent = verify.missing(rec, backends, forms)
     if args.json:

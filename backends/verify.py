@@ -149,9 +149,10 @@ def _compare(result, reference) -> tuple[float, float]:
 
 
 def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), quick=False, seed=0,
-        on_row=None, on_progress=None) -> list[Row]:
+        on_row=None, on_progress=None, state_bf16: bool = False) -> list[Row]:
     """Every (form, backend, dtype, case, chunk size) against the float64 NumPy recurrent form; by default
-    the decode step too (outputs and final states of the tokens run one at a time)."""
+    the decode step too (outputs and final states of the tokens run one at a time). state_bf16: also the
+    decode step with its state kept in bfloat16 (rows BF16_STATE, float32 tokens, TOLERANCE_BF16_STATE)."""
     forms = list(forms or list(rec.forms) + decode_forms(rec))
     rows = []
     cases = battery(rec.program, quick)
@@ -161,7 +162,7 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
             for backend in backends:
                 if not builds(rec, backend, form):
                     continue  # reported by `missing` below
-                with_bits = [BF16_STATE] if form == STEP and "float32" in dtypes else []
+                with_bits = [BF16_STATE] if state_bf16 and form == STEP else []
                 for dtype in list(dtypes) + with_bits:
                     for chunk in (case.chunk_sizes if form == "chunkwise" else (None,)):
                         plan.append((case, form, backend, dtype, chunk))

@@ -3,6 +3,8 @@ and in C, bit for bit (AVX-512 BF16 and the portable integer path); the decode s
 64-token decode within tolerance of the float32 one; the slot pool; the errors."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -234,3 +236,11 @@ def test_the_cli_runs_the_decode_with_a_bf16_state(tmp_path, capsys):
     assert "bfloat16 state" in capsys.readouterr().out
     saved = np.load(out)
     assert saved["S"].dtype == np.uint16 and saved["o"].dtype == np.float32
+
+
+def test_verify_checks_the_bf16_state_decode_at_its_tolerance(capsys):
+    assert cli_main(["verify", "examples/mamba2.lin", "--form", "step", "--state-dtype", "bfloat16", "--quick",
+                     "--backend", "numpy", "--dtype", "float32", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["dtype"] == "float32+bf16"]
+    assert rows and all(r["passed"] and r["tolerance"] == TOLERANCE_BF16_STATE for r in rows)
+    assert all(0 < r["max_rel"] for r in rows)  # (rounded: not the float32 step)
