@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arrays, compiler, form_choice, gradients, registry, serving, slot_pool
+from . import arrays, bf16_state, compiler, form_choice, gradients, registry, serving, slot_pool
 from .c import build as c_build
 from .compiler import Compiled
 from .compiler.constants import check_constants, program_expressions
@@ -150,14 +150,23 @@ class Recurrence:
     def run(self, inputs: dict | None = None, *, form: str = "auto", backend: str = "numpy",
             params: dict | None = None, initial_state: dict | None = None, chunk_size: int | None = None,
             dims: dict[str, int] | None = None, threads: int | None = None, state_every: int | None = None,
-            keep_last: int | None = None, cu_seqlens=None, **named_inputs) -> Result:
+            keep_last: int | None = None, cu_seqlens=None, state_dtype=None, **named_inputs) -> Result:
         """Run a form. Inputs [B, T, H, *] by DSL name (a dict, keywords, or both); initial states
         [B, H, *] (zeros when absent); params override the file's defaults (per-head ones [H, *]);
         `threads`: for the C backend (default LINREC_NUM_THREADS, else every core). `chunk_size`: tokens per
         chunk of the chunkwise form (a positive integer; one longer than the sequence is the whole sequence).
         Serving (docs/serving.md): `state_every=C` returns res.checkpoints, the states after every C-th token;
         `keep_last=K` res.last_states, the states after each of the last K tokens; `cu_seqlens` (an int array
-        [N + 1] of offsets) runs packed sequences: inputs [1, T_total, H, *], states [N, H, *]."""
+        [N + 1] of offsets) runs packed sequences: inputs [1, T_total, H, *], states [N, H, *].
+        `state_dtype="bfloat16"` (float32 inputs): initial and returned states are uint16 arrays of bfloat16
+        bits, widened to float32 at entry and rounded at exit (backends/bf16_state.py)."""
+        given = dict(inputs or {}) | named_inputs
+        if bf16_state.resolve(state_dtype, given):
+            result = self.run(given, form=form, backend=backend, params=params,
+                              initial_state=bf16_state.widen(self.program, initial_state, "initial state"),
+                              chunk_size=chunk_size, dims=dims, threads=threads, state_every=state_every,
+                              keep_last=keep_last, cu_seqlens=cu_seqlens)
+            return bf16_state.narrow_result(self.program, result)
         chunk = arrays.check_chunk_size(chunk_size)
         every, last = serving.check_state_every(state_every), serving.check_keep_last(keep_last)
         offsets = serving.check_cu_seqlens(cu_seqlens)
@@ -165,7 +174,6 @@ class Recurrence:
             why = serving.why_not_packed(self.program, self.decomposition.sequence)
             if why:
                 raise RuntimeInputError(f"'{self.name}' does not take cu_seqlens: {why}")
-        given = dict(inputs or {}) | named_inputs
         signature = _signature(given, initial_state, form, backend, params, dims)
         plan = self._plans.get(signature) if signature is not None else None
         if plan is None:
@@ -291,10 +299,11 @@ class Recurrence:
     def prefill(self, inputs: dict | None = None, *, backend: str = "numpy", params: dict | None = None,
                 initial_state: dict | None = None, dims: dict[str, int] | None = None,
                 state_every: int | None = None, keep_last: int | None = None, cu_seqlens=None,
-                **named_inputs) -> Result:
+                state_dtype=None, **named_inputs) -> Result:
         """Run the recurrent form over a prompt; `result.final_state` is the state to `step` from.
         Stabilized states come back scaled, with their log-scale ("S.log_scale"), for the steps to go on
-        (checkpoints and last states too). `state_every`, `keep_last` and `cu_seqlens` as in run()."""
+        (checkpoints and last states too). `state_every`, `keep_last`, `cu_seqlens` and `state_dtype` as in
+        run()."""
         given = dict(inputs or {}) | named_inputs
         state = dict(initial_state or {})
         offsets = serving.check_cu_seqlens(cu_seqlens)
@@ -305,11 +314,12 @@ class Recurrence:
                 for key in self._log_scales:
                     state.setdefault(key, np.full((rows, first.shape[2]), np.nan))
         return self.run(given, form="recurrent", backend=backend, params=params, initial_state=state or None,
-                        dims=dims, state_every=state_every, keep_last=keep_last, cu_seqlens=offsets)
+                        dims=dims, state_every=state_every, keep_last=keep_last, cu_seqlens=offsets,
+                        state_dtype=state_dtype)
 
     def step(self, token_inputs: dict, state: dict | None, *, backend: str = "numpy",
              params: dict | None = None, inplace: bool = False, out: dict | None = None,
-             slots=None) -> tuple[dict, dict]:
+             slots=None, state_dtype=None) -> tuple[dict, dict]:
         """One token: inputs [B, H, *] by DSL name, states [B, H, *] → (outputs [B, H, *], new states).
         The same on every backend (docs/api.md, "Decode"): a state not given starts from zeros; inplace=True
         updates the given state arrays (of the inputs' dtype, writeable) and returns them — the fast decode
@@ -318,10 +328,15 @@ class Recurrence:
         array changed in place is not. `out` holds output arrays to reuse. The C backend checks shapes and
         dtypes when an array changes, and its kernel the declared value ranges on every call.
         `slots` (an int array [N] of distinct rows): `state` is a pool of slots, arrays [P, H, *], and the
-        tokens [N, H, *] advance the rows pool[·][slots] in place, nothing else (backends/slot_pool.py)."""
+        tokens [N, H, *] advance the rows pool[·][slots] in place, nothing else (backends/slot_pool.py).
+        `state_dtype="bfloat16"` (float32 tokens): the states (or the pool's) are uint16 arrays of bfloat16 bits,
+        widened to float32 for the step and rounded back (backends/bf16_state.py)."""
         _require_causal(self)
+        bits = state_dtype is not None and bf16_state.resolve(state_dtype, dict(token_inputs)) is not None
         if slots is not None:
-            return slot_pool.step(self, token_inputs, state, slots, backend, params, out)
+            return slot_pool.step(self, token_inputs, state, slots, backend, params, out, bits)
+        if bits:
+            return self._step_bf16(token_inputs, state, backend, params, inplace, out)
         bound = self._steppers.get(backend)  # a compiled step bound before (never for a KV cache)
         if bound is not None and bound[0].same(params):
             stepper = bound[1]
@@ -366,6 +381,27 @@ class Recurrence:
         return outputs, final
 
 
+    def _step_bf16(self, token_inputs: dict, state: dict | None, backend: str, params: dict | None, inplace: bool,
+                   out: dict | None) -> tuple[dict, dict]:
+        """step() with bfloat16 states: the backend's own bfloat16 step where it has one (bound once, as the
+        float32 step is), else widened around the float32 step (bf16_state.step_widened)."""
+        key = (backend, arrays.BFLOAT16)
+        bound = self._steppers.get(key)
+        if bound is not None and bound[0].same(params):
+            try:
+                return bound[1](token_inputs, state, inplace, out)
+            except RuntimeInputError:
+                pass  # new sizes, or a bad array: checked again below
+        if self.decomposition.sequence is not None:
+            raise RuntimeInputError(f"'{self.name}' reads the sequence: its decode state is a KV cache of the "
+                                    f"inputs, not a state to keep in bfloat16; leave state_dtype out")
+        _, _, module, dims, used = self._token_call(token_inputs, backend, params, state)
+        if module.capabilities.bfloat16_steps:
+            stepper = module.stepper(used, dims, state_is_bf16=True)
+            self._steppers[key] = (_ParamsSeen(params), stepper)
+            return stepper(token_inputs, state, inplace=inplace, out=out)
+        return bf16_state.step_widened(self, token_inputs, state, backend, params, inplace, out)
+
     def _token_call(self, token_inputs: dict, backend: str, params: dict | None, state: dict | None):
         """One token's inputs checked as a sequence of one ([B, 1, H, *]) and the recurrent module bound to
         them: (checked inputs, call shape, module, dims, params used)."""
@@ -384,7 +420,7 @@ class Recurrence:
         return checked, shape, module, dims, used
 
     def bind_step(self, token_inputs: dict, state: dict, *, backend: str = "numpy", params: dict | None = None,
-                  out: dict | None = None, slots=None):
+                  out: dict | None = None, slots=None, state_dtype=None):
         """The decode step bound to these very arrays: returns step(), which runs one token — reads the token
         buffers `token_inputs` ([B, H, *]; refill them in place between calls), updates `state` in place
         and writes the outputs — and returns the outputs dict (`out`'s arrays, created when absent). Every
@@ -393,10 +429,11 @@ class Recurrence:
         On every backend the step is bound to the arrays the dicts hold now: putting another array into a
         dict later changes nothing (refill the bound ones in place), and every state must be given.
         `slots`: `state` is a pool of slots [P, H, *], as in step(); an int array of slots may be refilled in
-        place between calls (it is checked every call)."""
+        place between calls (it is checked every call). `state_dtype="bfloat16"`: as in step()."""
         _require_causal(self)
+        bits = state_dtype is not None and bf16_state.resolve(state_dtype, dict(token_inputs)) is not None
         if slots is not None:
-            return slot_pool.bind(self, token_inputs, state, slots, backend, params, out)
+            return slot_pool.bind(self, token_inputs, state, slots, backend, params, out, bits)
         if self.decomposition.sequence is not None:
             raise RuntimeInputError(f"'{self.name}' reads the sequence: it decodes over a KV cache that grows "
                                     f"every token, so it has no step bound to fixed arrays; use step()")
@@ -405,6 +442,10 @@ class Recurrence:
             raise RuntimeInputError(f"bind_step updates the state arrays in place: pass every state (missing: "
                                     f"{', '.join(missing)}; e.g. the final_state of prefill, or zeros)")
         _, shape, module, dims, used = self._token_call(token_inputs, backend, params, state)
+        if bits:
+            if module.capabilities.bfloat16_steps:
+                return module.stepper(used, dims, state_is_bf16=True).bind(token_inputs, state, out)
+            return bf16_state.bind_widened(self, token_inputs, state, backend, params, out)
         if module.capabilities.binds_steps:
             return module.stepper(used, dims).bind(token_inputs, state, out)
         arrays.check_states_in_place(self.program, state, shape, dims)

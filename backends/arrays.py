@@ -32,7 +32,9 @@ def _float_array(name: str, value, what: str) -> np.ndarray:
     except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
         raise RuntimeInputError(f"{what} '{name}' is not an array") from None
     if arr.dtype.type not in FLOAT_DTYPES:
-        raise RuntimeInputError(f"{what} '{name}' has dtype {arr.dtype}; pass float32 or float64")
+        bits = " (a uint16 state holding bfloat16 bits needs state_dtype='bfloat16')" \
+            if arr.dtype == np.uint16 and "state" in what else ""
+        raise RuntimeInputError(f"{what} '{name}' has dtype {arr.dtype}; pass float32 or float64{bits}")
     return arr
 
 
@@ -320,3 +322,72 @@ def check_chunk_size(chunk_size) -> int | None:
                                 f"form, e.g. 64), got {chunk_size!r}{kind}; leave it out for the form's default")
     return int(chunk_size)
 
+
+
+# ---- the bfloat16 state (state_dtype="bfloat16"): stored between calls as bfloat16, computed in float32 ----
+# NumPy has no bfloat16 dtype: a bfloat16 array is a uint16 array holding the bits (the upper half of a float32's).
+BFLOAT16 = "bfloat16"
+BFLOAT16_BITS = np.dtype(np.uint16)
+
+
+def to_bfloat16(x) -> np.ndarray:
+    """float32 values → bfloat16 bits (uint16), rounded to nearest, ties to even; NaN stays NaN (quieted:
+    its top mantissa bit set), ±inf stays ±inf, and float32 subnormals (|x| < 2⁻¹²⁶) become ±0 — what AVX-512
+    BF16's vcvtneps2bf16 does, so that the C kernels (with or without it) and this give the same bits.
+    float64 values are rounded to float32 first."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    subnormal = (u & 0x7F800000) == 0
+    bits = np.where(nan, (u >> 16) | 0x40, np.where(subnormal, (u >> 16) & 0x8000, rounded))
+    return bits.astype(np.uint16)
+
+
+def from_bfloat16(bits) -> np.ndarray:
+    """bfloat16 bits (a uint16 array) → float32 values, exactly (every bfloat16 is a float32)."""
+    b = np.asarray(bits)
+    if b.dtype != BFLOAT16_BITS:
+        raise RuntimeInputError(f"bfloat16 values are held as uint16 arrays of their bits, got dtype {b.dtype}; "
+                                f"make them with linrec.to_bfloat16(float32_array)")
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def check_state_dtype(state_dtype, dtype) -> str | None:
+    """state_dtype: how states are stored between calls — None (the inputs' dtype), "float32"/"float64" (the
+    same as the inputs'), or "bfloat16" (float32 inputs; the states as uint16 arrays of bfloat16 bits).
+    Returns "bfloat16" or None (states in the inputs' dtype)."""
+    if state_dtype is None:
+        return None
+    name = state_dtype if isinstance(state_dtype, str) else _dtype_name(state_dtype)
+    if name == BFLOAT16:
+        if np.dtype(dtype) != np.float32:
+            raise RuntimeInputError(f"state_dtype='bfloat16' needs float32 inputs (the kernels accumulate the state "
+                                    f"in float32), got {np.dtype(dtype)}; pass float32 inputs, or leave state_dtype "
+                                    f"out to keep the state in {np.dtype(dtype)}")
+        return BFLOAT16
+    if name in ("float32", "float64"):
+        if np.dtype(name) != np.dtype(dtype):
+            raise RuntimeInputError(f"state_dtype={name!r} with {np.dtype(dtype)} inputs: a float state is kept in the "
+                                    f"inputs' dtype; pass {name} inputs, or state_dtype='bfloat16' (float32 inputs), "
+                                    f"or leave state_dtype out")
+        return None
+    raise RuntimeInputError(f"unknown state_dtype {state_dtype!r}; choose 'float32' (the default with float32 "
+                            f"inputs) or 'bfloat16' (states stored as uint16 arrays of bfloat16 bits)")
+
+
+def _dtype_name(value) -> str | None:
+    try:
+        return np.dtype(value).name
+    except TypeError:
+        return None
+
+
+def state_bits(name: str, value, expected: tuple, what: str = "state") -> np.ndarray:
+    """A bfloat16 state as given: a uint16 array of its bits, shaped `expected`."""
+    arr = np.asarray(value)
+    if arr.dtype != BFLOAT16_BITS:
+        raise RuntimeInputError(f"{what} '{name}' has dtype {arr.dtype}, but with state_dtype='bfloat16' states are "
+                                f"uint16 arrays of bfloat16 bits; convert it with linrec.to_bfloat16(…)")
+    if arr.shape != expected:
+        raise RuntimeInputError(f"{what} '{name}' should have shape {_fmt(expected)} but has shape {_fmt(arr.shape)}")
+    return arr

@@ -98,6 +98,7 @@ class Options:
     decode: bool = True                     # --shapes model/serving: also the decode steps
     requests: list[int] | None = None       # --shapes serving: the decode step's N active requests …
     pool: int | None = None                 # … in a pool of this many slots
+    state_dtype: str | None = None          # "bfloat16": the decode rows keep the state in bfloat16 (2 bytes)
 
 
 # ---- what is counted ----------------------------------------------------------------------------------
@@ -287,24 +288,25 @@ def timed(fn, repeats: int, budget_s: float) -> list[float]:
 
 
 def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool, batch: int = BATCH,
-                   heads: int = HEADS) -> dict:
+                   heads: int = HEADS, state_dtype: str | None = None) -> dict:
     """One token of one layer (`batch` requests, `heads` heads) from a prefilled state, in the two decode loops the README
     shows: "us", the step bound to its arrays (Recurrence.bind_step: one call per token, token buffers
     refilled in place) and "step_us", Recurrence.step(inplace=True, out=…) passed the same arrays each
     call. µs per call, the median over batches of calls (each batch long enough to dwarf the timer), after
     a warm-up of at least 10 ms of calls (helper threads started, states in cache: a decode loop's steady
-    state)."""
+    state). state_dtype="bfloat16": the state kept in bfloat16 between the calls."""
     x = rec.random_inputs(batch=batch, tokens=17, heads=heads, dims=dims, dtype=np.float32, seed=1)
     token = {k: np.ascontiguousarray(v[:, -1]) for k, v in x.items()}
     # the decode loop as users write it: prefill a prompt, then step from the state it returns
-    state = rec.prefill({k: v[:, :-1] for k, v in x.items()}, backend=backend).final_state
+    state = rec.prefill({k: v[:, :-1] for k, v in x.items()}, backend=backend, state_dtype=state_dtype).final_state
     t0 = time.perf_counter()
-    out, state = rec.step(token, state, backend=backend, inplace=True)  # binds (and builds) once
+    out, state = rec.step(token, state, backend=backend, inplace=True,  # binds (and builds) once
+                          state_dtype=state_dtype)
     first_ms = (time.perf_counter() - t0) * 1e3
-    bound = rec.bind_step(token, state, backend=backend, out=out)
+    bound = rec.bind_step(token, state, backend=backend, out=out, state_dtype=state_dtype)
 
     def step():
-        rec.step(token, state, backend=backend, inplace=True, out=out)
+        rec.step(token, state, backend=backend, inplace=True, out=out, state_dtype=state_dtype)
 
     result = {"first_call_ms": first_ms, "batches": call_batches(quick)}
     result["us"], result["calls_per_batch"] = per_call_us(bound, quick)
@@ -702,7 +704,7 @@ def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, peak: float | No
     return rows, failed, check_ms
 
 
-def decode_steps(rec, plan: Plan, quick: bool, say) -> tuple[dict[str, dict], list[str]]:
+def decode_steps(rec, plan: Plan, quick: bool, say, state_dtype: str | None = None) -> tuple[dict[str, dict], list[str]]:
     """The decode step on each backend (decode_step_us), or the note saying why there is none: a program
     that reads the sequence carries a KV cache, a non-causal one has no step."""
     name = rec.program.name
@@ -715,7 +717,7 @@ def decode_steps(rec, plan: Plan, quick: bool, say) -> tuple[dict[str, dict], li
     for b in plan.backends:
         say(f"{b}: decode step …")
         try:
-            decode[b] = decode_step_us(rec, b, plan.dims, quick)
+            decode[b] = decode_step_us(rec, b, plan.dims, quick, state_dtype=state_dtype)
         except LinrecError as err:
             notes.append(f"{b}: no decode step: {err}")
     return decode, notes
@@ -783,11 +785,12 @@ def run(opts: Options, progress=None) -> dict:
             notes.append(NO_THREADPOOLCTL)
         kernels = kernel_loads(rec, plan, opts.file, say)
         rows, failed, check_ms = time_rows(rec, plan, flops, sgemm, report["fma_peak_gflops"], say)
-        decode, decode_notes = decode_steps(rec, plan, opts.quick, say)
+        decode, decode_notes = decode_steps(rec, plan, opts.quick, say, opts.state_dtype)
     report.update(machine_reference(plan.threads, opts.quick, say, earlier=report))
     rows = with_row_bounds(rows, report["fma_peak_gflops"])
     others = others_cores(ticks, cpu_ticks())
-    state = state_bytes(rec, plan.dims)
+    # the bytes the decode rows move: a bfloat16 state's are half a float32 one's
+    state = state_bytes(rec, plan.dims, itemsize=2 if opts.state_dtype == "bfloat16" else 4)
     decode = with_decode_bounds(decode, 2 * BATCH * state, report["bandwidth_gbs"])
     if decode:
         decode_notes += cache_notes(BATCH * state, report["machine_limits"])
@@ -796,7 +799,7 @@ def run(opts: Options, progress=None) -> dict:
         "rows": rows, "skipped": plan.skipped + failed, "auto": _auto_against_rows(plan.auto, rows),
         "scaling": scaling(rows),
         "decode_us": {b: d["us"] for b, d in decode.items()}, "decode": decode, "input_check_ms": check_ms,
-        "state_bytes": state,
+        "state_bytes": state, "state_dtype": opts.state_dtype or "float32",
         "kv_cache_bytes": {str(t): kv_cache_bytes(t, plan.dims) for t in plan.tokens},
         "build_s": kernels.build_s, "cached_load_ms": kernels.cached_load_ms, "loads": kernels.loads,
         "openmp_wait_policy": c_build.openmp_wait_policy(),

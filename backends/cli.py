@@ -36,6 +36,7 @@ from .c import standalone as c_standalone
 from .compiler import ir
 from .compiler.analysis import inline_lets, to_text, walk
 from .compiler.steps import composed_update
+from .arrays import BFLOAT16, BFLOAT16_BITS, from_bfloat16
 from .decode import run_by_steps
 from .dim_option import dims_with_overrides
 from .dsl.errors import LinrecError, RuntimeInputError
@@ -434,6 +435,10 @@ def _add_run(parser: argparse.ArgumentParser):
                        help="packed variable-length sequences: offsets 0,…,T_total into one row [1, T_total, H, "
                             "*]; initial and final states [N, H, *] (generated inputs: B = 1 and T = the last "
                             "offset unless given)")
+    serve.add_argument("--state-dtype", choices=("float32", BFLOAT16), metavar="{float32,bfloat16}",
+                       help="how states are stored between calls: bfloat16 keeps initial, final and returned "
+                            "states as uint16 arrays of bfloat16 bits (float32 inputs; generated ones are "
+                            "float32 then); with --form step every token's state is rounded to bfloat16")
     io = parser.add_argument_group("arrays from and to files")
     io.add_argument("--inputs", metavar="IN.npz",
                     help="arrays by DSL name: inputs [B, T, H, *]; arrays named like a state are initial "
@@ -559,7 +564,8 @@ def _generated_shape(args) -> tuple[int, int, int, np.dtype]:
     packed = args.cu_seqlens is not None
     batch = args.batch or (1 if packed else RUN_BATCH)
     tokens = args.tokens or (max(args.cu_seqlens[-1], 1) if packed else RUN_TOKENS)
-    return batch, tokens, args.heads or RUN_HEADS, np.dtype(args.dtype or RUN_DTYPE)
+    default = "float32" if getattr(args, "state_dtype", None) == BFLOAT16 else RUN_DTYPE  # (bfloat16: float32 inputs)
+    return batch, tokens, args.heads or RUN_HEADS, np.dtype(args.dtype or default)
 
 
 def _auto_form(rec, args) -> str:
@@ -585,9 +591,10 @@ def _run_form(rec, form: str, args, inputs, params=None, initial_state=None):
         if given:
             raise LinrecError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the sequence forms, "
                               f"not to --form step; choose {' or '.join(rec.forms)}")
-        return run_by_steps(rec, inputs, backend=args.backend, params=params, initial_state=initial_state)
+        return run_by_steps(rec, inputs, backend=args.backend, params=params, initial_state=initial_state,
+                            state_dtype=args.state_dtype)
     return rec.run(inputs, form=form, backend=args.backend, params=params, initial_state=initial_state,
-                   chunk_size=args.chunk_size, **serving)
+                   chunk_size=args.chunk_size, state_dtype=args.state_dtype, **serving)
 
 
 def _refuse_generation_options(args) -> None:
@@ -661,9 +668,14 @@ def _run_summary(name: str, form: str, args, ran: RunOutcome, written: str | Non
     if form == "chunkwise" and args.chunk_size:
         how += f", chunk size {args.chunk_size}"
     result = ran.result
+    if args.state_dtype == BFLOAT16:
+        how += ", bfloat16 state"
     lines = [f"{name}: {how}", f"inputs: {ran.origin}"]
-    lines += _summary([("input", ran.inputs), ("output", result.outputs), ("state", result.final_state),
-                       ("checkpoint", result.checkpoints), ("last", result.last_states)])
+
+    def values(states):  # (the statistics of a bfloat16 state's values, not of its bits)
+        return {k: from_bfloat16(v) if v.dtype == BFLOAT16_BITS else v for k, v in states.items()}
+    lines += _summary([("input", ran.inputs), ("output", result.outputs), ("state", values(result.final_state)),
+                       ("checkpoint", values(result.checkpoints)), ("last", values(result.last_states))])
     if result.checkpoint_offsets.size:
         lines.append(f"checkpoint offsets (per packed sequence): {','.join(map(str, result.checkpoint_offsets))}")
     if result.params:
@@ -714,6 +726,9 @@ def _add_verify(parser: argparse.ArgumentParser):
                              "the tokens one at a time through the decode step, up to 200 tokens)")
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"),
                         help="check this dtype (repeatable; default: both)")
+    parser.add_argument("--state-dtype", choices=("float32", BFLOAT16), metavar="{float32,bfloat16}",
+                        help="bfloat16: also the decode step with its state kept in bfloat16 (float32 tokens; "
+                             "rows 'float32+bf16', form step, at their own tolerance, docs/serving.md)")
     parser.add_argument("--quick", action="store_true", help="a shorter battery (long T = 2048, fewer cases)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     parser.add_argument("--seed", type=_nonnegative_int, default=0, help="seed of the generated inputs")
@@ -729,6 +744,7 @@ def _add_verify(parser: argparse.ArgumentParser):
 examples:
   linrec verify examples/performer.lin --against examples/softmax.lin
   linrec verify examples/gla.lin --grad --quick
+  linrec verify examples/gated_deltanet.lin --form step --state-dtype bfloat16
   linrec verify examples/gla.lin
   linrec verify examples/deltanet.lin --quick --json > deltanet.json
 
@@ -818,7 +834,8 @@ def cmd_verify(args) -> int:
 
     progress = verify.progress_to_stderr if (args.json or sys.stderr.isatty()) else None
     rows = verify.run(rec, backends=backends, forms=forms, dtypes=tuple(args.dtype or ("float64", "float32")),
-                      quick=args.quick, seed=args.seed, on_row=on_row, on_progress=progress)
+                      quick=args.quick, seed=args.seed, on_row=on_row, on_progress=progress,
+                      state_bf16=args.state_dtype == BFLOAT16)
     failed = [r for r in rows if not r.passed]
     absent = verify.missing(rec, backends, forms)
     if args.json:
@@ -870,6 +887,9 @@ def _add_bench(parser: argparse.ArgumentParser):
                              "form Recurrence.choose_form picks for each T and backend")
     parser.add_argument("--backend", action="append", choices=_backend_names(),
                         help="time this backend (repeatable; default: every backend)")
+    parser.add_argument("--state-dtype", choices=("float32", BFLOAT16), metavar="{float32,bfloat16}",
+                        help="the decode rows' state between calls: bfloat16 halves the state bytes they move "
+                             "and are bounded by (default: float32)")
     parser.add_argument("--threads", type=_positive_int, metavar="N",
                         help="threads for the C kernels (LINREC_NUM_THREADS) and NumPy's BLAS (default: "
                              "LINREC_NUM_THREADS, else every core)")
@@ -973,6 +993,7 @@ def cmd_bench(args) -> int:
                          threads=args.threads, repeats=args.repeats, budget_s=args.budget,
                          dims=dict(args.dims or []), plot=args.plot, limits=args.limits, shapes=args.shapes,
                          grid_dims=args.grid_dims, heads=args.heads, batches=args.batches, decode=args.decode,
+                         state_dtype=args.state_dtype if args.state_dtype == BFLOAT16 else None,
                          requests=args.requests, pool=args.pool)
     if args.tokens:
         opts.tokens = list(args.tokens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, registry
+from . import arrays, bf16_state, registry
 from .api import Result
 from .compiler.stabilize import log_scale_keys
 from .dsl.errors import LinrecError
@@ -25,9 +25,11 @@ def reads_the_sequence(rec) -> bool:
 
 
 def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None = None,
-                 initial_state: dict | None = None):
+                 initial_state: dict | None = None, state_dtype=None):
     """Inputs [B, T, H, *] by DSL name; initial states [B, H, *] (zeros when absent); params override the
-    file's defaults. Returns an api.Result: outputs [B, T, H, *], final states [B, H, *], params used."""
+    file's defaults. Returns an api.Result: outputs [B, T, H, *], final states [B, H, *], params used.
+    state_dtype="bfloat16": the state is kept in bfloat16 between the steps (each token's rounded once), and
+    the initial and final states are bfloat16 bits (uint16)."""
     program = rec.program
     registry.backend(backend)  # (an unknown name is an error)
     if not program.causal:
@@ -39,6 +41,9 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
                           f"{rec.decomposition.why_not('recurrent')}")
     # the same checks, sizes and parameters as Recurrence.run, once for the whole sequence
     checked, shape = arrays.check_inputs(program, dict(inputs))
+    bits = bf16_state.resolve(state_dtype, checked) is not None
+    if bits:
+        initial_state = bf16_state.widen(program, initial_state, "initial state")
     module = rec.module("recurrent", backend if not sequence else "numpy")
     dims, used = rec.bind(module, shape, params, initial_state)
     if sequence:
@@ -49,6 +54,8 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
     else:
         state = arrays.check_initial_state(program, initial_state, shape, dims)  # fresh copies, owned here
         state = {k: np.ascontiguousarray(v) for k, v in state.items()}
+        if bits:
+            state = bf16_state.narrow(program, state)
 
     outputs: dict[str, np.ndarray] = {}
     for t in range(shape.tokens):
@@ -56,7 +63,8 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
         if sequence:
             out, state = rec.step(token, state, backend=backend, params=used)
         else:
-            out, state = rec.step(token, state, backend=backend, params=used, inplace=True)
+            out, state = rec.step(token, state, backend=backend, params=used, inplace=True,
+                                  state_dtype=state_dtype if bits else None)
         if not outputs:
             outputs = {k: np.empty((shape.batch, shape.tokens) + np.shape(v)[1:], dtype=np.asarray(v).dtype)
                        for k, v in out.items()}
@@ -64,7 +72,10 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
             outputs[k][:, t] = v
     # a recurrent state is a fresh copy owned by this call: hand it back as the final state, at its true scale
     # like the other forms'; a program that reads the sequence has none (its forms return none either)
-    final = {} if sequence else at_true_scale(rec, {k: np.asarray(v) for k, v in state.items()})
+    if bits:  # (at its true scale in float32, then bits again)
+        final = bf16_state.narrow(program, at_true_scale(rec, bf16_state.widen(program, state)))
+    else:
+        final = {} if sequence else at_true_scale(rec, {k: np.asarray(v) for k, v in state.items()})
     return Result(outputs, final, used)
 
 

@@ -56,6 +56,7 @@ class Capabilities:
     largest_count: int | None = None  # the most batch rows, tokens or heads one call may have (None: no limit)
     snapshots: bool = False           # forward_snapshots(…, stops): also the states after given token counts
     steps_slots: bool = False         # slot_step(params, dims): the decode step over a pool of states, by slot
+    bfloat16_steps: bool = False      # stepper/slot_step(…, state_is_bf16=True): the step's states in bfloat16
 
 
 class FormModule(Protocol):

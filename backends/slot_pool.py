@@ -60,9 +60,10 @@ def require_dict(pool) -> None:
                                 f"{type(pool).__name__}")
 
 
-def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype, scales) -> int:
-    """The pool: a dict holding every state as a writeable array [P, H, *] of the tokens' dtype (and the
-    log-scales [P, H] of stabilized states, when present, likewise). Returns P."""
+def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype, scales, bits: bool = False) -> int:
+    """The pool: a dict holding every state as a writeable array [P, H, *] of the tokens' dtype — uint16 arrays
+    of bfloat16 bits with `bits` (state_dtype="bfloat16") — and the log-scales [P, H] of stabilized states,
+    when present, in the tokens' dtype. Returns P."""
     require_dict(pool)
     missing = [s.name for s in program.states if s.name not in pool]
     if missing:
@@ -74,14 +75,21 @@ def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype,
     size = None
     wanted = [(s.name, tuple(dims[d] for d in s.shape), "[P, H" + "".join(", " + d for d in s.shape) + "]")
               for s in program.states] + [(key, (), "[P, H]") for key in sorted(scales) if key in pool]
+    states = {s.name for s in program.states}
     for name, tail, label in wanted:
         arr = pool[name]
-        if not (type(arr) is np.ndarray and arr.dtype == dtype and arr.ndim == 2 + len(tail)
+        wants = np.dtype(np.uint16) if bits and name in states else dtype
+        if not (type(arr) is np.ndarray and arr.dtype == wants and arr.ndim == 2 + len(tail)
                 and arr.shape[1:] == (heads,) + tail and arr.flags.writeable):
             got = f"{arr.dtype} {list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
-            raise RuntimeInputError(f"pool['{name}'] must be a writeable {dtype} array of shape {label} = "
-                                    f"[P, {', '.join(str(n) for n in (heads,) + tail)}] (the tokens' dtype and "
-                                    f"sizes), got {got}")
+            if wants != dtype:
+                why = "bfloat16 bits, as state_dtype='bfloat16' keeps them, and the tokens' sizes"
+            elif isinstance(arr, np.ndarray) and arr.dtype == np.uint16:
+                why = "the tokens' dtype and sizes; a pool of bfloat16 bits needs state_dtype='bfloat16'"
+            else:
+                why = "the tokens' dtype and sizes"
+            raise RuntimeInputError(f"pool['{name}'] must be a writeable {wants} array of shape {label} = "
+                                    f"[P, {', '.join(str(n) for n in (heads,) + tail)}] ({why}), got {got}")
         if size is not None and arr.shape[0] != size:
             raise RuntimeInputError(f"pool['{name}'] has {arr.shape[0]} slots but the other pool arrays have "
                                     f"{size}; every pool array needs the same P")
@@ -94,7 +102,7 @@ class _PoolCall:
     the true scale: NaN), the slots, and how the step runs — the kernel's own slot step where the backend has
     one and the pool's arrays suit it (C-contiguous), else on rows gathered into contiguous buffers."""
 
-    def __init__(self, rec, token_inputs: dict, pool, slots, backend: str, params):
+    def __init__(self, rec, token_inputs: dict, pool, slots, backend: str, params, bits: bool = False):
         if rec.decomposition.sequence is not None:
             raise RuntimeInputError(f"'{rec.name}' reads the sequence: its decode state is a KV cache that grows "
                                     f"every token, not a fixed-size state a pool of slots can hold")
@@ -103,14 +111,17 @@ class _PoolCall:
         _, shape, module, dims, used = rec._token_call(token_inputs, backend, params,
                                                        {k: v for k, v in pool.items() if np.ndim(v) >= 2})
         scales = rec._log_scales
-        size = check_pool(rec.program, pool, shape.heads, dims, shape.dtype, scales)
+        size = check_pool(rec.program, pool, shape.heads, dims, shape.dtype, scales, bits)
+        self.bits = bits  # bfloat16 states (state_dtype="bfloat16")
         self.idx = check_slot_values(idx, shape.batch, size)
         self.arrays = dict(pool)
         self.made = {key: np.full((size, shape.heads), np.nan, shape.dtype) for key in scales if key not in pool}
         self.arrays.update(self.made)
         self.requests, self.size = shape.batch, size
-        self.kernel = module.slot_step(used, dims) if module.capabilities.steps_slots and \
-            all(a.flags.c_contiguous for a in self.arrays.values()) else None
+        able = module.capabilities
+        self.kernel = module.slot_step(used, dims, **({"state_is_bf16": True} if bits else {})) \
+            if able.steps_slots and (able.bfloat16_steps or not bits) \
+            and all(a.flags.c_contiguous for a in self.arrays.values()) else None
         # the gathered rows (fancy indexing: C-contiguous copies), where the step runs on them
         self.rows = None if self.kernel else {k: v[self.idx] for k, v in self.arrays.items()}
 
@@ -123,24 +134,25 @@ class _PoolCall:
             v[idx] = self.rows[k]
 
 
-def step(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out):
+def step(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, bits: bool = False):
     """Recurrence.step(tokens, pool, slots=idx): (outputs [N, H, *], pool), the pool's rows idx advanced in
     place. A log-scale of a stabilized state that the pool lacks is added to it (NaN elsewhere: true scale)."""
-    call = _PoolCall(rec, token_inputs, pool, slots, backend, params)
+    call = _PoolCall(rec, token_inputs, pool, slots, backend, params, bits)
     if call.kernel is not None:
         outputs = call.kernel(token_inputs, call.arrays, call.idx, out)
     else:
-        outputs, _ = rec.step(token_inputs, call.rows, backend=backend, params=params, inplace=True, out=out)
+        outputs, _ = rec.step(token_inputs, call.rows, backend=backend, params=params, inplace=True, out=out,
+                              state_dtype="bfloat16" if bits else None)
         call.scatter(call.idx)
     pool.update(call.made)
     return outputs, pool
 
 
-def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out):
+def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, bits: bool = False):
     """Recurrence.bind_step(tokens, pool, slots=idx): step() → outputs, one token for the requests at the
     slots on these very arrays. The slots are checked again every call, so an int array refilled in place
     (another set of N requests) is safe; the token buffers are refilled in place as for any bound step."""
-    call = _PoolCall(rec, token_inputs, pool, slots, backend, params)
+    call = _PoolCall(rec, token_inputs, pool, slots, backend, params, bits)
     pool.update(call.made)  # (bound now: the step writes them from its first call on)
     held = slots if isinstance(slots, np.ndarray) else call.idx  # (an array refilled in place is read again)
     if call.kernel is not None:
@@ -153,7 +165,8 @@ def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out):
             buffers.update(outputs)  # (made at the first call, reused after)
             return outputs
         return run_kernel
-    inner = rec.bind_step(token_inputs, call.rows, backend=backend, params=params, out=out)
+    inner = rec.bind_step(token_inputs, call.rows, backend=backend, params=params, out=out,
+                          state_dtype="bfloat16" if bits else None)
 
     def run_rows():
         idx = check_slot_values(slot_array(held), call.requests, call.size)

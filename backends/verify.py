@@ -20,12 +20,22 @@ import numpy as np
 from .compiler.builtins import SEQ
 from .compiler.sequence import is_sequence_program
 from .compiler.stabilize import stabilized_states
+from . import bf16_state
 from .decode import at_true_scale, run_by_steps
 from .interface import DEFINITION
 from .registry import STEP, refusal
 from .serving import why_not_packed
 
 TOLERANCE = {"float64": 1e-9, "float32": 5e-4}
+# The decode step with its state kept in bfloat16 between tokens (state_dtype="bfloat16", float32 inputs): the
+# row's dtype label, and its tolerance. Each token rounds the state once to bfloat16's 8-bit mantissa, a relative
+# error of at most 2⁻⁹ per element; independent roundings add like a random walk, so over the battery's ≤ 256
+# steps (STEP_MAX_T) ~√256·2⁻⁹ = 2⁻⁵ on the state (decay only shrinks the older ones). An output is a sum over
+# a row of the state that partly cancels, and a normalized one (q·S / q·z) carries the errors of both: up to
+# 4× that relative to its largest value, 2⁻³. The largest measured over every example's battery: 5.3e-2
+# (RetNet, several B, H; docs/serving.md#a-bfloat16-state).
+BF16_STATE = "float32+bf16"
+TOLERANCE_BF16_STATE = 2.0 ** -3
 PARALLEL_MAX_T = 4096  # the parallel form holds T×T scores per head: checked up to this length
 # STEP ("step"): the sequence run one token at a time through the decode step (run --form step), state carried
 STEP_MAX_T = 200  # a Python call per token: checked up to this length
@@ -139,9 +149,10 @@ def _compare(result, reference) -> tuple[float, float]:
 
 
 def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), quick=False, seed=0,
-        on_row=None, on_progress=None) -> list[Row]:
+        on_row=None, on_progress=None, state_bf16: bool = False) -> list[Row]:
     """Every (form, backend, dtype, case, chunk size) against the float64 NumPy recurrent form; by default
-    the decode step too (outputs and final states of the tokens run one at a time)."""
+    the decode step too (outputs and final states of the tokens run one at a time). state_bf16: also the
+    decode step with its state kept in bfloat16 (rows BF16_STATE, float32 tokens, TOLERANCE_BF16_STATE)."""
     forms = list(forms or list(rec.forms) + decode_forms(rec))
     rows = []
     cases = battery(rec.program, quick)
@@ -151,7 +162,8 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
             for backend in backends:
                 if not builds(rec, backend, form):
                     continue  # reported by `missing` below
-                for dtype in dtypes:
+                with_bits = [BF16_STATE] if state_bf16 and form == STEP else []
+                for dtype in list(dtypes) + with_bits:
                     for chunk in (case.chunk_sizes if form == "chunkwise" else (None,)):
                         plan.append((case, form, backend, dtype, chunk))
     refs = {}
@@ -169,16 +181,22 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
             refs[case.name] = (inputs, state0, rec.run(inputs, form=ref_form, initial_state=state0,
                                                        params=drawn or None))
         inputs, state0, reference = refs[case.name]
-        tol = TOLERANCE[dtype]
+        bits = dtype == BF16_STATE  # (float32 inputs, the state in bfloat16 between the steps)
+        tol = TOLERANCE_BF16_STATE if bits else TOLERANCE[dtype]
+        dtype_run = "float32" if bits else dtype
         if (form == "parallel" and case.tokens > PARALLEL_MAX_T) or (form == STEP and case.tokens > STEP_MAX_T):
             continue
         if (form, backend, dtype) == (ref_form, "numpy", "float64"):
             continue  # that is the reference itself
-        cast = {k: v.astype(dtype) for k, v in inputs.items()}
-        s0 = {k: v.astype(dtype) for k, v in state0.items()}
-        params = {k: v.astype(dtype) for k, v in reference.params.items()}
+        cast = {k: v.astype(dtype_run) for k, v in inputs.items()}
+        s0 = {k: v.astype(dtype_run) for k, v in state0.items()}
+        params = {k: v.astype(dtype_run) for k, v in reference.params.items()}
         start = time.perf_counter()
-        if form == STEP:
+        if bits:  # the initial state rounded to bfloat16 too: part of the error the tolerance covers
+            result = run_by_steps(rec, cast, backend=backend, params=params,
+                                  initial_state=bf16_state.narrow(rec.program, s0), state_dtype="bfloat16")
+            result.final_state = bf16_state.widen(rec.program, result.final_state)
+        elif form == STEP:
             result = run_by_steps(rec, cast, backend=backend, params=params, initial_state=s0)
         else:
             result = rec.run(cast, form=form, backend=backend, initial_state=s0, params=params, chunk_size=chunk)

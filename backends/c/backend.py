@@ -45,11 +45,15 @@ from .step import Stepper
 
 
 
-def recurrent_source(compiled: Compiled, dims: dict[str, int], target: Target) -> KernelSource:
+def recurrent_source(compiled: Compiled, dims: dict[str, int], target: Target,
+                     state_is_bf16: bool = False) -> KernelSource:
     """The generator of the recurrent form's kernel: the fused one where it takes the program, else the
-    statements one by one (c_statements)."""
+    statements one by one (c_statements). state_is_bf16: the fused kernel whose decode steps keep the states
+    in bfloat16 (capabilities.bfloat16_steps)."""
     if support.fused_refusal(compiled) is None:
-        return FusedKernel(compiled, dims, target)
+        return FusedKernel(compiled, dims, target, state_is_bf16)
+    if state_is_bf16:
+        raise LinrecError(f"'{compiled.name}' runs statement by statement on C: its step has no bfloat16 state")
     return StatementKernel(compiled, dims, target)
 
 
@@ -62,25 +66,28 @@ def kernel_tunables() -> tuple:
 class Kernel:
     """One built extension: lr_forward (and lr_step) for one dtype and one assignment of sizes."""
 
-    def __init__(self, compiled: Compiled, dims: dict[str, int], dtype: np.dtype):
+    def __init__(self, compiled: Compiled, dims: dict[str, int], dtype: np.dtype, state_is_bf16: bool = False):
         self.dtype = np.dtype(dtype)
         self.dims = dict(dims)
         self.target = Target(CTYPES[self.dtype], c_build.vector_bytes())
+        self.state_is_bf16 = state_is_bf16
         self._compiled = compiled
         # a cached kernel is found from the program and sizes alone: no rendering, no compiler run
         alias = c_build.alias_key("recurrent", compiled.source, repr(sorted(self.dims.items())),
-                                  repr(self.target), repr(kernel_tunables()))
+                                  repr(self.target), repr(kernel_tunables()),
+                                  *(["bfloat16 state"] if state_is_bf16 else []))
         self.module = c_build.load_alias(alias)
         if self.module is None:
-            gen = recurrent_source(compiled, self.dims, self.target)
-            self.module = c_build.build(gen.source(), gen.cdef(), f"{compiled.name}_{self.target.ctype}", alias)
+            gen = recurrent_source(compiled, self.dims, self.target, state_is_bf16)
+            label = f"{compiled.name}_{self.target.ctype}" + ("_bf16" if state_is_bf16 else "")
+            self.module = c_build.build(gen.source(), gen.cdef(), label, alias)
         self.ffi, self.lib = self.module.ffi, self.module.lib
         self.ctype = self.target.ctype
         self.ptr = self.ctype + "[]"
 
     @property
     def source(self) -> str:
-        return recurrent_source(self._compiled, self.dims, self.target).source()
+        return recurrent_source(self._compiled, self.dims, self.target, self.state_is_bf16).source()
 
 
 class CRecurrent:
@@ -98,25 +105,28 @@ class CRecurrent:
         # the fused kernel writes the states asked for (checkpoints, the last K) as it passes them
         fused = support.fused_refusal(compiled) is None
         self.capabilities = replace(CRecurrent.capabilities, snapshots=fused,
-                                    steps_slots=fused and compiled.program.causal)
+                                    steps_slots=fused and compiled.program.causal,
+                                    bfloat16_steps=fused and compiled.program.causal)
         self._kernels: dict[tuple, Kernel] = {}
         self._lock = threading.Lock()
         self._outputs = RecycledArrays(keep=2 * len(self.program.outputs))  # this call's and the last one's
         # stabilized states' log-scales ("S.log_scale", [B, H]): the kernels' arguments after the states
         self.scales = [(gr["key"], gr["states"]) for gr in Scales(compiled).groups]
 
-    def kernel(self, dtype, dims: dict[str, int]) -> Kernel:
+    def kernel(self, dtype, dims: dict[str, int], state_is_bf16: bool = False) -> Kernel:
+        """The built kernel for one dtype and sizes; state_is_bf16: the one whose decode steps keep the states
+        in bfloat16 (float32 only)."""
         dtype = np.dtype(dtype)
         if dtype not in CTYPES:
             raise RuntimeInputError(f"the C backend runs float32 or float64 arrays, not {dtype}")
         used = {d.name: int(dims[d.name]) for d in self.program.dims}
-        key = (dtype.str, tuple(sorted(used.items())), c_build.target_key(), kernel_tunables())
+        key = (dtype.str, tuple(sorted(used.items())), c_build.target_key(), kernel_tunables(), state_is_bf16)
         k = self._kernels.get(key)
         if k is None:
             with self._lock:
                 k = self._kernels.get(key)
                 if k is None:
-                    k = self._kernels[key] = Kernel(self.compiled, used, dtype)
+                    k = self._kernels[key] = Kernel(self.compiled, used, dtype, state_is_bf16)
         return k
 
     def source(self, dtype=np.float32, dims: dict[str, int] | None = None) -> str:
@@ -238,12 +248,14 @@ class CRecurrent:
         inplace=True the given state arrays (C-contiguous, of the inputs' dtype) are updated and returned."""
         return self.stepper(params, dims, num_threads)(token_inputs, state, inplace=inplace, out=out)
 
-    def stepper(self, params, dims, num_threads=None) -> "Stepper":
-        return Stepper(self, params, dims, num_threads)
+    def stepper(self, params, dims, num_threads=None, state_is_bf16: bool = False) -> "Stepper":
+        """The decode step bound to params and sizes; state_is_bf16: states as bfloat16 bits (uint16 arrays),
+        widened and rounded by the kernel (capabilities.bfloat16_steps)."""
+        return Stepper(self, params, dims, num_threads, state_is_bf16)
 
-    def slot_step(self, params, dims) -> SlotStep:
+    def slot_step(self, params, dims, state_is_bf16: bool = False) -> SlotStep:
         """The decode step over a pool of states, by slot (capabilities.steps_slots: the fused kernel's)."""
-        return SlotStep(self, params, dims)
+        return SlotStep(self, params, dims, state_is_bf16)
 
 def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
     """A state [B, H, *] carried as S·exp(−σ), σ [B, H] (NaN: 0), back at its true scale S."""

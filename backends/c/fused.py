@@ -45,11 +45,14 @@ class FusedKernel(KernelSource):
     writes_snapshots = True
     steps_slots = True
 
-    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
+    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target, state_is_bf16: bool = False):
         refusal = fused_refusal(compiled)  # (what this kernel takes is support.py's to say)
         if refusal:
             raise LinrecError(refusal)
+        if state_is_bf16 and target.ctype != "float":
+            raise LinrecError("a bfloat16 state is accumulated in float32: the kernel's type must be float")
         super().__init__(compiled, dims, target)
+        self.state_is_bf16 = state_is_bf16  # the decode steps' states are bfloat16 bits (lr_step_heads)
         self.scales = Scales(compiled)  # exponential feature maps: states carried as S·exp(−σ)
 
     def array_names(self) -> tuple[list[str], int]:
@@ -101,8 +104,18 @@ class FusedKernel(KernelSource):
             buffers=[b for s in states for b in [s.every_head] + ([s.every_scale] if s.scale_rows else [])]
             + [f"all_ls{sc.index}" for sc in groups],
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
+            state_is_bf16=self.state_is_bf16, bf16_scratch=self._bf16_scratch(states),
             **self.entry_points(),
         )
+
+    def _bf16_scratch(self, states: list[StateBuffers]) -> tuple[dict[str, int], int]:
+        """Where each state's float32 copy lies in a decode step's scratch (bfloat16 states: lr_step_heads
+        steps a head's states there), each on a cache line, and the scratch's values."""
+        at, offset = {}, 0
+        for s in states:
+            at[s.name] = offset
+            offset += -(-s.size // 16) * 16
+        return at, max(offset, 16)
 
     def _block_buffer(self, regions) -> tuple[int, list[BlockArray], int]:
         """The tokens of a block (LR_BLOCK: as many as 8…64 whose per-token values fit in BLOCK_BYTES), the
@@ -149,5 +162,11 @@ class FusedKernel(KernelSource):
                 g, f"lsc{g}", names,
                 at_start=ScaleStart(names, f"lsc{g}[bh]", f"all_ls{g}[bh * 16]", f"all_ls{g}[bh * 16 + 1]",
                                     all_zero("bh")),
-                at_token=ScaleStart(names, f"lsc{g}[row]", f"ls{g}", f"mx{g}", all_zero("row"))))
+                at_token=ScaleStart(names, f"lsc{g}[row]", f"ls{g}", f"mx{g}", self._buffers_zero(gr["states"]))))
         return out
+
+    def _buffers_zero(self, states: list[str]) -> str:
+        """C for "the step's buffers of these states are all zero" (a head's states where the step holds them:
+        its rows of the caller's arrays, or their float32 copy when the states are bfloat16)."""
+        return " && ".join(f"lr_all_zero({self.local('buf', self.cstate(n))}, {self.size(self.program.state(n).shape)})"
+                           for n in states)

@@ -124,6 +124,7 @@ class KernelSource:
     template = ""  # the file under templates/ that source() renders with context()
     writes_snapshots = False  # lr_forward_snapshots: the states after given token counts, written as it passes
     steps_slots = False       # lr_step_slots: the decode step over a pool of states, by slot
+    state_is_bf16 = False     # the decode steps' states are bfloat16 bits (FusedKernel(…, state_is_bf16=True))
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         self.compiled = compiled
@@ -251,15 +252,21 @@ class KernelSource:
         # entry point like the rest, and read by none
         unread = {self.cparam(prm.name) for prm in self.program.params} - {
             self.cparam(n.name) for step in self.program.steps for n in walk(step.value) if isinstance(n, ir.ParamRef)}
-        args = [f"{'const ' if i < n_read else ''}{ct} *restrict {name}"
-                + (" __attribute__((unused))" if name in unread else "") for i, name in enumerate(names)]
+        # a bfloat16 state (state_is_bf16): the decode steps take the states as their bits (uint16_t), the
+        # sequence kernel in T as always (prefill converts at its entry and exit, in Python)
+        bits = {self.cstate(st.name) for st in self.program.states} if self.state_is_bf16 else set()
+
+        def arguments(state_bits: set[str]) -> list[str]:
+            return [f"{'const ' if i < n_read else ''}{'uint16_t' if name in state_bits else ct} *restrict {name}"
+                    + (" __attribute__((unused))" if name in unread else "") for i, name in enumerate(names)]
+        args, step_args = arguments(set()), arguments(bits)
         fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
         snapshots = "int lr_forward_snapshots(" + ", ".join(
             args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads", "const int64_t *restrict stops",
                     "int64_t nstops", f"{ct} *const *restrict snaps"]) + ")"
-        stp = "int lr_step(" + ", ".join(args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
+        stp = "int lr_step(" + ", ".join(step_args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
         slots = "int lr_step_slots(" + ", ".join(
-            args + ["const int64_t *restrict slots", "int64_t B", "int64_t H", "int nthreads"]) + ")"
+            step_args + ["const int64_t *restrict slots", "int64_t B", "int64_t H", "int nthreads"]) + ")"
         # (the arrays, then the slots of a pool: NULL for the ordinary step)
         call = f"typedef struct {{ void *arrays[{len(names) + 1}]; int64_t B, H; int nthreads; }} lr_step_call;"
         return dict(
@@ -268,7 +275,7 @@ class KernelSource:
             snapshots_signature=snapshots if self.writes_snapshots else "", forward_arguments=", ".join(names),
             step_slots_signature=slots if self.steps_slots and self.program.causal else "",
             step_packed_signature="int lr_step_packed(const lr_step_call *call)", step_call_struct=call,
-            step_args=[Argument(n, a) for n, a in zip(names, args)])
+            step_args=[Argument(n, a) for n, a in zip(names, step_args)])
 
     def source_comment(self) -> str:
         """The program's source, for the generated file's opening comment."""

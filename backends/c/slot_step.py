@@ -22,8 +22,9 @@ from .step import RecurrentForm
 class SlotStep:
     """lr_step_slots bound to one set of params and sizes (a kernel per dtype, built when first used)."""
 
-    def __init__(self, form: RecurrentForm, params: dict, dims: dict):
+    def __init__(self, form: RecurrentForm, params: dict, dims: dict, state_is_bf16: bool = False):
         self.form = form
+        self.state_is_bf16 = state_is_bf16  # the pool's states are uint16 arrays of bfloat16 bits
         self.params = params
         self.dims = {d.name: int(dims[d.name]) for d in form.program.dims}
 
@@ -37,7 +38,7 @@ class SlotStep:
         first = np.asarray(token_inputs[p.inputs[0].name])
         dtype, (requests, heads) = first.dtype, first.shape[:2]
         require_c_int_sizes(batch=requests, heads=heads)
-        k = self.form.kernel(dtype, self.dims)
+        k = self.form.kernel(dtype, self.dims, self.state_is_bf16)
         dims = k.dims
         fb, ptr = k.ffi.from_buffer, k.ptr
         keep = []  # (the arrays whose buffers the call reads: alive until it returns)
@@ -48,7 +49,8 @@ class SlotStep:
             shape = ((heads,) if prm.per_head else ()) + tuple(dims[d] for d in prm.shape)
             keep.append(np.ascontiguousarray(checked(self.params[prm.name], shape, None, f"parameter '{prm.name}'"),
                                              dtype=dtype))
-        keep += [pool[s.name] for s in p.states] + [pool[key] for key, _ in self.form.scales]
+        states = [pool[s.name] for s in p.states]
+        keep += [pool[key] for key, _ in self.form.scales]
         outputs = {}
         for o in p.outputs:
             shape = (requests, heads) + tuple(dims[d] for d in o.value.shape)
@@ -62,8 +64,11 @@ class SlotStep:
             outputs[o.name] = given
         keep += list(outputs.values())
         slots = np.ascontiguousarray(slots, dtype=np.int64)
-        rc = k.lib.lr_step_slots(*[fb(ptr, a) for a in keep], fb("int64_t[]", slots), requests, heads,
-                                 c_build.num_threads())
+        state_ptr = "uint16_t[]" if self.state_is_bf16 else ptr
+        n_read = len(p.inputs) + len(p.params)
+        pointers = [fb(ptr, a) for a in keep[:n_read]] + [fb(state_ptr, a) for a in states] \
+            + [fb(ptr, a) for a in keep[n_read:]]
+        rc = k.lib.lr_step_slots(*pointers, fb("int64_t[]", slots), requests, heads, c_build.num_threads())
         if rc == 2:  # an input outside its declared range (a bound step's refilled token): say which
             arrays.check_ranges(p, {k: np.asarray(v) for k, v in token_inputs.items()})
             raise RuntimeInputError("an input lies outside its declared range")  # (the scan names it)

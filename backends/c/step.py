@@ -23,7 +23,7 @@ class RecurrentForm(Protocol):
     program: ir.Program
     scales: list[tuple[str, list[str]]]  # (log-scale key, the states it scales) per group of stabilized states
 
-    def kernel(self, dtype, dims: dict[str, int]) -> Any:
+    def kernel(self, dtype, dims: dict[str, int], state_is_bf16: bool = False) -> Any:
         """The built kernel (ffi, lib, dims, ctype) for one dtype and sizes."""
         ...
 
@@ -66,7 +66,7 @@ class Stepper:
     passes the same arrays every call (the state with inplace=True, `out`, token buffers refilled in
     place) gets `fast`: one identity test per array and one C call with the addresses packed."""
 
-    def __init__(self, rec: RecurrentForm, params: dict, dims: dict, num_threads=None):
+    def __init__(self, rec: RecurrentForm, params: dict, dims: dict, num_threads=None, state_is_bf16: bool = False):
         if not rec.program.causal:
             raise LinrecError(f"'{rec.program.name}' is non-causal: every output reads the final state, so "
                               f"it has no token-by-token decode step")
@@ -76,6 +76,9 @@ class Stepper:
         self._fixed_threads = None if num_threads is None else int(num_threads)
         self._env = None
         self.threads = self._fixed_threads or c_build.num_threads()
+        # bfloat16 states: the program's states are uint16 arrays of bfloat16 bits (log-scales stay in T), which
+        # the kernel widens to float32 and rounds back (the kernel variant built for it)
+        self.state_is_bf16 = state_is_bf16
         self._key = None
         # fast(token_inputs, state, out): the step when every array is the one of the last checked call
         # (inplace=True, with `out`), else None; None itself until such a call
@@ -84,7 +87,9 @@ class Stepper:
     def _bind(self, dtype, batch, heads):
         require_c_int_sizes(batch=batch, heads=heads)
         rec, p = self.rec, self.rec.program
-        k = rec.kernel(dtype, self.dims)
+        if self.state_is_bf16 and np.dtype(dtype) != np.float32:
+            raise RuntimeInputError(f"state_dtype='bfloat16' needs float32 inputs, got {np.dtype(dtype)}")
+        k = rec.kernel(dtype, self.dims, self.state_is_bf16)
         dims = k.dims
         self._params = []
         for prm in p.params:
@@ -98,14 +103,20 @@ class Stepper:
         self._param_ptrs = [self._fb(self._ptr, a) for a in self._params]
         size = np.dtype(dtype).itemsize
 
-        def spec(name, tail):
+        def spec(name, tail, size=size):
             shape = (batch, heads) + tuple(dims[d] for d in tail)
             strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * size for i in range(len(shape)))
             return name, shape, strides
         self._inputs = [spec(x.name, x.shape) for x in p.inputs]
         # stabilized states' log-scales last, one per head (c_stabilize; NaN when absent: the true scale)
-        self._states = [spec(s.name, s.shape) for s in p.states] + [spec(key, ()) for key, _ in rec.scales]
+        bits = self.state_is_bf16
+        self._states = [spec(s.name, s.shape, 2 if bits else size) for s in p.states] \
+            + [spec(key, ()) for key, _ in rec.scales]
         self._scale_names = {key for key, _ in rec.scales}
+        # each state position's dtype and cffi type: bfloat16 bits for the program's states of a bf16 step
+        self._state_dtypes = [arrays.BFLOAT16_BITS if bits and name not in self._scale_names else np.dtype(dtype)
+                              for name, _, _ in self._states]
+        self._state_ptrs = ["uint16_t[]" if d == arrays.BFLOAT16_BITS else k.ptr for d in self._state_dtypes]
         self._outputs = [spec(o.name, o.value.shape) for o in p.outputs]
         n = len(self._inputs) + len(self._states) + len(self._outputs)
         self._seen = [None] * n   # the array last seen in each position …
@@ -159,7 +170,8 @@ class Stepper:
             given = token_inputs.get(name) if name in self._in_names else state.get(name)
             if arr is not given:
                 what = f"input '{name}'" if name in self._in_names else f"state '{name}'"
-                raise RuntimeInputError(f"{what} must be a C-contiguous {self._dtype} array of shape "
+                kind = "uint16 (bfloat16 bits)" if arr.dtype == arrays.BFLOAT16_BITS else self._dtype
+                raise RuntimeInputError(f"{what} must be a C-contiguous {kind} array of shape "
                                         f"{list(arr.shape)} to be bound: the step reads it in place every call")
         fn, call = self._packed_fn, self._packed_call()
         refused = self._refused
@@ -232,10 +244,10 @@ class Stepper:
         args += self._param_ptrs
         every_seen = True  # every array of this call is the one now seen in its position (none made here)
         new_state = {}
-        for name, shp, strides in self._states:
+        for (name, shp, strides), sdt, sptr in zip(self._states, self._state_dtypes, self._state_ptrs):
             arr = state.get(name) if state is not None else None
             if arr is None:
-                arr = aligned_zeros(shp, dt)
+                arr = aligned_zeros(shp, sdt)  # (bfloat16 zeros are zero bits)
                 if name in self._scale_names:
                     arr[...] = np.nan
                 every_seen = False
@@ -246,6 +258,15 @@ class Stepper:
                 if inplace and state is not None:
                     state[name] = arr
                 every_seen = False
+            elif sdt != dt:  # bfloat16 bits: as given (uint16), never converted from floats
+                given = arr
+                arr = arrays.state_bits(name, arr, shp) if arr is not seen[i] else arr
+                if not inplace:
+                    arr = aligned_copy(arr)
+                elif arr is not seen[i] and not (type(given) is np.ndarray and arr.strides == strides
+                                                 and arr.flags.writeable):
+                    raise RuntimeInputError(f"state '{name}' must be a writeable C-contiguous uint16 array (bfloat16 "
+                                            f"bits) of shape {list(shp)} to be updated in place")
             elif not inplace:  # copied in the call's dtype, as run() takes initial states
                 arr = aligned_copy(np.asarray(checked(arr, shp, None, f"state '{name}'"), dtype=dt))
             elif arr is not seen[i] and not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp
@@ -255,7 +276,7 @@ class Stepper:
             if arr is seen[i]:
                 args.append(seen_ptr[i])
             else:
-                pointer = fb(ptr, arr)
+                pointer = fb(sptr, arr)
                 seen[i], seen_ptr[i] = arr, pointer
                 args.append(pointer)
             new_state[name] = arr

@@ -1,0 +1,246 @@
+"""The bfloat16 state (state_dtype="bfloat16", docs/serving.md#a-bfloat16-state): the conversion on NumPy
+and in C, bit for bit (AVX-512 BF16 and the portable integer path); the decode steps of both backends; a
+64-token decode within tolerance of the float32 one; the slot pool; the errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import linrec
+from linrec import arrays
+from linrec.c import build as c_build
+from linrec.c.kernel_source import Target, common_context
+from linrec.cli import main as cli_main
+from linrec.templating import environment
+from linrec.verify import TOLERANCE_BF16_STATE
+
+to_bits, from_bits = arrays.to_bfloat16, arrays.from_bfloat16
+DIMS = 16          # dk = dv: small kernels, built once per session (the bfloat16 step is a kernel of its own)
+HEADS, BATCH = 2, 3
+EXAMPLES = ["gla", "gated_deltanet", "mamba2"]
+
+
+def u32(*words) -> np.ndarray:
+    return np.array(words, np.uint32).view(np.float32)
+
+
+@pytest.fixture(scope="module")
+def programs():
+    return {name: linrec.load(f"examples/{name}.lin") for name in EXAMPLES}
+
+
+def tokens_of(rec, steps: int, seed: int):
+    """[B, steps, H, *] float32 inputs of realistic scale, and the first step's token [B, H, *]."""
+    return rec.random_inputs(BATCH, steps, HEADS, dims={"dk": DIMS, "dv": DIMS}, dtype=np.float32, seed=seed)
+
+
+def token(x: dict, t: int) -> dict:
+    return {k: v[:, t].copy() for k, v in x.items()}  # (a copy, never a view of x: it is refilled)
+
+
+def random_state(shape, seed=0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * 0.5).astype(np.float32)
+
+
+# ---- the conversion ----
+
+def test_rounding_is_to_nearest_even_and_keeps_nan_inf_and_flushes_subnormals():
+    one = 0x3F800000
+    x = u32(one, one + 0x8000, one + 0x18000, one + 0x8001, one + 0x7FFF,  # 1, ties (to even: down, up), above, below
+            0x7F7FFFFF,                    # the largest float32: rounds up to +inf
+            0x7F800000, 0xFF800000,        # ±inf
+            0x7FC00000, 0x7F800001, 0xFFA12345,  # NaNs: quiet, signalling, negative with a payload
+            0x00000001, 0x807FFFFF,        # subnormals: ±0
+            0x00800000, 0x00000000, 0x80000000)  # the smallest normal, ±0
+    got = to_bits(x)
+    assert got.tolist() == [0x3F80, 0x3F80, 0x3F82, 0x3F81, 0x3F80, 0x7F80, 0x7F80, 0xFF80, 0x7FC0, 0x7FC0, 0xFFE1,
+                            0x0000, 0x8000, 0x0080, 0x0000, 0x8000]
+    assert np.isnan(from_bits(got[8:11])).all()
+
+
+def test_every_bfloat16_round_trips_except_subnormals_and_signalling_nans():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    back = to_bits(from_bits(bits))
+    exponent, mantissa = (bits >> 7) & 0xFF, bits & 0x7F
+    subnormal, nan = (exponent == 0) & (mantissa != 0), (exponent == 0xFF) & (mantissa != 0)
+    plain = ~subnormal & ~nan
+    assert np.array_equal(back[plain], bits[plain])
+    assert np.array_equal(back[subnormal], bits[subnormal] & 0x8000)  # (±0, as vcvtneps2bf16 gives)
+    assert np.array_equal(back[nan], bits[nan] | 0x40)                # NaN stays NaN, quieted
+    assert from_bits(bits[plain]).dtype == np.float32
+
+
+@pytest.fixture(scope="module")
+def c_conversion():
+    """c_common.h.j2's bfloat16 helpers for this machine's target: the store (AVX-512 BF16 where the CPU
+    has it), the portable store and the load, each over an array."""
+    common = environment("linrec.c").get_template("c_common.h.j2").render(
+        **common_context(Target("float", c_build.vector_bytes())), block_tokens=16, inputs=[], checks_inputs=False,
+        state_is_bf16=True)
+    calls = ("void store(const float *x, uint16_t *y, int n) { lr_bf16_store(y, x, n); }\n"
+             "void store_portable(const float *x, uint16_t *y, int n) { lr_bf16_store_portable(y, x, n); }\n"
+             "void load(const uint16_t *x, float *y, int n) { lr_bf16_load(y, x, n); }\n"
+             "int native(void) { return LR_BF16_NATIVE; }\n")
+    cdef = ("void store(float *x, uint16_t *y, int n);\nvoid store_portable(float *x, uint16_t *y, int n);\n"
+            "void load(uint16_t *x, float *y, int n);\nint native(void);\n")
+    return c_build.build(common + calls, cdef, "bf16_conversion")
+
+
+def test_c_conversion_is_numpys_bit_for_bit_on_both_paths(c_conversion):
+    ffi, lib = c_conversion.ffi, c_conversion.lib
+    if "avx512_bf16" in c_build._cpu_flags() and c_build.vector_bytes() == 64:
+        assert lib.native() == 1  # (the instruction is what is tested here, not only the integer path)
+    rng = np.random.default_rng(0)
+    words = np.concatenate([rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(np.uint32),
+                            np.arange(1 << 16, dtype=np.uint32) << 16,           # every bfloat16, exact
+                            (np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000,  # every tie
+                            np.arange(0, 1 << 16, dtype=np.uint32)])             # subnormals, near zero
+    x = words.view(np.float32)
+    want = to_bits(x)
+    for store in (lib.store, lib.store_portable):
+        got = np.zeros(x.size, np.uint16)
+        store(ffi.from_buffer("float[]", x), ffi.from_buffer("uint16_t[]", got), x.size)
+        assert np.array_equal(got, want), store
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    wide = np.zeros(bits.size, np.float32)
+    lib.load(ffi.from_buffer("uint16_t[]", bits), ffi.from_buffer("float[]", wide), bits.size)
+    assert np.array_equal(wide.view(np.uint32), from_bits(bits).view(np.uint32))
+
+
+# ---- the decode steps ----
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_c_and_numpy_bf16_steps_agree_within_one_ulp(programs, name):
+    """One step from the same bfloat16 state: both round a float32 state computed in a different order (C's
+    fused multiply-adds), so the bits agree except where the two float32 values fall on either side of a
+    rounding boundary — there by one ulp."""
+    rec = programs[name]
+    x = tokens_of(rec, 1, seed=1)
+    state = {"S": to_bits(random_state((BATCH, HEADS, DIMS, DIMS)))}
+    got = {}
+    for backend in ("numpy", "c"):
+        out, new = rec.step(token(x, 0), {"S": state["S"].copy()}, backend=backend, state_dtype="bfloat16")
+        assert new["S"].dtype == np.uint16
+        got[backend] = (out, new["S"])
+    c_bits, np_bits = got["c"][1].astype(np.int32), got["numpy"][1].astype(np.int32)
+    assert np.abs(c_bits - np_bits).max() <= 1
+    assert (c_bits == np_bits).mean() > 0.99
+    for o in got["c"][0]:
+        ref = got["numpy"][0][o]
+        assert np.abs(got["c"][0][o] - ref).max() <= 1e-5 * max(np.abs(ref).max(), 1.0)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_a_64_step_bf16_decode_stays_within_tolerance_of_the_float32_one(programs, name):
+    rec = programs[name]
+    steps = 64
+    x = tokens_of(rec, steps, seed=2)
+    S0 = random_state((BATCH, HEADS, DIMS, DIMS), seed=3)
+    ref = rec.run(x, form="recurrent", initial_state={"S": S0})  # float32 throughout
+    out_name = rec.program.outputs[0].name
+    for backend in ("c", "numpy"):
+        state = {"S": to_bits(S0)}
+        buffer = token(x, 0)
+        step = rec.bind_step(buffer, state, backend=backend, state_dtype="bfloat16")
+        outputs = []
+        for t in range(steps):
+            for k, v in x.items():
+                buffer[k][...] = v[:, t]
+            outputs.append(step()[out_name].copy())
+        outputs = np.stack(outputs, axis=1)
+        out_err = np.abs(outputs - ref.outputs[out_name]).max() / np.abs(ref.outputs[out_name]).max()
+        final = from_bits(state["S"])
+        state_err = np.abs(final - ref.final_state["S"]).max() / np.abs(ref.final_state["S"]).max()
+        assert 0 < state_err <= TOLERANCE_BF16_STATE, (backend, state_err)  # (rounded: not the float32 path)
+        assert out_err <= TOLERANCE_BF16_STATE, (backend, out_err)
+
+
+def test_a_bf16_pool_step_moves_only_its_slots_and_equals_the_plain_step(programs):
+    rec = programs["gated_deltanet"]
+    P, slots = 7, np.array([5, 0, 3])
+    pool0 = to_bits(random_state((P, HEADS, DIMS, DIMS), seed=4))
+    tok = token(tokens_of(rec, 1, seed=5), 0)
+    for backend in ("c", "numpy"):
+        pool = {"S": pool0.copy()}
+        out, pool = rec.step(tok, pool, slots=slots, backend=backend, state_dtype="bfloat16")
+        others = [s for s in range(P) if s not in slots]
+        assert np.array_equal(pool["S"][others], pool0[others])
+        plain_out, plain = rec.step(tok, {"S": pool0[slots]}, backend=backend, state_dtype="bfloat16")
+        assert np.array_equal(pool["S"][slots], plain["S"])
+        assert np.array_equal(out["o"], plain_out["o"])
+
+
+def test_prefill_returns_bits_and_resumes_from_them(programs):
+    rec = programs["gla"]
+    x = tokens_of(rec, 12, seed=6)
+    res = rec.prefill(x, backend="c", state_dtype="bfloat16", state_every=4)
+    full = rec.prefill(x, backend="c")
+    assert res.final_state["S"].dtype == np.uint16 and res.checkpoints["S"].dtype == np.uint16
+    assert np.array_equal(res.final_state["S"], to_bits(full.final_state["S"]))  # (converted at the exit only)
+    rest = rec.run({k: v[:, 8:] for k, v in x.items()}, backend="c", state_dtype="bfloat16",
+                   initial_state={"S": res.checkpoints["S"][:, 1]})
+    err = np.abs(from_bits(rest.final_state["S"]) - full.final_state["S"]).max()
+    assert err <= 2 ** -7 * np.abs(full.final_state["S"]).max()
+
+
+def test_a_refused_token_leaves_the_bf16_state_as_it_was(programs):
+    rec = programs["gla"]
+    tok = token(tokens_of(rec, 1, seed=7), 0)
+    state = {"S": to_bits(random_state((BATCH, HEADS, DIMS, DIMS)))}
+    before = state["S"].copy()
+    step = rec.bind_step(tok, state, backend="c", state_dtype="bfloat16")
+    tok["g"][1, 0, 3] = 1.0  # g is declared <= 0
+    with pytest.raises(linrec.RuntimeInputError, match="'g'"):
+        step()
+    assert np.array_equal(state["S"], before)
+
+
+# ---- errors ----
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_errors_name_the_argument_and_the_fix(programs, backend):
+    rec = programs["gla"]
+    tok = token(tokens_of(rec, 1, seed=8), 0)
+    bits = to_bits(random_state((BATCH, HEADS, DIMS, DIMS)))
+    floats = from_bits(bits)
+    cases = [
+        (dict(state={"S": bits}, state_dtype="bf16"), "unknown state_dtype 'bf16'.*'bfloat16'"),
+        (dict(tokens={k: v.astype(np.float64) for k, v in tok.items()}, state={"S": bits}, state_dtype="bfloat16"),
+         "needs float32 inputs"),
+        (dict(state={"S": floats}, state_dtype="bfloat16"), "uint16|bfloat16 bits"),
+        (dict(state={"S": bits}, state_dtype=None), "state_dtype='bfloat16'|float32"),
+        (dict(state={"S": bits}, state_dtype="float64"), "state_dtype='float64' with float32 inputs"),
+        (dict(pool={"S": np.zeros((4, HEADS, DIMS, DIMS), np.float32)}, state_dtype="bfloat16"),
+         r"pool\['S'\] must be a writeable uint16 array"),
+        (dict(pool={"S": np.zeros((4, HEADS, DIMS, DIMS), np.uint16)}, state_dtype=None),
+         r"pool\['S'\].*needs state_dtype='bfloat16'"),
+    ]
+    for case, message in cases:
+        given = case.get("tokens", tok)
+        with pytest.raises(linrec.RuntimeInputError, match=message):
+            if "pool" in case:
+                rec.step(given, case["pool"], slots=np.arange(BATCH), backend=backend, state_dtype=case["state_dtype"])
+            else:
+                rec.step(given, case["state"], backend=backend, inplace=True, state_dtype=case["state_dtype"])
+    with pytest.raises(linrec.RuntimeInputError, match="needs state_dtype='bfloat16'"):
+        rec.run(tokens_of(rec, 2, seed=9), initial_state={"S": bits}, backend=backend)
+
+
+def test_the_cli_runs_the_decode_with_a_bf16_state(tmp_path, capsys):
+    out = tmp_path / "bf16.npz"
+    assert cli_main(["run", "examples/gla.lin", "--backend", "c", "--form", "step", "--state-dtype", "bfloat16",
+                     "--dim", f"dk={DIMS}", "--dim", f"dv={DIMS}", "--tokens", "4", "--batch", f"{BATCH}",
+                     "--heads", f"{HEADS}", "--out", str(out)]) == 0
+    assert "bfloat16 state" in capsys.readouterr().out
+    saved = np.load(out)
+    assert saved["S"].dtype == np.uint16 and saved["o"].dtype == np.float32
+
+
+def test_verify_checks_the_bf16_state_decode_at_its_tolerance(capsys):
+    assert cli_main(["verify", "examples/mamba2.lin", "--form", "step", "--state-dtype", "bfloat16", "--quick",
+                     "--backend", "numpy", "--dtype", "float32", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["dtype"] == "float32+bf16"]
+    assert rows and all(r["passed"] and r["tolerance"] == TOLERANCE_BF16_STATE for r in rows)
+    assert all(0 < r["max_rel"] for r in rows)  # (rounded: not the float32 step)
