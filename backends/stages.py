@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .compiler import Compiled, stage_compiled
 from .dsl.errors import LinrecError
-from .interface import Backend, Capabilities, Refusal, no_such_form
+from .interface import Backend, Capabilities, Refusal
 
 STAGED_FORMS = ("parallel", "chunkwise")  # the forms a staged program runs stage by stage
 
@@ -37,9 +37,9 @@ class Staged:
     def why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         if not in_stages(compiled, form):
             return self.inner.why_not(compiled, form)
-        refused = no_such_form(compiled, form)
-        if refused:
-            return refused
+        why = compiled.decomposition.why_not(form)
+        if why:
+            return Refusal(f"'{compiled.name}' has no {form} form: {why}")
         for stage in compiled.decomposition.stages:
             refused = self.inner.why_not(stage_compiled(compiled, stage), form)
             if refused:

@@ -222,7 +222,7 @@ def comba(inputs, params, state0):
 
 
 def preconditioned_deltanet(inputs, params, state0):
-    """Per token: A = exp(gA) ⊙ A + βA k̂ ⊙ k̂ (a decayed energy per key channel); r = log(A + 1e-6) − c;
+    """Per token: A = exp(gA) ⊙ A + βA k̂ ⊙ k̂ (a decayed energy per key channel); r = log(|A| + 1e-6) − c;
     M = x^(−r/(1 + |r|)) elementwise; k' = (k̂ ⊙ M)/‖k̂ ⊙ M‖; S = exp(g) (I − β k' k'ᵀ) S + β k' vᵀ;
     o = dk^(-1/2) q̂ᵀ S. Params x, c (scalars)."""
     xs = _f64(inputs)
@@ -239,7 +239,7 @@ def preconditioned_deltanet(inputs, params, state0):
             for t in range(T):
                 kn = l2norm(k[b, t, h])
                 A = np.exp(gA[b, t, h]) * A + betaA[b, t, h] * kn * kn
-                r = np.log(A + 1e-6) - centre
+                r = np.log(np.abs(A) + 1e-6) - centre
                 M = base ** (-r / (1.0 + np.abs(r)))
                 kp = l2norm(kn * M)
                 S = np.exp(g[b, t, h]) * (S - beta[b, t, h] * np.outer(kp, kp @ S)) + beta[b, t, h] * np.outer(kp, v[b, t, h])
