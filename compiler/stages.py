@@ -73,8 +73,13 @@ def derive(program: ir.Program, whole: Decomposition) -> Decomposition:
     levels, cycles = _levels(program)
     cycle_note = "; ".join(f"states {', '.join(c)} read each other (a cycle): neither can be derived before the "
                            f"other, so they stay in one stage" for c in cycles)
+    if not program.causal:
+        return _noted(whole, cycle_note or ("" if max(levels.values()) == 0 else
+                                            "a non-causal program is not derived in stages: its outputs read the "
+                                            "states after every token, while a later stage takes an earlier one's "
+                                            "values token by token"))
     try:
-        stages = split(program, levels) if program.causal else None
+        stages = split(program, levels)
     except _NoStages as why:
         return _noted(whole, str(why))
     if stages is None:
