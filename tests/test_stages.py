@@ -152,6 +152,47 @@ def test_a_softmax_over_a_stage_one_readout_feeds_stage_two(backend):
         assert_close(ATTEND.run(x, form=form, backend=backend, initial_state=s0, chunk_size=8), want)
 
 
+def test_three_stages_with_reads_before_and_after_the_updates():
+    """z → U → S: U's write key reads z_t, S reads a readout of U whose query reads z (so U hands on what S
+    needs), an output reads U before its update, and o mixes all three stages' values."""
+    rec = linrec.compile("""
+recurrence three(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], a <= 0, g[dk] <= 0
+state z[dk], U[dk, dv], S[dk, dv]
+output before = q·U
+S = exp(a)·S + k⊗silu((sigmoid(z)*q)·U)
+z = exp(g)*z + k
+U = exp(a)·U + (z*k)⊗v
+output o = q·S + (z*q)·U
+""")
+    d = rec.decomposition
+    assert [s.states for s in d.stages] == [("z",), ("U",), ("S",)]
+    assert [(h.name, h.version) for h in d.stages[0].hands] == [("z_prev", "prev"), ("z_t", "new")]
+    assert [(to_text(h.query), h.version) for h in d.stages[1].hands] == [("sigmoid(z_prev)*q", "prev"),
+                                                                          ("z_t*q", "new")]
+    assert d.stages[1].outputs == ("before",) and d.stages[2].outputs == ("o",)
+    x = rec.random_inputs(batch=2, tokens=19, heads=2, seed=9)
+    rng = np.random.default_rng(10)
+    s0 = {"z": rng.standard_normal((2, 2, 6)), "U": rng.standard_normal((2, 2, 6, 5)),
+          "S": rng.standard_normal((2, 2, 6, 5))}
+    want = rec.run(x, form="recurrent", initial_state=s0)
+    for form in ("parallel", "chunkwise"):
+        assert_close(rec.run(x, form=form, initial_state=s0, chunk_size=4), want)
+
+
+def test_a_non_causal_program_is_not_staged_and_says_why():
+    rec = linrec.compile("""
+recurrence both_ways(dk = 4, dv = 4) noncausal
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state A[dk], S[dk, dv]
+A = exp(g)*A + k*k
+S = S + (tanh(A)*k)⊗v
+output o = q·S
+""")
+    assert rec.forms == ("recurrent",)
+    assert "a non-causal program is not derived in stages" in rec.decomposition.why_not("parallel")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_decode_step_across_stages_equals_the_staged_run(backend):
     x, s0 = preconditioned_case(T=12, seed=5)
