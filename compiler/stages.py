@@ -180,13 +180,14 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
     def localize(e: ir.Expr, k: int) -> ir.Expr:
         """`e` as stage k computes it: every read of an earlier stage's state replaced by the input it is
         handed as."""
-        earlier = tuple(s for s in program.states if levels[s.name] < k)
-        if not any(levels[s] < k for s in states_in(inline_lets(e, lets))):
+        written_out = inline_lets(e, lets)
+        if not any(levels[s] < k for s in states_in(written_out)):
             return e
-        matrices = tuple(s for s in earlier if len(s.shape) == 2)
-        if any(isinstance(n, ir.StateRef) and any(n.name == m.name for m in matrices) and not _in_readouts(e, n.name)
-               for n in walk(inline_lets(e, lets))):
-            e = in_readout_shape(inline_lets(e, lets), matrices)
+        # an earlier matrix state is handed on through its readouts: bring its reads to that shape (named
+        # values written out) where they are not in it as written
+        matrices = tuple(s for s in program.states if levels[s.name] < k and len(s.shape) == 2)
+        if any(not _in_readouts(written_out, m.name) for m in matrices):
+            e = in_readout_shape(written_out, matrices)
 
         def visit(node: ir.Expr) -> ir.Expr:
             if isinstance(node, ir.Dot) and isinstance(node.right, ir.StateRef) and len(node.left.shape) == 1 \
