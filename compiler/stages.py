@@ -16,6 +16,7 @@ recurrent form needs no stages: it runs the program as written.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from . import ir
@@ -86,11 +87,18 @@ def derive(program: ir.Program, whole: Decomposition) -> Decomposition:
         return _noted(whole, cycle_note)
     unavailable = []
     for form in FORMS:
-        reasons = [f"stage {s.number} ({', '.join(s.states)}): {s.decomposition.why_not(form)}"
+        reasons = [f"stage {s.number} ({', '.join(s.states)}): {_with_legend(s.decomposition.why_not(form), stages)}"
                    for s in stages if s.decomposition.why_not(form)]
         if reasons:
             unavailable.append((form, "; ".join(reasons + ([cycle_note] if cycle_note else []))))
     return dataclasses.replace(whole, unavailable=tuple(unavailable), stages=tuple(stages))
+
+
+def _with_legend(reason: str, stages: list[Stage]) -> str:
+    """A stage's reason, with what the values handed to it that the reason names are (they are no names of
+    the program)."""
+    named = [h.text() for s in stages for h in s.hands if re.search(rf"(?<!\w){re.escape(h.name)}(?!\w)", reason)]
+    return reason + (f" (where {'; '.join(named)}, handed on by an earlier stage)" if named else "")
 
 
 def _noted(d: Decomposition, note: str) -> Decomposition:

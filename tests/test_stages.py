@@ -180,6 +180,25 @@ output o = q·S + (z*q)·U
         assert_close(rec.run(x, form=form, initial_state=s0, chunk_size=4), want)
 
 
+def test_a_stage_without_a_form_gives_the_program_its_reason():
+    """The decay of S is A_t itself: no symbolic logarithm, and nothing bounds it above 0. Stage 1 has every
+    form, stage 2 the recurrent one: so has the program, with stage 2's reason (naming what A_t is)."""
+    rec = linrec.compile("""
+recurrence decayed_by_a_state(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state A[dk], S[dk, dv]
+A = exp(g)*A + k*k
+S = diag(A)·S + k⊗v
+output o = q·S
+""")
+    first, second = rec.decomposition.stages
+    assert first.forms == ("recurrent", "parallel", "chunkwise") and second.forms == ("recurrent",)
+    assert rec.forms == ("recurrent",)
+    why = rec.decomposition.why_not("chunkwise")
+    assert why.startswith("stage 2 (S): state 'S': the decay `A_t` of 'S' can be zero or negative")
+    assert why.endswith("(where A_t = A (after this token's update), handed on by an earlier stage)")
+
+
 def test_a_non_causal_program_is_not_staged_and_says_why():
     rec = linrec.compile("""
 recurrence both_ways(dk = 4, dv = 4) noncausal
