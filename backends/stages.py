@@ -52,7 +52,7 @@ class Staged:
             return self.inner.emit(compiled, form, **options)
         refused = self.why_not(compiled, form)
         if refused:
-            raise_refusal(self.name, compiled, form, refused)
+            _refuse(self.name, compiled, form, refused)
         parts = []
         for stage in compiled.decomposition.stages:
             source = self.inner.emit(stage_compiled(compiled, stage), form, **options)
@@ -64,7 +64,7 @@ class Staged:
             return self.inner.load(compiled, form)
         refused = self.why_not(compiled, form)
         if refused:
-            raise_refusal(self.name, compiled, form, refused)
+            _refuse(self.name, compiled, form, refused)
         stages = compiled.decomposition.stages
         return StagedModule(form, compiled, tuple(self.inner.load(stage_compiled(compiled, s), form) for s in stages))
 
@@ -78,8 +78,8 @@ class Staged:
         return self.inner.gradient_why_not(compiled, form)
 
 
-def raise_refusal(backend: str, compiled: Compiled, form: str, refused: Refusal):
-    # (the driver checks why_not before it loads: this is for direct callers)
+def _refuse(backend: str, compiled: Compiled, form: str, refused: Refusal):
+    """(The driver asks why_not before it emits or loads: this is for direct callers.)"""
     raise LinrecError(f"the {backend} backend does not build the {form} form of '{compiled.name}': {refused}")
 
 

@@ -2,15 +2,15 @@
 one stage after another.
 
 A state reads another when its update does, or when a readout q·S of it has a query that does. States are
-ordered by that relation (its strongly connected components, each after every component it reads); a state
-that reads no later one is derived on its own. The per-token values a later stage needs of an earlier one —
+ordered by that relation: a state's stage is one after the latest stage of the states it reads outside its
+own cycle (states that read each other stay in one stage), so a stage's states read no later one. The per-token values a later stage needs of an earlier one —
 a vector state's value (S_(t−1) or S_t), or a readout q·S of a matrix state — become outputs of the earlier
 stage and per-token inputs of the later one, however nonlinearly the later one uses them (a softmax over a
 read, a preconditioned key). Each stage is a program of its own (an ir.Program, decomposed as any other), so
 every stage gets the forms its own structure allows, and the program gets the forms every stage has. The
 recurrent form needs no stages: it runs the program as written.
 
-    stages = split(program)      # None when the program has one stage (or cannot be split)
+    stages = split(program)      # None: one stage; _NoStages: a later stage would need a matrix per token
     derive(program, decompose(program)) → the decomposition, with its stages and their forms
 """
 from __future__ import annotations
