@@ -141,6 +141,10 @@ def describe(rec, path: str) -> dict:
             "value": f"{out.name} = {to_text(out.value)}",
             "reads": [{"state": state, "when": when} for state, when in _reads(p, out.value)],
         })
+    info["stages"] = [{  # a program derived in stages (compiler.stages): each stage's states and forms
+        "stage": st.number, "states": list(st.states), "forms": list(st.forms), "takes": list(st.takes),
+        "hands": [{"name": h.name, "state": h.state, "value": h.text()} for h in st.hands],
+        "outputs": list(st.outputs)} for st in d.stages]
     for form in _form_names():
         why = d.why_not(form)
         entry = {"form": form, "available": why is None, "reason": why,
@@ -215,6 +219,18 @@ def format_check(info: dict) -> str:
             out.append(f"      reads {r['state']} {_WHEN[r['when']].format(s=r['state'])}")
         if not o["reads"]:
             out.append("      reads no state")
+
+    if info.get("stages"):
+        out += ["", "stages (derived one after another; the values a stage hands on are per-token inputs of the "
+                    "later ones)"]
+        for st in info["stages"]:
+            out.append(f"  {st['stage']}  {', '.join(st['states'])}: {', '.join(st['forms'])}")
+            if st["takes"]:
+                out.append(f"      takes {', '.join(st['takes'])}")
+            for h in st["hands"]:
+                out.append(f"      hands on {h['value']}")
+            if st["outputs"]:
+                out.append(f"      computes {', '.join(st['outputs'])}")
 
     out += ["", "forms"]
     for f in info["forms"]:

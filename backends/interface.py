@@ -108,4 +108,9 @@ def no_such_form(compiled: Compiled, form: str) -> Refusal | None:
     if form not in FORMS:
         return Refusal(f"there is no {form} form; the forms are {', '.join(FORMS)}")
     why = compiled.decomposition.why_not(form)
-    return Refusal(f"'{compiled.name}' has no {form} form: {why}") if why else None
+    if why:
+        return Refusal(f"'{compiled.name}' has no {form} form: {why}")
+    if compiled.decomposition.stages and form != "recurrent":  # (no backend derives it from the whole program)
+        return Refusal(f"'{compiled.name}' runs its {form} form in stages, each stage a program of its own",
+                       "linrec.stages runs them (the backends of linrec.registry)")
+    return None

@@ -6,8 +6,10 @@ from .dsl.errors import LinrecError
 from .interface import Backend, Refusal
 from .c import BACKEND as C
 from .numpy import BACKEND as NUMPY
+from .stages import Staged
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (NUMPY, C)}
+# (each seen through Staged: a program derived in stages runs its parallel and chunkwise forms stage by stage)
+BACKENDS: dict[str, Backend] = {b.name: Staged(b) for b in (NUMPY, C)}
 STEP = "step"  # the decode step, run token by token (verify and `linrec run --form step`): the recurrent form's
 
 

@@ -12,6 +12,7 @@ from ..dsl import LinrecError, parse
 from . import ir
 from .decompose import FORMS, Decomposition, decompose
 from .resolve import resolve
+from .stages import Stage, derive
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,16 @@ def compile_source(source: str, filename: str = "<source>") -> Compiled:
     """Parse, check and decompose. Raises LinrecError with FILE:LINE:COL, the line and a caret."""
     try:
         program, warnings = resolve(parse(source, filename))
-        return Compiled(source, filename, program, decompose(program),
+        return Compiled(source, filename, program, derive(program, decompose(program)),
                         tuple(w.located(source, filename) for w in warnings))
     except LinrecError as err:
         raise err.located(source, filename) from None
+
+
+def stage_compiled(compiled: Compiled, stage: Stage) -> Compiled:
+    """One stage of a program derived in stages (compiler.stages), as a program of its own for the backends
+    (its errors located in the program's source)."""
+    return Compiled(compiled.source, compiled.filename, stage.program, stage.decomposition)
 
 
 def compile_file(path: str | Path) -> Compiled:
@@ -50,4 +57,4 @@ def compile_file(path: str | Path) -> Compiled:
     return compile_source(source, str(path))
 
 
-__all__ = ["Compiled", "FORMS", "LinrecError", "compile_file", "compile_source", "ir"]
+__all__ = ["Compiled", "FORMS", "LinrecError", "Stage", "compile_file", "compile_source", "ir", "stage_compiled"]

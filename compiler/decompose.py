@@ -46,6 +46,7 @@ class Decomposition:
     unavailable: tuple[tuple[str, str], ...]   # (form, reason)
     sequence: SequencePlan | None = None       # set for programs that read the sequence (seq, …)
     transposed: frozenset[str] = frozenset()   # matrix states the forms carry transposed (compiler.transpose)
+    stages: tuple = ()                         # compiler.stages.Stage, in order, when derived in stages
 
     def transition(self, state: str) -> Transition:
         return next(t for t in self.transitions if t.state == state)

@@ -12,9 +12,9 @@ def stabilized_states(compiled: Compiled) -> dict[str, tuple]:
     """States whose every write key is c·exp(α) with α varying per token (exponential feature maps) and
     that have no correction: they are carried as S·exp(−M) with M the running maximum of α (forms.md §8).
     Returns state → the α of each write; states with equal α share one M. A program with no derived forms
-    has none: its reads are not all readouts q·S, which the scales are folded into (it runs as written)."""
+    has none, nor has one derived in stages (compiler.stages; each stage is stabilized as a program of its own): its reads are not all readouts q·S, which the scales are folded into (it runs as written)."""
     out = {}
-    if compiled.decomposition.why_not("chunkwise"):
+    if compiled.decomposition.why_not("chunkwise") or compiled.decomposition.stages:  # (stages: each has its own)
         return out
     for t in compiled.decomposition.transitions:
         if t.corrections or not t.writes or not t.factorable:

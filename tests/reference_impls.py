@@ -221,6 +221,33 @@ def comba(inputs, params, state0):
     return {"o": o}, {"S": S_final}
 
 
+def preconditioned_deltanet(inputs, params, state0):
+    """Per token: A = exp(gA) ⊙ A + βA k̂ ⊙ k̂ (a decayed energy per key channel); r = log(|A| + 1e-6) − c;
+    M = x^(−r/(1 + |r|)) elementwise; k' = (k̂ ⊙ M)/‖k̂ ⊙ M‖; S = exp(g) (I − β k' k'ᵀ) S + β k' vᵀ;
+    o = dk^(-1/2) q̂ᵀ S. Params x, c (scalars)."""
+    xs = _f64(inputs)
+    q, k, v, beta, g, gA, betaA = (xs[n] for n in ("q", "k", "v", "beta", "g", "gA", "betaA"))
+    base, centre = float(params["x"]), float(params["c"])
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    o = np.zeros((B, T, H, dv))
+    A_final, S_final = np.zeros((B, H, dk)), np.zeros((B, H, dk, dv))
+    for b in range(B):
+        for h in range(H):
+            A = np.array(state0["A"][b, h], dtype=np.float64)
+            S = np.array(state0["S"][b, h], dtype=np.float64)
+            for t in range(T):
+                kn = l2norm(k[b, t, h])
+                A = np.exp(gA[b, t, h]) * A + betaA[b, t, h] * kn * kn
+                r = np.log(np.abs(A) + 1e-6) - centre
+                M = base ** (-r / (1.0 + np.abs(r)))
+                kp = l2norm(kn * M)
+                S = np.exp(g[b, t, h]) * (S - beta[b, t, h] * np.outer(kp, kp @ S)) + beta[b, t, h] * np.outer(kp, v[b, t, h])
+                o[b, t, h] = dk ** -0.5 * (l2norm(q[b, t, h]) @ S)
+            A_final[b, h], S_final[b, h] = A, S
+    return {"o": o}, {"A": A_final, "S": S_final}
+
+
 REFERENCES = {
     "gla": gla,
     "retnet": retnet,
@@ -231,4 +258,5 @@ REFERENCES = {
     "linear_transformer": linear_transformer,
     "gdn2": gdn2,
     "comba": comba,
+    "preconditioned_deltanet": preconditioned_deltanet,
 }

@@ -329,9 +329,10 @@ output o = q·S
         rec.run(rec.random_inputs(1, 3, 1), form="chunkwise")
 
 
-def test_query_that_reads_a_state_has_only_the_recurrent_form():
-    """(q·U)·S reads S with a query that depends on the state U: not a readout the forms can scan (it was
-    taken for one, and the C kernel's source named an undeclared r0). Both backends run it as written."""
+def test_query_that_reads_a_state_is_derived_in_stages():
+    """(q·U)·S reads S with a query that depends on the state U: not a readout one scan can take (it was
+    taken for one, and the C kernel's source named an undeclared r0). U reads no other state, so U is derived
+    first and hands q·U to S's stage (compiler.stages); every form on both backends matches the loops."""
     rec = linrec.compile("""recurrence qread(dk = 4, dv = 3)
 input q[dk], k[dk], v[dv]
 state S[dk, dv], U[dk, dk]
@@ -339,8 +340,8 @@ S = 0.5·S + k⊗v
 U = 0.5·U + 0.1·k⊗k
 output o = (q·U)·S
 """, "qread.lin")
-    assert rec.forms == ("recurrent",)
-    assert "state-free q" in rec.decomposition.why_not("parallel")
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    assert [s.states for s in rec.decomposition.stages] == [("U",), ("S",)]
     x = rec.random_inputs(2, 7, 2, seed=1)
     S, U = np.zeros((2, 2, 4, 3)), np.zeros((2, 2, 4, 4))
     expected = np.zeros((2, 7, 2, 3))
@@ -349,8 +350,9 @@ output o = (q·U)·S
         U = 0.5 * U + 0.1 * x["k"][:, t, :, :, None] * x["k"][:, t, :, None, :]
         expected[:, t] = np.einsum("bhi,bhij,bhjk->bhk", x["q"][:, t], U, S)
     for backend in ("numpy", "c"):
-        got = rec.run(x, backend=backend).outputs["o"]
-        assert np.max(np.abs(got - expected)) <= 1e-10 * np.max(np.abs(expected)), backend
+        for form in rec.forms:
+            got = rec.run(x, backend=backend, form=form, chunk_size=3).outputs["o"]
+            assert np.max(np.abs(got - expected)) <= 1e-10 * np.max(np.abs(expected)), (backend, form)
 
 
 def test_nonpositive_decay_is_refused_in_log_space_forms():

@@ -267,6 +267,8 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
 def why_not(compiled: Compiled) -> str | None:
     """Why these kernels cannot run the program's scans, or None (see VALUES_WITH_CORRECTIONS)."""
     d = compiled.decomposition
+    if d.stages:  # (each stage is a program of its own, whose scans these kernels run: linrec.stages)
+        return "it is derived in stages: its scans are those of each stage's program"
     for t in d.transitions:
         if t.elementwise:
             return (f"state '{t.state}' decays elementwise (`X*{t.state}`, a decay per element): the compiled scans "

@@ -1,0 +1,302 @@
+"""Staged derivation over the state graph: a program whose states read each other in one direction, derived
+one stage after another.
+
+A state reads another when its update does, or when a readout q·S of it has a query that does. States are
+ordered by that relation: a state's stage is one after the latest stage of the states it reads outside its
+own cycle (states that read each other stay in one stage), so a stage's states read no later one. The per-token values a later stage needs of an earlier one —
+a vector state's value (S_(t−1) or S_t), or a readout q·S of a matrix state — become outputs of the earlier
+stage and per-token inputs of the later one, however nonlinearly the later one uses them (a softmax over a
+read, a preconditioned key). Each stage is a program of its own (an ir.Program, decomposed as any other), so
+every stage gets the forms its own structure allows, and the program gets the forms every stage has. The
+recurrent form needs no stages: it runs the program as written.
+
+    stages = split(program)      # None: one stage; _NoStages: a later stage would need a matrix per token
+    derive(program, decompose(program)) → the decomposition, with its stages and their forms
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from . import ir
+from .analysis import inline_lets, rebuild, refs, states_in, to_text, walk
+from .decompose import FORMS, Decomposition, decompose
+from .readouts import in_readout_shape
+
+
+@dataclass(frozen=True)
+class Handed:
+    """A per-token value one stage computes for a later one: `name` is an output of the stage that has
+    `state`, and an input of the stages that use it; `value` is what it reads — the (vector) state itself
+    (`query` None) or a readout query·S, of S_(t−1) or S_t (`version`)."""
+
+    name: str
+    state: str
+    version: str                  # "prev" (S_(t−1)) or "new" (S_t)
+    query: ir.Expr | None
+    value: ir.Expr
+
+    def text(self) -> str:
+        when = "before" if self.version == "prev" else "after"
+        read = self.state if self.query is None else f"({to_text(self.query)})·{self.state}"
+        return f"{self.name} = {read} ({when} this token's update)"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its states, the program that derives them (the values earlier stages hand it are inputs
+    of that program, and the values it hands on are outputs), and that program's decomposition."""
+
+    number: int                          # 1, 2, … in the order they run
+    states: tuple[str, ...]
+    program: ir.Program
+    decomposition: Decomposition
+    takes: tuple[str, ...]               # its inputs that earlier stages compute
+    hands: tuple[Handed, ...]            # its outputs that later stages take
+    outputs: tuple[str, ...]             # the program's outputs it computes
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        return self.decomposition.forms
+
+
+class _NoStages(Exception):
+    """The program does not split into stages (the message says why, for check's reason)."""
+
+
+def derive(program: ir.Program, whole: Decomposition) -> Decomposition:
+    """The program's decomposition with its stages: when the program as a whole has no parallel or chunkwise
+    form and its states split into stages, its forms are those every stage has (each stage's reasons for
+    the others). A program whose states read each other in a cycle keeps its reasons, and says so."""
+    if whole.sequence is not None or not whole.unavailable or len(program.states) < 2:
+        return whole
+    levels, cycles = _levels(program)
+    cycle_note = "; ".join(f"states {', '.join(c)} read each other (a cycle): neither can be derived before the "
+                           f"other, so they stay in one stage" for c in cycles)
+    if not program.causal:
+        return _noted(whole, cycle_note or ("" if max(levels.values()) == 0 else
+                                            "a non-causal program is not derived in stages: its outputs read the "
+                                            "states after every token, while a later stage takes an earlier one's "
+                                            "values token by token"))
+    try:
+        stages = split(program, levels)
+    except _NoStages as why:
+        return _noted(whole, str(why))
+    if stages is None:
+        return _noted(whole, cycle_note)
+    unavailable = []
+    for form in FORMS:
+        reasons = [f"stage {s.number} ({', '.join(s.states)}): {_with_legend(s.decomposition.why_not(form), stages)}"
+                   for s in stages if s.decomposition.why_not(form)]
+        if reasons:
+            unavailable.append((form, "; ".join(reasons + ([cycle_note] if cycle_note else []))))
+    return dataclasses.replace(whole, unavailable=tuple(unavailable), stages=tuple(stages))
+
+
+def _with_legend(reason: str, stages: list[Stage]) -> str:
+    """A stage's reason, with what the values handed to it that the reason names are (they are no names of
+    the program)."""
+    named = [h.text() for s in stages for h in s.hands if re.search(rf"(?<!\w){re.escape(h.name)}(?!\w)", reason)]
+    return reason + (f" (where {'; '.join(named)}, handed on by an earlier stage)" if named else "")
+
+
+def _noted(d: Decomposition, note: str) -> Decomposition:
+    if not note:
+        return d
+    return dataclasses.replace(d, unavailable=tuple((f, f"{r}; {note}") for f, r in d.unavailable))
+
+
+# ---- the state graph ------------------------------------------------------------------------------------
+def _expressions(program: ir.Program) -> list[ir.Expr]:
+    """Every update and output, named values written out and linear reads of matrix states as readouts."""
+    lets = program.lets
+    values = [u.value for u in program.updates.values()] + [o.value for o in program.outputs]
+    return [in_readout_shape(inline_lets(v, lets), program.states) for v in values]
+
+
+def _reads(program: ir.Program) -> dict[str, set[str]]:
+    """state → the other states it reads: in its update, and in the queries of its readouts q·S."""
+    lets = program.lets
+    reads = {s.name: states_in(inline_lets(program.updates[s.name].value, lets)) - {s.name}
+             for s in program.states}
+    for e in _expressions(program):
+        for n in walk(e):
+            if isinstance(n, ir.Dot) and isinstance(n.right, ir.StateRef) and len(n.right.shape) == 2:
+                reads[n.right.name] |= states_in(n.left) - {n.right.name}
+    return reads
+
+
+def _levels(program: ir.Program) -> tuple[dict[str, int], list[tuple[str, ...]]]:
+    """Each state's stage (0, 1, …: one more than the latest stage it reads outside its own cycle), and the
+    cycles (states that read each other, in declaration order)."""
+    reads = _reads(program)
+    reach: dict[str, set[str]] = {}
+    for s in reads:  # (a handful of states: the transitive closure by search)
+        seen, todo = set(), list(reads[s])
+        while todo:
+            x = todo.pop()
+            if x not in seen:
+                seen.add(x)
+                todo.extend(reads[x])
+        reach[s] = seen
+    order = [s.name for s in program.states]
+    component = {s: tuple(x for x in order if x == s or (x in reach[s] and s in reach[x])) for s in order}
+    levels: dict[str, int] = {}
+
+    def level(s: str) -> int:
+        if s not in levels:
+            outside = {x for x in reach[s] if x not in component[s]}
+            levels[s] = 1 + max((level(x) for x in outside), default=-1)
+        return levels[s]
+    for s in order:
+        level(s)
+    cycles = list(dict.fromkeys(c for c in component.values() if len(c) > 1))
+    return levels, cycles
+
+
+# ---- the stages' programs -------------------------------------------------------------------------------
+def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Stage] | None:
+    """The program as stages, or None when its states are one stage. Raises _NoStages when the states are
+    ordered but a later stage reads an earlier matrix state other than through readouts q·S (its value per
+    token would be a matrix, which no stage hands on)."""
+    levels = levels or _levels(program)[0]
+    count = max(levels.values()) + 1
+    if count < 2:
+        return None
+    taken = {d.name for d in program.dims} | {x.name for x in program.inputs} | \
+        {p.name for p in program.params} | {s.name for s in program.states} | set(program.lets) | \
+        {o.name for o in program.outputs}
+    lets = program.lets
+    handed: dict[tuple, Handed] = {}            # (state, version, query) → the value handed on
+    requests: dict[int, list[Handed]] = {k: [] for k in range(count)}
+
+    def hand(state: ir.State, version: str, query: ir.Expr | None) -> str:
+        key = (state.name, version, query)
+        if key not in handed:
+            base = f"{state.name}_{'t' if version == 'new' else 'prev'}" if query is None else f"{state.name}_read"
+            name, n = base, 1
+            while name in taken:
+                name, n = f"{base}{n}", n + 1
+            taken.add(name)
+            read = ir.StateRef(state.shape, state.name, version)
+            value = read if query is None else ir.Dot(state.shape[1:], query, read)
+            handed[key] = Handed(name, state.name, version, query, value)
+            requests[levels[state.name]].append(handed[key])
+        return handed[key].name
+
+    def localize(e: ir.Expr, k: int) -> ir.Expr:
+        """`e` as stage k computes it: every read of an earlier stage's state replaced by the input it is
+        handed as."""
+        written_out = inline_lets(e, lets)
+        if not any(levels[s] < k for s in states_in(written_out)):
+            return e
+        # an earlier matrix state is handed on through its readouts: bring its reads to that shape (named
+        # values written out) where they are not in it as written
+        matrices = tuple(s for s in program.states if levels[s.name] < k and len(s.shape) == 2)
+        if any(not _in_readouts(written_out, m.name) for m in matrices):
+            e = in_readout_shape(written_out, matrices)
+
+        def visit(node: ir.Expr) -> ir.Expr:
+            if isinstance(node, ir.Dot) and isinstance(node.right, ir.StateRef) and len(node.left.shape) == 1 \
+                    and levels.get(node.right.name, k) < k and len(node.right.shape) == 2:
+                st = program.state(node.right.name)
+                query = inline_lets(node.left, lets)
+                return ir.InputRef(node.shape, hand(st, node.right.version, query))
+            if isinstance(node, ir.StateRef) and levels.get(node.name, k) < k and len(node.shape) == 1:
+                return ir.InputRef(node.shape, hand(program.state(node.name), node.version, None))
+            return node
+        e = rebuild(e, visit)
+        left = [n.name for n in walk(e) if isinstance(n, ir.StateRef) and levels[n.name] < k]
+        if left:
+            raise _NoStages(f"state '{left[0]}' is read by a later stage other than through readouts q·{left[0]} "
+                            f"with a query that reads no state of its stage: its value per token is a matrix, "
+                            f"which no stage hands on")
+        return e
+
+    def stage_of(e: ir.Expr) -> int:
+        return max((levels[s] for s in states_in(inline_lets(e, lets))), default=0)
+
+    # the stages' steps, the last stage first: a stage's reads of earlier states ask those stages for values
+    steps_of: dict[int, list] = {}
+    for k in reversed(range(count)):
+        steps, needed = [], set()
+        for step in program.steps:
+            if isinstance(step, ir.Update) and levels[step.state] == k:
+                steps.append(dataclasses.replace(step, value=localize(step.value, k)))
+            elif isinstance(step, ir.Output) and stage_of(step.value) == k:
+                steps.append(ir.Output(step.name, localize(step.value, k)))
+            elif isinstance(step, ir.Let):
+                steps.append(step)  # (kept below if this stage's steps use it)
+        # the values this stage hands on, read where the program reads them: S_(t−1) before S's update,
+        # S_t after it
+        for h in requests[k]:
+            value = localize(h.value, k)
+            if states_in(value) - {h.state}:
+                raise _NoStages(f"the value `{to_text(value)}` a later stage takes reads states of its own stage "
+                                f"besides '{h.state}'")
+            at = next(i for i, s in enumerate(steps) if isinstance(s, ir.Update) and s.state == h.state)
+            steps.insert(at if h.version == "prev" else at + 1, ir.Output(h.name, value))
+        for s in steps:
+            if not isinstance(s, ir.Let):
+                needed |= _lets_used(s.value, lets)
+        steps_of[k] = [dataclasses.replace(s, value=localize(s.value, k)) if isinstance(s, ir.Let) else s
+                       for s in steps if not isinstance(s, ir.Let) or s.name in needed]
+
+    stages = []
+    for k in range(count):
+        names = tuple(s.name for s in program.states if levels[s.name] == k)
+        steps = tuple(steps_of[k])
+        takes = tuple(dict.fromkeys(n for s in steps for n in refs(s.value, ir.InputRef)
+                                    if any(h.name == n for h in handed.values())))
+        sub = _program(program, k, names, steps, {h.name: h for h in handed.values()})
+        stages.append(Stage(k + 1, names, sub, decompose(sub), takes, tuple(requests[k]),
+                            tuple(s.name for s in steps if isinstance(s, ir.Output)
+                                  and s.name in {o.name for o in program.outputs})))
+    return stages
+
+
+def _in_readouts(e: ir.Expr, state: str) -> bool:
+    """Every read of matrix state `state` in `e` is q·S with a vector q."""
+    reads = sum(isinstance(n, ir.StateRef) and n.name == state for n in walk(e))
+    return reads == sum(isinstance(n, ir.Dot) and isinstance(n.right, ir.StateRef) and n.right.name == state
+                        and len(n.left.shape) == 1 for n in walk(e))
+
+
+def _lets_used(e: ir.Expr, lets: dict[str, ir.Expr]) -> set[str]:
+    used, todo = set(), refs(e, ir.LetRef)
+    while todo:
+        name = todo.pop()
+        if name not in used:
+            used.add(name)
+            todo.extend(refs(lets[name], ir.LetRef))
+    return used
+
+
+def _program(program: ir.Program, k: int, states: tuple[str, ...], steps: tuple, handed: dict[str, Handed]) \
+        -> ir.Program:
+    """Stage k's program: its states and steps, the inputs and params they use (with the params their
+    defaults use), and the values earlier stages hand it as inputs."""
+    used_inputs, used_params = set(), set()
+    for s in steps:
+        used_inputs |= set(refs(s.value, ir.InputRef))
+        used_params |= set(refs(s.value, ir.ParamRef))
+    params = {p.name: p for p in program.params}
+    todo = list(used_params)
+    while todo:
+        p = params[todo.pop()]
+        if p.default is not None:
+            for q in refs(p.default, ir.ParamRef):
+                if q not in used_params:
+                    used_params.add(q)
+                    todo.append(q)
+    inputs = [x for x in program.inputs if x.name in used_inputs]
+    inputs += [ir.Input(name, _shape_of(program, h)) for name, h in handed.items() if name in used_inputs]
+    return ir.Program(f"{program.name}_stage{k + 1}", program.causal, program.dims, tuple(inputs),
+                      tuple(p for p in program.params if p.name in used_params),
+                      tuple(s for s in program.states if s.name in states), steps)
+
+
+def _shape_of(program: ir.Program, h: Handed) -> ir.Shape:
+    state = program.state(h.state)
+    return state.shape if h.query is None else state.shape[1:]
