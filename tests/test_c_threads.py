@@ -153,13 +153,13 @@ SPLIT_DIMS = {"dk": 7, "dv": 128}  # dk: an odd row count (the passes' last row)
 
 @pytest.mark.parametrize("name", ["gla", "gated_deltanet", "mamba2", "linear_transformer"])
 def test_value_split_identical_to_the_whole_head(linrec, monkeypatch, name):
+    """One thread on whole heads, two threads on the two parts of the value axis, and the split kernel on
+    one thread (its parts one after the other, each a whole segment: a part that wrote its final states
+    before the next part read the initial ones would show here)."""
     from linrec.c import build as c_build
-    from linrec.c import fused as c_fused
     from linrec.c import kernel_source
     rec = linrec.load(ROOT / "examples" / f"{name}.lin")
-    monkeypatch.setattr(kernel_source, "THREAD_WORK", 1)  # tiny work still pays for two threads …
-    monkeypatch.setattr(c_fused, "SEGMENT_WORK", 1)  # … and the items change threads at every block
-    monkeypatch.setattr(c_fused, "SPLIT_ALWAYS", True)
+    monkeypatch.setattr(kernel_source, "THREAD_WORK", 1)  # tiny work still pays for two threads
     inputs = rec.random_inputs(batch=1, tokens=97, heads=1, dims=SPLIT_DIMS, seed=7)
     state0 = random_state(rec, 1, 1, SPLIT_DIMS, np.float64, 7)
     module = rec.module("recurrent", "c")
@@ -169,9 +169,14 @@ def test_value_split_identical_to_the_whole_head(linrec, monkeypatch, name):
     for threads in (1, 2):
         with c_build.threads(threads):
             runs[threads] = rec.run(inputs, form="recurrent", backend="c", initial_state=state0, dims=SPLIT_DIMS)
+    monkeypatch.setattr(module, "value_parts", lambda *args, **kwargs: 2)
+    with c_build.threads(1):
+        runs["split on one thread"] = rec.run(inputs, form="recurrent", backend="c", initial_state=state0,
+                                              dims=SPLIT_DIMS)
     assert "#define LR_PARTS 2" in module.kernel(np.float64, SPLIT_DIMS, parts=2).source
-    _assert_identical(runs[1].outputs, runs[2].outputs, "outputs")
-    _assert_identical(runs[1].final_state, runs[2].final_state, "final state")
+    for split in (2, "split on one thread"):
+        _assert_identical(runs[1].outputs, runs[split].outputs, ("outputs", split))
+        _assert_identical(runs[1].final_state, runs[split].final_state, ("final state", split))
     ref = rec.run(inputs, form="recurrent", backend="numpy", initial_state=state0, dims=SPLIT_DIMS)
     for k in ref.outputs:
         assert rel_err(runs[2].outputs[k], ref.outputs[k]) <= F64_RTOL, k
