@@ -71,8 +71,9 @@ class Kernel:
         self.target = Target(CTYPES[self.dtype], c_build.vector_bytes())
         self._compiled = compiled
         # a cached kernel is found from the program and sizes alone: no rendering, no compiler run
+        split = f" parts={parts}" if parts > 1 else ""  # (the unsplit kernels keep the alias they had)
         alias = c_build.alias_key("recurrent", compiled.source, repr(sorted(self.dims.items())),
-                                  repr(self.target), repr(kernel_tunables()) + (f" parts={parts}" if parts > 1 else ""))
+                                  repr(self.target), repr(kernel_tunables()) + split)
         self.module = c_build.load_alias(alias)
         if self.module is None:
             gen = recurrent_source(compiled, self.dims, self.target, parts)

@@ -43,8 +43,9 @@ POOL_PART_WORK = 1 << 17
 
 def token_work(compiled: Compiled, dims: dict[str, int]) -> int:
     """Multiply-adds of one token of one (batch row, head), as the kernels' thread rules count them: per
-    value of the states, the update and each readout (and two for the update)."""
-    return sum(prod(dims[d] for d in s.shape) for s in compiled.program.states) * (2 + len(compiled.decomposition.readouts))
+    value of the states, two for the update and one per readout."""
+    values = sum(prod(dims[d] for d in s.shape) for s in compiled.program.states)
+    return values * (2 + len(compiled.decomposition.readouts))
 
 
 class FusedKernel(KernelSource):
