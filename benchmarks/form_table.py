@@ -25,6 +25,9 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
+import linrec
+from linrec import form_choice  # (its structure() keys the table)
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TABLE = ROOT / "backends" / "form_table.json"
@@ -52,9 +55,6 @@ def run(examples: list[str], tag: str, passed: list[str]) -> int:
 
 def table(paths: list[str]) -> dict:
     """The table from bench reports (linrec bench --shapes model --json)."""
-    import linrec  # (the package whose structure function keys the table)
-    from linrec import form_choice
-
     best: dict[tuple, float] = {}      # (structure, program, dk, dv, H, B, T, form) → lowest median ms
     dtypes, threads, loads, runs = set(), set(), [], []
     for path in paths:
