@@ -103,7 +103,12 @@ def table(paths: list[str]) -> dict:
 
 
 def write(paths: list[str], out: Path) -> None:
-    out.write_text(json.dumps(table(paths), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    """The table as JSON, a row a line (a regenerated table then diffs row by row)."""
+    t = table(paths)
+    rows = t.pop("rows")
+    head = json.dumps(t, indent=1, ensure_ascii=False)[:-2]
+    body = ",\n".join("  " + json.dumps(r, ensure_ascii=False) for r in rows)
+    out.write_text(f'{head},\n "rows": [\n{body}\n ]\n}}\n', encoding="utf-8")
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}", file=sys.stderr)
 
 
