@@ -1,5 +1,12 @@
 """`form="auto"`: which form runs a call, and why.
 
+At the shapes of the model grid (`linrec bench --shapes model`: the (dk, dv), H, B and T models use) the C
+backend's choice is a measurement: form_table.json, written by benchmarks/form_table.py from the grid's
+timings, holds per update structure (the kind of each state's transition, its corrections and writes, the
+readouts — what sets the forms' costs, never a program's name) and per shape the median time of each form,
+and `auto` takes the fastest (float32 calls; the table says which machine and thread count). Off the grid —
+another shape, dtype or structure — the rules below decide.
+
 Compiled recurrences run the recurrent form: it does the least arithmetic (4·dk·dv flops per token and
 head for GLA, 6·dk·dv for the delta rules; the chunkwise and parallel forms add T·C or T² terms) and the C
 kernel keeps the state in registers and L1 with no per-token overhead (`linrec bench` measures this).
@@ -14,7 +21,10 @@ per-token costs (both forms are linear in T) are remembered for the rest of the 
 """
 from __future__ import annotations
 
+import json
 import time
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
@@ -30,6 +40,57 @@ CALIBRATION_TOKENS = 128
 SHORT = 16
 
 _measured: dict[tuple, dict[str, float]] = {}
+
+# the grid's measured times (benchmarks/form_table.py writes it; docs/benchmarks.md says how)
+FORM_TABLE = Path(__file__).resolve().parent / "form_table.json"
+
+
+def structure(compiled) -> str:
+    """What sets the forms' relative costs, read off the decomposition: per state its rank and the kind of its
+    transition (compiler.transitions: the decay, the corrections), its corrections and writes; the readouts.
+    Programs with the same structure share a row of the table."""
+    d = compiled.decomposition
+    states = {s.name: s for s in compiled.program.states}
+    parts = [f"{'matrix' if len(states[t.state].shape) == 2 else 'vector'} state: {t.kind}, "
+             f"{len(t.corrections)} correction(s), {len(t.writes)} write(s)" for t in d.transitions]
+    return "; ".join(parts + [f"{len(d.readouts)} readout(s)"])
+
+
+def grid_sizes(compiled, sizes: dict[str, int]) -> tuple[int, int] | None:
+    """(dk, dv) of the grid for these sizes: the rows and columns of the first matrix state (None: no matrix
+    state, no row of the grid)."""
+    matrix = next((s for s in compiled.program.states if len(s.shape) == 2), None)
+    return None if matrix is None else (sizes[matrix.shape[0]], sizes[matrix.shape[1]])
+
+
+@lru_cache(maxsize=None)
+def _table(path: Path) -> dict:
+    """The table as {(backend, dtype, structure, dk, dv, H, B, T): {form: ms}}, with its header."""
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    rows = {}
+    for r in raw["rows"]:
+        key = (raw["backend"], raw["dtype"], r["structure"], r["dk"], r["dv"], r["H"], r["B"], r["T"])
+        rows[key] = r["ms"]
+    return {"header": {k: v for k, v in raw.items() if k != "rows"}, "rows": rows}
+
+
+def measured_choice(rec, backend: str, tokens: int, heads: int, batch: int, sizes: dict[str, int], dtype,
+                    built: list[str], path: Path | None = None) -> tuple[str, str] | None:
+    """(form, reason) from the table of measured times at this grid shape, or None off the grid (another
+    shape, dtype, backend or structure, or fewer than two of the forms built measured there)."""
+    path = FORM_TABLE if path is None else path
+    dk_dv = grid_sizes(rec.compiled, sizes)
+    if dk_dv is None or not path.exists():
+        return None
+    table = _table(path)
+    key = (backend, np.dtype(dtype).name, structure(rec.compiled), *dk_dv, heads, batch, tokens)
+    times = {f: ms for f, ms in table["rows"].get(key, {}).items() if f in built}
+    if len(times) < 2:
+        return None
+    best = min(times, key=times.get)
+    told = ", ".join(f"{f} {ms:.1f} ms" for f, ms in sorted(times.items(), key=lambda fm: fm[1]))
+    return best, (f"fastest measured at this shape of the model grid ({told}; {table['header']['measured_on']}, "
+                  f"{path.name})")
 
 
 def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
@@ -49,6 +110,10 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
         if sequence.kind == "lsh":
             return "chunkwise", "the bucketed form: O(T log T) instead of the dense reference's O(T²)"
         return "chunkwise", "blocked online softmax: linear memory, keys read once per query block"
+    sizes = {d.name: d.default for d in rec.program.dims} | dict(dims or {})
+    measured = measured_choice(rec, backend, tokens, heads, batch, sizes, dtype, built)
+    if measured is not None:
+        return measured
     if "recurrent" in built and registry.backend(backend).recurrent_kernel(rec.compiled) == FUSED:
         return "recurrent", "compiled recurrent kernel: least arithmetic, state kept in registers and L1"
     if "recurrent" not in built:  # (then the backend builds the parallel and chunkwise forms: C's scans)
@@ -56,7 +121,6 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
                             f"form's work grows with T, the parallel form's with T²"
     if "chunkwise" not in built or tokens <= SHORT:
         return "recurrent", f"T ≤ {SHORT} (or no chunkwise form): a few steps, nothing to amortize"
-    sizes = {d.name: d.default for d in rec.program.dims} | dict(dims or {})
     costs = per_token_cost(rec, backend, heads, batch, sizes, dtype)
     best = min(costs, key=costs.get)
     told = ", ".join(f"{f} {c:.0f} µs/token" for f, c in sorted(costs.items(), key=lambda fc: fc[1]))

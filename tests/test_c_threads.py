@@ -9,8 +9,13 @@ by default); these tests set it to 1 multiply-add so that their tiny sizes run o
 check that the default runs them too (on one thread). Each result is also checked against the float64 NumPy
 recurrent form (1e-10, as in test_c_backend).
 
-Not here: a split of the value axis across threads (when B·H is below the thread count) — the kernels do not
-have one (docs/benchmarks.md, "Threads").
+When B·H is below the thread count, the fused kernel splits the value axis (c.value_split): a work item is a
+(batch row, head, block of value columns), and since no sum of the kernel runs over the value axis, the split
+gives the unsplit kernel's numbers bit for bit — checked here at B = H = 1, dv = 128 (float64: two parts of
+eight registers), one thread unsplit against two threads split, for a diagonal decay (GLA), a scalar decay
+with a delta-rule correction (gated DeltaNet), a scalar decay with a value-side input in the output
+(Mamba-2) and a vector state every part holds whole (the linear transformer's normalizer). The decode step
+does not split (a step of one head is microseconds: not worth a second thread).
 """
 from __future__ import annotations
 
@@ -140,3 +145,85 @@ def test_openmp_threads_sleep_unless_the_environment_says(linrec, given):
         assert policy == "as the environment sets it: OMP_WAIT_POLICY=active" and variable == "active"
     else:
         assert policy.startswith("passive (set by linrec") and variable == "None"
+
+
+# ---- the value axis split across threads (c.value_split) ------------------------------------------------
+SPLIT_DIMS = {"dk": 7, "dv": 128}  # dk: an odd row count (the passes' last row); dv: two parts of whole registers
+
+
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "mamba2", "linear_transformer"])
+def test_value_split_identical_to_the_whole_head(linrec, monkeypatch, name):
+    """One thread on whole heads, two threads on the two parts of the value axis, and the split kernel on
+    one thread (its parts one after the other, each a whole segment: a part that wrote its final states
+    before the next part read the initial ones would show here)."""
+    from linrec.c import build as c_build
+    from linrec.c import kernel_source
+    rec = linrec.load(ROOT / "examples" / f"{name}.lin")
+    monkeypatch.setattr(kernel_source, "THREAD_WORK", 1)  # tiny work still pays for two threads
+    inputs = rec.random_inputs(batch=1, tokens=97, heads=1, dims=SPLIT_DIMS, seed=7)
+    state0 = random_state(rec, 1, 1, SPLIT_DIMS, np.float64, 7)
+    module = rec.module("recurrent", "c")
+    assert module.value_parts(np.float64, SPLIT_DIMS, heads=1, tokens=97, threads=1) == 1
+    assert module.value_parts(np.float64, SPLIT_DIMS, heads=1, tokens=97, threads=2) == 2
+    runs = {}
+    for threads in (1, 2):
+        with c_build.threads(threads):
+            runs[threads] = rec.run(inputs, form="recurrent", backend="c", initial_state=state0, dims=SPLIT_DIMS)
+    monkeypatch.setattr(module, "value_parts", lambda *args, **kwargs: 2)
+    with c_build.threads(1):
+        runs["split on one thread"] = rec.run(inputs, form="recurrent", backend="c", initial_state=state0,
+                                              dims=SPLIT_DIMS)
+    assert "#define LR_PARTS 2" in module.kernel(np.float64, SPLIT_DIMS, parts=2).source
+    for split in (2, "split on one thread"):
+        _assert_identical(runs[1].outputs, runs[split].outputs, ("outputs", split))
+        _assert_identical(runs[1].final_state, runs[split].final_state, ("final state", split))
+    ref = rec.run(inputs, form="recurrent", backend="numpy", initial_state=state0, dims=SPLIT_DIMS)
+    for k in ref.outputs:
+        assert rel_err(runs[2].outputs[k], ref.outputs[k]) <= F64_RTOL, k
+    for k in ref.final_state:
+        assert rel_err(runs[2].final_state[k], ref.final_state[k]) <= F64_RTOL, k
+    assert set(state0) == set(ref.final_state)
+    for k, v in state0.items():  # the caller's initial states are not written
+        assert np.array_equal(v, random_state(rec, 1, 1, SPLIT_DIMS, np.float64, 7)[k]), k
+
+
+def test_value_split_only_where_the_columns_are_independent(linrec):
+    """The split is derived from the structure: a norm over the value axis (RetNet's group norm), a size of
+    it, a parameter along it, an output without it, stabilized feature maps refuse it; the update kinds that
+    keep the columns apart (decays of the rows, key-side corrections, writes) allow it."""
+    from linrec.c import value_split
+    allowed = {"gla", "gated_deltanet", "mamba2", "linear_transformer", "deltanet", "gdn2", "comba"}
+    for name in allowed:
+        assert value_split.value_axis(linrec.load(ROOT / "examples" / f"{name}.lin").compiled) == "dv", name
+    refused = {
+        "retnet": "mixes the columns",
+        "performer": "stabilized",
+    }
+    for name, why in refused.items():
+        compiled = linrec.load(ROOT / "examples" / f"{name}.lin").compiled
+        assert value_split.value_axis(compiled) is None and why in value_split.split_refusal(compiled), name
+    head = "recurrence r(dk = 4, dv = 8)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\nS = S + k⊗v\n"
+    programs = {
+        "output o = dv^(-1/2)·q·S": "mixes the columns",
+        "output o = sum(q·S)": "has no value axis",
+        "param w[dv] per head = randn(seed=0)\noutput o = w*(q·S)": "parameter 'w'",
+        "output o = l2norm(q·S)": "mixes the columns",
+        "output o = silu(q·S)*v": None,
+    }
+    for tail, why in programs.items():
+        compiled = linrec.compile(head + tail, "r.lin").compiled
+        refusal = value_split.split_refusal(compiled)
+        assert (refusal is None) if why is None else (why in refusal), (tail, refusal)
+
+
+def test_value_parts_follow_the_work_rule():
+    """Parts only when the threads the work pays for (one per THREAD_WORK) outnumber the heads; equal parts
+    of whole registers, none when there are no such parts."""
+    from linrec.c.value_split import value_parts
+    assert value_parts(128, 16, heads=1, threads=2, work=10 << 21, thread_work=1 << 21) == 2
+    assert value_parts(128, 16, heads=1, threads=2, work=1 << 21, thread_work=1 << 21) == 1  # one thread's work
+    assert value_parts(128, 16, heads=2, threads=2, work=10 << 21, thread_work=1 << 21) == 1  # a head per thread
+    assert value_parts(128, 16, heads=1, threads=3, work=10 << 21, thread_work=1 << 21) == 4  # 3 ∤ 8 registers
+    assert value_parts(256, 16, heads=3, threads=8, work=10 << 23, thread_work=1 << 21) == 4
+    assert value_parts(16, 16, heads=1, threads=2, work=10 << 21, thread_work=1 << 21) == 1  # one register
+    assert value_parts(24, 8, heads=1, threads=2, work=10 << 21, thread_work=1 << 21) == 3

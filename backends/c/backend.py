@@ -33,6 +33,7 @@ from . import attention as c_attention
 from . import build as c_build
 from . import scan as c_scan
 from . import support
+from . import value_split
 from .buffers import C_INT_MAX, RecycledArrays, aligned_copy, aligned_zeros, checked, require_c_int_sizes
 from .build import CTYPES
 from . import fused as c_fused
@@ -46,12 +47,13 @@ from .step import Stepper
 
 
 def recurrent_source(compiled: Compiled, dims: dict[str, int], target: Target,
-                     state_is_bf16: bool = False) -> KernelSource:
+                     state_is_bf16: bool = False, parts: int = 1) -> KernelSource:
     """The generator of the recurrent form's kernel: the fused one where it takes the program, else the
     statements one by one (c_statements). state_is_bf16: the fused kernel whose decode steps keep the states
-    in bfloat16 (capabilities.bfloat16_steps)."""
+    in bfloat16 (capabilities.bfloat16_steps); parts > 1: the fused one over that many parts of the value
+    axis (value_split.py)."""
     if support.fused_refusal(compiled) is None:
-        return FusedKernel(compiled, dims, target, state_is_bf16)
+        return FusedKernel(compiled, dims, target, state_is_bf16, parts)
     if state_is_bf16:
         raise LinrecError(f"'{compiled.name}' runs statement by statement on C: its step has no bfloat16 state")
     return StatementKernel(compiled, dims, target)
@@ -66,19 +68,22 @@ def kernel_tunables() -> tuple:
 class Kernel:
     """One built extension: lr_forward (and lr_step) for one dtype and one assignment of sizes."""
 
-    def __init__(self, compiled: Compiled, dims: dict[str, int], dtype: np.dtype, state_is_bf16: bool = False):
+    def __init__(self, compiled: Compiled, dims: dict[str, int], dtype: np.dtype, state_is_bf16: bool = False,
+                 parts: int = 1):
         self.dtype = np.dtype(dtype)
-        self.dims = dict(dims)
+        self.dims = dict(dims)  # the caller's sizes (a kernel over parts of the value axis: still the whole axis)
+        self.parts = parts
         self.target = Target(CTYPES[self.dtype], c_build.vector_bytes())
         self.state_is_bf16 = state_is_bf16
         self._compiled = compiled
         # a cached kernel is found from the program and sizes alone: no rendering, no compiler run
+        split = f" parts={parts}" if parts > 1 else ""  # (the unsplit kernels keep the alias they had)
         alias = c_build.alias_key("recurrent", compiled.source, repr(sorted(self.dims.items())),
-                                  repr(self.target), repr(kernel_tunables()),
+                                  repr(self.target), repr(kernel_tunables()) + split,
                                   *(["bfloat16 state"] if state_is_bf16 else []))
         self.module = c_build.load_alias(alias)
         if self.module is None:
-            gen = recurrent_source(compiled, self.dims, self.target, state_is_bf16)
+            gen = recurrent_source(compiled, self.dims, self.target, state_is_bf16, parts)
             label = f"{compiled.name}_{self.target.ctype}" + ("_bf16" if state_is_bf16 else "")
             self.module = c_build.build(gen.source(), gen.cdef(), label, alias)
         self.ffi, self.lib = self.module.ffi, self.module.lib
@@ -87,7 +92,7 @@ class Kernel:
 
     @property
     def source(self) -> str:
-        return recurrent_source(self._compiled, self.dims, self.target, self.state_is_bf16).source()
+        return recurrent_source(self._compiled, self.dims, self.target, self.state_is_bf16, self.parts).source()
 
 
 class CRecurrent:
@@ -112,22 +117,33 @@ class CRecurrent:
         self._outputs = RecycledArrays(keep=2 * len(self.program.outputs))  # this call's and the last one's
         # stabilized states' log-scales ("S.log_scale", [B, H]): the kernels' arguments after the states
         self.scales = [(gr["key"], gr["states"]) for gr in Scales(compiled).groups]
+        self._value_axis = value_split.value_axis(compiled)  # None: each head runs whole on one thread
 
-    def kernel(self, dtype, dims: dict[str, int], state_is_bf16: bool = False) -> Kernel:
+    def kernel(self, dtype, dims: dict[str, int], state_is_bf16: bool = False, parts: int = 1) -> Kernel:
         """The built kernel for one dtype and sizes; state_is_bf16: the one whose decode steps keep the states
-        in bfloat16 (float32 only)."""
+        in bfloat16 (float32 only); parts > 1: over that many parts of the value axis."""
         dtype = np.dtype(dtype)
         if dtype not in CTYPES:
             raise RuntimeInputError(f"the C backend runs float32 or float64 arrays, not {dtype}")
         used = {d.name: int(dims[d.name]) for d in self.program.dims}
-        key = (dtype.str, tuple(sorted(used.items())), c_build.target_key(), kernel_tunables(), state_is_bf16)
+        key = (dtype.str, tuple(sorted(used.items())), c_build.target_key(), kernel_tunables(), state_is_bf16, parts)
         k = self._kernels.get(key)
         if k is None:
             with self._lock:
                 k = self._kernels.get(key)
                 if k is None:
-                    k = self._kernels[key] = Kernel(self.compiled, used, dtype, state_is_bf16)
+                    k = self._kernels[key] = Kernel(self.compiled, used, dtype, state_is_bf16, parts)
         return k
+
+    def value_parts(self, dtype, dims: dict[str, int], heads: int, tokens: int, threads: int) -> int:
+        """Parts of the value axis a prefill of `heads` (batch row, head) pairs should run in (1: none): when
+        the threads its work pays for outnumber the heads and the program allows it (value_split.py)."""
+        if self._value_axis is None or threads <= heads:
+            return 1
+        size = int(dims[self._value_axis])
+        lanes = Target(CTYPES[np.dtype(dtype)], c_build.vector_bytes()).lanes
+        work = tokens * heads * c_fused.token_work(self.compiled, dims)
+        return value_split.value_parts(size, lanes, heads, threads, work, kernel_source.THREAD_WORK)
 
     def source(self, dtype=np.float32, dims: dict[str, int] | None = None) -> str:
         return emit_recurrent(self.compiled, dtype, dims)
@@ -209,6 +225,9 @@ class CRecurrent:
             else:
                 outputs[o.name] = given
         threads = c_build.num_threads() if num_threads is None else int(num_threads)
+        parts = self.value_parts(dtype, k.dims, batch * heads, tokens, threads) if stops is None else 1
+        if parts > 1:  # fewer heads than threads: (head, part of the value axis) as the unit of work
+            k = self.kernel(dtype, dims, parts=parts)
         fb, ptr = k.ffi.from_buffer, k.ptr
         cargs = [fb(ptr, a) for a in args] + [fb(ptr, outputs[o.name]) for o in p.outputs]
         snapshots = {}

@@ -155,8 +155,9 @@ class _BlockRegionPlanner:
             head=tuple(head + self.output_printer.take_head()),
             notes_rows=bool(tiled), ticks=any(p.pace.ticks for p in tiled),
             lane_checks=any(not c.scalar for c in checks), scales=tuple(self.groups if self.updates else ()),
-            next_rows=tuple(f"pf_row[pf_count++] = {x.c} + ahead * {x.size};" if tiled else
-                            f"lr_prefetch_rows({x.c} + ahead * {x.size}, {x.size});" for x in inputs),
+            next_rows=tuple(f"pf_row[pf_count++] = {k.row_start(x.c, xi.shape, 'ahead')};" if tiled else
+                            f"lr_prefetch_rows({k.row_start(x.c, xi.shape, 'ahead')}, {x.size});"
+                            for x, xi in zip(inputs, k.program.inputs)),
             input_rows=self._rows(k.rows_mentioned(decay_values, self.values, lazies) | {c.row for c in checks}),
             range_checks=tuple(checks), decay_values=tuple(decay_values), lazy_decays=tuple(lazies),
             values=tuple(self.values), passes=tuple(passes),
@@ -231,7 +232,7 @@ class _BlockRegionPlanner:
                 cols = k.padded(k.dims[st.shape[1]]) if len(st.shape) == 2 else 0
                 if len(st.shape) == 2 and not terms.corrections and cols == k.size(e.shape) \
                         and any(rd.index == e.index for rd in terms.readouts):
-                    streamed[e.index] = f"({k.cout(name)} + ((b * ntok + t0 + u) * H + h) * {cols})"
+                    streamed[e.index] = f"({k.row_start(k.cout(name), e.shape, '((b * ntok + t0 + u) * H + h)')})"
         return streamed
 
     def _state(self, st: ir.State, terms: StateTerms, lazy: _LazyFactors | None, streamed: dict[int, str]):
@@ -329,7 +330,7 @@ class _BlockRegionPlanner:
         """A C pointer to token u's copy of a vector input or parameter (no copy needed), else None."""
         k = self.k
         if isinstance(e, ir.InputRef):
-            return f"({k.cin(e.name)} + ((b * ntok + t0 + u) * H + h) * {k.size(e.shape)})"
+            return f"({k.row_start(k.cin(e.name), e.shape, '((b * ntok + t0 + u) * H + h)')})"
         if isinstance(e, ir.ParamRef) and e.shape:
             return k.ref(e)
         return None
@@ -411,7 +412,7 @@ class _BlockRegionPlanner:
             body = po.fill(e, k.row(target)) if e.shape else [f"{target}[tok] = {po.scalar(e)};"]
             lines += po.take_token() + body
             if e.shape:
-                rows.append(OutputRow(target, k.row(target), k.size(e.shape)))
+                rows.append(OutputRow(target, k.row(target), k.size(e.shape), k.row_start(target, e.shape, "tok")))
         return lines, rows
 
 

@@ -14,6 +14,8 @@ the plan, records of fused_plan.py all:
     passes.py         tile shapes, register budgets and the unrolled statements of the passes over a state"""
 from __future__ import annotations
 
+from math import prod
+
 from ..compiler import Compiled, ir
 from ..dsl.errors import LinrecError
 from ..version import VERSION
@@ -26,6 +28,7 @@ from .printer import UnprintableError, read_only_through_readouts
 from .stabilize import Scales
 from .step_region import step_region
 from .support import fused_refusal
+from .value_split import split_refusal, value_axis
 
 # The per-token values of a block of tokens (the sequence kernel's unit of work) should fit in L1 beside
 # the state: the block holds as many tokens (8…64) as fit in this many bytes.
@@ -38,6 +41,13 @@ SPLIT_ALWAYS = False  # tests set it: every segment end splits a group of heads 
 POOL_PART_WORK = 1 << 17
 
 
+def token_work(compiled: Compiled, dims: dict[str, int]) -> int:
+    """Multiply-adds of one token of one (batch row, head), as the kernels' thread rules count them: per
+    value of the states, two for the update and one per readout."""
+    values = sum(prod(dims[d] for d in s.shape) for s in compiled.program.states)
+    return values * (2 + len(compiled.decomposition.readouts))
+
+
 class FusedKernel(KernelSource):
     """The fused kernels' source for one (dtype, sizes): context() is the template's."""
 
@@ -45,12 +55,25 @@ class FusedKernel(KernelSource):
     writes_snapshots = True
     steps_slots = True
 
-    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target, state_is_bf16: bool = False):
+    def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target, state_is_bf16: bool = False,
+                 parts: int = 1):
+        """state_is_bf16: the decode steps keep the states in bfloat16; parts > 1: a kernel whose unit of work
+        is a (batch row, head, part of the value axis), `dims` the caller's sizes (the value axis whole);
+        value_split.py says which programs allow it."""
         refusal = fused_refusal(compiled)  # (what this kernel takes is support.py's to say)
         if refusal:
             raise LinrecError(refusal)
         if state_is_bf16 and target.ctype != "float":
             raise LinrecError("a bfloat16 state is accumulated in float32: the kernel's type must be float")
+        if parts > 1:
+            refusal = split_refusal(compiled)
+            if refusal:
+                raise LinrecError(f"the value axis of '{compiled.name}' cannot be split: {refusal}")
+            axis = value_axis(compiled)
+            if dims[axis] % parts or (dims[axis] // parts) % target.lanes:
+                raise LinrecError(f"{axis} = {dims[axis]} is no {parts} parts of whole {target.lanes}-lane registers")
+            dims = dims | {axis: dims[axis] // parts}
+            self.value_dim, self.value_parts = axis, parts
         super().__init__(compiled, dims, target)
         self.state_is_bf16 = state_is_bf16  # the decode steps' states are bfloat16 bits (lr_step_heads)
         self.scales = Scales(compiled)  # exponential feature maps: states carried as S·exp(−σ)
@@ -77,12 +100,12 @@ class FusedKernel(KernelSource):
         else:  # non-causal: every output reads the final state, so run the updates first
             forward_regions = [block_region(self, self.scales, groups, "", updates=True, readouts=False),
                                block_region(self, self.scales, groups, "n", updates=False, readouts=True)]
-        step = step_region(self, self.scales, groups) if self.program.causal else None
+        step = step_region(self, self.scales, groups) if self.steps else None
         scale_rows = {name: n for r in forward_regions for name, n in r.scale_rows.items()}
         block_tokens, block_arrays, block_floats = self._block_buffer(forward_regions)
         # a segment (what a thread runs of a head before it looks for another, see lr_claim): whole blocks,
         # enough multiply-adds (~2M, tens of µs) that claiming a head and moving its state cost little
-        work = sum(self.size(s.shape) for s in self.program.states) * (2 + len(self.decomposition.readouts))
+        work = token_work(self.compiled, self.dims)
         segment_tokens = block_tokens
         while segment_tokens * work < SEGMENT_WORK and segment_tokens < 8192:
             segment_tokens *= 2
@@ -96,6 +119,7 @@ class FusedKernel(KernelSource):
             forward_regions=forward_regions, step_region=step,
             block_tokens=block_tokens, block_arrays=block_arrays, block_floats=block_floats,
             segment_tokens=segment_tokens, split_always=SPLIT_ALWAYS, pool_part_work=POOL_PART_WORK,
+            value_parts=self.value_parts,
             # the next block's rows noted in phase 1 and prefetched by the tiled passes (lr_prefetch_row)
             notes_rows=any(r.notes_rows for r in forward_regions),
             rows_alike=len({x.prefetch_lines for x in inputs}) == 1 and len({x.size for x in inputs}) == 1,
@@ -146,7 +170,8 @@ class FusedKernel(KernelSource):
         return StateBuffers(
             st.name, c, matrix, self.dims[st.shape[0]], cols, self.padded(cols) if matrix else 1,
             every_head=self.local("all", c), buffer=self.local("buf", c), every_scale=self.local("all", "sc", c),
-            scale=self.local("sc", c), scale_rows=scale_rows, scale_stride=-(-scale_rows // align) * align)
+            scale=self.local("sc", c), scale_rows=scale_rows, scale_stride=-(-scale_rows // align) * align,
+            parts=self.value_parts)
 
     def _scale_groups(self) -> list[ScaleGroup]:
         """Per group of stabilized states: its C names, and where its σ and M start (the test that states

@@ -32,6 +32,36 @@ class StateBuffers:
     scale: str            # sc_st_S
     scale_rows: int       # values of c per head: the rows (a decay per row), 1 (a scalar decay) or 0 (none)
     scale_stride: int     # … on whole cache lines (threads write them)
+    parts: int = 1        # a kernel over parts of the value axis: a caller's matrix row holds `parts` parts
+
+    @property
+    def shared(self) -> bool:
+        """Every part of the value axis holds this state whole (a vector state, when split): part 0 writes it."""
+        return self.parts > 1 and not self.matrix
+
+    @property
+    def caller_cols(self) -> int:
+        """The values of a row in the caller's arrays (every part's)."""
+        return self.cols * self.parts if self.matrix else self.cols
+
+    @property
+    def caller_size(self) -> int:
+        return self.rows * self.caller_cols
+
+    @property
+    def part_column(self) -> str:
+        """C for the first column of work item `part`'s part in a caller's row."""
+        return f"part * {self.cols}" if self.parts > 1 and self.matrix else "0"
+
+    def caller_row(self, item: str, i: str) -> str:
+        """C for where row i of work item `item`'s copy starts in the caller's array [B, H, *]: the item's head
+        is item / LR_PARTS, and a matrix row along the value axis holds every part, this one at its columns."""
+        if self.parts == 1:
+            return f"{self.c} + (size_t){item} * {self.size} + (size_t){i} * {self.cols}"
+        if not self.matrix:
+            return f"{self.c} + (size_t)({item} / LR_PARTS) * {self.size} + (size_t){i}"
+        return (f"{self.c} + (size_t)({item} / LR_PARTS) * {self.size * self.parts} + (size_t){i} * "
+                f"{self.cols * self.parts} + (size_t)({item} % LR_PARTS) * {self.cols}")
 
     @property
     def size(self) -> int:
@@ -420,6 +450,7 @@ class OutputRow:
     c: str
     row: str
     size: int
+    start: str    # C: where the row starts in the array (at token `tok`)
 
 
 @dataclass(frozen=True)

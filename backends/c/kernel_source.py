@@ -125,6 +125,10 @@ class KernelSource:
     writes_snapshots = False  # lr_forward_snapshots: the states after given token counts, written as it passes
     steps_slots = False       # lr_step_slots: the decode step over a pool of states, by slot
     state_is_bf16 = False     # the decode steps' states are bfloat16 bits (FusedKernel(…, state_is_bf16=True))
+    # a kernel over parts of the value axis (fused.py, value_split.py): `dims` holds a part's size of
+    # `value_dim`, and a row of the caller's arrays along it holds `value_parts` parts; 1: the whole axis
+    value_dim: str | None = None
+    value_parts = 1
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         self.compiled = compiled
@@ -165,6 +169,21 @@ class KernelSource:
 
     def size(self, shape) -> int:
         return prod(self.dims[d] for d in shape)
+
+    def row_start(self, c: str, shape, tok: str) -> str:
+        """C for where token `tok`'s row of array c (an input or output, values of `shape`) starts: c + tok·n
+        (`tok`: a name or a parenthesized expression).
+        In a kernel over parts of the value axis a caller's row along it holds every part, and this work
+        item's columns start at part·n (`part`: the item's part, a local of the kernel)."""
+        n = self.size(shape)
+        if self.value_parts > 1 and self.value_dim in shape:
+            return f"{c} + {tok} * {n * self.value_parts} + part * {n}"
+        return f"{c} + {tok} * {n}"
+
+    @property
+    def steps(self) -> bool:
+        """The file has the decode step (lr_step …): causal programs, over the whole value axis."""
+        return self.program.causal and self.value_parts == 1
 
     def padded(self, n: int) -> int:
         lanes = self.target.lanes
@@ -209,7 +228,8 @@ class KernelSource:
         for x in self.program.inputs:
             c, n = self.cin(x.name), self.size(x.shape)
             row = self.row(c)
-            declaration = f"const T *restrict {row} = {c} + tok * {n};" if x.shape else f"const T {row} = {c}[tok];"
+            declaration = f"const T *restrict {row} = {self.row_start(c, x.shape, 'tok')};" if x.shape else \
+                f"const T {row} = {c}[tok];"
             out.append(InputArray(c, row, n, not x.shape, declaration, self.outside(x), self.outside(x, lanes=True),
                                   self.prefetch_lines(x)))
         return out
@@ -219,7 +239,8 @@ class KernelSource:
         for o in self.program.outputs:
             c, n = self.cout(o.name), self.size(o.value.shape)
             row = self.row(c)
-            out.append(OutputArray(c, row, n, not o.value.shape, f"T *restrict {row} = {c} + tok * {n};"))
+            out.append(OutputArray(c, row, n, not o.value.shape,
+                                   f"T *restrict {row} = {self.row_start(c, o.value.shape, 'tok')};"))
         return out
 
     def rows_mentioned(self, *code) -> set[str]:
@@ -271,9 +292,9 @@ class KernelSource:
         call = f"typedef struct {{ void *arrays[{len(names) + 1}]; int64_t B, H; int nthreads; }} lr_step_call;"
         return dict(
             checks_inputs=any(self.outside(x) for x in self.program.inputs),  # (lr_inputs_outside is emitted)
-            forward_signature=fwd, step_signature=stp if self.program.causal else "",
+            forward_signature=fwd, step_signature=stp if self.steps else "",
             snapshots_signature=snapshots if self.writes_snapshots else "", forward_arguments=", ".join(names),
-            step_slots_signature=slots if self.steps_slots and self.program.causal else "",
+            step_slots_signature=slots if self.steps_slots and self.steps else "",
             step_packed_signature="int lr_step_packed(const lr_step_call *call)", step_call_struct=call,
             step_args=[Argument(n, a) for n, a in zip(names, step_args)])
 
