@@ -425,8 +425,9 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
 # params: sweeps over those expressions, for all tokens at once.
 @dataclass(frozen=True)
 class Quantity:
-    """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay", "S.key0",
-    "S.value0", "r1" — a readout's query) and the expression it is computed from."""
+    """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay", "S.u0" and
+    "S.w0" — a correction's vectors —, "S.key0", "S.value0", "r1" — a readout's query) and the expression it
+    is computed from."""
 
     label: str
     value: ir.Expr
@@ -492,6 +493,9 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
             quantities.append(sweep(value, seed, live, site, Quantity(label, value)))
     for t in d.transitions:
         quantity(f"{t.state}.log_decay", t.log_decay)
+        for r, (u, w) in enumerate(t.corrections):  # (the recurrent backward over the decomposition: C's)
+            quantity(f"{t.state}.u{r}", u)
+            quantity(f"{t.state}.w{r}", w)
         for j, (key, value) in enumerate(t.writes):
             quantity(f"{t.state}.key{j}", key)
             quantity(f"{t.state}.value{j}", value)

@@ -19,9 +19,11 @@ from .derived import canonical_text, per_token
 DEFAULT_CHUNK = 64
 
 
-class _DecomposedEmitter(BackwardEmitter):
+class DecomposedEmitter(BackwardEmitter):
     """The parallel or chunkwise backward's module: the recurrent one's names and statements, with the
     readouts' adjoints, each state's scans and the seeds of its per-token arrays' adjoints."""
+
+    scans = ADJOINT_SCANS  # the functions state_forward and state_backward call
 
     def __init__(self, compiled: Compiled, form: str):
         super().__init__(compiled)
@@ -58,10 +60,8 @@ class _DecomposedEmitter(BackwardEmitter):
         prelude = self.printer(None)
         body = em.prologue()
         body += em.hoisted_lets(prelude, "values that do not depend on a state, for all tokens at once")
-        chunk = "max(tokens, 1)" if self.form == "parallel" else f"chunk_size or {DEFAULT_CHUNK}"
-        body += ["", f"{self.chunk} = {chunk}  # tokens per chunk" + ("  (parallel: one chunk)" if self.form == "parallel"
-                                                               else "")]
-        self.helpers |= {"per_token"} | ADJOINT_SCANS
+        body += ["", f"{self.chunk} = {self.chunk_code()}"]
+        self.helpers |= {"per_token"} | self.scans
         for st in p.states:
             body += self.state_forward(st, prelude)
         body += ["", "# outputs from the readouts"]
@@ -84,6 +84,12 @@ class _DecomposedEmitter(BackwardEmitter):
         tail = self.tail(prelude)
         self.helpers |= prelude.helpers
         return body + tail
+
+    def chunk_code(self) -> str:
+        """The chunk's assignment: its value, and a comment."""
+        if self.form == "parallel":
+            return "max(tokens, 1)  # tokens per chunk  (parallel: one chunk)"
+        return f"chunk_size or {DEFAULT_CHUNK}  # tokens per chunk"
 
     def state_forward(self, st: ir.State, prelude) -> list[str]:
         """The state's per-token arrays, and its forward scan."""
@@ -159,4 +165,4 @@ class _DecomposedEmitter(BackwardEmitter):
 
 def emit_decomposed_backward(compiled: Compiled, form: str) -> str:
     """The parallel or chunkwise backward (see compiler.adjoint.why_no_decomposed_adjoint)."""
-    return _DecomposedEmitter(compiled, form).render()
+    return DecomposedEmitter(compiled, form).render()

@@ -1,0 +1,129 @@
+"""The recurrent backward on the C backend (docs/gradients.md): the gradient form "recurrent" of
+`Recurrence.vjp(..., backend="c")`.
+
+Its generated module is the NumPy parallel and chunkwise backward's (linrec.numpy.adjoint_derived) with the
+scans replaced: each state's per-token arrays of the decomposition — log-decay, rank-one corrections (u, w),
+writes (key, value), readout queries — go to C kernels (c.grad_kernels, templates/c_grad.c.j2) that run the
+forward token by token, keeping a checkpoint every `chunk_size` tokens (default √T), and then the adjoint
+recurrence in reverse, segment by segment, each segment's states recomputed from its checkpoint. The chain
+rule from the outputs to the readouts and from the per-token arrays to the inputs and params
+(compiler.adjoint.derive_decomposed) stays NumPy: O(T·d) work beside the kernels' O(T·dk·dv).
+
+    why_not(compiled)          None when the C backend builds the recurrent backward, else why not
+    emit(compiled)             the generated backward module's source
+    load(compiled)             the module: backward(inputs, params, initial_state, dims, grad_outputs, …)
+"""
+from __future__ import annotations
+
+from ..compiler import Compiled, ir
+from ..compiler.adjoint import why_no_gradient
+from ..dsl.errors import LinrecError
+from ..numpy import backend as numpy_backend
+from ..numpy.adjoint import MODULES
+from ..numpy.adjoint_derived import DecomposedEmitter
+from ..numpy.derived import per_token
+from . import grad_kernels
+
+SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
+
+
+def why_not(compiled: Compiled) -> str | None:
+    """Why the C backend does not build the recurrent backward of the program (a sentence about the program),
+    or None: it needs every state's update decomposed into a decay of its rows plus rank-one terms, read
+    through readouts q·S, in a causal program."""
+    reason = why_no_gradient(compiled, "recurrent")
+    if reason:
+        return reason
+    d = compiled.decomposition
+    if d.sequence is not None:
+        return "the program reads the sequence (attention): its C backward is not derived"
+    if not compiled.program.causal:
+        return "the program is not causal (its outputs read the final states): its C backward is not derived"
+    why = d.why_not("chunkwise")
+    if why:
+        return f"the C backward runs the decomposition of the updates, and there is none: {why}"
+    for t in d.transitions:
+        if t.value_decay is not None:
+            return f"'{t.state}' decays its value axis (`{t.state}·diag(…)`): the C backward does not take it"
+        if t.elementwise:
+            return f"'{t.state}' decays elementwise (`X*{t.state}`): the C backward does not take it"
+    if any(r.is_value for r in d.readouts):
+        return "an output reads a vector state as a value (not q·S): the C backward does not take it"
+    return None
+
+
+class _CEmitter(DecomposedEmitter):
+    """The recurrent backward's module on C: the decomposed backward's, each state's scans the C kernels'
+    (with its corrections, which those of NumPy do not take)."""
+
+    modules = MODULES | {grad_kernels.__name__: SCANS}
+    scans = SCANS
+
+    def __init__(self, compiled: Compiled):
+        super().__init__(compiled, "recurrent")
+        em, n = self.em, self.em.name
+        self.c_arrays = {st.name: tuple(em.fresh(f"{n(st.name)}_{what}") for what in (
+            "corrections", "checkpoints", "d_corrections")) for st in self.p.states}
+
+    def chunk_code(self) -> str:
+        return "chunk_size or max(1, int(round(tokens ** 0.5)))  # tokens per checkpoint"
+
+    def state_forward(self, st: ir.State, prelude) -> list[str]:
+        em, n = self.em, self.em.name
+        t = self.c.decomposition.transition(st.name)
+        decay, writes, queries = self.arrays[st.name][:3]
+        corrections, checkpoints, _ = self.c_arrays[st.name]
+        lines = super().state_forward(st, prelude)
+        shape = tuple(reversed(st.shape)) if st.name in self.c.decomposition.transposed else st.shape
+        rows = n(shape[0])
+        if t.log_decay is None:  # (no decay: the kernel skips it, rather than decay by exp(0))
+            lines = [line if not line.startswith(f"{decay} = ") else f"{decay} = None  # no decay" for line in lines]
+        lines = [line for line in lines if "decay_scan(" not in line]
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"{queries} = "))
+        lines.insert(at, f"{corrections} = [" + ", ".join(
+            f"({per_token(prelude(em.refold(u)), rows, not u.shape)}, "
+            f"{per_token(prelude(em.refold(w)), rows, not w.shape)})" for u, w in t.corrections) + "]")
+        reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
+        targets = ", ".join(self.readout_vars[r.index] for r in reads)
+        s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
+        call = (f"[{targets}], {n(st.name)}, {checkpoints} = adjoint_checkpoints({s0}, {decay}, {corrections}, "
+                f"{writes}, {queries}, {self.chunk})")
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"{n(st.name)} = "))
+        lines.insert(at, call)
+        return lines
+
+    def state_backward(self, st: ir.State) -> list[str]:
+        t = self.c.decomposition.transition(st.name)
+        decay, writes, queries, _, d_decay, d_writes, d_queries = self.arrays[st.name]
+        corrections, checkpoints, d_corrections = self.c_arrays[st.name]
+        lines = super().state_backward(st)
+        call = next(i for i, line in enumerate(lines) if "decay_scan_backward(" in line)
+        reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
+        column = "[..., None]" if len(st.shape) == 1 else ""
+        grads = ", ".join(self.d[("readout", str(r.index))] + column for r in reads)
+        given = f"grad_final_state.get(\"{st.name}\")"
+        final = given if self.carried(st, "x") == "x" else f"None if {given} is None else {self.carried(st, given)}"
+        state = self.d[("state", st.name, "new")]
+        s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
+        lines[call] = (f"{d_decay}, {d_corrections}, {d_writes}, {d_queries}, {state} = adjoint_recurrent({s0}, "
+                       f"{decay}, {corrections}, {writes}, {queries}, {checkpoints}, {self.chunk}, [{grads}], "
+                       f"{final})")
+        lines[call - 1] = f"# {st.name}'s adjoint: the transposed recurrence in C, from the last segment"
+        for r, (u, w) in enumerate(t.corrections):
+            self.seeds[f"{st.name}.u{r}"] = f"{d_corrections}[{r}][0]" + ("" if u.shape else "[..., 0]")
+            self.seeds[f"{st.name}.w{r}"] = f"{d_corrections}[{r}][1]" + ("" if w.shape else "[..., 0]")
+        return lines
+
+
+def emit(compiled: Compiled) -> str:
+    """The recurrent backward's module on C (see why_not)."""
+    why = why_not(compiled)
+    if why:
+        raise LinrecError(f"the C backend does not build the recurrent backward of '{compiled.name}': {why}")
+    return _CEmitter(compiled).render()
+
+
+def load(compiled: Compiled):
+    module = numpy_backend.module_from_source(emit(compiled), compiled, "recurrent", "C backward")
+    module.form = "recurrent"
+    return module
