@@ -70,7 +70,7 @@ def render(s: Structure) -> str:
     lanes = s.lanes
     return environment(__package__).get_template("c_grad.c.j2").render(
         version=VERSION, description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes, lanes=lanes,
-        dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, decay=DECAYS.index(s.decay),
+        dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),
         n_inputs=len(s.widths))
