@@ -21,6 +21,7 @@ backend's generated code, with its scan or attention calls pointed at these kern
 from __future__ import annotations
 
 from ..compiler import Compiled
+from ..compiler.adjoint import why_no_gradient
 from ..interface import Refusal
 from . import backend, grad
 
@@ -45,12 +46,14 @@ class CBackend:
 
     # ---- gradients (docs/gradients.md): the recurrent backward, its adjoint recurrence in C (c.grad) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
+        reason = why_no_gradient(compiled, form)  # (none derived at all: no backend builds it)
+        if reason:
+            return Refusal(reason)
+        numpy_runs_it = f"the NumPy backend runs the {form} backward (backend='numpy')"
         if form != "recurrent":
-            return Refusal(f"the C backend builds the recurrent backward only, not the {form} one",
-                           "the NumPy backend runs it (backend='numpy')")
+            return Refusal(f"the C backend builds the recurrent backward only, not the {form} one", numpy_runs_it)
         reason = grad.why_not(compiled)
-        return None if reason is None else Refusal(reason, "the NumPy backend runs the recurrent backward "
-                                                   "(backend='numpy')")
+        return None if reason is None else Refusal(reason, numpy_runs_it)
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
         return grad.emit(compiled)
