@@ -66,7 +66,7 @@ class _CEmitter(DecomposedEmitter):
             "corrections", "checkpoints", "d_corrections")) for st in self.p.states}
 
     def chunk_code(self) -> str:
-        return "chunk_size or max(1, int(round(tokens ** 0.5)))  # tokens per checkpoint"
+        return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_kernels.default_segment)"
 
     def state_forward(self, st: ir.State, prelude) -> list[str]:
         em, n = self.em, self.em.name

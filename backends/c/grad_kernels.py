@@ -11,7 +11,8 @@ and its readouts q·S; the arrays here are those of the decomposition, per token
 
 s0 [B, H, K, V] (a vector state: one column, V = 1); log_decay None or [B, T, H, 1 | K]; corrections
 [(u, w)] and writes [(key, value)] per token; queries [(q, before_update)]. adjoint_checkpoints runs the
-forward token by token, keeping the state before every `chunk` tokens (the checkpoints); adjoint_recurrent
+forward token by token, keeping the state before every `chunk` tokens (the checkpoints; None: about √T,
+see default_segment); adjoint_recurrent
 runs the adjoint recurrence in reverse, segment by segment from the last, the segment's states recomputed
 from its checkpoint. The arithmetic is in the initial state's dtype (float32 or float64). A kernel is
 specialized per structure (decay none, per token or per row; the numbers of corrections, writes and
@@ -128,9 +129,23 @@ def _prepare(s0, log_decay, corrections, writes, queries) -> _Call:
     return _Call(s, np.ascontiguousarray(s0, dtype=dtype), ops, lead)
 
 
-def _segments(chunk: int, tokens: int) -> tuple[int, int]:
-    """(tokens per segment, segments) of a call: chunk clamped to the sequence (at least 1)."""
-    seg = max(1, min(int(chunk), max(tokens, 1)))
+# The backward keeps a segment's states (its tokens + 1) in a buffer per thread; by default a segment is √T
+# tokens, fewer where that buffer would pass this many bytes (it then leaves the core's L2: a state of
+# dk = dv = 128 in float32 is 64 KB, and √16384 = 128 of them 8 MB) — at the price of more checkpoints.
+SEGMENT_BYTES = 2 << 20
+
+
+def default_segment(tokens: int, state_bytes: int) -> int:
+    """Tokens per checkpoint when the call gives none: √T, at most what keeps a segment's states within
+    SEGMENT_BYTES (at least 8)."""
+    fits = max(8, SEGMENT_BYTES // max(state_bytes, 1) - 1)
+    return max(1, min(int(round(tokens ** 0.5)), fits))
+
+
+def _segments(chunk: int | None, tokens: int, state_bytes: int) -> tuple[int, int]:
+    """(tokens per segment, segments) of a call: chunk (None: default_segment) clamped to the sequence."""
+    chunk = default_segment(tokens, state_bytes) if chunk is None else int(chunk)
+    seg = max(1, min(chunk, max(tokens, 1)))
     return seg, -(-tokens // seg)
 
 
@@ -140,7 +155,7 @@ def adjoint_checkpoints(s0, log_decay, corrections, writes, queries, chunk, num_
     c = _prepare(s0, log_decay, corrections, writes, queries)
     batch, tokens, heads = c.lead
     s = c.structure
-    seg, nseg = _segments(chunk, tokens)
+    seg, nseg = _segments(chunk, tokens, int(np.prod(c.state.shape[2:])) * c.state.itemsize)
     outs = [np.empty(c.lead + (s.dv,), c.state.dtype) for _ in queries]
     checkpoints = np.empty((batch, heads, nseg, s.dk, s.dv), c.state.dtype)
     if batch * heads == 0 or tokens == 0:
@@ -159,7 +174,7 @@ def adjoint_recurrent(s0, log_decay, corrections, writes, queries, checkpoints, 
     c = _prepare(s0, log_decay, corrections, writes, queries)
     batch, tokens, heads = c.lead
     s = c.structure
-    seg, _ = _segments(chunk, tokens)
+    seg, _ = _segments(chunk, tokens, int(np.prod(c.state.shape[2:])) * c.state.itemsize)
     dtype = c.state.dtype
     grads = [operand(g, dtype, c.lead + (s.dv,), f"the gradient of readout {i}") for i, g in enumerate(grad_readouts)]
     outs = [np.empty(c.lead + (n,), dtype) for n in s.widths]
