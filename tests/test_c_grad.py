@@ -136,3 +136,18 @@ def test_emitted_backward_calls_the_kernels(recs):
     text = recs["gated_deltanet"].emit_gradient("recurrent", "c")
     assert "adjoint_checkpoints(" in text and "adjoint_recurrent(" in text
     assert "# adjoint of S.u0" in text  # the corrections' adjoints, into the expressions they come from
+
+
+def test_resets(recs):
+    """Log-decays of exactly −∞ (a decay of 0): as on NumPy, and ∂g is 0 at a reset (float32 too)."""
+    rec = recs["gla"]
+    x, up, s0, gT = _call(rec, 1, 12, 2, seed=6)
+    x["g"][0, 4] = -np.inf
+    x["g"][0, 9, 1] = -np.inf
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    for dtype, tolerance in ((np.float64, 1e-9), (np.float32, 5e-4)):
+        cast = lambda d: {k: v.astype(dtype) for k, v in d.items()}  # noqa: E731
+        got = rec.vjp(cast(x), cast(up), initial_state=cast(s0), grad_final_state=cast(gT), dims=DIMS,
+                      backend="c", chunk_size=5)
+        assert _worst(got.grads, want.grads) <= tolerance
+        assert np.all(got.grads["g"][0, 4] == 0) and np.all(got.grads["g"][0, 9, 1] == 0)
