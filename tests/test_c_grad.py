@@ -151,3 +151,34 @@ def test_resets(recs):
                       backend="c", chunk_size=5)
         assert _worst(got.grads, want.grads) <= tolerance
         assert np.all(got.grads["g"][0, 4] == 0) and np.all(got.grads["g"][0, 9, 1] == 0)
+
+
+# readouts before the update, two readouts of one state, a vector state beside a matrix one, a decay whose
+# log is taken numerically; a state carried transposed (multiplied and read from the right)
+STRUCTURES = {
+    "before": """recurrence before(dk = 5, dv = 7)
+input q[dk], k[dk], v[dv], a[dk]
+param gamma per head = uniform(0.5, 0.9, seed=1)
+state S[dk, dv], z[dk]
+output o = (q·S) / (1 + sigmoid(q)·z)
+S = diag(sigmoid(a))·S + k⊗v
+z = gamma*z + sigmoid(k)
+output p = (2*q)·S
+""",
+    "transposed": """recurrence transposed(dk = 5, dv = 7)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dv, dk]
+S = S·diag(exp(g)) + v⊗k
+output o = S·q
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTURES))
+def test_other_structures(name):
+    rec = linrec.compile(STRUCTURES[name], f"{name}.lin")
+    x, up, s0, gT = _call(rec, 2, 11, 3, seed=7)
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=4)
+    assert _worst(got.grads, want.grads) <= 1e-9
+    assert _worst(got.outputs, want.outputs) <= 1e-9
