@@ -68,48 +68,36 @@ class _CEmitter(DecomposedEmitter):
     def chunk_code(self) -> str:
         return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_kernels.default_segment)"
 
-    def state_forward(self, st: ir.State, prelude) -> list[str]:
-        em, n = self.em, self.em.name
-        t = self.c.decomposition.transition(st.name)
+    no_decay = "None  # no decay"  # (the kernel skips it, rather than decay by exp(0))
+
+    def corrections(self, st: ir.State, t, prelude, rows: str) -> list[str]:
+        em = self.em
+        corrections = self.c_arrays[st.name][0]
+        return [f"{corrections} = [" + ", ".join(
+            f"({per_token(prelude(em.refold(u)), rows, not u.shape)}, "
+            f"{per_token(prelude(em.refold(w)), rows, not w.shape)})" for u, w in t.corrections) + "]"]
+
+    def forward_scan(self, st: ir.State, s0: str) -> str:
         decay, writes, queries = self.arrays[st.name][:3]
         corrections, checkpoints, _ = self.c_arrays[st.name]
-        lines = super().state_forward(st, prelude)
-        shape = tuple(reversed(st.shape)) if st.name in self.c.decomposition.transposed else st.shape
-        rows = n(shape[0])
-        if t.log_decay is None:  # (no decay: the kernel skips it, rather than decay by exp(0))
-            lines = [line if not line.startswith(f"{decay} = ") else f"{decay} = None  # no decay" for line in lines]
-        lines = [line for line in lines if "decay_scan(" not in line]
-        at = next(i for i, line in enumerate(lines) if line.startswith(f"{queries} = "))
-        lines.insert(at, f"{corrections} = [" + ", ".join(
-            f"({per_token(prelude(em.refold(u)), rows, not u.shape)}, "
-            f"{per_token(prelude(em.refold(w)), rows, not w.shape)})" for u, w in t.corrections) + "]")
-        reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
-        targets = ", ".join(self.readout_vars[r.index] for r in reads)
-        s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
-        call = (f"[{targets}], {n(st.name)}, {checkpoints} = adjoint_checkpoints({s0}, {decay}, {corrections}, "
-                f"{writes}, {queries}, {self.chunk})")
-        at = next(i for i, line in enumerate(lines) if line.startswith(f"{n(st.name)} = "))
-        lines.insert(at, call)
-        return lines
+        return (f"{checkpoints} = adjoint_checkpoints({s0}, {decay}, {corrections}, {writes}, {queries}, "
+                f"{self.chunk})")
+
+    def backward_results(self, st: ir.State) -> str:
+        d_decay, d_writes, d_queries = self.arrays[st.name][4:]
+        return f"{d_decay}, {self.c_arrays[st.name][2]}, {d_writes}, {d_queries}"
+
+    def backward_scan(self, st: ir.State, s0: str, grads: str, final: str) -> tuple[str, str]:
+        decay, writes, queries = self.arrays[st.name][:3]
+        corrections, checkpoints, _ = self.c_arrays[st.name]
+        return (f"# {st.name}'s adjoint: the transposed recurrence in C, from the last segment",
+                f"adjoint_recurrent({s0}, {decay}, {corrections}, {writes}, {queries}, {checkpoints}, "
+                f"{self.chunk}, [{grads}], {final})")
 
     def state_backward(self, st: ir.State) -> list[str]:
-        t = self.c.decomposition.transition(st.name)
-        decay, writes, queries, _, d_decay, d_writes, d_queries = self.arrays[st.name]
-        corrections, checkpoints, d_corrections = self.c_arrays[st.name]
-        lines = super().state_backward(st)
-        call = next(i for i, line in enumerate(lines) if "decay_scan_backward(" in line)
-        reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
-        column = "[..., None]" if len(st.shape) == 1 else ""
-        grads = ", ".join(self.d[("readout", str(r.index))] + column for r in reads)
-        given = f"grad_final_state.get(\"{st.name}\")"
-        final = given if self.carried(st, "x") == "x" else f"None if {given} is None else {self.carried(st, given)}"
-        state = self.d[("state", st.name, "new")]
-        s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
-        lines[call] = (f"{d_decay}, {d_corrections}, {d_writes}, {d_queries}, {state} = adjoint_recurrent({s0}, "
-                       f"{decay}, {corrections}, {writes}, {queries}, {checkpoints}, {self.chunk}, [{grads}], "
-                       f"{final})")
-        lines[call - 1] = f"# {st.name}'s adjoint: the transposed recurrence in C, from the last segment"
-        for r, (u, w) in enumerate(t.corrections):
+        lines = super().state_backward(st)  # (the seeds of the log-decay's, writes' and queries' adjoints)
+        d_corrections = self.c_arrays[st.name][2]
+        for r, (u, w) in enumerate(self.c.decomposition.transition(st.name).corrections):
             self.seeds[f"{st.name}.u{r}"] = f"{d_corrections}[{r}][0]" + ("" if u.shape else "[..., 0]")
             self.seeds[f"{st.name}.w{r}"] = f"{d_corrections}[{r}][1]" + ("" if w.shape else "[..., 0]")
         return lines

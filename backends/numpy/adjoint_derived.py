@@ -100,7 +100,7 @@ class DecomposedEmitter(BackwardEmitter):
         rows, cols = n(shape[0]), ("1" if len(shape) == 1 else n(shape[1]))
         lines = ["", f"# {st.name}: {t.kind}", f"#   {st.name}_t = {canonical_text(t)}"]
         if t.log_decay is None:
-            lines.append(f"{decay} = per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1")
+            lines.append(f"{decay} = {self.no_decay}")
         else:
             width = rows if t.log_decay.shape else "1"
             lines.append(f"{decay} = {per_token(prelude(em.refold(t.log_decay)), width, not t.log_decay.shape)}")
@@ -110,6 +110,7 @@ class DecomposedEmitter(BackwardEmitter):
                 "np.ones((batch, tokens, heads, 1), dtype)"
             pairs.append(f"({per_token(prelude(em.refold(key)), rows, not key.shape)}, {val})")
         lines.append(f"{writes} = [" + ", ".join(pairs) + "]")
+        lines += self.corrections(st, t, prelude, rows)
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
         lines.append(f"{queries} = [" + ", ".join(
             f"({per_token(prelude(em.refold(r.query)), rows, not r.query.shape)}, {r.before_update})"
@@ -117,11 +118,36 @@ class DecomposedEmitter(BackwardEmitter):
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
-        lines.append(f"[{targets}], {n(st.name)}, {starts} = decay_scan({s0}, {decay}, {writes}, {queries}, {self.chunk})")
+        lines.append(f"[{targets}], {n(st.name)}, {self.forward_scan(st, s0)}")
         lines.append(f"{n(st.name)} = {self.declared(st, n(st.name))}")
         if vector:  # a vector state is carried as one column
             lines += [f"{self.readout_vars[r.index]} = {self.readout_vars[r.index]}[..., 0]" for r in reads]
         return lines
+
+    # what the C backend's recurrent backward (linrec.c.grad) changes: the scans, and the corrections
+    no_decay = "per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1"
+
+    def corrections(self, st: ir.State, t, prelude, rows: str) -> list[str]:
+        """The lines of the state's corrections as per-token arrays (none here: why_no_decomposed_adjoint
+        refuses them)."""
+        return []
+
+    def forward_scan(self, st: ir.State, s0: str) -> str:
+        """The forward scan's call, after `[readouts], S, ` (its third result: what the backward scan takes)."""
+        decay, writes, queries, starts = self.arrays[st.name][:4]
+        return f"{starts} = decay_scan({s0}, {decay}, {writes}, {queries}, {self.chunk})"
+
+    def backward_results(self, st: ir.State) -> str:
+        """What the backward scan returns before the initial state's adjoint."""
+        d_decay, d_writes, d_queries = self.arrays[st.name][4:]
+        return f"{d_decay}, {d_writes}, {d_queries}"
+
+    def backward_scan(self, st: ir.State, s0: str, grads: str, final: str) -> tuple[str, str]:
+        """(comment, call) of the backward scan, after `backward_results, ∂S = `."""
+        decay, writes, queries, starts = self.arrays[st.name][:4]
+        return (f"# {st.name}'s adjoint: the transposed recurrence, from the last chunk",
+                f"decay_scan_backward({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
+                f"{final})")
 
     def carried(self, st: ir.State, code: str) -> str:
         """A state [B, H, *] as the scans carry it: a vector as one column, a state the decomposition
@@ -139,7 +165,7 @@ class DecomposedEmitter(BackwardEmitter):
     def state_backward(self, st: ir.State) -> list[str]:
         """The state's adjoint, run backwards chunk by chunk; the seeds of its per-token arrays' adjoints."""
         t = self.c.decomposition.transition(st.name)
-        decay, writes, queries, starts, d_decay, d_writes, d_queries = self.arrays[st.name]
+        d_decay, d_writes, d_queries = self.arrays[st.name][4:]
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
         column = "[..., None]" if len(st.shape) == 1 else ""
         grads = ", ".join(self.d[("readout", str(r.index))] + column for r in reads)
@@ -147,9 +173,8 @@ class DecomposedEmitter(BackwardEmitter):
         final = given if self.carried(st, "x") == "x" else f"None if {given} is None else {self.carried(st, given)}"
         state = self.d[("state", st.name, "new")]
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
-        lines = ["", f"# {st.name}'s adjoint: the transposed recurrence, from the last chunk",
-                 f"{d_decay}, {d_writes}, {d_queries}, {state} = decay_scan_backward({s0}, {decay}, {writes}, "
-                 f"{queries}, {starts}, {self.chunk}, [{grads}], {final})"]
+        comment, call = self.backward_scan(st, s0, grads, final)
+        lines = ["", comment, f"{self.backward_results(st)}, {state} = {call}"]
         if self.declared(st, "x") != "x":
             lines.append(f"{state} = {self.declared(st, state)}")
         if t.log_decay is not None:
