@@ -436,8 +436,11 @@ def test_forms_and_backends_without_a_gradient():
     mamba = example("mamba1")
     with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the numpy backend: 'S' decays elementwise"):
         mamba.vjp(mamba.random_inputs(1, 4, 1), {"y": np.ones((1, 4, 1, 16))}, form="chunkwise")
-    with pytest.raises(linrec.LinrecError, match="no recurrent gradient on the c backend: the C backend derives no"):
-        rec.vjp(inputs, g_out, backend="c")
+    with pytest.raises(linrec.LinrecError, match="no recurrent gradient on the c backend: 'S' decays elementwise"):
+        mamba.vjp(mamba.random_inputs(1, 4, 1), {}, backend="c")
+    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the c backend: the C backend builds the "
+                                                 "recurrent backward only"):
+        rec.vjp(inputs, g_out, form="chunkwise", backend="c")
     reformer = example("reformer")
     with pytest.raises(linrec.LinrecError, match="no recurrent gradient.*there is no recurrent forward form: LSH"):
         reformer.vjp(reformer.random_inputs(1, 4, 1), {})
@@ -472,7 +475,7 @@ def test_cli(capsys):
     gla = str(EXAMPLES / "gla.lin")
     assert main(["check", gla]) == 0
     out = capsys.readouterr().out
-    assert "gradients" in out and "  recurrent   available (backends: numpy)" in out.split("gradients")[1]
+    assert "gradients" in out and "  recurrent   available (backends: numpy, c)" in out.split("gradients")[1]
     assert main(["emit", gla, "--grad", "--form", "recurrent"]) == 0
     source = capsys.readouterr().out
     assert "def backward(" in source and "d_S_prev" in source

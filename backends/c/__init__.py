@@ -2,6 +2,8 @@
 cached on disk.
 
     backend.py     the backend's entry points (why_not, emit, load) and the recurrent form's runtime
+    grad.py        the recurrent backward (Recurrence.vjp): its generated module, whose adjoint recurrence
+                   runs in grad_kernels.py's kernels (c_grad.c.j2)
     fused.py       the fused recurrent kernel and decode step of a factorable recurrence (c_fused.c.j2),
                    planned by state_terms.py, block_region.py, step_region.py and passes.py as the records
                    of fused_plan.py; kernel_source.py: what it shares with statements.py
@@ -19,8 +21,9 @@ backend's generated code, with its scan or attention calls pointed at these kern
 from __future__ import annotations
 
 from ..compiler import Compiled
+from ..compiler.adjoint import why_no_gradient
 from ..interface import Refusal
-from . import backend
+from . import backend, grad
 
 
 class CBackend:
@@ -41,9 +44,22 @@ class CBackend:
     def recurrent_kernel(self, compiled: Compiled) -> str:
         return backend.recurrent_kernel(compiled)
 
+    # ---- gradients (docs/gradients.md): the recurrent backward, its adjoint recurrence in C (c.grad) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
-        return Refusal("the C backend derives no backward", "the NumPy backend runs the recurrent backward "
-                       "(backend='numpy')")
+        reason = why_no_gradient(compiled, form)  # (none derived at all: no backend builds it)
+        if reason:
+            return Refusal(reason)
+        numpy_runs_it = f"the NumPy backend runs the {form} backward (backend='numpy')"
+        if form != "recurrent":
+            return Refusal(f"the C backend builds the recurrent backward only, not the {form} one", numpy_runs_it)
+        reason = grad.why_not(compiled)
+        return None if reason is None else Refusal(reason, numpy_runs_it)
+
+    def emit_gradient(self, compiled: Compiled, form: str) -> str:
+        return grad.emit(compiled)
+
+    def load_gradient(self, compiled: Compiled, form: str):
+        return grad.load(compiled)
 
 
 BACKEND = CBackend()

@@ -61,7 +61,9 @@ class AdjointPrinter(NumpyPrinter):
 class BackwardEmitter:
     """The recurrent backward's module: names (each adjoint `d_x`, the states before the update `S_prev`),
     printers, the statements' adjoints as lines, and the module's body. adjoint_derived's emitter of the
-    parallel and chunkwise backward builds on it."""
+    parallel and chunkwise backward builds on it (and linrec.c.grad's on that one)."""
+
+    modules = MODULES  # where the generated module imports its helpers from
 
     def __init__(self, compiled: Compiled):
         self.c = compiled
@@ -323,7 +325,7 @@ class BackwardEmitter:
         param_lines = self.em.param_lines(self.helpers)
         return environment(__package__).get_template("backward.py.j2").render(
             name=self.p.name, version=VERSION, source_comment=source_comment(self.c),
-            imports=imports(self.helpers, MODULES), param_lines=param_lines,
+            imports=imports(self.helpers, self.modules), param_lines=param_lines,
             param_names=[(prm.name, self.em.name(prm.name)) for prm in self.p.params], body=body)
 
 

@@ -39,9 +39,16 @@ class StateArrays:
     grads: str
 
 
-class _DecomposedEmitter(BackwardEmitter):
+class DecomposedEmitter(BackwardEmitter):
     """The parallel or chunkwise backward's module: the recurrent one's names and statements, with the
-    readouts' adjoints, each state's scans and the seeds of its per-token arrays' adjoints."""
+    readouts' adjoints, each state's scans and the seeds of its per-token arrays' adjoints. The C backend's
+    recurrent backward (linrec.c.grad) is this module with other scans: the class attributes below."""
+
+    scans = ADJOINT_SCANS  # the helpers the module imports for its scans
+    forward_scan = "decay_scan"  # (s0, log_decay, writes, queries, chunk, corrections=, value_log_decay=)
+    backward_scan = "decay_scan_backward"  # (…, starts, chunk, grad_readouts, grad_final, …) → ScanGrads
+    backward_comment = "the transposed recurrence, from the last chunk"
+    no_decay = "per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1"
 
     def __init__(self, compiled: Compiled, form: str):
         super().__init__(compiled)
@@ -77,10 +84,8 @@ class _DecomposedEmitter(BackwardEmitter):
         prelude = self.printer(None)
         body = em.prologue()
         body += em.hoisted_lets(prelude, "values that do not depend on a state, for all tokens at once")
-        chunk = "max(tokens, 1)" if self.form == "parallel" else f"chunk_size or {DEFAULT_CHUNK}"
-        body += ["", f"{self.chunk} = {chunk}  # tokens per chunk" + ("  (parallel: one chunk)" if self.form == "parallel"
-                                                               else "")]
-        self.helpers |= {"per_token"} | ADJOINT_SCANS
+        body += ["", f"{self.chunk} = {self.chunk_code()}"]
+        self.helpers |= {"per_token"} | self.scans
         for st in p.states:
             body += self.state_forward(st, prelude)
         body += ["", "# outputs from the readouts"]
@@ -104,6 +109,12 @@ class _DecomposedEmitter(BackwardEmitter):
         self.helpers |= prelude.helpers
         return body + tail
 
+    def chunk_code(self) -> str:
+        """The chunk's assignment: its value, and a comment."""
+        if self.form == "parallel":
+            return "max(tokens, 1)  # tokens per chunk  (parallel: one chunk)"
+        return f"chunk_size or {DEFAULT_CHUNK}  # tokens per chunk"
+
     def state_forward(self, st: ir.State, prelude) -> list[str]:
         """The state's per-token arrays, and its forward scan."""
         em, n = self.em, self.em.name
@@ -114,7 +125,7 @@ class _DecomposedEmitter(BackwardEmitter):
         rows, cols = n(shape[0]), ("1" if len(shape) == 1 else n(shape[1]))
         lines = ["", f"# {st.name}: {t.kind}", f"#   {st.name}_t = {canonical_text(t)}"]
         if t.log_decay is None:
-            lines.append(f"{decay} = per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1")
+            lines.append(f"{decay} = {self.no_decay}")
         else:
             width = rows if t.log_decay.shape else "1"
             lines.append(f"{decay} = {per_token(prelude(em.refold(t.log_decay)), width, not t.log_decay.shape)}")
@@ -137,7 +148,7 @@ class _DecomposedEmitter(BackwardEmitter):
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
-        lines.append(f"[{targets}], {n(st.name)}, {starts} = decay_scan({s0}, {decay}, {writes}, {queries}, "
+        lines.append(f"[{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, {queries}, "
                      f"{self.chunk}{self.optional_arrays(st.name)})")
         lines.append(f"{n(st.name)} = {self.declared(st, n(st.name))}")
         if vector:  # a vector state is carried as one column
@@ -177,8 +188,8 @@ class _DecomposedEmitter(BackwardEmitter):
         state = self.d[("state", st.name, "new")]
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         comment = (" (its corrections: the UT transform's solve, transposed, per chunk)" if t.corrections else "")
-        lines = ["", f"# {st.name}'s adjoint: the transposed recurrence, from the last chunk" + comment,
-                 f"{g} = decay_scan_backward({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
+        lines = ["", f"# {st.name}'s adjoint: {self.backward_comment}" + comment,
+                 f"{g} = {self.backward_scan}({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
                  f"{final}{self.optional_arrays(st.name)})",
                  f"{state} = {self.declared(st, g + '.initial_state')}"]
         if t.log_decay is not None:
@@ -199,4 +210,4 @@ class _DecomposedEmitter(BackwardEmitter):
 
 def emit_decomposed_backward(compiled: Compiled, form: str) -> str:
     """The parallel or chunkwise backward (see compiler.adjoint.why_no_decomposed_adjoint)."""
-    return _DecomposedEmitter(compiled, form).render()
+    return DecomposedEmitter(compiled, form).render()

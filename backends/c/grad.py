@@ -1,0 +1,82 @@
+"""The recurrent backward on the C backend (docs/gradients.md): the gradient form "recurrent" of
+`Recurrence.vjp(..., backend="c")`.
+
+Its generated module is the NumPy parallel and chunkwise backward's (linrec.numpy.adjoint_derived) with the
+scans replaced: each state's per-token arrays of the decomposition — log-decay, rank-one corrections (u, w),
+writes (key, value), readout queries — go to C kernels (c.grad_kernels, templates/c_grad.c.j2) that run the
+forward token by token, keeping a checkpoint every `chunk_size` tokens (default √T), and then the adjoint
+recurrence in reverse, segment by segment, each segment's states recomputed from its checkpoint. The chain
+rule from the outputs to the readouts and from the per-token arrays to the inputs and params
+(compiler.adjoint.derive_decomposed) stays NumPy: O(T·d) work beside the kernels' O(T·dk·dv).
+
+    why_not(compiled)          None when the C backend builds the recurrent backward, else why not
+    emit(compiled)             the generated backward module's source
+    load(compiled)             the module: backward(inputs, params, initial_state, dims, grad_outputs, …)
+"""
+from __future__ import annotations
+
+from ..compiler import Compiled
+from ..compiler.adjoint import why_no_gradient
+from ..dsl.errors import LinrecError
+from ..numpy import backend as numpy_backend
+from ..numpy.adjoint import MODULES
+from ..numpy.adjoint_derived import DecomposedEmitter
+from . import grad_kernels
+
+SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
+
+
+def why_not(compiled: Compiled) -> str | None:
+    """Why the C backend does not build the recurrent backward of the program (a sentence about the program),
+    or None: it needs every state's update decomposed into a decay of its rows plus rank-one terms, read
+    through readouts q·S, in a causal program."""
+    reason = why_no_gradient(compiled, "recurrent")
+    if reason:
+        return reason
+    d = compiled.decomposition
+    if d.sequence is not None:
+        return "the program reads the sequence (attention): its C backward is not derived"
+    if not compiled.program.causal:
+        return "the program is not causal (its outputs read the final states): its C backward is not derived"
+    why = d.why_not("chunkwise")
+    if why:
+        return f"the C backward runs the decomposition of the updates, and there is none: {why}"
+    for t in d.transitions:
+        if t.value_decay is not None:
+            return f"'{t.state}' decays its value axis (`{t.state}·diag(…)`): the C backward does not take it"
+        if t.elementwise:
+            return f"'{t.state}' decays elementwise (`X*{t.state}`): the C backward does not take it"
+    if any(r.is_value for r in d.readouts):
+        return "an output reads a vector state as a value (not q·S): the C backward does not take it"
+    return None
+
+
+class _CEmitter(DecomposedEmitter):
+    """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
+    (which take the NumPy scans' arguments and give their results)."""
+
+    modules = MODULES | {grad_kernels.__name__: SCANS}
+    scans = SCANS
+    forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"
+    backward_comment = "the transposed recurrence in C, from the last segment"
+    no_decay = "None  # no decay"  # (the kernel skips it, rather than decay by exp(0))
+
+    def __init__(self, compiled: Compiled):
+        super().__init__(compiled, "recurrent")
+
+    def chunk_code(self) -> str:
+        return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_kernels.default_segment)"
+
+
+def emit(compiled: Compiled) -> str:
+    """The recurrent backward's module on C (see why_not)."""
+    why = why_not(compiled)
+    if why:
+        raise LinrecError(f"the C backend does not build the recurrent backward of '{compiled.name}': {why}")
+    return _CEmitter(compiled).render()
+
+
+def load(compiled: Compiled):
+    module = numpy_backend.module_from_source(emit(compiled), compiled, "recurrent", "C backward")
+    module.form = "recurrent"
+    return module

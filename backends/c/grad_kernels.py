@@ -1,0 +1,197 @@
+"""The recurrent backward's kernels in C (templates/c_grad.c.j2): what the generated backward module of the C
+backend (c.grad) calls for each state, where the NumPy parallel and chunkwise backward call
+linrec.numpy.adjoint_scan's decay_scan and decay_scan_backward.
+
+A state's update, decomposed (compiler.transitions), is a decay plus rank-one corrections plus rank-one writes,
+and its readouts q·S; the arrays here are those of the decomposition, per token [B, T, H, n]:
+
+    readouts, final, checkpoints = adjoint_checkpoints(s0, log_decay, corrections, writes, queries, chunk)
+    d_log_decay, d_corrections, d_writes, d_queries, d_s0 = adjoint_recurrent(
+        s0, log_decay, corrections, writes, queries, checkpoints, chunk, grad_readouts, grad_final)
+
+s0 [B, H, K, V] (a vector state: one column, V = 1); log_decay None or [B, T, H, 1 | K]; corrections
+[(u, w)] and writes [(key, value)] per token; queries [(q, before_update)]. adjoint_checkpoints runs the
+forward token by token, keeping the state before every `chunk` tokens (the checkpoints; None: about √T,
+see default_segment); adjoint_recurrent
+runs the adjoint recurrence in reverse, segment by segment from the last, the segment's states recomputed
+from its checkpoint. The arithmetic is in the initial state's dtype (float32 or float64). A kernel is
+specialized per structure (decay none, per token or per row; the numbers of corrections, writes and
+readouts, and which readouts read the state before the update), per size (K and V compile-time constants)
+and per dtype, built once through c_build (cffi, cached on disk) and memoized.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dsl.errors import RuntimeInputError
+from ..templating import environment
+from ..version import VERSION
+from . import build as c_build
+from .build import CTYPE_BYTES, CTYPES
+from ..numpy.adjoint_scan import ScanGrads
+from .scan_kernels import cached_kernel, call, operand
+
+DECAYS = ("none", "token", "row")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Everything one kernel is specialized for."""
+
+    decay: str                 # "none", "token" (one log-decay per token) or "row" (one per state row)
+    corrections: int           # rank-one corrections (u, w)
+    writes: int                # writes (key, value)
+    before: tuple[bool, ...]   # per readout: reads the state before the update
+    dk: int                    # rows of the state
+    dv: int                    # columns (1: a vector state)
+    ctype: str                 # "float" or "double"
+    vector_bytes: int          # SIMD register width the kernel is written for
+
+    @property
+    def lanes(self) -> int:
+        return self.vector_bytes // CTYPE_BYTES[self.ctype]
+
+    @property
+    def widths(self) -> list[int]:
+        """Values per token of each per-token array, in the kernels' order: [log-decay,] u_0, w_0, …,
+        key_0, value_0, …, q_0, …"""
+        decay = [] if self.decay == "none" else [self.dk if self.decay == "row" else 1]
+        return decay + [self.dk] * 2 * self.corrections + [self.dk, self.dv] * self.writes + [self.dk] * len(self.before)
+
+    def describe(self) -> str:
+        decay = {"none": "no decay", "token": "one log-decay per token", "row": "one log-decay per row"}
+        reads = ", ".join("before" if b else "after" for b in self.before) or "none"
+        return (f"{decay[self.decay]}; {self.corrections} correction(s); {self.writes} write(s); readouts: "
+                f"{reads}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
+
+
+def render(s: Structure) -> str:
+    """The C source of one kernel."""
+    lanes = s.lanes
+    return environment(__package__).get_template("c_grad.c.j2").render(
+        version=VERSION, description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes, lanes=lanes,
+        dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
+        db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
+        before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),
+        n_inputs=len(s.widths))
+
+
+def cdef(s: Structure) -> str:
+    t = s.ctype
+    args = f"{t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads"
+    return (f"int lr_grad_forward(const {t} *s0, {t} *sT, {args}, {t} *ckpt, int seg);\n"
+            f"int lr_grad_backward(const {t} *gT, {t} *ds0, {args}, const {t} *ckpt, int seg);\n")
+
+
+def kernel(s: Structure):
+    """The built extension (ffi, lib) for a structure."""
+    label = f"grad_{s.decay}_r{s.corrections}_w{s.writes}_{s.ctype}"
+    return cached_kernel(s, "grad", label, lambda: render(s), cdef(s))
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One state's arrays, checked and in the kernel's order, and its kernel's structure."""
+
+    structure: Structure
+    state: np.ndarray          # s0 [B, H, K, V], contiguous, in the working dtype
+    ops: list[np.ndarray]      # the per-token arrays [B, T, H, n]
+    lead: tuple[int, int, int]
+
+    @property
+    def work(self) -> int:
+        """Multiply-adds of one pass, roughly (call() runs a small one on one thread)."""
+        s, (batch, tokens, heads) = self.structure, self.lead
+        return batch * tokens * heads * s.dk * s.dv * (1 + 2 * s.corrections + s.writes + len(s.before))
+
+
+def _prepare(s0, log_decay, corrections, writes, queries) -> _Call:
+    s0 = np.asarray(s0)
+    dtype = np.dtype(np.float32) if s0.dtype == np.float32 else np.dtype(np.float64)
+    per_token = [np.asarray(a) for pair in list(corrections) + list(writes) for a in pair] + \
+        [np.asarray(q) for q, _ in queries] + ([] if log_decay is None else [np.asarray(log_decay)])
+    if not per_token or per_token[0].ndim != 4:
+        raise RuntimeInputError("the recurrent backward's per-token arrays should have shape [B, T, H, n]")
+    batch, tokens, heads = per_token[0].shape[:3]
+    if s0.ndim != 4 or s0.shape[:2] != (batch, heads):
+        raise RuntimeInputError(f"the initial state should have shape [B, H, K, V] = [{batch}, {heads}, …], got "
+                                f"{list(s0.shape)}")
+    dk, dv = int(s0.shape[2]), int(s0.shape[3])
+    decay = "none" if log_decay is None else ("token" if np.shape(log_decay)[-1] == 1 else "row")
+    s = Structure(decay, len(corrections), len(writes), tuple(bool(b) for _, b in queries), dk, dv,
+                  CTYPES[dtype], c_build.vector_bytes())
+    lead = (batch, tokens, heads)
+    arrays = ([] if log_decay is None else [log_decay]) + [a for pair in list(corrections) + list(writes)
+                                                           for a in pair] + [q for q, _ in queries]
+    ops = [operand(a, dtype, lead + (n,), "a per-token array of the recurrent backward")
+           for a, n in zip(arrays, s.widths)]
+    return _Call(s, np.ascontiguousarray(s0, dtype=dtype), ops, lead)
+
+
+# The backward keeps a segment's states (its tokens + 1) in a buffer per thread; by default a segment is √T
+# tokens, fewer where that buffer would pass this many bytes (it then leaves the core's L2: a state of
+# dk = dv = 128 in float32 is 64 KB, and √16384 = 128 of them 8 MB) — at the price of more checkpoints.
+SEGMENT_BYTES = 2 << 20
+
+
+def default_segment(tokens: int, state_bytes: int) -> int:
+    """Tokens per checkpoint when the call gives none: √T, at most what keeps a segment's states within
+    SEGMENT_BYTES (at least 8)."""
+    fits = max(8, SEGMENT_BYTES // max(state_bytes, 1) - 1)
+    return max(1, min(int(round(tokens ** 0.5)), fits))
+
+
+def _segments(chunk: int | None, tokens: int, state_bytes: int) -> tuple[int, int]:
+    """(tokens per segment, segments) of a call: chunk (None: default_segment) clamped to the sequence."""
+    chunk = default_segment(tokens, state_bytes) if chunk is None else int(chunk)
+    seg = max(1, min(chunk, max(tokens, 1)))
+    return seg, -(-tokens // seg)
+
+
+def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), num_threads=None):
+    """The forward of the recurrent backward: ([readout [B, T, H, V]], final state [B, H, K, V], the state
+    before every chunk [B, H, ⌈T/chunk⌉, K, V]) — linrec.numpy.adjoint_scan.decay_scan's arguments and
+    results (log_decay None: no decay), the states kept every `chunk` tokens (None: default_segment)."""
+    c = _prepare(s0, log_decay, corrections, writes, queries)
+    batch, tokens, heads = c.lead
+    s = c.structure
+    seg, nseg = _segments(chunk, tokens, int(np.prod(c.state.shape[2:])) * c.state.itemsize)
+    outs = [np.empty(c.lead + (s.dv,), c.state.dtype) for _ in queries]
+    checkpoints = np.empty((batch, heads, nseg, s.dk, s.dv), c.state.dtype)
+    if batch * heads == 0 or tokens == 0:
+        return outs, c.state.copy(), checkpoints
+    k = kernel(s)
+    ckpt = k.ffi.from_buffer(CTYPES[c.state.dtype] + " *", checkpoints)
+    final = call(k, "lr_grad_forward", c.state, c.ops, outs, c.work, num_threads, ckpt, seg)
+    return outs, final, checkpoints
+
+
+def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
+                      corrections=(), num_threads=None) -> ScanGrads:
+    """The backward, as linrec.numpy.adjoint_scan.decay_scan_backward's (ScanGrads; log_decay None where the
+    state does not decay), from the readouts' gradients [B, T, H, V] and the final state's (None: zero);
+    checkpoints and chunk as adjoint_checkpoints gave and took them."""
+    c = _prepare(s0, log_decay, corrections, writes, queries)
+    batch, tokens, heads = c.lead
+    s = c.structure
+    seg, _ = _segments(chunk, tokens, int(np.prod(c.state.shape[2:])) * c.state.itemsize)
+    dtype = c.state.dtype
+    grads = [operand(g, dtype, c.lead + (s.dv,), f"the gradient of readout {i}") for i, g in enumerate(grad_readouts)]
+    outs = [np.empty(c.lead + (n,), dtype) for n in s.widths]
+    final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
+    if batch * heads == 0 or tokens == 0:
+        d_s0 = final.copy()
+        for o in outs:
+            o[...] = 0
+    else:
+        k = kernel(s)
+        ckpt = k.ffi.from_buffer(CTYPES[dtype] + " *", np.ascontiguousarray(checkpoints, dtype=dtype))
+        d_s0 = call(k, "lr_grad_backward", final, c.ops + grads, outs, 3 * c.work, num_threads, ckpt, seg)
+    it = iter(outs)
+    d_log_decay = None if log_decay is None else next(it)
+    d_corrections = [(next(it), next(it)) for _ in corrections]
+    d_writes = [(next(it), next(it)) for _ in writes]
+    d_queries = [next(it) for _ in queries]
+    return ScanGrads(d_log_decay, d_writes, d_queries, d_s0, d_corrections, None)

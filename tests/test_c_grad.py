@@ -1,0 +1,184 @@
+"""The C backend's recurrent backward (linrec.c.grad, templates/c_grad.c.j2) against the NumPy recurrent
+backward — the adjoint of the statements as written — at 1e-9 in float64 and 5e-4 in float32, on the
+examples whose updates decompose into a decay plus rank-one terms: GLA, gated DeltaNet, DeltaNet, Mamba-2,
+RetNet, the Linear Transformer, gdn2 and comba. Every case runs at one size (dk = 5, dv = 7: odd, not a
+whole SIMD register) so that the kernels are built once per structure and shared; the cases vary what the
+kernels take at run time: T (ragged, 1), the batch and heads against the threads, the checkpoint interval,
+strong decays, random initial states and final-state gradients."""
+import numpy as np
+import pytest
+
+import linrec
+from linrec import gradients
+from linrec.c import scan_kernels
+from linrec.dsl.errors import LinrecError, RuntimeInputError
+
+DIMS = {"dk": 5, "dv": 7}
+EXAMPLES = ("gla", "gated_deltanet", "deltanet", "mamba2", "retnet", "linear_transformer", "gdn2", "comba")
+FLOAT32 = ("gla", "gated_deltanet")  # (a float32 kernel each: the structures of the others are float64's)
+
+
+@pytest.fixture(scope="module")
+def recs():
+    return {name: linrec.load(f"examples/{name}.lin") for name in EXAMPLES}
+
+
+def _call(rec, batch, tokens, heads, seed, dtype=np.float64, decay_scale=None):
+    """Inputs, upstream gradients of the outputs and of the final states, and random initial states."""
+    extra = {} if decay_scale is None else {"decay_scale": decay_scale}
+    x = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=DIMS, seed=seed, **extra)
+    rng = np.random.default_rng(seed + 100)
+    up = {o.name: rng.standard_normal((batch, tokens, heads) + tuple(DIMS[d] for d in o.value.shape))
+          for o in rec.program.outputs}
+    states = {s.name: rng.standard_normal((batch, heads) + tuple(DIMS[d] for d in s.shape))
+              for s in rec.program.states}
+    final = {s.name: rng.standard_normal((batch, heads) + tuple(DIMS[d] for d in s.shape))
+             for s in rec.program.states}
+    cast = lambda d: {k: v.astype(dtype) for k, v in d.items()}  # noqa: E731
+    return cast(x), cast(up), cast(states), cast(final)
+
+
+def _worst(got: dict, want: dict) -> float:
+    """max over the arrays of max|got − want| / max|want|."""
+    assert set(got) == set(want)
+    return max(np.abs(got[k] - want[k]).max() / max(np.abs(want[k]).max(), 1e-300) for k in want)
+
+
+# (batch, tokens, heads, chunk_size, decay_scale): ragged T with several checkpoint intervals (one token, a
+# segment longer than the sequence, √T), T = 1, strong decays (log-decays down to about −20)
+CASES = [(2, 13, 3, None, None), (1, 13, 2, 1, None), (2, 13, 1, 4, None), (1, 9, 2, 64, None),
+         (2, 1, 2, None, None), (1, 12, 2, 5, 40.0)]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_float64_matches_the_numpy_recurrent_backward(recs, name):
+    rec = recs[name]
+    for i, (batch, tokens, heads, chunk, scale) in enumerate(CASES):
+        x, up, s0, gT = _call(rec, batch, tokens, heads, seed=i, decay_scale=scale)
+        want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+        got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=chunk)
+        assert _worst(got.grads, want.grads) <= 1e-9, (name, CASES[i])
+        assert _worst(got.outputs, want.outputs) <= 1e-9
+        assert _worst(got.final_state, want.final_state) <= 1e-9
+        assert all(g.dtype == np.float64 for g in got.grads.values())
+
+
+@pytest.mark.parametrize("name", FLOAT32)
+def test_float32_within_5e_4_of_float64(recs, name):
+    rec = recs[name]
+    for i, (batch, tokens, heads, chunk, scale) in enumerate(CASES):
+        x, up, s0, gT = _call(rec, batch, tokens, heads, seed=10 + i, decay_scale=scale)
+        want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+        x32, up32, s32, g32 = ({k: v.astype(np.float32) for k, v in d.items()} for d in (x, up, s0, gT))
+        got = rec.vjp(x32, up32, initial_state=s32, grad_final_state=g32, dims=DIMS, backend="c",
+                      chunk_size=chunk)
+        assert all(g.dtype == np.float32 for g in got.grads.values())
+        assert _worst(got.grads, want.grads) <= 5e-4, (name, CASES[i])
+
+
+def test_threads_fewer_and_more_than_the_pairs(recs, monkeypatch):
+    """(batch row, head) pairs fewer than the threads and more: the same gradients as on one thread (the
+    kernels' small-work rule, which would run these tiny calls on one thread, is lifted)."""
+    rec = recs["gated_deltanet"]
+    monkeypatch.setattr(scan_kernels, "SMALL_WORK", 0)
+    for batch, heads in ((1, 2), (3, 5)):
+        x, up, s0, gT = _call(rec, batch, 11, heads, seed=3)
+        monkeypatch.setenv("LINREC_NUM_THREADS", "1")
+        one = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=3)
+        monkeypatch.setenv("LINREC_NUM_THREADS", "4")
+        many = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=3)
+        assert _worst(many.grads, one.grads) == 0.0
+
+
+def test_checkpoint_interval_does_not_change_the_gradients(recs):
+    rec = recs["gla"]
+    x, up, s0, gT = _call(rec, 1, 17, 2, seed=4)
+    grads = [rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=c).grads
+             for c in (1, 3, 17, 100)]
+    assert all(_worst(g, grads[0]) <= 1e-12 for g in grads[1:])
+
+
+def test_bad_input_is_refused_as_on_numpy(recs):
+    rec = recs["gla"]
+    x, up, _, _ = _call(rec, 1, 4, 2, seed=5)
+    for bad in ({"o": up["o"].astype(np.float32)}, {"o": up["o"][:, :3]}, {}):
+        messages = []
+        for backend in ("numpy", "c"):
+            with pytest.raises(RuntimeInputError) as err:
+                rec.vjp(x, bad, dims=DIMS, backend=backend)
+            messages.append(str(err.value))
+        assert messages[0] == messages[1]
+    with pytest.raises(RuntimeInputError, match="chunk size must be a positive integer"):
+        rec.vjp(x, up, dims=DIMS, backend="c", chunk_size=0)
+
+
+def test_refusals_give_the_structural_reason():
+    gla = linrec.load("examples/gla.lin")
+    assert gradients.gradient_refusal(gla, "recurrent", "c") is None
+    assert "recurrent backward only" in gradients.gradient_refusal(gla, "chunkwise", "c")
+    assert "elementwise" in gradients.gradient_refusal(linrec.load("examples/mamba1.lin"), "recurrent", "c")
+    assert "attention" in gradients.gradient_refusal(linrec.load("examples/softmax.lin"), "recurrent", "c")
+    # no recurrent form at all: the reason, and no advice to run it elsewhere
+    linformer = gradients.gradient_refusal(linrec.load("examples/linformer.lin"), "recurrent", "c")
+    assert "no recurrent forward form" in linformer and "NumPy" not in linformer
+    noncausal = linrec.compile("""recurrence nc(dk = 4, dv = 4) noncausal
+input q[dk], k[dk], v[dv]
+state S[dk, dv]
+S = S + k⊗v
+output o = q·S
+""", "nc.lin")
+    assert "not causal" in gradients.gradient_refusal(noncausal, "recurrent", "c")
+    with pytest.raises(LinrecError, match="elementwise"):
+        linrec.load("examples/mamba1.lin").vjp({}, {}, backend="c")
+
+
+def test_emitted_backward_calls_the_kernels(recs):
+    text = recs["gated_deltanet"].emit_gradient("recurrent", "c")
+    assert "adjoint_checkpoints(" in text and "adjoint_recurrent(" in text
+    assert "# adjoint of S.u0" in text  # the corrections' adjoints, into the expressions they come from
+
+
+def test_resets(recs):
+    """Log-decays of exactly −∞ (a decay of 0): as on NumPy, and ∂g is 0 at a reset (float32 too)."""
+    rec = recs["gla"]
+    x, up, s0, gT = _call(rec, 1, 12, 2, seed=6)
+    x["g"][0, 4] = -np.inf
+    x["g"][0, 9, 1] = -np.inf
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    for dtype, tolerance in ((np.float64, 1e-9), (np.float32, 5e-4)):
+        cast = lambda d: {k: v.astype(dtype) for k, v in d.items()}  # noqa: E731
+        got = rec.vjp(cast(x), cast(up), initial_state=cast(s0), grad_final_state=cast(gT), dims=DIMS,
+                      backend="c", chunk_size=5)
+        assert _worst(got.grads, want.grads) <= tolerance
+        assert np.all(got.grads["g"][0, 4] == 0) and np.all(got.grads["g"][0, 9, 1] == 0)
+
+
+# readouts before the update, two readouts of one state, a vector state beside a matrix one, a decay whose
+# log is taken numerically; a state carried transposed (multiplied and read from the right)
+STRUCTURES = {
+    "before": """recurrence before(dk = 5, dv = 7)
+input q[dk], k[dk], v[dv], a[dk]
+param gamma per head = uniform(0.5, 0.9, seed=1)
+state S[dk, dv], z[dk]
+output o = (q·S) / (1 + sigmoid(q)·z)
+S = diag(sigmoid(a))·S + k⊗v
+z = gamma*z + sigmoid(k)
+output p = (2*q)·S
+""",
+    "transposed": """recurrence transposed(dk = 5, dv = 7)
+input q[dk], k[dk], v[dv], g[dk] <= 0
+state S[dv, dk]
+S = S·diag(exp(g)) + v⊗k
+output o = S·q
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTURES))
+def test_other_structures(name):
+    rec = linrec.compile(STRUCTURES[name], f"{name}.lin")
+    x, up, s0, gT = _call(rec, 2, 11, 3, seed=7)
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=4)
+    assert _worst(got.grads, want.grads) <= 1e-9
+    assert _worst(got.outputs, want.outputs) <= 1e-9
