@@ -11,6 +11,7 @@ import pytest
 import linrec
 from linrec import arrays
 from linrec.c import build as c_build
+from linrec.c.backend import recurrent_source
 from linrec.c.kernel_source import Target, common_context
 from linrec.cli import main as cli_main
 from linrec.templating import environment
@@ -155,6 +156,36 @@ def test_a_64_step_bf16_decode_stays_within_tolerance_of_the_float32_one(program
         state_err = np.abs(final - ref.final_state["S"]).max() / np.abs(ref.final_state["S"]).max()
         assert 0 < state_err <= TOLERANCE_BF16_STATE, (backend, state_err)  # (rounded: not the float32 path)
         assert out_err <= TOLERANCE_BF16_STATE, (backend, out_err)
+
+
+def bf16_step_is_the_rounded_float32_step(rec, dims: dict, seed: int) -> str:
+    """One C step with a bfloat16 state against the float32 C step from the widened state, rounded after:
+    the bits of the states and the outputs equal (the same float32 arithmetic, one rounding at the end).
+    Returns how the bfloat16 step's kernel holds the state (its generated source tells)."""
+    x = rec.random_inputs(BATCH, 1, HEADS, dims=dims, dtype=np.float32, seed=seed)
+    S = (np.random.default_rng(seed).standard_normal((BATCH, HEADS, dims["dk"], dims["dv"])) * 0.5)
+    bits = to_bits(S.astype(np.float32))
+    out, new = rec.step(token(x, 0), {"S": bits.copy()}, backend="c", state_dtype="bfloat16")
+    want_out, want = rec.step(token(x, 0), {"S": from_bits(bits)}, backend="c")
+    assert np.array_equal(new["S"], to_bits(want["S"]))
+    for o in out:
+        assert np.array_equal(out[o].view(np.uint32), want_out[o].view(np.uint32)), o
+    source = recurrent_source(rec.compiled, dims, Target("float", c_build.vector_bytes()), True).source()
+    return "in the passes" if "lr_bf16_load_vec(row" in source else "widened into a scratch"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_bf16_step_reads_and_writes_the_bits_in_its_passes_and_equals_the_float32_step(programs, name):
+    """Rows of whole registers: the step's passes widen each register of the bits as they load it and round
+    it as they store it (no float32 copy of the state), bit for bit the float32 step rounded once."""
+    assert bf16_step_is_the_rounded_float32_step(programs[name], {"dk": DIMS, "dv": DIMS}, seed=11) == "in the passes"
+
+
+def test_a_bf16_state_with_a_column_tail_is_widened_and_equals_the_float32_step(programs):
+    """dv = 20, not a whole number of registers: the step widens the head into a float32 scratch (the
+    columns past the last register run the float32 step's own loop), bit for bit the float32 step."""
+    got = bf16_step_is_the_rounded_float32_step(programs["gated_deltanet"], {"dk": DIMS, "dv": 20}, seed=12)
+    assert got == "widened into a scratch"
 
 
 def test_a_bf16_pool_step_moves_only_its_slots_and_equals_the_plain_step(programs):

@@ -125,6 +125,7 @@ class KernelSource:
     writes_snapshots = False  # lr_forward_snapshots: the states after given token counts, written as it passes
     steps_slots = False       # lr_step_slots: the decode step over a pool of states, by slot
     state_is_bf16 = False     # the decode steps' states are bfloat16 bits (FusedKernel(…, state_is_bf16=True))
+    bf16_in_pass = False      # … which the step's passes widen and round as they load and store them
 
     def __init__(self, compiled: Compiled, dims: dict[str, int], target: Target):
         self.compiled = compiled
