@@ -73,25 +73,35 @@ def test_every_bfloat16_round_trips_except_subnormals_and_signalling_nans():
     assert from_bits(bits[plain]).dtype == np.float32
 
 
-@pytest.fixture(scope="module")
-def c_conversion():
+@pytest.fixture(scope="module", params=sorted({c_build.vector_bytes(), 32}, reverse=True))
+def c_conversion(request):
     """c_common.h.j2's bfloat16 helpers for this machine's target: the store (AVX-512 BF16 where the CPU
-    has it), the portable store and the load, each over an array."""
+    has it), the portable store and the load, each over an array, and the same a register at a time (the
+    decode step's passes), for this machine's register width and for 32-byte registers (AVX2)."""
     common = environment("linrec.c").get_template("c_common.h.j2").render(
-        **common_context(Target("float", c_build.vector_bytes())), block_tokens=16, inputs=[], checks_inputs=False,
+        **common_context(Target("float", request.param)), block_tokens=16, inputs=[], checks_inputs=False,
         state_is_bf16=True)
     calls = ("void store(const float *x, uint16_t *y, int n) { lr_bf16_store(y, x, n); }\n"
              "void store_portable(const float *x, uint16_t *y, int n) { lr_bf16_store_portable(y, x, n); }\n"
              "void load(const uint16_t *x, float *y, int n) { lr_bf16_load(y, x, n); }\n"
-             "int native(void) { return LR_BF16_NATIVE; }\n")
+             "int native(void) { return LR_BF16_NATIVE; }\n"
+             # the decode step's passes: a register at a time (n a multiple of VW)
+             "void store_vec(const float *x, uint16_t *y, int n)"
+             " { for (int i = 0; i < n; i += VW) lr_bf16_store_vec(y + i, lr_load(x + i)); }\n"
+             "void store_vec_portable(const float *x, uint16_t *y, int n)"
+             " { for (int i = 0; i < n; i += VW) lr_bf16_store_vec_portable(y + i, lr_load(x + i)); }\n"
+             "void load_vec(const uint16_t *x, float *y, int n)"
+             " { for (int i = 0; i < n; i += VW) lr_store(y + i, lr_bf16_load_vec(x + i)); }\n")
     cdef = ("void store(float *x, uint16_t *y, int n);\nvoid store_portable(float *x, uint16_t *y, int n);\n"
-            "void load(uint16_t *x, float *y, int n);\nint native(void);\n")
-    return c_build.build(common + calls, cdef, "bf16_conversion")
+            "void load(uint16_t *x, float *y, int n);\nint native(void);\n"
+            "void store_vec(float *x, uint16_t *y, int n);\nvoid store_vec_portable(float *x, uint16_t *y, int n);\n"
+            "void load_vec(uint16_t *x, float *y, int n);\n")
+    return c_build.build(common + calls, cdef, f"bf16_conversion_{request.param}")
 
 
 def test_c_conversion_is_numpys_bit_for_bit_on_both_paths(c_conversion):
     ffi, lib = c_conversion.ffi, c_conversion.lib
-    if "avx512_bf16" in c_build._cpu_flags() and c_build.vector_bytes() == 64:
+    if "avx512_bf16" in c_build._cpu_flags() and c_build.vector_bytes() == 64:  # (either register width)
         assert lib.native() == 1  # (the instruction is what is tested here, not only the integer path)
     rng = np.random.default_rng(0)
     words = np.concatenate([rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(np.uint32),
@@ -100,14 +110,15 @@ def test_c_conversion_is_numpys_bit_for_bit_on_both_paths(c_conversion):
                             np.arange(0, 1 << 16, dtype=np.uint32)])             # subnormals, near zero
     x = words.view(np.float32)
     want = to_bits(x)
-    for store in (lib.store, lib.store_portable):
+    for store in (lib.store, lib.store_portable, lib.store_vec, lib.store_vec_portable):
         got = np.zeros(x.size, np.uint16)
         store(ffi.from_buffer("float[]", x), ffi.from_buffer("uint16_t[]", got), x.size)
         assert np.array_equal(got, want), store
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    wide = np.zeros(bits.size, np.float32)
-    lib.load(ffi.from_buffer("uint16_t[]", bits), ffi.from_buffer("float[]", wide), bits.size)
-    assert np.array_equal(wide.view(np.uint32), from_bits(bits).view(np.uint32))
+    for load in (lib.load, lib.load_vec):
+        wide = np.zeros(bits.size, np.float32)
+        load(ffi.from_buffer("uint16_t[]", bits), ffi.from_buffer("float[]", wide), bits.size)
+        assert np.array_equal(wide.view(np.uint32), from_bits(bits).view(np.uint32)), load
 
 
 # ---- the decode steps ----
