@@ -1,6 +1,6 @@
 """The drift of a bfloat16 state against a float32 one over a long decode: every example with a decode step.
 
-    python benchmarks/bf16_drift.py [--tokens 32768] [--heads 4] [--backend c] [--markdown]
+    python benchmarks/bf16_drift.py [--tokens 32768] [--heads 4] [--dims 64,128] [--backend c] [--markdown]
 
 For each example whose decode state is a fixed-size recurrent state (causal, with a recurrent form), the same
 random float32 tokens (rec.random_inputs: the declared ranges, unit-scale values, decays as the file draws
@@ -9,6 +9,8 @@ state_dtype="bfloat16" (the state rounded to bfloat16 after every token, accumul
 step). Printed per example: the largest relative error of the outputs over all tokens (max |o_bf16 − o_f32|
 / max |o_f32|), the same of the final state, and how much the float32 state grew (max |S_T| / max |S_64|:
 ≫ 1 where nothing decays, as in the linear transformer, whose state is a running sum).
+--dims D,D…: run every file at each head dimension D in turn (dk = dv = D, as `linrec bench` presets them; the
+file's other sizes, Performer's m, as it declares them); without it, at the file's own sizes.
 The table in docs/serving.md ("A bfloat16 state") is this script's output.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import linrec
 from linrec import arrays
 from linrec.decode import reads_the_sequence
+from linrec.dim_option import dims_with_overrides
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EARLY = 64  # the state's size after this many tokens: what "grew" compares the final state with
@@ -68,11 +71,13 @@ def relative(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(got.astype(np.float64) - ref))) / scale if scale > 0 else float("nan")
 
 
-def drift(path: Path, tokens: int, heads: int, backend: str, seed: int) -> dict | None:
+def drift(path: Path, tokens: int, heads: int, backend: str, seed: int, head_dim: int | None = None) -> dict | None:
+    """The drift of one file (None: no fixed-size decode state); head_dim: dk = dv = head_dim."""
     rec = linrec.load(path)
     if not decodes(rec):
         return None
-    x = rec.random_inputs(batch=1, tokens=tokens, heads=heads, dtype=np.float32, seed=seed)
+    dims = dims_with_overrides(rec.program, [], {"dk": head_dim, "dv": head_dim} if head_dim else None)
+    x = rec.random_inputs(batch=1, tokens=tokens, heads=heads, dims=dims, dtype=np.float32, seed=seed)
     start = time.perf_counter()
     out32, early32, final32 = decode(rec, x, backend, None)
     out16, _, final16 = decode(rec, x, backend, "bfloat16")
@@ -82,8 +87,19 @@ def drift(path: Path, tokens: int, heads: int, backend: str, seed: int) -> dict 
         outputs=max(relative(out16[k], out32[k]) for k in out32),
         state=max(relative(final16[s], final32[s]) for s in states),
         grew=max(float(np.max(np.abs(final32[s])) / max(np.max(np.abs(early32[s])), 1e-30)) for s in states),
-        dims=", ".join(f"{d.name}={d.default}" for d in rec.program.dims),
+        dims=", ".join(f"{name}={size}" for name, size in dims.items()),
         seconds=time.perf_counter() - start)
+
+
+def head_dims(text: str) -> list[int]:
+    """--dims 64,128: positive sizes, comma-separated."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive head dimensions separated by commas, e.g. 64,128")
+    return sizes
 
 
 def main(argv=None) -> int:
@@ -92,17 +108,23 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--backend", default="c", choices=("c", "numpy"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dims", type=head_dims, metavar="D[,D…]",
+                        help="head dimensions to run each file at, dk = dv = D (default: the files' sizes)")
     parser.add_argument("--markdown", action="store_true", help="the table as docs/serving.md shows it")
     parser.add_argument("files", nargs="*", help="program files (default: every example)")
     args = parser.parse_args(argv)
     files = [Path(f) for f in args.files] or sorted(EXAMPLES.glob("*.lin"))
     rows, skipped = [], []
     for path in files:
-        row = drift(path, args.tokens, args.heads, args.backend, args.seed)
-        (rows.append(row) if row else skipped.append(path.stem))
-        if row:
-            print(f"{row['name']}: {row['seconds']:.1f} s", file=sys.stderr)
-    print(f"T = {args.tokens} decode steps, B = 1, H = {args.heads}, the files' sizes, {args.backend} backend, "
+        for head_dim in args.dims or [None]:
+            row = drift(path, args.tokens, args.heads, args.backend, args.seed, head_dim)
+            if row is None:
+                skipped.append(path.stem)
+                break
+            rows.append(row)
+            print(f"{row['name']} ({row['dims']}): {row['seconds']:.1f} s", file=sys.stderr)
+    sizes = f"dk = dv = {', '.join(map(str, args.dims))}" if args.dims else "the files' sizes"
+    print(f"T = {args.tokens} decode steps, B = 1, H = {args.heads}, {sizes}, {args.backend} backend, "
           f"seed {args.seed}; relative to the float32-state decode")
     if args.markdown:
         print("\n| example | sizes | outputs: max rel. error | final state: max rel. error | float32 state grew |")
@@ -110,9 +132,9 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"| {r['name']} | {r['dims']} | {r['outputs']:.1e} | {r['state']:.1e} | {r['grew']:.1f}× |")
     else:
-        print(f"{'example':<20} {'outputs':>10} {'state':>10} {'grew':>10}")
+        print(f"{'example':<20} {'sizes':<24} {'outputs':>10} {'state':>10} {'grew':>10}")
         for r in rows:
-            print(f"{r['name']:<20} {r['outputs']:10.2e} {r['state']:10.2e} {r['grew']:9.1f}x")
+            print(f"{r['name']:<20} {r['dims']:<24} {r['outputs']:10.2e} {r['state']:10.2e} {r['grew']:9.1f}x")
     if skipped:
         print(f"no fixed-size decode state (non-causal, or reads the sequence): {', '.join(skipped)}")
     return 0

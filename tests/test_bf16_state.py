@@ -11,6 +11,7 @@ import pytest
 import linrec
 from linrec import arrays
 from linrec.c import build as c_build
+from linrec.c.backend import recurrent_source
 from linrec.c.kernel_source import Target, common_context
 from linrec.cli import main as cli_main
 from linrec.templating import environment
@@ -72,25 +73,35 @@ def test_every_bfloat16_round_trips_except_subnormals_and_signalling_nans():
     assert from_bits(bits[plain]).dtype == np.float32
 
 
-@pytest.fixture(scope="module")
-def c_conversion():
+@pytest.fixture(scope="module", params=sorted({c_build.vector_bytes(), 32}, reverse=True))
+def c_conversion(request):
     """c_common.h.j2's bfloat16 helpers for this machine's target: the store (AVX-512 BF16 where the CPU
-    has it), the portable store and the load, each over an array."""
+    has it), the portable store and the load, each over an array, and the same a register at a time (the
+    decode step's passes), for this machine's register width and for 32-byte registers (AVX2)."""
     common = environment("linrec.c").get_template("c_common.h.j2").render(
-        **common_context(Target("float", c_build.vector_bytes())), block_tokens=16, inputs=[], checks_inputs=False,
+        **common_context(Target("float", request.param)), block_tokens=16, inputs=[], checks_inputs=False,
         state_is_bf16=True)
     calls = ("void store(const float *x, uint16_t *y, int n) { lr_bf16_store(y, x, n); }\n"
              "void store_portable(const float *x, uint16_t *y, int n) { lr_bf16_store_portable(y, x, n); }\n"
              "void load(const uint16_t *x, float *y, int n) { lr_bf16_load(y, x, n); }\n"
-             "int native(void) { return LR_BF16_NATIVE; }\n")
+             "int native(void) { return LR_BF16_NATIVE; }\n"
+             # the decode step's passes: a register at a time (n a multiple of VW)
+             "void store_vec(const float *x, uint16_t *y, int n)"
+             " { for (int i = 0; i < n; i += VW) lr_bf16_store_vec(y + i, lr_load(x + i)); }\n"
+             "void store_vec_portable(const float *x, uint16_t *y, int n)"
+             " { for (int i = 0; i < n; i += VW) lr_bf16_store_vec_portable(y + i, lr_load(x + i)); }\n"
+             "void load_vec(const uint16_t *x, float *y, int n)"
+             " { for (int i = 0; i < n; i += VW) lr_store(y + i, lr_bf16_load_vec(x + i)); }\n")
     cdef = ("void store(float *x, uint16_t *y, int n);\nvoid store_portable(float *x, uint16_t *y, int n);\n"
-            "void load(uint16_t *x, float *y, int n);\nint native(void);\n")
-    return c_build.build(common + calls, cdef, "bf16_conversion")
+            "void load(uint16_t *x, float *y, int n);\nint native(void);\n"
+            "void store_vec(float *x, uint16_t *y, int n);\nvoid store_vec_portable(float *x, uint16_t *y, int n);\n"
+            "void load_vec(uint16_t *x, float *y, int n);\n")
+    return c_build.build(common + calls, cdef, f"bf16_conversion_{request.param}")
 
 
 def test_c_conversion_is_numpys_bit_for_bit_on_both_paths(c_conversion):
     ffi, lib = c_conversion.ffi, c_conversion.lib
-    if "avx512_bf16" in c_build._cpu_flags() and c_build.vector_bytes() == 64:
+    if "avx512_bf16" in c_build._cpu_flags() and c_build.vector_bytes() == 64:  # (either register width)
         assert lib.native() == 1  # (the instruction is what is tested here, not only the integer path)
     rng = np.random.default_rng(0)
     words = np.concatenate([rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(np.uint32),
@@ -99,14 +110,15 @@ def test_c_conversion_is_numpys_bit_for_bit_on_both_paths(c_conversion):
                             np.arange(0, 1 << 16, dtype=np.uint32)])             # subnormals, near zero
     x = words.view(np.float32)
     want = to_bits(x)
-    for store in (lib.store, lib.store_portable):
+    for store in (lib.store, lib.store_portable, lib.store_vec, lib.store_vec_portable):
         got = np.zeros(x.size, np.uint16)
         store(ffi.from_buffer("float[]", x), ffi.from_buffer("uint16_t[]", got), x.size)
         assert np.array_equal(got, want), store
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    wide = np.zeros(bits.size, np.float32)
-    lib.load(ffi.from_buffer("uint16_t[]", bits), ffi.from_buffer("float[]", wide), bits.size)
-    assert np.array_equal(wide.view(np.uint32), from_bits(bits).view(np.uint32))
+    for load in (lib.load, lib.load_vec):
+        wide = np.zeros(bits.size, np.float32)
+        load(ffi.from_buffer("uint16_t[]", bits), ffi.from_buffer("float[]", wide), bits.size)
+        assert np.array_equal(wide.view(np.uint32), from_bits(bits).view(np.uint32)), load
 
 
 # ---- the decode steps ----
@@ -155,6 +167,36 @@ def test_a_64_step_bf16_decode_stays_within_tolerance_of_the_float32_one(program
         state_err = np.abs(final - ref.final_state["S"]).max() / np.abs(ref.final_state["S"]).max()
         assert 0 < state_err <= TOLERANCE_BF16_STATE, (backend, state_err)  # (rounded: not the float32 path)
         assert out_err <= TOLERANCE_BF16_STATE, (backend, out_err)
+
+
+def bf16_step_is_the_rounded_float32_step(rec, dims: dict, seed: int) -> str:
+    """One C step with a bfloat16 state against the float32 C step from the widened state, rounded after:
+    the bits of the states and the outputs equal (the same float32 arithmetic, one rounding at the end).
+    Returns how the bfloat16 step's kernel holds the state (its generated source tells)."""
+    x = rec.random_inputs(BATCH, 1, HEADS, dims=dims, dtype=np.float32, seed=seed)
+    S = (np.random.default_rng(seed).standard_normal((BATCH, HEADS, dims["dk"], dims["dv"])) * 0.5)
+    bits = to_bits(S.astype(np.float32))
+    out, new = rec.step(token(x, 0), {"S": bits.copy()}, backend="c", state_dtype="bfloat16")
+    want_out, want = rec.step(token(x, 0), {"S": from_bits(bits)}, backend="c")
+    assert np.array_equal(new["S"], to_bits(want["S"]))
+    for o in out:
+        assert np.array_equal(out[o].view(np.uint32), want_out[o].view(np.uint32)), o
+    source = recurrent_source(rec.compiled, dims, Target("float", c_build.vector_bytes()), True).source()
+    return "in the passes" if "lr_bf16_load_vec(row" in source else "widened into a scratch"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_bf16_step_reads_and_writes_the_bits_in_its_passes_and_equals_the_float32_step(programs, name):
+    """Rows of whole registers: the step's passes widen each register of the bits as they load it and round
+    it as they store it (no float32 copy of the state), bit for bit the float32 step rounded once."""
+    assert bf16_step_is_the_rounded_float32_step(programs[name], {"dk": DIMS, "dv": DIMS}, seed=11) == "in the passes"
+
+
+def test_a_bf16_state_with_a_column_tail_is_widened_and_equals_the_float32_step(programs):
+    """dv = 20, not a whole number of registers: the step widens the head into a float32 scratch (the
+    columns past the last register run the float32 step's own loop), bit for bit the float32 step."""
+    got = bf16_step_is_the_rounded_float32_step(programs["gated_deltanet"], {"dk": DIMS, "dv": 20}, seed=12)
+    assert got == "widened into a scratch"
 
 
 def test_a_bf16_pool_step_moves_only_its_slots_and_equals_the_plain_step(programs):

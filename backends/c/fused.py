@@ -76,6 +76,11 @@ class FusedKernel(KernelSource):
             self.value_dim, self.value_parts = axis, parts
         super().__init__(compiled, dims, target)
         self.state_is_bf16 = state_is_bf16  # the decode steps' states are bfloat16 bits (lr_step_heads)
+        # … read and written as bits by the step's own passes, when every matrix state's row is a whole number
+        # of registers (else widened into a float32 scratch: the columns past the last register run the float32
+        # step's scalar loop, whose sums only that very loop reproduces bit for bit)
+        self.bf16_in_pass = state_is_bf16 and all(
+            len(st.shape) == 1 or self.dims[st.shape[1]] % target.lanes == 0 for st in self.program.states)
         self.scales = Scales(compiled)  # exponential feature maps: states carried as S·exp(−σ)
 
     def array_names(self) -> tuple[list[str], int]:
@@ -128,13 +133,13 @@ class FusedKernel(KernelSource):
             buffers=[b for s in states for b in [s.every_head] + ([s.every_scale] if s.scale_rows else [])]
             + [f"all_ls{sc.index}" for sc in groups],
             step_work=work, step_parallel_threshold=STEP_PARALLEL_THRESHOLD,
-            state_is_bf16=self.state_is_bf16, bf16_scratch=self._bf16_scratch(states),
+            state_is_bf16=self.state_is_bf16, bf16_in_pass=self.bf16_in_pass, bf16_scratch=self._bf16_scratch(states),
             **self.entry_points(),
         )
 
     def _bf16_scratch(self, states: list[StateBuffers]) -> tuple[dict[str, int], int]:
-        """Where each state's float32 copy lies in a decode step's scratch (bfloat16 states: lr_step_heads
-        steps a head's states there), each on a cache line, and the scratch's values."""
+        """Where each state's float32 copy lies in a decode step's scratch (bfloat16 states not stepped in the
+        passes: lr_step_heads steps a head's states there), each on a cache line, and the scratch's values."""
         at, offset = {}, 0
         for s in states:
             at[s.name] = offset
@@ -192,6 +197,10 @@ class FusedKernel(KernelSource):
 
     def _buffers_zero(self, states: list[str]) -> str:
         """C for "the step's buffers of these states are all zero" (a head's states where the step holds them:
-        its rows of the caller's arrays, or their float32 copy when the states are bfloat16)."""
-        return " && ".join(f"lr_all_zero({self.local('buf', self.cstate(n))}, {self.size(self.program.state(n).shape)})"
-                           for n in states)
+        its rows of the caller's arrays — a matrix state's bits when the passes step bfloat16 states —, or
+        their float32 copy when the states are bfloat16)."""
+        def zero(name: str) -> str:
+            st = self.program.state(name)
+            bits = self.bf16_in_pass and len(st.shape) == 2
+            return f"lr_{'bf16_' if bits else ''}all_zero({self.local('buf', self.cstate(name))}, {self.size(st.shape)})"
+        return " && ".join(zero(n) for n in states)

@@ -242,6 +242,7 @@ class RowPass:
     ahead: str | None                 # the decode step: the next head's rows, prefetched as the rows go
     prefetch_offsets: tuple[int, ...]  # … at these offsets of a row (one per cache line)
     tail: ColumnTail | None
+    bits: bool = False                # the state is bfloat16 bits (the decode step's, see passes.MatrixOperands)
 
 
 @dataclass(frozen=True)
@@ -280,6 +281,7 @@ class CorrectionPass:
     last_row: CorrectionRow | None
     stores: Lines
     tail: CorrectionTail | None
+    bits: bool = False                # the state is bfloat16 bits (the decode step's, see passes.MatrixOperands)
 
 
 @dataclass(frozen=True)

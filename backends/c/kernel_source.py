@@ -125,6 +125,7 @@ class KernelSource:
     writes_snapshots = False  # lr_forward_snapshots: the states after given token counts, written as it passes
     steps_slots = False       # lr_step_slots: the decode step over a pool of states, by slot
     state_is_bf16 = False     # the decode steps' states are bfloat16 bits (FusedKernel(…, state_is_bf16=True))
+    bf16_in_pass = False      # … which the step's passes widen and round as they load and store them
     # a kernel over parts of the value axis (fused.py, value_split.py): `dims` holds a part's size of
     # `value_dim`, and a row of the caller's arrays along it holds `value_parts` parts; 1: the whole axis
     value_dim: str | None = None

@@ -48,6 +48,21 @@ class MatrixOperands:
     before: tuple[ReadoutOperands, ...]
     after: tuple[ReadoutOperands, ...]
     corrections: tuple[CorrectionOperands, ...]
+    # the decode step of a bfloat16 state (state_dtype="bfloat16", rows of whole registers): the buffer holds
+    # the state's bits, which a pass widens as it loads a register and rounds as it stores one; between the
+    # two the values stay float32 in registers, so a step's arithmetic is the float32 step's and it rounds
+    # each value once
+    bits: bool = False
+
+
+def _load(ops: MatrixOperands, at: str) -> str:
+    """C of a register of the state loaded from `at` (widened from its bits when they are bits)."""
+    return f"lr_bf16_load_vec({at})" if ops.bits else f"lr_load({at})"
+
+
+def _store(ops: MatrixOperands, at: str, value: str) -> str:
+    """C that stores a register of the state to `at` (rounded to bfloat16 when the state is bits)."""
+    return f"lr_bf16_store_vec({at}, {value});" if ops.bits else f"lr_store({at}, {value});"
 
 
 def divisor_at_most(n: int, limit: int) -> int:
@@ -158,6 +173,7 @@ def row_pass(ops: MatrixOperands, *, lanes: int, vector_bytes: int, columns: int
     ahead: the next head's rows, prefetched a cache line of each row at a time."""
     readouts = ops.before + ops.after
     whole = columns // lanes * lanes
+    assert not (ops.bits and columns > whole), "bfloat16 bits in a pass: rows of whole registers only"
     declarations = [_registers([f"y{g}_{v} = lr_load({y} + j + {v * lanes})" for v in range(registers)],
                                "const vec") for g, y in enumerate(ops.rights)]
     declarations += [_registers([f"o{i}_{v} = {{0}}, e{i}_{v} = {{0}}" for v in range(registers)], "vec")
@@ -185,7 +201,7 @@ def row_pass(ops: MatrixOperands, *, lanes: int, vector_bytes: int, columns: int
         ops.decay.code if ops.decay and not ops.decay.vector else None, whole, registers * lanes,
         tuple(declarations), (row("i", "o"), row("i + 1", "e")), row(str(ops.rows - 1), "o") if ops.rows % 2 else None,
         tuple(stores), ahead,
-        tuple(v * lanes for v in range(registers) if (v * vector_bytes) % 64 == 0) if ahead else (), tail)
+        tuple(v * lanes for v in range(registers) if (v * vector_bytes) % 64 == 0) if ahead else (), tail, ops.bits)
 
 
 def _row_scalars(ops: MatrixOperands, k: str, next_w: tuple[str, ...]) -> list[str]:
@@ -200,12 +216,12 @@ def _row_scalars(ops: MatrixOperands, k: str, next_w: tuple[str, ...]) -> list[s
 def _register_statements(ops: MatrixOperands, v: int, acc: str, lanes: int | None, nexts: int) -> list[str]:
     """Register v of a row (lanes=None: the row's single column of a column tail): the readouts before the
     update, the update, the readouts after it and the next token's p, accumulated into `acc`'s sums."""
-    lines = [f"vec s{v} = lr_load(row + {v * lanes});" if lanes else f"T s{v} = row[0];"]
+    lines = [f"vec s{v} = {_load(ops, f'row + {v * lanes}')};" if lanes else f"T s{v} = row[0];"]
     lines += [f"{acc}{i}_{v} += qb{i} * s{v};" for i in range(len(ops.before))]
     if ops.update:
         scaled = f"d * s{v}" if ops.decay else f"s{v}"
         lines.append(f"s{v} = {scaled}" + "".join(f" + x{g} * y{g}_{v}" for g in range(len(ops.lefts))) + ";")
-        lines.append(f"lr_store(row + {v * lanes}, s{v});" if lanes else f"row[0] = s{v};")
+        lines.append(_store(ops, f"row + {v * lanes}", f"s{v}") if lanes else f"row[0] = s{v};")
     lines += [f"{acc}{len(ops.before) + i}_{v} += qa{i} * s{v};" for i in range(len(ops.after))]
     return lines + [f"{acc}p{i}_{v} += wn{i} * s{v};" for i in range(nexts)]
 
@@ -214,9 +230,10 @@ def correction_pass(ops: MatrixOperands, *, lanes: int, columns: int, registers:
     """p_r = w_rᵀ·S for the corrections of a matrix state: `registers` registers of a row at a time, then
     the columns past the last whole register one by one."""
     whole = columns // lanes * lanes
+    assert not (ops.bits and columns > whole), "bfloat16 bits in a pass: rows of whole registers only"
 
     def row(k: str, acc: str) -> CorrectionRow:
-        lines = [f"const vec s{v} = lr_load(row + {v * lanes});" for v in range(registers)]
+        lines = [f"const vec s{v} = {_load(ops, f'row + {v * lanes}')};" for v in range(registers)]
         for i, cr in enumerate(ops.corrections):
             lines += [f"const T w{i} = {cr.w}[{k}];"] + [f"{acc}{i}_{v} += w{i} * s{v};" for v in range(registers)]
         return CorrectionRow(k, tuple(lines))
@@ -231,7 +248,7 @@ def correction_pass(ops: MatrixOperands, *, lanes: int, columns: int, registers:
               for i in range(len(ops.corrections))),
         (row("i", "a"), row("i + 1", "e")), row(str(ops.rows - 1), "a") if ops.rows % 2 else None,
         tuple(f"lr_store({cr.p} + j + {v * lanes}, a{i}_{v} + e{i}_{v});"
-              for i, cr in enumerate(ops.corrections) for v in range(registers)), tail)
+              for i, cr in enumerate(ops.corrections) for v in range(registers)), tail, ops.bits)
 
 
 def correction_arrays(ops: MatrixOperands, size: int) -> Lines:

@@ -92,7 +92,8 @@ def _state(k: KernelSource, pr: CPrinter, st: ir.State, t: StateTerms, v: _Value
     comment = k.decomposition.transition(st.name).kind
     ahead = k.local("next", c)  # (the next head's rows, for the prefetches)
     ops = MatrixOperands(st.name, comment, buffer, rows, cols, True, v.decay, v.xs, rights, tuple(before),
-                         tuple(after), tuple(CorrectionOperands(w, cr.p.name) for w, cr in zip(v.ws, t.corrections)))
+                         tuple(after), tuple(CorrectionOperands(w, cr.p.name) for w, cr in zip(v.ws, t.corrections)),
+                         bits=k.bf16_in_pass and matrix)
     if not matrix:
         decay = v.decay
         update = ((f"{decay.code}[i]" if decay.vector else "d") + " * " if decay else "") + f"{buffer}[i]" \
@@ -102,8 +103,9 @@ def _state(k: KernelSource, pr: CPrinter, st: ir.State, t: StateTerms, v: _Value
                               tuple(reads[:len(before)]), update, tuple(reads[len(before):]), right_scalars=right_lines,
                               scalar_decay=decay.code if decay and not decay.vector else None), None
     lanes, whole = k.target.lanes, cols // k.target.lanes
-    # read twice (corrections first): the update pass runs from L1 and can prefetch the next head
-    prefetches = bool(t.corrections)
+    # read twice (corrections first): the update pass runs from L1 and can prefetch the next head (bfloat16
+    # bits: lr_step_heads prefetches the next head's whole state before the token, half the lines)
+    prefetches = bool(t.corrections) and not k.state_is_bf16
     corrections = None
     if t.corrections:
         corrections = correction_pass(ops, lanes=lanes, columns=cols, registers=column_block(whole, 2 * len(v.ws) + 1))
