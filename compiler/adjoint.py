@@ -461,6 +461,9 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
         if t.corrections:
             return (f"'{t.state}' has {len(t.corrections)} rank-one correction(s): their {form} backward (the "
                     f"UT transform of the adjoint, run in reverse) is not derived")
+        if t.value_corrections:
+            return (f"'{t.state}' has {len(t.value_corrections)} rank-one correction(s) on the value side: their "
+                    f"{form} backward is not derived")
         if t.value_decay is not None:
             return f"'{t.state}' decays its value axis: the {form} backward of that is not derived"
         if t.elementwise:

@@ -263,6 +263,9 @@ def why_not(compiled: Compiled) -> str | None:
         if d.transition(state).corrections:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
     for t in d.transitions:
+        if t.value_corrections:
+            return (f"state '{t.state}' has a rank-one correction on the value side (`{t.state}·(I − a⊗b)`), which "
+                    f"the C scan kernels do not take (their pseudo-values are rows wᵀ·S, not columns S·a)")
         if t.value_decay is not None:
             return (f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which the C scan kernels do "
                     f"not take")
