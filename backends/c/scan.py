@@ -35,6 +35,7 @@ from ..numpy.derived import emit_derived
 from ..dsl.errors import LinrecError, RuntimeInputError
 
 from . import build as c_build
+from . import elementwise as c_elementwise
 from . import values as c_values
 from .scan_kernels import FORMS, cached_kernel, call, chunk_of, operand
 from .buffers import C_INT_MAX
@@ -122,6 +123,10 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     corrections = [tuple(c) for c in corrections]
     writes = [tuple(w) for w in writes]
     readouts = [(q, bool(before)) for q, before in readouts]
+    if log_decay is not None and np.ndim(log_decay) == 5:  # a log-decay per element: c_elementwise's kernels
+        if corrections:
+            raise LinrecError("an elementwise decay with rank-one corrections has no derived form")
+        return c_elementwise.scan(form, s0, log_decay, writes, readouts, causal, chunk_size, num_threads)
     if any(q is None for q, _ in readouts):
         return _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads,
                             span_max)
@@ -221,8 +226,9 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
 # ---- programs: the generated source, and the module of a form ----------------------------------------
 def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None) -> list[tuple[str, Structure]]:
     """(state name, kernel structure) for every state of a program, at the given (else default) sizes: a
-    c_values.Structure for a vector state read as it is, a Structure for its readouts q·S, if any, and for
-    every other state."""
+    c_values.Structure for a vector state read as it is, a c_elementwise.Structure for a state that decays
+    element by element, a Structure for the readouts q·S of a vector state, if any, and for every other
+    state."""
     p, d = compiled.program, compiled.decomposition
     if d.sequence is not None:
         raise LinrecError(f"'{compiled.name}' reads the whole sequence: it is not a scan over a recurrent state")
@@ -244,6 +250,9 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
         shape = tuple(reversed(st.shape)) if st.name in d.transposed else st.shape  # (carried as Sᵀ)
         dk = sizes[shape[0]]
         dv = sizes[shape[1]] if len(shape) == 2 else 1
+        if t.elementwise:
+            out.append((st.name, c_elementwise.Structure(len(t.writes), before, p.causal, dk, dv, ctype)))
+            continue
         if values:  # c_values reads it as it is and gives its final state
             out.append((st.name, c_values.Structure(decay, len(t.writes), values, p.causal, dk, ctype)))
         if before or not values:
@@ -255,10 +264,6 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
 def why_not(compiled: Compiled) -> str | None:
     """Why these kernels cannot run the program's scans, or None (see VALUES_WITH_CORRECTIONS)."""
     d = compiled.decomposition
-    for t in d.transitions:
-        if t.elementwise:
-            return (f"state '{t.state}' decays elementwise (`X*{t.state}`, a decay per element): the compiled scans "
-                    f"carry one log-decay per token or per row")
     for state in dict.fromkeys(r.state for r in d.readouts if r.is_value):
         if d.transition(state).corrections:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
@@ -285,7 +290,8 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
         raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}")
     parts = []
     for name, s in structures(compiled, dtype, dims):
-        source = c_values.render(s, form) if isinstance(s, c_values.Structure) else render(s, form)
+        source = c_values.render(s, form) if isinstance(s, c_values.Structure) else \
+            c_elementwise.render(s, form) if isinstance(s, c_elementwise.Structure) else render(s, form)
         parts.append(f"/* ==== state '{name}': {s.describe()} ==== */\n" + source)
     return "\n".join(parts)
 
