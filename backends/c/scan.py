@@ -222,6 +222,8 @@ def _on_the_value_axis(form, s0, log_decay, corrections, writes, readouts, causa
     (c_elementwise's kernels), or by rows only where the columns do not decay. What needs a triangular system
     per row or column — key-side corrections beside m, value-side ones beside a decay of the rows — is
     refused (why_not says so before any call)."""
+    if corrections and value_corrections:
+        raise LinrecError("corrections on both sides of a state have no derived form")
     if corrections and value_log_decay is not None:
         raise LinrecError(f"the C scan kernels do not take {VALUE_DECAY_WITH_CORRECTIONS}")
     if value_corrections and log_decay is not None:
