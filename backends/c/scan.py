@@ -236,6 +236,8 @@ def _on_the_value_axis(form, s0, log_decay, corrections, writes, readouts, causa
         writes = writes + [(key, b) for key, (_, b) in zip(keys, value_corrections)]
     if value_log_decay is None:
         return scan(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max)
+    if np.shape(value_log_decay)[-1] == 1 and log_decay is None:  # one per token commutes: the rows take it
+        return scan(form, s0, value_log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max)
     decay = np.asarray(value_log_decay)[..., None, :]
     if log_decay is not None:
         decay = decay + np.asarray(log_decay)[..., :, None]
@@ -286,8 +288,8 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
             why = "; ".join(t.reasons)
             raise LinrecError(f"state '{st.name}' of '{compiled.name}' has no parallel or chunkwise form: {why}")
         decay = "none" if t.log_decay is None else ("row" if t.log_decay.shape else "token")
-        if decay == "none" and st.name in stable:
-            decay = "token"
+        if decay == "none" and (st.name in stable or (t.value_decay is not None and not t.value_decay.shape)):
+            decay = "token"  # (a scalar decay carried on the value axis commutes: the rows take it)
         reads = [r for r in d.readouts if r.state == st.name]
         before = tuple(r.before_update for r in reads if not r.is_value)
         values = tuple(r.before_update for r in reads if r.is_value)
@@ -299,7 +301,7 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
             rows = "none" if t.value_log_decay is None else "row" if t.value_log_decay.shape else "token"
             out.append((st.name, Structure(rows, vc, len(t.writes), (True,) * vc, True, dv, dk, ctype,
                                            c_build.vector_bytes())))
-        if t.elementwise or t.value_decay is not None:
+        if t.elementwise or (t.value_decay is not None and (t.value_decay.shape or t.decay is not None)):
             out.append((st.name, c_elementwise.Structure(len(t.writes) + vc, before, p.causal, dk, dv, ctype)))
             continue
         if values:  # c_values reads it as it is and gives its final state
