@@ -9,6 +9,7 @@
   that cut the 16-token sub-blocks, strong decays and resets (log-decay −∞); on C for two of them (the
   kernels of the others are the example's), and C's reason where a triangular system per row or column is
   needed;
+- a non-causal program (every readout reads the final state) on both backends;
 - the programs the forms do not take say why: corrections on both sides, a value-side correction that is
   not under the key axis's decay.
 
@@ -165,3 +166,22 @@ def test_what_the_forms_do_not_take_says_why(name):
     assert words in why, why
     x, s0 = inputs(rec, 9)
     assert np.all(np.isfinite(rec.run(x, initial_state=s0, dims=DIMS).outputs["o"]))
+
+
+NONCAUSAL = """recurrence oja_encoder(dk = 8, dv = 8) noncausal
+input q[dk], k[dk], v[dv], beta in (0, 1), gv[dv] <= 0
+vn = l2norm(v)
+state S[dk, dv]
+S = S·diag(exp(gv))·(I − beta·vn⊗vn) + beta·k⊗vn
+output o = q·S
+"""
+
+
+def test_a_noncausal_program_reads_the_final_state_on_both_backends():
+    rec = linrec.compile(NONCAUSAL, "oja_encoder.lin")
+    x, s0 = inputs(rec, 29)
+    want = rec.run(x, form="recurrent", initial_state=s0, dims=DIMS)
+    for form in ("parallel", "chunkwise"):
+        for backend in ("numpy", "c"):
+            got = rec.run(x, form=form, backend=backend, initial_state=s0, chunk_size=8, dims=DIMS)
+            assert_close(got, want.outputs, want.final_state, f"non-causal {form} {backend}")
