@@ -37,10 +37,11 @@ class Structure:
     dk: int
     dv: int
     ctype: str                 # "float" or "double"
+    columns: bool = False      # one log-decay per column, shared by the rows (a decay of the value axis)
 
     def describe(self) -> str:
         reads = ", ".join("before" if b else "after" for b in self.before) or "none"
-        return (f"one log-decay per element; {self.writes} write(s); readouts: {reads}; "
+        return (f"one log-decay per {'column' if self.columns else 'element'}; {self.writes} write(s); readouts: {reads}; "
                 f"{'causal' if self.causal else 'non-causal'}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
 
 
@@ -49,7 +50,7 @@ def render(s: Structure, form: str | None = None) -> str:
     return environment(__package__).get_template("c_elementwise.c.j2").render(
         version=VERSION, title=f"the {form} form" if form else "the parallel and chunkwise forms",
         description=s.describe(), ctype=s.ctype, dk=s.dk, dv=s.dv, writes=s.writes, readouts=len(s.before),
-        causal=s.causal, sb=SUB_BLOCK, before=", ".join("1" if b else "0" for b in s.before))
+        causal=s.causal, sb=SUB_BLOCK, before=", ".join("1" if b else "0" for b in s.before), columns=s.columns)
 
 
 def cdef(s: Structure) -> str:
@@ -60,21 +61,23 @@ def cdef(s: Structure) -> str:
 
 def kernel(s: Structure):
     """The built extension (ffi, lib) for a structure: memoized, else from the disk cache, else built."""
-    return cached_kernel(s, "elementwise", f"elementwise_w{s.writes}_{s.ctype}", lambda: render(s), cdef(s))
+    label = f"elementwise{'_columns' if s.columns else ''}_w{s.writes}_{s.ctype}"
+    return cached_kernel(s, "elementwise", label, lambda: render(s), cdef(s))
 
 
 def scan(form: str, s0, log_decay, writes, readouts, causal=True, chunk_size=None, num_threads=None):
     """The readouts q·S of a state s0 [B, H, dk, dv] decaying by exp(log_decay) element by element (log_decay
-    [B, T, H, dk, dv]); writes [(κ [B, T, H, dk], x [B, T, H, dv])], readouts [(query [B, T, H, dk], before)].
+    [B, T, H, dk, dv]; or [B, T, H, dv], one per column shared by the rows: a decay of the value axis); writes [(κ [B, T, H, dk], x [B, T, H, dv])], readouts [(query [B, T, H, dk], before)].
     Returns ([readout [B, T, H, dv]], final state [B, H, dk, dv]) in the working dtype of the per-token arrays
     (float32, else float64)."""
     if form not in FORMS:
         raise LinrecError(f"unknown scan form {form!r}; choose parallel or chunkwise")
     s0 = np.asarray(s0)
     log_decay = np.asarray(log_decay)
-    if s0.ndim != 4 or log_decay.ndim != 5:
-        raise RuntimeInputError(f"an elementwise decay needs a state [B, H, dk, dv] and log-decays [B, T, H, dk, dv], "
-                                f"got {list(s0.shape)} and {list(log_decay.shape)}")
+    if s0.ndim != 4 or log_decay.ndim not in (4, 5):
+        raise RuntimeInputError(f"an elementwise decay needs a state [B, H, dk, dv] and log-decays [B, T, H, dk, dv] "
+                                f"or [B, T, H, dv], got {list(s0.shape)} and {list(log_decay.shape)}")
+    columns = log_decay.ndim == 4
     values = [np.asarray(a) for pair in writes for a in pair] + [np.asarray(q) for q, _ in readouts]
     # the working dtype is the values' (a stabilized program's log-decay may arrive in float64 whatever it is)
     working = np.result_type(*values) if values else s0.dtype
@@ -85,9 +88,12 @@ def scan(form: str, s0, log_decay, writes, readouts, causal=True, chunk_size=Non
         raise RuntimeInputError(f"the initial state should have shape [B, H, dk, dv] = [{batch}, {heads}, …], got "
                                 f"{list(s0.shape)}")
     lead = (batch, tokens, heads)
-    decays = operand(log_decay, dtype, lead + (dk, dv), "the log-decay")
-    ops = [decays.reshape(lead + (dk * dv,)) if decays.strides[-2] == dv * dtype.itemsize
-           else np.ascontiguousarray(decays).reshape(lead + (dk * dv,))]
+    if columns:
+        ops = [operand(log_decay, dtype, lead + (dv,), "the log-decay")]
+    else:
+        decays = operand(log_decay, dtype, lead + (dk, dv), "the log-decay")
+        ops = [decays.reshape(lead + (dk * dv,)) if decays.strides[-2] == dv * dtype.itemsize
+               else np.ascontiguousarray(decays).reshape(lead + (dk * dv,))]
     for i, (kappa, x) in enumerate(writes):
         ops += [operand(kappa, dtype, lead + (dk,), f"write {i}: key"), operand(x, dtype, lead + (dv,), f"write {i}: value")]
     ops += [operand(q, dtype, lead + (dk,), f"readout {i}: query") for i, (q, _) in enumerate(readouts)]
@@ -95,7 +101,7 @@ def scan(form: str, s0, log_decay, writes, readouts, causal=True, chunk_size=Non
     outs = [np.empty(lead + (dv,), dtype) for _ in readouts]
     if batch * heads == 0 or tokens == 0:
         return outs, state.copy()
-    s = Structure(len(writes), tuple(bool(b) for _, b in readouts), bool(causal), dk, dv, CTYPES[dtype])
+    s = Structure(len(writes), tuple(bool(b) for _, b in readouts), bool(causal), dk, dv, CTYPES[dtype], columns)
     chunk = chunk_of(chunk_size, tokens)
     work = batch * heads * tokens * dk * dv * (len(readouts) * (1 + SUB_BLOCK // 2) + len(writes) + 2)
     if form == "parallel":

@@ -238,12 +238,14 @@ def _on_the_value_axis(form, s0, log_decay, corrections, writes, readouts, causa
         return scan(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max)
     if np.shape(value_log_decay)[-1] == 1 and log_decay is None:  # one per token commutes: the rows take it
         return scan(form, s0, value_log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max)
-    decay = np.asarray(value_log_decay)[..., None, :]
-    if log_decay is not None:
-        decay = decay + np.asarray(log_decay)[..., :, None]
     dk, dv = np.shape(s0)[-2:]
-    return c_elementwise.scan(form, s0, np.broadcast_to(decay, decay.shape[:3] + (dk, dv)), writes, readouts, causal,
-                              chunk_size, num_threads)
+    decay = np.asarray(value_log_decay)
+    if log_decay is not None:  # both axes: one log-decay per element
+        decay = decay[..., None, :] + np.asarray(log_decay)[..., :, None]
+        decay = np.broadcast_to(decay, decay.shape[:3] + (dk, dv))
+    else:  # the columns alone: the rows share them
+        decay = np.broadcast_to(decay, decay.shape[:3] + (dv,))
+    return c_elementwise.scan(form, s0, decay, writes, readouts, causal, chunk_size, num_threads)
 
 
 def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None, value_log_decay=None,
@@ -302,7 +304,8 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
             out.append((st.name, Structure(rows, vc, len(t.writes), (True,) * vc, True, dv, dk, ctype,
                                            c_build.vector_bytes())))
         if t.elementwise or (t.value_decay is not None and (t.value_decay.shape or t.decay is not None)):
-            out.append((st.name, c_elementwise.Structure(len(t.writes) + vc, before, p.causal, dk, dv, ctype)))
+            out.append((st.name, c_elementwise.Structure(len(t.writes) + vc, before, p.causal, dk, dv, ctype,
+                                                         not t.elementwise and t.decay is None and st.name not in stable)))
             continue
         if values:  # c_values reads it as it is and gives its final state
             out.append((st.name, c_values.Structure(decay, len(t.writes), values, p.causal, dk, ctype)))
