@@ -9,7 +9,8 @@
   that cut the 16-token sub-blocks, strong decays and resets (log-decay −∞); on C for two of them (the
   kernels of the others are the example's), and C's reason where a triangular system per row or column is
   needed;
-- a non-causal program (every readout reads the final state) on both backends;
+- a non-causal program (every readout reads the final state) on both backends; decays of both axes without a
+  correction (C: one log-decay per element), with strong decays and resets;
 - the programs the forms do not take say why: corrections on both sides, a value-side correction that is
   not under the key axis's decay.
 
@@ -185,3 +186,31 @@ def test_a_noncausal_program_reads_the_final_state_on_both_backends():
         for backend in ("numpy", "c"):
             got = rec.run(x, form=form, backend=backend, initial_state=s0, chunk_size=8, dims=DIMS)
             assert_close(got, want.outputs, want.final_state, f"non-causal {form} {backend}")
+
+
+# decays of both axes without corrections (GLA's general form): on C, one log-decay per element
+BOTH_AXES = """recurrence both_axes(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], a[dk] <= 0, b[dv] <= 0, c <= 0
+state S[dk, dv], R[dk, dv]
+early = q·R
+S = diag(exp(a))·S·diag(exp(b)) + k⊗v
+R = exp(c)·R·diag(exp(b)) + 0.5·k⊗v
+output o = q·S + early + q·R
+"""
+
+
+@pytest.mark.parametrize("strong, resets", [(False, False), (True, True)])
+def test_decays_of_both_axes_on_both_backends(strong, resets):
+    rec = _recs.setdefault("both_axes", linrec.compile(BOTH_AXES, "both_axes.lin"))
+    x, s0 = inputs(rec, 41, seed=2)
+    rng = np.random.default_rng(9)
+    for name in ("a", "b", "c"):
+        if strong:
+            x[name] = -40 * rng.uniform(0, 1, x[name].shape)
+        if resets:
+            x[name] = np.where(rng.uniform(size=x[name].shape) < 0.1, -np.inf, x[name])
+    want = rec.run(x, form="recurrent", initial_state=s0, dims=DIMS)
+    for form in ("parallel", "chunkwise"):
+        for backend in ("numpy", "c"):
+            got = rec.run(x, form=form, backend=backend, initial_state=s0, chunk_size=16, dims=DIMS)
+            assert_close(got, want.outputs, want.final_state, f"both axes {form} {backend}")
