@@ -116,9 +116,12 @@ def flop_count(rec, dims: dict[str, int]) -> tuple[int, str, list[str]]:
             terms.append(("decay", 1))  # a matrix state's decay is a running scale: no per-element work
         for _ in tr.corrections:
             terms.append(("correction wᵀS", 2))
+        for _ in tr.value_corrections:
+            terms.append(("correction S·a", 2))
         # rank-one updates, one per left vector: u⊗p of a correction and key⊗value of a write that share it
         # are one update S += x⊗(Σ y)
         lefts = {split_scalar(u)[1]: "correction" for u, _w in tr.corrections}
+        terms += [("rank-one update", 2)] * len(tr.value_corrections)  # (S·a)⊗b: its own left vector
         plain = 0
         for key, value in tr.writes:
             if value is None and len(state.shape) == 1:

@@ -460,6 +460,9 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
     if not compiled.program.causal:
         return f"the {form} backward of a non-causal program is not derived"
     for t in d.transitions:
+        if t.value_corrections:
+            return (f"'{t.state}' has {len(t.value_corrections)} rank-one correction(s) on the value side: their "
+                    f"{form} backward is not derived")
         if t.elementwise:
             return f"'{t.state}' decays elementwise (`X*{t.state}`): the {form} backward of that is not derived"
     if any(r.is_value for r in d.readouts):

@@ -17,7 +17,7 @@ def stabilized_states(compiled: Compiled) -> dict[str, tuple]:
     if compiled.decomposition.why_not("chunkwise") or compiled.decomposition.stages:  # (stages: each has its own)
         return out
     for t in compiled.decomposition.transitions:
-        if t.corrections or not t.writes or not t.factorable:
+        if t.corrections or t.value_corrections or not t.writes or not t.factorable:
             continue
         alphas = [split_exp(key)[1] for key, _ in t.writes]
         if all(a is not None and variance(a) == "token" for a in alphas):

@@ -1,11 +1,18 @@
 """Classify each state's transition and decompose its update for the derived forms.
 
-Every factorable update is brought to   S_t = D_t·S_(t−1)·E_t + Σ_r u_r⊗(w_r·S_(t−1)) + Σ_j key_j⊗value_j
+Every factorable update is brought to
+
+    S_t = D_t·S_(t−1)·E_t + Σ_r u_r⊗(w_r·S_(t−1)·E_t) + Σ_r (D_t·S_(t−1)·a_r)⊗b_r + Σ_j key_j⊗value_j
+
 with D_t a positive scalar or diagonal decay carried in log space — or an elementwise one, D_t⊙S_(t−1) with a
-matrix D_t (Mamba-1's exp(Δ·A)*S: one scalar recurrence per element; then with no correction), E_t a diagonal decay of the value axis
-(the columns of a matrix state: `S·diag(d)`; absent unless written, and then with no correction), a few
-rank-one corrections (u, w) and rank-one writes (key, value). Nothing here knows a variant by name: the
-class follows from the terms.
+matrix D_t (Mamba-1's exp(Δ·A)*S: one scalar recurrence per element; then with no correction), E_t a diagonal
+decay of the value axis (the columns of a matrix state: `S·diag(d)`; absent unless written), a few rank-one
+corrections on the key side (u, w), or on the value side (a, b: `S·(I − a⊗b)`, the gated Oja rule), and
+rank-one writes (key, value). A correction is taken with the decay of the other axis applied (the factor it
+cannot absorb), so a state with value-side corrections has a D_t that is a vector or none: a scalar decay
+commutes with everything and is moved to E_t. Corrections on both sides at once are no such form (their
+pseudo-values and pseudo-keys would be coupled through scalars of both). Nothing here knows a variant by
+name: the class follows from the terms.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from dataclasses import dataclass
 from . import ir
 from .analysis import inline_lets, refs, states_in, to_text, variance
 from .intervals import Bounds, undefaulted_params
-from .linearity import (ONE, NotLinear, Term, Unfactorable, add, compose, linear_terms, mul, operator_terms,
+from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, add, compose, linear_terms, mul, operator_terms,
                         vector_terms)
 
 
@@ -32,6 +39,7 @@ class Transition:
     value_decay: ir.Expr | None = None          # E_t: a vector [dv] on the columns (S·diag(E)); None: none
     value_log_decay: ir.Expr | None = None      # log E_t, simplified as log_decay is
     value_log_is_exact: bool = True
+    value_corrections: tuple[tuple[ir.Expr, ir.Expr], ...] = ()  # (a, b): + (D_t·S_(t−1)·a)⊗b, D_t: the decay
 
     @property
     def factorable(self) -> bool:
@@ -62,7 +70,7 @@ def log_of(e: ir.Expr) -> tuple[ir.Expr, bool]:
     return ir.Apply(e.shape, "log", (e,)), False
 
 
-def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = None) -> str:
+def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = None, value_side: bool = False) -> str:
     if decay is None:
         base = "identity" if value_decay is None else ""
     elif len(decay.shape) == 2:
@@ -73,10 +81,12 @@ def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = 
         base = {"const": "constant scalar decay", "head": "per-head scalar decay",
                 "token": "data-dependent scalar decay"}[variance(decay)]
     if value_decay is not None:
-        base = (base + " and a " if base else "") + "diagonal decay on the value axis"
+        base = (base + " and a " if base else "") + \
+            ("diagonal decay on the value axis" if value_decay.shape else "scalar decay")
     if not corrections:
         return base
     rank = "rank-one correction" if len(corrections) == 1 else f"{len(corrections)} rank-one corrections"
+    rank += " on the value side" if value_side else ""
     return rank + ("" if base == "identity" else f" with {base}")
 
 
@@ -92,6 +102,10 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         return Transition(state.name, "not linear", None, None, True, (), (), (why.message,))
 
     value_decay: ir.Expr | None = None
+    value_side: list[tuple[Factor, ir.Expr, ir.Expr]] = []  # (left factor, a, b) of each coef·L·S·(a⊗b)
+    if len(state.shape) == 2:
+        terms, value_side, both_sides = _split_value_side(terms)
+        reasons.extend(_both_sides(state.name) for _ in both_sides[:1])
     rights = {t.right for t in terms if t.right is not None and t.right.kind != "identity"}
     if rights and len(state.shape) == 1:  # z·diag(d) = diag(d)·z: for a vector state a diagonal either side
         def to_left(t: Term) -> Term:
@@ -138,14 +152,25 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
                        f"nonzero decay)")
     if decay == ONE:
         decay = None
+    value_corrections: list[tuple[ir.Expr, ir.Expr]] = []
+    if value_side:
+        if corrections:
+            reasons.append(_both_sides(state.name))
+        if elementwise is not None:
+            reasons.append(f"an elementwise decay of '{state.name}' (`X*{state.name}`) beside a rank-one correction "
+                           f"on the value side: the correction mixes the elements that the decay keeps apart")
+        elif decay is not None and not decay.shape:  # a scalar commutes: carried on the value axis
+            value_decay = decay if value_decay is None else mul(decay, value_decay)
+            decay = None
+        for left, a, b in value_side:
+            if not _acts_as(left, decay):
+                reasons.append(_value_side_under(state.name, left, decay))
+            value_corrections.append((a, b))
     log_decay, exact = (None, True) if decay is None else log_of(decay)
     value_log, value_exact = (None, True) if value_decay is None else log_of(value_decay)
     for d, is_exact in ((decay, exact), (value_decay, value_exact)):
         if d is not None and not is_exact:
             reasons.extend(_not_positive(d, state.name, program))
-    if value_decay is not None and corrections:
-        reasons.append(f"a decay of the value axis (`{state.name}·diag(…)`) beside a rank-one correction: the "
-                       f"corrections' pseudo-values would then need a triangular system per value channel")
     if value_decay is not None and states_in(value_decay):
         reasons.append(f"the decay of '{state.name}' depends on a state")
 
@@ -163,15 +188,55 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
                 else:
                     reasons.append(f"the added term `{to_text(remainder)}` is not a sum of outer products k⊗v")
                     break
-    for u, w in corrections:
+    for u, w in corrections + value_corrections:
         if states_in(u) | states_in(w):
             reasons.append(f"a correction of '{state.name}' depends on a state")
     if decay is not None and states_in(decay):
         reasons.append(f"the decay of '{state.name}' depends on a state")
-    kind = _describe(decay, corrections, value_decay) if not any("dense" in r or "right" in r for r in reasons) \
-        else "general linear map"
+    general = any("dense" in r or "right" in r or "both sides" in r for r in reasons)
+    kind = "general linear map" if general else \
+        _describe(decay, corrections or value_corrections, value_decay, bool(value_corrections))
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
-                      tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact)
+                      tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact, tuple(value_corrections))
+
+
+def _split_value_side(terms: list[Term]) -> tuple[list[Term], list[tuple[Factor, ir.Expr, ir.Expr]], list[Term]]:
+    """The terms coef·L·S·(a⊗b) with L the identity or a diagonal — corrections on the value side, each as
+    (L, a, coef·b): L·S·(a⊗b) = (L·S·a)⊗b — apart from the others; and the terms with a rank-one factor on
+    both sides, (u⊗w)·S·(a⊗b), which no correction of one side is."""
+    rest, value_side, both = [], [], []
+    for t in terms:
+        if t.right is None or t.right.kind != "outer":
+            rest.append(t)
+        elif t.left.kind in ("identity", "diag"):
+            value_side.append((t.left, t.right.u, mul(t.coef, t.right.w)))
+        elif t.left.kind == "outer":
+            both.append(t)
+        else:
+            rest.append(t)
+    return rest, value_side, both
+
+
+def _acts_as(left: Factor, decay: ir.Expr | None) -> bool:
+    """A value-side correction L·S·(a⊗b) is (D_t·S·a)⊗b when L is the state's decay D_t of the key axis (the
+    identity where it has none): the decay its pseudo-key S·a is read under."""
+    if decay is None:
+        return left.kind == "identity"
+    return left.kind == "diag" and left.u == decay
+
+
+def _value_side_under(state: str, left: Factor, decay: ir.Expr | None) -> str:
+    what = "without a factor on the left" if left.kind == "identity" else f"under `diag({to_text(left.u)})`"
+    has = f"`diag({to_text(decay)})·{state}`" if decay is not None else "none"
+    return (f"a rank-one correction on the value side of '{state}' (`{state}·(a⊗b)`) is written {what}, and "
+            f"the key axis decays by {has}: the forms take such a correction under the state's own decay of "
+            f"the key axis, `diag(d)·{state}·(I − a⊗b)`")
+
+
+def _both_sides(state: str) -> str:
+    return (f"'{state}' has rank-one corrections on both sides (`(I − u⊗w)·{state}·(I − a⊗b)` or both kinds "
+            f"of terms): the pseudo-values of one side and the pseudo-keys of the other would be coupled, and "
+            f"the forms take corrections on one side")
 
 
 def _beside_elementwise(state: str, other_decay: bool, corrections, value_decay: bool) -> list[str]:

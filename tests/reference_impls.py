@@ -248,6 +248,28 @@ def preconditioned_deltanet(inputs, params, state0):
     return {"o": o}, {"A": A_final, "S": S_final}
 
 
+def gated_oja(inputs, params, state0):
+    """Per token, as flash-linear-attention's fused_recurrent_gated_oja_rule runs it: v̂ = v/‖v‖;
+    S ← S·diag(exp(gv)) (each value column decays); S ← S + β (k − S v̂) v̂ᵀ (the state's response to v̂,
+    taken away before writing);  o = dk^(-1/2) qᵀ S."""
+    x = _f64(inputs)
+    q, k, v, beta, gv = x["q"], x["k"], x["v"], x["beta"], x["gv"]
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    o = np.zeros((B, T, H, dv))
+    S_final = np.zeros((B, H, dk, dv))
+    for b in range(B):
+        for h in range(H):
+            S = np.array(state0["S"][b, h], dtype=np.float64)
+            for t in range(T):
+                vn = l2norm(v[b, t, h])
+                S = S * np.exp(gv[b, t, h])[None, :]
+                S = S + beta[b, t, h] * np.outer(k[b, t, h] - S @ vn, vn)
+                o[b, t, h] = dk ** -0.5 * (q[b, t, h] @ S)
+            S_final[b, h] = S
+    return {"o": o}, {"S": S_final}
+
+
 REFERENCES = {
     "gla": gla,
     "retnet": retnet,
@@ -259,4 +281,5 @@ REFERENCES = {
     "gdn2": gdn2,
     "comba": comba,
     "preconditioned_deltanet": preconditioned_deltanet,
+    "gated_oja": gated_oja,
 }

@@ -30,6 +30,7 @@ import linrec
 from linrec.c import build as c_build
 from linrec.c import scan as c_scan
 from linrec.c import scan_kernels
+from linrec.c import elementwise as c_elementwise
 from linrec.c import values as c_values
 from linrec.numpy import scan as numpy_scan
 from linrec.dsl.errors import LinrecError, RuntimeInputError
@@ -114,15 +115,21 @@ _BUILD = """
 import json, sys
 from linrec.c import scan as c_scan
 from linrec.c import values as c_values
+from linrec.c import elementwise as c_elementwise
 for kind, fields in json.load(sys.stdin):
     fields["before"] = tuple(fields["before"])
-    module = c_values if kind == "values" else c_scan
+    module = {"values": c_values, "elementwise": c_elementwise}.get(kind, c_scan)
     module.kernel(module.Structure(**fields))
 """
+KINDS = ((c_values, "values"), (c_elementwise, "elementwise"), (c_scan, "scan"))  # (module, its name above)
+
+
+def kind_of(s):
+    return next((module, name) for module, name in KINDS if isinstance(s, module.Structure))
 
 
 def build_kernel(s):
-    (c_values if isinstance(s, c_values.Structure) else c_scan).kernel(s)
+    kind_of(s)[0].kernel(s)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -134,7 +141,7 @@ def kernels(cache_dir):
     workers = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
     procs = []
     for i in range(workers):
-        part = [("values" if isinstance(s, c_values.Structure) else "scan", dataclasses.asdict(s))
+        part = [(kind_of(s)[1], dataclasses.asdict(s))
                 for s in wanted[i::workers]]
         p = subprocess.Popen([sys.executable, "-c", _BUILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
@@ -421,7 +428,8 @@ def test_emit_source():
         compiled = linrec.load(path).compiled
         for form in ("parallel", "chunkwise"):
             text = c_scan.emit(compiled, form)
-            assert text.count("int lr_chunkwise(") == len(compiled.program.states)
+            kernels = sum(text.count(f"int lr_{kind}chunkwise(") for kind in ("", "values_", "elementwise_"))
+            assert kernels == len(c_scan.structures(compiled))
             assert f"state '{compiled.program.states[0].name}'" in text
     text = c_scan.emit(linrec.load(ROOT / "examples" / "gla.lin").compiled, "chunkwise", dtype=np.float64,
                        dims={"dk": 64, "dv": 64})

@@ -1,14 +1,15 @@
 """Elementwise transitions of a matrix state (issue 22, item 4): `exp(X)*S` with X a per-token matrix of
 log-decays — Mamba-1's selective scan — has parallel and chunkwise forms, one scalar recurrence per element
-(linrec.numpy.elementwise_scan).
+(linrec.numpy.elementwise_scan, and in C linrec.c.elementwise).
 
 - the compiler recognises the elementwise decay from the structure (however the product is written) and
   lists the forms; beside a correction or a decay of another shape it gives the reason;
 - NumPy's parallel and chunkwise forms agree with the recurrent form at 1e-9 (float64, relative to the
   largest magnitude) over ragged T, random initial states, several chunk sizes, readouts before and after
   the update, several writes, non-causal programs and strong decays (log-decays down to −20 per token);
-- the C backend runs the recurrent form (statement kernel) and refuses the parallel and chunkwise forms
-  with a structural reason; the derived backward is refused with one too;
+- so do C's (a kernel generated per structure: writes, readouts, causality, sizes, dtype), over the same
+  programs, ragged T and chunk sizes, strong decays, resets (log-decay −∞) and a NaN; float32 stays close;
+  C's recurrent form is the statement kernel; the derived backward is refused with a reason;
 - examples/mamba1.lin against its loop written from the math (tests/reference_impls.py).
 """
 from __future__ import annotations
@@ -78,11 +79,11 @@ def inputs(rec: linrec.Recurrence, batch: int, tokens: int, heads: int, seed: in
     return out, s0
 
 
-def assert_forms_agree(rec, x, s0, chunk_sizes=(None, 1, 3, 16)):
+def assert_forms_agree(rec, x, s0, chunk_sizes=(None, 1, 3, 16), backend="numpy"):
     want = rec.run(x, form="recurrent", initial_state=s0, dims=DIMS)
     for form in ("parallel", "chunkwise"):
         for chunk in chunk_sizes:
-            got = rec.run(x, form=form, initial_state=s0, dims=DIMS, chunk_size=chunk)
+            got = rec.run(x, form=form, initial_state=s0, dims=DIMS, chunk_size=chunk, backend=backend)
             for name in want.outputs:
                 err = rel_err(got.outputs[name], want.outputs[name])
                 assert err <= TOL, f"{form} (chunk {chunk}) output {name}: relative error {err:.2e}"
@@ -143,36 +144,52 @@ def test_forms_agree_with_the_recurrent_form(name, source, tokens):
     assert_forms_agree(rec, x, s0)
 
 
-def test_strong_and_mild_decays_in_one_state_stay_exact():
+@pytest.mark.parametrize("tokens", [1, 17, 40])
+@pytest.mark.parametrize("name, source", [("elementwise", ELEMENTWISE), ("elementwise_variants", ELEMENTWISE_VARIANTS),
+                                          ("elementwise_noncausal", NONCAUSAL)])
+def test_c_forms_agree_with_the_recurrent_form(name, source, tokens):
+    rec = compiled(name, source)
+    for form in ("parallel", "chunkwise"):
+        assert builds(rec.compiled, "c", form), refusal(rec.compiled, "c", form)
+    x, s0 = inputs(rec, 2, tokens, 2, seed=tokens)
+    assert_forms_agree(rec, x, s0, chunk_sizes=(None, 1, 3, 16), backend="c")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_strong_and_mild_decays_in_one_state_stay_exact(backend):
     # one element barely decays, another by e^−20 per token: over 300 tokens the prefix sums reach −6000,
     # and every exponent is still a difference ≤ 0
     rec = compiled("elementwise", ELEMENTWISE)
     x, s0 = inputs(rec, 1, 300, 1, seed=3)
     x["G"][..., 0, 0] = -1e-3
     x["G"][..., 1, 1] = -20.0
-    assert_forms_agree(rec, x, s0, chunk_sizes=(None, 64))
+    assert_forms_agree(rec, x, s0, chunk_sizes=(None, 64), backend=backend)
 
 
-def test_a_reset_and_a_nonfinite_token():
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_a_reset_and_a_nonfinite_token(backend):
     # a decay of exactly 0 (log −∞) is a reset; a NaN value reaches only its own token and the later ones
     rec = compiled("elementwise", ELEMENTWISE)
     x, s0 = inputs(rec, 2, 30, 2, seed=5)
     x["G"][0, 10, 1] = -np.inf
-    assert_forms_agree(rec, x, s0, chunk_sizes=(None, 7))
+    x["G"][1, 3:6, 0, 2, 1] = -np.inf
+    assert_forms_agree(rec, x, s0, chunk_sizes=(None, 7), backend=backend)
     x["v"][1, 20, 0, 2] = np.nan
     want = rec.run(x, form="recurrent", initial_state=s0).outputs["o"]
     for form in ("parallel", "chunkwise"):
-        got = rec.run(x, form=form, initial_state=s0, chunk_size=7).outputs["o"]
+        got = rec.run(x, form=form, initial_state=s0, chunk_size=7, backend=backend).outputs["o"]
         assert np.array_equal(np.isnan(got), np.isnan(want))
         finite = ~np.isnan(want)
         assert np.max(np.abs(got[finite] - want[finite])) <= TOL * np.max(np.abs(want[finite]))
 
 
-def test_the_chunkwise_form_in_float32_stays_close():
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_the_chunkwise_form_in_float32_stays_close(backend):
     rec = compiled("mamba1")
-    x = rec.random_inputs(2, 50, 2, seed=1)
-    want = rec.run(x, form="recurrent").outputs["y"]
-    got = rec.run({k: v.astype(np.float32) for k, v in x.items()}, form="chunkwise", chunk_size=16).outputs["y"]
+    x = rec.random_inputs(2, 50, 2, DIMS, seed=1)
+    want = rec.run(x, form="recurrent", dims=DIMS).outputs["y"]
+    got = rec.run({k: v.astype(np.float32) for k, v in x.items()}, form="chunkwise", chunk_size=16, dims=DIMS,
+                  backend=backend).outputs["y"]
     assert got.dtype == np.float32 and rel_err(got, want) <= 1e-5
 
 
@@ -185,24 +202,17 @@ def test_mamba1_against_its_loop_on_every_form_and_backend():
     want_o, want_s = ref.mamba1(x, params, s0)
     for form in ("recurrent", "parallel", "chunkwise"):
         for backend in ("numpy", "c"):
-            if backend == "c" and not builds(rec.compiled, "c", form):
-                assert "decays elementwise" in refusal(rec.compiled, "c", form).reason
-                continue
+            assert builds(rec.compiled, backend, form), refusal(rec.compiled, backend, form)
             got = rec.run(x, form=form, backend=backend, initial_state=s0, dims=DIMS, chunk_size=6)
             assert rel_err(got.outputs["y"], want_o["y"]) <= TOL, f"{form} on {backend}"
             assert rel_err(got.final_state["S"], want_s["S"]) <= TOL, f"{form} on {backend}"
 
 
-def test_c_runs_the_recurrent_form_and_refuses_the_scans_with_a_reason():
+def test_c_emits_the_elementwise_kernel_of_the_structure():
     rec = compiled("mamba1")
-    assert builds(rec.compiled, "c", "recurrent")
-    for form in ("parallel", "chunkwise"):
-        assert not builds(rec.compiled, "c", form)
-        assert "decays elementwise" in refusal(rec.compiled, "c", form).reason
-        with pytest.raises(linrec.LinrecError, match="decays elementwise"):
-            c_scan.load(rec.compiled, form)
-        with pytest.raises(linrec.LinrecError, match="decays elementwise"):
-            rec.run(rec.random_inputs(1, 3, 1), form=form, backend="c")
+    source = c_scan.emit(rec.compiled, "chunkwise", dtype=np.float64)
+    assert "one log-decay per element; 1 write(s); readouts: after; causal; dk = 16, dv = 16, double" in source
+    assert "lr_elementwise_chunkwise" in source
 
 
 def test_the_derived_backward_is_refused_with_a_reason_and_the_recurrent_one_runs():

@@ -25,6 +25,7 @@ import linrec
 from linrec.c import attention as c_attention
 from linrec.c import backend as c_backend
 from linrec.c import build as c_build
+from linrec.c import elementwise as c_elementwise
 from linrec.c import scan as c_scan
 from linrec.c import values as c_values
 from linrec.numpy import sequence as numpy_sequence
@@ -125,7 +126,8 @@ def _kernel_sources() -> list[tuple[str, str]]:
                 out.append((f"{stem} recurrent {dtype.__name__}", c_backend.emit_recurrent(compiled, dtype)))
             if c_backend.why_not(compiled, "chunkwise") is None:
                 for state, s in c_scan.structures(compiled, dtype):
-                    render = c_values.render if isinstance(s, c_values.Structure) else c_scan.render
+                    render = c_values.render if isinstance(s, c_values.Structure) else \
+                        c_elementwise.render if isinstance(s, c_elementwise.Structure) else c_scan.render
                     out.append((f"{stem} scan of {state} {dtype.__name__}", render(s)))
     return out
 

@@ -42,6 +42,9 @@ def why_not(compiled: Compiled) -> str | None:
     if why:
         return f"the C backward runs the decomposition of the updates, and there is none: {why}"
     for t in d.transitions:
+        if t.value_corrections:
+            return (f"'{t.state}' has a rank-one correction on the value side (`{t.state}·(I − a⊗b)`): the C "
+                    f"backward does not take it")
         if t.value_decay is not None:
             return f"'{t.state}' decays its value axis (`{t.state}·diag(…)`): the C backward does not take it"
         if t.elementwise:

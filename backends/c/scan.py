@@ -35,6 +35,7 @@ from ..numpy.derived import emit_derived
 from ..dsl.errors import LinrecError, RuntimeInputError
 
 from . import build as c_build
+from . import elementwise as c_elementwise
 from . import values as c_values
 from .scan_kernels import FORMS, cached_kernel, call, chunk_of, operand
 from .buffers import C_INT_MAX
@@ -49,6 +50,10 @@ SUB_BLOCK = 16  # query panels and diagonal-decay sub-blocks (a multiple of ever
 SPAN_MAX = {"float": 40.0, "double": 300.0}
 # a vector state read as it is whose update has rank-one corrections (the delta rule on a vector): its
 # reads need the pseudo-values of the contraction kernels, which these kernels do not hand out
+VALUE_DECAY_WITH_CORRECTIONS = ("a decay of the value axis beside a rank-one correction of the rows: its pseudo-values "
+                                "solve a triangular system per value column")
+VALUE_CORRECTIONS_UNDER_A_DECAY = ("a rank-one correction on the value side under a decay of the rows: its pseudo-keys "
+                                   "solve a triangular system per row")
 VALUES_WITH_CORRECTIONS = ("the C scan kernels read a vector state as it is (elementwise) only when its update "
                            "has no rank-one correction (delta-rule term)")
 DECAYS = ("none", "token", "row")
@@ -125,15 +130,23 @@ def kernel(s: Structure):
 
 
 def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
-         num_threads=None, span_max=None):
+         num_threads=None, span_max=None, value_log_decay=None, value_corrections=()):
     """parallel_scan or chunkwise_scan (form "parallel" or "chunkwise"), with a thread count. span_max: the
     widest log-decay range of a segment for the fast scores (default SPAN_MAX; 0 forces the stable way).
-    Readouts with no query (a vector state read as it is) run in c_values' kernels."""
+    Readouts with no query (a vector state read as it is) run in c_values' kernels; a decay of the value axis
+    or value-side corrections in two passes (_on_the_value_axis)."""
     if form not in FORMS:
         raise LinrecError(f"unknown scan form {form!r}; choose parallel or chunkwise")
     corrections = [tuple(c) for c in corrections]
     writes = [tuple(w) for w in writes]
     readouts = [(q, bool(before)) for q, before in readouts]
+    if value_log_decay is not None or value_corrections:
+        return _on_the_value_axis(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads,
+                                  span_max, value_log_decay, [tuple(c) for c in value_corrections])
+    if log_decay is not None and np.ndim(log_decay) == 5:  # a log-decay per element: c_elementwise's kernels
+        if corrections:
+            raise LinrecError("an elementwise decay with rank-one corrections has no derived form")
+        return c_elementwise.scan(form, s0, log_decay, writes, readouts, causal, chunk_size, num_threads)
     if any(q is None for q, _ in readouts):
         return _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads,
                             span_max)
@@ -212,16 +225,56 @@ def _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chu
     return [next(outs[q is not None]) for q, _ in readouts], final
 
 
-def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+def _on_the_value_axis(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max,
+                       value_log_decay, value_corrections):
+    """scan() for a state whose columns decay (S·diag(exp(m))) or that has value-side corrections (a, b), in two
+    passes over the compiled kernels. The pseudo-keys P_t = S_(t−1)·a_t are readouts before the update of Sᵀ,
+    whose rows decay by m and which has the corrections (b, a) and the writes (x, κ): this module's kernels
+    run it. With them every term is a write P⊗b or κ⊗x, and the state decays element by element by l_r + m_c
+    (c_elementwise's kernels), or by rows only where the columns do not decay. What needs a triangular system
+    per row or column — key-side corrections beside m, value-side ones beside a decay of the rows — is
+    refused (why_not says so before any call)."""
+    if corrections and value_corrections:
+        raise LinrecError("corrections on both sides of a state have no derived form")
+    if corrections and value_log_decay is not None:
+        raise LinrecError(f"the C scan kernels do not take {VALUE_DECAY_WITH_CORRECTIONS}")
+    if value_corrections and log_decay is not None:
+        raise LinrecError(f"the C scan kernels do not take {VALUE_CORRECTIONS_UNDER_A_DECAY}")
+    if value_corrections:
+        transposed = np.swapaxes(np.asarray(s0), -1, -2)
+        keys, _ = scan(form, transposed, value_log_decay, [(b, a) for a, b in value_corrections],
+                       [(x, kappa) for kappa, x in writes], [(a, True) for a, _ in value_corrections], True, chunk_size,
+                       num_threads, span_max)
+        writes = writes + [(key, b) for key, (_, b) in zip(keys, value_corrections)]
+    if value_log_decay is None:
+        return scan(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max)
+    if np.shape(value_log_decay)[-1] == 1 and log_decay is None:  # one per token commutes: the rows take it
+        return scan(form, s0, value_log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max)
+    dk, dv = np.shape(s0)[-2:]
+    decay = np.asarray(value_log_decay)
+    if log_decay is not None:  # both axes: one log-decay per element
+        decay = decay[..., None, :] + np.asarray(log_decay)[..., :, None]
+        decay = np.broadcast_to(decay, decay.shape[:3] + (dk, dv))
+    else:  # the columns alone: the rows share them
+        decay = np.broadcast_to(decay, decay.shape[:3] + (dv,))
+    return c_elementwise.scan(form, s0, decay, writes, readouts, causal, chunk_size, num_threads)
+
+
+def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None, value_log_decay=None,
+                  value_corrections=()):
     """numpy_scan.parallel_scan in C: s0 [B, H, dk, dv]; log_decay None or [B, T, H, 1 | dk]; corrections
-    [(u, w)], writes [(κ, x)], readouts [(query, before_update)], per token [B, T, H, *].
-    Returns ([readout [B, T, H, dv]], final state [B, H, dk, dv])."""
-    return scan("parallel", s0, log_decay, corrections, writes, readouts, causal, chunk_size)
+    [(u, w)], writes [(κ, x)], readouts [(query, before_update)], per token [B, T, H, *]; value_log_decay None
+    or [B, T, H, 1 | dv]; value_corrections [(a, b)]. Returns ([readout [B, T, H, dv]], final state
+    [B, H, dk, dv])."""
+    return scan("parallel", s0, log_decay, corrections, writes, readouts, causal, chunk_size,
+                value_log_decay=value_log_decay, value_corrections=value_corrections)
 
 
-def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None, value_log_decay=None,
+                   value_corrections=()):
     """numpy_scan.chunkwise_scan in C (chunks of chunk_size tokens, default 64); same arguments and results."""
-    return scan("chunkwise", s0, log_decay, corrections, writes, readouts, causal, chunk_size)
+    return scan("chunkwise", s0, log_decay, corrections, writes, readouts, causal, chunk_size,
+                value_log_decay=value_log_decay, value_corrections=value_corrections)
 
 
 def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
@@ -233,8 +286,9 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
 # ---- programs: the generated source, and the module of a form ----------------------------------------
 def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None) -> list[tuple[str, Structure]]:
     """(state name, kernel structure) for every state of a program, at the given (else default) sizes: a
-    c_values.Structure for a vector state read as it is, a Structure for its readouts q·S, if any, and for
-    every other state."""
+    c_values.Structure for a vector state read as it is, a c_elementwise.Structure for a state that decays
+    element by element, a Structure for the readouts q·S of a vector state, if any, and for every other
+    state."""
     p, d = compiled.program, compiled.decomposition
     if d.sequence is not None:
         raise LinrecError(f"'{compiled.name}' reads the whole sequence: it is not a scan over a recurrent state")
@@ -248,18 +302,27 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
             why = "; ".join(t.reasons)
             raise LinrecError(f"state '{st.name}' of '{compiled.name}' has no parallel or chunkwise form: {why}")
         decay = "none" if t.log_decay is None else ("row" if t.log_decay.shape else "token")
-        if decay == "none" and st.name in stable:
-            decay = "token"
+        if decay == "none" and (st.name in stable or (t.value_decay is not None and not t.value_decay.shape)):
+            decay = "token"  # (a scalar decay carried on the value axis commutes: the rows take it)
         reads = [r for r in d.readouts if r.state == st.name]
         before = tuple(r.before_update for r in reads if not r.is_value)
         values = tuple(r.before_update for r in reads if r.is_value)
         shape = tuple(reversed(st.shape)) if st.name in d.transposed else st.shape  # (carried as Sᵀ)
         dk = sizes[shape[0]]
         dv = sizes[shape[1]] if len(shape) == 2 else 1
+        vc = len(t.value_corrections)
+        if vc:  # the pseudo-keys: readouts before the update of Sᵀ (_on_the_value_axis)
+            rows = "none" if t.value_log_decay is None else "row" if t.value_log_decay.shape else "token"
+            out.append((st.name, Structure(rows, vc, len(t.writes), (True,) * vc, True, dv, dk, ctype,
+                                           c_build.vector_bytes())))
+        if t.elementwise or (t.value_decay is not None and (t.value_decay.shape or t.decay is not None)):
+            out.append((st.name, c_elementwise.Structure(len(t.writes) + vc, before, p.causal, dk, dv, ctype,
+                                                         not t.elementwise and t.decay is None and st.name not in stable)))
+            continue
         if values:  # c_values reads it as it is and gives its final state
             out.append((st.name, c_values.Structure(decay, len(t.writes), values, p.causal, dk, ctype)))
         if before or not values:
-            out.append((st.name, Structure(decay, len(t.corrections), len(t.writes), before, p.causal, dk, dv,
+            out.append((st.name, Structure(decay, len(t.corrections), len(t.writes) + vc, before, p.causal, dk, dv,
                                            ctype, c_build.vector_bytes())))
     return out
 
@@ -269,17 +332,14 @@ def why_not(compiled: Compiled) -> str | None:
     d = compiled.decomposition
     if d.stages:  # (each stage is a program of its own, whose scans these kernels run: linrec.stages)
         return "it is derived in stages: its scans are those of each stage's program"
-    for t in d.transitions:
-        if t.elementwise:
-            return (f"state '{t.state}' decays elementwise (`X*{t.state}`, a decay per element): the compiled scans "
-                    f"carry one log-decay per token or per row")
     for state in dict.fromkeys(r.state for r in d.readouts if r.is_value):
         if d.transition(state).corrections:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
     for t in d.transitions:
-        if t.value_decay is not None:
-            return (f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which the C scan kernels do "
-                    f"not take")
+        if t.value_corrections and t.decay is not None:
+            return f"state '{t.state}' has {VALUE_CORRECTIONS_UNDER_A_DECAY}, which the C scan kernels do not take"
+        if t.value_decay is not None and t.corrections:
+            return f"state '{t.state}' has {VALUE_DECAY_WITH_CORRECTIONS}, which the C scan kernels do not take"
     return None
 
 
@@ -296,7 +356,8 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
         raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}")
     parts = []
     for name, s in structures(compiled, dtype, dims):
-        source = c_values.render(s, form) if isinstance(s, c_values.Structure) else render(s, form)
+        source = c_values.render(s, form) if isinstance(s, c_values.Structure) else \
+            c_elementwise.render(s, form) if isinstance(s, c_elementwise.Structure) else render(s, form)
         parts.append(f"/* ==== state '{name}': {s.describe()} ==== */\n" + source)
     return "\n".join(parts)
 

@@ -66,6 +66,9 @@ def fused_limits(compiled: Compiled) -> str | None:
         if t.elementwise:
             return (f"state '{t.state}' decays elementwise (`X*{t.state}`, a decay per element), which the fused "
                     f"kernel's lazy decay of the rows does not take")
+        if t.value_corrections:
+            return (f"state '{t.state}' has a rank-one correction on the value side (`{t.state}·(I − a⊗b)`), which "
+                    f"the fused kernel's corrections of the rows do not take")
         if t.value_decay is not None:
             return (f"state '{t.state}' decays its value axis (`{t.state}·diag(…)`), which the fused kernel's lazy "
                     f"decay of the rows does not take")

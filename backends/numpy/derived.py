@@ -91,6 +91,7 @@ class ScanArrays:
     corrections: str
     writes: str
     value_log_decay: str | None  # only where the value axis decays
+    value_corrections: str | None = None  # only where a correction acts on the value side
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,12 @@ def canonical_text(t: Transition) -> str:
         parts.append(f"({to_text(t.decay)})⊙{state}")
     else:
         parts.append(f"{'diag(' + to_text(t.decay) + ')' if t.decay.shape else to_text(t.decay)}·{state}")
+    after = "" if t.value_decay is None else f"·diag({to_text(t.value_decay)})"
     for u, w in t.corrections:
-        parts.append(f"({to_text(u)})⊗(({to_text(w)})·{t.state}_(t−1))")
+        parts.append(f"({to_text(u)})⊗(({to_text(w)})·{t.state}_(t−1){after})")
+    before = "" if t.decay is None else f"diag({to_text(t.decay)})·"
+    for a, b in t.value_corrections:
+        parts.append(f"({before}{t.state}_(t−1)·({to_text(a)}))⊗({to_text(b)})")
     for key, value in t.writes:
         parts.append(f"({to_text(key)})" + (f"⊗({to_text(value)})" if value is not None else ""))
     return " + ".join(parts)
@@ -193,7 +198,7 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
     if scale:
         terms.append(f"scale_decay({scale.running})" + ("[..., None]" if t.elementwise else "") + "  # M_(t−1) − M_t")
         mod.helpers.add("scale_decay")
-    if not (terms or t.corrections or t.writes or t.value_log_decay is not None):
+    if not (terms or t.corrections or t.value_corrections or t.writes or t.value_log_decay is not None):
         # (a state left as it is, `z = z`: no per-token array would tell the scan how many tokens there are)
         terms.append("per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1")
     mod.body.append(f"{decay} = " + (" + ".join(terms) if terms else "None"))
@@ -201,7 +206,7 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
     if t.value_log_decay is not None:
         value_decay = mod.em.fresh(f"{s}_value_log_decay")
         mod.body.append(f"{value_decay} = " + log_of_decay(mod, lay, t.value_log_decay, t.value_log_is_exact,
-                                                           t.value_decay, lay.cols, False))
+                                                           t.value_decay, lay.cols, not t.value_decay.shape))
     mod.body.append(f"{corrections} = [" + ", ".join(
         f"({mod.per_token(u, lay.rows)}, {mod.per_token(w, lay.rows)})" for u, w in t.corrections) + "]")
     pairs = []
@@ -209,7 +214,12 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
         val = mod.per_token(value, lay.cols) if value is not None else "np.ones((batch, tokens, heads, 1), dtype)"
         pairs.append(f"({write_key(mod, lay, key, scale)}, {val})")
     mod.body.append(f"{writes} = [" + ", ".join(pairs) + "]")
-    return ScanArrays(decay, corrections, writes, value_decay)
+    value_corrections = None
+    if t.value_corrections:  # (S_(t−1)·a)⊗b: a and b both run along the columns
+        value_corrections = mod.em.fresh(f"{s}_value_corrections")
+        mod.body.append(f"{value_corrections} = [" + ", ".join(
+            f"({mod.per_token(a, lay.cols)}, {mod.per_token(b, lay.cols)})" for a, b in t.value_corrections) + "]")
+    return ScanArrays(decay, corrections, writes, value_decay, value_corrections)
 
 
 def log_of_decay(mod: Module, lay: Layout, log: ir.Expr, exact: bool, decay: ir.Expr, width: str,
@@ -358,6 +368,8 @@ def scan_call(mod: Module, lay: Layout, arrays: ScanArrays, reads: Reads, scale:
     if reads.reads_itself:
         lines.append(f"# readouts (query, before the update): a query None reads {lay.name} itself")
     value_decay = f", value_log_decay={arrays.value_log_decay}" if arrays.value_log_decay else ""
+    if arrays.value_corrections:
+        value_decay += f", value_corrections={arrays.value_corrections}"
     lines.append(f"[{', '.join(reads.targets)}], {lay.var} = {mod.scan}({init}, {arrays.log_decay}, "
                  f"{arrays.corrections}, {arrays.writes}, [{', '.join(reads.queries)}], causal={mod.em.p.causal}, "
                  f"chunk_size=chunk_size{value_decay})")

@@ -2,21 +2,28 @@
 
 Generated code hands each state over in the canonical form the compiler derived (compiler.transitions):
 
-    S_t = diag(exp(l_t))·S_(t−1)·diag(exp(m_t)) + Σ_r u_r,t ⊗ (w_r,tᵀ S_(t−1)) + Σ_i κ_i,t ⊗ x_i,t
+    S_t = diag(exp(l_t))·S_(t−1)·diag(exp(m_t)) + Σ_r u_r,t ⊗ (w_r,tᵀ S_(t−1) diag(exp(m_t)))
+          + Σ_r (diag(exp(l_t)) S_(t−1) a_r,t) ⊗ b_r,t + Σ_i κ_i,t ⊗ x_i,t
 
 with l_t the log-decay (absent, one value, one per row, or one per element: an elementwise decay
-exp(l_t)⊙S_(t−1), [B, T, H, dk, dv], without corrections, run by linrec.numpy.elementwise_scan), m_t a log-decay of the value axis (absent, or
-one per column; then without corrections), corrections (u, w) and writes (κ, x). With b_t = Σ_(s≤t) l_s
-and c_t = Σ_(s≤t) m_s every contribution N_j = Σ_r u_r,j p_r,jᵀ + Σ_i κ_i,j x_i,jᵀ reaches S_t scaled by
-exp(b_t − b_j) per row and exp(c_t − c_j) per column, so
+exp(l_t)⊙S_(t−1), [B, T, H, dk, dv], without corrections, run by linrec.numpy.elementwise_scan), m_t a
+log-decay of the value axis (absent, or one per column), corrections on the key side (u, w), corrections on
+the value side (a, b: `value_corrections`, never beside key-side ones) and writes (κ, x). Each correction is
+taken with the decay of the other axis applied. With b_t = Σ_(s≤t) l_s and c_t = Σ_(s≤t) m_s every
+contribution N_j = Σ_r u_r,j p_r,jᵀ + Σ_r P_r,j b_r,jᵀ + Σ_i κ_i,j x_i,jᵀ reaches S_t scaled by exp(b_t − b_j)
+per row and exp(c_t − c_j) per column, so
 
     S_t = Σ_(j≤t) diag(exp(b_t − b_j)) N_j diag(exp(c_t − c_j)) + diag(exp(b_t)) S_0 diag(exp(c_t)).
 
-The pseudo-values p_r,t = w_r,tᵀ S_(t−1) therefore solve a unit lower-triangular system (the UT transform
-of the delta rule, generalized to any decay and any number of corrections), and every readout q·S is a
-masked, decayed attention over the contributions (a decay of the value axis weighs each value column by
-exp(c_t − c_j) on top of the scores). Exponents are always differences b_i − b_j ≤ 0 for decays ≤ 1
-(forms.md §3): diagonal decays use sub-blocks so that each factor is ≤ 1, on either axis.
+The pseudo-values p_r,t = (w_r,tᵀ S_(t−1))⊙exp(m_t) therefore solve a unit lower-triangular system (the UT
+transform of the delta rule, generalized to any decay and any number of corrections): one shared by every
+value column, or, where the columns decay, one per column whose coefficients carry exp(c_t − c_j) (solved by
+blocks of 16 tokens, anchored like the readouts). The pseudo-keys P_r,t = exp(l_t)⊙(S_(t−1) a_r,t) of the
+value-side corrections are the pseudo-values of Sᵀ, whose rows decay by m and columns by l: the same solve
+on the transposed problem. Every readout q·S is then a masked, decayed attention over the contributions (a
+decay of the value axis weighs each value column by exp(c_t − c_j) on top of the scores). Exponents are
+always differences b_i − b_j ≤ 0 for decays ≤ 1 (forms.md §3): diagonal decays use sub-blocks so that each
+factor is ≤ 1, on either axis.
 
 Arrays arrive [B, T, H, *] and are processed head-major [B, H, T, *].
 
@@ -173,10 +180,13 @@ def _block(q, b_q, b_k, terms, strict, s0_term, block, c_q=None, c=None):
     return out
 
 
-def _pseudo_values(corrections, writes, b, b_prev, s0, block):
-    """p_r,t = w_r,tᵀ S_(t−1) for the tokens of one segment, given the state s0 entering it."""
+def _pseudo_values(corrections, writes, b, b_prev, s0, block, c=None):
+    """p_r,t = (w_r,tᵀ S_(t−1))⊙exp(m_t) for the tokens of one segment, given the state s0 entering it; c the
+    cumulative log-decays of the columns (None: they do not decay, and one system serves every column)."""
     if not corrections:
         return []
+    if c is not None:
+        return _pseudo_values_by_column(corrections, writes, b, b_prev, c, s0, block)
     r_count = len(corrections)
     n = b.shape[-2] if b is not None else corrections[0][0].shape[-2]
     rows = []
@@ -198,6 +208,62 @@ def _pseudo_values(corrections, writes, b, b_prev, s0, block):
     return [sol[..., :, i, :] for i in range(r_count)]
 
 
+def _pseudo_values_by_column(corrections, writes, b, b_prev, c, s0, block):
+    """_pseudo_values where the columns decay: S_(t−1) carries exp(c_(t−1) − c_j) per column, so that the
+    pseudo-values (w_tᵀ S_(t−1))⊙exp(m_t) of different tokens meet through exp(c_t − c_j) ≤ 1 per column:
+    p_r,t = rhs_r,t + Σ_(j<t) Σ_r' A_rr',tj exp(c_t − c_j) p_r',j, a unit lower-triangular system per column."""
+    rhs, rows = [], []
+    for _, w in corrections:
+        w0 = w * np.exp(b_prev).astype(w.dtype) if b is not None else w
+        start = (w0 @ s0) * np.exp(c).astype(s0.dtype)
+        rhs.append(_block(w, b_prev, b, writes, True, start, block, c, c))
+        rows.append([decayed_scores(w, b_prev, u, b, True, block) for u, _ in corrections])
+    a = np.stack([np.stack(row, axis=-1) for row in rows], axis=-3)  # [.., n, R, n, R]: A_rr',tj
+    p = _solve_decayed_columns(a, c, np.stack(rhs, axis=-2))        # [.., n, R, dv]
+    return [p[..., :, i, :] for i in range(len(corrections))]
+
+
+def _solve_decayed_columns(a, c, rhs, block: int = 16):
+    """Solve p_t = rhs_t + Σ_(j<t) Σ_r' a[t, r, j, r']·exp(c_t − c_j)⊙p_(j, r') for every column at once:
+    a [.., n, R, n, R] strictly lower in the tokens, c [.., n, dv] cumulative log-decays (float64), rhs
+    [.., n, R, dv]. By blocks of `block` tokens: the tokens before a block arrive through one product anchored
+    at r = c of its previous token (exp(c_t − r) and exp(r − c_j), both ≤ 1); inside it, forward substitution
+    token by token with the exponents taken as differences."""
+    n = c.shape[-2]
+    p = np.empty_like(rhs)
+    for s in range(0, n, block):
+        e = min(s + block, n)
+        acc = np.array(rhs[..., s:e, :, :])
+        if s:
+            r = c[..., s - 1:s, :]
+            past = p[..., :s, :, :] * np.exp(r - c[..., :s, :]).astype(p.dtype)[..., :, None, :]
+            acc += np.exp(c[..., s:e, :] - r).astype(p.dtype)[..., :, None, :] * \
+                np.einsum("...tRjQ,...jQc->...tRc", a[..., s:e, :, :s, :], past)
+        for t in range(s, e):
+            if t > s:
+                near = p[..., s:t, :, :] * np.exp(c[..., t:t + 1, :] - c[..., s:t, :]).astype(p.dtype)[..., :, None, :]
+                acc[..., t - s, :, :] += np.einsum("...RjQ,...jQc->...Rc", a[..., t, :, s:t, :], near)
+            p[..., t, :, :] = acc[..., t - s, :, :]
+    return p
+
+
+def _pseudo_keys(value_corrections, writes, l, b, b_prev, c, c_prev, s0, block):
+    """P_r,t = exp(l_t)⊙(S_(t−1) a_r,t) for the value-side corrections (a, b): the pseudo-values of Sᵀ, whose
+    rows decay by the value axis's log-decay and columns by the rows' (a log-decay per token commutes and
+    joins the rows of Sᵀ; its factor exp(l_t) is applied to the result)."""
+    if not value_corrections:
+        return []
+    scalar = l is not None and l.shape[-1] == 1
+    if scalar or b is None:
+        rows = (b, b_prev) if c is None else (c, c_prev) if b is None else (c + b, c_prev + b_prev)
+        cols = None
+    else:
+        rows, cols = (c, c_prev), b
+    keys = _pseudo_values([(b_vec, a) for a, b_vec in value_corrections], [(x, kappa) for kappa, x in writes],
+                          rows[0], rows[1], np.swapaxes(s0, -1, -2), block, cols)
+    return [key * np.exp(l).astype(key.dtype) for key in keys] if scalar else keys
+
+
 def _shifted(b: np.ndarray) -> np.ndarray:
     """b_(t−1) from the prefix sums b_t (0 before the first token): the previous sum itself, not b_t − l_t,
     which differs from it by the rounding of b_t — |b|·ε, and exp(b_(t−1) − b_(t−1)) then misses 1 by as much
@@ -205,8 +271,9 @@ def _shifted(b: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros_like(b[..., :1, :]), b[..., :-1, :]], axis=-2)
 
 
-def _segment(s0, l, corrections, writes, readouts, causal, block, m=None):
-    """One segment (the whole sequence, or a chunk) starting from state s0; m: the value axis's log-decay.
+def _segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_corrections=()):
+    """One segment (the whole sequence, or a chunk) starting from state s0; m: the value axis's log-decay;
+    value_corrections: the value-side corrections (a, b).
 
     Returns (readouts or None when non-causal, state after the segment)."""
     if _is_elementwise(l):
@@ -217,8 +284,10 @@ def _segment(s0, l, corrections, writes, readouts, causal, block, m=None):
     b_prev = None if l is None else _shifted(b)
     c = None if m is None else np.cumsum(m, axis=-2, dtype=np.float64)
     c_prev = None if m is None else _shifted(c)
-    pseudo = _pseudo_values(corrections, writes, b, b_prev, s0, block)
-    terms = list(writes) + [(u, p) for (u, _), p in zip(corrections, pseudo)]
+    pseudo = _pseudo_values(corrections, writes, b, b_prev, s0, block, c)
+    keys = _pseudo_keys(value_corrections, writes, l, b, b_prev, c, c_prev, s0, block)
+    terms = list(writes) + [(u, p) for (u, _), p in zip(corrections, pseudo)] + \
+        [(key, b_vec) for key, (_, b_vec) in zip(keys, value_corrections)]
     results = None
     if causal:
         results = []
@@ -253,14 +322,15 @@ def _is_elementwise(log_decay) -> bool:
     return log_decay is not None and np.ndim(log_decay) == 5
 
 
-def _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay=None):
+def _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay=None, value_corrections=()):
     hm = _head_major
-    if value_log_decay is not None and corrections:
-        raise ValueError("a decay of the value axis with corrections has no derived form")
-    if _is_elementwise(log_decay) and (corrections or value_log_decay is not None):
+    if corrections and value_corrections:
+        raise ValueError("corrections on both sides of a state have no derived form")
+    if _is_elementwise(log_decay) and (corrections or value_corrections or value_log_decay is not None):
         raise ValueError("an elementwise decay with corrections or a decay of the value axis has no derived form")
     return (s0, hm(log_decay), [(hm(u), hm(w)) for u, w in corrections], [(hm(k), hm(x)) for k, x in writes],
-            [(hm(q), before) for q, before in readouts], hm(value_log_decay))
+            [(hm(q), before) for q, before in readouts], hm(value_log_decay),
+            [(hm(a), hm(b)) for a, b in value_corrections])
 
 
 def _read(q, state):
@@ -276,39 +346,46 @@ def _finish(results, end, readouts_hm, causal, tokens):
     return [np.swapaxes(r, 1, 2) for r in results], end
 
 
-def _tokens(log_decay, corrections, writes, readouts, value_log_decay=None) -> int:
-    arrays = [q for q, _ in readouts if q is not None] + [k for k, _ in writes] + [u for u, _ in corrections]
+def _tokens(log_decay, corrections, writes, readouts, value_log_decay=None, value_corrections=()) -> int:
+    arrays = [q for q, _ in readouts if q is not None] + [k for k, _ in writes] + [u for u, _ in corrections] + \
+        [a for a, _ in value_corrections]
     if arrays:
         return arrays[0].shape[-2]
     return log_decay.shape[-3] if _is_elementwise(log_decay) else \
         (log_decay if log_decay is not None else value_log_decay).shape[-2]
 
 
-def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None, value_log_decay=None):
+def parallel_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None, value_log_decay=None,
+                  value_corrections=()):
     """The parallel form: every token against every earlier one, O(T²·(dk + dv)) work.
 
     s0 [B, H, dk, dv]; log_decay None or [B, T, H, 1 | dk]; corrections [(u, w)] and writes [(κ, x)]
     per token [B, T, H, *]; readouts [(query, before_update)]; value_log_decay None or [B, T, H, dv] (a
-    matrix state's columns, S·diag(exp(m))). Returns ([readout [B, T, H, dv]], S_T)."""
-    return _guarded(_parallel, s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay)
+    matrix state's columns, S·diag(exp(m))); value_corrections [(a, b)], [B, T, H, dv] each: the
+    value-side corrections (exp(l_t)⊙(S_(t−1)·a))⊗b. Returns ([readout [B, T, H, dv]], S_T)."""
+    return _guarded(_parallel, s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay,
+                    value_corrections)
 
 
 def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
-                   value_log_decay=None):
+                   value_log_decay=None, value_corrections=()):
     """The chunkwise form: state passing between chunks of C tokens, dense products inside a chunk."""
-    return _guarded(_chunkwise, s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay)
+    return _guarded(_chunkwise, s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay,
+                    value_corrections)
 
 
-def _parallel(s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay):
-    s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
-    results, end = _segment(s0, l, corr, wr, rd, causal, block=64, m=m)
-    return _finish(results, end, rd, causal, _tokens(l, corr, wr, rd, m))
+def _parallel(s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay, value_corrections):
+    s0, l, corr, wr, rd, m, vc = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay,
+                                          value_corrections)
+    results, end = _segment(s0, l, corr, wr, rd, causal, block=64, m=m, value_corrections=vc)
+    return _finish(results, end, rd, causal, _tokens(l, corr, wr, rd, m, vc))
 
 
-def _chunkwise(s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay):
+def _chunkwise(s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay, value_corrections):
     chunk = int(chunk_size or 64)
-    s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
-    tokens = _tokens(l, corr, wr, rd, m)
+    s0, l, corr, wr, rd, m, vc = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay,
+                                          value_corrections)
+    tokens = _tokens(l, corr, wr, rd, m, vc)
     state, pieces = s0, []
     for s in range(0, tokens, chunk):
         cut = slice(s, min(s + chunk, tokens))
@@ -316,32 +393,34 @@ def _chunkwise(s0, log_decay, corrections, writes, readouts, causal, chunk_size,
             state, None if l is None else l[..., cut, :, :] if _is_elementwise(l) else l[..., cut, :], [(u[..., cut, :], w[..., cut, :]) for u, w in corr],
             [(k[..., cut, :], x[..., cut, :]) for k, x in wr],
             [(None if q is None else q[..., cut, :], b) for q, b in rd], causal, block=16,
-            m=None if m is None else m[..., cut, :])
+            m=None if m is None else m[..., cut, :], value_corrections=[(a[..., cut, :], b[..., cut, :]) for a, b in vc])
         pieces.append(results)
     results = [np.concatenate([p[i] for p in pieces], axis=-2) for i in range(len(rd))] if causal else None
     return _finish(results, state, rd, causal, tokens)
 
 
 # ---- non-finite values --------------------------------------------------------------------------------
-def _guarded(derived, s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay):
+def _guarded(derived, s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay,
+             value_corrections=()):
     """A derived form (_parallel or _chunkwise) under the rule for non-finite values: log-decays raised to
     RESET_LOG_DECAY; in each (batch row, head) the tokens from the first one with a NaN or ±∞ on run through
     recurrent_scan, from the state before it (the whole sequence where the initial state is not finite)."""
     log_decay, value_log_decay = _raise_to_reset(log_decay), _raise_to_reset(value_log_decay)
     corrections = [tuple(pair) for pair in corrections]
     writes = [tuple(pair) for pair in writes]
-    arrays = (log_decay, corrections, writes, readouts, value_log_decay)
+    value_corrections = [tuple(pair) for pair in value_corrections]
+    arrays = (log_decay, corrections, writes, readouts, value_log_decay, value_corrections)
     per_token = [a for a in (log_decay, value_log_decay) if a is not None]
-    per_token += [a for pair in corrections + writes for a in pair]
+    per_token += [a for pair in corrections + writes + value_corrections for a in pair]
     queries = [q for q, _ in readouts if q is not None]
     tokens = (per_token + queries)[0].shape[1]
     first = _first_nonfinite(s0, per_token + (queries if causal else []), tokens)  # (non-causal: read at S_T)
     if np.all(first == tokens):
-        return derived(s0, *arrays[:4], causal, chunk_size, value_log_decay)
+        return derived(s0, *arrays[:4], causal, chunk_size, value_log_decay, value_corrections)
     # the tokens from the first non-finite one on change nothing here: the derived form gives every earlier
     # token, and the state just before the first non-finite one as its final state
     before = _tokens_before(first, tokens, *arrays)
-    results, end = derived(s0, *before[:4], causal, chunk_size, before[4])
+    results, end = derived(s0, *before[:4], causal, chunk_size, before[4], before[5])
     # (an initial state that is not finite enters the tail as it is: in the derived form's own final state a
     # pseudo-value 0·S would have met it)
     start = np.where(np.isfinite(s0).all(axis=(-2, -1))[..., None, None], end, s0).astype(end.dtype, copy=False)
@@ -351,7 +430,7 @@ def _guarded(derived, s0, log_decay, corrections, writes, readouts, causal, chun
     return results, end
 
 
-def _tokens_before(first, tokens: int, log_decay, corrections, writes, readouts, value_log_decay):
+def _tokens_before(first, tokens: int, log_decay, corrections, writes, readouts, value_log_decay, value_corrections):
     """The per-token arrays with every token from `first` [B, H] on replaced by one that changes nothing:
     log-decay 0 and every vector 0 (a readout of it is 0)."""
     keep = np.arange(tokens)[None, :, None] < first[:, None, :]  # [B, T, H]
@@ -361,11 +440,11 @@ def _tokens_before(first, tokens: int, log_decay, corrections, writes, readouts,
                                                 np.zeros((), a.dtype))
 
     return (kept(log_decay), [(kept(u), kept(w)) for u, w in corrections], [(kept(k), kept(x)) for k, x in writes],
-            [(kept(q), b) for q, b in readouts], kept(value_log_decay))
+            [(kept(q), b) for q, b in readouts], kept(value_log_decay), [(kept(a), kept(b)) for a, b in value_corrections])
 
 
 def _recurrent_from(first, tokens: int, start, results, log_decay, corrections, writes, readouts, value_log_decay,
-                    causal):
+                    value_corrections, causal):
     """recurrent_scan over the tokens from `first` [B, H] on, from the states `start` [B, H, …], for every
     (batch row, head) that has such tokens: their readouts written into `results` ([B, T, H, n], causal)
     and their final states into the returned copy of `start`."""
@@ -379,7 +458,8 @@ def _recurrent_from(first, tokens: int, start, results, log_decay, corrections, 
         got, final = recurrent_scan(start[rows, heads][:, None], tail(log_decay),
                                     [(tail(u), tail(w)) for u, w in corrections],
                                     [(tail(k), tail(x)) for k, x in writes], [(tail(q), b) for q, b in readouts],
-                                    causal, value_log_decay=tail(value_log_decay))
+                                    causal, value_log_decay=tail(value_log_decay),
+                                    value_corrections=[(tail(a), tail(b)) for a, b in value_corrections])
         end[rows, heads] = final[:, 0]
         for r, g in zip(results if causal else [], got):
             r[rows, f:, heads] = g[:, :, 0]
@@ -408,11 +488,12 @@ def _first_nonfinite(s0, per_token, tokens: int) -> np.ndarray:
 
 
 def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
-                   value_log_decay=None):
+                   value_log_decay=None, value_corrections=()):
     """The recurrent form of the decomposition: one token at a time, carrying the state."""
-    s0, l, corr, wr, rd, m = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay)
+    s0, l, corr, wr, rd, m, vc = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay,
+                                          value_corrections)
     state = s0.copy()
-    tokens = _tokens(l, corr, wr, rd, m)
+    tokens = _tokens(l, corr, wr, rd, m, vc)
     lead = state.shape[:-2] + (tokens,)
     results = [np.empty(lead + (state.shape[-2] if q is None else state.shape[-1],), dtype=state.dtype)
                for q, _ in rd]
@@ -422,14 +503,19 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
             if before and causal:
                 r[..., t, :] = _read(at(q, t), state)
         pseudo = [np.einsum("...i,...ij->...j", w[..., t, :], state) for _, w in corr]
+        keys = [np.einsum("...ij,...j->...i", state, a[..., t, :]) for a, _ in vc]
         if _is_elementwise(l):
             state = np.exp(l[..., t, :, :]).astype(state.dtype) * state
         elif l is not None:
             state = np.exp(l[..., t, :]).astype(state.dtype)[..., :, None] * state
         if m is not None:
             state = state * np.exp(m[..., t, :]).astype(state.dtype)[..., None, :]
-        for (u, _), p in zip(corr, pseudo):
+        for (u, _), p in zip(corr, pseudo):  # (taken with the columns' decay, as the state is)
+            p = p if m is None else p * np.exp(m[..., t, :]).astype(state.dtype)
             state = state + u[..., t, :, None] * p[..., None, :]
+        for (_, b), key in zip(vc, keys):  # (taken with the rows' decay)
+            key = key if l is None else key * np.exp(l[..., t, :]).astype(state.dtype)
+            state = state + key[..., :, None] * b[..., t, None, :]
         for kappa, x in wr:
             state = state + kappa[..., t, :, None] * x[..., t, None, :]
         for r, (q, before) in zip(results, rd):
