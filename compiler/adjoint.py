@@ -462,7 +462,7 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
     for t in d.transitions:
         if t.elementwise:
             return f"'{t.state}' decays elementwise (`X*{t.state}`): the {form} backward of that is not derived"
-    if any(r.is_value for r in d.readouts):
+    if any(r.is_value and len(compiled.program.state(r.state).shape) != 1 for r in d.readouts):
         return f"an output reads a state as a value (not q·S): the {form} backward of that is not derived"
     return None
 
