@@ -193,8 +193,9 @@ class _DecomposedEmitter(BackwardEmitter):
         for j, (u, w) in enumerate(t.corrections):
             self.seeds[f"{st.name}.correction{j}_u"] = f"{g}.corrections[{j}][0]" + ("" if u.shape else "[..., 0]")
             self.seeds[f"{st.name}.correction{j}_w"] = f"{g}.corrections[{j}][1]" + ("" if w.shape else "[..., 0]")
-        for i, r in enumerate(r for r in reads if not r.is_value):  # (a state read as it is has no query)
-            self.seeds[f"r{r.index}"] = f"{g}.queries[{i}]" + ("" if r.query.shape else "[..., 0]")
+        for i, r in enumerate(reads):
+            if not r.is_value:  # (a state read as it is has no query)
+                self.seeds[f"r{r.index}"] = f"{g}.queries[{i}]" + ("" if r.query.shape else "[..., 0]")
         return lines
 
 
