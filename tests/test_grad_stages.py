@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import linrec
+from linrec import verify_grad
 from linrec.registry import backend
 
 TWO_STAGES = """recurrence two_stage(dk = 5, dv = 4)
@@ -110,3 +111,11 @@ def test_a_stage_without_the_backward_is_named():
     with pytest.raises(linrec.LinrecError, match="stage 1"):
         rec.vjp(rec.random_inputs(batch=1, tokens=4, heads=1, seed=0), {"o": np.zeros((1, 4, 1, 4))},
                 form="chunkwise")
+
+
+def test_verify_grad_checks_the_staged_forms():
+    """`linrec verify --grad` (backends/verify_grad.py) runs the staged parallel and chunkwise backward."""
+    rec = linrec.load("examples/preconditioned_deltanet.lin")
+    rows = verify_grad.run(rec, quick=True)
+    assert {r.form for r in rows} == {"recurrent", "parallel", "chunkwise"}
+    assert rows and all(r.passed for r in rows)
