@@ -116,7 +116,8 @@ class _DecomposedEmitter(BackwardEmitter):
         if t.log_decay is None:
             lines.append(f"{decay} = per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1")
         else:
-            width = rows if t.log_decay.shape else "1"
+            # (an elementwise decay: one log-decay per element, [B, T, H, rows, cols])
+            width = f"{rows}, {cols}" if t.elementwise else rows if t.log_decay.shape else "1"
             lines.append(f"{decay} = {per_token(prelude(em.refold(t.log_decay)), width, not t.log_decay.shape)}")
         pairs = []
         for key, value in t.writes:

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..dsl.errors import RuntimeInputError
+from .adjoint_elementwise import elementwise_decay_scan, elementwise_decay_scan_backward
 from .scan import solve_unit_lower
 
 
@@ -134,7 +135,10 @@ def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_
     """The forward: (readouts [B, T, H, V] for each (query, before), the final state, the states before each
     chunk). s0 [B, H, K, V]; log_decay [B, T, H, K or 1]; writes [(key [B, T, H, K], value [B, T, H, V])];
     corrections [(u [B, T, H, K], w [B, T, H, K])]: + u ⊗ (w·S_(t−1)); value_log_decay None or [B, T, H, V]:
-    the state's columns decay too, S·diag(e^m) (then without corrections)."""
+    the state's columns decay too, S·diag(e^m) (then without corrections). A log_decay [B, T, H, K, V] is an
+    elementwise decay (adjoint_elementwise; then without corrections)."""
+    if np.ndim(log_decay) == 5:
+        return elementwise_decay_scan(s0, log_decay, writes, queries, chunk)
     K, V = s0.shape[-2:]
     l, m = _log_decays(log_decay), None if value_log_decay is None else _log_decays(value_log_decay)
     ws = [(_heads(k, K), _heads(v, V)) for k, v in writes]
@@ -261,6 +265,9 @@ def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_read
                         value_log_decay=None) -> ScanGrads:
     """The backward of decay_scan (the same arguments, the states before each chunk it returned, the readouts'
     gradients [B, T, H, V] and the final state's, None: zero)."""
+    if np.ndim(log_decay) == 5:  # an elementwise decay
+        return ScanGrads(*elementwise_decay_scan_backward(s0, log_decay, writes, queries, starts, chunk,
+                                                          grad_readouts, grad_final), [], None)
     K, V = s0.shape[-2:]
     l, m = _heads(log_decay), None if value_log_decay is None else _heads(value_log_decay)
     fold = (lambda x: x.sum(axis=-1, keepdims=True)) if l.shape[-1] == 1 else (lambda x: x)  # noqa: E731
