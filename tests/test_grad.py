@@ -306,14 +306,13 @@ def test_a_decay_of_zero():
 
 
 def test_which_programs_have_the_derived_backward():
-    """From the structure: programs with an elementwise decay, non-causal ones and attention have the recurrent
-    backward only (reads before the update are no obstacle: `before` above; rank-one corrections neither:
-    tests/test_grad_corrections.py; nor a vector state read as it is, `values`, nor stages:
-    tests/test_grad_stages.py)."""
-    for name in ("mamba1", "softmax"):
-        assert gradient_refusal(example(name), "recurrent", "numpy") is None
-        assert gradient_refusal(example(name), "chunkwise", "numpy") is not None
-    for name in ("deltanet", "gated_deltanet", "preconditioned_deltanet"):
+    """From the structure: non-causal programs and attention have the recurrent backward only (reads before
+    the update are no obstacle: `before` above; rank-one corrections neither: tests/test_grad_corrections.py;
+    nor a vector state read as it is, `values`, nor stages: tests/test_grad_stages.py; nor an elementwise
+    decay: tests/test_grad_elementwise.py)."""
+    assert gradient_refusal(example("softmax"), "recurrent", "numpy") is None
+    assert gradient_refusal(example("softmax"), "chunkwise", "numpy") is not None
+    for name in ("deltanet", "gated_deltanet", "preconditioned_deltanet", "mamba1"):
         assert gradient_refusal(example(name), "chunkwise", "numpy") is None
     assert gradient_refusal(linrec.compile(PROGRAMS["values"]), "parallel", "numpy") is None
     for name in ("noncausal", "window"):
