@@ -8,7 +8,7 @@
     adjoint_derived.py  the parallel and chunkwise backward, from the decomposition (adjoint_scan.py runs it)
     emitter.py    what every generated module shares: names, printers, prologue, the template and its imports
     printer.py    IR expressions as NumPy code
-    runtime.py, scan.py, attention.py, vjp.py, adjoint_scan.py   what the generated code calls: builtins, the scans of the
+    runtime.py, scan.py, attention.py, vjp.py, adjoint_scan.py (adjoint_elementwise.py)   what the generated code calls: builtins, the scans of the
                   derived forms, masks and softmax, the builtins' vector–Jacobian products
 """
 from __future__ import annotations
