@@ -55,10 +55,11 @@ class NumpyBackend:
 
     # ---- gradients (docs/gradients.md) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
-        if _attention_in_parallel(compiled, form):  # (the compiler's reason is every other backend's)
-            reason = why_no_gradient(compiled, "recurrent") or why_no_parallel_attention_backward(compiled)
-        else:
-            reason = why_no_gradient(compiled, form)
+        reason = why_no_gradient(compiled, form)
+        if reason and _attention_in_parallel(compiled, form) and "parallel" in compiled.decomposition.forms \
+                and why_no_gradient(compiled, "recurrent") is None:
+            # (attention differentiated, with a parallel form: the compiler's reason is every other backend's)
+            reason = why_no_parallel_attention_backward(compiled)
         return None if reason is None else Refusal(reason)
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
