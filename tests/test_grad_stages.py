@@ -8,7 +8,10 @@ import pytest
 
 import linrec
 from linrec import verify_grad
+from linrec.interface import Refusal
+from linrec.numpy import BACKEND as NUMPY
 from linrec.registry import backend
+from linrec.stages import Staged
 
 TWO_STAGES = """recurrence two_stage(dk = 5, dv = 4)
 input q[dk], v[dv], g <= 0, gp <= 0, q2[dk], k2[dk], v2[dk]
@@ -22,6 +25,15 @@ output o = q·S
 output y = q2·P                   # an output of stage 1 that stage 2 also takes
 """
 
+ELEMENTWISE_STAGE = """recurrence elementwise_stage(dk = 4, dv = 3)
+input q[dk], v[dv], G[dk, dk] <= 0, q2[dk], k2[dk], v2[dk]
+state P[dk, dk]
+P = exp(G)*P + k2⊗v2              # stage 1 decays elementwise
+state S[dk, dv]
+S = S + softmax(q2·P)⊗v
+output o = q·S
+"""
+
 VALUE_READ = """recurrence value_read(d = 5)
 input x[d], f[d] <= 0, z[d]
 state hs[d]
@@ -31,14 +43,6 @@ output after = hs*tanh(z)         # and after it
 output dotted = z·hs              # a readout with a query of the same state, after those without one
 """
 
-ELEMENTWISE_STAGE = """recurrence elementwise_stage(dk = 4, dv = 4)
-input q[dk], v[dv], G[dk, dk] <= 0, q2[dk], k2[dk], v2[dk]
-state P[dk, dk]
-P = exp(G)*P + k2⊗v2
-state S[dk, dv]
-S = S + softmax(q2·P)⊗v
-output o = q·S
-"""
 
 
 def _case(rec, tokens, dims, seed):
@@ -69,6 +73,7 @@ PROGRAMS = {
     "preconditioned_deltanet": (lambda: linrec.load("examples/preconditioned_deltanet.lin"), {"dk": 6, "dv": 5}),
     "two_stage": (lambda: linrec.compile(TWO_STAGES, "two_stage.lin"), {}),
     "value_read": (lambda: linrec.compile(VALUE_READ, "value_read.lin"), {}),
+    "elementwise_stage": (lambda: linrec.compile(ELEMENTWISE_STAGE, "elementwise_stage.lin"), {}),
 }
 
 
@@ -103,14 +108,31 @@ def test_the_stages_are_differentiated_from_the_last():
         assert source.index("backward of stage 2") < source.index("backward of stage 1")
 
 
+class _RefusesStageOne:
+    """NumPy, except that it derives no backward for stage 1's program (as a backend may not)."""
+
+    def __init__(self):
+        self.inner = NUMPY
+        self.name = "numpy"
+
+    def __getattr__(self, attribute):
+        return getattr(self.inner, attribute)
+
+    def gradient_why_not(self, compiled, form):
+        if compiled.name.endswith("_stage1") and form != "recurrent":
+            return Refusal("no backward of this kind here", "try another")
+        return self.inner.gradient_why_not(compiled, form)
+
+
 def test_a_stage_without_the_backward_is_named():
-    rec = linrec.compile(ELEMENTWISE_STAGE, "elementwise_stage.lin")
-    assert len(rec.compiled.decomposition.stages) == 2
-    why = str(backend("numpy").gradient_why_not(rec.compiled, "chunkwise"))
-    assert "stage 1 (state(s) P)" in why and "decays elementwise" in why
+    rec = linrec.compile(TWO_STAGES, "two_stage.lin")
+    staged = Staged(_RefusesStageOne())
+    why = staged.gradient_why_not(rec.compiled, "chunkwise")
+    assert "the chunkwise backward of stage 1 (state(s) P) is not derived: no backward of this kind here" \
+        in why.reason and why.advice == "try another"
+    assert staged.gradient_why_not(rec.compiled, "recurrent") is None
     with pytest.raises(linrec.LinrecError, match="stage 1"):
-        rec.vjp(rec.random_inputs(batch=1, tokens=4, heads=1, seed=0), {"o": np.zeros((1, 4, 1, 4))},
-                form="chunkwise")
+        staged.load_gradient(rec.compiled, "chunkwise")
 
 
 def test_verify_grad_checks_the_staged_forms():
