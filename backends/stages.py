@@ -6,8 +6,8 @@ values a stage hands on (a vector state's value, a readout q·S) are per-token o
 per-token inputs of the next stage's. `Staged` wraps a backend so that the driver asks it about a staged
 program as about any other (registry.BACKENDS are wrapped): which forms it builds (those it builds for every
 stage), their source (the stages' in order) and the loaded form (`StagedModule`, which chains the stages'
-modules). The recurrent form, the decode step and the recurrent backward run the program as written: they
-need no stages.
+modules). The backward of a staged form (`StagedGradient`) runs the stages' backwards from the last. The
+recurrent form, the decode step and the recurrent backward run the program as written: they need no stages.
 """
 from __future__ import annotations
 
