@@ -9,8 +9,9 @@
     adjoint_attention.py  the parallel backward of softmax attention, over the masked score matrix
     emitter.py    what every generated module shares: names, printers, prologue, the template and its imports
     printer.py    IR expressions as NumPy code
-    runtime.py, scan.py, attention.py, vjp.py, adjoint_scan.py (adjoint_elementwise.py)   what the generated code calls: builtins, the scans of the
-                  derived forms, masks and softmax, the builtins' vector–Jacobian products
+    runtime.py, scan.py, attention.py, vjp.py, adjoint_scan.py   what the generated code calls: builtins, the scans of the
+                  derived forms, masks and softmax, the builtins' vector–Jacobian products, the adjoint scans
+                  (adjoint_elementwise.py: their elementwise-decay case)
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ vector–Jacobian product of that softmax (an invisible position has probability
 token's gradient at the positions it sees, [B, T, H, T, *], is masked and summed over the tokens into the
 gradient of the sequence.
 
-That is the standard attention backward — dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)), dQ = dS·K, dK = dSᵀ·Q,
-dV = Pᵀ·dO — found by the chain rule, for programs whose every use of the sequence is softmax(K·q)·V with
+That is the standard attention backward — dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)), dQ = dS·K,
+dK = dSᵀ·Q, dV = Pᵀ·dO — found by the chain rule, for programs whose every use of the sequence is softmax(K·q)·V with
 K and V computed from the sequence alone (sequence.kernel_support): there, every value over the sequence
 axis that reaches a gradient passes through the masked softmax, so the masks above are all it needs. Memory:
 the [B, T, H, T] score matrix, as the parallel forward's.

@@ -5,7 +5,7 @@
 Every element of S is a scalar linear recurrence of its own, and so is its adjoint, run in reverse: with H_t
 the readouts' rank-one writes q ⊗ ∂r of the readouts that read S_t,
 
-    Ŝ_t = exp(Λ_L − Λ_t) ⊙ Ŝ_end + Σ_(t ≤ t' ≤ L) exp(Λ_t' − Λ_t) ⊙ H_t'      (Λ the prefix sums of L)
+    Ŝ_t = exp(Λ_L − Λ_t) ⊙ Ŝ_end + Σ_(t ≤ t' ≤ L) exp(Λ_t' − Λ_t) ⊙ H_t'    (Λ: the prefix sums of L)
 
 inside a chunk of tokens ..L, Ŝ_end the adjoint of the state after the chunk (from the chunk after it). The
 chunk's states S_t and S_(t−1) come the same way from the state before it, Σ_(j ≤ t) exp(Λ_t − Λ_j) ⊙ N_j.
