@@ -6,10 +6,12 @@ values a stage hands on (a vector state's value, a readout q·S) are per-token o
 per-token inputs of the next stage's. `Staged` wraps a backend so that the driver asks it about a staged
 program as about any other (registry.BACKENDS are wrapped): which forms it builds (those it builds for every
 stage), their source (the stages' in order) and the loaded form (`StagedModule`, which chains the stages'
-modules). The recurrent form, the decode step and the recurrent backward run the program as written: they
-need no stages.
+modules). The backward of a staged form (`StagedGradient`) runs the stages' backwards from the last. The
+recurrent form, the decode step and the recurrent backward run the program as written: they need no stages.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from .compiler import Compiled, stage_compiled
 from .dsl.errors import LinrecError
@@ -71,11 +73,42 @@ class Staged:
     def recurrent_kernel(self, compiled: Compiled) -> str:
         return self.inner.recurrent_kernel(compiled)
 
+    # ---- gradients: the stages' backwards in reverse stage order (docs/gradients.md) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
-        if in_stages(compiled, form) and not compiled.decomposition.why_not(form):
-            return Refusal(f"'{compiled.name}' runs its {form} form in stages, whose backward is not derived",
-                           "the recurrent backward (form='recurrent') differentiates the program as written")
-        return self.inner.gradient_why_not(compiled, form)
+        if not in_stages(compiled, form):
+            return self.inner.gradient_why_not(compiled, form)
+        refused = self.why_not(compiled, form)  # (the backward of a form needs the form)
+        if refused:
+            return refused
+        for stage in compiled.decomposition.stages:
+            refused = self.inner.gradient_why_not(stage_compiled(compiled, stage), form)
+            if refused:
+                return Refusal(f"'{compiled.name}' runs its {form} form in stages, and the {form} backward of "
+                               f"stage {stage.number} (state(s) {', '.join(stage.states)}) is not derived: "
+                               f"{refused.reason}", refused.advice or
+                               "the recurrent backward (form='recurrent') differentiates the program as written")
+        return None
+
+    def emit_gradient(self, compiled: Compiled, form: str) -> str:
+        if not in_stages(compiled, form):
+            return self.inner.emit_gradient(compiled, form)
+        parts = []
+        for stage in reversed(compiled.decomposition.stages):
+            source = self.inner.emit_gradient(stage_compiled(compiled, stage), form)
+            parts.append(_comment(source, f"backward of {_header(stage)}") + "\n" + source)
+        return "\n\n".join(parts)
+
+    def load_gradient(self, compiled: Compiled, form: str):
+        if not in_stages(compiled, form):
+            return self.inner.load_gradient(compiled, form)
+        refused = self.gradient_why_not(compiled, form)
+        if refused:
+            raise LinrecError(f"the {self.name} backend does not build the {form} backward of '{compiled.name}': "
+                              f"{refused}")
+        stages = compiled.decomposition.stages
+        forwards = tuple(self.inner.load(stage_compiled(compiled, s), form) for s in stages[:-1])
+        backwards = tuple(self.inner.load_gradient(stage_compiled(compiled, s), form) for s in stages)
+        return StagedGradient(form, compiled, forwards, backwards)
 
 
 def _refuse(backend: str, compiled: Compiled, form: str, refused: Refusal):
@@ -122,3 +155,60 @@ class StagedModule:
             outputs.update((name, out[name]) for name in stage.outputs)
             final.update((s.name, ends[s.name]) for s in program.states)
         return {name: outputs[name] for name in self.output_names}, final
+
+
+class StagedGradient:
+    """The backward of a staged form. The forward runs the stages but the last in order, for the values each
+    hands on; then the stages' backwards run from the last: a stage's backward gives, besides the gradients of
+    its inputs, params and initial states, the gradients of the values earlier stages handed it, which are
+    upstream gradients of those stages' outputs of the same name (added to what the program's outputs there
+    get, and summed over the stages that take them). A param several stages use gets the sum of their
+    gradients (a default computed from other params passes each stage's share on: the chain rule is linear
+    in it)."""
+
+    def __init__(self, form: str, compiled: Compiled, forwards: tuple, backwards: tuple):
+        self.form = form
+        self.program = compiled.program
+        self.stages = compiled.decomposition.stages
+        self.forwards = forwards
+        self.backwards = backwards
+
+    def backward(self, inputs: dict, params: dict, initial_state: dict, dims: dict[str, int], grad_outputs: dict,
+                 grad_final_state: dict, derived_params=(), chunk_size: int | None = None):
+        values = dict(inputs)  # the program's inputs and the values the stages hand on
+        for stage, module in zip(self.stages, self.forwards):
+            out, _ = module.forward(*self._arguments(stage, values, params, initial_state), dims,
+                                    chunk_size=chunk_size)
+            values.update((h.name, out[h.name]) for h in stage.hands)
+        upstream = dict(grad_outputs)  # the program's outputs' gradients, and those of the values handed on
+        outputs, final, grads = {}, {}, {}
+        for stage, module in zip(reversed(self.stages), reversed(self.backwards)):
+            program = stage.program
+            given, used, state0 = self._arguments(stage, values, params, initial_state)
+            seeds = {o.name: upstream.get(o.name) for o in program.outputs}
+            for name, seed in seeds.items():
+                if seed is None:  # (a value handed on that no later stage's gradient reached: none does)
+                    seeds[name] = np.zeros_like(values[name])
+            ends = {s.name: grad_final_state[s.name] for s in program.states if s.name in grad_final_state}
+            derived = tuple(p.name for p in program.params if p.name in derived_params)
+            out, fin, got = module.backward(given, used, state0, dims, seeds, ends, derived, chunk_size=chunk_size)
+            outputs.update((name, out[name]) for name in stage.outputs)
+            final.update(fin)
+            for name, g in got.items():
+                target = upstream if name in stage.takes else grads
+                target[name] = g if name not in target else target[name] + g
+        for x in self.program.inputs:  # (an input no stage reads has gradient zero)
+            grads.setdefault(x.name, np.zeros_like(inputs[x.name]))
+        order = [x.name for x in self.program.inputs] + [p.name for p in self.program.params] + \
+            [s.name for s in self.program.states]
+        grads = {name: grads[name] for name in order if name in grads}
+        return {o.name: outputs[o.name] for o in self.program.outputs}, \
+            {s.name: final[s.name] for s in self.program.states}, grads
+
+    @staticmethod
+    def _arguments(stage, values: dict, params: dict, initial_state: dict) -> tuple[dict, dict, dict]:
+        """A stage's inputs (the program's and those handed to it), params and initial states."""
+        program = stage.program
+        return ({x.name: values[x.name] for x in program.inputs},
+                {p.name: params[p.name] for p in program.params if p.name in params},
+                {s.name: initial_state[s.name] for s in program.states if s.name in initial_state})

@@ -459,13 +459,14 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
         return f"the {form} backward of attention over the sequence is not derived"
     if not compiled.program.causal:
         return f"the {form} backward of a non-causal program is not derived"
-    for t in d.transitions:
+    for t in d.transitions:  # (an elementwise decay plus writes: its own scan, backends' adjoint_elementwise)
         if t.value_corrections:
             return (f"'{t.state}' has {len(t.value_corrections)} rank-one correction(s) on the value side: their "
                     f"{form} backward is not derived")
-        if t.elementwise:
-            return f"'{t.state}' decays elementwise (`X*{t.state}`): the {form} backward of that is not derived"
-    if any(r.is_value for r in d.readouts):
+        if t.elementwise and (t.corrections or t.value_log_decay is not None or t.state in d.transposed):
+            return f"'{t.state}' decays elementwise (`X*{t.state}`) with rank-one corrections, a decay of its " \
+                   f"value axis or in the transposed convention: the {form} backward of that is not derived"
+    if any(r.is_value and len(compiled.program.state(r.state).shape) != 1 for r in d.readouts):
         return f"an output reads a state as a value (not q·S): the {form} backward of that is not derived"
     return None
 

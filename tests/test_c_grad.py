@@ -135,7 +135,7 @@ output o = q·S
 def test_emitted_backward_calls_the_kernels(recs):
     text = recs["gated_deltanet"].emit_gradient("recurrent", "c")
     assert "adjoint_checkpoints(" in text and "adjoint_recurrent(" in text
-    assert "# adjoint of S.u0" in text  # the corrections' adjoints, into the expressions they come from
+    assert "# adjoint of S.correction0_u" in text  # the corrections' adjoints, into the expressions they come from
 
 
 def test_resets(recs):

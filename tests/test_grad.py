@@ -306,15 +306,16 @@ def test_a_decay_of_zero():
 
 
 def test_which_programs_have_the_derived_backward():
-    """From the structure: programs with an elementwise decay, non-causal ones and attention have the recurrent
-    backward only (reads before the update are no obstacle: `before` above; rank-one corrections neither:
-    tests/test_grad_corrections.py)."""
-    for name in ("mamba1", "softmax"):
-        assert gradient_refusal(example(name), "recurrent", "numpy") is None
-        assert gradient_refusal(example(name), "chunkwise", "numpy") is not None
-    for name in ("deltanet", "gated_deltanet"):
+    """From the structure: non-causal programs and attention have the recurrent backward only (reads before
+    the update are no obstacle: `before` above; rank-one corrections neither: tests/test_grad_corrections.py;
+    nor a vector state read as it is, `values`, nor stages: tests/test_grad_stages.py; nor an elementwise
+    decay: tests/test_grad_elementwise.py)."""
+    assert gradient_refusal(example("softmax"), "recurrent", "numpy") is None
+    assert gradient_refusal(example("softmax"), "chunkwise", "numpy") is not None
+    for name in ("deltanet", "gated_deltanet", "preconditioned_deltanet", "mamba1"):
         assert gradient_refusal(example(name), "chunkwise", "numpy") is None
-    for name in ("values", "noncausal", "window"):
+    assert gradient_refusal(linrec.compile(PROGRAMS["values"]), "parallel", "numpy") is None
+    for name in ("noncausal", "window"):
         assert gradient_refusal(linrec.compile(PROGRAMS[name]), "parallel", "numpy") is not None
 
 
@@ -433,9 +434,11 @@ def test_forms_and_backends_without_a_gradient():
     rec = example("gla")
     inputs = rec.random_inputs(1, 4, 1, {"dk": 4, "dv": 4})
     g_out = {"o": np.ones((1, 4, 1, 4))}
+    attention = example("softmax")
+    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the numpy backend: the chunkwise backward "
+                                                 "of attention"):
+        attention.vjp(attention.random_inputs(1, 4, 1), {"o": np.ones((1, 4, 1, 16))}, form="chunkwise")
     mamba = example("mamba1")
-    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the numpy backend: 'S' decays elementwise"):
-        mamba.vjp(mamba.random_inputs(1, 4, 1), {"y": np.ones((1, 4, 1, 16))}, form="chunkwise")
     with pytest.raises(linrec.LinrecError, match="no recurrent gradient on the c backend: 'S' decays elementwise"):
         mamba.vjp(mamba.random_inputs(1, 4, 1), {}, backend="c")
     with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the c backend: the C backend builds the "

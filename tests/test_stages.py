@@ -269,5 +269,6 @@ def test_the_recurrent_gradient_of_the_staged_example_matches_finite_differences
         else:
             numeric = (loss(x, plus) - loss(x, minus)) / (2 * eps)
         assert abs(numeric - np.sum(res.grads[name] * direction)) <= 1e-6 * max(1.0, abs(numeric)), name
-    assert "in stages" in str(PRECONDITIONED.decomposition.stages and
-                              linrec.gradients.gradient_refusal(PRECONDITIONED, "chunkwise", "numpy"))
+    # (its parallel and chunkwise backward run the stages' backwards: tests/test_grad_stages.py)
+    assert PRECONDITIONED.decomposition.stages
+    assert linrec.gradients.gradient_refusal(PRECONDITIONED, "chunkwise", "numpy") is None

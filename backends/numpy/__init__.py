@@ -6,10 +6,12 @@
     sequence.py   the generated modules of programs that read the sequence (softmax attention and relatives)
     adjoint.py    the recurrent backward: the adjoint of the statements (compiler.adjoint) as a reverse sweep
     adjoint_derived.py  the parallel and chunkwise backward, from the decomposition (adjoint_scan.py runs it)
+    adjoint_attention.py  the parallel backward of softmax attention, over the masked score matrix
     emitter.py    what every generated module shares: names, printers, prologue, the template and its imports
     printer.py    IR expressions as NumPy code
     runtime.py, scan.py, attention.py, vjp.py, adjoint_scan.py   what the generated code calls: builtins, the scans of the
-                  derived forms, masks and softmax, the builtins' vector–Jacobian products
+                  derived forms, masks and softmax, the builtins' vector–Jacobian products, the adjoint scans
+                  (adjoint_elementwise.py: their elementwise-decay case)
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ..interface import DEFINITION, INTERPRETED, Capabilities, Refusal, no_such_
 from . import backend as recurrences
 from . import sequence
 from .adjoint import emit_backward
+from .adjoint_attention import emit_parallel_attention_backward, why_no_parallel_attention_backward
 from .adjoint_derived import emit_decomposed_backward
 
 
@@ -54,15 +57,28 @@ class NumpyBackend:
     # ---- gradients (docs/gradients.md) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         reason = why_no_gradient(compiled, form)
+        if reason and _attention_in_parallel(compiled, form) and "parallel" in compiled.decomposition.forms \
+                and why_no_gradient(compiled, "recurrent") is None:
+            # (attention differentiated, with a parallel form: the compiler's reason is every other backend's)
+            reason = why_no_parallel_attention_backward(compiled)
         return None if reason is None else Refusal(reason)
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
-        return emit_backward(compiled) if form == "recurrent" else emit_decomposed_backward(compiled, form)
+        if form == "recurrent":
+            return emit_backward(compiled)
+        if _attention_in_parallel(compiled, form):
+            return emit_parallel_attention_backward(compiled)
+        return emit_decomposed_backward(compiled, form)
 
     def load_gradient(self, compiled: Compiled, form: str):
         module = recurrences.module_from_source(self.emit_gradient(compiled, form), compiled, form, "backward")
         module.form = form
         return module
+
+
+def _attention_in_parallel(compiled: Compiled, form: str) -> bool:
+    """The parallel backward of a program that reads the sequence: adjoint_attention's."""
+    return form == "parallel" and compiled.decomposition.sequence is not None
 
 
 BACKEND = NumpyBackend()

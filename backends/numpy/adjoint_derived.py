@@ -127,7 +127,8 @@ class DecomposedEmitter(BackwardEmitter):
         if t.log_decay is None:
             lines.append(f"{decay} = {self.no_decay}")
         else:
-            width = rows if t.log_decay.shape else "1"
+            # (an elementwise decay: one log-decay per element, [B, T, H, rows, cols])
+            width = f"{rows}, {cols}" if t.elementwise else rows if t.log_decay.shape else "1"
             lines.append(f"{decay} = {per_token(prelude(em.refold(t.log_decay)), width, not t.log_decay.shape)}")
         pairs = []
         for key, value in t.writes:
@@ -142,9 +143,9 @@ class DecomposedEmitter(BackwardEmitter):
                 f"({per_token(prelude(em.refold(u)), rows, not u.shape)}, "
                 f"{per_token(prelude(em.refold(w)), rows, not w.shape)})" for u, w in t.corrections) + "]")
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
-        lines.append(f"{queries} = [" + ", ".join(
-            f"({per_token(prelude(em.refold(r.query)), rows, not r.query.shape)}, {r.before_update})"
-            for r in reads) + "]")
+        lines.append(f"{queries} = [" + ", ".join(  # (a query None: the vector state read as it is)
+            f"({'None' if r.is_value else per_token(prelude(em.refold(r.query)), rows, not r.query.shape)}, "
+            f"{r.before_update})" for r in reads) + "]")
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
@@ -152,7 +153,8 @@ class DecomposedEmitter(BackwardEmitter):
                      f"{self.chunk}{self.optional_arrays(st.name)})")
         lines.append(f"{n(st.name)} = {self.declared(st, n(st.name))}")
         if vector:  # a vector state is carried as one column
-            lines += [f"{self.readout_vars[r.index]} = {self.readout_vars[r.index]}[..., 0]" for r in reads]
+            lines += [f"{self.readout_vars[r.index]} = {self.readout_vars[r.index]}[..., 0]" for r in reads
+                      if not r.is_value]
         return lines
 
     def optional_arrays(self, state: str) -> str:
@@ -182,7 +184,7 @@ class DecomposedEmitter(BackwardEmitter):
         decay, writes, queries, starts, g = a.log_decay, a.writes, a.queries, a.starts, a.grads
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
         column = "[..., None]" if len(st.shape) == 1 else ""
-        grads = ", ".join(self.d[("readout", str(r.index))] + column for r in reads)
+        grads = ", ".join(self.d[("readout", str(r.index))] + ("" if r.is_value else column) for r in reads)
         given = f"grad_final_state.get(\"{st.name}\")"
         final = given if self.carried(st, "x") == "x" else f"None if {given} is None else {self.carried(st, given)}"
         state = self.d[("state", st.name, "new")]
@@ -204,7 +206,8 @@ class DecomposedEmitter(BackwardEmitter):
             self.seeds[f"{st.name}.correction{j}_u"] = f"{g}.corrections[{j}][0]" + ("" if u.shape else "[..., 0]")
             self.seeds[f"{st.name}.correction{j}_w"] = f"{g}.corrections[{j}][1]" + ("" if w.shape else "[..., 0]")
         for i, r in enumerate(reads):
-            self.seeds[f"r{r.index}"] = f"{g}.queries[{i}]" + ("" if r.query.shape else "[..., 0]")
+            if not r.is_value:  # (a state read as it is has no query)
+                self.seeds[f"r{r.index}"] = f"{g}.queries[{i}]" + ("" if r.query.shape else "[..., 0]")
         return lines
 
 

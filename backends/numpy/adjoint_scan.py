@@ -48,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..dsl.errors import RuntimeInputError
+from .adjoint_elementwise import elementwise_decay_scan, elementwise_decay_scan_backward
 from .scan import solve_unit_lower
 
 
@@ -134,15 +135,18 @@ def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_
     """The forward: (readouts [B, T, H, V] for each (query, before), the final state, the states before each
     chunk). s0 [B, H, K, V]; log_decay [B, T, H, K or 1]; writes [(key [B, T, H, K], value [B, T, H, V])];
     corrections [(u [B, T, H, K], w [B, T, H, K])]: + u ⊗ (w·S_(t−1)); value_log_decay None or [B, T, H, V]:
-    the state's columns decay too, S·diag(e^m) (then without corrections)."""
+    the state's columns decay too, S·diag(e^m) (then without corrections). A log_decay [B, T, H, K, V] is an
+    elementwise decay (adjoint_elementwise; then without corrections)."""
+    if np.ndim(log_decay) == 5:
+        return elementwise_decay_scan(s0, log_decay, writes, queries, chunk)
     K, V = s0.shape[-2:]
     l, m = _log_decays(log_decay), None if value_log_decay is None else _log_decays(value_log_decay)
     ws = [(_heads(k, K), _heads(v, V)) for k, v in writes]
     cs = [(_heads(u, K), _heads(w, K)) for u, w in corrections]
-    qs = [(_heads(q, K), before) for q, before in queries]
+    qs = [(None if q is None else _heads(q, K), before) for q, before in queries]
     batch, heads, tokens = l.shape[:3]
     state = np.array(s0, dtype=np.result_type(s0, l))
-    results = [np.empty((batch, heads, tokens, V), dtype=state.dtype) for _ in qs]
+    results = [np.empty((batch, heads, tokens, K if q is None else V), dtype=state.dtype) for q, _ in qs]
     starts = []
     for start in range(0, tokens, chunk):
         c = _Chunk(l, start, min(start + chunk, tokens), state.dtype, m)
@@ -152,7 +156,8 @@ def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_
             corr = [(c.cut(u), c.cut(w)) for u, w in cs]
             wc += [(u, p) for (u, _), p in zip(corr, _pseudo_values(c, state, corr, wc)[0])]
         for (q, before), out in zip(qs, results):
-            out[:, :, c.start:c.stop] = _readout(c, state, c.cut(q), before, wc)
+            out[:, :, c.start:c.stop] = _state_values(c, state, before, wc) if q is None else \
+                _readout(c, state, c.cut(q), before, wc)
         state = _end_state(c, state, wc)
     return [np.moveaxis(r, 2, 1) for r in results], state, starts
 
@@ -175,6 +180,18 @@ def _readout(c: _Chunk, state, q, before: bool, writes):
         for k, v in writes:
             a = _scores(q[:, :, at], k, pairs)
             r[:, :, at] += a @ v if columns is None else np.einsum("bhtj,bhjv,bhtjv->bhtv", a, v, columns)
+    return r
+
+
+def _state_values(c: _Chunk, state, before: bool, writes):
+    """A vector state (one column, V = 1) itself at the chunk's tokens, S_t (S_(t−1) where `before`): the
+    readout with no query (compiler.decompose.Readout.is_value), [B, H, n, K]."""
+    read = c.read(before)
+    r = c.exp(read) * state[..., 0][:, :, None, :]
+    for rows in _row_blocks(c.size):
+        pairs = c.pairs(read, rows, before)
+        for k, v in writes:
+            r[:, :, rows.start:rows.stop] += np.einsum("bhtjk,bhjk->bhtk", pairs, k * v)
     return r
 
 
@@ -248,13 +265,21 @@ def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_read
                         value_log_decay=None) -> ScanGrads:
     """The backward of decay_scan (the same arguments, the states before each chunk it returned, the readouts'
     gradients [B, T, H, V] and the final state's, None: zero)."""
+    if np.ndim(log_decay) == 5:  # an elementwise decay
+        return ScanGrads(*elementwise_decay_scan_backward(s0, log_decay, writes, queries, starts, chunk,
+                                                          grad_readouts, grad_final), [], None)
     K, V = s0.shape[-2:]
     l, m = _heads(log_decay), None if value_log_decay is None else _heads(value_log_decay)
     fold = (lambda x: x.sum(axis=-1, keepdims=True)) if l.shape[-1] == 1 else (lambda x: x)  # noqa: E731
     ws = [(_heads(k, K), _heads(v, V)) for k, v in writes]
     cs = [(_heads(u, K), _heads(w, K)) for u, w in corrections]
-    qs = [(_heads(q, K), before) for q, before in queries]
-    drs = [_heads(dr, V) for dr in grad_readouts]
+    # a vector state read as it is (no query: decay_scan's readout [B, T, H, K]) with gradient g_t is the readout
+    # g_t·S_t with gradient 1: the same functional Σ_t g_t·S_t, so the same gradients of everything but the
+    # query (which is no argument here, and gets none)
+    values = [q is None for q, _ in queries]
+    qs = [(_heads(dr if q is None else q, K), before) for (q, before), dr in zip(queries, grad_readouts)]
+    drs = [np.ones(np.shape(dr)[:3] + (1,), np.result_type(dr)).swapaxes(1, 2) if q is None else _heads(dr, V)
+           for (q, _), dr in zip(queries, grad_readouts)]
     batch, heads, tokens = l.shape[:3]
     dtype = np.result_type(s0, l)
     adjoint = np.zeros((batch, heads, K, V), dtype) if grad_final is None else np.array(grad_final, dtype=dtype)
@@ -292,7 +317,8 @@ def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_read
             dq[:, :, here] = g
         adjoint = grads.adjoint
     back = lambda x: np.moveaxis(x, 2, 1)  # noqa: E731 - [B, H, T, n] → [B, T, H, n]
-    return ScanGrads(back(dl), [(back(dk), back(dv)) for dk, dv in dws], [back(dq) for dq in dqs], adjoint,
+    return ScanGrads(back(dl), [(back(dk), back(dv)) for dk, dv in dws],
+                     [None if value else back(dq) for dq, value in zip(dqs, values)], adjoint,
                      [(back(du), back(dw)) for du, dw in dcs], None if dm is None else back(dm))
 
 

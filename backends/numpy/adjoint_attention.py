@@ -1,0 +1,114 @@
+"""The parallel backward of softmax attention as a NumPy module (docs/gradients.md): the recurrent (KV-cache)
+backward's statements — the same adjoint (compiler.adjoint) — printed for every token at once over the
+masked score matrix, as the parallel forward prints the forward (sequence.py): seq(x) is x at every position
+[B, 1, H, T, *], a softmax over the sequence is masked by visibility (causal, window), and so is the
+vector–Jacobian product of that softmax (an invisible position has probability 0, hence gradient 0). Each
+token's gradient at the positions it sees, [B, T, H, T, *], is masked and summed over the tokens into the
+gradient of the sequence.
+
+That is the standard attention backward — dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)), dQ = dS·K,
+dK = dSᵀ·Q, dV = Pᵀ·dO — found by the chain rule, for programs whose every use of the sequence is softmax(K·q)·V with
+K and V computed from the sequence alone (sequence.kernel_support): there, every value over the sequence
+axis that reaches a gradient passes through the masked softmax, so the masks above are all it needs. Memory:
+the [B, T, H, T] score matrix, as the parallel forward's.
+"""
+from __future__ import annotations
+
+from ..compiler import Compiled, ir
+from ..compiler.adjoint import Accumulate, Vjp
+from ..compiler.builtins import SEQ
+from .adjoint import AdjointPrinter, BackwardEmitter
+from .printer import ATOM, NumpyPrinter
+from .sequence import SequencePrinter, kernel_support
+
+
+def why_no_parallel_attention_backward(compiled: Compiled) -> str | None:
+    """Why the parallel backward of a program that reads the sequence is not derived here, or None."""
+    unsupported = kernel_support(compiled)
+    if unsupported:
+        return (f"the parallel backward of attention is derived for softmax(K·q)·V over the sequence only: "
+                f"{unsupported}")
+    if any(SEQ in prm.shape for prm in compiled.program.params):
+        return "the parallel backward of attention with a param over the sequence axis is not derived"
+    return None
+
+
+class _ParallelPrinter(AdjointPrinter, SequencePrinter):
+    """AdjointPrinter's derivative expressions with SequencePrinter's masks, all tokens at once; the softmax's
+    vector–Jacobian product over the sequence sees the invisible scores as −∞."""
+
+    def __init__(self, ref, grad, seq, masked: bool):
+        NumpyPrinter.__init__(self, ref)  # (the two parents' own initialisers take different arguments)
+        self.grad, self.seq, self.seq_code = grad, seq, seq
+        self.visible = "visible" if masked else "None"
+        self.lsh = "lsh_attention_dense"
+        self.masked = masked
+
+    def _p(self, e: ir.Expr):
+        if isinstance(e, Vjp) and e.function == "softmax" and e.args[0].shape[:1] == (SEQ,) and self.masked:
+            self.helpers.add("vjp_softmax")
+            scores, grad = (self(a) for a in e.args)
+            return f"vjp_softmax(np.where(visible, {scores}, -np.inf), {grad})", ATOM
+        return super()._p(e)
+
+
+class _ParallelAttentionEmitter(BackwardEmitter):
+    """The recurrent backward's names and adjoint statements, printed for every token at once."""
+
+    def __init__(self, compiled: Compiled):
+        super().__init__(compiled)
+        plan = compiled.decomposition.sequence
+        self.window = plan.window
+        self.masked = compiled.program.causal or bool(plan.window)
+
+    def printer(self, token_index):
+        base = self.em.printer(None)
+
+        def seq(arg: ir.Expr) -> str:
+            index = next(a.step.index for a in self.adjoint.sequences if a.step.arg == arg)
+            return f"{self.seq_vars[index][0]}[:, None]"
+        return _ParallelPrinter(base.ref, lambda g: self.grad_name(g, None), seq, self.masked)
+
+    def accumulate(self, s: Accumulate, printer, token_index, final_reads=False) -> str:
+        if s.target.kind != "sequence":
+            return super().accumulate(s, printer, token_index, final_reads)
+        # every token's gradient at every position [B, T, H, T, *]: the positions it does not see masked, then
+        # summed over the tokens into the sequence's [B, H, T, *]
+        d = self.seq_vars[int(s.target.name)][1]
+        full = f"np.broadcast_to({printer(s.value)}, (batch, tokens) + {d}.shape[1:])"
+        if self.masked:
+            read = next(a.step for a in self.adjoint.sequences if a.step.index == int(s.target.name))
+            extra = len(read.arg.shape)  # (the axes after the position's: visible is [1, T, 1, T])
+            full = f"np.where(visible{'[..., None]' * extra}, {full}, 0.0)"
+        return f"{d} += np.sum({full}, axis=1)"
+
+    def body(self) -> list[str]:
+        em, p, n = self.em, self.p, self.em.name
+        printer = self.printer(None)
+        body = em.prologue() + [f"causal = {p.causal}"]
+        body += em.hoisted_lets(printer, "per-token values, for all tokens at once")
+        body += ["", "# the sequence, head-major [B, H, T, *]: what seq(x) reads"]
+        for adj in self.adjoint.sequences:
+            body.append(f"{self.seq_vars[adj.step.index][0]} = np.swapaxes({printer(adj.step.arg)}, 1, 2)")
+        body += ["", "# which keys each query sees: [1, T, 1, T] (None: all)",
+                 f"visible = visible_positions(tokens, causal, window={self.window})"]
+        self.helpers.add("visible_positions")
+        body += ["", "# the forward: every query against every key it sees"]
+        for step in p.steps:
+            if isinstance(step, ir.Output):
+                body.append(f"{n(step.name)} = {printer(step.value)}")
+        body += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
+                 "final_state = {}"]
+        body += self.adjoint_arrays()
+        body += [f"{d} = np.zeros_like({var})" for var, d in self.seq_vars.values()]
+        body += ["", "# every token's adjoint at once, over the masked score matrix"]
+        for adj in self.adjoint.loop:
+            body += self.step_adjoint(adj, printer, None)
+        tail = self.tail(printer)
+        self.helpers |= printer.helpers
+        return body + tail
+
+
+def emit_parallel_attention_backward(compiled: Compiled) -> str:
+    """The parallel backward of softmax attention (see why_no_parallel_attention_backward)."""
+    return _ParallelAttentionEmitter(compiled).render()
