@@ -306,7 +306,9 @@ def _right(t: Term, f: Factor) -> Term:
 def _elementwise_beside_a_factor(e: ir.Expr | None = None) -> "Unfactorable":
     where = f" in `{to_text(e)}`" if e is not None else ""
     return Unfactorable(f"an elementwise product with the state (`X*S`) meets another factor of it{where}; the "
-                        f"forms take an elementwise decay only as the whole factor of its term (`exp(X)*S`)")
+                        f"forms take an elementwise decay only as the whole factor of its term (`exp(X)*S`), and a "
+                        f"rank-one correction beside it on the state as it was (`exp(X)*S − u⊗(w·S)` or "
+                        f"`exp(X)*S − (S·a)⊗b`)")
 
 
 def _unfactorable(e: ir.Expr, state: str) -> "Unfactorable":

@@ -54,6 +54,9 @@ VALUE_DECAY_WITH_CORRECTIONS = ("a decay of the value axis beside a rank-one cor
                                 "solve a triangular system per value column")
 VALUE_CORRECTIONS_UNDER_A_DECAY = ("a rank-one correction on the value side under a decay of the rows: its pseudo-keys "
                                    "solve a triangular system per row")
+ELEMENTWISE_WITH_CORRECTIONS = ("an elementwise decay beside a rank-one correction: its pseudo-values solve a "
+                                "triangular system per value column (per row for a value-side correction), each "
+                                "with its own decays of the rows")
 VALUES_WITH_CORRECTIONS = ("the C scan kernels read a vector state as it is (elementwise) only when its update "
                            "has no rank-one correction (delta-rule term)")
 DECAYS = ("none", "token", "row")
@@ -145,7 +148,7 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
                                   span_max, value_log_decay, [tuple(c) for c in value_corrections])
     if log_decay is not None and np.ndim(log_decay) == 5:  # a log-decay per element: c_elementwise's kernels
         if corrections:
-            raise LinrecError("an elementwise decay with rank-one corrections has no derived form")
+            raise LinrecError(f"the C scan kernels do not take {ELEMENTWISE_WITH_CORRECTIONS}")
         return c_elementwise.scan(form, s0, log_decay, writes, readouts, causal, chunk_size, num_threads)
     if any(q is None for q, _ in readouts):
         return _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads,
@@ -336,6 +339,8 @@ def why_not(compiled: Compiled) -> str | None:
         if d.transition(state).corrections:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
     for t in d.transitions:
+        if t.elementwise and (t.corrections or t.value_corrections):
+            return f"state '{t.state}' has {ELEMENTWISE_WITH_CORRECTIONS}, which the C scan kernels do not take"
         if t.value_corrections and t.decay is not None:
             return f"state '{t.state}' has {VALUE_CORRECTIONS_UNDER_A_DECAY}, which the C scan kernels do not take"
         if t.value_decay is not None and t.corrections:

@@ -170,7 +170,7 @@ def canonical_text(t: Transition) -> str:
     after = "" if t.value_decay is None else f"·diag({to_text(t.value_decay)})"
     for u, w in t.corrections:
         parts.append(f"({to_text(u)})⊗(({to_text(w)})·{t.state}_(t−1){after})")
-    before = "" if t.decay is None else f"diag({to_text(t.decay)})·"
+    before = "" if t.decay is None or t.elementwise else f"diag({to_text(t.decay)})·"  # (an elementwise one: none)
     for a, b in t.value_corrections:
         parts.append(f"({before}{t.state}_(t−1)·({to_text(a)}))⊗({to_text(b)})")
     for key, value in t.writes:
