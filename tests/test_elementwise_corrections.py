@@ -12,7 +12,8 @@ each row apart. These tests check, from the structure alone:
   variants (a scalar decay on the state alone, or on the whole update), several corrections and the
   value-side twin;
 - the key-side program against a loop written here from the math;
-- the C backend refuses the derived forms with its reason (no kernel is built) and runs the recurrent one.
+- C's forms (the row-decay scan kernel with one column per head for the pseudo-values, then the
+  elementwise kernel) agree with the recurrent form at 1e-9 too, resets included.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def assert_forms_agree(rec, x, s0, chunk_sizes):
 
 
 # ---- the compiler ------------------------------------------------------------------------------------------
-def test_a_correction_of_one_side_beside_an_elementwise_decay_has_every_numpy_form(recs):
+def test_a_correction_of_one_side_beside_an_elementwise_decay_has_every_form(recs):
     for name, rec in recs.items():
         t = rec.decomposition.transition("S")
         assert t.elementwise and t.log_decay.shape == ("dk", "dv") and t.value_decay is None, name
@@ -193,10 +194,23 @@ def test_the_key_side_program_against_its_loop(recs):
         assert rel_err(got.final_state["S"], want_s) <= TOL, form
 
 
-# ---- C -------------------------------------------------------------------------------------------------
-def test_c_refuses_the_derived_forms_with_its_reason(recs):
-    for name in ("key_side", "value_side"):
-        rec = recs[name]
-        for form in ("parallel", "chunkwise"):
-            with pytest.raises(linrec.LinrecError, match="triangular system per value column"):
-                rec.run(*inputs(rec, 1, 4, 1, seed=0)[:1], form=form, backend="c", dims=DIMS)
+# ---- C ----------------------------------------------------------------------------------------------------
+# C runs them with the kernels it has (linrec.c.scan._elementwise_corrections): the scan kernel of a decay
+# per row, one column (row) of S per head, gives the pseudo-values as readouts before the update; the
+# elementwise kernel takes them as writes. The two programs share both kernels (their sizes are arguments).
+@pytest.mark.parametrize("name", ["key_side", "value_side"])
+def test_c_forms_agree_with_the_recurrent_form(recs, name):
+    rec = recs[name]
+    for tokens in (19, 41):
+        x, s0 = inputs(rec, batch=2, tokens=tokens, heads=2, seed=tokens)
+        x["X"][:, 16] = -np.inf
+        want = rec.run(x, form="recurrent", initial_state=s0, dims=DIMS)
+        for form, chunk in (("parallel", None), ("chunkwise", 7), ("chunkwise", 17)):
+            got = rec.run(x, form=form, chunk_size=chunk, initial_state=s0, dims=DIMS, backend="c")
+            assert rel_err(got.outputs["o"], want.outputs["o"]) <= TOL, (tokens, form, chunk)
+            assert rel_err(got.final_state["S"], want.final_state["S"]) <= TOL, (tokens, form, chunk)
+
+
+def test_c_emits_the_kernels_it_runs(recs):
+    source = recs["key_side"].emit("chunkwise", backend="c")
+    assert "state 'S'" in source and "lr_elementwise_chunkwise" in source and "lr_chunkwise" in source
