@@ -6,7 +6,8 @@ Generated code hands each state over in the canonical form the compiler derived 
           + Σ_r (diag(exp(l_t)) S_(t−1) a_r,t) ⊗ b_r,t + Σ_i κ_i,t ⊗ x_i,t
 
 with l_t the log-decay (absent, one value, one per row, or one per element: an elementwise decay
-exp(l_t)⊙S_(t−1), [B, T, H, dk, dv], without corrections, run by linrec.numpy.elementwise_scan), m_t a
+exp(l_t)⊙S_(t−1), [B, T, H, dk, dv], run by linrec.numpy.elementwise_scan, whose corrections read S_(t−1)
+itself: one triangular system per column, or row, see _elementwise), m_t a
 log-decay of the value axis (absent, or one per column), corrections on the key side (u, w), corrections on
 the value side (a, b: `value_corrections`, never beside key-side ones) and writes (κ, x). Each correction is
 taken with the decay of the other axis applied. With b_t = Σ_(s≤t) l_s and c_t = Σ_(s≤t) m_s every
