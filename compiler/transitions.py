@@ -6,7 +6,9 @@ Every factorable update is brought to
 
 with D_t a positive scalar or diagonal decay carried in log space — or an elementwise one, D_t⊙S_(t−1) with a
 matrix D_t (Mamba-1's exp(Δ·A)*S: one scalar recurrence per element; then with no E_t, and its corrections
-read S_(t−1) itself: a key-side one acts on each column apart, a value-side one on each row), E_t a diagonal
+read S_(t−1) itself: a key-side one acts on each column apart, a value-side one on each row; a key-side one
+written on the decayed state, (u⊗w)·(X⊙S) or X⊙(u⊗(w·S)), has a w or u per column, the matrix diag(w)·X or
+diag(u)·X), E_t a diagonal
 decay of the value axis (the columns of a matrix state: `S·diag(d)`; absent unless written), a few rank-one
 corrections on the key side (u, w), or on the value side (a, b: `S·(I − a⊗b)`, the gated Oja rule), and
 rank-one writes (key, value). A correction is taken with the decay of the other axis applied (the factor it
@@ -34,7 +36,8 @@ class Transition:
     decay: ir.Expr | None                       # D_t: scalar (), vector [n] or, elementwise, matrix [n, m]; None: I
     log_decay: ir.Expr | None                   # log D_t, simplified symbolically where possible
     log_is_exact: bool                          # False: log(D) computed numerically (needs D > 0)
-    corrections: tuple[tuple[ir.Expr, ir.Expr], ...]  # (u, w): + u⊗(wᵀS_(t−1))
+    corrections: tuple[tuple[ir.Expr, ir.Expr], ...]  # (u, w): + u⊗(wᵀS_(t−1)); beside an elementwise decay u
+    #                                                   or w may be a matrix [n, m], a vector per column of S
     writes: tuple[tuple[ir.Expr, ir.Expr | None], ...]  # (key, value); value None for a vector state
     reasons: tuple[str, ...]                    # why the parallel/chunkwise forms do not exist, if so
     value_decay: ir.Expr | None = None          # E_t: a vector [dv] on the columns (S·diag(E)); None: none
@@ -146,6 +149,9 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         else:
             reasons.append(f"the transition contains the dense matrix `{to_text(t.left.u)}`, which has no "
                            f"decay-plus-rank-one structure")
+    if elementwise is None and any(len(u.shape) == 2 or len(w.shape) == 2 for u, w in corrections):
+        reasons.append(f"a rank-one correction of '{state.name}' reads or writes an elementwise product with it "
+                       f"(`u⊗(w·(X*{state.name}))`) without an elementwise decay of '{state.name}' (`X*{state.name}`)")
     if elementwise is not None:
         reasons.extend(_beside_elementwise(state.name, scalar is not None or diagonal is not None,
                                            value_decay is not None))

@@ -4,13 +4,15 @@ A key-side correction u⊗(w·S) acts on each column of S apart, and column c de
 triangular system per column per chunk (linrec.numpy.scan._elementwise); a value-side one (S·a)⊗b on
 each row apart. These tests check, from the structure alone:
 
-- the compiler takes a correction of one side beside an elementwise decay (read on the state as it was)
-  and refuses, with a reason, corrections on both sides and corrections on the decayed state;
+- the compiler takes a correction of one side beside an elementwise decay, on the state as it was or (on
+  the key side) on the decayed state, and refuses, with a reason, corrections on both sides, a correction
+  between two factors, a contraction of the decayed state and a value-side correction under a factor;
 - NumPy's parallel and chunkwise forms agree with the recurrent form at 1e-9 (float64, relative to the
   largest magnitude) over ragged T, chunk sizes that cut the 16-token sub-blocks, log-decays down to −40
   per token, resets (log-decay −∞) and random initial states, for the key-side program, two gated
-  variants (a scalar decay on the state alone, or on the whole update), several corrections and the
-  value-side twin;
+  variants (a scalar decay on the state alone, or on the whole update), several corrections, the
+  value-side twin, and the correction written on the decayed state (`(I − β·k⊗k)·(exp(X)*S)`: a w per
+  column) or decayed with it (`exp(X)*((I − β·k⊗k)·S)`: a u per column, which C refuses);
 - the key-side program against a loop written here from the math;
 - C's forms (the row-decay scan kernel with one column per head for the pseudo-values, then the
   elementwise kernel) agree with the recurrent form at 1e-9 too, resets included.
@@ -48,6 +50,11 @@ PROGRAMS = {
     "two_corrections": "S = exp(X)*S − beta·kn⊗(kn·S) − 0.5·beta·pn⊗(pn·S) + beta·kn⊗v + pn⊗vn",
     # the value-side twin: Oja's rule with a decay per element
     "value_side": "S = exp(X)*S + beta·(k − S·vn)⊗vn",
+    # the correction on the decayed state: column c reads (kn⊙exp(X[:, c]))·S[:, c] …
+    "after": "S = (I − beta·kn⊗kn)·(exp(X)*S) + beta·kn⊗v",
+    "gated_after": "S = exp(g)*((I − beta·kn⊗kn)·(exp(X)*S)) + beta·kn⊗v",
+    # … or decayed with the state: column c writes (kn⊙exp(X[:, c]))·p[c]
+    "before": "S = exp(X)*((I − beta·kn⊗kn)·S) + beta·kn⊗v",
 }
 
 
@@ -100,6 +107,10 @@ def test_a_correction_of_one_side_beside_an_elementwise_decay_has_every_form(rec
     for name, rec in recs.items():
         t = rec.decomposition.transition("S")
         assert t.elementwise and t.log_decay.shape == ("dk", "dv") and t.value_decay is None, name
+        # (u, w) a vector each, or, for a correction on the decayed state, a matrix (a vector per column)
+        ranks = [(len(u.shape), len(w.shape)) for u, w in t.corrections]
+        per_column = {"after": [(1, 2)], "gated_after": [(1, 2)], "before": [(2, 1)]}
+        assert ranks == per_column.get(name, [(1, 1)] * len(ranks)), name
         assert (len(t.corrections), len(t.value_corrections)) == \
             ((0, 1) if name == "value_side" else (2, 0) if name == "two_corrections" else (1, 0)), name
         assert rec.forms == ("recurrent", "parallel", "chunkwise"), name
@@ -108,8 +119,9 @@ def test_a_correction_of_one_side_beside_an_elementwise_decay_has_every_form(rec
 
 @pytest.mark.parametrize("update, reason", [
     ("S = exp(X)*S − beta·(S·vn)⊗vn − beta·kn⊗(kn·S) + k⊗v", "rank-one corrections on both sides"),
-    ("S = (I − beta·kn⊗kn)·(exp(X)*S) + beta·kn⊗v", "on the state as it was"),
-    ("S = exp(X)*((I − beta·kn⊗kn)·S) + beta·kn⊗v", "on the state as it was"),
+    ("S = exp(X)*S − beta·kn⊗(kn·(exp(X)*S)) + k⊗v", "contracts an elementwise product with the state"),
+    ("S = (I − kn⊗kn)·(exp(X)*((I − beta·kn⊗kn)·S)) + k⊗v", "meets another factor of it"),
+    ("S = 0.5·S − (beta·kn⊗kn)·(exp(X)*S) + k⊗v", "without an elementwise decay"),
     ("S = (exp(X)*S)·(I − beta·vn⊗vn) + beta·k⊗vn", "on the state as it was"),
     ("S = exp(X)*S − diag(exp(p))·S·(vn⊗vn) + k⊗v", "beside its elementwise decay"),
 ])
@@ -198,7 +210,7 @@ def test_the_key_side_program_against_its_loop(recs):
 # C runs them with the kernels it has (linrec.c.scan._elementwise_corrections): the scan kernel of a decay
 # per row, one column (row) of S per head, gives the pseudo-values as readouts before the update; the
 # elementwise kernel takes them as writes. The two programs share both kernels (their sizes are arguments).
-@pytest.mark.parametrize("name", ["key_side", "value_side"])
+@pytest.mark.parametrize("name", ["key_side", "value_side", "after"])
 def test_c_forms_agree_with_the_recurrent_form(recs, name):
     rec = recs[name]
     for tokens in (19, 41):
@@ -214,3 +226,13 @@ def test_c_forms_agree_with_the_recurrent_form(recs, name):
 def test_c_emits_the_kernels_it_runs(recs):
     source = recs["key_side"].emit("chunkwise", backend="c")
     assert "state 'S'" in source and "lr_elementwise_chunkwise" in source and "lr_chunkwise" in source
+
+
+def test_c_refuses_a_correction_under_the_decay_with_its_reason(recs):
+    """X⊙(u⊗(w·S)) writes u⊙X[:, c]·p[c] per column, no outer product for the elementwise kernel: refused
+    before any kernel is built; NumPy runs it (above)."""
+    rec = recs["before"]
+    x, s0 = inputs(rec, batch=1, tokens=4, heads=1, seed=0)
+    for form in ("parallel", "chunkwise"):
+        with pytest.raises(linrec.LinrecError, match="no outer product for the elementwise kernels"):
+            rec.run(x, form=form, backend="c", initial_state=s0, dims=DIMS)

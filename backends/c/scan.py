@@ -256,9 +256,12 @@ def _by_columns(form, s0, log_decay, corrections, writes, chunk_size, num_thread
     batch, tokens, heads, rows, cols = log_decay.shape
     folded = (batch, tokens, heads * cols)
 
-    def spread(vector):  # [B, T, H, rows], the same for every column: [B, T, H·cols, rows]
-        return np.broadcast_to(np.asarray(vector)[..., None, :], (batch, tokens, heads, cols, rows)).reshape(
-            folded + (rows,))
+    def spread(vector):  # [B, T, H, rows], the same for every column, or one per column ([B, T, H, rows,
+        #                  cols]: a correction on the decayed state): [B, T, H·cols, rows]
+        vector = np.asarray(vector)
+        if vector.ndim == 5:
+            return np.moveaxis(vector, -1, -2).reshape(folded + (rows,))
+        return np.broadcast_to(vector[..., None, :], (batch, tokens, heads, cols, rows)).reshape(folded + (rows,))
 
     decay = np.moveaxis(log_decay, -1, -2).reshape(folded + (rows,))
     state = np.swapaxes(s0, -1, -2).reshape((batch, heads * cols, rows, 1))
@@ -384,6 +387,9 @@ def why_not(compiled: Compiled) -> str | None:
         if d.transition(state).corrections:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
     for t in d.transitions:
+        if t.elementwise and any(len(u.shape) == 2 for u, _ in t.corrections):
+            return (f"state '{t.state}' has a rank-one correction under its elementwise decay (`X*(u⊗(w·S))`), whose "
+                    f"write u⊙X[:, c]·p[c] is no outer product for the elementwise kernels")
         if t.value_corrections and t.decay is not None and not t.elementwise:
             return f"state '{t.state}' has {VALUE_CORRECTIONS_UNDER_A_DECAY}, which the C scan kernels do not take"
         if t.value_decay is not None and t.corrections:

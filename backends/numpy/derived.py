@@ -207,8 +207,9 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
         value_decay = mod.em.fresh(f"{s}_value_log_decay")
         mod.body.append(f"{value_decay} = " + log_of_decay(mod, lay, t.value_log_decay, t.value_log_is_exact,
                                                            t.value_decay, lay.cols, not t.value_decay.shape))
+    along = lambda x: f"{lay.rows}, {lay.cols}" if len(x.shape) == 2 else lay.rows  # noqa: E731 (a vector per column)
     mod.body.append(f"{corrections} = [" + ", ".join(
-        f"({mod.per_token(u, lay.rows)}, {mod.per_token(w, lay.rows)})" for u, w in t.corrections) + "]")
+        f"({mod.per_token(u, along(u))}, {mod.per_token(w, along(w))})" for u, w in t.corrections) + "]")
     pairs = []
     for key, value in t.writes:
         val = mod.per_token(value, lay.cols) if value is not None else "np.ones((batch, tokens, heads, 1), dtype)"

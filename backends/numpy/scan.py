@@ -325,7 +325,9 @@ def _elementwise(s0, l, corrections, writes, readouts, causal, value_corrections
     column's unit lower-triangular system (_pseudo_values, with the columns as one more batch axis: dv
     systems of n tokens, their scores anchored by sub-blocks as for any decay of the rows). A value-side
     correction (S·a)⊗b is the same on Sᵀ, one system per row. With them every term is a write (u⊗p, P⊗b,
-    κ⊗x) of elementwise_segment, which gives the readouts and the final state."""
+    κ⊗x) of elementwise_segment, which gives the readouts and the final state. A correction written on the
+    decayed state has a w (or u) per column, [.., n, dk, dv]: column c's system takes its own, and a u per
+    column writes u[:, c]·p[c] (elementwise_segment takes such a write)."""
     b = np.cumsum(l, axis=-3, dtype=np.float64)
     pseudo = _by_columns(corrections, writes, b, s0, block)
     keys = _by_columns([(b_vec, a) for a, b_vec in value_corrections], [(x, kappa) for kappa, x in writes],
@@ -344,7 +346,10 @@ def _by_columns(corrections, writes, b, s0, block):
     b_col = np.moveaxis(b, -1, -3)  # [.., cols, n, rows]
     lead = b_col.shape[:-1]
 
-    def spread(x):  # a per-token vector [.., n, rows], the same for every column: [.., cols, n, rows]
+    def spread(x):  # a per-token vector [.., n, rows], the same for every column, or one per column
+        #             ([.., n, rows, cols]: a correction on the decayed state): [.., cols, n, rows]
+        if x.ndim == b.ndim:
+            return np.moveaxis(x, -1, -3)
         return np.broadcast_to(x[..., None, :, :], lead + (x.shape[-1],))
 
     col_writes = [(spread(kappa), np.swapaxes(x, -1, -2)[..., None]) for kappa, x in writes]  # values [.., cols, n, 1]
@@ -426,12 +431,11 @@ def _chunkwise(s0, log_decay, corrections, writes, readouts, causal, chunk_size,
     tokens = _tokens(l, corr, wr, rd, m, vc)
     state, pieces = s0, []
     for s in range(0, tokens, chunk):
-        cut = slice(s, min(s + chunk, tokens))
+        cut = (slice(None), slice(None), slice(s, min(s + chunk, tokens)))  # the tokens of [B, H, T, …]
         results, state = _segment(
-            state, None if l is None else l[..., cut, :, :] if _is_elementwise(l) else l[..., cut, :], [(u[..., cut, :], w[..., cut, :]) for u, w in corr],
-            [(k[..., cut, :], x[..., cut, :]) for k, x in wr],
-            [(None if q is None else q[..., cut, :], b) for q, b in rd], causal, block=16,
-            m=None if m is None else m[..., cut, :], value_corrections=[(a[..., cut, :], b[..., cut, :]) for a, b in vc])
+            state, None if l is None else l[cut], [(u[cut], w[cut]) for u, w in corr], [(k[cut], x[cut]) for k, x in wr],
+            [(None if q is None else q[cut], b) for q, b in rd], causal, block=16, m=None if m is None else m[cut],
+            value_corrections=[(a[cut], b[cut]) for a, b in vc])
         pieces.append(results)
     results = [np.concatenate([p[i] for p in pieces], axis=-2) for i in range(len(rd))] if causal else None
     return _finish(results, state, rd, causal, tokens)
@@ -540,7 +544,8 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
         for r, (q, before) in zip(results, rd):
             if before and causal:
                 r[..., t, :] = _read(at(q, t), state)
-        pseudo = [np.einsum("...i,...ij->...j", w[..., t, :], state) for _, w in corr]
+        pseudo = [np.einsum("...i,...ij->...j", w[..., t, :], state) if w.ndim == 4 else  # (a w per column)
+                  np.sum(w[..., t, :, :] * state, axis=-2) for _, w in corr]
         keys = [np.einsum("...ij,...j->...i", state, a[..., t, :]) for a, _ in vc]
         if _is_elementwise(l):
             state = np.exp(l[..., t, :, :]).astype(state.dtype) * state
@@ -550,7 +555,7 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
             state = state * np.exp(m[..., t, :]).astype(state.dtype)[..., None, :]
         for (u, _), p in zip(corr, pseudo):  # (taken with the columns' decay, as the state is)
             p = p if m is None else p * np.exp(m[..., t, :]).astype(state.dtype)
-            state = state + u[..., t, :, None] * p[..., None, :]
+            state = state + (u[..., t, :, None] if u.ndim == 4 else u[..., t, :, :]) * p[..., None, :]
         for (_, b), key in zip(vc, keys):  # (taken with the rows' decay; an elementwise one is not applied)
             key = key if l is None or _is_elementwise(l) else key * np.exp(l[..., t, :]).astype(state.dtype)
             state = state + key[..., :, None] * b[..., t, None, :]
