@@ -106,7 +106,7 @@ def test_an_elementwise_decay_has_every_form(name, source):
 
 
 @pytest.mark.parametrize("update, reason", [
-    ("S = exp(G)*((I − k⊗k)·(exp(G)*S)) + k⊗v", "meets another factor of it"),
+    ("S = (I − k⊗k)·(exp(G)*((I − k⊗k)·S)) + k⊗v", "meets another factor of it"),
     ("S = exp(G)*S − k⊗(k·S) − (S·v)⊗v + k⊗v", "rank-one corrections on both sides"),
     ("S = exp(G)*S + 0.5·S + k⊗v", "beside a scalar or diagonal one"),
     ("S = diag(exp(g))·(exp(G)*S) + k⊗v", "meets another factor of it"),

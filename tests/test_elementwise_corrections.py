@@ -55,6 +55,8 @@ PROGRAMS = {
     "gated_after": "S = exp(g)*((I − beta·kn⊗kn)·(exp(X)*S)) + beta·kn⊗v",
     # … or decayed with the state: column c writes (kn⊙exp(X[:, c]))·p[c]
     "before": "S = exp(X)*((I − beta·kn⊗kn)·S) + beta·kn⊗v",
+    # … or both: a u and a w per column
+    "sandwich": "S = exp(X)*((I − beta·kn⊗kn)·(exp(X)*S)) + beta·kn⊗v",
 }
 
 
@@ -109,7 +111,7 @@ def test_a_correction_of_one_side_beside_an_elementwise_decay_has_every_form(rec
         assert t.elementwise and t.log_decay.shape == ("dk", "dv") and t.value_decay is None, name
         # (u, w) a vector each, or, for a correction on the decayed state, a matrix (a vector per column)
         ranks = [(len(u.shape), len(w.shape)) for u, w in t.corrections]
-        per_column = {"after": [(1, 2)], "gated_after": [(1, 2)], "before": [(2, 1)]}
+        per_column = {"after": [(1, 2)], "gated_after": [(1, 2)], "before": [(2, 1)], "sandwich": [(2, 2)]}
         assert ranks == per_column.get(name, [(1, 1)] * len(ranks)), name
         assert (len(t.corrections), len(t.value_corrections)) == \
             ((0, 1) if name == "value_side" else (2, 0) if name == "two_corrections" else (1, 0)), name
