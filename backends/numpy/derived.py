@@ -168,8 +168,10 @@ def canonical_text(t: Transition) -> str:
     else:
         parts.append(f"{'diag(' + to_text(t.decay) + ')' if t.decay.shape else to_text(t.decay)}·{state}")
     after = "" if t.value_decay is None else f"·diag({to_text(t.value_decay)})"
-    for u, w in t.corrections:
-        parts.append(f"({to_text(u)})⊗(({to_text(w)})·{t.state}_(t−1){after})")
+    for u, w in t.corrections:  # (a matrix u or w: a vector per column, beside an elementwise decay)
+        read = f"Σ_rows(({to_text(w)})⊙{t.state}_(t−1))" if len(w.shape) == 2 else \
+            f"({to_text(w)})·{t.state}_(t−1){after}"
+        parts.append(f"({to_text(u)})⊙(1⊗({read}))" if len(u.shape) == 2 else f"({to_text(u)})⊗({read})")
     before = "" if t.decay is None or t.elementwise else f"diag({to_text(t.decay)})·"  # (an elementwise one: none)
     for a, b in t.value_corrections:
         parts.append(f"({before}{t.state}_(t−1)·({to_text(a)}))⊗({to_text(b)})")
