@@ -9,7 +9,8 @@ number of corrections and writes, the readouts (before or after the update), cau
 (cffi, cached on disk) and memoized here. One kernel holds both forms: lr_chunkwise (chunks of `chunk`
 tokens, an argument: one kernel for every chunk size, its scratch sized per call) and lr_parallel (the whole
 sequence as one segment). A vector state read as it is (a readout with no query) runs in c_values' kernels,
-through the same scan functions.
+through the same scan functions; an elementwise decay in c_elementwise's, its corrections first through
+these kernels with one column of the state per head (_elementwise_corrections).
 
 Arrays are read in place: [B, T, H, n] with any strides whose last axis is contiguous (np.broadcast_to
 views included: a per-head or constant value is never materialized per token); others are copied first.
