@@ -106,6 +106,10 @@ def compose(a: Factor, b: Factor) -> tuple[ir.Expr, Factor]:
         return ONE, b
     if b.kind == "identity":
         return ONE, a
+    if per_column(a) or per_column(b):  # (its vectors differ by column: no product with another factor)
+        raise _elementwise_beside_a_factor()
+    if a.kind == "outer" and b.kind == "hadamard":  # (u⊗w)·(X⊙S): column c reads (w⊙X[:, c])·S[:, c]
+        return ONE, Factor("outer", a.u, rows_scaled(a.w, b.u))
     if "hadamard" in (a.kind, b.kind):  # M·(X⊙S) is no product of factors: the forms take X⊙S alone
         raise _elementwise_beside_a_factor()
     if a.kind == "diag" and b.kind == "diag":
@@ -120,8 +124,19 @@ def compose(a: Factor, b: Factor) -> tuple[ir.Expr, Factor]:
     return ONE, Factor("dense", ir.Dot((left.shape[0], right.shape[-1]), left, right))
 
 
+def per_column(f: Factor) -> bool:
+    """An outer factor whose vectors differ by column of the state: u⊗w with a matrix u or w [rows, cols], the
+    correction of an elementwise decay that reads or writes the decayed state (rows_scaled)."""
+    return f.kind == "outer" and (len(f.u.shape) == 2 or len(f.w.shape) == 2)
+
+
+def rows_scaled(d: ir.Expr, x: ir.Expr) -> ir.Expr:
+    """diag(d)·X: the matrix d[r]·X[r, c], column c the vector d⊙X[:, c]."""
+    return ir.Dot(x.shape, ir.Diag((x.shape[0],) * 2, d), x)
+
+
 def _covector_times(q: ir.Expr, f: Factor) -> tuple[ir.Expr, Factor]:
-    if f.kind == "hadamard":
+    if f.kind == "hadamard" or per_column(f):
         raise Unfactorable(f"`{to_text(q)}` contracts an elementwise product with the state (`X*S`), which the "
                            f"forms take only as a transition")
     if f.kind == "identity":
@@ -136,6 +151,8 @@ def _covector_times(q: ir.Expr, f: Factor) -> tuple[ir.Expr, Factor]:
 
 
 def _times_vector(f: Factor, x: ir.Expr) -> tuple[ir.Expr, Factor]:
+    if per_column(f):
+        raise Unfactorable(f"a correction of an elementwise product with the state contracts `{to_text(x)}`")
     if f.kind == "identity":
         return ONE, Factor("vector", x)
     if f.kind == "diag":
@@ -249,6 +266,8 @@ def _product(e: ir.Arith | ir.Dot | ir.Outer, t: Term, inner: ir.Expr, other: ir
     row = t.left.kind == "covector"
     column = len(inner.shape) == 1 and not row
     if isinstance(e, ir.Arith) and e.op == "mul" and len(other.shape) == 2 and len(inner.shape) == 2:
+        if t.right is None and t.left.kind == "outer":  # X⊙(u⊗(w·S)): column c writes X[:, c]⊙u
+            return [Term(t.coef, Factor("outer", rows_scaled(t.left.u, other), t.left.w))]
         if t.right is not None or t.left.kind not in ("identity", "hadamard"):
             raise _elementwise_beside_a_factor(e)
         # X ⊙ (c·S) or X ⊙ (Y ⊙ S): an elementwise transition, one scalar recurrence per element
@@ -306,7 +325,9 @@ def _right(t: Term, f: Factor) -> Term:
 def _elementwise_beside_a_factor(e: ir.Expr | None = None) -> "Unfactorable":
     where = f" in `{to_text(e)}`" if e is not None else ""
     return Unfactorable(f"an elementwise product with the state (`X*S`) meets another factor of it{where}; the "
-                        f"forms take an elementwise decay only as the whole factor of its term (`exp(X)*S`)")
+                        f"forms take an elementwise decay only as the whole factor of its term (`exp(X)*S`), and a "
+                        f"rank-one correction beside it on the state as it was (`exp(X)*S − u⊗(w·S)` or "
+                        f"`exp(X)*S − (S·a)⊗b`)")
 
 
 def _unfactorable(e: ir.Expr, state: str) -> "Unfactorable":

@@ -5,7 +5,10 @@ Every factorable update is brought to
     S_t = D_t·S_(t−1)·E_t + Σ_r u_r⊗(w_r·S_(t−1)·E_t) + Σ_r (D_t·S_(t−1)·a_r)⊗b_r + Σ_j key_j⊗value_j
 
 with D_t a positive scalar or diagonal decay carried in log space — or an elementwise one, D_t⊙S_(t−1) with a
-matrix D_t (Mamba-1's exp(Δ·A)*S: one scalar recurrence per element; then with no correction), E_t a diagonal
+matrix D_t (Mamba-1's exp(Δ·A)*S: one scalar recurrence per element; then with no E_t, and its corrections
+read S_(t−1) itself: a key-side one acts on each column apart, a value-side one on each row; a key-side one
+written on the decayed state, (u⊗w)·(X⊙S) or X⊙(u⊗(w·S)), has a w or u per column, the matrix diag(w)·X or
+diag(u)·X), E_t a diagonal
 decay of the value axis (the columns of a matrix state: `S·diag(d)`; absent unless written), a few rank-one
 corrections on the key side (u, w), or on the value side (a, b: `S·(I − a⊗b)`, the gated Oja rule), and
 rank-one writes (key, value). A correction is taken with the decay of the other axis applied (the factor it
@@ -33,13 +36,15 @@ class Transition:
     decay: ir.Expr | None                       # D_t: scalar (), vector [n] or, elementwise, matrix [n, m]; None: I
     log_decay: ir.Expr | None                   # log D_t, simplified symbolically where possible
     log_is_exact: bool                          # False: log(D) computed numerically (needs D > 0)
-    corrections: tuple[tuple[ir.Expr, ir.Expr], ...]  # (u, w): + u⊗(wᵀS_(t−1))
+    corrections: tuple[tuple[ir.Expr, ir.Expr], ...]  # (u, w): + u⊗(wᵀS_(t−1)); beside an elementwise decay u
+    #                                                   or w may be a matrix [n, m], a vector per column of S
     writes: tuple[tuple[ir.Expr, ir.Expr | None], ...]  # (key, value); value None for a vector state
     reasons: tuple[str, ...]                    # why the parallel/chunkwise forms do not exist, if so
     value_decay: ir.Expr | None = None          # E_t: a vector [dv] on the columns (S·diag(E)); None: none
     value_log_decay: ir.Expr | None = None      # log E_t, simplified as log_decay is
     value_log_is_exact: bool = True
     value_corrections: tuple[tuple[ir.Expr, ir.Expr], ...] = ()  # (a, b): + (D_t·S_(t−1)·a)⊗b, D_t: the decay
+    #                                                               (of the rows; an elementwise one is not applied)
 
     @property
     def factorable(self) -> bool:
@@ -123,6 +128,11 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     elementwise: ir.Expr | None = None
     corrections = []
     for t in terms:
+        if t.left.kind == "hadamard" and t.right is not None and t.right.kind != "identity":
+            reasons.append(f"an elementwise decay of '{state.name}' (`X*{state.name}`) meets a factor on its right "
+                           f"(`(X*{state.name})·M`); the forms take a correction beside it on the state as it "
+                           f"was, `X*{state.name} − ({state.name}·a)⊗b`")
+            continue
         if t.right is not None and t.right.kind != "identity":
             reasons.append(f"a factor multiplies '{state.name}' from the right (`S·M`), acting on the value "
                            f"axis; the forms need the transition on the left")
@@ -139,8 +149,11 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         else:
             reasons.append(f"the transition contains the dense matrix `{to_text(t.left.u)}`, which has no "
                            f"decay-plus-rank-one structure")
+    if elementwise is None and any(len(u.shape) == 2 or len(w.shape) == 2 for u, w in corrections):
+        reasons.append(f"a rank-one correction of '{state.name}' reads or writes an elementwise product with it "
+                       f"(`u⊗(w·(X*{state.name}))`) without an elementwise decay of '{state.name}' (`X*{state.name}`)")
     if elementwise is not None:
-        reasons.extend(_beside_elementwise(state.name, scalar is not None or diagonal is not None, corrections,
+        reasons.extend(_beside_elementwise(state.name, scalar is not None or diagonal is not None,
                                            value_decay is not None))
         decay = elementwise
     elif scalar is not None and diagonal is not None:
@@ -156,14 +169,13 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     if value_side:
         if corrections:
             reasons.append(_both_sides(state.name))
-        if elementwise is not None:
-            reasons.append(f"an elementwise decay of '{state.name}' (`X*{state.name}`) beside a rank-one correction "
-                           f"on the value side: the correction mixes the elements that the decay keeps apart")
-        elif decay is not None and not decay.shape:  # a scalar commutes: carried on the value axis
+        if decay is not None and not decay.shape:  # a scalar commutes: carried on the value axis
             value_decay = decay if value_decay is None else mul(decay, value_decay)
             decay = None
         for left, a, b in value_side:
-            if not _acts_as(left, decay):
+            if elementwise is not None and left.kind != "identity":
+                reasons.append(_value_side_beside_elementwise(state.name, left))
+            elif elementwise is None and not _acts_as(left, decay):
                 reasons.append(_value_side_under(state.name, left, decay))
             value_corrections.append((a, b))
     log_decay, exact = (None, True) if decay is None else log_of(decay)
@@ -233,17 +245,24 @@ def _value_side_under(state: str, left: Factor, decay: ir.Expr | None) -> str:
             f"the key axis, `diag(d)·{state}·(I − a⊗b)`")
 
 
+def _value_side_beside_elementwise(state: str, left: Factor) -> str:
+    return (f"a rank-one correction on the value side of '{state}' is written under `diag({to_text(left.u)})` "
+            f"beside its elementwise decay (`X*{state}`): the forms take such a correction on the state as it "
+            f"was, `{state}·(a⊗b)`, each row's pseudo-key then a triangular system of that row's decays")
+
+
 def _both_sides(state: str) -> str:
     return (f"'{state}' has rank-one corrections on both sides (`(I − u⊗w)·{state}·(I − a⊗b)` or both kinds "
             f"of terms): the pseudo-values of one side and the pseudo-keys of the other would be coupled, and "
             f"the forms take corrections on one side")
 
 
-def _beside_elementwise(state: str, other_decay: bool, corrections, value_decay: bool) -> list[str]:
-    """Why an elementwise decay X⊙S cannot be taken with the rest of the update, or nothing. Each element of
-    S is then a scalar recurrence of its own; a rank-one correction u⊗(wᵀS) mixes the rows, so the
-    elements no longer separate (the pseudo-values would need the decays of every element they mix), and a
-    decay of another shape beside it (a·S + X⊙S) is to be written inside the elementwise one."""
+def _beside_elementwise(state: str, other_decay: bool, value_decay: bool) -> list[str]:
+    """Why an elementwise decay X⊙S cannot be taken with the rest of the update, or nothing: a decay of
+    another shape beside it (a·S + X⊙S, S·diag(e)) is to be written inside the elementwise one. Rank-one
+    corrections of one side are taken: a key-side one u⊗(wᵀS) acts on each column of S apart, whose rows
+    decay by that column of X (one triangular system per column), a value-side one (S·a)⊗b on each row
+    apart (one per row); both read S_(t−1) itself, as written beside X⊙S."""
     reasons = []
     if value_decay:
         reasons.append(f"'{state}' has an elementwise decay (`X*{state}`) and a decay of its value axis "
@@ -251,10 +270,6 @@ def _beside_elementwise(state: str, other_decay: bool, corrections, value_decay:
     if other_decay:
         reasons.append(f"'{state}' has an elementwise decay (`X*{state}`) beside a scalar or diagonal one; write "
                        f"them as one elementwise factor, (X + a)*{state}")
-    if corrections:
-        reasons.append(f"an elementwise decay of '{state}' (`X*{state}`) beside a rank-one correction: the "
-                       f"correction mixes the elements that the decay keeps apart, and the pseudo-values would "
-                       f"need a decay per element they mix")
     return reasons
 
 

@@ -3,7 +3,8 @@ log-decays — Mamba-1's selective scan — has parallel and chunkwise forms, on
 (linrec.numpy.elementwise_scan, and in C linrec.c.elementwise).
 
 - the compiler recognises the elementwise decay from the structure (however the product is written) and
-  lists the forms; beside a correction or a decay of another shape it gives the reason;
+  lists the forms; beside corrections on both sides or a decay of another shape it gives the reason
+  (a correction of one side: tests/test_elementwise_corrections.py);
 - NumPy's parallel and chunkwise forms agree with the recurrent form at 1e-9 (float64, relative to the
   largest magnitude) over ragged T, random initial states, several chunk sizes, readouts before and after
   the update, several writes, non-causal programs and strong decays (log-decays down to −20 per token);
@@ -105,8 +106,8 @@ def test_an_elementwise_decay_has_every_form(name, source):
 
 
 @pytest.mark.parametrize("update, reason", [
-    ("S = exp(G)*((I − k⊗k)·S) + k⊗v", "meets another factor of it"),
-    ("S = exp(G)*S − k⊗(k·S) + k⊗v", "beside a rank-one correction"),
+    ("S = (I − k⊗k)·(exp(G)*((I − k⊗k)·S)) + k⊗v", "meets another factor of it"),
+    ("S = exp(G)*S − k⊗(k·S) − (S·v)⊗v + k⊗v", "rank-one corrections on both sides"),
     ("S = exp(G)*S + 0.5·S + k⊗v", "beside a scalar or diagonal one"),
     ("S = diag(exp(g))·(exp(G)*S) + k⊗v", "meets another factor of it"),
     ("S = (exp(G)*S)·diag(exp(v)) + k⊗v", "and a decay of its value axis"),

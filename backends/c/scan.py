@@ -9,7 +9,8 @@ number of corrections and writes, the readouts (before or after the update), cau
 (cffi, cached on disk) and memoized here. One kernel holds both forms: lr_chunkwise (chunks of `chunk`
 tokens, an argument: one kernel for every chunk size, its scratch sized per call) and lr_parallel (the whole
 sequence as one segment). A vector state read as it is (a readout with no query) runs in c_values' kernels,
-through the same scan functions.
+through the same scan functions; an elementwise decay in c_elementwise's, its corrections first through
+these kernels with one column of the state per head (_elementwise_corrections).
 
 Arrays are read in place: [B, T, H, n] with any strides whose last axis is contiguous (np.broadcast_to
 views included: a per-head or constant value is never materialized per token); others are copied first.
@@ -140,13 +141,16 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
     corrections = [tuple(c) for c in corrections]
     writes = [tuple(w) for w in writes]
     readouts = [(q, bool(before)) for q, before in readouts]
+    if log_decay is not None and np.ndim(log_decay) == 5:  # a log-decay per element: c_elementwise's kernels
+        if value_log_decay is not None:
+            raise LinrecError("an elementwise decay beside a decay of the value axis has no derived form (write both "
+                              "into the elementwise one)")
+        writes = writes + _elementwise_corrections(form, s0, log_decay, corrections, writes, value_corrections,
+                                                   chunk_size, num_threads, span_max)
+        return c_elementwise.scan(form, s0, log_decay, writes, readouts, causal, chunk_size, num_threads)
     if value_log_decay is not None or value_corrections:
         return _on_the_value_axis(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads,
                                   span_max, value_log_decay, [tuple(c) for c in value_corrections])
-    if log_decay is not None and np.ndim(log_decay) == 5:  # a log-decay per element: c_elementwise's kernels
-        if corrections:
-            raise LinrecError("an elementwise decay with rank-one corrections has no derived form")
-        return c_elementwise.scan(form, s0, log_decay, writes, readouts, causal, chunk_size, num_threads)
     if any(q is None for q, _ in readouts):
         return _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads,
                             span_max)
@@ -223,6 +227,49 @@ def _with_values(form, s0, log_decay, corrections, writes, readouts, causal, chu
                         span_max)[0] if queried else []
     outs = iter(values), iter(contractions)
     return [next(outs[q is not None]) for q, _ in readouts], final
+
+
+def _elementwise_corrections(form, s0, log_decay, corrections, writes, value_corrections, chunk_size, num_threads,
+                             span_max) -> list:
+    """The corrections of a state that decays element by element (log_decay [B, T, H, dk, dv]) as writes:
+    [(u, p)] for the key-side ones, [(P, b)] for the value-side ones (never both: why_not refuses them).
+    Column c of S is a state [dk, 1] whose rows decay by log_decay[..., c], and its pseudo-values
+    p_t[c] = w_t·S_(t−1)[:, c] are readouts before the update of it: with the columns folded into the heads
+    (H·dv heads of a state [dk, 1]) this module's kernels solve its triangular systems, one per column. A
+    value-side correction (S·a)⊗b is the same on Sᵀ, one system per row."""
+    if corrections and value_corrections:
+        raise LinrecError("corrections on both sides of a state have no derived form")
+    if value_corrections:
+        keys = _by_columns(form, np.swapaxes(np.asarray(s0), -1, -2), np.swapaxes(np.asarray(log_decay), -1, -2),
+                           [(b, a) for a, b in value_corrections], [(x, kappa) for kappa, x in writes], chunk_size,
+                           num_threads, span_max)
+        return [(key, b) for key, (_, b) in zip(keys, value_corrections)]
+    if not corrections:
+        return []
+    pseudo = _by_columns(form, s0, log_decay, corrections, writes, chunk_size, num_threads, span_max)
+    return [(u, p) for (u, _), p in zip(corrections, pseudo)]
+
+
+def _by_columns(form, s0, log_decay, corrections, writes, chunk_size, num_threads, span_max) -> list:
+    """The pseudo-values w_t·S_(t−1) [B, T, H, cols] of key-side corrections (u, w) [B, T, H, rows] of a state
+    s0 [B, H, rows, cols] decaying per element by log_decay [B, T, H, rows, cols], one column per head."""
+    s0, log_decay = np.asarray(s0), np.asarray(log_decay)
+    batch, tokens, heads, rows, cols = log_decay.shape
+    folded = (batch, tokens, heads * cols)
+
+    def spread(vector):  # [B, T, H, rows], the same for every column, or one per column ([B, T, H, rows,
+        #                  cols]: a correction on the decayed state): [B, T, H·cols, rows]
+        vector = np.asarray(vector)
+        if vector.ndim == 5:
+            return np.moveaxis(vector, -1, -2).reshape(folded + (rows,))
+        return np.broadcast_to(vector[..., None, :], (batch, tokens, heads, cols, rows)).reshape(folded + (rows,))
+
+    decay = np.moveaxis(log_decay, -1, -2).reshape(folded + (rows,))
+    state = np.swapaxes(s0, -1, -2).reshape((batch, heads * cols, rows, 1))
+    pseudo, _ = scan(form, state, decay, [(spread(u), spread(w)) for u, w in corrections],
+                     [(spread(kappa), np.asarray(x).reshape(folded + (1,))) for kappa, x in writes],
+                     [(spread(w), True) for _, w in corrections], True, chunk_size, num_threads, span_max)
+    return [p.reshape((batch, tokens, heads, cols)) for p in pseudo]
 
 
 def _on_the_value_axis(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max,
@@ -311,7 +358,12 @@ def structures(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None
         dk = sizes[shape[0]]
         dv = sizes[shape[1]] if len(shape) == 2 else 1
         vc = len(t.value_corrections)
-        if vc:  # the pseudo-keys: readouts before the update of Sᵀ (_on_the_value_axis)
+        if t.elementwise and (t.corrections or vc):  # one column (row) per head: _elementwise_corrections
+            r, size = (len(t.corrections), dk) if t.corrections else (vc, dv)
+            out.append((st.name, Structure("row", r, len(t.writes), (True,) * r, True, size, 1, ctype,
+                                           c_build.vector_bytes())))
+            vc += len(t.corrections)  # (their pseudo-values are writes of the elementwise kernel)
+        elif vc:  # the pseudo-keys: readouts before the update of Sᵀ (_on_the_value_axis)
             rows = "none" if t.value_log_decay is None else "row" if t.value_log_decay.shape else "token"
             out.append((st.name, Structure(rows, vc, len(t.writes), (True,) * vc, True, dv, dk, ctype,
                                            c_build.vector_bytes())))
@@ -336,7 +388,10 @@ def why_not(compiled: Compiled) -> str | None:
         if d.transition(state).corrections:
             return f"vector state '{state}': {VALUES_WITH_CORRECTIONS}"
     for t in d.transitions:
-        if t.value_corrections and t.decay is not None:
+        if t.elementwise and any(len(u.shape) == 2 for u, _ in t.corrections):
+            return (f"state '{t.state}' has a rank-one correction under its elementwise decay (`X*(u⊗(w·S))`), whose "
+                    f"write u⊙X[:, c]·p[c] is no outer product for the elementwise kernels")
+        if t.value_corrections and t.decay is not None and not t.elementwise:
             return f"state '{t.state}' has {VALUE_CORRECTIONS_UNDER_A_DECAY}, which the C scan kernels do not take"
         if t.value_decay is not None and t.corrections:
             return f"state '{t.state}' has {VALUE_DECAY_WITH_CORRECTIONS}, which the C scan kernels do not take"

@@ -168,9 +168,11 @@ def canonical_text(t: Transition) -> str:
     else:
         parts.append(f"{'diag(' + to_text(t.decay) + ')' if t.decay.shape else to_text(t.decay)}·{state}")
     after = "" if t.value_decay is None else f"·diag({to_text(t.value_decay)})"
-    for u, w in t.corrections:
-        parts.append(f"({to_text(u)})⊗(({to_text(w)})·{t.state}_(t−1){after})")
-    before = "" if t.decay is None else f"diag({to_text(t.decay)})·"
+    for u, w in t.corrections:  # (a matrix u or w: a vector per column, beside an elementwise decay)
+        read = f"Σ_rows(({to_text(w)})⊙{t.state}_(t−1))" if len(w.shape) == 2 else \
+            f"({to_text(w)})·{t.state}_(t−1){after}"
+        parts.append(f"({to_text(u)})⊙(1⊗({read}))" if len(u.shape) == 2 else f"({to_text(u)})⊗({read})")
+    before = "" if t.decay is None or t.elementwise else f"diag({to_text(t.decay)})·"  # (an elementwise one: none)
     for a, b in t.value_corrections:
         parts.append(f"({before}{t.state}_(t−1)·({to_text(a)}))⊗({to_text(b)})")
     for key, value in t.writes:
@@ -207,8 +209,9 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
         value_decay = mod.em.fresh(f"{s}_value_log_decay")
         mod.body.append(f"{value_decay} = " + log_of_decay(mod, lay, t.value_log_decay, t.value_log_is_exact,
                                                            t.value_decay, lay.cols, not t.value_decay.shape))
+    along = lambda x: f"{lay.rows}, {lay.cols}" if len(x.shape) == 2 else lay.rows  # noqa: E731 (a vector per column)
     mod.body.append(f"{corrections} = [" + ", ".join(
-        f"({mod.per_token(u, lay.rows)}, {mod.per_token(w, lay.rows)})" for u, w in t.corrections) + "]")
+        f"({mod.per_token(u, along(u))}, {mod.per_token(w, along(w))})" for u, w in t.corrections) + "]")
     pairs = []
     for key, value in t.writes:
         val = mod.per_token(value, lay.cols) if value is not None else "np.ones((batch, tokens, heads, 1), dtype)"

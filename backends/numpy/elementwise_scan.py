@@ -18,7 +18,8 @@ Memory: a sub-block holds [B, H, block, block, dk, dv] decays (block 16: 256·dk
 head), fine for a reference at modest sizes. Work is O(T²·dk·dv / block) in the parallel form (each sub-block
 sums the contributions of every earlier token) and O(T·C·dk·dv) in the chunkwise one.
 
-Arrays arrive head-major: l [B, H, n, dk, dv]; writes [(κ [B, H, n, dk], x [B, H, n, dv])]; queries [B, H, n, dk].
+Arrays arrive head-major: l [B, H, n, dk, dv]; writes [(κ [B, H, n, dk], x [B, H, n, dv])] (κ may be
+[B, H, n, dk, dv], a key per column); queries [B, H, n, dk].
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def elementwise_segment(s0, l, writes, readouts, causal: bool, block: int = 16):
     dtype = s0.dtype
     # prefix sums in float64, as scan.py's (their rounding would grow with T)
     b = np.cumsum(l, axis=-3, dtype=np.float64)
-    contributions = sum(kappa[..., :, None] * x[..., None, :] for kappa, x in writes) if writes \
-        else np.zeros(b.shape, dtype)
+    # (a key per column, [.., n, dk, dv]: the write of a correction under the decay, κ[:, c]·x[c])
+    contributions = sum((kappa if kappa.ndim == b.ndim else kappa[..., :, None]) * x[..., None, :]
+                        for kappa, x in writes) if writes else np.zeros(b.shape, dtype)
     n = b.shape[-3]
     results = None
     if causal:

@@ -6,7 +6,8 @@ Generated code hands each state over in the canonical form the compiler derived 
           + Σ_r (diag(exp(l_t)) S_(t−1) a_r,t) ⊗ b_r,t + Σ_i κ_i,t ⊗ x_i,t
 
 with l_t the log-decay (absent, one value, one per row, or one per element: an elementwise decay
-exp(l_t)⊙S_(t−1), [B, T, H, dk, dv], without corrections, run by linrec.numpy.elementwise_scan), m_t a
+exp(l_t)⊙S_(t−1), [B, T, H, dk, dv], run by linrec.numpy.elementwise_scan, whose corrections read S_(t−1)
+itself: one triangular system per column, or row, see _elementwise), m_t a
 log-decay of the value axis (absent, or one per column), corrections on the key side (u, w), corrections on
 the value side (a, b: `value_corrections`, never beside key-side ones) and writes (κ, x). Each correction is
 taken with the decay of the other axis applied. With b_t = Σ_(s≤t) l_s and c_t = Σ_(s≤t) m_s every
@@ -277,7 +278,7 @@ def _segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_
 
     Returns (readouts or None when non-causal, state after the segment)."""
     if _is_elementwise(l):
-        return elementwise_segment(s0, l, writes, readouts, causal, block=16)
+        return _elementwise(s0, l, corrections, writes, readouts, causal, value_corrections)
     # prefix sums of log-decays in float64: in float32 their rounding grows with T and, exponentiated,
     # becomes a relative error of the outputs (1e-3 at T = 3000); the products stay in the working dtype
     b = None if l is None else np.cumsum(l, axis=-2, dtype=np.float64)
@@ -317,6 +318,47 @@ def _segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_
     return results, end
 
 
+def _elementwise(s0, l, corrections, writes, readouts, causal, value_corrections, block: int = 16):
+    """_segment for an elementwise decay exp(l_t)⊙S_(t−1) [.., n, dk, dv] with corrections of one side, each
+    reading S_(t−1) itself. A key-side correction u⊗(wᵀS) acts on each column of S apart, and column c is a
+    state [dk, 1] whose rows decay by l[.., c]: its pseudo-values p_t[c] = w_t·S_(t−1)[:, c] solve that
+    column's unit lower-triangular system (_pseudo_values, with the columns as one more batch axis: dv
+    systems of n tokens, their scores anchored by sub-blocks as for any decay of the rows). A value-side
+    correction (S·a)⊗b is the same on Sᵀ, one system per row. With them every term is a write (u⊗p, P⊗b,
+    κ⊗x) of elementwise_segment, which gives the readouts and the final state. A correction written on the
+    decayed state has a w (or u) per column, [.., n, dk, dv]: column c's system takes its own, and a u per
+    column writes u[:, c]·p[c] (elementwise_segment takes such a write)."""
+    b = np.cumsum(l, axis=-3, dtype=np.float64)
+    pseudo = _by_columns(corrections, writes, b, s0, block)
+    keys = _by_columns([(b_vec, a) for a, b_vec in value_corrections], [(x, kappa) for kappa, x in writes],
+                       np.swapaxes(b, -1, -2), np.swapaxes(s0, -1, -2), block)
+    terms = list(writes) + [(u, p) for (u, _), p in zip(corrections, pseudo)] + \
+        [(key, b_vec) for key, (_, b_vec) in zip(keys, value_corrections)]
+    return elementwise_segment(s0, l, terms, readouts, causal, block)
+
+
+def _by_columns(corrections, writes, b, s0, block):
+    """The pseudo-values p_r,t [.., n, cols] = w_r,t·S_(t−1) of key-side corrections (u, w) [.., n, rows] of a
+    state s0 [.., rows, cols] whose element (i, c) decays by exp(b_t[i, c] − b_(t−1)[i, c]) (b [.., n, rows,
+    cols] prefix sums): each column c a state [rows, 1] with a decay per row, the columns a batch axis."""
+    if not corrections:
+        return []
+    b_col = np.moveaxis(b, -1, -3)  # [.., cols, n, rows]
+    lead = b_col.shape[:-1]
+
+    def spread(x):  # a per-token vector [.., n, rows], the same for every column, or one per column
+        #             ([.., n, rows, cols]: a correction on the decayed state): [.., cols, n, rows]
+        if x.ndim == b.ndim:
+            return np.moveaxis(x, -1, -3)
+        return np.broadcast_to(x[..., None, :, :], lead + (x.shape[-1],))
+
+    col_writes = [(spread(kappa), np.swapaxes(x, -1, -2)[..., None]) for kappa, x in writes]  # values [.., cols, n, 1]
+    col_corrections = [(spread(u), spread(w)) for u, w in corrections]
+    s0_col = np.swapaxes(s0, -1, -2)[..., None]  # [.., cols, rows, 1]
+    pseudo = _pseudo_values(col_corrections, col_writes, b_col, _shifted(b_col), s0_col, block)
+    return [np.swapaxes(p[..., 0], -1, -2) for p in pseudo]  # [.., n, cols]
+
+
 def _is_elementwise(log_decay) -> bool:
     """A log-decay per element of a matrix state: [B, T, H, dk, dv] (head-major [B, H, T, dk, dv])."""
     return log_decay is not None and np.ndim(log_decay) == 5
@@ -326,8 +368,9 @@ def _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay=None,
     hm = _head_major
     if corrections and value_corrections:
         raise ValueError("corrections on both sides of a state have no derived form")
-    if _is_elementwise(log_decay) and (corrections or value_corrections or value_log_decay is not None):
-        raise ValueError("an elementwise decay with corrections or a decay of the value axis has no derived form")
+    if _is_elementwise(log_decay) and value_log_decay is not None:
+        raise ValueError("an elementwise decay beside a decay of the value axis has no derived form (write both "
+                         "into the elementwise one)")
     return (s0, hm(log_decay), [(hm(u), hm(w)) for u, w in corrections], [(hm(k), hm(x)) for k, x in writes],
             [(hm(q), before) for q, before in readouts], hm(value_log_decay),
             [(hm(a), hm(b)) for a, b in value_corrections])
@@ -388,12 +431,11 @@ def _chunkwise(s0, log_decay, corrections, writes, readouts, causal, chunk_size,
     tokens = _tokens(l, corr, wr, rd, m, vc)
     state, pieces = s0, []
     for s in range(0, tokens, chunk):
-        cut = slice(s, min(s + chunk, tokens))
+        cut = (slice(None), slice(None), slice(s, min(s + chunk, tokens)))  # the tokens of [B, H, T, …]
         results, state = _segment(
-            state, None if l is None else l[..., cut, :, :] if _is_elementwise(l) else l[..., cut, :], [(u[..., cut, :], w[..., cut, :]) for u, w in corr],
-            [(k[..., cut, :], x[..., cut, :]) for k, x in wr],
-            [(None if q is None else q[..., cut, :], b) for q, b in rd], causal, block=16,
-            m=None if m is None else m[..., cut, :], value_corrections=[(a[..., cut, :], b[..., cut, :]) for a, b in vc])
+            state, None if l is None else l[cut], [(u[cut], w[cut]) for u, w in corr], [(k[cut], x[cut]) for k, x in wr],
+            [(None if q is None else q[cut], b) for q, b in rd], causal, block=16, m=None if m is None else m[cut],
+            value_corrections=[(a[cut], b[cut]) for a, b in vc])
         pieces.append(results)
     results = [np.concatenate([p[i] for p in pieces], axis=-2) for i in range(len(rd))] if causal else None
     return _finish(results, state, rd, causal, tokens)
@@ -502,7 +544,8 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
         for r, (q, before) in zip(results, rd):
             if before and causal:
                 r[..., t, :] = _read(at(q, t), state)
-        pseudo = [np.einsum("...i,...ij->...j", w[..., t, :], state) for _, w in corr]
+        pseudo = [np.einsum("...i,...ij->...j", w[..., t, :], state) if w.ndim == 4 else  # (a w per column)
+                  np.sum(w[..., t, :, :] * state, axis=-2) for _, w in corr]
         keys = [np.einsum("...ij,...j->...i", state, a[..., t, :]) for a, _ in vc]
         if _is_elementwise(l):
             state = np.exp(l[..., t, :, :]).astype(state.dtype) * state
@@ -512,9 +555,9 @@ def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
             state = state * np.exp(m[..., t, :]).astype(state.dtype)[..., None, :]
         for (u, _), p in zip(corr, pseudo):  # (taken with the columns' decay, as the state is)
             p = p if m is None else p * np.exp(m[..., t, :]).astype(state.dtype)
-            state = state + u[..., t, :, None] * p[..., None, :]
-        for (_, b), key in zip(vc, keys):  # (taken with the rows' decay)
-            key = key if l is None else key * np.exp(l[..., t, :]).astype(state.dtype)
+            state = state + (u[..., t, :, None] if u.ndim == 4 else u[..., t, :, :]) * p[..., None, :]
+        for (_, b), key in zip(vc, keys):  # (taken with the rows' decay; an elementwise one is not applied)
+            key = key if l is None or _is_elementwise(l) else key * np.exp(l[..., t, :]).astype(state.dtype)
             state = state + key[..., :, None] * b[..., t, None, :]
         for kappa, x in wr:
             state = state + kappa[..., t, :, None] * x[..., t, None, :]
