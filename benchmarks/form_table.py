@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from collections import defaultdict
 from datetime import datetime, timezone
@@ -27,9 +26,8 @@ from pathlib import Path
 
 import linrec
 from linrec import form_choice  # (its structure() keys the table)
+from model_shapes import RESULTS, ROOT, bench_json  # (benchmarks/, the script's own folder)
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 TABLE = ROOT / "backends" / "form_table.json"
 EXAMPLES = ["gla", "gated_deltanet", "mamba2", "retnet"]
 FORMS = ["recurrent", "chunkwise"]
@@ -38,19 +36,9 @@ FORMS = ["recurrent", "chunkwise"]
 def run(examples: list[str], tag: str, passed: list[str]) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     forms = [] if "--form" in passed else [a for f in FORMS for a in ("--form", f)]
-    status = 0
-    for name in examples:
-        out = RESULTS / f"forms_{name}_{tag}.json"
-        cmd = [sys.executable, "-m", "linrec", "bench", str(ROOT / "examples" / f"{name}.lin"), "--shapes", "model",
-               "--no-decode", "--backend", "c", "--json", *forms, *passed]
-        print(" ".join(cmd[1:]), "→", out.relative_to(ROOT), file=sys.stderr, flush=True)
-        res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
-        if res.returncode != 0:
-            print(f"{name}: linrec bench failed (exit status {res.returncode})", file=sys.stderr)
-            status = 1
-            continue
-        out.write_text(res.stdout, encoding="utf-8")
-    return status
+    ok = [bench_json(name, ["--no-decode", "--backend", "c", *forms, *passed], RESULTS / f"forms_{name}_{tag}.json")
+          for name in examples]
+    return 0 if all(ok) else 1
 
 
 def table(paths: list[str]) -> dict:

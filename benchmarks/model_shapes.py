@@ -24,21 +24,24 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def bench_json(name: str, options: list[str], out: Path) -> bool:
+    """`python -m linrec bench examples/<name>.lin --shapes model --json OPTIONS` into `out`; False (and a line
+    on stderr) when it fails."""
+    cmd = [sys.executable, "-m", "linrec", "bench", str(ROOT / "examples" / f"{name}.lin"), "--shapes", "model",
+           "--json", *options]
+    print(" ".join(cmd[1:]), "→", out.relative_to(ROOT), file=sys.stderr, flush=True)
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    if res.returncode != 0:
+        print(f"{name}: linrec bench failed (exit status {res.returncode})", file=sys.stderr)
+        return False
+    out.write_text(res.stdout, encoding="utf-8")
+    return True
+
+
 def run(examples: list[str], passed: list[str]) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    status = 0
-    for name in examples:
-        out = RESULTS / f"model_{name}.json"
-        cmd = [sys.executable, "-m", "linrec", "bench", str(ROOT / "examples" / f"{name}.lin"), "--shapes", "model",
-               "--json", *passed]
-        print(" ".join(cmd[1:]), "→", out.relative_to(ROOT), file=sys.stderr, flush=True)
-        res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
-        if res.returncode != 0:
-            print(f"{name}: linrec bench failed (exit status {res.returncode})", file=sys.stderr)
-            status = 1
-            continue
-        out.write_text(res.stdout, encoding="utf-8")
-    return status
+    ok = [bench_json(name, passed, RESULTS / f"model_{name}.json") for name in examples]
+    return 0 if all(ok) else 1
 
 
 def _pct(x) -> str:
