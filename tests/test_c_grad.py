@@ -10,7 +10,7 @@ import pytest
 
 import linrec
 from linrec import gradients
-from linrec.c import scan_kernels
+from linrec.c import build as c_build, grad_kernels, scan_kernels
 from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 DIMS = {"dk": 5, "dv": 7}
@@ -74,6 +74,30 @@ def test_float32_within_5e_4_of_float64(recs, name):
                       chunk_size=chunk)
         assert all(g.dtype == np.float32 for g in got.grads.values())
         assert _worst(got.grads, want.grads) <= 5e-4, (name, CASES[i])
+
+
+def test_column_blocks_and_row_tiles(recs):
+    """At dk = 70, dv = 61 (float64) the forward runs its columns in two blocks, the second one partly
+    padding, and without corrections its tiles of rows leave a tail of single rows (grad_kernels:
+    forward_registers, tile_rows); the tokens go in blocks that end at the checkpoints (T = 37 by 5):
+    the gradients still those of the NumPy recurrent backward to 1e-9 — GLA (the tiled pass) and gated
+    DeltaNet (with corrections: token by token)."""
+    dims = {"dk": 70, "dv": 61}
+    s = grad_kernels.Structure("row", 0, 1, (False,), 70, 61, "double", c_build.vector_bytes())
+    registers = -(-61 // s.lanes)
+    assert grad_kernels.forward_registers(s) < registers and 70 % grad_kernels.tile_rows(s) != 0
+    rng = np.random.default_rng(21)
+    for name in ("gla", "gated_deltanet"):
+        rec = recs[name]
+        x = rec.random_inputs(batch=1, tokens=37, heads=2, dims=dims, seed=21)
+        up = {o.name: rng.standard_normal((1, 37, 2, 61)) for o in rec.program.outputs}
+        s0 = {"S": rng.standard_normal((1, 2, 70, 61))}
+        gT = {"S": rng.standard_normal((1, 2, 70, 61))}
+        want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=dims)
+        got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=dims, backend="c", chunk_size=5)
+        assert _worst(got.grads, want.grads) <= 1e-9, name
+        assert _worst(got.outputs, want.outputs) <= 1e-9, name
+        assert _worst(got.final_state, want.final_state) <= 1e-9, name
 
 
 def test_threads_fewer_and_more_than_the_pairs(recs, monkeypatch):

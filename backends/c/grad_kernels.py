@@ -67,10 +67,32 @@ class Structure:
                 f"{reads}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
 
 
+# The forward runs one block of the state's columns at a time over the whole sequence, the block's rows at
+# most this many bytes: within the core's L1 (48 KB here) beside the token's rows.
+FORWARD_BLOCK_BYTES = 32 << 10
+
+
+def forward_registers(s: Structure) -> int:
+    """Registers of a row in one column block of the forward: the most, dividing the row's, whose DK rows
+    stay within FORWARD_BLOCK_BYTES (at least one)."""
+    registers = -(-s.dv // s.lanes)
+    fits = [n for n in range(1, registers + 1)
+            if registers % n == 0 and s.dk * n * s.vector_bytes <= FORWARD_BLOCK_BYTES]
+    return max(fits, default=1)
+
+
+def tile_rows(s: Structure) -> int:
+    """Rows of a tile of the forward without corrections (templates/c_grad.c.j2, TR): with a row's registers
+    of the column block, 16 registers of the state held across the block of tokens."""
+    return max(1, 16 // forward_registers(s))
+
+
 def render(s: Structure) -> str:
     """The C source of one kernel."""
     lanes = s.lanes
     return environment(__package__).get_template("c_grad.c.j2").render(
+        fcols=forward_registers(s), fcols_bytes=FORWARD_BLOCK_BYTES,
+        tile_rows=tile_rows(s),
         version=VERSION, description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes, lanes=lanes,
         dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),

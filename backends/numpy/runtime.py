@@ -37,7 +37,7 @@ def silu(x):
 
 
 def l2norm(x, eps=1e-6):
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x / np.sqrt(np.einsum("...i,...i->...", x, x)[..., None] + eps)  # (no [..., n] temporary x·x)
 
 
 def groupnorm(x, eps=1e-5):
