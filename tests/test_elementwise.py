@@ -216,12 +216,10 @@ def test_c_emits_the_elementwise_kernel_of_the_structure():
     assert "lr_elementwise_chunkwise" in source
 
 
-def test_the_derived_backward_is_refused_with_a_reason_and_the_recurrent_one_runs():
+def test_the_recurrent_backward_against_central_differences():
+    """(The parallel and chunkwise backward against this one: tests/test_grad_elementwise.py.)"""
     rec = compiled("mamba1")
     x = rec.random_inputs(1, 6, 1, DIMS, seed=2)
-    for form in ("parallel", "chunkwise"):
-        with pytest.raises(linrec.LinrecError, match="decays elementwise"):
-            rec.vjp(x, {"y": np.ones((1, 6, 1, 4))}, form=form, dims=DIMS)
     # the recurrent backward: ∂L/∂dt and ∂L/∂A_log against central differences of L = Σ w·y
     w = np.random.default_rng(3).standard_normal((1, 6, 1, 4))
     got = rec.vjp(x, {"y": w}, form="recurrent", dims=DIMS)

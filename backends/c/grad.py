@@ -34,6 +34,9 @@ def why_not(compiled: Compiled) -> str | None:
     if reason:
         return reason
     d = compiled.decomposition
+    if d.stages:  # (the decomposition is each stage's; the C kernels take one program's states whole)
+        return ("it is derived in stages (a state reads another's values): its C backward is not derived; the "
+                "NumPy backend differentiates it")
     if d.sequence is not None:
         return "the program reads the sequence (attention): its C backward is not derived"
     if not compiled.program.causal:
