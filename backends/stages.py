@@ -145,16 +145,21 @@ class StagedModule:
         values = dict(inputs)
         outputs, final = {}, {}
         for stage, module in zip(self.stages, self.modules):
-            program = stage.program
-            given = {x.name: values[x.name] for x in program.inputs}
-            used = {p.name: params[p.name] for p in program.params if p.name in params}
-            state0 = None if initial_state is None else \
-                {s.name: initial_state[s.name] for s in program.states if s.name in initial_state}
+            given, used, state0 = stage_arguments(stage, values, params, initial_state)
             out, ends = module.forward(given, used, state0, dims, chunk_size=chunk_size)
             values.update((h.name, out[h.name]) for h in stage.hands)
             outputs.update((name, out[name]) for name in stage.outputs)
-            final.update((s.name, ends[s.name]) for s in program.states)
+            final.update((s.name, ends[s.name]) for s in stage.program.states)
         return {name: outputs[name] for name in self.output_names}, final
+
+
+def stage_arguments(stage, values: dict, params: dict, initial_state: dict | None) -> tuple[dict, dict, dict | None]:
+    """A stage's inputs (the program's and those handed to it), params and initial states (None: none given)."""
+    program = stage.program
+    state0 = None if initial_state is None else \
+        {s.name: initial_state[s.name] for s in program.states if s.name in initial_state}
+    return ({x.name: values[x.name] for x in program.inputs},
+            {p.name: params[p.name] for p in program.params if p.name in params}, state0)
 
 
 class StagedGradient:
@@ -177,14 +182,14 @@ class StagedGradient:
                  grad_final_state: dict, derived_params=(), chunk_size: int | None = None):
         values = dict(inputs)  # the program's inputs and the values the stages hand on
         for stage, module in zip(self.stages, self.forwards):
-            out, _ = module.forward(*self._arguments(stage, values, params, initial_state), dims,
+            out, _ = module.forward(*stage_arguments(stage, values, params, initial_state), dims,
                                     chunk_size=chunk_size)
             values.update((h.name, out[h.name]) for h in stage.hands)
         upstream = dict(grad_outputs)  # the program's outputs' gradients, and those of the values handed on
         outputs, final, grads = {}, {}, {}
         for stage, module in zip(reversed(self.stages), reversed(self.backwards)):
             program = stage.program
-            given, used, state0 = self._arguments(stage, values, params, initial_state)
+            given, used, state0 = stage_arguments(stage, values, params, initial_state)
             seeds = {o.name: upstream.get(o.name) for o in program.outputs}
             for name, seed in seeds.items():
                 if seed is None:  # (a value handed on that no later stage's gradient reached: none does)
@@ -205,10 +210,4 @@ class StagedGradient:
         return {o.name: outputs[o.name] for o in self.program.outputs}, \
             {s.name: final[s.name] for s in self.program.states}, grads
 
-    @staticmethod
-    def _arguments(stage, values: dict, params: dict, initial_state: dict) -> tuple[dict, dict, dict]:
-        """A stage's inputs (the program's and those handed to it), params and initial states."""
-        program = stage.program
-        return ({x.name: values[x.name] for x in program.inputs},
-                {p.name: params[p.name] for p in program.params if p.name in params},
-                {s.name: initial_state[s.name] for s in program.states if s.name in initial_state})
+

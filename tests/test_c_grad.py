@@ -12,6 +12,7 @@ import linrec
 from linrec import gradients
 from linrec.c import build as c_build, grad_kernels, scan_kernels
 from linrec.dsl.errors import LinrecError, RuntimeInputError
+from test_grad import worst_error
 
 DIMS = {"dk": 5, "dv": 7}
 EXAMPLES = ("gla", "gated_deltanet", "deltanet", "mamba2", "retnet", "linear_transformer", "gdn2", "comba")
@@ -38,12 +39,6 @@ def _call(rec, batch, tokens, heads, seed, dtype=np.float64, decay_scale=None):
     return cast(x), cast(up), cast(states), cast(final)
 
 
-def _worst(got: dict, want: dict) -> float:
-    """max over the arrays of max|got − want| / max|want|."""
-    assert set(got) == set(want)
-    return max(np.abs(got[k] - want[k]).max() / max(np.abs(want[k]).max(), 1e-300) for k in want)
-
-
 # (batch, tokens, heads, chunk_size, decay_scale): ragged T with several checkpoint intervals (one token, a
 # segment longer than the sequence, √T), T = 1, strong decays (log-decays down to about −20)
 CASES = [(2, 13, 3, None, None), (1, 13, 2, 1, None), (2, 13, 1, 4, None), (1, 9, 2, 64, None),
@@ -57,9 +52,9 @@ def test_float64_matches_the_numpy_recurrent_backward(recs, name):
         x, up, s0, gT = _call(rec, batch, tokens, heads, seed=i, decay_scale=scale)
         want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
         got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=chunk)
-        assert _worst(got.grads, want.grads) <= 1e-9, (name, CASES[i])
-        assert _worst(got.outputs, want.outputs) <= 1e-9
-        assert _worst(got.final_state, want.final_state) <= 1e-9
+        assert worst_error(got.grads, want.grads) <= 1e-9, (name, CASES[i])
+        assert worst_error(got.outputs, want.outputs) <= 1e-9
+        assert worst_error(got.final_state, want.final_state) <= 1e-9
         assert all(g.dtype == np.float64 for g in got.grads.values())
 
 
@@ -73,7 +68,7 @@ def test_float32_within_5e_4_of_float64(recs, name):
         got = rec.vjp(x32, up32, initial_state=s32, grad_final_state=g32, dims=DIMS, backend="c",
                       chunk_size=chunk)
         assert all(g.dtype == np.float32 for g in got.grads.values())
-        assert _worst(got.grads, want.grads) <= 5e-4, (name, CASES[i])
+        assert worst_error(got.grads, want.grads) <= 5e-4, (name, CASES[i])
 
 
 def test_column_blocks_and_row_tiles(recs):
@@ -95,9 +90,9 @@ def test_column_blocks_and_row_tiles(recs):
         gT = {"S": rng.standard_normal((1, 2, 70, 61))}
         want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=dims)
         got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=dims, backend="c", chunk_size=5)
-        assert _worst(got.grads, want.grads) <= 1e-9, name
-        assert _worst(got.outputs, want.outputs) <= 1e-9, name
-        assert _worst(got.final_state, want.final_state) <= 1e-9, name
+        assert worst_error(got.grads, want.grads) <= 1e-9, name
+        assert worst_error(got.outputs, want.outputs) <= 1e-9, name
+        assert worst_error(got.final_state, want.final_state) <= 1e-9, name
 
 
 def test_threads_fewer_and_more_than_the_pairs(recs, monkeypatch):
@@ -111,7 +106,7 @@ def test_threads_fewer_and_more_than_the_pairs(recs, monkeypatch):
         one = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=3)
         monkeypatch.setenv("LINREC_NUM_THREADS", "4")
         many = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=3)
-        assert _worst(many.grads, one.grads) == 0.0
+        assert worst_error(many.grads, one.grads) == 0.0
 
 
 def test_checkpoint_interval_does_not_change_the_gradients(recs):
@@ -119,7 +114,7 @@ def test_checkpoint_interval_does_not_change_the_gradients(recs):
     x, up, s0, gT = _call(rec, 1, 17, 2, seed=4)
     grads = [rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=c).grads
              for c in (1, 3, 17, 100)]
-    assert all(_worst(g, grads[0]) <= 1e-12 for g in grads[1:])
+    assert all(worst_error(g, grads[0]) <= 1e-12 for g in grads[1:])
 
 
 def test_bad_input_is_refused_as_on_numpy(recs):
@@ -173,7 +168,7 @@ def test_resets(recs):
         cast = lambda d: {k: v.astype(dtype) for k, v in d.items()}  # noqa: E731
         got = rec.vjp(cast(x), cast(up), initial_state=cast(s0), grad_final_state=cast(gT), dims=DIMS,
                       backend="c", chunk_size=5)
-        assert _worst(got.grads, want.grads) <= tolerance
+        assert worst_error(got.grads, want.grads) <= tolerance
         assert np.all(got.grads["g"][0, 4] == 0) and np.all(got.grads["g"][0, 9, 1] == 0)
 
 
@@ -204,5 +199,5 @@ def test_other_structures(name):
     x, up, s0, gT = _call(rec, 2, 11, 3, seed=7)
     want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
     got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=4)
-    assert _worst(got.grads, want.grads) <= 1e-9
-    assert _worst(got.outputs, want.outputs) <= 1e-9
+    assert worst_error(got.grads, want.grads) <= 1e-9
+    assert worst_error(got.outputs, want.outputs) <= 1e-9

@@ -255,6 +255,16 @@ def test_mamba2_a_log():
 FORM_TOLERANCE = 1e-9  # another gradient form in float64 against the recurrent one (the forms' tolerance)
 
 
+def worst_error(got: dict, want: dict) -> float:
+    """max over the arrays (the same names in both) of max|got − want| / max|want|."""
+    assert set(got) == set(want)
+    return max(float(np.abs(got[k] - want[k]).max() / max(np.abs(want[k]).max(), 1e-300)) for k in want)
+
+
+def float32(arrays: dict) -> dict:
+    return {k: v.astype(np.float32) for k, v in arrays.items()}
+
+
 def assert_same_gradients(got, reference, tolerance=FORM_TOLERANCE):
     """max|got − ref| / max|ref| per array (an array far below the call's largest gradient — an initial
     state's through a decay of e^−300 — at the rounding of the largest), outputs and final states too."""

@@ -15,7 +15,7 @@ import pytest
 
 import linrec
 from linrec.gradients import gradient_refusal
-from test_grad import ALL_EXAMPLES, arrays_for, assert_same_gradients, example
+from test_grad import ALL_EXAMPLES, arrays_for, assert_same_gradients, example, float32
 
 WITH_CORRECTIONS = [name for name in ALL_EXAMPLES if "chunkwise" in example(name).decomposition.forms
                     and any(t.corrections for t in example(name).decomposition.transitions)]
@@ -69,7 +69,6 @@ def _program(kind: str, name: str) -> linrec.Recurrence:
 
 
 CASES = [("example", name) for name in WITH_CORRECTIONS] + [("program", name) for name in PROGRAMS]
-F32 = lambda d: {k: v.astype(np.float32) for k, v in d.items()}  # noqa: E731
 
 
 def test_the_examples_with_corrections():
@@ -94,7 +93,7 @@ def test_against_the_recurrent_backward(kind, name):
             got = rec.vjp(x, g_out, grad_final_state=g_state, initial_state=s0, params=p, dims=dims, form=form,
                           chunk_size=chunk)
             assert_same_gradients(got, reference)
-            got = rec.vjp(F32(x), F32(g_out), grad_final_state=F32(g_state), initial_state=F32(s0), params=F32(p),
+            got = rec.vjp(float32(x), float32(g_out), grad_final_state=float32(g_state), initial_state=float32(s0), params=float32(p),
                           dims=dims, form=form, chunk_size=chunk)
             assert all(g.dtype == np.float32 for g in got.grads.values())
             assert_same_gradients(got, reference, 5e-4)
@@ -115,7 +114,7 @@ def test_strong_decay_over_many_tokens(name, tokens):
                       chunk_size=chunk)
         assert all(np.all(np.isfinite(g)) for g in got.grads.values())
         assert_same_gradients(got, reference)
-        got = rec.vjp(F32(x), F32(g_out), grad_final_state=F32(g_state), initial_state=F32(s0), params=F32(p),
+        got = rec.vjp(float32(x), float32(g_out), grad_final_state=float32(g_state), initial_state=float32(s0), params=float32(p),
                       dims=dims, form=form, chunk_size=chunk)
         assert all(np.all(np.isfinite(g)) for g in got.grads.values())
         assert_same_gradients(got, reference, 5e-4)

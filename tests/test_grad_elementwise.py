@@ -7,6 +7,7 @@ import pytest
 
 import linrec
 from linrec.gradients import gradient_refusal
+from test_grad import float32, worst_error
 
 GATED = """recurrence elementwise(dk = 5, dv = 4)
 input q[dk], k[dk], v[dv], k2[dk], v2[dv], G[dk, dv] <= 0
@@ -16,16 +17,6 @@ S = exp(G)*S + k⊗v + k2⊗v2        # two writes
 output late = (q*k)·S
 """
 DIMS = {"dk": 5, "dv": 4}
-
-
-def _worst(got, reference):
-    assert sorted(got.grads) == sorted(reference.grads)
-    return max(float(np.abs(got.grads[k] - g).max() / max(np.abs(g).max(), 1e-300))
-               for k, g in reference.grads.items())
-
-
-def _f32(d):
-    return {k: v.astype(np.float32) for k, v in d.items()}
 
 
 def _check(rec, x, seed):
@@ -38,11 +29,11 @@ def _check(rec, x, seed):
     reference = rec.vjp(x, up, initial_state=s0, grad_final_state=end, dims=DIMS)
     for form, chunk in (("parallel", None), ("chunkwise", 8), ("chunkwise", 13)):
         got = rec.vjp(x, up, initial_state=s0, grad_final_state=end, dims=DIMS, form=form, chunk_size=chunk)
-        assert _worst(got, reference) < 1e-9, (form, chunk)
+        assert worst_error(got.grads, reference.grads) < 1e-9, (form, chunk)
         assert all(np.all(np.isfinite(g)) for g in got.grads.values())
-    single = rec.vjp(_f32(x), _f32(up), initial_state=_f32(s0), grad_final_state=_f32(end), dims=DIMS,
+    single = rec.vjp(float32(x), float32(up), initial_state=float32(s0), grad_final_state=float32(end), dims=DIMS,
                      form="chunkwise", chunk_size=8)
-    assert _worst(single, reference) < 5e-4
+    assert worst_error(single.grads, reference.grads) < 5e-4
 
 
 @pytest.mark.parametrize("tokens", [1, 29, 64])

@@ -12,6 +12,7 @@ from linrec.interface import Refusal
 from linrec.numpy import BACKEND as NUMPY
 from linrec.registry import backend
 from linrec.stages import Staged
+from test_grad import float32, worst_error
 
 TWO_STAGES = """recurrence two_stage(dk = 5, dv = 4)
 input q[dk], v[dv], g <= 0, gp <= 0, q2[dk], k2[dk], v2[dk]
@@ -59,16 +60,6 @@ def _case(rec, tokens, dims, seed):
     return x, up, s0, end
 
 
-def _worst(got, reference):
-    assert sorted(got.grads) == sorted(reference.grads)
-    return max(float(np.abs(got.grads[k] - g).max() / max(np.abs(g).max(), 1e-300))
-               for k, g in reference.grads.items())
-
-
-def _f32(d):
-    return {k: v.astype(np.float32) for k, v in d.items()}
-
-
 PROGRAMS = {
     "preconditioned_deltanet": (lambda: linrec.load("examples/preconditioned_deltanet.lin"), {"dk": 6, "dv": 5}),
     "two_stage": (lambda: linrec.compile(TWO_STAGES, "two_stage.lin"), {}),
@@ -90,13 +81,13 @@ def program(request):
 def test_against_the_recurrent_backward(program, form, chunk):
     rec, x, up, s0, end, reference = program
     got = rec.vjp(x, up, initial_state=s0, grad_final_state=end, form=form, chunk_size=chunk)
-    assert _worst(got, reference) < 1e-9
+    assert worst_error(got.grads, reference.grads) < 1e-9
     for name, value in reference.outputs.items():
         np.testing.assert_allclose(got.outputs[name], value, rtol=1e-10, atol=1e-12)
-    single = rec.vjp(_f32(x), _f32(up), initial_state=_f32(s0), grad_final_state=_f32(end), form=form,
+    single = rec.vjp(float32(x), float32(up), initial_state=float32(s0), grad_final_state=float32(end), form=form,
                      chunk_size=chunk)
     assert all(g.dtype == np.float32 for g in single.grads.values())
-    assert _worst(single, reference) < 5e-4
+    assert worst_error(single.grads, reference.grads) < 5e-4
 
 
 def test_the_stages_are_differentiated_from_the_last():

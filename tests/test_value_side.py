@@ -201,7 +201,9 @@ output o = q·S + early + q·R
 
 @pytest.mark.parametrize("strong, resets", [(False, False), (True, True)])
 def test_decays_of_both_axes_on_both_backends(strong, resets):
-    rec = _recs.setdefault("both_axes", linrec.compile(BOTH_AXES, "both_axes.lin"))
+    if "both_axes" not in _recs:
+        _recs["both_axes"] = linrec.compile(BOTH_AXES, "both_axes.lin")
+    rec = _recs["both_axes"]
     x, s0 = inputs(rec, 41, seed=2)
     rng = np.random.default_rng(9)
     for name in ("a", "b", "c"):

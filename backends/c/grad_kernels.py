@@ -29,9 +29,9 @@ from ..dsl.errors import RuntimeInputError
 from ..templating import environment
 from ..version import VERSION
 from . import build as c_build
-from .build import CTYPE_BYTES, CTYPES
 from ..numpy.adjoint_scan import ScanGrads
-from .scan_kernels import cached_kernel, call, operand
+from .build import CTYPE_BYTES, CTYPES
+from .scan_kernels import cached_kernel, call, chunk_of, operand
 
 DECAYS = ("none", "token", "row")
 
@@ -123,6 +123,11 @@ class _Call:
     lead: tuple[int, int, int]
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of one (batch row, head)'s state."""
+        return int(np.prod(self.state.shape[2:])) * self.state.itemsize
+
+    @property
     def work(self) -> int:
         """Multiply-adds of one pass, roughly (call() runs a small one on one thread)."""
         s, (batch, tokens, heads) = self.structure, self.lead
@@ -167,8 +172,7 @@ def default_segment(tokens: int, state_bytes: int) -> int:
 
 def _segments(chunk: int | None, tokens: int, state_bytes: int) -> tuple[int, int]:
     """(tokens per segment, segments) of a call: chunk (None: default_segment) clamped to the sequence."""
-    chunk = default_segment(tokens, state_bytes) if chunk is None else int(chunk)
-    seg = max(1, min(chunk, max(tokens, 1)))
+    seg = chunk_of(default_segment(tokens, state_bytes) if chunk is None else chunk, tokens)
     return seg, -(-tokens // seg)
 
 
@@ -179,7 +183,7 @@ def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), n
     c = _prepare(s0, log_decay, corrections, writes, queries)
     batch, tokens, heads = c.lead
     s = c.structure
-    seg, nseg = _segments(chunk, tokens, int(np.prod(c.state.shape[2:])) * c.state.itemsize)
+    seg, nseg = _segments(chunk, tokens, c.state_bytes)
     outs = [np.empty(c.lead + (s.dv,), c.state.dtype) for _ in queries]
     checkpoints = np.empty((batch, heads, nseg, s.dk, s.dv), c.state.dtype)
     if batch * heads == 0 or tokens == 0:
@@ -198,7 +202,7 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
     c = _prepare(s0, log_decay, corrections, writes, queries)
     batch, tokens, heads = c.lead
     s = c.structure
-    seg, _ = _segments(chunk, tokens, int(np.prod(c.state.shape[2:])) * c.state.itemsize)
+    seg, _ = _segments(chunk, tokens, c.state_bytes)
     dtype = c.state.dtype
     grads = [operand(g, dtype, c.lead + (s.dv,), f"the gradient of readout {i}") for i, g in enumerate(grad_readouts)]
     outs = [np.empty(c.lead + (n,), dtype) for n in s.widths]

@@ -11,8 +11,7 @@ read no state and the params, as the recurrent backward ends.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, fields
 
 from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
@@ -28,8 +27,6 @@ class StateArrays:
     value axis, writes, corrections, readouts' queries), of the states before each chunk, and of the arrays'
     adjoints (linrec.numpy.adjoint_scan.ScanGrads)."""
 
-    NAMES: ClassVar[tuple[str, ...]] = ("log_decay", "value_log_decay", "writes", "corrections", "queries", "starts",
-                                        "grads")
     log_decay: str
     value_log_decay: str
     writes: str
@@ -61,7 +58,7 @@ class DecomposedEmitter(BackwardEmitter):
         self.arrays = {}  # state → its per-token arrays' variables and their adjoints' (StateArrays)
         for st in self.p.states:
             s = n(st.name)
-            self.arrays[st.name] = StateArrays(*(em.fresh(f"{s}_{what}") for what in StateArrays.NAMES))
+            self.arrays[st.name] = StateArrays(**{f.name: em.fresh(f"{s}_{f.name}") for f in fields(StateArrays)})
         self.seeds: dict[str, str] = {}  # a per-token array's label → the code of its adjoint
         self.chunk = em.fresh("chunk")
 
