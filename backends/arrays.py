@@ -32,10 +32,22 @@ def _float_array(name: str, value, what: str) -> np.ndarray:
     except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
         raise RuntimeInputError(f"{what} '{name}' is not an array") from None
     if arr.dtype.type not in FLOAT_DTYPES:
-        bits = " (a uint16 state holding bfloat16 bits needs state_dtype='bfloat16')" \
-            if arr.dtype == np.uint16 and "state" in what else ""
+        bits = _bits_hint(arr) if "state" in what else ""
         raise RuntimeInputError(f"{what} '{name}' has dtype {arr.dtype}; pass float32 or float64{bits}")
     return arr
+
+
+def _bits_hint(arr) -> str:
+    """What a float state's error adds when the array given holds bfloat16 bits (uint16)."""
+    return " (a uint16 state holding bfloat16 bits needs state_dtype='bfloat16')" \
+        if getattr(arr, "dtype", None) == np.uint16 else ""
+
+
+def not_in_place(name: str, arr, dtype, expected: tuple) -> RuntimeInputError:
+    """The error for a state a decode step cannot update in place (inplace=True, bind_step): on every backend
+    the same words, naming what the array must be."""
+    return RuntimeInputError(f"state '{name}' must be a writeable C-contiguous {np.dtype(dtype)} array of shape "
+                             f"{list(expected)} to be updated in place (inplace=True){_bits_hint(arr)}")
 
 
 def _bind(dims: dict[str, int], names: tuple[str, ...], actual: tuple[int, ...], where: str, expected: str):
@@ -254,8 +266,7 @@ def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, di
         expected = (shape.batch, shape.heads) + tuple(dims[d] for d in s.shape)
         if not (type(arr) is np.ndarray and arr.dtype == shape.dtype and arr.shape == expected
                 and arr.flags.c_contiguous and arr.flags.writeable):
-            raise RuntimeInputError(f"state '{s.name}' must be a writeable C-contiguous {shape.dtype} array of "
-                                    f"shape {list(expected)} to be updated in place (inplace=True)")
+            raise not_in_place(s.name, arr, shape.dtype, expected)
 
 
 def token_outputs(program: ir.Program, out: dict | None, shape: CallShape, dims: dict) -> dict:

@@ -106,11 +106,13 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     except NotLinear as why:  # checked at resolve time already; kept for direct callers
         return Transition(state.name, "not linear", None, None, True, (), (), (why.message,))
 
+    general = False  # a reason below is that the map is no decay plus rank-one terms at all
     value_decay: ir.Expr | None = None
     value_side: list[tuple[Factor, ir.Expr, ir.Expr]] = []  # (left factor, a, b) of each coef·L·S·(a⊗b)
     if len(state.shape) == 2:
         terms, value_side, both_sides = _split_value_side(terms)
         reasons.extend(_both_sides(state.name) for _ in both_sides[:1])
+        general = bool(both_sides)
     rights = {t.right for t in terms if t.right is not None and t.right.kind != "identity"}
     if rights and len(state.shape) == 1:  # z·diag(d) = diag(d)·z: for a vector state a diagonal either side
         def to_left(t: Term) -> Term:
@@ -132,10 +134,12 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
             reasons.append(f"an elementwise decay of '{state.name}' (`X*{state.name}`) meets a factor on its right "
                            f"(`(X*{state.name})·M`); the forms take a correction beside it on the state as it "
                            f"was, `X*{state.name} − ({state.name}·a)⊗b`")
+            general = True
             continue
         if t.right is not None and t.right.kind != "identity":
             reasons.append(f"a factor multiplies '{state.name}' from the right (`S·M`), acting on the value "
                            f"axis; the forms need the transition on the left")
+            general = True
             continue
         kind = t.left.kind
         if kind == "identity":
@@ -149,6 +153,7 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         else:
             reasons.append(f"the transition contains the dense matrix `{to_text(t.left.u)}`, which has no "
                            f"decay-plus-rank-one structure")
+            general = True
     if elementwise is None and any(len(u.shape) == 2 or len(w.shape) == 2 for u, w in corrections):
         reasons.append(f"a rank-one correction of '{state.name}' reads or writes an elementwise product with it "
                        f"(`u⊗(w·(X*{state.name}))`) without an elementwise decay of '{state.name}' (`X*{state.name}`)")
@@ -169,6 +174,7 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     if value_side:
         if corrections:
             reasons.append(_both_sides(state.name))
+            general = True
         if decay is not None and not decay.shape:  # a scalar commutes: carried on the value axis
             value_decay = decay if value_decay is None else mul(decay, value_decay)
             decay = None
@@ -205,7 +211,6 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
             reasons.append(f"a correction of '{state.name}' depends on a state")
     if decay is not None and states_in(decay):
         reasons.append(f"the decay of '{state.name}' depends on a state")
-    general = any("dense" in r or "right" in r or "both sides" in r for r in reasons)
     kind = "general linear map" if general else \
         _describe(decay, corrections or value_corrections, value_decay, bool(value_corrections))
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),

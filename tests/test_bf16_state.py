@@ -252,7 +252,7 @@ def test_errors_name_the_argument_and_the_fix(programs, backend):
         (dict(tokens={k: v.astype(np.float64) for k, v in tok.items()}, state={"S": bits}, state_dtype="bfloat16"),
          "needs float32 inputs"),
         (dict(state={"S": floats}, state_dtype="bfloat16"), "uint16|bfloat16 bits"),
-        (dict(state={"S": bits}, state_dtype=None), "state_dtype='bfloat16'|float32"),
+        (dict(state={"S": bits}, state_dtype=None), "uint16 state holding bfloat16 bits needs state_dtype='bfloat16'"),
         (dict(state={"S": bits}, state_dtype="float64"), "state_dtype='float64' with float32 inputs"),
         (dict(pool={"S": np.zeros((4, HEADS, DIMS, DIMS), np.float32)}, state_dtype="bfloat16"),
          r"pool\['S'\] must be a writeable uint16 array"),

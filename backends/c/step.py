@@ -271,8 +271,7 @@ class Stepper:
                 arr = aligned_copy(np.asarray(checked(arr, shp, None, f"state '{name}'"), dtype=dt))
             elif arr is not seen[i] and not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp
                                              and arr.strides == strides and arr.flags.writeable):
-                raise RuntimeInputError(f"state '{name}' must be a writeable C-contiguous {dt} array of shape "
-                                        f"{list(shp)} to be updated in place (inplace=True)")
+                raise arrays.not_in_place(name, arr, dt, shp)
             if arr is seen[i]:
                 args.append(seen_ptr[i])
             else:
