@@ -292,29 +292,52 @@ def timed(fn, repeats: int, budget_s: float) -> list[float]:
 
 def decode_step_us(rec, backend: str, dims: dict[str, int], quick: bool, batch: int = BATCH,
                    heads: int = HEADS, state_dtype: str | None = None) -> dict:
-    """One token of one layer (`batch` requests, `heads` heads) from a prefilled state, in the two decode loops the README
-    shows: "us", the step bound to its arrays (Recurrence.bind_step: one call per token, token buffers
-    refilled in place) and "step_us", Recurrence.step(inplace=True, out=…) passed the same arrays each
-    call. µs per call, the median over batches of calls (each batch long enough to dwarf the timer), after
-    a warm-up of at least 10 ms of calls (helper threads started, states in cache: a decode loop's steady
-    state). state_dtype="bfloat16": the state kept in bfloat16 between the calls."""
+    """One token of one layer (`batch` requests, `heads` heads) from a prefilled state, in the two decode loops
+    the README shows (step_timings). state_dtype="bfloat16": the state kept in bfloat16 between the calls."""
     x = rec.random_inputs(batch=batch, tokens=17, heads=heads, dims=dims, dtype=np.float32, seed=1)
     token = {k: np.ascontiguousarray(v[:, -1]) for k, v in x.items()}
     # the decode loop as users write it: prefill a prompt, then step from the state it returns
     state = rec.prefill({k: v[:, :-1] for k, v in x.items()}, backend=backend, state_dtype=state_dtype).final_state
+    return step_timings(rec, token, state, backend, quick, {"inplace": True, "state_dtype": state_dtype},
+                        {"state_dtype": state_dtype})
+
+
+def step_timings(rec, tokens: dict, state: dict, backend: str, quick: bool, step_options: dict,
+                 bind_options: dict) -> dict:
+    """A decode step's µs per call in the two loops users write: "us", the step bound to its arrays
+    (Recurrence.bind_step(…, **bind_options): one call per token, token buffers refilled in place) and
+    "step_us", Recurrence.step(…, **step_options, out=…) passed the same arrays each call; each the median
+    over batches of calls (per_call_us). "first_call_ms": the first step, which builds (or loads) the kernel."""
     t0 = time.perf_counter()
-    out, state = rec.step(token, state, backend=backend, inplace=True,  # binds (and builds) once
-                          state_dtype=state_dtype)
+    out, _ = rec.step(tokens, state, backend=backend, **step_options)
     first_ms = (time.perf_counter() - t0) * 1e3
-    bound = rec.bind_step(token, state, backend=backend, out=out, state_dtype=state_dtype)
+    bound = rec.bind_step(tokens, state, backend=backend, out=out, **bind_options)
 
     def step():
-        rec.step(token, state, backend=backend, inplace=True, out=out, state_dtype=state_dtype)
+        rec.step(tokens, state, backend=backend, out=out, **step_options)
 
     result = {"first_call_ms": first_ms, "batches": call_batches(quick)}
     result["us"], result["calls_per_batch"] = per_call_us(bound, quick)
     result["step_us"], result["step_calls_per_batch"] = per_call_us(step, quick)
     return result
+
+
+def no_decode_note(rec) -> str | None:
+    """Why a program has no decode step to time (None when it has one): one that reads the sequence carries
+    a KV cache, a non-causal one has no step."""
+    name = rec.program.name
+    if reads_the_sequence(rec):
+        return (f"'{name}' reads the sequence directly: its decode step carries a KV cache whose cost grows "
+                f"with T — not timed here")
+    if not rec.program.causal:
+        return f"'{name}' is non-causal: it has no decode step"
+    return None
+
+
+def last_level_cache(limits: dict) -> int | None:
+    """The largest cache machine_limits found (bytes), or None."""
+    caches = limits.get("caches")
+    return max(caches.values(), default=None) if isinstance(caches, dict) else None
 
 
 def call_batches(quick: bool) -> int:
@@ -618,7 +641,7 @@ def with_decode_bounds(decode: dict[str, dict], moved: int, gbs: float | None) -
 
 def cache_notes(state: int, limits: dict) -> list[str]:
     """A note when one layer's state fits in the last-level cache: a decode loop keeps it there."""
-    llc = max(limits.get("caches", {}).values(), default=0) if isinstance(limits.get("caches"), dict) else 0
+    llc = last_level_cache(limits)
     if not llc or state > llc:
         return []
     return [f"the decode step's state ({format_bytes(state)}) fits in the caches (last level {format_bytes(llc)}): a decode "
@@ -710,12 +733,9 @@ def time_rows(rec, plan: Plan, flops: int, sgemm: float | None, peak: float | No
 def decode_steps(rec, plan: Plan, quick: bool, say, state_dtype: str | None = None) -> tuple[dict[str, dict], list[str]]:
     """The decode step on each backend (decode_step_us), or the note saying why there is none: a program
     that reads the sequence carries a KV cache, a non-causal one has no step."""
-    name = rec.program.name
-    if reads_the_sequence(rec):
-        return {}, [f"'{name}' reads the sequence directly: its decode step carries a KV cache whose cost grows "
-                    f"with T — not timed here"]
-    if not rec.program.causal:
-        return {}, [f"'{name}' is non-causal: it has no decode step"]
+    why = no_decode_note(rec)
+    if why:
+        return {}, [why]
     decode, notes = {}, []
     for b in plan.backends:
         say(f"{b}: decode step …")

@@ -27,14 +27,12 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-import time
 from math import prod
 
 import numpy as np
 
 from . import api, bench, bench_shapes, serving
 from .c import build as c_build
-from .decode import reads_the_sequence
 from .dsl.errors import LinrecError
 
 SERVING_DIMS = ((128, 128),)
@@ -59,37 +57,15 @@ def _pool_bytes(rec, dims: dict[str, int], heads: int, slots: int) -> int:
     return slots * bench.state_bytes(rec, dims, heads=heads)
 
 
-def _no_step_note(rec) -> str | None:
-    name = rec.program.name
-    if reads_the_sequence(rec):
-        return (f"'{name}' reads the sequence directly: its decode state is a KV cache that grows every token, "
-                f"so it has no slot pool — no decode rows")
-    if not rec.program.causal:
-        return f"'{name}' is non-causal: it has no decode step — no decode rows"
-    return None
-
-
 def pool_step_us(rec, backend: str, dims: dict[str, int], heads: int, pool: dict, requests: int,
                  quick: bool) -> dict:
-    """One token for `requests` requests at random distinct slots of `pool`: "us" through the bound step
-    (bind_step(…, slots=idx): one call per token), "step_us" through step(…, slots=idx) passed the same
-    arrays each call; µs per call (bench.per_call_us)."""
+    """One token for `requests` requests at random distinct slots of `pool`, through bind_step(…, slots=idx)
+    and step(…, slots=idx) (bench.step_timings)."""
     slots = np.random.default_rng(requests).choice(next(iter(pool.values())).shape[0], size=requests,
                                                     replace=False)
     x = rec.random_inputs(batch=requests, tokens=1, heads=heads, dims=dims, dtype=np.float32, seed=2)
     tokens = {k: np.ascontiguousarray(v[:, 0]) for k, v in x.items()}
-    t0 = time.perf_counter()
-    out, _ = rec.step(tokens, pool, slots=slots, backend=backend)  # builds (or loads) the kernel once
-    first_ms = (time.perf_counter() - t0) * 1e3
-    bound = rec.bind_step(tokens, pool, slots=slots, backend=backend, out=out)
-
-    def step():
-        rec.step(tokens, pool, slots=slots, backend=backend, out=out)
-
-    result = {"first_call_ms": first_ms, "batches": bench.call_batches(quick)}
-    result["us"], result["calls_per_batch"] = bench.per_call_us(bound, quick)
-    result["step_us"], result["step_calls_per_batch"] = bench.per_call_us(step, quick)
-    return result
+    return bench.step_timings(rec, tokens, pool, backend, quick, {"slots": slots}, {"slots": slots})
 
 
 def _filled_pool(rec, dims: dict[str, int], heads: int, slots: int) -> dict[str, np.ndarray]:
@@ -116,7 +92,7 @@ def _requests(opts: bench.Options) -> list[int]:
 def decode_rows(rec, opts: bench.Options, dims_grid: list[tuple[int, int]], heads: list[int],
                 backends: list[str], say) -> tuple[list[dict], list[str]]:
     """The slot-pool step at each (dk, dv), H, backend and N (one pool of each size in memory at a time)."""
-    why = _no_step_note(rec)
+    why = bench.no_decode_note(rec)
     if why:
         return [], [why]
     rows, notes = [], []
@@ -287,7 +263,7 @@ def run(opts: bench.Options, progress=None) -> dict:
     steps = [bench.with_decode_bounds({"_": d}, d["state_bytes_moved"], report["bandwidth_gbs"])["_"] for d in steps]
     # the active rows fit in the last-level cache: a decode loop over the same requests keeps them there, so
     # a step can beat the bandwidth's bound
-    llc = max(report.get("machine_limits", {}).get("caches", {}).values(), default=None)
+    llc = bench.last_level_cache(report.get("machine_limits", {}))
     steps = [dict(d, state_in_last_level_cache=bool(llc) and d["state_bytes_moved"] // 2 <= llc) for d in steps]
     rows = with_prefill_bounds(rows, report["fma_peak_gflops"])
     others = bench.others_cores(ticks, bench.cpu_ticks())

@@ -27,7 +27,6 @@ import numpy as np
 
 from . import api, bench
 from .c import build as c_build
-from .decode import reads_the_sequence
 from .dsl.errors import LinrecError
 
 MODEL_DIMS = ((64, 64), (128, 128), (256, 256), (128, 64))
@@ -162,11 +161,9 @@ def decode_rows(rec, opts: bench.Options, decode: list[tuple[int, int, int]], ba
     rows, notes = [], []
     if not decode:
         return rows, notes
-    if reads_the_sequence(rec):
-        return rows, [f"'{rec.program.name}' reads the sequence directly: its decode step carries a KV cache whose "
-                      f"cost grows with T — not timed here"]
-    if not rec.program.causal:
-        return rows, [f"'{rec.program.name}' is non-causal: it has no decode step"]
+    why = bench.no_decode_note(rec)
+    if why:
+        return rows, [why]
     for dk, dv, h in decode:
         dims = _dims(rec, dk, dv)
         moved = 2 * DECODE_BATCH * bench.state_bytes(rec, dims, heads=h)
@@ -221,7 +218,7 @@ def run(opts: bench.Options, progress=None) -> dict:
         notes.append(f"the machine's limits were not measured ({report['machine_limits']['error']}): no bounds")
     with bench.thread_settings(threads):
         rows, not_run = prefill_rows(rec, opts, shapes, forms, backends, report, report["sgemm_gflops"], say)
-        llc = max(report["machine_limits"].get("caches", {}).values(), default=None)
+        llc = bench.last_level_cache(report["machine_limits"])
         steps, decode_notes = decode_rows(rec, opts, decode, backends, report["bandwidth_gbs"], llc, say)
     report.update(bench.machine_reference(threads, opts.quick, say, earlier=report))
     rows = bench.with_row_bounds(rows, report["fma_peak_gflops"])
