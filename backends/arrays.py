@@ -393,12 +393,18 @@ def _dtype_name(value) -> str | None:
         return None
 
 
-def state_bits(name: str, value, expected: tuple, what: str = "state") -> np.ndarray:
-    """A bfloat16 state as given: a uint16 array of its bits, shaped `expected`."""
+def bfloat16_bits(name: str, value, what: str = "state") -> np.ndarray:
+    """A bfloat16 state as given, any shape: a uint16 array of its bits, else an error saying how to convert."""
     arr = np.asarray(value)
     if arr.dtype != BFLOAT16_BITS:
         raise RuntimeInputError(f"{what} '{name}' has dtype {arr.dtype}, but with state_dtype='bfloat16' states are "
                                 f"uint16 arrays of bfloat16 bits; convert it with linrec.to_bfloat16(…)")
+    return arr
+
+
+def state_bits(name: str, value, expected: tuple, what: str = "state") -> np.ndarray:
+    """A bfloat16 state as given: a uint16 array of its bits, shaped `expected`."""
+    arr = bfloat16_bits(name, value, what)
     if arr.shape != expected:
         raise RuntimeInputError(f"{what} '{name}' should have shape {_fmt(expected)} but has shape {_fmt(arr.shape)}")
     return arr

@@ -46,12 +46,7 @@ def widen(program, state: dict | None, what: str = "state") -> dict | None:
     out = {}
     for key, value in state.items():
         if key in names:
-            arr = np.asarray(value)
-            if arr.dtype != arrays.BFLOAT16_BITS:
-                raise RuntimeInputError(f"{what} '{key}' has dtype {arr.dtype}, but with state_dtype='bfloat16' "
-                                        f"states are uint16 arrays of bfloat16 bits; convert it with "
-                                        f"linrec.to_bfloat16(…)")
-            out[key] = arrays.from_bfloat16(arr)
+            out[key] = arrays.from_bfloat16(arrays.bfloat16_bits(key, value, what))
         else:
             out[key] = value
     return out
@@ -76,12 +71,7 @@ def step_widened(rec, token_inputs: dict, state: dict | None, backend: str, para
     """One token with bfloat16 states on a backend whose step has none: widened here, the float32 step,
     rounded back — into the given uint16 arrays with inplace=True (after the step has succeeded)."""
     if inplace and state is not None:
-        for s in rec.program.states:
-            arr = state.get(s.name)
-            if arr is not None and not (type(arr) is np.ndarray and arr.dtype == arrays.BFLOAT16_BITS
-                                        and arr.flags.writeable):
-                raise RuntimeInputError(f"state '{s.name}' must be a writeable uint16 array (bfloat16 bits) to be "
-                                        f"updated in place (inplace=True)")
+        _require_writeable_bits(rec.program, state, "to be updated in place (inplace=True)", every=False)
     wide = widen(rec.program, state)
     outputs, final = rec.step(token_inputs, wide, backend=backend, params=params, inplace=False, out=out)
     final = narrow(rec.program, final)
@@ -95,14 +85,20 @@ def step_widened(rec, token_inputs: dict, state: dict | None, backend: str, para
     return outputs, final
 
 
+def _require_writeable_bits(program, state: dict, purpose: str, every: bool) -> None:
+    """Each state of `state` (each of the program's, with every=True) a writeable uint16 array of bfloat16 bits,
+    else an error saying so and what for."""
+    for s in program.states:
+        arr = state.get(s.name)
+        if (arr is not None or every) and not (type(arr) is np.ndarray and arr.dtype == arrays.BFLOAT16_BITS
+                                               and arr.flags.writeable):
+            raise RuntimeInputError(f"state '{s.name}' must be a writeable uint16 array (bfloat16 bits) {purpose}")
+
+
 def bind_widened(rec, token_inputs: dict, state: dict, backend: str, params, out: dict | None):
     """bind_step with bfloat16 states on a backend whose step has none: step() → outputs, each call widening
     the bound uint16 arrays, the float32 step and the rounding back into them."""
-    for s in rec.program.states:
-        arr = state.get(s.name)
-        if not (type(arr) is np.ndarray and arr.dtype == arrays.BFLOAT16_BITS and arr.flags.writeable):
-            raise RuntimeInputError(f"state '{s.name}' must be a writeable uint16 array (bfloat16 bits) to be bound: "
-                                    f"the step updates it in place every call")
+    _require_writeable_bits(rec.program, state, "to be bound: the step updates it in place every call", every=True)
     tokens, states = dict(token_inputs), dict(state)  # the arrays bound now
     buffers = dict(out) if out is not None else {}
 
