@@ -428,7 +428,8 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
 class Quantity:
     """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay",
     "S.value_log_decay" — of S·diag(e^m) —, "S.key0", "S.value0", "S.correction0_u" and "S.correction0_w" — of a
-    correction u ⊗ (w·S_(t−1)) —, "r1" — a readout's query) and the expression it is computed from."""
+    correction u ⊗ (w·S_(t−1)) —, "S.value_correction0_a" and "S.value_correction0_b" — of a value-side one
+    (D·S_(t−1)·a) ⊗ b —, "r1" — a readout's query) and the expression it is computed from."""
 
     label: str
     value: ir.Expr
@@ -459,13 +460,10 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
         return f"the {form} backward of attention over the sequence is not derived"
     if not compiled.program.causal:
         return f"the {form} backward of a non-causal program is not derived"
-    for t in d.transitions:  # (an elementwise decay plus writes: its own scan, backends' adjoint_elementwise)
-        if t.value_corrections:
-            return (f"'{t.state}' has {len(t.value_corrections)} rank-one correction(s) on the value side: their "
-                    f"{form} backward is not derived")
-        if t.elementwise and (t.corrections or t.value_log_decay is not None or t.state in d.transposed):
-            return f"'{t.state}' decays elementwise (`X*{t.state}`) with rank-one corrections, a decay of its " \
-                   f"value axis or in the transposed convention: the {form} backward of that is not derived"
+    for t in d.transitions:  # (an elementwise decay: its own scan, or, with corrections, a state per column)
+        if t.elementwise and (t.value_log_decay is not None or t.state in d.transposed):
+            return f"'{t.state}' decays elementwise (`X*{t.state}`) beside a decay of its value axis or in the " \
+                   f"transposed convention: the {form} backward of that is not derived"
     if any(r.is_value and len(compiled.program.state(r.state).shape) != 1 for r in d.readouts):
         return f"an output reads a state as a value (not q·S): the {form} backward of that is not derived"
     return None
@@ -500,6 +498,9 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
         for j, (u, w) in enumerate(t.corrections):  # + u ⊗ (w·S_(t−1)): the UT transform's backward seeds them
             quantity(f"{t.state}.correction{j}_u", u)
             quantity(f"{t.state}.correction{j}_w", w)
+        for j, (a, b) in enumerate(t.value_corrections):  # + (D·S_(t−1)·a) ⊗ b: Sᵀ's key-side corrections
+            quantity(f"{t.state}.value_correction{j}_a", a)
+            quantity(f"{t.state}.value_correction{j}_b", b)
     for r in d.readouts:
         quantity(f"r{r.index}", r.query)
     top = [sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step)

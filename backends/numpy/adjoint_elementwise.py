@@ -22,26 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dsl.errors import RuntimeInputError
+from .adjoint_arrays import finite_log_decays as _log_decays, heads as _heads, tokens_major as _back
 
 ROWS = 16  # the tokens t of the pairwise sums formed at once
-
-
-def _heads(x):
-    """[B, T, H, …] → [B, H, T, …]."""
-    return np.ascontiguousarray(np.moveaxis(np.asarray(x), 1, 2))
-
-
-def _back(x):
-    return np.moveaxis(x, 2, 1)
-
-
-def _log_decays(log_decay):
-    l = _heads(log_decay)
-    if np.isneginf(l).any():
-        raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
-                                "backward work with finite log-decays; use form='recurrent' for this call")
-    return l
 
 
 def _pairwise(read, cum, terms, later: bool, strict: bool, dtype):

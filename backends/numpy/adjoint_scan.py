@@ -47,17 +47,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..dsl.errors import RuntimeInputError
+from .adjoint_arrays import finite_log_decays as _log_decays, heads as _heads
+from . import adjoint_frames as frames
 from .adjoint_elementwise import elementwise_decay_scan, elementwise_decay_scan_backward
 from .scan import solve_unit_lower
-
-
-def _heads(x, width=None):
-    """[B, T, H, n] → [B, H, T, n] (a copy: the chunks slice it), broadcast to `width` on the last axis."""
-    x = np.moveaxis(np.asarray(x), 1, 2)
-    if width is not None:
-        x = np.broadcast_to(x, x.shape[:-1] + (width,))
-    return np.ascontiguousarray(x)
 
 
 ROWS = 64  # the rows (tokens t) of the pairwise products formed at once: memory [B, H, ROWS, C, K]
@@ -131,12 +124,16 @@ def _prefix_sums(l):
 
 
 # ---- the forward -------------------------------------------------------------------------------------------
-def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None):
+def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None, value_corrections=()):
     """The forward: (readouts [B, T, H, V] for each (query, before), the final state, the states before each
     chunk). s0 [B, H, K, V]; log_decay [B, T, H, K or 1]; writes [(key [B, T, H, K], value [B, T, H, V])];
-    corrections [(u [B, T, H, K], w [B, T, H, K])]: + u ⊗ (w·S_(t−1)); value_log_decay None or [B, T, H, V]:
-    the state's columns decay too, S·diag(e^m) (then without corrections). A log_decay [B, T, H, K, V] is an
-    elementwise decay (adjoint_elementwise; then without corrections)."""
+    corrections [(u [B, T, H, K], w [B, T, H, K])]: + u ⊗ (w·S_(t−1)·E_t); value_log_decay None or [B, T, H, V]:
+    the state's columns decay too, S·diag(e^m) = S·E_t; value_corrections [(a, b), [B, T, H, V] each]:
+    + (D_t·S_(t−1)·a) ⊗ b. A log_decay [B, T, H, K, V] is an elementwise decay (adjoint_elementwise; its
+    corrections read S_(t−1) itself, u or w may then be [B, T, H, K, V]). Corrections beside a decay of the
+    value axis or an elementwise one, and value-side ones, run the forms' own segments (adjoint_frames)."""
+    if frames.needed(log_decay, corrections, value_log_decay, value_corrections):
+        return frames.forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections)
     if np.ndim(log_decay) == 5:
         return elementwise_decay_scan(s0, log_decay, writes, queries, chunk)
     K, V = s0.shape[-2:]
@@ -160,14 +157,6 @@ def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_
                 _readout(c, state, c.cut(q), before, wc)
         state = _end_state(c, state, wc)
     return [np.moveaxis(r, 2, 1) for r in results], state, starts
-
-
-def _log_decays(log_decay):
-    l = _heads(log_decay)  # (a scalar decay stays one column: its pairwise products are matrix products)
-    if np.isneginf(l).any():
-        raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
-                                "backward work with finite log-decays; use form='recurrent' for this call")
-    return l
 
 
 def _readout(c: _Chunk, state, q, before: bool, writes):
@@ -259,12 +248,24 @@ class ScanGrads(NamedTuple):
     initial_state: np.ndarray
     corrections: list
     value_log_decay: np.ndarray | None
+    value_corrections: list = ()  # of each value-side correction's (a, b)
 
 
 def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
-                        value_log_decay=None) -> ScanGrads:
+                        value_log_decay=None, value_corrections=()) -> ScanGrads:
     """The backward of decay_scan (the same arguments, the states before each chunk it returned, the readouts'
-    gradients [B, T, H, V] and the final state's, None: zero)."""
+    gradients [B, T, H, V] and the final state's, None: zero). Value-side corrections, and corrections beside a
+    decay of the value axis or an elementwise one, run this scan in another frame (adjoint_frames), which
+    recomputes its own states before each chunk."""
+    if frames.needed(log_decay, corrections, value_log_decay, value_corrections):
+        plain = frames.reframe(s0, log_decay, writes, queries, grad_readouts, grad_final, corrections,
+                               value_log_decay, value_corrections)
+        p = plain.problem
+        duals, _, frame_starts = decay_scan(p.s0, p.l, p.writes, plain.duals, chunk, corrections=p.corrections)
+        grads = decay_scan_backward(p.s0, p.l, p.writes, plain.queries, frame_starts, chunk, plain.grad_readouts,
+                                    p.final, corrections=p.corrections)
+        g = plain.gradients(grads, duals)
+        return ScanGrads(g.l, g.writes, g.readouts, g.s0, g.corrections, g.m, g.value_corrections)
     if np.ndim(log_decay) == 5:  # an elementwise decay
         return ScanGrads(*elementwise_decay_scan_backward(s0, log_decay, writes, queries, starts, chunk,
                                                           grad_readouts, grad_final), [], None)
