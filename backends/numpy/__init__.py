@@ -11,7 +11,8 @@
     printer.py    IR expressions as NumPy code
     runtime.py, scan.py, attention.py, vjp.py, adjoint_scan.py   what the generated code calls: builtins, the scans of the
                   derived forms, masks and softmax, the builtins' vector–Jacobian products, the adjoint scans
-                  (adjoint_elementwise.py: their elementwise-decay case)
+                  (adjoint_elementwise.py: their elementwise-decay case; adjoint_frames.py: value-side
+                  corrections and systems per column, by a change of frame; adjoint_arrays.py: their helpers)
 """
 from __future__ import annotations
 

@@ -1,0 +1,96 @@
+"""The gradient forms issue 24 left to derive on NumPy (items 1, 2 and 4 of its follow-up; docs/gradients.md):
+
+- the parallel and chunkwise backward of value-side rank-one corrections — examples/gated_oja.lin and variants
+  under a decay of the key axis (then per-row systems), of both axes, two corrections — by transposition
+  (linrec.numpy.adjoint_frames);
+- of key-side corrections beside a decay of the value axis (one system per column: the columns' decay
+  joins the rows'), which the parallel and chunkwise backward took before as if the columns did not decay;
+- of elementwise decays with rank-one corrections of either side (tests/test_elementwise_corrections.py's
+  programs: a state per column, the columns as heads);
+- the chunkwise (flash) backward of softmax attention, causal, windowed and non-causal.
+
+Each against the NumPy recurrent backward at 1e-9 in float64 and 5e-4 in float32 (test_grad.assert_same_gradients:
+relative to each gradient's largest entry, outputs and final states too) over ragged T with chunks that do
+not divide it, T = 1, strong decays (log-decays to about −40), random initial states and final-state
+gradients; the recurrent backward of the elementwise programs against central finite differences (float64,
+directional, relative error ≤ 1e-6: test_grad.check_gradients).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import linrec
+import test_elementwise_corrections as elementwise
+import test_value_side as value_side
+from linrec.gradients import gradient_refusal
+from test_grad import arrays_for, assert_same_gradients, check_gradients, example, float32
+
+DIMS = {"dk": 5, "dv": 4}
+
+PROGRAMS = {
+    "value_side_key_decay": value_side.HEAD.format(name="vk", update=value_side.VARIANTS["value_side_key_decay"]),
+    "value_side_both_decays": value_side.HEAD.format(name="vb", update=value_side.VARIANTS["value_side_both_decays"]),
+    "value_side_two": value_side.HEAD.format(name="v2", update=value_side.VARIANTS["value_side_two"]),
+    "key_side_both_decays": value_side.HEAD.format(name="kb", update=value_side.VARIANTS["key_side_both_decays"]),
+    "value_side_scalar_decay": value_side.HEAD.format(name="vs", update=value_side.VARIANTS["value_side_scalar_decay"]),
+} | {f"elementwise_{name}": elementwise.HEAD.format(name=name, update=elementwise.PROGRAMS[name])
+     for name in ("key_side", "two_corrections", "value_side", "sandwich", "gated_update")}
+
+_RECS: dict[str, linrec.Recurrence] = {}
+
+
+def program(name: str) -> linrec.Recurrence:
+    if name == "gated_oja":
+        return example(name)
+    if name not in _RECS:
+        _RECS[name] = linrec.compile(PROGRAMS[name], f"{name}.lin")
+    return _RECS[name]
+
+
+def test_the_programs_have_the_structure_they_stand_for():
+    """Found from the decompositions: value-side corrections, key-side ones beside a value-axis decay, and
+    elementwise decays with corrections of either side."""
+    transition = {name: program(name).decomposition.transition("S") for name in ["gated_oja", *PROGRAMS]}
+    assert all(transition[n].value_corrections for n in ("gated_oja", "value_side_key_decay", "value_side_two"))
+    assert transition["value_side_key_decay"].log_decay.shape == ("dk",)
+    assert transition["key_side_both_decays"].corrections and transition["key_side_both_decays"].value_decay.shape
+    assert transition["elementwise_value_side"].elementwise and transition["elementwise_value_side"].value_corrections
+    assert transition["elementwise_sandwich"].elementwise and len(transition["elementwise_sandwich"].corrections[0][0].shape) == 2
+
+
+@pytest.mark.parametrize("name", ["gated_oja", *PROGRAMS])
+def test_against_the_recurrent_backward(name):
+    rec = program(name)
+    for form in ("parallel", "chunkwise"):
+        assert gradient_refusal(rec, form, "numpy") is None
+    # (batch, tokens, heads, decay scale, chunk): chunks that do not divide T, T = 1, strong decay
+    for batch, tokens, heads, scale, chunk in [(2, 13, 2, 1.0, 4), (1, 1, 2, 1.0, None), (1, 29, 2, 40.0, 8)]:
+        x, p, s0, g_out, g_state = arrays_for(rec, batch, tokens, heads, DIMS, seed=tokens, decay_scale=scale)
+        reference = rec.vjp(x, g_out, grad_final_state=g_state, initial_state=s0, params=p, dims=DIMS)
+        for form in ("parallel", "chunkwise"):
+            args = dict(params=p, dims=DIMS, form=form, chunk_size=chunk)
+            assert_same_gradients(rec.vjp(x, g_out, grad_final_state=g_state, initial_state=s0, **args), reference)
+            low = rec.vjp(float32(x), float32(g_out), grad_final_state=float32(g_state), initial_state=float32(s0),
+                          **args)
+            assert all(g.dtype == np.float32 for g in low.grads.values())
+            assert_same_gradients(low, reference, 5e-4)
+
+
+def test_strong_decays_reach_the_gradients():
+    """The strong-decay case is one: log-decays below −20 somewhere (so the prefix sums span far)."""
+    x, *_ = arrays_for(program("gated_oja"), 1, 29, 2, DIMS, seed=29, decay_scale=40.0)
+    assert x["gv"].min() < -20
+
+
+@pytest.mark.parametrize("name", ["elementwise_sandwich", "elementwise_value_side", "key_side_both_decays"])
+def test_the_recurrent_backward_against_finite_differences(name):
+    check_gradients(program(name), 2, 7, 2, DIMS, seed=3)
+
+
+def test_a_reset_is_refused_with_the_recurrent_form_named():
+    rec = program("gated_oja")
+    x, p, s0, g_out, _ = arrays_for(rec, 1, 9, 1, DIMS, seed=1)
+    x["gv"][0, 4, 0, 1] = -np.inf
+    with pytest.raises(linrec.RuntimeInputError, match="form='recurrent'"):
+        rec.vjp(x, g_out, initial_state=s0, params=p, dims=DIMS, form="chunkwise", chunk_size=4)
