@@ -22,6 +22,7 @@ import pytest
 
 import linrec
 import test_elementwise_corrections as elementwise
+import test_grad_attention as attention
 import test_value_side as value_side
 from linrec.gradients import gradient_refusal
 from test_grad import arrays_for, assert_same_gradients, check_gradients, example, float32
@@ -94,3 +95,38 @@ def test_a_reset_is_refused_with_the_recurrent_form_named():
     x["gv"][0, 4, 0, 1] = -np.inf
     with pytest.raises(linrec.RuntimeInputError, match="form='recurrent'"):
         rec.vjp(x, g_out, initial_state=s0, params=p, dims=DIMS, form="chunkwise", chunk_size=4)
+
+
+# ---- the chunkwise (flash) backward of softmax attention --------------------------------------------------
+TWO_READOUTS = """recurrence two(dk = 6, dv = 5)
+input q[dk], k[dk], v[dv], k2[dk]
+param W[dk, dk] = randn(seed=0, std=0.3)
+output o = softmax(seq(k)·q)·seq(v) + softmax(seq(l2norm(k2)·W)·(2*q))·seq(v*v) + q·W·q
+"""
+ATTENTION = dict(attention.PROGRAMS, two=lambda: linrec.compile(TWO_READOUTS, "two.lin"))
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+def test_flash_attention_backward_against_the_kv_cache_backward(name):
+    """Causal, windowed, non-causal (with and without a window), two readouts with a param in the keys: blocks
+    that do not divide T, T = 1, peaked softmaxes."""
+    rec = ATTENTION[name]()
+    assert gradient_refusal(rec, "chunkwise", "numpy") is None
+    dims = {"dk": 6, "dv": 5}
+    for tokens, chunk in ((23, 4), (23, 7), (1, None)):
+        x = rec.random_inputs(batch=2, tokens=tokens, heads=3, dims=dims, seed=tokens)
+        x["q"] *= 3.0
+        rng = np.random.default_rng(tokens)
+        up = {o.name: rng.standard_normal((2, tokens, 3, 5 if o.name == "o" else 6)) for o in rec.program.outputs}
+        reference = rec.vjp(x, up, dims=dims)
+        got = rec.vjp(x, up, dims=dims, form="chunkwise", chunk_size=chunk)
+        assert_same_gradients(got, reference)
+        single = rec.vjp(float32(x), float32(up), dims=dims, form="chunkwise", chunk_size=chunk)
+        assert all(g.dtype == np.float32 for g in single.grads.values())
+        assert_same_gradients(single, reference, 5e-4)
+
+
+def test_flash_attention_backward_keeps_one_block_of_scores():
+    """The emitted backward runs flash attention and its backward by blocks (no [T, T] score matrix)."""
+    code = linrec.load("examples/softmax.lin").emit_gradient("chunkwise")
+    assert "flash_attention(" in code and "flash_attention_backward(" in code and "visible_positions" not in code

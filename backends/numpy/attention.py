@@ -185,3 +185,64 @@ def attention(queries, keys, values, causal: bool, window: int, form: str = "par
     visible = visible_positions(queries.shape[1], causal, window, 0, queries.shape[1], 0, keys.shape[1]) \
         if (causal or window) else None
     return np.einsum("bths,bshd->bthd", masked_softmax(scores, visible), values)
+
+
+# ---- flash attention with its statistics, and its backward (docs/gradients.md) ------------------------
+def _key_range(start: int, stop: int, tokens: int, causal: bool, window: int) -> range:
+    """The key positions a query block [start, stop) can see, as the chunkwise forward (sequence.py) takes them."""
+    first = max(0, start - (window - 1)) if window else 0
+    last = stop if causal else (min(tokens, stop + window - 1) if window else tokens)
+    return range(first, last)
+
+
+def _block_scores(q, k, tokens, causal, window, queries: slice, keys: slice):
+    """The scores k·q of a query block against a key block [B, Tq, H, Tk], −∞ where a query does not see a key."""
+    scores = np.einsum("bqhd,bkhd->bqhk", q[:, queries], k[:, keys])
+    visible = visible_positions(tokens, causal, window, queries.start, queries.stop, keys.start, keys.stop)
+    return scores if visible is None else np.where(visible, scores, -np.inf)
+
+
+def flash_attention(q, k, v, causal: bool, window: int, block: int):
+    """softmax(K·q_t)·V over the keys each query sees, query blocks against key blocks with an online softmax:
+    (outputs [B, T, H, dv], the log-sum-exp of each query's scores [B, T, H]: what the backward needs to
+    recompute any block's probabilities). q, k [B, T, H, dk]; v [B, T, H, dv]."""
+    batch, tokens, heads = q.shape[:3]
+    dtype = np.result_type(q, k, v)
+    out = np.empty((batch, tokens, heads, v.shape[-1]), dtype)
+    lse = np.empty((batch, tokens, heads), dtype)
+    for start in range(0, tokens, block):
+        queries = slice(start, min(start + block, tokens))
+        n = queries.stop - start
+        m, l = np.full((batch, n, heads), -np.inf, dtype), np.zeros((batch, n, heads), dtype)
+        acc = np.zeros((batch, n, heads, v.shape[-1]), dtype)
+        span = _key_range(start, queries.stop, tokens, causal, window)
+        for key_start in range(span.start, span.stop, block):
+            keys = slice(key_start, min(key_start + block, span.stop))
+            scores = _block_scores(q, k, tokens, causal, window, queries, keys)
+            m, l, acc = online_softmax_step(m, l, acc, scores, np.swapaxes(v[:, keys], 1, 2)[:, None])
+        out[:, queries] = acc / l[..., None]
+        lse[:, queries] = m + np.log(l)
+    return out, lse
+
+
+def flash_attention_backward(q, k, v, out, lse, d_out, causal: bool, window: int, block: int):
+    """The backward of flash_attention: (∂q, ∂k, ∂v). Per query block and key block, the probabilities are
+    recomputed from the scores and the log-sum-exp, P = exp(S − lse); with D = rowsum(∂O ⊙ O) (= Σ_j P_j ∂P_j
+    over every key a query sees), ∂S = P ⊙ (∂P − D), ∂P = ∂O·Vᵀ: then ∂q = ∂S·K, ∂k = ∂Sᵀ·Q, ∂v = Pᵀ·∂O, each a
+    sum over blocks. Memory: one block of scores [B, C, H, C]."""
+    tokens = q.shape[1]
+    dtype = np.result_type(q, k, v, d_out)
+    d_q, d_k, d_v = np.zeros(q.shape, dtype), np.zeros(k.shape, dtype), np.zeros(v.shape, dtype)
+    rowsum = np.einsum("bthd,bthd->bth", d_out, out)
+    for start in range(0, tokens, block):
+        queries = slice(start, min(start + block, tokens))
+        span = _key_range(start, queries.stop, tokens, causal, window)
+        stats, rows, grads = lse[:, queries, :, None], rowsum[:, queries, :, None], d_out[:, queries]
+        for key_start in range(span.start, span.stop, block):
+            keys = slice(key_start, min(key_start + block, span.stop))
+            p = np.exp(_block_scores(q, k, tokens, causal, window, queries, keys) - stats)  # (0 where not seen)
+            d_v[:, keys] += np.einsum("bqhk,bqhd->bkhd", p, grads)
+            d_scores = p * (np.einsum("bqhd,bkhd->bqhk", grads, v[:, keys]) - rows)
+            d_q[:, queries] += np.einsum("bqhk,bkhd->bqhd", d_scores, k[:, keys])
+            d_k[:, keys] += np.einsum("bqhk,bqhd->bkhd", d_scores, q[:, queries])
+    return d_q, d_k, d_v
