@@ -458,8 +458,6 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
     d = compiled.decomposition
     if d.sequence is not None:
         return f"the {form} backward of attention over the sequence is not derived"
-    if not compiled.program.causal:
-        return f"the {form} backward of a non-causal program is not derived"
     for t in d.transitions:  # (an elementwise decay: its own scan, or, with corrections, a state per column)
         if t.elementwise and (t.value_log_decay is not None or t.state in d.transposed):
             return f"'{t.state}' decays elementwise (`X*{t.state}`) beside a decay of its value axis or in the " \

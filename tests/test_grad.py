@@ -316,17 +316,17 @@ def test_a_decay_of_zero():
 
 
 def test_which_programs_have_the_derived_backward():
-    """From the structure: non-causal programs and attention have the recurrent backward only (reads before
-    the update are no obstacle: `before` above; rank-one corrections neither: tests/test_grad_corrections.py;
-    nor a vector state read as it is, `values`, nor stages: tests/test_grad_stages.py; nor an elementwise
-    decay: tests/test_grad_elementwise.py)."""
+    """From the structure: attention that uses the sequence other than in softmax(K·q)·V has the recurrent
+    backward only (reads before the update are no obstacle: `before` above; rank-one corrections neither:
+    tests/test_grad_corrections.py; nor a vector state read as it is, `values`, nor stages:
+    tests/test_grad_stages.py; nor an elementwise decay: tests/test_grad_elementwise.py; nor non-causal
+    programs, value-side corrections or the flash backward of attention: tests/test_grad_cover.py)."""
     assert gradient_refusal(example("softmax"), "recurrent", "numpy") is None
-    assert gradient_refusal(example("softmax"), "chunkwise", "numpy") is not None
-    for name in ("deltanet", "gated_deltanet", "preconditioned_deltanet", "mamba1"):
+    for name in ("deltanet", "gated_deltanet", "preconditioned_deltanet", "mamba1", "gated_oja", "softmax"):
         assert gradient_refusal(example(name), "chunkwise", "numpy") is None
-    assert gradient_refusal(linrec.compile(PROGRAMS["values"]), "parallel", "numpy") is None
-    for name in ("noncausal", "window"):
-        assert gradient_refusal(linrec.compile(PROGRAMS[name]), "parallel", "numpy") is not None
+    for name in ("values", "noncausal"):
+        assert gradient_refusal(linrec.compile(PROGRAMS[name]), "parallel", "numpy") is None
+    assert gradient_refusal(linrec.compile(PROGRAMS["window"]), "parallel", "numpy") is not None
 
 
 # ---- random programs -------------------------------------------------------------------------------------

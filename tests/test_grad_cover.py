@@ -7,6 +7,8 @@
   joins the rows'), which the parallel and chunkwise backward took before as if the columns did not decay;
 - of elementwise decays with rank-one corrections of either side (tests/test_elementwise_corrections.py's
   programs: a state per column, the columns as heads);
+- non-causal recurrences (every readout reads the final state: its adjoint takes the readouts' writes
+  q ⊗ ∂r, the scan runs without readouts);
 - the chunkwise (flash) backward of softmax attention, causal, windowed and non-causal.
 
 Each against the NumPy recurrent backward at 1e-9 in float64 and 5e-4 in float32 (test_grad.assert_same_gradients:
@@ -22,6 +24,7 @@ import pytest
 
 import linrec
 import test_elementwise_corrections as elementwise
+import test_grad
 import test_grad_attention as attention
 import test_value_side as value_side
 from linrec.gradients import gradient_refusal
@@ -35,6 +38,19 @@ PROGRAMS = {
     "value_side_two": value_side.HEAD.format(name="v2", update=value_side.VARIANTS["value_side_two"]),
     "key_side_both_decays": value_side.HEAD.format(name="kb", update=value_side.VARIANTS["key_side_both_decays"]),
     "value_side_scalar_decay": value_side.HEAD.format(name="vs", update=value_side.VARIANTS["value_side_scalar_decay"]),
+    # non-causal: every readout reads the final state (a vector state too; value-side and elementwise corrections)
+    "noncausal": test_grad.PROGRAMS["noncausal"],
+    "noncausal_value_side": value_side.NONCAUSAL,
+    "noncausal_delta": """recurrence delta_encoder(dk = 5, dv = 4) noncausal
+input q[dk], k[dk], v[dv], beta in (0, 1), g <= 0
+kn = l2norm(k)
+state S[dk, dv]
+S = exp(g)·(I − beta·kn⊗kn)·S + beta·kn⊗v
+output o = q·S
+output p = sigmoid(q)·S
+""",
+    "noncausal_elementwise": elementwise.HEAD.format(name="ew_encoder", update=elementwise.PROGRAMS["key_side"])
+    .replace("recurrence ew_encoder(dk = 5, dv = 4)", "recurrence ew_encoder(dk = 5, dv = 4) noncausal"),
 } | {f"elementwise_{name}": elementwise.HEAD.format(name=name, update=elementwise.PROGRAMS[name])
      for name in ("key_side", "two_corrections", "value_side", "sandwich", "gated_update")}
 
@@ -84,7 +100,8 @@ def test_strong_decays_reach_the_gradients():
     assert x["gv"].min() < -20
 
 
-@pytest.mark.parametrize("name", ["elementwise_sandwich", "elementwise_value_side", "key_side_both_decays"])
+@pytest.mark.parametrize("name", ["elementwise_sandwich", "elementwise_value_side", "key_side_both_decays",
+                                  "noncausal_elementwise"])
 def test_the_recurrent_backward_against_finite_differences(name):
     check_gradients(program(name), 2, 7, 2, DIMS, seed=3)
 

@@ -152,8 +152,17 @@ class DecomposedEmitter(BackwardEmitter):
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
-        lines.append(f"[{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, {queries}, "
-                     f"{self.chunk}{self.optional_arrays(st.name)})")
+        if self.c.program.causal:
+            lines.append(f"[{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, "
+                         f"{queries}, {self.chunk}{self.optional_arrays(st.name)})")
+        else:  # every readout reads the final state: the scan runs without readouts, they read its result
+            lines.append(f"[], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, [], "
+                         f"{self.chunk}{self.optional_arrays(st.name)})")
+            for i, r in enumerate(reads):
+                var = self.readout_vars[r.index]
+                lines.append(f"{var} = np.broadcast_to({n(st.name)}[:, None, :, :, 0], (batch, tokens) + "
+                             f"{n(st.name)}.shape[1:3])  # {st.name} itself, at every token" if r.is_value else
+                             f"{var} = np.einsum('bthk,bhkv->bthv', {queries}[{i}][0], {n(st.name)})  # q·{st.name}_T")
         lines.append(f"{n(st.name)} = {self.declared(st, n(st.name))}")
         if vector:  # a vector state is carried as one column
             lines += [f"{self.readout_vars[r.index]} = {self.readout_vars[r.index]}[..., 0]" for r in reads
@@ -195,10 +204,25 @@ class DecomposedEmitter(BackwardEmitter):
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         comment = " (its corrections: the UT transform's solve, transposed, per chunk)" if t.corrections else \
             " (its value-side corrections: those of its transpose's key side)" if t.value_corrections else ""
-        lines = ["", f"# {st.name}'s adjoint: {self.backward_comment}" + comment,
-                 f"{g} = {self.backward_scan}({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
-                 f"{final}{self.optional_arrays(st.name)})",
-                 f"{state} = {self.declared(st, g + '.initial_state')}"]
+        lines = ["", f"# {st.name}'s adjoint: {self.backward_comment}" + comment]
+        read_grads = {}  # the readouts' queries' gradients, where this code (not the scan) gives them
+        if not self.c.program.causal:
+            # the readouts read the final state: their writes q_t ⊗ ∂r_t join its adjoint, and ∂q_t = S_T·∂r_t
+            end, total = self.carried(st, self.em.name(st.name)), self.em.fresh(f"d_{self.em.name(st.name)}_final")
+            parts = [f"np.sum({self.d[('readout', str(r.index))]}, axis=1)[..., None]" if r.is_value else
+                     f"np.einsum('bthk,bthv->bhkv', {queries}[{i}][0], {self.d[('readout', str(r.index))]}{column})"
+                     for i, r in enumerate(reads)]
+            lines.append(f"{total} = " + " + ".join(parts or ["0"]) +
+                         f" + (0 if {given} is None else {self.carried(st, given)})")
+            for i, r in enumerate(reads):
+                if not r.is_value:
+                    read_grads[i] = self.em.fresh(f"d_q{r.index}")
+                    lines.append(f"{read_grads[i]} = np.einsum('bhkv,bthv->bthk', {end}, "
+                                 f"{self.d[('readout', str(r.index))]}{column})")
+            queries, grads, final = "[]", "", total
+        lines += [f"{g} = {self.backward_scan}({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
+                  f"{final}{self.optional_arrays(st.name)})",
+                  f"{state} = {self.declared(st, g + '.initial_state')}"]
         if t.log_decay is not None:
             self.seeds[f"{st.name}.log_decay"] = f"{g}.log_decay" + ("" if t.log_decay.shape else "[..., 0]")
         if t.value_log_decay is not None:
@@ -217,7 +241,7 @@ class DecomposedEmitter(BackwardEmitter):
                 ("" if y.shape else "[..., 0]")
         for i, r in enumerate(reads):
             if not r.is_value:  # (a state read as it is has no query)
-                self.seeds[f"r{r.index}"] = f"{g}.queries[{i}]" + ("" if r.query.shape else "[..., 0]")
+                self.seeds[f"r{r.index}"] = read_grads.get(i, f"{g}.queries[{i}]") + ("" if r.query.shape else "[..., 0]")
         return lines
 
 
