@@ -128,9 +128,6 @@ class Adjoint:
 def why_no_adjoint(program: ir.Program, sequence: SequencePlan | None) -> str | None:
     """Why the adjoint is not derived for a program (`sequence`: its plan, if it reads the sequence), or
     None."""
-    if sequence is not None and sequence.kind != "attention":
-        return (f"the program reads the sequence other than through seq(…) ({sequence.kind}): only attention "
-                f"over seq(…) is differentiated")
     if not program.inputs:
         return "the program has no inputs"
     for prm in program.params:  # (the gradient would flow through the draw: it has no value in the IR)
@@ -386,6 +383,12 @@ class _Sweep:
             if x not in self.sequences:
                 self.sequences.append(x)
             self.out.append(Accumulate(Target("sequence", str(self.sequences.index(x))), g))
+            return
+        if e.function == "lsh_attention":  # a sequence-level op: both gradients from one backward (the backend's)
+            q, v = e.args
+            g = self.shared(g)
+            for x, which in ((q, "q"), (v, "v")):
+                self.grad(x, Vjp(x.shape, f"lsh_attention_{which}", (q, v, g), e.options, site=self.site(e)))
             return
         if e.function in SEQUENCE:
             raise TypeError(f"internal error: no derivative rule for {e.function} (why_no_adjoint refuses it)")

@@ -27,10 +27,12 @@ import test_elementwise_corrections as elementwise
 import test_grad
 import test_grad_attention as attention
 import test_value_side as value_side
+from linrec import verify_grad
 from linrec.gradients import gradient_refusal
 from test_grad import arrays_for, assert_same_gradients, check_gradients, example, float32
 
 DIMS = {"dk": 5, "dv": 4}
+EXAMPLES = test_grad.EXAMPLES
 
 PROGRAMS = {
     "value_side_key_decay": value_side.HEAD.format(name="vk", update=value_side.VARIANTS["value_side_key_decay"]),
@@ -147,3 +149,49 @@ def test_flash_attention_backward_keeps_one_block_of_scores():
     """The emitted backward runs flash attention and its backward by blocks (no [T, T] score matrix)."""
     code = linrec.load("examples/softmax.lin").emit_gradient("chunkwise")
     assert "flash_attention(" in code and "flash_attention_backward(" in code and "visible_positions" not in code
+
+
+# ---- programs that read the sequence through params over it: Linformer ------------------------------------
+def test_linformer_parallel_backward_against_finite_differences():
+    """examples/linformer.lin (E·seq(k), F·seq(v): params over the sequence axis, non-causal, a parallel form
+    only): its parallel backward against central differences of its float64 parallel forward, every input
+    and param (E and F, of which the call uses the first T positions: zero gradient beyond them)."""
+    rec = example("linformer")
+    assert gradient_refusal(rec, "parallel", "numpy") is None
+    assert "no recurrent forward form" in gradient_refusal(rec, "recurrent", "numpy")
+    dims = {"dk": 5, "dv": 4, "kproj": 6, "T": 16}
+    rng = np.random.default_rng(0)
+    x = rec.random_inputs(2, 11, 2, dims, seed=0)
+    base = rec.run(x, form="parallel", dims=dims)
+    params = {k: np.array(v) for k, v in base.params.items()}
+    g_out = {"o": rng.standard_normal(base.outputs["o"].shape)}
+    result = rec.vjp(x, g_out, params=params, dims=dims, form="parallel")
+    assert result.grads["E"].shape == params["E"].shape == (6, 16)
+    assert not np.any(result.grads["E"][:, 11:]) and np.any(result.grads["E"][:, :11])
+    errors = verify_grad.directional_errors(rec, x, params, {}, g_out, {}, result.grads, dims, seed=1,
+                                            form="parallel")
+    assert set(errors) == {"q", "k", "v", "E", "F"}
+    assert max(rel for _, rel in errors.values()) <= 1e-6, errors
+    single = rec.vjp(float32(x), float32(g_out), params=float32(params), dims=dims, form="parallel")
+    assert_same_gradients(single, result, 5e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_lsh_attention_backward_with_the_buckets_held_fixed(causal):
+    """examples/reformer.lin (lsh_attention: the hash is piecewise constant, so the gradient is attention's within
+    the fixed buckets): its parallel backward against central differences of both its forwards (the dense one
+    and the bucketed chunkwise one: the same function), every input; causal and not, two hash rounds."""
+    rec = example("reformer")
+    if not causal:
+        rec = linrec.compile((EXAMPLES / "reformer.lin").read_text().replace("reformer(dk = 16, dv = 16)",
+                                                                            "reformer(dk = 16, dv = 16) noncausal"))
+    assert gradient_refusal(rec, "parallel", "numpy") is None
+    assert "bucketed" in gradient_refusal(rec, "chunkwise", "numpy")
+    dims = {"dk": 6, "dv": 5}
+    x = rec.random_inputs(2, 40, 2, dims, seed=2)
+    g_out = {"o": np.random.default_rng(2).standard_normal((2, 40, 2, 5))}
+    result = rec.vjp(x, g_out, dims=dims, form="parallel")
+    for form in ("parallel", "chunkwise"):
+        errors = verify_grad.directional_errors(rec, x, {}, {}, g_out, {}, result.grads, dims, seed=3, form=form)
+        assert set(errors) == {"q", "v"} and max(rel for _, rel in errors.values()) <= 1e-6, (form, errors)
+    assert_same_gradients(rec.vjp(float32(x), float32(g_out), dims=dims, form="parallel"), result, 5e-4)

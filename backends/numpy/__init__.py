@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from ..compiler import Compiled
-from ..compiler.adjoint import why_no_gradient
+from ..compiler.adjoint import why_no_adjoint, why_no_gradient
 from ..interface import DEFINITION, INTERPRETED, Capabilities, Refusal, no_such_form
 from . import backend as recurrences
 from . import sequence
@@ -61,7 +61,7 @@ class NumpyBackend:
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         reason = why_no_gradient(compiled, form)
         if reason and _attention_in_parallel(compiled, form) and form in compiled.decomposition.forms \
-                and why_no_gradient(compiled, "recurrent") is None:
+                and why_no_adjoint(compiled.program, compiled.decomposition.sequence) is None:
             # (attention differentiated, with that forward form: the compiler's reason is every other backend's)
             reason = why_no_parallel_attention_backward(compiled) if form == "parallel" else \
                 why_no_flash_attention_backward(compiled)

@@ -103,15 +103,11 @@ def _self_rule(allowed, is_self):
     return np.where(np.any(others, axis=-1, keepdims=True), others, allowed & is_self)
 
 
-def lsh_attention_dense(q, v, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
-    """The dense reference: full softmax attention masked to 'same bucket and within the chunk window of
-    the sorted order' per round (the bucketed form's exact mask), rounds combined by log-sum-exp."""
+def _lsh_masks(q, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
+    """Per round, which keys each query attends to [B, H, T, T]: same bucket and within the chunk window of
+    the sorted order (the bucketed form's exact mask), causal where asked, itself only when nothing else."""
     batch, tokens, heads, _ = q.shape
-    keys = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + 1e-12)
-    qh, kh, vh = (np.swapaxes(x, 1, 2) for x in (q, keys, v))  # [B, H, T, *]
-    scores = _scores(qh, kh)
-    outs, lses = [], []
-    for r, bucket_of in enumerate(lsh_buckets(q, buckets, rounds, seed)):
+    for bucket_of in lsh_buckets(q, buckets, rounds, seed):
         order = _round_order(bucket_of, tokens)
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.arange(tokens)[None, None, :].repeat(batch, 0).repeat(heads, 1), -1)
@@ -123,11 +119,62 @@ def lsh_attention_dense(q, v, causal: bool, buckets: int, rounds: int, chunk: in
         pos = np.arange(tokens)
         if causal:
             allowed &= pos[None, :] <= pos[:, None]
-        allowed = _self_rule(allowed, np.eye(tokens, dtype=bool))
+        yield _self_rule(allowed, np.eye(tokens, dtype=bool))
+
+
+def _shared_keys(q):
+    """Reformer's shared-QK keys q/‖q‖, and the norm (with its 1e-12 inside the root)."""
+    norm = np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + 1e-12)
+    return q / norm, norm
+
+
+def lsh_attention_dense(q, v, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
+    """The dense reference: full softmax attention masked to 'same bucket and within the chunk window of
+    the sorted order' per round (the bucketed form's exact mask), rounds combined by log-sum-exp."""
+    qh, kh, vh = (np.swapaxes(x, 1, 2) for x in (q, _shared_keys(q)[0], v))  # [B, H, T, *]
+    scores = _scores(qh, kh)
+    outs, lses = [], []
+    for allowed in _lsh_masks(q, causal, buckets, rounds, chunk, seed):
         o, lse = _finish_round(scores, allowed, vh)
         outs.append(o)
         lses.append(lse)
     return np.swapaxes(_combine(outs, lses), 1, 2)
+
+
+def lsh_attention_backward(q, v, d_out, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
+    """(∂q, ∂v) of lsh_attention_dense with the buckets held fixed: the hash (an argmax of q's projections) is
+    piecewise constant in q, so away from the measure-zero set where a bucket changes the gradient is that of
+    attention within the fixed masks. Per round r, P_r = softmax of the masked scores, o_r = P_r·V and lse_r;
+    o = Σ_r w_r o_r with w = softmax over the rounds of lse_r. Then ∂w_r = ∂o·o_r, ∂lse_r = w_r(∂w_r − Σ w ∂w),
+    ∂S = Σ_r P_r ⊙ (∂P_r − rowsum(P_r ⊙ ∂P_r) + ∂lse_r) with ∂P_r = w_r ∂o·Vᵀ, ∂V = Σ_r Pᵣᵀ (w_r ∂o); the scores
+    S = q·kᵀ/√dk with the keys k = q/‖q‖ give ∂q = ∂S·k/√dk + (∂k − k (k·∂k))/‖q‖, ∂k = ∂Sᵀ·q/√dk."""
+    keys, norm = _shared_keys(q)
+    qh, kh, vh, gh, nh = (np.swapaxes(x, 1, 2) for x in (q, keys, v, d_out, norm))
+    scores = _scores(qh, kh)
+    probs, outs, lses = [], [], []
+    for allowed in _lsh_masks(q, causal, buckets, rounds, chunk, seed):
+        x = np.where(allowed, scores, -np.inf)
+        top = np.max(x, axis=-1, keepdims=True)
+        total = np.sum(np.exp(x - top), axis=-1, keepdims=True)
+        lse = top + np.log(total)
+        probs.append(np.exp(x - lse))
+        outs.append(probs[-1] @ vh)
+        lses.append(lse[..., 0])
+    lses = np.stack(lses)
+    w = np.exp(lses - np.max(lses, axis=0))
+    w = w / np.sum(w, axis=0)
+    d_w = np.stack([np.sum(gh * o, axis=-1) for o in outs])
+    d_lse = w * (d_w - np.sum(w * d_w, axis=0))
+    d_scores, d_v = np.zeros_like(scores), np.zeros_like(vh)
+    for p, weight, d_l in zip(probs, w, d_lse):
+        d_o = weight[..., None] * gh
+        d_v += np.swapaxes(p, -1, -2) @ d_o
+        d_p = d_o @ np.swapaxes(vh, -1, -2)
+        d_scores += p * (d_p - np.sum(p * d_p, axis=-1, keepdims=True) + d_l[..., None])
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    d_keys = np.swapaxes(d_scores, -1, -2) @ qh * scale
+    d_q = d_scores @ kh * scale + (d_keys - kh * np.sum(kh * d_keys, axis=-1, keepdims=True)) / nh
+    return np.swapaxes(d_q, 1, 2), np.swapaxes(d_v, 1, 2)
 
 
 def _gather(x, positions):
