@@ -19,7 +19,7 @@ and gradient swapped, and the query's own gradient ∂q_t = ∂r_t·S'_t is that
 frame gives it (and the frame's states before each chunk). Each change is exact; the gradients go back
 through them by the chain rule (a factor e^m on u: ∂m gets ∂u'·u·e^m; broadcast arrays: summed).
 
-The forward of these states is scan._segment's (the forms' own), chunk by chunk.
+(The forward of every state is the forms' own segments, adjoint_scan.decay_scan.)
 """
 from __future__ import annotations
 
@@ -27,43 +27,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .adjoint_arrays import check_finite_log_decay, heads, tokens_major
-from .scan import _segment
-
-BLOCK = 16  # the forward's sub-blocks (scan._chunkwise's)
 
 
 def needed(log_decay, corrections, value_log_decay, value_corrections) -> bool:
     """Whether the state needs a change of frame: value-side corrections, or key-side ones beside a decay of
     the value axis or an elementwise decay."""
     return bool(value_corrections) or bool(corrections) and (value_log_decay is not None or np.ndim(log_decay) == 5)
-
-
-# ---- the forward ---------------------------------------------------------------------------------------------
-def forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections):
-    """decay_scan's results (readouts [B, T, H, V], the final state, the states before each chunk) by the
-    forms' own segments (scan._segment)."""
-    for decay in (log_decay, value_log_decay):
-        if decay is not None:
-            check_finite_log_decay(decay)
-    l, m = heads(log_decay), None if value_log_decay is None else heads(value_log_decay)
-    pairs = lambda xs: [(heads(a), heads(b)) for a, b in xs]  # noqa: E731
-    ws, cs, vcs = pairs(writes), pairs(corrections), pairs(value_corrections)
-    qs = [(heads(q), before) for q, before in queries]
-    tokens = l.shape[2]
-    state = np.array(s0, dtype=np.result_type(s0, l))
-    starts, pieces = [], []
-    for start in range(0, tokens, chunk):
-        at = slice(start, min(start + chunk, tokens))
-        cut = lambda x: x[:, :, at]  # noqa: E731
-        starts.append(state)
-        results, state = _segment(state, cut(l), [(cut(u), cut(w)) for u, w in cs],
-                                  [(cut(k), cut(v)) for k, v in ws], [(cut(q), b) for q, b in qs], True, BLOCK,
-                                  m=None if m is None else cut(m),
-                                  value_corrections=[(cut(a), cut(b)) for a, b in vcs])
-        pieces.append(results)
-    readouts = [tokens_major(np.concatenate([p[i] for p in pieces], axis=2)) for i in range(len(qs))]
-    return readouts, state, starts
 
 
 # ---- the problem in a frame, and its gradients ---------------------------------------------------------------
