@@ -470,6 +470,28 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
     return None
 
 
+def derive_over_readouts(compiled: Compiled, outputs, quantities, refold=lambda e: e,
+                         sequences: tuple[ir.Expr, ...] = ()) -> tuple[tuple[StepAdjoint, ...], tuple[StepAdjoint, ...]]:
+    """The adjoints of outputs written over readouts ((name, expression); a ReadoutRef seeds the readout's adjoint,
+    Target kind "readout") and of arrays the backend computes for all tokens ((label, expression): seeded by
+    GradRef kind "quantity"), each by the chain rule into the inputs, params and named values, and into the
+    sequence reads (`sequences`: the seq(…) arguments in the order of derive()'s, for a program that reads the
+    sequence). `refold`: the backend's folding of inlined named values back to their names."""
+    live = _Liveness(compiled.program.lets)
+    site = functools.partial(_site, source=compiled.source, filename=compiled.filename)
+    sweep = functools.partial(_sweep_statement, sequences=list(sequences))
+    swept_outputs = []
+    for name, expr in reversed(outputs):
+        value = refold(expr)
+        swept_outputs.append(sweep(value, GradRef(value.shape, name, kind="output"), live, site,
+                                   ir.Output(name, value)))
+    swept = []
+    for label, expr in quantities:
+        value = refold(expr)
+        swept.append(sweep(value, GradRef(value.shape, label, kind="quantity"), live, site, Quantity(label, value)))
+    return tuple(swept_outputs), tuple(swept)
+
+
 def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoint:
     """The adjoint of a program's outputs over its readouts, and of its decomposition's per-token arrays (see
     why_no_decomposed_adjoint). `refold`: the backend's folding of inlined named values back to their names."""
@@ -479,17 +501,11 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
     live = _Liveness(lets)
     site = functools.partial(_site, source=compiled.source, filename=compiled.filename)
     sweep = functools.partial(_sweep_statement, sequences=[])
-    outputs = []
-    for name, expr in reversed(d.outputs):
-        value = refold(expr)
-        outputs.append(sweep(value, GradRef(value.shape, name, kind="output"), live, site, ir.Output(name, value)))
-    quantities = []
+    labelled = []
 
     def quantity(label: str, expr: ir.Expr | None):
         if expr is not None:
-            value = refold(expr)
-            seed = GradRef(value.shape, label, kind="quantity")
-            quantities.append(sweep(value, seed, live, site, Quantity(label, value)))
+            labelled.append((label, expr))
     for t in d.transitions:
         quantity(f"{t.state}.log_decay", t.log_decay)
         quantity(f"{t.state}.value_log_decay", t.value_log_decay)  # (S·diag(e^m); None: the columns do not decay)
@@ -504,7 +520,8 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
             quantity(f"{t.state}.value_correction{j}_b", b)
     for r in d.readouts:
         quantity(f"r{r.index}", r.query)
+    outputs, quantities = derive_over_readouts(compiled, d.outputs, labelled, refold)
     top = [sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step)
            for step in reversed(program.steps) if isinstance(step, ir.Let) and step.name in hoisted]
     chained = derive(program, compiled.source, compiled.filename).params
-    return DecomposedAdjoint(tuple(outputs), tuple(quantities), tuple(top), chained, hoisted)
+    return DecomposedAdjoint(outputs, quantities, tuple(top), chained, hoisted)

@@ -14,25 +14,20 @@ values and the params. Memory: one block of scores, [B, C, H, C], beside the per
 """
 from __future__ import annotations
 
-import functools
-
 from ..compiler import Compiled, ir
-from ..compiler.adjoint import Accumulate, GradRef, Quantity, _Liveness, _site, _sweep_statement
-from ..compiler.builtins import SEQ
+from ..compiler.adjoint import Accumulate, GradRef, derive_over_readouts
 from .adjoint import AdjointPrinter, BackwardEmitter
-from .sequence import BLOCK, SequencePrinter, kernel_pattern, kernel_support
+from .sequence import BLOCK, kernel_pattern, kernel_support
 
 
 def why_no_flash_attention_backward(compiled: Compiled) -> str | None:
     """Why the chunkwise backward of a program that reads the sequence is not derived here, or None."""
-    if compiled.decomposition.sequence.kind != "attention":
-        return (f"the chunkwise backward of {compiled.decomposition.sequence.kind} attention (its bucketed form) is "
-                f"not derived; the parallel backward differentiates it, dense, with the buckets held fixed")
+    if compiled.decomposition.sequence.kind == "lsh":
+        return ("the chunkwise backward of lsh attention (its bucketed form) is not derived; the parallel backward "
+                "differentiates it, dense, with the buckets held fixed")
     unsupported = kernel_support(compiled)
     if unsupported:
         return f"the chunkwise backward of attention is derived for softmax(K·q)·V over the sequence only: {unsupported}"
-    if any(SEQ in prm.shape for prm in compiled.program.params):
-        return "the chunkwise backward of attention with a param over the sequence axis is not derived"
     return None
 
 
@@ -51,23 +46,15 @@ class _FlashAttentionEmitter(BackwardEmitter):
             # the readout's query, keys and values, its log-sum-exp, and their adjoints
             self.arrays[i] = {what: em.fresh(f"{what}{i}") for what in
                               ("query", "keys", "values", "lse", "d_query", "d_keys", "d_values")}
-        live = _Liveness(self.p.lets)
-        site = functools.partial(_site, source=compiled.source, filename=compiled.filename)
-        sequences = [a.step.arg for a in self.adjoint.sequences]  # (the indices of the recurrent backward's)
-        sweep = functools.partial(_sweep_statement, sequences=sequences)
-        self.output_sweeps = [sweep(em.refold(e), GradRef(e.shape, name, kind="output"), live, site,
-                                    ir.Output(name, em.refold(e))) for name, e in reversed(self.plan.outputs)]
-        self.quantity_sweeps = []
+        quantities = []  # (label, expression): each readout's query, and its keys and values over the sequence
         for r in self.plan.softmax_readouts:
             keys, query, values = kernel_pattern(r)
             for what, e in (("query", query), ("keys", keys), ("values", values)):
-                label = f"r{r.index}.{what}"
-                value = em.refold(e)
-                self.seeds[label] = (r.index, what)
-                self.quantity_sweeps.append(sweep(value, GradRef(value.shape, label, kind="quantity"), live, site,
-                                                  Quantity(label, value)))
-        if len(sequences) != len(self.adjoint.sequences):
-            raise TypeError("internal error: a sequence read of the attention that the adjoint does not have")
+                self.seeds[f"r{r.index}.{what}"] = (r.index, what)
+                quantities.append((f"r{r.index}.{what}", e))
+        # (the seq(…) reads indexed as the recurrent backward's, whose names and tail this module shares)
+        self.output_sweeps, self.quantity_sweeps = derive_over_readouts(
+            compiled, self.plan.outputs, quantities, em.refold, tuple(a.step.arg for a in self.adjoint.sequences))
 
     def sequence_printer(self):
         """Sequence expressions over every position, [B, 1, H, T, *] (the query axis of size 1)."""
@@ -76,8 +63,7 @@ class _FlashAttentionEmitter(BackwardEmitter):
         def seq(arg: ir.Expr) -> str:
             index = next(a.step.index for a in self.adjoint.sequences if a.step.arg == arg)
             return f"{self.seq_vars[index][0]}[:, None]"
-        printer = AdjointPrinter(base.ref, lambda g: self.grad_name(g, None), seq)
-        return printer
+        return AdjointPrinter(base.ref, lambda g: self.grad_name(g, None), seq)
 
     def grad_name(self, g: GradRef, token_index):
         if g.kind == "quantity":
@@ -105,20 +91,19 @@ class _FlashAttentionEmitter(BackwardEmitter):
         for adj in self.adjoint.sequences:
             body.append(f"{self.seq_vars[adj.step.index][0]} = np.swapaxes({prelude(adj.step.arg)}, 1, 2)")
         body += ["", f"block = chunk_size or {BLOCK}  # query and key blocks"]
-        seq_print = SequencePrinter(over.ref, over.seq, "None", "")
         for r in self.plan.softmax_readouts:
             keys, query, values = kernel_pattern(r)
             a, readout = self.arrays[r.index], self.readout_vars[r.index]
             body += ["", f"# {readout} = softmax(K·q)·V: its query, its keys and values at every position [B, T, H, *]",
-                     f"{a['keys']} = np.swapaxes(np.broadcast_to({seq_print(em.refold(keys))}, (batch, 1, heads, "
+                     f"{a['keys']} = np.swapaxes(np.broadcast_to({over(em.refold(keys))}, (batch, 1, heads, "
                      f"tokens, {n(keys.shape[-1])}))[:, 0], 1, 2)",
-                     f"{a['values']} = np.swapaxes(np.broadcast_to({seq_print(em.refold(values))}, (batch, 1, heads, "
+                     f"{a['values']} = np.swapaxes(np.broadcast_to({over(em.refold(values))}, (batch, 1, heads, "
                      f"tokens, {n(values.shape[-1])}))[:, 0], 1, 2)",
                      f"{a['query']} = np.broadcast_to({prelude(em.refold(query))}, (batch, tokens, heads, "
                      f"{n(query.shape[-1])}))",
                      f"{readout}, {a['lse']} = flash_attention({a['query']}, {a['keys']}, {a['values']}, causal, "
                      f"{self.plan.window}, block)"]
-        self.helpers |= {"flash_attention", "flash_attention_backward"} | seq_print.helpers
+        self.helpers |= {"flash_attention", "flash_attention_backward"}
         out = em.printer(None, readout_vars=self.readout_vars)
         body += ["", "# outputs from the readouts"]
         for name, expr in self.plan.outputs:
