@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 
-
 def needed(log_decay, corrections, value_log_decay, value_corrections) -> bool:
     """Whether the state needs a change of frame: value-side corrections, or key-side ones beside a decay of
     the value axis or an elementwise decay."""
@@ -40,8 +39,8 @@ def needed(log_decay, corrections, value_log_decay, value_corrections) -> bool:
 class Problem:
     """A state's scan, [B, T, H, *] arrays: s0 [B, H, K, V]; l [.., 1 | K] or elementwise [.., K, V]; m None or
     [.., 1 | V]; writes (k, v); key-side corrections (u, w), [.., K] or (elementwise) [.., K, V] each;
-    value-side ones (a, b); readouts (q, before, column): q·S, or S·q where `column`; their gradients;
-    the final state's gradient (None: zero)."""
+    value-side ones (a, b); readouts (q, before, column): q·S, or S·q where `column` (q never None: a vector
+    state needs no change of frame); their gradients; the final state's gradient (None: zero)."""
 
     s0: np.ndarray
     l: np.ndarray
