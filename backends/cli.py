@@ -797,8 +797,9 @@ def _verify_gradients(rec, args) -> int:
         why = "; ".join(f"{f} on {b}: {w}" for f, b, w in verify_grad.missing(rec, backends) if f == "recurrent")
         raise LinrecError(f"'{rec.name}' has no gradient form to verify: {why}")
     if not args.json:
-        print(f"{rec.name}: the recurrent gradient against central finite differences of the float64 forward, "
-              f"the other gradient forms against it")
+        first = verify_grad.reference_form(rec)
+        print(f"{rec.name}: the {first} gradient against central finite differences of the float64 {first} "
+              f"forward, the other gradient forms against it")
         print(verify.HEADER)
     rows = verify_grad.run(rec, backends=backends, dtypes=tuple(args.dtype or ("float64", "float32")),
                            quick=args.quick, seed=args.seed,

@@ -60,15 +60,22 @@ def missing(rec, backends) -> list[tuple[str, str, str]]:
             if (why := gradients.gradient_refusal(rec, form, b)) is not None]
 
 
+def reference_form(rec) -> str:
+    """The forward whose finite differences check the gradients: the recurrent form (the definition), or,
+    where a program has none (Linformer's params over the sequence), its parallel form."""
+    forms = rec.compiled.decomposition.forms
+    return "recurrent" if "recurrent" in forms else forms[0]
+
+
 def directional_errors(rec, inputs, params, state0, grad_outputs, grad_state, grads, dims=None,
-                       seed: int = 0) -> dict[str, tuple[float, float]]:
+                       seed: int = 0, form: str = "recurrent") -> dict[str, tuple[float, float]]:
     """name → (absolute, relative) error of ⟨grads[name], d⟩ against central differences of the float64
-    recurrent forward, for one random direction d per input, param and initial state (see the module's
-    docstring)."""
+    forward `form` (the recurrent one, the definition, where the program has it), for one random direction d
+    per input, param and initial state (see the module's docstring)."""
     rng = np.random.default_rng([seed, 1])  # (not the inputs' stream: d = x would hide a scale invariance)
 
     def loss(x, p, s) -> tuple[float, float]:
-        r = rec.run(x, form="recurrent", params=p, initial_state=s, dims=dims)
+        r = rec.run(x, form=form, params=p, initial_state=s, dims=dims)
         terms = [g * r.outputs[k] for k, g in grad_outputs.items()] + \
             [g * r.final_state[k] for k, g in grad_state.items()]
         return sum(float(np.sum(t)) for t in terms), sum(float(np.sum(np.abs(t))) for t in terms)
@@ -100,7 +107,7 @@ def _case_arrays(rec, case: Case, seed: int):
     dims = {d.name: d.default for d in rec.program.dims} | case.dims
     state0 = _initial_state(rec.program, case.batch, case.heads, dims, rng)
     drawn = _params_without_default(rec.program, case.heads, dims, rng)
-    base = rec.run(inputs, form="recurrent", initial_state=state0, params=drawn or None, dims=case.dims)
+    base = rec.run(inputs, form=reference_form(rec), initial_state=state0, params=drawn or None, dims=case.dims)
     params = {k: np.array(v, dtype=np.float64) for k, v in base.params.items()}
     grad_outputs = {k: rng.standard_normal(v.shape) for k, v in base.outputs.items()}
     grad_state = {k: rng.standard_normal(v.shape) for k, v in base.final_state.items() if k in state0}
@@ -130,9 +137,10 @@ def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = F
                                      dims=case.dims, chunk_size=chunk)
                     # finite differences check the recurrent gradient of the first backend (NumPy's where
                     # asked); another backend's recurrent gradient is compared with it, as the other forms are
-                    if dtype == "float64" and form == "recurrent" and backend == plan[0][1]:
+                    # (a program without a recurrent form: its first gradient form, against its own forward)
+                    if dtype == "float64" and (form, backend) == plan[0]:
                         errors = directional_errors(rec, inputs, params, state0, g_out, g_state, result.grads,
-                                                    case.dims, seed)
+                                                    case.dims, seed, form=reference_form(rec))
                         worst = max(errors, key=lambda k: errors[k][1]) if errors else ""
                         diff, err = errors.get(worst, (0.0, 0.0))
                         tol, note = FD_TOLERANCE, f"finite differences; worst: {worst}"

@@ -128,9 +128,6 @@ class Adjoint:
 def why_no_adjoint(program: ir.Program, sequence: SequencePlan | None) -> str | None:
     """Why the adjoint is not derived for a program (`sequence`: its plan, if it reads the sequence), or
     None."""
-    if sequence is not None and sequence.kind != "attention":
-        return (f"the program reads the sequence other than through seq(…) ({sequence.kind}): only attention "
-                f"over seq(…) is differentiated")
     if not program.inputs:
         return "the program has no inputs"
     for prm in program.params:  # (the gradient would flow through the draw: it has no value in the IR)
@@ -387,6 +384,12 @@ class _Sweep:
                 self.sequences.append(x)
             self.out.append(Accumulate(Target("sequence", str(self.sequences.index(x))), g))
             return
+        if e.function == "lsh_attention":  # a sequence-level op: both gradients from one backward (the backend's)
+            q, v = e.args
+            g = self.shared(g)
+            for x, which in ((q, "q"), (v, "v")):
+                self.grad(x, Vjp(x.shape, f"lsh_attention_{which}", (q, v, g), e.options, site=self.site(e)))
+            return
         if e.function in SEQUENCE:
             raise TypeError(f"internal error: no derivative rule for {e.function} (why_no_adjoint refuses it)")
         (x,) = e.args
@@ -428,7 +431,8 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
 class Quantity:
     """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay",
     "S.value_log_decay" — of S·diag(e^m) —, "S.key0", "S.value0", "S.correction0_u" and "S.correction0_w" — of a
-    correction u ⊗ (w·S_(t−1)) —, "r1" — a readout's query) and the expression it is computed from."""
+    correction u ⊗ (w·S_(t−1)) —, "S.value_correction0_a" and "S.value_correction0_b" — of a value-side one
+    (D·S_(t−1)·a) ⊗ b —, "r1" — a readout's query) and the expression it is computed from."""
 
     label: str
     value: ir.Expr
@@ -457,18 +461,35 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
     d = compiled.decomposition
     if d.sequence is not None:
         return f"the {form} backward of attention over the sequence is not derived"
-    if not compiled.program.causal:
-        return f"the {form} backward of a non-causal program is not derived"
-    for t in d.transitions:  # (an elementwise decay plus writes: its own scan, backends' adjoint_elementwise)
-        if t.value_corrections:
-            return (f"'{t.state}' has {len(t.value_corrections)} rank-one correction(s) on the value side: their "
-                    f"{form} backward is not derived")
-        if t.elementwise and (t.corrections or t.value_log_decay is not None or t.state in d.transposed):
-            return f"'{t.state}' decays elementwise (`X*{t.state}`) with rank-one corrections, a decay of its " \
-                   f"value axis or in the transposed convention: the {form} backward of that is not derived"
+    for t in d.transitions:  # (an elementwise decay: its own scan, or, with corrections, a state per column)
+        if t.elementwise and (t.value_log_decay is not None or t.state in d.transposed):
+            return f"'{t.state}' decays elementwise (`X*{t.state}`) beside a decay of its value axis or in the " \
+                   f"transposed convention: the {form} backward of that is not derived"
     if any(r.is_value and len(compiled.program.state(r.state).shape) != 1 for r in d.readouts):
         return f"an output reads a state as a value (not q·S): the {form} backward of that is not derived"
     return None
+
+
+def derive_over_readouts(compiled: Compiled, outputs, quantities, refold=lambda e: e,
+                         sequences: tuple[ir.Expr, ...] = ()) -> tuple[tuple[StepAdjoint, ...], tuple[StepAdjoint, ...]]:
+    """The adjoints of outputs written over readouts ((name, expression); a ReadoutRef seeds the readout's adjoint,
+    Target kind "readout") and of arrays the backend computes for all tokens ((label, expression): seeded by
+    GradRef kind "quantity"), each by the chain rule into the inputs, params and named values, and into the
+    sequence reads (`sequences`: the seq(…) arguments in the order of derive()'s, for a program that reads the
+    sequence). `refold`: the backend's folding of inlined named values back to their names."""
+    live = _Liveness(compiled.program.lets)
+    site = functools.partial(_site, source=compiled.source, filename=compiled.filename)
+    sweep = functools.partial(_sweep_statement, sequences=list(sequences))
+    swept_outputs = []
+    for name, expr in reversed(outputs):
+        value = refold(expr)
+        swept_outputs.append(sweep(value, GradRef(value.shape, name, kind="output"), live, site,
+                                   ir.Output(name, value)))
+    swept = []
+    for label, expr in quantities:
+        value = refold(expr)
+        swept.append(sweep(value, GradRef(value.shape, label, kind="quantity"), live, site, Quantity(label, value)))
+    return tuple(swept_outputs), tuple(swept)
 
 
 def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoint:
@@ -480,17 +501,11 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
     live = _Liveness(lets)
     site = functools.partial(_site, source=compiled.source, filename=compiled.filename)
     sweep = functools.partial(_sweep_statement, sequences=[])
-    outputs = []
-    for name, expr in reversed(d.outputs):
-        value = refold(expr)
-        outputs.append(sweep(value, GradRef(value.shape, name, kind="output"), live, site, ir.Output(name, value)))
-    quantities = []
+    labelled = []
 
     def quantity(label: str, expr: ir.Expr | None):
         if expr is not None:
-            value = refold(expr)
-            seed = GradRef(value.shape, label, kind="quantity")
-            quantities.append(sweep(value, seed, live, site, Quantity(label, value)))
+            labelled.append((label, expr))
     for t in d.transitions:
         quantity(f"{t.state}.log_decay", t.log_decay)
         quantity(f"{t.state}.value_log_decay", t.value_log_decay)  # (S·diag(e^m); None: the columns do not decay)
@@ -500,9 +515,13 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
         for j, (u, w) in enumerate(t.corrections):  # + u ⊗ (w·S_(t−1)): the UT transform's backward seeds them
             quantity(f"{t.state}.correction{j}_u", u)
             quantity(f"{t.state}.correction{j}_w", w)
+        for j, (a, b) in enumerate(t.value_corrections):  # + (D·S_(t−1)·a) ⊗ b: Sᵀ's key-side corrections
+            quantity(f"{t.state}.value_correction{j}_a", a)
+            quantity(f"{t.state}.value_correction{j}_b", b)
     for r in d.readouts:
         quantity(f"r{r.index}", r.query)
+    outputs, quantities = derive_over_readouts(compiled, d.outputs, labelled, refold)
     top = [sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step)
            for step in reversed(program.steps) if isinstance(step, ir.Let) and step.name in hoisted]
     chained = derive(program, compiled.source, compiled.filename).params
-    return DecomposedAdjoint(tuple(outputs), tuple(quantities), tuple(top), chained, hoisted)
+    return DecomposedAdjoint(outputs, quantities, tuple(top), chained, hoisted)

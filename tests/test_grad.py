@@ -316,17 +316,17 @@ def test_a_decay_of_zero():
 
 
 def test_which_programs_have_the_derived_backward():
-    """From the structure: non-causal programs and attention have the recurrent backward only (reads before
-    the update are no obstacle: `before` above; rank-one corrections neither: tests/test_grad_corrections.py;
-    nor a vector state read as it is, `values`, nor stages: tests/test_grad_stages.py; nor an elementwise
-    decay: tests/test_grad_elementwise.py)."""
+    """From the structure: attention that uses the sequence other than in softmax(K·q)·V has the recurrent
+    backward only (reads before the update are no obstacle: `before` above; rank-one corrections neither:
+    tests/test_grad_corrections.py; nor a vector state read as it is, `values`, nor stages:
+    tests/test_grad_stages.py; nor an elementwise decay: tests/test_grad_elementwise.py; nor non-causal
+    programs, value-side corrections or the flash backward of attention: tests/test_grad_cover.py)."""
     assert gradient_refusal(example("softmax"), "recurrent", "numpy") is None
-    assert gradient_refusal(example("softmax"), "chunkwise", "numpy") is not None
-    for name in ("deltanet", "gated_deltanet", "preconditioned_deltanet", "mamba1"):
+    for name in ("deltanet", "gated_deltanet", "preconditioned_deltanet", "mamba1", "gated_oja", "softmax"):
         assert gradient_refusal(example(name), "chunkwise", "numpy") is None
-    assert gradient_refusal(linrec.compile(PROGRAMS["values"]), "parallel", "numpy") is None
-    for name in ("noncausal", "window"):
-        assert gradient_refusal(linrec.compile(PROGRAMS[name]), "parallel", "numpy") is not None
+    for name in ("values", "noncausal"):
+        assert gradient_refusal(linrec.compile(PROGRAMS[name]), "parallel", "numpy") is None
+    assert gradient_refusal(linrec.compile(PROGRAMS["window"]), "parallel", "numpy") is not None
 
 
 # ---- random programs -------------------------------------------------------------------------------------
@@ -444,17 +444,16 @@ def test_forms_and_backends_without_a_gradient():
     rec = example("gla")
     inputs = rec.random_inputs(1, 4, 1, {"dk": 4, "dv": 4})
     g_out = {"o": np.ones((1, 4, 1, 4))}
-    attention = example("softmax")
+    reformer = example("reformer")
     with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the numpy backend: the chunkwise backward "
-                                                 "of attention"):
-        attention.vjp(attention.random_inputs(1, 4, 1), {"o": np.ones((1, 4, 1, 16))}, form="chunkwise")
+                                                 "of lsh attention"):
+        reformer.vjp(reformer.random_inputs(1, 4, 1), {"o": np.ones((1, 4, 1, 16))}, form="chunkwise")
     mamba = example("mamba1")
     with pytest.raises(linrec.LinrecError, match="no recurrent gradient on the c backend: 'S' decays elementwise"):
         mamba.vjp(mamba.random_inputs(1, 4, 1), {}, backend="c")
     with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the c backend: the C backend builds the "
                                                  "recurrent backward only"):
         rec.vjp(inputs, g_out, form="chunkwise", backend="c")
-    reformer = example("reformer")
     with pytest.raises(linrec.LinrecError, match="no recurrent gradient.*there is no recurrent forward form: LSH"):
         reformer.vjp(reformer.random_inputs(1, 4, 1), {})
 
@@ -496,8 +495,10 @@ def test_cli(capsys):
     assert "0 failed" in capsys.readouterr().out
     assert main(["emit", str(EXAMPLES / "softmax.lin"), "--grad"]) == 0
     assert "d_k_seq[:, :, keys] +=" in capsys.readouterr().out
-    assert main(["emit", str(EXAMPLES / "linformer.lin"), "--grad"]) == 1
-    assert "reads the sequence other than through seq(…) (mixing)" in capsys.readouterr().err
+    assert main(["emit", str(EXAMPLES / "linformer.lin"), "--grad"]) == 0  # (its only gradient form: parallel)
+    assert "pad_to(d_E" in capsys.readouterr().out
+    assert main(["emit", str(EXAMPLES / "reformer.lin"), "--grad", "--form", "chunkwise"]) == 1
+    assert "the chunkwise backward of lsh attention (its bucketed form) is not derived" in capsys.readouterr().err
 
 
 # ---- long sequences: gradients stay finite where the forward is stable ------------------------------------

@@ -7,22 +7,25 @@
     adjoint.py    the recurrent backward: the adjoint of the statements (compiler.adjoint) as a reverse sweep
     adjoint_derived.py  the parallel and chunkwise backward, from the decomposition (adjoint_scan.py runs it)
     adjoint_attention.py  the parallel backward of softmax attention, over the masked score matrix
+    adjoint_flash.py  the chunkwise backward of softmax attention: flash attention's, by blocks
     emitter.py    what every generated module shares: names, printers, prologue, the template and its imports
     printer.py    IR expressions as NumPy code
     runtime.py, scan.py, attention.py, vjp.py, adjoint_scan.py   what the generated code calls: builtins, the scans of the
                   derived forms, masks and softmax, the builtins' vector–Jacobian products, the adjoint scans
-                  (adjoint_elementwise.py: their elementwise-decay case)
+                  (adjoint_elementwise.py: their elementwise-decay case; adjoint_frames.py: value-side
+                  corrections and systems per column, by a change of frame; adjoint_arrays.py: their helpers)
 """
 from __future__ import annotations
 
 from ..compiler import Compiled
-from ..compiler.adjoint import why_no_gradient
+from ..compiler.adjoint import why_no_adjoint, why_no_gradient
 from ..interface import DEFINITION, INTERPRETED, Capabilities, Refusal, no_such_form
 from . import backend as recurrences
 from . import sequence
 from .adjoint import emit_backward
 from .adjoint_attention import emit_parallel_attention_backward, why_no_parallel_attention_backward
 from .adjoint_derived import emit_decomposed_backward
+from .adjoint_flash import emit_flash_attention_backward, why_no_flash_attention_backward
 
 
 class NumpyBackend:
@@ -57,17 +60,19 @@ class NumpyBackend:
     # ---- gradients (docs/gradients.md) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         reason = why_no_gradient(compiled, form)
-        if reason and _attention_in_parallel(compiled, form) and "parallel" in compiled.decomposition.forms \
-                and why_no_gradient(compiled, "recurrent") is None:
-            # (attention differentiated, with a parallel form: the compiler's reason is every other backend's)
-            reason = why_no_parallel_attention_backward(compiled)
+        if reason and _attention_in_parallel(compiled, form) and form in compiled.decomposition.forms \
+                and why_no_adjoint(compiled.program, compiled.decomposition.sequence) is None:
+            # (attention differentiated, with that forward form: the compiler's reason is every other backend's)
+            reason = why_no_parallel_attention_backward(compiled) if form == "parallel" else \
+                why_no_flash_attention_backward(compiled)
         return None if reason is None else Refusal(reason)
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
         if form == "recurrent":
             return emit_backward(compiled)
         if _attention_in_parallel(compiled, form):
-            return emit_parallel_attention_backward(compiled)
+            return emit_parallel_attention_backward(compiled) if form == "parallel" else \
+                emit_flash_attention_backward(compiled)
         return emit_decomposed_backward(compiled, form)
 
     def load_gradient(self, compiled: Compiled, form: str):
@@ -77,8 +82,9 @@ class NumpyBackend:
 
 
 def _attention_in_parallel(compiled: Compiled, form: str) -> bool:
-    """The parallel backward of a program that reads the sequence: adjoint_attention's."""
-    return form == "parallel" and compiled.decomposition.sequence is not None
+    """The parallel or chunkwise backward of a program that reads the sequence: adjoint_attention's, or
+    adjoint_flash's."""
+    return form in ("parallel", "chunkwise") and compiled.decomposition.sequence is not None
 
 
 BACKEND = NumpyBackend()

@@ -19,7 +19,7 @@ from ..compiler.adjoint import Accumulate, Vjp
 from ..compiler.builtins import SEQ
 from .adjoint import AdjointPrinter, BackwardEmitter
 from .printer import ATOM, NumpyPrinter
-from .sequence import SequencePrinter, kernel_support
+from .sequence import SequencePrinter, cut_sequence_params, kernel_support
 
 
 def why_no_parallel_attention_backward(compiled: Compiled) -> str | None:
@@ -28,8 +28,6 @@ def why_no_parallel_attention_backward(compiled: Compiled) -> str | None:
     if unsupported:
         return (f"the parallel backward of attention is derived for softmax(K·q)·V over the sequence only: "
                 f"{unsupported}")
-    if any(SEQ in prm.shape for prm in compiled.program.params):
-        return "the parallel backward of attention with a param over the sequence axis is not derived"
     return None
 
 
@@ -45,6 +43,12 @@ class _ParallelPrinter(AdjointPrinter, SequencePrinter):
         self.masked = masked
 
     def _p(self, e: ir.Expr):
+        if isinstance(e, Vjp) and e.function in ("lsh_attention_q", "lsh_attention_v"):
+            # (one backward gives both gradients; each is printed as its part)
+            self.helpers.add("vjp_lsh_attention")
+            opts = "".join(f", {k}={int(v)}" for k, v in e.options)
+            return (f"vjp_lsh_attention({', '.join(self(a) for a in e.args)}, causal{opts})"
+                    f"[{0 if e.function.endswith('_q') else 1}]"), ATOM
         if isinstance(e, Vjp) and e.function == "softmax" and e.args[0].shape[:1] == (SEQ,) and self.masked:
             self.helpers.add("vjp_softmax")
             scores, grad = (self(a) for a in e.args)
@@ -85,7 +89,7 @@ class _ParallelAttentionEmitter(BackwardEmitter):
     def body(self) -> list[str]:
         em, p, n = self.em, self.p, self.em.name
         printer = self.printer(None)
-        body = em.prologue() + [f"causal = {p.causal}"]
+        body = em.prologue() + cut_sequence_params(em) + [f"causal = {p.causal}"]
         body += em.hoisted_lets(printer, "per-token values, for all tokens at once")
         body += ["", "# the sequence, head-major [B, H, T, *]: what seq(x) reads"]
         for adj in self.adjoint.sequences:
@@ -105,6 +109,12 @@ class _ParallelAttentionEmitter(BackwardEmitter):
         for adj in self.adjoint.loop:
             body += self.step_adjoint(adj, printer, None)
         tail = self.tail(printer)
+        # a param over the sequence axis was cut to the first T positions: its gradient is 0 beyond them
+        pads = [f"{self.d[('param', prm.name)]} = pad_to({self.d[('param', prm.name)]}, np.shape(params[\"{prm.name}\"]))"
+                for prm in p.params if SEQ in prm.shape]
+        if pads:
+            tail[-3:-3] = ["", "# params over the sequence axis: zero beyond the positions this call used"] + pads
+            self.helpers.add("pad_to")
         self.helpers |= printer.helpers
         return body + tail
 

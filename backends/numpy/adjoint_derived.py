@@ -31,6 +31,7 @@ class StateArrays:
     value_log_decay: str
     writes: str
     corrections: str
+    value_corrections: str
     queries: str
     starts: str
     grads: str
@@ -135,10 +136,15 @@ class DecomposedEmitter(BackwardEmitter):
         if t.value_log_decay is not None:  # S·diag(e^m): one log-decay per value column
             lines.append(f"{a.value_log_decay} = {per_token(prelude(em.refold(t.value_log_decay)), cols, False)}")
         lines.append(f"{writes} = [" + ", ".join(pairs) + "]")
+        def along_rows(x):  # a vector over the rows, or (beside an elementwise decay) a matrix: one per column
+            return per_token(prelude(em.refold(x)), f"{rows}, {cols}" if len(x.shape) == 2 else rows, not x.shape)
         if t.corrections:
             lines.append(f"{a.corrections} = [" + ", ".join(
-                f"({per_token(prelude(em.refold(u)), rows, not u.shape)}, "
-                f"{per_token(prelude(em.refold(w)), rows, not w.shape)})" for u, w in t.corrections) + "]")
+                f"({along_rows(u)}, {along_rows(w)})" for u, w in t.corrections) + "]")
+        if t.value_corrections:  # + (D·S·a) ⊗ b: vectors over the columns
+            lines.append(f"{a.value_corrections} = [" + ", ".join(
+                f"({per_token(prelude(em.refold(x)), cols, not x.shape)}, "
+                f"{per_token(prelude(em.refold(y)), cols, not y.shape)})" for x, y in t.value_corrections) + "]")
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
         lines.append(f"{queries} = [" + ", ".join(  # (a query None: the vector state read as it is)
             f"({'None' if r.is_value else per_token(prelude(em.refold(r.query)), rows, not r.query.shape)}, "
@@ -146,8 +152,17 @@ class DecomposedEmitter(BackwardEmitter):
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
-        lines.append(f"[{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, {queries}, "
-                     f"{self.chunk}{self.optional_arrays(st.name)})")
+        if self.c.program.causal:
+            lines.append(f"[{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, "
+                         f"{queries}, {self.chunk}{self.optional_arrays(st.name)})")
+        else:  # every readout reads the final state: the scan runs without readouts, they read its result
+            lines.append(f"[], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, [], "
+                         f"{self.chunk}{self.optional_arrays(st.name)})")
+            for i, r in enumerate(reads):
+                var = self.readout_vars[r.index]
+                lines.append(f"{var} = np.broadcast_to({n(st.name)}[:, None, :, :, 0], (batch, tokens) + "
+                             f"{n(st.name)}.shape[1:3])  # {st.name} itself, at every token" if r.is_value else
+                             f"{var} = np.einsum('bthk,bhkv->bthv', {queries}[{i}][0], {n(st.name)})  # q·{st.name}_T")
         lines.append(f"{n(st.name)} = {self.declared(st, n(st.name))}")
         if vector:  # a vector state is carried as one column
             lines += [f"{self.readout_vars[r.index]} = {self.readout_vars[r.index]}[..., 0]" for r in reads
@@ -159,7 +174,8 @@ class DecomposedEmitter(BackwardEmitter):
         them."""
         t, a = self.c.decomposition.transition(state), self.arrays[state]
         return (f", corrections={a.corrections}" if t.corrections else "") + \
-            (f", value_log_decay={a.value_log_decay}" if t.value_log_decay is not None else "")
+            (f", value_log_decay={a.value_log_decay}" if t.value_log_decay is not None else "") + \
+            (f", value_corrections={a.value_corrections}" if t.value_corrections else "")
 
     def carried(self, st: ir.State, code: str) -> str:
         """A state [B, H, *] as the scans carry it: a vector as one column, a state the decomposition
@@ -186,11 +202,27 @@ class DecomposedEmitter(BackwardEmitter):
         final = given if self.carried(st, "x") == "x" else f"None if {given} is None else {self.carried(st, given)}"
         state = self.d[("state", st.name, "new")]
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
-        comment = (" (its corrections: the UT transform's solve, transposed, per chunk)" if t.corrections else "")
-        lines = ["", f"# {st.name}'s adjoint: {self.backward_comment}" + comment,
-                 f"{g} = {self.backward_scan}({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
-                 f"{final}{self.optional_arrays(st.name)})",
-                 f"{state} = {self.declared(st, g + '.initial_state')}"]
+        comment = " (its corrections: the UT transform's solve, transposed, per chunk)" if t.corrections else \
+            " (its value-side corrections: those of its transpose's key side)" if t.value_corrections else ""
+        lines = ["", f"# {st.name}'s adjoint: {self.backward_comment}" + comment]
+        read_grads = {}  # the readouts' queries' gradients, where this code (not the scan) gives them
+        if not self.c.program.causal:
+            # the readouts read the final state: their writes q_t ⊗ ∂r_t join its adjoint, and ∂q_t = S_T·∂r_t
+            end, total = self.carried(st, self.em.name(st.name)), self.em.fresh(f"d_{self.em.name(st.name)}_final")
+            parts = [f"np.sum({self.d[('readout', str(r.index))]}, axis=1)[..., None]" if r.is_value else
+                     f"np.einsum('bthk,bthv->bhkv', {queries}[{i}][0], {self.d[('readout', str(r.index))]}{column})"
+                     for i, r in enumerate(reads)]
+            lines.append(f"{total} = " + " + ".join(parts or ["0"]) +
+                         f" + (0 if {given} is None else {self.carried(st, given)})")
+            for i, r in enumerate(reads):
+                if not r.is_value:
+                    read_grads[i] = self.em.fresh(f"d_q{r.index}")
+                    lines.append(f"{read_grads[i]} = np.einsum('bhkv,bthv->bthk', {end}, "
+                                 f"{self.d[('readout', str(r.index))]}{column})")
+            queries, grads, final = "[]", "", total
+        lines += [f"{g} = {self.backward_scan}({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
+                  f"{final}{self.optional_arrays(st.name)})",
+                  f"{state} = {self.declared(st, g + '.initial_state')}"]
         if t.log_decay is not None:
             self.seeds[f"{st.name}.log_decay"] = f"{g}.log_decay" + ("" if t.log_decay.shape else "[..., 0]")
         if t.value_log_decay is not None:
@@ -202,9 +234,14 @@ class DecomposedEmitter(BackwardEmitter):
         for j, (u, w) in enumerate(t.corrections):
             self.seeds[f"{st.name}.correction{j}_u"] = f"{g}.corrections[{j}][0]" + ("" if u.shape else "[..., 0]")
             self.seeds[f"{st.name}.correction{j}_w"] = f"{g}.corrections[{j}][1]" + ("" if w.shape else "[..., 0]")
+        for j, (x, y) in enumerate(t.value_corrections):
+            self.seeds[f"{st.name}.value_correction{j}_a"] = f"{g}.value_corrections[{j}][0]" + \
+                ("" if x.shape else "[..., 0]")
+            self.seeds[f"{st.name}.value_correction{j}_b"] = f"{g}.value_corrections[{j}][1]" + \
+                ("" if y.shape else "[..., 0]")
         for i, r in enumerate(reads):
             if not r.is_value:  # (a state read as it is has no query)
-                self.seeds[f"r{r.index}"] = f"{g}.queries[{i}]" + ("" if r.query.shape else "[..., 0]")
+                self.seeds[f"r{r.index}"] = read_grads.get(i, f"{g}.queries[{i}]") + ("" if r.query.shape else "[..., 0]")
         return lines
 
 

@@ -22,26 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dsl.errors import RuntimeInputError
+from .adjoint_arrays import finite_log_decays as _log_decays, heads as _heads, tokens_major as _back
 
 ROWS = 16  # the tokens t of the pairwise sums formed at once
-
-
-def _heads(x):
-    """[B, T, H, …] → [B, H, T, …]."""
-    return np.ascontiguousarray(np.moveaxis(np.asarray(x), 1, 2))
-
-
-def _back(x):
-    return np.moveaxis(x, 2, 1)
-
-
-def _log_decays(log_decay):
-    l = _heads(log_decay)
-    if np.isneginf(l).any():
-        raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
-                                "backward work with finite log-decays; use form='recurrent' for this call")
-    return l
 
 
 def _pairwise(read, cum, terms, later: bool, strict: bool, dtype):
@@ -86,28 +69,9 @@ def _chunks(tokens: int, chunk: int):
     return [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
 
 
-def elementwise_decay_scan(s0, log_decay, writes, queries, chunk):
-    """The forward: (readouts [B, T, H, V] for each (query, before), the final state, the states before each
-    chunk)."""
-    l = _log_decays(log_decay)
-    dtype = np.result_type(s0, l)
-    ws = [(_heads(k), _heads(v)) for k, v in writes]
-    qs = [(_heads(q), before) for q, before in queries]
-    batch, heads, tokens, _, values = l.shape
-    state = np.array(s0, dtype=dtype)
-    results = [np.empty((batch, heads, tokens, values), dtype) for _ in qs]
-    starts = []
-    for start, stop in _chunks(tokens, chunk):
-        starts.append(state)
-        c = _Chunk(l, ws, start, stop, state, dtype)
-        for (q, before), out in zip(qs, results):
-            out[:, :, c.here] = np.einsum("bhtk,bhtkv->bhtv", q[:, :, c.here], c.state_read(before))
-        state = c.after[:, :, -1]
-    return [_back(r) for r in results], state, starts
-
-
 def elementwise_decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final):
-    """The backward of elementwise_decay_scan: (∂log_decay, [(∂key, ∂value)], [∂query], ∂initial state)."""
+    """The backward of adjoint_scan.decay_scan for an elementwise decay plus writes (the states before each
+    chunk it returned): (∂log_decay, [(∂key, ∂value)], [∂query], ∂initial state)."""
     l = _log_decays(log_decay)
     dtype = np.result_type(s0, l)
     ws = [(_heads(k), _heads(v)) for k, v in writes]

@@ -47,19 +47,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..dsl.errors import RuntimeInputError
-from .adjoint_elementwise import elementwise_decay_scan, elementwise_decay_scan_backward
-from .scan import solve_unit_lower
+from . import adjoint_frames as frames
+from .adjoint_arrays import check_finite_log_decay, heads as _heads
+from .adjoint_elementwise import elementwise_decay_scan_backward
+from .scan import segment, solve_unit_lower
 
 
-def _heads(x, width=None):
-    """[B, T, H, n] → [B, H, T, n] (a copy: the chunks slice it), broadcast to `width` on the last axis."""
-    x = np.moveaxis(np.asarray(x), 1, 2)
-    if width is not None:
-        x = np.broadcast_to(x, x.shape[:-1] + (width,))
-    return np.ascontiguousarray(x)
-
-
+SEGMENT_BLOCK = 16  # the forward's sub-blocks (the chunkwise form's, linrec.numpy.scan)
 ROWS = 64  # the rows (tokens t) of the pairwise products formed at once: memory [B, H, ROWS, C, K]
 # the diagonal blocks of the corrections' triangular solves (np.linalg.solve on each; its LU of larger blocks
 # ran 100× slower on 192 × 192 here, with three corrections: 64 interleaved tokens)
@@ -131,43 +125,39 @@ def _prefix_sums(l):
 
 
 # ---- the forward -------------------------------------------------------------------------------------------
-def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None):
-    """The forward: (readouts [B, T, H, V] for each (query, before), the final state, the states before each
-    chunk). s0 [B, H, K, V]; log_decay [B, T, H, K or 1]; writes [(key [B, T, H, K], value [B, T, H, V])];
-    corrections [(u [B, T, H, K], w [B, T, H, K])]: + u ⊗ (w·S_(t−1)); value_log_decay None or [B, T, H, V]:
-    the state's columns decay too, S·diag(e^m) (then without corrections). A log_decay [B, T, H, K, V] is an
-    elementwise decay (adjoint_elementwise; then without corrections)."""
-    if np.ndim(log_decay) == 5:
-        return elementwise_decay_scan(s0, log_decay, writes, queries, chunk)
+def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None, value_corrections=()):
+    """The forward: (readouts [B, T, H, V] for each (query, before) — [B, T, H, K] for a query None, the vector
+    state itself —, the final state, the states before each chunk). s0 [B, H, K, V]; log_decay [B, T, H, K or 1]
+    or, elementwise, [B, T, H, K, V]; writes [(key [B, T, H, K], value [B, T, H, V])]; corrections [(u, w)]:
+    + u ⊗ (w·S_(t−1)·E_t), [B, T, H, K] each (beside an elementwise decay they read S_(t−1) itself, and u or w
+    may be [B, T, H, K, V]); value_log_decay None or [B, T, H, V]: the columns decay too, S·diag(e^m) = S·E_t;
+    value_corrections [(a, b), [B, T, H, V] each]: + (D_t·S_(t−1)·a) ⊗ b. It runs the forms' own segments
+    (linrec.numpy.scan.segment) chunk by chunk."""
+    for decay in (log_decay, value_log_decay):
+        if decay is not None:
+            check_finite_log_decay(decay)
     K, V = s0.shape[-2:]
-    l, m = _log_decays(log_decay), None if value_log_decay is None else _log_decays(value_log_decay)
-    ws = [(_heads(k, K), _heads(v, V)) for k, v in writes]
-    cs = [(_heads(u, K), _heads(w, K)) for u, w in corrections]
+
+    def along(x, width):  # a vector broadcast to its width; a matrix (one vector per column) as it is
+        return _heads(x, width) if np.ndim(x) == 4 else _heads(x)
+    l, m = _heads(log_decay), None if value_log_decay is None else _heads(value_log_decay)
+    ws = [(along(k, K), along(v, V)) for k, v in writes]
+    cs = [(along(u, K), along(w, K)) for u, w in corrections]
+    vcs = [(_heads(a, V), _heads(b, V)) for a, b in value_corrections]
     qs = [(None if q is None else _heads(q, K), before) for q, before in queries]
-    batch, heads, tokens = l.shape[:3]
+    tokens = l.shape[2]
     state = np.array(s0, dtype=np.result_type(s0, l))
-    results = [np.empty((batch, heads, tokens, K if q is None else V), dtype=state.dtype) for q, _ in qs]
-    starts = []
+    starts, pieces = [], []
     for start in range(0, tokens, chunk):
-        c = _Chunk(l, start, min(start + chunk, tokens), state.dtype, m)
+        at = slice(start, min(start + chunk, tokens))
+        cut = lambda x: None if x is None else x[:, :, at]  # noqa: E731
         starts.append(state)
-        wc = [(c.cut(k), c.cut(v)) for k, v in ws]
-        if cs:
-            corr = [(c.cut(u), c.cut(w)) for u, w in cs]
-            wc += [(u, p) for (u, _), p in zip(corr, _pseudo_values(c, state, corr, wc)[0])]
-        for (q, before), out in zip(qs, results):
-            out[:, :, c.start:c.stop] = _state_values(c, state, before, wc) if q is None else \
-                _readout(c, state, c.cut(q), before, wc)
-        state = _end_state(c, state, wc)
-    return [np.moveaxis(r, 2, 1) for r in results], state, starts
-
-
-def _log_decays(log_decay):
-    l = _heads(log_decay)  # (a scalar decay stays one column: its pairwise products are matrix products)
-    if np.isneginf(l).any():
-        raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
-                                "backward work with finite log-decays; use form='recurrent' for this call")
-    return l
+        results, state = segment(state, cut(l), [(cut(u), cut(w)) for u, w in cs], [(cut(k), cut(v)) for k, v in ws],
+                                 [(cut(q), b) for q, b in qs], True, SEGMENT_BLOCK, m=cut(m),
+                                 value_corrections=[(cut(a), cut(b)) for a, b in vcs])
+        pieces.append(results)
+    readouts = [np.concatenate([p[i] for p in pieces], axis=2) for i in range(len(qs))]
+    return [np.moveaxis(r, 2, 1) for r in readouts], state, starts
 
 
 def _readout(c: _Chunk, state, q, before: bool, writes):
@@ -181,28 +171,6 @@ def _readout(c: _Chunk, state, q, before: bool, writes):
             a = _scores(q[:, :, at], k, pairs)
             r[:, :, at] += a @ v if columns is None else np.einsum("bhtj,bhjv,bhtjv->bhtv", a, v, columns)
     return r
-
-
-def _state_values(c: _Chunk, state, before: bool, writes):
-    """A vector state (one column, V = 1) itself at the chunk's tokens, S_t (S_(t−1) where `before`): the
-    readout with no query (compiler.decompose.Readout.is_value), [B, H, n, K]."""
-    read = c.read(before)
-    r = c.exp(read) * state[..., 0][:, :, None, :]
-    for rows in _row_blocks(c.size):
-        pairs = c.pairs(read, rows, before)
-        for k, v in writes:
-            r[:, :, rows.start:rows.stop] += np.einsum("bhtjk,bhjk->bhtk", pairs, k * v)
-    return r
-
-
-def _end_state(c: _Chunk, state, writes):
-    """The state after the chunk: e^{Λ_L}·S_a·e^{C_L} + Σ_j (e^{Λ_L − Λ_j} k_j) ⊗ (e^{C_L − C_j} v_j)."""
-    state = c.exp(c.last)[..., None] * state
-    if c.m is not None:
-        state = state * c.exp(c.col_cum[:, :, -1])[:, :, None, :]
-    for k, v in writes:
-        state = state + np.einsum("bhjk,bhjv->bhkv", k * c.exp(c.last[:, :, None] - c.cum), _column_tail(c, v))
-    return state
 
 
 def _column_tail(c: _Chunk, v):
@@ -259,12 +227,24 @@ class ScanGrads(NamedTuple):
     initial_state: np.ndarray
     corrections: list
     value_log_decay: np.ndarray | None
+    value_corrections: list = ()  # of each value-side correction's (a, b)
 
 
 def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
-                        value_log_decay=None) -> ScanGrads:
+                        value_log_decay=None, value_corrections=()) -> ScanGrads:
     """The backward of decay_scan (the same arguments, the states before each chunk it returned, the readouts'
-    gradients [B, T, H, V] and the final state's, None: zero)."""
+    gradients [B, T, H, V] and the final state's, None: zero). Value-side corrections, and corrections beside a
+    decay of the value axis or an elementwise one, run this scan in another frame (adjoint_frames), which
+    recomputes its own states before each chunk."""
+    if frames.needed(log_decay, corrections, value_log_decay, value_corrections):
+        plain = frames.reframe(s0, log_decay, writes, queries, grad_readouts, grad_final, corrections,
+                               value_log_decay, value_corrections)
+        p = plain.problem
+        duals, _, frame_starts = decay_scan(p.s0, p.l, p.writes, plain.duals, chunk, corrections=p.corrections)
+        grads = decay_scan_backward(p.s0, p.l, p.writes, plain.queries, frame_starts, chunk, plain.grad_readouts,
+                                    p.final, corrections=p.corrections)
+        g = plain.gradients(grads, duals)
+        return ScanGrads(g.l, g.writes, g.readouts, g.s0, g.corrections, g.m, g.value_corrections)
     if np.ndim(log_decay) == 5:  # an elementwise decay
         return ScanGrads(*elementwise_decay_scan_backward(s0, log_decay, writes, queries, starts, chunk,
                                                           grad_readouts, grad_final), [], None)

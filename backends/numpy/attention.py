@@ -103,15 +103,11 @@ def _self_rule(allowed, is_self):
     return np.where(np.any(others, axis=-1, keepdims=True), others, allowed & is_self)
 
 
-def lsh_attention_dense(q, v, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
-    """The dense reference: full softmax attention masked to 'same bucket and within the chunk window of
-    the sorted order' per round (the bucketed form's exact mask), rounds combined by log-sum-exp."""
+def _lsh_masks(q, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
+    """Per round, which keys each query attends to [B, H, T, T]: same bucket and within the chunk window of
+    the sorted order (the bucketed form's exact mask), causal where asked, itself only when nothing else."""
     batch, tokens, heads, _ = q.shape
-    keys = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + 1e-12)
-    qh, kh, vh = (np.swapaxes(x, 1, 2) for x in (q, keys, v))  # [B, H, T, *]
-    scores = _scores(qh, kh)
-    outs, lses = [], []
-    for r, bucket_of in enumerate(lsh_buckets(q, buckets, rounds, seed)):
+    for bucket_of in lsh_buckets(q, buckets, rounds, seed):
         order = _round_order(bucket_of, tokens)
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.arange(tokens)[None, None, :].repeat(batch, 0).repeat(heads, 1), -1)
@@ -123,11 +119,62 @@ def lsh_attention_dense(q, v, causal: bool, buckets: int, rounds: int, chunk: in
         pos = np.arange(tokens)
         if causal:
             allowed &= pos[None, :] <= pos[:, None]
-        allowed = _self_rule(allowed, np.eye(tokens, dtype=bool))
+        yield _self_rule(allowed, np.eye(tokens, dtype=bool))
+
+
+def _shared_keys(q):
+    """Reformer's shared-QK keys q/‖q‖, and the norm (with its 1e-12 inside the root)."""
+    norm = np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + 1e-12)
+    return q / norm, norm
+
+
+def lsh_attention_dense(q, v, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
+    """The dense reference: full softmax attention masked to 'same bucket and within the chunk window of
+    the sorted order' per round (the bucketed form's exact mask), rounds combined by log-sum-exp."""
+    qh, kh, vh = (np.swapaxes(x, 1, 2) for x in (q, _shared_keys(q)[0], v))  # [B, H, T, *]
+    scores = _scores(qh, kh)
+    outs, lses = [], []
+    for allowed in _lsh_masks(q, causal, buckets, rounds, chunk, seed):
         o, lse = _finish_round(scores, allowed, vh)
         outs.append(o)
         lses.append(lse)
     return np.swapaxes(_combine(outs, lses), 1, 2)
+
+
+def lsh_attention_backward(q, v, d_out, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
+    """(∂q, ∂v) of lsh_attention_dense with the buckets held fixed: the hash (an argmax of q's projections) is
+    piecewise constant in q, so away from the measure-zero set where a bucket changes the gradient is that of
+    attention within the fixed masks. Per round r, P_r = softmax of the masked scores, o_r = P_r·V and lse_r;
+    o = Σ_r w_r o_r with w = softmax over the rounds of lse_r. Then ∂w_r = ∂o·o_r, ∂lse_r = w_r(∂w_r − Σ w ∂w),
+    ∂S = Σ_r P_r ⊙ (∂P_r − rowsum(P_r ⊙ ∂P_r) + ∂lse_r) with ∂P_r = w_r ∂o·Vᵀ, ∂V = Σ_r Pᵣᵀ (w_r ∂o); the scores
+    S = q·kᵀ/√dk with the keys k = q/‖q‖ give ∂q = ∂S·k/√dk + (∂k − k (k·∂k))/‖q‖, ∂k = ∂Sᵀ·q/√dk."""
+    keys, norm = _shared_keys(q)
+    qh, kh, vh, gh, nh = (np.swapaxes(x, 1, 2) for x in (q, keys, v, d_out, norm))
+    scores = _scores(qh, kh)
+    probs, outs, lses = [], [], []
+    for allowed in _lsh_masks(q, causal, buckets, rounds, chunk, seed):
+        x = np.where(allowed, scores, -np.inf)
+        top = np.max(x, axis=-1, keepdims=True)
+        total = np.sum(np.exp(x - top), axis=-1, keepdims=True)
+        lse = top + np.log(total)
+        probs.append(np.exp(x - lse))
+        outs.append(probs[-1] @ vh)
+        lses.append(lse[..., 0])
+    lses = np.stack(lses)
+    w = np.exp(lses - np.max(lses, axis=0))
+    w = w / np.sum(w, axis=0)
+    d_w = np.stack([np.sum(gh * o, axis=-1) for o in outs])
+    d_lse = w * (d_w - np.sum(w * d_w, axis=0))
+    d_scores, d_v = np.zeros_like(scores), np.zeros_like(vh)
+    for p, weight, d_l in zip(probs, w, d_lse):
+        d_o = weight[..., None] * gh
+        d_v += np.swapaxes(p, -1, -2) @ d_o
+        d_p = d_o @ np.swapaxes(vh, -1, -2)
+        d_scores += p * (d_p - np.sum(p * d_p, axis=-1, keepdims=True) + d_l[..., None])
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    d_keys = np.swapaxes(d_scores, -1, -2) @ qh * scale
+    d_q = d_scores @ kh * scale + (d_keys - kh * np.sum(kh * d_keys, axis=-1, keepdims=True)) / nh
+    return np.swapaxes(d_q, 1, 2), np.swapaxes(d_v, 1, 2)
 
 
 def _gather(x, positions):
@@ -185,3 +232,64 @@ def attention(queries, keys, values, causal: bool, window: int, form: str = "par
     visible = visible_positions(queries.shape[1], causal, window, 0, queries.shape[1], 0, keys.shape[1]) \
         if (causal or window) else None
     return np.einsum("bths,bshd->bthd", masked_softmax(scores, visible), values)
+
+
+# ---- flash attention with its statistics, and its backward (docs/gradients.md) ------------------------
+def _key_range(start: int, stop: int, tokens: int, causal: bool, window: int) -> range:
+    """The key positions a query block [start, stop) can see, as the chunkwise forward (sequence.py) takes them."""
+    first = max(0, start - (window - 1)) if window else 0
+    last = stop if causal else (min(tokens, stop + window - 1) if window else tokens)
+    return range(first, last)
+
+
+def _block_scores(q, k, tokens, causal, window, queries: slice, keys: slice):
+    """The scores k·q of a query block against a key block [B, Tq, H, Tk], −∞ where a query does not see a key."""
+    scores = np.einsum("bqhd,bkhd->bqhk", q[:, queries], k[:, keys])
+    visible = visible_positions(tokens, causal, window, queries.start, queries.stop, keys.start, keys.stop)
+    return scores if visible is None else np.where(visible, scores, -np.inf)
+
+
+def flash_attention(q, k, v, causal: bool, window: int, block: int):
+    """softmax(K·q_t)·V over the keys each query sees, query blocks against key blocks with an online softmax:
+    (outputs [B, T, H, dv], the log-sum-exp of each query's scores [B, T, H]: what the backward needs to
+    recompute any block's probabilities). q, k [B, T, H, dk]; v [B, T, H, dv]."""
+    batch, tokens, heads = q.shape[:3]
+    dtype = np.result_type(q, k, v)
+    out = np.empty((batch, tokens, heads, v.shape[-1]), dtype)
+    lse = np.empty((batch, tokens, heads), dtype)
+    for start in range(0, tokens, block):
+        queries = slice(start, min(start + block, tokens))
+        n = queries.stop - start
+        m, l = np.full((batch, n, heads), -np.inf, dtype), np.zeros((batch, n, heads), dtype)
+        acc = np.zeros((batch, n, heads, v.shape[-1]), dtype)
+        span = _key_range(start, queries.stop, tokens, causal, window)
+        for key_start in range(span.start, span.stop, block):
+            keys = slice(key_start, min(key_start + block, span.stop))
+            scores = _block_scores(q, k, tokens, causal, window, queries, keys)
+            m, l, acc = online_softmax_step(m, l, acc, scores, np.swapaxes(v[:, keys], 1, 2)[:, None])
+        out[:, queries] = acc / l[..., None]
+        lse[:, queries] = m + np.log(l)
+    return out, lse
+
+
+def flash_attention_backward(q, k, v, out, lse, d_out, causal: bool, window: int, block: int):
+    """The backward of flash_attention: (∂q, ∂k, ∂v). Per query block and key block, the probabilities are
+    recomputed from the scores and the log-sum-exp, P = exp(S − lse); with D = rowsum(∂O ⊙ O) (= Σ_j P_j ∂P_j
+    over every key a query sees), ∂S = P ⊙ (∂P − D), ∂P = ∂O·Vᵀ: then ∂q = ∂S·K, ∂k = ∂Sᵀ·Q, ∂v = Pᵀ·∂O, each a
+    sum over blocks. Memory: one block of scores [B, C, H, C]."""
+    tokens = q.shape[1]
+    dtype = np.result_type(q, k, v, d_out)
+    d_q, d_k, d_v = np.zeros(q.shape, dtype), np.zeros(k.shape, dtype), np.zeros(v.shape, dtype)
+    rowsum = np.einsum("bthd,bthd->bth", d_out, out)
+    for start in range(0, tokens, block):
+        queries = slice(start, min(start + block, tokens))
+        span = _key_range(start, queries.stop, tokens, causal, window)
+        stats, rows, grads = lse[:, queries, :, None], rowsum[:, queries, :, None], d_out[:, queries]
+        for key_start in range(span.start, span.stop, block):
+            keys = slice(key_start, min(key_start + block, span.stop))
+            p = np.exp(_block_scores(q, k, tokens, causal, window, queries, keys) - stats)  # (0 where not seen)
+            d_v[:, keys] += np.einsum("bqhk,bqhd->bkhd", p, grads)
+            d_scores = p * (np.einsum("bqhd,bkhd->bqhk", grads, v[:, keys]) - rows)
+            d_q[:, queries] += np.einsum("bqhk,bkhd->bqhd", d_scores, k[:, keys])
+            d_k[:, keys] += np.einsum("bqhk,bqhd->bkhd", d_scores, q[:, queries])
+    return d_q, d_k, d_v

@@ -17,6 +17,7 @@ RUNTIME, ATTENTION, SCAN = "linrec.numpy.runtime", "linrec.numpy.attention", "li
 PER_TOKEN_HELPERS = frozenset({"per_token", "log_decay", "running_max", "scale_decay", "rescale"})
 SCANS = frozenset({"parallel_scan", "chunkwise_scan", "recurrent_scan"})
 ATTENTION_HELPERS = frozenset({"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
+                               "flash_attention", "flash_attention_backward",
                                "lsh_attention_dense", "lsh_attention_bucketed"})
 # module → the helpers it provides (None: every helper no other module of the mapping lists), in the order of
 # the import lines

@@ -272,9 +272,10 @@ def _shifted(b: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros_like(b[..., :1, :]), b[..., :-1, :]], axis=-2)
 
 
-def _segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_corrections=()):
+def segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_corrections=()):
     """One segment (the whole sequence, or a chunk) starting from state s0; m: the value axis's log-decay;
-    value_corrections: the value-side corrections (a, b).
+    value_corrections: the value-side corrections (a, b). Head-major arrays [B, H, n, *]. (The parallel and
+    chunkwise forms run it, and so do the forward scans of their backward, linrec.numpy.adjoint_scan.)
 
     Returns (readouts or None when non-causal, state after the segment)."""
     if _is_elementwise(l):
@@ -319,7 +320,7 @@ def _segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_
 
 
 def _elementwise(s0, l, corrections, writes, readouts, causal, value_corrections, block: int = 16):
-    """_segment for an elementwise decay exp(l_t)⊙S_(t−1) [.., n, dk, dv] with corrections of one side, each
+    """segment for an elementwise decay exp(l_t)⊙S_(t−1) [.., n, dk, dv] with corrections of one side, each
     reading S_(t−1) itself. A key-side correction u⊗(wᵀS) acts on each column of S apart, and column c is a
     state [dk, 1] whose rows decay by l[.., c]: its pseudo-values p_t[c] = w_t·S_(t−1)[:, c] solve that
     column's unit lower-triangular system (_pseudo_values, with the columns as one more batch axis: dv
@@ -420,7 +421,7 @@ def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
 def _parallel(s0, log_decay, corrections, writes, readouts, causal, chunk_size, value_log_decay, value_corrections):
     s0, l, corr, wr, rd, m, vc = _prepare(s0, log_decay, corrections, writes, readouts, value_log_decay,
                                           value_corrections)
-    results, end = _segment(s0, l, corr, wr, rd, causal, block=64, m=m, value_corrections=vc)
+    results, end = segment(s0, l, corr, wr, rd, causal, block=64, m=m, value_corrections=vc)
     return _finish(results, end, rd, causal, _tokens(l, corr, wr, rd, m, vc))
 
 
@@ -432,7 +433,7 @@ def _chunkwise(s0, log_decay, corrections, writes, readouts, causal, chunk_size,
     state, pieces = s0, []
     for s in range(0, tokens, chunk):
         cut = (slice(None), slice(None), slice(s, min(s + chunk, tokens)))  # the tokens of [B, H, T, …]
-        results, state = _segment(
+        results, state = segment(
             state, None if l is None else l[cut], [(u[cut], w[cut]) for u, w in corr], [(k[cut], x[cut]) for k, x in wr],
             [(None if q is None else q[cut], b) for q, b in rd], causal, block=16, m=None if m is None else m[cut],
             value_corrections=[(a[cut], b[cut]) for a, b in vc])

@@ -251,17 +251,23 @@ def kernels_decode_over_cache(compiled: Compiled) -> bool:
 def _prologue(em):
     """Inputs, sizes and params bound; params over the sequence axis cut to its length; per-token values.
     Returns (lines, the printer over all tokens)."""
-    p, n = em.p, em.name
-    body = em.prologue()
-    for prm in p.params:  # parameters over the sequence axis are cut to this sequence's length
-        if SEQ in prm.shape:
-            axis = prm.shape.index(SEQ) + (1 if prm.per_head else 0)
-            body.append(f"{n(prm.name)} = {n(prm.name)}[{', '.join([':'] * axis + [':tokens'])}]  "
-                        f"# the first T positions of {prm.name}")
+    p = em.p
+    body = em.prologue() + cut_sequence_params(em)
     body.append(f"causal = {p.causal}")
     base = em.printer(None)
     body += em.hoisted_lets(base, "per-token values, for all tokens at once")
     return body, base
+
+
+def cut_sequence_params(em) -> list[str]:
+    """Params over the sequence axis cut to this sequence's length (their first T positions)."""
+    lines = []
+    for prm in em.p.params:
+        if SEQ in prm.shape:
+            axis = prm.shape.index(SEQ) + (1 if prm.per_head else 0)
+            lines.append(f"{em.name(prm.name)} = {em.name(prm.name)}[{', '.join([':'] * axis + [':tokens'])}]  "
+                         f"# the first T positions of {prm.name}")
+    return lines
 
 
 def _sequence_arrays(em, base, exprs) -> tuple[dict[ir.Expr, str], list[str]]:

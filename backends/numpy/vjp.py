@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dsl.errors import RuntimeInputError
+from .attention import lsh_attention_backward
 from .runtime import sigmoid
 
 
@@ -127,4 +128,16 @@ def vjp_norm(x, g):
         return np.expand_dims(g, -1) * np.where(r == 0, 0.0, x / np.where(r == 0, 1.0, r))  # 0 at 0
 
 
-HELPERS = frozenset(name for name in globals() if name.startswith("vjp_")) | {"unbroadcast"}
+def vjp_lsh_attention(q, v, g, causal: bool, buckets, rounds, chunk, seed):
+    """(∂q, ∂v) of lsh_attention(q, v) with upstream gradient g, the buckets held fixed (attention's
+    lsh_attention_backward: the hashing is piecewise constant)."""
+    return lsh_attention_backward(q, v, g, causal, int(buckets), int(rounds), int(chunk), int(seed))
+
+
+def pad_to(g, shape):
+    """The gradient g of a param cut to its first positions (a param over the sequence axis, of which a call uses
+    the first T), zero-padded at the end of each axis to the param's whole `shape`."""
+    return np.pad(g, [(0, whole - part) for part, whole in zip(np.shape(g), shape)])
+
+
+HELPERS = frozenset(name for name in globals() if name.startswith("vjp_")) | {"unbroadcast", "pad_to"}

@@ -1,0 +1,35 @@
+"""The adjoint scans' array helpers, shared by adjoint_scan, adjoint_elementwise and adjoint_frames: per-token
+arrays between the callers' layout [B, T, H, *] and the scans' head-major one [B, H, T, *], and the check
+that every log-decay is finite."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dsl.errors import RuntimeInputError
+
+
+def heads(x, width=None):
+    """[B, T, H, …] → [B, H, T, …] (a copy: the chunks slice it), the last axis broadcast to `width` if given."""
+    x = np.moveaxis(np.asarray(x), 1, 2)
+    if width is not None:
+        x = np.broadcast_to(x, x.shape[:-1] + (width,))
+    return np.ascontiguousarray(x)
+
+
+def tokens_major(x):
+    """[B, H, T, …] → [B, T, H, …]: the callers' layout again."""
+    return np.moveaxis(x, 2, 1)
+
+
+def check_finite_log_decay(log_decay):
+    """A log-decay of −∞ (a decay of exactly 0, a reset) is refused: the backward's pairwise exponents are
+    differences of prefix sums, which −∞ makes NaN."""
+    if np.isneginf(log_decay).any():
+        raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
+                                "backward work with finite log-decays; use form='recurrent' for this call")
+    return log_decay
+
+
+def finite_log_decays(log_decay):
+    """The log-decays head-major [B, H, T, …], refused where one is −∞ (check_finite_log_decay)."""
+    return check_finite_log_decay(heads(log_decay))
