@@ -30,6 +30,9 @@ class CBackend:
     """linrec.interface.Backend for C."""
 
     name = "c"
+    # the backwards derived from the decomposition, which a program derived in stages has per stage: they run
+    # stage by stage (linrec.stages.Staged), the recurrent one too
+    staged_gradient_forms = ("recurrent", "parallel", "chunkwise")
 
     def why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         reason = backend.why_not(compiled, form)

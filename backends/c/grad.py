@@ -21,7 +21,7 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad_kernels
+from . import grad_scans
 
 SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
 
@@ -34,9 +34,9 @@ def why_not(compiled: Compiled) -> str | None:
     if reason:
         return reason
     d = compiled.decomposition
-    if d.stages:  # (the decomposition is each stage's; the C kernels take one program's states whole)
-        return ("it is derived in stages (a state reads another's values): its C backward is not derived; the "
-                "NumPy backend differentiates it")
+    if d.stages:  # (the decomposition is each stage's: linrec.stages.Staged runs the backward stage by stage)
+        return ("it is derived in stages (a state reads another's values): its C backward runs stage by stage, "
+                "through the backend as the registry wraps it (linrec.stages.Staged)")
     if d.sequence is not None:
         return "the program reads the sequence (attention): its C backward is not derived"
     if not compiled.program.causal:
@@ -44,16 +44,19 @@ def why_not(compiled: Compiled) -> str | None:
     why = d.why_not("chunkwise")
     if why:
         return f"the C backward runs the decomposition of the updates, and there is none: {why}"
+    values = {r.state for r in d.readouts if r.is_value}
     for t in d.transitions:
         if t.value_corrections:
             return (f"'{t.state}' has a rank-one correction on the value side (`{t.state}·(I − a⊗b)`): the C "
                     f"backward does not take it")
         if t.value_decay is not None:
             return f"'{t.state}' decays its value axis (`{t.state}·diag(…)`): the C backward does not take it"
-        if t.elementwise:
-            return f"'{t.state}' decays elementwise (`X*{t.state}`): the C backward does not take it"
-    if any(r.is_value for r in d.readouts):
-        return "an output reads a vector state as a value (not q·S): the C backward does not take it"
+        if t.elementwise and (t.corrections or t.state in d.transposed):
+            return (f"'{t.state}' decays elementwise (`X*{t.state}`) with rank-one corrections or in the transposed "
+                    f"convention: the C backward does not take it")
+        if t.state in values and t.corrections:
+            return (f"an output reads vector state '{t.state}' as a value, and its update has rank-one corrections: "
+                    f"the C backward does not take it")
     return None
 
 
@@ -61,9 +64,9 @@ class _CEmitter(DecomposedEmitter):
     """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
     (which take the NumPy scans' arguments and give their results)."""
 
-    modules = MODULES | {grad_kernels.__name__: SCANS}
+    modules = MODULES | {grad_scans.__name__: SCANS}
     scans = SCANS
-    forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"
+    forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
     no_decay = "None  # no decay"  # (the kernel skips it, rather than decay by exp(0))
 
