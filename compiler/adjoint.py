@@ -428,7 +428,8 @@ def why_no_gradient(compiled: Compiled, form: str) -> str | None:
 class Quantity:
     """A per-token array of the decomposition: what its adjoint seeds (`label`: "S.log_decay",
     "S.value_log_decay" — of S·diag(e^m) —, "S.key0", "S.value0", "S.correction0_u" and "S.correction0_w" — of a
-    correction u ⊗ (w·S_(t−1)) —, "r1" — a readout's query) and the expression it is computed from."""
+    correction u ⊗ (w·S_(t−1)) —, "S.value_correction0_a" and "S.value_correction0_b" — of a value-side one
+    (D·S_(t−1)·a) ⊗ b —, "r1" — a readout's query) and the expression it is computed from."""
 
     label: str
     value: ir.Expr
@@ -500,6 +501,9 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
         for j, (u, w) in enumerate(t.corrections):  # + u ⊗ (w·S_(t−1)): the UT transform's backward seeds them
             quantity(f"{t.state}.correction{j}_u", u)
             quantity(f"{t.state}.correction{j}_w", w)
+        for j, (a, b) in enumerate(t.value_corrections):  # + (D·S_(t−1)·a) ⊗ b (the C backward's: linrec.c.grad)
+            quantity(f"{t.state}.value_correction{j}_a", a)
+            quantity(f"{t.state}.value_correction{j}_b", b)
     for r in d.readouts:
         quantity(f"r{r.index}", r.query)
     top = [sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step)

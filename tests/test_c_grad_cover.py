@@ -1,10 +1,12 @@
 """The C recurrent backward of the programs it took last (issue 24): a program derived in stages
 (preconditioned DeltaNet: its stages' C backwards, from the last), elementwise decays (Mamba-1's
-`exp(A·diag(dt))*S`: templates/c_grad_elementwise.c.j2) and vector states an output reads as values (HGRN-
-style `z*sigmoid(g)`: the same kernel) — against the NumPy recurrent backward, the adjoint of the statements
-as written, at 1e-9 in float64 and 5e-4 in float32: ragged T, T = 1, several checkpoint intervals, strong
-decays, random initial states and final-state gradients; the same gradients on one thread and on four. One
-size (dk = 5, dv = 7, as tests/test_c_grad.py) so that the kernels are built once."""
+`exp(A·diag(dt))*S`: templates/c_grad_elementwise.c.j2), vector states an output reads as values (HGRN-
+style `z*sigmoid(g)`: the same kernel), decays of the value axis and rank-one corrections on the value side
+(the gated Oja rule's `S·diag(exp(gv))·(I − β·v⊗v)`: templates/c_grad_value_side.c.j2) — against the NumPy
+recurrent backward, the adjoint of the statements as written, at 1e-9 in float64 and 5e-4 in float32:
+ragged T, T = 1, several checkpoint intervals, strong decays, random initial states and final-state
+gradients; the same gradients on one thread and on four. One size (dk = 5, dv = 7, as tests/test_c_grad.py)
+so that the kernels are built once."""
 import numpy as np
 import pytest
 
@@ -17,8 +19,9 @@ from test_grad import float32, worst_error
 DIMS = {"dk": 5, "dv": 7}
 
 # vector states read as values before their update and after it, beside readouts q·z; decays per row, per
-# token (z and c: the same kernel, each decay becomes one per element) and none; and a matrix state with an
-# elementwise decay, two writes and readouts before and after the update
+# token (z and c: the same kernel, each decay becomes one per element) and none; a matrix state with an
+# elementwise decay, two writes and readouts before and after the update; two value-side corrections under
+# decays of both axes; one under a scalar decay (carried on the value axis: gated_oja's kernel)
 PROGRAMS = {
     "vector_values": """recurrence vector_values(dk = 5, dv = 7)
 input x[dk], f[dk], g[dk], a
@@ -38,8 +41,24 @@ output p = q·S
 S = exp(A·diag(dt))*S + k⊗v + tanh(k2)⊗v2
 output o = (2*q)·S
 """,
+    "value_corrections": """recurrence value_corrections(dk = 5, dv = 7)
+input q[dk], k[dk], v[dv], u[dv], a[dk], gv[dv] <= 0, beta in (0, 1), gamma in (0, 1)
+vn = l2norm(v)
+un = l2norm(u)
+state S[dk, dv]
+output p = q·S
+S = diag(sigmoid(a))·S·diag(exp(gv))·(I − beta·vn⊗vn − gamma·un⊗un) + beta·k⊗vn + k⊗un
+output o = q·S
+""",
+    "scalar_decay_value_correction": """recurrence scalar_decay_value_correction(dk = 5, dv = 7)
+input q[dk], k[dk], v[dv], g <= 0, beta in (0, 1)
+vn = l2norm(v)
+state S[dk, dv]
+S = exp(g)·S·(I − beta·vn⊗vn) + beta·k⊗vn
+output o = q·S
+""",
 }
-EXAMPLES = ("preconditioned_deltanet", "mamba1")
+EXAMPLES = ("preconditioned_deltanet", "mamba1", "gated_oja")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +104,7 @@ def test_float64_matches_the_numpy_recurrent_backward(recs, name):
         assert all(g.dtype == np.float64 for g in got.grads.values())
 
 
-@pytest.mark.parametrize("name", ["mamba1"])  # (the float32 kernels of one program: each is a build)
+@pytest.mark.parametrize("name", ["mamba1", "gated_oja"])  # (float32 kernels of two programs: each is a build)
 def test_float32_within_5e_4_of_float64(recs, name):
     rec = recs[name]
     for i, (batch, tokens, heads, chunk, scale) in enumerate(CASES):
@@ -145,22 +164,27 @@ def test_the_kernels_take_the_numpy_scans_arguments():
 
 
 NOT_TAKEN = {  # (program, the structural reason the C backward gives)
-    "gated_oja": ("examples/gated_oja.lin", "value side"),
     "softmax": ("examples/softmax.lin", "reads the sequence"),
+    "key_corrections_value_decay": ("""recurrence key_corrections_value_decay(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv], beta in (0, 1), gv[dv] <= 0
+state S[dk, dv]
+S = (I − beta·k⊗k)·S·diag(exp(gv)) + k⊗v
+output o = q·S
+""", "key side beside a decay of its value axis"),
+    "corrected_values": ("""recurrence corrected_values(dk = 4, dv = 4)
+input k[dk], beta in (0, 1)
+state z[dk]
+z = z − beta*k*(k·z) + k
+output y = z
+""", "rank-one corrections"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(NOT_TAKEN))
 def test_what_it_still_refuses_says_why(name):
-    path, reason = NOT_TAKEN[name]
-    rec = linrec.load(path)
+    source, reason = NOT_TAKEN[name]
+    rec = linrec.load(source) if source.endswith(".lin") else linrec.compile(source, f"{name}.lin")
     assert reason in gradients.gradient_refusal(rec, "recurrent", "c")
+    assert gradients.gradient_refusal(rec, "recurrent", "numpy") is None
     with pytest.raises(LinrecError, match=reason):
         rec.vjp({}, {}, backend="c")
-    corrected_values = linrec.compile("""recurrence corrected_values(dk = 4, dv = 4)
-input k[dk], beta in (0, 1)
-state z[dk]
-z = z − beta*k*(k·z) + k
-output y = z
-""", "corrected_values.lin")
-    assert "rank-one corrections" in gradients.gradient_refusal(corrected_values, "recurrent", "c")

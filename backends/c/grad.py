@@ -21,6 +21,7 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
+from ..numpy.derived import per_token
 from . import grad_scans
 
 SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
@@ -46,14 +47,12 @@ def why_not(compiled: Compiled) -> str | None:
         return f"the C backward runs the decomposition of the updates, and there is none: {why}"
     values = {r.state for r in d.readouts if r.is_value}
     for t in d.transitions:
-        if t.value_corrections:
-            return (f"'{t.state}' has a rank-one correction on the value side (`{t.state}·(I − a⊗b)`): the C "
-                    f"backward does not take it")
-        if t.value_decay is not None:
-            return f"'{t.state}' decays its value axis (`{t.state}·diag(…)`): the C backward does not take it"
-        if t.elementwise and (t.corrections or t.state in d.transposed):
+        if t.elementwise and (t.corrections or t.value_corrections or t.state in d.transposed):
             return (f"'{t.state}' decays elementwise (`X*{t.state}`) with rank-one corrections or in the transposed "
                     f"convention: the C backward does not take it")
+        if t.corrections and t.value_decay is not None:
+            return (f"'{t.state}' has rank-one corrections on the key side beside a decay of its value axis "
+                    f"(`{t.state}·diag(…)`): the C backward does not take it")
         if t.state in values and t.corrections:
             return (f"an output reads vector state '{t.state}' as a value, and its update has rank-one corrections: "
                     f"the C backward does not take it")
@@ -72,6 +71,36 @@ class _CEmitter(DecomposedEmitter):
 
     def __init__(self, compiled: Compiled):
         super().__init__(compiled, "recurrent")
+        # each state's value-side corrections (a, b): + (D·S_(t−1)·a) ⊗ b (the NumPy decomposed backward has none)
+        self.value_corrections = {t.state: self.em.fresh(f"{self.em.name(t.state)}_value_corrections")
+                                  for t in compiled.decomposition.transitions if t.value_corrections}
+
+    def optional_arrays(self, state: str) -> str:
+        extra = f", value_corrections={self.value_corrections[state]}" if state in self.value_corrections else ""
+        return super().optional_arrays(state) + extra
+
+    def state_forward(self, st, prelude) -> list[str]:
+        """The NumPy one's, the state's value-side corrections' per-token arrays before its scan."""
+        lines = super().state_forward(st, prelude)
+        if st.name not in self.value_corrections:
+            return lines
+        t, em, n = self.c.decomposition.transition(st.name), self.em, self.em.name
+        shape = tuple(reversed(st.shape)) if st.name in self.c.decomposition.transposed else st.shape
+        cols = n(shape[1])
+        pairs = ", ".join(f"({per_token(prelude(em.refold(a)), cols, not a.shape)}, "
+                          f"{per_token(prelude(em.refold(b)), cols, not b.shape)})" for a, b in t.value_corrections)
+        scan = next(i for i, line in enumerate(lines) if f"= {self.forward_scan}(" in line)
+        return lines[:scan] + [f"{self.value_corrections[st.name]} = [{pairs}]"] + lines[scan:]
+
+    def state_backward(self, st) -> list[str]:
+        """The NumPy one's, and the seeds of the value-side corrections' adjoints (the kernels give them in
+        ScanGrads.corrections: a state has corrections on one side only)."""
+        lines = super().state_backward(st)
+        g = self.arrays[st.name].grads
+        for j, (a, b) in enumerate(self.c.decomposition.transition(st.name).value_corrections):
+            self.seeds[f"{st.name}.value_correction{j}_a"] = f"{g}.corrections[{j}][0]" + ("" if a.shape else "[..., 0]")
+            self.seeds[f"{st.name}.value_correction{j}_b"] = f"{g}.corrections[{j}][1]" + ("" if b.shape else "[..., 0]")
+        return lines
 
     def chunk_code(self) -> str:
         return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_kernels.default_segment)"

@@ -25,9 +25,9 @@ from ..templating import environment
 from ..version import VERSION
 from . import build as c_build
 from .build import CTYPES
-from .grad_kernels import default_segment
+from .grad_calls import Call, backward, forward, lead_and_state
 from .kernel_source import Target, common_context
-from .scan_kernels import cached_kernel, call, chunk_of, operand
+from .scan_kernels import cached_kernel, operand
 
 
 @dataclass(frozen=True)
@@ -85,25 +85,6 @@ def kernel(s: Structure):
     return cached_kernel(s, "grad_elementwise", label, lambda: render(s), cdef(s))
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One state's arrays, checked and in the kernel's order, and its kernel's structure."""
-
-    structure: Structure
-    state: np.ndarray          # s0 [B, H, K, V], contiguous, in the working dtype
-    ops: list[np.ndarray]      # the per-token arrays [B, T, H, n]
-    lead: tuple[int, int, int]
-
-    @property
-    def state_bytes(self) -> int:
-        return int(np.prod(self.state.shape[2:])) * self.state.itemsize
-
-    @property
-    def work(self) -> int:
-        s, (batch, tokens, heads) = self.structure, self.lead
-        return batch * tokens * heads * s.dk * s.dv * (1 + s.writes + len(s.reads))
-
-
 def _per_element(log_decay, lead: tuple, dk: int, dv: int) -> np.ndarray:
     """The log-decay of every element, [B, T, H, K·V]: an elementwise one as it is, a per-row or per-token one
     broadcast along what it is the same for."""
@@ -116,51 +97,25 @@ def _per_element(log_decay, lead: tuple, dk: int, dv: int) -> np.ndarray:
     return x.reshape(lead + (dk * dv,))
 
 
-def _prepare(s0, log_decay, writes, queries) -> _Call:
-    s0 = np.asarray(s0)
-    dtype = np.dtype(np.float32) if s0.dtype == np.float32 else np.dtype(np.float64)
-    per_token = [np.asarray(a) for pair in writes for a in pair] + [np.asarray(q) for q, _ in queries
-                                                                    if q is not None]
-    if log_decay is not None:
-        per_token.append(np.asarray(log_decay))
-    if not per_token or per_token[0].ndim < 4:
-        raise RuntimeInputError("the recurrent backward's per-token arrays should have shape [B, T, H, n]")
-    batch, tokens, heads = per_token[0].shape[:3]
-    if s0.ndim != 4 or s0.shape[:2] != (batch, heads):
-        raise RuntimeInputError(f"the initial state should have shape [B, H, K, V] = [{batch}, {heads}, …], got "
-                                f"{list(s0.shape)}")
-    dk, dv = int(s0.shape[2]), int(s0.shape[3])
-    lead = (batch, tokens, heads)
+def _prepare(s0, log_decay, writes, queries) -> Call:
+    per_token = [a for pair in writes for a in pair] + [q for q, _ in queries if q is not None] + \
+        ([] if log_decay is None else [log_decay])
+    state, lead = lead_and_state(s0, per_token)
+    dk, dv = state.shape[2:]
     s = Structure(log_decay is not None, len(writes), tuple((q is not None, bool(b)) for q, b in queries), dk, dv,
-                  CTYPES[dtype], c_build.vector_bytes())
+                  CTYPES[state.dtype], c_build.vector_bytes())
     arrays = ([] if log_decay is None else [_per_element(log_decay, lead, dk, dv)]) + \
         [a for pair in writes for a in pair] + [q for q, _ in queries if q is not None]
-    ops = [operand(a, dtype, lead + (n,), "a per-token array of the recurrent backward")
+    ops = [operand(a, state.dtype, lead + (n,), "a per-token array of the recurrent backward")
            for a, n in zip(arrays, s.widths)]
-    return _Call(s, np.ascontiguousarray(s0, dtype=dtype), ops, lead)
-
-
-def _segments(chunk: int | None, tokens: int, state_bytes: int) -> tuple[int, int]:
-    """(tokens per segment, segments) of a call: chunk (None: c.grad_kernels.default_segment), clamped."""
-    seg = chunk_of(default_segment(tokens, state_bytes) if chunk is None else chunk, tokens)
-    return seg, -(-tokens // seg)
+    return Call(s, state, ops, lead)
 
 
 def elementwise_checkpoints(s0, log_decay, writes, queries, chunk, num_threads=None):
     """The forward: ([readout [B, T, H, V], or the state itself [B, T, H, K·V]], final state [B, H, K, V], the
     state before every chunk [B, H, ⌈T/chunk⌉, K, V])."""
     c = _prepare(s0, log_decay, writes, queries)
-    batch, tokens, heads = c.lead
-    s = c.structure
-    seg, nseg = _segments(chunk, tokens, c.state_bytes)
-    outs = [np.empty(c.lead + (n,), c.state.dtype) for n in s.read_widths]
-    checkpoints = np.empty((batch, heads, nseg, s.dk, s.dv), c.state.dtype)
-    if batch * heads == 0 or tokens == 0:
-        return outs, c.state.copy(), checkpoints
-    k = kernel(s)
-    ckpt = k.ffi.from_buffer(CTYPES[c.state.dtype] + " *", checkpoints)
-    final = call(k, "lr_ew_forward", c.state, c.ops, outs, c.work, num_threads, ckpt, seg)
-    return outs, final, checkpoints
+    return forward(c, kernel(c.structure), "lr_ew_forward", c.structure.read_widths, chunk, num_threads)
 
 
 def elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
@@ -169,22 +124,9 @@ def elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, gr
     the log-decay was given; a readout with no query has none), from the readouts' gradients and the final
     state's (None: zero); checkpoints and chunk as elementwise_checkpoints gave and took them."""
     c = _prepare(s0, log_decay, writes, queries)
-    batch, tokens, heads = c.lead
     s = c.structure
-    seg, _ = _segments(chunk, tokens, c.state_bytes)
-    dtype = c.state.dtype
-    grads = [operand(g, dtype, c.lead + (n,), f"the gradient of readout {i}")
-             for i, (g, n) in enumerate(zip(grad_readouts, s.read_widths))]
-    outs = [np.empty(c.lead + (n,), dtype) for n in s.widths]
-    final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
-    if batch * heads == 0 or tokens == 0:
-        d_s0 = final.copy()
-        for o in outs:
-            o[...] = 0
-    else:
-        k = kernel(s)
-        ckpt = k.ffi.from_buffer(CTYPES[dtype] + " *", np.ascontiguousarray(checkpoints, dtype=dtype))
-        d_s0 = call(k, "lr_ew_backward", final, c.ops + grads, outs, 3 * c.work, num_threads, ckpt, seg)
+    outs, d_s0 = backward(c, kernel(s), "lr_ew_backward", s.read_widths, checkpoints, chunk, grad_readouts,
+                          grad_final, num_threads)
     it = iter(outs)
     d_log_decay = None if log_decay is None else _as_given(next(it), np.shape(log_decay), c.lead, s)
     d_writes = [(next(it), next(it)) for _ in writes]

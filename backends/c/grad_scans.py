@@ -1,42 +1,61 @@
 """Which C kernel runs a state's scans in the recurrent backward on C (c.grad): the generated module calls
-these two with linrec.numpy.adjoint_scan.decay_scan's and decay_scan_backward's arguments, as the NumPy
-chunkwise backward calls those, and they choose from the structure of the arrays, as decay_scan does:
+these two with linrec.numpy.adjoint_scan.decay_scan's and decay_scan_backward's arguments (and a state's
+value-side corrections), as the NumPy chunkwise backward calls those, and they choose from the structure of
+the arrays, as decay_scan does:
 
+    a decay of the value axis or corrections on the value side     → c.grad_value_side (row by row)
     an elementwise decay (a log-decay [B, T, H, K, V]) or a state read as it is (a query None: a vector
-    state an output uses as a value)   → c.grad_elementwise (every element its own recurrence)
+    state an output uses as a value)                                → c.grad_elementwise (every element its own
+                                                                      recurrence)
     else: a decay of the rows, rank-one corrections and writes, readouts q·S   → c.grad_kernels
 
-    readouts, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=())
+(No program has two of these at once: the decomposition has no elementwise decay beside a decay of the value
+axis, and no vector state has a value axis; c.grad.why_not refuses corrections beside the other two.)
+
+    readouts, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(),
+                                                       value_log_decay=None, value_corrections=())
     grads = adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
-                           corrections=())   (ScanGrads)
+                              corrections=(), value_log_decay=None, value_corrections=())   (ScanGrads)
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..dsl.errors import LinrecError
-from . import grad_elementwise, grad_kernels
+from . import grad_elementwise, grad_kernels, grad_value_side
 
 
-def _elementwise(log_decay, queries, corrections) -> bool:
-    """The scans are an elementwise kernel's (and then there are no corrections: c.grad.why_not)."""
+def _kernel(log_decay, queries, corrections, value_log_decay, value_corrections) -> str:
+    """The kernels that run a state's scans: "value_side", "elementwise" or "rows" (c.grad_kernels)."""
+    value_side = value_log_decay is not None or bool(value_corrections)
     elementwise = np.ndim(log_decay) == 5 or any(q is None for q, _ in queries)
-    if elementwise and corrections:  # (c.grad refuses such programs; a direct caller gets the reason)
-        raise LinrecError("a state with rank-one corrections that decays elementwise or is read as it is: the C "
-                          "backward does not take it")
-    return elementwise
+    if corrections and (value_side or elementwise):  # (c.grad refuses such programs; a direct caller: why)
+        raise LinrecError("rank-one corrections on the key side beside a decay of the value axis, value-side "
+                          "corrections, an elementwise decay or a read of the state as it is: the C backward "
+                          "does not take them")
+    return "value_side" if value_side else "elementwise" if elementwise else "rows"
 
 
-def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=()):
+def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
+                        value_corrections=()):
     """The forward of the recurrent backward (see the module's docstring)."""
-    if _elementwise(log_decay, queries, corrections):
+    which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
+    if which == "value_side":
+        return grad_value_side.value_side_checkpoints(s0, log_decay, writes, queries, chunk, value_log_decay,
+                                                      value_corrections)
+    if which == "elementwise":
         return grad_elementwise.elementwise_checkpoints(s0, log_decay, writes, queries, chunk)
     return grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=corrections)
 
 
-def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections=()):
+def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections=(),
+                      value_log_decay=None, value_corrections=()):
     """The adjoint recurrence, from the last segment (see the module's docstring)."""
-    if _elementwise(log_decay, queries, corrections):
+    which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
+    if which == "value_side":
+        return grad_value_side.value_side_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
+                                                    grad_readouts, grad_final, value_log_decay, value_corrections)
+    if which == "elementwise":
         return grad_elementwise.elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
                                                       grad_readouts, grad_final)
     return grad_kernels.adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts,
