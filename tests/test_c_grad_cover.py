@@ -2,7 +2,8 @@
 (preconditioned DeltaNet: its stages' C backwards, from the last), elementwise decays (Mamba-1's
 `exp(A·diag(dt))*S`: templates/c_grad_elementwise.c.j2), vector states an output reads as values (HGRN-
 style `z*sigmoid(g)`: the same kernel), decays of the value axis and rank-one corrections on the value side
-(the gated Oja rule's `S·diag(exp(gv))·(I − β·v⊗v)`: templates/c_grad_value_side.c.j2) — against the NumPy
+(the gated Oja rule's `S·diag(exp(gv))·(I − β·v⊗v)`: templates/c_grad_value_side.c.j2), non-causal programs
+(readouts of the final state: linrec.c.grad_scans) — against the NumPy
 recurrent backward, the adjoint of the statements as written, at 1e-9 in float64 and 5e-4 in float32:
 ragged T, T = 1, several checkpoint intervals, strong decays, random initial states and final-state
 gradients; the same gradients on one thread and on four. One size (dk = 5, dv = 7, as tests/test_c_grad.py)
@@ -21,7 +22,8 @@ DIMS = {"dk": 5, "dv": 7}
 # vector states read as values before their update and after it, beside readouts q·z; decays per row, per
 # token (z and c: the same kernel, each decay becomes one per element) and none; a matrix state with an
 # elementwise decay, two writes and readouts before and after the update; two value-side corrections under
-# decays of both axes; one under a scalar decay (carried on the value axis: gated_oja's kernel)
+# decays of both axes; one under a scalar decay (carried on the value axis: gated_oja's kernel); a non-causal
+# program (its outputs read the final states), with a vector state read as a value
 PROGRAMS = {
     "vector_values": """recurrence vector_values(dk = 5, dv = 7)
 input x[dk], f[dk], g[dk], a
@@ -49,6 +51,14 @@ state S[dk, dv]
 output p = q·S
 S = diag(sigmoid(a))·S·diag(exp(gv))·(I − beta·vn⊗vn − gamma·un⊗un) + beta·k⊗vn + k⊗un
 output o = q·S
+""",
+    "final_reads": """recurrence final_reads(dk = 5, dv = 7) noncausal
+input q[dk], k[dk], v[dv], g <= 0, x[dk], f[dk]
+state S[dk, dv], z[dk]
+S = exp(g)*S + k⊗v
+z = sigmoid(f)*z + x
+output o = q·S
+output y = z*x + (q·z)*f
 """,
     "scalar_decay_value_correction": """recurrence scalar_decay_value_correction(dk = 5, dv = 7)
 input q[dk], k[dk], v[dv], g <= 0, beta in (0, 1)

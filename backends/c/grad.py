@@ -40,8 +40,6 @@ def why_not(compiled: Compiled) -> str | None:
                 "through the backend as the registry wraps it (linrec.stages.Staged)")
     if d.sequence is not None:
         return "the program reads the sequence (attention): its C backward is not derived"
-    if not compiled.program.causal:
-        return "the program is not causal (its outputs read the final states): its C backward is not derived"
     why = d.why_not("chunkwise")
     if why:
         return f"the C backward runs the decomposition of the updates, and there is none: {why}"
@@ -76,8 +74,10 @@ class _CEmitter(DecomposedEmitter):
                                   for t in compiled.decomposition.transitions if t.value_corrections}
 
     def optional_arrays(self, state: str) -> str:
+        """The NumPy one's, the state's value-side corrections, and causal=False where the outputs read the final
+        states (c.grad_scans takes those readouts of the final state)."""
         extra = f", value_corrections={self.value_corrections[state]}" if state in self.value_corrections else ""
-        return super().optional_arrays(state) + extra
+        return super().optional_arrays(state) + extra + ("" if self.p.causal else ", causal=False")
 
     def state_forward(self, st, prelude) -> list[str]:
         """The NumPy one's, the state's value-side corrections' per-token arrays before its scan."""

@@ -13,9 +13,14 @@ the arrays, as decay_scan does:
 axis, and no vector state has a value axis; c.grad.why_not refuses corrections beside the other two.)
 
     readouts, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(),
-                                                       value_log_decay=None, value_corrections=())
+                                                       value_log_decay=None, value_corrections=(), causal=True)
     grads = adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
-                              corrections=(), value_log_decay=None, value_corrections=())   (ScanGrads)
+                              corrections=(), value_log_decay=None, value_corrections=(), causal=True)
+
+causal=False: a non-causal program's readouts read the final state (every token's q_t·S_T): the kernels run
+without readouts, the readouts are taken of the final state here, and their adjoints Σ_t q_t ⊗ ∂r_t join the
+final state's gradient before the kernels' backward (which runs the forward once more for S_T, to give
+∂q_t = S_T ∂r_t).
 """
 from __future__ import annotations
 
@@ -37,8 +42,17 @@ def _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
 
 
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
-                        value_corrections=()):
+                        value_corrections=(), causal=True):
     """The forward of the recurrent backward (see the module's docstring)."""
+    if not causal:
+        _, final, checkpoints = _forward(s0, log_decay, writes, [], chunk, corrections, value_log_decay,
+                                         value_corrections)
+        tokens = np.shape(writes[0][0] if writes else log_decay)[1]
+        return [_of_final(final, q, tokens) for q, _ in queries], final, checkpoints
+    return _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections)
+
+
+def _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections):
     which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
     if which == "value_side":
         return grad_value_side.value_side_checkpoints(s0, log_decay, writes, queries, chunk, value_log_decay,
@@ -48,9 +62,21 @@ def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), v
     return grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=corrections)
 
 
+def _of_final(final, q, tokens: int):
+    """A non-causal readout, of the final state [B, H, K, V] at every token: q·S_T [B, T, H, V], or (no query:
+    a vector state read as it is) S_T itself at every token [B, T, H, K]."""
+    if q is None:
+        batch, heads, rows = final.shape[:3]
+        return np.broadcast_to(final[:, None, :, :, 0], (batch, tokens, heads, rows))
+    return np.einsum("bthk,bhkv->bthv", q, final)
+
+
 def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections=(),
-                      value_log_decay=None, value_corrections=()):
+                      value_log_decay=None, value_corrections=(), causal=True):
     """The adjoint recurrence, from the last segment (see the module's docstring)."""
+    if not causal:
+        return _final_read_backward(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
+                                    corrections, value_log_decay, value_corrections)
     which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
     if which == "value_side":
         return grad_value_side.value_side_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
@@ -60,3 +86,21 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
                                                       grad_readouts, grad_final)
     return grad_kernels.adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts,
                                           grad_final, corrections=corrections)
+
+
+def _final_read_backward(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections,
+                         value_log_decay, value_corrections):
+    """A non-causal program's backward: the readouts' adjoints into the final state's, then the kernels'."""
+    _, final, _ = _forward(s0, log_decay, writes, [], chunk, corrections, value_log_decay, value_corrections)
+    total = np.zeros_like(final) if grad_final is None else np.array(grad_final, dtype=final.dtype)
+    d_queries = []
+    for (q, _), dr in zip(queries, grad_readouts):
+        if q is None:  # S_T at every token: Σ_t ∂r_t, as one column
+            total += np.sum(dr, axis=1)[..., None]
+            d_queries.append(None)
+        else:
+            total += np.einsum("bthk,bthv->bhkv", q, dr)
+            d_queries.append(np.einsum("bhkv,bthv->bthk", final, dr))
+    grads = adjoint_recurrent(s0, log_decay, writes, [], checkpoints, chunk, [], total, corrections,
+                              value_log_decay, value_corrections)
+    return grads._replace(queries=d_queries)
