@@ -2,10 +2,13 @@
 `Recurrence.vjp(..., backend="c")`.
 
 Its generated module is the NumPy parallel and chunkwise backward's (linrec.numpy.adjoint_derived) with the
-scans replaced: each state's per-token arrays of the decomposition — log-decay, rank-one corrections (u, w),
-writes (key, value), readout queries — go to C kernels (c.grad_kernels, templates/c_grad.c.j2) that run the
-forward token by token, keeping a checkpoint every `chunk_size` tokens (default √T), and then the adjoint
-recurrence in reverse, segment by segment, each segment's states recomputed from its checkpoint. The chain
+scans replaced: each state's per-token arrays of the decomposition — log-decay, rank-one corrections (u, w)
+or value-side ones (a, b), writes (key, value), readout queries — go to C kernels (c.grad_scans picks them:
+c.grad_kernels, c.grad_elementwise or c.grad_value_side) that run the forward token by token, keeping a
+checkpoint every `chunk_size` tokens (default √T), and then the adjoint recurrence in reverse, segment by
+segment, each segment's states recomputed from its checkpoint. A non-causal program's readouts are taken of
+the final state (c.grad_scans); a program derived in stages runs each stage's such module, from the last
+(linrec.stages.Staged: CBackend.staged_gradient_forms). The chain
 rule from the outputs to the readouts and from the per-token arrays to the inputs and params
 (compiler.adjoint.derive_decomposed) stays NumPy: O(T·d) work beside the kernels' O(T·dk·dv).
 
@@ -29,8 +32,10 @@ SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
 
 def why_not(compiled: Compiled) -> str | None:
     """Why the C backend does not build the recurrent backward of the program (a sentence about the program),
-    or None: it needs every state's update decomposed into a decay of its rows plus rank-one terms, read
-    through readouts q·S, in a causal program."""
+    or None: it needs every state's update decomposed (a decay of its rows or of its elements, or of both axes,
+    plus rank-one corrections on one side and writes), read through readouts q·S or as a vector state's
+    value, in a program that does not read the sequence (and is not derived in stages: those run stage by
+    stage, each stage a program of its own)."""
     reason = why_no_gradient(compiled, "recurrent")
     if reason:
         return reason
