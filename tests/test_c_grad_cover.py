@@ -144,10 +144,20 @@ def test_threads_give_the_same_gradients(recs, name, monkeypatch):
 
 def test_stages_run_their_c_backwards_from_the_last(recs):
     """The staged program's C backward is its stages' (the emitted module says so, each calling the kernels);
-    the stage that hands its vector state on reads it as a value, in the elementwise kernel."""
-    text = recs["preconditioned_deltanet"].emit_gradient("recurrent", "c")
+    the stage that hands its vector state on reads it as a value, in the elementwise kernel. Each stage's C
+    recurrent forward is a kernel of its own beside the whole program's, at the same sizes and dtype (the
+    stages share the program's source: the disk cache once gave one's kernel for the other)."""
+    rec = recs["preconditioned_deltanet"]
+    text = rec.emit_gradient("recurrent", "c")
     assert text.index("backward of stage 2") < text.index("backward of stage 1")
     assert text.count("adjoint_recurrent(") == 2
+    x, up, s0, gT = _call(rec, 1, 6, 2, seed=9)
+    for _ in range(2):  # (the whole program's forward after the stages', then before them)
+        whole = rec.run(x, initial_state=s0, dims=DIMS, backend="c")
+        got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c")
+        assert worst_error(got.outputs, whole.outputs) <= 1e-9
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    assert worst_error(got.grads, want.grads) <= 1e-9
 
 
 def test_the_kernels_take_the_numpy_scans_arguments():
