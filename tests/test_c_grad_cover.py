@@ -23,15 +23,17 @@ DIMS = {"dk": 5, "dv": 7}
 # token (z and c: the same kernel, each decay becomes one per element) and none; a matrix state with an
 # elementwise decay, two writes and readouts before and after the update; two value-side corrections under
 # decays of both axes; one under a scalar decay (carried on the value axis: gated_oja's kernel); a non-causal
-# program (its outputs read the final states), with a vector state read as a value
+# program (its outputs read the final states), with a vector state read as a value; states that stay their
+# initial states (`m = m`), unread and read
 PROGRAMS = {
     "vector_values": """recurrence vector_values(dk = 5, dv = 7)
 input x[dk], f[dk], g[dk], a
-state z[dk], c[dk], n[dk]
+state z[dk], c[dk], n[dk], m[dk]
 output y = z*sigmoid(g) + c*x
 z = sigmoid(f)*z + (1 − sigmoid(f))*x
 c = exp(−softplus(a))*c + x
 n = n + sigmoid(x)
+m = m
 output w = (g·z)*x + (x·c)*g + n*x
 """,
     "elementwise_before": """recurrence elementwise_before(dk = 5, dv = 7)
@@ -54,11 +56,12 @@ output o = q·S
 """,
     "final_reads": """recurrence final_reads(dk = 5, dv = 7) noncausal
 input q[dk], k[dk], v[dv], g <= 0, x[dk], f[dk]
-state S[dk, dv], z[dk]
+state S[dk, dv], z[dk], u[dk]
 S = exp(g)*S + k⊗v
 z = sigmoid(f)*z + x
+u = u
 output o = q·S
-output y = z*x + (q·z)*f
+output y = z*x + (q·z)*f + (f·u)*q
 """,
     "scalar_decay_value_correction": """recurrence scalar_decay_value_correction(dk = 5, dv = 7)
 input q[dk], k[dk], v[dv], g <= 0, beta in (0, 1)
@@ -191,6 +194,12 @@ state S[dk, dv]
 S = (I − beta·k⊗k)·S·diag(exp(gv)) + k⊗v
 output o = q·S
 """, "key side beside a decay of its value axis"),
+    "unchanging_value": ("""recurrence unchanging_value(dk = 4, dv = 4)
+input x[dk]
+state z[dk]
+z = z
+output y = z*x
+""", "neither decays nor is written"),
     "corrected_values": ("""recurrence corrected_values(dk = 4, dv = 4)
 input k[dk], beta in (0, 1)
 state z[dk]

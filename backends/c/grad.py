@@ -56,6 +56,9 @@ def why_not(compiled: Compiled) -> str | None:
         if t.corrections and t.value_decay is not None:
             return (f"'{t.state}' has rank-one corrections on the key side beside a decay of its value axis "
                     f"(`{t.state}·diag(…)`): the C backward does not take it")
+        if t.state in values and t.log_decay is None and not t.writes:
+            return (f"an output reads vector state '{t.state}' as a value, and it neither decays nor is written (it "
+                    f"stays its initial state): the C backward does not take it")
         if t.state in values and t.corrections:
             return (f"an output reads vector state '{t.state}' as a value, and its update has rank-one corrections: "
                     f"the C backward does not take it")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dsl.errors import LinrecError
+from ..numpy.adjoint_scan import ScanGrads
 from . import grad_elementwise, grad_kernels, grad_value_side
 
 
@@ -41,13 +42,23 @@ def _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
     return "value_side" if value_side else "elementwise" if elementwise else "rows"
 
 
+def _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections) -> bool:
+    """The state has no per-token arrays at all (`S = S`, read by no readout): it stays its initial state."""
+    return log_decay is None and value_log_decay is None and not (writes or queries or corrections or
+                                                                   value_corrections)
+
+
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
                         value_corrections=(), causal=True):
     """The forward of the recurrent backward (see the module's docstring)."""
+    if _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
+        state = np.array(s0, dtype=np.float32 if np.asarray(s0).dtype == np.float32 else np.float64)
+        return [], state, None
     if not causal:
-        _, final, checkpoints = _forward(s0, log_decay, writes, [], chunk, corrections, value_log_decay,
-                                         value_corrections)
-        tokens = np.shape(writes[0][0] if writes else log_decay)[1]
+        _, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, [], chunk, corrections, value_log_decay,
+                                                    value_corrections)
+        arrays = [a for pair in writes for a in pair] + [q for q, _ in queries if q is not None] + [log_decay]
+        tokens = np.shape(next(a for a in arrays if a is not None))[1]  # (a state read as it is has some: c.grad)
         return [_of_final(final, q, tokens) for q, _ in queries], final, checkpoints
     return _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections)
 
@@ -74,6 +85,11 @@ def _of_final(final, q, tokens: int):
 def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections=(),
                       value_log_decay=None, value_corrections=(), causal=True):
     """The adjoint recurrence, from the last segment (see the module's docstring)."""
+    if _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
+        state = np.asarray(s0)
+        dtype = np.float32 if state.dtype == np.float32 else np.float64
+        d_s0 = np.zeros(state.shape, dtype) if grad_final is None else np.array(grad_final, dtype=dtype)
+        return ScanGrads(None, [], [], d_s0, [], None)
     if not causal:
         return _final_read_backward(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
                                     corrections, value_log_decay, value_corrections)
@@ -91,7 +107,8 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
 def _final_read_backward(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections,
                          value_log_decay, value_corrections):
     """A non-causal program's backward: the readouts' adjoints into the final state's, then the kernels'."""
-    _, final, _ = _forward(s0, log_decay, writes, [], chunk, corrections, value_log_decay, value_corrections)
+    _, final, _ = adjoint_checkpoints(s0, log_decay, writes, [], chunk, corrections, value_log_decay,
+                                      value_corrections)  # (S_T again: the kernels keep no final state)
     total = np.zeros_like(final) if grad_final is None else np.array(grad_final, dtype=final.dtype)
     d_queries = []
     for (q, _), dr in zip(queries, grad_readouts):
