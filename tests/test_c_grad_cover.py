@@ -22,7 +22,7 @@ DIMS = {"dk": 5, "dv": 7}
 # vector states read as values before their update and after it, beside readouts q·z; decays per row, per
 # token (z and c: the same kernel, each decay becomes one per element) and none; a matrix state with an
 # elementwise decay, two writes and readouts before and after the update; two value-side corrections under
-# decays of both axes; one under a scalar decay (carried on the value axis: gated_oja's kernel); a non-causal
+# decays of both axes; two key-side ones beside a decay of the value axis; one under a scalar decay (carried on the value axis: gated_oja's kernel); a non-causal
 # program (its outputs read the final states), with a vector state read as a value; states that stay their
 # initial states (`m = m`), unread and read
 PROGRAMS = {
@@ -52,6 +52,15 @@ un = l2norm(u)
 state S[dk, dv]
 output p = q·S
 S = diag(sigmoid(a))·S·diag(exp(gv))·(I − beta·vn⊗vn − gamma·un⊗un) + beta·k⊗vn + k⊗un
+output o = q·S
+""",
+    "key_corrections_value_decay": """recurrence key_corrections_value_decay(dk = 5, dv = 7)
+input q[dk], k[dk], v[dv], u[dk], beta in (0, 1), gamma in (0, 1), gv[dv] <= 0, g[dk] <= 0
+kn = l2norm(k)
+un = l2norm(u)
+state S[dk, dv]
+output p = q·S
+S = (diag(exp(g)) − beta·kn⊗kn − gamma·un⊗un)·S·diag(exp(gv)) + kn⊗v + un⊗v
 output o = q·S
 """,
     "final_reads": """recurrence final_reads(dk = 5, dv = 7) noncausal
@@ -188,12 +197,6 @@ def test_the_kernels_take_the_numpy_scans_arguments():
 
 NOT_TAKEN = {  # (program, the structural reason the C backward gives)
     "softmax": ("examples/softmax.lin", "reads the sequence"),
-    "key_corrections_value_decay": ("""recurrence key_corrections_value_decay(dk = 4, dv = 4)
-input q[dk], k[dk], v[dv], beta in (0, 1), gv[dv] <= 0
-state S[dk, dv]
-S = (I − beta·k⊗k)·S·diag(exp(gv)) + k⊗v
-output o = q·S
-""", "key side beside a decay of its value axis"),
     "unchanging_value": ("""recurrence unchanging_value(dk = 4, dv = 4)
 input x[dk]
 state z[dk]

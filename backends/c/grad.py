@@ -53,9 +53,6 @@ def why_not(compiled: Compiled) -> str | None:
         if t.elementwise and (t.corrections or t.value_corrections or t.state in d.transposed):
             return (f"'{t.state}' decays elementwise (`X*{t.state}`) with rank-one corrections or in the transposed "
                     f"convention: the C backward does not take it")
-        if t.corrections and t.value_decay is not None:
-            return (f"'{t.state}' has rank-one corrections on the key side beside a decay of its value axis "
-                    f"(`{t.state}·diag(…)`): the C backward does not take it")
         if t.state in values and t.log_decay is None and not t.writes:
             return (f"an output reads vector state '{t.state}' as a value, and it neither decays nor is written (it "
                     f"stays its initial state): the C backward does not take it")

@@ -3,14 +3,16 @@ these two with linrec.numpy.adjoint_scan.decay_scan's and decay_scan_backward's 
 value-side corrections), as the NumPy chunkwise backward calls those, and they choose from the structure of
 the arrays, as decay_scan does:
 
-    a decay of the value axis or corrections on the value side     → c.grad_value_side (row by row)
+    a decay of the value axis or corrections on the value side     → c.grad_value_side (row by row; key-side
+                                                                      corrections beside a value-axis decay too)
     an elementwise decay (a log-decay [B, T, H, K, V]) or a state read as it is (a query None: a vector
     state an output uses as a value)                                → c.grad_elementwise (every element its own
                                                                       recurrence)
     else: a decay of the rows, rank-one corrections and writes, readouts q·S   → c.grad_kernels
 
 (No program has two of these at once: the decomposition has no elementwise decay beside a decay of the value
-axis, and no vector state has a value axis; c.grad.why_not refuses corrections beside the other two.)
+axis, and no vector state has a value axis; c.grad.why_not refuses corrections beside an elementwise decay or a
+read of the state as it is.)
 
     readouts, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(),
                                                        value_log_decay=None, value_corrections=(), causal=True)
@@ -35,10 +37,9 @@ def _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
     """The kernels that run a state's scans: "value_side", "elementwise" or "rows" (c.grad_kernels)."""
     value_side = value_log_decay is not None or bool(value_corrections)
     elementwise = np.ndim(log_decay) == 5 or any(q is None for q, _ in queries)
-    if corrections and (value_side or elementwise):  # (c.grad refuses such programs; a direct caller: why)
-        raise LinrecError("rank-one corrections on the key side beside a decay of the value axis, value-side "
-                          "corrections, an elementwise decay or a read of the state as it is: the C backward "
-                          "does not take them")
+    if corrections and (elementwise or value_corrections):  # (c.grad refuses such programs; a direct caller: why)
+        raise LinrecError("rank-one corrections on the key side beside value-side ones, an elementwise decay or a "
+                          "read of the state as it is: the C backward does not take them")
     return "value_side" if value_side else "elementwise" if elementwise else "rows"
 
 
@@ -67,7 +68,7 @@ def _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay
     which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
     if which == "value_side":
         return grad_value_side.value_side_checkpoints(s0, log_decay, writes, queries, chunk, value_log_decay,
-                                                      value_corrections)
+                                                      value_corrections, corrections)
     if which == "elementwise":
         return grad_elementwise.elementwise_checkpoints(s0, log_decay, writes, queries, chunk)
     return grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=corrections)
@@ -96,7 +97,8 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
     which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
     if which == "value_side":
         return grad_value_side.value_side_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
-                                                    grad_readouts, grad_final, value_log_decay, value_corrections)
+                                                    grad_readouts, grad_final, value_log_decay, value_corrections,
+                                                    corrections)
     if which == "elementwise":
         return grad_elementwise.elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
                                                       grad_readouts, grad_final)
