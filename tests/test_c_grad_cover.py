@@ -2,9 +2,10 @@
 (preconditioned DeltaNet: its stages' C backwards, from the last), elementwise decays (Mamba-1's
 `exp(A·diag(dt))*S`: templates/c_grad_elementwise.c.j2), vector states an output reads as values (HGRN-
 style `z*sigmoid(g)`: the same kernel), decays of the value axis and rank-one corrections on the value side
-(the gated Oja rule's `S·diag(exp(gv))·(I − β·v⊗v)`: templates/c_grad_value_side.c.j2), non-causal programs
-(readouts of the final state: linrec.c.grad_scans) — against the NumPy
-recurrent backward, the adjoint of the statements as written, at 1e-9 in float64 and 5e-4 in float32:
+(the gated Oja rule's `S·diag(exp(gv))·(I − β·v⊗v)`: templates/c_grad_value_side.c.j2, which also takes
+key-side corrections beside a decay of the value axis), non-causal programs (readouts of the final state:
+linrec.c.grad_scans) — against the NumPy recurrent backward, the adjoint of the statements as written, at
+1e-9 in float64 and 5e-4 in float32:
 ragged T, T = 1, several checkpoint intervals, strong decays, random initial states and final-state
 gradients; the same gradients on one thread and on four. One size (dk = 5, dv = 7, as tests/test_c_grad.py)
 so that the kernels are built once."""
