@@ -7,7 +7,9 @@ per-token inputs of the next stage's. `Staged` wraps a backend so that the drive
 program as about any other (registry.BACKENDS are wrapped): which forms it builds (those it builds for every
 stage), their source (the stages' in order) and the loaded form (`StagedModule`, which chains the stages'
 modules). The backward of a staged form (`StagedGradient`) runs the stages' backwards from the last. The
-recurrent form, the decode step and the recurrent backward run the program as written: they need no stages.
+recurrent form and the decode step run the program as written: they need no stages; so does the recurrent
+backward, but where a backend's is derived from the decomposition (which such a program has per stage: the C
+backward, `staged_gradient_forms`) it runs stage by stage too.
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ from .interface import Backend, Capabilities, Refusal
 STAGED_FORMS = ("parallel", "chunkwise")  # the forms a staged program runs stage by stage
 
 
-def in_stages(compiled: Compiled, form: str) -> bool:
-    """The form of this program runs stage after stage."""
-    return bool(compiled.decomposition.stages) and form in STAGED_FORMS
+def in_stages(compiled: Compiled, form: str, forms: tuple[str, ...] = STAGED_FORMS) -> bool:
+    """The form of this program runs stage after stage (`forms`: those that do, where it has stages)."""
+    return bool(compiled.decomposition.stages) and form in forms
 
 
 class Staged:
@@ -74,23 +76,33 @@ class Staged:
         return self.inner.recurrent_kernel(compiled)
 
     # ---- gradients: the stages' backwards in reverse stage order (docs/gradients.md) ----
+    def gradient_in_stages(self, compiled: Compiled, form: str) -> bool:
+        """The backward of this form runs stage by stage: the wrapped backend's backwards of that form are
+        derived from the decomposition (`staged_gradient_forms`; the parallel and chunkwise ones by default)."""
+        return in_stages(compiled, form, getattr(self.inner, "staged_gradient_forms", STAGED_FORMS))
+
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
-        if not in_stages(compiled, form):
+        if not self.gradient_in_stages(compiled, form):
             return self.inner.gradient_why_not(compiled, form)
         refused = self.why_not(compiled, form)  # (the backward of a form needs the form)
         if refused:
             return refused
+        for stage in compiled.decomposition.stages[:-1]:  # (the backward runs these stages' forwards)
+            refused = self.inner.why_not(stage_compiled(compiled, stage), form)
+            if refused:
+                return Refusal(f"stage {stage.number} of '{compiled.name}' (state(s) {', '.join(stage.states)}): "
+                               f"{refused.reason}", refused.advice)
         for stage in compiled.decomposition.stages:
             refused = self.inner.gradient_why_not(stage_compiled(compiled, stage), form)
             if refused:
-                return Refusal(f"'{compiled.name}' runs its {form} form in stages, and the {form} backward of "
+                return Refusal(f"'{compiled.name}' runs its {form} backward in stages, and the {form} backward of "
                                f"stage {stage.number} (state(s) {', '.join(stage.states)}) is not derived: "
                                f"{refused.reason}", refused.advice or
                                "the recurrent backward (form='recurrent') differentiates the program as written")
         return None
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
-        if not in_stages(compiled, form):
+        if not self.gradient_in_stages(compiled, form):
             return self.inner.emit_gradient(compiled, form)
         parts = []
         for stage in reversed(compiled.decomposition.stages):
@@ -99,7 +111,7 @@ class Staged:
         return "\n\n".join(parts)
 
     def load_gradient(self, compiled: Compiled, form: str):
-        if not in_stages(compiled, form):
+        if not self.gradient_in_stages(compiled, form):
             return self.inner.load_gradient(compiled, form)
         refused = self.gradient_why_not(compiled, form)
         if refused:

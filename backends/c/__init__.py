@@ -3,7 +3,8 @@ cached on disk.
 
     backend.py     the backend's entry points (why_not, emit, load) and the recurrent form's runtime
     grad.py        the recurrent backward (Recurrence.vjp): its generated module, whose adjoint recurrence
-                   runs in grad_kernels.py's kernels (c_grad.c.j2)
+                   runs in grad_kernels.py's kernels (c_grad.c.j2), grad_elementwise.py's (elementwise decays,
+                   vector states read as values) or grad_value_side.py's (the value side), as grad_scans.py picks
     fused.py       the fused recurrent kernel and decode step of a factorable recurrence (c_fused.c.j2),
                    planned by state_terms.py, block_region.py, step_region.py and passes.py as the records
                    of fused_plan.py; kernel_source.py: what it shares with statements.py
@@ -30,6 +31,9 @@ class CBackend:
     """linrec.interface.Backend for C."""
 
     name = "c"
+    # the backwards derived from the decomposition, which a program derived in stages has per stage: they run
+    # stage by stage (linrec.stages.Staged), the recurrent one too
+    staged_gradient_forms = ("recurrent", "parallel", "chunkwise")
 
     def why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         reason = backend.why_not(compiled, form)

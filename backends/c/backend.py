@@ -78,7 +78,9 @@ class Kernel:
         self._compiled = compiled
         # a cached kernel is found from the program and sizes alone: no rendering, no compiler run
         split = f" parts={parts}" if parts > 1 else ""  # (the unsplit kernels keep the alias they had)
-        alias = c_build.alias_key("recurrent", compiled.source, repr(sorted(self.dims.items())),
+        # (the program's name beside its source: each stage of a program derived in stages is a program of its
+        # own with the whole program's source, compiler.stage_compiled)
+        alias = c_build.alias_key("recurrent", compiled.source, compiled.name, repr(sorted(self.dims.items())),
                                   repr(self.target), repr(kernel_tunables()) + split,
                                   *(["bfloat16 state"] if state_is_bf16 else []))
         self.module = c_build.load_alias(alias)

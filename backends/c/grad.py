@@ -2,10 +2,13 @@
 `Recurrence.vjp(..., backend="c")`.
 
 Its generated module is the NumPy parallel and chunkwise backward's (linrec.numpy.adjoint_derived) with the
-scans replaced: each state's per-token arrays of the decomposition — log-decay, rank-one corrections (u, w),
-writes (key, value), readout queries — go to C kernels (c.grad_kernels, templates/c_grad.c.j2) that run the
-forward token by token, keeping a checkpoint every `chunk_size` tokens (default √T), and then the adjoint
-recurrence in reverse, segment by segment, each segment's states recomputed from its checkpoint. The chain
+scans replaced: each state's per-token arrays of the decomposition — log-decay, rank-one corrections (u, w)
+or value-side ones (a, b), writes (key, value), readout queries — go to C kernels (c.grad_scans picks them:
+c.grad_kernels, c.grad_elementwise or c.grad_value_side) that run the forward token by token, keeping a
+checkpoint every `chunk_size` tokens (default √T), and then the adjoint recurrence in reverse, segment by
+segment, each segment's states recomputed from its checkpoint. A non-causal program's readouts are taken of
+the final state (c.grad_scans); a program derived in stages runs each stage's such module, from the last
+(linrec.stages.Staged: CBackend.staged_gradient_forms). The chain
 rule from the outputs to the readouts and from the per-token arrays to the inputs and params
 (compiler.adjoint.derive_decomposed) stays NumPy: O(T·d) work beside the kernels' O(T·dk·dv).
 
@@ -21,39 +24,41 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad_kernels
+from ..numpy.derived import per_token
+from . import grad_scans
 
 SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
 
 
 def why_not(compiled: Compiled) -> str | None:
     """Why the C backend does not build the recurrent backward of the program (a sentence about the program),
-    or None: it needs every state's update decomposed into a decay of its rows plus rank-one terms, read
-    through readouts q·S, in a causal program."""
+    or None: it needs every state's update decomposed (a decay of its rows or of its elements, or of both axes,
+    plus rank-one corrections on one side and writes), read through readouts q·S or as a vector state's
+    value, in a program that does not read the sequence (and is not derived in stages: those run stage by
+    stage, each stage a program of its own)."""
     reason = why_no_gradient(compiled, "recurrent")
     if reason:
         return reason
     d = compiled.decomposition
-    if d.stages:  # (the decomposition is each stage's; the C kernels take one program's states whole)
-        return ("it is derived in stages (a state reads another's values): its C backward is not derived; the "
-                "NumPy backend differentiates it")
+    if d.stages:  # (the decomposition is each stage's: linrec.stages.Staged runs the backward stage by stage)
+        return ("it is derived in stages (a state reads another's values): its C backward runs stage by stage, "
+                "through the backend as the registry wraps it (linrec.stages.Staged)")
     if d.sequence is not None:
         return "the program reads the sequence (attention): its C backward is not derived"
-    if not compiled.program.causal:
-        return "the program is not causal (its outputs read the final states): its C backward is not derived"
     why = d.why_not("chunkwise")
     if why:
         return f"the C backward runs the decomposition of the updates, and there is none: {why}"
+    values = {r.state for r in d.readouts if r.is_value}
     for t in d.transitions:
-        if t.value_corrections:
-            return (f"'{t.state}' has a rank-one correction on the value side (`{t.state}·(I − a⊗b)`): the C "
-                    f"backward does not take it")
-        if t.value_decay is not None:
-            return f"'{t.state}' decays its value axis (`{t.state}·diag(…)`): the C backward does not take it"
-        if t.elementwise:
-            return f"'{t.state}' decays elementwise (`X*{t.state}`): the C backward does not take it"
-    if any(r.is_value for r in d.readouts):
-        return "an output reads a vector state as a value (not q·S): the C backward does not take it"
+        if t.elementwise and (t.corrections or t.value_corrections or t.state in d.transposed):
+            return (f"'{t.state}' decays elementwise (`X*{t.state}`) with rank-one corrections or in the transposed "
+                    f"convention: the C backward does not take it")
+        if t.state in values and t.log_decay is None and not t.writes:
+            return (f"an output reads vector state '{t.state}' as a value, and it neither decays nor is written (it "
+                    f"stays its initial state): the C backward does not take it")
+        if t.state in values and t.corrections:
+            return (f"an output reads vector state '{t.state}' as a value, and its update has rank-one corrections: "
+                    f"the C backward does not take it")
     return None
 
 
@@ -61,14 +66,46 @@ class _CEmitter(DecomposedEmitter):
     """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
     (which take the NumPy scans' arguments and give their results)."""
 
-    modules = MODULES | {grad_kernels.__name__: SCANS}
+    modules = MODULES | {grad_scans.__name__: SCANS}
     scans = SCANS
-    forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"
+    forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
     no_decay = "None  # no decay"  # (the kernel skips it, rather than decay by exp(0))
 
     def __init__(self, compiled: Compiled):
         super().__init__(compiled, "recurrent")
+        # each state's value-side corrections (a, b): + (D·S_(t−1)·a) ⊗ b (the NumPy decomposed backward has none)
+        self.value_corrections = {t.state: self.em.fresh(f"{self.em.name(t.state)}_value_corrections")
+                                  for t in compiled.decomposition.transitions if t.value_corrections}
+
+    def optional_arrays(self, state: str) -> str:
+        """The NumPy one's, the state's value-side corrections, and causal=False where the outputs read the final
+        states (c.grad_scans takes those readouts of the final state)."""
+        extra = f", value_corrections={self.value_corrections[state]}" if state in self.value_corrections else ""
+        return super().optional_arrays(state) + extra + ("" if self.p.causal else ", causal=False")
+
+    def state_forward(self, st, prelude) -> list[str]:
+        """The NumPy one's, the state's value-side corrections' per-token arrays before its scan."""
+        lines = super().state_forward(st, prelude)
+        if st.name not in self.value_corrections:
+            return lines
+        t, em, n = self.c.decomposition.transition(st.name), self.em, self.em.name
+        shape = tuple(reversed(st.shape)) if st.name in self.c.decomposition.transposed else st.shape
+        cols = n(shape[1])
+        pairs = ", ".join(f"({per_token(prelude(em.refold(a)), cols, not a.shape)}, "
+                          f"{per_token(prelude(em.refold(b)), cols, not b.shape)})" for a, b in t.value_corrections)
+        scan = next(i for i, line in enumerate(lines) if f"= {self.forward_scan}(" in line)
+        return lines[:scan] + [f"{self.value_corrections[st.name]} = [{pairs}]"] + lines[scan:]
+
+    def state_backward(self, st) -> list[str]:
+        """The NumPy one's, and the seeds of the value-side corrections' adjoints (the kernels give them in
+        ScanGrads.corrections: a state has corrections on one side only)."""
+        lines = super().state_backward(st)
+        g = self.arrays[st.name].grads
+        for j, (a, b) in enumerate(self.c.decomposition.transition(st.name).value_corrections):
+            self.seeds[f"{st.name}.value_correction{j}_a"] = f"{g}.corrections[{j}][0]" + ("" if a.shape else "[..., 0]")
+            self.seeds[f"{st.name}.value_correction{j}_b"] = f"{g}.corrections[{j}][1]" + ("" if b.shape else "[..., 0]")
+        return lines
 
     def chunk_code(self) -> str:
         return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_kernels.default_segment)"

@@ -133,8 +133,9 @@ class DecomposedEmitter(BackwardEmitter):
             val = per_token(prelude(em.refold(value)), cols, not value.shape) if value is not None else \
                 "np.ones((batch, tokens, heads, 1), dtype)"
             pairs.append(f"({per_token(prelude(em.refold(key)), rows, not key.shape)}, {val})")
-        if t.value_log_decay is not None:  # S·diag(e^m): one log-decay per value column
-            lines.append(f"{a.value_log_decay} = {per_token(prelude(em.refold(t.value_log_decay)), cols, False)}")
+        if t.value_log_decay is not None:  # S·diag(e^m): one log-decay per value column (a scalar: the same for all)
+            scalar = not t.value_log_decay.shape
+            lines.append(f"{a.value_log_decay} = {per_token(prelude(em.refold(t.value_log_decay)), cols, scalar)}")
         lines.append(f"{writes} = [" + ", ".join(pairs) + "]")
         def along_rows(x):  # a vector over the rows, or (beside an elementwise decay) a matrix: one per column
             return per_token(prelude(em.refold(x)), f"{rows}, {cols}" if len(x.shape) == 2 else rows, not x.shape)
@@ -226,7 +227,8 @@ class DecomposedEmitter(BackwardEmitter):
         if t.log_decay is not None:
             self.seeds[f"{st.name}.log_decay"] = f"{g}.log_decay" + ("" if t.log_decay.shape else "[..., 0]")
         if t.value_log_decay is not None:
-            self.seeds[f"{st.name}.value_log_decay"] = f"{g}.value_log_decay"
+            self.seeds[f"{st.name}.value_log_decay"] = f"{g}.value_log_decay" + \
+                ("" if t.value_log_decay.shape else ".sum(axis=-1)")  # (a scalar, broadcast over the columns)
         for j, (key, value) in enumerate(t.writes):
             self.seeds[f"{st.name}.key{j}"] = f"{g}.writes[{j}][0]" + ("" if key.shape else "[..., 0]")
             if value is not None:

@@ -1,0 +1,144 @@
+"""The recurrent backward's kernels in C for a state whose every element is a recurrence of its own
+(templates/c_grad_elementwise.c.j2): an elementwise decay, S_t = exp(L_t) ⊙ S_(t−1) + Σ κ ⊗ x (Mamba-1's
+`exp(A·diag(dt))*S`), and a vector state, whose decay — none, per token or per element — is one too, with
+readouts q·S or the state itself (a vector state an output uses as a value: a query None).
+
+    readouts, final, checkpoints = elementwise_checkpoints(s0, log_decay, writes, queries, chunk)
+    grads = elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final)
+
+take linrec.numpy.adjoint_scan.decay_scan's and decay_scan_backward's arguments and give their results
+(ScanGrads; no corrections): s0 [B, H, K, V] (a vector state: V = 1); log_decay None, [B, T, H, 1 | K] or,
+elementwise, [B, T, H, K, V]; writes [(key [B, T, H, K], value [B, T, H, V])]; queries [(q [B, T, H, K] or
+None, before_update)] — a readout with no query gives the state itself, [B, T, H, K·V]. A kernel is
+specialized per structure (decay or none, the number of writes, each readout's query and place), per size
+and per dtype, built once through c_build and memoized, as c.grad_kernels' are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dsl.errors import RuntimeInputError
+from ..numpy.adjoint_scan import ScanGrads
+from ..templating import environment
+from ..version import VERSION
+from . import build as c_build
+from .build import CTYPES
+from .grad_calls import Call, backward, forward, lead_and_state
+from .kernel_source import Target, common_context
+from .scan_kernels import cached_kernel, operand
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Everything one kernel is specialized for."""
+
+    decay: bool                # a log-decay per element and token
+    writes: int                # writes (key, value)
+    reads: tuple[tuple[bool, bool], ...]  # per readout: (has a query, reads the state before the update)
+    dk: int
+    dv: int
+    ctype: str
+    vector_bytes: int
+
+    @property
+    def widths(self) -> list[int]:
+        """Values per token of each per-token array, in the kernel's order: [log-decay,] key_0, value_0, …,
+        the queries."""
+        return [self.dk * self.dv] * self.decay + [self.dk, self.dv] * self.writes + \
+            [self.dk for query, _ in self.reads if query]
+
+    @property
+    def read_widths(self) -> list[int]:
+        return [self.dv if query else self.dk * self.dv for query, _ in self.reads]
+
+    def describe(self) -> str:
+        reads = ", ".join(("q·S" if query else "S") + (" before" if before else " after")
+                          for query, before in self.reads) or "none"
+        return (f"{'a log-decay per element' if self.decay else 'no decay'}; {self.writes} write(s); readouts: "
+                f"{reads}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
+
+
+def render(s: Structure) -> str:
+    query, index = [], int(s.decay) + 2 * s.writes
+    for has_query, _ in s.reads:
+        query.append(index if has_query else -1)
+        index += has_query
+    return environment(__package__).get_template("c_grad_elementwise.c.j2").render(
+        **common_context(Target(s.ctype, s.vector_bytes)), block_tokens=1, inputs=[], checks_inputs=False,
+        version=VERSION, description=s.describe(), dk=s.dk, dv=s.dv, decay=int(s.decay), writes=s.writes,
+        readouts=len(s.reads), n_inputs=len(s.widths), before=", ".join("1" if b else "0" for _, b in s.reads),
+        query=", ".join(map(str, query)), read_widths=", ".join(map(str, s.read_widths)))
+
+
+def cdef(s: Structure) -> str:
+    t = s.ctype
+    args = f"{t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads"
+    return (f"int lr_ew_forward(const {t} *s0, {t} *sT, {args}, {t} *ckpt, int seg);\n"
+            f"int lr_ew_backward(const {t} *gT, {t} *ds0, {args}, const {t} *ckpt, int seg);\n")
+
+
+def kernel(s: Structure):
+    """The built extension (ffi, lib) for a structure."""
+    label = f"grad_elementwise_{'decay' if s.decay else 'none'}_w{s.writes}_r{len(s.reads)}_{s.ctype}"
+    return cached_kernel(s, "grad_elementwise", label, lambda: render(s), cdef(s))
+
+
+def _per_element(log_decay, lead: tuple, dk: int, dv: int) -> np.ndarray:
+    """The log-decay of every element, [B, T, H, K·V]: an elementwise one as it is, a per-row or per-token one
+    broadcast along what it is the same for."""
+    x = np.asarray(log_decay)
+    if x.ndim == 4:  # [B, T, H, 1 | K]: the same for every column (and row)
+        x = np.broadcast_to(x[..., None], lead + (dk, dv))
+    if x.shape != lead + (dk, dv):
+        raise RuntimeInputError(f"the log-decay of the recurrent backward should have shape "
+                                f"{list(lead + (dk, dv))} but has shape {list(x.shape)}")
+    return x.reshape(lead + (dk * dv,))
+
+
+def _prepare(s0, log_decay, writes, queries) -> Call:
+    per_token = [a for pair in writes for a in pair] + [q for q, _ in queries if q is not None] + \
+        ([] if log_decay is None else [log_decay])
+    state, lead = lead_and_state(s0, per_token)
+    dk, dv = state.shape[2:]
+    s = Structure(log_decay is not None, len(writes), tuple((q is not None, bool(b)) for q, b in queries), dk, dv,
+                  CTYPES[state.dtype], c_build.vector_bytes())
+    arrays = ([] if log_decay is None else [_per_element(log_decay, lead, dk, dv)]) + \
+        [a for pair in writes for a in pair] + [q for q, _ in queries if q is not None]
+    ops = [operand(a, state.dtype, lead + (n,), "a per-token array of the recurrent backward")
+           for a, n in zip(arrays, s.widths)]
+    return Call(s, state, ops, lead)
+
+
+def elementwise_checkpoints(s0, log_decay, writes, queries, chunk, num_threads=None):
+    """The forward: ([readout [B, T, H, V], or the state itself [B, T, H, K·V]], final state [B, H, K, V], the
+    state before every chunk [B, H, ⌈T/chunk⌉, K, V])."""
+    c = _prepare(s0, log_decay, writes, queries)
+    return forward(c, kernel(c.structure), "lr_ew_forward", c.structure.read_widths, chunk, num_threads)
+
+
+def elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
+                          num_threads=None) -> ScanGrads:
+    """The backward, as linrec.numpy.adjoint_scan.decay_scan_backward's (the log-decay's gradient in the shape
+    the log-decay was given; a readout with no query has none), from the readouts' gradients and the final
+    state's (None: zero); checkpoints and chunk as elementwise_checkpoints gave and took them."""
+    c = _prepare(s0, log_decay, writes, queries)
+    s = c.structure
+    outs, d_s0 = backward(c, kernel(s), "lr_ew_backward", s.read_widths, checkpoints, chunk, grad_readouts,
+                          grad_final, num_threads)
+    it = iter(outs)
+    d_log_decay = None if log_decay is None else _as_given(next(it), np.shape(log_decay), c.lead, s)
+    d_writes = [(next(it), next(it)) for _ in writes]
+    d_queries = [None if q is None else next(it) for q, _ in queries]
+    return ScanGrads(d_log_decay, d_writes, d_queries, d_s0, [], None)
+
+
+def _as_given(d, shape: tuple, lead: tuple, s: Structure) -> np.ndarray:
+    """The gradient of the per-element log-decays [B, T, H, K·V], summed back to the shape the log-decay was
+    given: [B, T, H, K, V], or [B, T, H, K | 1] (summed over the columns, and the rows)."""
+    d = d.reshape(lead + (s.dk, s.dv))
+    if len(shape) == 5:
+        return d
+    d = d.sum(axis=-1)
+    return d if shape[-1] == s.dk else d.sum(axis=-1, keepdims=True)

@@ -1,0 +1,125 @@
+"""Which C kernel runs a state's scans in the recurrent backward on C (c.grad): the generated module calls
+these two with linrec.numpy.adjoint_scan.decay_scan's and decay_scan_backward's arguments (and a state's
+value-side corrections), as the NumPy chunkwise backward calls those, and they choose from the structure of
+the arrays, as decay_scan does:
+
+    a decay of the value axis or corrections on the value side     → c.grad_value_side (row by row; key-side
+                                                                      corrections beside a value-axis decay too)
+    an elementwise decay (a log-decay [B, T, H, K, V]) or a state read as it is (a query None: a vector
+    state an output uses as a value)                                → c.grad_elementwise (every element its own
+                                                                      recurrence)
+    else: a decay of the rows, rank-one corrections and writes, readouts q·S   → c.grad_kernels
+
+(No program has two of these at once: the decomposition has no elementwise decay beside a decay of the value
+axis, and no vector state has a value axis; c.grad.why_not refuses corrections beside an elementwise decay or a
+read of the state as it is.)
+
+    readouts, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(),
+                                                       value_log_decay=None, value_corrections=(), causal=True)
+    grads = adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
+                              corrections=(), value_log_decay=None, value_corrections=(), causal=True)
+
+causal=False: a non-causal program's readouts read the final state (every token's q_t·S_T): the kernels run
+without readouts, the readouts are taken of the final state here, and their adjoints Σ_t q_t ⊗ ∂r_t join the
+final state's gradient before the kernels' backward (which runs the forward once more for S_T, to give
+∂q_t = S_T ∂r_t).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dsl.errors import LinrecError
+from ..numpy.adjoint_scan import ScanGrads
+from . import grad_elementwise, grad_kernels, grad_value_side
+
+
+def _kernel(log_decay, queries, corrections, value_log_decay, value_corrections) -> str:
+    """The kernels that run a state's scans: "value_side", "elementwise" or "rows" (c.grad_kernels)."""
+    value_side = value_log_decay is not None or bool(value_corrections)
+    elementwise = np.ndim(log_decay) == 5 or any(q is None for q, _ in queries)
+    if corrections and (elementwise or value_corrections):  # (c.grad refuses such programs; a direct caller: why)
+        raise LinrecError("rank-one corrections on the key side beside value-side ones, an elementwise decay or a "
+                          "read of the state as it is: the C backward does not take them")
+    return "value_side" if value_side else "elementwise" if elementwise else "rows"
+
+
+def _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections) -> bool:
+    """The state has no per-token arrays at all (`S = S`, read by no readout): it stays its initial state."""
+    return log_decay is None and value_log_decay is None and not (writes or queries or corrections or
+                                                                   value_corrections)
+
+
+def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
+                        value_corrections=(), causal=True):
+    """The forward of the recurrent backward (see the module's docstring)."""
+    if _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
+        state = np.array(s0, dtype=np.float32 if np.asarray(s0).dtype == np.float32 else np.float64)
+        return [], state, None
+    if not causal:
+        _, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, [], chunk, corrections, value_log_decay,
+                                                    value_corrections)
+        arrays = [a for pair in writes for a in pair] + [q for q, _ in queries if q is not None] + [log_decay]
+        tokens = np.shape(next(a for a in arrays if a is not None))[1]  # (a state read as it is has some: c.grad)
+        return [_of_final(final, q, tokens) for q, _ in queries], final, checkpoints
+    return _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections)
+
+
+def _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections):
+    which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
+    if which == "value_side":
+        return grad_value_side.value_side_checkpoints(s0, log_decay, writes, queries, chunk, value_log_decay,
+                                                      value_corrections, corrections)
+    if which == "elementwise":
+        return grad_elementwise.elementwise_checkpoints(s0, log_decay, writes, queries, chunk)
+    return grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=corrections)
+
+
+def _of_final(final, q, tokens: int):
+    """A non-causal readout, of the final state [B, H, K, V] at every token: q·S_T [B, T, H, V], or (no query:
+    a vector state read as it is) S_T itself at every token [B, T, H, K]."""
+    if q is None:
+        batch, heads, rows = final.shape[:3]
+        return np.broadcast_to(final[:, None, :, :, 0], (batch, tokens, heads, rows))
+    return np.einsum("bthk,bhkv->bthv", q, final)
+
+
+def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections=(),
+                      value_log_decay=None, value_corrections=(), causal=True):
+    """The adjoint recurrence, from the last segment (see the module's docstring)."""
+    if _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
+        state = np.asarray(s0)
+        dtype = np.float32 if state.dtype == np.float32 else np.float64
+        d_s0 = np.zeros(state.shape, dtype) if grad_final is None else np.array(grad_final, dtype=dtype)
+        return ScanGrads(None, [], [], d_s0, [], None)
+    if not causal:
+        return _final_read_backward(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
+                                    corrections, value_log_decay, value_corrections)
+    which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
+    if which == "value_side":
+        return grad_value_side.value_side_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
+                                                    grad_readouts, grad_final, value_log_decay, value_corrections,
+                                                    corrections)
+    if which == "elementwise":
+        return grad_elementwise.elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
+                                                      grad_readouts, grad_final)
+    return grad_kernels.adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts,
+                                          grad_final, corrections=corrections)
+
+
+def _final_read_backward(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections,
+                         value_log_decay, value_corrections):
+    """A non-causal program's backward: the readouts' adjoints into the final state's, then the kernels'."""
+    _, final, _ = adjoint_checkpoints(s0, log_decay, writes, [], chunk, corrections, value_log_decay,
+                                      value_corrections)  # (S_T again: the kernels keep no final state)
+    total = np.zeros_like(final) if grad_final is None else np.array(grad_final, dtype=final.dtype)
+    d_queries = []
+    for (q, _), dr in zip(queries, grad_readouts):
+        if q is None:  # S_T at every token: Σ_t ∂r_t, as one column
+            total += np.sum(dr, axis=1)[..., None]
+            d_queries.append(None)
+        else:
+            total += np.einsum("bthk,bthv->bhkv", q, dr)
+            d_queries.append(np.einsum("bhkv,bthv->bthk", final, dr))
+    grads = adjoint_recurrent(s0, log_decay, writes, [], checkpoints, chunk, [], total, corrections,
+                              value_log_decay, value_corrections)
+    return grads._replace(queries=d_queries)
