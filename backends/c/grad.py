@@ -7,7 +7,7 @@ or value-side ones (a, b), writes (key, value), readout queries — go to C kern
 c.grad_kernels, c.grad_elementwise or c.grad_value_side) that run the forward token by token, keeping a
 checkpoint every `chunk_size` tokens (default √T), and then the adjoint recurrence in reverse, segment by
 segment, each segment's states recomputed from its checkpoint. A non-causal program's readouts are taken of
-the final state (c.grad_scans); a program derived in stages runs each stage's such module, from the last
+the final state by the module itself (as the NumPy one does); a program derived in stages runs each stage's such module, from the last
 (linrec.stages.Staged: CBackend.staged_gradient_forms). The chain
 rule from the outputs to the readouts and from the per-token arrays to the inputs and params
 (compiler.adjoint.derive_decomposed) stays NumPy: O(T·d) work beside the kernels' O(T·dk·dv).
@@ -24,7 +24,6 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from ..numpy.derived import per_token
 from . import grad_scans
 
 SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
@@ -74,38 +73,6 @@ class _CEmitter(DecomposedEmitter):
 
     def __init__(self, compiled: Compiled):
         super().__init__(compiled, "recurrent")
-        # each state's value-side corrections (a, b): + (D·S_(t−1)·a) ⊗ b (the NumPy decomposed backward has none)
-        self.value_corrections = {t.state: self.em.fresh(f"{self.em.name(t.state)}_value_corrections")
-                                  for t in compiled.decomposition.transitions if t.value_corrections}
-
-    def optional_arrays(self, state: str) -> str:
-        """The NumPy one's, the state's value-side corrections, and causal=False where the outputs read the final
-        states (c.grad_scans takes those readouts of the final state)."""
-        extra = f", value_corrections={self.value_corrections[state]}" if state in self.value_corrections else ""
-        return super().optional_arrays(state) + extra + ("" if self.p.causal else ", causal=False")
-
-    def state_forward(self, st, prelude) -> list[str]:
-        """The NumPy one's, the state's value-side corrections' per-token arrays before its scan."""
-        lines = super().state_forward(st, prelude)
-        if st.name not in self.value_corrections:
-            return lines
-        t, em, n = self.c.decomposition.transition(st.name), self.em, self.em.name
-        shape = tuple(reversed(st.shape)) if st.name in self.c.decomposition.transposed else st.shape
-        cols = n(shape[1])
-        pairs = ", ".join(f"({per_token(prelude(em.refold(a)), cols, not a.shape)}, "
-                          f"{per_token(prelude(em.refold(b)), cols, not b.shape)})" for a, b in t.value_corrections)
-        scan = next(i for i, line in enumerate(lines) if f"= {self.forward_scan}(" in line)
-        return lines[:scan] + [f"{self.value_corrections[st.name]} = [{pairs}]"] + lines[scan:]
-
-    def state_backward(self, st) -> list[str]:
-        """The NumPy one's, and the seeds of the value-side corrections' adjoints (the kernels give them in
-        ScanGrads.corrections: a state has corrections on one side only)."""
-        lines = super().state_backward(st)
-        g = self.arrays[st.name].grads
-        for j, (a, b) in enumerate(self.c.decomposition.transition(st.name).value_corrections):
-            self.seeds[f"{st.name}.value_correction{j}_a"] = f"{g}.corrections[{j}][0]" + ("" if a.shape else "[..., 0]")
-            self.seeds[f"{st.name}.value_correction{j}_b"] = f"{g}.corrections[{j}][1]" + ("" if b.shape else "[..., 0]")
-        return lines
 
     def chunk_code(self) -> str:
         return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_kernels.default_segment)"

@@ -15,14 +15,12 @@ axis, and no vector state has a value axis; c.grad.why_not refuses corrections b
 read of the state as it is.)
 
     readouts, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(),
-                                                       value_log_decay=None, value_corrections=(), causal=True)
+                                                       value_log_decay=None, value_corrections=())
     grads = adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
-                              corrections=(), value_log_decay=None, value_corrections=(), causal=True)
+                              corrections=(), value_log_decay=None, value_corrections=())
 
-causal=False: a non-causal program's readouts read the final state (every token's q_t·S_T): the kernels run
-without readouts, the readouts are taken of the final state here, and their adjoints Σ_t q_t ⊗ ∂r_t join the
-final state's gradient before the kernels' backward (which runs the forward once more for S_T, to give
-∂q_t = S_T ∂r_t).
+(A non-causal program's readouts read the final state: the generated module calls these without readouts and
+takes them, and their adjoints, itself — numpy.adjoint_derived.DecomposedEmitter.)
 """
 from __future__ import annotations
 
@@ -50,17 +48,11 @@ def _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_
 
 
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
-                        value_corrections=(), causal=True):
+                        value_corrections=()):
     """The forward of the recurrent backward (see the module's docstring)."""
     if _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.array(s0, dtype=np.float32 if np.asarray(s0).dtype == np.float32 else np.float64)
         return [], state, None
-    if not causal:
-        _, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, [], chunk, corrections, value_log_decay,
-                                                    value_corrections)
-        arrays = [a for pair in writes for a in pair] + [q for q, _ in queries if q is not None] + [log_decay]
-        tokens = np.shape(next(a for a in arrays if a is not None))[1]  # (a state read as it is has some: c.grad)
-        return [_of_final(final, q, tokens) for q, _ in queries], final, checkpoints
     return _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections)
 
 
@@ -74,26 +66,14 @@ def _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay
     return grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=corrections)
 
 
-def _of_final(final, q, tokens: int):
-    """A non-causal readout, of the final state [B, H, K, V] at every token: q·S_T [B, T, H, V], or (no query:
-    a vector state read as it is) S_T itself at every token [B, T, H, K]."""
-    if q is None:
-        batch, heads, rows = final.shape[:3]
-        return np.broadcast_to(final[:, None, :, :, 0], (batch, tokens, heads, rows))
-    return np.einsum("bthk,bhkv->bthv", q, final)
-
-
 def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections=(),
-                      value_log_decay=None, value_corrections=(), causal=True):
+                      value_log_decay=None, value_corrections=()):
     """The adjoint recurrence, from the last segment (see the module's docstring)."""
     if _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.asarray(s0)
         dtype = np.float32 if state.dtype == np.float32 else np.float64
         d_s0 = np.zeros(state.shape, dtype) if grad_final is None else np.array(grad_final, dtype=dtype)
         return ScanGrads(None, [], [], d_s0, [], None)
-    if not causal:
-        return _final_read_backward(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
-                                    corrections, value_log_decay, value_corrections)
     which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
     if which == "value_side":
         return grad_value_side.value_side_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
@@ -104,22 +84,3 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
                                                       grad_readouts, grad_final)
     return grad_kernels.adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts,
                                           grad_final, corrections=corrections)
-
-
-def _final_read_backward(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections,
-                         value_log_decay, value_corrections):
-    """A non-causal program's backward: the readouts' adjoints into the final state's, then the kernels'."""
-    _, final, _ = adjoint_checkpoints(s0, log_decay, writes, [], chunk, corrections, value_log_decay,
-                                      value_corrections)  # (S_T again: the kernels keep no final state)
-    total = np.zeros_like(final) if grad_final is None else np.array(grad_final, dtype=final.dtype)
-    d_queries = []
-    for (q, _), dr in zip(queries, grad_readouts):
-        if q is None:  # S_T at every token: Σ_t ∂r_t, as one column
-            total += np.sum(dr, axis=1)[..., None]
-            d_queries.append(None)
-        else:
-            total += np.einsum("bthk,bthv->bhkv", q, dr)
-            d_queries.append(np.einsum("bhkv,bthv->bthk", final, dr))
-    grads = adjoint_recurrent(s0, log_decay, writes, [], checkpoints, chunk, [], total, corrections,
-                              value_log_decay, value_corrections)
-    return grads._replace(queries=d_queries)

@@ -15,8 +15,7 @@ read q·S only (and a program read as S·q is carried transposed already, compil
 
 take linrec.numpy.adjoint_scan.decay_scan's and decay_scan_backward's arguments (log_decay None or
 [B, T, H, 1 | K]; value_log_decay None or [B, T, H, V]; value_corrections [(a [B, T, H, V], b [B, T, H, V])])
-and give ScanGrads, the value-side corrections' gradients (∂a, ∂b) in its `corrections` (a state has
-corrections on one side only). Key-side corrections (u, w) beside a decay of the value axis,
+and give ScanGrads, the value-side corrections' gradients (∂a, ∂b) in its `value_corrections`. Key-side corrections (u, w) beside a decay of the value axis,
 S_t = (D_t·S_(t−1) + Σ_r u_r ⊗ (w_r·S_(t−1)))·diag(e^m_t) + Σ κ ⊗ x, run here too (`corrections=`; KEYSIDE in
 the template): each column of that update is its own recurrence.
 """
@@ -125,7 +124,7 @@ def value_side_checkpoints(s0, log_decay, writes, queries, chunk, value_log_deca
 
 def value_side_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
                          value_log_decay=None, value_corrections=(), corrections=(), num_threads=None) -> ScanGrads:
-    """The backward (ScanGrads; the corrections' gradients, on whichever side, in `corrections`), from the
+    """The backward (ScanGrads, as decay_scan_backward gives it), from the
     readouts' gradients and the final state's (None: zero); checkpoints and chunk as value_side_checkpoints
     gave and took them."""
     c = _prepare(s0, log_decay, writes, queries, value_log_decay, value_corrections, corrections)
@@ -138,4 +137,6 @@ def value_side_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, gra
     d_corrections = [(next(it), next(it)) for _ in range(s.corrections)]
     d_writes = [(next(it), next(it)) for _ in writes]
     d_queries = [next(it) for _ in queries]
+    if value_corrections:  # (a state has corrections on one side only: the kernel's are the value side's)
+        return ScanGrads(d_log_decay, d_writes, d_queries, d_s0, [], d_value_log_decay, d_corrections)
     return ScanGrads(d_log_decay, d_writes, d_queries, d_s0, d_corrections, d_value_log_decay)
