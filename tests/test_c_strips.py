@@ -5,8 +5,8 @@ strip of columns, each strip a contiguous copy that stays in L1 for a block of 6
 dk = 128 rows take strips of two registers (32 float32 columns, 16 float64), so dv = 128 and dv = 64 run in
 several strips; 150 tokens cross two block ends and end in a partial block; strong decays make tokens slow
 (the decay applied to the strip's rows) as the lazy scale leaves its range. Tolerances as in
-test_c_backend.py: 1e-10 (float64), 2e-5 (float32). Two kernels are built, one per case (the second test
-shares the first's).
+test_c_backend.py: 1e-10 (float64), 2e-5 (float32). Three kernels are built, one per case (the snapshots'
+test shares the first's).
 """
 from __future__ import annotations
 
@@ -36,6 +36,18 @@ def test_strips_match_the_recurrent_form(linrec, name, dims, dtype):
     inputs = rec.random_inputs(batch=1, tokens=150, heads=2, dims=dims, seed=11, decay_scale=10.0)
     rtol = F64_RTOL if dtype == np.float64 else F32_RTOL
     compare(rec, inputs, random_state(rec, 1, 2, dims, np.float64, 11), dtype, rtol)
+
+
+def test_strips_too_tall_to_copy_run_in_place(linrec):
+    """dk = 520 rows of a float64 strip of two registers (16 columns) take more than STRIP_COPY_BYTES: the
+    strips run on the state's own rows, 32 columns apart."""
+    rec = linrec.load(EXAMPLES / "gated_deltanet.lin")
+    dims = {"dk": 520, "dv": 32}
+    source = rec.module("recurrent", "c").source(np.float64, dims)
+    assert "for (int js = 0; js < 32; js += 16)" in source
+    assert "strip_st_S" not in source
+    inputs = rec.random_inputs(batch=1, tokens=70, heads=1, dims=dims, seed=13, decay_scale=10.0)
+    compare(rec, inputs, random_state(rec, 1, 1, dims, np.float64, 13), np.float64, F64_RTOL)
 
 
 def test_strips_write_snapshots_and_agree_across_threads(linrec):

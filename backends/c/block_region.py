@@ -18,8 +18,8 @@ from ..compiler.linearity import ONE
 from .fused_plan import (BlockRegion, BlockVectorPass, CorrectionOperands, LazyStore, OutputRow, RangeCheck,
                          RightVector, RowsLazyDecay, ScalarLazyDecay, ScaleGroup, TokenPass, TokenUpdate, VectorRead)
 from .kernel_source import InputArray, KernelSource
-from .passes import (REGISTER_BUDGET, Decay, MatrixOperands, ReadoutOperands, column_block, correction_arrays,
-                     correction_pass, divisor_at_most, row_pass, strip_registers, tiled_pass)
+from .passes import (REGISTER_BUDGET, STRIP_COPY_BYTES, Decay, MatrixOperands, ReadoutOperands, column_block,
+                     correction_arrays, correction_pass, divisor_at_most, row_pass, strip_registers, tiled_pass)
 from .printer import CPrinter
 from .stabilize import Scales
 from .state_terms import StateTerms, state_terms
@@ -385,7 +385,8 @@ class _BlockRegionPlanner:
         # apart, so a strip of them falls into a few of L1's sets and leaves it, token after token (measured:
         # no faster than the whole rows at d = 128 in place, 1.4× faster as a copy)
         width = registers * lanes
-        strip = self.k.local("strip", s.c) if width < s.cols_padded else None
+        copied = width < s.cols_padded and s.rows * registers * vector_bytes <= STRIP_COPY_BYTES
+        strip = self.k.local("strip", s.c) if copied else None
         buffer, ld = ops.state, ops.ld
         if strip:
             ops = replace(ops, state=strip, ld=width)

@@ -81,6 +81,9 @@ def column_block(whole_registers: int, live_per_register: int) -> int:
 # A strip of a state's columns (a pass token after token, see strip_registers) stays in L1 for a block of
 # tokens when its rows take at most this many bytes.
 STRIP_BYTES = 16 * 1024
+# … and is copied to a contiguous buffer on the thread's stack when it takes at most this many (a larger one,
+# dk > 512 in float32, leaves L1 whatever its layout: it runs in place, and the stack stays small)
+STRIP_COPY_BYTES = 64 * 1024
 
 
 def strip_registers(rows: int, whole_registers: int, most: int, vector_bytes: int) -> int:
