@@ -308,7 +308,9 @@ class TokenUpdate:
 class TokenPass:
     """Phase 2 for a matrix state with corrections: token after token. The pass that updates Ŝ for token u
     also forms p = wᵀŜ for token u + 1 (its w is known: phase 1 computed it), so Ŝ is read once per token;
-    the first token's p comes from a correction pass of its own."""
+    the first token's p comes from a correction pass of its own. Every term of a column's update (p's
+    column, the right vectors', the readouts' sums) reads that column alone, so the tokens run strip by strip
+    of columns: a strip small enough for L1 stays there for the whole block (see passes.strip_registers)."""
 
     kind: ClassVar[str] = "tokens"
     correction_arrays: Lines          # the p_r of a token
@@ -316,6 +318,12 @@ class TokenPass:
     right_vectors: tuple[RightVector, ...]
     with_next: TokenUpdate            # every token but the block's last: also the next token's p
     last: TokenUpdate
+    columns: int                      # the state's columns (whole registers)
+    strip_columns: int                # the columns of a strip: every token of the block runs over one strip
+    strip: str | None                 # a strip narrower than the state: its contiguous copy, which the passes read
+    state: str                        # the state's buffer, rows `ld` apart (the strip's copies come from there)
+    ld: int
+    rows: int
 
 
 @dataclass(frozen=True)

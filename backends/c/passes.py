@@ -78,6 +78,26 @@ def column_block(whole_registers: int, live_per_register: int) -> int:
     return divisor_at_most(whole_registers, REGISTER_BUDGET // max(1, live_per_register))
 
 
+# A strip of a state's columns (a pass token after token, see strip_registers) stays in L1 for a block of
+# tokens when its rows take at most this many bytes.
+STRIP_BYTES = 16 * 1024
+# … and is copied to a contiguous buffer on the thread's stack when it takes at most this many (a larger one,
+# dk > 512 in float32, leaves L1 whatever its layout: it runs in place, and the stack stays small)
+STRIP_COPY_BYTES = 64 * 1024
+
+
+def strip_registers(rows: int, whole_registers: int, most: int, vector_bytes: int) -> int:
+    """Registers across a strip of columns for a pass token after token: the most, up to `most` (what
+    column_block allows), that divide the row's whole registers and whose rows fit STRIP_BYTES — so the strip
+    stays in L1 for the whole block instead of the whole state coming from L2 for every token (a state of
+    d = 128 or more does not fit L1) —, but two at least where the row has them: a strip one register wide
+    loads a register of S and broadcasts three scalars (x, q, the next w) for three multiply-adds, bound by
+    its loads (measured on gated DeltaNet at d = 256, one thread: two registers, 32 KiB, 1.2× faster than
+    one; at d = 128 two registers, 16 KiB, 1.1× faster than four)."""
+    fit = STRIP_BYTES // max(1, rows * vector_bytes)
+    return divisor_at_most(whole_registers, max(min(2, most), min(most, fit)))
+
+
 def block(lines) -> str:
     """Statements as one string, a line each (a block the template indents as a whole)."""
     return "".join(line + "\n" for line in lines)
