@@ -252,9 +252,12 @@ def first_contributions(lines: list[str], owned: tuple[str, ...] = ()) -> list[s
         if word.search(value):
             continue
         # the value itself may stand for the adjoint where it is a new array, or where the adjoint is only
-        # read from here on (never added to, never returned: no caller's array is changed or handed back)
-        only_read = not any(re.match(rf"\s*{var}\b[^=]*[-+*/]?= ", x) or (x.startswith("grads = ") and word.search(x))
-                            for x in lines[j + 1:])
+        # read from here on (never added to, never returned: no caller's array is changed or handed back) and so
+        # is the array the value names (nothing changes under the adjoint)
+        named = re.match(r"\w+", value)
+        root = named.group(0) if named else var
+        only_read = not any(re.match(rf"\s*({var}|{root})\b[^=]*[-+*/]?= ", x)
+                            or (x.startswith("grads = ") and word.search(x)) for x in lines[j + 1:])
         read_once = value.startswith(owned) and sum(value in x for x in lines) == 1 if owned else False
         out[i] = None
         out[j] = f"{var} = own_array({value}, {shape}, {dtype}, {_fresh(value) or only_read or read_once})"
