@@ -23,6 +23,8 @@ from linrec.compiler import ir
 from linrec.compiler.analysis import walk
 from linrec.compiler.builtins import BUILTINS, SEQ
 from linrec.gradients import gradient_refusal
+from linrec.numpy.adjoint_derived import first_contributions
+from linrec.numpy.vjp import own_array
 from linrec.verify import _initial_state
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -585,3 +587,25 @@ def test_long_performer():
     long = rec.vjp(x, up, form="chunkwise", dims=dims)
     _assert_finite(long)
     _assert_split_agrees(rec, x, up, long, dims, "chunkwise")
+
+
+def test_first_contributions_make_the_adjoint_from_its_value():
+    """linrec.numpy.adjoint_derived.first_contributions: zeros plus a first add become own_array of the value —
+    kept as it is only where the code made it or only reads the adjoint (and the array the value names) from then
+    on (an array added to later, or handed back, is copied) — and an adjoint whose first use reads it stays
+    zeros."""
+    lines = ["d_a = np.zeros_like(a)", "d_b = np.zeros((batch, n), dtype)", "d_c = np.zeros_like(c)",
+             "d_e = np.zeros_like(e)", "# adjoint of d_a in a comment", "d_a += d_o",
+             "d_b += x * 2", "d_c += d_c.sum()", "d_e += d_o", "d_e += y", "f(d_a)", "grads = {\"e\": d_e}",
+             "d_f = np.zeros_like(f)", "d_f += d_g.x", "d_g += z", "f(d_f)"]
+    got = first_contributions(lines)
+    assert got == ["d_c = np.zeros_like(c)", "# adjoint of d_a in a comment",
+                   "d_a = own_array(d_o, a.shape, a.dtype, True)",
+                   "d_b = own_array(x * 2, (batch, n), dtype, True)", "d_c += d_c.sum()",
+                   "d_e = own_array(d_o, e.shape, e.dtype, False)", "d_e += y", "f(d_a)", "grads = {\"e\": d_e}",
+                   "d_f = own_array(d_g.x, f.shape, f.dtype, False)", "d_g += z", "f(d_f)"]
+    given = np.ones((2, 3), np.float32)
+    assert own_array(given, (2, 3), np.float32, True) is given
+    for copied in (own_array(given, (2, 3), np.float32, False), own_array(given, (2, 3), np.float64, True),
+                   own_array(given[:, :1], (2, 3), np.float32, True), own_array(given[0], (2, 3), np.float32, True)):
+        assert copied is not given and copied.base is None and copied.shape == (2, 3) and np.all(copied == 1)

@@ -70,6 +70,7 @@ class _CEmitter(DecomposedEmitter):
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
     no_decay = "None  # no decay"  # (the kernel skips it, rather than decay by exp(0))
+    scan_grads_owned = True  # (adjoint_recurrent's gradients: an np.empty array each)
 
     def __init__(self, compiled: Compiled):
         super().__init__(compiled, "recurrent")

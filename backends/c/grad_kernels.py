@@ -31,6 +31,7 @@ from ..version import VERSION
 from . import build as c_build
 from ..numpy.adjoint_scan import ScanGrads
 from .build import CTYPE_BYTES, CTYPES
+from .kernel_source import Target, common_context
 from .scan_kernels import cached_kernel, call, chunk_of, operand
 
 DECAYS = ("none", "token", "row")
@@ -70,6 +71,9 @@ class Structure:
 # The forward runs one block of the state's columns at a time over the whole sequence, the block's rows at
 # most this many bytes: within the core's L1 (48 KB here) beside the token's rows.
 FORWARD_BLOCK_BYTES = 32 << 10
+# Tokens of a block of the forward without corrections (TB in templates/c_grad.c.j2): its tiles of rows stay in
+# registers across them.
+FORWARD_BLOCK_TOKENS = 16
 
 
 def forward_registers(s: Structure) -> int:
@@ -91,9 +95,11 @@ def render(s: Structure) -> str:
     """The C source of one kernel."""
     lanes = s.lanes
     return environment(__package__).get_template("c_grad.c.j2").render(
+        # (c_common.h.j2: LR_BLOCK is the tiled forward's block of tokens; the inputs are not range-checked)
+        **common_context(Target(s.ctype, s.vector_bytes)), block_tokens=FORWARD_BLOCK_TOKENS, checks_inputs=False,
         fcols=forward_registers(s), fcols_bytes=FORWARD_BLOCK_BYTES,
         tile_rows=tile_rows(s),
-        version=VERSION, description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes, lanes=lanes,
+        version=VERSION, description=s.describe(),
         dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),

@@ -11,6 +11,8 @@ read no state and the params, as the recurrent backward ends.
 """
 from __future__ import annotations
 
+import ast
+import re
 from dataclasses import dataclass, fields
 
 from ..compiler import Compiled, ir
@@ -47,6 +49,9 @@ class DecomposedEmitter(BackwardEmitter):
     backward_scan = "decay_scan_backward"  # (…, starts, chunk, grad_readouts, grad_final, …) → ScanGrads
     backward_comment = "the transposed recurrence, from the last chunk"
     no_decay = "per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1"
+    # the backward scan's gradients are arrays of their own (none a view of another, none given twice): one read
+    # once may become the adjoint it seeds (first_contributions)
+    scan_grads_owned = False
 
     def __init__(self, compiled: Compiled, form: str):
         super().__init__(compiled)
@@ -87,11 +92,13 @@ class DecomposedEmitter(BackwardEmitter):
         for st in p.states:
             body += self.state_forward(st, prelude)
         body += ["", "# outputs from the readouts"]
+        self.helpers.add("own_array")
         for name, expr in d.outputs:
             out = next(o for o in p.outputs if o.name == name)
             dims = "".join(", " + n(x) for x in out.value.shape)
-            body.append(f"{n(name)} = np.broadcast_to({prelude(em.refold(expr))}, (batch, tokens, heads{dims}))"
-                        f".astype(dtype)")
+            code = prelude(em.refold(expr))
+            fresh = _fresh(code) or code in self.readout_vars.values()  # (a scan's readout: its own array)
+            body.append(f"{n(name)} = own_array({code}, (batch, tokens, heads{dims}), dtype, {fresh})")
         body += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
                  "final_state = {" + ", ".join(f"\"{s.name}\": {n(s.name)}" for s in p.states) + "}"]
         body += self.adjoint_arrays()
@@ -105,7 +112,8 @@ class DecomposedEmitter(BackwardEmitter):
             body += self.step_adjoint(adj, prelude, None)
         tail = self.tail(prelude)
         self.helpers |= prelude.helpers
-        return body + tail
+        owned = tuple(f"{a.grads}." for a in self.arrays.values()) if self.scan_grads_owned else ()
+        return first_contributions(body + tail, owned)
 
     def chunk_code(self) -> str:
         """The chunk's assignment: its value, and a comment."""
@@ -245,6 +253,54 @@ class DecomposedEmitter(BackwardEmitter):
             if not r.is_value:  # (a state read as it is has no query)
                 self.seeds[f"r{r.index}"] = read_grads.get(i, f"{g}.queries[{i}]") + ("" if r.query.shape else "[..., 0]")
         return lines
+
+
+_ZEROS = re.compile(r"^(\w+) = np\.zeros_like\((\w+)\)$|^(\w+) = np\.zeros\((.+), dtype\)$")
+
+
+def _fresh(code: str) -> bool:
+    """Whether evaluating `code` makes a new array — an arithmetic result, a sum (np.einsum), a builtin's
+    vector–Jacobian product (linrec.numpy.vjp's vjp_*, each a product with its upstream gradient) — rather
+    than naming one that exists. (own_array checks what it gets all the same: a view is copied.)"""
+    node = ast.parse(code, mode="eval").body
+    if isinstance(node, ast.Call):
+        name = ast.unparse(node.func)
+        return name == "np.einsum" or name.startswith("vjp_")
+    return isinstance(node, (ast.BinOp, ast.UnaryOp))
+
+
+def first_contributions(lines: list[str], owned: tuple[str, ...] = ()) -> list[str]:
+    """The module's lines with each adjoint array that starts as zeros (`d = np.zeros_like(x)`) and whose first
+    use adds to it (`d += value`) made from that value instead (`d = own_array(value, …)`): over [B, T, H, *]
+    arrays, a pass of zeros and one of adds less (no pass at all where the value itself can stand for it).
+    `owned`: the prefixes of values that are arrays of their own (a scan's gradients), kept where read once.
+    Lines inside blocks (indented) and comments are left as they are."""
+    out = list(lines)
+    for i, line in enumerate(lines):
+        m = _ZEROS.match(line)
+        if not m:
+            continue
+        var = m.group(1) or m.group(3)
+        shape, dtype = (f"{m.group(2)}.shape", f"{m.group(2)}.dtype") if m.group(1) else (m.group(4), "dtype")
+        word = re.compile(rf"\b{var}\b")
+        j = next((j for j in range(i + 1, len(lines)) if not lines[j].lstrip().startswith("#")
+                  and word.search(lines[j])), None)
+        if j is None or not lines[j].startswith(f"{var} += "):
+            continue
+        value = lines[j][len(var) + 4:]
+        if word.search(value):
+            continue
+        # the value itself may stand for the adjoint where it is a new array, or where the adjoint is only
+        # read from here on (never added to, never returned: no caller's array is changed or handed back) and so
+        # is the array the value names (nothing changes under the adjoint)
+        named = re.match(r"\w+", value)
+        root = named.group(0) if named else var
+        only_read = not any(re.match(rf"\s*({var}|{root})\b[^=]*[-+*/]?= ", x)
+                            or (x.startswith("grads = ") and word.search(x)) for x in lines[j + 1:])
+        read_once = value.startswith(owned) and sum(value in x for x in lines) == 1 if owned else False
+        out[i] = None
+        out[j] = f"{var} = own_array({value}, {shape}, {dtype}, {_fresh(value) or only_read or read_once})"
+    return [x for x in out if x is not None]
 
 
 def emit_decomposed_backward(compiled: Compiled, form: str) -> str:

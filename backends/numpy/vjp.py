@@ -14,6 +14,20 @@ from .attention import lsh_attention_backward
 from .runtime import sigmoid
 
 
+def own_array(value, shape, dtype, keep: bool) -> np.ndarray:
+    """`value` as an array of `shape` and `dtype`, where generated code would fill zeros and add it (a
+    gradient's first contribution) or broadcast and convert it (an output from a readout): value itself when
+    the code may keep it (`keep`: a new array the code made, or one it only reads) and it already has that
+    shape and dtype (not a view), else a copy broadcast to the shape. Over [B, T, H, *] arrays this saves a
+    pass of zeros and one of adds, or a copy."""
+    v = np.asarray(value)
+    if keep and v.shape == tuple(shape) and v.dtype == dtype and v.base is None:
+        return v
+    out = np.empty(shape, dtype)
+    out[...] = v
+    return out
+
+
 def unbroadcast(g, shape):
     """g summed over the axes a value of `shape` was broadcast along (leading axes, and axes of size 1): the
     gradient of a per-head or shared param (or value) from contributions per token and head."""
@@ -140,4 +154,4 @@ def pad_to(g, shape):
     return np.pad(g, [(0, whole - part) for part, whole in zip(np.shape(g), shape)])
 
 
-HELPERS = frozenset(name for name in globals() if name.startswith("vjp_")) | {"unbroadcast", "pad_to"}
+HELPERS = frozenset(name for name in globals() if name.startswith("vjp_")) | {"unbroadcast", "pad_to", "own_array"}
