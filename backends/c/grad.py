@@ -76,7 +76,7 @@ class _CEmitter(DecomposedEmitter):
         super().__init__(compiled, "recurrent")
 
     def chunk_code(self) -> str:
-        return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_kernels.default_segment)"
+        return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_calls.default_segment)"
 
 
 def emit(compiled: Compiled) -> str:

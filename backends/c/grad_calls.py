@@ -1,8 +1,9 @@
-"""What the recurrent backward's per-state kernels of c.grad_elementwise and c.grad_value_side share: a call's
-arrays checked and in the kernel's order (Call), its segments, and the kernels' forward (the readouts, the final
-state and the state before every segment) and backward (the gradients of the per-token arrays and of the
-initial state) run over them — each kernel's entry points taking c.scan_kernels.call's arguments, then the
-checkpoints and the segment length."""
+"""What the recurrent backward's per-state kernels (c.grad_kernels, c.grad_elementwise, c.grad_value_side)
+share: a call's arrays checked and in the kernel's order (Call), its segments (default_segment), the entry
+points' declarations (cdef), and the kernels' forward (the readouts, the final state and the state before
+every segment) and backward (the gradients of the per-token arrays and of the initial state) run over them —
+each kernel's entry points taking c.scan_kernels.call's arguments, then the checkpoints and the segment
+length."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,27 @@ import numpy as np
 
 from ..dsl.errors import RuntimeInputError
 from .build import CTYPES
-from .grad_kernels import default_segment
 from .scan_kernels import call, chunk_of, operand
+
+
+# The backward keeps a segment's states (its tokens + 1) in a buffer per thread; by default a segment is √T
+# tokens, fewer where that buffer would pass this many bytes (it then leaves the core's L2: a state of
+# dk = dv = 128 in float32 is 64 KB, and √16384 = 128 of them 8 MB) — at the price of more checkpoints.
+SEGMENT_BYTES = 2 << 20
+
+
+def default_segment(tokens: int, state_bytes: int) -> int:
+    """Tokens per checkpoint when the call gives none: √T, at most what keeps a segment's states within
+    SEGMENT_BYTES (at least 8)."""
+    fits = max(8, SEGMENT_BYTES // max(state_bytes, 1) - 1)
+    return max(1, min(int(round(tokens ** 0.5)), fits))
+
+
+def cdef(prefix: str, ctype: str) -> str:
+    """The declarations of a backward kernel's two entry points, {prefix}_forward and {prefix}_backward."""
+    args = f"{ctype} **in, const int64_t *st, {ctype} **out, int B, int ntok, int H, int nthreads"
+    return (f"int {prefix}_forward(const {ctype} *s0, {ctype} *sT, {args}, {ctype} *ckpt, int seg);\n"
+            f"int {prefix}_backward(const {ctype} *gT, {ctype} *ds0, {args}, const {ctype} *ckpt, int seg);\n")
 
 
 @dataclass(frozen=True)
@@ -23,6 +43,7 @@ class Call:
     state: np.ndarray          # s0 [B, H, K, V], contiguous, in the working dtype
     ops: list[np.ndarray]      # the per-token arrays [B, T, H, n]
     lead: tuple[int, int, int]
+    passes: int | None = None  # multiply-adds per state value and token (None: one per per-token array)
 
     @property
     def state_bytes(self) -> int:
@@ -32,7 +53,7 @@ class Call:
     def work(self) -> int:
         """Multiply-adds of one pass, roughly (call() runs a small one on one thread)."""
         (batch, tokens, heads), (dk, dv) = self.lead, self.state.shape[2:]
-        return batch * tokens * heads * dk * dv * len(self.structure.widths)
+        return batch * tokens * heads * dk * dv * (self.passes or len(self.structure.widths))
 
     def segments(self, chunk: int | None) -> tuple[int, int]:
         """(tokens per segment, segments): chunk (None: c.grad_kernels.default_segment), clamped."""

@@ -26,6 +26,7 @@ from ..version import VERSION
 from . import build as c_build
 from .build import CTYPES
 from .grad_calls import Call, backward, forward, lead_and_state
+from .grad_calls import cdef as grad_calls_cdef
 from .kernel_source import Target, common_context
 from .scan_kernels import cached_kernel, operand
 
@@ -73,10 +74,7 @@ def render(s: Structure) -> str:
 
 
 def cdef(s: Structure) -> str:
-    t = s.ctype
-    args = f"{t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads"
-    return (f"int lr_ew_forward(const {t} *s0, {t} *sT, {args}, {t} *ckpt, int seg);\n"
-            f"int lr_ew_backward(const {t} *gT, {t} *ds0, {args}, const {t} *ckpt, int seg);\n")
+    return grad_calls_cdef("lr_ew", s.ctype)
 
 
 def kernel(s: Structure):

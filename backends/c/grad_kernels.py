@@ -12,7 +12,7 @@ and its readouts q·S; the arrays here are those of the decomposition, per token
 s0 [B, H, K, V] (a vector state: one column, V = 1); log_decay None or [B, T, H, 1 | K]; corrections
 [(u, w)] and writes [(key, value)] per token; queries [(q, before_update)]. adjoint_checkpoints runs the
 forward token by token, keeping the state before every `chunk` tokens (the checkpoints; None: about √T,
-see default_segment); adjoint_recurrent
+see c.grad_calls.default_segment); adjoint_recurrent
 runs the adjoint recurrence in reverse, segment by segment from the last, the segment's states recomputed
 from its checkpoint. The arithmetic is in the initial state's dtype (float32 or float64). A kernel is
 specialized per structure (decay none, per token or per row; the numbers of corrections, writes and
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..dsl.errors import RuntimeInputError
 from ..templating import environment
 from ..version import VERSION
 from . import build as c_build
 from ..numpy.adjoint_scan import ScanGrads
 from .build import CTYPE_BYTES, CTYPES
 from .kernel_source import Target, common_context
-from .scan_kernels import cached_kernel, call, chunk_of, operand
+from . import grad_calls
+from .scan_kernels import cached_kernel, operand
 
 DECAYS = ("none", "token", "row")
 
@@ -107,10 +107,7 @@ def render(s: Structure) -> str:
 
 
 def cdef(s: Structure) -> str:
-    t = s.ctype
-    args = f"{t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads"
-    return (f"int lr_grad_forward(const {t} *s0, {t} *sT, {args}, {t} *ckpt, int seg);\n"
-            f"int lr_grad_backward(const {t} *gT, {t} *ds0, {args}, const {t} *ckpt, int seg);\n")
+    return grad_calls.cdef("lr_grad", s.ctype)
 
 
 def kernel(s: Structure):
@@ -119,85 +116,29 @@ def kernel(s: Structure):
     return cached_kernel(s, "grad", label, lambda: render(s), cdef(s))
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One state's arrays, checked and in the kernel's order, and its kernel's structure."""
-
-    structure: Structure
-    state: np.ndarray          # s0 [B, H, K, V], contiguous, in the working dtype
-    ops: list[np.ndarray]      # the per-token arrays [B, T, H, n]
-    lead: tuple[int, int, int]
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of one (batch row, head)'s state."""
-        return int(np.prod(self.state.shape[2:])) * self.state.itemsize
-
-    @property
-    def work(self) -> int:
-        """Multiply-adds of one pass, roughly (call() runs a small one on one thread)."""
-        s, (batch, tokens, heads) = self.structure, self.lead
-        return batch * tokens * heads * s.dk * s.dv * (1 + 2 * s.corrections + s.writes + len(s.before))
-
-
-def _prepare(s0, log_decay, corrections, writes, queries) -> _Call:
-    s0 = np.asarray(s0)
-    dtype = np.dtype(np.float32) if s0.dtype == np.float32 else np.dtype(np.float64)
-    per_token = [np.asarray(a) for pair in list(corrections) + list(writes) for a in pair] + \
-        [np.asarray(q) for q, _ in queries] + ([] if log_decay is None else [np.asarray(log_decay)])
-    if not per_token or per_token[0].ndim != 4:
-        raise RuntimeInputError("the recurrent backward's per-token arrays should have shape [B, T, H, n]")
-    batch, tokens, heads = per_token[0].shape[:3]
-    if s0.ndim != 4 or s0.shape[:2] != (batch, heads):
-        raise RuntimeInputError(f"the initial state should have shape [B, H, K, V] = [{batch}, {heads}, …], got "
-                                f"{list(s0.shape)}")
-    dk, dv = int(s0.shape[2]), int(s0.shape[3])
+def _prepare(s0, log_decay, corrections, writes, queries) -> grad_calls.Call:
+    per_token = [a for pair in list(corrections) + list(writes) for a in pair] + [q for q, _ in queries] + \
+        ([] if log_decay is None else [log_decay])
+    state, lead = grad_calls.lead_and_state(s0, per_token)
+    dtype = state.dtype
+    dk, dv = int(state.shape[2]), int(state.shape[3])
     decay = "none" if log_decay is None else ("token" if np.shape(log_decay)[-1] == 1 else "row")
     s = Structure(decay, len(corrections), len(writes), tuple(bool(b) for _, b in queries), dk, dv,
                   CTYPES[dtype], c_build.vector_bytes())
-    lead = (batch, tokens, heads)
     arrays = ([] if log_decay is None else [log_decay]) + [a for pair in list(corrections) + list(writes)
                                                            for a in pair] + [q for q, _ in queries]
     ops = [operand(a, dtype, lead + (n,), "a per-token array of the recurrent backward")
            for a, n in zip(arrays, s.widths)]
-    return _Call(s, np.ascontiguousarray(s0, dtype=dtype), ops, lead)
-
-
-# The backward keeps a segment's states (its tokens + 1) in a buffer per thread; by default a segment is √T
-# tokens, fewer where that buffer would pass this many bytes (it then leaves the core's L2: a state of
-# dk = dv = 128 in float32 is 64 KB, and √16384 = 128 of them 8 MB) — at the price of more checkpoints.
-SEGMENT_BYTES = 2 << 20
-
-
-def default_segment(tokens: int, state_bytes: int) -> int:
-    """Tokens per checkpoint when the call gives none: √T, at most what keeps a segment's states within
-    SEGMENT_BYTES (at least 8)."""
-    fits = max(8, SEGMENT_BYTES // max(state_bytes, 1) - 1)
-    return max(1, min(int(round(tokens ** 0.5)), fits))
-
-
-def _segments(chunk: int | None, tokens: int, state_bytes: int) -> tuple[int, int]:
-    """(tokens per segment, segments) of a call: chunk (None: default_segment) clamped to the sequence."""
-    seg = chunk_of(default_segment(tokens, state_bytes) if chunk is None else chunk, tokens)
-    return seg, -(-tokens // seg)
+    return grad_calls.Call(s, state, ops, lead, passes=1 + 2 * s.corrections + s.writes + len(s.before))
 
 
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), num_threads=None):
     """The forward of the recurrent backward: ([readout [B, T, H, V]], final state [B, H, K, V], the state
     before every chunk [B, H, ⌈T/chunk⌉, K, V]) — linrec.numpy.adjoint_scan.decay_scan's arguments and
-    results (log_decay None: no decay), the states kept every `chunk` tokens (None: default_segment)."""
+    results (log_decay None: no decay), the states kept every `chunk` tokens (None: grad_calls.default_segment)."""
     c = _prepare(s0, log_decay, corrections, writes, queries)
-    batch, tokens, heads = c.lead
-    s = c.structure
-    seg, nseg = _segments(chunk, tokens, c.state_bytes)
-    outs = [np.empty(c.lead + (s.dv,), c.state.dtype) for _ in queries]
-    checkpoints = np.empty((batch, heads, nseg, s.dk, s.dv), c.state.dtype)
-    if batch * heads == 0 or tokens == 0:
-        return outs, c.state.copy(), checkpoints
-    k = kernel(s)
-    ckpt = k.ffi.from_buffer(CTYPES[c.state.dtype] + " *", checkpoints)
-    final = call(k, "lr_grad_forward", c.state, c.ops, outs, c.work, num_threads, ckpt, seg)
-    return outs, final, checkpoints
+    return grad_calls.forward(c, kernel(c.structure), "lr_grad_forward", [c.structure.dv] * len(queries), chunk,
+                              num_threads)
 
 
 def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
@@ -206,21 +147,8 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
     state does not decay), from the readouts' gradients [B, T, H, V] and the final state's (None: zero);
     checkpoints and chunk as adjoint_checkpoints gave and took them."""
     c = _prepare(s0, log_decay, corrections, writes, queries)
-    batch, tokens, heads = c.lead
-    s = c.structure
-    seg, _ = _segments(chunk, tokens, c.state_bytes)
-    dtype = c.state.dtype
-    grads = [operand(g, dtype, c.lead + (s.dv,), f"the gradient of readout {i}") for i, g in enumerate(grad_readouts)]
-    outs = [np.empty(c.lead + (n,), dtype) for n in s.widths]
-    final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
-    if batch * heads == 0 or tokens == 0:
-        d_s0 = final.copy()
-        for o in outs:
-            o[...] = 0
-    else:
-        k = kernel(s)
-        ckpt = k.ffi.from_buffer(CTYPES[dtype] + " *", np.ascontiguousarray(checkpoints, dtype=dtype))
-        d_s0 = call(k, "lr_grad_backward", final, c.ops + grads, outs, 3 * c.work, num_threads, ckpt, seg)
+    outs, d_s0 = grad_calls.backward(c, kernel(c.structure), "lr_grad_backward", [c.structure.dv] * len(queries),
+                                     checkpoints, chunk, grad_readouts, grad_final, num_threads)
     it = iter(outs)
     d_log_decay = None if log_decay is None else next(it)
     d_corrections = [(next(it), next(it)) for _ in corrections]
