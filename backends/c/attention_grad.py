@@ -6,9 +6,10 @@ chunkwise backward of softmax attention calls on the C backend (c.attention_back
 
 The twins of linrec.numpy.attention's functions of those names: the same arguments and results (to rounding),
 on arrays [B, T, H, *] of float32 or float64 (strided views, e.g. broadcast queries, read in place). One
-extension per dtype (d and dv are arguments), built by c_build and cached. The forward runs each query over
-the keys it sees in blocks of `block` with an online softmax; the backward recomputes each probability from
-its score and the query's log-sum-exp. OpenMP threads over (batch row, head), each pair on one thread: the
+extension per dtype (d and dv are arguments), built by c_build and cached. Both take the queries in tiles
+of 16, each key row loaded once per tile; the forward runs each query over the keys it sees in blocks of
+`block` with an online softmax; the backward recomputes each probability from its score and the query's
+log-sum-exp. OpenMP threads over (batch row, head), each pair on one thread: the
 results are bit-identical whatever the number of threads (LINREC_NUM_THREADS, or num_threads=).
 """
 from __future__ import annotations
