@@ -14,6 +14,8 @@ cached on disk.
     step.py        the decode step from Python; buffers.py: arrays checked and aligned at the boundary
     scan.py, values.py   the parallel and chunkwise forms: scans over per-token arrays NumPy prepares
     attention.py   softmax attention and Reformer's LSH attention
+    attention_backward.py   the chunkwise backward of softmax attention: the NumPy flash backward's module,
+                   its attention and backward in attention_grad.py's kernels (c_attention_grad.c.j2)
     build.py, cache.py   cffi, the compiler's flags, the on-disk cache and `linrec cache`
 
 The host side of the scans and of attention — the per-token arrays before a kernel runs — is the NumPy
@@ -24,7 +26,7 @@ from __future__ import annotations
 from ..compiler import Compiled
 from ..compiler.adjoint import why_no_gradient
 from ..interface import Refusal
-from . import backend, grad
+from . import attention_backward, backend, grad
 
 
 class CBackend:
@@ -50,6 +52,8 @@ class CBackend:
 
     # ---- gradients (docs/gradients.md): the recurrent backward, its adjoint recurrence in C (c.grad) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
+        if _reads_sequence(compiled):  # (attention: flash attention's backward, c.attention_backward)
+            return attention_backward.why_not(compiled, form)
         reason = why_no_gradient(compiled, form)  # (none derived at all: no backend builds it)
         if reason:
             return Refusal(reason)
@@ -60,10 +64,19 @@ class CBackend:
         return None if reason is None else Refusal(reason, numpy_runs_it)
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
+        if _reads_sequence(compiled):
+            return attention_backward.emit(compiled)
         return grad.emit(compiled)
 
     def load_gradient(self, compiled: Compiled, form: str):
+        if _reads_sequence(compiled):
+            return attention_backward.load(compiled)
         return grad.load(compiled)
+
+
+def _reads_sequence(compiled: Compiled) -> bool:
+    """Whether the program reads the sequence (attention): its backward is c.attention_backward's."""
+    return compiled.decomposition.sequence is not None
 
 
 BACKEND = CBackend()

@@ -31,8 +31,10 @@ def why_no_flash_attention_backward(compiled: Compiled) -> str | None:
     return None
 
 
-class _FlashAttentionEmitter(BackwardEmitter):
-    """The recurrent backward's names and the chain rule's sweeps, around flash attention and its backward."""
+class FlashAttentionEmitter(BackwardEmitter):
+    """The recurrent backward's names and the chain rule's sweeps, around flash attention and its backward
+    (the helpers flash_attention and flash_attention_backward, imported from `modules`: linrec.c's emitter
+    points them at its kernels)."""
 
     def __init__(self, compiled: Compiled):
         super().__init__(compiled)
@@ -134,4 +136,4 @@ class _FlashAttentionEmitter(BackwardEmitter):
 
 def emit_flash_attention_backward(compiled: Compiled) -> str:
     """The chunkwise backward of softmax attention (see why_no_flash_attention_backward)."""
-    return _FlashAttentionEmitter(compiled).render()
+    return FlashAttentionEmitter(compiled).render()

@@ -1,0 +1,139 @@
+"""Flash attention with its log-sum-exp, and its backward, in C (templates/c_attention_grad.c.j2): what the
+chunkwise backward of softmax attention calls on the C backend (c.attention_backward).
+
+    out, lse = flash_attention(q, k, v, causal, window, block)                          [B, T, H, dv], [B, T, H]
+    d_q, d_k, d_v = flash_attention_backward(q, k, v, out, lse, d_out, causal, window, block)
+
+The twins of linrec.numpy.attention's functions of those names: the same arguments and results (to rounding),
+on arrays [B, T, H, *] of float32 or float64 (strided views, e.g. broadcast queries, read in place). One
+extension per dtype (d and dv are arguments), built by c_build and cached. Both take the queries in tiles
+of 16, each key row loaded once per tile; the forward runs each query over the keys it sees in blocks of
+`block` with an online softmax; the backward recomputes each probability from its score and the query's
+log-sum-exp. OpenMP threads over (batch row, head), each pair on one thread: the
+results are bit-identical whatever the number of threads (LINREC_NUM_THREADS, or num_threads=).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dsl.errors import RuntimeInputError
+from ..templating import environment
+from ..version import VERSION
+from . import build as c_build
+from .attention import _as4d, _common_dtype, _strides
+from .buffers import require_c_int_sizes
+from .build import CTYPES
+from .kernel_source import Target, common_context
+from .scan_kernels import cached_kernel
+
+_CDEF = """
+int la_flash_forward(const {T} *q, const {T} *k, const {T} *v, {T} *out, {T} *lse, const int64_t *st, int B,
+                     int ntok, int H, int d, int dv, int causal, int64_t window, int64_t block, int nthreads);
+int la_flash_backward(const {T} *q, const {T} *k, const {T} *v, const {T} *out, const {T} *lse,
+                      const {T} *d_out, {T} *d_q, {T} *d_k, {T} *d_v, const int64_t *st, int B, int ntok, int H,
+                      int d, int dv, int causal, int64_t window, int nthreads);
+"""
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """What one extension is built for (its repr keys the disk cache)."""
+
+    ctype: str
+    vector_bytes: int
+
+
+def _kernel(dtype: np.dtype):
+    s = _Kernel(CTYPES[dtype], c_build.vector_bytes())
+
+    def source() -> str:
+        return environment(__package__).get_template("c_attention_grad.c.j2").render(
+            **common_context(Target(s.ctype, s.vector_bytes)), block_tokens=1, inputs=[], checks_inputs=False,
+            version=VERSION)
+    return cached_kernel(s, "c_attention_grad", f"attention_grad_{s.ctype}", source,
+                         _CDEF.replace("{T}", s.ctype))
+
+
+def _options(causal, window, block, num_threads) -> tuple[int, int, int, int]:
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise RuntimeInputError(f"window must be a non-negative integer (0: no window), got {window!r}")
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise RuntimeInputError(f"block (the chunk size) must be a positive integer, got {block!r}")
+    threads = c_build.num_threads() if num_threads is None else num_threads
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise RuntimeInputError(f"num_threads must be a positive integer, got {num_threads!r}")
+    return int(bool(causal)), int(window), int(block), int(threads)
+
+
+def _inputs(q, k, v, extra=()):
+    """q, k, v (and the backward's out, d_out) as arrays of one C dtype, [B, T, H, *] and agreeing in size."""
+    named = {"q": q, "k": k, "v": v, **dict(extra)}
+    dtype = _common_dtype([np.asarray(a) for a in named.values()], "flash attention")
+    a = {name: _as4d(x, name, dtype) for name, x in named.items()}
+    batch, tokens, heads, d = a["q"].shape
+    dv = a["v"].shape[-1]
+    for name, x in a.items():
+        width = d if name in ("q", "k") else dv
+        if x.shape != (batch, tokens, heads, width):
+            raise RuntimeInputError(f"flash attention: '{name}' should have shape {[batch, tokens, heads, width]} "
+                                    f"(q's [B, T, H] and its width), got {list(x.shape)}")
+    require_c_int_sizes(batch=batch, tokens=tokens, heads=heads, d=d, dv=dv)
+    return dtype, a
+
+
+def _pointer(ffi, ctype: str, x: np.ndarray):
+    return ffi.cast(ctype + " *", x.ctypes.data)  # (the caller keeps x alive for the call)
+
+
+def flash_attention(q, k, v, causal: bool, window: int, block: int, *, num_threads: int | None = None):
+    """softmax(K·q_t)·V over the keys each query sees, and each query's log-sum-exp: (out [B, T, H, dv],
+    lse [B, T, H]). q, k [B, T, H, d]; v [B, T, H, dv]."""
+    causal, window, block, threads = _options(causal, window, block, num_threads)
+    dtype, a = _inputs(q, k, v)
+    batch, tokens, heads, d = a["q"].shape
+    dv = a["v"].shape[-1]
+    out = np.zeros((batch, tokens, heads, dv), dtype)
+    lse = np.zeros((batch, tokens, heads), dtype)
+    if batch * tokens * heads == 0:
+        return out, lse
+    mod = _kernel(dtype)
+    ffi, ctype = mod.ffi, CTYPES[dtype]
+    st = np.array(sum((_strides(x) for x in (a["q"], a["k"], a["v"], out)), []) +
+                  [s // lse.itemsize for s in lse.strides], np.int64)
+    rc = mod.lib.la_flash_forward(*(_pointer(ffi, ctype, x) for x in (a["q"], a["k"], a["v"], out, lse)),
+                                  ffi.from_buffer("int64_t[]", st), batch, tokens, heads, d, dv, causal, window,
+                                  min(block, tokens), threads)
+    if rc != 0:
+        raise MemoryError("the flash attention kernel could not allocate its buffers")
+    return out, lse
+
+
+def flash_attention_backward(q, k, v, out, lse, d_out, causal: bool, window: int, block: int, *,
+                             num_threads: int | None = None):
+    """The backward of flash_attention: (∂q, ∂k, ∂v), from its out and lse and the outputs' gradient d_out
+    [B, T, H, dv]. Each probability is recomputed from its score and the log-sum-exp, P = exp(S − lse); with
+    D = rowsum(∂O ⊙ O), ∂S = P ⊙ (∂O·Vᵀ − D): ∂q = ∂S·K, ∂k = ∂Sᵀ·Q, ∂v = Pᵀ·∂O. (block is checked and not
+    otherwise needed: the kernel goes key by key, and no block changes the sums but by rounding.)"""
+    causal, window, block, threads = _options(causal, window, block, num_threads)
+    dtype, a = _inputs(q, k, v, (("out", out), ("d_out", d_out)))
+    batch, tokens, heads, d = a["q"].shape
+    dv = a["v"].shape[-1]
+    stats = np.asarray(lse)
+    if stats.shape != (batch, tokens, heads):
+        raise RuntimeInputError(f"flash attention: 'lse' should have shape {[batch, tokens, heads]}, got "
+                                f"{list(stats.shape)}")
+    stats = np.ascontiguousarray(stats, dtype)
+    grads = [np.zeros(a[name].shape, dtype) for name in ("q", "k", "v")]
+    if batch * tokens * heads == 0:
+        return tuple(grads)
+    mod = _kernel(dtype)
+    ffi, ctype = mod.ffi, CTYPES[dtype]
+    st = np.array(sum((_strides(x) for x in (a["q"], a["k"], a["v"], a["out"])), []) +
+                  [s // stats.itemsize for s in stats.strides] +
+                  sum((_strides(x) for x in [a["d_out"]] + grads), []), np.int64)
+    arrays = (a["q"], a["k"], a["v"], a["out"], stats, a["d_out"], *grads)
+    mod.lib.la_flash_backward(*(_pointer(ffi, ctype, x) for x in arrays), ffi.from_buffer("int64_t[]", st),
+                              batch, tokens, heads, d, dv, causal, window, threads)
+    return tuple(grads)
