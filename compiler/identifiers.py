@@ -36,7 +36,8 @@ INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one",
 # The backward modules' (linrec.numpy.adjoint): their function's parameters, and the vector–Jacobian products of
 # the builtins they import from linrec.numpy.vjp.
 INTERNAL |= {"backward", "grad_outputs", "grad_final_state", "derived_params", "grads", "unbroadcast", "vjp_pow",
-             "decay_scan", "decay_scan_backward", "adjoint_checkpoints", "adjoint_recurrent"}
+             "decay_scan", "decay_scan_backward", "adjoint_checkpoints", "adjoint_recurrent",
+             "chunk_checkpoints", "adjoint_chunkwise"}
 INTERNAL |= {f"vjp_{name}" for name in BUILTINS}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -4,6 +4,8 @@ cached on disk.
     backend.py     the backend's entry points (why_not, emit, load) and the recurrent form's runtime
     grad.py        the recurrent backward (Recurrence.vjp): its generated module, whose adjoint recurrence
                    runs in grad_kernels.py's kernels (c_grad.c.j2)
+    grad_chunk.py  the parallel and chunkwise backward: the same module with grad_chunk_kernels.py's kernels
+                   (the chunkwise forward keeping each chunk's state; c_grad_chunk.c.j2)
     fused.py       the fused recurrent kernel and decode step of a factorable recurrence (c_fused.c.j2),
                    planned by state_terms.py, block_region.py, step_region.py and passes.py as the records
                    of fused_plan.py; kernel_source.py: what it shares with statements.py
@@ -23,7 +25,7 @@ from __future__ import annotations
 from ..compiler import Compiled
 from ..compiler.adjoint import why_no_gradient
 from ..interface import Refusal
-from . import backend, grad
+from . import backend, grad, grad_chunk
 
 
 class CBackend:
@@ -44,22 +46,20 @@ class CBackend:
     def recurrent_kernel(self, compiled: Compiled) -> str:
         return backend.recurrent_kernel(compiled)
 
-    # ---- gradients (docs/gradients.md): the recurrent backward, its adjoint recurrence in C (c.grad) ----
+    # ---- gradients (docs/gradients.md): the adjoint recurrences in C (c.grad, c.grad_chunk) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         reason = why_no_gradient(compiled, form)  # (none derived at all: no backend builds it)
         if reason:
             return Refusal(reason)
         numpy_runs_it = f"the NumPy backend runs the {form} backward (backend='numpy')"
-        if form != "recurrent":
-            return Refusal(f"the C backend builds the recurrent backward only, not the {form} one", numpy_runs_it)
-        reason = grad.why_not(compiled)
+        reason = grad.why_not(compiled) if form == "recurrent" else grad_chunk.why_not(compiled, form)
         return None if reason is None else Refusal(reason, numpy_runs_it)
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
-        return grad.emit(compiled)
+        return grad.emit(compiled) if form == "recurrent" else grad_chunk.emit(compiled, form)
 
     def load_gradient(self, compiled: Compiled, form: str):
-        return grad.load(compiled)
+        return grad.load(compiled) if form == "recurrent" else grad_chunk.load(compiled, form)
 
 
 BACKEND = CBackend()
