@@ -50,7 +50,7 @@ def render(s: Structure) -> str:
         corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         qprev=", ".join(["1"] * s.corrections + ["1" if b else "0" for b in s.before]),
         widths=", ".join(map(str, s.widths + [s.dv] * len(s.before))), n_inputs=len(s.widths) + len(s.before),
-        nb=c_scan.tile_registers(s.vector_bytes), tile_rows=c_scan.tile_rows(s.vector_bytes))
+        nb=c_scan.tile_registers(s.vector_bytes), tile_rows=c_scan.tile_rows(s.vector_bytes), gemm_transposed=True)
 
 
 def cdef(s: Structure) -> str:
