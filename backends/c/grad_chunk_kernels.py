@@ -7,9 +7,9 @@ linrec.numpy.adjoint_scan's decay_scan and decay_scan_backward — the same argu
                               corrections=())                                          # a ScanGrads
 
 s0 [B, H, K, V]; log_decay None (no decay) or [B, T, H, 1 | K]; writes [(key, value)], corrections [(u, w)]
-and queries [(q, before_update)] per token [B, T, H, n]. chunk_checkpoints is the C chunkwise forward
-(c.scan's kernel, lr_chunkwise_starts), which also keeps the state before each chunk ([B, H, ⌈T/chunk⌉, K,
-V]); adjoint_chunkwise runs the chunks from the last, each in sub-chunks of SUB_CHUNK tokens whose states it
+and queries [(q, before_update)] per token [B, T, H, n]. chunk_checkpoints is the recurrent backward's C
+forward (grad_kernels.adjoint_checkpoints), keeping the state before each chunk ([B, H, ⌈T/chunk⌉, K, V]);
+adjoint_chunkwise runs the chunks from the last, each in sub-chunks of SUB_CHUNK tokens whose states it
 recomputes from the chunk's (see the template). A parallel backward is one chunk of the whole sequence. The
 arithmetic is in the initial state's dtype; a kernel is specialized per structure (decay none, per token or
 per row; the numbers of corrections, writes and readouts, which readouts read the state before the update),
@@ -31,7 +31,7 @@ from . import scan as c_scan
 from .build import CTYPES
 from .scan_kernels import cached_kernel, call, chunk_of, operand
 
-SUB_CHUNK = 16  # tokens of a sub-chunk: a multiple of every register width (c_gemm's N)
+SUB_CHUNK = 32  # tokens of a sub-chunk: a multiple of every register width (c_gemm's N)
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,11 @@ def _finite_decays(log_decay):
 
 def chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), num_threads=None):
     """The forward: ([readout [B, T, H, V]], final state [B, H, K, V], the state before each chunk
-    [B, H, ⌈T/chunk⌉, K, V]) — decay_scan's, from the C chunkwise forward."""
+    [B, H, ⌈T/chunk⌉, K, V]) — decay_scan's. It is the recurrent backward's forward (grad_kernels: the
+    update token by token, a column block of the state at a time, keeping the state every `chunk` tokens):
+    O(T) for the parallel backward's one chunk too, where a chunkwise forward over one chunk is O(T²)."""
     _finite_decays(log_decay)
-    return c_scan.scan("chunkwise", s0, log_decay, corrections, writes, queries, chunk_size=chunk,
-                       num_threads=num_threads, keep_starts=True)
+    return grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections, num_threads)
 
 
 def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),

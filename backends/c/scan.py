@@ -121,8 +121,7 @@ def cdef(s: Structure) -> str:
     t = s.ctype
     args = f"(const {t} *s0, {t} *sT, {t} **in, const int64_t *st, {t} **out, int B, int ntok, int H, int nthreads, " \
            f"double span_max"
-    return (f"int lr_chunkwise{args}, int chunk);\nint lr_parallel{args});\n"
-            f"int lr_chunkwise_starts{args}, int chunk, {t} *starts);\n")
+    return f"int lr_chunkwise{args}, int chunk);\nint lr_parallel{args});\n"
 
 
 def kernel(s: Structure):
@@ -132,15 +131,11 @@ def kernel(s: Structure):
 
 
 def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None,
-         num_threads=None, span_max=None, value_log_decay=None, value_corrections=(), keep_starts=False):
+         num_threads=None, span_max=None, value_log_decay=None, value_corrections=()):
     """parallel_scan or chunkwise_scan (form "parallel" or "chunkwise"), with a thread count. span_max: the
     widest log-decay range of a segment for the fast scores (default SPAN_MAX; 0 forces the stable way).
     Readouts with no query (a vector state read as it is) run in c_values' kernels; a decay of the value axis
-    or value-side corrections in two passes (_on_the_value_axis). keep_starts (the chunkwise backward's
-    forward, c.grad_chunk; readouts q·S of a state decaying by rows only): also return the state before each
-    chunk, [B, H, ⌈T/chunk⌉, dk, dv]."""
-    if keep_starts:
-        return _with_starts(s0, log_decay, corrections, writes, readouts, chunk_size, num_threads, span_max)
+    or value-side corrections in two passes (_on_the_value_axis)."""
     if form not in FORMS:
         raise LinrecError(f"unknown scan form {form!r}; choose parallel or chunkwise")
     corrections = [tuple(c) for c in corrections]
@@ -161,21 +156,6 @@ def scan(form: str, s0, log_decay, corrections, writes, readouts, causal=True, c
                             span_max)
     if not (readouts or writes or corrections):  # a state nothing reads or writes: it only decays
         return [], _only_decayed(s0, log_decay)
-    return _plain(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max)
-
-
-def _with_starts(s0, log_decay, corrections, writes, readouts, chunk_size, num_threads, span_max):
-    corrections, writes = [tuple(c) for c in corrections], [tuple(w) for w in writes]
-    readouts = [(q, bool(before)) for q, before in readouts]
-    if any(q is None for q, _ in readouts) or (log_decay is not None and np.ndim(log_decay) == 5):
-        raise LinrecError("the C chunkwise backward's forward takes readouts q·S of a state decaying by rows")
-    return _plain("chunkwise", s0, log_decay, corrections, writes, readouts, True, chunk_size, num_threads,
-                  span_max, keep_starts=True)
-
-
-def _plain(form, s0, log_decay, corrections, writes, readouts, causal, chunk_size, num_threads, span_max,
-           keep_starts=False):
-    """scan() of readouts q·S of a state decaying by rows (or not at all)."""
     per_token = [a for pair in corrections + writes for a in pair] + [q for q, _ in readouts]
     if log_decay is not None:
         per_token.append(log_decay)
@@ -213,23 +193,17 @@ def _plain(form, s0, log_decay, corrections, writes, readouts, causal, chunk_siz
                 operand(x, dtype, lead + (dv,), f"write {i}: value")]
     ops += [operand(q, dtype, lead + (dk,), f"readout {i}: query") for i, (q, _) in enumerate(readouts)]
     outs = [np.empty(lead + (dv,), dtype) for _ in readouts]
-    chunk = chunk_of(chunk_size, tokens)
-    starts = np.empty((batch, heads, -(-tokens // chunk), dk, dv), dtype) if keep_starts else None
     if batch * heads == 0 or tokens == 0:
-        return (outs, state.copy()) + ((starts,) if keep_starts else ())
+        return outs, state.copy()
     ctype = CTYPES[dtype]
     s = Structure(decay, len(corrections), len(writes), tuple(b for _, b in readouts), bool(causal), dk, dv,
                   ctype, c_build.vector_bytes())
     work = batch * heads * tokens * dk * max(dv, 16) * (len(readouts) + len(writes) + 2 * len(corrections) + 1)
     span = SPAN_MAX[ctype] if span_max is None else float(span_max)
-    k = kernel(s)
-    if keep_starts:
-        final = call(k, "lr_chunkwise_starts", state, ops, outs, work, num_threads, span, chunk,
-                     k.ffi.from_buffer(ctype + " *", starts))
-        return outs, final, starts
     if form == "parallel":
-        return outs, call(k, "lr_parallel", state, ops, outs, work, num_threads, span)
-    return outs, call(k, "lr_chunkwise", state, ops, outs, work, num_threads, span, chunk)
+        return outs, call(kernel(s), "lr_parallel", state, ops, outs, work, num_threads, span)
+    return outs, call(kernel(s), "lr_chunkwise", state, ops, outs, work, num_threads, span,
+                      chunk_of(chunk_size, tokens))
 
 
 def _only_decayed(s0, log_decay) -> np.ndarray:
