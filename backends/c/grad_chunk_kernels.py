@@ -66,7 +66,9 @@ def kernel(s: Structure):
 
 
 def _finite_decays(log_decay):
-    if log_decay is not None and np.isneginf(log_decay).any():
+    """Refuses a log-decay of −∞ (the pairwise factors would take −∞ − (−∞)), as decay_scan does. (One
+    reduction, no temporary: NaN is not −∞, and min() passes it by.)"""
+    if log_decay is not None and np.size(log_decay) and np.min(log_decay) == -np.inf:
         raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
                                 "backward work with finite log-decays; use form='recurrent' for this call")
 
@@ -84,8 +86,7 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
                       num_threads=None) -> ScanGrads:
     """The backward, as decay_scan_backward's (ScanGrads; log_decay None where the state does not decay), from
     the readouts' gradients [B, T, H, V] and the final state's (None: zero); starts and chunk as
-    chunk_checkpoints gave and took them."""
-    _finite_decays(log_decay)
+    chunk_checkpoints gave and took them (which refused a log-decay of −∞)."""
     c = grad_kernels._prepare(s0, log_decay, corrections, writes, queries)
     s = Structure(**{f.name: getattr(c.structure, f.name) for f in dataclasses.fields(grad_kernels.Structure)})
     batch, tokens, heads = c.lead
