@@ -9,7 +9,7 @@ linrec.numpy.adjoint_scan's decay_scan and decay_scan_backward — the same argu
 s0 [B, H, K, V]; log_decay None (no decay) or [B, T, H, 1 | K]; writes [(key, value)], corrections [(u, w)]
 and queries [(q, before_update)] per token [B, T, H, n]. chunk_checkpoints is the recurrent backward's C
 forward (grad_kernels.adjoint_checkpoints), keeping the state before each chunk ([B, H, ⌈T/chunk⌉, K, V]);
-adjoint_chunkwise runs the chunks from the last, each in sub-chunks of SUB_CHUNK tokens whose states it
+adjoint_chunkwise runs the chunks from the last, each in sub-chunks of sub_chunk() tokens whose states it
 recomputes from the chunk's (see the template). A parallel backward is one chunk of the whole sequence. The
 arithmetic is in the initial state's dtype; a kernel is specialized per structure (decay none, per token or
 per row; the numbers of corrections, writes and readouts, which readouts read the state before the update),
@@ -31,7 +31,11 @@ from . import scan as c_scan
 from .build import CTYPES
 from .scan_kernels import cached_kernel, call, chunk_of, operand
 
-SUB_CHUNK = 32  # tokens of a sub-chunk: a multiple of every register width (c_gemm's N)
+def sub_chunk(s: "Structure") -> int:
+    """Tokens of a sub-chunk (a multiple of every register width: c_gemm's N): 32, or 16 where corrections
+    double the pairs of arrays whose products within a sub-chunk grow with its square (measured: each the
+    faster at dk = dv = 64 and 128)."""
+    return 16 if s.corrections else 32
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ def render(s: Structure) -> str:
     lanes = s.lanes
     return environment(__package__).get_template("c_grad_chunk.c.j2").render(
         version=VERSION, description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes, lanes=lanes,
-        dk=s.dk, dv=s.dv, dkp=-(-s.dk // lanes) * lanes, dvp=-(-s.dv // lanes) * lanes, sb=SUB_CHUNK,
+        dk=s.dk, dv=s.dv, dkp=-(-s.dk // lanes) * lanes, dvp=-(-s.dv // lanes) * lanes, sb=sub_chunk(s),
         decay=grad_kernels.DECAYS.index(s.decay), db=s.dk if s.decay == "row" else 1,
         corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         qprev=", ".join(["1"] * s.corrections + ["1" if b else "0" for b in s.before]),
