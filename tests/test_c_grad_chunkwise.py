@@ -4,8 +4,9 @@ float32: GLA (a decay per row), gated DeltaNet (per token, with a correction), D
 correction), Mamba-2 and RetNet (per token), and a program whose readouts read the state before the update.
 The sizes are tests/test_c_grad.py's (dk = 5, dv = 7), so the forward kernels, which are the recurrent
 backward's, are shared with it; the cases vary what the kernels take at run time: T (ragged, 1), chunks that
-do not divide T and chunks longer than the kernel's sub-chunks (grad_chunk_kernels.sub_chunk: 32 tokens, 16 with corrections), strong and mild
-decays (the two ways of the per-row scores), random initial states and final-state gradients, threads."""
+do not divide T and chunks longer than the kernel's sub-chunks (grad_chunk_kernels.sub_chunk: 32 tokens, 16
+with corrections), strong and mild decays (the two ways of the per-row scores), random initial states and
+final-state gradients, threads."""
 import numpy as np
 import pytest
 
