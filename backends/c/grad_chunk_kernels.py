@@ -31,6 +31,7 @@ from . import scan as c_scan
 from .build import CTYPES
 from .scan_kernels import cached_kernel, call, chunk_of, operand
 
+
 def sub_chunk(s: "Structure") -> int:
     """Tokens of a sub-chunk (a multiple of every register width: c_gemm's N): 32, or 16 where corrections
     double the pairs of arrays whose products within a sub-chunk grow with its square (measured: each the
@@ -70,8 +71,8 @@ def kernel(s: Structure):
 
 
 def _finite_decays(log_decay):
-    """Refuses a log-decay of −∞ (the pairwise factors would take −∞ − (−∞)), as decay_scan does. (One
-    reduction, no temporary: NaN is not −∞, and min() passes it by.)"""
+    """Refuses a log-decay of −∞ (the pairwise factors would take −∞ − (−∞)), as decay_scan does: one
+    reduction, no temporary array. (A NaN makes the minimum NaN: NaN in, NaN out, as elsewhere.)"""
     if log_decay is not None and np.size(log_decay) and np.min(log_decay) == -np.inf:
         raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
                                 "backward work with finite log-decays; use form='recurrent' for this call")
