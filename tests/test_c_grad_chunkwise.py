@@ -18,7 +18,6 @@ from test_c_grad import DIMS, STRUCTURES, _call
 from test_grad import float32, worst_error
 
 EXAMPLES = ("gla", "gated_deltanet", "deltanet", "mamba2", "retnet")
-FLOAT32 = ("gla", "gated_deltanet")  # (a float32 kernel each: a decay per row; one per token with a correction)
 FORMS = ("parallel", "chunkwise")
 
 # (batch, tokens, heads, chunk_size, decay_scale): ragged T by a chunk that does not divide it; the default
@@ -50,7 +49,7 @@ def test_float64_matches_the_numpy_recurrent_backward(recs, name):
             assert all(g.dtype == np.float64 for g in got.grads.values())
 
 
-@pytest.mark.parametrize("name", FLOAT32)
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_float32_within_5e_4_of_float64(recs, name):
     rec = recs[name]
     for i, (batch, tokens, heads, chunk, scale) in enumerate(CASES):

@@ -441,9 +441,6 @@ def test_bad_final_state_gradient():
 
 
 def test_forms_and_backends_without_a_gradient():
-    rec = example("gla")
-    inputs = rec.random_inputs(1, 4, 1, {"dk": 4, "dv": 4})
-    g_out = {"o": np.ones((1, 4, 1, 4))}
     attention = example("softmax")
     with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the numpy backend: the chunkwise backward "
                                                  "of attention"):
