@@ -5,6 +5,8 @@ cached on disk.
     grad.py        the recurrent backward (Recurrence.vjp): its generated module, whose adjoint recurrence
                    runs in grad_kernels.py's kernels (c_grad.c.j2), grad_elementwise.py's (elementwise decays,
                    vector states read as values) or grad_value_side.py's (the value side), as grad_scans.py picks
+    grad_chunk.py  the parallel and chunkwise backward: the same module with grad_chunk_kernels.py's kernels
+                   (the chunkwise forward keeping each chunk's state; c_grad_chunk.c.j2)
     fused.py       the fused recurrent kernel and decode step of a factorable recurrence (c_fused.c.j2),
                    planned by state_terms.py, block_region.py, step_region.py and passes.py as the records
                    of fused_plan.py; kernel_source.py: what it shares with statements.py
@@ -26,7 +28,7 @@ from __future__ import annotations
 from ..compiler import Compiled
 from ..compiler.adjoint import why_no_gradient
 from ..interface import Refusal
-from . import attention_backward, backend, grad
+from . import attention_backward, backend, grad, grad_chunk
 
 
 class CBackend:
@@ -50,7 +52,7 @@ class CBackend:
     def recurrent_kernel(self, compiled: Compiled) -> str:
         return backend.recurrent_kernel(compiled)
 
-    # ---- gradients (docs/gradients.md): the recurrent backward, its adjoint recurrence in C (c.grad) ----
+    # ---- gradients (docs/gradients.md): the adjoint recurrences in C (c.grad, c.grad_chunk) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         if _reads_sequence(compiled):  # (attention: flash attention's backward, c.attention_backward)
             return attention_backward.why_not(compiled, form)
@@ -58,20 +60,18 @@ class CBackend:
         if reason:
             return Refusal(reason)
         numpy_runs_it = f"the NumPy backend runs the {form} backward (backend='numpy')"
-        if form != "recurrent":
-            return Refusal(f"the C backend builds the recurrent backward only, not the {form} one", numpy_runs_it)
-        reason = grad.why_not(compiled)
+        reason = grad.why_not(compiled) if form == "recurrent" else grad_chunk.why_not(compiled, form)
         return None if reason is None else Refusal(reason, numpy_runs_it)
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
         if _reads_sequence(compiled):
             return attention_backward.emit(compiled)
-        return grad.emit(compiled)
+        return grad.emit(compiled) if form == "recurrent" else grad_chunk.emit(compiled, form)
 
     def load_gradient(self, compiled: Compiled, form: str):
         if _reads_sequence(compiled):
             return attention_backward.load(compiled)
-        return grad.load(compiled)
+        return grad.load(compiled) if form == "recurrent" else grad_chunk.load(compiled, form)
 
 
 def _reads_sequence(compiled: Compiled) -> bool:

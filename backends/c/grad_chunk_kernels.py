@@ -1,0 +1,120 @@
+"""The chunkwise and parallel backward's kernels in C (templates/c_grad_chunk.c.j2): what the C backend's
+generated parallel and chunkwise backward (c.grad_chunk) calls for each state, where the NumPy one calls
+linrec.numpy.adjoint_scan's decay_scan and decay_scan_backward — the same arguments and results:
+
+    readouts, final, starts = chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=())
+    grads = adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final,
+                              corrections=())                                          # a ScanGrads
+
+s0 [B, H, K, V]; log_decay None (no decay) or [B, T, H, 1 | K]; writes [(key, value)], corrections [(u, w)]
+and queries [(q, before_update)] per token [B, T, H, n]. chunk_checkpoints is the recurrent backward's C
+forward (grad_kernels.adjoint_checkpoints), keeping the state before each chunk ([B, H, ⌈T/chunk⌉, K, V]);
+adjoint_chunkwise runs the chunks from the last, each in sub-chunks of sub_chunk() tokens whose states it
+recomputes from the chunk's (see the template). A parallel backward is one chunk of the whole sequence. The
+arithmetic is in the initial state's dtype; a kernel is specialized per structure (decay none, per token or
+per row; the numbers of corrections, writes and readouts, which readouts read the state before the update),
+per size and per dtype, built once through c_build and memoized.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dsl.errors import RuntimeInputError
+from ..numpy.adjoint_scan import ScanGrads
+from ..templating import environment
+from ..version import VERSION
+from . import grad_kernels
+from . import scan as c_scan
+from .build import CTYPES
+from .scan_kernels import cached_kernel, call, chunk_of, operand
+
+
+def sub_chunk(s: "Structure") -> int:
+    """Tokens of a sub-chunk (a multiple of every register width: c_gemm's N): 32, or 16 where corrections
+    double the pairs of arrays whose products within a sub-chunk grow with its square (measured: each the
+    faster at dk = dv = 64 and 128)."""
+    return 16 if s.corrections else 32
+
+
+@dataclass(frozen=True)
+class Structure(grad_kernels.Structure):
+    """What one kernel is specialized for: the recurrent backward's structure (grad_kernels.Structure), a
+    kernel of its own."""
+
+
+def render(s: Structure) -> str:
+    """The C source of one kernel."""
+    lanes = s.lanes
+    return environment(__package__).get_template("c_grad_chunk.c.j2").render(
+        version=VERSION, description=s.describe(), ctype=s.ctype, vector_bytes=s.vector_bytes, lanes=lanes,
+        dk=s.dk, dv=s.dv, dkp=-(-s.dk // lanes) * lanes, dvp=-(-s.dv // lanes) * lanes, sb=sub_chunk(s),
+        decay=grad_kernels.DECAYS.index(s.decay), db=s.dk if s.decay == "row" else 1,
+        corrections=s.corrections, writes=s.writes, readouts=len(s.before),
+        qprev=", ".join(["1"] * s.corrections + ["1" if b else "0" for b in s.before]),
+        widths=", ".join(map(str, s.widths + [s.dv] * len(s.before))), n_inputs=len(s.widths) + len(s.before),
+        nb=c_scan.tile_registers(s.vector_bytes), tile_rows=c_scan.tile_rows(s.vector_bytes), gemm_transposed=True)
+
+
+def cdef(s: Structure) -> str:
+    t = s.ctype
+    return (f"int lr_chunk_backward(const {t} *gT, {t} *ds0, {t} **in, const int64_t *st, {t} **out, int B, "
+            f"int ntok, int H, int nthreads, const {t} *starts, int chunk, double span_max);\n")
+
+
+def kernel(s: Structure):
+    """The built extension (ffi, lib) for a structure."""
+    label = f"grad_chunk_{s.decay}_r{s.corrections}_w{s.writes}_{s.ctype}"
+    return cached_kernel(s, "grad_chunk", label, lambda: render(s), cdef(s))
+
+
+def _finite_decays(log_decay):
+    """Refuses a log-decay of −∞ (the pairwise factors would take −∞ − (−∞)), as decay_scan does: one
+    reduction, no temporary array. (A NaN makes the minimum NaN: NaN in, NaN out, as elsewhere.)"""
+    if log_decay is not None and np.size(log_decay) and np.min(log_decay) == -np.inf:
+        raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
+                                "backward work with finite log-decays; use form='recurrent' for this call")
+
+
+def chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), num_threads=None):
+    """The forward: ([readout [B, T, H, V]], final state [B, H, K, V], the state before each chunk
+    [B, H, ⌈T/chunk⌉, K, V]) — decay_scan's. It is the recurrent backward's forward (grad_kernels: the
+    update token by token, a column block of the state at a time, keeping the state every `chunk` tokens):
+    O(T) for the parallel backward's one chunk too, where a chunkwise forward over one chunk is O(T²)."""
+    _finite_decays(log_decay)
+    return grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections, num_threads)
+
+
+def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
+                      num_threads=None) -> ScanGrads:
+    """The backward, as decay_scan_backward's (ScanGrads; log_decay None where the state does not decay), from
+    the readouts' gradients [B, T, H, V] and the final state's (None: zero); starts and chunk as
+    chunk_checkpoints gave and took them (which refused a log-decay of −∞)."""
+    c = grad_kernels._prepare(s0, log_decay, corrections, writes, queries)
+    s = Structure(**{f.name: getattr(c.structure, f.name) for f in dataclasses.fields(grad_kernels.Structure)})
+    batch, tokens, heads = c.lead
+    dtype = c.state.dtype
+    grads = [operand(g, dtype, c.lead + (s.dv,), f"the gradient of readout {i}") for i, g in enumerate(grad_readouts)]
+    outs = [np.empty(c.lead + (n,), dtype) for n in s.widths]
+    final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
+    if batch * heads == 0 or tokens == 0:
+        d_s0 = final.copy()
+        for o in outs:
+            o[...] = 0
+    else:
+        k = kernel(s)
+        chunk = chunk_of(chunk, tokens)
+        starts = np.ascontiguousarray(starts, dtype=dtype)
+        if starts.shape != (batch, heads, -(-tokens // chunk), s.dk, s.dv):
+            raise RuntimeInputError(f"the states before each chunk have shape {list(starts.shape)}; "
+                                    f"chunk_checkpoints gives them for chunk {chunk}")
+        d_s0 = call(k, "lr_chunk_backward", final, c.ops + grads, outs, 6 * c.work, num_threads,
+                    k.ffi.from_buffer(CTYPES[dtype] + " *", starts), chunk, c_scan.SPAN_MAX[s.ctype])
+    it = iter(outs)
+    d_log_decay = None if log_decay is None else next(it)
+    d_corrections = [(next(it), next(it)) for _ in corrections]
+    d_writes = [(next(it), next(it)) for _ in writes]
+    d_queries = [next(it) for _ in queries]
+    return ScanGrads(d_log_decay, d_writes, d_queries, d_s0, d_corrections, None)

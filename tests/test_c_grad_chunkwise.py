@@ -1,0 +1,171 @@
+"""The C backend's parallel and chunkwise backward (linrec.c.grad_chunk, templates/c_grad_chunk.c.j2) against
+the NumPy recurrent backward — the adjoint of the statements as written — at 1e-9 in float64 and 5e-4 in
+float32: GLA (a decay per row), gated DeltaNet (per token, with a correction), DeltaNet (no decay, a
+correction), Mamba-2 and RetNet (per token), and a program whose readouts read the state before the update.
+The sizes are tests/test_c_grad.py's (dk = 5, dv = 7), so the forward kernels, which are the recurrent
+backward's, are shared with it; the cases vary what the kernels take at run time: T (ragged, 1), chunks that
+do not divide T and chunks longer than the kernel's sub-chunks (grad_chunk_kernels.sub_chunk: 32 tokens, 16
+with corrections), strong and mild decays (the two ways of the per-row scores), random initial states and
+final-state gradients, threads."""
+import numpy as np
+import pytest
+
+import linrec
+from linrec import gradients
+from linrec.c import grad_chunk_kernels, scan_kernels
+from linrec.dsl.errors import RuntimeInputError
+from test_c_grad import DIMS, STRUCTURES, _call
+from test_grad import float32, worst_error
+
+EXAMPLES = ("gla", "gated_deltanet", "deltanet", "mamba2", "retnet")
+FORMS = ("parallel", "chunkwise")
+
+# (batch, tokens, heads, chunk_size, decay_scale): ragged T by a chunk that does not divide it; the default
+# chunk (64) over T = 40 (one sub-chunk and a ragged one); chunks of 50 over T = 70 (two sub-chunks, the
+# second ragged, then a short chunk) under strong decays (log-decays to about −78); T = 1
+CASES = [(2, 13, 3, 5, None), (1, 40, 2, None, None), (1, 70, 2, 50, 40.0), (2, 1, 2, None, None)]
+
+
+@pytest.fixture(scope="module")
+def recs():
+    return {name: linrec.load(f"examples/{name}.lin") for name in EXAMPLES}
+
+
+def _both_forms(rec, x, up, s0, gT, chunk):
+    return {form: rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", form=form,
+                          chunk_size=chunk) for form in FORMS}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_float64_matches_the_numpy_recurrent_backward(recs, name):
+    rec = recs[name]
+    for i, (batch, tokens, heads, chunk, scale) in enumerate(CASES):
+        x, up, s0, gT = _call(rec, batch, tokens, heads, seed=i, decay_scale=scale)
+        want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+        for form, got in _both_forms(rec, x, up, s0, gT, chunk).items():
+            assert worst_error(got.grads, want.grads) <= 1e-9, (name, form, CASES[i])
+            assert worst_error(got.outputs, want.outputs) <= 1e-9
+            assert worst_error(got.final_state, want.final_state) <= 1e-9
+            assert all(g.dtype == np.float64 for g in got.grads.values())
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_float32_within_5e_4_of_float64(recs, name):
+    rec = recs[name]
+    for i, (batch, tokens, heads, chunk, scale) in enumerate(CASES):
+        x, up, s0, gT = _call(rec, batch, tokens, heads, seed=10 + i, decay_scale=scale)
+        want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+        for form, got in _both_forms(rec, float32(x), float32(up), float32(s0), float32(gT), chunk).items():
+            assert all(g.dtype == np.float32 for g in got.grads.values())
+            assert worst_error(got.grads, want.grads) <= 5e-4, (name, form, CASES[i])
+
+
+@pytest.mark.parametrize("log_decay", [-20.0, -0.4])
+def test_per_row_decays_strong_and_mild(recs, log_decay):
+    """A decay per row takes its scores factored, (q ⊙ e^b)·(k ⊙ e^−b)ᵀ, while a sub-chunk's log-decays span
+    at most c_scan.SPAN_MAX (40 in float32, 300 in float64), else pairwise in log space: log-decays of −20 on
+    every token (a span of 640 over a sub-chunk of 32) take the second way in both dtypes, −0.4 (a span of
+    13) the first; both agree with the recurrent backward, and ∂g stays finite where e^{−20·T} underflows."""
+    rec = recs["gla"]
+    x, up, s0, gT = _call(rec, 1, 75, 2, seed=20)
+    x["g"] = np.where(np.arange(75)[None, :, None, None] % 3 == 0, log_decay, log_decay / 2) + 0 * x["g"]
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    for dtype, tolerance in ((np.float64, 1e-9), (np.float32, 5e-4)):
+        cast = (lambda d: d) if dtype == np.float64 else float32
+        for form, got in _both_forms(rec, cast(x), cast(up), cast(s0), cast(gT), 40).items():
+            assert all(np.isfinite(g).all() for g in got.grads.values())
+            assert worst_error(got.grads, want.grads) <= tolerance, (form, dtype)
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTURES))
+def test_other_structures(name):
+    """Readouts before the update (two readouts of one state, a vector state read by q·z), and a state
+    carried transposed (tests/test_c_grad.py's programs)."""
+    rec = linrec.compile(STRUCTURES[name], f"{name}.lin")
+    x, up, s0, gT = _call(rec, 2, 45, 3, seed=7)
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    for chunk in (None, 7):
+        for form, got in _both_forms(rec, x, up, s0, gT, chunk).items():
+            assert worst_error(got.grads, want.grads) <= 1e-9, (form, chunk)
+
+
+def test_threads_give_the_same_bits(recs, monkeypatch):
+    """(batch row, head) pairs fewer than the threads and more: the same gradients, bit for bit, as on one
+    thread (the kernels' small-work rule, which would run these tiny calls on one thread, is lifted)."""
+    rec = recs["gated_deltanet"]
+    monkeypatch.setattr(scan_kernels, "SMALL_WORK", 0)
+    for batch, heads in ((1, 2), (3, 5)):
+        x, up, s0, gT = _call(rec, batch, 41, heads, seed=3)
+        runs = []
+        for threads in ("1", "4"):
+            monkeypatch.setenv("LINREC_NUM_THREADS", threads)
+            runs.append(_both_forms(rec, x, up, s0, gT, 36))
+        for form in FORMS:
+            assert worst_error(runs[1][form].grads, runs[0][form].grads) == 0.0
+
+
+def test_chunk_size_does_not_change_the_gradients(recs):
+    rec = recs["gated_deltanet"]
+    x, up, s0, gT = _call(rec, 1, 50, 2, seed=4)
+    grads = [rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", form="chunkwise",
+                     chunk_size=c).grads for c in (1, 13, 33, 100)]
+    assert all(worst_error(g, grads[0]) <= 1e-12 for g in grads[1:])
+
+
+def test_resets_are_refused_as_on_numpy(recs):
+    rec = recs["gla"]
+    x, up, _, _ = _call(rec, 1, 12, 2, seed=6)
+    x["g"][0, 4] = -np.inf
+    messages = []
+    for backend in ("numpy", "c"):
+        with pytest.raises(RuntimeInputError) as err:
+            rec.vjp(x, up, dims=DIMS, backend=backend, form="chunkwise")
+        messages.append(str(err.value))
+    assert messages[0] == messages[1] and "form='recurrent'" in messages[1]
+
+
+def test_listed_emitted_and_refused_for_structural_reasons(recs):
+    gla = recs["gla"]
+    assert all(gradients.gradient_refusal(gla, form, "c") is None for form in FORMS)
+    mamba1 = gradients.gradient_refusal(linrec.load("examples/mamba1.lin"), "chunkwise", "c")
+    assert "elementwise" in mamba1 and "NumPy" in mamba1
+    text = recs["gated_deltanet"].emit_gradient("chunkwise", "c")
+    assert "chunk_checkpoints(" in text and "adjoint_chunkwise(" in text
+    assert "# adjoint of S.correction0_u" in text
+    assert "max(tokens, 1)" in recs["gla"].emit_gradient("parallel", "c")  # (one chunk of the whole sequence)
+    # what only the recurrent C backward's other kernels take (c.grad_scans) is refused here, stage by stage too
+    for name, words in (("gated_oja", "value side"), ("preconditioned_deltanet", "vector state 'A' as a value")):
+        why = gradients.gradient_refusal(linrec.load(f"examples/{name}.lin"), "parallel", "c")
+        assert words in why and "recurrent backward runs on C" in why, name
+
+
+NONCAUSAL = """recurrence decayed_noncausal(dk = 5, dv = 4) noncausal
+input q[dk], k[dk], v[dv], g
+state S[dk, dv]
+S = exp(-softplus(g))·S + k⊗v
+output o = q·S
+"""
+
+
+def test_a_noncausal_program_reads_the_final_state():
+    """The module takes the readouts of the final state and their adjoints itself: the kernels run without
+    readouts."""
+    rec = linrec.compile(NONCAUSAL, "noncausal.lin")
+    x = rec.random_inputs(2, 13, 2, seed=3)
+    up = {"o": np.random.default_rng(4).standard_normal((2, 13, 2, 4))}
+    want = rec.vjp(x, up)
+    for form in FORMS:
+        got = rec.vjp(x, up, form=form, backend="c", chunk_size=4)
+        assert worst_error(got.grads, want.grads) <= 1e-9, form
+
+
+def test_the_kernels_take_the_numpy_scans_arguments():
+    """adjoint_chunkwise refuses states before each chunk that another chunk size made."""
+    rng = np.random.default_rng(8)
+    k, v, q = (rng.standard_normal((1, 9, 1, n)) for n in (5, 7, 5))
+    log_decay = -rng.random((1, 9, 1, 1))  # (one per token: Mamba-2's kernels)
+    s0 = rng.standard_normal((1, 1, 5, 7))
+    outs, final, starts = grad_chunk_kernels.chunk_checkpoints(s0, log_decay, [(k, v)], [(q, False)], 4)
+    assert starts.shape == (1, 1, 3, 5, 7)
+    with pytest.raises(RuntimeInputError, match="chunk"):
+        grad_chunk_kernels.adjoint_chunkwise(s0, log_decay, [(k, v)], [(q, False)], starts, 2, outs, None)
