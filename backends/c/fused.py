@@ -161,7 +161,7 @@ class FusedKernel(KernelSource):
         strips = any(p.kind == "tokens" and p.strip for r in regions for p in r.passes)
         # a tiled pass loads and stores each tile once per block, and prefetches the next tile one register a
         # token (`u < registers`): a block shorter than a tile's registers leaves part of the next tile to wait
-        # on L2 and spreads the loads over fewer tokens (GLA, d = 128 and 256: 16 tokens 1.07-1.09× faster
+        # on L2 and spreads the loads over fewer tokens (GLA, d = 128 and 256: 16 tokens 1.02-1.14× faster
         # than the 8 that fit BLOCK_BYTES; the tiled pass reads only its columns' slices of y and of the sums)
         tile_registers = max((t.registers for r in regions for p in r.passes if p.kind == "tiled"
                               for t in (p.main, p.tail) if t), default=0)
