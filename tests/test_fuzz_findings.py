@@ -492,3 +492,18 @@ def test_seq_of_a_value_that_does_not_change_per_token(argument):
     src = HEAD + f"param p per head = 0.5\noutput o = softmax(seq(k)·q)·seq({argument})\n"
     located(compile_error(src), src, 4, f"{argument})", "reads values that change from token to token",
             f"`{argument}` is the same at every position")
+
+
+def test_flash_attention_backward_of_seq_of_an_expression_that_is_also_a_named_value():
+    """seq(l2norm(k)) beside kn = l2norm(k): the chunkwise (flash) backward refolded the keys to seq(kn) but
+    looked their seq(…) up by l2norm(k) — StopIteration, then a KeyError. Its gradient agrees with the
+    recurrent backward now."""
+    rec = linrec.compile("recurrence a(dk = 4, dv = 2)\ninput q[dk], k[dk], v[dv]\nkn = l2norm(k)\n"
+                         "output o = softmax(seq(l2norm(k), window=2)·q)·seq(2*v, window=2)\n", FILE)
+    x = rec.random_inputs(2, 9, 2, dtype=np.float64, seed=1)
+    upstream = {"o": np.random.default_rng(2).standard_normal((2, 9, 2, 2))}
+    reference = rec.vjp(x, upstream, form="recurrent").grads
+    for chunk in (None, 4):
+        grads = rec.vjp(x, upstream, form="chunkwise", chunk_size=chunk).grads
+        for name, value in reference.items():
+            assert np.abs(grads[name] - value).max() <= 1e-12 * np.abs(value).max(), (name, chunk)
