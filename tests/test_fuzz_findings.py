@@ -507,3 +507,22 @@ def test_flash_attention_backward_of_seq_of_an_expression_that_is_also_a_named_v
         grads = rec.vjp(x, upstream, form="chunkwise", chunk_size=chunk).grads
         for name, value in reference.items():
             assert np.abs(grads[name] - value).max() <= 1e-12 * np.abs(value).max(), (name, chunk)
+
+
+def test_every_gradient_form_gives_an_unused_params_gradient():
+    """A staged program (S reads A's stage) with a param it never reads: the recurrent backward gave the param
+    a zero gradient, the parallel and chunkwise ones left it out of `grads`. Every form gives every input,
+    param and initial state its gradient now — the unused param's is zero."""
+    rec = linrec.compile("recurrence p(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\ninput gA[dk] <= 0\n"
+                         "state A[dk]\nA = exp(gA)*A + k*k\nkp = l2norm(k*A)\nstate S[dk, dv]\n"
+                         "S = 0.9·S + kp⊗v\noutput o = q·S\nparam P per head = 0.5\n", FILE)
+    x = rec.random_inputs(1, 7, 2, dtype=np.float64, seed=3)
+    upstream = {"o": np.random.default_rng(4).standard_normal((1, 7, 2, 2))}
+    reference = rec.vjp(x, upstream, form="recurrent").grads
+    assert set(reference) == {"q", "k", "v", "gA", "A", "S", "P"}
+    assert np.all(reference["P"] == 0) and reference["P"].shape == (2,)
+    for form in ("parallel", "chunkwise"):
+        grads = rec.vjp(x, upstream, form=form).grads
+        assert set(grads) == set(reference), form
+        for name, value in reference.items():
+            assert np.abs(grads[name] - value).max() <= 1e-9 * max(np.abs(value).max(), 1e-300), (form, name)
