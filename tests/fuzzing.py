@@ -698,7 +698,8 @@ def _gradient_error(grads: dict, reference: dict) -> tuple[float, str]:
 
 
 def _gradients(rec, info, backends, inputs, state0, reference, comparable, seed, fail, stats, redraw) -> None:
-    """The gradient forms `check` lists (info["gradients"]), float64, on the forward's inputs: on NumPy each against NumPy's recurrent backward (verify_grad.reference_form's where
+    """The gradient forms `check` lists (info["gradients"]), float64, on the forward's inputs and random
+    upstream gradients: on NumPy each against NumPy's recurrent backward (verify_grad.reference_form's where
     the program has no recurrent form; else the first listed), at verify_grad.FORM_TOLERANCE, and that one
     against central differences of the float64 forward (verify_grad.directional_errors, FD_TOLERANCE); on
     each other backend in `backends`, every form it lists against NumPy's reference. A program whose
