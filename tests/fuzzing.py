@@ -671,13 +671,15 @@ def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradie
         _gradients(rec, info, gradients, inputs, state0, reference, comparable, seed, fail, stats, redraw)
 
 
-FD_DRAWS = 2  # draws of the inputs on which a gradient must disagree with central differences to fail
+# the central differences' steps at which a gradient must disagree with them to fail (the last on another draw
+# of the inputs)
+FD_STEPS = (verify_grad.EPSILON, verify_grad.EPSILON / 4, verify_grad.EPSILON)
 
 # The smallest scale a gradient array's error is measured against, as a fraction of the largest gradient of
 # the call (verify_grad's floor is float64's eps of it). A gradient that is zero by cancellation — of q in
-# (φ(q)·S)/(φ(q)·z) with dk = 1, or through k/norm(k) of one element — is the rounding of its terms, which
-# differs between forms, not a value to match to nine digits.
-GRADIENT_FLOOR = 1e-6
+# (φ(q)·S)/(φ(q)·z) with dk = 1, or through k/norm(k) of one element, whose terms grow as 1/|k| — is the
+# rounding of its terms, which differs between forms, not a value to match to nine digits.
+GRADIENT_FLOOR = 1e-4
 
 
 def _gradient_error(grads: dict, reference: dict) -> tuple[float, str]:
@@ -759,10 +761,11 @@ def _gradients(rec, info, backends, inputs, state0, reference, comparable, seed,
         fail("gradient not finite", f"{ref_form} gradient on numpy: '{worst}' is not finite where the forward is")
         return
     # central differences across a kink (abs(v), or l2norm of one element, a sign, with an input within 2e-5
-    # of 0) are off for no fault of the gradient: a failure must repeat on FD_DRAWS draws of the inputs
+    # of 0) or near a pole (1/l2norm(q) with a component near 0: the step's truncation error) are off for no
+    # fault of the gradient: a failure must repeat with a quarter of the step and on another draw of the inputs
     draw_inputs, draw_base, worst = inputs, base, None
-    for draw in range(FD_DRAWS):
-        if draw:
+    for draw, epsilon in enumerate(FD_STEPS):
+        if draw == len(FD_STEPS) - 1:
             draw_inputs = redraw(draw)
             draw_base = attempt(f"{ref_form} gradient on numpy (inputs drawn again)", lambda: rec.vjp(
                 draw_inputs, grad_outputs, form=ref_form, backend="numpy", grad_final_state=grad_state,
@@ -771,7 +774,8 @@ def _gradients(rec, info, backends, inputs, state0, reference, comparable, seed,
                 return
         try:
             errors = verify_grad.directional_errors(rec, draw_inputs, params, state0, grad_outputs, grad_state,
-                                                    draw_base.grads, seed=seed, form=verify_grad.reference_form(rec))
+                                                    draw_base.grads, seed=seed, form=verify_grad.reference_form(rec),
+                                                    epsilon=epsilon)
         except Timeout:
             raise
         except RuntimeInputError:  # (a step of 2e-5 out of an input's declared range, e.g. (0, 1e-300))
@@ -787,7 +791,7 @@ def _gradients(rec, info, backends, inputs, state0, reference, comparable, seed,
     else:
         fail("gradient against finite differences", f"{ref_form} gradient on numpy: '{worst}' relative error "
                                                      f"{errors[worst][1]:.3g} (tolerance {verify_grad.FD_TOLERANCE:g}; "
-                                                     f"on {FD_DRAWS} draws of the inputs)")
+                                                     f"at steps {', '.join(map(str, FD_STEPS))}, the last on other inputs)")
     for backend in backends:
         for form, built in listed.items():
             if backend not in built:
