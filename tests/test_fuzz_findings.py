@@ -526,3 +526,17 @@ def test_every_gradient_form_gives_an_unused_params_gradient():
         assert set(grads) == set(reference), form
         for name, value in reference.items():
             assert np.abs(grads[name] - value).max() <= 1e-9 * max(np.abs(value).max(), 1e-300), (form, name)
+
+
+def test_c_recurrent_scan_of_a_noncausal_value_side_decay():
+    """A non-causal program with an exponential feature map (its recurrent form a stabilized scan) and a
+    value-side decay S·diag(sigmoid(v)): C's recurrent_scan took no value_log_decay — a TypeError from the
+    generated module. It takes NumPy's arguments now and agrees with NumPy's recurrent form."""
+    rec = linrec.compile("recurrence n(dk = 3, dv = 2) noncausal\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                         "S = S·diag(sigmoid(v)) + exp(k)⊗v\noutput o = (q·S)*sigmoid(v)\n", FILE)
+    if "c" not in registry.building(rec.compiled, "recurrent"):
+        pytest.skip("no C compiler")
+    x = rec.random_inputs(1, 7, 2, dtype=np.float64, seed=5)
+    reference = rec.run(x, form="recurrent").outputs["o"]
+    got = rec.run(x, form="recurrent", backend="c").outputs["o"]
+    assert np.abs(got - reference).max() <= 1e-9 * np.abs(reference).max()
