@@ -67,11 +67,11 @@ def reference_form(rec) -> str:
     return "recurrent" if "recurrent" in forms else forms[0]
 
 
-def directional_errors(rec, inputs, params, state0, grad_outputs, grad_state, grads, dims=None,
-                       seed: int = 0, form: str = "recurrent") -> dict[str, tuple[float, float]]:
+def directional_errors(rec, inputs, params, state0, grad_outputs, grad_state, grads, dims=None, seed: int = 0,
+                       form: str = "recurrent", epsilon: float = EPSILON) -> dict[str, tuple[float, float]]:
     """name → (absolute, relative) error of ⟨grads[name], d⟩ against central differences of the float64
     forward `form` (the recurrent one, the definition, where the program has it), for one random direction d
-    per input, param and initial state (see the module's docstring)."""
+    per input, param and initial state (see the module's docstring); `epsilon`: the differences' step."""
     rng = np.random.default_rng([seed, 1])  # (not the inputs' stream: d = x would hide a scale invariance)
 
     def loss(x, p, s) -> tuple[float, float]:
@@ -87,14 +87,14 @@ def directional_errors(rec, inputs, params, state0, grad_outputs, grad_state, gr
 
             def moved(steps: int) -> tuple[float, float]:
                 args = {"input": dict(inputs), "param": dict(params), "state": dict(state0)}
-                args[group][name] = value + steps * EPSILON * direction
+                args[group][name] = value + steps * epsilon * direction
                 return loss(args["input"], args["param"], args["state"])
             with np.errstate(all="ignore"):
                 (a, size), (b, _), (c, _), (d, _) = moved(1), moved(-1), moved(2), moved(-2)
-            numeric = (8 * (a - b) - (c - d)) / (12 * EPSILON)  # fourth order: truncation ~ε⁴
+            numeric = (8 * (a - b) - (c - d)) / (12 * epsilon)  # fourth order: truncation ~ε⁴
             analytic = float(np.sum(np.asarray(grads[name], np.float64) * direction))
             # what rounding alone leaves of the difference quotient: a derivative below it is checked absolutely
-            rounding = ROUNDING * size / EPSILON
+            rounding = ROUNDING * size / epsilon
             scale = max(abs(numeric), abs(analytic), rounding / FD_TOLERANCE)
             errors[name] = (abs(numeric - analytic), 0.0 if scale == 0 else abs(numeric - analytic) / scale)
     return errors

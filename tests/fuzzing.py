@@ -13,10 +13,16 @@ What `exercise` asserts of a program (each violation is a Failure with a class a
   inputs (rec.random_inputs: declared ranges respected; params without a default drawn, see _draw_params)
   and agrees with the float64 reference form (verify.reference_form) within verify's float64 tolerance;
   so do the decode step (token by token, on each backend that builds the recurrent form) and form="auto";
+* with `gradients` (a sample of the programs, see _gradients): every gradient form `check` lists on NumPy
+  agrees with NumPy's recurrent backward (verify_grad's reference form where there is none) within verify's
+  gradient tolerance (1e-9), that reference agrees with central differences of the float64 forward
+  (verify_grad.directional_errors, 1e-6), and every gradient form listed on another backend asked for agrees
+  with NumPy's; a program whose gradient `check` refuses is refused by `vjp` with a LinrecError;
 * nothing takes longer than a time limit (signal.setitimer: a hang is a failure, not a stuck test run).
 
 Run it longer than the test suite does with `python -m pytest tests/test_fuzz.py --fuzz-programs 20000`
-(see tests/README.md), or from here: `python tests/fuzzing.py 20000 --c 200` prints the failure classes.
+(see tests/README.md), or from here: `python tests/fuzzing.py 20000 --c 200` prints the failure classes
+(gradients of every program there, on C of every C one: --grad-every, --grad-c to thin them).
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 import linrec
-from linrec import cli, decode, verify
+from linrec import cli, decode, verify, verify_grad
 from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -524,11 +530,13 @@ class Stats(Counter):
 
 
 def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, seconds: float = 20.0,
-             scan_forms_on_c: int = 1, stats: Stats | None = None, command_line: bool = False) -> list[Failure]:
+             scan_forms_on_c: int = 1, stats: Stats | None = None, command_line: bool = False,
+             gradients: tuple = ()) -> list[Failure]:
     """Every check listed in the module's docstring, for one program. `backends`: the backends whose listed
     forms run (C builds cost ~0.5 s each: on C the recurrent form, the decode step, form="auto" and
     `scan_forms_on_c` of the scan forms). command_line: also `linrec check FILE` and `linrec run FILE`, whose
-    exit status must not be 2 (an internal error), and check's 0 or 1 must agree with the API's verdict."""
+    exit status must not be 2 (an internal error), and check's 0 or 1 must agree with the API's verdict.
+    gradients: the backends whose listed gradient forms are checked (see _gradients; () for none)."""
     failures: list[Failure] = []
     stats = Stats() if stats is None else stats
     stats["programs"] += 1
@@ -539,7 +547,7 @@ def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, 
     try:  # (overflows and NaNs of odd programs are their own business: no warnings from them)
         with time_limit(seconds), warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            accepted = _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats)
+            accepted = _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients)
             if command_line:
                 _command_line(source, accepted, fail, stats)
     except Timeout as err:
@@ -555,7 +563,7 @@ def _internal(fail, where: str, err: BaseException):
     fail(f"internal error: {where}", f"{type(err).__name__}: {err}{place}")
 
 
-def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats) -> bool:
+def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=()) -> bool:
     """Compile the program; one it accepts goes on to _run_forms. Returns whether it was accepted."""
     try:
         rec = linrec.compile(source, "fuzz.lin")
@@ -569,11 +577,11 @@ def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats) -> b
     except Exception as err:  # noqa: BLE001 - what the fuzzer looks for
         _internal(fail, "compile", err)
         return False
-    _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats)
+    _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients)
     return True
 
 
-def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats) -> None:
+def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=()) -> None:
     """check's report, then every form it lists on each of `backends` against the reference."""
     try:
         info = cli.describe(rec, "fuzz.lin")
@@ -657,6 +665,153 @@ def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats) -> Non
         if any(backend in built for built in listed.values()):
             attempt(f"form auto on {backend}",
                     lambda: rec.run(inputs, form="auto", backend=backend, initial_state=state0, params=params))
+    if gradients:
+        def redraw(draw: int):  # (the same call's inputs, another draw)
+            return rec.random_inputs(batch, tokens, heads, dims, np.float64, seed=seed + 1000 * draw)
+        _gradients(rec, info, gradients, inputs, state0, reference, comparable, seed, fail, stats, redraw)
+
+
+# the central differences' steps at which a gradient must disagree with them to fail (the last on another draw
+# of the inputs)
+FD_STEPS = (verify_grad.EPSILON, verify_grad.EPSILON / 4, verify_grad.EPSILON)
+
+# The smallest scale a gradient array's error is measured against, as a fraction of the largest gradient of
+# the call (verify_grad's floor is float64's eps of it). A gradient that is zero by cancellation — of q in
+# (φ(q)·S)/(φ(q)·z) with dk = 1, or through k/norm(k) of one element, whose terms grow as 1/|k| — is the
+# rounding of its terms, which differs between forms, not a value to match to nine digits.
+GRADIENT_FLOOR = 1e-4
+
+
+def _gradient_error(grads: dict, reference: dict) -> tuple[float, str]:
+    """(the worst relative error, its array's name): max|g − ref| / max(max|ref|, GRADIENT_FLOOR × the largest
+    reference gradient), inf where g is not finite."""
+    largest = max((float(np.max(np.abs(r), initial=0.0)) for r in reference.values()), default=0.0)
+    worst, name = 0.0, ""
+    for k, ref in reference.items():
+        got = np.asarray(grads[k], np.float64)
+        if not np.all(np.isfinite(got)):
+            return float("inf"), k
+        diff = float(np.max(np.abs(got - ref), initial=0.0))
+        scale = max(float(np.max(np.abs(ref), initial=0.0)), GRADIENT_FLOOR * largest)
+        error = diff / scale if scale else diff
+        if error >= worst:
+            worst, name = error, k
+    return worst, name
+
+
+def _gradients(rec, info, backends, inputs, state0, reference, comparable, seed, fail, stats, redraw) -> None:
+    """The gradient forms `check` lists (info["gradients"]), float64, on the forward's inputs and random
+    upstream gradients: on NumPy each against NumPy's recurrent backward (verify_grad.reference_form's where
+    the program has no recurrent form; else the first listed), at verify_grad.FORM_TOLERANCE, and that one
+    against central differences of the float64 forward (verify_grad.directional_errors, FD_TOLERANCE); on
+    each other backend in `backends`, every form it lists against NumPy's reference. A program whose
+    gradient `check` refuses must be refused by vjp with a LinrecError. Only a `comparable` forward (finite,
+    within GROWTH_LIMIT) is compared; the others must still run or be refused with a reason."""
+    listed = {g["form"]: g["backends"] for g in info["gradients"] if g["available"]}
+    first = verify_grad.reference_form(rec)
+    rng = np.random.default_rng([seed, 2])
+    grad_outputs = {k: rng.standard_normal(v.shape) for k, v in reference.outputs.items()}
+    grad_state = {k: rng.standard_normal(v.shape) for k, v in reference.final_state.items() if k in state0}
+    params = {k: np.array(v, dtype=np.float64) for k, v in reference.params.items()}  # (defaults too: their grads)
+
+    def vjp(form, backend, chunk=None):
+        return rec.vjp(inputs, grad_outputs, form=form, backend=backend, grad_final_state=grad_state,
+                       initial_state=state0, params=params, chunk_size=chunk)
+
+    if not any("numpy" in built for built in listed.values()):
+        try:  # refused by check: vjp must refuse it too, with a reason
+            vjp(first, "numpy")
+        except Timeout:
+            raise
+        except LinrecError:
+            stats["gradient refused"] += 1
+            return
+        except Exception as err:  # noqa: BLE001
+            _internal(fail, f"gradient refusal {first} numpy", err)
+            return
+        fail("gradient check disagrees", f"check lists no {first} gradient on numpy, but vjp built it")
+        return
+
+    def attempt(what: str, run):
+        try:
+            return run()
+        except Timeout:
+            raise
+        except RuntimeInputError as err:
+            if comparable:  # (a finite forward within GROWTH_LIMIT has a finite gradient to give)
+                fail("listed gradient refused", f"{what}: {err}")
+            else:
+                stats["gradient refused at these values"] += 1
+        except LinrecError as err:
+            fail("listed gradient refused", f"{what}: {err}")
+        except Exception as err:  # noqa: BLE001
+            _internal(fail, f"gradient {what}", err)
+        return None
+
+    order = [f for f in (["recurrent", first] + list(listed)) if "numpy" in listed.get(f, [])]
+    ref_form = order[0]
+    base = attempt(f"{ref_form} gradient on numpy", lambda: vjp(ref_form, "numpy"))
+    if base is None:
+        return
+    stats["gradients"] += 1
+    if not comparable:
+        return
+    if not all(np.all(np.isfinite(g)) for g in base.grads.values()):
+        worst = next(k for k, g in base.grads.items() if not np.all(np.isfinite(g)))
+        fail("gradient not finite", f"{ref_form} gradient on numpy: '{worst}' is not finite where the forward is")
+        return
+    # central differences across a kink (abs(v), or l2norm of one element, a sign, with an input within 2e-5
+    # of 0) or near a pole (1/l2norm(q) with a component near 0: the step's truncation error) are off for no
+    # fault of the gradient: a failure must repeat with a quarter of the step and on another draw of the inputs
+    draw_inputs, draw_base, worst = inputs, base, None
+    for draw, epsilon in enumerate(FD_STEPS):
+        if draw == len(FD_STEPS) - 1:
+            draw_inputs = redraw(draw)
+            draw_base = attempt(f"{ref_form} gradient on numpy (inputs drawn again)", lambda: rec.vjp(
+                draw_inputs, grad_outputs, form=ref_form, backend="numpy", grad_final_state=grad_state,
+                initial_state=state0, params=params))
+            if draw_base is None:
+                return
+        try:
+            errors = verify_grad.directional_errors(rec, draw_inputs, params, state0, grad_outputs, grad_state,
+                                                    draw_base.grads, seed=seed, form=verify_grad.reference_form(rec),
+                                                    epsilon=epsilon)
+        except Timeout:
+            raise
+        except RuntimeInputError:  # (a step of 2e-5 out of an input's declared range, e.g. (0, 1e-300))
+            stats["finite differences out of range"] += 1
+            break
+        except Exception as err:  # noqa: BLE001
+            _internal(fail, "finite differences", err)
+            return
+        stats["gradients against finite differences"] += draw == 0
+        worst = max(errors, key=lambda k: errors[k][1]) if errors else None
+        if worst is None or errors[worst][1] <= verify_grad.FD_TOLERANCE:
+            break
+    else:
+        fail("gradient against finite differences", f"{ref_form} gradient on numpy: '{worst}' relative error "
+                                                     f"{errors[worst][1]:.3g} (tolerance {verify_grad.FD_TOLERANCE:g}; "
+                                                     f"at steps {', '.join(map(str, FD_STEPS))}, the last on other inputs)")
+    for backend in backends:
+        for form, built in listed.items():
+            if backend not in built:
+                continue
+            for chunk in ((None, 4) if backend == "numpy" else (None,)):
+                if (form, backend, chunk) == (ref_form, "numpy", None):
+                    continue
+                what = f"{form} gradient on {backend}" + (f" (checkpoints every {chunk})" if chunk else "")
+                result = attempt(what, lambda f=form, b=backend, c=chunk: vjp(f, b, c))
+                if result is None:
+                    continue
+                stats[f"gradient runs on {backend}"] += 1
+                if set(result.grads) != set(base.grads):
+                    fail("gradients disagree", f"{what}: gradients of {sorted(result.grads)}, the {ref_form} "
+                                               f"gradient on numpy of {sorted(base.grads)}")
+                    continue
+                error, name = _gradient_error(result.grads, base.grads)
+                if not error <= verify_grad.FORM_TOLERANCE:
+                    fail("gradients disagree", f"{what}: '{name}' relative error {error:.3g} against the {ref_form} "
+                                               f"gradient on numpy (tolerance {verify_grad.FORM_TOLERANCE:g})")
 
 
 def _command_line(source: str, accepted: bool, fail, stats) -> None:
@@ -708,6 +863,10 @@ def main(argv=None) -> int:
     parser.add_argument("count", type=int, nargs="?", default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--c", type=int, default=0, help="of these, how many also run on the C backend")
+    parser.add_argument("--grad-every", type=int, default=1,
+                        help="the gradients of one program in N (default 1: every program; 0: none)")
+    parser.add_argument("--grad-c", type=int, default=None,
+                        help="of the C programs, how many check their gradients on C too (default: all)")
     parser.add_argument("--show", type=int, default=3, help="failing programs to print per class")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="linrec-fuzz-cache-") as cache:
@@ -718,9 +877,16 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     failures, stats, start = [], Stats(), time.perf_counter()
     every = max(1, args.count // max(args.c, 1)) if args.c else 0
+    c_gradients = 0  # C programs whose gradients ran (on C where it builds them)
     for i, source in enumerate(programs(args.count, args.seed)):
         backends = ("numpy", "c") if every and i % every == 0 else ("numpy",)
-        failures += exercise(source, backends, seed=i, stats=stats, command_line=i % COMMAND_LINE_EVERY == 0)
+        gradients = ()
+        if args.grad_every and i % args.grad_every == 0:
+            gradients = ("numpy",)
+            if "c" in backends and (args.grad_c is None or c_gradients < args.grad_c):
+                gradients, c_gradients = backends, c_gradients + 1
+        failures += exercise(source, backends, seed=i, stats=stats, command_line=i % COMMAND_LINE_EVERY == 0,
+                             gradients=gradients, seconds=120 if "c" in backends else 20)  # (C builds: ~1 s each)
     failed = len({f.source for f in failures})
     print(f"{args.count} programs in {time.perf_counter() - start:.1f} s: {failed} failed ({len(failures)} failures)")
     print(", ".join(f"{key}: {n}" for key, n in sorted(stats.items())))

@@ -1,15 +1,18 @@
 """The fuzzer (tests/fuzzing.py) in the test suite: random programs over the grammar — generated ones, and
 mutations of the example files — each under a time limit, through `check`, every form `check` lists on
 NumPy (and, for a sample, on C: the recurrent form, the decode step, form="auto" and a scan form), against
-the float64 reference form within verify's tolerance. A failure lists each class of problem with the
-programs that show it.
+the float64 reference form within verify's tolerance; for one program in GRAD_EVERY (and the first GRAD_C of
+the C programs whose gradient C builds) every gradient form `check` lists as well, against the NumPy
+recurrent backward at 1e-9 and that against central differences at 1e-6 (fuzzing._gradients). A failure
+lists each class of problem with the programs that show it.
 
 Default size (this CI run): DEFAULT_PROGRAMS programs on NumPy in batches of BATCH, DEFAULT_C of them also
 on C (a C kernel costs ~0.5 s to build). Longer runs:
 
-    python -m pytest tests/test_fuzz.py --fuzz-programs 20000 --fuzz-c 300 --fuzz-seed 7
-    LINREC_FUZZ_PROGRAMS=20000 python -m pytest tests/test_fuzz.py
-    python tests/fuzzing.py 20000 --c 300 --seed 7        # the same, as a report of failure classes
+    python -m pytest tests/test_fuzz.py --fuzz-programs 20000 --fuzz-c 300 --fuzz-seed 7 \
+        --fuzz-grad-every 1 --fuzz-grad-c 300             # gradients of every program, on C of every C one
+    LINREC_FUZZ_PROGRAMS=20000 LINREC_FUZZ_GRAD_EVERY=1 python -m pytest tests/test_fuzz.py
+    python tests/fuzzing.py 20000 --c 300 --seed 7        # the same, as a report (gradients of every program)
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from fuzzing import COMMAND_LINE_EVERY, Stats, exercise, programs, summarize
 
 DEFAULT_PROGRAMS = 3000
 DEFAULT_C = 32
+DEFAULT_GRAD_EVERY = 25  # gradients of one NumPy program in this many (~0.15 s each with finite differences)
+DEFAULT_GRAD_C = 4       # C programs whose C gradient forms are checked (a backward build costs ~1 s)
 BATCH = 250
 SHOWN = 3  # failing programs printed per class
 
@@ -39,10 +44,14 @@ def pytest_generate_tests(metafunc):
         seed = _option(config, "--fuzz-seed", "LINREC_FUZZ_SEED", 0)
         batches = [(seed * 1_000_003 + i, min(BATCH, count - i * BATCH)) for i in range(-(-count // BATCH))]
         metafunc.parametrize("numpy_batch", batches, ids=[f"seed{s}x{n}" for s, n in batches])
+    if "grad_every" in metafunc.fixturenames:
+        every = _option(config, "--fuzz-grad-every", "LINREC_FUZZ_GRAD_EVERY", DEFAULT_GRAD_EVERY)
+        metafunc.parametrize("grad_every", [every], ids=[f"grad1in{every}"])
     if "c_batch" in metafunc.fixturenames:
         count = _option(config, "--fuzz-c", "LINREC_FUZZ_C", DEFAULT_C)
         seed = _option(config, "--fuzz-seed", "LINREC_FUZZ_SEED", 0)
-        metafunc.parametrize("c_batch", [(seed * 1_000_003 + 999_999, count)], ids=[f"c{count}"])
+        grad_c = _option(config, "--fuzz-grad-c", "LINREC_FUZZ_GRAD_C", DEFAULT_GRAD_C)
+        metafunc.parametrize("c_batch", [(seed * 1_000_003 + 999_999, count, grad_c)], ids=[f"c{count}grad{grad_c}"])
 
 
 def _report(failures, stats) -> str:
@@ -55,27 +64,37 @@ def _report(failures, stats) -> str:
     return "\n".join(lines)
 
 
-def test_random_programs_on_numpy(numpy_batch):
+def test_random_programs_on_numpy(numpy_batch, grad_every):
     """A batch of programs through check and every form it lists on NumPy (T = 12, small sizes); one in
-    COMMAND_LINE_EVERY through `linrec check` and `linrec run` as well."""
+    COMMAND_LINE_EVERY through `linrec check` and `linrec run` as well, one in grad_every through every
+    gradient form it lists (0: none)."""
     seed, count = numpy_batch
     failures, stats = [], Stats()
     for i, source in enumerate(programs(count, seed)):
+        gradients = ("numpy",) if grad_every and i % grad_every == 0 else ()
         failures += exercise(source, ("numpy",), seed=i, seconds=20, stats=stats,
-                             command_line=i % COMMAND_LINE_EVERY == 0)
+                             command_line=i % COMMAND_LINE_EVERY == 0, gradients=gradients)
     assert stats["programs"] == count
+    if grad_every and count >= 20 * grad_every:  # (enough programs that some have a gradient)
+        assert stats["gradients"] > 0, stats
     assert stats["accepted"] > count // 2, f"the generator should mostly write programs check accepts: {stats}"
     assert not failures, _report(failures, stats)
 
 
 def test_random_programs_on_c(c_batch):
     """Programs of their own seed through the C backend too: its recurrent form, decode step, form="auto"
-    and one scan form, where check lists them (each build ~0.5 s: a time limit of 120 s per program)."""
-    seed, count = c_batch
+    and one scan form, where check lists them (each build ~0.5 s: a time limit of 120 s per program); the
+    gradients of every program, on NumPy and C, until grad_c programs have had C gradient forms checked."""
+    seed, count, grad_c = c_batch
     if count == 0:
         pytest.skip("--fuzz-c 0")
-    failures, stats = [], Stats()
+    failures, stats, with_c_gradients = [], Stats(), 0
     for i, source in enumerate(programs(count, seed)):
-        failures += exercise(source, ("numpy", "c"), seed=i, seconds=120, stats=stats)
+        before = stats["gradient runs on c"]
+        gradients = ("numpy", "c") if with_c_gradients < grad_c else ()
+        failures += exercise(source, ("numpy", "c"), seed=i, seconds=120, stats=stats, gradients=gradients)
+        with_c_gradients += stats["gradient runs on c"] > before
     assert stats["runs on c"] > 0
+    if grad_c and count >= 30:
+        assert with_c_gradients > 0, stats
     assert not failures, _report(failures, stats)

@@ -492,3 +492,51 @@ def test_seq_of_a_value_that_does_not_change_per_token(argument):
     src = HEAD + f"param p per head = 0.5\noutput o = softmax(seq(k)·q)·seq({argument})\n"
     located(compile_error(src), src, 4, f"{argument})", "reads values that change from token to token",
             f"`{argument}` is the same at every position")
+
+
+def test_flash_attention_backward_of_seq_of_an_expression_that_is_also_a_named_value():
+    """seq(l2norm(k)) beside kn = l2norm(k): the chunkwise (flash) backward refolded the keys to seq(kn) but
+    looked their seq(…) up by l2norm(k) — StopIteration, then a KeyError. Its gradient agrees with the
+    recurrent backward now."""
+    rec = linrec.compile("recurrence a(dk = 4, dv = 2)\ninput q[dk], k[dk], v[dv]\nkn = l2norm(k)\n"
+                         "output o = softmax(seq(l2norm(k), window=2)·q)·seq(2*v, window=2)\n", FILE)
+    x = rec.random_inputs(2, 9, 2, dtype=np.float64, seed=1)
+    upstream = {"o": np.random.default_rng(2).standard_normal((2, 9, 2, 2))}
+    reference = rec.vjp(x, upstream, form="recurrent").grads
+    for chunk in (None, 4):
+        grads = rec.vjp(x, upstream, form="chunkwise", chunk_size=chunk).grads
+        for name, value in reference.items():
+            assert np.abs(grads[name] - value).max() <= 1e-12 * np.abs(value).max(), (name, chunk)
+
+
+def test_every_gradient_form_gives_an_unused_params_gradient():
+    """A staged program (S reads A's stage) with a param it never reads: the recurrent backward gave the param
+    a zero gradient, the parallel and chunkwise ones left it out of `grads`. Every form gives every input,
+    param and initial state its gradient now — the unused param's is zero."""
+    rec = linrec.compile("recurrence p(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\ninput gA[dk] <= 0\n"
+                         "state A[dk]\nA = exp(gA)*A + k*k\nkp = l2norm(k*A)\nstate S[dk, dv]\n"
+                         "S = 0.9·S + kp⊗v\noutput o = q·S\nparam P per head = 0.5\n", FILE)
+    x = rec.random_inputs(1, 7, 2, dtype=np.float64, seed=3)
+    upstream = {"o": np.random.default_rng(4).standard_normal((1, 7, 2, 2))}
+    reference = rec.vjp(x, upstream, form="recurrent").grads
+    assert set(reference) == {"q", "k", "v", "gA", "A", "S", "P"}
+    assert np.all(reference["P"] == 0) and reference["P"].shape == (2,)
+    for form in ("parallel", "chunkwise"):
+        grads = rec.vjp(x, upstream, form=form).grads
+        assert set(grads) == set(reference), form
+        for name, value in reference.items():
+            assert np.abs(grads[name] - value).max() <= 1e-9 * max(np.abs(value).max(), 1e-300), (form, name)
+
+
+def test_c_recurrent_scan_of_a_noncausal_value_side_decay():
+    """A non-causal program with an exponential feature map (its recurrent form a stabilized scan) and a
+    value-side decay S·diag(sigmoid(v)): C's recurrent_scan took no value_log_decay — a TypeError from the
+    generated module. It takes NumPy's arguments now and agrees with NumPy's recurrent form."""
+    rec = linrec.compile("recurrence n(dk = 3, dv = 2) noncausal\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                         "S = S·diag(sigmoid(v)) + exp(k)⊗v\noutput o = (q·S)*sigmoid(v)\n", FILE)
+    if "c" not in registry.building(rec.compiled, "recurrent"):
+        pytest.skip("no C compiler")
+    x = rec.random_inputs(1, 7, 2, dtype=np.float64, seed=5)
+    reference = rec.run(x, form="recurrent").outputs["o"]
+    got = rec.run(x, form="recurrent", backend="c").outputs["o"]
+    assert np.abs(got - reference).max() <= 1e-9 * np.abs(reference).max()

@@ -324,10 +324,13 @@ def chunkwise_scan(s0, log_decay, corrections, writes, readouts, causal=True, ch
                 value_log_decay=value_log_decay, value_corrections=value_corrections)
 
 
-def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None):
+def recurrent_scan(s0, log_decay, corrections, writes, readouts, causal=True, chunk_size=None, value_log_decay=None,
+                   value_corrections=()):
     """numpy_scan.recurrent_scan in C: the state carried token by token (the chunkwise kernel with chunks of
-    one token), for the stabilized programs whose recurrent form is emitted as a scan."""
-    return scan("chunkwise", s0, log_decay, corrections, writes, readouts, causal, 1)
+    one token), for the stabilized programs whose recurrent form is emitted as a scan; same arguments (a
+    value-side decay S·diag(e^m) included)."""
+    return scan("chunkwise", s0, log_decay, corrections, writes, readouts, causal, 1,
+                value_log_decay=value_log_decay, value_corrections=value_corrections)
 
 
 # ---- programs: the generated source, and the module of a form ----------------------------------------

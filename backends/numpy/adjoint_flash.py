@@ -54,16 +54,21 @@ class FlashAttentionEmitter(BackwardEmitter):
             for what, e in (("query", query), ("keys", keys), ("values", values)):
                 self.seeds[f"r{r.index}.{what}"] = (r.index, what)
                 quantities.append((f"r{r.index}.{what}", e))
-        # (the seq(…) reads indexed as the recurrent backward's, whose names and tail this module shares)
+        # (the seq(…) reads indexed as the recurrent backward's, whose names and tail this module shares; their
+        # arguments refolded as the swept expressions are, or seq(l2norm(k)) beside kn = l2norm(k) is not found)
         self.output_sweeps, self.quantity_sweeps = derive_over_readouts(
-            compiled, self.plan.outputs, quantities, em.refold, tuple(a.step.arg for a in self.adjoint.sequences))
+            compiled, self.plan.outputs, quantities, em.refold,
+            tuple(em.refold(a.step.arg) for a in self.adjoint.sequences))
 
     def sequence_printer(self):
         """Sequence expressions over every position, [B, 1, H, T, *] (the query axis of size 1)."""
         base = self.em.printer(None)
 
         def seq(arg: ir.Expr) -> str:
-            index = next(a.step.index for a in self.adjoint.sequences if a.step.arg == arg)
+            # (arg as the refolded keys and values print it: a named value, kn = l2norm(k), in place of its
+            # expression — seq(l2norm(k)) reads the sequence of kn)
+            index = next(a.step.index for a in self.adjoint.sequences
+                         if arg in (a.step.arg, self.em.refold(a.step.arg)))
             return f"{self.seq_vars[index][0]}[:, None]"
         return AdjointPrinter(base.ref, lambda g: self.grad_name(g, None), seq)
 
