@@ -112,9 +112,4 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
                                     f"chunk_checkpoints gives them for chunk {chunk}")
         d_s0 = call(k, "lr_chunk_backward", final, c.ops + grads, outs, 6 * c.work, num_threads,
                     k.ffi.from_buffer(CTYPES[dtype] + " *", starts), chunk, c_scan.SPAN_MAX[s.ctype])
-    it = iter(outs)
-    d_log_decay = None if log_decay is None else next(it)
-    d_corrections = [(next(it), next(it)) for _ in corrections]
-    d_writes = [(next(it), next(it)) for _ in writes]
-    d_queries = [next(it) for _ in queries]
-    return ScanGrads(d_log_decay, d_writes, d_queries, d_s0, d_corrections, None)
+    return grad_kernels.scan_grads(outs, d_s0, log_decay, corrections, writes, queries)

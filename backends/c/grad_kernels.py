@@ -149,6 +149,12 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
     c = _prepare(s0, log_decay, corrections, writes, queries)
     outs, d_s0 = grad_calls.backward(c, kernel(c.structure), "lr_grad_backward", [c.structure.dv] * len(queries),
                                      checkpoints, chunk, grad_readouts, grad_final, num_threads)
+    return scan_grads(outs, d_s0, log_decay, corrections, writes, queries)
+
+
+def scan_grads(outs: list, d_s0, log_decay, corrections, writes, queries) -> ScanGrads:
+    """A backward kernel's outputs, in its order ([log-decay,] corrections' (u, w), writes' (key, value),
+    queries), and the initial state's gradient, as ScanGrads."""
     it = iter(outs)
     d_log_decay = None if log_decay is None else next(it)
     d_corrections = [(next(it), next(it)) for _ in corrections]
