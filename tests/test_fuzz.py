@@ -24,8 +24,8 @@ from fuzzing import COMMAND_LINE_EVERY, Stats, exercise, programs, summarize
 
 DEFAULT_PROGRAMS = 3000
 DEFAULT_C = 32
-DEFAULT_GRAD_EVERY = 25  # gradients of one NumPy program in this many (~0.15 s each with finite differences)
-DEFAULT_GRAD_C = 4       # C programs whose C gradient forms are checked (a backward build costs ~1 s)
+DEFAULT_GRAD_EVERY = 30  # gradients of one NumPy program in this many (~0.15 s each with finite differences)
+DEFAULT_GRAD_C = 2       # C programs whose C gradient forms are checked (a backward build costs ~1 s)
 BATCH = 250
 SHOWN = 3  # failing programs printed per class
 
