@@ -71,11 +71,6 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
         outputs, final, grads = module.backward(checked, used, state0, sizes, upstream, final_upstream, derived,
                                                 chunk_size=None if chunk is None else min(chunk, shape.tokens))
     _check_finite(rec, checked, used, state0, outputs, final, grads)
-    # every input, param and initial state has its gradient, whatever the form: one the program never reads
-    # (a param declared and unused) is zero — the staged forms' backward leaves such names out
-    for name, value in (*checked.items(), *used.items(), *state0.items()):
-        if name not in grads:
-            grads[name] = np.zeros(np.shape(value), shape.dtype)
     return VjpResult(outputs, final, grads, dict(used))
 
 

@@ -214,8 +214,10 @@ class StagedGradient:
             for name, g in got.items():
                 target = upstream if name in stage.takes else grads
                 target[name] = g if name not in target else target[name] + g
-        for x in self.program.inputs:  # (an input no stage reads has gradient zero)
-            grads.setdefault(x.name, np.zeros_like(inputs[x.name]))
+        # an input, param or initial state no stage reads has gradient zero (the stages' modules list only theirs)
+        for given in (inputs, params, initial_state):
+            for name, value in given.items():
+                grads.setdefault(name, np.zeros(np.shape(value), np.result_type(value, np.float32)))
         order = [x.name for x in self.program.inputs] + [p.name for p in self.program.params] + \
             [s.name for s in self.program.states]
         grads = {name: grads[name] for name in order if name in grads}

@@ -22,7 +22,7 @@ from ..dsl.errors import RuntimeInputError
 from ..templating import environment
 from ..version import VERSION
 from . import build as c_build
-from .attention import _as4d, _common_dtype, _strides
+from .attention import _as4d, _common_dtype, _pointer, _strides
 from .buffers import require_c_int_sizes
 from .build import CTYPES
 from .kernel_source import Target, common_context
@@ -81,10 +81,6 @@ def _inputs(q, k, v, extra=()):
                                     f"(q's [B, T, H] and its width), got {list(x.shape)}")
     require_c_int_sizes(batch=batch, tokens=tokens, heads=heads, d=d, dv=dv)
     return dtype, a
-
-
-def _pointer(ffi, ctype: str, x: np.ndarray):
-    return ffi.cast(ctype + " *", x.ctypes.data)  # (the caller keeps x alive for the call)
 
 
 def flash_attention(q, k, v, causal: bool, window: int, block: int, *, num_threads: int | None = None):

@@ -66,10 +66,9 @@ class FusedKernel(KernelSource):
         if state_is_bf16 and target.ctype != "float":
             raise LinrecError("a bfloat16 state is accumulated in float32: the kernel's type must be float")
         if parts > 1:
-            refusal = split_refusal(compiled)
-            if refusal:
-                raise LinrecError(f"the value axis of '{compiled.name}' cannot be split: {refusal}")
-            axis = value_axis(compiled)
+            axis = value_axis(compiled)  # (None: it cannot be split, and split_refusal says why)
+            if axis is None:
+                raise LinrecError(f"the value axis of '{compiled.name}' cannot be split: {split_refusal(compiled)}")
             if dims[axis] % parts or (dims[axis] // parts) % target.lanes:
                 raise LinrecError(f"{axis} = {dims[axis]} is no {parts} parts of whole {target.lanes}-lane registers")
             dims = dims | {axis: dims[axis] // parts}

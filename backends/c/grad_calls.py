@@ -56,7 +56,7 @@ class Call:
         return batch * tokens * heads * dk * dv * (self.passes or len(self.structure.widths))
 
     def segments(self, chunk: int | None) -> tuple[int, int]:
-        """(tokens per segment, segments): chunk (None: c.grad_kernels.default_segment), clamped."""
+        """(tokens per segment, segments): chunk (None: default_segment), clamped."""
         tokens = self.lead[1]
         seg = chunk_of(default_segment(tokens, self.state_bytes) if chunk is None else chunk, tokens)
         return seg, -(-tokens // seg)

@@ -5,9 +5,9 @@ linrec.numpy.adjoint_scan's decay_scan and decay_scan_backward.
 A state's update, decomposed (compiler.transitions), is a decay plus rank-one corrections plus rank-one writes,
 and its readouts q·S; the arrays here are those of the decomposition, per token [B, T, H, n]:
 
-    readouts, final, checkpoints = adjoint_checkpoints(s0, log_decay, corrections, writes, queries, chunk)
-    d_log_decay, d_corrections, d_writes, d_queries, d_s0 = adjoint_recurrent(
-        s0, log_decay, corrections, writes, queries, checkpoints, chunk, grad_readouts, grad_final)
+    readouts, final, checkpoints = adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=corrections)
+    grads = adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
+                              corrections=corrections)                          # a ScanGrads
 
 s0 [B, H, K, V] (a vector state: one column, V = 1); log_decay None or [B, T, H, 1 | K]; corrections
 [(u, w)] and writes [(key, value)] per token; queries [(q, before_update)]. adjoint_checkpoints runs the
