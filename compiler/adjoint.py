@@ -238,13 +238,37 @@ def _neg(a: ir.Expr) -> ir.Expr:
     return a.operand if isinstance(a, ir.Neg) else ir.Neg(a.shape, a)
 
 
+def _factors(e: ir.Expr) -> list[ir.Expr]:
+    """The factors of a product (nested multiplications, and products with a scalar written `s·x`, flattened),
+    in order; e itself if it is none."""
+    if (isinstance(e, ir.Arith) and e.op == "mul") or (isinstance(e, ir.Dot) and not (e.left.shape and e.right.shape)):
+        return _factors(e.left) + _factors(e.right)
+    return [e]
+
+
+def _product(factors: list[ir.Expr], shape: ir.Shape) -> ir.Expr:
+    out = factors[0]
+    for f in factors[1:]:
+        out = _arith("mul", out, f)
+    return out if out.shape == shape else ir.Arith(shape, "mul", out, ir.Const((), 1.0))
+
+
 def _fit(g: ir.Expr, shape: ir.Shape) -> ir.Expr:
-    """The gradient of an operand that broadcast: a scalar operand of a vector operation gets the sum."""
+    """The gradient of an operand that broadcast: a scalar operand of a vector operation gets the sum. The sum
+    of a product is a contraction of its last two vector factors, the scalar factors outside it
+    (Σ_i s·a_i·b_i = s·(a·b)): over [B, T, H, d] arrays the sum then makes no product array of its own."""
     if g.shape == shape:
         return g
     if not shape:
         letters = _LETTERS[:len(g.shape)]
-        return Einsum((), "einsum", (g,), spec=f"{letters}->")
+        factors = _factors(g)
+        vectors = [f for f in factors if f.shape == g.shape]
+        scalars = [f for f in factors if not f.shape]
+        if len(vectors) < 2 or len(vectors) + len(scalars) != len(factors):
+            return Einsum((), "einsum", (g,), spec=f"{letters}->")
+        head = vectors[0] if len(vectors) == 2 else _product(vectors[:-1], g.shape)
+        total = Einsum((), "einsum", (head, vectors[-1]), spec=f"{letters},{letters}->")
+        return _product(scalars + [total], ()) if scalars else total
     raise TypeError(f"internal error: a gradient of shape {g.shape} for an operand of shape {shape}")
 
 

@@ -24,7 +24,7 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad_scans
+from . import grad_scans, rows
 
 SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
 
@@ -65,7 +65,7 @@ class _CEmitter(DecomposedEmitter):
     """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
     (which take the NumPy scans' arguments and give their results)."""
 
-    modules = MODULES | {grad_scans.__name__: SCANS}
+    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS}  # (rows' helpers: first)
     scans = SCANS
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"

@@ -17,7 +17,7 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad, grad_chunk_kernels
+from . import grad, grad_chunk_kernels, rows
 
 FORMS = ("parallel", "chunkwise")
 SCANS = frozenset({"chunk_checkpoints", "adjoint_chunkwise"})
@@ -50,11 +50,12 @@ class _ChunkEmitter(DecomposedEmitter):
     """The decomposed backward's module, its scans the C kernels' (which take the NumPy scans' arguments and
     give their results)."""
 
-    modules = MODULES | {grad_chunk_kernels.__name__: SCANS}
+    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_chunk_kernels.__name__: SCANS}  # (rows: first)
     scans = SCANS
     forward_scan, backward_scan = "chunk_checkpoints", "adjoint_chunkwise"
     backward_comment = "the transposed recurrence in C, from the last chunk"
     no_decay = "None  # no decay"  # (the kernels skip it, rather than decay by exp(0))
+    scan_grads_owned = True  # (adjoint_chunkwise's gradients: an np.empty array each, kept where read once)
 
 
 def emit(compiled: Compiled, form: str) -> str:

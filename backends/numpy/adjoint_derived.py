@@ -300,7 +300,29 @@ def first_contributions(lines: list[str], owned: tuple[str, ...] = ()) -> list[s
         read_once = value.startswith(owned) and sum(value in x for x in lines) == 1 if owned else False
         out[i] = None
         out[j] = f"{var} = own_array({value}, {shape}, {dtype}, {_fresh(value) or only_read or read_once})"
-    return [x for x in out if x is not None]
+        scaled = _in_place(value, owned, lines)
+        if scaled:  # (a scan's gradient times a factor: the factor applied in its array, no new one)
+            array, op, factor = scaled
+            out[j] = [f"{var} = own_array({array}, {shape}, {dtype}, True)", f"{var} {op}= {factor}"]
+    return [y for x in out if x is not None for y in ([x] if isinstance(x, str) else x)]
+
+
+_IN_PLACE = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+
+def _in_place(value: str, owned: tuple[str, ...], lines: list[str]) -> tuple[str, str, str] | None:
+    """(array, operator, factor) where `value` is `array op factor`, array a scan's gradient (`owned`) that
+    nothing else reads (it appears once in the module), so that the adjoint may be that array, changed in
+    place; else None."""
+    if not owned:
+        return None
+    node = ast.parse(value, mode="eval").body
+    if not (isinstance(node, ast.BinOp) and type(node.op) in _IN_PLACE):
+        return None
+    array = ast.get_source_segment(value, node.left)
+    if not array or not array.startswith(owned) or sum(x.count(array) for x in lines) != 1:
+        return None
+    return array, _IN_PLACE[type(node.op)], ast.get_source_segment(value, node.right)
 
 
 def emit_decomposed_backward(compiled: Compiled, form: str) -> str:

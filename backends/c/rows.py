@@ -1,0 +1,73 @@
+"""l2norm and its vector–Jacobian product over the last axis in one pass of C (templates/c_rows.c.j2), for
+the C backward's generated chain rule: the same names and arguments as linrec.numpy.runtime.l2norm and
+linrec.numpy.vjp.vjp_l2norm, which the C backend's backward modules import from here instead. NumPy makes
+an array and a pass over [B, T, H, d] for each of the five operations of vjp_l2norm; this reads each row
+once into L1 and writes the result.
+
+An argument the kernel does not take as it is — another dtype than float32 or float64, a gradient of
+another shape or dtype than x (broadcast), rows that are not contiguous, an empty array — goes to the NumPy
+helper. The threads: c.build.num_threads(), one below ROWS_PER_THREAD rows a thread.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..numpy import runtime as numpy_runtime
+from ..numpy import vjp as numpy_vjp
+from ..templating import environment
+from ..version import VERSION
+from . import build as c_build
+from .build import CTYPES
+from .scan_kernels import cached_kernel
+
+ROWS_PER_THREAD = 4096  # rows below which a second thread costs more than it saves (a few µs each)
+_KEY = "rows"  # one kernel: every function for both types
+
+
+def _kernel():
+    cdef = "".join(f"void lr_l2norm_{t}(const {t} *x, {t} *out, int64_t rows, int n, double eps, int nthreads);\n"
+                   f"void lr_vjp_l2norm_{t}(const {t} *x, const {t} *g, {t} *out, int64_t rows, int n, double eps, "
+                   f"int nthreads);\n" for t in ("float", "double"))
+    return cached_kernel(_KEY, "rows", "rows",
+                         lambda: environment(__package__).get_template("c_rows.c.j2").render(version=VERSION), cdef)
+
+
+def _rows(*arrays: np.ndarray) -> bool:
+    """Whether the kernel takes these arrays as they are: one shape and dtype (float32 or float64), C order."""
+    a = arrays[0]
+    return (a.dtype in CTYPES and a.ndim >= 1 and a.size > 0
+            and all(b.shape == a.shape and b.dtype == a.dtype and b.flags.c_contiguous for b in arrays))
+
+
+def _threads(rows: int) -> int:
+    return max(1, min(c_build.num_threads(), rows // ROWS_PER_THREAD))
+
+
+def l2norm(x, eps=1e-6):
+    """linrec.numpy.runtime.l2norm: x / sqrt(x·x + eps) over the last axis."""
+    x = np.asarray(x)
+    if not _rows(x):
+        return numpy_runtime.l2norm(x, eps=eps)
+    k, t = _kernel(), CTYPES[x.dtype]
+    out = np.empty_like(x)
+    rows, n = x.size // x.shape[-1], x.shape[-1]
+    getattr(k.lib, f"lr_l2norm_{t}")(k.ffi.from_buffer(t + " *", x), k.ffi.from_buffer(t + " *", out), rows, n,
+                                     float(eps), _threads(rows))
+    return out
+
+
+def vjp_l2norm(x, g, eps=1e-6):
+    """linrec.numpy.vjp.vjp_l2norm: the gradient with respect to x of Σ g·l2norm(x)."""
+    x, g = np.asarray(x), np.asarray(g)
+    if not _rows(x, g):
+        return numpy_vjp.vjp_l2norm(x, g, eps=eps)
+    k, t = _kernel(), CTYPES[x.dtype]
+    out = np.empty_like(x)
+    rows, n = x.size // x.shape[-1], x.shape[-1]
+    ptr = t + " *"
+    getattr(k.lib, f"lr_vjp_l2norm_{t}")(k.ffi.from_buffer(ptr, x), k.ffi.from_buffer(ptr, g),
+                                         k.ffi.from_buffer(ptr, out), rows, n, float(eps), _threads(rows))
+    return out
+
+
+HELPERS = frozenset({"l2norm", "vjp_l2norm"})
