@@ -130,7 +130,9 @@ def test_listed_emitted_and_refused_for_structural_reasons(recs):
     mamba1 = gradients.gradient_refusal(linrec.load("examples/mamba1.lin"), "chunkwise", "c")
     assert "elementwise" in mamba1 and "NumPy" in mamba1
     text = recs["gated_deltanet"].emit_gradient("chunkwise", "c")
-    assert "chunk_checkpoints(" in text and "adjoint_chunkwise(" in text
+    assert "fused_forward(" in text and "adjoint_chunkwise(" in text  # (the forward: the fused kernel, c.grad_forward)
+    # a chain rule that reads a readout's value (RetNet's groupnorm of q·S) keeps the chunk forward, which gives it
+    assert "chunk_checkpoints(" in recs["retnet"].emit_gradient("chunkwise", "c")
     assert "# adjoint of S.correction0_u" in text
     assert "max(tokens, 1)" in recs["gla"].emit_gradient("parallel", "c")  # (one chunk of the whole sequence)
     # what only the recurrent C backward's other kernels take (c.grad_scans) is refused here, stage by stage too

@@ -17,7 +17,7 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad, grad_chunk_kernels, rows
+from . import grad, grad_chunk_kernels, grad_forward, rows
 
 FORMS = ("parallel", "chunkwise")
 SCANS = frozenset({"chunk_checkpoints", "adjoint_chunkwise"})
@@ -56,6 +56,10 @@ class _ChunkEmitter(DecomposedEmitter):
     backward_comment = "the transposed recurrence in C, from the last chunk"
     no_decay = "None  # no decay"  # (the kernels skip it, rather than decay by exp(0))
     scan_grads_owned = True  # (adjoint_chunkwise's gradients: an np.empty array each, kept where read once)
+    fused_forward = True  # (load() gives the module its fused_forward: c.grad_forward)
+
+    def fused_fits(self) -> bool:
+        return super().fused_fits() and grad_forward.fits(self.c)
 
 
 def emit(compiled: Compiled, form: str) -> str:
@@ -68,4 +72,6 @@ def emit(compiled: Compiled, form: str) -> str:
 def load(compiled: Compiled, form: str):
     module = numpy_backend.module_from_source(emit(compiled, form), compiled, form, "C backward")
     module.form = form
+    if grad_forward.fits(compiled):
+        module.fused_forward = grad_forward.FusedForward(compiled)  # (the forward the module may call)
     return module

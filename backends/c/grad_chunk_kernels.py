@@ -91,7 +91,8 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
                       num_threads=None) -> ScanGrads:
     """The backward, as decay_scan_backward's (ScanGrads; log_decay None where the state does not decay), from
     the readouts' gradients [B, T, H, V] and the final state's (None: zero); starts and chunk as
-    chunk_checkpoints gave and took them (which refused a log-decay of −∞)."""
+    chunk_checkpoints gives and takes them."""
+    _finite_decays(log_decay)  # (again: the forward may have been the fused kernel's, c.grad_forward)
     c = grad_kernels._prepare(s0, log_decay, corrections, writes, queries)
     s = Structure(**{f.name: getattr(c.structure, f.name) for f in dataclasses.fields(grad_kernels.Structure)})
     batch, tokens, heads = c.lead

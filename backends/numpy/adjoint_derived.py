@@ -52,6 +52,11 @@ class DecomposedEmitter(BackwardEmitter):
     # the backward scan's gradients are arrays of their own (none a view of another, none given twice): one read
     # once may become the adjoint it seeds (first_contributions)
     scan_grads_owned = False
+    # whether the forward may be one kernel of the whole program that keeps the state before each chunk — the
+    # module then calls `outputs, final_state, starts = fused_forward(inputs, params, initial_state, dims,
+    # chunk)`, a function its loader puts beside backward — instead of each state's forward scan; for the
+    # programs fused_fits() takes and whose chain rule reads no readout's value
+    fused_forward = False
 
     def __init__(self, compiled: Compiled, form: str):
         super().__init__(compiled)
@@ -67,6 +72,7 @@ class DecomposedEmitter(BackwardEmitter):
             self.arrays[st.name] = StateArrays(**{f.name: em.fresh(f"{s}_{f.name}") for f in fields(StateArrays)})
         self.seeds: dict[str, str] = {}  # a per-token array's label → the code of its adjoint
         self.chunk = em.fresh("chunk")
+        self.fused_starts = em.fresh("fused_starts")
 
     def printer(self, token_index):
         base = self.em.printer(token_index, readout_vars=self.readout_vars)
@@ -89,20 +95,52 @@ class DecomposedEmitter(BackwardEmitter):
         body += em.hoisted_lets(prelude, "values that do not depend on a state, for all tokens at once")
         body += ["", f"{self.chunk} = {self.chunk_code()}"]
         self.helpers |= {"per_token"} | self.scans
-        for st in p.states:
-            body += self.state_forward(st, prelude)
-        body += ["", "# outputs from the readouts"]
         self.helpers.add("own_array")
-        for name, expr in d.outputs:
-            out = next(o for o in p.outputs if o.name == name)
-            dims = "".join(", " + n(x) for x in out.value.shape)
-            code = prelude(em.refold(expr))
-            fresh = _fresh(code) or code in self.readout_vars.values()  # (a scan's readout: its own array)
-            body.append(f"{n(name)} = own_array({code}, (batch, tokens, heads{dims}), dtype, {fresh})")
-        body += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
-                 "final_state = {" + ", ".join(f"\"{s.name}\": {n(s.name)}" for s in p.states) + "}"]
-        body += self.adjoint_arrays()
-        body += [f"{self.d[('readout', str(i))]} = np.zeros_like({var})" for i, var in self.readout_vars.items()]
+        fused = self.fused_forward and self.fused_fits()
+        adjoint = self.adjoint_lines(prelude, fused)
+        code = [x.split("#")[0] for x in adjoint]  # (a comment may name a readout)
+        if fused and any(re.search(rf"\b{var}\b", x) for var in self.readout_vars.values() for x in code):
+            fused, adjoint = False, self.adjoint_lines(prelude, False)  # (the chain rule reads a readout)
+        if fused:
+            body += ["", "# the forward: one kernel of the whole program (the fused recurrent one), keeping the state "
+                     "before each chunk", f"outputs, final_state, {self.fused_starts} = fused_forward(inputs, params, "
+                     f"initial_state, dims, {self.chunk})"]
+        for st in p.states:
+            body += self.state_forward(st, prelude, fused)
+        if fused:
+            body += [f"{n(o.name)} = outputs[\"{o.name}\"]" for o in p.outputs]
+        else:
+            body += ["", "# outputs from the readouts"]
+            for name, expr in d.outputs:
+                out = next(o for o in p.outputs if o.name == name)
+                dims = "".join(", " + n(x) for x in out.value.shape)
+                code = prelude(em.refold(expr))
+                fresh = _fresh(code) or code in self.readout_vars.values()  # (a scan's readout: its own array)
+                body.append(f"{n(name)} = own_array({code}, (batch, tokens, heads{dims}), dtype, {fresh})")
+            body += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
+                     "final_state = {" + ", ".join(f"\"{s.name}\": {n(s.name)}" for s in p.states) + "}"]
+        self.helpers |= prelude.helpers
+        owned = tuple(f"{a.grads}." for a in self.arrays.values()) if self.scan_grads_owned else ()
+        return first_contributions(body + adjoint, owned)
+
+    def fused_fits(self) -> bool:
+        """Whether the fused forward can stand for the states' forward scans (the structure; the chain rule
+        reading no readout is checked by body): causal, every state a matrix in its declared layout."""
+        d = self.c.decomposition
+        return self.c.program.causal and all(len(st.shape) == 2 and st.name not in d.transposed
+                                             for st in self.p.states)
+
+    def adjoint_lines(self, prelude, fused: bool) -> list[str]:
+        """The backward: the readouts' adjoints, each state's backward scan, the chain rule to the inputs."""
+        p, n = self.p, self.em.name
+        body = self.adjoint_arrays()
+        for i, var in self.readout_vars.items():
+            if fused:  # (no readout array: its shape, q·S over the state's columns)
+                st = next(s for s in p.states if any(r.index == i and r.state == s.name
+                                                     for r in self.c.decomposition.readouts))
+                body.append(f"{self.d[('readout', str(i))]} = np.zeros((batch, tokens, heads, {n(st.shape[1])}), dtype)")
+            else:
+                body.append(f"{self.d[('readout', str(i))]} = np.zeros_like({var})")
         for adj in self.decomposed.outputs:
             body += self.step_adjoint(adj, prelude, None)
         for st in p.states:
@@ -110,10 +148,7 @@ class DecomposedEmitter(BackwardEmitter):
         body += ["", "# the per-token arrays' adjoints into the expressions they are computed from"]
         for adj in self.decomposed.quantities:
             body += self.step_adjoint(adj, prelude, None)
-        tail = self.tail(prelude)
-        self.helpers |= prelude.helpers
-        owned = tuple(f"{a.grads}." for a in self.arrays.values()) if self.scan_grads_owned else ()
-        return first_contributions(body + tail, owned)
+        return body + self.tail(prelude)
 
     def chunk_code(self) -> str:
         """The chunk's assignment: its value, and a comment."""
@@ -121,8 +156,9 @@ class DecomposedEmitter(BackwardEmitter):
             return "max(tokens, 1)  # tokens per chunk  (parallel: one chunk)"
         return f"chunk_size or {DEFAULT_CHUNK}  # tokens per chunk"
 
-    def state_forward(self, st: ir.State, prelude) -> list[str]:
-        """The state's per-token arrays, and its forward scan."""
+    def state_forward(self, st: ir.State, prelude, fused: bool = False) -> list[str]:
+        """The state's per-token arrays, and its forward scan (fused: its final state and the states before each
+        chunk from the fused forward's)."""
         em, n = self.em, self.em.name
         t = self.c.decomposition.transition(st.name)
         a = self.arrays[st.name]
@@ -161,6 +197,8 @@ class DecomposedEmitter(BackwardEmitter):
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
+        if fused:
+            return lines + [f"{n(st.name)}, {starts} = final_state[\"{st.name}\"], {self.fused_starts}[\"{st.name}\"]"]
         if self.c.program.causal:
             lines.append(f"[{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, "
                          f"{queries}, {self.chunk}{self.optional_arrays(st.name)})")

@@ -1,0 +1,53 @@
+"""The C parallel and chunkwise backward's forward from the fused recurrent kernel (c.fused: the fastest forward),
+which writes the state before each chunk as it passes it (CRecurrent.forward_snapshots). Without it the chunk
+backward runs the recurrent backward's forward (grad_chunk_kernels.chunk_checkpoints) for the same states: the
+update token by token with every state's decay kept, two to five times the fused kernel's time.
+
+    fits(compiled)                     whether the fused kernel takes the program as the backward needs it
+    FusedForward(compiled)(inputs, params, initial_state, dims, chunk)
+                                       (outputs, final states, the state before each chunk by name,
+                                        [B, H, ⌈T/chunk⌉, K, V] as chunk_checkpoints gives them)
+
+The generated module calls it as `fused_forward` (linrec.numpy.adjoint_derived.DecomposedEmitter.fused_forward)
+where its chain rule reads no readout's value (the fused kernel gives the outputs, not the readouts q·S).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..compiler import Compiled
+from .backend import CRecurrent
+from .scan_kernels import chunk_of
+from .stabilize import Scales
+from .support import fused_refusal
+
+
+def fits(compiled: Compiled) -> bool:
+    """The fused kernel takes the program, and no state of it is stabilized (those come with a log-scale the
+    chunk kernels do not take)."""
+    return fused_refusal(compiled) is None and not Scales(compiled).groups
+
+
+class FusedForward:
+    """The forward of one program, with the state before each chunk."""
+
+    def __init__(self, compiled: Compiled):
+        self.recurrent = CRecurrent(compiled)
+        self.states = compiled.program.states
+
+    def __call__(self, inputs, params, initial_state, dims, chunk):
+        batch, tokens, heads = next(iter(inputs.values())).shape[:3]
+        chunk = chunk_of(chunk, tokens)
+        stops = np.arange(chunk, tokens, chunk)  # the token counts at the chunks' starts, after the first
+        if len(stops):
+            outputs, final, snapshots = self.recurrent.forward_snapshots(inputs, params, initial_state, dims, stops)
+        else:
+            (outputs, final), snapshots = self.recurrent.forward(inputs, params, initial_state, dims), {}
+        starts = {}
+        for st in self.states:
+            s0 = np.asarray(initial_state[st.name])
+            starts[st.name] = a = np.empty((batch, heads, len(stops) + 1) + s0.shape[2:], s0.dtype)
+            a[:, :, 0] = s0
+            if len(stops):
+                a[:, :, 1:] = np.swapaxes(snapshots[st.name], 1, 2)  # ([B, n, H, *] → [B, H, n, *])
+        return outputs, final, starts
