@@ -6,7 +6,8 @@ cached on disk.
                    runs in grad_kernels.py's kernels (c_grad.c.j2), grad_elementwise.py's (elementwise decays,
                    vector states read as values) or grad_value_side.py's (the value side), as grad_scans.py picks
     grad_chunk.py  the parallel and chunkwise backward: the same module with grad_chunk_kernels.py's kernels
-                   (the chunkwise forward keeping each chunk's state; c_grad_chunk.c.j2)
+                   (c_grad_chunk.c.j2), its forward the fused kernel keeping each chunk's state (grad_forward.py)
+    rows.py        l2norm and its vector–Jacobian product in one pass (c_rows.c.j2), for the backward modules
     fused.py       the fused recurrent kernel and decode step of a factorable recurrence (c_fused.c.j2),
                    planned by state_terms.py, block_region.py, step_region.py and passes.py as the records
                    of fused_plan.py; kernel_source.py: what it shares with statements.py
