@@ -6,7 +6,8 @@ update token by token with every state's decay kept, two to five times the fused
     fits(compiled)                     whether the fused kernel takes the program as the backward needs it
     FusedForward(compiled)(inputs, params, initial_state, dims, chunk)
                                        (outputs, final states, the state before each chunk by name,
-                                        [B, H, ⌈T/chunk⌉, K, V] as chunk_checkpoints gives them)
+                                        [B, H, ⌈T/chunk⌉, K, V] as chunk_checkpoints gives them), or None
+                                        for a call below MIN_WORK (the module then runs its own forward)
 
 The generated module calls it as `fused_forward` (linrec.numpy.adjoint_derived.DecomposedEmitter.fused_forward)
 where its chain rule reads no readout's value (the fused kernel gives the outputs, not the readouts q·S).
@@ -20,6 +21,12 @@ from .backend import CRecurrent
 from .scan_kernels import chunk_of
 from .stabilize import Scales
 from .support import fused_refusal
+
+
+# State values updated over the call (B·T·H·K·V summed over the states) below which the module runs its own
+# forward scans instead: there the fused kernel would save little and cost a build of its own for each size
+# (the tests' small calls would build one per program, dtype and size).
+MIN_WORK = 1 << 22
 
 
 def fits(compiled: Compiled) -> bool:
@@ -37,6 +44,9 @@ class FusedForward:
 
     def __call__(self, inputs, params, initial_state, dims, chunk):
         batch, tokens, heads = next(iter(inputs.values())).shape[:3]
+        states = [np.asarray(initial_state[st.name]) for st in self.states]
+        if batch * tokens * sum(s[0].size for s in states) < MIN_WORK:
+            return None
         chunk = chunk_of(chunk, tokens)
         stops = np.arange(chunk, tokens, chunk)  # the token counts at the chunks' starts, after the first
         if len(stops):
@@ -44,8 +54,7 @@ class FusedForward:
         else:
             (outputs, final), snapshots = self.recurrent.forward(inputs, params, initial_state, dims), {}
         starts = {}
-        for st in self.states:
-            s0 = np.asarray(initial_state[st.name])
+        for st, s0 in zip(self.states, states):
             starts[st.name] = a = np.empty((batch, heads, len(stops) + 1) + s0.shape[2:], s0.dtype)
             a[:, :, 0] = s0
             if len(stops):

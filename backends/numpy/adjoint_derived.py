@@ -53,9 +53,9 @@ class DecomposedEmitter(BackwardEmitter):
     # once may become the adjoint it seeds (first_contributions)
     scan_grads_owned = False
     # whether the forward may be one kernel of the whole program that keeps the state before each chunk — the
-    # module then calls `outputs, final_state, starts = fused_forward(inputs, params, initial_state, dims,
-    # chunk)`, a function its loader puts beside backward — instead of each state's forward scan; for the
-    # programs fused_fits() takes and whose chain rule reads no readout's value
+    # module then calls `fused_forward(inputs, params, initial_state, dims, chunk)`, a function its loader puts
+    # beside backward, which gives (outputs, final states, the states before each chunk) or None (then each
+    # state's forward scan runs) — for the programs fused_fits() takes and whose chain rule reads no readout
     fused_forward = False
 
     def __init__(self, compiled: Compiled, form: str):
@@ -72,7 +72,7 @@ class DecomposedEmitter(BackwardEmitter):
             self.arrays[st.name] = StateArrays(**{f.name: em.fresh(f"{s}_{f.name}") for f in fields(StateArrays)})
         self.seeds: dict[str, str] = {}  # a per-token array's label → the code of its adjoint
         self.chunk = em.fresh("chunk")
-        self.fused_starts = em.fresh("fused_starts")
+        self.fused_result = em.fresh("fused")
 
     def printer(self, token_index):
         base = self.em.printer(token_index, readout_vars=self.readout_vars)
@@ -101,24 +101,28 @@ class DecomposedEmitter(BackwardEmitter):
         code = [x.split("#")[0] for x in adjoint]  # (a comment may name a readout)
         if fused and any(re.search(rf"\b{var}\b", x) for var in self.readout_vars.values() for x in code):
             fused, adjoint = False, self.adjoint_lines(prelude, False)  # (the chain rule reads a readout)
+        fwd = self.fused_result
         if fused:
             body += ["", "# the forward: one kernel of the whole program (the fused recurrent one), keeping the state "
-                     "before each chunk", f"outputs, final_state, {self.fused_starts} = fused_forward(inputs, params, "
-                     f"initial_state, dims, {self.chunk})"]
+                     "before each chunk; None: a call too small to be worth building it", f"{fwd} = fused_forward("
+                     f"inputs, params, initial_state, dims, {self.chunk})"]
         for st in p.states:
             body += self.state_forward(st, prelude, fused)
+        own = ["", "# outputs from the readouts"]
+        for name, expr in d.outputs:
+            out = next(o for o in p.outputs if o.name == name)
+            dims = "".join(", " + n(x) for x in out.value.shape)
+            code = prelude(em.refold(expr))
+            fresh = _fresh(code) or code in self.readout_vars.values()  # (a scan's readout: its own array)
+            own.append(f"{n(name)} = own_array({code}, (batch, tokens, heads{dims}), dtype, {fresh})")
+        own += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
+                "final_state = {" + ", ".join(f"\"{s.name}\": {n(s.name)}" for s in p.states) + "}"]
         if fused:
-            body += [f"{n(o.name)} = outputs[\"{o.name}\"]" for o in p.outputs]
+            body += ["", f"if {fwd} is None:"] + ["    " + x for x in own[2:]] + \
+                ["else:", f"    outputs, final_state = {fwd}[0], {fwd}[1]"] + \
+                [f"    {n(o.name)} = outputs[\"{o.name}\"]" for o in p.outputs]
         else:
-            body += ["", "# outputs from the readouts"]
-            for name, expr in d.outputs:
-                out = next(o for o in p.outputs if o.name == name)
-                dims = "".join(", " + n(x) for x in out.value.shape)
-                code = prelude(em.refold(expr))
-                fresh = _fresh(code) or code in self.readout_vars.values()  # (a scan's readout: its own array)
-                body.append(f"{n(name)} = own_array({code}, (batch, tokens, heads{dims}), dtype, {fresh})")
-            body += ["outputs = {" + ", ".join(f"\"{o.name}\": {n(o.name)}" for o in p.outputs) + "}",
-                     "final_state = {" + ", ".join(f"\"{s.name}\": {n(s.name)}" for s in p.states) + "}"]
+            body += own
         self.helpers |= prelude.helpers
         owned = tuple(f"{a.grads}." for a in self.arrays.values()) if self.scan_grads_owned else ()
         return first_contributions(body + adjoint, owned)
@@ -197,8 +201,11 @@ class DecomposedEmitter(BackwardEmitter):
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
-        if fused:
-            return lines + [f"{n(st.name)}, {starts} = final_state[\"{st.name}\"], {self.fused_starts}[\"{st.name}\"]"]
+        if fused:  # (the fused kernel's states, or, for a small call, the forward scan's)
+            fwd = self.fused_result
+            return lines + [f"if {fwd} is None:", f"    [{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, "
+                            f"{decay}, {writes}, {queries}, {self.chunk}{self.optional_arrays(st.name)})", "else:",
+                            f"    {n(st.name)}, {starts} = {fwd}[1][\"{st.name}\"], {fwd}[2][\"{st.name}\"]"]
         if self.c.program.causal:
             lines.append(f"[{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, "
                          f"{queries}, {self.chunk}{self.optional_arrays(st.name)})")
