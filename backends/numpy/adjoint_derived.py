@@ -98,7 +98,7 @@ class DecomposedEmitter(BackwardEmitter):
         self.helpers.add("own_array")
         fused = self.fused_forward and self.fused_fits()
         adjoint = self.adjoint_lines(prelude, fused)
-        code = [x.split("#")[0] for x in adjoint]  # (a comment may name a readout)
+        code = [x for x in adjoint if not x.lstrip().startswith("#")]  # (a comment may name a readout)
         if fused and any(re.search(rf"\b{var}\b", x) for var in self.readout_vars.values() for x in code):
             fused, adjoint = False, self.adjoint_lines(prelude, False)  # (the chain rule reads a readout)
         fwd = self.fused_result
