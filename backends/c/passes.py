@@ -258,7 +258,8 @@ def pair_pass(ops: MatrixOperands, second: MatrixOperands, *, lanes: int, column
     + x_(u+1)⊗y_(u+1); the sums of next_w's w over the result go to next_p. A pass token after token loads
     and stores a register of S per three multiply-adds, and two stores and four loads a cycle is more than
     the core does (measured alone in L1: 68% of the multiply-add peak a token at a time, 96% two at a time).
-    One row at a time: each sum takes a multiply-add per row, at least its latency apart."""
+    One row at a time: each sum takes a multiply-add per row, at least its latency apart (the RowPass's
+    row_pair holds that row twice; the template's pair_row_pass reads the first)."""
     assert ops.decay is None and second.decay is None and not ops.bits
     tokens = (ops, second)
     reads = [(t, rd, "before") for t in range(2) for rd in tokens[t].before]
