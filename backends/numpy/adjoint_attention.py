@@ -108,15 +108,20 @@ class _ParallelAttentionEmitter(BackwardEmitter):
         body += ["", "# every token's adjoint at once, over the masked score matrix"]
         for adj in self.adjoint.loop:
             body += self.step_adjoint(adj, printer, None)
-        tail = self.tail(printer)
-        # a param over the sequence axis was cut to the first T positions: its gradient is 0 beyond them
-        pads = [f"{self.d[('param', prm.name)]} = pad_to({self.d[('param', prm.name)]}, np.shape(params[\"{prm.name}\"]))"
-                for prm in p.params if SEQ in prm.shape]
-        if pads:
-            tail[-3:-3] = ["", "# params over the sequence axis: zero beyond the positions this call used"] + pads
-            self.helpers.add("pad_to")
+        tail = pad_sequence_param_grads(self, self.tail(printer))
         self.helpers |= printer.helpers
         return body + tail
+
+
+def pad_sequence_param_grads(emitter: BackwardEmitter, tail: list[str]) -> list[str]:
+    """The backward's tail with the gradients of the params over the sequence axis padded back to their
+    shape: a call cut them to the first T positions (cut_sequence_params), so their gradient is 0 beyond."""
+    pads = [f"{emitter.d[('param', prm.name)]} = pad_to({emitter.d[('param', prm.name)]}, "
+            f"np.shape(params[\"{prm.name}\"]))" for prm in emitter.p.params if SEQ in prm.shape]
+    if not pads:
+        return tail
+    emitter.helpers.add("pad_to")
+    return tail[:-3] + ["", "# params over the sequence axis: zero beyond the positions this call used"] + pads + tail[-3:]
 
 
 def emit_parallel_attention_backward(compiled: Compiled) -> str:
