@@ -1,9 +1,10 @@
 """The recurrent and parallel backward of softmax attention on the C backend (linrec.c.attention_backward), and
-Linformer's parallel backward on C: against the NumPy recurrent (KV-cache) backward — the definition, which
-tests/test_grad.py checks against finite differences — at 1e-9 in float64 and 5e-4 in float32 (Linformer, which
-has no recurrent form: against the NumPy parallel backward, itself checked against finite differences in
-tests/test_grad_attention.py). The parallel kernel against a dense NumPy backward, keys fewer and more than the
-queries, and bit-identical at any thread count; bad arguments named.
+Linformer's and Reformer's parallel backward on C: against the NumPy recurrent (KV-cache) backward — the definition, which
+tests/test_grad.py checks against finite differences — at 1e-9 in float64 and 5e-4 in float32 (Linformer and
+Reformer, which have no recurrent form: against the NumPy parallel backward, itself checked against finite
+differences in tests/test_grad_attention.py). The parallel kernel against a dense NumPy backward, keys fewer and more than the
+queries, and the LSH kernel against NumPy's lsh_attention_backward, both bit-identical at any thread count;
+bad arguments named.
 
 Kernels: the flash and parallel backward's extension per dtype (d and dv are arguments; shared with
 tests/test_c_grad_attention.py), and the parallel forward's attention kernel per dtype at one (d, dv) —
@@ -14,6 +15,7 @@ import pytest
 import linrec
 from linrec.c import attention_grad
 from linrec.gradients import gradient_refusal
+from linrec.numpy import vjp as numpy_vjp
 from test_grad import assert_same_gradients, float32
 from test_grad_cover import ATTENTION
 
@@ -64,6 +66,35 @@ def test_linformer_parallel_backward_on_c():
                               reference, 5e-4)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_reformer_parallel_backward_on_c(causal):
+    """lsh_attention's backward in C (the buckets held fixed) against the NumPy parallel backward, itself
+    checked against finite differences in tests/test_grad_attention.py; 37 tokens in chunks of 4 (a ragged
+    last chunk), 3 rounds."""
+    source = open("examples/reformer.lin").read().replace("rounds=2, chunk=16", "rounds=3, chunk=4")
+    rec = linrec.compile(source if causal else source.replace("reformer(dk = 16, dv = 16)",
+                                                              "reformer(dk = 16, dv = 16) noncausal"), "reformer.lin")
+    assert "chunk=4" in source and rec.program.causal == causal
+    assert gradient_refusal(rec, "parallel", "c") is None
+    x, up = _case(rec, 37, 5)
+    reference = rec.vjp(x, up, dims=DIMS, form="parallel")  # NumPy
+    assert_same_gradients(rec.vjp(x, up, dims=DIMS, form="parallel", backend="c"), reference)
+    assert_same_gradients(rec.vjp(float32(x), float32(up), dims=DIMS, form="parallel", backend="c"), reference, 5e-4)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_lsh_kernel_is_the_numpy_twin_at_any_thread_count(dtype):
+    rng = np.random.default_rng(3)
+    q, v, g = (rng.standard_normal((2, 29, 3, n)) for n in (6, 5, 5))
+    want = numpy_vjp.vjp_lsh_attention(q, v, g, True, 8, 2, 4, 0)
+    runs = [attention_grad.vjp_lsh_attention(*(a.astype(dtype) for a in (q, v, g)), True, 8, 2, 4, 0,
+                                             num_threads=threads) for threads in (1, 3)]
+    tolerance = 1e-12 if dtype == np.float64 else 1e-5
+    for got, ref in zip(runs[0], want):
+        assert got.dtype == dtype and np.max(np.abs(got - ref)) <= tolerance * np.max(np.abs(ref))
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
 def test_the_modules_run_the_c_kernels():
     rec = linrec.load("examples/softmax.lin")
     parallel = rec.emit_gradient("parallel", backend="c")
@@ -71,6 +102,9 @@ def test_the_modules_run_the_c_kernels():
     recurrent = rec.emit_gradient("recurrent", backend="c")
     assert "from linrec.c.attention_grad import flash_attention, flash_attention_backward" in recurrent
     assert "linrec.numpy.attention" not in parallel + recurrent
+    reformer = linrec.load("examples/reformer.lin").emit_gradient("parallel", backend="c")
+    assert "from linrec.c.attention_grad import vjp_lsh_attention" in reformer
+    assert "from linrec.c.attention import lsh_attention_dense" in reformer
 
 
 def _dense_backward(q, k, v, g, causal, window):
@@ -121,6 +155,10 @@ def test_bad_arguments_are_named():
         attention_grad.parallel_attention_backward(q, q, q[:, :3], q, False, 0)
     with pytest.raises(linrec.RuntimeInputError, match="window"):
         attention_grad.parallel_attention_backward(q, q, q, q, True, -1)
+    with pytest.raises(linrec.RuntimeInputError, match="'d_out' should have shape"):
+        attention_grad.vjp_lsh_attention(q, q, q[:, :2], True, 4, 1, 2, 0)
+    with pytest.raises(linrec.RuntimeInputError, match="chunk must be a positive integer"):
+        attention_grad.vjp_lsh_attention(q, q, q, True, 4, 1, 0, 0)
     rec = linrec.load("examples/softmax.lin")
     x, up = _case(rec, 5, 0)
     for form in NEW_FORMS:  # a gradient of the wrong shape: named, before any kernel runs
@@ -133,7 +171,9 @@ def test_what_the_c_backend_refuses():
                             "output o = softmax(seq(k)·q)·seq(v) + sum(seq(k)·q)*v\n", "summed.lin")
     assert gradient_refusal(summed, "recurrent", "numpy") is None
     refusal = gradient_refusal(summed, "recurrent", "c")
-    assert "softmax(K·q)·V over the sequence only" in refusal and "backend='numpy'" in refusal
-    reformer = linrec.load("examples/reformer.lin")
-    assert gradient_refusal(reformer, "parallel", "numpy") is None
-    assert "lsh_attention" in gradient_refusal(reformer, "parallel", "c")
+    assert "the sequence is used outside softmax(K·q)·V" in refusal and "backend='numpy'" in refusal
+    both = linrec.compile("recurrence both(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\n"
+                          "output o = softmax(seq(k)·q)·seq(v) + lsh_attention(q, v, buckets=4, rounds=1, chunk=4, "
+                          "seed=0)\n", "both.lin")
+    assert gradient_refusal(both, "parallel", "numpy") is None
+    assert "lsh_attention sits beside a softmax over the sequence" in gradient_refusal(both, "parallel", "c")

@@ -11,11 +11,13 @@ backward: sequence.kernel_support).
     parallel               the same module around parallel_attention and parallel_attention_backward: the
                            C parallel forward (dense rows of scores), and the backward from the score matrix
                            (P from the scores, ∂S = P ⊙ (∂P − rowsum(P ⊙ ∂P))), keys of any length
-                           (Linformer's E·seq(k): kproj rows).
+                           (Linformer's E·seq(k): kproj rows). A program whose only use of the sequence is
+                           lsh_attention (Reformer): the NumPy parallel backward's module with
+                           lsh_attention_dense from linrec.c.attention and vjp_lsh_attention from
+                           linrec.c.attention_grad (the buckets held fixed).
 
 The attention and its backward — the O(T²·d) work — run in C; the chain rule around them (the outputs into
-the readouts, ∂q, ∂K, ∂V into the inputs and params: O(T·d)) stays NumPy. Reformer's lsh_attention has
-its backward on NumPy only.
+the readouts, ∂q, ∂K, ∂V into the inputs and params: O(T·d)) stays NumPy.
 
     why_not(compiled, form)   None when the C backend builds that backward of a program that reads the
                               sequence, else a Refusal
@@ -30,9 +32,10 @@ from ..interface import Refusal
 from ..numpy import BACKEND as NUMPY
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
+from ..numpy.adjoint_attention import ParallelAttentionEmitter
 from ..numpy.adjoint_flash import FlashAttentionEmitter
 from ..numpy.sequence import kernel_support
-from . import attention_grad
+from . import attention, attention_grad
 
 FORMS = ("recurrent", "parallel", "chunkwise")
 
@@ -43,11 +46,14 @@ def why_not(compiled: Compiled, form: str) -> Refusal | None:
     if numpy_refusal or form not in FORMS:  # (the modules are NumPy's: what they do not take, these do not)
         return numpy_refusal
     plan = compiled.decomposition.sequence
-    reason = ("its backward differentiates lsh_attention, whose backward runs on NumPy only"
-              if plan.kind == "lsh" else kernel_support(compiled))
+    if plan.kind == "lsh":  # (lsh_attention's backward in C; the rest of the program NumPy's)
+        reason = ("lsh_attention sits beside a softmax over the sequence, whose backward is NumPy's there"
+                  if plan.softmax_readouts else None)
+    else:
+        reason = kernel_support(compiled)
     if reason:
         return Refusal(f"the program reads the sequence (attention): the C backend builds its backward for "
-                       f"softmax(K·q)·V over the sequence only, and {reason}",
+                       f"softmax(K·q)·V over the sequence, or lsh_attention alone, only, and {reason}",
                        f"the NumPy backend runs the {form} backward (backend='numpy')")
     return None
 
@@ -78,10 +84,20 @@ class _ParallelEmitter(FlashAttentionEmitter):
                 f"{self.d[('readout', str(index))]}, causal, {self.plan.window})")
 
 
+class _LshEmitter(ParallelAttentionEmitter):
+    """The NumPy parallel backward's module of a program that reads the sequence through lsh_attention: the
+    forward's lsh_attention_dense and its vector–Jacobian product from the C kernels."""
+
+    modules = {attention_grad.__name__: frozenset({"vjp_lsh_attention"}),
+               attention.__name__: frozenset({"lsh_attention_dense"})} | MODULES
+
+
 def emit(compiled: Compiled, form: str) -> str:
     refusal = why_not(compiled, form)
     if refusal:
         raise LinrecError(f"the C backend does not build the {form} backward of '{compiled.name}': {refusal}")
+    if compiled.decomposition.sequence.kind == "lsh":
+        return _LshEmitter(compiled).render()
     return (_ParallelEmitter if form == "parallel" else _FlashEmitter)(compiled).render()
 
 

@@ -6,13 +6,15 @@ backend (c.attention_backward).
     d_q, d_k, d_v = flash_attention_backward(q, k, v, out, lse, d_out, causal, window, block)
     out = parallel_attention(q, k, v, causal, window)                                   [B, T, H, dv]
     d_q, d_k, d_v = parallel_attention_backward(q, k, v, d_out, causal, window)
+    d_q, d_v = vjp_lsh_attention(q, v, d_out, causal, buckets, rounds, chunk, seed)
 
 The first two are what the chunkwise backward of softmax attention calls on the C backend, and its recurrent
 backward too (c.attention_backward: the flash kernels go query by query over the keys each query sees, with
 its log-sum-exp kept — the KV-cache backward). The last two are the parallel backward's: the parallel
 forward (c.attention's dense rows of scores), and the backward from the score matrix (the probabilities
 recomputed from the scores, ∂S = P ⊙ (∂P − rowsum(P ⊙ ∂P))), whose keys may be fewer or more than the
-queries (Linformer's projected sequence).
+queries (Linformer's projected sequence). vjp_lsh_attention is Reformer's backward (the parallel one:
+linrec.numpy.vjp's twin, the buckets held fixed).
 
 The twins of linrec.numpy.attention's functions of those names: the same arguments and results (to rounding),
 on arrays [B, T, H, *] of float32 or float64 (strided views, e.g. broadcast queries, read in place). One
@@ -32,7 +34,7 @@ from ..dsl.errors import RuntimeInputError
 from ..templating import environment
 from ..version import VERSION
 from . import build as c_build
-from .attention import _as4d, _common_dtype, _pointer, _strides, attention
+from .attention import _as4d, _common_dtype, _pointer, _strides, attention, lsh_rounds
 from .buffers import require_c_int_sizes
 from .build import CTYPES
 from .kernel_source import Target, common_context
@@ -47,6 +49,9 @@ int la_flash_backward(const {T} *q, const {T} *k, const {T} *v, const {T} *out, 
 int la_parallel_backward(const {T} *q, const {T} *k, const {T} *v, const {T} *d_out, {T} *d_q, {T} *d_k,
                          {T} *d_v, const int64_t *st, int B, int nq, int nk, int H, int d, int dv, int causal,
                          int64_t window, int nthreads);
+int la_lsh_backward(int dense, const {T} *q, const {T} *v, const {T} *d_out, const int32_t *buckets,
+                    const int32_t *order, {T} *d_q, {T} *d_v, const int64_t *st, int B, int ntok, int H, int R,
+                    int d, int dv, int64_t chunk, int causal, int nthreads);
 """
 
 
@@ -189,4 +194,33 @@ def parallel_attention_backward(q, k, v, d_out, causal: bool, window: int, *, nu
                                       int(threads))
     if rc != 0:
         raise MemoryError("the parallel attention backward kernel could not allocate its buffers")
+    return tuple(grads)
+
+
+def vjp_lsh_attention(q, v, g, causal: bool, buckets, rounds, chunk, seed, *, num_threads: int | None = None):
+    """(∂q, ∂v) of lsh_attention(q, v) (c.attention.lsh_attention_dense) with upstream gradient g [B, T, H,
+    dv], the buckets held fixed: linrec.numpy.vjp.vjp_lsh_attention's twin (its lsh_attention_backward's
+    results to rounding)."""
+    for name, x in (("buckets", buckets), ("rounds", rounds), ("chunk", chunk)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
+            raise RuntimeInputError(f"lsh_attention: {name} must be a positive integer, got {x!r}")
+    threads = c_build.num_threads() if num_threads is None else num_threads
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise RuntimeInputError(f"num_threads must be a positive integer, got {num_threads!r}")
+    dtype, a = _inputs(q, q, v, (("d_out", g),), "lsh attention backward")
+    batch, tokens, heads, d = a["q"].shape
+    dv = a["v"].shape[-1]
+    grads = [np.zeros(a[name].shape, dtype) for name in ("q", "v")]
+    if batch * tokens * heads == 0:
+        return tuple(grads)
+    bk, order = lsh_rounds(a["q"], buckets, rounds, seed)
+    mod = _kernel(dtype)
+    ffi, ctype = mod.ffi, CTYPES[dtype]
+    st = np.array(sum((_strides(x) for x in [a["q"], a["v"], a["d_out"]] + grads), []), np.int64)
+    rc = mod.lib.la_lsh_backward(1, *(_pointer(ffi, ctype, x) for x in (a["q"], a["v"], a["d_out"])),
+                                 ffi.from_buffer("int32_t[]", bk), ffi.from_buffer("int32_t[]", order),
+                                 *(_pointer(ffi, ctype, x) for x in grads), ffi.from_buffer("int64_t[]", st),
+                                 batch, tokens, heads, int(rounds), d, dv, int(chunk), int(bool(causal)), int(threads))
+    if rc != 0:
+        raise MemoryError("the LSH attention backward kernel could not allocate its buffers")
     return tuple(grads)

@@ -56,7 +56,7 @@ class _ParallelPrinter(AdjointPrinter, SequencePrinter):
         return super()._p(e)
 
 
-class _ParallelAttentionEmitter(BackwardEmitter):
+class ParallelAttentionEmitter(BackwardEmitter):
     """The recurrent backward's names and adjoint statements, printed for every token at once."""
 
     def __init__(self, compiled: Compiled):
@@ -126,4 +126,4 @@ def pad_sequence_param_grads(emitter: BackwardEmitter, tail: list[str]) -> list[
 
 def emit_parallel_attention_backward(compiled: Compiled) -> str:
     """The parallel backward of softmax attention (see why_no_parallel_attention_backward)."""
-    return _ParallelAttentionEmitter(compiled).render()
+    return ParallelAttentionEmitter(compiled).render()
