@@ -1,9 +1,9 @@
 """The recurrent and parallel backward of softmax attention on the C backend (linrec.c.attention_backward), and
-Linformer's and Reformer's parallel backward on C: against the NumPy recurrent (KV-cache) backward — the definition, which
+Linformer's parallel and Reformer's parallel and chunkwise (bucketed) backward on C: against the NumPy recurrent (KV-cache) backward — the definition, which
 tests/test_grad.py checks against finite differences — at 1e-9 in float64 and 5e-4 in float32 (Linformer and
 Reformer, which have no recurrent form: against the NumPy parallel backward, itself checked against finite
 differences in tests/test_grad_attention.py). The parallel kernel against a dense NumPy backward, keys fewer and more than the
-queries, and the LSH kernel against NumPy's lsh_attention_backward, both bit-identical at any thread count;
+queries, and the LSH kernels against NumPy's (dense and bucketed), all bit-identical at any thread count;
 bad arguments named.
 
 Kernels: the flash and parallel backward's extension per dtype (d and dv are arguments; shared with
@@ -67,28 +67,31 @@ def test_linformer_parallel_backward_on_c():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_reformer_parallel_backward_on_c(causal):
-    """lsh_attention's backward in C (the buckets held fixed) against the NumPy parallel backward, itself
-    checked against finite differences in tests/test_grad_attention.py; 37 tokens in chunks of 4 (a ragged
-    last chunk), 3 rounds."""
+def test_reformer_backward_on_c(causal):
+    """lsh_attention's backward in C (the buckets held fixed), dense (parallel) and by the bucketed form's
+    blocks (chunkwise), against the NumPy parallel backward, itself checked against finite differences in
+    tests/test_grad_cover.py; 37 tokens in chunks of 4 (a ragged last chunk), 3 rounds."""
     source = open("examples/reformer.lin").read().replace("rounds=2, chunk=16", "rounds=3, chunk=4")
     rec = linrec.compile(source if causal else source.replace("reformer(dk = 16, dv = 16)",
                                                               "reformer(dk = 16, dv = 16) noncausal"), "reformer.lin")
     assert "chunk=4" in source and rec.program.causal == causal
-    assert gradient_refusal(rec, "parallel", "c") is None
     x, up = _case(rec, 37, 5)
     reference = rec.vjp(x, up, dims=DIMS, form="parallel")  # NumPy
-    assert_same_gradients(rec.vjp(x, up, dims=DIMS, form="parallel", backend="c"), reference)
-    assert_same_gradients(rec.vjp(float32(x), float32(up), dims=DIMS, form="parallel", backend="c"), reference, 5e-4)
+    for form in ("parallel", "chunkwise"):
+        assert gradient_refusal(rec, form, "c") is None
+        assert_same_gradients(rec.vjp(x, up, dims=DIMS, form=form, backend="c"), reference)
+        assert_same_gradients(rec.vjp(float32(x), float32(up), dims=DIMS, form=form, backend="c"), reference, 5e-4)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_lsh_kernel_is_the_numpy_twin_at_any_thread_count(dtype):
+@pytest.mark.parametrize("form", ["dense", "bucketed"])
+def test_lsh_kernels_are_the_numpy_twins_at_any_thread_count(dtype, form):
     rng = np.random.default_rng(3)
     q, v, g = (rng.standard_normal((2, 29, 3, n)) for n in (6, 5, 5))
-    want = numpy_vjp.vjp_lsh_attention(q, v, g, True, 8, 2, 4, 0)
-    runs = [attention_grad.vjp_lsh_attention(*(a.astype(dtype) for a in (q, v, g)), True, 8, 2, 4, 0,
-                                             num_threads=threads) for threads in (1, 3)]
+    name = "vjp_lsh_attention" + ("_bucketed" if form == "bucketed" else "")
+    want = getattr(numpy_vjp, name)(q, v, g, True, 8, 2, 4, 0)
+    runs = [getattr(attention_grad, name)(*(a.astype(dtype) for a in (q, v, g)), True, 8, 2, 4, 0,
+                                          num_threads=threads) for threads in (1, 3)]
     tolerance = 1e-12 if dtype == np.float64 else 1e-5
     for got, ref in zip(runs[0], want):
         assert got.dtype == dtype and np.max(np.abs(got - ref)) <= tolerance * np.max(np.abs(ref))
@@ -102,9 +105,12 @@ def test_the_modules_run_the_c_kernels():
     recurrent = rec.emit_gradient("recurrent", backend="c")
     assert "from linrec.c.attention_grad import flash_attention, flash_attention_backward" in recurrent
     assert "linrec.numpy.attention" not in parallel + recurrent
-    reformer = linrec.load("examples/reformer.lin").emit_gradient("parallel", backend="c")
-    assert "from linrec.c.attention_grad import vjp_lsh_attention" in reformer
-    assert "from linrec.c.attention import lsh_attention_dense" in reformer
+    reformer = linrec.load("examples/reformer.lin")
+    assert "from linrec.c.attention_grad import vjp_lsh_attention\n" in reformer.emit_gradient("parallel", backend="c")
+    assert "from linrec.c.attention import lsh_attention_dense" in reformer.emit_gradient("parallel", backend="c")
+    bucketed = reformer.emit_gradient("chunkwise", backend="c")
+    assert "from linrec.c.attention_grad import vjp_lsh_attention_bucketed" in bucketed
+    assert "from linrec.c.attention import lsh_attention_bucketed" in bucketed
 
 
 def _dense_backward(q, k, v, g, causal, window):

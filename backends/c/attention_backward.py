@@ -14,7 +14,9 @@ backward: sequence.kernel_support).
                            (Linformer's E·seq(k): kproj rows). A program whose only use of the sequence is
                            lsh_attention (Reformer): the NumPy parallel backward's module with
                            lsh_attention_dense from linrec.c.attention and vjp_lsh_attention from
-                           linrec.c.attention_grad (the buckets held fixed).
+                           linrec.c.attention_grad (the buckets held fixed); its chunkwise backward the same
+                           with lsh_attention_bucketed and vjp_lsh_attention_bucketed (each query's
+                           candidates from its chunk of the sorted order and the previous one).
 
 The attention and its backward — the O(T²·d) work — run in C; the chain rule around them (the outputs into
 the readouts, ∂q, ∂K, ∂V into the inputs and params: O(T·d)) stays NumPy.
@@ -32,7 +34,7 @@ from ..interface import Refusal
 from ..numpy import BACKEND as NUMPY
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
-from ..numpy.adjoint_attention import ParallelAttentionEmitter
+from ..numpy.adjoint_attention import BucketedLshEmitter, ParallelAttentionEmitter
 from ..numpy.adjoint_flash import FlashAttentionEmitter
 from ..numpy.sequence import kernel_support
 from . import attention, attention_grad
@@ -88,8 +90,14 @@ class _LshEmitter(ParallelAttentionEmitter):
     """The NumPy parallel backward's module of a program that reads the sequence through lsh_attention: the
     forward's lsh_attention_dense and its vector–Jacobian product from the C kernels."""
 
-    modules = {attention_grad.__name__: frozenset({"vjp_lsh_attention"}),
-               attention.__name__: frozenset({"lsh_attention_dense"})} | MODULES
+    modules = {attention_grad.__name__: frozenset({"vjp_lsh_attention", "vjp_lsh_attention_bucketed"}),
+               attention.__name__: frozenset({"lsh_attention_dense", "lsh_attention_bucketed"})} | MODULES
+
+
+class _BucketedLshEmitter(_LshEmitter):
+    """The chunkwise one: lsh_attention bucketed, forward and backward (NumPy's BucketedLshEmitter's names)."""
+
+    lsh, lsh_vjp = BucketedLshEmitter.lsh, BucketedLshEmitter.lsh_vjp
 
 
 def emit(compiled: Compiled, form: str) -> str:
@@ -97,7 +105,7 @@ def emit(compiled: Compiled, form: str) -> str:
     if refusal:
         raise LinrecError(f"the C backend does not build the {form} backward of '{compiled.name}': {refusal}")
     if compiled.decomposition.sequence.kind == "lsh":
-        return _LshEmitter(compiled).render()
+        return (_LshEmitter if form == "parallel" else _BucketedLshEmitter)(compiled).render()
     return (_ParallelEmitter if form == "parallel" else _FlashEmitter)(compiled).render()
 
 

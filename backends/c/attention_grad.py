@@ -6,7 +6,7 @@ backend (c.attention_backward).
     d_q, d_k, d_v = flash_attention_backward(q, k, v, out, lse, d_out, causal, window, block)
     out = parallel_attention(q, k, v, causal, window)                                   [B, T, H, dv]
     d_q, d_k, d_v = parallel_attention_backward(q, k, v, d_out, causal, window)
-    d_q, d_v = vjp_lsh_attention(q, v, d_out, causal, buckets, rounds, chunk, seed)
+    d_q, d_v = vjp_lsh_attention(q, v, d_out, causal, buckets, rounds, chunk, seed)             (and _bucketed)
 
 The first two are what the chunkwise backward of softmax attention calls on the C backend, and its recurrent
 backward too (c.attention_backward: the flash kernels go query by query over the keys each query sees, with
@@ -14,7 +14,7 @@ its log-sum-exp kept — the KV-cache backward). The last two are the parallel b
 forward (c.attention's dense rows of scores), and the backward from the score matrix (the probabilities
 recomputed from the scores, ∂S = P ⊙ (∂P − rowsum(P ⊙ ∂P))), whose keys may be fewer or more than the
 queries (Linformer's projected sequence). vjp_lsh_attention is Reformer's backward (the parallel one:
-linrec.numpy.vjp's twin, the buckets held fixed).
+linrec.numpy.vjp's twin, the buckets held fixed), vjp_lsh_attention_bucketed its chunkwise one.
 
 The twins of linrec.numpy.attention's functions of those names: the same arguments and results (to rounding),
 on arrays [B, T, H, *] of float32 or float64 (strided views, e.g. broadcast queries, read in place). One
@@ -201,6 +201,18 @@ def vjp_lsh_attention(q, v, g, causal: bool, buckets, rounds, chunk, seed, *, nu
     """(∂q, ∂v) of lsh_attention(q, v) (c.attention.lsh_attention_dense) with upstream gradient g [B, T, H,
     dv], the buckets held fixed: linrec.numpy.vjp.vjp_lsh_attention's twin (its lsh_attention_backward's
     results to rounding)."""
+    return _lsh_backward(True, q, v, g, causal, buckets, rounds, chunk, seed, num_threads)
+
+
+def vjp_lsh_attention_bucketed(q, v, g, causal: bool, buckets, rounds, chunk, seed, *,
+                               num_threads: int | None = None):
+    """The same for the bucketed form (c.attention.lsh_attention_bucketed): each query's candidates found in
+    its chunk and the previous one of each round's sorted order, O(T·chunk) per round; the same set as the
+    dense form's, in another order (linrec.numpy.vjp.vjp_lsh_attention_bucketed's twin)."""
+    return _lsh_backward(False, q, v, g, causal, buckets, rounds, chunk, seed, num_threads)
+
+
+def _lsh_backward(dense: bool, q, v, g, causal, buckets, rounds, chunk, seed, num_threads):
     for name, x in (("buckets", buckets), ("rounds", rounds), ("chunk", chunk)):
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
             raise RuntimeInputError(f"lsh_attention: {name} must be a positive integer, got {x!r}")
@@ -217,7 +229,7 @@ def vjp_lsh_attention(q, v, g, causal: bool, buckets, rounds, chunk, seed, *, nu
     mod = _kernel(dtype)
     ffi, ctype = mod.ffi, CTYPES[dtype]
     st = np.array(sum((_strides(x) for x in [a["q"], a["v"], a["d_out"]] + grads), []), np.int64)
-    rc = mod.lib.la_lsh_backward(1, *(_pointer(ffi, ctype, x) for x in (a["q"], a["v"], a["d_out"])),
+    rc = mod.lib.la_lsh_backward(int(dense), *(_pointer(ffi, ctype, x) for x in (a["q"], a["v"], a["d_out"])),
                                  ffi.from_buffer("int32_t[]", bk), ffi.from_buffer("int32_t[]", order),
                                  *(_pointer(ffi, ctype, x) for x in grads), ffi.from_buffer("int64_t[]", st),
                                  batch, tokens, heads, int(rounds), d, dv, int(chunk), int(bool(causal)), int(threads))

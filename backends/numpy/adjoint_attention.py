@@ -35,19 +35,19 @@ class _ParallelPrinter(AdjointPrinter, SequencePrinter):
     """AdjointPrinter's derivative expressions with SequencePrinter's masks, all tokens at once; the softmax's
     vector–Jacobian product over the sequence sees the invisible scores as −∞."""
 
-    def __init__(self, ref, grad, seq, masked: bool):
+    def __init__(self, ref, grad, seq, masked: bool, lsh: str, lsh_vjp: str):
         NumpyPrinter.__init__(self, ref)  # (the two parents' own initialisers take different arguments)
         self.grad, self.seq, self.seq_code = grad, seq, seq
         self.visible = "visible" if masked else "None"
-        self.lsh = "lsh_attention_dense"
+        self.lsh, self.lsh_vjp = lsh, lsh_vjp  # lsh_attention's forward and its vector–Jacobian product
         self.masked = masked
 
     def _p(self, e: ir.Expr):
         if isinstance(e, Vjp) and e.function in ("lsh_attention_q", "lsh_attention_v"):
             # (one backward gives both gradients; each is printed as its part)
-            self.helpers.add("vjp_lsh_attention")
+            self.helpers.add(self.lsh_vjp)
             opts = "".join(f", {k}={int(v)}" for k, v in e.options)
-            return (f"vjp_lsh_attention({', '.join(self(a) for a in e.args)}, causal{opts})"
+            return (f"{self.lsh_vjp}({', '.join(self(a) for a in e.args)}, causal{opts})"
                     f"[{0 if e.function.endswith('_q') else 1}]"), ATOM
         if isinstance(e, Vjp) and e.function == "softmax" and e.args[0].shape[:1] == (SEQ,) and self.masked:
             self.helpers.add("vjp_softmax")
@@ -58,6 +58,9 @@ class _ParallelPrinter(AdjointPrinter, SequencePrinter):
 
 class ParallelAttentionEmitter(BackwardEmitter):
     """The recurrent backward's names and adjoint statements, printed for every token at once."""
+
+    # lsh_attention's forward and its vector–Jacobian product: the dense (parallel) form's
+    lsh, lsh_vjp = "lsh_attention_dense", "vjp_lsh_attention"
 
     def __init__(self, compiled: Compiled):
         super().__init__(compiled)
@@ -71,7 +74,7 @@ class ParallelAttentionEmitter(BackwardEmitter):
         def seq(arg: ir.Expr) -> str:
             index = next(a.step.index for a in self.adjoint.sequences if a.step.arg == arg)
             return f"{self.seq_vars[index][0]}[:, None]"
-        return _ParallelPrinter(base.ref, lambda g: self.grad_name(g, None), seq, self.masked)
+        return _ParallelPrinter(base.ref, lambda g: self.grad_name(g, None), seq, self.masked, self.lsh, self.lsh_vjp)
 
     def accumulate(self, s: Accumulate, printer, token_index, final_reads=False) -> str:
         if s.target.kind != "sequence":
@@ -127,3 +130,17 @@ def pad_sequence_param_grads(emitter: BackwardEmitter, tail: list[str]) -> list[
 def emit_parallel_attention_backward(compiled: Compiled) -> str:
     """The parallel backward of softmax attention (see why_no_parallel_attention_backward)."""
     return ParallelAttentionEmitter(compiled).render()
+
+
+class BucketedLshEmitter(ParallelAttentionEmitter):
+    """The chunkwise backward of a program that reads the sequence through lsh_attention: the parallel
+    backward's module (as the chunkwise forward of such a program is the parallel one's) with lsh_attention in
+    its bucketed form and that form's backward by blocks, the buckets held fixed."""
+
+    lsh, lsh_vjp = "lsh_attention_bucketed", "vjp_lsh_attention_bucketed"
+
+
+def emit_bucketed_lsh_backward(compiled: Compiled) -> str:
+    """The chunkwise backward of a program whose sequence is read through lsh_attention (see
+    why_no_parallel_attention_backward: the same programs)."""
+    return BucketedLshEmitter(compiled).render()

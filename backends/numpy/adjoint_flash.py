@@ -24,9 +24,6 @@ from .sequence import BLOCK, cut_sequence_params, kernel_pattern, kernel_support
 
 def why_no_flash_attention_backward(compiled: Compiled) -> str | None:
     """Why the chunkwise backward of a program that reads the sequence is not derived here, or None."""
-    if compiled.decomposition.sequence.kind == "lsh":
-        return ("the chunkwise backward of lsh attention (its bucketed form) is not derived; the parallel backward "
-                "differentiates it, dense, with the buckets held fixed")
     unsupported = kernel_support(compiled)
     if unsupported:
         return f"the chunkwise backward of attention is derived for softmax(K·q)·V over the sequence only: {unsupported}"
