@@ -262,39 +262,36 @@ def _scatter_add(target, positions, values):
 
 def lsh_attention_bucketed_backward(q, v, d_out, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
     """(∂q, ∂v) of lsh_attention_bucketed with the buckets held fixed, by its blocks (each round's chunks
-    against the chunk and the previous one of the sorted order: O(T·chunk) per round, no [T, T] matrix).
-    A first pass over the rounds gives each position's lse_r and o_r, hence the rounds' weights
-    w = softmax_r(lse_r) and o = Σ_r w_r o_r; a second recomputes each round's blocks. The combined weights
-    P̄ = w_r P_r are an attention matrix: ∂S = P̄ ⊙ (∂o·v_j − ∂o·o) (the rounds' ∂P − rowsum(P ⊙ ∂P) and
-    their ∂lse_r add up to it), ∂V = P̄ᵀ·∂o; then through the scores q·kᵀ/√dk and the shared keys
-    k = q/‖q‖ into ∂q, as lsh_attention_backward."""
+    against the chunk and the previous one of the sorted order: O(T·chunk) per round, no [T, T] matrix). The
+    forward's blocks are recomputed, each round's P_r and lse_r, with ∂P_r = ∂o·Vᵀ over the same blocks; the
+    rounds' weights w = softmax_r(lse_r) make the combined weights P̄ = w_r P_r an attention matrix, and
+    ∂S = P̄ ⊙ (∂P − rowsum(P̄ ⊙ ∂P)) (the rounds' ∂P − rowsum(P_r ⊙ ∂P) and their ∂lse_r add up to it; the row
+    sums over the same ∂P, so that a query alone with itself has ∂S = 0 exactly), ∂V = P̄ᵀ·∂o; then through the
+    scores q·kᵀ/√dk and the shared keys k = q/‖q‖ into ∂q, as lsh_attention_backward."""
     batch, tokens, heads, dk = q.shape
     keys, norm = _shared_keys(q)
     qh, kh, vh, gh, nh = (np.swapaxes(x, 1, 2) for x in (q, keys, v, d_out, norm))
-    rounds_of = lsh_buckets(q, buckets, rounds, seed)
-    outs, lses = [], []
-    for bucket_of in rounds_of:
+    blocks, lses = [], []
+    for bucket_of in lsh_buckets(q, buckets, rounds, seed):
         idx, look, p, lse = _bucketed_blocks(q, keys, v, bucket_of, causal, chunk)
-        o = np.zeros(vh.shape, vh.dtype)
-        _scatter_add(o, idx, p @ _gather(vh, look))
         at = np.zeros((batch, heads, tokens, 1), dtype=lse.dtype)
         _scatter_add(at, idx, lse[..., None])
-        outs.append(o)
+        blocks.append((idx, look, p, _gather(gh, idx) @ np.swapaxes(_gather(vh, look), -1, -2)))  # ∂P_r
         lses.append(at[..., 0])
     lses = np.stack(lses)
     w = np.exp(lses - np.max(lses, axis=0))
     w = w / np.sum(w, axis=0)                                         # [R, B, H, T]
-    rowsum = np.sum(gh * np.sum(w[..., None] * np.stack(outs), axis=0), axis=-1, keepdims=True)  # ∂o·o
+    p_bars = [_gather(weight[..., None], idx) * p for weight, (idx, _, p, _) in zip(w, blocks)]
+    rowsum = np.zeros((batch, heads, tokens, 1), dtype=w.dtype)       # Σ_r Σ_j P̄ ∂P per position
+    for p_bar, (idx, _, _, d_p) in zip(p_bars, blocks):
+        _scatter_add(rowsum, idx, np.sum(p_bar * d_p, axis=-1, keepdims=True))
     scale = 1.0 / np.sqrt(dk)
     d_q, d_keys, d_v = (np.zeros(x.shape, x.dtype) for x in (qh, kh, vh))  # (C order: _scatter_add's reshape)
-    for bucket_of, weight in zip(rounds_of, w):
-        idx, look, p, _ = _bucketed_blocks(q, keys, v, bucket_of, causal, chunk)
-        gc = _gather(gh, idx)
-        p_bar = _gather(weight[..., None], idx) * p                  # (padding rows: p is 0)
-        d_s = p_bar * (gc @ np.swapaxes(_gather(vh, look), -1, -2) - _gather(rowsum, idx)) * scale
+    for p_bar, (idx, look, _, d_p) in zip(p_bars, blocks):
+        d_s = p_bar * (d_p - _gather(rowsum, idx)) * scale             # (padding rows: p̄ is 0)
         _scatter_add(d_q, idx, d_s @ _gather(kh, look))
         _scatter_add(d_keys, look, np.swapaxes(d_s, -1, -2) @ _gather(qh, idx))
-        _scatter_add(d_v, look, np.swapaxes(p_bar, -1, -2) @ gc)
+        _scatter_add(d_v, look, np.swapaxes(p_bar, -1, -2) @ _gather(gh, idx))
     d_q += (d_keys - kh * np.sum(kh * d_keys, axis=-1, keepdims=True)) / nh
     return np.swapaxes(d_q, 1, 2), np.swapaxes(d_v, 1, 2)
 
