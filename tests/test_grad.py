@@ -447,9 +447,9 @@ def test_forms_and_backends_without_a_gradient():
     summed = linrec.compile("recurrence summed(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\n"
                             "output o = softmax(seq(k)·q)·seq(v) + sum(seq(k)·q)*v\n", "summed.lin")
     with pytest.raises(linrec.LinrecError, match=r"no recurrent gradient on the c backend: the program reads the "
-                                                 r"sequence \(attention\): the C backend builds its backward for "
-                                                 r"softmax\(K·q\)·V over the sequence, or lsh_attention alone, only, "
-                                                 r"and the sequence is used outside"):
+                                                 r"sequence \(attention\): the C backend builds the backward of "
+                                                 r"softmax\(K·q\)·V over the sequence, or of lsh_attention alone; "
+                                                 r"here the sequence is used outside"):
         summed.vjp(summed.random_inputs(1, 4, 1), {}, backend="c")
     mamba = example("mamba1")
     with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the c backend: 'S' decays elementwise"):

@@ -54,8 +54,8 @@ def why_not(compiled: Compiled, form: str) -> Refusal | None:
     else:
         reason = kernel_support(compiled)
     if reason:
-        return Refusal(f"the program reads the sequence (attention): the C backend builds its backward for "
-                       f"softmax(K·q)·V over the sequence, or lsh_attention alone, only, and {reason}",
+        return Refusal(f"the program reads the sequence (attention): the C backend builds the backward of "
+                       f"softmax(K·q)·V over the sequence, or of lsh_attention alone; here {reason}",
                        f"the NumPy backend runs the {form} backward (backend='numpy')")
     return None
 
