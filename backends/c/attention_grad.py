@@ -8,21 +8,21 @@ backend (c.attention_backward).
     d_q, d_k, d_v = parallel_attention_backward(q, k, v, d_out, causal, window)
     d_q, d_v = vjp_lsh_attention(q, v, d_out, causal, buckets, rounds, chunk, seed)             (and _bucketed)
 
-The first two are what the chunkwise backward of softmax attention calls on the C backend, and its recurrent
+The flash pair is what the chunkwise backward of softmax attention calls on the C backend, and its recurrent
 backward too (c.attention_backward: the flash kernels go query by query over the keys each query sees, with
-its log-sum-exp kept — the KV-cache backward). The last two are the parallel backward's: the parallel
-forward (c.attention's dense rows of scores), and the backward from the score matrix (the probabilities
-recomputed from the scores, ∂S = P ⊙ (∂P − rowsum(P ⊙ ∂P))), whose keys may be fewer or more than the
-queries (Linformer's projected sequence). vjp_lsh_attention is Reformer's backward (the parallel one:
-linrec.numpy.vjp's twin, the buckets held fixed), vjp_lsh_attention_bucketed its chunkwise one.
+its log-sum-exp kept — the KV-cache backward): the twins of linrec.numpy.attention's functions of those
+names. Both take the queries in tiles of 16, each key row loaded once per tile; the forward runs each query
+over the keys it sees in blocks of `block` with an online softmax; the backward recomputes each probability
+from its score and the query's log-sum-exp. The parallel pair is the parallel backward's: the parallel forward
+(c.attention's dense rows of scores), and the backward from the score matrix (per tile of queries, the
+probabilities recomputed from the scores, ∂S = P ⊙ (∂P − rowsum(P ⊙ ∂P))), whose keys may be fewer or more
+than the queries (Linformer's projected sequence). vjp_lsh_attention is Reformer's backward (the parallel
+one, the buckets held fixed), vjp_lsh_attention_bucketed its chunkwise one: linrec.numpy.vjp's twins.
 
-The twins of linrec.numpy.attention's functions of those names: the same arguments and results (to rounding),
-on arrays [B, T, H, *] of float32 or float64 (strided views, e.g. broadcast queries, read in place). One
-extension per dtype (d and dv are arguments), built by c_build and cached. Both take the queries in tiles
-of 16, each key row loaded once per tile; the forward runs each query over the keys it sees in blocks of
-`block` with an online softmax; the backward recomputes each probability from its score and the query's
-log-sum-exp. OpenMP threads over (batch row, head), each pair on one thread: the
-results are bit-identical whatever the number of threads (LINREC_NUM_THREADS, or num_threads=).
+All take arrays [B, T, H, *] of float32 or float64 (strided views, e.g. broadcast queries, read in place)
+and give linrec.numpy's results to rounding. One extension per dtype (d and dv are arguments), built by
+c_build and cached. OpenMP threads over (batch row, head), each pair on one thread: the results are
+bit-identical whatever the number of threads (LINREC_NUM_THREADS, or num_threads=).
 """
 from __future__ import annotations
 
