@@ -185,7 +185,10 @@ def test_the_kernels_take_the_numpy_scans_arguments():
 
 
 NOT_TAKEN = {  # (program, the structural reason the C backward gives)
-    "softmax": ("examples/softmax.lin", "reads the sequence"),
+    "summed_attention": ("""recurrence summed_attention(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv]
+output o = softmax(seq(k)·q)·seq(v) + sum(seq(k)·q)*v
+""", "reads the sequence"),
     "unchanging_value": ("""recurrence unchanging_value(dk = 4, dv = 4)
 input x[dk]
 state z[dk]
