@@ -26,8 +26,9 @@ SEGMENT_BYTES = 2 << 20
 # are reused by the next one of the same shape once the backward has dropped them (buffers.RecycledArrays). A
 # fresh array pays a page fault and the zeroing of every page at its first touch — 68 MB at dk = dv = 128,
 # T = 4096, B·H = 8: the kernel's forward took about twice as long with fresh checkpoints as with reused ones.
-# (The most recent CHECKPOINT_ARRAYS idle ones are kept: a program's states each have theirs.)
-CHECKPOINT_ARRAYS = 4
+# The price: the CHECKPOINT_ARRAYS most recently made stay allocated while idle (a state's each; a program
+# with more states than that reuses none of them).
+CHECKPOINT_ARRAYS = 2
 _checkpoints = RecycledArrays(keep=CHECKPOINT_ARRAYS)
 
 
