@@ -74,15 +74,22 @@ def _kernel(dtype: np.dtype):
                          _CDEF.replace("{T}", s.ctype))
 
 
+def _positive(what: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
+        raise RuntimeInputError(f"{what} must be a positive integer, got {x!r}")
+    return int(x)
+
+
+def _threads(num_threads) -> int:
+    if num_threads is None:
+        return int(c_build.num_threads())
+    return _positive("num_threads", num_threads)
+
+
 def _options(causal, window, block, num_threads) -> tuple[int, int, int, int]:
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
         raise RuntimeInputError(f"window must be a non-negative integer (0: no window), got {window!r}")
-    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
-        raise RuntimeInputError(f"block (the chunk size) must be a positive integer, got {block!r}")
-    threads = c_build.num_threads() if num_threads is None else num_threads
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-        raise RuntimeInputError(f"num_threads must be a positive integer, got {num_threads!r}")
-    return int(bool(causal)), int(window), int(block), int(threads)
+    return int(bool(causal)), int(window), _positive("block (the chunk size)", block), _threads(num_threads)
 
 
 def _inputs(q, k, v, extra=(), what="flash attention", key_tokens=None):
@@ -167,11 +174,7 @@ def parallel_attention_backward(q, k, v, d_out, causal: bool, window: int, *, nu
     """The backward of parallel_attention from the score matrix: (∂q, ∂k, ∂v). Per query its row of scores
     S = K·q, P = softmax(S) over the keys it sees, ∂P = V·∂o, ∂S = P ⊙ (∂P − Σ_j P_j ∂P_j); ∂q = ∂S·K,
     ∂k = ∂Sᵀ·Q, ∂v = Pᵀ·∂O. q, d_out [B, Tq, H, *]; k, v [B, Tk, H, *] (Tk = Tq when causal or windowed)."""
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
-        raise RuntimeInputError(f"window must be a non-negative integer (0: no window), got {window!r}")
-    threads = c_build.num_threads() if num_threads is None else num_threads
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-        raise RuntimeInputError(f"num_threads must be a positive integer, got {num_threads!r}")
+    causal, window, _, threads = _options(causal, window, 1, num_threads)  # (no blocks: the whole row of scores)
     keys = np.asarray(k)
     if keys.ndim != 4:
         raise RuntimeInputError(f"'k' should have shape [B, T, H, *] (4 axes), got {list(keys.shape)}")
@@ -190,8 +193,7 @@ def parallel_attention_backward(q, k, v, d_out, causal: bool, window: int, *, nu
     st = np.array(sum((_strides(x) for x in [a["q"], a["k"], a["v"], a["d_out"]] + grads), []), np.int64)
     arrays = (a["q"], a["k"], a["v"], a["d_out"], *grads)
     rc = mod.lib.la_parallel_backward(*(_pointer(ffi, ctype, x) for x in arrays), ffi.from_buffer("int64_t[]", st),
-                                      batch, tokens, key_tokens, heads, d, dv, int(bool(causal)), int(window),
-                                      int(threads))
+                                      batch, tokens, key_tokens, heads, d, dv, causal, window, threads)
     if rc != 0:
         raise MemoryError("the parallel attention backward kernel could not allocate its buffers")
     return tuple(grads)
@@ -214,11 +216,8 @@ def vjp_lsh_attention_bucketed(q, v, g, causal: bool, buckets, rounds, chunk, se
 
 def _lsh_backward(dense: bool, q, v, g, causal, buckets, rounds, chunk, seed, num_threads):
     for name, x in (("buckets", buckets), ("rounds", rounds), ("chunk", chunk)):
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
-            raise RuntimeInputError(f"lsh_attention: {name} must be a positive integer, got {x!r}")
-    threads = c_build.num_threads() if num_threads is None else num_threads
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-        raise RuntimeInputError(f"num_threads must be a positive integer, got {num_threads!r}")
+        _positive(f"lsh_attention: {name}", x)
+    threads = _threads(num_threads)
     dtype, a = _inputs(q, q, v, (("d_out", g),), "lsh attention backward")
     batch, tokens, heads, d = a["q"].shape
     dv = a["v"].shape[-1]
