@@ -17,7 +17,7 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad, grad_chunk_kernels
+from . import grad, grad_chunk_scans
 
 FORMS = ("parallel", "chunkwise")
 SCANS = frozenset({"chunk_checkpoints", "adjoint_chunkwise"})
@@ -27,30 +27,16 @@ def why_not(compiled: Compiled, form: str) -> str | None:
     """Why the C backend does not build the form's backward (a sentence about the program), or None."""
     if form not in FORMS:
         return f"the C chunk kernels build the parallel and chunkwise backward, not the {form} one"
-    reason = why_no_gradient(compiled, form) or grad.why_not(compiled)
-    if reason:
-        return reason
-    # the recurrent backward's other kernels (c.grad_scans: elementwise, value side) have no chunk kernels
-    d = compiled.decomposition
-    values = {r.state for r in d.readouts if r.is_value}
-    for t in d.transitions:
-        if t.elementwise:
-            return (f"'{t.state}' decays elementwise (`X*{t.state}`): the C chunk kernels take a decay of the rows; "
-                    f"its recurrent backward runs on C")
-        if t.value_corrections or t.value_decay is not None:
-            return (f"'{t.state}' decays its value axis or has rank-one corrections on the value side: the C chunk "
-                    f"kernels do not take them; its recurrent backward runs on C")
-        if t.state in values:
-            return (f"an output reads vector state '{t.state}' as a value (not q·S): the C chunk kernels do not take "
-                    f"it; its recurrent backward runs on C")
-    return None
+    # (every structure the recurrent C backward takes, the chunk kernels take as it is or in another frame:
+    # c.grad_chunk_scans)
+    return why_no_gradient(compiled, form) or grad.why_not(compiled)
 
 
 class _ChunkEmitter(DecomposedEmitter):
-    """The decomposed backward's module, its scans the C kernels' (which take the NumPy scans' arguments and
-    give their results)."""
+    """The decomposed backward's module, its scans the C kernels' (c.grad_chunk_scans, which take the NumPy
+    scans' arguments and give their results)."""
 
-    modules = MODULES | {grad_chunk_kernels.__name__: SCANS}
+    modules = MODULES | {grad_chunk_scans.__name__: SCANS}
     scans = SCANS
     forward_scan, backward_scan = "chunk_checkpoints", "adjoint_chunkwise"
     backward_comment = "the transposed recurrence in C, from the last chunk"
