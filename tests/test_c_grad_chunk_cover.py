@@ -26,8 +26,8 @@ FORMS = ("parallel", "chunkwise")
 # one program per structure beside the examples — an elementwise decay, a vector state read as a value (HGRN-
 # style, decaying per row and not at all; one beside it stays its initial state), value-side corrections under
 # decays of both axes (test_c_grad_cover's, readouts before and after the update: its transpose's columns as
-# heads) — and a decay of the value axis alone, its columns as heads. (The first two take the examples' scan
-# kernels: a scan's kernel is specialized for its structure, not for the program around it.)
+# heads) — and a decay of the value axis alone, its columns as heads. (elementwise_gated's S and vector_values'
+# z run the examples' kernels: a kernel is specialized for a scan's structure, not for the program around it.)
 PROGRAMS = {
     "elementwise_gated": """recurrence elementwise_gated(dk = 5, dv = 7)
 input q[dk], k[dk], v[dv], X[dk, dv] <= 0

@@ -1,9 +1,11 @@
 """The parallel and chunkwise backward on the C backend (docs/gradients.md, The C backward): the NumPy
 decomposed backward's module (linrec.numpy.adjoint_derived) with each state's two scans in C — the C
 chunkwise forward keeping the state before each chunk, and the adjoint recurrence chunk by chunk from the
-last (c.grad_chunk_kernels, templates/c_grad_chunk.c.j2). The parallel backward is one chunk of the whole
-sequence. It takes the programs the recurrent C backward takes (c.grad.why_not), and the chain rule around
-the scans stays NumPy.
+last (c.grad_chunk_kernels, templates/c_grad_chunk.c.j2) — on the state as it is, or on the state in a
+change of frame that gives it the kernels' structure (c.grad_chunk_scans: an elementwise decay, a decay of the
+value axis, value-side corrections, a vector state read as a value). The parallel backward is one chunk of
+the whole sequence. It takes the programs the recurrent C backward takes (c.grad.why_not), and the chain rule
+around the scans stays NumPy.
 
     why_not(compiled, form)    None when the C backend builds the form's backward, else why not
     emit(compiled, form)       the generated backward module's source
