@@ -451,9 +451,12 @@ def test_forms_and_backends_without_a_gradient():
                                                  r"softmax\(K·q\)·V over the sequence, or of lsh_attention alone; "
                                                  r"here the sequence is used outside"):
         summed.vjp(summed.random_inputs(1, 4, 1), {}, backend="c")
-    mamba = example("mamba1")
-    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the c backend: 'S' decays elementwise"):
-        mamba.vjp(mamba.random_inputs(1, 4, 1), {}, form="chunkwise", backend="c")
+    ew_delta = linrec.compile("recurrence ew_delta(dk = 5, dv = 4)\ninput q[dk], k[dk], v[dv], beta in (0, 1), "
+                              "X[dk, dv] <= 0\nkn = l2norm(k)\nstate S[dk, dv]\nS = exp(X)*S + beta·kn⊗(v − kn·S)\n"
+                              "output o = q·S\n", "ew_delta.lin")
+    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the c backend: 'S' decays elementwise "
+                                                 r"\(`X\*S`\) with rank-one corrections"):
+        ew_delta.vjp(ew_delta.random_inputs(1, 4, 1), {}, form="chunkwise", backend="c")
     with pytest.raises(linrec.LinrecError, match="no recurrent gradient.*there is no recurrent forward form: LSH"):
         reformer.vjp(reformer.random_inputs(1, 4, 1), {})
 
