@@ -47,12 +47,14 @@ FORM_TABLE = Path(__file__).resolve().parent / "form_table.json"
 
 def structure(compiled) -> str:
     """What sets the forms' relative costs, read off the decomposition: per state its rank and the kind of its
-    transition (compiler.transitions: the decay, the corrections), its corrections and writes; the readouts.
-    Programs with the same structure share a row of the table."""
+    transition (compiler.transitions: the decay, the corrections and their side), its corrections (either
+    side's: the kind tells which) and writes; the readouts. Programs with the same structure share a row of the
+    table."""
     d = compiled.decomposition
     states = {s.name: s for s in compiled.program.states}
     parts = [f"{'matrix' if len(states[t.state].shape) == 2 else 'vector'} state: {t.kind}, "
-             f"{len(t.corrections)} correction(s), {len(t.writes)} write(s)" for t in d.transitions]
+             f"{len(t.corrections) + len(t.value_corrections)} correction(s), {len(t.writes)} write(s)"
+             for t in d.transitions]
     return "; ".join(parts + [f"{len(d.readouts)} readout(s)"])
 
 

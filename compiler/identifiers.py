@@ -37,8 +37,9 @@ INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one",
 # the builtins they import from linrec.numpy.vjp.
 INTERNAL |= {"backward", "grad_outputs", "grad_final_state", "derived_params", "grads", "unbroadcast", "own_array",
              "vjp_pow", "decay_scan", "decay_scan_backward", "adjoint_checkpoints", "adjoint_recurrent",
-             "chunk_checkpoints", "adjoint_chunkwise", "flash_attention", "flash_attention_backward", "pad_to",
-             "vjp_lsh_attention", "fused_forward"}
+             "chunk_checkpoints", "adjoint_chunkwise", "flash_attention", "flash_attention_backward", "parallel_attention",
+             "parallel_attention_backward", "pad_to",
+             "vjp_lsh_attention", "vjp_lsh_attention_bucketed", "fused_forward"}
 INTERNAL |= {f"vjp_{name}" for name in BUILTINS}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

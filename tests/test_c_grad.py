@@ -5,6 +5,8 @@ RetNet, the Linear Transformer, gdn2 and comba. Every case runs at one size (dk 
 whole SIMD register) so that the kernels are built once per structure and shared; the cases vary what the
 kernels take at run time: T (ragged, 1), the batch and heads against the threads, the checkpoint interval,
 strong decays, random initial states and final-state gradients."""
+import weakref
+
 import numpy as np
 import pytest
 
@@ -135,13 +137,16 @@ def test_refusals_give_the_structural_reason():
     gla = linrec.load("examples/gla.lin")
     assert gradients.gradient_refusal(gla, "recurrent", "c") is None
     assert gradients.gradient_refusal(gla, "chunkwise", "c") is None  # (c.grad_chunk: test_c_grad_chunkwise)
-    assert "elementwise" in gradients.gradient_refusal(linrec.load("examples/mamba1.lin"), "chunkwise", "c")
-    assert "attention" in gradients.gradient_refusal(linrec.load("examples/softmax.lin"), "recurrent", "c")
+    assert gradients.gradient_refusal(linrec.load("examples/mamba1.lin"), "chunkwise", "c") is None  # (in a frame:
+    # c.grad_chunk_scans, tests/test_c_grad_chunk_cover.py)
+    summed = linrec.compile("recurrence summed(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\n"
+                            "output o = softmax(seq(k)·q)·seq(v) + sum(seq(k)·q)*v\n", "summed.lin")
+    assert "attention" in gradients.gradient_refusal(summed, "recurrent", "c")  # (softmax(K·q)·V alone: it builds)
     # no recurrent form at all: the reason, and no advice to run it elsewhere
     linformer = gradients.gradient_refusal(linrec.load("examples/linformer.lin"), "recurrent", "c")
     assert "no recurrent forward form" in linformer and "NumPy" not in linformer
     with pytest.raises(LinrecError, match="attention"):
-        linrec.load("examples/softmax.lin").vjp({}, {}, backend="c")
+        summed.vjp({}, {}, backend="c")
 
 
 def test_emitted_backward_calls_the_kernels(recs):
@@ -194,3 +199,38 @@ def test_other_structures(name):
     got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=4)
     assert worst_error(got.grads, want.grads) <= 1e-9
     assert worst_error(got.outputs, want.outputs) <= 1e-9
+
+
+def test_checkpoint_arrays_are_reused_only_when_nobody_holds_them(recs):
+    """The kernel's forward writes its checkpoints into arrays recycled between calls (grad_calls: a fresh one
+    pays a page fault per page): one still held is never written again, one dropped is, and a vjp on recycled
+    checkpoints gives the same gradients to the bit."""
+    rng = np.random.default_rng(7)
+    tokens, heads, dk, dv = 11, 2, 5, 7  # (a shape no other test uses: only this test's arrays are in the pool)
+
+    def checkpoints(scale):
+        per = lambda n: rng.standard_normal((1, tokens, heads, n))  # noqa: E731
+        s0 = scale * rng.standard_normal((1, heads, dk, dv))
+        _, _, ckpt = grad_kernels.adjoint_checkpoints(s0, -np.abs(per(dk)), [(per(dk), per(dv))], [(per(dk), False)],
+                                                      chunk=3)
+        return ckpt
+
+    held = checkpoints(1.0)
+    before = held.copy()
+    other = checkpoints(2.0)
+    assert not np.shares_memory(held, other)
+    np.testing.assert_array_equal(held, before)  # (the second call did not write into the held array)
+    dropped = weakref.ref(other)
+    del other
+    again = checkpoints(3.0)
+    assert again is dropped()  # dropped by its caller: kept, and written again rather than a fresh allocation
+    np.testing.assert_array_equal(held, before)
+
+    rec = recs["gla"]
+    x, up, s0, gT = _call(rec, 1, 9, 2, seed=3)
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    first = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=4)
+    second = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=4)
+    assert worst_error(first.grads, want.grads) <= 1e-9
+    for name, g in first.grads.items():
+        np.testing.assert_array_equal(second.grads[name], g)

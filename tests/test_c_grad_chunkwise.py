@@ -124,21 +124,30 @@ def test_resets_are_refused_as_on_numpy(recs):
     assert messages[0] == messages[1] and "form='recurrent'" in messages[1]
 
 
+ELEMENTWISE_DELTA = """recurrence ew_delta(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv], beta in (0, 1), X[dk, dv] <= 0
+kn = l2norm(k)
+state S[dk, dv]
+S = exp(X)*S + beta·kn⊗(v − kn·S)
+output o = q·S
+"""
+
+
 def test_listed_emitted_and_refused_for_structural_reasons(recs):
     gla = recs["gla"]
     assert all(gradients.gradient_refusal(gla, form, "c") is None for form in FORMS)
-    mamba1 = gradients.gradient_refusal(linrec.load("examples/mamba1.lin"), "chunkwise", "c")
-    assert "elementwise" in mamba1 and "NumPy" in mamba1
+    # what the C backward does not take at all (c.grad.why_not) is refused, with the NumPy backend's form
+    ew_delta = linrec.compile(ELEMENTWISE_DELTA, "ew_delta.lin")
+    why = gradients.gradient_refusal(ew_delta, "chunkwise", "c")
+    assert "elementwise" in why and "corrections" in why and "NumPy" in why
     text = recs["gated_deltanet"].emit_gradient("chunkwise", "c")
     assert "fused_forward(" in text and "adjoint_chunkwise(" in text  # (the forward: the fused kernel, c.grad_forward)
     # a chain rule that reads a readout's value (RetNet's groupnorm of q·S) keeps the chunk forward, which gives it
     assert "chunk_checkpoints(" in recs["retnet"].emit_gradient("chunkwise", "c")
     assert "# adjoint of S.correction0_u" in text
     assert "max(tokens, 1)" in recs["gla"].emit_gradient("parallel", "c")  # (one chunk of the whole sequence)
-    # what only the recurrent C backward's other kernels take (c.grad_scans) is refused here, stage by stage too
-    for name, words in (("gated_oja", "value side"), ("preconditioned_deltanet", "vector state 'A' as a value")):
-        why = gradients.gradient_refusal(linrec.load(f"examples/{name}.lin"), "parallel", "c")
-        assert words in why and "recurrent backward runs on C" in why, name
+    # (what the recurrent C backward's other kernels take, the chunk kernels take in a change of frame:
+    # tests/test_c_grad_chunk_cover.py)
 
 
 NONCAUSAL = """recurrence decayed_noncausal(dk = 5, dv = 4) noncausal

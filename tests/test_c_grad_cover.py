@@ -16,9 +16,9 @@ import linrec
 from linrec import gradients
 from linrec.c import grad_elementwise, scan_kernels
 from linrec.dsl.errors import LinrecError
+from test_c_grad import DIMS, _call
 from test_grad import float32, worst_error
 
-DIMS = {"dk": 5, "dv": 7}
 
 # vector states read as values before their update and after it, beside readouts q·z; decays per row, per
 # token (z and c: the same kernel, each decay becomes one per element) and none; a matrix state with an
@@ -89,18 +89,6 @@ def recs():
     out = {name: linrec.load(f"examples/{name}.lin") for name in EXAMPLES}
     out.update((name, linrec.compile(text, f"{name}.lin")) for name, text in PROGRAMS.items())
     return out
-
-
-def _call(rec, batch, tokens, heads, seed, decay_scale=None):
-    """Inputs, upstream gradients of the outputs and of the final states, and random initial states."""
-    extra = {} if decay_scale is None else {"decay_scale": decay_scale}
-    x = rec.random_inputs(batch=batch, tokens=tokens, heads=heads, dims=DIMS, seed=seed, **extra)
-    rng = np.random.default_rng(seed + 100)
-    up = {o.name: rng.standard_normal((batch, tokens, heads) + tuple(DIMS[d] for d in o.value.shape))
-          for o in rec.program.outputs}
-    states = [{s.name: rng.standard_normal((batch, heads) + tuple(DIMS[d] for d in s.shape))
-               for s in rec.program.states} for _ in range(2)]
-    return x, up, states[0], states[1]
 
 
 # (batch, tokens, heads, chunk_size, decay_scale): ragged T with several checkpoint intervals (one token, a
@@ -197,7 +185,10 @@ def test_the_kernels_take_the_numpy_scans_arguments():
 
 
 NOT_TAKEN = {  # (program, the structural reason the C backward gives)
-    "softmax": ("examples/softmax.lin", "reads the sequence"),
+    "summed_attention": ("""recurrence summed_attention(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv]
+output o = softmax(seq(k)·q)·seq(v) + sum(seq(k)·q)*v
+""", "reads the sequence"),
     "unchanging_value": ("""recurrence unchanging_value(dk = 4, dv = 4)
 input x[dk]
 state z[dk]

@@ -34,6 +34,7 @@ from linrec.c import elementwise as c_elementwise
 from linrec.c import values as c_values
 from linrec.numpy import scan as numpy_scan
 from linrec.dsl.errors import LinrecError, RuntimeInputError
+from compare import rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.lin")  # the scan programs (not attention) C's scans take
@@ -186,14 +187,6 @@ def canonical(case: Case, tokens: int, dtype, decay_scale: float = 1.0, seed: in
     readouts = [(normal(case.dk), before) for before in case.before] + [(None, before) for before in case.values]
     s0 = rng.standard_normal((batch, heads, case.dk, case.dv)).astype(dtype)
     return s0, log_decay, corrections, writes, readouts
-
-
-def rel_err(actual, expected, floor=1e-30) -> float:
-    expected = np.asarray(expected, dtype=np.float64)
-    if not expected.size:
-        return 0.0
-    scale = max(float(np.max(np.abs(expected))), floor)
-    return float(np.max(np.abs(np.asarray(actual, dtype=np.float64) - expected))) / scale
 
 
 def float64(args):

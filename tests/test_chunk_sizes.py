@@ -13,6 +13,7 @@ import pytest
 import linrec
 from linrec.c import scan_kernels
 from linrec.cli import main
+from compare import rel_err
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # a vector state read as it is: its reads run in c_values' kernels
@@ -43,10 +44,6 @@ def case(name: str):
     rng = np.random.default_rng(5)
     state0 = {s.name: rng.standard_normal((B, H) + tuple(dims[d] for d in s.shape)) for s in rec.program.states}
     return rec, inputs, state0, rec.run(inputs, form="recurrent", initial_state=state0)
-
-
-def rel_err(actual, expected) -> float:
-    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
 
 
 def assert_matches(outputs: dict, finals: dict, ref: linrec.Result, label: str):

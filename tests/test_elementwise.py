@@ -24,6 +24,7 @@ import linrec
 import reference_impls as ref
 from linrec.c import scan as c_scan
 from linrec.registry import builds, refusal
+from compare import rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-9
@@ -60,12 +61,6 @@ def compiled(name: str, source: str | None = None) -> linrec.Recurrence:
     if name not in _RECS:
         _RECS[name] = linrec.compile(source, f"{name}.lin") if source else linrec.load(ROOT / "examples" / f"{name}.lin")
     return _RECS[name]
-
-
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape and np.all(np.isfinite(got))
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300))
 
 
 def inputs(rec: linrec.Recurrence, batch: int, tokens: int, heads: int, seed: int, strongest: float = -20.0):

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import linrec
+from compare import rel_err
 
 TOL = 1e-9
 DIMS = {"dk": 5, "dv": 4}
@@ -67,12 +68,6 @@ def program(name: str) -> linrec.Recurrence:
 @pytest.fixture(scope="module")
 def recs() -> dict[str, linrec.Recurrence]:
     return {name: program(name) for name in PROGRAMS}
-
-
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape and np.all(np.isfinite(got))
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300))
 
 
 def inputs(rec, batch: int, tokens: int, heads: int, seed: int, strongest: float = -40.0, resets: int = 2):

@@ -127,3 +127,14 @@ def test_structure_is_the_update_not_the_name():
     names = {r.name for r in by_structure.values()}
     assert {"gla", "mamba2", "retnet"} <= names  # distinct structures: a diagonal, a data-dependent, a fixed decay
     assert form_choice.grid_sizes(gdn.compiled, {"dk": 128, "dv": 64}) == (128, 64)
+
+
+def test_the_structure_counts_value_side_corrections():
+    """More value-side corrections cost more per token: the table's key tells the programs apart (it counts
+    the corrections of either side, as it does the key side's). The product of two factors (I − β·vn⊗vn)
+    expands to three rank-one terms."""
+    source = (EXAMPLES / "gated_oja.lin").read_text()
+    one = linrec.compile(source, "gated_oja.lin")
+    two = linrec.compile(source.replace("·(I − beta·vn⊗vn)", "·(I − beta·vn⊗vn)·(I − beta·vn⊗vn)"), "two.lin")
+    assert "1 correction(s)" in form_choice.structure(one.compiled)
+    assert "3 correction(s)" in form_choice.structure(two.compiled)

@@ -22,6 +22,7 @@ import linrec
 import reference_impls as ref
 from linrec.cli import main
 from linrec.registry import builds, refusal
+from compare import rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -83,12 +84,6 @@ def compiled(key: str, source: str | None = None) -> linrec.Recurrence:
     if key not in _compiled:
         _compiled[key] = linrec.compile(source, f"{key}.lin") if source else linrec.load(EXAMPLES / f"{key}.lin")
     return _compiled[key]
-
-
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape and np.all(np.isfinite(got))
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-300))
 
 
 def assert_close(result, outputs: dict, states: dict, what: str):

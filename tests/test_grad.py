@@ -444,17 +444,19 @@ def test_bad_final_state_gradient():
 
 def test_forms_and_backends_without_a_gradient():
     reformer = example("reformer")
-    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the numpy backend: the chunkwise backward "
-                                                 "of lsh attention"):
-        reformer.vjp(reformer.random_inputs(1, 4, 1), {"o": np.ones((1, 4, 1, 16))}, form="chunkwise")
-    attention = example("softmax")
+    summed = linrec.compile("recurrence summed(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\n"
+                            "output o = softmax(seq(k)·q)·seq(v) + sum(seq(k)·q)*v\n", "summed.lin")
     with pytest.raises(linrec.LinrecError, match=r"no recurrent gradient on the c backend: the program reads the "
-                                                 r"sequence \(attention\): of its backwards the C backend builds the "
-                                                 r"chunkwise one"):
-        attention.vjp(attention.random_inputs(1, 4, 1), {}, backend="c")
-    mamba = example("mamba1")
-    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the c backend: 'S' decays elementwise"):
-        mamba.vjp(mamba.random_inputs(1, 4, 1), {}, form="chunkwise", backend="c")
+                                                 r"sequence \(attention\): the C backend builds the backward of "
+                                                 r"softmax\(K·q\)·V over the sequence, or of lsh_attention alone; "
+                                                 r"here the sequence is used outside"):
+        summed.vjp(summed.random_inputs(1, 4, 1), {}, backend="c")
+    ew_delta = linrec.compile("recurrence ew_delta(dk = 5, dv = 4)\ninput q[dk], k[dk], v[dv], beta in (0, 1), "
+                              "X[dk, dv] <= 0\nkn = l2norm(k)\nstate S[dk, dv]\nS = exp(X)*S + beta·kn⊗(v − kn·S)\n"
+                              "output o = q·S\n", "ew_delta.lin")
+    with pytest.raises(linrec.LinrecError, match="no chunkwise gradient on the c backend: 'S' decays elementwise "
+                                                 r"\(`X\*S`\) with rank-one corrections"):
+        ew_delta.vjp(ew_delta.random_inputs(1, 4, 1), {}, form="chunkwise", backend="c")
     with pytest.raises(linrec.LinrecError, match="no recurrent gradient.*there is no recurrent forward form: LSH"):
         reformer.vjp(reformer.random_inputs(1, 4, 1), {})
 
@@ -498,8 +500,8 @@ def test_cli(capsys):
     assert "d_k_seq[:, :, keys] +=" in capsys.readouterr().out
     assert main(["emit", str(EXAMPLES / "linformer.lin"), "--grad"]) == 0  # (its only gradient form: parallel)
     assert "pad_to(d_E" in capsys.readouterr().out
-    assert main(["emit", str(EXAMPLES / "reformer.lin"), "--grad", "--form", "chunkwise"]) == 1
-    assert "the chunkwise backward of lsh attention (its bucketed form) is not derived" in capsys.readouterr().err
+    assert main(["emit", str(EXAMPLES / "reformer.lin"), "--grad", "--form", "chunkwise"]) == 0
+    assert "vjp_lsh_attention_bucketed(q, v, d_o, causal" in capsys.readouterr().out
 
 
 # ---- long sequences: gradients stay finite where the forward is stable ------------------------------------

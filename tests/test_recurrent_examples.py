@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import linrec
 import reference_impls as ref
+from compare import rel_err
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NAMES = ["gla", "retnet", "mamba2", "deltanet", "gated_deltanet", "linear_transformer", "gdn2", "comba", "mamba1"]
@@ -96,15 +97,6 @@ def ref_params(name, H, res_params):
     if name == "comba":
         return {"d": res_params["d"], "D": res_params["D"]}
     return {}
-
-
-def rel_err(actual, expected) -> float:
-    actual = np.asarray(actual, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    assert np.all(np.isfinite(actual)), "non-finite values"
-    scale = max(float(np.max(np.abs(expected))), 1e-300)
-    return float(np.max(np.abs(actual - expected))) / scale
 
 
 def assert_matches(res, expected_outputs, expected_states, rtol, dtype):

@@ -15,14 +15,10 @@ import numpy as np
 import pytest
 
 import linrec
+from compare import rel_err
 
 F64_RTOL, F32_RTOL = 1e-10, 2e-5
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def rel_err(actual, expected) -> float:
-    scale = max(float(np.abs(expected).max()), 1e-30)
-    return float(np.abs(np.asarray(actual, np.float64) - expected).max()) / scale
 
 
 def assert_c_matches_numpy(rec, dims, dtype, tokens=40, heads=3, batch=2):

@@ -18,6 +18,7 @@ import linrec
 import reference_impls as ref
 from linrec.cli import describe, format_check
 from linrec.compiler.analysis import to_text
+from compare import rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 RTOL = 1e-9
@@ -46,12 +47,6 @@ A = exp(g)*A + k*tanh(B)
 B = exp(g)*B + v*sigmoid(A)
 output o = A + B
 """)
-
-
-def rel_err(got, want) -> float:
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape and np.all(np.isfinite(got))
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300))
 
 
 def assert_close(got, want, rtol=RTOL):

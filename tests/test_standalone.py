@@ -30,6 +30,7 @@ import linrec
 from linrec.c import standalone
 from linrec.cli import main
 from linrec.dsl.errors import LinrecError
+from compare import rel_err
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GCC = shutil.which("gcc")
@@ -208,12 +209,6 @@ class Build:
         res = self.rec.run(rounded(inputs), form="recurrent", backend="numpy", initial_state=rounded(state),
                            params=rounded(self.params), dims=self.dims)
         return res.outputs, res.final_state
-
-
-def rel_err(actual, expected) -> float:
-    expected = np.asarray(expected, np.float64)
-    scale = max(float(np.abs(expected).max()), 1e-30)
-    return float(np.abs(np.asarray(actual, np.float64) - expected).max()) / scale
 
 
 def random_state(rec, batch, dims, seed) -> dict[str, np.ndarray]:

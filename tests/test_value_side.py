@@ -27,6 +27,7 @@ import pytest
 import linrec
 import reference_impls as ref
 from linrec.registry import builds, refusal
+from compare import rel_err
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TOL = 1e-9
@@ -74,12 +75,6 @@ def rec_of(name: str) -> linrec.Recurrence:
         else:
             _recs[name] = linrec.load(EXAMPLES / f"{name}.lin")
     return _recs[name]
-
-
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape and np.all(np.isfinite(got))
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-300))
 
 
 def assert_close(got, want_outputs, want_states, what):

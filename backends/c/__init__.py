@@ -17,7 +17,7 @@ cached on disk.
     step.py        the decode step from Python; buffers.py: arrays checked and aligned at the boundary
     scan.py, values.py   the parallel and chunkwise forms: scans over per-token arrays NumPy prepares
     attention.py   softmax attention and Reformer's LSH attention
-    attention_backward.py   the chunkwise backward of softmax attention: the NumPy flash backward's module,
+    attention_backward.py   the backward of softmax attention in each form: the NumPy flash backward's module,
                    its attention and backward in attention_grad.py's kernels (c_attention_grad.c.j2)
     build.py, cache.py   cffi, the compiler's flags, the on-disk cache and `linrec cache`
 
@@ -55,7 +55,7 @@ class CBackend:
 
     # ---- gradients (docs/gradients.md): the adjoint recurrences in C (c.grad, c.grad_chunk) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:
-        if _reads_sequence(compiled):  # (attention: flash attention's backward, c.attention_backward)
+        if _reads_sequence(compiled):  # (attention: c.attention_backward)
             return attention_backward.why_not(compiled, form)
         reason = why_no_gradient(compiled, form)  # (none derived at all: no backend builds it)
         if reason:
@@ -66,12 +66,12 @@ class CBackend:
 
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
         if _reads_sequence(compiled):
-            return attention_backward.emit(compiled)
+            return attention_backward.emit(compiled, form)
         return grad.emit(compiled) if form == "recurrent" else grad_chunk.emit(compiled, form)
 
     def load_gradient(self, compiled: Compiled, form: str):
         if _reads_sequence(compiled):
-            return attention_backward.load(compiled)
+            return attention_backward.load(compiled, form)
         return grad.load(compiled) if form == "recurrent" else grad_chunk.load(compiled, form)
 
 

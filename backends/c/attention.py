@@ -207,11 +207,7 @@ def _lsh(dense: bool, q, v, causal: bool, buckets: int, rounds: int, chunk: int,
     out = np.empty((batch, tokens, heads, dv), dtype)
     if batch * tokens * heads == 0 or dv == 0:
         return out
-    # hashing and sorting as numpy_attention does them, on the caller's q (same dtype, same buckets)
-    bucket_of = numpy_attention.lsh_buckets(q, int(buckets), int(rounds), int(seed))      # [R, B, T, H]
-    order = np.stack([numpy_attention._round_order(b, tokens) for b in bucket_of])          # [R, B, H, T]
-    bk = np.ascontiguousarray(np.moveaxis(bucket_of, 2, -1), dtype=np.int32)              # [R, B, H, T]
-    order = np.ascontiguousarray(order, dtype=np.int32)
+    bk, order = lsh_rounds(q, buckets, rounds, seed)
     mod = kernel(dtype, dk, dv)
     ffi, ctype = mod.ffi, CTYPES[dtype]
     sh = np.array([batch, tokens, heads, int(rounds)] + _strides(qc) + _strides(vc) + _strides(out), np.int64)
@@ -222,6 +218,15 @@ def _lsh(dense: bool, q, v, causal: bool, buckets: int, rounds: int, chunk: int,
     if rc != 0:
         raise MemoryError("the LSH attention kernel could not allocate its buffers")
     return out
+
+
+def lsh_rounds(q, buckets: int, rounds: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each round's buckets and sorted order, [R, B, H, T] int32 each, as the kernels take them: hashed and
+    sorted as numpy_attention does it, on the caller's q (same dtype, same buckets)."""
+    bucket_of = numpy_attention.lsh_buckets(q, int(buckets), int(rounds), int(seed))      # [R, B, T, H]
+    order = np.stack([numpy_attention._round_order(b, q.shape[1]) for b in bucket_of])     # [R, B, H, T]
+    return (np.ascontiguousarray(np.moveaxis(bucket_of, 2, -1), dtype=np.int32),
+            np.ascontiguousarray(order, dtype=np.int32))
 
 
 def lsh_attention_dense(q, v, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):

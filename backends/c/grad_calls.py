@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dsl.errors import RuntimeInputError
+from .buffers import RecycledArrays
 from .build import CTYPES
 from .scan_kernels import call, chunk_of, operand
 
@@ -19,6 +20,16 @@ from .scan_kernels import call, chunk_of, operand
 # tokens, fewer where that buffer would pass this many bytes (it then leaves the core's L2: a state of
 # dk = dv = 128 in float32 is 64 KB, and √16384 = 128 of them 8 MB) — at the price of more checkpoints.
 SEGMENT_BYTES = 2 << 20
+
+
+# The checkpoints are the forward's scratch for the backward, never returned to the caller: the arrays of a call
+# are reused by the next one of the same shape once the backward has dropped them (buffers.RecycledArrays). A
+# fresh array pays a page fault and the zeroing of every page at its first touch — 68 MB at dk = dv = 128,
+# T = 4096, B·H = 8: the kernel's forward took about twice as long with fresh checkpoints as with reused ones.
+# The price: the CHECKPOINT_ARRAYS most recently made stay allocated while idle (a state's each; a program
+# with more states than that reuses none of them).
+CHECKPOINT_ARRAYS = 2
+_checkpoints = RecycledArrays(keep=CHECKPOINT_ARRAYS)
 
 
 def default_segment(tokens: int, state_bytes: int) -> int:
@@ -81,7 +92,7 @@ def forward(c: Call, k, function: str, read_widths, chunk, num_threads):
     dk, dv = c.state.shape[2:]
     seg, nseg = c.segments(chunk)
     outs = [np.empty(c.lead + (n,), c.state.dtype) for n in read_widths]
-    checkpoints = np.empty((batch, heads, nseg, dk, dv), c.state.dtype)
+    checkpoints = _checkpoints.take((batch, heads, nseg, dk, dv), c.state.dtype)
     if batch * heads == 0 or tokens == 0:
         return outs, c.state.copy(), checkpoints
     ckpt = k.ffi.from_buffer(CTYPES[c.state.dtype] + " *", checkpoints)

@@ -1,9 +1,11 @@
 """The parallel and chunkwise backward on the C backend (docs/gradients.md, The C backward): the NumPy
 decomposed backward's module (linrec.numpy.adjoint_derived) with each state's two scans in C — the C
 chunkwise forward keeping the state before each chunk, and the adjoint recurrence chunk by chunk from the
-last (c.grad_chunk_kernels, templates/c_grad_chunk.c.j2). The parallel backward is one chunk of the whole
-sequence. It takes the programs the recurrent C backward takes (c.grad.why_not), and the chain rule around
-the scans stays NumPy.
+last (c.grad_chunk_kernels, templates/c_grad_chunk.c.j2) — on the state as it is, or on the state in a
+change of frame that gives it the kernels' structure (c.grad_chunk_scans: an elementwise decay, a decay of the
+value axis, value-side corrections, a vector state read as a value). The parallel backward is one chunk of
+the whole sequence. It takes the programs the recurrent C backward takes (c.grad.why_not), and the chain rule
+around the scans stays NumPy.
 
     why_not(compiled, form)    None when the C backend builds the form's backward, else why not
     emit(compiled, form)       the generated backward module's source
@@ -17,7 +19,7 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad, grad_chunk_kernels, grad_forward, rows
+from . import grad, grad_chunk_scans, grad_forward, rows
 
 FORMS = ("parallel", "chunkwise")
 SCANS = frozenset({"chunk_checkpoints", "adjoint_chunkwise"})
@@ -27,30 +29,16 @@ def why_not(compiled: Compiled, form: str) -> str | None:
     """Why the C backend does not build the form's backward (a sentence about the program), or None."""
     if form not in FORMS:
         return f"the C chunk kernels build the parallel and chunkwise backward, not the {form} one"
-    reason = why_no_gradient(compiled, form) or grad.why_not(compiled)
-    if reason:
-        return reason
-    # the recurrent backward's other kernels (c.grad_scans: elementwise, value side) have no chunk kernels
-    d = compiled.decomposition
-    values = {r.state for r in d.readouts if r.is_value}
-    for t in d.transitions:
-        if t.elementwise:
-            return (f"'{t.state}' decays elementwise (`X*{t.state}`): the C chunk kernels take a decay of the rows; "
-                    f"its recurrent backward runs on C")
-        if t.value_corrections or t.value_decay is not None:
-            return (f"'{t.state}' decays its value axis or has rank-one corrections on the value side: the C chunk "
-                    f"kernels do not take them; its recurrent backward runs on C")
-        if t.state in values:
-            return (f"an output reads vector state '{t.state}' as a value (not q·S): the C chunk kernels do not take "
-                    f"it; its recurrent backward runs on C")
-    return None
+    # (every structure the recurrent C backward takes, the chunk kernels take as it is or in another frame:
+    # c.grad_chunk_scans)
+    return why_no_gradient(compiled, form) or grad.why_not(compiled)
 
 
 class _ChunkEmitter(DecomposedEmitter):
-    """The decomposed backward's module, its scans the C kernels' (which take the NumPy scans' arguments and
-    give their results)."""
+    """The decomposed backward's module, its scans the C kernels' (c.grad_chunk_scans, which take the NumPy
+    scans' arguments and give their results)."""
 
-    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_chunk_kernels.__name__: SCANS}  # (rows: first)
+    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_chunk_scans.__name__: SCANS}  # (rows: first)
     scans = SCANS
     forward_scan, backward_scan = "chunk_checkpoints", "adjoint_chunkwise"
     backward_comment = "the transposed recurrence in C, from the last chunk"

@@ -41,7 +41,7 @@ def _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
     return "value_side" if value_side else "elementwise" if elementwise else "rows"
 
 
-def _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections) -> bool:
+def unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections) -> bool:
     """The state has no per-token arrays at all (`S = S`, read by no readout): it stays its initial state."""
     return log_decay is None and value_log_decay is None and not (writes or queries or corrections or
                                                                    value_corrections)
@@ -50,7 +50,7 @@ def _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
                         value_corrections=()):
     """The forward of the recurrent backward (see the module's docstring)."""
-    if _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
+    if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.array(s0, dtype=np.float32 if np.asarray(s0).dtype == np.float32 else np.float64)
         return [], state, None
     return _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections)
@@ -69,7 +69,7 @@ def _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay
 def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections=(),
                       value_log_decay=None, value_corrections=()):
     """The adjoint recurrence, from the last segment (see the module's docstring)."""
-    if _unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
+    if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.asarray(s0)
         dtype = np.float32 if state.dtype == np.float32 else np.float64
         d_s0 = np.zeros(state.shape, dtype) if grad_final is None else np.array(grad_final, dtype=dtype)

@@ -6,7 +6,8 @@
     sequence.py   the generated modules of programs that read the sequence (softmax attention and relatives)
     adjoint.py    the recurrent backward: the adjoint of the statements (compiler.adjoint) as a reverse sweep
     adjoint_derived.py  the parallel and chunkwise backward, from the decomposition (adjoint_scan.py runs it)
-    adjoint_attention.py  the parallel backward of softmax attention, over the masked score matrix
+    adjoint_attention.py  the parallel backward of softmax attention, over the masked score matrix (and the
+                  chunkwise one of lsh_attention: the same module, lsh_attention bucketed)
     adjoint_flash.py  the chunkwise backward of softmax attention: flash attention's, by blocks
     emitter.py    what every generated module shares: names, printers, prologue, the template and its imports
     printer.py    IR expressions as NumPy code
@@ -23,7 +24,8 @@ from ..interface import DEFINITION, INTERPRETED, Capabilities, Refusal, no_such_
 from . import backend as recurrences
 from . import sequence
 from .adjoint import emit_backward
-from .adjoint_attention import emit_parallel_attention_backward, why_no_parallel_attention_backward
+from .adjoint_attention import (emit_bucketed_lsh_backward, emit_parallel_attention_backward,
+                                 why_no_parallel_attention_backward)
 from .adjoint_derived import emit_decomposed_backward
 from .adjoint_flash import emit_flash_attention_backward, why_no_flash_attention_backward
 
@@ -63,7 +65,7 @@ class NumpyBackend:
         if reason and _attention_in_parallel(compiled, form) and form in compiled.decomposition.forms \
                 and why_no_adjoint(compiled.program, compiled.decomposition.sequence) is None:
             # (attention differentiated, with that forward form: the compiler's reason is every other backend's)
-            reason = why_no_parallel_attention_backward(compiled) if form == "parallel" else \
+            reason = why_no_parallel_attention_backward(compiled) if form == "parallel" or _lsh(compiled) else \
                 why_no_flash_attention_backward(compiled)
         return None if reason is None else Refusal(reason)
 
@@ -71,14 +73,21 @@ class NumpyBackend:
         if form == "recurrent":
             return emit_backward(compiled)
         if _attention_in_parallel(compiled, form):
-            return emit_parallel_attention_backward(compiled) if form == "parallel" else \
-                emit_flash_attention_backward(compiled)
+            if form == "parallel":
+                return emit_parallel_attention_backward(compiled)
+            return emit_bucketed_lsh_backward(compiled) if _lsh(compiled) else emit_flash_attention_backward(compiled)
         return emit_decomposed_backward(compiled, form)
 
     def load_gradient(self, compiled: Compiled, form: str):
         module = recurrences.module_from_source(self.emit_gradient(compiled, form), compiled, form, "backward")
         module.form = form
         return module
+
+
+def _lsh(compiled: Compiled) -> bool:
+    """Whether the program reads the sequence through lsh_attention: its chunkwise forward and backward are the
+    parallel ones with lsh_attention bucketed (adjoint_attention.BucketedLshEmitter)."""
+    return compiled.decomposition.sequence.kind == "lsh"
 
 
 def _attention_in_parallel(compiled: Compiled, form: str) -> bool:

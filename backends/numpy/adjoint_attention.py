@@ -35,19 +35,19 @@ class _ParallelPrinter(AdjointPrinter, SequencePrinter):
     """AdjointPrinter's derivative expressions with SequencePrinter's masks, all tokens at once; the softmax's
     vector–Jacobian product over the sequence sees the invisible scores as −∞."""
 
-    def __init__(self, ref, grad, seq, masked: bool):
+    def __init__(self, ref, grad, seq, masked: bool, lsh: str, lsh_vjp: str):
         NumpyPrinter.__init__(self, ref)  # (the two parents' own initialisers take different arguments)
         self.grad, self.seq, self.seq_code = grad, seq, seq
         self.visible = "visible" if masked else "None"
-        self.lsh = "lsh_attention_dense"
+        self.lsh, self.lsh_vjp = lsh, lsh_vjp  # lsh_attention's forward and its vector–Jacobian product
         self.masked = masked
 
     def _p(self, e: ir.Expr):
         if isinstance(e, Vjp) and e.function in ("lsh_attention_q", "lsh_attention_v"):
             # (one backward gives both gradients; each is printed as its part)
-            self.helpers.add("vjp_lsh_attention")
+            self.helpers.add(self.lsh_vjp)
             opts = "".join(f", {k}={int(v)}" for k, v in e.options)
-            return (f"vjp_lsh_attention({', '.join(self(a) for a in e.args)}, causal{opts})"
+            return (f"{self.lsh_vjp}({', '.join(self(a) for a in e.args)}, causal{opts})"
                     f"[{0 if e.function.endswith('_q') else 1}]"), ATOM
         if isinstance(e, Vjp) and e.function == "softmax" and e.args[0].shape[:1] == (SEQ,) and self.masked:
             self.helpers.add("vjp_softmax")
@@ -56,8 +56,11 @@ class _ParallelPrinter(AdjointPrinter, SequencePrinter):
         return super()._p(e)
 
 
-class _ParallelAttentionEmitter(BackwardEmitter):
+class ParallelAttentionEmitter(BackwardEmitter):
     """The recurrent backward's names and adjoint statements, printed for every token at once."""
+
+    # lsh_attention's forward and its vector–Jacobian product: the dense (parallel) form's
+    lsh, lsh_vjp = "lsh_attention_dense", "vjp_lsh_attention"
 
     def __init__(self, compiled: Compiled):
         super().__init__(compiled)
@@ -71,7 +74,7 @@ class _ParallelAttentionEmitter(BackwardEmitter):
         def seq(arg: ir.Expr) -> str:
             index = next(a.step.index for a in self.adjoint.sequences if a.step.arg == arg)
             return f"{self.seq_vars[index][0]}[:, None]"
-        return _ParallelPrinter(base.ref, lambda g: self.grad_name(g, None), seq, self.masked)
+        return _ParallelPrinter(base.ref, lambda g: self.grad_name(g, None), seq, self.masked, self.lsh, self.lsh_vjp)
 
     def accumulate(self, s: Accumulate, printer, token_index, final_reads=False) -> str:
         if s.target.kind != "sequence":
@@ -108,17 +111,36 @@ class _ParallelAttentionEmitter(BackwardEmitter):
         body += ["", "# every token's adjoint at once, over the masked score matrix"]
         for adj in self.adjoint.loop:
             body += self.step_adjoint(adj, printer, None)
-        tail = self.tail(printer)
-        # a param over the sequence axis was cut to the first T positions: its gradient is 0 beyond them
-        pads = [f"{self.d[('param', prm.name)]} = pad_to({self.d[('param', prm.name)]}, np.shape(params[\"{prm.name}\"]))"
-                for prm in p.params if SEQ in prm.shape]
-        if pads:
-            tail[-3:-3] = ["", "# params over the sequence axis: zero beyond the positions this call used"] + pads
-            self.helpers.add("pad_to")
+        tail = pad_sequence_param_grads(self, self.tail(printer))
         self.helpers |= printer.helpers
         return body + tail
 
 
+def pad_sequence_param_grads(emitter: BackwardEmitter, tail: list[str]) -> list[str]:
+    """The backward's tail with the gradients of the params over the sequence axis padded back to their
+    shape: a call cut them to the first T positions (cut_sequence_params), so their gradient is 0 beyond."""
+    pads = [f"{emitter.d[('param', prm.name)]} = pad_to({emitter.d[('param', prm.name)]}, "
+            f"np.shape(params[\"{prm.name}\"]))" for prm in emitter.p.params if SEQ in prm.shape]
+    if not pads:
+        return tail
+    emitter.helpers.add("pad_to")
+    return tail[:-3] + ["", "# params over the sequence axis: zero beyond the positions this call used"] + pads + tail[-3:]
+
+
 def emit_parallel_attention_backward(compiled: Compiled) -> str:
     """The parallel backward of softmax attention (see why_no_parallel_attention_backward)."""
-    return _ParallelAttentionEmitter(compiled).render()
+    return ParallelAttentionEmitter(compiled).render()
+
+
+class BucketedLshEmitter(ParallelAttentionEmitter):
+    """The chunkwise backward of a program that reads the sequence through lsh_attention: the parallel
+    backward's module (as the chunkwise forward of such a program is the parallel one's) with lsh_attention in
+    its bucketed form and that form's backward by blocks, the buckets held fixed."""
+
+    lsh, lsh_vjp = "lsh_attention_bucketed", "vjp_lsh_attention_bucketed"
+
+
+def emit_bucketed_lsh_backward(compiled: Compiled) -> str:
+    """The chunkwise backward of a program whose sequence is read through lsh_attention (see
+    why_no_parallel_attention_backward: the same programs)."""
+    return BucketedLshEmitter(compiled).render()

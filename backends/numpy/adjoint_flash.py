@@ -16,15 +16,14 @@ from __future__ import annotations
 
 from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_over_readouts
+from ..compiler.builtins import SEQ
 from .adjoint import AdjointPrinter, BackwardEmitter
-from .sequence import BLOCK, kernel_pattern, kernel_support
+from .adjoint_attention import pad_sequence_param_grads
+from .sequence import BLOCK, cut_sequence_params, kernel_pattern, kernel_support
 
 
 def why_no_flash_attention_backward(compiled: Compiled) -> str | None:
     """Why the chunkwise backward of a program that reads the sequence is not derived here, or None."""
-    if compiled.decomposition.sequence.kind == "lsh":
-        return ("the chunkwise backward of lsh attention (its bucketed form) is not derived; the parallel backward "
-                "differentiates it, dense, with the buckets held fixed")
     unsupported = kernel_support(compiled)
     if unsupported:
         return f"the chunkwise backward of attention is derived for softmax(K·q)·V over the sequence only: {unsupported}"
@@ -92,25 +91,24 @@ class FlashAttentionEmitter(BackwardEmitter):
         em, p, n = self.em, self.p, self.em.name
         prelude = self.printer(None)
         over = self.sequence_printer()
-        body = em.prologue() + [f"causal = {p.causal}"]
+        body = em.prologue() + cut_sequence_params(em) + [f"causal = {p.causal}"]
         body += em.hoisted_lets(prelude, "per-token values, for all tokens at once")
         body += ["", "# the sequence, head-major [B, H, T, *]: what seq(x) reads"]
         for adj in self.adjoint.sequences:
             body.append(f"{self.seq_vars[adj.step.index][0]} = np.swapaxes({prelude(adj.step.arg)}, 1, 2)")
-        body += ["", f"block = chunk_size or {BLOCK}  # query and key blocks"]
+        body += self.block_lines()
         for r in self.plan.softmax_readouts:
             keys, query, values = kernel_pattern(r)
             a, readout = self.arrays[r.index], self.readout_vars[r.index]
             body += ["", f"# {readout} = softmax(K·q)·V: its query, its keys and values at every position [B, T, H, *]",
                      f"{a['keys']} = np.swapaxes(np.broadcast_to({over(em.refold(keys))}, (batch, 1, heads, "
-                     f"tokens, {n(keys.shape[-1])}))[:, 0], 1, 2)",
+                     f"{self.positions(keys)}, {n(keys.shape[-1])}))[:, 0], 1, 2)",
                      f"{a['values']} = np.swapaxes(np.broadcast_to({over(em.refold(values))}, (batch, 1, heads, "
-                     f"tokens, {n(values.shape[-1])}))[:, 0], 1, 2)",
+                     f"{self.positions(values)}, {n(values.shape[-1])}))[:, 0], 1, 2)",
                      f"{a['query']} = np.broadcast_to({prelude(em.refold(query))}, (batch, tokens, heads, "
                      f"{n(query.shape[-1])}))",
-                     f"{readout}, {a['lse']} = flash_attention({a['query']}, {a['keys']}, {a['values']}, causal, "
-                     f"{self.plan.window}, block)"]
-        self.helpers |= {"flash_attention", "flash_attention_backward"}
+                     self.attend(a, readout)]
+        self.helpers |= set(self.kernels)
         out = em.printer(None, readout_vars=self.readout_vars)
         body += ["", "# outputs from the readouts"]
         for name, expr in self.plan.outputs:
@@ -126,17 +124,38 @@ class FlashAttentionEmitter(BackwardEmitter):
         readouts = AdjointPrinter(out.ref, lambda g: self.grad_name(g, None))
         for adj in self.output_sweeps:
             body += self.step_adjoint(adj, readouts, None)
-        body += ["", "# each readout's flash backward: the blocks' probabilities recomputed from the log-sum-exp"]
+        body += ["", self.backward_comment]
         for i, a in self.arrays.items():
-            body.append(f"{a['d_query']}, {a['d_keys']}, {a['d_values']} = flash_attention_backward({a['query']}, "
-                        f"{a['keys']}, {a['values']}, {self.readout_vars[i]}, {a['lse']}, "
-                        f"{self.d[('readout', str(i))]}, causal, {self.plan.window}, block)")
+            body.append(f"{a['d_query']}, {a['d_keys']}, {a['d_values']} = {self.attend_backward(i, a)}")
         body += ["", "# the query's, keys' and values' adjoints into their expressions"]
         for adj in self.quantity_sweeps:
             body += self.step_adjoint(adj, prelude if adj.step.label.endswith(".query") else over, None)
-        tail = self.tail(prelude)
+        tail = pad_sequence_param_grads(self, self.tail(prelude))
         self.helpers |= prelude.helpers | over.helpers | readouts.helpers
         return body + tail
+
+    # ---- the attention and its backward: flash attention's (a subclass calls other kernels) ----
+    kernels = ("flash_attention", "flash_attention_backward")
+    backward_comment = "# each readout's flash backward: the blocks' probabilities recomputed from the log-sum-exp"
+
+    def block_lines(self) -> list[str]:
+        return ["", f"block = chunk_size or {BLOCK}  # query and key blocks"]
+
+    def attend(self, a: dict, readout: str) -> str:
+        """The line computing a readout from its query, keys and values (and what its backward keeps)."""
+        return (f"{readout}, {a['lse']} = flash_attention({a['query']}, {a['keys']}, {a['values']}, causal, "
+                f"{self.plan.window}, block)")
+
+    def attend_backward(self, index: int, a: dict) -> str:
+        """The call giving a readout's ∂query, ∂keys, ∂values from its adjoint."""
+        return (f"flash_attention_backward({a['query']}, {a['keys']}, {a['values']}, {self.readout_vars[index]}, "
+                f"{a['lse']}, {self.d[('readout', str(index))]}, causal, {self.plan.window}, block)")
+
+    def positions(self, e: ir.Expr) -> str:
+        """The code of the number of positions of a sequence expression [positions, *]: T, or a dim's size
+        (Linformer's E·seq(k) has kproj)."""
+        first = e.shape[0]
+        return "tokens" if first == SEQ else self.em.name(first)
 
 
 def emit_flash_attention_backward(compiled: Compiled) -> str:

@@ -19,6 +19,11 @@ and gradient swapped, and the query's own gradient ∂q_t = ∂r_t·S'_t is that
 frame gives it (and the frame's states before each chunk). Each change is exact; the gradients go back
 through them by the chain rule (a factor e^m on u: ∂m gets ∂u'·u·e^m; broadcast arrays: summed).
 
+For a scan that takes a decay of the rows only (the C chunk kernels, c.grad_chunk_scans: rows_only), the last
+two changes apply without corrections too — every decay of the value axis joins the rows', every elementwise
+decay's columns become heads. Each change maps a state by itself (Plain.starts: a forward's states before each
+chunk, in the frame).
+
 (The forward of every state is the forms' own segments, adjoint_scan.decay_scan.)
 """
 from __future__ import annotations
@@ -28,9 +33,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 
-def needed(log_decay, corrections, value_log_decay, value_corrections) -> bool:
+def needed(log_decay, corrections, value_log_decay, value_corrections, rows_only=False) -> bool:
     """Whether the state needs a change of frame: value-side corrections, or key-side ones beside a decay of
-    the value axis or an elementwise decay."""
+    the value axis or an elementwise decay. rows_only: for scans that take a decay of the rows only (the C
+    chunk kernels), any decay of the value axis or elementwise one needs it too."""
+    if rows_only and (value_log_decay is not None or np.ndim(log_decay) == 5):
+        return True
     return bool(value_corrections) or bool(corrections) and (value_log_decay is not None or np.ndim(log_decay) == 5)
 
 
@@ -68,15 +76,24 @@ class Grads:
 
 class Plain:
     """The problem in the frame adjoint_scan's scans take directly — row readouts only, the column readouts'
-    query and gradient swapped — and the way its gradients go back."""
+    query and gradient swapped — the way its gradients go back, and the way a state goes into it."""
 
-    def __init__(self, problem: Problem, steps):
-        self.problem, self.steps = problem, steps
+    def __init__(self, problem: Problem, steps, states=()):
+        self.problem, self.steps, self.states = problem, steps, states
         p = problem
         self.queries = [(g if column else q, before) for (q, before, column), g in zip(p.readouts, p.grads)]
         self.grad_readouts = [q if column else g for (q, _, column), g in zip(p.readouts, p.grads)]
         # the readouts whose values are their queries' gradients (the column readouts', see the docstring)
         self.duals = [(g, before) for (_, before, column), g in zip(p.readouts, p.grads) if column]
+
+    def starts(self, starts):
+        """The states before each chunk, [B, H, n, K, V], in the frame: each change of frame maps a state by
+        itself (every change is linear in it), so a forward in the original frame gives the frame's."""
+        batch, heads, n = np.shape(starts)[:3]
+        s = np.moveaxis(np.asarray(starts), 2, 1).reshape((batch * n, heads) + np.shape(starts)[3:])
+        for into in self.states:
+            s = into(s)
+        return np.moveaxis(s.reshape((batch, n) + s.shape[1:]), 1, 2)
 
     def gradients(self, grads, duals):
         """The original problem's gradients, from the plain backward's (a ScanGrads) and the duals' values."""
@@ -90,27 +107,31 @@ class Plain:
 
 
 def reframe(s0, log_decay, writes, queries, grad_readouts, grad_final, corrections, value_log_decay,
-            value_corrections) -> Plain:
-    """The changes of frame the state needs (see the module's docstring), in order."""
+            value_corrections, rows_only=False) -> Plain:
+    """The changes of frame the state needs (see the module's docstring), in order. rows_only: the frame's scan
+    takes a decay of the rows only (the C chunk kernels): a decay of the value axis joins the rows' and an
+    elementwise decay's columns become heads with or without corrections (as needed() says)."""
     p = Problem(np.asarray(s0), np.asarray(log_decay), None if value_log_decay is None else np.asarray(value_log_decay),
                 list(writes), list(corrections), list(value_corrections),
                 [(q, before, False) for q, before in queries], list(grad_readouts), grad_final)
-    steps = []
+    steps, states = [], []
     for change in (_transposed, _columns_into_decay, _columns_into_heads):
-        p, back = change(p)
+        p, back, into = change(p, rows_only)
         if back is not None:
             steps.append(back)
-    return Plain(p, steps)
+        if into is not None:  # (None: the state is the same in the new frame)
+            states.append(into)
+    return Plain(p, steps, states)
 
 
 def _swap(x):
     return None if x is None else np.swapaxes(x, -1, -2)
 
 
-def _transposed(p: Problem):
+def _transposed(p: Problem, rows_only=False):
     """S' = Sᵀ, where value-side corrections are its key-side ones."""
     if not p.value_corrections:
-        return p, None
+        return p, None, None
     elementwise = p.l.ndim == 5
     zero = np.zeros(p.l.shape[:3] + (1,), p.l.dtype)
     frame = Problem(_swap(p.s0), _swap(p.l) if elementwise else (zero if p.m is None else p.m),
@@ -121,14 +142,14 @@ def _transposed(p: Problem):
         return Grads(_swap(g.l) if elementwise else g.m, None if elementwise or p.m is None else g.l,
                      [(dk, dv) for dv, dk in g.writes], [], [(da, db) for db, da in g.corrections], g.readouts,
                      _swap(g.s0))
-    return frame, back
+    return frame, back, _swap
 
 
-def _columns_into_decay(p: Problem):
+def _columns_into_decay(p: Problem, rows_only=False):
     """u ⊗ (w·S_(t−1)·E_t): the columns' decay joins the rows' (a scalar one), or makes it elementwise with a u
-    per column."""
-    if not p.corrections or p.m is None:
-        return p, None
+    per column (rows_only: without corrections too)."""
+    if not (p.corrections or rows_only) or p.m is None:
+        return p, None, None
     grown = np.exp(p.m)
     scalar = p.m.shape[-1] == 1
     if scalar:
@@ -153,13 +174,14 @@ def _columns_into_decay(p: Problem):
                                         for (du, _), (u, _) in zip(g.corrections, p.corrections))
             dcorr = [((du * grown[..., None, :]).sum(axis=-1), dw) for du, dw in g.corrections]
         return replace(g, l=dl, m=dm, corrections=dcorr)
-    return frame, back
+    return frame, back, None
 
 
-def _columns_into_heads(p: Problem):
-    """An elementwise decay with key-side corrections: each column a state [K, 1] of its own, one more head."""
-    if not p.corrections or p.l.ndim != 5:
-        return p, None
+def _columns_into_heads(p: Problem, rows_only=False):
+    """An elementwise decay with key-side corrections (rows_only: with or without): each column a state [K, 1]
+    of its own, one more head."""
+    if not (p.corrections or rows_only) or p.l.ndim != 5:
+        return p, None, None
     batch, tokens, head_count, rows, cols = p.l.shape
 
     def rows_in(x):  # [.., K] (the same for every column) or [.., K, V] → [B, T, H·V, K]
@@ -178,8 +200,8 @@ def _columns_into_heads(p: Problem):
     def cols_out(dx):
         return dx.reshape(batch, tokens, head_count, cols)
 
-    def state_in(s):  # [B, H, K, V] → [B, H·V, K, 1]
-        return None if s is None else np.moveaxis(s, -1, 2).reshape(batch, head_count * cols, rows, 1)
+    def state_in(s):  # [B, H, K, V] → [B, H·V, K, 1] (B: any number of states)
+        return None if s is None else np.moveaxis(s, -1, 2).reshape(len(s), head_count * cols, rows, 1)
 
     frame = Problem(state_in(p.s0), rows_in(p.l), None, [(rows_in(k), cols_in(v)) for k, v in p.writes],
                     [(rows_in(u), rows_in(w)) for u, w in p.corrections], [],
@@ -194,4 +216,4 @@ def _columns_into_heads(p: Problem):
                      [], [cols_out(dq) if column else rows_out(dq, q) for dq, (q, _, column) in zip(g.readouts,
                                                                                                   p.readouts)],
                      np.moveaxis(g.s0.reshape(batch, head_count, cols, rows), 2, -1))
-    return frame, back
+    return frame, back, state_in

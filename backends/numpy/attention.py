@@ -225,6 +225,77 @@ def lsh_attention_bucketed(q, v, causal: bool, buckets: int, rounds: int, chunk:
     return np.swapaxes(_combine(outs, lses), 1, 2)
 
 
+def _bucketed_blocks(q, keys, v, bucket_of, causal: bool, chunk: int):
+    """One round of the bucketed form by blocks: (idx [B, H, n, c] the positions of each chunk's queries, −1
+    for padding; look [B, H, n, 2c] their candidate keys, the chunk and the previous one; P [B, H, n, c, 2c] each
+    query's probabilities over them (0 where not allowed and on padding rows); lse [B, H, n, c])."""
+    batch, tokens, heads, _ = q.shape
+    qh, kh, vh = (np.swapaxes(x, 1, 2) for x in (q, keys, v))
+    padded = -(-tokens // chunk) * chunk
+    order = _round_order(bucket_of, tokens)
+    pad = np.concatenate([order, np.full(order.shape[:-1] + (padded - tokens,), -1)], axis=-1)
+    idx = pad.reshape(batch, heads, padded // chunk, chunk)
+    prev = np.concatenate([np.full_like(idx[:, :, :1], -1), idx[:, :, :-1]], axis=2)
+    look = np.concatenate([idx, prev], axis=-1)
+    b = np.moveaxis(bucket_of, 1, -1)
+    bq = np.take_along_axis(b, np.maximum(idx, 0).reshape(batch, heads, -1), -1).reshape(idx.shape)
+    bk = np.take_along_axis(b, np.maximum(look, 0).reshape(batch, heads, -1), -1).reshape(look.shape)
+    allowed = (look[..., None, :] >= 0) & (bq[..., :, None] == bk[..., None, :])
+    if causal:
+        allowed &= look[..., None, :] <= idx[..., :, None]
+    allowed = _self_rule(allowed, look[..., None, :] == idx[..., :, None])
+    real = (idx >= 0)[..., :, None]
+    x = np.where(allowed | ~real, _scores(_gather(qh, idx), _gather(kh, look)), -np.inf)
+    top = np.max(x, axis=-1, keepdims=True)
+    lse = top + np.log(np.sum(np.exp(x - top), axis=-1, keepdims=True))
+    return idx, look, np.where(real, np.exp(x - lse), 0.0), lse[..., 0]
+
+
+def _scatter_add(target, positions, values):
+    """target [B, H, T, d] (C-contiguous) += values [B, H, …, d] at positions [B, H, …] (−1: none)."""
+    batch, heads, tokens, width = target.shape
+    flat = positions.reshape(batch, heads, -1)
+    rows = (np.arange(batch)[:, None, None] * heads + np.arange(heads)[None, :, None]) * tokens + np.maximum(flat, 0)
+    vals = np.where((flat >= 0)[..., None], values.reshape(batch, heads, -1, width), 0.0)
+    np.add.at(target.reshape(-1, width), rows.reshape(-1), vals.reshape(-1, width))
+
+
+def lsh_attention_bucketed_backward(q, v, d_out, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
+    """(∂q, ∂v) of lsh_attention_bucketed with the buckets held fixed, by its blocks (each round's chunks
+    against the chunk and the previous one of the sorted order: O(T·chunk) per round, no [T, T] matrix). The
+    forward's blocks are recomputed, each round's P_r and lse_r, with ∂P_r = ∂o·Vᵀ over the same blocks; the
+    rounds' weights w = softmax_r(lse_r) make the combined weights P̄ = w_r P_r an attention matrix, and
+    ∂S = P̄ ⊙ (∂P − rowsum(P̄ ⊙ ∂P)) (the rounds' ∂P − rowsum(P_r ⊙ ∂P) and their ∂lse_r add up to it; the row
+    sums over the same ∂P, so that a query alone with itself has ∂S = 0 exactly), ∂V = P̄ᵀ·∂o; then through the
+    scores q·kᵀ/√dk and the shared keys k = q/‖q‖ into ∂q, as lsh_attention_backward."""
+    batch, tokens, heads, dk = q.shape
+    keys, norm = _shared_keys(q)
+    qh, kh, vh, gh, nh = (np.swapaxes(x, 1, 2) for x in (q, keys, v, d_out, norm))
+    blocks, lses = [], []
+    for bucket_of in lsh_buckets(q, buckets, rounds, seed):
+        idx, look, p, lse = _bucketed_blocks(q, keys, v, bucket_of, causal, chunk)
+        at = np.zeros((batch, heads, tokens, 1), dtype=lse.dtype)
+        _scatter_add(at, idx, lse[..., None])
+        blocks.append((idx, look, p, _gather(gh, idx) @ np.swapaxes(_gather(vh, look), -1, -2)))  # ∂P_r
+        lses.append(at[..., 0])
+    lses = np.stack(lses)
+    w = np.exp(lses - np.max(lses, axis=0))
+    w = w / np.sum(w, axis=0)                                         # [R, B, H, T]
+    p_bars = [_gather(weight[..., None], idx) * p for weight, (idx, _, p, _) in zip(w, blocks)]
+    rowsum = np.zeros((batch, heads, tokens, 1), dtype=w.dtype)       # Σ_r Σ_j P̄ ∂P per position
+    for p_bar, (idx, _, _, d_p) in zip(p_bars, blocks):
+        _scatter_add(rowsum, idx, np.sum(p_bar * d_p, axis=-1, keepdims=True))
+    scale = 1.0 / np.sqrt(dk)
+    d_q, d_keys, d_v = (np.zeros(x.shape, x.dtype) for x in (qh, kh, vh))  # (C order: _scatter_add's reshape)
+    for p_bar, (idx, look, _, d_p) in zip(p_bars, blocks):
+        d_s = p_bar * (d_p - _gather(rowsum, idx)) * scale             # (padding rows: p̄ is 0)
+        _scatter_add(d_q, idx, d_s @ _gather(kh, look))
+        _scatter_add(d_keys, look, np.swapaxes(d_s, -1, -2) @ _gather(qh, idx))
+        _scatter_add(d_v, look, np.swapaxes(p_bar, -1, -2) @ _gather(gh, idx))
+    d_q += (d_keys - kh * np.sum(kh * d_keys, axis=-1, keepdims=True)) / nh
+    return np.swapaxes(d_q, 1, 2), np.swapaxes(d_v, 1, 2)
+
+
 def attention(queries, keys, values, causal: bool, window: int, form: str = "parallel", chunk_size=None):
     """softmax(queries·keysᵀ over the visible keys)·values: [B, Tq, H, d], [B, Tk, H, d], [B, Tk, H, dv].
     The NumPy twin of linrec.c.attention.attention (every form computes the same dense result here)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dsl.errors import RuntimeInputError
-from .attention import lsh_attention_backward
+from .attention import lsh_attention_backward, lsh_attention_bucketed_backward
 from .runtime import sigmoid
 
 
@@ -146,6 +146,12 @@ def vjp_lsh_attention(q, v, g, causal: bool, buckets, rounds, chunk, seed):
     """(∂q, ∂v) of lsh_attention(q, v) with upstream gradient g, the buckets held fixed (attention's
     lsh_attention_backward: the hashing is piecewise constant)."""
     return lsh_attention_backward(q, v, g, causal, int(buckets), int(rounds), int(chunk), int(seed))
+
+
+def vjp_lsh_attention_bucketed(q, v, g, causal: bool, buckets, rounds, chunk, seed):
+    """(∂q, ∂v) of lsh_attention's bucketed form (the chunkwise one) with upstream gradient g, the buckets held
+    fixed, by its blocks (attention's lsh_attention_bucketed_backward)."""
+    return lsh_attention_bucketed_backward(q, v, g, causal, int(buckets), int(rounds), int(chunk), int(seed))
 
 
 def pad_to(g, shape):
