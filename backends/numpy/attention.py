@@ -184,31 +184,39 @@ def _gather(x, positions):
     return np.take_along_axis(x, flat, axis=2).reshape(positions.shape + (x.shape[-1],))
 
 
+def _round_blocks(bucket_of, causal: bool, chunk: int):
+    """One round's blocks of the bucketed form, from its buckets [B, T, H]: (idx [B, H, n, c] the positions of
+    each chunk's queries in the round's sorted order, −1 for padding; look [B, H, n, 2c] their candidate keys,
+    the chunk and the previous one; allowed [B, H, n, c, 2c] the keys each query sees — same bucket, causal,
+    itself only when nothing else; real [B, H, n, c, 1] the rows that are queries, not padding)."""
+    batch, tokens, heads = bucket_of.shape
+    padded = -(-tokens // chunk) * chunk
+    order = _round_order(bucket_of, tokens)                          # [B, H, T]
+    pad = np.concatenate([order, np.full(order.shape[:-1] + (padded - tokens,), -1)], axis=-1)
+    idx = pad.reshape(batch, heads, padded // chunk, chunk)
+    prev = np.concatenate([np.full_like(idx[:, :, :1], -1), idx[:, :, :-1]], axis=2)
+    look = np.concatenate([idx, prev], axis=-1)
+    b = np.moveaxis(bucket_of, 1, -1)
+    bq = np.take_along_axis(b, np.maximum(idx, 0).reshape(batch, heads, -1), -1).reshape(idx.shape)
+    bk = np.take_along_axis(b, np.maximum(look, 0).reshape(batch, heads, -1), -1).reshape(look.shape)
+    allowed = (look[..., None, :] >= 0) & (bq[..., :, None] == bk[..., None, :])
+    if causal:
+        allowed &= look[..., None, :] <= idx[..., :, None]
+    allowed = _self_rule(allowed, look[..., None, :] == idx[..., :, None])
+    return idx, look, allowed, (idx >= 0)[..., :, None]
+
+
 def lsh_attention_bucketed(q, v, causal: bool, buckets: int, rounds: int, chunk: int, seed: int):
     """The O(T log T) form: sort by (bucket, position), cut into chunks, attend within the chunk and the
     previous one (same bucket, causal, self only when nothing else), rounds combined by log-sum-exp."""
     batch, tokens, heads, dk = q.shape
     keys = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + 1e-12)
     qh, kh, vh = (np.swapaxes(x, 1, 2) for x in (q, keys, v))
-    padded = -(-tokens // chunk) * chunk
     outs, lses = [], []
     for bucket_of in lsh_buckets(q, buckets, rounds, seed):
-        order = _round_order(bucket_of, tokens)                      # [B, H, T]
-        pad = np.concatenate([order, np.full(order.shape[:-1] + (padded - tokens,), -1)], axis=-1)
-        n = padded // chunk
-        idx = pad.reshape(batch, heads, n, chunk)                    # positions in each chunk (−1: pad)
-        prev = np.concatenate([np.full_like(idx[:, :, :1], -1), idx[:, :, :-1]], axis=2)
-        look = np.concatenate([idx, prev], axis=-1)                   # [B, H, n, 2c] candidate keys
+        idx, look, allowed, real = _round_blocks(bucket_of, causal, chunk)
         qc, kc, vc = _gather(qh, idx), _gather(kh, look), _gather(vh, look)
-        b = np.moveaxis(bucket_of, 1, -1)
-        bq = np.take_along_axis(b, np.maximum(idx, 0).reshape(batch, heads, -1), -1).reshape(idx.shape)
-        bk = np.take_along_axis(b, np.maximum(look, 0).reshape(batch, heads, -1), -1).reshape(look.shape)
-        allowed = (look[..., None, :] >= 0) & (bq[..., :, None] == bk[..., None, :])
-        if causal:
-            allowed &= look[..., None, :] <= idx[..., :, None]
-        allowed = _self_rule(allowed, look[..., None, :] == idx[..., :, None])
-        allowed &= (idx >= 0)[..., :, None]
-        o, lse = _finish_round(_scores(qc, kc), allowed | ~(idx >= 0)[..., :, None], vc)
+        o, lse = _finish_round(_scores(qc, kc), allowed | ~real, vc)
         # scatter back from sorted chunks to positions
         out = np.zeros((batch, heads, tokens, v.shape[-1]), dtype=o.dtype)
         out_lse = np.zeros((batch, heads, tokens), dtype=lse.dtype)
@@ -225,26 +233,12 @@ def lsh_attention_bucketed(q, v, causal: bool, buckets: int, rounds: int, chunk:
     return np.swapaxes(_combine(outs, lses), 1, 2)
 
 
-def _bucketed_blocks(q, keys, v, bucket_of, causal: bool, chunk: int):
+def _bucketed_blocks(q, keys, bucket_of, causal: bool, chunk: int):
     """One round of the bucketed form by blocks: (idx [B, H, n, c] the positions of each chunk's queries, −1
     for padding; look [B, H, n, 2c] their candidate keys, the chunk and the previous one; P [B, H, n, c, 2c] each
     query's probabilities over them (0 where not allowed and on padding rows); lse [B, H, n, c])."""
-    batch, tokens, heads, _ = q.shape
-    qh, kh, vh = (np.swapaxes(x, 1, 2) for x in (q, keys, v))
-    padded = -(-tokens // chunk) * chunk
-    order = _round_order(bucket_of, tokens)
-    pad = np.concatenate([order, np.full(order.shape[:-1] + (padded - tokens,), -1)], axis=-1)
-    idx = pad.reshape(batch, heads, padded // chunk, chunk)
-    prev = np.concatenate([np.full_like(idx[:, :, :1], -1), idx[:, :, :-1]], axis=2)
-    look = np.concatenate([idx, prev], axis=-1)
-    b = np.moveaxis(bucket_of, 1, -1)
-    bq = np.take_along_axis(b, np.maximum(idx, 0).reshape(batch, heads, -1), -1).reshape(idx.shape)
-    bk = np.take_along_axis(b, np.maximum(look, 0).reshape(batch, heads, -1), -1).reshape(look.shape)
-    allowed = (look[..., None, :] >= 0) & (bq[..., :, None] == bk[..., None, :])
-    if causal:
-        allowed &= look[..., None, :] <= idx[..., :, None]
-    allowed = _self_rule(allowed, look[..., None, :] == idx[..., :, None])
-    real = (idx >= 0)[..., :, None]
+    qh, kh = (np.swapaxes(x, 1, 2) for x in (q, keys))
+    idx, look, allowed, real = _round_blocks(bucket_of, causal, chunk)
     x = np.where(allowed | ~real, _scores(_gather(qh, idx), _gather(kh, look)), -np.inf)
     top = np.max(x, axis=-1, keepdims=True)
     lse = top + np.log(np.sum(np.exp(x - top), axis=-1, keepdims=True))
@@ -273,7 +267,7 @@ def lsh_attention_bucketed_backward(q, v, d_out, causal: bool, buckets: int, rou
     qh, kh, vh, gh, nh = (np.swapaxes(x, 1, 2) for x in (q, keys, v, d_out, norm))
     blocks, lses = [], []
     for bucket_of in lsh_buckets(q, buckets, rounds, seed):
-        idx, look, p, lse = _bucketed_blocks(q, keys, v, bucket_of, causal, chunk)
+        idx, look, p, lse = _bucketed_blocks(q, keys, bucket_of, causal, chunk)
         at = np.zeros((batch, heads, tokens, 1), dtype=lse.dtype)
         _scatter_add(at, idx, lse[..., None])
         blocks.append((idx, look, p, _gather(gh, idx) @ np.swapaxes(_gather(vh, look), -1, -2)))  # ∂P_r
