@@ -16,7 +16,7 @@ import linrec
 from linrec import gradients
 from linrec.c import scan_kernels
 from linrec.cli import main
-from linrec.dsl.errors import RuntimeInputError
+from test_c_grad_chunkwise import assert_reset_refused_as_on_numpy
 from test_c_grad_cover import PROGRAMS as COVER, DIMS, _call
 from test_grad import float32, worst_error
 
@@ -122,12 +122,4 @@ def test_threads_give_the_same_bits(recs, name, monkeypatch):
 
 def test_resets_are_refused_as_on_numpy(recs):
     """A log-decay of −∞ on the value axis (the gated Oja rule's gv): the message NumPy gives."""
-    rec = recs["gated_oja"]
-    x, up, _, _ = _call(rec, 1, 12, 2, seed=6)
-    x["gv"][0, 4] = -np.inf
-    messages = []
-    for backend in ("numpy", "c"):
-        with pytest.raises(RuntimeInputError) as err:
-            rec.vjp(x, up, dims=DIMS, backend=backend, form="chunkwise")
-        messages.append(str(err.value))
-    assert messages[0] == messages[1] and "form='recurrent'" in messages[1]
+    assert_reset_refused_as_on_numpy(recs["gated_oja"], "gv")

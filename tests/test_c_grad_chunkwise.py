@@ -113,9 +113,14 @@ def test_chunk_size_does_not_change_the_gradients(recs):
 
 
 def test_resets_are_refused_as_on_numpy(recs):
-    rec = recs["gla"]
+    assert_reset_refused_as_on_numpy(recs["gla"], "g")
+
+
+def assert_reset_refused_as_on_numpy(rec, decay: str):
+    """A log-decay of −∞ in input `decay`: the C chunkwise backward refuses it with NumPy's message, which
+    points to the recurrent form."""
     x, up, _, _ = _call(rec, 1, 12, 2, seed=6)
-    x["g"][0, 4] = -np.inf
+    x[decay][0, 4] = -np.inf
     messages = []
     for backend in ("numpy", "c"):
         with pytest.raises(RuntimeInputError) as err:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 
 from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
+from ..compiler.analysis import walk
 from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
 from .derived import canonical_text, per_token
 
@@ -96,11 +97,9 @@ class DecomposedEmitter(BackwardEmitter):
         body += ["", f"{self.chunk} = {self.chunk_code()}"]
         self.helpers |= {"per_token"} | self.scans
         self.helpers.add("own_array")
-        fused = self.fused_forward and self.fused_fits()
+        # (the fused kernel gives the outputs, not the readouts q·S: a chain rule that reads one needs the scans)
+        fused = self.fused_forward and self.fused_fits() and not self.chain_rule_reads_readouts()
         adjoint = self.adjoint_lines(prelude, fused)
-        code = [x for x in adjoint if not x.lstrip().startswith("#")]  # (a comment may name a readout)
-        if fused and any(re.search(rf"\b{var}\b", x) for var in self.readout_vars.values() for x in code):
-            fused, adjoint = False, self.adjoint_lines(prelude, False)  # (the chain rule reads a readout)
         fwd = self.fused_result
         if fused:
             body += ["", "# the forward: one kernel of the whole program (the fused recurrent one), keeping the state "
@@ -127,9 +126,15 @@ class DecomposedEmitter(BackwardEmitter):
         owned = tuple(f"{a.grads}." for a in self.arrays.values()) if self.scan_grads_owned else ()
         return first_contributions(body + adjoint, owned)
 
+    def chain_rule_reads_readouts(self) -> bool:
+        """Whether an adjoint statement of the chain rule reads a readout's value (q·S itself, say through
+        RetNet's groupnorm), not only its adjoint."""
+        return any(isinstance(e, ir.ReadoutRef) for adj in (*self.decomposed.outputs, *self.decomposed.quantities)
+                   for s in adj.statements for e in walk(s.value))
+
     def fused_fits(self) -> bool:
         """Whether the fused forward can stand for the states' forward scans (the structure; the chain rule
-        reading no readout is checked by body): causal, every state a matrix in its declared layout."""
+        reading no readout is checked apart): causal, every state a matrix in its declared layout."""
         d = self.c.decomposition
         return self.c.program.causal and all(len(st.shape) == 2 and st.name not in d.transposed
                                              for st in self.p.states)

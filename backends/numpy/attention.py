@@ -89,12 +89,29 @@ def _finish_round(scores, allowed, values):
     return np.einsum("...ij,...jd->...id", e / total, values), (m + np.log(total))[..., 0]
 
 
-def _combine(outputs, lse):
-    """Rounds weighted by exp(lse_r − logsumexp_r lse_r)."""
+def _round_weights(lse):
+    """Each round's weight exp(lse_r − logsumexp_r lse_r), [R, …], from the rounds' log-sum-exps."""
     lse = np.stack(lse)
     w = np.exp(lse - np.max(lse, axis=0))
-    w = w / np.sum(w, axis=0)
-    return np.sum(w[..., None] * np.stack(outputs), axis=0)
+    return w / np.sum(w, axis=0)
+
+
+def _combine(outputs, lse):
+    """Rounds weighted by exp(lse_r − logsumexp_r lse_r)."""
+    return np.sum(_round_weights(lse)[..., None] * np.stack(outputs), axis=0)
+
+
+def _probabilities(x):
+    """(P, lse) of scores x with −∞ where a key is not seen: lse = log Σ exp(x) over the last axis (kept), and
+    P = exp(x − lse), the backward's probabilities recomputed from it."""
+    top = np.max(x, axis=-1, keepdims=True)
+    lse = top + np.log(np.sum(np.exp(x - top), axis=-1, keepdims=True))
+    return np.exp(x - lse), lse
+
+
+def _into_queries(d_q, d_keys, keys, norm):
+    """∂q with the shared keys' adjoint added: k = q/‖q‖ gives ∂q += (∂k − k (k·∂k))/‖q‖ (all [B, H, T, *])."""
+    return d_q + (d_keys - keys * np.sum(keys * d_keys, axis=-1, keepdims=True)) / norm
 
 
 def _self_rule(allowed, is_self):
@@ -153,16 +170,11 @@ def lsh_attention_backward(q, v, d_out, causal: bool, buckets: int, rounds: int,
     scores = _scores(qh, kh)
     probs, outs, lses = [], [], []
     for allowed in _lsh_masks(q, causal, buckets, rounds, chunk, seed):
-        x = np.where(allowed, scores, -np.inf)
-        top = np.max(x, axis=-1, keepdims=True)
-        total = np.sum(np.exp(x - top), axis=-1, keepdims=True)
-        lse = top + np.log(total)
-        probs.append(np.exp(x - lse))
-        outs.append(probs[-1] @ vh)
+        p, lse = _probabilities(np.where(allowed, scores, -np.inf))
+        probs.append(p)
+        outs.append(p @ vh)
         lses.append(lse[..., 0])
-    lses = np.stack(lses)
-    w = np.exp(lses - np.max(lses, axis=0))
-    w = w / np.sum(w, axis=0)
+    w = _round_weights(lses)
     d_w = np.stack([np.sum(gh * o, axis=-1) for o in outs])
     d_lse = w * (d_w - np.sum(w * d_w, axis=0))
     d_scores, d_v = np.zeros_like(scores), np.zeros_like(vh)
@@ -173,7 +185,7 @@ def lsh_attention_backward(q, v, d_out, causal: bool, buckets: int, rounds: int,
         d_scores += p * (d_p - np.sum(p * d_p, axis=-1, keepdims=True) + d_l[..., None])
     scale = 1.0 / np.sqrt(q.shape[-1])
     d_keys = np.swapaxes(d_scores, -1, -2) @ qh * scale
-    d_q = d_scores @ kh * scale + (d_keys - kh * np.sum(kh * d_keys, axis=-1, keepdims=True)) / nh
+    d_q = _into_queries(d_scores @ kh * scale, d_keys, kh, nh)
     return np.swapaxes(d_q, 1, 2), np.swapaxes(d_v, 1, 2)
 
 
@@ -239,10 +251,8 @@ def _bucketed_blocks(q, keys, bucket_of, causal: bool, chunk: int):
     query's probabilities over them (0 where not allowed and on padding rows); lse [B, H, n, c])."""
     qh, kh = (np.swapaxes(x, 1, 2) for x in (q, keys))
     idx, look, allowed, real = _round_blocks(bucket_of, causal, chunk)
-    x = np.where(allowed | ~real, _scores(_gather(qh, idx), _gather(kh, look)), -np.inf)
-    top = np.max(x, axis=-1, keepdims=True)
-    lse = top + np.log(np.sum(np.exp(x - top), axis=-1, keepdims=True))
-    return idx, look, np.where(real, np.exp(x - lse), 0.0), lse[..., 0]
+    p, lse = _probabilities(np.where(allowed | ~real, _scores(_gather(qh, idx), _gather(kh, look)), -np.inf))
+    return idx, look, np.where(real, p, 0.0), lse[..., 0]
 
 
 def _scatter_add(target, positions, values):
@@ -272,9 +282,7 @@ def lsh_attention_bucketed_backward(q, v, d_out, causal: bool, buckets: int, rou
         _scatter_add(at, idx, lse[..., None])
         blocks.append((idx, look, p, _gather(gh, idx) @ np.swapaxes(_gather(vh, look), -1, -2)))  # ∂P_r
         lses.append(at[..., 0])
-    lses = np.stack(lses)
-    w = np.exp(lses - np.max(lses, axis=0))
-    w = w / np.sum(w, axis=0)                                         # [R, B, H, T]
+    w = _round_weights(lses)                                          # [R, B, H, T]
     p_bars = [_gather(weight[..., None], idx) * p for weight, (idx, _, p, _) in zip(w, blocks)]
     rowsum = np.zeros((batch, heads, tokens, 1), dtype=w.dtype)       # Σ_r Σ_j P̄ ∂P per position
     for p_bar, (idx, _, _, d_p) in zip(p_bars, blocks):
@@ -286,7 +294,7 @@ def lsh_attention_bucketed_backward(q, v, d_out, causal: bool, buckets: int, rou
         _scatter_add(d_q, idx, d_s @ _gather(kh, look))
         _scatter_add(d_keys, look, np.swapaxes(d_s, -1, -2) @ _gather(qh, idx))
         _scatter_add(d_v, look, np.swapaxes(p_bar, -1, -2) @ _gather(gh, idx))
-    d_q += (d_keys - kh * np.sum(kh * d_keys, axis=-1, keepdims=True)) / nh
+    d_q = _into_queries(d_q, d_keys, kh, nh)
     return np.swapaxes(d_q, 1, 2), np.swapaxes(d_v, 1, 2)
 
 
