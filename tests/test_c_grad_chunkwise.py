@@ -208,22 +208,3 @@ def test_the_fused_forward_gives_the_same_gradients(recs, monkeypatch):
                     assert worst_error(res.grads, want.grads) <= tol, (name, form, dtype, CASES[i])
                     assert worst_error(res.outputs, want.outputs) <= tol
                     assert worst_error(res.final_state, want.final_state) <= tol
-
-
-def test_large_gradients_go_out_by_streaming_stores(recs):
-    """Gradients of more than LR_STREAM_BYTES (4 MiB) per batch row, in rows of whole cache lines (dk = dv =
-    16), go out by non-temporal stores (c_grad_chunk.c.j2's lr_put_row; the small calls above, by plain
-    copies): gated DeltaNet at T = 2048, H = 7 (4.6 MiB of gradients in float32, 9.3 in float64; below
-    grad_forward.MIN_WORK, so the forward is the recurrent backward's, one kernel fewer to build), both
-    forms, against the C recurrent backward in float64 (itself checked against the NumPy one:
-    tests/test_c_grad.py)."""
-    rec = recs["gated_deltanet"]
-    dims = {"dk": 16, "dv": 16}
-    x = rec.random_inputs(batch=1, tokens=2048, heads=7, dims=dims, seed=30)
-    up = {"o": np.random.default_rng(31).standard_normal((1, 2048, 7, 16))}
-    want = rec.vjp(x, up, dims=dims, backend="c")
-    for dtype, tolerance in ((np.float64, 1e-9), (np.float32, 5e-4)):
-        cast = (lambda d: d) if dtype == np.float64 else float32
-        for form in FORMS:
-            got = rec.vjp(cast(x), cast(up), dims=dims, backend="c", form=form)
-            assert worst_error(got.grads, want.grads) <= tolerance, (form, dtype)

@@ -28,7 +28,6 @@ from ..templating import environment
 from ..version import VERSION
 from . import grad_kernels
 from . import scan as c_scan
-from .buffers import aligned_empty
 from .build import CTYPES
 from .scan_kernels import cached_kernel, call, chunk_of, operand
 
@@ -99,8 +98,7 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
     batch, tokens, heads = c.lead
     dtype = c.state.dtype
     grads = [operand(g, dtype, c.lead + (s.dv,), f"the gradient of readout {i}") for i, g in enumerate(grad_readouts)]
-    # (on a cache line each: the kernel writes their rows by non-temporal stores where a row is whole lines)
-    outs = [aligned_empty(c.lead + (n,), dtype) for n in s.widths]
+    outs = [np.empty(c.lead + (n,), dtype) for n in s.widths]
     final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
     if batch * heads == 0 or tokens == 0:
         d_s0 = final.copy()
