@@ -28,6 +28,39 @@ def own_array(value, shape, dtype, keep: bool) -> np.ndarray:
     return out
 
 
+_UFUNCS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.true_divide}
+
+
+def in_place(array, op: str, other):
+    """`array op other`, written into array's own memory where the result has its shape and dtype — generated
+    code calls it at the last read of an array it made (numpy.adjoint_in_place), so a [B, T, H, *] product
+    costs no new array (nor the page faults of one). Elsewhere (a view, a result that broadcasts wider or
+    converts to another dtype) a new array, as the operator gives it; either way the values are the operator's."""
+    ufunc = _UFUNCS[op]
+    if _writable_as(array, other):
+        return ufunc(array, other, out=array)
+    return ufunc(array, other)
+
+
+def negated(array):
+    """−array, in array's own memory where it has one (in_place's conditions)."""
+    if _writable_as(array, None):
+        return np.negative(array, out=array)
+    return -array
+
+
+def _writable_as(array, other) -> bool:
+    """Whether `array op other` fits array's memory: an array of its own (not a view), writeable, float, which
+    the result neither outgrows (broadcast) nor converts (dtype)."""
+    if not (isinstance(array, np.ndarray) and array.base is None and array.flags.writeable and array.ndim
+            and array.dtype.kind == "f"):
+        return False
+    if other is None:
+        return True
+    return np.result_type(array, other) == array.dtype and \
+        np.broadcast_shapes(array.shape, np.shape(other)) == array.shape
+
+
 def unbroadcast(g, shape):
     """g summed over the axes a value of `shape` was broadcast along (leading axes, and axes of size 1): the
     gradient of a per-head or shared param (or value) from contributions per token and head."""
@@ -160,4 +193,5 @@ def pad_to(g, shape):
     return np.pad(g, [(0, whole - part) for part, whole in zip(np.shape(g), shape)])
 
 
-HELPERS = frozenset(name for name in globals() if name.startswith("vjp_")) | {"unbroadcast", "pad_to", "own_array"}
+HELPERS = frozenset(name for name in globals() if name.startswith("vjp_")) | {
+    "unbroadcast", "pad_to", "own_array", "in_place", "negated"}
