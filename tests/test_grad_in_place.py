@@ -48,6 +48,9 @@ def test_a_scans_gradient_is_changed_only_where_nothing_reads_it_again():
     for whole in ("h = S_grads", "h = S_grads.writes"):
         held = in_place_products(lines[:4] + [whole], OWNED)
         assert held[3] == lines[3]
+    # … or a name given `S_grads` before, and read after
+    held = in_place_products(lines[:1] + ["h = S_grads"] + lines[1:4] + ["f(h.writes[0][0])"], OWNED)
+    assert held[4] == lines[3]
     # without owned prefixes a scan's gradients may be anyone's arrays: none changed, the module's own still are
     assert in_place_products(lines, ()) == lines[:7] + ["u1 = in_place(u, '*', e)",
                                                         "d_k += in_place(u1, '*', beta[..., None])"] + lines[9:]

@@ -17,6 +17,9 @@ An array may be changed at a line when the line reads it once, as an operand of 
                        it (an operator's or einsum's operand is consumed; an argument of another call, an
                        element of a list, a value assigned as it is may be the array itself).
 
+Why a name's memory is its own: a name is a candidate only where assigned a new array, or the array of
+in_place or negated, which take it over at the last read of the one before; a name handed an array as it is
+(`h = a`, `h = own_array(a, …)`, `h = [a]`) is no candidate itself, and holds `a` (then read no more).
 in_place itself goes on in the array only where the result keeps its shape and dtype, so the values are the
 operator's in every case: the generated code is the same computation with fewer arrays.
 """
@@ -106,7 +109,9 @@ def _free(node, stmt, later: list[str], made: set[str], holders: dict[str, set[s
     key = _array_key(node, owned)
     if key is None or (isinstance(node, ast.Name) and key not in made):
         return False
-    others = _closure(key, holders) - {key}
+    # (what holds the array: holders of it, of what contains it — `h = S_grads` holds S_grads.writes[0][0] —
+    # and theirs)
+    others = set().union(*(_closure(k, holders) for k in _containers(key))) - {key}
     value = ast.unparse(stmt.value)
     if _count(key, value) != 1 or any(_count(h, value) for h in others):
         return False  # (read again in the statement itself, which may see it changed)
@@ -142,6 +147,12 @@ def _count(key: str, text: str) -> int:
     root = re.match(r"\w+", key).group(0)
     paths = re.findall(rf"(?<![\w.\"']){root}(?!\w)((?:\.\w+|\[\d+\])*)", text)
     return sum(1 for p in paths if (root + p).startswith(key) or key.startswith(root + p))
+
+
+def _containers(key: str) -> list[str]:
+    """key and what contains it: S_grads.writes[0][0], S_grads.writes[0], S_grads.writes, S_grads."""
+    parts = re.findall(r"^\w+|\.\w+|\[\d+\]", key)
+    return ["".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
 def _closure(key: str, holders: dict[str, set[str]]) -> set[str]:
