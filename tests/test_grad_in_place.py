@@ -8,7 +8,8 @@ import pytest
 import linrec
 from linrec.numpy.adjoint_derived import emit_decomposed_backward
 from linrec.numpy.adjoint_in_place import in_place_products
-from linrec.numpy.vjp import in_place, negated
+from linrec.c import rows
+from linrec.numpy.vjp import in_place, negated, vjp_l2norm
 
 OWNED = ("S_grads.",)
 
@@ -110,3 +111,28 @@ def test_the_numpy_chunkwise_backward_changes_no_scan_gradient_and_none_of_the_c
     ref = rec.vjp(x, up, form="recurrent", dims={"dk": 4, "dv": 3})
     assert all(np.array_equal(x[k], before[k]) for k in x) and np.array_equal(up["o"], up_before)
     assert all(np.abs(res.grads[k] - g).max() <= 1e-9 * max(np.abs(g).max(), 1) for k, g in ref.grads.items())
+
+
+def test_a_gradient_read_no_more_takes_the_vector_jacobian_product_of_l2norm():
+    """own_array of an array read no more (a scan's gradient, or a new array) is the name's own, `+=` keeps
+    it so, and vjp_l2norm writes into it at its last read; where it is read on, a new array."""
+    lines = ["S_grads = scan()", "d_qn = own_array(S_grads.queries[0], s, t, True)", "d_qn *= 0.5",
+             "d_q = own_array(vjp_l2norm(q, d_qn, eps=1e-06), s, t, True)",
+             "d_kn = own_array(S_grads.writes[0][0], s, t, True)", "d_v = S_grads.writes[0][0] + 1",
+             "d_k = own_array(vjp_l2norm(k, d_kn, eps=1e-06), s, t, True)", "grads = {'q': d_q, 'k': d_k}"]
+    got = in_place_products(lines, OWNED)
+    assert got[3] == "d_q = own_array(vjp_l2norm(q, d_qn, eps=1e-06, out=d_qn), s, t, True)"
+    assert got[6] == lines[6]  # (d_kn is S_grads.writes[0][0], which the line before read on)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_vjp_l2norm_into_its_gradient_gives_the_same_values(dtype):
+    rng = np.random.default_rng(1)
+    x, g = (rng.standard_normal((2, 5, 3, 8)).astype(dtype) for _ in range(2))
+    for f in (vjp_l2norm, rows.vjp_l2norm):  # (NumPy's and the C rows', each the same bits with out= or not)
+        want = f(x, g.copy())
+        into = g.copy()
+        got = f(x, into, out=into)
+        assert got is into and np.array_equal(got, want)
+        other = np.zeros((2, 5, 3, 8), np.float16)  # (does not fit: a new array, `out` untouched)
+        assert np.array_equal(f(x, g, out=other), want) and not other.any()

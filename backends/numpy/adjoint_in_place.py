@@ -5,7 +5,8 @@ per product. The module's lines are straight code (no loop), so "reads no more" 
 names the array, nor a name that may hold it.
 
     in_place_products(lines, owned)    the lines, with `a op b` as in_place(a, "op", b) and `−a` as
-                                       negated(a) (linrec.numpy.vjp) where `a` may be changed
+                                       negated(a) (linrec.numpy.vjp) where `a` may be changed, and
+                                       vjp_l2norm(x, g) as vjp_l2norm(x, g, out=g) where `g` may
 
 An array may be changed at a line when the line reads it once, as an operand of the product, and
 
@@ -18,8 +19,9 @@ An array may be changed at a line when the line reads it once, as an operand of 
                        element of a list, a value assigned as it is may be the array itself).
 
 Why a name's memory is its own: a name is a candidate only where assigned a new array, or the array of
-in_place or negated, which take it over at the last read of the one before; a name handed an array as it is
-(`h = a`, `h = own_array(a, …)`, `h = [a]`) is no candidate itself, and holds `a` (then read no more).
+in_place, negated or own_array, which take it over at the last read of the one before (own_array(a, …) of
+an `a` that may be changed there); a name handed an array otherwise (`h = a`, `h = own_array(a, …)` with `a`
+read on, `h = [a]`) is no candidate itself, and holds `a` (then read no more).
 in_place itself goes on in the array only where the result keeps its shape and dtype, so the values are the
 operator's in every case: the generated code is the same computation with fewer arrays.
 """
@@ -33,6 +35,9 @@ import tokenize
 # the calls whose result is an array the call made (never one of its arguments)
 _NEW_ARRAY_CALLS = re.compile(r"^(np\.einsum|vjp_\w+|l2norm|in_place|negated)$")
 _CONSUMING_CALLS = re.compile(r"^(np\.einsum|vjp_\w+|l2norm)$")  # (read their arguments, keep none)
+# the helpers that may write their result into an argument (its position), which they read before writing
+# each element of it: `out=` that argument where it may be changed
+_WRITES_INTO = {"vjp_l2norm": 1}
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _COMMUTING = (ast.Add, ast.Mult)
 
@@ -58,6 +63,9 @@ def in_place_products(lines: list[str], owned: tuple[str, ...] = ()) -> list[str
             _record_holders(stmt, targets, holders, owned)
             continue
         later = codes[j + 1:]
+        # own_array(a, …) of an array a that may be changed here: the name is a's from now on (or a copy's)
+        handed_over = _owned_copy(stmt.value) and \
+            _free(stmt.value.args[0], stmt, later, made, holders, owned)
         rewriter = _Rewriter(lambda a: _free(a, stmt, later, made, holders, owned))
         value = stmt.value
         new_value = rewriter.visit(value)
@@ -68,8 +76,8 @@ def in_place_products(lines: list[str], owned: tuple[str, ...] = ()) -> list[str
             stmt = ast.parse(code).body[0]
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
             name = stmt.targets[0].id
-            made.add(name) if _new_array(stmt.value) else made.discard(name)
-        else:
+            made.add(name) if _new_array(stmt.value) or handed_over else made.discard(name)
+        elif not isinstance(stmt, ast.AugAssign):  # (`a += b` changes a's own memory: a stays a candidate)
             made -= targets
         _record_holders(stmt, targets, holders, owned)
     return out
@@ -92,6 +100,17 @@ class _Rewriter(ast.NodeTransformer):
             if self.free(array):
                 self.changed = True
                 return ast.Call(ast.Name("in_place"), [array, ast.Constant(_OPS[type(node.op)]), other], [])
+        return node
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        index = _WRITES_INTO.get(ast.unparse(node.func))
+        if index is not None and len(node.args) > index and not any(k.arg == "out" for k in node.keywords):
+            array = node.args[index]
+            # (a name or a scan's gradient, not an expression: `out=` names the array the argument gives)
+            if isinstance(array, (ast.Name, ast.Attribute, ast.Subscript)) and self.free(array):
+                self.changed = True
+                node.keywords.append(ast.keyword("out", array))
         return node
 
     def visit_UnaryOp(self, node):
@@ -122,12 +141,19 @@ def _free(node, stmt, later: list[str], made: set[str], holders: dict[str, set[s
     return not any(_count(n, x) for n in ({key} | others) - assigned for x in later)
 
 
+def _owned_copy(node) -> bool:
+    """own_array(a, …): a itself or a copy of it."""
+    return isinstance(node, ast.Call) and ast.unparse(node.func) == "own_array" and bool(node.args)
+
+
 def _new_array(node) -> bool:
     """Whether the expression makes a new array (where it gives an array at all; in_place copes with a scalar):
     an operator over something other than constants, or a call of _NEW_ARRAY_CALLS."""
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS or \
             isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return any(isinstance(n, (ast.Name, ast.Call)) for n in ast.walk(node))
+    if _owned_copy(node) and _new_array(node.args[0]):
+        return True  # (the new array itself, or a copy)
     return isinstance(node, ast.Call) and bool(_NEW_ARRAY_CALLS.match(ast.unparse(node.func)))
 
 

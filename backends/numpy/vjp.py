@@ -134,13 +134,26 @@ def vjp_abs(x, g):
     return g * np.sign(x)  # subgradient 0 at 0
 
 
-def vjp_l2norm(x, g, eps=1e-6):
+def vjp_l2norm(x, g, eps=1e-6, out=None):
+    """`out`: an array the result may be written in (g itself, say, where the caller reads g no more: see
+    numpy.adjoint_in_place), used where it has the result's shape and dtype, else a new array."""
     # (the sums over the short last axis as einsum: no [..., n] temporary x·x or x·g, and a third less time
     # than np.sum(…, axis=-1) at n = 64 — the C backward's chain rule calls this on [B, T, H, dk] arrays)
     r = np.sqrt(np.einsum("...i,...i->...", x, x)[..., None] + eps)
-    out = g / r
-    out -= x * (np.einsum("...i,...i->...", x, g)[..., None] / r ** 3)
+    xg = np.einsum("...i,...i->...", x, g)[..., None]  # (before out, which may be g, is written)
+    if fits_result(out, np.broadcast_shapes(np.shape(g), np.shape(r)), np.result_type(g, r)):
+        np.divide(g, r, out=out)
+    else:
+        out = g / r
+    out -= x * (xg / r ** 3)
     return out
+
+
+def fits_result(out, shape, dtype) -> bool:
+    """Whether `out` may take a result of this shape and dtype as it is: a writeable C-contiguous array of
+    them (None: no)."""
+    return isinstance(out, np.ndarray) and out.shape == tuple(shape) and out.dtype == dtype and \
+        out.flags.c_contiguous and out.flags.writeable
 
 
 def vjp_rmsnorm(x, g, eps=1e-6):
