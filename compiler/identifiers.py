@@ -36,6 +36,7 @@ INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one",
 # The backward modules' (linrec.numpy.adjoint): their function's parameters, and the vector–Jacobian products of
 # the builtins they import from linrec.numpy.vjp.
 INTERNAL |= {"backward", "grad_outputs", "grad_final_state", "derived_params", "grads", "unbroadcast", "own_array",
+             "in_place", "negated",
              "vjp_pow", "decay_scan", "decay_scan_backward", "adjoint_checkpoints", "adjoint_recurrent",
              "chunk_checkpoints", "adjoint_chunkwise", "flash_attention", "flash_attention_backward", "parallel_attention",
              "parallel_attention_backward", "pad_to",

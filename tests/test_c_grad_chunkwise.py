@@ -208,3 +208,21 @@ def test_the_fused_forward_gives_the_same_gradients(recs, monkeypatch):
                     assert worst_error(res.grads, want.grads) <= tol, (name, form, dtype, CASES[i])
                     assert worst_error(res.outputs, want.outputs) <= tol
                     assert worst_error(res.final_state, want.final_state) <= tol
+
+
+def test_the_fused_forward_writes_the_chunks_states_where_the_kernel_reads_them(recs):
+    """CRecurrent.forward_snapshots(into=…) (c.grad_forward's call): the state after each stop at
+    [:, :, i + 1] of a [B, H, n + 1, K, V] array, the same bits as the [B, n, H, K, V] snapshots, index 0 left
+    as it was; an array of another shape, or `into` for some states only, refused by name. (The fused kernel of
+    the test above: GDN, float64.)"""
+    rec = recs["gated_deltanet"]
+    x, _, s0, _ = _call(rec, 2, 13, 3, seed=5)
+    fused = grad_forward.FusedForward(rec.compiled).recurrent
+    stops = np.array([4, 8, 12])
+    _, final, snaps = fused.forward_snapshots(x, {}, s0, DIMS, stops)
+    into = np.full((2, 3, 4) + s0["S"].shape[2:], 7.0)
+    _, final2, got = fused.forward_snapshots(x, {}, s0, DIMS, stops, into={"S": into})
+    assert np.array_equal(into[:, :, 1:], np.swapaxes(snaps["S"], 1, 2)) and np.all(into[:, :, 0] == 7.0)
+    assert got["S"].base is into and np.array_equal(final["S"], final2["S"])
+    with pytest.raises(RuntimeInputError, match=r"into\['S'\] must be .* shape \[2, 3, 4, 5, 7\]"):
+        fused.forward_snapshots(x, {}, s0, DIMS, stops, into={"S": into[:, :, 1:].copy()})

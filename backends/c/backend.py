@@ -193,14 +193,17 @@ class CRecurrent:
         outputs, finals, _ = self._run(inputs, params, initial_state, dims, num_threads, out, None)
         return outputs, finals
 
-    def forward_snapshots(self, inputs, params, initial_state, dims, stops, num_threads=None):
+    def forward_snapshots(self, inputs, params, initial_state, dims, stops, num_threads=None, into=None):
         """forward, and the states after each of the token counts `stops` (increasing, in 1 … T), written
         by the fused kernel as it passes them: (outputs, final states, snapshots [B, len(stops), H, *] by
         name). Stabilized states come as the final ones do: with their log-scale ([B, len(stops), H]) when
-        the initial states have one, else at their true scale."""
-        return self._run(inputs, params, initial_state, dims, num_threads, None, stops)
+        the initial states have one, else at their true scale. `into`: arrays to write states' snapshots in
+        instead, by name, each C-contiguous [B, H, len(stops) + 1, *] in the inputs' dtype — the state after
+        stops[i] at [:, :, i + 1] (index 0 the caller's: the chunk backward puts the initial state there) —
+        whose snapshots are then those arrays' [:, :, 1:]."""
+        return self._run(inputs, params, initial_state, dims, num_threads, None, stops, into or {})
 
-    def _run(self, inputs, params, initial_state, dims, num_threads, out, stops):
+    def _run(self, inputs, params, initial_state, dims, num_threads, out, stops, into=None):
         p = self.program
         if not p.inputs:
             raise RuntimeInputError("the program has no inputs to take B, T and H from")
@@ -236,16 +239,27 @@ class CRecurrent:
         if stops is not None:
             stops = np.ascontiguousarray(stops, dtype=np.int64)
             lead = (batch, len(stops), heads)
-            snapshots = {s.name: np.empty(lead + tuple(k.dims[d] for d in s.shape), dtype) for s in p.states}
+            if into and (self.scales or set(into) != {st.name for st in p.states}):
+                raise RuntimeInputError(f"forward_snapshots(into=…) takes an array for every state "
+                                        f"({', '.join(st.name for st in p.states)}) and no stabilized state (their "
+                                        "snapshots come with a log-scale)")
+            shapes = {st.name: tuple(k.dims[d] for d in st.shape) for st in p.states}
+            snapshots = {st.name: _snapshot_target(into[st.name], st.name, (batch, heads, len(stops) + 1) +
+                                                   shapes[st.name], dtype) if st.name in into else
+                         np.empty(lead + shapes[st.name], dtype) for st in p.states}
             snapshots |= {key: np.empty(lead, dtype) for key, _ in self.scales}
             pointers = [fb(ptr, a) for a in snapshots.values()]  # (kept alive through the call)
-            cargs += [fb("int64_t[]", stops), len(stops),
-                      k.ffi.new(f"{k.ctype} *[]", [k.ffi.cast(f"{k.ctype} *", a) for a in pointers])]
+            # (into: [B, H, n + 1, *], written from index 1 — the strides of (batch row, stop, head) in states)
+            firsts = [a + (int(np.prod(shapes[name])) if name in into else 0)
+                      for name, a in zip(snapshots, pointers)]
+            strides = fb("int64_t[]", np.array([heads * (len(stops) + 1), 1, len(stops) + 1], np.int64)) \
+                if into else k.ffi.NULL
+            cargs += [fb("int64_t[]", stops), len(stops), k.ffi.new(f"{k.ctype} *[]", firsts), strides]
         if batch * tokens * heads:
             require_c_int_sizes(batch=batch, tokens=tokens, heads=heads)
             entry = k.lib.lr_forward if stops is None else k.lib.lr_forward_snapshots
             rc = entry(*cargs, batch, tokens, heads, threads) if stops is None else \
-                entry(*cargs[:-3], batch, tokens, heads, threads, *cargs[-3:])
+                entry(*cargs[:-4], batch, tokens, heads, threads, *cargs[-4:])
             if rc == 2:  # an input outside its declared range: find it and say where
                 arrays.check_ranges(p, dict(zip((x.name for x in p.inputs), args)))
                 raise RuntimeInputError("an input lies outside its declared range")  # (the scan names it)
@@ -262,6 +276,8 @@ class CRecurrent:
                         kept = snapshots[name]
                         flat = _true_scale(kept.reshape((-1,) + kept.shape[2:]), scale.reshape(-1, heads), dtype)
                         snapshots[name] = flat.reshape(kept.shape)
+        for name in into or ():
+            snapshots[name] = snapshots[name][:, :, 1:]
         return outputs, finals, snapshots
 
     def step(self, token_inputs, state, params, dims, num_threads=None, inplace=False, out=None):
@@ -277,6 +293,16 @@ class CRecurrent:
     def slot_step(self, params, dims, state_is_bf16: bool = False) -> SlotStep:
         """The decode step over a pool of states, by slot (capabilities.steps_slots: the fused kernel's)."""
         return SlotStep(self, params, dims, state_is_bf16)
+
+def _snapshot_target(given, name: str, shape: tuple, dtype) -> np.ndarray:
+    """forward_snapshots' `into` array for a state, checked: the kernel writes every element but index 0 of
+    its third axis."""
+    if not (isinstance(given, np.ndarray) and given.shape == shape and given.dtype == dtype
+            and given.flags.c_contiguous and given.flags.writeable):
+        raise RuntimeInputError(f"into['{name}'] must be a writeable C-contiguous {dtype} array of shape "
+                                f"{list(shape)}")
+    return given
+
 
 def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
     """A state [B, H, *] carried as S·exp(−σ), σ [B, H] (NaN: 0), back at its true scale S."""

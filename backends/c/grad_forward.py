@@ -1,7 +1,8 @@
 """The C parallel and chunkwise backward's forward from the fused recurrent kernel (c.fused: the fastest forward),
-which writes the state before each chunk as it passes it (CRecurrent.forward_snapshots). Without it the chunk
-backward runs the recurrent backward's forward (grad_chunk_kernels.chunk_checkpoints) for the same states: the
-update token by token with every state's decay kept, two to five times the fused kernel's time.
+which writes the state before each chunk as it passes it (CRecurrent.forward_snapshots) where the chunk kernels
+read it ([B, H, n, K, V], `into`: no copy from the snapshots' [B, n, H, K, V]). Without it the chunk backward
+runs the recurrent backward's forward (grad_chunk_kernels.chunk_checkpoints) for the same states: the update
+token by token with every state's decay kept, two to five times the fused kernel's time.
 
     fits(compiled)                     whether the fused kernel takes the program as the backward needs it
     FusedForward(compiled)(inputs, params, initial_state, dims, chunk)
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..compiler import Compiled
 from .backend import CRecurrent
+from .buffers import RecycledArrays
 from .scan_kernels import chunk_of
 from .stabilize import Scales
 from .support import fused_refusal
@@ -27,6 +29,13 @@ from .support import fused_refusal
 # forward scans instead: there the fused kernel would save little and cost a build of its own for each size
 # (the tests' small calls would build one per program, dtype and size).
 MIN_WORK = 1 << 22
+
+# The states before each chunk are the backward's scratch, dropped when it returns: reused by the next call of
+# the same shape (buffers.RecycledArrays) rather than made anew, whose every page the system faults in and
+# clears at first touch (34 MB at dk = dv = 128, T = 4096, B·H = 8). The price: the ARRAYS most recently made
+# stay allocated while idle.
+ARRAYS = 2
+_starts = RecycledArrays(keep=ARRAYS)
 
 
 def fits(compiled: Compiled) -> bool:
@@ -49,14 +58,14 @@ class FusedForward:
             return None
         chunk = chunk_of(chunk, tokens)
         stops = np.arange(chunk, tokens, chunk)  # the token counts at the chunks' starts, after the first
-        if len(stops):
-            outputs, final, snapshots = self.recurrent.forward_snapshots(inputs, params, initial_state, dims, stops)
-        else:
-            (outputs, final), snapshots = self.recurrent.forward(inputs, params, initial_state, dims), {}
-        starts = {}
+        dtype = np.asarray(inputs[self.recurrent.program.inputs[0].name]).dtype  # (the kernel's)
+        starts = {st.name: _starts.take((batch, heads, len(stops) + 1) + s0.shape[2:], dtype)
+                  for st, s0 in zip(self.states, states)}
         for st, s0 in zip(self.states, states):
-            starts[st.name] = a = np.empty((batch, heads, len(stops) + 1) + s0.shape[2:], s0.dtype)
-            a[:, :, 0] = s0
-            if len(stops):
-                a[:, :, 1:] = np.swapaxes(snapshots[st.name], 1, 2)  # ([B, n, H, *] → [B, H, n, *])
+            starts[st.name][:, :, 0] = s0
+        if len(stops):  # (the kernel writes the state at each stop in its place: starts[…][:, :, 1:])
+            outputs, final, _ = self.recurrent.forward_snapshots(inputs, params, initial_state, dims, stops,
+                                                                 into=starts)
+        else:
+            outputs, final = self.recurrent.forward(inputs, params, initial_state, dims)
         return outputs, final, starts

@@ -285,7 +285,8 @@ class KernelSource:
         fwd = "int lr_forward(" + ", ".join(args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads"]) + ")"
         snapshots = "int lr_forward_snapshots(" + ", ".join(
             args + ["int64_t B", "int64_t ntok", "int64_t H", "int nthreads", "const int64_t *restrict stops",
-                    "int64_t nstops", f"{ct} *const *restrict snaps"]) + ")"
+                    "int64_t nstops", f"{ct} *const *restrict snaps",
+                    "const int64_t *restrict snap_strides"]) + ")"
         stp = "int lr_step(" + ", ".join(step_args + ["int64_t B", "int64_t H", "int nthreads"]) + ")"
         slots = "int lr_step_slots(" + ", ".join(
             step_args + ["const int64_t *restrict slots", "int64_t B", "int64_t H", "int nthreads"]) + ")"

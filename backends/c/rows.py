@@ -56,13 +56,14 @@ def l2norm(x, eps=1e-6):
     return out
 
 
-def vjp_l2norm(x, g, eps=1e-6):
-    """linrec.numpy.vjp.vjp_l2norm: the gradient with respect to x of Σ g·l2norm(x)."""
+def vjp_l2norm(x, g, eps=1e-6, out=None):
+    """linrec.numpy.vjp.vjp_l2norm: the gradient with respect to x of Σ g·l2norm(x), in `out` where it fits
+    (it may be g: the kernel reads a row of g before writing the row's result, no restrict pointers)."""
     x, g = np.asarray(x), np.asarray(g)
     if not _rows(x, g):
-        return numpy_vjp.vjp_l2norm(x, g, eps=eps)
+        return numpy_vjp.vjp_l2norm(x, g, eps=eps, out=out)
     k, t = _kernel(), CTYPES[x.dtype]
-    out = np.empty_like(x)
+    out = out if numpy_vjp.fits_result(out, x.shape, x.dtype) else np.empty_like(x)
     rows, n = x.size // x.shape[-1], x.shape[-1]
     ptr = t + " *"
     getattr(k.lib, f"lr_vjp_l2norm_{t}")(k.ffi.from_buffer(ptr, x), k.ffi.from_buffer(ptr, g),

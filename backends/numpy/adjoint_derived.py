@@ -19,6 +19,7 @@ from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
 from ..compiler.analysis import walk
 from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
+from .adjoint_in_place import in_place_products
 from .derived import canonical_text, per_token
 
 DEFAULT_CHUNK = 64
@@ -124,7 +125,9 @@ class DecomposedEmitter(BackwardEmitter):
             body += own
         self.helpers |= prelude.helpers
         owned = tuple(f"{a.grads}." for a in self.arrays.values()) if self.scan_grads_owned else ()
-        return first_contributions(body + adjoint, owned)
+        lines = in_place_products(first_contributions(body + adjoint, owned), owned)
+        self.helpers |= {h for h in ("in_place", "negated") if any(f"{h}(" in x for x in lines)}
+        return lines
 
     def chain_rule_reads_readouts(self) -> bool:
         """Whether an adjoint statement of the chain rule reads a readout's value (q·S itself, say through

@@ -28,6 +28,39 @@ def own_array(value, shape, dtype, keep: bool) -> np.ndarray:
     return out
 
 
+_UFUNCS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.true_divide}
+
+
+def in_place(array, op: str, other):
+    """`array op other`, written into array's own memory where the result has its shape and dtype — generated
+    code calls it at the last read of an array it made (numpy.adjoint_in_place), so a [B, T, H, *] product
+    costs no new array (nor the page faults of one). Elsewhere (a view, a result that broadcasts wider or
+    converts to another dtype) a new array, as the operator gives it; either way the values are the operator's."""
+    ufunc = _UFUNCS[op]
+    if _writable_as(array, other):
+        return ufunc(array, other, out=array)
+    return ufunc(array, other)
+
+
+def negated(array):
+    """−array, in array's own memory where it has one (in_place's conditions)."""
+    if _writable_as(array, None):
+        return np.negative(array, out=array)
+    return -array
+
+
+def _writable_as(array, other) -> bool:
+    """Whether `array op other` fits array's memory: an array of its own (not a view), writeable, float, which
+    the result neither outgrows (broadcast) nor converts (dtype)."""
+    if not (isinstance(array, np.ndarray) and array.base is None and array.flags.writeable and array.ndim
+            and array.dtype.kind == "f"):
+        return False
+    if other is None:
+        return True
+    return np.result_type(array, other) == array.dtype and \
+        np.broadcast_shapes(array.shape, np.shape(other)) == array.shape
+
+
 def unbroadcast(g, shape):
     """g summed over the axes a value of `shape` was broadcast along (leading axes, and axes of size 1): the
     gradient of a per-head or shared param (or value) from contributions per token and head."""
@@ -101,13 +134,26 @@ def vjp_abs(x, g):
     return g * np.sign(x)  # subgradient 0 at 0
 
 
-def vjp_l2norm(x, g, eps=1e-6):
+def vjp_l2norm(x, g, eps=1e-6, out=None):
+    """`out`: an array the result may be written in (g itself, say, where the caller reads g no more: see
+    numpy.adjoint_in_place), used where it has the result's shape and dtype, else a new array."""
     # (the sums over the short last axis as einsum: no [..., n] temporary x·x or x·g, and a third less time
     # than np.sum(…, axis=-1) at n = 64 — the C backward's chain rule calls this on [B, T, H, dk] arrays)
     r = np.sqrt(np.einsum("...i,...i->...", x, x)[..., None] + eps)
-    out = g / r
-    out -= x * (np.einsum("...i,...i->...", x, g)[..., None] / r ** 3)
+    xg = np.einsum("...i,...i->...", x, g)[..., None]  # (before out, which may be g, is written)
+    if fits_result(out, np.broadcast_shapes(np.shape(g), np.shape(r)), np.result_type(g, r)):
+        np.divide(g, r, out=out)
+    else:
+        out = g / r
+    out -= x * (xg / r ** 3)
     return out
+
+
+def fits_result(out, shape, dtype) -> bool:
+    """Whether `out` may take a result of this shape and dtype as it is: a writeable C-contiguous array of
+    them (None: no)."""
+    return isinstance(out, np.ndarray) and out.shape == tuple(shape) and out.dtype == dtype and \
+        out.flags.c_contiguous and out.flags.writeable
 
 
 def vjp_rmsnorm(x, g, eps=1e-6):
@@ -160,4 +206,5 @@ def pad_to(g, shape):
     return np.pad(g, [(0, whole - part) for part, whole in zip(np.shape(g), shape)])
 
 
-HELPERS = frozenset(name for name in globals() if name.startswith("vjp_")) | {"unbroadcast", "pad_to", "own_array"}
+HELPERS = frozenset(name for name in globals() if name.startswith("vjp_")) | {
+    "unbroadcast", "pad_to", "own_array", "in_place", "negated"}
