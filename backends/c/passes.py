@@ -236,17 +236,34 @@ def _row_scalars(ops: MatrixOperands, k: str, next_w: tuple[str, ...]) -> list[s
     return lines + [f"const T wn{i} = {w}[{k}];" for i, w in enumerate(next_w)]
 
 
+def _fma(target: str, a: str, b: str, vector: bool = True) -> str:
+    """C of target += a·b (a a scalar; b and target registers, or scalars where vector=False): in registers
+    through lr_fma, rounded once whatever gcc's contraction decides (c_common.h.j2 says why)."""
+    return f"{target} = lr_fma({a}, {b}, {target});" if vector else f"{target} += {a} * {b};"
+
+
+def _update(s: str, start: str, terms: list[tuple[str, str]], vector: bool) -> str:
+    """C of s = start + Σ x·y over terms (x, y), added in their order, each rounded once in registers."""
+    if not vector:
+        return f"{s} = {start}" + "".join(f" + {x} * {y}" for x, y in terms) + ";"
+    code = start
+    for x, y in terms:
+        code = f"lr_fma({x}, {y}, {code})"
+    return f"{s} = {code};"
+
+
 def _register_statements(ops: MatrixOperands, v: int, acc: str, lanes: int | None, nexts: int) -> list[str]:
     """Register v of a row (lanes=None: the row's single column of a column tail): the readouts before the
     update, the update, the readouts after it and the next token's p, accumulated into `acc`'s sums."""
+    vector = bool(lanes)
     lines = [f"vec s{v} = {_load(ops, f'row + {v * lanes}')};" if lanes else f"T s{v} = row[0];"]
-    lines += [f"{acc}{i}_{v} += qb{i} * s{v};" for i in range(len(ops.before))]
+    lines += [_fma(f"{acc}{i}_{v}", f"qb{i}", f"s{v}", vector) for i in range(len(ops.before))]
     if ops.update:
         scaled = f"d * s{v}" if ops.decay else f"s{v}"
-        lines.append(f"s{v} = {scaled}" + "".join(f" + x{g} * y{g}_{v}" for g in range(len(ops.lefts))) + ";")
+        lines.append(_update(f"s{v}", scaled, [(f"x{g}", f"y{g}_{v}") for g in range(len(ops.lefts))], vector))
         lines.append(_store(ops, f"row + {v * lanes}", f"s{v}") if lanes else f"row[0] = s{v};")
-    lines += [f"{acc}{len(ops.before) + i}_{v} += qa{i} * s{v};" for i in range(len(ops.after))]
-    return lines + [f"{acc}p{i}_{v} += wn{i} * s{v};" for i in range(nexts)]
+    lines += [_fma(f"{acc}{len(ops.before) + i}_{v}", f"qa{i}", f"s{v}", vector) for i in range(len(ops.after))]
+    return lines + [_fma(f"{acc}p{i}_{v}", f"wn{i}", f"s{v}", vector) for i in range(nexts)]
 
 
 def pair_pass(ops: MatrixOperands, second: MatrixOperands, *, lanes: int, columns: int, registers: int,
@@ -278,12 +295,15 @@ def pair_pass(ops: MatrixOperands, second: MatrixOperands, *, lanes: int, column
     def register(v: int) -> str:
         lines = [f"vec s{v} = lr_load(row + {v * lanes});"]
         for t in range(2):
-            lines += [f"o{i}_{v} += q{i} * s{v};" for i, (r, _, when) in enumerate(reads) if r == t and when == "before"]
-            lines.append(f"s{v} = s{v}" + "".join(f" + x{t}{g} * y{t}{g}_{v}" for g in range(len(tokens[t].lefts))) + ";")
+            lines += [_fma(f"o{i}_{v}", f"q{i}", f"s{v}") for i, (r, _, when) in enumerate(reads)
+                      if r == t and when == "before"]
+            lines.append(_update(f"s{v}", f"s{v}", [(f"x{t}{g}", f"y{t}{g}_{v}") for g in range(len(tokens[t].lefts))],
+                                 True))
             if t == 1:
                 lines.append(f"lr_store(row + {v * lanes}, s{v});")
-            lines += [f"o{i}_{v} += q{i} * s{v};" for i, (r, _, when) in enumerate(reads) if r == t and when == "after"]
-        return block(lines + [f"op{i}_{v} += wn{i} * s{v};" for i in range(len(next_w))])
+            lines += [_fma(f"o{i}_{v}", f"q{i}", f"s{v}") for i, (r, _, when) in enumerate(reads)
+                      if r == t and when == "after"]
+        return block(lines + [_fma(f"op{i}_{v}", f"wn{i}", f"s{v}") for i in range(len(next_w))])
     row = PassRow("i", block(scalars), tuple(register(v) for v in range(registers)))
     return RowPass(ops.name, ops.comment + ", two tokens a pass", ops.state, ops.ld, ops.rows, None,
                    columns, registers * lanes, tuple(declarations), (row, row), None, tuple(stores), None, (), None)
@@ -298,7 +318,7 @@ def correction_pass(ops: MatrixOperands, *, lanes: int, columns: int, registers:
     def row(k: str, acc: str) -> CorrectionRow:
         lines = [f"const vec s{v} = {_load(ops, f'row + {v * lanes}')};" for v in range(registers)]
         for i, cr in enumerate(ops.corrections):
-            lines += [f"const T w{i} = {cr.w}[{k}];"] + [f"{acc}{i}_{v} += w{i} * s{v};" for v in range(registers)]
+            lines += [f"const T w{i} = {cr.w}[{k}];"] + [_fma(f"{acc}{i}_{v}", f"w{i}", f"s{v}") for v in range(registers)]
         return CorrectionRow(k, tuple(lines))
     tail = None
     if columns > whole:
