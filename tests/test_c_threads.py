@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_c_backend import DIMS, F64_RTOL, random_state, rec_for, rel_err
+from test_c_backend import DIMS, F32_RTOL, F64_RTOL, random_state, rec_for, rel_err
 from test_c_statements import PROGRAMS
+from test_c_token_pairs import TWO_CORRECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -185,6 +186,40 @@ def test_value_split_identical_to_the_whole_head(linrec, monkeypatch, name):
     assert set(state0) == set(ref.final_state)
     for k, v in state0.items():  # the caller's initial states are not written
         assert np.array_equal(v, random_state(rec, 1, 1, SPLIT_DIMS, np.float64, 7)[k]), k
+
+
+@pytest.mark.parametrize("dtype, dims", [(np.float64, {"dk": 9, "dv": 32}), (np.float32, {"dk": 16, "dv": 64})])
+def test_value_split_identical_with_corrections_in_pairs(linrec, monkeypatch, dtype, dims):
+    """The pass over a state with corrections two tokens at a time (passes.pair_pass) under the split: three
+    corrections and two write groups under a strong decay (slow tokens go alone between pairs), 97 tokens
+    (a block's odd token left alone at its end), float64 and float32. Both sizes are ones where a part's
+    own per-token values would have given it blocks of 16 tokens against the whole head's 64 (where a block
+    starts decides which tokens pair and which p a block's first pass sums anew): a part runs the whole
+    head's blocks. And the passes' multiply-adds are lr_fma, rounded once whatever the compiler's contraction
+    decides: a product the slow and the lazy update shared was fused into neither in one kernel and into
+    both in the other (float32, main before: 29 of 97 tokens' outputs apart in the last bit)."""
+    from linrec.c import build as c_build
+    rec = linrec.compile(TWO_CORRECTIONS, "two_corrections.lin")
+    module = rec.module("recurrent", "c")
+    inputs = {k: v.astype(dtype) if v.dtype == np.float64 else v
+              for k, v in rec.random_inputs(batch=1, tokens=97, heads=1, dims=dims, seed=8, decay_scale=10.0).items()}
+    state0 = {k: v.astype(dtype) for k, v in random_state(rec, 1, 1, dims, np.float64, 8).items()}
+    with c_build.threads(1):
+        whole = rec.run(inputs, form="recurrent", backend="c", initial_state=state0, dims=dims)
+    assert "two tokens a pass" in module.kernel(dtype, dims, parts=2).source
+    monkeypatch.setattr(module, "value_parts", lambda *args, **kwargs: 2)
+    for threads in (1, 2):
+        with c_build.threads(threads):
+            split = rec.run(inputs, form="recurrent", backend="c", initial_state=state0, dims=dims)
+        _assert_identical(whole.outputs, split.outputs, ("outputs", threads))
+        _assert_identical(whole.final_state, split.final_state, ("final state", threads))
+    ref = rec.run({k: v.astype(np.float64) for k, v in inputs.items()}, form="recurrent", backend="numpy",
+                  initial_state={k: v.astype(np.float64) for k, v in state0.items()}, dims=dims)
+    tol = F64_RTOL if dtype == np.float64 else F32_RTOL
+    for k in ref.outputs:
+        assert rel_err(split.outputs[k], ref.outputs[k]) <= tol, k
+    for k in ref.final_state:
+        assert rel_err(split.final_state[k], ref.final_state[k]) <= tol, k
 
 
 def test_value_split_only_where_the_columns_are_independent(linrec):

@@ -15,11 +15,13 @@ from ..compiler import ir
 from ..compiler.analysis import walk
 from ..compiler.linearity import ONE
 
-from .fused_plan import (BlockRegion, BlockVectorPass, CorrectionOperands, LazyStore, OutputRow, RangeCheck,
-                         RightVector, RowsLazyDecay, ScalarLazyDecay, ScaleGroup, TokenPass, TokenUpdate, VectorRead)
+from .fused_plan import (BlockRegion, BlockVectorPass, CorrectionDot, CorrectionOperands, LazyStore, OutputRow,
+                         RangeCheck, RightVector, RowsLazyDecay, ScalarLazyDecay, ScaleGroup, TokenPair, TokenPass,
+                         TokenUpdate, VectorRead)
 from .kernel_source import InputArray, KernelSource
 from .passes import (REGISTER_BUDGET, STRIP_COPY_BYTES, Decay, MatrixOperands, ReadoutOperands, column_block,
-                     correction_arrays, correction_pass, divisor_at_most, row_pass, strip_registers, tiled_pass)
+                     correction_arrays, correction_pass, divisor_at_most, pair_pass, row_pass, strip_registers,
+                     tiled_pass)
 from .printer import CPrinter
 from .stabilize import Scales
 from .state_terms import StateTerms, state_terms
@@ -279,7 +281,7 @@ class _BlockRegionPlanner:
             return tiled_pass(ops, lanes=k.target.lanes, whole_registers=s.cols_padded // k.target.lanes,
                               inputs=len(k.program.inputs), slow=bookkeeping.slow if bookkeeping else "",
                               readout_arrays=tuple(rd.sums.removesuffix("[u]") for rd in before + after)), bookkeeping
-        return self._token_pass(s, ops, ws, rights, bookkeeping.slow if bookkeeping else None), bookkeeping
+        return self._token_pass(s, ops, ws, rights, terms, bookkeeping.slow if bookkeeping else None), bookkeeping
 
     def _readouts(self, s: _StateLayout, terms: StateTerms, factors: dict[str, str],
                   streamed: dict[int, str]) -> list[ReadoutOperands]:
@@ -301,25 +303,29 @@ class _BlockRegionPlanner:
             out.append(ReadoutOperands(query, f"{sums}[u]", streamed.get(rd.index)))
         return out
 
-    def _right_value(self, s: _StateLayout, g: int, parts, terms: StateTerms) -> str:
-        """C of a group's right vector at element j (a vector state's: the scalar), summed from its terms:
-        block arrays of their coefficients and values, the corrections' p, a token's input row read in
-        place."""
+    def _right_value(self, s: _StateLayout, g: int, parts, terms: StateTerms, token: str = "u") -> str:
+        """C of a group's right vector at element j (a vector state's: the scalar) of the block's token
+        `token`, summed from its terms: block arrays of their coefficients and values, the corrections' p, a
+        token's input row read in place."""
         k, blocks = self.k, self.blocks
         out = []
         for m, term in enumerate(parts):
             coef = None
             if term.coefficient != ONE:
-                coef = f"{blocks.scalar(term.coefficient, k.local('blk_k', s.c, g, m))}[u]"
+                coef = f"{blocks.scalar(term.coefficient, k.local('blk_k', s.c, g, m))}[{token}]"
             if term.correction is not None:
                 src = terms.corrections[term.correction].p.name
             elif not term.value.shape:
-                src = f"{blocks.scalar(term.value, k.local('blk_v', s.c, g, m))}[u]" if term.value != ONE else None
+                src = f"{blocks.scalar(term.value, k.local('blk_v', s.c, g, m))}[{token}]" if term.value != ONE else None
             else:
-                src = self._token_pointer(term.value) if s.cols == s.cols_padded else None
+                # a matrix state's right vector (a pass token after token, strip by strip) reads the block's
+                # copy: the caller's rows lie H·dv apart (4 KiB at H = 8, dv = 128), the same few L1 sets
+                # for every token of the block, so each strip found its tokens' columns gone from L1
+                # (gated DeltaNet, d = 128: 1.1× faster with the copy)
+                src = self._token_pointer(term.value) if s.cols == s.cols_padded and not s.matrix else None
                 if src is None:
                     array = blocks.vector(term.value, k.local("blk_v", s.c, g, m), s.cols, s.cols_padded, share=True)
-                    src = f"{array}[u]"
+                    src = f"{array}[{token}]"
             if s.matrix:  # a row: element j of each term
                 out.append(f"{coef} * {src}[j]" if coef else f"{src}[j]")
             else:
@@ -371,7 +377,7 @@ class _BlockRegionPlanner:
                                right_scalars=tuple(rights))
 
     def _token_pass(self, s: _StateLayout, ops: MatrixOperands, ws: list[str], rights: list[RightVector],
-                    slow: str | None) -> TokenPass:
+                    terms: StateTerms, slow: str | None) -> TokenPass:
         """A matrix state with corrections, token after token: the first token's p, then per token its right
         vectors and the update pass (that also forms the next token's p, but for the block's last token).
         `ws`: the block arrays of the corrections' w."""
@@ -390,23 +396,62 @@ class _BlockRegionPlanner:
         buffer, ld = ops.state, ops.ld
         if strip:
             ops = replace(ops, state=strip, ld=width)
+        # two tokens a pass (TokenPair): every pass also leaves w(next + 1)ᵀ·S, the partial sums of the
+        # token after the next
+        partial = [self.k.local("pw", s.c, r) for r in range(len(ws))]
+        first_sums = [CorrectionOperands(f"{w}[0]", cr.p) for w, cr in zip(ws, ops.corrections)]
+        first_sums += [CorrectionOperands(f"{w}[nb > 1 ? 1 : 0]", pw) for w, pw in zip(ws, partial)]
         first = replace(ops, update=True, decay=None, lefts=(), rights=(), before=(), after=(),
-                        corrections=tuple(CorrectionOperands(f"{w}[0]", cr.p) for w, cr in zip(ws, ops.corrections)))
+                        corrections=tuple(first_sums))
 
         def update(next_w: tuple[str, ...]) -> TokenUpdate:
+            next_p = tuple(cr.p for cr in ops.corrections) + tuple(partial) if next_w else ()
             whole_pass = row_pass(ops, lanes=lanes, vector_bytes=vector_bytes, columns=s.cols_padded,
-                                  registers=registers, next_w=next_w)
+                                  registers=registers, next_w=next_w, next_p=next_p)
             if ops.decay is None:
                 return TokenUpdate(None, None, whole_pass)
             lazy_pass = row_pass(replace(ops, decay=None), lanes=lanes, vector_bytes=vector_bytes,
-                                 columns=s.cols_padded, registers=registers, next_w=next_w)
+                                 columns=s.cols_padded, registers=registers, next_w=next_w, next_p=next_p)
             return TokenUpdate(slow, lazy_pass, whole_pass)
         return TokenPass(
             correction_arrays(ops, s.cols_padded),
             correction_pass(first, lanes=lanes, columns=s.cols_padded,
-                            registers=divisor_at_most(registers, REGISTER_BUDGET // (2 * len(ws) + 1))),
-            tuple(rights), update(tuple(f"{w}[u + 1]" for w in ws)), update(()),
-            s.cols_padded, width, strip, buffer, ld, s.rows)
+                            registers=divisor_at_most(registers, REGISTER_BUDGET // (2 * len(first_sums) + 1))),
+            tuple(rights), update(tuple(f"{w}[u + 1]" for w in ws) + tuple(f"{w}[{_clamped(2)}]" for w in ws)),
+            update(()), s.cols_padded, width, strip, buffer, ld, s.rows,
+            self._token_pair(s, ops, ws, terms, rights, partial, slow, registers))
+
+    def _token_pair(self, s: _StateLayout, ops: MatrixOperands, ws: list[str], terms: StateTerms,
+                    rights: list[RightVector], partial: list[str], slow: str | None, registers: int) -> TokenPair:
+        """Tokens u and u + 1 in one pass (TokenPair, passes.pair_pass): token u + 1's operands are token
+        u's block arrays one row on, its p the pass before's partial sums plus what token u's writes add."""
+        k = self.k
+        ys = tuple(RightVector(k.local("yn", s.c, i), s.cols_padded, self._right_value(s, i, g.terms, terms, "u + 1"))
+                   for i, g in enumerate(terms.groups))
+        xs = [x.removesuffix("[u]") for x in ops.lefts]
+        dots = tuple(CorrectionDot(k.local("wx", s.c, r, g), w, x, s.rows)
+                     for r, w in enumerate(ws) for g, x in enumerate(xs))
+        p_updates = tuple(f"{cr.p}[j] = {partial[r]}[j]"
+                          + "".join(f" + {k.local('wx', s.c, r, g)}[u] * {y.name}[j]" for g, y in enumerate(rights))
+                          + ";" for r, cr in enumerate(ops.corrections))
+
+        def one_on(rd: ReadoutOperands) -> ReadoutOperands:
+            return replace(rd, query=_one_token_on(rd.query), sums=_one_token_on(rd.sums))
+        second = replace(ops, decay=None, lefts=tuple(_one_token_on(x) for x in ops.lefts),
+                         rights=tuple(y.name for y in ys), before=tuple(one_on(rd) for rd in ops.before),
+                         after=tuple(one_on(rd) for rd in ops.after))
+        next_w = tuple(f"{w}[{_clamped(2)}]" for w in ws) + tuple(f"{w}[{_clamped(3)}]" for w in ws)
+        # per register of a row: both tokens' right vectors and one sum per readout and next p (REGISTER_BUDGET
+        # counts these; the row's register is a temporary among the rest): gated DeltaNet's 6 give four
+        # registers at d = 64 (1.06-1.08× faster than two, one thread)
+        live = 2 * len(ops.lefts) + 2 * len(ops.before + ops.after) + len(next_w)
+        pass_ = pair_pass(replace(ops, decay=None), second, lanes=k.target.lanes, columns=s.cols_padded,
+                          registers=divisor_at_most(registers, REGISTER_BUDGET // live), next_w=next_w,
+                          next_p=tuple(cr.p for cr in ops.corrections) + tuple(partial))
+        arrays = tuple(f"T {name}[{s.cols_padded}] __attribute__((aligned(64)));"
+                       for name in [*partial, *(y.name for y in ys)])
+        when = f"{slow} == 0 && {_one_token_on(slow)} == 0" if slow else "1"
+        return TokenPair(when, dots, arrays, p_updates, ys, pass_)
 
     # ---- phase 3 ----
     def _rows(self, rows: set[str]) -> str:
@@ -427,6 +472,17 @@ class _BlockRegionPlanner:
             if e.shape:
                 rows.append(OutputRow(target, k.row(target), k.size(e.shape), k.row_start(target, e.shape, "tok")))
         return lines, rows
+
+
+def _one_token_on(code: str) -> str:
+    """C of a block array's row of token u (`name[u]`) made token u + 1's."""
+    assert code.endswith("[u]"), code
+    return code.removesuffix("[u]") + "[u + 1]"
+
+
+def _clamped(ahead: int) -> str:
+    """C of the block's token u + ahead, or u past the block's end (its sums then go unread)."""
+    return f"u + {ahead} < nb ? u + {ahead} : u"
 
 
 def _range_check(x: InputArray) -> RangeCheck:

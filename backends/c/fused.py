@@ -97,16 +97,28 @@ class FusedKernel(KernelSource):
         return super().ref(node)
 
     # ---- the whole file ----
+    def _forward_regions(self, groups: list[ScaleGroup]):
+        if self.program.causal:
+            return [block_region(self, self.scales, groups, "", updates=True, readouts=True)]
+        # non-causal: every output reads the final state, so run the updates first
+        return [block_region(self, self.scales, groups, "", updates=True, readouts=False),
+                block_region(self, self.scales, groups, "n", updates=False, readouts=True)]
+
     def context(self) -> dict:
         groups = self._scale_groups()
-        if self.program.causal:
-            forward_regions = [block_region(self, self.scales, groups, "", updates=True, readouts=True)]
-        else:  # non-causal: every output reads the final state, so run the updates first
-            forward_regions = [block_region(self, self.scales, groups, "", updates=True, readouts=False),
-                               block_region(self, self.scales, groups, "n", updates=False, readouts=True)]
+        forward_regions = self._forward_regions(groups)
         step = step_region(self, self.scales, groups) if self.steps else None
         scale_rows = {name: n for r in forward_regions for name, n in r.scale_rows.items()}
-        block_tokens, block_arrays, block_floats = self._block_buffer(forward_regions)
+        block_tokens = self._block_tokens(forward_regions)
+        if self.value_parts > 1:
+            # the whole head's: where a block starts decides which tokens of a pass over a state with
+            # corrections go in pairs and which p the first pass of a block sums anew, so a part of the value
+            # axis runs its tokens in the whole head's blocks (c.value_split: the same operations in the same
+            # order). Its own per-token values are fewer: the block fits where the whole head's does.
+            whole = FusedKernel(self.compiled, self.dims | {self.value_dim: self.dims[self.value_dim] * self.value_parts},
+                                self.target, self.state_is_bf16)
+            block_tokens = whole._block_tokens(whole._forward_regions(whole._scale_groups()))
+        block_arrays, block_floats = self._block_buffer(forward_regions, block_tokens)
         # a segment (what a thread runs of a head before it looks for another, see lr_claim): whole blocks,
         # enough multiply-adds (~2M, tens of µs) that claiming a head and moving its state cost little
         work = token_work(self.compiled, self.dims)
@@ -145,15 +157,15 @@ class FusedKernel(KernelSource):
             offset += -(-s.size // 16) * 16
         return at, max(offset, 16)
 
-    def _block_buffer(self, regions) -> tuple[int, list[BlockArray], int]:
-        """The tokens of a block (LR_BLOCK: as many as 8…64 whose per-token values fit in BLOCK_BYTES, at least
-        a tiled pass's tile of registers, 64 with a pass strip by strip), the block arrays of every region in one
-        allocation per thread, each on a cache line, and its values."""
-        sizes: dict[str, int] = {}
-        flags = set().union(*(r.flag_arrays for r in regions))
-        for r in regions:
-            for name, n in r.arrays:
-                sizes[name] = n
+    @staticmethod
+    def _block_sizes(regions) -> dict[str, int]:
+        """Each block array's values per token (0: a scalar)."""
+        return {name: n for r in regions for name, n in r.arrays}
+
+    def _block_tokens(self, regions) -> int:
+        """The tokens of a block (LR_BLOCK): as many as 8…64 whose per-token values fit in BLOCK_BYTES, at least
+        a tiled pass's tile of registers, 64 with a pass strip by strip."""
+        sizes = self._block_sizes(regions)
         per_token = sum(max(n, 1) for n in sizes.values()) * CTYPE_BYTES[self.target.ctype]
         # a pass strip by strip (passes.strip_registers) copies each strip in and out once per block and reads
         # the block arrays from L2 anyway: the longest block (d = 256: 64 tokens 1.2× faster than 16)
@@ -167,12 +179,17 @@ class FusedKernel(KernelSource):
         block_tokens = 64 if strips else 8
         while block_tokens < 64 and (2 * block_tokens * per_token <= BLOCK_BYTES or block_tokens < tile_registers):
             block_tokens *= 2
+        return block_tokens
+
+    def _block_buffer(self, regions, block_tokens: int) -> tuple[list[BlockArray], int]:
+        """The block arrays of every region in one allocation per thread, each on a cache line, and its values."""
+        flags = set().union(*(r.flag_arrays for r in regions))
         align = 64 // CTYPE_BYTES[self.target.ctype]
         arrays, offset = [], 0
-        for name, n in sizes.items():
+        for name, n in self._block_sizes(regions).items():
             arrays.append(BlockArray(name, n, offset, name in flags))
             offset += -(-block_tokens * max(n, 1) // align) * align
-        return block_tokens, arrays, max(offset, 1)
+        return arrays, max(offset, 1)
 
     def _state_buffers(self, st: ir.State, scale_rows: int) -> StateBuffers:
         """A state's buffers in lr_forward: every head's (rows padded to whole registers) and this head's, and

@@ -305,6 +305,32 @@ class TokenUpdate:
 
 
 @dataclass(frozen=True)
+class CorrectionDot:
+    """w_r of token u + 1 · x_g of token u, for every token of the block but the last (`sums`, a block-long
+    array): what token u's write adds to token u + 1's p = w_rᵀ·S per unit of y_g."""
+
+    sums: str
+    w: str         # block arrays, a row per token
+    x: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class TokenPair:
+    """Two tokens u, u + 1 in one pass over a strip (passes.pair_pass) when neither applies its decay to the
+    rows (`when`, C). The pass before left p(u) = w(u)ᵀ·S and `partial` = w(u + 1)ᵀ·S, so p(u + 1) =
+    partial + Σ_g dot_(r,g)[u]·y_g(u) (`p_updates`, element j), then token u + 1's right vectors (`rights`);
+    the pair's pass leaves p(u + 2) and w(u + 3)ᵀ·S for the next pair."""
+
+    when: str
+    dots: tuple[CorrectionDot, ...]
+    arrays: Lines                      # the partial sums and token u + 1's right vectors
+    p_updates: Lines
+    rights: tuple[RightVector, ...]
+    pass_: RowPass
+
+
+@dataclass(frozen=True)
 class TokenPass:
     """Phase 2 for a matrix state with corrections: token after token. The pass that updates Ŝ for token u
     also forms p = wᵀŜ for token u + 1 (its w is known: phase 1 computed it), so Ŝ is read once per token;
@@ -324,6 +350,7 @@ class TokenPass:
     state: str                        # the state's buffer, rows `ld` apart (the strip's copies come from there)
     ld: int
     rows: int
+    pair: TokenPair | None = None     # two tokens a pass where no decay multiplies the rows
 
 
 @dataclass(frozen=True)

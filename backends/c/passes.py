@@ -186,10 +186,12 @@ def _readout_tile(rd: ReadoutOperands, rows: int, across: int, lanes: int, last:
 
 # ---- passes over the rows, in column blocks of registers ---------------------------------------------------
 def row_pass(ops: MatrixOperands, *, lanes: int, vector_bytes: int, columns: int, registers: int,
-             next_w: tuple[str, ...] = (), ahead: str | None = None) -> RowPass:
+             next_w: tuple[str, ...] = (), ahead: str | None = None,
+             next_p: tuple[str, ...] | None = None) -> RowPass:
     """The fused pass over the rows of a matrix state: `registers` registers of a row at a time over its
     whole registers, then (the decode step, `columns` not a whole number of registers) the columns left one
-    by one. next_w: the next token's corrections' w (the sequence kernel forms its p in the same pass);
+    by one. next_w: the next token's corrections' w (the sequence kernel forms its p in the same pass), whose
+    sums go to next_p (default: the corrections' own p);
     ahead: the next head's rows, prefetched a cache line of each row at a time."""
     readouts = ops.before + ops.after
     whole = columns // lanes * lanes
@@ -202,8 +204,9 @@ def row_pass(ops: MatrixOperands, *, lanes: int, vector_bytes: int, columns: int
                      for i in range(len(next_w))]
     stores = [f"lr_store({rd.sums} + j + {v * lanes}, o{i}_{v} + e{i}_{v});"
               for i, rd in enumerate(readouts) for v in range(registers)]
-    stores += [f"lr_store({cr.p} + j + {v * lanes}, op{i}_{v} + ep{i}_{v});  /* the next token's p */"
-               for i, cr in enumerate(ops.corrections[:len(next_w)]) for v in range(registers)]
+    targets = next_p if next_p is not None else tuple(cr.p for cr in ops.corrections[:len(next_w)])
+    stores += [f"lr_store({p} + j + {v * lanes}, op{i}_{v} + ep{i}_{v});  /* the next token's p */"
+               for i, p in enumerate(targets) for v in range(registers)]
 
     def row(index: str, acc: str) -> PassRow:
         return PassRow(index, block(_row_scalars(ops, index, next_w)),
@@ -233,17 +236,77 @@ def _row_scalars(ops: MatrixOperands, k: str, next_w: tuple[str, ...]) -> list[s
     return lines + [f"const T wn{i} = {w}[{k}];" for i, w in enumerate(next_w)]
 
 
+def _fma(target: str, a: str, b: str, vector: bool = True) -> str:
+    """C of target += a·b (a a scalar; b and target registers, or scalars where vector=False): in registers
+    through lr_fma, rounded once whatever gcc's contraction decides (c_common.h.j2 says why)."""
+    return f"{target} = lr_fma({a}, {b}, {target});" if vector else f"{target} += {a} * {b};"
+
+
+def _update(s: str, start: str, terms: list[tuple[str, str]], vector: bool) -> str:
+    """C of s = start + Σ x·y over terms (x, y), added in their order, each rounded once in registers."""
+    if not vector:
+        return f"{s} = {start}" + "".join(f" + {x} * {y}" for x, y in terms) + ";"
+    code = start
+    for x, y in terms:
+        code = f"lr_fma({x}, {y}, {code})"
+    return f"{s} = {code};"
+
+
 def _register_statements(ops: MatrixOperands, v: int, acc: str, lanes: int | None, nexts: int) -> list[str]:
     """Register v of a row (lanes=None: the row's single column of a column tail): the readouts before the
     update, the update, the readouts after it and the next token's p, accumulated into `acc`'s sums."""
+    vector = bool(lanes)
     lines = [f"vec s{v} = {_load(ops, f'row + {v * lanes}')};" if lanes else f"T s{v} = row[0];"]
-    lines += [f"{acc}{i}_{v} += qb{i} * s{v};" for i in range(len(ops.before))]
+    lines += [_fma(f"{acc}{i}_{v}", f"qb{i}", f"s{v}", vector) for i in range(len(ops.before))]
     if ops.update:
         scaled = f"d * s{v}" if ops.decay else f"s{v}"
-        lines.append(f"s{v} = {scaled}" + "".join(f" + x{g} * y{g}_{v}" for g in range(len(ops.lefts))) + ";")
+        lines.append(_update(f"s{v}", scaled, [(f"x{g}", f"y{g}_{v}") for g in range(len(ops.lefts))], vector))
         lines.append(_store(ops, f"row + {v * lanes}", f"s{v}") if lanes else f"row[0] = s{v};")
-    lines += [f"{acc}{len(ops.before) + i}_{v} += qa{i} * s{v};" for i in range(len(ops.after))]
-    return lines + [f"{acc}p{i}_{v} += wn{i} * s{v};" for i in range(nexts)]
+    lines += [_fma(f"{acc}{len(ops.before) + i}_{v}", f"qa{i}", f"s{v}", vector) for i in range(len(ops.after))]
+    return lines + [_fma(f"{acc}p{i}_{v}", f"wn{i}", f"s{v}", vector) for i in range(nexts)]
+
+
+def pair_pass(ops: MatrixOperands, second: MatrixOperands, *, lanes: int, columns: int, registers: int,
+              next_w: tuple[str, ...], next_p: tuple[str, ...]) -> RowPass:
+    """Two tokens in one pass over the rows of a matrix state without a decay multiply (no decay, or one
+    applied lazily): `ops` reads and writes token u's operands, `second` token u + 1's (its right vectors
+    already formed from its p, see TokenPair). Each register of a row is loaded and stored once for both
+    tokens: S + x_u⊗y_u (token u's readouts after its update and token u + 1's before it read that), then
+    + x_(u+1)⊗y_(u+1); the sums of next_w's w over the result go to next_p. A pass token after token loads
+    and stores a register of S per three multiply-adds, and two stores and four loads a cycle is more than
+    the core does (measured alone in L1: 68% of the multiply-add peak a token at a time, 96% two at a time).
+    One row at a time: each sum takes a multiply-add per row, at least its latency apart (the RowPass's
+    row_pair holds that row twice; the template's pair_row_pass reads the first)."""
+    assert ops.decay is None and second.decay is None and not ops.bits
+    tokens = (ops, second)
+    reads = [(t, rd, "before") for t in range(2) for rd in tokens[t].before]
+    reads += [(t, rd, "after") for t in range(2) for rd in tokens[t].after]
+    declarations = [_registers([f"y{t}{g}_{v} = lr_load({y} + j + {v * lanes})" for v in range(registers)],
+                               "const vec") for t in range(2) for g, y in enumerate(tokens[t].rights)]
+    declarations += [_registers([f"o{i}_{v} = {{0}}" for v in range(registers)], "vec") for i in range(len(reads))]
+    declarations += [_registers([f"op{i}_{v} = {{0}}" for v in range(registers)], "vec") for i in range(len(next_w))]
+    stores = [f"lr_store({rd.sums} + j + {v * lanes}, o{i}_{v});"
+              for i, (_, rd, _) in enumerate(reads) for v in range(registers)]
+    stores += [f"lr_store({p} + j + {v * lanes}, op{i}_{v});" for i, p in enumerate(next_p) for v in range(registers)]
+    scalars = [f"const T x{t}{g} = {x}[i];" for t in range(2) for g, x in enumerate(tokens[t].lefts)]
+    scalars += [f"const T q{i} = {rd.query}[i];" for i, (_, rd, _) in enumerate(reads)]
+    scalars += [f"const T wn{i} = {w}[i];" for i, w in enumerate(next_w)]
+
+    def register(v: int) -> str:
+        lines = [f"vec s{v} = lr_load(row + {v * lanes});"]
+        for t in range(2):
+            lines += [_fma(f"o{i}_{v}", f"q{i}", f"s{v}") for i, (r, _, when) in enumerate(reads)
+                      if r == t and when == "before"]
+            lines.append(_update(f"s{v}", f"s{v}", [(f"x{t}{g}", f"y{t}{g}_{v}") for g in range(len(tokens[t].lefts))],
+                                 True))
+            if t == 1:
+                lines.append(f"lr_store(row + {v * lanes}, s{v});")
+            lines += [_fma(f"o{i}_{v}", f"q{i}", f"s{v}") for i, (r, _, when) in enumerate(reads)
+                      if r == t and when == "after"]
+        return block(lines + [_fma(f"op{i}_{v}", f"wn{i}", f"s{v}") for i in range(len(next_w))])
+    row = PassRow("i", block(scalars), tuple(register(v) for v in range(registers)))
+    return RowPass(ops.name, ops.comment + ", two tokens a pass", ops.state, ops.ld, ops.rows, None,
+                   columns, registers * lanes, tuple(declarations), (row, row), None, tuple(stores), None, (), None)
 
 
 def correction_pass(ops: MatrixOperands, *, lanes: int, columns: int, registers: int) -> CorrectionPass:
@@ -255,7 +318,7 @@ def correction_pass(ops: MatrixOperands, *, lanes: int, columns: int, registers:
     def row(k: str, acc: str) -> CorrectionRow:
         lines = [f"const vec s{v} = {_load(ops, f'row + {v * lanes}')};" for v in range(registers)]
         for i, cr in enumerate(ops.corrections):
-            lines += [f"const T w{i} = {cr.w}[{k}];"] + [f"{acc}{i}_{v} += w{i} * s{v};" for v in range(registers)]
+            lines += [f"const T w{i} = {cr.w}[{k}];"] + [_fma(f"{acc}{i}_{v}", f"w{i}", f"s{v}") for v in range(registers)]
         return CorrectionRow(k, tuple(lines))
     tail = None
     if columns > whole:
