@@ -255,6 +255,22 @@ def require_counts(shape: CallShape, largest: int, backend: str) -> None:
                                     f"the call, or use the NumPy backend (backend='numpy')")
 
 
+def fits_out(given, shape: tuple, dtype) -> bool:
+    """Whether `given` may take a result of this shape and dtype in its own memory, as a kernel or a ufunc's
+    `out=` writes it: a writeable C-contiguous ndarray of exactly them."""
+    return isinstance(given, np.ndarray) and given.shape == tuple(shape) and given.dtype == dtype \
+        and given.flags.c_contiguous and given.flags.writeable
+
+
+def out_array(given, label: str, shape: tuple, dtype) -> np.ndarray:
+    """`given` (an array the caller passed for a result, named `label` in the message, e.g. "out['o']") when it
+    fits_out, else a clear error."""
+    if not fits_out(given, shape, dtype):
+        raise RuntimeInputError(f"{label} must be a writeable C-contiguous {np.dtype(dtype)} array of shape "
+                                f"{list(shape)}")
+    return given
+
+
 def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, dims: dict) -> None:
     """The states a decode step updates in place (inplace=True, bind_step): each given one a writeable
     C-contiguous array of the inputs' dtype and its [B, H, *] shape, on every backend (the compiled step
@@ -264,8 +280,7 @@ def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, di
         if arr is None:
             continue
         expected = (shape.batch, shape.heads) + tuple(dims[d] for d in s.shape)
-        if not (type(arr) is np.ndarray and arr.dtype == shape.dtype and arr.shape == expected
-                and arr.flags.c_contiguous and arr.flags.writeable):
+        if not (type(arr) is np.ndarray and fits_out(arr, expected, shape.dtype)):
             raise not_in_place(s.name, arr, shape.dtype, expected)
 
 
@@ -276,13 +291,8 @@ def token_outputs(program: ir.Program, out: dict | None, shape: CallShape, dims:
     for o in program.outputs:
         wanted = (shape.batch, shape.heads) + tuple(dims[d] for d in o.value.shape)
         given = (out or {}).get(o.name)
-        if given is None:
-            given = np.empty(wanted, shape.dtype)
-        elif not (type(given) is np.ndarray and given.shape == wanted and given.dtype == shape.dtype
-                  and given.flags.c_contiguous and given.flags.writeable):
-            raise RuntimeInputError(f"out['{o.name}'] must be a writeable C-contiguous {shape.dtype} array of "
-                                    f"shape {list(wanted)}")
-        outputs[o.name] = given
+        outputs[o.name] = np.empty(wanted, shape.dtype) if given is None else \
+            out_array(given, f"out['{o.name}']", wanted, shape.dtype)
     return outputs
 
 

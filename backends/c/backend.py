@@ -221,14 +221,8 @@ class CRecurrent:
         for o in p.outputs:
             shape = (batch, tokens, heads) + tuple(k.dims[d] for d in o.value.shape)
             given = (out or {}).get(o.name)
-            if given is None:
-                outputs[o.name] = self._outputs.take(shape, dtype)
-            elif not (isinstance(given, np.ndarray) and given.shape == shape and given.dtype == dtype
-                      and given.flags.c_contiguous and given.flags.writeable):
-                raise RuntimeInputError(f"out['{o.name}'] must be a writeable C-contiguous {dtype} array of shape "
-                                        f"{list(shape)}")
-            else:
-                outputs[o.name] = given
+            outputs[o.name] = self._outputs.take(shape, dtype) if given is None else \
+                arrays.out_array(given, f"out['{o.name}']", shape, dtype)
         threads = c_build.num_threads() if num_threads is None else int(num_threads)
         parts = self.value_parts(dtype, k.dims, batch * heads, tokens, threads) if stops is None else 1
         if parts > 1:  # fewer heads than threads: (head, part of the value axis) as the unit of work
@@ -244,8 +238,10 @@ class CRecurrent:
                                         f"({', '.join(st.name for st in p.states)}) and no stabilized state (their "
                                         "snapshots come with a log-scale)")
             shapes = {st.name: tuple(k.dims[d] for d in st.shape) for st in p.states}
-            snapshots = {st.name: _snapshot_target(into[st.name], st.name, (batch, heads, len(stops) + 1) +
-                                                   shapes[st.name], dtype) if st.name in into else
+            # (into: the kernel writes every element of each but index 0 of its third axis)
+            snapshots = {st.name: arrays.out_array(into[st.name], f"into['{st.name}']",
+                                                   (batch, heads, len(stops) + 1) + shapes[st.name], dtype)
+                         if st.name in into else
                          np.empty(lead + shapes[st.name], dtype) for st in p.states}
             snapshots |= {key: np.empty(lead, dtype) for key, _ in self.scales}
             pointers = [fb(ptr, a) for a in snapshots.values()]  # (kept alive through the call)
@@ -293,16 +289,6 @@ class CRecurrent:
     def slot_step(self, params, dims, state_is_bf16: bool = False) -> SlotStep:
         """The decode step over a pool of states, by slot (capabilities.steps_slots: the fused kernel's)."""
         return SlotStep(self, params, dims, state_is_bf16)
-
-def _snapshot_target(given, name: str, shape: tuple, dtype) -> np.ndarray:
-    """forward_snapshots' `into` array for a state, checked: the kernel writes every element but index 0 of
-    its third axis."""
-    if not (isinstance(given, np.ndarray) and given.shape == shape and given.dtype == dtype
-            and given.flags.c_contiguous and given.flags.writeable):
-        raise RuntimeInputError(f"into['{name}'] must be a writeable C-contiguous {dtype} array of shape "
-                                f"{list(shape)}")
-    return given
-
 
 def _true_scale(state: np.ndarray, log_scale: np.ndarray, dtype) -> np.ndarray:
     """A state [B, H, *] carried as S·exp(−σ), σ [B, H] (NaN: 0), back at its true scale S."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import fits_out
 from ..numpy import runtime as numpy_runtime
 from ..numpy import vjp as numpy_vjp
 from ..templating import environment
@@ -63,7 +64,7 @@ def vjp_l2norm(x, g, eps=1e-6, out=None):
     if not _rows(x, g):
         return numpy_vjp.vjp_l2norm(x, g, eps=eps, out=out)
     k, t = _kernel(), CTYPES[x.dtype]
-    out = out if numpy_vjp.fits_result(out, x.shape, x.dtype) else np.empty_like(x)
+    out = out if fits_out(out, x.shape, x.dtype) else np.empty_like(x)
     rows, n = x.size // x.shape[-1], x.shape[-1]
     ptr = t + " *"
     getattr(k.lib, f"lr_vjp_l2norm_{t}")(k.ffi.from_buffer(ptr, x), k.ffi.from_buffer(ptr, g),

@@ -55,13 +55,8 @@ class SlotStep:
         for o in p.outputs:
             shape = (requests, heads) + tuple(dims[d] for d in o.value.shape)
             given = (out or {}).get(o.name)
-            if given is None:
-                given = np.empty(shape, dtype)
-            elif not (type(given) is np.ndarray and given.shape == shape and given.dtype == dtype
-                      and given.flags.c_contiguous and given.flags.writeable):
-                raise RuntimeInputError(f"out['{o.name}'] must be a writeable C-contiguous {dtype} array of shape "
-                                        f"{list(shape)}")
-            outputs[o.name] = given
+            outputs[o.name] = np.empty(shape, dtype) if given is None else \
+                arrays.out_array(given, f"out['{o.name}']", shape, dtype)
         keep += list(outputs.values())
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         state_ptr = "uint16_t[]" if self.state_is_bf16 else ptr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import fits_out
 from ..dsl.errors import RuntimeInputError
 from .attention import lsh_attention_backward, lsh_attention_bucketed_backward
 from .runtime import sigmoid
@@ -141,19 +142,12 @@ def vjp_l2norm(x, g, eps=1e-6, out=None):
     # than np.sum(…, axis=-1) at n = 64 — the C backward's chain rule calls this on [B, T, H, dk] arrays)
     r = np.sqrt(np.einsum("...i,...i->...", x, x)[..., None] + eps)
     xg = np.einsum("...i,...i->...", x, g)[..., None]  # (before out, which may be g, is written)
-    if fits_result(out, np.broadcast_shapes(np.shape(g), np.shape(r)), np.result_type(g, r)):
+    if fits_out(out, np.broadcast_shapes(np.shape(g), np.shape(r)), np.result_type(g, r)):
         np.divide(g, r, out=out)
     else:
         out = g / r
     out -= x * (xg / r ** 3)
     return out
-
-
-def fits_result(out, shape, dtype) -> bool:
-    """Whether `out` may take a result of this shape and dtype as it is: a writeable C-contiguous array of
-    them (None: no)."""
-    return isinstance(out, np.ndarray) and out.shape == tuple(shape) and out.dtype == dtype and \
-        out.flags.c_contiguous and out.flags.writeable
 
 
 def vjp_rmsnorm(x, g, eps=1e-6):
