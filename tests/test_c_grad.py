@@ -176,6 +176,22 @@ def test_key_blocks_and_both_ways_of_the_decay_gradient(recs):
                            {k: v[1:] for k, v in want.grads.items() if np.ndim(v) == 4}) <= 1e-9, name
 
 
+def test_gradients_held_by_the_caller_are_never_reused(recs):
+    """The kernels' gradient arrays are recycled between calls (c.grad_calls.GRADIENT_ARRAYS) only once the
+    caller has dropped them: a result kept — or a view of one — keeps its values through later calls."""
+    rec = recs["gla"]
+    x, up, s0, gT = _call(rec, 1, 13, 2, seed=7)
+    first = rec.vjp(x, up, initial_state=s0, dims=DIMS, backend="c")
+    kept = {k: v.copy() for k, v in first.grads.items()}
+    view = first.grads["q"][0]
+    x2, up2, _, _ = _call(rec, 1, 13, 2, seed=8)
+    rec.vjp(x2, up2, initial_state=s0, dims=DIMS, backend="c")
+    assert all(np.array_equal(first.grads[k], kept[k]) for k in kept)
+    del first
+    rec.vjp(x2, up2, initial_state=s0, dims=DIMS, backend="c")
+    assert np.array_equal(view, kept["q"][0])
+
+
 def test_resets(recs):
     """Log-decays of exactly −∞ (a decay of 0): as on NumPy, and ∂g is 0 at a reset (float32 too)."""
     rec = recs["gla"]
