@@ -6,7 +6,9 @@ scans replaced: each state's per-token arrays of the decomposition — log-decay
 or value-side ones (a, b), writes (key, value), readout queries — go to C kernels (c.grad_scans picks them:
 c.grad_kernels, c.grad_elementwise or c.grad_value_side) that run the forward token by token, keeping a
 checkpoint every `chunk_size` tokens (default √T), and then the adjoint recurrence in reverse, segment by
-segment, each segment's states recomputed from its checkpoint. A non-causal program's readouts are taken of
+segment, each segment's states recomputed from its checkpoint. Where the program fits the fused recurrent kernel
+(c.grad_forward) the forward is that kernel's, keeping every state's checkpoints at the same tokens: one segment
+for all the states (c.grad_scans.common_segment). A non-causal program's readouts are taken of
 the final state by the module itself (as the NumPy one does); a program derived in stages runs each stage's such module, from the last
 (linrec.stages.Staged: CBackend.staged_gradient_forms). The chain
 rule from the outputs to the readouts and from the per-token arrays to the inputs and params
