@@ -155,6 +155,27 @@ def test_emitted_backward_calls_the_kernels(recs):
     assert "# adjoint of S.correction0_u" in text  # the corrections' adjoints, into the expressions they come from
 
 
+def test_key_blocks_and_both_ways_of_the_decay_gradient(recs):
+    """Without corrections the backward runs in blocks of the key axis, two passes each, and takes the decay's
+    gradient from sums over the tokens — or, for a pair whose decays are strong, keeps the states
+    (templates/c_grad.c.j2, LR_MILD_LOG_DECAY). Sizes of several key blocks in float64, the first pair's decays
+    strong and the second's mild, a decay per row (GLA) and per token (Mamba-2)."""
+    dims = {"dk": 96, "dv": 80}
+    s = grad_kernels.Structure("row", 0, 1, (False,), 96, 80, "double", c_build.vector_bytes())
+    assert -(-96 // s.lanes) // grad_kernels.backward_registers(s) >= 2  # (key blocks)
+    for name, decay in (("gla", "g"), ("mamba2", "dt")):
+        rec = recs[name]
+        x = rec.random_inputs(batch=2, tokens=21, heads=1, dims=dims, seed=3)
+        x[decay][0] *= 40.0  # (log-decays down to about −20 for the first pair)
+        rng = np.random.default_rng(4)
+        up = {o.name: rng.standard_normal(np.shape(x[rec.program.inputs[0].name])[:3] + (80,)) for o in rec.program.outputs}
+        want = rec.vjp(x, up, dims=dims)
+        got = rec.vjp(x, up, dims=dims, backend="c")
+        assert worst_error(got.grads, want.grads) <= 1e-9, name
+        assert worst_error({k: v[1:] for k, v in got.grads.items() if np.ndim(v) == 4},
+                           {k: v[1:] for k, v in want.grads.items() if np.ndim(v) == 4}) <= 1e-9, name
+
+
 def test_resets(recs):
     """Log-decays of exactly −∞ (a decay of 0): as on NumPy, and ∂g is 0 at a reset (float32 too)."""
     rec = recs["gla"]

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dsl.errors import RuntimeInputError
-from .buffers import RecycledArrays
+from ..numpy.vjp import hand_over
+from .buffers import RecycledArrays, aligned_empty
 from .build import CTYPES
 from .scan_kernels import call, chunk_of, operand
 
@@ -108,7 +109,8 @@ def backward(c: Call, k, function: str, read_widths, checkpoints, chunk, grad_re
     seg, _ = c.segments(chunk)
     grads = [operand(g, dtype, c.lead + (n,), f"the gradient of readout {i}")
              for i, (g, n) in enumerate(zip(grad_readouts, read_widths))]
-    outs = [np.empty(c.lead + (n,), dtype) for n in c.structure.widths]
+    # (aligned: the kernel streams whole rows past the caches; handed over: the module's own to keep)
+    outs = [hand_over(aligned_empty(c.lead + (n,), dtype)) for n in c.structure.widths]
     final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
     if batch * heads == 0 or tokens == 0:
         for o in outs:

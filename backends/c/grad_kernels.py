@@ -14,7 +14,9 @@ s0 [B, H, K, V] (a vector state: one column, V = 1); log_decay None or [B, T, H,
 forward token by token, keeping the state before every `chunk` tokens (the checkpoints; None: about √T,
 see c.grad_calls.default_segment); adjoint_recurrent
 runs the adjoint recurrence in reverse, segment by segment from the last, the segment's states recomputed
-from its checkpoint. The arithmetic is in the initial state's dtype (float32 or float64). A kernel is
+from its checkpoint — or, without corrections, in two passes that keep no state (the update again from the
+initial state for ∂q, then the adjoint in reverse; the decay's gradient from sums over the tokens), unless the
+decays are strong (templates/c_grad.c.j2, "the backward without corrections"). The arithmetic is in the initial state's dtype (float32 or float64). A kernel is
 specialized per structure (decay none, per token or per row; the numbers of corrections, writes and
 readouts, and which readouts read the state before the update), per size (K and V compile-time constants)
 and per dtype, built once through c_build (cffi, cached on disk) and memoized.
@@ -91,14 +93,44 @@ def tile_rows(s: Structure) -> int:
     return max(1, 16 // forward_registers(s))
 
 
+def backward_registers(s: Structure) -> int:
+    """Registers of a row in one key block of the backward without corrections: its state and adjoint carried
+    transposed, [DV × DKP] (templates/c_grad.c.j2, KCOLS) — forward_registers with the axes' roles swapped."""
+    registers = -(-s.dk // s.lanes)
+    fits = [n for n in range(1, registers + 1)
+            if registers % n == 0 and s.dv * n * s.vector_bytes <= FORWARD_BLOCK_BYTES]
+    return max(fits, default=1)
+
+
+def row_sum_tree(lanes: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """The shuffles that sum the lanes of `lanes` registers at once (templates/c_grad.c.j2, lr_row_sums): at
+    each level, pairs of registers (a, b) become lo(a, b) + hi(a, b), every block of 2h lanes of the result
+    holding h partial sums of a's row, then h of b's, for h = lanes/2, lanes/4, …, 1 — (lo masks, hi masks,
+    one per level) for __builtin_shuffle(a, b, mask) (an index ≥ lanes picks b's lane − lanes); and, per
+    lane i of the result, the register to give row i in (the levels interleave the registers' bits in
+    reverse order)."""
+    lo, hi = [], []
+    h = lanes // 2
+    while h >= 1:
+        lo.append([(0 if i % (2 * h) < h else lanes) + i // (2 * h) * 2 * h + i % h for i in range(lanes)])
+        hi.append([m + h for m in lo[-1]])
+        h //= 2
+    regs = [[r] * lanes for r in range(lanes)]  # which register's row each lane sums, level by level
+    for mask in lo:
+        regs = [[(regs[2 * i] + regs[2 * i + 1])[m] for m in mask] for i in range(len(regs) // 2)]
+    return lo, hi, regs[0]
+
+
 def render(s: Structure) -> str:
     """The C source of one kernel."""
     lanes = s.lanes
+    tree_lo, tree_hi, tree_slot = row_sum_tree(lanes)
     return environment(__package__).get_template("c_grad.c.j2").render(
         # (c_common.h.j2: LR_BLOCK is the tiled forward's block of tokens; the inputs are not range-checked)
         **common_context(Target(s.ctype, s.vector_bytes)), block_tokens=FORWARD_BLOCK_TOKENS, checks_inputs=False,
         fcols=forward_registers(s), fcols_bytes=FORWARD_BLOCK_BYTES,
-        tile_rows=tile_rows(s),
+        tile_rows=tile_rows(s), kcols=backward_registers(s), tile_rows_backward=max(1, 16 // backward_registers(s)),
+        tree_lo=tree_lo, tree_hi=tree_hi, tree_slot=tree_slot,
         version=VERSION, description=s.describe(),
         dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),

@@ -7,12 +7,36 @@ nonzero upstream gradient they raise RuntimeInputError naming the place in the p
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..arrays import fits_out
 from ..dsl.errors import RuntimeInputError
 from .attention import lsh_attention_backward, lsh_attention_bucketed_backward
 from .runtime import sigmoid
+
+
+# Arrays a kernel made and handed to the generated code as its own, though views: the C kernels write some
+# results into cache-line aligned memory (linrec.c.buffers.aligned_empty: a view into a larger buffer, so that
+# whole lines can be streamed past the caches), which no one else holds. By id, each entry dropped with its array.
+_HANDED_OVER: dict[int, weakref.ref] = {}
+
+
+def hand_over(array: np.ndarray) -> np.ndarray:
+    """Mark a new array the caller made (a view of memory of its own) as one own_array and in_place may keep
+    and write into, as they do an array that is not a view."""
+    key = id(array)
+    _HANDED_OVER[key] = weakref.ref(array, lambda _, key=key: _HANDED_OVER.pop(key, None))
+    return array
+
+
+def _owns_memory(v: np.ndarray) -> bool:
+    """Not a view of another array's memory — or a view hand_over was given."""
+    if v.base is None:
+        return True
+    ref = _HANDED_OVER.get(id(v))
+    return ref is not None and ref() is v
 
 
 def own_array(value, shape, dtype, keep: bool) -> np.ndarray:
@@ -22,7 +46,7 @@ def own_array(value, shape, dtype, keep: bool) -> np.ndarray:
     shape and dtype (not a view), else a copy broadcast to the shape. Over [B, T, H, *] arrays this saves a
     pass of zeros and one of adds, or a copy."""
     v = np.asarray(value)
-    if keep and v.shape == tuple(shape) and v.dtype == dtype and v.base is None:
+    if keep and v.shape == tuple(shape) and v.dtype == dtype and _owns_memory(v):
         return v
     out = np.empty(shape, dtype)
     out[...] = v
@@ -53,7 +77,7 @@ def negated(array):
 def _writable_as(array, other) -> bool:
     """Whether `array op other` fits array's memory: an array of its own (not a view), writeable, float, which
     the result neither outgrows (broadcast) nor converts (dtype)."""
-    if not (isinstance(array, np.ndarray) and array.base is None and array.flags.writeable and array.ndim
+    if not (isinstance(array, np.ndarray) and _owns_memory(array) and array.flags.writeable and array.ndim
             and array.dtype.kind == "f"):
         return False
     if other is None:
