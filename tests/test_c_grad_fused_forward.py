@@ -72,13 +72,14 @@ def test_fused_forward_against_the_numpy_recurrent_backward(recs, name, monkeypa
     assert answered == [True] * len(CASES)
 
 
-@pytest.mark.parametrize("name", ["gla", "gated_deltanet"])
-def test_above_min_work_the_same_as_the_kernels_own_forward(recs, name, monkeypatch):
+@pytest.mark.parametrize("name, decay_scale", [("gla", None), ("gla", 40.0), ("gated_deltanet", None)])
+def test_above_min_work_the_same_as_the_kernels_own_forward(recs, name, decay_scale, monkeypatch):
     """A call above MIN_WORK (B·T·H·K·V = 4.2M; the default segment, √T): the vjp with the fused forward
     equals the one with the kernels' own forward (MIN_WORK raised past the call) to 1e-12 in float64 — a
-    decay per row (GLA), one per token with a correction (gated DeltaNet)."""
+    decay per row (GLA: mild, the backward from the initial state; strong, log-decays to about −20, the
+    backward from every checkpoint), one per token with a correction (gated DeltaNet: every checkpoint)."""
     rec = recs[name]
-    x, up, s0, gT = _call(rec, 1, 60000, 2, seed=5)
+    x, up, s0, gT = _call(rec, 1, 60000, 2, seed=5, decay_scale=decay_scale)
     assert 60000 * 2 * DIMS["dk"] * DIMS["dv"] >= grad_forward.MIN_WORK
     answered = _counting_fused_calls(monkeypatch)
     fused = _vjp(rec, x, up, s0, gT)
@@ -86,7 +87,7 @@ def test_above_min_work_the_same_as_the_kernels_own_forward(recs, name, monkeypa
     own = _vjp(rec, x, up, s0, gT)
     assert answered == [True, False]
     for what in ("grads", "outputs", "final_state"):
-        assert worst_error(getattr(fused, what), getattr(own, what)) <= 1e-12, (name, what)
+        assert worst_error(getattr(fused, what), getattr(own, what)) <= 1e-12, (name, decay_scale, what)
 
 
 def test_one_segment_for_all_states_by_the_largest():
