@@ -129,16 +129,27 @@ def _gradient_array(what: str, value, expected: tuple, label: str, dtype: np.dty
 
 def _check_finite(rec, inputs, params, state0, outputs, final, grads) -> None:
     """Finite arguments whose forward by the statements overflows: the gradient is the statements' (for
-    stabilized exponential feature maps, their unstabilized math), and it is not finite there."""
-    def finite(values) -> bool:
-        return all(np.all(np.isfinite(v)) for v in values)
-    if not finite([*inputs.values(), *params.values(), *state0.values()]):
-        return  # (non-finite in, non-finite out: docs/guarantees.md)
-    for what, values in (("output", outputs), ("final state", final)):
-        for name, value in values.items():
-            if not np.all(np.isfinite(value)):
-                raise RuntimeInputError(f"the {what} '{name}' of the statements as written is not finite for these "
-                                        f"(finite) arguments: the backward differentiates the statements as "
-                                        f"written — for exponential feature maps, without the stabilization of "
-                                        f"the forward forms — and they overflow here; scale the inputs down, or "
-                                        f"run in float64")
+    stabilized exponential feature maps, their unstabilized math), and it is not finite there. The results are
+    read first, the arguments only where one is not finite (with finite results there is nothing to report)."""
+    bad = next(((what, name) for what, values in (("output", outputs), ("final state", final))
+                for name, value in values.items() if not all_finite(value)), None)
+    if bad is None or not all(map(all_finite, [*inputs.values(), *params.values(), *state0.values()])):
+        return  # (finite results; or non-finite in, non-finite out: docs/guarantees.md)
+    what, name = bad
+    raise RuntimeInputError(f"the {what} '{name}' of the statements as written is not finite for these (finite) "
+                            f"arguments: the backward differentiates the statements as written — for exponential "
+                            f"feature maps, without the stabilization of the forward forms — and they overflow "
+                            f"here; scale the inputs down, or run in float64")
+
+
+def all_finite(value) -> bool:
+    """Whether every element of the array is finite: its sum, where that is finite (one pass, no array of
+    flags: a sum with a NaN or an infinity in it is not finite), else element by element (finite values can
+    sum to an overflow)."""
+    value = np.asarray(value)
+    if value.dtype.kind not in "fc":  # (integers and booleans: always)
+        return True
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.sum(value)):
+            return True
+    return bool(np.isfinite(value).all())

@@ -6,7 +6,9 @@ scans replaced: each state's per-token arrays of the decomposition — log-decay
 or value-side ones (a, b), writes (key, value), readout queries — go to C kernels (c.grad_scans picks them:
 c.grad_kernels, c.grad_elementwise or c.grad_value_side) that run the forward token by token, keeping a
 checkpoint every `chunk_size` tokens (default √T), and then the adjoint recurrence in reverse, segment by
-segment, each segment's states recomputed from its checkpoint. A non-causal program's readouts are taken of
+segment, each segment's states recomputed from its checkpoint. Where the program fits the fused recurrent kernel
+(c.grad_forward) the forward is that kernel's, keeping every state's checkpoints at the same tokens: one segment
+for all the states (c.grad_scans.common_segment). A non-causal program's readouts are taken of
 the final state by the module itself (as the NumPy one does); a program derived in stages runs each stage's such module, from the last
 (linrec.stages.Staged: CBackend.staged_gradient_forms). The chain
 rule from the outputs to the readouts and from the per-token arrays to the inputs and params
@@ -24,9 +26,10 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad_scans, rows
+from . import grad_forward, grad_scans, rows
 
 SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
+SEGMENT = "common_segment"  # (the one segment of every state, where the forward is the fused kernel's)
 
 
 def why_not(compiled: Compiled) -> str | None:
@@ -65,18 +68,31 @@ class _CEmitter(DecomposedEmitter):
     """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
     (which take the NumPy scans' arguments and give their results)."""
 
-    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS}  # (rows' helpers: first)
+    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS | {SEGMENT}}  # (rows': first)
     scans = SCANS
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
     no_decay = "None  # no decay"  # (the kernel skips it, rather than decay by exp(0))
     scan_grads_owned = True  # (adjoint_recurrent's gradients: an np.empty array each)
+    # the forward may be the fused recurrent kernel's (load() gives the module its fused_forward: c.grad_forward),
+    # which keeps the state before every `chunk` tokens in the layout all three kernels of c.grad_scans read
+    # ([B, H, ⌈T/chunk⌉, K, V], each state in its declared layout: fused_fits)
+    fused_forward = True
 
     def __init__(self, compiled: Compiled):
         super().__init__(compiled, "recurrent")
 
+    def fused_fits(self) -> bool:
+        return super().fused_fits() and grad_forward.fits(self.c)
+
     def chunk_code(self) -> str:
-        return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_calls.default_segment)"
+        if not self.forward_fused():  # (each state's kernel picks its own segment)
+            return "chunk_size  # tokens per checkpoint (None: about √T, linrec.c.grad_calls.default_segment)"
+        # the fused forward keeps every state's checkpoints at the same tokens, so one segment for all the states,
+        # by default_segment's rule for the largest (within its bound of a segment's states, as each is alone)
+        self.helpers.add(SEGMENT)
+        states = ", ".join(f"initial_state[\"{st.name}\"]" for st in self.p.states)
+        return f"chunk_size or {SEGMENT}(tokens, [{states}])  # tokens per checkpoint, the same for every state"
 
 
 def emit(compiled: Compiled) -> str:
@@ -90,4 +106,6 @@ def emit(compiled: Compiled) -> str:
 def load(compiled: Compiled):
     module = numpy_backend.module_from_source(emit(compiled), compiled, "recurrent", "C backward")
     module.form = "recurrent"
+    if grad_forward.fits(compiled):
+        module.fused_forward = grad_forward.FusedForward(compiled)  # (the forward the module may call)
     return module

@@ -1,8 +1,11 @@
-"""The C parallel and chunkwise backward's forward from the fused recurrent kernel (c.fused: the fastest forward),
-which writes the state before each chunk as it passes it (CRecurrent.forward_snapshots) where the chunk kernels
-read it ([B, H, n, K, V], `into`: no copy from the snapshots' [B, n, H, K, V]). Without it the chunk backward
-runs the recurrent backward's forward (grad_chunk_kernels.chunk_checkpoints) for the same states: the update
-token by token with every state's decay kept, two to five times the fused kernel's time.
+"""The C backward's forward from the fused recurrent kernel (c.fused: the fastest forward), which writes the
+state before each chunk as it passes it (CRecurrent.forward_snapshots) where the backward kernels read it
+([B, H, n, K, V], `into`: no copy from the snapshots' [B, n, H, K, V]): the forward of the parallel and
+chunkwise backward (c.grad_chunk) and of the recurrent one (c.grad: a chunk is then a segment between
+checkpoints, which its kernels read in the same layout, c.grad_calls). Without it the backward runs the
+recurrent backward kernels' own forward (grad_chunk_kernels.chunk_checkpoints, grad_scans.adjoint_checkpoints)
+for the same states: the update token by token with every state's decay kept, two to five times the fused
+kernel's time.
 
     fits(compiled)                     whether the fused kernel takes the program as the backward needs it
     FusedForward(compiled)(inputs, params, initial_state, dims, chunk)

@@ -21,6 +21,12 @@ read of the state as it is.)
 
 (A non-causal program's readouts read the final state: the generated module calls these without readouts and
 takes them, and their adjoints, itself — numpy.adjoint_derived.DecomposedEmitter.)
+
+    chunk = common_segment(tokens, initial_states)
+
+the tokens per checkpoint of every state of a call, where the module's forward is the fused kernel (c.grad_forward):
+that kernel keeps the states before the same tokens for all states, so each state's adjoint_recurrent must take
+that one segment rather than pick its own.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import numpy as np
 
 from ..dsl.errors import LinrecError
 from ..numpy.adjoint_scan import ScanGrads
-from . import grad_elementwise, grad_kernels, grad_value_side
+from . import grad_calls, grad_elementwise, grad_kernels, grad_value_side
 
 
 def _kernel(log_decay, queries, corrections, value_log_decay, value_corrections) -> str:
@@ -45,6 +51,17 @@ def unchanging(log_decay, writes, queries, corrections, value_log_decay, value_c
     """The state has no per-token arrays at all (`S = S`, read by no readout): it stays its initial state."""
     return log_decay is None and value_log_decay is None and not (writes or queries or corrections or
                                                                    value_corrections)
+
+
+def common_segment(tokens: int, initial_states) -> int:
+    """Tokens per checkpoint for all the states of a call (initial states [B, H, K, V]): default_segment's rule
+    (√T) for the largest state in its working dtype (float32, else float64). Each state's backward keeps a
+    segment's states in a buffer per thread, so the largest state's bound (SEGMENT_BYTES) keeps every state's
+    buffer within it; a smaller state then has more checkpoints than it would choose alone."""
+    def working_bytes(s0) -> int:
+        s0 = np.asarray(s0)
+        return int(np.prod(s0.shape[2:])) * (4 if s0.dtype == np.float32 else 8)
+    return grad_calls.default_segment(tokens, max((working_bytes(s0) for s0 in initial_states), default=0))
 
 
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,

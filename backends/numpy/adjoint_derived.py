@@ -98,8 +98,7 @@ class DecomposedEmitter(BackwardEmitter):
         body += ["", f"{self.chunk} = {self.chunk_code()}"]
         self.helpers |= {"per_token"} | self.scans
         self.helpers.add("own_array")
-        # (the fused kernel gives the outputs, not the readouts q·S: a chain rule that reads one needs the scans)
-        fused = self.fused_forward and self.fused_fits() and not self.chain_rule_reads_readouts()
+        fused = self.forward_fused()
         adjoint = self.adjoint_lines(prelude, fused)
         fwd = self.fused_result
         if fused:
@@ -128,6 +127,11 @@ class DecomposedEmitter(BackwardEmitter):
         lines = in_place_products(first_contributions(body + adjoint, owned), owned)
         self.helpers |= {h for h in ("in_place", "negated") if any(f"{h}(" in x for x in lines)}
         return lines
+
+    def forward_fused(self) -> bool:
+        """Whether the module calls fused_forward (falling back on the states' forward scans when it gives None)."""
+        # (the fused kernel gives the outputs, not the readouts q·S: a chain rule that reads one needs the scans)
+        return self.fused_forward and self.fused_fits() and not self.chain_rule_reads_readouts()
 
     def chain_rule_reads_readouts(self) -> bool:
         """Whether an adjoint statement of the chain rule reads a readout's value (q·S itself, say through
