@@ -73,7 +73,7 @@ class _CEmitter(DecomposedEmitter):
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
     no_decay = "None  # no decay"  # (the kernel skips it, rather than decay by exp(0))
-    scan_grads_owned = True  # (adjoint_recurrent's gradients: an np.empty array each)
+    scan_grads_owned = True  # (adjoint_recurrent's gradients: arrays of their own, numpy.vjp.hand_over)
     # the forward may be the fused recurrent kernel's (load() gives the module its fused_forward: c.grad_forward),
     # which keeps the state before every `chunk` tokens in the layout all three kernels of c.grad_scans read
     # ([B, H, ⌈T/chunk⌉, K, V], each state in its declared layout: fused_fits)
