@@ -22,8 +22,8 @@ import pytest
 
 from fuzzing import COMMAND_LINE_EVERY, Stats, exercise, programs, summarize
 
-DEFAULT_PROGRAMS = 2500
-DEFAULT_C = 32
+DEFAULT_PROGRAMS = 2000
+DEFAULT_C = 30
 DEFAULT_GRAD_EVERY = 30  # gradients of one NumPy program in this many (~0.15 s each with finite differences)
 DEFAULT_GRAD_C = 2       # C programs whose C gradient forms are checked (a backward build costs ~1 s)
 BATCH = 250
