@@ -1124,7 +1124,7 @@ def build_parser() -> argparse.ArgumentParser:
                              description=summary + ("\n\n" + textwrap.fill(" ".join(rest.split()), 88)
                                                     if rest else ""))
         add_arguments(cmd)
-        cmd.set_defaults(handler=handler)
+        cmd.set_defaults(handler=handler, command_parser=cmd)
     return parser
 
 
@@ -1142,7 +1142,10 @@ def main(argv: list[str] | None = None) -> int:
         except (AttributeError, ValueError):
             pass
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # (a command's unknown option is the command's usage error: its name and its --help, not the top level's)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return 1

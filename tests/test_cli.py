@@ -26,6 +26,15 @@ def test_check_reports_classes_and_forms(path, capsys):
         assert form in text
 
 
+def test_an_unknown_option_names_its_command(capsys):
+    for argv, prog in ((["verify", str(EXAMPLES[0]), "--tokens", "1"], "linrec verify"), (["--bogus"], "linrec")):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 1
+        assert err.startswith(f"{prog}: error: unrecognized arguments: ") and f"(see '{prog} --help')" in err
+
+
 def test_emit_prints_python_source(capsys):
     assert main(["emit", str(EXAMPLES[0]), "--form", "chunkwise"]) == 0
     source = capsys.readouterr().out
