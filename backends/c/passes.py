@@ -146,7 +146,9 @@ def tiled_pass(ops: MatrixOperands, *, lanes: int, whole_registers: int, inputs:
 
 
 def _tile(ops: MatrixOperands, rows: int, across: int, lanes: int, last: str | None) -> Tile:
-    """A tile of `rows` rows × `across` registers, s{row}_{register}, at row rt and column j."""
+    """A tile of `rows` rows × `across` registers, s{row}_{register}, at row rt and column j. Its multiply-adds
+    are lr_fma's, rounded once whatever gcc's contraction decides: a part of the value axis (c.value_split)
+    then computes its columns bit for bit as the whole head does, by construction."""
     cells = [(r, c) for r in range(rows) for c in range(across)]
     offset = {(r, c): r * ops.ld + c * lanes for r, c in cells}
     loads = tuple(_registers([f"s{r}_{c} = lr_load(base + {offset[r, c]})" for c in range(across)], "vec")
@@ -162,8 +164,8 @@ def _tile(ops: MatrixOperands, rows: int, across: int, lanes: int, last: str | N
                       + [f"s{r}_{c} = {f'dp[{r}]' if d.vector else 'd'} * s{r}_{c};" for r, c in cells])
     if ops.update and ops.lefts:
         update = block([f"const T *xp{g} = {x} + rt;" for g, x in enumerate(ops.lefts)]
-                       + [f"s{r}_{c} = s{r}_{c}" + "".join(f" + xp{g}[{r}] * y{g}_{c}" for g in range(len(ops.lefts)))
-                          + ";" for r, c in cells])
+                       + [_update(f"s{r}_{c}", f"s{r}_{c}", [(f"xp{g}[{r}]", f"y{g}_{c}") for g in range(len(ops.lefts))],
+                                  True) for r, c in cells])
     # (stored back also by a pass that only reads, a non-causal program's readouts of the final state: the
     # template once tested a dict's `update`, which jinja took for the dict's method, and the C stays as it was)
     stores = tuple(f"lr_store(base + {offset[r, c]}, s{r}_{c});" for r, c in cells)
@@ -178,7 +180,7 @@ def _readout_tile(rd: ReadoutOperands, rows: int, across: int, lanes: int, last:
     streams = last is not None and rd.out is not None
     return ReadoutTile(
         rd.query, rd.sums, _registers([f"a{c} = lr_load(o + {c * lanes})" for c in range(across)], "vec"),
-        tuple(f"a{c} += q[{r}] * s{r}_{c};" for r in range(rows) for c in range(across)),
+        tuple(_fma(f"a{c}", f"q[{r}]", f"s{r}_{c}") for r in range(rows) for c in range(across)),
         tuple(f"lr_store(o + {c * lanes}, a{c});" for c in range(across)),
         last if streams else None, rd.out if streams else None,
         tuple(f"lr_stream_vec(out + {c * lanes}, a{c});" for c in range(across)) if streams else ())
