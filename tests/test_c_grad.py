@@ -73,6 +73,30 @@ def test_float32_within_5e_4_of_float64(recs, name):
         assert worst_error(got.grads, want.grads) <= 5e-4, (name, CASES[i])
 
 
+def _off_a_line(a: np.ndarray, offset: int = 8) -> np.ndarray:
+    """a copy of `a` starting `offset` bytes past a 64-byte boundary (as a view of a larger buffer)"""
+    buf = np.empty(a.nbytes + 128, np.uint8)
+    start = -buf.ctypes.data % 64 + offset
+    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def test_rows_of_one_register_off_a_cache_line(recs):
+    """Rows of exactly one SIMD register (float32, dk = dv = 16) that do not start on a 64-byte boundary, as
+    NumPy's arrays often do, through the backward that keeps no states (mild decays): gcc 12 once vectorized
+    the copy of a block's rows across its tokens with aligned loads, a segmentation fault here
+    (templates/c_grad.c.j2, lr_fill_token). The gradients within float32's tolerance of NumPy's in float64."""
+    rec, dims = recs["mamba2"], {"dk": 16, "dv": 16}
+    x = rec.random_inputs(batch=1, tokens=16, heads=2, dims=dims, seed=3)
+    x["dt"] = x["dt"] * 0.05  # (log-decays dt·A near 0: the two passes, not the states' way)
+    up = {"y": np.random.default_rng(4).standard_normal((1, 16, 2, 16))}
+    want = rec.vjp(x, up, dims=dims)
+    got = rec.vjp({k: _off_a_line(v.astype(np.float32)) for k, v in x.items()},
+                  {k: _off_a_line(v.astype(np.float32)) for k, v in up.items()}, dims=dims, backend="c")
+    assert worst_error(got.grads, want.grads) <= 5e-4
+
+
 def test_column_blocks_and_row_tiles(recs):
     """At dk = 70, dv = 61 (float64) the forward runs its columns in two blocks, the second one partly
     padding, and without corrections its tiles of rows leave a tail of single rows (grad_kernels:

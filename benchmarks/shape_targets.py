@@ -1,0 +1,188 @@
+"""The prefill targets at the shapes models use (issue #26) and the backward's ratio to the forward (issue #24),
+measured in interleaved rounds on a noisy machine.
+
+    python benchmarks/shape_targets.py prefill [--rounds 5] [--json]   # gla, gated_deltanet, gdn2; d = 64, 128, 256
+    python benchmarks/shape_targets.py grad [--rounds 3] [--json]      # gla, gated_deltanet, mamba2; d = 64, 128
+
+On a shared machine the speed drifts by tens of percent over minutes (this VM: GLA's prefill at d = 128 took
+23.6 ms in one `linrec bench` run and 16.0 ms in the next, ten minutes apart), so a table whose rows were
+timed minutes apart compares a fast spell with a slow one. Here every round measures everything once, back to
+back, and each figure is computed inside its round:
+
+    prefill   the cores' float32 multiply-add peak on 2 threads (fma_peak.py's method), then per program and
+              d = dk = dv the C recurrent form at B = 1, H = 8, T = 4096 on 2 threads (median of 3 calls of
+              Recurrence.run after a warm-up): the fraction of the bound its useful flops set at that peak
+              (targets: ≥ 80% GLA, ≥ 75% the delta rules);
+    grad      per program and d, the fastest forward (the C recurrent form) and each gradient form's
+              Recurrence.vjp (which runs its forward too) at B = 1, H = 8, T = 4096 on 2 threads: the fastest
+              backward over the fastest forward (target ≤ 3×).
+
+The report gives the median over rounds and the range (min–max); --json the rounds too. Float32 throughout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import linrec
+from fma_peak import fma_peak_gflops  # (benchmarks/, the script's own folder)
+from linrec import bench, gradients
+from linrec.compiler.adjoint import GRADIENT_FORMS
+from linrec.c import build as c_build
+from targets import run_ms
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: the example programs
+B, H, T = 1, 8, 4096
+PREFILL = {"programs": ["gla", "gated_deltanet", "gdn2"], "dims": [64, 128, 256],
+           "target": {"gla": 0.80, "gated_deltanet": 0.75, "gdn2": 0.75}}
+GRAD = {"programs": ["gla", "gated_deltanet", "mamba2"], "dims": [64, 128], "target": 3.0}
+
+
+def _load(name: str):
+    return linrec.load(ROOT / "examples" / f"{name}.lin")
+
+
+def _span(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _vjp_ms(rec, x, grads, form: str, calls: int = 3) -> float:
+    with c_build.threads(2):
+        rec.vjp(x, grads, form=form, backend="c")  # warm-up: builds or loads the kernels
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            rec.vjp(x, grads, form=form, backend="c")
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def measure_prefill(rounds: int, progress) -> dict:
+    cases = []
+    for name in PREFILL["programs"]:
+        rec = _load(name)
+        for d in PREFILL["dims"]:
+            dims = {"dk": d, "dv": d}
+            cases.append((name, d, rec, rec.random_inputs(B, T, H, dims=dims, dtype=np.float32, seed=0),
+                          bench.flop_count(rec, dims)[0] * B * T * H))
+    out = []
+    for r in range(rounds):
+        progress(f"prefill: round {r + 1}/{rounds} …")
+        peak = fma_peak_gflops(2)
+        rows = {}
+        for name, d, rec, x, useful in cases:
+            ms = run_ms(rec, x, 2)
+            rows[f"{name} d={d}"] = {"ms": ms, "fraction_of_fma_peak": useful / (peak * 1e6) / ms}
+        out.append({"fma_peak_gflops": peak, "rows": rows})
+    return {"rounds": out}
+
+
+def summarize_prefill(res: dict) -> dict:
+    rounds = res["rounds"]
+    rows = {key: {"ms": _span([r["rows"][key]["ms"] for r in rounds]),
+                  "fraction_of_fma_peak": _span([r["rows"][key]["fraction_of_fma_peak"] for r in rounds])}
+            for key in rounds[0]["rows"]}
+    return {"fma_peak_gflops": _span([r["fma_peak_gflops"] for r in rounds]), "rows": rows}
+
+
+def report_prefill(s: dict, rounds: int) -> str:
+    pk = s["fma_peak_gflops"]
+    lines = [f"{rounds} rounds; B = {B}, H = {H}, T = {T}, float32, 2 threads, the C recurrent form; multiply-add "
+             f"peak {pk['median']:.0f} GFLOP/s ({pk['min']:.0f}–{pk['max']:.0f}); median (min–max over rounds)", "",
+             "| program | " + " | ".join(f"d = {d}" for d in PREFILL["dims"]) + " | target |",
+             "|---|" + "---|" * (len(PREFILL["dims"]) + 1)]
+    for name in PREFILL["programs"]:
+        cells = []
+        for d in PREFILL["dims"]:
+            row = s["rows"][f"{name} d={d}"]
+            f = row["fraction_of_fma_peak"]
+            cells.append(f"{f['median']:.0%} ({f['min']:.0%}–{f['max']:.0%}), {row['ms']['median']:.2f} ms")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | ≥ {PREFILL['target'][name]:.0%} |")
+    return "\n".join(lines)
+
+
+def measure_grad(rounds: int, progress) -> dict:
+    cases = []
+    for name in GRAD["programs"]:
+        rec = _load(name)
+        forms = [f for f in GRADIENT_FORMS  # (those with a C backward, as linrec bench --grad times them)
+                 if not rec.decomposition.why_not(f) and not gradients.gradient_refusal(rec, f, "c")
+                 and (bench.max_tokens(f, "c") is None or T <= bench.max_tokens(f, "c"))]
+        for d in GRAD["dims"]:
+            x = rec.random_inputs(B, T, H, dims={"dk": d, "dv": d}, dtype=np.float32, seed=0)
+            outputs = rec.run(x, form="recurrent", backend="c").outputs
+            rng = np.random.default_rng(1)
+            grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in outputs.items()}
+            cases.append((name, d, rec, x, grads, forms))
+    out = []
+    for r in range(rounds):
+        progress(f"grad: round {r + 1}/{rounds} …")
+        rows = {}
+        for name, d, rec, x, grads, forms in cases:
+            forward = run_ms(rec, x, 2)
+            vjp = {form: _vjp_ms(rec, x, grads, form) for form in forms}
+            fastest = min(vjp, key=vjp.get)
+            rows[f"{name} d={d}"] = {"forward_ms": forward, "vjp_ms": vjp, "fastest": fastest,
+                                     "ratio": vjp[fastest] / forward}
+        out.append({"rows": rows})
+    return {"rounds": out}
+
+
+def summarize_grad(res: dict) -> dict:
+    rounds = res["rounds"]
+    rows = {}
+    for key in rounds[0]["rows"]:
+        per = [r["rows"][key] for r in rounds]
+        rows[key] = {"forward_ms": _span([p["forward_ms"] for p in per]),
+                     "vjp_ms": {f: _span([p["vjp_ms"][f] for p in per]) for f in per[0]["vjp_ms"]},
+                     "fastest": [p["fastest"] for p in per], "ratio": _span([p["ratio"] for p in per])}
+    return {"rows": rows}
+
+
+def report_grad(s: dict, rounds: int) -> str:
+    lines = [f"{rounds} rounds; B = {B}, H = {H}, T = {T}, float32, 2 threads, C; the fastest vjp (which runs its "
+             f"forward too) over the fastest forward (the recurrent form), median (min–max over rounds)", "",
+             "| program | d | forward ms | vjp ms per form | fastest | × forward | target |", "|---|---|---|---|---|---|---|"]
+    for key, row in s["rows"].items():
+        name, d = key.split(" d=")
+        forms = ", ".join(f"{f} {v['median']:.1f}" for f, v in row["vjp_ms"].items())
+        fastest = max(set(row["fastest"]), key=row["fastest"].count)
+        ratio = row["ratio"]
+        lines.append(f"| {name} | {d} | {row['forward_ms']['median']:.2f} | {forms} | {fastest} | "
+                     f"{ratio['median']:.1f}× ({ratio['min']:.1f}–{ratio['max']:.1f}) | ≤ {GRAD['target']:.0f}× |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[1:]))
+    parser.add_argument("what", choices=["prefill", "grad"], help="which targets")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds (default: 5 for prefill, 3 for grad)")
+    parser.add_argument("--json", action="store_true", help="print the rounds and the summary as JSON")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (5 if args.what == "prefill" else 3)
+    if rounds < 1:
+        parser.error("--rounds: expected a positive integer")
+    progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.what == "prefill":
+        res = measure_prefill(rounds, progress)
+        s = summarize_prefill(res)
+        text = report_prefill(s, rounds)
+    else:
+        res = measure_grad(rounds, progress)
+        s = summarize_grad(res)
+        text = report_grad(s, rounds)
+    print(json.dumps({"rounds": res["rounds"], "summary": s}, indent=1) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
