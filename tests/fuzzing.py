@@ -11,7 +11,8 @@ What `exercise` asserts of a program (each violation is a Failure with a class a
 * `linrec check`'s report (cli.describe, format_check) is made without an internal error;
 * every form the report lists as available, on every backend it lists that is asked for, runs on valid
   inputs (rec.random_inputs: declared ranges respected; params without a default drawn, see _draw_params)
-  and agrees with the float64 reference form (verify.reference_form) within verify's float64 tolerance;
+  and agrees with the float64 reference form (verify.reference_form) within verify's float64 tolerance —
+  on a backend other than NumPy from arrays that start off a 64-byte boundary (_off_a_line);
   so do the decode step (token by token, on each backend that builds the recurrent form) and form="auto";
 * with `gradients` (a sample of the programs, see _gradients): every gradient form `check` lists on NumPy
   agrees with NumPy's recurrent backward (verify_grad's reference form where there is none) within verify's
@@ -495,6 +496,21 @@ def _draw_params(rec, heads: int, dims: dict, rng) -> dict:
 SCALE_FLOOR = 1e-2
 
 
+def _off_a_line(arrays: dict, seed: int) -> dict:
+    """Copies of `arrays` starting 8·(1 + seed % 7) bytes past a 64-byte boundary (views of larger buffers),
+    what the other backends run on: NumPy's own arrays start where its allocator puts them, and a kernel must
+    not take a row for aligned (gcc once read rows of one register with aligned loads: test_c_grad.py)."""
+    offset = 8 * (1 + seed % 7)
+    out = {}
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        buf = np.empty(a.nbytes + 128, np.uint8)
+        start = -buf.ctypes.data % 64 + offset
+        out[name] = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+        out[name][...] = a
+    return out
+
+
 def _error(result, reference) -> float:
     """verify's normwise relative error max|x − ref| / max|ref| over every output and final state, the scale
     at least SCALE_FLOOR (inf when the result is not finite where the reference is)."""
@@ -647,7 +663,9 @@ def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradie
         else:
             stats["not compared"] += 1
 
+    shifted = _off_a_line(inputs, seed)
     for backend in backends:
+        x = inputs if backend == "numpy" else shifted  # (the same values, off a cache line: see _off_a_line)
         chosen = [f for f, built in listed.items() if backend in built]
         if backend != "numpy":  # C builds are dear: the recurrent form and a sample of the scan forms
             scans = [f for f in chosen if f != "recurrent"]
@@ -657,14 +675,14 @@ def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradie
                 continue
             for chunk in ((None, 5) if form == "chunkwise" and backend == "numpy" else (None,)):
                 attempt(f"{form} on {backend}" + (f" (chunk {chunk})" if chunk else ""),
-                        lambda f=form, c=chunk: rec.run(inputs, form=f, backend=backend, initial_state=state0,
+                        lambda f=form, c=chunk: rec.run(x, form=f, backend=backend, initial_state=state0,
                                                         params=params, chunk_size=c))
         if program.causal and backend in listed.get("recurrent", []):
             attempt(f"decode step on {backend}",
-                    lambda: decode.run_by_steps(rec, inputs, backend=backend, params=params, initial_state=state0))
+                    lambda: decode.run_by_steps(rec, x, backend=backend, params=params, initial_state=state0))
         if any(backend in built for built in listed.values()):
             attempt(f"form auto on {backend}",
-                    lambda: rec.run(inputs, form="auto", backend=backend, initial_state=state0, params=params))
+                    lambda: rec.run(x, form="auto", backend=backend, initial_state=state0, params=params))
     if gradients:
         def redraw(draw: int):  # (the same call's inputs, another draw)
             return rec.random_inputs(batch, tokens, heads, dims, np.float64, seed=seed + 1000 * draw)
@@ -720,8 +738,11 @@ def _gradients(rec, info, backends, inputs, state0, reference, comparable, seed,
     grad_state = {k: rng.standard_normal(v.shape) for k, v in reference.final_state.items() if k in state0}
     params = {k: np.array(v, dtype=np.float64) for k, v in reference.params.items()}  # (defaults too: their grads)
 
+    shifted = [_off_a_line(d, seed) for d in (inputs, grad_outputs)]  # (for the other backends: _off_a_line)
+
     def vjp(form, backend, chunk=None):
-        return rec.vjp(inputs, grad_outputs, form=form, backend=backend, grad_final_state=grad_state,
+        x, up = (inputs, grad_outputs) if backend == "numpy" else shifted
+        return rec.vjp(x, up, form=form, backend=backend, grad_final_state=grad_state,
                        initial_state=state0, params=params, chunk_size=chunk)
 
     if not any("numpy" in built for built in listed.values()):
