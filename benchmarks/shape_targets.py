@@ -168,7 +168,7 @@ def main(argv=None) -> int:
                         help="interleaved rounds (default: 5 for prefill, 3 for grad)")
     parser.add_argument("--json", action="store_true", help="print the rounds and the summary as JSON")
     args = parser.parse_args(argv)
-    rounds = args.rounds or (5 if args.what == "prefill" else 3)
+    rounds = args.rounds if args.rounds is not None else 5 if args.what == "prefill" else 3
     if rounds < 1:
         parser.error("--rounds: expected a positive integer")
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
