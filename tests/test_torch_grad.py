@@ -162,3 +162,22 @@ def test_a_program_without_a_backward_is_refused_when_it_needs_one():
         lt.apply(rec, dict(x, q=x["q"].requires_grad_()), dims={"kproj": 4, "T": 16}, backend="numpy")
     with torch.no_grad():  # (the forward alone is fine)
         lt.apply(rec, x, dims={"kproj": 4, "T": 16}, backend="numpy")
+
+
+def test_auto_backward_is_chunkwise_on_c_for_large_states_over_long_sequences(monkeypatch):
+    """form="auto"'s backward: the recurrent one, but on C the chunkwise one first for a state of 128 × 128 or
+    more over 1024 tokens or more (the fastest `vjp` measured there, backward.CHUNKWISE_STATE); never the
+    chunkwise one on NumPy ahead of the recurrent one on C. The sizes' rule only, no kernel is built."""
+    from linrec.torch import backward
+    gla, big = linrec.load("examples/gla.lin"), {"dk": 128, "dv": 128}
+    assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("chunkwise", "c")
+    assert backward.gradient_plan(gla, "auto", "c", {"dk": 64, "dv": 64}, 4096) == ("recurrent", "c")
+    assert backward.gradient_plan(gla, "auto", "c", big, 1000) == ("recurrent", "c")
+    assert backward.gradient_plan(gla, "auto", "numpy", big, 4096) == ("recurrent", "numpy")
+    assert backward.gradient_plan(gla, "chunkwise", "c", {"dk": 8, "dv": 8}, 16) == ("chunkwise", "c")  # (asked)
+    for slower in ("mamba1", "performer"):  # (a decay per element; features at a running scale)
+        rec = linrec.load(f"examples/{slower}.lin")
+        assert backward.gradient_plan(rec, "auto", "c", {d.name: 128 for d in rec.program.dims}, 4096)[0] == "recurrent"
+    refused = lambda rec, form, where: None if (form, where) != ("chunkwise", "c") else "not on C"  # noqa: E731
+    monkeypatch.setattr(backward, "gradient_refusal", refused)
+    assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("recurrent", "c")
