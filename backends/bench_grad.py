@@ -42,7 +42,7 @@ def size_grid(rec, opts: bench.Options) -> list[dict[str, int]]:
     return [g for i, g in enumerate(grid) if g not in grid[:i]]
 
 
-def _grad_combos(rec, backend: str, forms: list[str], tokens: int,
+def grad_combos(rec, backend: str, forms: list[str], tokens: int,
                  limits: bool) -> tuple[list[str], list[dict]]:
     """The gradient forms this backend times at T, and what it skips (no backward, with the reason; above
     the T limit of the form)."""
@@ -104,7 +104,7 @@ def size_rows(rec, dims: dict[str, int], tokens: int, forms: list[str], backends
             forward.append(dict(where, form=f, backend=b, ms=_median_ms(times), repeats=len(times), warmup_s=warm))
     grad_o = upstream_gradients(rec, dims, tokens, np.float32)
     for b in backends:
-        grad_forms, not_timed = _grad_combos(rec, b, forms, tokens, limits)
+        grad_forms, not_timed = grad_combos(rec, b, forms, tokens, limits)
         skipped += [_at(s, where) for s in not_timed]
         for f in grad_forms:
             say(f"backward {f:<10} {b:<6} {where} …")

@@ -25,20 +25,17 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 import linrec
 from fma_peak import fma_peak_gflops  # (benchmarks/, the script's own folder)
-from linrec import bench, gradients
-from linrec.compiler.adjoint import GRADIENT_FORMS
-from linrec.c import build as c_build
-from targets import run_ms
+from linrec import bench, bench_grad
+from targets import median_ms, run_ms
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the example programs
-B, H, T = 1, 8, 4096
+B, H, T = bench.BATCH, bench.HEADS, 4096  # (bench_grad.upstream_gradients' B and H)
 PREFILL = {"programs": ["gla", "gated_deltanet", "gdn2"], "dims": [64, 128, 256],
            "target": {"gla": 0.80, "gated_deltanet": 0.75, "gdn2": 0.75}}
 GRAD = {"programs": ["gla", "gated_deltanet", "mamba2"], "dims": [64, 128], "target": 3.0}
@@ -50,17 +47,6 @@ def _load(name: str):
 
 def _span(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _vjp_ms(rec, x, grads, form: str, calls: int = 3) -> float:
-    with c_build.threads(2):
-        rec.vjp(x, grads, form=form, backend="c")  # warm-up: builds or loads the kernels
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            rec.vjp(x, grads, form=form, backend="c")
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def measure_prefill(rounds: int, progress) -> dict:
@@ -111,22 +97,20 @@ def measure_grad(rounds: int, progress) -> dict:
     cases = []
     for name in GRAD["programs"]:
         rec = _load(name)
-        forms = [f for f in GRADIENT_FORMS  # (those with a C backward, as linrec bench --grad times them)
-                 if not rec.decomposition.why_not(f) and not gradients.gradient_refusal(rec, f, "c")
-                 and (bench.max_tokens(f, "c") is None or T <= bench.max_tokens(f, "c"))]
+        # (the gradient forms C builds at T, as linrec bench --grad times them)
+        forms, _ = bench_grad.grad_combos(rec, "c", [f for f in rec.forms if not rec.decomposition.why_not(f)],
+                                          T, limits=True)
         for d in GRAD["dims"]:
-            x = rec.random_inputs(B, T, H, dims={"dk": d, "dv": d}, dtype=np.float32, seed=0)
-            outputs = rec.run(x, form="recurrent", backend="c").outputs
-            rng = np.random.default_rng(1)
-            grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in outputs.items()}
-            cases.append((name, d, rec, x, grads, forms))
+            dims = {"dk": d, "dv": d}
+            x = rec.random_inputs(B, T, H, dims=dims, dtype=np.float32, seed=0)
+            cases.append((name, d, rec, x, bench_grad.upstream_gradients(rec, dims, T, np.float32), forms))
     out = []
     for r in range(rounds):
         progress(f"grad: round {r + 1}/{rounds} …")
         rows = {}
         for name, d, rec, x, grads, forms in cases:
             forward = run_ms(rec, x, 2)
-            vjp = {form: _vjp_ms(rec, x, grads, form) for form in forms}
+            vjp = {form: median_ms(lambda f=form: rec.vjp(x, grads, form=f, backend="c"), 2) for form in forms}
             fastest = min(vjp, key=vjp.get)
             rows[f"{name} d={d}"] = {"forward_ms": forward, "vjp_ms": vjp, "fastest": fastest,
                                      "ratio": vjp[fastest] / forward}

@@ -34,15 +34,21 @@ PROGRAMS = ["examples/gla.lin", "examples/gated_deltanet.lin"]
 DIMS = {"dk": 64, "dv": 64}
 
 
-def run_ms(rec, x, threads: int, form: str = "recurrent", backend: str = "c", calls: int = 3) -> float:
+def median_ms(call, threads: int, calls: int = 3) -> float:
+    """The median ms of `calls` calls of call() on `threads` threads, after a warm-up call (which builds or
+    loads the kernels and touches the pages first)."""
     with c_build.threads(threads):
-        rec.run(x, form=form, backend=backend)  # warm-up: builds or loads the kernel, first-touch pages
+        call()
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
-            rec.run(x, form=form, backend=backend)
+            call()
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def run_ms(rec, x, threads: int, form: str = "recurrent", backend: str = "c", calls: int = 3) -> float:
+    return median_ms(lambda: rec.run(x, form=form, backend=backend), threads, calls)
 
 
 def measure(rounds: int, progress) -> dict:

@@ -47,6 +47,7 @@ import numpy as np
 
 import linrec
 from linrec import cli, decode, verify, verify_grad
+from linrec.c.buffers import aligned_empty
 from linrec.dsl.errors import LinrecError, RuntimeInputError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -496,19 +497,21 @@ def _draw_params(rec, heads: int, dims: dict, rng) -> dict:
 SCALE_FLOOR = 1e-2
 
 
-def _off_a_line(arrays: dict, seed: int) -> dict:
-    """Copies of `arrays` starting 8·(1 + seed % 7) bytes past a 64-byte boundary (views of larger buffers),
-    what the other backends run on: NumPy's own arrays start where its allocator puts them, and a kernel must
-    not take a row for aligned (gcc once read rows of one register with aligned loads: test_c_grad.py)."""
-    offset = 8 * (1 + seed % 7)
-    out = {}
-    for name, a in arrays.items():
-        a = np.asarray(a)
-        buf = np.empty(a.nbytes + 128, np.uint8)
-        start = -buf.ctypes.data % 64 + offset
-        out[name] = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-        out[name][...] = a
+def off_a_line(a, offset: int) -> np.ndarray:
+    """A copy of `a` starting `offset` bytes past a 64-byte boundary: a view into a cache-line aligned buffer
+    (linrec.c.buffers.aligned_empty), `offset` bytes on."""
+    a = np.asarray(a)
+    raw = aligned_empty((a.nbytes + offset,), np.uint8)
+    out = raw[offset:].view(a.dtype).reshape(a.shape)
+    out[...] = a
     return out
+
+
+def _off_a_line(arrays: dict, seed: int) -> dict:
+    """Copies of `arrays` starting 8·(1 + seed % 7) bytes past a 64-byte boundary, what the other backends run
+    on: NumPy's own arrays start where its allocator puts them, and a kernel must not take a row for aligned
+    (gcc once read rows of one register with aligned loads: test_c_grad.py)."""
+    return {name: off_a_line(a, 8 * (1 + seed % 7)) for name, a in arrays.items()}
 
 
 def _error(result, reference) -> float:

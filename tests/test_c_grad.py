@@ -14,6 +14,7 @@ import linrec
 from linrec import gradients
 from linrec.c import build as c_build, grad_kernels, scan_kernels
 from linrec.dsl.errors import LinrecError, RuntimeInputError
+from fuzzing import off_a_line
 from test_grad import worst_error
 
 DIMS = {"dk": 5, "dv": 7}
@@ -73,15 +74,6 @@ def test_float32_within_5e_4_of_float64(recs, name):
         assert worst_error(got.grads, want.grads) <= 5e-4, (name, CASES[i])
 
 
-def _off_a_line(a: np.ndarray, offset: int = 8) -> np.ndarray:
-    """a copy of `a` starting `offset` bytes past a 64-byte boundary (as a view of a larger buffer)"""
-    buf = np.empty(a.nbytes + 128, np.uint8)
-    start = -buf.ctypes.data % 64 + offset
-    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
-
-
 def test_rows_of_one_register_off_a_cache_line(recs):
     """Rows of exactly one SIMD register (float32, dk = dv = 16) that do not start on a 64-byte boundary, as
     NumPy's arrays often do, through the backward that keeps no states (mild decays): gcc 12 once vectorized
@@ -92,8 +84,8 @@ def test_rows_of_one_register_off_a_cache_line(recs):
     x["dt"] = x["dt"] * 0.05  # (log-decays dt·A near 0: the two passes, not the states' way)
     up = {"y": np.random.default_rng(4).standard_normal((1, 16, 2, 16))}
     want = rec.vjp(x, up, dims=dims)
-    got = rec.vjp({k: _off_a_line(v.astype(np.float32)) for k, v in x.items()},
-                  {k: _off_a_line(v.astype(np.float32)) for k, v in up.items()}, dims=dims, backend="c")
+    got = rec.vjp({k: off_a_line(v.astype(np.float32), 8) for k, v in x.items()},
+                  {k: off_a_line(v.astype(np.float32), 8) for k, v in up.items()}, dims=dims, backend="c")
     assert worst_error(got.grads, want.grads) <= 5e-4
 
 

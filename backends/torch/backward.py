@@ -12,7 +12,7 @@ empty tensor where the forward's argument was None (autograd's formula turns it 
 Which backward runs: the gradient form of the forward's form where one is derived, else the recurrent one,
 on the forward's backend when it builds that gradient, else on NumPy. form="auto": the recurrent one (the
 fastest NumPy backward at small models' sizes) — except on C for a state of 128 × 128 values or more over
-1024 tokens or more, where the chunkwise backward comes first (auto_gradient_forms). The gradients of every
+1024 tokens or more, where the chunkwise backward comes first (chunkwise_first). The gradients of every
 form agree to 1e-9 (docs/gradients.md), so the choice is one of speed only. The decode step (form="step") is
 the recurrent form over its one token; for a program that reads the sequence, over the KV cache and the token
 with a gradient on the last position only.
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from ..api import Recurrence
-from ..c.stabilize import Scales
 from ..compiler import FORMS
+from ..compiler.stabilize import stabilized_states
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError
 from ..gradients import gradient_refusal
@@ -44,37 +44,32 @@ CHUNKWISE_STATE = 128 * 128
 CHUNKWISE_TOKENS = 1024
 
 
-def auto_gradient_forms(rec: Recurrence, backend: str, dims: dict[str, int] | None, tokens: int | None) -> tuple:
-    """The gradient forms form="auto" tries, in order, for a call of these sizes (None: not known yet)."""
+def chunkwise_first(rec: Recurrence, backend: str, dims: dict[str, int] | None, tokens: int | None) -> bool:
+    """Whether form="auto" tries the chunkwise backward on the backend before the others, for a call of these
+    sizes (None: not known yet)."""
     if backend != "c" or dims is None or tokens is None or tokens < CHUNKWISE_TOKENS:
-        return AUTO_ORDER
+        return False
     largest = max((int(np.prod([dims[d] for d in s.shape])) for s in rec.program.states), default=0)
-    if largest < CHUNKWISE_STATE or any(t.elementwise for t in rec.decomposition.transitions):
-        return AUTO_ORDER
-    if Scales(rec.compiled).groups:  # (exponential features kept at a running scale: no faster chunkwise)
-        return AUTO_ORDER
-    return ("chunkwise", *AUTO_ORDER)
+    return (largest >= CHUNKWISE_STATE and not any(t.elementwise for t in rec.decomposition.transitions)
+            and not stabilized_states(rec.compiled))  # (exponential features at a running scale: no faster)
 
 
 def gradient_plan(rec: Recurrence, form: str, backend: str, dims: dict[str, int] | None = None,
                   tokens: int | None = None) -> tuple[str, str]:
     """(gradient form, backend) of the backward of a forward call with this form and backend (and, for
-    form="auto", these sizes). Each form in turn, on the backend, else on NumPy; form="auto" tries its forms
-    on the backend first (the chunkwise one on NumPy would be slower than the recurrent one on C)."""
+    form="auto", these sizes): each form in turn, on the backend, else on NumPy — form="auto"'s chunkwise
+    one first where chunkwise_first says so, on the backend only (on NumPy it would be slower than the
+    recurrent one on C)."""
     if form == STEP:
         forms = ("recurrent",)
     elif form in FORMS:
         forms = (form, "recurrent")
     else:
-        forms = auto_gradient_forms(rec, backend, dims, tokens)
-    forms = tuple(dict.fromkeys(forms))
-    if form not in FORMS and form != STEP:
-        for gradient_form in forms[:-1]:  # (auto: a form ahead of the last one only on the backend itself)
-            if gradient_refusal(rec, gradient_form, backend) is None:
-                return gradient_form, backend
-        forms = forms[-1:]
+        forms = AUTO_ORDER
+        if chunkwise_first(rec, backend, dims, tokens) and gradient_refusal(rec, "chunkwise", backend) is None:
+            return "chunkwise", backend
     reasons = []
-    for gradient_form in forms:
+    for gradient_form in dict.fromkeys(forms):
         for where in dict.fromkeys((backend, "numpy")):
             why = gradient_refusal(rec, gradient_form, where)
             if why is None:
