@@ -93,7 +93,10 @@ def plot(paths: list[str], out: str) -> int:
         print(f"matplotlib is not installed, so no plot was written to {out} (pip install 'linrec[bench]')")
         return 0
     reports = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(11, 8))
+    decodes = any(rep["decode"] for rep in reports)  # (a grid run with --no-decode: no lower panel)
+    fig, axes = plt.subplots(2 if decodes else 1, 1, figsize=(11, 8 if decodes else 4.5), squeeze=False)
+    panels = [row[0] for row in axes]
+    ax, bx = panels[0], panels[-1]
     for rep in reports:
         forms = dict.fromkeys((r["form"], r["backend"]) for r in rep["rows"])
         for form, backend in forms:
@@ -106,9 +109,12 @@ def plot(paths: list[str], out: str) -> int:
             bx.plot(labels, [100 * (d["fraction_of_bound"] or 0) for d in rep["decode"]], marker="o",
                     label=f"{rep['program']} decode ({rep['decode'][0]['backend']})")
     ax.set_ylabel("% of the multiply-add-peak bound")
-    bx.set_ylabel("% of the bandwidth bound")
-    for a in (ax, bx):
-        a.tick_params(axis="x", labelrotation=70, labelsize=7)
+    if decodes:
+        bx.set_ylabel("% of the bandwidth bound")
+    for a in panels:
+        a.tick_params(axis="x", labelsize=7)
+        for label in a.get_xticklabels():  # (each label ends at its own tick)
+            label.set(rotation=70, ha="right", rotation_mode="anchor")
         a.grid(True, alpha=0.3)
         a.legend(fontsize=7)
     ax.set_title("linrec bench --shapes model: fraction of the bound per shape (float32)", fontsize=10)
