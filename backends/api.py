@@ -71,6 +71,12 @@ class Recurrence:
     def __repr__(self) -> str:
         return f"<Recurrence '{self.name}' ({self.compiled.filename}): forms {', '.join(self.forms)}>"
 
+    def __reduce__(self):
+        """Pickled (copy.deepcopy, torch.save of a model that holds one, multiprocessing) as its source: the
+        copy compiles it again, and its kernels load from the kernel cache when first used (the generated
+        modules and bound calls held here are the process's own)."""
+        return compile, (self.compiled.source, self.compiled.filename)
+
     # ---- code ----
     def _check_form(self, form: str, backend_name: str):
         """An error unless the backend builds this form of the program (the form's absence first)."""
@@ -445,6 +451,7 @@ class Recurrence:
         if bits:
             if module.capabilities.bfloat16_steps:
                 return module.stepper(used, dims, state_is_bf16=True).bind(token_inputs, state, out)
+            arrays.check_states_in_place(self.program, state, shape, dims, bits=True)  # (here, not at the first call)
             return bf16_state.bind_widened(self, token_inputs, state, backend, params, out)
         if module.capabilities.binds_steps:
             return module.stepper(used, dims).bind(token_inputs, state, out)

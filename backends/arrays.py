@@ -45,9 +45,25 @@ def _bits_hint(arr) -> str:
 
 def not_in_place(name: str, arr, dtype, expected: tuple) -> RuntimeInputError:
     """The error for a state a decode step cannot update in place (inplace=True, bind_step): on every backend
-    the same words, naming what the array must be."""
-    return RuntimeInputError(f"state '{name}' must be a writeable C-contiguous {np.dtype(dtype)} array of shape "
-                             f"{list(expected)} to be updated in place (inplace=True){_bits_hint(arr)}")
+    the same words, naming what the array must be (and, where it is that, what the given one is not)."""
+    bits = np.dtype(dtype) == BFLOAT16_BITS
+    return RuntimeInputError(f"state '{name}' must be a writeable C-contiguous "
+                             f"{'uint16 (bfloat16 bits)' if bits else np.dtype(dtype)} array of shape "
+                             f"{list(expected)} to be updated in place (inplace=True){'' if bits else _bits_hint(arr)}"
+                             f"{array_kind_hint(arr, f'state[{name!r}]')}")
+
+
+def array_kind_hint(arr, label: str) -> str:
+    """What an error about an array to be written in place adds when the array is of the right dtype and
+    shape but read-only, or an ndarray subclass (np.memmap …), which the kernels do not take as it is."""
+    if not isinstance(arr, np.ndarray):
+        return ""
+    if not arr.flags.writeable:
+        return f"; {label} is read-only"
+    if type(arr) is not np.ndarray:
+        return (f"; {label} is a {type(arr).__module__}.{type(arr).__name__}: pass np.asarray({label}), a plain "
+                f"ndarray of the same memory")
+    return ""
 
 
 def _bind(dims: dict[str, int], names: tuple[str, ...], actual: tuple[int, ...], where: str, expected: str):
@@ -214,13 +230,21 @@ def check_params(program: ir.Program, given: dict, defaults: dict, shape: CallSh
     return out
 
 
+def refuse_unknown_states(program: ir.Program, given, also: frozenset[str] | set[str] = frozenset()):
+    """A state name that is none of the program's (nor in `also`: the log-scales carried beside its
+    stabilized states) is an error: a misspelt name would otherwise leave the state it meant at zero."""
+    unknown = sorted(set(given) - {s.name for s in program.states} - set(also))
+    if unknown:
+        raise RuntimeInputError(f"unknown state(s) {', '.join(map(repr, unknown))}; the states of "
+                                f"'{program.name}' are {', '.join(sorted(s.name for s in program.states))}")
+
+
 def check_initial_state(program: ir.Program, given: dict | None, shape: CallShape, dims: dict,
                         scales: frozenset[str] = frozenset()) -> dict:
     """Initial states [B, H, *] (zeros when absent), copied in the inputs' dtype. `scales` names the
     log-scales [B, H] a decode loop may carry beside stabilized states (float64 here; C's kernels take and
     return them in their own dtype)."""
     given = dict(given or {})
-    declared = {s.name for s in program.states}
     out = {}
     for key in scales & set(given):
         value = np.asarray(given.pop(key), dtype=np.float64)
@@ -228,10 +252,7 @@ def check_initial_state(program: ir.Program, given: dict | None, shape: CallShap
             raise RuntimeInputError(f"'{key}' should have shape [B, H] = {_fmt((shape.batch, shape.heads))} but "
                                     f"has shape {_fmt(value.shape)}")
         out[key] = value
-    unknown = sorted(set(given) - declared)
-    if unknown:
-        raise RuntimeInputError(f"unknown state(s) {', '.join(map(repr, unknown))}; the states of "
-                                f"'{program.name}' are {', '.join(sorted(declared))}")
+    refuse_unknown_states(program, given)
     for s in program.states:
         expected = (shape.batch, shape.heads) + tuple(dims[d] for d in s.shape)
         if s.name in given:
@@ -271,17 +292,20 @@ def out_array(given, label: str, shape: tuple, dtype) -> np.ndarray:
     return given
 
 
-def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, dims: dict) -> None:
+def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, dims: dict,
+                          bits: bool = False) -> None:
     """The states a decode step updates in place (inplace=True, bind_step): each given one a writeable
-    C-contiguous array of the inputs' dtype and its [B, H, *] shape, on every backend (the compiled step
-    writes to the very memory; converting would leave the caller's array behind)."""
+    C-contiguous array of the inputs' dtype (`bits`: of bfloat16 bits, uint16) and its [B, H, *] shape, on
+    every backend (the compiled step writes to the very memory; converting would leave the caller's array
+    behind)."""
+    dtype = BFLOAT16_BITS if bits else shape.dtype
     for s in program.states:
         arr = state.get(s.name)
         if arr is None:
             continue
         expected = (shape.batch, shape.heads) + tuple(dims[d] for d in s.shape)
-        if not (type(arr) is np.ndarray and fits_out(arr, expected, shape.dtype)):
-            raise not_in_place(s.name, arr, shape.dtype, expected)
+        if not (type(arr) is np.ndarray and fits_out(arr, expected, dtype)):
+            raise not_in_place(s.name, arr, dtype, expected)
 
 
 def token_outputs(program: ir.Program, out: dict | None, shape: CallShape, dims: dict) -> dict:

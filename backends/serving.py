@@ -112,6 +112,10 @@ def check_keep_last_fits(keep_last: int | None, lengths) -> None:
         return
     lengths = [int(n) for n in lengths]
     shortest = min(lengths)
+    if shortest == 0:  # (no pass is short enough: say so)
+        raise RuntimeInputError(f"sequence {lengths.index(0)} of the packed batch is empty, so it has no states "
+                                f"after its last {keep_last} token(s): with keep_last, leave empty sequences out "
+                                f"of cu_seqlens")
     if keep_last > shortest:
         which = "the sequence" if len(lengths) == 1 else f"sequence {lengths.index(shortest)} of the packed batch"
         raise RuntimeInputError(f"keep_last = {keep_last} exceeds the {shortest} token(s) of {which}; pass at "
@@ -179,8 +183,10 @@ def run_sequence(forward: Forward, inputs: dict, state0: dict | None, every: int
             picked = [index[t] for t in range(every, tokens + 1, every)]
             first = picked == list(range(len(picked)))  # the first stops: a view of them, no copy
             served.checkpoints = {k: v[:, :len(picked)] if first else v[:, picked] for k, v in taken.items()}
-        if last is not None:
+        if last is not None:  # (a copy beside checkpoints, which may share its stops: two arrays of their own)
             served.last_states = {k: v[:, index[tokens - last + 1]:] for k, v in taken.items()}
+            if every is not None:
+                served.last_states = {k: v.copy() for k, v in served.last_states.items()}
         return served
     pieces, taken = [], {}
     state, start = state0, 0

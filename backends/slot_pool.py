@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arrays import array_kind_hint
 from .dsl.errors import RuntimeInputError
 
 
@@ -24,6 +25,8 @@ def slot_array(slots) -> np.ndarray:
     except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
         raise RuntimeInputError(f"slots must be an integer array [N] of pool rows, got "
                                 f"{type(slots).__name__}") from None
+    if idx.size == 0 and idx.ndim == 1:  # ([] is a float64 array: an empty list of rows all the same)
+        idx = idx.astype(np.int64)
     if idx.dtype.kind not in "iu":
         raise RuntimeInputError(f"slots must be an integer array [N] of pool rows, got dtype {idx.dtype}; pass "
                                 f"int32 or int64 indices")
@@ -63,7 +66,8 @@ def require_dict(pool) -> None:
 def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype, scales, bits: bool = False) -> int:
     """The pool: a dict holding every state as a writeable array [P, H, *] of the tokens' dtype — uint16 arrays
     of bfloat16 bits with `bits` (state_dtype="bfloat16") — and the log-scales [P, H] of stabilized states,
-    when present, in the tokens' dtype. Returns P."""
+    when present, in a float dtype (NumPy's prefill gives them in float64; _PoolCall converts them). Any
+    ndarray, subclasses (np.memmap) included: the step writes into its memory. Returns P."""
     require_dict(pool)
     missing = [s.name for s in program.states if s.name not in pool]
     if missing:
@@ -79,9 +83,12 @@ def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype,
     for name, tail, label in wanted:
         arr = pool[name]
         wants = np.dtype(np.uint16) if bits and name in states else dtype
-        if not (type(arr) is np.ndarray and arr.dtype == wants and arr.ndim == 2 + len(tail)
-                and arr.shape[1:] == (heads,) + tail and arr.flags.writeable):
-            got = f"{arr.dtype} {list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        right_dtype = arr.dtype == wants or (name not in states and arr.dtype.kind == "f") \
+            if isinstance(arr, np.ndarray) else False
+        if not (right_dtype and arr.ndim == 2 + len(tail) and arr.shape[1:] == (heads,) + tail
+                and arr.flags.writeable):
+            got = f"{arr.dtype} {list(arr.shape)}{array_kind_hint(arr, f'pool[{name!r}]')}" \
+                if isinstance(arr, np.ndarray) else type(arr).__name__
             if wants != dtype:
                 why = "bfloat16 bits, as state_dtype='bfloat16' keeps them, and the tokens' sizes"
             elif isinstance(arr, np.ndarray) and arr.dtype == np.uint16:
@@ -98,9 +105,11 @@ def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype,
 
 
 class _PoolCall:
-    """One slot-pool call's checked pieces: the pool's arrays (with the log-scales absent from it, made at
-    the true scale: NaN), the slots, and how the step runs — the kernel's own slot step where the backend has
-    one and the pool's arrays suit it (C-contiguous), else on rows gathered into contiguous buffers."""
+    """One slot-pool call's checked pieces: the pool's arrays (plain ndarray views of them; with the log-scales
+    absent from it made at the true scale, NaN, and those of another float dtype converted: `made`, which
+    the caller's pool takes once the step has run), the slots, and how the step runs — the kernel's own slot
+    step where the backend has one and the pool's arrays suit it (C-contiguous), else on rows gathered into
+    contiguous buffers."""
 
     def __init__(self, rec, token_inputs: dict, pool, slots, backend: str, params, bits: bool = False):
         if rec.decomposition.sequence is not None:
@@ -108,14 +117,20 @@ class _PoolCall:
                                     f"every token, not a fixed-size state a pool of slots can hold")
         idx = slot_array(slots)
         require_dict(pool)
+        first = token_inputs.get(rec.program.inputs[0].name) if isinstance(token_inputs, dict) else None
+        if idx.size == 0 and np.ndim(first) >= 1 and np.shape(first)[0] == 0:
+            raise RuntimeInputError("the step has no requests (N = 0 tokens and slots): run it only while a "
+                                    "request is active")
         _, shape, module, dims, used = rec._token_call(token_inputs, backend, params,
                                                        {k: v for k, v in pool.items() if np.ndim(v) >= 2})
         scales = rec._log_scales
         size = check_pool(rec.program, pool, shape.heads, dims, shape.dtype, scales, bits)
         self.bits = bits  # bfloat16 states (state_dtype="bfloat16")
         self.idx = check_slot_values(idx, shape.batch, size)
-        self.arrays = dict(pool)
+        self.arrays = {k: np.asarray(v) for k, v in pool.items()}
         self.made = {key: np.full((size, shape.heads), np.nan, shape.dtype) for key in scales if key not in pool}
+        self.made.update((key, v.astype(shape.dtype)) for key, v in self.arrays.items()
+                         if key in scales and v.dtype != shape.dtype)
         self.arrays.update(self.made)
         self.requests, self.size = shape.batch, size
         able = module.capabilities
@@ -153,11 +168,11 @@ def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, 
     slots on these very arrays. The slots are checked again every call, so an int array refilled in place
     (another set of N requests) is safe; the token buffers are refilled in place as for any bound step."""
     call = _PoolCall(rec, token_inputs, pool, slots, backend, params, bits)
-    pool.update(call.made)  # (bound now: the step writes them from its first call on)
     held = slots if isinstance(slots, np.ndarray) else call.idx  # (an array refilled in place is read again)
     if call.kernel is not None:
         kernel, arrays = call.kernel, call.arrays
-        buffers = dict(out) if out is not None else {}
+        buffers = kernel.outputs(token_inputs, out)  # (checked here, once)
+        pool.update(call.made)  # (bound now: the step writes them from its first call on)
 
         def run_kernel():
             idx = check_slot_values(slot_array(held), call.requests, call.size)
@@ -167,6 +182,7 @@ def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, 
         return run_kernel
     inner = rec.bind_step(token_inputs, call.rows, backend=backend, params=params, out=out,
                           state_dtype="bfloat16" if bits else None)
+    pool.update(call.made)
 
     def run_rows():
         idx = check_slot_values(slot_array(held), call.requests, call.size)

@@ -478,3 +478,92 @@ def test_the_fused_kernel_steps_the_pool_where_it_lies():
     np.testing.assert_array_equal(strided["S"], expected)
     untouched = np.setdiff1d(np.arange(40), slots)
     np.testing.assert_array_equal(pool["S"][untouched], before[untouched])
+
+
+# ---- what a refused or odd call leaves behind ------------------------------------------------------------
+def test_checkpoints_and_last_states_are_arrays_of_their_own():
+    """C writes both from one set of snapshots: the last states may share their stops with checkpoints, and
+    an engine recycling one must not change the other."""
+    rec = PROGRAMS["gla"]
+    x = inputs_for(rec, 1, 20)
+    for backend in BACKENDS:
+        res = rec.prefill(x, backend=backend, state_every=10, keep_last=1, dims=sizes(rec))
+        last = res.last_states["S"].copy()
+        res.checkpoints["S"][...] = 0
+        np.testing.assert_array_equal(res.last_states["S"], last)
+        assert np.abs(last).max() > 0
+
+
+def test_keep_last_with_an_empty_packed_sequence_says_so():
+    rec = PROGRAMS["gla"]
+    with pytest.raises(linrec.RuntimeInputError, match="sequence 1 of the packed batch is empty.*leave empty "
+                                                       "sequences out of cu_seqlens"):
+        rec.run(inputs_for(rec, 1, 20), cu_seqlens=[0, 5, 5, 20], keep_last=1, dims=sizes(rec))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refused_pool_binding_adds_nothing_to_the_pool(backend):
+    rec = PROGRAMS["performer"]
+    pool, tokens = pool_and_tokens(rec, 4, [1, 3], np.float64)
+    pool.pop("S.log_scale", None)
+    keys = sorted(pool)
+    with pytest.raises(linrec.RuntimeInputError, match=r"out\['o'\] must be a writeable C-contiguous float64"):
+        rec.bind_step(tokens, pool, slots=np.array([1, 3]), backend=backend, out={"o": np.zeros((2, 2, 3))})
+    assert sorted(pool) == keys
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pool_in_a_memmap_advances_in_its_file(backend, tmp_path):
+    rec = PROGRAMS["gla"]
+    pool, tokens = pool_and_tokens(rec, 4, [3, 1], np.float64)
+    mapped = np.memmap(tmp_path / "pool.bin", dtype=np.float64, mode="w+", shape=pool["S"].shape)
+    mapped[...] = pool["S"]
+    want, _ = rec.step(tokens, pool, slots=np.array([3, 1]), backend=backend)
+    got, _ = rec.step(tokens, {"S": mapped}, slots=np.array([3, 1]), backend=backend)
+    np.testing.assert_array_equal(got["o"], want["o"])
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "pool.bin", np.float64).reshape(mapped.shape), pool["S"])
+    mapped.flags.writeable = False
+    with pytest.raises(linrec.RuntimeInputError, match=r"pool\['S'\] must be a writeable .* is read-only"):
+        rec.step(tokens, {"S": mapped}, slots=np.array([3, 1]), backend=backend)
+
+
+@pytest.mark.parametrize("slots", [np.array([], np.int64), []])
+def test_a_pool_step_without_requests_says_so(slots):
+    rec = PROGRAMS["gla"]
+    pool, tokens = pool_and_tokens(rec, 4, [0], np.float64)
+    tokens = {k: v[:0] for k, v in tokens.items()}
+    for backend in BACKENDS:
+        with pytest.raises(linrec.RuntimeInputError, match=r"no requests \(N = 0"):
+            rec.step(tokens, pool, slots=slots, backend=backend)
+
+
+def test_a_pool_from_numpys_prefill_takes_float32_tokens():
+    """NumPy's prefill gives a stabilized state's log-scale in float64 beside float32 states: the pool step
+    converts it (the pool then holds the float32 copy it updated), as the plain step does."""
+    rec = PROGRAMS["performer"]
+    x = inputs_for(rec, 3, 6, dtype=np.float32)
+    pool = rec.prefill(x, dims=sizes(rec)).final_state
+    assert pool["S.log_scale"].dtype == np.float64
+    converted = {k: v.astype(np.float32) for k, v in pool.items()}
+    tokens = {k: np.ascontiguousarray(v[:, -1]) for k, v in x.items()}
+    want, _ = rec.step(tokens, converted, slots=np.array([2, 0, 1]))
+    got, same = rec.step(tokens, pool, slots=np.array([2, 0, 1]))
+    assert same is pool and pool["S.log_scale"].dtype == np.float32
+    np.testing.assert_array_equal(got["o"], want["o"])
+    for k in converted:
+        np.testing.assert_array_equal(pool[k], converted[k])
+
+
+def test_a_refused_c_step_leaves_the_callers_log_scale():
+    """The C step converts a float64 log-scale (NumPy's prefill) to the tokens' dtype for an in-place
+    step; the caller's dict takes the converted array only once the step has run."""
+    rec = PROGRAMS["performer"]
+    x = inputs_for(rec, 2, 5, dtype=np.float32)
+    state = rec.prefill(x, dims=sizes(rec)).final_state
+    before = {k: v for k, v in state.items()}
+    tokens = {k: np.ascontiguousarray(v[:, -1]) for k, v in x.items()}
+    with pytest.raises(linrec.RuntimeInputError, match=r"out\['o'\] must be a writeable"):
+        rec.step(tokens, state, backend="c", inplace=True, out={"o": np.zeros((2, 2, 3), np.float32)})
+    assert all(state[k] is before[k] for k in before) and state["S.log_scale"].dtype == np.float64
+    rec.step(tokens, state, backend="c", inplace=True)
+    assert state["S.log_scale"].dtype == np.float32

@@ -33,6 +33,22 @@ class SlotStep:
         """Whether the kernel can work on the pool's arrays where they lie (C-contiguous ones)."""
         return all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in pool.values())
 
+    def outputs(self, token_inputs: dict, out: dict | None) -> dict:
+        """The output arrays [N, H, *] a step on these tokens writes: out's, checked, or new ones (what a
+        bound step checks once and reuses)."""
+        first = np.asarray(token_inputs[self.form.program.inputs[0].name])
+        dims = self.form.kernel(first.dtype, self.dims, self.state_is_bf16).dims
+        return self._outputs(first.shape[0], first.shape[1], first.dtype, dims, out)
+
+    def _outputs(self, requests: int, heads: int, dtype, dims: dict, out: dict | None) -> dict:
+        outputs = {}
+        for o in self.form.program.outputs:
+            shape = (requests, heads) + tuple(dims[d] for d in o.value.shape)
+            given = (out or {}).get(o.name)
+            outputs[o.name] = np.empty(shape, dtype) if given is None else \
+                arrays.out_array(given, f"out['{o.name}']", shape, dtype)
+        return outputs
+
     def __call__(self, token_inputs: dict, pool: dict, slots: np.ndarray, out: dict | None = None) -> dict:
         p = self.form.program
         first = np.asarray(token_inputs[p.inputs[0].name])
@@ -51,12 +67,7 @@ class SlotStep:
                                              dtype=dtype))
         states = [pool[s.name] for s in p.states]
         keep += [pool[key] for key, _ in self.form.scales]
-        outputs = {}
-        for o in p.outputs:
-            shape = (requests, heads) + tuple(dims[d] for d in o.value.shape)
-            given = (out or {}).get(o.name)
-            outputs[o.name] = np.empty(shape, dtype) if given is None else \
-                arrays.out_array(given, f"out['{o.name}']", shape, dtype)
+        outputs = self._outputs(requests, heads, dtype, dims, out)
         keep += list(outputs.values())
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         state_ptr = "uint16_t[]" if self.state_is_bf16 else ptr

@@ -38,11 +38,14 @@ class ShapeChanged(RuntimeInputError):
 def _fast_step_maker(names: tuple[tuple[str, str], ...]):
     """make(fn, call, *arrays) → step(token_inputs, state, out), for a program whose arrays are `names`
     ((dict, key) in lr_step's order). step runs fn(call) and returns (out, state) when each dict holds, at
-    each key, the very array bound there, else None (nothing run) — None too when the kernel refused an
-    input out of its declared range (it updates nothing then; the checked path says which). An `is` test
-    per array, written out: ~20 ns each, where a generic loop or tuples of ids cost 3–5 times that."""
+    each key, the very array bound there — and each array the step writes (states, outputs) is still
+    writeable —, else None (nothing run); None too when the kernel refused an input out of its declared
+    range (it updates nothing then; the checked path says which). An `is` test per array, written out: ~20 ns
+    each, where a generic loop or tuples of ids cost 3–5 times that (the writeable flag: ~60 ns more)."""
     arrays = [f"a{i}" for i in range(len(names))]
-    tests = " and\n                ".join(f"{d}[{key!r}] is {a}" for (d, key), a in zip(names, arrays))
+    tests = " and\n                ".join(
+        f"{d}[{key!r}] is {a}" + (f" and {a}.flags.writeable" if d != "token_inputs" else "")
+        for (d, key), a in zip(names, arrays))
     source = f"""def make(fn, call, {', '.join(arrays)}):
     def step(token_inputs, state, out):
         try:
@@ -142,10 +145,12 @@ class Stepper:
             if done is not None:
                 return done
         self.fast = None  # an array changed (or this call copies): every check below, then maybe a new fast
-        args, outputs, new_state, every_seen = self._arguments(token_inputs, state, inplace, out)
+        args, outputs, new_state, every_seen, adopted = self._arguments(token_inputs, state, inplace, out)
         rc = self._fn(*args, self._batch, self._heads, self.threads)
         if rc:
             self._refused(rc, token_inputs)
+        if adopted:  # (only now: a refused step leaves the caller's dict as it was)
+            state.update(adopted)
         if inplace and out is not None and state is not None and every_seen:
             # the next call with these very arrays needs no check: bind them to a fast path
             self.fast = self._make_fast(self._packed_fn, self._packed_call(), *self._seen)
@@ -159,20 +164,25 @@ class Stepper:
             raise RuntimeInputError("a bound step updates its state arrays in place: pass them (e.g. the "
                                     "final_state of prefill)")
         out = dict(out) if out is not None else {}
-        self._arguments(token_inputs, state, True, out)  # binds [B, H] and the dtype; checks every array
-        for key in self._scale_names - set(state):  # a log-scale the caller has not got yet: carried here
-            state[key] = self._seen[len(self._in_names) + self._st_names.index(key)]
+        # binds [B, H] and the dtype; checks every array. The caller's dict takes the arrays the step will
+        # update in its place (a log-scale converted to this dtype, or carried here when the caller has none
+        # yet) only once every check has passed
+        adopted = self._arguments(token_inputs, state, True, out)[4]
+        for key in self._scale_names - set(state):
+            adopted[key] = self._seen[len(self._in_names) + self._st_names.index(key)]
+        bound = {**state, **adopted}
         missing = [(name, shp) for name, shp, _ in self._outputs if out.get(name) is None]
         if missing:
             out.update((name, aligned_empty(shp, self._dtype)) for name, shp in missing)
-            self._arguments(token_inputs, state, True, out)
+            self._arguments(token_inputs, bound, True, out)
         for name, arr in zip(self._in_names + self._st_names, self._seen):  # (inputs, then states, are seen first)
-            given = token_inputs.get(name) if name in self._in_names else state.get(name)
+            given = token_inputs.get(name) if name in self._in_names else bound.get(name)
             if arr is not given:
                 what = f"input '{name}'" if name in self._in_names else f"state '{name}'"
                 kind = "uint16 (bfloat16 bits)" if arr.dtype == arrays.BFLOAT16_BITS else self._dtype
                 raise RuntimeInputError(f"{what} must be a C-contiguous {kind} array of shape "
                                         f"{list(arr.shape)} to be bound: the step reads it in place every call")
+        state.update(adopted)
         fn, call = self._packed_fn, self._packed_call()
         refused = self._refused
 
@@ -202,7 +212,9 @@ class Stepper:
 
     def _arguments(self, token_inputs, state, inplace, out):
         """The C arguments of one step, every array checked (or converted, or made): (args, outputs,
-        new_state, every_seen), every_seen when each array is the very one now seen in its position."""
+        new_state, every_seen, adopted), every_seen when each array is the very one now seen in its position,
+        adopted the arrays the caller's state dict is to hold once the step has run (inplace=True: a
+        log-scale of another dtype, converted)."""
         if self._fixed_threads is None:  # LINREC_NUM_THREADS, read as forward does (the fast path does not)
             env = _environ.get("LINREC_NUM_THREADS")
             if env != self._env:
@@ -243,7 +255,9 @@ class Stepper:
             i += 1
         args += self._param_ptrs
         every_seen = True  # every array of this call is the one now seen in its position (none made here)
-        new_state = {}
+        new_state, adopted = {}, {}
+        if state is not None:
+            arrays.refuse_unknown_states(p, state, self._scale_names)
         for (name, shp, strides), sdt, sptr in zip(self._states, self._state_dtypes, self._state_ptrs):
             arr = state.get(name) if state is not None else None
             if arr is None:
@@ -256,21 +270,22 @@ class Stepper:
                 # copy this step updates (so that an in-place decode loop goes on with it)
                 arr = aligned_copy(checked(np.asarray(arr, dt), shp, dt, f"state '{name}'"))
                 if inplace and state is not None:
-                    state[name] = arr
+                    adopted[name] = arr
                 every_seen = False
             elif sdt != dt:  # bfloat16 bits: as given (uint16), never converted from floats
                 given = arr
                 arr = arrays.state_bits(name, arr, shp) if arr is not seen[i] else arr
                 if not inplace:
                     arr = aligned_copy(arr)
-                elif arr is not seen[i] and not (type(given) is np.ndarray and arr.strides == strides
-                                                 and arr.flags.writeable):
+                elif not (arr.flags.writeable if arr is seen[i] else
+                          type(given) is np.ndarray and arr.strides == strides and arr.flags.writeable):
                     raise RuntimeInputError(f"state '{name}' must be a writeable C-contiguous uint16 array (bfloat16 "
                                             f"bits) of shape {list(shp)} to be updated in place")
             elif not inplace:  # copied in the call's dtype, as run() takes initial states
                 arr = aligned_copy(np.asarray(checked(arr, shp, None, f"state '{name}'"), dtype=dt))
-            elif arr is not seen[i] and not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp
-                                             and arr.strides == strides and arr.flags.writeable):
+            elif not (arr.flags.writeable if arr is seen[i] else  # (made read-only since it was seen?)
+                      type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp and arr.strides == strides
+                      and arr.flags.writeable):
                 raise arrays.not_in_place(name, arr, dt, shp)
             if arr is seen[i]:
                 args.append(seen_ptr[i])
@@ -287,7 +302,7 @@ class Stepper:
                 arr = np.empty(shp, dt)
                 args.append(fb(ptr, arr))
                 every_seen = False
-            elif arr is seen[i]:
+            elif arr is seen[i] and arr.flags.writeable:
                 args.append(seen_ptr[i])
             else:
                 if not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp and arr.strides == strides
@@ -299,4 +314,4 @@ class Stepper:
                 args.append(pointer)
             outputs[name] = arr
             i += 1
-        return args, outputs, new_state, every_seen
+        return args, outputs, new_state, every_seen, adopted
