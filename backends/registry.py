@@ -17,8 +17,8 @@ def backend(name: str) -> Backend:
     """The backend of that name, or an error that lists them."""
     try:
         return BACKENDS[name]
-    except KeyError:
-        raise LinrecError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}") from None
+    except (KeyError, TypeError):  # (TypeError: a value no dict key can be, such as a list)
+        raise LinrecError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
 
 
 def refusal(compiled: Compiled, backend_name: str, form: str) -> Refusal | None:

@@ -150,6 +150,40 @@ def test_layer_params_given_and_missing():
         lt.Layer(nodefault, heads=2)
 
 
+def test_a_layers_arguments_are_checked_where_it_is_made():
+    rec = rec_of("mamba2")
+    for kwargs, message in [
+        (dict(heads=0), r"heads must be a positive integer \(the H of \[B, T, H, \*\]\), got 0"),
+        (dict(heads=2.0), "heads must be a positive integer"),
+        (dict(heads=2, form="bogus"), "unknown form 'bogus'; choose one of auto, recurrent"),
+        (dict(heads=2, backend="cuda"), "unknown backend 'cuda'"),
+        (dict(heads=2, params={"a_log": torch.zeros(2)}), r"unknown parameter\(s\) 'a_log'; the parameters "
+                                                           r"of 'mamba2' are A_log"),
+        (dict(heads=2, params={"A_log": torch.zeros(3)}), r"params\['A_log'\] has shape \[3\], but 'A_log' is "
+                                                           r"\[H\] \(heads = 2\)"),
+        (dict(heads=2, params={"D": 0.5}), r"params\['D'\] has shape \[\], but 'D' is \[H\]"),
+    ]:
+        with pytest.raises(linrec.LinrecError, match=message):
+            lt.Layer(rec, **kwargs)
+
+
+def test_a_layer_copies_pickles_and_saves_whole(tmp_path):
+    """copy.deepcopy (an EMA of the weights), pickle and torch.save of the whole module: the copy holds the
+    program as its source, compiled again, and computes what the original does."""
+    import copy
+    import pickle
+
+    layer = lt.Layer(rec_of("gla"), heads=2, dtype=torch.float64)
+    x = tensors(layer.rec.random_inputs(1, 5, 2, seed=4))
+    want, _ = layer(**x)
+    torch.save(layer, tmp_path / "layer.pt")
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer)),
+                  torch.load(tmp_path / "layer.pt", weights_only=False)):
+        assert other.rec is not layer.rec and other.rec.compiled.source == layer.rec.compiled.source
+        got, _ = other(**x)
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name, dims, backend", [("gla", None, "c"), ("performer", {"m": 8}, "c"),
                                                  ("linear_transformer", None, "numpy"), ("softmax", None, "c"),
                                                  ("softmax", None, "numpy")])
@@ -225,6 +259,12 @@ def test_errors_name_the_argument_and_the_fix():
         error(initial_state=torch.zeros(1, 2, 16, 16))
     with pytest.raises(linrec.LinrecError, match="unknown form 'fast'"):
         lt.apply(rec, x, form="fast")
+    with pytest.raises(linrec.LinrecError, match="unknown backend None; choose one of numpy, c"):
+        lt.apply(rec, x, backend=None)
+    with pytest.raises(linrec.RuntimeInputError, match=r"input\(s\) 'q' given twice"):
+        lt.apply(rec, x, q=2 * x["q"])
+    with pytest.raises(linrec.RuntimeInputError, match="linrec.torch takes no cu_seqlens"):
+        lt.apply(rec, x, cu_seqlens=torch.tensor([0, 2, 4]))
     with pytest.raises(linrec.RuntimeInputError, match=r"input 'g' must lie in \(-inf, 0\]"):
         lt.apply(rec, dict(x, g=x["g"].abs() + 1), backend="numpy")  # the kernel's own checks still apply
 

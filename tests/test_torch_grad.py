@@ -181,3 +181,31 @@ def test_auto_backward_is_chunkwise_on_c_for_large_states_over_long_sequences(mo
     refused = lambda rec, form, where: None if (form, where) != ("chunkwise", "c") else "not on C"  # noqa: E731
     monkeypatch.setattr(backward, "gradient_refusal", refused)
     assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("recurrent", "c")
+
+
+def test_what_autograd_cannot_reach_is_refused_with_its_reason():
+    """Forward mode (which would carry zero tangents through the op without a word), torch.func's transforms
+    (which would fail inside torch) and a gradient of a gradient (no derived second-order backward) are
+    LinrecErrors that say what to use instead; a first-order gradient under create_graph=True still works."""
+    import torch.autograd.forward_ad as forward_ad
+
+    rec = linrec.load("examples/gla.lin")
+    x = {k: torch.from_numpy(v) for k, v in rec.random_inputs(1, 5, 1, dims={"dk": 4, "dv": 4}).items()}
+
+    def o_of(q):
+        return lt.apply(rec, dict(x, q=q), backend="numpy")[0]
+
+    q, tangent = x["q"].clone(), torch.ones_like(x["q"])
+    with pytest.raises(linrec.LinrecError, match="torch.func's transforms .* torch.autograd"):
+        torch.func.jvp(o_of, (q,), (tangent,))
+    with pytest.raises(linrec.LinrecError, match="torch.func's transforms"):
+        torch.func.grad(lambda q: o_of(q).sum())(q)
+    with forward_ad.dual_level():
+        with pytest.raises(linrec.LinrecError, match="'q' carries a forward-mode tangent"):
+            o_of(forward_ad.make_dual(q, tangent))
+    q.requires_grad_(True)
+    (g,) = torch.autograd.grad(o_of(q).square().sum(), q, create_graph=True)
+    (plain,) = torch.autograd.grad(o_of(q).square().sum(), q)
+    assert torch.equal(g.detach(), plain)
+    with pytest.raises(linrec.LinrecError, match="second-order gradients through 'gla' are not derived"):
+        g.square().sum().backward()

@@ -9,11 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.autograd.forward_ad as forward_ad
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ..api import Recurrence
 from ..arrays import check_chunk_size, checked_sizes
 from ..compiler import FORMS
 from ..dsl.errors import LinrecError, RuntimeInputError
+from ..registry import backend as known_backend
 from .backward import gradient_plan
 from .convert import WIDENED, checked_tensor
 from .op import STEP, op_for
@@ -36,8 +39,18 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     program = rec.program
     if form not in FORMS_TAKEN:
         raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(FORMS_TAKEN)}")
+    known_backend(backend)  # (before the op's schema meets a value that is no backend's name)
     check_chunk_size(chunk_size)
-    given = _by_name(inputs, "inputs", program.inputs) | named_inputs
+    if "cu_seqlens" in named_inputs and all(x.name != "cu_seqlens" for x in program.inputs):
+        raise RuntimeInputError("linrec.torch takes no cu_seqlens: packed variable-length batches run through "
+                                "Recurrence.run (NumPy arrays, no gradients); pass the sequences as rows of "
+                                "[B, T, H, *] or one call each")
+    given = _by_name(inputs, "inputs", program.inputs)
+    twice = sorted(set(given) & set(named_inputs))
+    if twice:
+        raise RuntimeInputError(f"input(s) {', '.join(map(repr, twice))} given twice, in `inputs` and as a "
+                                f"keyword; pass each once")
+    given |= named_inputs
     tensors = _named(program.inputs, given, "input", "inputs", required=True)
     states = _named(program.states, _by_name(initial_state, "initial_state", program.states), "initial state",
                     "states")
@@ -50,6 +63,7 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
             raise RuntimeInputError(f"input '{name}' is {t.dtype} but '{first}' is {dtype}; pass every input in "
                                     f"one dtype")
     sizes = _sizes(program, tensors, states, values, dims)
+    _refuse_other_transforms([tensors, states, values])
     _check_differentiable(rec, form, backend, [tensors, states, values])
 
     computed = WIDENED.get(dtype, dtype)  # (a copy for half types; .to() and .contiguous() are no-ops else)
@@ -156,6 +170,24 @@ def _bind(sizes: dict, dims: tuple, actual: tuple, where: str) -> None:
             raise RuntimeInputError(f"{where} has {d} = {n}, but {d} = {sizes[d]} elsewhere (from the inputs or "
                                     f"dims)")
         sizes[d] = n
+
+
+def _refuse_other_transforms(groups: list[dict[str, torch.Tensor]]) -> None:
+    """torch.func's transforms (grad, vmap, jvp, jacrev …) and forward-mode AD have no rule for the op: the
+    first fail inside torch, the second would carry zero tangents through it without a word. Refused here.
+    (Not while torch.compile traces: its fake tensors are neither.)"""
+    if torch.compiler.is_compiling():
+        return
+    for tensors in groups:
+        for name, t in tensors.items():
+            if is_functorch_wrapped_tensor(t):
+                raise LinrecError("torch.func's transforms (grad, vmap, jvp, jacrev, …) do not reach linrec's op: "
+                                  "differentiate it with torch.autograd (loss.backward(), torch.autograd.grad), "
+                                  "and batch over B")
+            if forward_ad.unpack_dual(t).tangent is not None:
+                raise LinrecError(f"'{name}' carries a forward-mode tangent, and linrec derives reverse-mode "
+                                  f"gradients only (vector–Jacobian products): use loss.backward() or "
+                                  f"torch.autograd.grad")
 
 
 def _check_differentiable(rec: Recurrence, form: str, backend: str, groups: list[dict[str, torch.Tensor]]) -> None:

@@ -160,6 +160,17 @@ def fake(rec: Recurrence):
     return backward_fake
 
 
+def second_order_refused(rec: Recurrence):
+    """The backward op's own backward: an error that says what is missing (torch would say only that the op
+    has no autograd formula). A first-order gradient under create_graph=True still works; only a gradient of
+    it reaches this."""
+    def refused(ctx, *grads):
+        raise LinrecError(f"second-order gradients through '{rec.name}' are not derived: linrec's backward is "
+                          f"not differentiable itself (loss.backward(create_graph=True), then a gradient of the "
+                          f"gradients)")
+    return refused
+
+
 def autograd_formula(rec: Recurrence, backward_op):
     """(setup_context, backward) for register_autograd: the forward's tensors and keywords saved, and the
     cotangents of its outputs and final states mapped through the backward op to one gradient per tensor

@@ -12,7 +12,8 @@ from ..compiler import ir
 from ..compiler.analysis import refs
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError, RuntimeInputError
-from .apply import apply
+from ..registry import backend as known_backend
+from .apply import FORMS_TAKEN, apply
 from .convert import checked_tensor
 from .op import STEP, op_for
 
@@ -39,12 +40,19 @@ class Layer(nn.Module):
                  chunk_size: int | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.rec = program if isinstance(program, Recurrence) else load(program)
-        self.heads = heads
+        if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
+            raise RuntimeInputError(f"heads must be a positive integer (the H of [B, T, H, *]), got {heads!r}")
+        if form not in FORMS_TAKEN or form == STEP:
+            raise LinrecError(f"unknown form {form!r}; choose one of "
+                              f"{', '.join(f for f in FORMS_TAKEN if f != STEP)}")
+        known_backend(backend)
+        self.heads = int(heads)
         self.dims = dict(dims or {})
         self.form, self.backend, self.chunk_size = form, backend, chunk_size
         given = {name: np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value, np.float64)
                  for name, value in dict(params or {}).items()}
-        values = self.rec.default_params(heads, self.dims, given)
+        self._check_params(given)
+        values = self.rec.default_params(self.heads, self.dims, given)
         self.params = nn.ParameterDict()
         for name in trainable_params(self.rec.program, given):
             if values.get(name) is None:
@@ -52,6 +60,25 @@ class Layer(nn.Module):
                                         f"initial value: Layer(..., params={{'{name}': ...}})")
             self.params[name] = nn.Parameter(torch.as_tensor(values[name], dtype=dtype))
         self.op = op_for(self.rec)  # registered now: torch.compile then finds it (a registration is no graph op)
+
+    def _check_params(self, given: dict[str, np.ndarray]) -> None:
+        """The initial values given: the program's params by name, each of its shape at these heads and the
+        sizes `dims` gives (a size it leaves out is the inputs' to set, at forward) — here, where Layer(...) is
+        written, not at the first forward."""
+        declared = {p.name: p for p in self.rec.program.params}
+        unknown = sorted(set(given) - set(declared))
+        if unknown:
+            raise RuntimeInputError(f"unknown parameter(s) {', '.join(map(repr, unknown))}; the parameters of "
+                                    f"'{self.rec.name}' are {', '.join(declared) or 'none'}")
+        for name, value in given.items():
+            p = declared[name]
+            axes = (["H"] if p.per_head else []) + list(p.shape)
+            wanted = [self.heads if a == "H" else self.dims.get(a) for a in axes]
+            if value.ndim != len(axes) or any(n is not None and n != m for n, m in zip(wanted, value.shape)):
+                known = "".join(f", {a} = {n}" for a, n in zip(axes[1:] if p.per_head else axes, wanted[p.per_head:])
+                                if n is not None)
+                raise RuntimeInputError(f"params['{name}'] has shape {list(value.shape)}, but '{name}' is "
+                                        f"[{', '.join(axes)}] (heads = {self.heads}{known})")
 
     def extra_repr(self) -> str:
         return f"'{self.rec.name}' ({self.rec.compiled.filename}), heads={self.heads}, backend={self.backend!r}"

@@ -52,6 +52,11 @@ class RecurrenceOp:
         self.outputs = tuple(o.name for o in program.outputs)
         self.dims = tuple(d.name for d in program.dims)
 
+    def __reduce__(self):
+        """Pickled (copy.deepcopy, torch.save of a whole model) as the program's op looked up again: the
+        torch op itself is the process's registration."""
+        return op_for, (self.rec,)
+
     def __call__(self, inputs: list, states: list, params: list, sizes: list, form: str, backend: str,
                  chunk_size: int | None) -> tuple[list, list]:
         """(outputs, final states), each a list in declaration order."""
@@ -92,6 +97,7 @@ def _register(rec: Recurrence) -> RecurrenceOp:
         backward_op = torch.library.custom_op(f"{qualified}_backward", backward.kernel(rec), mutates_args=(),
                                               device_types="cpu", schema=backward.schema(rec, _argument))
         backward_op.register_fake(backward.fake(rec))
+        backward_op.register_autograd(backward.second_order_refused(rec))
         setup_context, formula = backward.autograd_formula(rec, backward_op)
         op.register_autograd(formula, setup_context=setup_context)
         _BY_NAME[name] = RecurrenceOp(rec, op, qualified, schema)
