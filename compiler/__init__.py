@@ -32,6 +32,7 @@ class Compiled:
 
 def compile_source(source: str, filename: str = "<source>") -> Compiled:
     """Parse, check and decompose. Raises LinrecError with FILE:LINE:COL, the line and a caret."""
+    source = source.removeprefix("\ufeff")  # (the byte-order mark some editors write first is no character)
     try:
         program, warnings = resolve(parse(source, filename))
         return Compiled(source, filename, program, derive(program, decompose(program)),

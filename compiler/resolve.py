@@ -10,6 +10,7 @@ import math
 
 from ..dsl import ast
 from ..dsl.errors import LinrecError, LinrecWarning, Span
+from ..dsl.parser import LOOKALIKES
 
 from . import ir
 from .analysis import children, rebuild, refs, to_text, variance, walk
@@ -351,6 +352,9 @@ class _Resolver:
                               f"and output that", sp)
         if n in BUILTINS or n in STRUCTURAL or n in RANDOM:
             raise LinrecError(f"'{n}' is a builtin function; call it, e.g. `{n}(x)`", sp)
+        lookalike = next((hint for chars, hint in LOOKALIKES if any(c in chars for c in n)), None)
+        if lookalike:  # (½ is a letter to the lexer, as to Python: a name)
+            raise LinrecError(f"unknown name '{n}'{lookalike}", sp)
         hint = _closest(n, list(self.defined_at) + list(BUILTINS))
         raise LinrecError(f"unknown name '{n}'" + (f"; did you mean '{hint}'?" if hint else
                                                    "; declare it as an input, param, state or value first"), sp)

@@ -186,13 +186,23 @@ def _unclosed(source: str | None, line: int, column: int) -> tuple[str, int, int
     return stack[-1] if stack else None
 
 
+# characters that look like an operator the language has (pasted from a paper or a word processor), and what to
+# write instead
+LOOKALIKES = [
+    ("×∗", " (write '*' for an elementwise product, '·' or '@' for a contraction)"),
+    ("∙•", " (write '·' or '@' for a contraction, '*' for an elementwise product)"),
+    ("‐‑‒–—﹣－", " (a dash: write '−' or '-' for a minus)"),
+    ("½⅓⅔¼¾⅕⅛", " (write a fraction as a division, e.g. (1/2))"),
+    ("√", " (write sqrt(x))"),
+]
+
+
 def _syntax_error(err: UnexpectedInput, source: str | None = None) -> LinrecError:
     line, column = max(err.line, 1), max(err.column, 1)
     if isinstance(err, UnexpectedCharacters):
         char = err.char if hasattr(err, "char") else "?"
         msg = f"unexpected character {char!r}"
-        if char in "×∗":
-            msg += " (write '*' for an elementwise product, '·' or '@' for a contraction)"
+        msg += next((hint for chars, hint in LOOKALIKES if char in chars), "")
         return LinrecError(msg, Span(line, column, line, column + 1))
     if isinstance(err, UnexpectedEOF):
         return LinrecError("unexpected end of file: the last statement is incomplete",

@@ -143,6 +143,8 @@ def test_bench_text_report_and_selection(cache_dir, capsys):
 def test_bench_rejects_unknown_dimension(capsys):
     assert main(["bench", str(EXAMPLES / "gla.lin"), "--dim", "dz=4", "--T", "8"]) == 1
     assert "no dimension 'dz'" in capsys.readouterr().err
+    assert main(["bench", str(EXAMPLES / "gla.lin"), "--dim", "dk=4", "--dim", "dk=8", "--T", "8"]) == 1
+    assert "--dim dk=4 and --dim dk=8: give each dimension once" in capsys.readouterr().err
 
 
 # ---- cache ---------------------------------------------------------------------------------------------

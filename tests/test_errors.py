@@ -128,6 +128,27 @@ def test_unexpected_character_with_hint():
     check(compile_error(src), src, where(src, 4, "×"), "unexpected character '×'", "write '*'", width=1)
 
 
+@pytest.mark.parametrize("text, bad, hint", [
+    ("S = S + k∙v", "∙", "write '·' or '@' for a contraction"),
+    ("S = S + k•v", "•", "write '·' or '@' for a contraction"),
+    ("S = S – k⊗v", "–", "a dash: write '−' or '-' for a minus"),
+    ("S = S + dk^(‐1)·k⊗v", "‐", "a dash: write '−' or '-' for a minus"),
+])
+def test_look_alike_characters_name_the_one_to_write(text, bad, hint):
+    src = HEAD + f"state S[dk, dv]\n{text}\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, bad), f"unexpected character '{bad}'", hint, width=1)
+
+
+def test_a_fraction_character_is_a_name_to_the_lexer_and_says_so():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = dk^(−½)·q·S\n"
+    check(compile_error(src), src, where(src, 5, "½"), "unknown name '½'", "write a fraction as a division, e.g. (1/2)")
+
+
+def test_a_byte_order_mark_is_no_character():
+    rec = linrec.compile("\ufeff" + HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n")
+    assert rec.name == "t" and not rec.compiled.source.startswith("\ufeff")
+
+
 def test_unexpected_character_dollar():
     src = HEAD + "state S[dk, dv]\nS = S + k⊗v $\noutput o = q·S\n"
     check(compile_error(src), src, where(src, 4, "$"), "unexpected character '$'")
