@@ -325,7 +325,7 @@ def _add_emit(parser: argparse.ArgumentParser):
     alone.add_argument("--out", "-o", metavar="DIR", help="the directory to write them to (created if missing)")
     alone.add_argument("--heads", type=_positive_int, metavar="H",
                        help=f"heads of the params' defaults in NAME_params.bin (default: {RUN_HEADS})")
-    alone.add_argument("--dim", dest="dims", action="append", type=_dim, metavar="NAME=SIZE",
+    alone.add_argument("--dim", dest="dims", action=_DimOnce, type=_dim, metavar="NAME=SIZE",
                        help="a dimension's size, compiled into the kernels (repeatable; default: the file's)")
     parser.epilog = """\
 examples:
@@ -413,6 +413,18 @@ def _chunk_size(text: str) -> int | str:
         return text
 
 
+class _DimOnce(argparse.Action):
+    """--dim NAME=SIZE, repeatable: a name given again with another size is a usage error (which one was
+    meant? the last would win silently)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given = list(getattr(namespace, self.dest, None) or [])
+        for name, size in given:
+            if name == value[0] and size != value[1]:
+                parser.error(f"--dim {name}={size} and --dim {name}={value[1]}: give each dimension once")
+        setattr(namespace, self.dest, given + [value])
+
+
 def _dim(text: str) -> tuple[str, int]:
     name, eq, size = text.partition("=")
     name = name.strip()
@@ -471,7 +483,7 @@ def _add_run(parser: argparse.ArgumentParser):
     gen.add_argument("--batch", type=_positive_int, metavar="B", help=f"batch size (default: {RUN_BATCH})")
     gen.add_argument("--tokens", type=_positive_int, metavar="T", help=f"sequence length (default: {RUN_TOKENS})")
     gen.add_argument("--heads", type=_positive_int, metavar="H", help=f"number of heads (default: {RUN_HEADS})")
-    gen.add_argument("--dim", dest="dims", action="append", type=_dim, metavar="NAME=SIZE",
+    gen.add_argument("--dim", dest="dims", action=_DimOnce, type=_dim, metavar="NAME=SIZE",
                      help="a dimension's size, e.g. --dim dk=8 (repeatable; default: the file's)")
     gen.add_argument("--dtype", choices=("float32", "float64"), help=f"element type (default: {RUN_DTYPE})")
     gen.add_argument("--seed", type=_nonnegative_int, metavar="N", help=f"random seed (default: {RUN_SEED})")
@@ -916,7 +928,7 @@ def _add_bench(parser: argparse.ArgumentParser):
     parser.add_argument("--budget", type=_positive_float, metavar="SECONDS",
                         help=f"stop repeating a row once its timed calls took this long, after at least one "
                              f"(default: {bench.BUDGET_S:g}; --quick: {bench.QUICK_BUDGET_S:g})")
-    parser.add_argument("--dim", dest="dims", action="append", type=_dim, metavar="NAME=SIZE",
+    parser.add_argument("--dim", dest="dims", action=_DimOnce, type=_dim, metavar="NAME=SIZE",
                         help="a dimension's size (default: dk = dv = 64 where declared, else the file's)")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="write a log-log plot of time against T per form and backend (needs matplotlib)")

@@ -12,12 +12,9 @@ def dims_with_overrides(program, overrides: Iterable[tuple[str, int]],
     then `overrides`, the (name, size) pairs of --dim: a name the file does not declare is an error."""
     declared = {dim.name: dim.default for dim in program.dims}
     dims = declared | {name: size for name, size in (preset or {}).items() if name in declared}
-    given: dict[str, int] = {}
     for name, size in overrides:
         if name not in declared:
             raise LinrecError(f"--dim {name}={size}: '{program.name}' has no dimension '{name}'; its dimensions "
                               f"are {', '.join(declared) or 'none'}")
-        if name in given and given[name] != size:  # (which one was meant? not the last by accident)
-            raise LinrecError(f"--dim {name}={given[name]} and --dim {name}={size}: give each dimension once")
-        dims[name] = given[name] = size
+        dims[name] = size
     return dims
