@@ -142,3 +142,25 @@ def test_emitted_backward_names_the_corrections():
     source = example("deltanet").emit_gradient("chunkwise")
     assert source.count("corrections=S_corrections") == 2  # the forward scan and its backward
     assert "S_grads.corrections[0][0]" in source and "S_grads.corrections[0][1]" in source
+
+
+def test_the_parallel_backward_of_a_long_non_causal_delta_rule_in_float32():
+    """The parallel form's one chunk of T tokens runs its backward in sub-chunks: the UT transform's solve over
+    the whole chunk had lost the float32 accuracy of the initial state's gradient — a product of T
+    contractions — (8.8e-3 relative at T = 200 against the float64 recurrent backward; found by a probe with
+    this program, which `linrec verify --grad --dtype float32` failed)."""
+    rec = linrec.compile("""recurrence nc_delta(dk = 8, dv = 6) noncausal
+input q[dk], k[dk], v[dv]
+input beta in (0, 1)
+kn = l2norm(k)
+state S[dk, dv]
+S = (I − beta·kn⊗kn)·S + beta·kn⊗v
+output o = q·S
+""", "nc_delta.lin")
+    x, p, s0, g_out, g_state = arrays_for(rec, 1, 200, 1, seed=0)
+    reference = rec.vjp(x, g_out, grad_final_state=g_state, initial_state=s0, params=p)
+    got = rec.vjp(float32(x), float32(g_out), grad_final_state=float32(g_state), initial_state=float32(s0),
+                  params=float32(p), form="parallel")
+    scale = float(np.max(np.abs(reference.grads["S"])))
+    assert np.max(np.abs(got.grads["S"] - reference.grads["S"])) <= 5e-5 * scale
+    assert_same_gradients(got, reference, 5e-4)
