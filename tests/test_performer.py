@@ -162,6 +162,22 @@ def test_fused_c_kernel_stabilizes_exponents_beyond_float32(performer, scale):
     assert np.all(np.isfinite(got)) and rel(got, ref.outputs["o"]) < 5e-4
 
 
+def test_numpy_brings_a_zero_state_to_a_scale_beyond_float64(performer):
+    """Keys ×40: exponents near −1000, so a zero initial state given at its true scale (log-scale NaN) is
+    brought to σ = M_1 by a factor e^1000, infinite in float64: it stays zero (0·∞ made every output of NumPy's
+    recurrent form and step NaN, the reference C is checked against). The C kernel, float32, agrees."""
+    x = performer.random_inputs(1, 30, 2, dims={**DIMS, "dk": 16}, seed=2)
+    x = {k: v * (40 if k == "k" else 1) for k, v in x.items()}
+    zeros = {"S": np.zeros((1, 2, 32, 4)), "z": np.zeros((1, 2, 32)), "S.log_scale": np.full((1, 2), np.nan)}
+    ref = performer.run(x, form="recurrent", dims={"m": 32}, initial_state=zeros)
+    assert np.all(np.isfinite(ref.outputs["o"])) and ref.final_state["S.log_scale"].max() < -750
+    out, _ = performer.step({k: v[:, 0] for k, v in x.items()}, dict(zeros), params=ref.params)
+    np.testing.assert_allclose(out["o"], ref.outputs["o"][:, 0], rtol=1e-12)
+    got = performer.run({k: v.astype(np.float32) for k, v in x.items()}, form="recurrent", backend="c",
+                        dims={"m": 32})
+    assert np.max(np.abs(got.outputs["o"] - ref.outputs["o"])) <= 5e-4 * np.max(np.abs(ref.outputs["o"]))
+
+
 @pytest.mark.parametrize("first, then", [("numpy", "c"), ("c", "numpy")])
 def test_prefill_on_one_backend_then_steps_on_the_other(performer, first, then):
     """The log-scale travels between backends: NumPy's is float64, C's of the kernel's dtype (a C step given

@@ -588,10 +588,15 @@ def rescale(state, have, want, dtype) -> np.ndarray:
     """A state stored as S·exp(−have) re-expressed as S·exp(−want) ([B, H] log-scales; None and NaN are 0)."""
     have = 0.0 if have is None else np.nan_to_num(np.asarray(have, np.float64), nan=0.0)
     want = 0.0 if want is None else np.asarray(want, np.float64)
-    factor = np.exp(np.asarray(have - want))
+    with np.errstate(over="ignore"):  # (an infinite factor: below)
+        factor = np.exp(np.asarray(have - want))
     if not np.any(factor != 1):  # the same scale (a decode step whose maximum did not move): a copy
         return np.array(state, dtype=dtype)
     if np.all((factor > 1e-30) & (factor < 1e30)):  # (then the factor is a normal number in float32 too)
         # in the working dtype: a float64 product of a float32 state would double a decode step's traffic
         return np.asarray(state, dtype) * factor.astype(dtype)[..., None, None]
-    return (state * factor[..., None, None]).astype(dtype)  # a tiny state times a huge factor, say
+    with np.errstate(over="ignore", invalid="ignore"):  # a tiny state times a huge factor, say
+        scaled = state * factor[..., None, None]
+    # a zero stays zero at any scale: a state started from zeros at its true scale (NaN) and brought to a scale
+    # far below it (large inputs: M_1 of −2000) meets a factor of e^2000, and 0·∞ would be NaN
+    return np.where(state == 0, 0.0, scaled).astype(dtype)
