@@ -17,6 +17,8 @@ import numpy as np
 from . import arrays, bf16_state, compiler, form_choice, gradients, registry, serving, slot_pool
 from .c import build as c_build
 from .compiler import Compiled
+from .compiler import ir
+from .compiler.analysis import refs
 from .compiler.constants import check_constants, program_expressions
 from .compiler.stabilize import log_scale_keys
 from .dsl.errors import LinrecError, RuntimeInputError
@@ -118,6 +120,11 @@ class Recurrence:
             values = self.module(self.forms[0], NUMPY.name).default_params(heads, sizes, given)
         for prm in self.program.params:
             value = values.get(prm.name)
+            # (a default computed from a param the caller gave non-finite is the caller's value: A_log = +∞
+            # makes A = −∞, a decay of 0, which resets — guarantees.md)
+            sources = refs(prm.default, ir.ParamRef) if prm.default is not None else []
+            if any(n in given and not np.all(np.isfinite(given[n])) for n in sources):
+                continue
             if prm.name not in given and value is not None and not np.all(np.isfinite(value)):
                 at = tuple(int(i) for i in np.argwhere(~np.isfinite(np.atleast_1d(value)))[0])
                 raise RuntimeInputError(
@@ -166,7 +173,7 @@ class Recurrence:
         [N + 1] of offsets) runs packed sequences: inputs [1, T_total, H, *], states [N, H, *].
         `state_dtype="bfloat16"` (float32 inputs): initial and returned states are uint16 arrays of bfloat16
         bits, widened to float32 at entry and rounded at exit (backends/bf16_state.py)."""
-        given = dict(inputs or {}) | named_inputs
+        given = arrays.inputs_by_name(inputs, named_inputs)
         if bf16_state.resolve(state_dtype, given):
             result = self.run(given, form=form, backend=backend, params=params,
                               initial_state=bf16_state.widen(self.program, initial_state, "initial state"),
@@ -277,8 +284,8 @@ class Recurrence:
         params = dict(params or {})
         dims = arrays.resolve_dims(self.program, shape, params, initial_state, dims)
         arrays.check_sequence_length(self.program, shape, dims)
-        names = {p.name for p in self.program.params}
-        given_f64 = {k: np.asarray(v, dtype=np.float64) for k, v in params.items() if k in names}
+        given_f64 = {k: np.asarray(v, dtype=np.float64)
+                     for k, v in arrays.check_given_params(self.program, params, shape, dims).items()}
         defaults = {k: v for k, v in self.default_params(shape.heads, dims, given_f64).items()
                     if k not in params}
         return dims, arrays.check_params(self.program, params, defaults, shape, dims)
@@ -310,7 +317,7 @@ class Recurrence:
         Stabilized states come back scaled, with their log-scale ("S.log_scale"), for the steps to go on
         (checkpoints and last states too). `state_every`, `keep_last`, `cu_seqlens` and `state_dtype` as in
         run()."""
-        given = dict(inputs or {}) | named_inputs
+        given = arrays.inputs_by_name(inputs, named_inputs)
         state = dict(initial_state or {})
         offsets = serving.check_cu_seqlens(cu_seqlens)
         if self._log_scales and given:
@@ -447,6 +454,7 @@ class Recurrence:
         if missing:
             raise RuntimeInputError(f"bind_step updates the state arrays in place: pass every state (missing: "
                                     f"{', '.join(missing)}; e.g. the final_state of prefill, or zeros)")
+        arrays.refuse_unknown_states(self.program, state, self._log_scales)
         _, shape, module, dims, used = self._token_call(token_inputs, backend, params, state)
         if bits:
             if module.capabilities.bfloat16_steps:

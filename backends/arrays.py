@@ -2,6 +2,7 @@
 RuntimeInputError naming the array, what was expected and what came."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,26 @@ class CallShape:
 
 def _fmt(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def by_name(value, what: str) -> dict:
+    """A dict argument of arrays by name (inputs, grad_outputs …) as a dict, None as an empty one; another
+    container is an error that says what to pass."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise RuntimeInputError(f"{what} must be a dict of arrays by name, got a {type(value).__name__}")
+    return dict(value)
+
+
+def inputs_by_name(inputs, named: dict) -> dict:
+    """run()'s and prefill()'s inputs: the dict and the keywords together, none given in both."""
+    given = by_name(inputs, "inputs")
+    twice = sorted(set(given) & set(named))
+    if twice:
+        raise RuntimeInputError(f"input(s) {', '.join(map(repr, twice))} given twice, in `inputs` and as a "
+                                f"keyword; pass each once")
+    return given | named
 
 
 def _float_array(name: str, value, what: str) -> np.ndarray:
@@ -205,27 +226,43 @@ def checked_sizes(program: ir.Program, sizes: dict | None) -> dict[str, int]:
     return out
 
 
-def check_params(program: ir.Program, given: dict, defaults: dict, shape: CallShape, dims: dict) -> dict:
-    """Caller-supplied params override the file's defaults; per-head params are [H, *]."""
+def check_given_params(program: ir.Program, given: dict, shape: CallShape, dims: dict) -> dict[str, np.ndarray]:
+    """The params the caller passed, each a float array of its shape (per-head ones [H, *]), by name: checked
+    before any default is computed from them (Mamba-2's A = −exp(A_log) would otherwise meet a string or a
+    wrong shape inside NumPy)."""
     declared = {p.name: p for p in program.params}
     unknown = sorted(set(given) - set(declared))
     if unknown:
         raise RuntimeInputError(f"unknown parameter(s) {', '.join(map(repr, unknown))}; the parameters of "
                                 f"'{program.name}' are {', '.join(declared) or 'none'}")
+    return {prm.name: _param_of_shape(prm, _float_array(prm.name, given[prm.name], "parameter"), shape, dims)
+            for prm in program.params if prm.name in given}
+
+
+def _param_label(prm) -> str:
+    return ("[H" + "".join(", " + d for d in prm.shape) + "]") if prm.per_head else \
+        ("[" + ", ".join(prm.shape) + "]" if prm.shape else "a scalar")
+
+
+def _param_of_shape(prm, arr: np.ndarray, shape: CallShape, dims: dict) -> np.ndarray:
+    expected = ((shape.heads,) if prm.per_head else ()) + tuple(dims[d] for d in prm.shape)
+    if arr.shape != expected:
+        raise RuntimeInputError(f"parameter '{prm.name}' should have shape {_param_label(prm)} = {_fmt(expected)} "
+                                f"but has shape {_fmt(arr.shape)}")
+    return arr
+
+
+def check_params(program: ir.Program, given: dict, defaults: dict, shape: CallShape, dims: dict) -> dict:
+    """Caller-supplied params override the file's defaults; per-head params are [H, *]."""
+    passed = check_given_params(program, given, shape, dims)
     out = {}
     for prm in program.params:
-        expected = ((shape.heads,) if prm.per_head else ()) + tuple(dims[d] for d in prm.shape)
-        label = ("[H" + "".join(", " + d for d in prm.shape) + "]") if prm.per_head else \
-            ("[" + ", ".join(prm.shape) + "]" if prm.shape else "a scalar")
-        if prm.name in given:
-            arr = _float_array(prm.name, given[prm.name], "parameter")
+        if prm.name in passed:
+            arr = passed[prm.name]
         elif defaults.get(prm.name) is not None:
-            arr = defaults[prm.name]
+            arr = _param_of_shape(prm, defaults[prm.name], shape, dims)
         else:
-            raise RuntimeInputError(f"parameter '{prm.name}' has no default; pass it (shape {label})")
-        if arr.shape != expected:
-            raise RuntimeInputError(f"parameter '{prm.name}' should have shape {label} = {_fmt(expected)} but "
-                                    f"has shape {_fmt(arr.shape)}")
+            raise RuntimeInputError(f"parameter '{prm.name}' has no default; pass it (shape {_param_label(prm)})")
         out[prm.name] = np.array(arr, dtype=shape.dtype, order="C")  # keeps 0-d params 0-d
     return out
 
@@ -308,9 +345,18 @@ def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, di
             raise not_in_place(s.name, arr, dtype, expected)
 
 
+def refuse_unknown_outputs(program: ir.Program, out) -> None:
+    """A name in `out` that is none of the program's outputs is an error: its buffer would never be written."""
+    unknown = sorted(set(out or {}) - {o.name for o in program.outputs})
+    if unknown:
+        raise RuntimeInputError(f"unknown output(s) {', '.join(map(repr, unknown))} in out; the outputs of "
+                                f"'{program.name}' are {', '.join(o.name for o in program.outputs)}")
+
+
 def token_outputs(program: ir.Program, out: dict | None, shape: CallShape, dims: dict) -> dict:
     """The output arrays of one decode step [B, H, *]: the caller's (`out`: writeable C-contiguous arrays of
     the inputs' dtype and the right shape, as the compiled step writes them) or new ones."""
+    refuse_unknown_outputs(program, out)
     outputs = {}
     for o in program.outputs:
         wanted = (shape.batch, shape.heads) + tuple(dims[d] for d in o.value.shape)

@@ -60,7 +60,7 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     chunk = arrays.check_chunk_size(chunk_size)
     module = gradient_module(rec, form, backend)
     program = rec.program
-    checked, shape = arrays.check_inputs(program, dict(inputs or {}))
+    checked, shape = arrays.check_inputs(program, arrays.by_name(inputs, "inputs"))
     sizes, used = rec.bind(module, shape, params, initial_state, dims)
     state0 = arrays.check_initial_state(program, initial_state, shape, sizes)
     upstream = _output_gradients(program, grad_outputs, shape, sizes, missing)
@@ -83,7 +83,7 @@ def _refuse_unknown(argument: str, kind: str, kinds: str, given: dict, names: li
 
 
 def _output_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict, missing: str) -> dict:
-    given = dict(given or {})
+    given = arrays.by_name(given, "grad_outputs")
     _refuse_unknown("grad_outputs", "output(s)", "outputs", given, [o.name for o in program.outputs], program)
     out = {}
     for o in program.outputs:

@@ -593,6 +593,35 @@ def test_unknown_param_lists_the_real_ones():
     assert "parameter 'gamma' has dtype int64" in msg
 
 
+def test_inputs_given_as_a_list_or_twice(delta):
+    rec, x = delta
+    assert "inputs must be a dict of arrays by name, got a list" in runtime_error(rec, [x["q"]])
+    assert "input(s) 'q' given twice, in `inputs` and as a keyword" in runtime_error(rec, x, q=x["q"])
+    with pytest.raises(RuntimeInputError, match="grad_outputs must be a dict of arrays by name, got a list"):
+        rec.vjp(x, [np.ones((2, 3, 2, 4))])
+
+
+def test_a_param_others_are_computed_from_is_checked_first():
+    """Mamba-2's A = −exp(A_log): a string, a dict or a wrong shape for A_log is the usual error, not NumPy's
+    (it met them inside the default of A); A_log = +∞ is the caller's value, so A = −∞ (a reset at every
+    token, guarantees.md), as A = −∞ given itself."""
+    rec = linrec.load(EXAMPLES / "mamba2.lin")
+    x = rec.random_inputs(batch=1, tokens=4, heads=3, dims={"dk": 3, "dv": 2}, seed=0)
+    assert "parameter 'A_log' should have shape [H] = [3] but has shape [4]" in \
+        runtime_error(rec, x, params={"A_log": np.zeros(4)})
+    assert "parameter 'A_log' has dtype <U1" in runtime_error(rec, x, params={"A_log": ["a", "b", "c"]})
+    assert "parameter 'A' has dtype object" in runtime_error(rec, x, params={"A": {"h": 1}})
+    reset = rec.run(x, params={"A_log": np.full(3, np.inf)}).outputs["y"]
+    np.testing.assert_array_equal(reset, rec.run(x, params={"A": np.full(3, -np.inf)}).outputs["y"])
+
+
+def test_thread_counts_as_numpy_integers_but_not_bools(delta):
+    rec, x = delta
+    rec.run(x, backend="c", threads=np.int64(2))
+    with pytest.raises(LinrecError, match="the thread count must be a positive integer, got True"):
+        rec.run(x, backend="c", threads=True)
+
+
 def test_unknown_form(delta):
     rec, x = delta
     with pytest.raises(LinrecError) as info:

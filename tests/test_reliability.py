@@ -189,6 +189,37 @@ def test_wrong_output_arrays_are_refused(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_misspelt_name_in_a_steps_dicts_is_an_error(backend):
+    """A state name that is none of the program's would leave the state it meant at zero, an output name
+    its buffer unwritten: both are errors, on both backends, in place or not, bound or not."""
+    rec = linrec.compile(GATED, "gated.lin")
+    token, state = _token(rec), {"s": np.zeros((2, 3, 4, 3))}
+    for inplace in (False, True):
+        with pytest.raises(linrec.RuntimeInputError, match=r"unknown state\(s\) 's'; the states of 'gated' are S"):
+            rec.step(token, state, backend=backend, inplace=inplace)
+    with pytest.raises(linrec.RuntimeInputError, match=r"unknown state\(s\) 's'"):
+        rec.bind_step(token, dict(state, S=np.zeros((2, 3, 4, 3))), backend=backend)
+    with pytest.raises(linrec.RuntimeInputError, match=r"unknown output\(s\) 'O' in out; the outputs of 'gated' are o"):
+        rec.step(token, {"S": np.zeros((2, 3, 4, 3))}, backend=backend, inplace=True, out={"O": np.zeros((2, 3, 3))})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_made_read_only_after_a_step_is_refused(backend):
+    """The C step's fast path (the same arrays again) checks that the arrays it writes are still writeable."""
+    rec = linrec.compile(GATED, "gated.lin")
+    token, state, out = _token(rec), {"S": np.zeros((2, 3, 4, 3))}, {"o": np.zeros((2, 3, 3))}
+    rec.step(token, state, backend=backend, inplace=True, out=out)
+    rec.step(token, state, backend=backend, inplace=True, out=out)  # (C: now on the fast path)
+    for frozen in (state["S"], out["o"]):
+        frozen.flags.writeable = False
+        before = state["S"].copy()
+        with pytest.raises(linrec.RuntimeInputError, match="must be a writeable"):
+            rec.step(token, state, backend=backend, inplace=True, out=out)
+        np.testing.assert_array_equal(state["S"], before)
+        frozen.flags.writeable = True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_non_causal_program_has_no_step(backend):
     rec = linrec.compile(GATED.replace("dv = 3)", "dv = 3) noncausal"), "encoder.lin")
     with pytest.raises(linrec.LinrecError, match="non-causal"):

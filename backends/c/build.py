@@ -35,6 +35,7 @@ import importlib.metadata
 import importlib.resources
 import importlib.util
 import json
+import numbers
 import os
 import platform
 import shlex
@@ -790,9 +791,9 @@ def threads(n: int | None):
     if n is None:
         yield
         return
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:  # (NumPy's integers are Integral)
         raise LinrecError(f"the thread count must be a positive integer, got {n!r}")
-    token = _thread_override.set(min(n, MAX_THREADS))
+    token = _thread_override.set(min(int(n), MAX_THREADS))
     try:
         yield
     finally:

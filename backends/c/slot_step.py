@@ -41,6 +41,7 @@ class SlotStep:
         return self._outputs(first.shape[0], first.shape[1], first.dtype, dims, out)
 
     def _outputs(self, requests: int, heads: int, dtype, dims: dict, out: dict | None) -> dict:
+        arrays.refuse_unknown_outputs(self.form.program, out)
         outputs = {}
         for o in self.form.program.outputs:
             shape = (requests, heads) + tuple(dims[d] for d in o.value.shape)

@@ -258,6 +258,7 @@ class Stepper:
         new_state, adopted = {}, {}
         if state is not None:
             arrays.refuse_unknown_states(p, state, self._scale_names)
+        arrays.refuse_unknown_outputs(p, out)
         for (name, shp, strides), sdt, sptr in zip(self._states, self._state_dtypes, self._state_ptrs):
             arr = state.get(name) if state is not None else None
             if arr is None:
