@@ -183,6 +183,7 @@ def test_auto_backward_is_chunkwise_on_c_for_large_states_over_long_sequences(mo
     assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("recurrent", "c")
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # (torch.func's own)
 def test_what_autograd_cannot_reach_is_refused_with_its_reason():
     """Forward mode (which would carry zero tangents through the op without a word), torch.func's transforms
     (which would fail inside torch) and a gradient of a gradient (no derived second-order backward) are
