@@ -419,7 +419,9 @@ class Recurrence:
         """One token's inputs checked as a sequence of one ([B, 1, H, *]) and the recurrent module bound to
         them: (checked inputs, call shape, module, dims, params used)."""
         given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
-        checked, shape = arrays.check_inputs(self.program, given)
+        checked, shape = arrays.check_inputs(self.program, given, ranges=False)
+        # (the ranges on the token's own arrays, [B, H, *]: an error's index is one the caller's array has)
+        arrays.check_ranges(self.program, {k: v[:, 0] for k, v in checked.items()})
         module = self.module("recurrent", backend)
         key = (backend, shape.batch, shape.heads, shape.dtype.str, tuple(sorted(shape.dims.items())),
                tuple(sorted((k, np.shape(v)) for k, v in (state or {}).items())))
@@ -464,6 +466,8 @@ class Recurrence:
         if module.capabilities.binds_steps:
             return module.stepper(used, dims).bind(token_inputs, state, out)
         arrays.check_states_in_place(self.program, state, shape, dims)
+        for key in self._log_scales - set(state):  # (a log-scale the caller has not got yet: carried here, as on C)
+            state[key] = np.full((shape.batch, shape.heads), np.nan)
         tokens, states = dict(token_inputs), dict(state)  # the arrays bound now, as the compiled step binds them
         buffers = arrays.token_outputs(self.program, out, shape, dims)
 

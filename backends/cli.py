@@ -764,7 +764,7 @@ def _add_verify(parser: argparse.ArgumentParser):
                         help="instead: the error of FILE's outputs against EXACT's on the same inputs, for "
                              "16, 64, 256, 1024 random features, orthogonal and i.i.d. (e.g. Performer "
                              "against examples/softmax.lin)")
-    parser.add_argument("--seeds", type=_positive_int, default=8, help="seeds averaged by --against")
+    parser.add_argument("--seeds", type=_positive_int, help=f"seeds averaged by --against (default: {AGAINST_SEEDS})")
     parser.add_argument("--grad", action="store_true",
                         help="instead: the gradient forms: the recurrent one against central finite differences "
                              "of the float64 forward, the others against it (docs/gradients.md)")
@@ -786,14 +786,22 @@ decode step (other slots bit-identical).
 Exit status 1 when any row fails."""
 
 
+AGAINST_SEEDS = 8  # verify --against: seeds averaged per row
+
+
 def _verify_against(rec, exact, args) -> int:
     """`verify --against EXACT.lin`: the relative error of rec's outputs against exact's on the same inputs,
     one row per feature count and kind, mean over --seeds."""
-    if not args.json:
-        print(f"{rec.name} against {exact.name}: relative error ‖o − o_exact‖/‖o_exact‖, mean over seeds")
-        print(quality.HEADER)
-    rows = quality.compare(rec, exact, seeds=args.seeds,
-                           on_row=None if args.json else lambda r: print(quality.format_row(r), flush=True))
+    printed_header = False
+
+    def on_row(row):  # (the header with the first row: a comparison refused at its start prints none)
+        nonlocal printed_header
+        if not printed_header:
+            print(f"{rec.name} against {exact.name}: relative error ‖o − o_exact‖/‖o_exact‖, mean over seeds")
+            print(quality.HEADER)
+            printed_header = True
+        print(quality.format_row(row), flush=True)
+    rows = quality.compare(rec, exact, seeds=args.seeds or AGAINST_SEEDS, on_row=None if args.json else on_row)
     if args.json:
         print(json.dumps({"program": rec.name, "against": exact.name, "rows": [r.__dict__ for r in rows]}))
     return 0
@@ -801,20 +809,24 @@ def _verify_against(rec, exact, args) -> int:
 
 def _verify_gradients(rec, args) -> int:
     """`verify --grad`: every gradient form a backend builds, on the gradient battery (verify_grad)."""
-    if args.form and args.form != ["recurrent"]:
-        raise LinrecError("verify --grad checks the gradient forms the backends build (recurrent); leave out "
-                          "--form, or pass --form recurrent")
     backends = args.backend or _backend_names()
-    if not verify_grad.gradient_forms(rec, backends):
+    built = verify_grad.gradient_forms(rec, backends)
+    if not built:
         why = "; ".join(f"{f} on {b}: {w}" for f, b, w in verify_grad.missing(rec, backends) if f == "recurrent")
         raise LinrecError(f"'{rec.name}' has no gradient form to verify: {why}")
+    for form in args.form or ():
+        if form not in {f for f, _ in built}:
+            why = "; ".join(f"on {b}: {w}" for f, b, w in verify_grad.missing(rec, backends) if f == form)
+            raise LinrecError(f"'{rec.name}' has no {form} gradient form to verify"
+                              + (f" ({why})" if why else "") + "; the gradient forms built: "
+                              + ", ".join(dict.fromkeys(f for f, _ in built)))
     if not args.json:
         first = verify_grad.reference_form(rec)
         print(f"{rec.name}: the {first} gradient against central finite differences of the float64 {first} "
               f"forward, the other gradient forms against it")
         print(verify.HEADER)
     rows = verify_grad.run(rec, backends=backends, dtypes=tuple(args.dtype or ("float64", "float32")),
-                           quick=args.quick, seed=args.seed,
+                           quick=args.quick, seed=args.seed, forms=args.form,
                            on_row=None if args.json else lambda r: print(verify.format_row(r), flush=True))
     failed = [r for r in rows if not r.passed]
     absent = verify_grad.missing(rec, backends)
@@ -837,6 +849,10 @@ def cmd_verify(args) -> int:
     """
 
     rec = _load(args.file)
+    if args.seeds is not None and not args.against:
+        raise LinrecError("--seeds goes with --against (the seeds it averages); leave it out")
+    if args.grad and args.state_dtype == BFLOAT16:
+        raise LinrecError("verify --grad checks gradients of float32 and float64 states; leave out --state-dtype")
     if args.against:
         return _verify_against(rec, _load(args.against), args)
     if args.grad:
@@ -865,6 +881,10 @@ def cmd_verify(args) -> int:
     rows = verify.run(rec, backends=backends, forms=forms, dtypes=tuple(args.dtype or ("float64", "float32")),
                       quick=args.quick, seed=args.seed, on_row=on_row, on_progress=progress,
                       state_bf16=args.state_dtype == BFLOAT16)
+    if not rows:  # (a pass that checked nothing would read as a pass)
+        raise LinrecError(f"nothing to check: with these options the only row would be the reference itself "
+                          f"(the float64 {verify.reference_form(rec)} form on numpy); add a backend, a dtype or "
+                          f"a form")
     failed = [r for r in rows if not r.passed]
     absent = verify.missing(rec, backends, forms)
     if args.json:

@@ -115,18 +115,21 @@ def _case_arrays(rec, case: Case, seed: int):
 
 
 def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = False, seed: int = 0,
-        on_row=None) -> list[Row]:
+        on_row=None, forms=None) -> list[Row]:
     """The recurrent gradient in float64 against finite differences; every other gradient form in float64
-    against it (1e-9, the forms' tolerance); float32 gradients against the float64 recurrent one (5e-4)."""
+    against it (1e-9, the forms' tolerance); float32 gradients against the float64 recurrent one (5e-4).
+    `forms`: only the rows of these gradient forms (None: every one built); the reference is computed all
+    the same."""
     rows = []
     plan = gradient_forms(rec, backends)
     plan.sort(key=lambda fb: fb[0] != "recurrent")  # (the recurrent gradient first: the others' reference)
+    asked = [fb for fb in plan if forms is None or fb[0] in forms]
     for case in battery(rec.program, quick):
-        if not plan:
+        if not asked:
             break
         inputs, params, state0, g_out, g_state = _case_arrays(rec, case, seed)
         reference = None
-        for form, backend in plan:
+        for form, backend in asked:
             for dtype in dtypes:
                 for chunk in (case.chunk_sizes if dtype == "float64" else (None,)):
                     cast = {k: v.astype(dtype) for k, v in inputs.items()}
@@ -146,8 +149,9 @@ def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = F
                         tol, note = FD_TOLERANCE, f"finite differences; worst: {worst}"
                         reference = reference or result.grads
                     else:
-                        if reference is None:  # (no recurrent gradient to compare with: the float64 one of this form)
-                            reference = rec.vjp(inputs, g_out, form=form, backend=backend, grad_final_state=g_state,
+                        if reference is None:  # (the reference's row not asked for, or no float64: its gradient alone)
+                            first, on = plan[0]
+                            reference = rec.vjp(inputs, g_out, form=first, backend=on, grad_final_state=g_state,
                                                 initial_state=state0, params=params, dims=case.dims).grads
                         diff, err, worst = _against(result.grads, reference)
                         tol = FORM_TOLERANCE if dtype == "float64" else FLOAT32_TOLERANCE

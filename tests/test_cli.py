@@ -42,6 +42,30 @@ def test_emit_prints_python_source(capsys):
     assert "def forward(" in source and "chunkwise_scan" in source
 
 
+def test_emit_grad_says_which_form_it_is(capsys):
+    """The backward module's first line names the gradient form asked for (it said "recurrent" for every one)."""
+    gla, softmax = (str(next(p for p in EXAMPLES if p.stem == name)) for name in ("gla", "softmax"))
+    for file, backend, form in ((gla, "numpy", "parallel"), (gla, "c", "chunkwise"), (softmax, "c", "recurrent"),
+                                (softmax, "c", "parallel")):
+        assert main(["emit", file, "--grad", "--form", form, "--backend", backend]) == 0
+        assert f" — {form} backward (the adjoint" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_verify_refuses_what_it_would_ignore_or_check_nothing(capsys):
+    gla, linformer = (str(next(p for p in EXAMPLES if p.stem == name)) for name in ("gla", "linformer"))
+    for argv, message in ((["--seeds", "2"], "--seeds goes with --against"),
+                          (["--grad", "--state-dtype", "bfloat16"], "leave out --state-dtype"),
+                          (["--grad", "--form", "step"], "has no step gradient form to verify")):
+        assert main(["verify", gla, "--quick", *argv]) == 1
+        assert message in capsys.readouterr().err
+    assert main(["verify", linformer, "--quick", "--backend", "numpy", "--dtype", "float64"]) == 1
+    assert "nothing to check" in capsys.readouterr().err
+    # --grad --form: the rows of that gradient form only (the reference computed all the same)
+    assert main(["verify", gla, "--grad", "--quick", "--form", "parallel", "--backend", "numpy", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows and {r["form"] for r in rows} == {"parallel"}
+
+
 def test_run_npz_round_trip(tmp_path, capsys):
     path = Path(__file__).resolve().parent.parent / "examples" / "gla.lin"
     rec = linrec.load(path)

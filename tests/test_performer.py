@@ -162,6 +162,20 @@ def test_fused_c_kernel_stabilizes_exponents_beyond_float32(performer, scale):
     assert np.all(np.isfinite(got)) and rel(got, ref.outputs["o"]) < 5e-4
 
 
+def test_numpys_bind_step_adds_the_log_scale_as_cs_does(performer):
+    x = performer.random_inputs(1, 6, 2, dims={**DIMS, "dk": 16}, seed=5)
+    ref = performer.run(x, form="recurrent", dims={"m": 32})
+    state = {"S": np.zeros((1, 2, 32, 4)), "z": np.zeros((1, 2, 32))}
+    token = {k: v[:, 0].copy() for k, v in x.items()}
+    step = performer.bind_step(token, state, params=ref.params)
+    assert np.all(np.isnan(state["S.log_scale"]))  # at the true scale, until the first step
+    for t in range(6):
+        for k in token:
+            token[k][...] = x[k][:, t]
+        np.testing.assert_allclose(step()["o"], ref.outputs["o"][:, t], rtol=1e-12, atol=1e-14)
+    assert np.all(np.isfinite(state["S.log_scale"]))
+
+
 def test_numpy_brings_a_zero_state_to_a_scale_beyond_float64(performer):
     """Keys ×40: exponents near −1000, so a zero initial state given at its true scale (log-scale NaN) is
     brought to σ = M_1 by a factor e^1000, infinite in float64: it stays zero (0·∞ made every output of NumPy's

@@ -220,6 +220,16 @@ def test_a_state_made_read_only_after_a_step_is_refused(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tokens_range_error_names_an_index_of_the_tokens_array(backend):
+    """A token's g is [B, H, dk]: the index has no T axis (NumPy's step checked it as [B, 1, H, dk])."""
+    rec = linrec.compile(GATED, "gated.lin")
+    token = _token(rec)
+    token["g"][1, 2, 0] = 1.0
+    with pytest.raises(linrec.RuntimeInputError, match=r"input 'g' must lie in .* found 1 at index \[1, 2, 0\]"):
+        rec.step(token, None, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_non_causal_program_has_no_step(backend):
     rec = linrec.compile(GATED.replace("dv = 3)", "dv = 3) noncausal"), "encoder.lin")
     with pytest.raises(linrec.LinrecError, match="non-causal"):

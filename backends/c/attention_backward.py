@@ -105,8 +105,11 @@ def emit(compiled: Compiled, form: str) -> str:
     if refusal:
         raise LinrecError(f"the C backend does not build the {form} backward of '{compiled.name}': {refusal}")
     if compiled.decomposition.sequence.kind == "lsh":
-        return (_LshEmitter if form == "parallel" else _BucketedLshEmitter)(compiled).render()
-    return (_ParallelEmitter if form == "parallel" else _FlashEmitter)(compiled).render()
+        emitter = (_LshEmitter if form == "parallel" else _BucketedLshEmitter)(compiled)
+    else:
+        emitter = (_ParallelEmitter if form == "parallel" else _FlashEmitter)(compiled)
+    emitter.form = form  # (the flash kernels serve the recurrent form too: the module says which it is)
+    return emitter.render()
 
 
 def load(compiled: Compiled, form: str):

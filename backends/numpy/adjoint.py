@@ -64,6 +64,7 @@ class BackwardEmitter:
     parallel and chunkwise backward builds on it (and linrec.c.grad's on that one)."""
 
     modules = MODULES  # where the generated module imports its helpers from
+    form = "recurrent"  # the gradient form this module is (its docstring says so)
 
     def __init__(self, compiled: Compiled):
         self.c = compiled
@@ -324,7 +325,7 @@ class BackwardEmitter:
         body = self.body()
         param_lines = self.em.param_lines(self.helpers)
         return environment(__package__).get_template("backward.py.j2").render(
-            name=self.p.name, version=VERSION, source_comment=source_comment(self.c),
+            name=self.p.name, form=self.form, version=VERSION, source_comment=source_comment(self.c),
             imports=imports(self.helpers, self.modules), param_lines=param_lines,
             param_names=[(prm.name, self.em.name(prm.name)) for prm in self.p.params], body=body)
 

@@ -59,6 +59,7 @@ class _ParallelPrinter(AdjointPrinter, SequencePrinter):
 class ParallelAttentionEmitter(BackwardEmitter):
     """The recurrent backward's names and adjoint statements, printed for every token at once."""
 
+    form = "parallel"
     # lsh_attention's forward and its vector–Jacobian product: the dense (parallel) form's
     lsh, lsh_vjp = "lsh_attention_dense", "vjp_lsh_attention"
 
@@ -136,6 +137,8 @@ class BucketedLshEmitter(ParallelAttentionEmitter):
     """The chunkwise backward of a program that reads the sequence through lsh_attention: the parallel
     backward's module (as the chunkwise forward of such a program is the parallel one's) with lsh_attention in
     its bucketed form and that form's backward by blocks, the buckets held fixed."""
+
+    form = "chunkwise"
 
     lsh, lsh_vjp = "lsh_attention_bucketed", "vjp_lsh_attention_bucketed"
 

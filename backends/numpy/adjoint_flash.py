@@ -35,6 +35,8 @@ class FlashAttentionEmitter(BackwardEmitter):
     (the helpers flash_attention and flash_attention_backward, imported from `modules`: linrec.c's emitter
     points them at its kernels)."""
 
+    form = "chunkwise"
+
     def __init__(self, compiled: Compiled):
         super().__init__(compiled)
         em = self.em
