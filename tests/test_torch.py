@@ -162,6 +162,7 @@ def test_a_layers_arguments_are_checked_where_it_is_made():
         (dict(heads=2, params={"A_log": torch.zeros(3)}), r"params\['A_log'\] has shape \[3\], but 'A_log' is "
                                                            r"\[H\] \(heads = 2\)"),
         (dict(heads=2, params={"D": 0.5}), r"params\['D'\] has shape \[\], but 'D' is \[H\]"),
+        (dict(heads=2, params={"D": "x"}), r"params\['D'\] is a str that holds no numbers"),
     ]:
         with pytest.raises(linrec.LinrecError, match=message):
             lt.Layer(rec, **kwargs)

@@ -25,6 +25,15 @@ def trainable_params(program: ir.Program, given=()) -> tuple[str, ...]:
                  if p.name in given or p.default is None or not refs(p.default, ir.ParamRef))
 
 
+def _initial_value(name: str, value) -> np.ndarray:
+    """A param's initial value as float64 (a tensor's, a number's, an array's), else an error naming it."""
+    try:
+        return np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value, np.float64)
+    except (TypeError, ValueError):
+        raise RuntimeInputError(f"params['{name}'] is a {type(value).__name__} that holds no numbers; pass a "
+                                f"tensor or an array") from None
+
+
 class Layer(nn.Module):
     """A linrec program as a module: `Layer("examples/gla.lin", heads=4, dims={"dk": 64, "dv": 64})`.
 
@@ -49,8 +58,7 @@ class Layer(nn.Module):
         self.heads = int(heads)
         self.dims = dict(dims or {})
         self.form, self.backend, self.chunk_size = form, backend, chunk_size
-        given = {name: np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value, np.float64)
-                 for name, value in dict(params or {}).items()}
+        given = {name: _initial_value(name, value) for name, value in dict(params or {}).items()}
         self._check_params(given)
         values = self.rec.default_params(self.heads, self.dims, given)
         self.params = nn.ParameterDict()
