@@ -40,11 +40,25 @@ def by_name(value, what: str) -> dict:
 def inputs_by_name(inputs, named: dict) -> dict:
     """run()'s and prefill()'s inputs: the dict and the keywords together, none given in both."""
     given = by_name(inputs, "inputs")
+    refuse_given_twice(given, named)
+    return given | named
+
+
+def refuse_given_twice(given: dict, named: dict) -> None:
+    """An input both in the `inputs` dict and among the keywords is an error (which one was meant?)."""
     twice = sorted(set(given) & set(named))
     if twice:
         raise RuntimeInputError(f"input(s) {', '.join(map(repr, twice))} given twice, in `inputs` and as a "
                                 f"keyword; pass each once")
-    return given | named
+
+
+def refuse_unknown(given, names, kind: str, kinds: str, program: ir.Program, where: str = "") -> None:
+    """A key of `given` that is none of `names` is an error: "unknown state(s) 's'; the states of 'gla' are
+    S" (kind "state(s)", kinds "states"; `where` follows the unknown names, e.g. " in out")."""
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise RuntimeInputError(f"unknown {kind} {', '.join(map(repr, unknown))}{where}; the {kinds} of "
+                                f"'{program.name}' are {', '.join(names) or 'none'}")
 
 
 def _float_array(name: str, value, what: str) -> np.ndarray:
@@ -103,10 +117,7 @@ def check_inputs(program: ir.Program, inputs: dict, dims: dict[str, int] | None 
     dtypes or sizes are errors; so are values outside a declared range, unless ranges=False (the caller
     then checks them itself: check_ranges, or a kernel that checks while it reads)."""
     declared = {x.name: x for x in program.inputs}
-    unknown = sorted(set(inputs) - set(declared))
-    if unknown:
-        raise RuntimeInputError(f"unknown input array(s) {', '.join(map(repr, unknown))}; the inputs of "
-                                f"'{program.name}' are {', '.join(declared) or 'none'}")
+    refuse_unknown(inputs, list(declared), "input array(s)", "inputs", program)
     bound = dict(dims or {})
     arrays, lead, dtype = {}, None, None
     for x in program.inputs:
@@ -230,13 +241,13 @@ def check_given_params(program: ir.Program, given: dict, shape: CallShape, dims:
     """The params the caller passed, each a float array of its shape (per-head ones [H, *]), by name: checked
     before any default is computed from them (Mamba-2's A = −exp(A_log) would otherwise meet a string or a
     wrong shape inside NumPy)."""
-    declared = {p.name: p for p in program.params}
-    unknown = sorted(set(given) - set(declared))
-    if unknown:
-        raise RuntimeInputError(f"unknown parameter(s) {', '.join(map(repr, unknown))}; the parameters of "
-                                f"'{program.name}' are {', '.join(declared) or 'none'}")
+    refuse_unknown_params(program, given)
     return {prm.name: _param_of_shape(prm, _float_array(prm.name, given[prm.name], "parameter"), shape, dims)
             for prm in program.params if prm.name in given}
+
+
+def refuse_unknown_params(program: ir.Program, given) -> None:
+    refuse_unknown(given, [p.name for p in program.params], "parameter(s)", "parameters", program)
 
 
 def _param_label(prm) -> str:
@@ -270,10 +281,7 @@ def check_params(program: ir.Program, given: dict, defaults: dict, shape: CallSh
 def refuse_unknown_states(program: ir.Program, given, also: frozenset[str] | set[str] = frozenset()):
     """A state name that is none of the program's (nor in `also`: the log-scales carried beside its
     stabilized states) is an error: a misspelt name would otherwise leave the state it meant at zero."""
-    unknown = sorted(set(given) - {s.name for s in program.states} - set(also))
-    if unknown:
-        raise RuntimeInputError(f"unknown state(s) {', '.join(map(repr, unknown))}; the states of "
-                                f"'{program.name}' are {', '.join(sorted(s.name for s in program.states))}")
+    refuse_unknown(set(given) - set(also), sorted(s.name for s in program.states), "state(s)", "states", program)
 
 
 def check_initial_state(program: ir.Program, given: dict | None, shape: CallShape, dims: dict,
@@ -347,10 +355,7 @@ def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, di
 
 def refuse_unknown_outputs(program: ir.Program, out) -> None:
     """A name in `out` that is none of the program's outputs is an error: its buffer would never be written."""
-    unknown = sorted(set(out or {}) - {o.name for o in program.outputs})
-    if unknown:
-        raise RuntimeInputError(f"unknown output(s) {', '.join(map(repr, unknown))} in out; the outputs of "
-                                f"'{program.name}' are {', '.join(o.name for o in program.outputs)}")
+    refuse_unknown(out or {}, [o.name for o in program.outputs], "output(s)", "outputs", program, " in out")
 
 
 def token_outputs(program: ir.Program, out: dict | None, shape: CallShape, dims: dict) -> dict:

@@ -41,14 +41,9 @@ class SlotStep:
         return self._outputs(first.shape[0], first.shape[1], first.dtype, dims, out)
 
     def _outputs(self, requests: int, heads: int, dtype, dims: dict, out: dict | None) -> dict:
-        arrays.refuse_unknown_outputs(self.form.program, out)
-        outputs = {}
-        for o in self.form.program.outputs:
-            shape = (requests, heads) + tuple(dims[d] for d in o.value.shape)
-            given = (out or {}).get(o.name)
-            outputs[o.name] = np.empty(shape, dtype) if given is None else \
-                arrays.out_array(given, f"out['{o.name}']", shape, dtype)
-        return outputs
+        """(the decode step's: requests are its batch rows)"""
+        shape = arrays.CallShape(requests, 1, heads, dims, np.dtype(dtype))
+        return arrays.token_outputs(self.form.program, out, shape, dims)
 
     def __call__(self, token_inputs: dict, pool: dict, slots: np.ndarray, out: dict | None = None) -> dict:
         p = self.form.program

@@ -13,7 +13,7 @@ import torch.autograd.forward_ad as forward_ad
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ..api import Recurrence
-from ..arrays import check_chunk_size, checked_sizes
+from ..arrays import check_chunk_size, checked_sizes, refuse_given_twice
 from ..compiler import FORMS
 from ..dsl.errors import LinrecError, RuntimeInputError
 from ..registry import backend as known_backend
@@ -46,10 +46,7 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
                                 "Recurrence.run (NumPy arrays, no gradients); pass the sequences as rows of "
                                 "[B, T, H, *] or one call each")
     given = _by_name(inputs, "inputs", program.inputs)
-    twice = sorted(set(given) & set(named_inputs))
-    if twice:
-        raise RuntimeInputError(f"input(s) {', '.join(map(repr, twice))} given twice, in `inputs` and as a "
-                                f"keyword; pass each once")
+    refuse_given_twice(given, named_inputs)
     given |= named_inputs
     tensors = _named(program.inputs, given, "input", "inputs", required=True)
     states = _named(program.states, _by_name(initial_state, "initial_state", program.states), "initial state",

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..api import Recurrence, load
+from ..arrays import refuse_unknown_params
 from ..compiler import ir
 from ..compiler.analysis import refs
 from ..decode import reads_the_sequence
@@ -73,11 +74,8 @@ class Layer(nn.Module):
         """The initial values given: the program's params by name, each of its shape at these heads and the
         sizes `dims` gives (a size it leaves out is the inputs' to set, at forward) — here, where Layer(...) is
         written, not at the first forward."""
+        refuse_unknown_params(self.rec.program, given)
         declared = {p.name: p for p in self.rec.program.params}
-        unknown = sorted(set(given) - set(declared))
-        if unknown:
-            raise RuntimeInputError(f"unknown parameter(s) {', '.join(map(repr, unknown))}; the parameters of "
-                                    f"'{self.rec.name}' are {', '.join(declared) or 'none'}")
         for name, value in given.items():
             p = declared[name]
             axes = (["H"] if p.per_head else []) + list(p.shape)
