@@ -40,6 +40,13 @@ GRADIENT_ARRAYS = 12
 _gradients = RecycledArrays(keep=GRADIENT_ARRAYS)
 
 
+def gradient_arrays(lead: tuple[int, int, int], widths, dtype) -> list[np.ndarray]:
+    """The arrays a backward kernel writes the per-token gradients into, [B, T, H, n] for each width n: recycled
+    (_gradients), cache-line aligned, and handed over — the module's own to keep and write into, never the
+    caller's, who gets them back only from this call. The kernel writes every value."""
+    return [hand_over(_gradients.take(lead + (n,), dtype)) for n in widths]
+
+
 def default_segment(tokens: int, state_bytes: int) -> int:
     """Tokens per checkpoint when the call gives none: √T, at most what keeps a segment's states within
     SEGMENT_BYTES (at least 8)."""
@@ -116,9 +123,7 @@ def backward(c: Call, k, function: str, read_widths, checkpoints, chunk, grad_re
     seg, _ = c.segments(chunk)
     grads = [operand(g, dtype, c.lead + (n,), f"the gradient of readout {i}")
              for i, (g, n) in enumerate(zip(grad_readouts, read_widths))]
-    # (aligned: the kernel streams whole rows past the caches; handed over: the module's own to keep and
-    # write into — never the caller's, who gets them back only from this call)
-    outs = [hand_over(_gradients.take(c.lead + (n,), dtype)) for n in c.structure.widths]
+    outs = gradient_arrays(c.lead, c.structure.widths, dtype)  # (aligned: the kernel streams whole rows)
     final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
     if batch * heads == 0 or tokens == 0:
         for o in outs:

@@ -26,7 +26,7 @@ from ..dsl.errors import RuntimeInputError
 from ..numpy.adjoint_scan import ScanGrads
 from ..templating import environment
 from ..version import VERSION
-from . import grad_kernels
+from . import grad_calls, grad_kernels
 from . import scan as c_scan
 from .build import CTYPES
 from .scan_kernels import cached_kernel, call, chunk_of, operand
@@ -98,7 +98,7 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
     batch, tokens, heads = c.lead
     dtype = c.state.dtype
     grads = [operand(g, dtype, c.lead + (s.dv,), f"the gradient of readout {i}") for i, g in enumerate(grad_readouts)]
-    outs = [np.empty(c.lead + (n,), dtype) for n in s.widths]
+    outs = grad_calls.gradient_arrays(c.lead, s.widths, dtype)
     final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
     if batch * heads == 0 or tokens == 0:
         d_s0 = final.copy()
