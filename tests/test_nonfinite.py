@@ -59,7 +59,7 @@ state S[dk, dv]
 S = diag(exp(g))·S + k⊗v
 output o = q·S
 """,
-    # a decay of the value axis (the NumPy forms only)
+    # a decay of the value axis (the C forms run c.elementwise's kernels)
     "columns": """recurrence columns(dk = 6, dv = 5)
 input q[dk], k[dk], v[dv], g[dv] <= 0
 state S[dk, dv]
@@ -199,6 +199,7 @@ def test_many_resets_keep_the_parallel_form_within_tolerance():
     ("hgrn", "x", np.nan),
     ("hgrn", "x", np.inf),
     ("columns", "v", np.nan),
+    ("columns", "q", np.inf),              # (the derived form's scores q·κ_j are ∞ of both signs: C falls back)
     ("unbounded", "g", np.inf),            # a log-decay of +∞ where no range is declared
     ("unbounded", "g", np.nan),
 ])
