@@ -110,7 +110,11 @@ class Scales:
                     if node.index not in needed:
                         needed.append(node.index)
                     where = f"blk_rsc{node.index}[u]" if block else f"rsc{node.index}"
-                    return ir.Arith(node.shape, "mul", node, ir.Apply((), "exp", (Local((), where),)))
+                    # times exp(scale/2), twice: exp(scale) alone overflows float from 88.7 on, where the
+                    # readout (at most 1 per unit of its vectors) times it may not (an exp(ig) write gate of
+                    # 95 gave ∞ and NaN long after the state had decayed back into range)
+                    half = ir.Apply((), "exp", (ir.Arith((), "mul", ir.Const((), 0.5), Local((), where)),))
+                    return ir.Arith(node.shape, "mul", ir.Arith(node.shape, "mul", node, half), half)
                 return node
             done.append((name, rebuild(e, put_back)))
         return done, needed
