@@ -424,6 +424,9 @@ def test_emit_source():
             kernels = sum(text.count(f"int lr_{kind}chunkwise(") for kind in ("", "values_", "elementwise_"))
             assert kernels == len(c_scan.structures(compiled))
             assert f"state '{compiled.program.states[0].name}'" in text
+            # (the file says what it is: the program, its form, its source)
+            assert f"the {form} form of '{compiled.name}'" in text.splitlines()[0]
+            assert compiled.source.strip().splitlines()[-1].strip() in text
     text = c_scan.emit(linrec.load(ROOT / "examples" / "gla.lin").compiled, "chunkwise", dtype=np.float64,
                        dims={"dk": 64, "dv": 64})
     assert "typedef double T;" in text and "#define DK 64" in text

@@ -42,7 +42,7 @@ from .scan_kernels import FORMS, cached_kernel, call, chunk_of, operand
 from .buffers import C_INT_MAX
 from .build import CTYPE_BYTES, CTYPES
 from ..version import VERSION
-from ..templating import environment
+from ..templating import c_comment_text, comment_lines, environment
 
 SUB_BLOCK = 16  # query panels and diagonal-decay sub-blocks (a multiple of every register width)
 # The fast scores scale queries and keys by exp(±(b − b_L)) over a whole segment: allowed while the
@@ -412,7 +412,11 @@ def emit(compiled: Compiled, form: str, dtype=np.float32, dims: dict[str, int] |
     why = why_not(compiled)
     if why:
         raise LinrecError(f"the C backend does not build the {form} form of '{compiled.name}': {why}")
-    parts = []
+    parts = [f"/* linrec {VERSION}: the {form} form of '{c_comment_text(compiled.name)}' in C, generated. Do not edit.\n"
+             f"   One kernel per state below, each a translation unit of its own. The NumPy module of the form (as\n"
+             f"   linrec emit FILE --form {form} prints it, its scans these kernels) prepares the per-token arrays,\n"
+             f"   calls them and reads the outputs.\n"
+             f"   Source program:\n{comment_lines(compiled.source.strip(), '       ', c=True)} */"]
     for name, s in structures(compiled, dtype, dims):
         source = c_values.render(s, form) if isinstance(s, c_values.Structure) else \
             c_elementwise.render(s, form) if isinstance(s, c_elementwise.Structure) else render(s, form)
