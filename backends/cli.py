@@ -149,6 +149,9 @@ def describe(rec, path: str) -> dict:
         why = d.why_not(form)
         entry = {"form": form, "available": why is None, "reason": why,
                  "backends": _implemented(rec, form) if why is None else []}
+        # (a form that exists but that a backend does not build: that backend's reason)
+        entry["refused"] = {} if why else {b: str(registry.backend(b).why_not(rec.compiled, form))
+                                           for b in _backend_names() if b not in entry["backends"]}
         if form == "recurrent" and "c" in entry["backends"] and d.sequence is None:
             entry["c_kernel"] = registry.backend("c").recurrent_kernel(rec.compiled)
         info["forms"].append(entry)
@@ -157,8 +160,10 @@ def describe(rec, path: str) -> dict:
         reason = None if backends else gradients.gradient_refusal(rec, form, "numpy")
         if d.why_not(form):
             reason = f"there is no {form} forward form"
+        refused = {} if not backends else {b: gradients.gradient_refusal(rec, form, b)
+                                           for b in _backend_names() if b not in backends}
         info["gradients"].append({"form": form, "available": bool(backends), "reason": reason,
-                                  "backends": backends})
+                                  "backends": backends, "refused": refused})
     plan = d.sequence
     info["sequence"] = None if plan is None else {
         "kind": plan.kind, "window": plan.window,
@@ -240,6 +245,7 @@ def format_check(info: dict) -> str:
             if f.get("c_kernel") == STATEMENTS:
                 where += "; C runs its statements one by one"
             out.append(f"  {f['form']:<10}  available ({where})")
+            out += _refusals(f["refused"])
         else:
             reason = textwrap.fill(f["reason"], width=96, initial_indent=" " * 14,
                                    subsequent_indent=" " * 14)
@@ -250,10 +256,17 @@ def format_check(info: dict) -> str:
     for g in info["gradients"]:
         if g["available"]:
             out.append(f"  {g['form']:<10}  available (backends: {', '.join(g['backends'])})")
+            out += _refusals(g["refused"])
         else:
             out.append(f"  {g['form']:<10}  not available:")
             out.append(textwrap.fill(g["reason"], width=96, initial_indent=" " * 14, subsequent_indent=" " * 14))
     return "\n".join(out)
+
+
+def _refusals(refused: dict[str, str]) -> list[str]:
+    """The lines under an available form that some backend does not build: the backend and its reason."""
+    return [textwrap.fill(f"not on {b}: {why}", width=96, initial_indent=" " * 14, subsequent_indent=" " * 16)
+            for b, why in refused.items()]
 
 
 def _add_check(parser: argparse.ArgumentParser):

@@ -26,6 +26,35 @@ def test_check_reports_classes_and_forms(path, capsys):
         assert form in text
 
 
+VECTOR_DELTA = """recurrence vz(dk = 8, dv = 8)
+input k[dk]
+input beta in (0, 1)
+state z[dk]
+z = (I − beta·k⊗k)·z + k
+output o = z
+"""
+
+
+def test_check_says_why_a_backend_does_not_build_a_form_that_exists(tmp_path, capsys):
+    """A vector state with a delta-rule correction: its derived forms and backwards exist on NumPy, not on C,
+    and check gives C's own reason (it said only 'backends: numpy')."""
+    path = tmp_path / "vz.lin"
+    path.write_text(VECTOR_DELTA)
+    rec = linrec.load(path)
+    assert main(["check", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    forms = {f["form"]: f for f in info["forms"]}
+    assert forms["parallel"]["backends"] == ["numpy"]
+    assert forms["parallel"]["refused"] == {"c": str(linrec.registry.backend("c").why_not(rec.compiled, "parallel"))}
+    assert "rank-one correction" in forms["parallel"]["refused"]["c"]
+    assert forms["recurrent"]["refused"] == {}
+    grads = {g["form"]: g for g in info["gradients"]}
+    assert set(grads["chunkwise"]["refused"]) == {"c"} and "C backward" in grads["chunkwise"]["refused"]["c"]
+    assert main(["check", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("not on c: ") == 5  # parallel, chunkwise; the three backwards
+
+
 def test_an_unknown_option_names_its_command(capsys):
     for argv, prog in ((["verify", str(EXAMPLES[0]), "--tokens", "1"], "linrec verify"), (["--bogus"], "linrec")):
         with pytest.raises(SystemExit) as exited:
