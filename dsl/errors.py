@@ -47,7 +47,10 @@ class LinrecError(Exception):
                 line = lines[self.span.line - 1]
                 width = (self.span.end_column - self.span.column
                          if self.span.end_line == self.span.line else len(line) - self.span.column + 1)
-                caret = " " * (self.span.column - 1) + "^" * max(1, width)
+                # (the line's own tabs kept before the caret, so that it lines up under the line however
+                # wide the terminal shows a tab)
+                lead = "".join(c if c == "\t" else " " for c in line[:self.span.column - 1])
+                caret = lead + "^" * max(1, width)
                 text += f"\n  {line}\n  {caret}"
         return text
 

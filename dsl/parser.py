@@ -237,7 +237,7 @@ def _syntax_error(err: UnexpectedInput, source: str | None = None) -> LinrecErro
     return LinrecError(msg, Span(line, column, line, column + width))
 
 
-# How deeply an expression may nest (operators, parentheses, calls): every stage after the parser walks
+# How deeply an expression may nest (operators and calls; parentheses make no node): every stage after the parser walks
 # expressions recursively, and a few hundred levels exhaust Python's stack (a RecursionError, not an answer).
 MAX_NESTING = 64
 _EXPRESSIONS = {"add", "sub", "mul", "div", "pow", "dot", "outer", "neg", "call", "keyword"}
@@ -253,8 +253,10 @@ def _check_nesting(tree: Tree) -> None:
             continue
         depth += node.data in _EXPRESSIONS
         if depth > MAX_NESTING:
-            raise LinrecError(f"this expression nests more than {MAX_NESTING} levels deep (operators, parentheses "
-                              f"and calls); give some of its parts names of their own, e.g. `x1 = …`", _span(node.meta))
+            raise LinrecError(f"this expression nests more than {MAX_NESTING} levels deep (each operator or call "
+                              f"applied to another's result is a level: a sum of {MAX_NESTING + 1} terms is that "
+                              f"deep; parentheses alone add none); give some of its parts names of their own, e.g. "
+                              f"`x1 = …`", _span(node.meta))
         stack.extend((child, depth) for child in node.children)
 
 

@@ -67,6 +67,14 @@ def test_stray_closing_parenthesis():
     check(compile_error(src), src, where(src, 4, ")"), "unexpected ')'", "expected end of line", width=1)
 
 
+def test_the_caret_keeps_the_lines_tabs():
+    """A tab before the place: the caret line has it too, so the caret lines up however wide a tab shows
+    (it had a space there: one column, against the tab's eight in a terminal)."""
+    src = HEAD + "state S[dk, dv]\nS =\tS + k⊗w\noutput o = q·S\n"
+    line, caret = str(compile_error(src)).splitlines()[-2:]
+    assert line == "  S =\tS + k⊗w" and caret == "     \t      ^"
+
+
 def test_stray_name_after_expression():
     src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S q\n"
     err = compile_error(src)
