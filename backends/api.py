@@ -416,10 +416,10 @@ class Recurrence:
         return bf16_state.step_widened(self, token_inputs, state, backend, params, inplace, out)
 
     def _token_call(self, token_inputs: dict, backend: str, params: dict | None, state: dict | None):
-        """One token's inputs checked as a sequence of one ([B, 1, H, *]) and the recurrent module bound to
-        them: (checked inputs, call shape, module, dims, params used)."""
-        given = {k: np.asarray(v)[:, None] for k, v in dict(token_inputs).items()}
-        checked, shape = arrays.check_inputs(self.program, given, ranges=False)
+        """One token's inputs checked in its own terms ([B, H, *], against the sizes of the states it goes on
+        from) as a sequence of one ([B, 1, H, *]), and the recurrent module bound to them: (checked inputs,
+        call shape, module, dims, params used)."""
+        checked, shape = arrays.check_token_inputs(self.program, dict(token_inputs), state)
         # (the ranges on the token's own arrays, [B, H, *]: an error's index is one the caller's array has)
         arrays.check_ranges(self.program, {k: v[:, 0] for k, v in checked.items()})
         module = self.module("recurrent", backend)
@@ -510,10 +510,9 @@ def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backe
     unknown = sorted(set(cache) - {x.name for x in rec.program.inputs})
     if unknown:
         raise RuntimeInputError(f"the KV cache of '{rec.name}' holds its inputs by name; unknown: {unknown}")
-    grown = {}
-    for name, value in token_inputs.items():
-        value = np.asarray(value)[:, None]
-        grown[name] = value if cache.get(name) is None else np.concatenate([cache[name], value], axis=1)
+    token, _ = arrays.check_token_inputs(rec.program, dict(token_inputs), cache=cache)
+    grown = {name: value if cache.get(name) is None else _extended(cache[name], value, name)
+             for name, value in token.items()}
     checked, shape = arrays.check_inputs(rec.program, grown)
     module = rec.module("recurrent", backend)
     if not module.capabilities.decodes_over_cache:
@@ -521,6 +520,17 @@ def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backe
     dims, used = rec.bind(module, shape, params)
     outputs, _ = module.forward(checked, used, {}, dims, first=shape.tokens - 1)
     return {k: v[:, 0] for k, v in outputs.items()}, grown
+
+
+def _extended(cache, token: np.ndarray, name: str) -> np.ndarray:
+    """The KV cache's array of input `name` [B, t, H, *] with the token's [B, 1, H, *] appended; a cache array
+    whose B, H or sizes are not the token's is an error naming both shapes (the token's have been checked)."""
+    cache = np.asarray(cache)
+    if cache.ndim != token.ndim or cache.shape[:1] + cache.shape[2:] != token.shape[:1] + token.shape[2:]:
+        raise RuntimeInputError(f"the KV cache's '{name}' has shape {list(cache.shape)} but the token's '{name}' "
+                                f"has {list(token.shape[:1] + token.shape[2:])}: the cache holds the inputs so far, "
+                                f"[B, t, H, *], with the token's B, H and sizes")
+    return np.concatenate([cache, token], axis=1)
 
 
 def compile(source: str, filename: str = "<source>") -> Recurrence:  # noqa: A001 - the natural name

@@ -116,35 +116,103 @@ def check_inputs(program: ir.Program, inputs: dict, dims: dict[str, int] | None 
     """Inputs [B, T, H, *] by DSL name → (arrays, sizes). Unknown names, missing inputs, wrong ranks,
     dtypes or sizes are errors; so are values outside a declared range, unless ranges=False (the caller
     then checks them itself: check_ranges, or a kernel that checks while it reads)."""
+    return _checked_inputs(program, inputs, ("B", "T", "H"), dict(dims or {}), {}, ranges)
+
+
+def check_token_inputs(program: ir.Program, inputs: dict, states: dict | None = None,
+                       cache: dict | None = None) -> tuple[dict, CallShape]:
+    """A decode step's token inputs [B, H, *] by DSL name → (the arrays as a sequence of one token,
+    [B, 1, H, *]; sizes), checked as check_inputs checks a sequence but in the step's own terms: shapes
+    [B, H, *], no T axis. The sizes are those the step's arrays agree on (_step_sizes: the token's, and the
+    states' [B, H, *] or the KV cache's [B, t, H, *] it goes on from), so that the array named is the one
+    that disagrees; values are not checked (check_ranges, on the token's own arrays)."""
+    sizes, origins = _step_sizes(program, inputs, states, cache)
+    checked, shape = _checked_inputs(program, inputs, ("B", "H"), sizes, origins, ranges=False)
+    return {k: v[:, None] for k, v in checked.items()}, shape
+
+
+def _step_sizes(program: ir.Program, inputs: dict, states: dict | None,
+                cache: dict | None) -> tuple[dict[str, int], dict[str, str]]:
+    """The sizes a decode step's arrays agree on, and for each the arrays that have it: per dimension, the
+    size most of the token inputs, states and KV-cache arrays have, a tie going to a state or the cache
+    (they carry over from prefill or the previous step; the token's arrays are made anew each step)."""
+    arrays = [(f"state '{s.name}'", s.shape, 2, (states or {}).get(s.name)) for s in program.states] \
+        + [(f"the KV cache's '{x.name}'", x.shape, 3, (cache or {}).get(x.name)) for x in program.inputs] \
+        + [(f"input '{x.name}'", x.shape, 2, inputs.get(x.name)) for x in program.inputs]
+    votes: dict[str, dict[int, list[str]]] = {}
+    for label, names, lead, value in arrays:
+        shape = _shape_of(value)
+        if shape is not None and len(shape) == lead + len(names):
+            for d, n in zip(names, shape[lead:]):
+                if n >= 1:  # (a size below 1 is the error of the array that has it, said where it is checked)
+                    votes.setdefault(d, {}).setdefault(n, []).append(label)
+    sizes, origins = {}, {}
+    for d, by_size in votes.items():  # (max keeps the first of equals: a carried array's, listed first)
+        sizes[d], labels = max(by_size.items(), key=lambda item: len(item[1]))
+        origins[d] = labels[0] if len(labels) == 1 else f"{', '.join(labels[:-1])} and {labels[-1]}"
+    return sizes, origins
+
+
+def _shape_of(value) -> tuple[int, ...] | None:
+    """The shape of an array given for a step, or None when it is none yet (absent, ragged): that array's
+    own check says what is wrong with it."""
+    if value is None:
+        return None
+    try:
+        return np.shape(value)
+    except ValueError:
+        return None
+
+
+def _checked_inputs(program: ir.Program, inputs: dict, axes: tuple[str, ...], bound: dict[str, int],
+                    origins: dict[str, str], ranges: bool) -> tuple[dict, CallShape]:
+    """check_inputs for arrays whose leading axes are `axes` ([B, T, H] for a sequence, [B, H] for a decode
+    step's token). `bound`: sizes known before; `origins`, where those came from, for the error of an input
+    that disagrees (a step's), else the sizes come from the inputs in order."""
     declared = {x.name: x for x in program.inputs}
     refuse_unknown(inputs, list(declared), "input array(s)", "inputs", program)
-    bound = dict(dims or {})
-    arrays, lead, dtype = {}, None, None
+    arrays, lead, dtype, n = {}, None, None, len(axes)
     for x in program.inputs:
-        expected = "[B, T, H" + "".join(", " + d for d in x.shape) + "]"
+        expected = "[" + ", ".join(axes + x.shape) + "]"
         if x.name not in inputs:
             raise RuntimeInputError(f"missing input '{x.name}' (expected shape {expected})")
         arr = _float_array(x.name, inputs[x.name], "input")
-        if arr.ndim != 3 + len(x.shape):
+        if arr.ndim != n + len(x.shape):
             raise RuntimeInputError(f"input '{x.name}' should have shape {expected} but has shape "
                                     f"{_fmt(arr.shape)}")
         if lead is None:
-            lead, dtype, first = arr.shape[:3], arr.dtype, x.name
-        elif arr.shape[:3] != lead:
-            raise RuntimeInputError(f"input '{x.name}' has [B, T, H] = {_fmt(arr.shape[:3])} but '{first}' has "
-                                    f"{_fmt(lead)}")
+            lead, dtype, first = arr.shape[:n], arr.dtype, x.name
+        elif arr.shape[:n] != lead:
+            raise RuntimeInputError(f"input '{x.name}' has [{', '.join(axes)}] = {_fmt(arr.shape[:n])} but "
+                                    f"'{first}' has {_fmt(lead)}")
         elif arr.dtype != dtype:
             raise RuntimeInputError(f"input '{x.name}' is {arr.dtype} but '{first}' is {dtype}; pass every "
                                     f"input in one dtype")
-        _bind(bound, x.shape, arr.shape[3:], f"input '{x.name}' (expected {expected})", _fmt(arr.shape))
+        if origins:
+            _require_sizes(x.name, expected, arr.shape, n, x.shape, bound, origins)
+        _bind(bound, x.shape, arr.shape[n:], f"input '{x.name}' (expected {expected})", _fmt(arr.shape))
         if ranges:
             _check_range(x, arr)
         arrays[x.name] = arr
     if lead is None:
-        raise RuntimeInputError("the program has no inputs to take B, T and H from")
+        raise RuntimeInputError(f"the program has no inputs to take {', '.join(axes[:-1])} and {axes[-1]} "
+                                f"from")
     if min(lead) <= 0:
-        raise RuntimeInputError(f"[B, T, H] = {_fmt(lead)}: every size must be at least 1")
-    return arrays, CallShape(*lead, bound, dtype)
+        raise RuntimeInputError(f"[{', '.join(axes)}] = {_fmt(lead)}: every size must be at least 1")
+    counts = dict(zip(axes, lead))
+    return arrays, CallShape(counts["B"], counts.get("T", 1), counts["H"], bound, dtype)
+
+
+def _require_sizes(name: str, expected: str, shape: tuple, lead: int, names: tuple[str, ...], sizes: dict,
+                   origins: dict) -> None:
+    """An input against the sizes its call's arrays agree on: the error gives the shape it should have, the
+    shape it has and which arrays have the sizes it lacks."""
+    wrong = [d for d, n in zip(names, shape[lead:]) if d in origins and sizes[d] != n]
+    if wrong:
+        should = shape[:lead] + tuple(sizes.get(d, n) for d, n in zip(names, shape[lead:]))
+        why = "; ".join(f"{d} = {sizes[d]} in {origins[d]}" for d in wrong)
+        raise RuntimeInputError(f"input '{name}' should have shape {expected} = {_fmt(should)} but has shape "
+                                f"{_fmt(shape)} ({why})")
 
 
 def check_ranges(program: ir.Program, arrays: dict):

@@ -236,6 +236,48 @@ def test_a_non_causal_program_has_no_step(backend):
         rec.step(_token(rec), None, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_misshapen_token_input_is_the_one_named(backend):
+    """A token's arrays are [B, H, *]. The step checked them as a sequence of one, [B, 1, H, *]: a v one wider
+    than the state was the state's error ("initial state 'S' should have shape …", or C's "state 'S' …"), a q
+    one wider was k's, and every shape came with a T axis. Now the size most of the step's arrays have (a
+    tie to the state) is the one expected, and the array that disagrees is named, with both shapes."""
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    x = rec.random_inputs(2, 1, 3, dims={"dk": 4, "dv": 3}, seed=3)
+    token = {k: np.ascontiguousarray(v[:, 0]) for k, v in x.items()}
+    state = {"S": np.zeros((2, 3, 4, 3))}
+    rec.step(token, state, backend=backend, inplace=True)  # (C: a stepper bound to these sizes, refusing the next)
+    wide_v = dict(token, v=np.zeros((2, 3, 4)))
+    v_error = r"^error: input 'v' should have shape \[B, H, dv\] = \[2, 3, 3\] but has shape \[2, 3, 4\] " \
+              r"\(dv = 3 in state 'S'\)$"
+    for inplace in (False, True):
+        with pytest.raises(linrec.RuntimeInputError, match=v_error):
+            rec.step(wide_v, state, backend=backend, inplace=inplace)
+    with pytest.raises(linrec.RuntimeInputError, match=v_error):
+        rec.bind_step(wide_v, state, backend=backend)
+    with pytest.raises(linrec.RuntimeInputError, match=r"^error: input 'q' should have shape \[B, H, dk\] = "
+                       r"\[2, 3, 4\] but has shape \[2, 3, 5\] \(dk = 4 in input 'k' and input 'g'\)$"):
+        rec.step(dict(token, q=np.zeros((2, 3, 5))), None, backend=backend)
+    with pytest.raises(linrec.RuntimeInputError, match=r"^error: input 'v' should have shape \[B, H, dv\] but "
+                                                        r"has shape \[2, 3\]$"):
+        rec.step(dict(token, v=np.zeros((2, 3))), state, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_token_that_does_not_fit_the_kv_cache_is_named(backend):
+    """Softmax attention's decode state is the inputs so far: a token's v one wider than the cache's was
+    NumPy's ValueError from concatenate (an internal error)."""
+    rec = linrec.load(EXAMPLES / "softmax.lin")
+    x = rec.random_inputs(2, 3, 2, dims={"dk": 4, "dv": 3}, seed=3)
+    token = {k: np.ascontiguousarray(v[:, 0]) for k, v in x.items()}
+    with pytest.raises(linrec.RuntimeInputError, match=r"^error: input 'v' should have shape \[B, H, dv\] = "
+                       r"\[2, 2, 3\] but has shape \[2, 2, 4\] \(dv = 3 in the KV cache's 'v'\)$"):
+        rec.step(dict(token, v=np.zeros((2, 2, 4))), x, backend=backend)
+    with pytest.raises(linrec.RuntimeInputError, match=r"^error: the KV cache's 'v' has shape \[1, 3, 2, 3\] but "
+                                                        r"the token's 'v' has \[2, 2, 3\]"):
+        rec.step(token, dict(x, v=x["v"][:1]), backend=backend)
+
+
 # ---- counts past a C int --------------------------------------------------------------------------------
 @pytest.mark.parametrize("form", ["recurrent", "chunkwise", "parallel"])
 def test_more_tokens_than_a_c_int_is_a_clear_error(form):
