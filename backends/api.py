@@ -294,12 +294,17 @@ class Recurrence:
     def vjp(self, inputs: dict, grad_outputs: dict | None = None, *, form: str = "recurrent",
             backend: str = "numpy", grad_final_state: dict | None = None, initial_state: dict | None = None,
             params: dict | None = None, dims: dict[str, int] | None = None, chunk_size: int | None = None,
-            missing: str = "error") -> gradients.VjpResult:
+            missing: str = "error", cu_seqlens=None) -> gradients.VjpResult:
         """The forward and its vector–Jacobian product: given the gradient of a loss with respect to every
         output [B, T, H, *] (`grad_outputs`, by output name) and optionally to the final states [B, H, *]
         (`grad_final_state`), the gradients of every input, param and initial state (`result.grads`, by name;
         per-head params [H, *], shared ones summed over heads). An output without a gradient is an error
-        unless missing="zero". `chunk_size`: tokens between the forward's checkpoints (default √T)."""
+        unless missing="zero". `chunk_size`: tokens between the forward's checkpoints (default √T).
+        `cu_seqlens` is not taken (packed sequences have no backward): an error that says what to do instead."""
+        if cu_seqlens is not None:  # (a keyword of its own: run() takes it, and a bare TypeError said nothing)
+            raise RuntimeInputError("vjp takes no cu_seqlens: packed variable-length batches have no backward; "
+                                    "call vjp once per sequence (inputs [1, len_i, H, *]), or pass sequences of "
+                                    "one length as the rows of [B, T, H, *]")
         return gradients.vjp(self, inputs, grad_outputs, form=form, backend=backend,
                              grad_final_state=grad_final_state, initial_state=initial_state, params=params,
                              dims=dims, chunk_size=chunk_size, missing=missing)
