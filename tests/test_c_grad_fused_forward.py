@@ -126,3 +126,20 @@ def test_an_output_that_overflows_from_finite_arguments_is_refused(recs):
     x["q"][0, 0, 0, 0] = np.inf
     got = rec.vjp(x, up, dims=DIMS, backend="c")
     assert not np.all(np.isfinite(got.outputs["o"]))
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunkwise"])
+def test_the_emitted_module_runs_on_its_own(recs, form):
+    """`linrec emit --grad --backend c` prints a module that calls fused_forward where the program fits it: the
+    module defines it (giving None, its own forward scans then run; linrec's loader replaces it), so saved and
+    run without linrec's loader it gives Recurrence.vjp's gradients — GLA, 1e-10 in float64."""
+    rec = recs["gla"]
+    text = rec.emit_gradient(form, "c")
+    assert "def fused_forward(" in text and "= fused_forward(" in text
+    module = {}
+    exec(compile(text, f"gla_{form}_backward.py", "exec"), module)  # (as a user's saved file: no loader)
+    x, up, s0, gT = _call(rec, 2, 13, 3, seed=7)
+    outputs, final, grads = module["backward"](x, module["default_params"](3, DIMS), s0, DIMS, up, gT)
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", form=form)
+    assert worst_error(grads, want.grads) <= 1e-10
+    assert worst_error(outputs, want.outputs) <= 1e-10 and worst_error(final, want.final_state) <= 1e-10

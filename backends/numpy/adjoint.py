@@ -65,6 +65,9 @@ class BackwardEmitter:
 
     modules = MODULES  # where the generated module imports its helpers from
     form = "recurrent"  # the gradient form this module is (its docstring says so)
+    # whether body() calls fused_forward, which the module then defines (to give None) so that it runs on its
+    # own: linrec's loader replaces it (linrec.numpy.adjoint_derived.DecomposedEmitter.fused_forward)
+    calls_fused_forward = False
 
     def __init__(self, compiled: Compiled):
         self.c = compiled
@@ -327,7 +330,8 @@ class BackwardEmitter:
         return environment(__package__).get_template("backward.py.j2").render(
             name=self.p.name, form=self.form, version=VERSION, source_comment=source_comment(self.c),
             imports=imports(self.helpers, self.modules), param_lines=param_lines,
-            param_names=[(prm.name, self.em.name(prm.name)) for prm in self.p.params], body=body)
+            param_names=[(prm.name, self.em.name(prm.name)) for prm in self.p.params], body=body,
+            fused_forward=self.calls_fused_forward)
 
 
 def _assign(names: list[str], values: list[str]) -> str:

@@ -55,9 +55,10 @@ class DecomposedEmitter(BackwardEmitter):
     # once may become the adjoint it seeds (first_contributions)
     scan_grads_owned = False
     # whether the forward may be one kernel of the whole program that keeps the state before each chunk — the
-    # module then calls `fused_forward(inputs, params, initial_state, dims, chunk)`, a function its loader puts
-    # beside backward, which gives (outputs, final states, the states before each chunk) or None (then each
-    # state's forward scan runs) — for the programs fused_fits() takes and whose chain rule reads no readout
+    # module then calls `fused_forward(inputs, params, initial_state, dims, chunk)`, which gives (outputs, final
+    # states, the states before each chunk) or None (then each state's forward scan runs) — for the programs
+    # fused_fits() takes and whose chain rule reads no readout. The module defines it to give None (a module
+    # saved from `linrec emit` runs on its own); its loader replaces it with the fused kernel's
     fused_forward = False
 
     def __init__(self, compiled: Compiled, form: str):
@@ -98,7 +99,7 @@ class DecomposedEmitter(BackwardEmitter):
         body += ["", f"{self.chunk} = {self.chunk_code()}"]
         self.helpers |= {"per_token"} | self.scans
         self.helpers.add("own_array")
-        fused = self.forward_fused()
+        fused = self.calls_fused_forward = self.forward_fused()
         adjoint = self.adjoint_lines(prelude, fused)
         fwd = self.fused_result
         if fused:
