@@ -34,6 +34,11 @@ def gradient_refusal(rec, form: str, backend: str) -> str | None:
     return None if refusal is None else str(refusal)
 
 
+def derived_forms(rec) -> list[str]:
+    """The program's gradient forms that some backend builds (`linrec check` lists them with their backends)."""
+    return [f for f in GRADIENT_FORMS if any(gradient_refusal(rec, f, b) is None for b in registry.BACKENDS)]
+
+
 def gradient_module(rec, form: str, backend: str):
     """The loaded backward module of a form (built once per recurrence)."""
     key = ("gradient", backend, form)
@@ -41,7 +46,7 @@ def gradient_module(rec, form: str, backend: str):
         why = gradient_refusal(rec, form, backend)
         if why:
             raise LinrecError(f"'{rec.name}' has no {form} gradient on the {backend} backend: {why}. Gradient forms "
-                              f"derived: {', '.join(GRADIENT_FORMS)} (see `linrec check`)")
+                              f"derived: {', '.join(derived_forms(rec)) or 'none'} (see `linrec check`)")
         rec._modules[key] = registry.backend(backend).load_gradient(rec.compiled, form)
     return rec._modules[key]
 

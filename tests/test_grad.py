@@ -474,6 +474,18 @@ def test_forms_and_backends_without_a_gradient():
         reformer.vjp(reformer.random_inputs(1, 4, 1), {})
 
 
+def test_a_refusal_lists_the_programs_own_gradient_forms():
+    """The refusal ends with the gradient forms this program has (as `linrec check` lists them), not every
+    form there is: Linformer has only a parallel backward, Reformer a parallel and a chunkwise one."""
+    linformer, reformer = example("linformer"), example("reformer")
+    with pytest.raises(linrec.LinrecError) as refused:
+        linformer.emit_gradient("chunkwise")
+    assert str(refused.value).endswith(". Gradient forms derived: parallel (see `linrec check`)")
+    with pytest.raises(linrec.LinrecError) as refused:
+        reformer.vjp(reformer.random_inputs(1, 4, 1), {}, form="recurrent", backend="c")
+    assert str(refused.value).endswith(". Gradient forms derived: parallel, chunkwise (see `linrec check`)")
+
+
 # ---- points without a derivative -------------------------------------------------------------------------
 def test_sqrt_at_zero_names_the_place():
     rec = linrec.compile("recurrence r(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
