@@ -155,13 +155,49 @@ def test_compiled_backward_fullgraph():
         assert (p.grad - eager[k]).abs().max() <= 1e-12, k
 
 
+NOISY = """recurrence noisy(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv]
+param s per head = 1
+param w per head = s + randn(seed=0)
+state S[dk, dv]
+S = S + w*k⊗v
+output o = q·S
+"""
+
+
 def test_a_program_without_a_backward_is_refused_when_it_needs_one():
-    rec = linrec.load("examples/linformer.lin")
-    x = {k: torch.from_numpy(v) for k, v in rec.random_inputs(1, 16, 1, dims={"kproj": 4, "T": 16}).items()}
-    with pytest.raises(linrec.LinrecError, match="'linformer' has no derived backward for form 'auto'"):
-        lt.apply(rec, dict(x, q=x["q"].requires_grad_()), dims={"kproj": 4, "T": 16}, backend="numpy")
+    """Every gradient form refused for one reason (a param's default mixing a random draw with another param):
+    the reason once, with the forms form="auto" tried."""
+    rec = linrec.compile(NOISY, "noisy.lin")
+    x = {k: torch.from_numpy(v) for k, v in rec.random_inputs(1, 8, 1).items()}
+    with pytest.raises(linrec.LinrecError) as refused:
+        lt.apply(rec, dict(x, q=x["q"].requires_grad_()), backend="numpy")
+    assert str(refused.value) == (
+        "error: 'noisy' has no derived backward for form 'auto', so no gradient through linrec.torch (recurrent, "
+        "chunkwise, parallel: the default of param 'w' combines a random draw with another param: the gradient "
+        "through it is not derived (define the draw as a param of its own)); run it under torch.no_grad(), or see "
+        "`linrec check`")
     with torch.no_grad():  # (the forward alone is fine)
-        lt.apply(rec, x, dims={"kproj": 4, "T": 16}, backend="numpy")
+        lt.apply(rec, x, backend="numpy")
+
+
+@pytest.mark.parametrize("name, dims, gradient_form", [("reformer", {}, "chunkwise"),
+                                                       ("linformer", {"kproj": 4, "T": 16}, "parallel")])
+def test_auto_backward_of_a_program_without_a_recurrent_form(name, dims, gradient_form):
+    """form="auto" without a recurrent backward: the chunkwise one (Reformer), else the parallel one
+    (Linformer) — on C where it builds them; autograd's gradients are Recurrence.vjp's of that form."""
+    from linrec.torch import backward
+    rec = linrec.load(f"examples/{name}.lin")
+    assert backward.gradient_plan(rec, "auto", "c") == (gradient_form, "c")
+    assert backward.gradient_plan(rec, "auto", "numpy") == (gradient_form, "numpy")
+    arrays = rec.random_inputs(1, 16, 1, dims=dims or None, seed=3)
+    q = torch.from_numpy(arrays["q"]).requires_grad_()
+    out = lt.apply(rec, dict({k: torch.from_numpy(v) for k, v in arrays.items()}, q=q), dims=dims or None,
+                   backend="numpy")
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    ones = np.ones_like(rec.run(arrays, dims=dims or None).outputs["o"])  # (the gradient of the sum)
+    ref = rec.vjp(arrays, {"o": ones}, form=gradient_form, dims=dims or None)
+    assert np.abs(q.grad.numpy() - ref.grads["q"]).max() <= EXACT * max(1, np.abs(ref.grads["q"]).max())
 
 
 def test_auto_backward_is_chunkwise_on_c_for_large_states_over_long_sequences(monkeypatch):

@@ -188,9 +188,9 @@ def _refuse_other_transforms(groups: list[dict[str, torch.Tensor]]) -> None:
 
 
 def _check_differentiable(rec: Recurrence, form: str, backend: str, groups: list[dict[str, torch.Tensor]]) -> None:
-    """A call that autograd will differentiate needs a derived backward: a program without one (no recurrent
-    form: Linformer, Reformer) is refused now, rather than at loss.backward(). (Not while torch.compile traces:
-    the backward op says the same when it runs.)"""
+    """A call that autograd will differentiate needs a derived backward: a program without one (say a param's
+    default that mixes a random draw with another param) is refused now, rather than at loss.backward(). (Not
+    while torch.compile traces: the backward op says the same when it runs.)"""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
     if any(t.requires_grad for tensors in groups for t in tensors.values()):

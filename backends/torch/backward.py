@@ -12,7 +12,8 @@ empty tensor where the forward's argument was None (autograd's formula turns it 
 Which backward runs: the gradient form of the forward's form where one is derived, else the recurrent one,
 on the forward's backend when it builds that gradient, else on NumPy. form="auto": the recurrent one (the
 fastest NumPy backward at small models' sizes) — except on C for a state of 128 × 128 values or more over
-1024 tokens or more, where the chunkwise backward comes first (chunkwise_first). The gradients of every
+1024 tokens or more, where the chunkwise backward comes first (chunkwise_first) — and for a program without
+one (Linformer, Reformer: no recurrent form) the chunkwise one, else the parallel one. The gradients of every
 form agree to 1e-9 (docs/gradients.md), so the choice is one of speed only. The decode step (form="step") is
 the recurrent form over its one token; for a program that reads the sequence, over the KV cache and the token
 with a gradient on the last position only.
@@ -31,7 +32,9 @@ from ..gradients import gradient_refusal
 from .convert import to_array, to_tensor
 
 STEP = "step"  # the forward op's `form` for the decode step (op.STEP)
-AUTO_ORDER = ("recurrent",)  # form="auto": at small dk the fastest NumPy backward (docs/torch.md, "Gradients")
+# form="auto": at small dk the recurrent backward is the fastest NumPy one (docs/torch.md, "Gradients"); a program
+# without it, the chunkwise one (its memory: a chunk's scores, not the parallel one's T × T), else the parallel one
+AUTO_ORDER = ("recurrent", "chunkwise", "parallel")
 # form="auto" on C: the chunkwise backward first from a state of this many values (dk·dv) over this many tokens,
 # for an update whose decays are scalars or diagonals and whose features need no running scale. Measured, the
 # fastest `vjp` at B = 1, H = 8, dk = dv = 128, T = 4096, against the recurrent one (docs/benchmarks.md, "The
@@ -68,15 +71,16 @@ def gradient_plan(rec: Recurrence, form: str, backend: str, dims: dict[str, int]
         forms = AUTO_ORDER
         if chunkwise_first(rec, backend, dims, tokens) and gradient_refusal(rec, "chunkwise", backend) is None:
             return "chunkwise", backend
-    reasons = []
+    reasons = {}  # reason → the gradient forms refused for it (one reason often refuses them all)
     for gradient_form in dict.fromkeys(forms):
         for where in dict.fromkeys((backend, "numpy")):
             why = gradient_refusal(rec, gradient_form, where)
             if why is None:
                 return gradient_form, where
-        reasons.append(f"{gradient_form}: {why}")  # (NumPy's reason: the backend that derives the most)
+        reasons.setdefault(why, []).append(gradient_form)  # (NumPy's reason: the backend that derives the most)
+    said = "; ".join(f"{', '.join(refused)}: {why}" for why, refused in reasons.items())
     raise LinrecError(f"'{rec.name}' has no derived backward for form '{form}', so no gradient through linrec.torch "
-                      f"({'; '.join(reasons)}); run it under torch.no_grad(), or see `linrec check`")
+                      f"({said}); run it under torch.no_grad(), or see `linrec check`")
 
 
 def schema(rec: Recurrence, argument) -> str:
