@@ -171,6 +171,14 @@ def progress(step: int, steps: int, loss: float, acc: float, seconds: float) -> 
         print(line, flush=True)
 
 
+def one_cycle(optimizer, lr: float, steps: int):
+    """OneCycleLR over the run: a tenth of the steps warming up, at least one and a half. Each of its two
+    phases needs a length above 0 (its warm-up ends at pct_start · steps − 1: at 10 steps of 0.1, step 0, and it
+    divided by zero); a run of one step takes the first step of a two-step cycle."""
+    total = max(steps, 2)
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total, pct_start=max(0.1, 1.5 / total))
+
+
 def train(model: Model, task: Task, steps: int, batch: int, lr: float, seed: int, evals: int = 10,
           show: bool = True) -> dict:
     """AdamW on fresh batches; the accuracy on a fixed held-out set every steps/evals steps. Returns the
@@ -178,7 +186,7 @@ def train(model: Model, task: Task, steps: int, batch: int, lr: float, seed: int
     rng = np.random.default_rng(seed)
     held_x, held_y = task.batch(256, np.random.default_rng(seed + 10_000))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
+    schedule = one_cycle(optimizer, lr, steps)
     losses, curve = [], []
     start = time.perf_counter()
 
@@ -314,13 +322,24 @@ def plot(results: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
+def step_count(text: str) -> int:
+    """--steps: a whole number of at least one step."""
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number of steps") from None
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"{steps} steps: give at least 1")
+    return steps
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("layers", nargs="+", metavar="LAYERS",
                    help="a model: one .lin file, or a comma-separated list of them, one per layer (a hybrid); "
                         "several LAYERS train several models")
-    p.add_argument("--steps", type=int, default=300, help="training steps per model (default 300)")
+    p.add_argument("--steps", type=step_count, default=300, help="training steps per model (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="OUT.png", help="draw the held-out accuracy per model (needs matplotlib)")
     p.add_argument("--depth", type=int, default=2, help="layers of a model given as one file (default 2)")
@@ -332,7 +351,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64, help="sequence length")
     p.add_argument("--pairs", type=int, default=8, help="key-value pairs per sequence")
-    p.add_argument("--backend", default="c", help="the forward's backend (default c; the backward runs on NumPy)")
+    p.add_argument("--backend", default="c",
+                   help="the layers' backend (default c): the forward runs on it, and so does the backward where "
+                        "it builds it, else the backward runs on NumPy (docs/torch.md, Gradients)")
     p.add_argument("--threads", type=int, default=1,
                    help="PyTorch's threads (default 1: its ops here are tiny, and more threads contend)")
     return p

@@ -93,6 +93,28 @@ def test_the_command_line(capsys):
         train_recall.main(["examples/gla.lin,nope.lin"])
 
 
+def test_any_number_of_steps_has_a_schedule(capsys):
+    """The learning-rate cycle of a run of any length ≥ 1 (OneCycleLR's warm-up, at 10 steps of a tenth, was 0
+    steps long and divided by zero): every step's rate finite, above 0 and at most --lr. Fewer than 1 step:
+    argparse's error."""
+    for steps in (1, 2, 3, 10, 14, 15, 300):
+        optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-2)
+        schedule = train_recall.one_cycle(optimizer, 1e-2, steps)
+        rates = []
+        for _ in range(steps):
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+        assert all(0 < r <= 1e-2 for r in rates) and np.isfinite(rates).all(), (steps, rates)
+        if steps >= 10:  # (the warm-up reaches --lr, then the rate falls)
+            assert max(rates) > 0.9e-2 and rates[-1] < 1e-3, (steps, rates)
+    for given, said in (("0", "argument --steps: 0 steps: give at least 1"),
+                        ("ten", "argument --steps: 'ten' is not a whole number of steps")):
+        with pytest.raises(SystemExit) as done:
+            train_recall.main(["examples/gla.lin", "--steps", given])
+        assert done.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_help(capsys):
     with pytest.raises(SystemExit) as done:
         train_recall.main(["--help"])
