@@ -18,6 +18,7 @@ Exit status: 0 success, 1 a problem with the program or the arrays (one message 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -1180,6 +1181,24 @@ def _error(err: LinrecError):
     print(text, file=sys.stderr)
 
 
+# the errors of a write that did not reach its file: a full disk or quota, a file too large, a device's failure
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+def _output_failed(err: OSError) -> bool:
+    """Whether the error is the output's write failing (`linrec check FILE > /dev/full`): the machine's
+    condition, not a bug in linrec. Said as such, and stdout silenced (its unwritten rest would fail again as
+    Python exits). A write to a stream raises without a file name; opening or reading a file names it."""
+    if err.errno not in OUTPUT_ERRNOS or err.filename is not None:
+        return False
+    print(f"{PROG}: cannot write the output: {err.strerror or os.strerror(err.errno)}", file=sys.stderr)
+    try:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+    except OSError:
+        pass
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # never crash on a terminal that cannot show ·, ⊗ or −
         try:
@@ -1216,6 +1235,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 0
     except Exception as err:  # noqa: BLE001 - the last line of defence: no traceback unless asked
+        if isinstance(err, OSError) and _output_failed(err):  # (not a bug: the output's disk is full, say)
+            return 1
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             traceback.print_exc()
         else:

@@ -1,7 +1,11 @@
 """The command line: check, emit, run (npz round trip), verify; bad input exits 1 with one message."""
 from __future__ import annotations
 
+import errno
+import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +231,33 @@ def test_a_vector_state_read_elementwise_gets_its_forms(tmp_path, capsys):
     assert all(r["passed"] for r in rows) and max(r["max_rel"] for r in rows if r["dtype"] == "float64") < 1e-12
     assert main(["run", str(path), "--backend", "c", "--form", "parallel", "--out", str(tmp_path / "o.npz")]) == 0
     assert np.load(tmp_path / "o.npz")["o"].shape[-1] == 8
+
+
+class _FullDisk(io.StringIO):
+    """stdout on a full disk: every write fails as /dev/full's."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_an_output_that_cannot_be_written_is_not_a_bug(monkeypatch, capsys):
+    """A full disk under stdout (`linrec check FILE > /dev/full`) is the machine's condition: exit 1 with the
+    reason, not an internal error (exit 2); and nothing more as Python exits (its flush of stdout's rest)."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    monkeypatch.setattr(sys, "stdout", _FullDisk())
+    assert main(["check", gla]) == 1
+    assert capsys.readouterr().err == "linrec: cannot write the output: No space left on device\n"
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-m", "linrec", "check", gla], stdout=full, stderr=subprocess.PIPE,
+                                  text=True, timeout=120)
+        assert (done.returncode, done.stderr) == (1, "linrec: cannot write the output: No space left on device\n")
+    def unreadable(*args, **kwargs):  # (another OSError, of a file named: still the last line of defence's)
+        raise PermissionError(errno.EACCES, "Permission denied", "/root/kernel.so")
+    monkeypatch.setattr(linrec.Recurrence, "run", unreadable)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert main(["run", gla, "--tokens", "4"]) == 2
+    assert "linrec: internal error: PermissionError" in capsys.readouterr().err
 
 
 def test_out_of_memory_is_an_error_about_sizes(monkeypatch, capsys):
