@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from functools import lru_cache
 from importlib import resources
 
@@ -260,6 +261,11 @@ def _check_nesting(tree: Tree) -> None:
         stack.extend((child, depth) for child in node.children)
 
 
+def _blank(source: str) -> bool:
+    """Whether the source holds no statement: only whitespace and `#` comments (the grammar's COMMENT)."""
+    return not re.sub(r"#[^\n]*", "", source).strip()
+
+
 def parse(source: str, filename: str = "<source>") -> ast.Program:
     """Parse a program. Raises LinrecError (with file, line, column and caret) on bad syntax."""
     text = source if source.endswith("\n") else source + "\n"
@@ -275,7 +281,7 @@ def parse(source: str, filename: str = "<source>") -> ast.Program:
     except LinrecError as err:
         raise err.located(source, filename) from None
     except UnexpectedInput as err:
-        if isinstance(err, UnexpectedToken) and err.token.type == "$END" and not source.strip():
+        if _blank(source):  # (whatever token the parser stopped at: the end, or a comment's end of line)
             raise LinrecError("empty program: start with `recurrence NAME(dk = 64, dv = 64)`",
                               Span(1, 1, 1, 2)).located(source, filename) from None
         raise _syntax_error(err, text).located(source, filename) from None

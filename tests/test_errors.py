@@ -173,10 +173,13 @@ def test_missing_header():
           "found 'input'", width=5)
 
 
-def test_empty_program():
-    err = compile_error("   \n")
+@pytest.mark.parametrize("src", ["", "   \n", "\n\n   \n# only a comment\n", "# a comment\n  # another, no newline"])
+def test_empty_program(src):
+    """No statement — nothing, whitespace, or comments only (the parser stopped at a comment's end of line:
+    'unexpected end of line' before) — is an empty program, with where to start."""
+    err = compile_error(src)
     assert err.span is not None and (err.span.line, err.span.column) == (1, 1)
-    assert str(err).startswith(f"{FILE}:1:1: error: empty program")
+    assert str(err).startswith(f"{FILE}:1:1: error: empty program: start with `recurrence NAME(dk = 64, dv = 64)`")
 
 
 def test_incomplete_expression():
