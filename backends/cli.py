@@ -363,8 +363,9 @@ def cmd_emit(args) -> int:
     rec = _load(args.file)
     if args.standalone:
         if args.grad:
-            raise LinrecError("--standalone writes the forward kernels only: leave out --grad (the backward is "
-                              "NumPy's, docs/gradients.md)")
+            raise LinrecError(f"--standalone writes the forward kernels only: leave out --grad (the backward is a "
+                              f"Python module, which `linrec emit {args.file} --grad` prints; with --backend c, where "
+                              f"C builds it, one that calls linrec's C backward kernels: docs/gradients.md)")
         return _emit_standalone(rec, args)
     if args.out or args.heads or args.dims:
         raise LinrecError("--out, --heads and --dim go with --standalone (the kernels written to files)")

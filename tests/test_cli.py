@@ -233,6 +233,17 @@ def test_a_vector_state_read_elementwise_gets_its_forms(tmp_path, capsys):
     assert np.load(tmp_path / "o.npz")["o"].shape[-1] == 8
 
 
+def test_standalone_grad_says_where_the_backward_is(capsys):
+    """--standalone writes C forward kernels; the backward is a Python module (on C, calling linrec's C
+    backward kernels) — not "NumPy's", as it said before the C backward."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    assert main(["emit", gla, "--standalone", "--grad"]) == 1
+    assert capsys.readouterr().err == (
+        f"linrec: error: --standalone writes the forward kernels only: leave out --grad (the backward is a Python "
+        f"module, which `linrec emit {gla} --grad` prints; with --backend c, where C builds it, one that calls "
+        f"linrec's C backward kernels: docs/gradients.md)\n")
+
+
 class _FullDisk(io.StringIO):
     """stdout on a full disk: every write fails as /dev/full's."""
 
