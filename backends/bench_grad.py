@@ -83,16 +83,28 @@ def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
 
+def auto_forms(rec, backend: str, dims: dict[str, int], tokens: int) -> tuple[str, str | None]:
+    """What form="auto" runs on this backend at this size: the forward (Recurrence.choose_form) and the backward
+    (gradients.auto_gradient_form, linrec.torch's choice; None: the backend builds no backward of it)."""
+    forward, _ = rec.choose_form(backend, tokens, heads=bench.HEADS, batch=bench.BATCH, dims=dims, dtype=np.float32)
+    return forward, gradients.auto_gradient_form(rec, backend, dims, tokens)
+
+
+def _with(forms: list[str], form: str | None) -> list[str]:
+    return forms if form is None or form in forms else forms + [form]
+
+
 def size_rows(rec, dims: dict[str, int], tokens: int, forms: list[str], backends: list[str], limits: bool,
-              repeats: int, budget_s: float, say) -> tuple[list[dict], list[dict], list[dict]]:
+              repeats: int, budget_s: float, say, with_auto: bool = False) -> tuple[list[dict], list[dict], list[dict]]:
     """At one size: the forward rows, the backward rows (each against the fastest forward) and what was
-    skipped or failed."""
+    skipped or failed. with_auto: also the forms form="auto" runs (auto_forms), their rows marked "auto"."""
     where = {"dk": dims.get("dk"), "dv": dims.get("dv"), "T": tokens}
     forward, backward, skipped = [], [], []
+    auto = {b: auto_forms(rec, b, dims, tokens) if with_auto else (None, None) for b in backends}
     gc.collect()
     x = rec.random_inputs(batch=bench.BATCH, tokens=tokens, heads=bench.HEADS, dims=dims, dtype=np.float32, seed=0)
     for b in backends:
-        combos, not_timed = bench.backend_combos(rec, b, forms, [tokens], limits)
+        combos, not_timed = bench.backend_combos(rec, b, _with(forms, auto[b][0]), [tokens], limits)
         skipped += [_at(dict(s, **{"pass": "forward"}), where) for s in not_timed]
         for f, _, _ in combos:
             say(f"forward  {f:<10} {b:<6} {where} …")
@@ -101,10 +113,14 @@ def size_rows(rec, dims: dict[str, int], tokens: int, forms: list[str], backends
             except (LinrecError, MemoryError) as err:
                 skipped.append(dict(where, form=f, backend=b, reason=f"failed: {err}", **{"pass": "forward"}))
                 continue
-            forward.append(dict(where, form=f, backend=b, ms=_median_ms(times), repeats=len(times), warmup_s=warm))
+            forward.append(dict(where, form=f, backend=b, ms=_median_ms(times), repeats=len(times), warmup_s=warm,
+                                auto=f == auto[b][0]))
     grad_o = upstream_gradients(rec, dims, tokens, np.float32)
     for b in backends:
-        grad_forms, not_timed = grad_combos(rec, b, forms, tokens, limits)
+        if with_auto and auto[b][1] is None:
+            skipped.append(dict(where, form="auto", backend=b, reason=f"the {b} backend builds no backward "
+                                f"form=\"auto\" runs ({', '.join(gradients.AUTO_ORDER)})", **{"pass": "backward"}))
+        grad_forms, not_timed = grad_combos(rec, b, _with(forms, auto[b][1]), tokens, limits)
         skipped += [_at(s, where) for s in not_timed]
         for f in grad_forms:
             say(f"backward {f:<10} {b:<6} {where} …")
@@ -114,7 +130,7 @@ def size_rows(rec, dims: dict[str, int], tokens: int, forms: list[str], backends
                 skipped.append(dict(where, form=f, backend=b, reason=f"failed: {err}", **{"pass": "backward"}))
                 continue
             backward.append(dict(where, form=f, backend=b, ms=_median_ms(times), repeats=len(times),
-                                 warmup_s=warm))
+                                 warmup_s=warm, auto=f == auto[b][1]))
     return forward, [against_forward(r, forward) for r in backward], skipped
 
 
@@ -143,7 +159,7 @@ def run(opts: bench.Options, progress=None) -> dict:
     bench.require_param_defaults(rec.program)
     threads, threads_from = (opts.threads, "--threads") if opts.threads is not None else bench.default_threads()
     backends = list(dict.fromkeys(opts.backends or list(registry.BACKENDS)))
-    forms, _, skipped = bench.forms_asked(rec, opts)
+    forms, with_auto, skipped = bench.forms_asked(rec, opts)
     sizes, tokens = size_grid(rec, opts), sorted(set(opts.tokens))
     repeats = opts.repeats or (bench.QUICK_REPEATS if opts.quick else bench.REPEATS)
     budget_s = opts.budget_s if opts.budget_s is not None else (bench.QUICK_BUDGET_S if opts.quick else bench.BUDGET_S)
@@ -151,7 +167,7 @@ def run(opts: bench.Options, progress=None) -> dict:
     with bench.thread_settings(threads) as blas_limited:
         for dims in sizes:
             for t in tokens:
-                fw, bw, sk = size_rows(rec, dims, t, forms, backends, opts.limits, repeats, budget_s, say)
+                fw, bw, sk = size_rows(rec, dims, t, forms, backends, opts.limits, repeats, budget_s, say, with_auto)
                 forward, backward = forward + fw, backward + bw
                 skipped += [s for s in sk if s not in skipped]
     others = bench.others_cores(ticks, bench.cpu_ticks())
@@ -162,7 +178,7 @@ def run(opts: bench.Options, progress=None) -> dict:
             "machine": {"cpu": bench.cpu_name(), "cores": os.cpu_count()},
             "load_average_start": bench.load_average(), "other_processes_cores": others,
             "forward": forward, "rows": backward, "skipped": skipped,
-            "notes": notes + bench.busy_notes(others)}
+            "notes": notes + bench.busy_notes(others, "these times")}  # (--grad times no matmul reference)
 
 
 # ---- output -------------------------------------------------------------------------------------------
@@ -177,13 +193,16 @@ def format_report(rep: dict) -> str:
         table = [["dk", "dv", "T", "form", "backend", "forward ms", "backward ms", "fastest forward", "ms",
                   "backward / fastest", "reps"]]
         for r in rep["rows"]:
-            table.append([str(r["dk"]), str(r["dv"]), str(r["T"]), r["form"], r["backend"], _ms(r["forward_ms"]),
+            form = f"{r['form']} (auto)" if r.get("auto") else r["form"]
+            table.append([str(r["dk"]), str(r["dv"]), str(r["T"]), form, r["backend"], _ms(r["forward_ms"]),
                           _ms(r["ms"]), r["fastest_forward"] or "-", _ms(r["fastest_forward_ms"]),
                           "-" if r["ratio"] is None else f"{r['ratio']:.2f}", str(r["repeats"])])
         out += bench.table_lines(table, {0, 1, 2, 5, 6, 8, 9, 10})
         out.append("  (medians after a warm-up call; backward ms: the whole Recurrence.vjp call, which runs the "
                    "forward again for its checkpoints; forward ms: Recurrence.run of the same form and backend; "
-                   "fastest forward: of every form and backend timed at the size)")
+                   "fastest forward: of every form and backend timed at the size"
+                   + ("; (auto): the backward form=\"auto\" runs on the backend at the size" if any(
+                       r.get("auto") for r in rep["rows"]) else "") + ")")
     else:
         out.append("  (no backward measured)")
     if rep["skipped"]:

@@ -25,36 +25,12 @@ import torch
 
 from ..api import Recurrence
 from ..compiler import FORMS
-from ..compiler.stabilize import stabilized_states
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError
-from ..gradients import gradient_refusal
+from ..gradients import AUTO_ORDER, CHUNKWISE_STATE, CHUNKWISE_TOKENS, chunkwise_first, gradient_refusal  # noqa: F401
 from .convert import to_array, to_tensor
 
 STEP = "step"  # the forward op's `form` for the decode step (op.STEP)
-# form="auto": at small dk the recurrent backward is the fastest NumPy one (docs/torch.md, "Gradients"); a program
-# without it, the chunkwise one (its memory: a chunk's scores, not the parallel one's T × T), else the parallel one
-AUTO_ORDER = ("recurrent", "chunkwise", "parallel")
-# form="auto" on C: the chunkwise backward first from a state of this many values (dk·dv) over this many tokens,
-# for an update whose decays are scalars or diagonals and whose features need no running scale. Measured, the
-# fastest `vjp` at B = 1, H = 8, dk = dv = 128, T = 4096, against the recurrent one (docs/benchmarks.md, "The
-# backward against the forward"): GLA 1.41×, gated DeltaNet 1.25×, Mamba-2 1.56× on an AMD Zen 4 and 1.00,
-# 1.24, 1.82× on an Intel Xeon, chunkwise at T = 16384 too; on the Zen 4 also RetNet 2.09×, comba 1.26×, gdn2,
-# gated Oja and the Linear Transformer 1.15×, DeltaNet 1.10×, the preconditioned DeltaNet 1.03×. Not so
-# Mamba-1's decay per element (the chunkwise backward 8× slower) nor Performer's stabilized features (0.95×).
-# At dk = dv = 64 the order changes with the CPU: the recurrent one stays first.
-CHUNKWISE_STATE = 128 * 128
-CHUNKWISE_TOKENS = 1024
-
-
-def chunkwise_first(rec: Recurrence, backend: str, dims: dict[str, int] | None, tokens: int | None) -> bool:
-    """Whether form="auto" tries the chunkwise backward on the backend before the others, for a call of these
-    sizes (None: not known yet)."""
-    if backend != "c" or dims is None or tokens is None or tokens < CHUNKWISE_TOKENS:
-        return False
-    largest = max((int(np.prod([dims[d] for d in s.shape])) for s in rec.program.states), default=0)
-    return (largest >= CHUNKWISE_STATE and not any(t.elementwise for t in rec.decomposition.transitions)
-            and not stabilized_states(rec.compiled))  # (exponential features at a running scale: no faster)
 
 
 def gradient_plan(rec: Recurrence, form: str, backend: str, dims: dict[str, int] | None = None,
