@@ -23,7 +23,8 @@ T ∈ {1024, 4096, 16384, 32768} (`--quick`: {256, 1024}, fewer repeats) it repo
   (`Recurrence.bind_step`) and through `Recurrence.step(inplace=True, out=…)`, against its own bound: the
   state bytes a step reads and writes (2 · B · H · Σ state sizes · 4) at the memory bandwidth measured in
   the same run (STREAM's triad over arrays larger than the last-level cache, linrec.machine.triad);
-* the state bytes of one layer against the KV cache of softmax attention at each T;
+* the state bytes of one layer (in the state's dtype) against the float32 KV cache of softmax attention with
+  the program's key and value sizes at each T (key_value_sizes; a program that reads the sequence keeps it);
 * what `--form auto` picks for each T and backend and why (and whether it was the fastest measured);
 * for compiled backends: the first build of the kernel (a fresh process with an empty cache) and a cached
   load (a fresh process with the same LINREC_CACHE_DIR).
@@ -145,10 +146,22 @@ def state_bytes(rec, dims: dict[str, int], heads: int = HEADS, itemsize: int = 4
     return heads * sum(prod(dims[d] for d in s.shape) for s in rec.program.states) * itemsize
 
 
-def kv_cache_bytes(tokens: int, dims: dict[str, int], heads: int = HEADS, itemsize: int = 4) -> int:
-    """Softmax attention's KV cache for one layer (B = 1): T · H · (dk + dv) · itemsize (= 2·T·H·d·4)."""
-    dk, dv = dims.get("dk", 64), dims.get("dv", dims.get("dk", 64))
-    return tokens * heads * (dk + dv) * itemsize
+def key_value_sizes(rec, dims: dict[str, int]) -> tuple[int, int] | None:
+    """The key and value sizes of the softmax attention the program is held against: those of its inputs k (else
+    q: a query shared with the key, as in Reformer) and v, else the [key, value] shape of its first matrix state
+    (Mamba's S[dk, dv] fed by B and x); None when neither says (the KV cache is then not compared)."""
+    vectors = {x.name: dims[x.shape[0]] for x in rec.program.inputs if len(x.shape) == 1}
+    key = vectors.get("k", vectors.get("q"))
+    if key is not None and "v" in vectors:
+        return key, vectors["v"]
+    matrix = next((s for s in rec.program.states if len(s.shape) == 2), None)
+    return None if matrix is None else (dims[matrix.shape[0]], dims[matrix.shape[1]])
+
+
+def kv_cache_bytes(tokens: int, sizes: tuple[int, int], heads: int = HEADS, itemsize: int = 4) -> int:
+    """Softmax attention's KV cache for one layer (B = 1) with keys and values of `sizes` (key_value_sizes):
+    T · H · (key size + value size) · itemsize."""
+    return tokens * heads * sum(sizes) * itemsize
 
 
 # ---- subprocess helpers -------------------------------------------------------------------------------
@@ -210,7 +223,7 @@ t0 = time.perf_counter()
 import numpy as np
 import linrec
 t1 = time.perf_counter()
-path, backend, dims, heads = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+path, backend, dims, heads, form = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 rec = linrec.load(path)
 t2 = time.perf_counter()
 x = rec.random_inputs(batch=1, tokens=1, heads=heads, dims=dims, dtype=np.float32, seed=0)
@@ -221,10 +234,10 @@ except Exception:
     entries = lambda: None
 before = entries()
 t3 = time.perf_counter()
-rec.run(x, form="recurrent", backend=backend)
+rec.run(x, form=form, backend=backend)
 t4 = time.perf_counter()
 after = entries()
-rec.run(x, form="recurrent", backend=backend)
+rec.run(x, form=form, backend=backend)
 t5 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "dsl_compile_s": t2 - t1, "first_call_s": t4 - t3,
                   "second_call_s": t5 - t4, "built": None if before is None else after != before}))
@@ -259,11 +272,11 @@ def blas_summary(info) -> str:
     return "; ".join(parts) or "no BLAS library reported"
 
 
-def load_times(path: str, backend: str, dims: dict[str, int], threads: int) -> dict:
-    """A compiled backend's first build (fresh process, empty temporary cache) and cached load (fresh
-    process, the cache this run uses — where the main process has just built or loaded the kernel)."""
+def load_times(path: str, backend: str, dims: dict[str, int], threads: int, form: str = "recurrent") -> dict:
+    """A compiled backend's first build of a form's kernel (fresh process, empty temporary cache) and cached
+    load (fresh process, the cache this run uses — where the main process has just built or loaded it)."""
     absolute = str(Path(path).resolve())
-    args = [absolute, backend, json.dumps(dims), str(HEADS)]
+    args = [absolute, backend, json.dumps(dims), str(HEADS), form]
     empty = tempfile.mkdtemp(prefix="linrec-bench-cache-")
     try:
         built = _python(_LOAD_SCRIPT, args, _env(threads, LINREC_CACHE_DIR=empty))
@@ -658,24 +671,37 @@ class KernelLoads:
     notes: list[str] = field(default_factory=list)
 
 
+def load_form(rec, backend: str) -> str | None:
+    """The form whose kernel the build and load are timed with: the recurrent one where the backend builds
+    it (a decode loop's), else the first form it builds (a program that reads the sequence has no recurrent
+    form); None when it builds none."""
+    return next((f for f in rec.forms if registry.builds(rec.compiled, backend, f)), None)
+
+
 def kernel_loads(rec, plan: Plan, path: str, say) -> KernelLoads:
-    """For each compiled backend: a first call in this process (so this run's cache holds the kernel), then
-    the first build and the cached load in fresh processes (load_times)."""
+    """For each compiled backend: a first call of a form (load_form) in this process (so this run's cache
+    holds the kernel), then the first build and the cached load in fresh processes (load_times)."""
     result = KernelLoads()
     for b in plan.backends:
         if b == "numpy":
             continue
-        say(f"{b}: first build (fresh process, empty cache) and cached load (fresh process) …")
+        form = load_form(rec, b)
+        if form is None:
+            result.notes.append(f"{b}: no kernel build or cached load measured: the {b} backend builds none of "
+                                f"'{rec.program.name}''s forms")
+            continue
+        say(f"{b}: first build of the {form} kernel (fresh process, empty cache) and cached load (fresh process) …")
         try:
             tiny = rec.random_inputs(batch=1, tokens=1, heads=HEADS, dims=plan.dims, dtype=np.float32, seed=0)
             t0 = time.perf_counter()
-            rec.run(tiny, form="recurrent", backend=b)
+            rec.run(tiny, form=form, backend=b)
             in_process = time.perf_counter() - t0
         except LinrecError as err:
-            result.notes.append(f"the {b} backend does not run here: {err}")
+            result.notes.append(f"{b}: no kernel build or cached load measured: a first {form} call of one token "
+                                f"failed: {err}")
             continue
-        info = load_times(path, b, plan.dims, plan.threads)
-        info["this_process_first_call_s"] = in_process
+        info = load_times(path, b, plan.dims, plan.threads, form)
+        info["this_process_first_call_s"], info["form"] = in_process, form
         result.loads[b] = info
         if "first_call_s" in info["build"]:
             result.build_s[b] = info["build"]["first_call_s"]
@@ -793,6 +819,8 @@ def run(opts: Options, progress=None) -> dict:
     ticks = cpu_ticks()
     rec = api.load(opts.file)
     plan = make_plan(rec, opts)
+    if opts.plot:
+        check_plot_destination(opts.plot)  # before minutes of measurements, not after them
     report = _opening(opts, rec, plan, flop_count(rec, plan.dims))
     flops = report["flops_per_token_head"]
     notes = [] if flops else [_no_flops_note(rec)]
@@ -815,6 +843,7 @@ def run(opts: Options, progress=None) -> dict:
     # the bytes the decode rows move: a bfloat16 state's are half a float32 one's
     state = state_bytes(rec, plan.dims, itemsize=2 if opts.state_dtype == "bfloat16" else 4)
     decode = with_decode_bounds(decode, 2 * BATCH * state, report["bandwidth_gbs"])
+    sizes = key_value_sizes(rec, plan.dims)
     if decode:
         decode_notes += cache_notes(BATCH * state, report["machine_limits"])
     report.update({
@@ -823,14 +852,31 @@ def run(opts: Options, progress=None) -> dict:
         "scaling": scaling(rows),
         "decode_us": {b: d["us"] for b, d in decode.items()}, "decode": decode, "input_check_ms": check_ms,
         "state_bytes": state, "state_dtype": opts.state_dtype or "float32",
-        "kv_cache_bytes": {str(t): kv_cache_bytes(t, plan.dims) for t in plan.tokens},
+        "reads_the_sequence": reads_the_sequence(rec), "kv_sizes": sizes and list(sizes),
+        "kv_cache_bytes": {str(t): kv_cache_bytes(t, sizes) for t in plan.tokens} if sizes else {},
         "build_s": kernels.build_s, "cached_load_ms": kernels.cached_load_ms, "loads": kernels.loads,
         "openmp_wait_policy": c_build.openmp_wait_policy(),
         "notes": notes + kernels.notes + decode_notes + busy_notes(others),
     })
     if opts.plot:
-        report["plot"] = plot(report, opts.plot)
+        try:
+            report["plot"] = plot(report, opts.plot)
+        except LinrecError as err:  # the measurements stand: the caller shows them, then this error
+            report["plot_error"] = str(err)  # ("error: cannot write the plot …")
     return report
+
+
+def check_plot_destination(path: str) -> None:
+    """An error when the plot could not be written to `path`: its folder missing or not writable, or `path`
+    a folder."""
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise LinrecError(f"--plot {path} is a folder: give a file name such as {target / 'bench.png'}")
+    if not folder.is_dir():
+        raise LinrecError(f"--plot {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise LinrecError(f"--plot {path}: the folder {folder} is not writable")
 
 
 # ---- output -------------------------------------------------------------------------------------------
@@ -977,8 +1023,18 @@ def _decode_lines(rep: dict) -> list[str]:
 
 
 def _memory_line(rep: dict) -> str:
-    return (f"memory per layer (B=1, float32): state {format_bytes(rep['state_bytes'])} ({rep['state_bytes']} B) vs "
-            "softmax KV cache 2·T·H·d·4: " + ", ".join(f"T={t} {format_bytes(n)}" for t, n in rep["kv_cache_bytes"].items()))
+    """One layer's memory (B = 1): the recurrent state in its dtype against softmax attention's float32 KV cache
+    of the same key and value sizes; a program that reads the sequence keeps that cache itself."""
+    sizes = rep.get("kv_sizes")
+    cache = (f"T·H·({sizes[0]} + {sizes[1]})·4 (float32): "
+             + ", ".join(f"T={t} {format_bytes(n)}" for t, n in rep["kv_cache_bytes"].items())) if sizes else None
+    unknown = "the key and value sizes are unknown (no inputs k and v, no matrix state)"
+    if rep.get("reads_the_sequence"):
+        return (f"memory per layer (B=1): no recurrent state — '{rep['program']}' reads the sequence, so it keeps the "
+                f"keys and values of every token, a KV cache " + (cache or f"of a size not given here: {unknown}"))
+    state = (f"memory per layer (B=1): state {format_bytes(rep['state_bytes'])} ({rep['state_bytes']} B, "
+             f"{rep.get('state_dtype', 'float32')})")
+    return state + (f" vs softmax KV cache {cache}" if cache else f"; no softmax KV cache to compare: {unknown}")
 
 
 def _auto_lines(rep: dict) -> list[str]:
@@ -1003,7 +1059,8 @@ def _kernel_lines(rep: dict) -> list[str]:
         bs, cl = rep["build_s"].get(b), rep["cached_load_ms"].get(b)
         out.append(f"{b} kernel: first build {'-' if bs is None else f'{bs:.2f} s'} (fresh process, empty cache), "
                    f"cached load {'-' if cl is None else f'{cl:.1f} ms'} (fresh process, cache "
-                   f"{rep['loads'][b]['cache_dir']}); first call of the recurrent form at this size, DSL compile "
+                   f"{rep['loads'][b]['cache_dir']}); first call of the {rep['loads'][b].get('form', 'recurrent')} form at "
+                   f"this size, DSL compile "
                    f"not included")
     return out
 

@@ -948,12 +948,13 @@ def _add_bench(parser: argparse.ArgumentParser):
                              f"{', '.join(map(str, bench.DEFAULT_TOKENS))})")
     parser.add_argument("--form", action="append", choices=_form_names() + ["auto"],
                         help="time this form (repeatable; default: every form the program has); auto: the "
-                             "form Recurrence.choose_form picks for each T and backend")
+                             "form Recurrence.choose_form picks for each T and backend (--grad: and the backward "
+                             "form=\"auto\" runs)")
     parser.add_argument("--backend", action="append", choices=_backend_names(),
                         help="time this backend (repeatable; default: every backend)")
     parser.add_argument("--state-dtype", choices=("float32", BFLOAT16), metavar="{float32,bfloat16}",
                         help="the decode rows' state between calls: bfloat16 halves the state bytes they move "
-                             "and are bounded by (default: float32)")
+                             "and are bounded by (default: float32; the T sweep only, not --grad or --shapes)")
     parser.add_argument("--threads", type=_positive_int, metavar="N",
                         help="threads for the C kernels (LINREC_NUM_THREADS) and NumPy's BLAS (default: "
                              "LINREC_NUM_THREADS, else every core)")
@@ -966,7 +967,8 @@ def _add_bench(parser: argparse.ArgumentParser):
     parser.add_argument("--dim", dest="dims", action=_DimOnce, type=_dim, metavar="NAME=SIZE",
                         help="a dimension's size (default: dk = dv = 64 where declared, else the file's)")
     parser.add_argument("--plot", metavar="OUT.png",
-                        help="write a log-log plot of time against T per form and backend (needs matplotlib)")
+                        help="write a log-log plot of time against T per form and backend (needs matplotlib; "
+                             "its folder is checked before measuring)")
     parser.add_argument("--no-limits", dest="limits", action="store_false",
                         help="also run the parallel form above T = 4096 and the NumPy recurrent form above "
                              "T = 4096 (slow: T² work, per-token interpreter overhead)")
@@ -1053,6 +1055,11 @@ def cmd_bench(args) -> int:
     if args.grad and (args.shapes or args.plot):
         raise LinrecError("--grad has its own sizes and no plot: leave out --shapes and --plot (--dim and --T "
                           "choose the sizes)")
+    if args.state_dtype == BFLOAT16 and (args.grad or args.shapes):
+        # only the T sweep's decode rows keep a state between calls that could be bfloat16
+        raise LinrecError(f"--state-dtype bfloat16 sets the T sweep's decode rows; {'--grad' if args.grad else '--shapes ' + args.shapes} "
+                          f"times float32 states only: leave out --state-dtype")
+    _load(args.file)  # its warnings, as every command gives them (the run compiles the file again: milliseconds)
     opts = bench.Options(file=args.file, quick=args.quick, forms=args.form, backends=args.backend,
                          threads=args.threads, repeats=args.repeats, budget_s=args.budget,
                          dims=dict(args.dims or []), plot=args.plot, limits=args.limits, shapes=args.shapes,
@@ -1081,6 +1088,9 @@ def cmd_bench(args) -> int:
             print(f"{PROG}: {report['plot']}", file=sys.stderr)
     else:
         print(module.format_report(report))
+    if report.get("plot_error"):  # the report above stands; only the plot is missing
+        print(f"{PROG}: {report['plot_error']}", file=sys.stderr)
+        return 1
     return 0
 
 

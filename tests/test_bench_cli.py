@@ -150,6 +150,150 @@ def test_bench_rejects_unknown_dimension(capsys):
         assert "--dim dk=4 and --dim dk=8: give each dimension once" in capsys.readouterr().err
 
 
+# ---- bench: memory, plot, labels, auto, warnings (the same-run references stubbed: the run stays small) ----
+ODD_DIMS = """recurrence odd(d = 8, e = 8)
+input q[d], k[d], v[e]
+state S[d, e]
+S = 0.9·S + k⊗v
+output o = q·S
+"""
+
+NO_KEY_VALUE = """recurrence running_sum(n = 4)
+input x[n]
+state z[n]
+z = z + x
+output y = z
+"""
+
+
+@pytest.fixture
+def no_references(monkeypatch):
+    """bench.run without its same-run matmul and machine limits (seconds of work each): reported as not
+    measured, the way a failed measurement is."""
+    from linrec import bench
+    monkeypatch.setattr(bench, "matmul_reference", lambda threads, quick, say: {
+        "sgemm_gflops": None, "sgemm": {"error": "not measured in tests"}, "sgemm_pinned_gflops": None,
+        "sgemm_pinned": {}, "pinned_env": {}, "blas": None, "blas_summary": "-"})
+    monkeypatch.setattr(bench, "machine_reference", lambda threads, quick, say, earlier=None: {} if earlier else {
+        "fma_peak_gflops": None, "bandwidth_gbs": None, "machine_limits": {"error": "not measured in tests"}})
+    return bench
+
+
+def _tiny_bench(path, *extra) -> list[str]:
+    return ["bench", str(path), "--backend", "numpy", "--T", "16", "--repeats", "1", "--threads", "1", *extra]
+
+
+def test_bench_kv_cache_from_the_programs_own_key_and_value_sizes(tmp_path):
+    """The softmax KV cache held against the state has the program's key and value sizes, whatever the
+    dimensions are called: inputs k (else q) and v, else the matrix state's [key, value]; unknown: said so."""
+    from linrec import bench
+    (tmp_path / "odd.lin").write_text(ODD_DIMS)
+    odd = linrec.load(tmp_path / "odd.lin")
+    assert bench.key_value_sizes(odd, {"d": 8, "e": 8}) == (8, 8)
+    assert bench.kv_cache_bytes(64, (8, 8)) == 64 * 8 * (8 + 8) * 4  # 32 KiB, not 64 + 64's 256 KiB
+    mamba2, reformer = linrec.load(EXAMPLES / "mamba2.lin"), linrec.load(EXAMPLES / "reformer.lin")
+    assert bench.key_value_sizes(mamba2, {"dk": 4, "dv": 6}) == (4, 6)    # x[dv], B[dk]: S[dk, dv]
+    assert bench.key_value_sizes(reformer, {"dk": 4, "dv": 6}) == (4, 6)  # the query is the key
+    (tmp_path / "sum.lin").write_text(NO_KEY_VALUE)
+    assert bench.key_value_sizes(linrec.load(tmp_path / "sum.lin"), {"n": 4}) is None
+    line = bench._memory_line({"program": "running_sum", "state_bytes": 128, "state_dtype": "float32",
+                               "kv_sizes": None, "kv_cache_bytes": {}, "reads_the_sequence": False})
+    assert line == ("memory per layer (B=1): state 128 B (128 B, float32); no softmax KV cache to compare: the "
+                    "key and value sizes are unknown (no inputs k and v, no matrix state)")
+
+
+def test_bench_memory_line_names_both_dtypes(no_references, tmp_path, capsys):
+    """--state-dtype bfloat16: the state's bytes and dtype, and the float32 KV cache, each labelled."""
+    (tmp_path / "odd.lin").write_text(ODD_DIMS)
+    assert main(_tiny_bench(tmp_path / "odd.lin", "--form", "recurrent", "--state-dtype", "bfloat16")) == 0
+    memory = [x for x in capsys.readouterr().out.splitlines() if x.startswith("memory per layer")]
+    assert memory == ["memory per layer (B=1): state 1.0 KiB (1024 B, bfloat16) vs softmax KV cache "
+                      "T·H·(8 + 8)·4 (float32): T=16 8.0 KiB"]  # 8 heads · 8·8 · 2 B; 16 · 8 · 16 · 4 B
+
+
+def test_bench_a_program_that_reads_the_sequence_keeps_its_kv_cache(no_references, capsys):
+    """Reformer has no recurrent state: its memory is its own KV cache (query–key and value), and the C
+    kernel's build and load are timed with a form it has (no recurrent one), not called a failure."""
+    from linrec import bench
+    assert main(_tiny_bench(EXAMPLES / "reformer.lin", "--form", "parallel", "--dim", "dk=4", "--dim", "dv=6",
+                            "--json")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["reads_the_sequence"] and report["kv_sizes"] == [4, 6]
+    assert report["kv_cache_bytes"] == {"16": 16 * 8 * (4 + 6) * 4}
+    assert bench._memory_line(report) == (
+        "memory per layer (B=1): no recurrent state — 'reformer' reads the sequence, so it keeps the keys and "
+        "values of every token, a KV cache T·H·(4 + 6)·4 (float32): T=16 5.0 KiB")
+    reformer, gla = linrec.load(EXAMPLES / "reformer.lin"), linrec.load(EXAMPLES / "gla.lin")
+    assert bench.load_form(reformer, "c") == "parallel" and bench.load_form(gla, "c") == "recurrent"
+    lines = bench._kernel_lines({"build_s": {"c": 1.0}, "cached_load_ms": {"c": 30.0},
+                                 "loads": {"c": {"cache_dir": "CACHE", "form": "parallel"}}})
+    assert "first call of the parallel form" in lines[0]
+
+
+def test_bench_checks_the_plot_destination_before_measuring(no_references, tmp_path, capsys, monkeypatch):
+    from linrec import bench
+    monkeypatch.setattr(bench, "time_rows", lambda *a: pytest.fail("measured before checking --plot"))
+    missing = tmp_path / "missing" / "x.png"
+    assert main(_tiny_bench(EXAMPLES / "gla.lin", "--plot", str(missing))) == 1
+    assert capsys.readouterr().err.strip().endswith(f"error: --plot {missing}: the folder {missing.parent} does "
+                                                    f"not exist")
+    assert main(_tiny_bench(EXAMPLES / "gla.lin", "--plot", str(tmp_path))) == 1
+    assert f"--plot {tmp_path} is a folder" in capsys.readouterr().err
+
+
+def test_bench_a_plot_that_fails_at_the_end_keeps_the_report(no_references, tmp_path, capsys, monkeypatch):
+    from linrec import bench
+
+    def full_disk(rep, path):
+        raise LinrecError(f"cannot write the plot {path}: No space left on device")
+    monkeypatch.setattr(bench, "plot", full_disk)
+    out = tmp_path / "x.png"
+    assert main(_tiny_bench(EXAMPLES / "gla.lin", "--form", "recurrent", "--dim", "dk=4", "--dim", "dv=4",
+                            "--plot", str(out), "--json")) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # the measurements, printed anyway
+    assert [(r["form"], r["backend"], r["T"]) for r in report["rows"]] == [("recurrent", "numpy", 16)]
+    assert captured.err.strip().endswith(f"linrec: error: cannot write the plot {out}: No space left on device")
+
+
+def test_bench_grad_form_auto_times_the_backward_auto_runs(capsys, monkeypatch):
+    """--grad --form auto: the forward Recurrence.choose_form picks and the backward linrec.torch's form="auto"
+    runs (gradients.auto_gradient_form), marked auto; the busy note names no matmul (--grad times none)."""
+    from linrec import bench, gradients
+    monkeypatch.setattr(bench, "others_cores", lambda start, end: 1.5)
+    assert main(["bench", str(EXAMPLES / "gla.lin"), "--grad", "--form", "auto", "--json", "--dim", "dk=8",
+                 "--dim", "dv=8", "--T", "32", "--backend", "numpy", "--repeats", "1", "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["form"], r["backend"], r["auto"]) for r in report["rows"]] == [("recurrent", "numpy", True)]
+    assert [(r["form"], r["auto"]) for r in report["forward"]] == [("recurrent", True)]
+    assert report["notes"][-1].endswith("so these times are pessimistic and noisy")
+    assert not any("matmul" in n for n in report["notes"])
+    gla = linrec.load(EXAMPLES / "gla.lin")  # on C, a large state over many tokens: the chunkwise backward
+    assert gradients.auto_gradient_form(gla, "c", {"dk": 128, "dv": 128}, 4096) == "chunkwise"
+    assert gradients.auto_gradient_form(gla, "c", {"dk": 64, "dv": 64}, 4096) == "recurrent"
+
+
+def test_bench_warns_about_unused_names(tmp_path, capsys):
+    """Like run, verify and emit: the warning with its place, before anything else (here an error)."""
+    path = tmp_path / "unused.lin"
+    path.write_text("recurrence unused(dk = 16, dv = 16)\ninput q[dk], k[dk], v[dv], extra\nstate S[dk, dv]\n"
+                    "S = S + k⊗v\noutput o = q·S\n")
+    assert main(["bench", str(path), "--dim", "foo=1"]) == 1
+    err = capsys.readouterr().err
+    assert "unused.lin:2:28: warning: input 'extra' is declared but never used" in err
+    assert "no dimension 'foo'" in err
+
+
+@pytest.mark.parametrize("mode", [["--grad"], ["--shapes", "serving"], ["--shapes", "model"]])
+def test_bench_state_dtype_only_for_the_t_sweep(mode, capsys, monkeypatch):
+    from linrec import bench_grad, bench_serving, bench_shapes
+    for module in (bench_grad, bench_serving, bench_shapes):  # refused before any measurement
+        monkeypatch.setattr(module, "run", lambda opts, progress=None: pytest.fail("ran with --state-dtype"))
+    assert main(["bench", str(EXAMPLES / "gla.lin"), *mode, "--state-dtype", "bfloat16"]) == 1
+    assert (f"error: --state-dtype bfloat16 sets the T sweep's decode rows; {' '.join(mode)} times float32 "
+            f"states only: leave out --state-dtype") in capsys.readouterr().err
+
+
 # ---- cache ---------------------------------------------------------------------------------------------
 def test_cache_info_and_clear(tmp_path, monkeypatch, capsys):
     cache = tmp_path / "kernels"
