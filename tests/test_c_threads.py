@@ -134,8 +134,11 @@ print(os.environ.get("OMP_WAIT_POLICY"))
 def test_openmp_threads_sleep_unless_the_environment_says(linrec, given):
     """A fresh process: the first kernel loads the OpenMP runtime with OMP_WAIT_POLICY=passive, and the
     environment is as it was afterwards (child processes get the user's); a policy the environment sets is
-    left alone and reported."""
+    left alone and reported. The runtime's own settings (GCC's libgomp prints them under OMP_DISPLAY_ENV)
+    show it took the policy: no spinning (it had been loaded before the variable was set — by
+    importlib's module_from_spec, outside the part that set it — and spun 300000 rounds at every wait)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
     if given:
         env["OMP_WAIT_POLICY"] = given
     res = subprocess.run([sys.executable, "-c", _WAIT_POLICY, str(ROOT / "examples" / "gla.lin")], env=env,
@@ -146,6 +149,8 @@ def test_openmp_threads_sleep_unless_the_environment_says(linrec, given):
         assert policy == "as the environment sets it: OMP_WAIT_POLICY=active" and variable == "active"
     else:
         assert policy.startswith("passive (set by linrec") and variable == "None"
+        if "GOMP_SPINCOUNT" in res.stderr:  # (GCC's runtime; LLVM's prints other names)
+            assert "GOMP_SPINCOUNT = '0'" in res.stderr, res.stderr
 
 
 # ---- the value axis split across threads (c.value_split) ------------------------------------------------

@@ -392,8 +392,10 @@ def _import(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
+    # (an extension module is loaded — dlopen, and with it the OpenMP runtime it links — by module_from_spec,
+    # not by exec_module: the environment must be set around both)
     with _threads_that_sleep():
+        module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return module
 
