@@ -1196,18 +1196,20 @@ def _error(err: LinrecError):
 OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 
 
-def _output_failed(err: OSError) -> bool:
+def _output_failed(err: Exception) -> bool:
     """Whether the error is the output's write failing (`linrec check FILE > /dev/full`): the machine's
-    condition, not a bug in linrec. Said as such, and stdout silenced (its unwritten rest would fail again as
-    Python exits). A write to a stream raises without a file name; opening or reading a file names it."""
-    if err.errno not in OUTPUT_ERRNOS or err.filename is not None:
-        return False
+    condition, not a bug in linrec. A write to a stream raises without a file name; opening or reading a file
+    names it."""
+    return isinstance(err, OSError) and err.errno in OUTPUT_ERRNOS and err.filename is None
+
+
+def _say_output_failed(err: OSError) -> None:
+    """Say so, and silence stdout: its unwritten rest would fail again as Python exits."""
     print(f"{PROG}: cannot write the output: {err.strerror or os.strerror(err.errno)}", file=sys.stderr)
     try:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
     except OSError:
         pass
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1246,7 +1248,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 0
     except Exception as err:  # noqa: BLE001 - the last line of defence: no traceback unless asked
-        if isinstance(err, OSError) and _output_failed(err):  # (not a bug: the output's disk is full, say)
+        if _output_failed(err):  # (not a bug: the output's disk is full, say)
+            _say_output_failed(err)
             return 1
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             traceback.print_exc()

@@ -40,9 +40,9 @@ def derived_forms(rec) -> list[str]:
     return [f for f in GRADIENT_FORMS if any(gradient_refusal(rec, f, b) is None for b in registry.BACKENDS)]
 
 
-# form="auto"'s backward (linrec.torch's, and `linrec bench --grad --form auto`'s): here, free of torch
-# form="auto": at small dk the recurrent backward is the fastest NumPy one (docs/torch.md, "Gradients"); a program
-# without it, the chunkwise one (its memory: a chunk's scores, not the parallel one's T × T), else the parallel one
+# form="auto"'s backward (linrec.torch's, and `linrec bench --grad --form auto`'s), here, free of torch: at small
+# dk the recurrent backward is the fastest NumPy one (docs/torch.md, "Gradients"); a program without it, the
+# chunkwise one (its memory: a chunk's scores, not the parallel one's T × T), else the parallel one
 AUTO_ORDER = ("recurrent", "chunkwise", "parallel")
 # form="auto" on C: the chunkwise backward first from a state of this many values (dk·dv) over this many tokens,
 # for an update whose decays are scalars or diagonals and whose features need no running scale. Measured, the
@@ -69,7 +69,8 @@ def chunkwise_first(rec, backend: str, dims: dict[str, int] | None, tokens: int 
 def auto_gradient_form(rec, backend: str, dims: dict[str, int] | None = None, tokens: int | None = None) -> str | None:
     """The gradient form form="auto" runs on this backend for a call of these sizes: the chunkwise one where
     chunkwise_first says so, else the first of AUTO_ORDER the backend builds; None when it builds none of them
-    (linrec.torch then falls back to NumPy: torch.backward.gradient_plan)."""
+    (linrec.torch then falls back to NumPy: torch.backward.gradient_plan, which makes the same choice on the
+    backend, then tries NumPy form by form)."""
     if chunkwise_first(rec, backend, dims, tokens) and gradient_refusal(rec, "chunkwise", backend) is None:
         return "chunkwise"
     return next((f for f in AUTO_ORDER if gradient_refusal(rec, f, backend) is None), None)

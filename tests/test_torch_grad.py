@@ -78,7 +78,7 @@ def test_gradients_equal_vjp(name, form):
 
     rec = layer.rec
     outputs = [o.name for o in rec.program.outputs]
-    gradient_form = {"auto": "recurrent"}  # (the backward form="auto" runs: backward.AUTO_ORDER)
+    gradient_form = {"auto": "recurrent"}  # (the backward form="auto" runs: gradients.AUTO_ORDER)
     arrays = {k: v.detach().numpy() for k, v in inputs.items()}
     state0 = {k: v.detach().numpy() for k, v in states.items()}
     values = {k: v.detach().numpy() for k, v in params.items()}
@@ -202,7 +202,7 @@ def test_auto_backward_of_a_program_without_a_recurrent_form(name, dims, gradien
 
 def test_auto_backward_is_chunkwise_on_c_for_large_states_over_long_sequences(monkeypatch):
     """form="auto"'s backward: the recurrent one, but on C the chunkwise one first for a state of 128 × 128 or
-    more over 1024 tokens or more (the fastest `vjp` measured there, backward.CHUNKWISE_STATE); never the
+    more over 1024 tokens or more (the fastest `vjp` measured there, gradients.CHUNKWISE_STATE); never the
     chunkwise one on NumPy ahead of the recurrent one on C. The sizes' rule only, no kernel is built."""
     from linrec.torch import backward
     gla, big = linrec.load("examples/gla.lin"), {"dk": 128, "dv": 128}

@@ -27,7 +27,7 @@ from ..api import Recurrence
 from ..compiler import FORMS
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError
-from ..gradients import AUTO_ORDER, CHUNKWISE_STATE, CHUNKWISE_TOKENS, chunkwise_first, gradient_refusal  # noqa: F401
+from ..gradients import AUTO_ORDER, chunkwise_first, gradient_refusal
 from .convert import to_array, to_tensor
 
 STEP = "step"  # the forward op's `form` for the decode step (op.STEP)
