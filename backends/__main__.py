@@ -1,6 +1,6 @@
 """`python -m linrec` is the `linrec` command."""
 import sys
 
-from .cli import main
+from .command import main
 
 sys.exit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import linrec
 from linrec.cli import main
 
 EXAMPLES = sorted(Path(__file__).resolve().parent.parent.joinpath("examples").glob("*.lin"))
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -281,3 +283,45 @@ def test_out_of_memory_is_an_error_about_sizes(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "out of memory (Unable to allocate 74.5 GiB)" in err and "--dim NAME=SIZE" in err
     assert "internal error" not in err
+
+
+# ---- a Ctrl-C while the command imports ------------------------------------------------------------------------
+
+# (run first in a fresh interpreter: the import of MODULE raises KeyboardInterrupt, as a Ctrl-C at that moment does)
+INTERRUPT_ON_IMPORT = """
+import importlib, runpy, sys
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, Interrupt())
+"""
+
+
+def _console_script() -> tuple[str, str]:
+    """The `linrec` script's module and function, from pyproject.toml's [project.scripts]."""
+    scripts = PYPROJECT.read_text(encoding="utf-8").split("[project.scripts]", 1)[1]
+    module, _, function = re.search(r'^linrec\s*=\s*"([^"]+)"', scripts, re.MULTILINE).group(1).partition(":")
+    return module, function
+
+
+@pytest.mark.parametrize("module", ["linrec.cli", "numpy", "lark", "jinja2"])
+def test_a_ctrl_c_while_the_command_imports_is_an_interrupt_not_a_traceback(module, tmp_path):
+    """The first ~0.7 s of the command import NumPy, lark, jinja2 and the compiler: a Ctrl-C then printed a
+    KeyboardInterrupt traceback (the console script imported linrec.cli, and linrec's __init__ the API, before
+    any of linrec's code ran). Its entry point, linrec.command, imports them inside its handling: as at every
+    other moment, `linrec: interrupted` and status 130."""
+    script, function = _console_script()
+    code = INTERRUPT_ON_IMPORT.format(module=module) + (
+        f"sys.exit(getattr(importlib.import_module({script!r}), {function!r})(['check', '--help']))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in run.stderr
+    assert (run.returncode, run.stderr) == (130, "linrec: interrupted\n")
+
+
+def test_a_ctrl_c_while_python_dash_m_linrec_imports_is_an_interrupt_not_a_traceback(tmp_path):
+    code = INTERRUPT_ON_IMPORT.format(module="numpy") + "runpy.run_module('linrec', run_name='__main__', alter_sys=True)"
+    run = subprocess.run([sys.executable, "-c", code, "check", "--help"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert "Traceback" not in run.stderr
+    assert (run.returncode, run.stderr) == (130, "linrec: interrupted\n")
