@@ -383,6 +383,7 @@ class Recurrence:
         if inplace and state is not None:
             arrays.check_states_in_place(self.program, state, shape, dims)
         outputs = arrays.token_outputs(self.program, out, shape, dims) if out else None
+        arrays.refuse_shared_outputs(outputs, token_inputs, state)  # (before anything is written)
         computed, final = module.forward(checked, used, state0, dims)
         if outputs is None:
             outputs = {k: v[:, 0] for k, v in computed.items()}
@@ -475,6 +476,7 @@ class Recurrence:
             state[key] = np.full((shape.batch, shape.heads), np.nan)
         tokens, states = dict(token_inputs), dict(state)  # the arrays bound now, as the compiled step binds them
         buffers = arrays.token_outputs(self.program, out, shape, dims)
+        arrays.refuse_shared_outputs(buffers, tokens, states)
 
         def step():
             self.step(tokens, states, backend=backend, params=params, inplace=True, out=buffers)

@@ -405,6 +405,27 @@ def out_array(given, label: str, shape: tuple, dtype) -> np.ndarray:
     return given
 
 
+def refuse_shared_outputs(out: dict | None, inputs: dict | None, states: dict | None,
+                          states_label: str = "state '{}'") -> None:
+    """The output arrays a step writes (`out`'s, by name) each in memory of its own: one that shares memory
+    with a token input, a state (`states_label` names them: "state 'S'", "pool['S']") or another output is an
+    error naming both, raised before anything is written — the step would write its result over what it
+    reads or updates. One np.may_share_memory per pair (a bounds check: cheap enough for every checked step);
+    arrays that are not ndarrays are converted copies, which share nothing."""
+    if not out:
+        return
+    given = [(f"out['{name}']", arr) for name, arr in out.items() if isinstance(arr, np.ndarray)]
+    if not given:
+        return
+    others = [(f"input '{name}'", arr) for name, arr in (inputs or {}).items() if isinstance(arr, np.ndarray)] \
+        + [(states_label.format(name), arr) for name, arr in (states or {}).items() if isinstance(arr, np.ndarray)]
+    for i, (label, arr) in enumerate(given):
+        for other, value in others + given[:i]:
+            if np.may_share_memory(arr, value):
+                raise RuntimeInputError(f"{label} shares memory with {other}: the step would write the output "
+                                        f"over an array it reads or writes; pass a separate array for {label}")
+
+
 def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, dims: dict,
                           bits: bool = False) -> None:
     """The states a decode step updates in place (inplace=True, bind_step): each given one a writeable

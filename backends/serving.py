@@ -74,15 +74,22 @@ def check_cu_seqlens(cu_seqlens) -> np.ndarray | None:
     if offsets.ndim != 1 or offsets.size < 2:
         raise RuntimeInputError(f"cu_seqlens must be a 1-D array [N + 1] of at least 2 offsets (0 and the packed "
                                 f"length), got shape {list(offsets.shape)}")
-    offsets = offsets.astype(np.int64)
+    # checked in the caller's own dtype, so that a message gives the values passed (a uint64 offset above
+    # int64's maximum would wrap to a negative one in int64), and only then cast
+    beyond = offsets > np.iinfo(np.int64).max if offsets.dtype.kind == "u" and offsets.dtype.itemsize == 8 \
+        else None
+    if beyond is not None and beyond.any():
+        i = int(np.argmax(beyond))
+        raise RuntimeInputError(f"cu_seqlens[{i}] = {int(offsets[i])} lies beyond the end of the packed sequences "
+                                f"(the inputs' token axis T_total): each offset lies in [0, T_total]")
     if offsets[0] != 0:
         raise RuntimeInputError(f"cu_seqlens must start at 0, got {int(offsets[0])}")
-    steps = np.diff(offsets)
-    if (steps < 0).any():
-        i = int(np.argmax(steps < 0))
+    falls = offsets[1:] < offsets[:-1]
+    if falls.any():
+        i = int(np.argmax(falls))
         raise RuntimeInputError(f"cu_seqlens must not decrease: cu_seqlens[{i + 1}] = {int(offsets[i + 1])} < "
                                 f"cu_seqlens[{i}] = {int(offsets[i])}")
-    return offsets
+    return offsets.astype(np.int64)
 
 
 def check_packed_call(offsets: np.ndarray, batch: int, tokens: int) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import array_kind_hint
+from .arrays import array_kind_hint, refuse_shared_outputs
 from .dsl.errors import RuntimeInputError
 
 
@@ -41,12 +41,14 @@ def check_slot_values(idx: np.ndarray, requests: int, pool_size: int) -> np.ndar
     if idx.shape[0] != requests:
         raise RuntimeInputError(f"slots has {idx.shape[0]} entries but the tokens are for N = {requests} "
                                 f"requests; pass one pool row per request")
-    idx = idx.astype(np.int64, copy=False)
-    outside = (idx < 0) | (idx >= pool_size)
+    # checked in the caller's own dtype, so that the message gives the value passed (a uint64 slot above
+    # int64's maximum would wrap to a negative one in int64); cast once every slot is in [0, P)
+    outside = (idx >= pool_size) | (idx < 0) if idx.dtype.kind == "i" else idx >= pool_size
     if outside.any():
         i = int(np.argmax(outside))
         raise RuntimeInputError(f"slots[{i}] = {int(idx[i])} is outside the pool's {pool_size} rows [0, {pool_size}); "
                                 f"pass only the slots of active requests")
+    idx = idx.astype(np.int64, copy=False)
     if np.unique(idx).size != idx.size:
         seen: dict[int, int] = {}
         for i, s in enumerate(idx.tolist()):
@@ -153,6 +155,7 @@ def step(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, 
     """Recurrence.step(tokens, pool, slots=idx): (outputs [N, H, *], pool), the pool's rows idx advanced in
     place. A log-scale of a stabilized state that the pool lacks is added to it (NaN elsewhere: true scale)."""
     call = _PoolCall(rec, token_inputs, pool, slots, backend, params, bits)
+    refuse_shared_outputs(out, token_inputs, pool, "pool['{}']")
     if call.kernel is not None:
         outputs = call.kernel(token_inputs, call.arrays, call.idx, out)
     else:
@@ -168,6 +171,7 @@ def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, 
     slots on these very arrays. The slots are checked again every call, so an int array refilled in place
     (another set of N requests) is safe; the token buffers are refilled in place as for any bound step."""
     call = _PoolCall(rec, token_inputs, pool, slots, backend, params, bits)
+    refuse_shared_outputs(out, token_inputs, pool, "pool['{}']")
     held = slots if isinstance(slots, np.ndarray) else call.idx  # (an array refilled in place is read again)
     if call.kernel is not None:
         kernel, arrays = call.kernel, call.arrays

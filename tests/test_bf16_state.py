@@ -239,6 +239,25 @@ def test_a_refused_token_leaves_the_bf16_state_as_it_was(programs):
     assert np.array_equal(state["S"], before)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_an_output_sharing_memory_with_the_bf16_state_is_refused(programs, backend):
+    """A float32 `out` viewing the uint16 bits of the state (or a token) would be written over the state the
+    step updates: refused before anything is written, by step and bind_step, on both backends."""
+    rec = programs["gla"]
+    tok = token(tokens_of(rec, 1, seed=10), 0)
+    state = {"S": to_bits(random_state((BATCH, HEADS, DIMS, DIMS)))}
+    before = state["S"].copy()
+    shape = (BATCH, HEADS, DIMS)
+    alias = state["S"].reshape(-1)[:2 * BATCH * HEADS * DIMS].view(np.float32).reshape(shape)
+    for out, message in (({"o": alias}, r"out\['o'\] shares memory with state 'S'"),
+                         ({"o": tok["v"]}, r"out\['o'\] shares memory with input 'v'")):
+        with pytest.raises(linrec.RuntimeInputError, match=message + ".*pass a separate array"):
+            rec.step(tok, state, backend=backend, inplace=True, out=out, state_dtype="bfloat16")
+        with pytest.raises(linrec.RuntimeInputError, match=message):
+            rec.bind_step(tok, state, backend=backend, out=out, state_dtype="bfloat16")
+        assert np.array_equal(state["S"], before)
+
+
 # ---- errors ----
 
 @pytest.mark.parametrize("backend", ["numpy", "c"])

@@ -295,6 +295,41 @@ def test_bind_step_rejects_what_it_cannot_bind(linrec):
         soft.bind_step(tok, {"k": tok["k"]}, backend="c")
 
 
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("backend", ["c", "numpy"])
+def test_an_output_sharing_memory_with_the_state_a_token_or_an_output_is_refused(linrec, backend, inplace):
+    """An `out` array of the right shape, dtype and strides that overlaps a state, a token input or another
+    output would be written over what the step reads or updates (a wrong state and output, silently): refused
+    before anything is written, by step (after the C step's fast path too) and bind_step, naming both arrays."""
+    from linrec.dsl.errors import RuntimeInputError
+    rec = rec_for(linrec, "early")  # two outputs, o and p, both [B, H, dv] like the token's v
+    inputs = rec.random_inputs(batch=2, tokens=3, heads=3, dims=DIMS, seed=21)
+    token = {k: np.ascontiguousarray(v[:, 0]) for k, v in inputs.items()}
+    state = {"S": np.ascontiguousarray(random_state(rec, 2, 3, DIMS, np.float64, 22)["S"])}
+    shape = (2, 3, DIMS["dv"])
+    n = int(np.prod(shape))
+    good = {"o": np.empty(shape), "p": np.empty(shape)}
+    rec.step(token, state, backend=backend, inplace=True, out=good)
+    rec.step(token, state, backend=backend, inplace=True, out=good)  # (C: the fast path from here on)
+    shared = np.empty(n + 1)
+    cases = [({"o": state["S"].reshape(-1)[:n].reshape(shape), "p": good["p"]}, "out['o'] shares memory with state 'S'"),
+             ({"o": good["o"], "p": token["v"]}, "out['p'] shares memory with input 'v'"),
+             ({"o": shared[:n].reshape(shape), "p": shared[1:].reshape(shape)}, "out['p'] shares memory with out['o']"),
+             ({"o": good["o"], "p": good["o"]}, "out['p'] shares memory with out['o']")]
+    before, tokens_before = state["S"].copy(), {k: v.copy() for k, v in token.items()}
+    for out, message in cases:
+        assert all(a.flags.c_contiguous and a.flags.writeable for a in out.values())
+        with pytest.raises(RuntimeInputError, match=re.escape(message) + ".*pass a separate array for out"):
+            rec.step(token, state, backend=backend, inplace=inplace, out=out)
+        with pytest.raises(RuntimeInputError, match=re.escape(message)):
+            rec.bind_step(token, state, backend=backend, out=out)
+        np.testing.assert_array_equal(state["S"], before)
+        for k, v in tokens_before.items():
+            np.testing.assert_array_equal(token[k], v)
+    out, new = rec.step(token, state, backend=backend, inplace=inplace, out=good)  # separate arrays: fine
+    assert out["o"] is good["o"]
+
+
 def _chained_steps(rec, inputs, split, state, dtype=np.float64):
     """Steps split … T−1 in place, in the decode loop's way (token buffers refilled, outputs reused): the
     outputs [B, T − split, H, *] and the final state."""

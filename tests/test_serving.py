@@ -6,6 +6,7 @@ the argument, raised before any kernel runs, with no pool row changed.
 Small sizes (dk = dv = 4, a few dozen tokens): the C kernels are built once per size and dtype and reused."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -299,6 +300,9 @@ def test_slot_pool_of_a_program_that_reads_the_sequence_is_an_error():
 # ---- bad input: an error naming the argument, before anything runs ------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
     (dict(cu_seqlens=[1, 5, 10]), "cu_seqlens must start at 0"),
+    # uint64 offsets checked in their own dtype: the value passed, not one wrapped to a negative int64
+    (dict(cu_seqlens=np.array([0, 2**63 + 5, 10], np.uint64)),
+     r"cu_seqlens\[1\] = 9223372036854775813 lies beyond the end of the packed sequences"),
     (dict(cu_seqlens=[0, 6, 5, 10]), r"cu_seqlens must not decrease: cu_seqlens\[2\] = 5"),
     (dict(cu_seqlens=[0, 5, 9]), "cu_seqlens must end at the packed length T_total = 10"),
     (dict(cu_seqlens=np.array([0.0, 5.0, 10.0])), "cu_seqlens must be an integer array"),
@@ -338,6 +342,8 @@ def test_cu_seqlens_needs_one_packed_row():
     (lambda p, s: (p, np.array([3, 3])), r"slots\[0\] and slots\[1\] are both 3"),
     (lambda p, s: (p, np.array([1, 6])), r"slots\[1\] = 6 is outside the pool's 6 rows"),
     (lambda p, s: (p, np.array([-1, 2])), r"slots\[0\] = -1 is outside"),
+    (lambda p, s: (p, np.array([1, 2**64 - 1], np.uint64)), r"slots\[1\] = 18446744073709551615 is outside the "
+                                                            r"pool's 6 rows"),
     (lambda p, s: (p, np.array([1, 2, 3])), "slots has 3 entries but the tokens are for N = 2"),
     (lambda p, s: (p, np.array([[1, 2]])), "slots must be a 1-D array"),
     (lambda p, s: ({"S": p["S"].astype(np.float32)}, s), r"pool\['S'\] must be a writeable float64 array"),
@@ -358,6 +364,28 @@ def test_bad_slot_pool_arguments_change_no_row(change, message, backend):
     with pytest.raises(linrec.RuntimeInputError, match=message):
         rec.bind_step(tokens, bad_pool, slots=bad_slots, backend=backend)
     np.testing.assert_array_equal(pool["S"], before)
+
+
+@pytest.mark.parametrize("name", ["gla", "value_decay"])  # (C: the kernel's own slot step; gathered rows)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pool_step_refuses_outputs_sharing_memory_and_changes_no_row(name, backend):
+    """An `out` array that overlaps the pool, a token input or another output is refused before anything runs:
+    gathered rows would otherwise be written back over it, or the kernel write the output into a state."""
+    rec = PROGRAMS[name]
+    slots = np.array([1, 3])
+    pool, tokens = pool_and_tokens(rec, 5, slots, np.float64)
+    before = pool["S"].copy()
+    shape = (2, 2, 4)  # [N, H, dv], as the token's v
+    cases = [({"o": pool["S"][3].reshape(-1)[:16].reshape(shape)}, "out['o'] shares memory with pool['S']"),
+             ({"o": tokens["v"]}, "out['o'] shares memory with input 'v'")]
+    for out, message in cases:
+        with pytest.raises(linrec.RuntimeInputError, match=re.escape(message) + ".*pass a separate array"):
+            rec.step(tokens, pool, slots=slots, backend=backend, out=out)
+        with pytest.raises(linrec.RuntimeInputError, match=re.escape(message)):
+            rec.bind_step(tokens, pool, slots=slots, backend=backend, out=out)
+        np.testing.assert_array_equal(pool["S"], before)
+    rec.step(tokens, pool, slots=slots, backend=backend, out={"o": np.empty(shape)})
+    assert not np.array_equal(pool["S"], before)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

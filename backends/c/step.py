@@ -315,4 +315,5 @@ class Stepper:
                 args.append(pointer)
             outputs[name] = arr
             i += 1
+        arrays.refuse_shared_outputs(out, token_inputs, state)  # (before the kernel writes anything)
         return args, outputs, new_state, every_seen, adopted
