@@ -463,13 +463,11 @@ class CPrinter:
         lines = [f"T {name}[{n}];{self._comment(e)}"]
         s = f"{name}_s"
         if e.function == "l2norm":
-            lines += [f"T {s} = 0;", f"#pragma omp simd reduction(+:{s})",
-                      f"for (int i = 0; i < {n}; ++i) {s} += {x}[i] * {x}[i];",
+            lines += [f"const T {s} = lr_dot({x}, {x}, {n});",
                       f"const T {name}_inv = 1 / lr_sqrt({s} + {eps});", "#pragma omp simd",
                       f"for (int i = 0; i < {n}; ++i) {name}[i] = {x}[i] * {name}_inv;"]
         elif e.function == "rmsnorm":
-            lines += [f"T {s} = 0;", f"#pragma omp simd reduction(+:{s})",
-                      f"for (int i = 0; i < {n}; ++i) {s} += {x}[i] * {x}[i];",
+            lines += [f"const T {s} = lr_dot({x}, {x}, {n});",
                       f"const T {name}_inv = 1 / lr_sqrt({s} / {nn} + {eps});", "#pragma omp simd",
                       f"for (int i = 0; i < {n}; ++i) {name}[i] = {x}[i] * {name}_inv;"]
         elif e.function == "groupnorm":
