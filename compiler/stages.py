@@ -1,16 +1,20 @@
 """Staged derivation over the state graph: a program whose states read each other in one direction, derived
 one stage after another.
 
-A state reads another when its update does, or when a readout q·S of it has a query that does. States are
-ordered by that relation: a state's stage is one after the latest stage of the states it reads outside its
-own cycle (states that read each other stay in one stage), so a stage's states read no later one. The per-token values a later stage needs of an earlier one —
-a vector state's value (S_(t−1) or S_t), or a readout q·S of a matrix state — become outputs of the earlier
-stage and per-token inputs of the later one, however nonlinearly the later one uses them (a softmax over a
-read, a preconditioned key). Each stage is a program of its own (an ir.Program, decomposed as any other), so
+A state reads another when its update does, or when a readout of it has a query that does: q·S, or S·q —
+a read from the right, the readout of a state in the transposed convention (docs/forms.md), which the stage
+that has S derives as its outputs are, carrying S transposed where that gives it the forms
+(compiler.transpose). States are ordered by that relation: a state's stage is one after the latest stage of
+the states it reads outside its own cycle (states that read each other stay in one stage), so a stage's
+states read no later one. The per-token values a later stage needs of an earlier one — a vector state's
+value (S_(t−1) or S_t), or a readout q·S or S·q of a matrix state — become outputs of the earlier stage and
+per-token inputs of the later one, however nonlinearly the later one uses them (a softmax over a read, a
+preconditioned key). Each stage is a program of its own (an ir.Program, decomposed as any other), so
 every stage gets the forms its own structure allows, and the program gets the forms every stage has. The
 recurrent form needs no stages: it runs the program as written.
 
-    stages = split(program)      # None: one stage; _NoStages: a later stage would need a matrix per token
+    stages = split(program)      # None: one stage; _NoStages: a later stage would need a matrix per token, or
+                                 # a value that reads states of both stages
     derive(program, decompose(program)) → the decomposition, with its stages and their forms
 """
 from __future__ import annotations
@@ -29,17 +33,24 @@ from .readouts import in_readout_shape
 class Handed:
     """A per-token value one stage computes for a later one: `name` is an output of the stage that has
     `state`, and an input of the stages that use it; `value` is what it reads — the (vector) state itself
-    (`query` None) or a readout query·S, of S_(t−1) or S_t (`version`)."""
+    (`query` None) or a readout query·S — or S·query, a read from the right (`side` "right": the readout of
+    a state in the transposed convention) — of S_(t−1) or S_t (`version`)."""
 
     name: str
     state: str
     version: str                  # "prev" (S_(t−1)) or "new" (S_t)
     query: ir.Expr | None
     value: ir.Expr
+    side: str = "left"            # where the query multiplies S: "left" (q·S) or "right" (S·q)
 
     def text(self) -> str:
         when = "before" if self.version == "prev" else "after"
-        read = self.state if self.query is None else f"({to_text(self.query)})·{self.state}"
+        if self.query is None:
+            read = self.state
+        elif self.side == "right":
+            read = f"{self.state}·({to_text(self.query)})"
+        else:
+            read = f"({to_text(self.query)})·{self.state}"
         return f"{self.name} = {read} ({when} this token's update)"
 
 
@@ -116,7 +127,7 @@ def _expressions(program: ir.Program) -> list[ir.Expr]:
 
 
 def _reads(program: ir.Program) -> dict[str, set[str]]:
-    """state → the other states it reads: in its update, and in the queries of its readouts q·S."""
+    """state → the other states it reads: in its update, and in the queries of its readouts q·S and S·q."""
     lets = program.lets
     reads = {s.name: states_in(inline_lets(program.updates[s.name].value, lets)) - {s.name}
              for s in program.states}
@@ -124,6 +135,9 @@ def _reads(program: ir.Program) -> dict[str, set[str]]:
         for n in walk(e):
             if isinstance(n, ir.Dot) and isinstance(n.right, ir.StateRef) and len(n.right.shape) == 2:
                 reads[n.right.name] |= states_in(n.left) - {n.right.name}
+            if isinstance(n, ir.Dot) and isinstance(n.left, ir.StateRef) and len(n.left.shape) == 2 \
+                    and len(n.right.shape) == 1:  # S·q: the readout of the transposed convention
+                reads[n.left.name] |= states_in(n.right) - {n.left.name}
     return reads
 
 
@@ -158,8 +172,11 @@ def _levels(program: ir.Program) -> tuple[dict[str, int], list[tuple[str, ...]]]
 # ---- the stages' programs -------------------------------------------------------------------------------
 def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Stage] | None:
     """The program as stages, or None when its states are one stage. Raises _NoStages when the states are
-    ordered but a later stage reads an earlier matrix state other than through readouts q·S (its value per
-    token would be a matrix, which no stage hands on)."""
+    ordered but a later stage reads an earlier matrix state other than through readouts q·S or S·q (its value
+    per token would be a matrix, which no stage hands on). A read S·q is handed on as q·S is: the stage that
+    has S computes it as an output, which its decomposition takes as any program's (compiler.decompose: a
+    state read from the right is carried transposed where that gives it the forms, and where it does not,
+    that stage — and so the program — has the recurrent form only, with that reason)."""
     levels = levels or _levels(program)[0]
     count = max(levels.values()) + 1
     if count < 2:
@@ -171,8 +188,8 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
     handed: dict[tuple, Handed] = {}            # (state, version, query) → the value handed on
     requests: dict[int, list[Handed]] = {k: [] for k in range(count)}
 
-    def hand(state: ir.State, version: str, query: ir.Expr | None) -> str:
-        key = (state.name, version, query)
+    def hand(state: ir.State, version: str, query: ir.Expr | None, side: str = "left") -> str:
+        key = (state.name, version, query, side)
         if key not in handed:
             base = f"{state.name}_{'t' if version == 'new' else 'prev'}" if query is None else f"{state.name}_read"
             name, n = base, 1
@@ -180,8 +197,13 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
                 name, n = f"{base}{n}", n + 1
             taken.add(name)
             read = ir.StateRef(state.shape, state.name, version)
-            value = read if query is None else ir.Dot(state.shape[1:], query, read)
-            handed[key] = Handed(name, state.name, version, query, value)
+            if query is None:
+                value = read
+            elif side == "right":
+                value = ir.Dot(state.shape[:1], read, query)
+            else:
+                value = ir.Dot(state.shape[1:], query, read)
+            handed[key] = Handed(name, state.name, version, query, value, side)
             requests[levels[state.name]].append(handed[key])
         return handed[key].name
 
@@ -203,6 +225,12 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
                 st = program.state(node.right.name)
                 query = inline_lets(node.left, lets)
                 return ir.InputRef(node.shape, hand(st, node.right.version, query))
+            if isinstance(node, ir.Dot) and isinstance(node.left, ir.StateRef) and len(node.right.shape) == 1 \
+                    and levels.get(node.left.name, k) < k and len(node.left.shape) == 2:
+                # S·q, a read from the right (the transposed convention's readout): handed on as q·S is
+                st = program.state(node.left.name)
+                query = inline_lets(node.right, lets)
+                return ir.InputRef(node.shape, hand(st, node.left.version, query, "right"))
             if isinstance(node, ir.StateRef) and levels.get(node.name, k) < k and len(node.shape) == 1:
                 return ir.InputRef(node.shape, hand(program.state(node.name), node.version, None))
             return node
@@ -210,8 +238,8 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
         left = [n.name for n in walk(e) if isinstance(n, ir.StateRef) and levels[n.name] < k]
         if left:
             raise _NoStages(f"state '{left[0]}' is read by a later stage other than through readouts q·{left[0]} "
-                            f"with a query that reads no state of its stage: its value per token is a matrix, "
-                            f"which no stage hands on")
+                            f"or {left[0]}·q with a query q that reads no state of its stage: its value per token "
+                            f"is a matrix, which no stage hands on")
         return e
 
     def stage_of(e: ir.Expr) -> int:
@@ -257,10 +285,12 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
 
 
 def _in_readouts(e: ir.Expr, state: str) -> bool:
-    """Every read of matrix state `state` in `e` is q·S with a vector q."""
+    """Every read of matrix state `state` in `e` is q·S or S·q with a vector q."""
     reads = sum(isinstance(n, ir.StateRef) and n.name == state for n in walk(e))
-    return reads == sum(isinstance(n, ir.Dot) and isinstance(n.right, ir.StateRef) and n.right.name == state
-                        and len(n.left.shape) == 1 for n in walk(e))
+    return reads == sum(isinstance(n, ir.Dot) and ((isinstance(n.right, ir.StateRef) and n.right.name == state
+                                                    and len(n.left.shape) == 1)
+                                                   or (isinstance(n.left, ir.StateRef) and n.left.name == state
+                                                       and len(n.right.shape) == 1)) for n in walk(e))
 
 
 def _lets_used(e: ir.Expr, lets: dict[str, ir.Expr]) -> set[str]:
@@ -299,4 +329,6 @@ def _program(program: ir.Program, k: int, states: tuple[str, ...], steps: tuple,
 
 def _shape_of(program: ir.Program, h: Handed) -> ir.Shape:
     state = program.state(h.state)
-    return state.shape if h.query is None else state.shape[1:]
+    if h.query is None:
+        return state.shape
+    return state.shape[:1] if h.side == "right" else state.shape[1:]

@@ -102,17 +102,72 @@ def test_states_that_read_each_other_stay_recurrent_only_with_the_reason():
         CYCLE.run(CYCLE.random_inputs(tokens=4), form="parallel")
 
 
-def test_a_matrix_state_read_from_the_right_by_a_later_state_is_not_handed_on():
+def test_a_matrix_state_read_as_a_whole_by_a_later_state_is_not_handed_on():
     rec = linrec.compile("""
-recurrence rightread(dk = 8, dv = 8)
+recurrence wholeread(dk = 8, dv = 8)
 input q[dk], k[dk], v[dv], a <= 0
-state U[dk, dv], S[dk, dk]
+state U[dk, dv], S[dk, dv]
 U = exp(a)·U + k⊗v
-S = S + k⊗(U·v)
+S = exp(a)·S + tanh(U)
 output o = q·S
 """)
-    assert rec.forms == ("recurrent",)
+    assert rec.forms == ("recurrent",) and not rec.decomposition.stages
     assert "its value per token is a matrix, which no stage hands on" in rec.decomposition.why_not("parallel")
+
+
+# the transposed convention (docs/forms.md): U ∈ R^(dv×dk), written v⊗k and read from the right, U·q — its
+# readout, a [dv] vector per token, which a later stage takes as it takes q·U of the usual convention
+TRANSPOSED_STAGE = linrec.compile("""
+recurrence transposed_stage(dk = 8, dv = 8)
+input q[dk], k[dk], v[dv], f[dv] <= 0
+input g <= 0
+state U[dv, dk]
+U = exp(g)·U + v⊗k
+state z[dv]
+z = exp(f)*z + (1 − exp(f))*tanh(U·q)
+output o = z
+""")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_readout_from_the_right_of_a_transposed_convention_state_feeds_a_later_stage(backend):
+    d = TRANSPOSED_STAGE.decomposition
+    assert TRANSPOSED_STAGE.forms == ("recurrent", "parallel", "chunkwise")
+    assert [s.states for s in d.stages] == [("U",), ("z",)]
+    first, second = d.stages
+    (hand,) = first.hands
+    assert (hand.side, to_text(hand.query), hand.version) == ("right", "q", "new")
+    assert hand.text() == "U_read = U·(q) (after this token's update)"
+    assert second.takes == (hand.name,) and second.outputs == ("o",)
+    assert first.forms == second.forms == ("recurrent", "parallel", "chunkwise")
+    assert first.decomposition.transposed == {"U"}  # stage 1 carries U transposed, as an output U·q would
+    x = TRANSPOSED_STAGE.random_inputs(batch=2, tokens=29, heads=2, seed=5)
+    rng = np.random.default_rng(6)
+    s0 = {"U": rng.standard_normal((2, 2, 8, 8)), "z": rng.standard_normal((2, 2, 8))}
+    want = TRANSPOSED_STAGE.run(x, form="recurrent", initial_state=s0)
+    assert_close(TRANSPOSED_STAGE.run(x, form="recurrent", backend=backend, initial_state=s0), want)
+    for form in ("parallel", "chunkwise"):
+        for chunk in ((None,) if form != "chunkwise" else (8, 16)):
+            got = TRANSPOSED_STAGE.run(x, form=form, backend=backend, initial_state=s0, chunk_size=chunk)
+            assert_close(got, want)
+
+
+def test_a_read_from_the_right_that_no_transpose_derives_gives_the_stage_its_reason():
+    """U is read from both sides by S: stage 1 hands on U·v and q·U, and no orientation of U reads both as
+    readouts, so stage 1 — and the program — keeps the recurrent form, with that stage's reason."""
+    rec = linrec.compile("""
+recurrence both_sides(dk = 8, dv = 8)
+input q[dk], k[dk], v[dv], a <= 0
+state U[dk, dv], S[dk, dv]
+U = exp(a)·U + k⊗v
+S = S + (U·v)⊗(q·U)
+output o = q·S
+""")
+    first, second = rec.decomposition.stages
+    assert first.forms == ("recurrent",) and second.forms == ("recurrent", "parallel", "chunkwise")
+    assert rec.forms == ("recurrent",)
+    why = rec.decomposition.why_not("parallel")
+    assert why.startswith("stage 1 (U): ") and "other than through a readout" in why and "no stage hands on" not in why
 
 
 # ---- every form against the recurrent one, and the loop reference ---------------------------------------------
