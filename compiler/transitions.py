@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from . import ir
 from .analysis import inline_lets, refs, states_in, to_text, variance
 from .intervals import Bounds, undefaulted_params
-from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, add, compose, linear_terms, mul, operator_terms,
-                        vector_terms)
+from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, _as_matrix, add, compose, linear_terms, mul,
+                        operator_terms, vector_terms)
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,7 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         # one diagonal on the right of every S term: D·S·diag(E), E decays the value axis
         value_decay = next(iter(rights)).u
         terms = [Term(t.coef, t.left) for t in terms]
+    reasons.extend(_value_axis_mismatch(state.name, terms))
     scalar: ir.Expr | None = None
     diagonal: ir.Expr | None = None
     elementwise: ir.Expr | None = None
@@ -136,9 +137,14 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
                            f"was, `X*{state.name} − ({state.name}·a)⊗b`")
             general = True
             continue
+        if t.right is not None and t.right.kind == "diag" and t.left.kind in ("identity", "diag", "outer"):
+            general = True  # terms scaled per value column differently: one reason for the update, below
+            continue
         if t.right is not None and t.right.kind != "identity":
-            reasons.append(f"a factor multiplies '{state.name}' from the right (`S·M`), acting on the value "
-                           f"axis; the forms need the transition on the left")
+            reasons.append(f"the term `{_term_text(t, state.name)}` multiplies '{state.name}' from the right by "
+                           f"`{to_text(_as_matrix(t.right, state.shape[-1]))}`{_at(t.right.u)}, which is no "
+                           f"diagonal decay of its value axis (`{state.name}·diag(e)`) and no value-side "
+                           f"correction (`{state.name}·(I − a⊗b)`): the forms take no other factor on the right")
             general = True
             continue
         kind = t.left.kind
@@ -215,6 +221,67 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         _describe(decay, corrections or value_corrections, value_decay, bool(value_corrections))
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
                       tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact, tuple(value_corrections))
+
+
+def _value_axis_mismatch(state: str, terms: list[Term]) -> list[str]:
+    """Why the terms of an update do not share one factor on the value axis, or nothing. The forms take a
+    diagonal E_t on the right of the state only as the decay of its value axis, the same in every term
+    (D_t·S·E_t and each key-side correction u⊗(w·S·E_t)), or in none. A key-side correction scaled per value
+    column by its own diag(d) — a rank-one step of a different strength in each column — is none of these;
+    nor is a decay term scaled otherwise than the others. (Value-side corrections are split off before.)"""
+    def right(t: Term) -> Factor | None:
+        return None if t.right is None or t.right.kind == "identity" else t.right
+
+    decays = [t for t in terms if t.left.kind in ("identity", "diag")]
+    corrections = [t for t in terms if t.left.kind == "outer"]
+    if not any(right(t) is not None and right(t).kind == "diag" for t in decays + corrections):
+        return []
+    decay_rights = list(dict.fromkeys(right(t) for t in decays))
+    if len(decay_rights) > 1:
+        listed = ", ".join(f"`{_term_text(t, state)}`" for t in decays)
+        return [f"the decay terms of '{state}' differ in their factor on the right ({listed}): the forms take one "
+                f"decay of the value axis, `D·{state}·diag(e)`, the same factor on the right of every term; "
+                f"write it once"]
+    own = decay_rights[0] if decay_rights else None
+    reasons = []
+    for t in corrections:
+        mine = right(t)
+        if mine == own:
+            continue
+        if own is None:
+            where = "its value axis does not decay" + \
+                (f" (`{_term_text(decays[0], state)}` has no factor on the right)" if decays else "")
+        else:
+            where = f"its value axis decays by `diag({to_text(own.u)})`"
+        what = "has no factor on its right" if mine is None else \
+            f"is scaled per value column by `{to_text(mine.u)}`{_at(mine.u)}, `diag({to_text(mine.u)})` on its right"
+        reasons.append(f"the key-side correction `{_term_text(t, state)}` of '{state}' {what}, where {where}: "
+                       f"the forms take a key-side correction whose factor on the right is the state's own "
+                       f"decay of the value axis, `(I − u⊗w)·D·{state}·diag(e)`, or none where that axis does "
+                       f"not decay; a correction scaled per value column otherwise (a rank-one step of a "
+                       f"different strength in each column), or one that skips that decay, has no such form")
+    return reasons
+
+
+def _term_text(t: Term, state: str) -> str:
+    """coef·L·S·R in the DSL's notation (the state as it was, by its name)."""
+    def factor(f: Factor) -> str:
+        text = to_text(_as_matrix(f, "n"))
+        return f"({text})" if f.kind == "outer" else text
+
+    coef, negative = (t.coef.operand, True) if isinstance(t.coef, ir.Neg) else (t.coef, False)
+    if isinstance(coef, ir.Const) and coef.value < 0:
+        coef, negative = ir.Const((), -coef.value), not negative
+    wrap = isinstance(coef, ir.Arith) and coef.op in ("add", "sub")
+    parts = [] if coef == ONE else [f"({to_text(coef)})" if wrap else to_text(coef)]
+    parts += [] if t.left.kind == "identity" else [factor(t.left)]
+    parts += [state] + ([] if t.right is None or t.right.kind == "identity" else [factor(t.right)])
+    return ("−" if negative else "") + "·".join(parts)
+
+
+def _at(e: ir.Expr) -> str:
+    span = e.span
+    return f" (line {span.line}, column {span.column})" if span is not None else ""
 
 
 def _split_value_side(terms: list[Term]) -> tuple[list[Term], list[tuple[Factor, ir.Expr, ir.Expr]], list[Term]]:

@@ -63,6 +63,17 @@ REFUSED = {
     # (update, words the reason must hold)
     "both_sides": ("(I − beta·kn⊗kn)·S·(I − beta·vn⊗vn) + beta·kn⊗vn", "both sides"),
     "not_under_the_decay": ("diag(exp(gk))·S − beta·(S·vn)⊗vn + beta·k⊗vn", "under the state's own decay"),
+    # a key-side correction with its own factor per value column (a delta rule of a strength per column),
+    # in one line and in steps: the reason names that factor and says what the forms take instead
+    "per_column_strength": ("exp(g)·S − (kn⊗kn)·(exp(g)·S)·diag(sigmoid(v2)) + kn⊗(sigmoid(v2)*v)",
+                            "is scaled per value column by `sigmoid(v2)` (line 8, column 40), "
+                            "`diag(sigmoid(v2))` on its right, where its value axis does not decay"),
+    "per_column_strength_in_steps": ("diag(exp(gk))·S\nS = S + kn⊗(sigmoid(v2)*(v − kn·S))",
+                                     "is scaled per value column by `sigmoid(v2)`"),
+    # its twin: the correction skips the decay of the value axis
+    "skips_the_value_decay": ("S·diag(exp(gv)) − beta·kn⊗(kn·S) + beta·kn⊗v",
+                              "has no factor on its right, where its value axis decays by `diag(exp(gv))`: the "
+                              "forms take a key-side correction whose factor on the right is the state's own decay"),
 }
 
 _recs: dict[str, linrec.Recurrence] = {}
