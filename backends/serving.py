@@ -76,9 +76,8 @@ def check_cu_seqlens(cu_seqlens) -> np.ndarray | None:
                                 f"length), got shape {list(offsets.shape)}")
     # checked in the caller's own dtype, so that a message gives the values passed (a uint64 offset above
     # int64's maximum would wrap to a negative one in int64), and only then cast
-    beyond = offsets > np.iinfo(np.int64).max if offsets.dtype.kind == "u" and offsets.dtype.itemsize == 8 \
-        else None
-    if beyond is not None and beyond.any():
+    beyond = offsets > np.iinfo(np.int64).max if offsets.dtype == np.uint64 else np.zeros(offsets.shape, bool)
+    if beyond.any():
         i = int(np.argmax(beyond))
         raise RuntimeInputError(f"cu_seqlens[{i}] = {int(offsets[i])} lies beyond the end of the packed sequences "
                                 f"(the inputs' token axis T_total): each offset lies in [0, T_total]")

@@ -85,7 +85,8 @@ class Term:
         return Term(mul(c, self.coef), self.left, self.right)
 
 
-def _as_matrix(f: Factor, n: str) -> ir.Expr:
+def as_matrix(f: Factor, n: str) -> ir.Expr:
+    """The factor as a matrix expression (`n`: the size of an identity's axes); messages print terms with it."""
     if f.kind == "identity":
         return ir.Identity((n, n))
     if f.kind == "diag":
@@ -120,7 +121,7 @@ def compose(a: Factor, b: Factor) -> tuple[ir.Expr, Factor]:
         return ONE, Factor("outer", a.u, mul(a.w, b.u))
     if a.kind == "outer" and b.kind == "outer":
         return vdot(a.w, b.u), Factor("outer", a.u, b.w)
-    left, right = _as_matrix(a, "n"), _as_matrix(b, "n")
+    left, right = as_matrix(a, "n"), as_matrix(b, "n")
     return ONE, Factor("dense", ir.Dot((left.shape[0], right.shape[-1]), left, right))
 
 

@@ -220,17 +220,11 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
             e = in_readout_shape(written_out, matrices)
 
         def visit(node: ir.Expr) -> ir.Expr:
-            if isinstance(node, ir.Dot) and isinstance(node.right, ir.StateRef) and len(node.left.shape) == 1 \
-                    and levels.get(node.right.name, k) < k and len(node.right.shape) == 2:
-                st = program.state(node.right.name)
-                query = inline_lets(node.left, lets)
-                return ir.InputRef(node.shape, hand(st, node.right.version, query))
-            if isinstance(node, ir.Dot) and isinstance(node.left, ir.StateRef) and len(node.right.shape) == 1 \
-                    and levels.get(node.left.name, k) < k and len(node.left.shape) == 2:
-                # S·q, a read from the right (the transposed convention's readout): handed on as q·S is
-                st = program.state(node.left.name)
-                query = inline_lets(node.right, lets)
-                return ir.InputRef(node.shape, hand(st, node.left.version, query, "right"))
+            read = _readout(node)
+            if read is not None and levels.get(read[0].name, k) < k:  # (S·q is handed on as q·S is)
+                state, query, side = read
+                return ir.InputRef(node.shape, hand(program.state(state.name), state.version,
+                                                    inline_lets(query, lets), side))
             if isinstance(node, ir.StateRef) and levels.get(node.name, k) < k and len(node.shape) == 1:
                 return ir.InputRef(node.shape, hand(program.state(node.name), node.version, None))
             return node
@@ -284,13 +278,22 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
     return stages
 
 
+def _readout(n: ir.Expr) -> tuple[ir.StateRef, ir.Expr, str] | None:
+    """(the matrix state, the vector query, the side it reads from) when `n` is a readout q·S ("left") or S·q
+    ("right": the transposed convention's readout); else None."""
+    if not isinstance(n, ir.Dot):
+        return None
+    if isinstance(n.right, ir.StateRef) and len(n.right.shape) == 2 and len(n.left.shape) == 1:
+        return n.right, n.left, "left"
+    if isinstance(n.left, ir.StateRef) and len(n.left.shape) == 2 and len(n.right.shape) == 1:
+        return n.left, n.right, "right"
+    return None
+
+
 def _in_readouts(e: ir.Expr, state: str) -> bool:
     """Every read of matrix state `state` in `e` is q·S or S·q with a vector q."""
     reads = sum(isinstance(n, ir.StateRef) and n.name == state for n in walk(e))
-    return reads == sum(isinstance(n, ir.Dot) and ((isinstance(n.right, ir.StateRef) and n.right.name == state
-                                                    and len(n.left.shape) == 1)
-                                                   or (isinstance(n.left, ir.StateRef) and n.left.name == state
-                                                       and len(n.right.shape) == 1)) for n in walk(e))
+    return reads == sum(r is not None and r[0].name == state for r in map(_readout, walk(e)))
 
 
 def _lets_used(e: ir.Expr, lets: dict[str, ir.Expr]) -> set[str]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from . import ir
 from .analysis import inline_lets, refs, states_in, to_text, variance
 from .intervals import Bounds, undefaulted_params
-from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, _as_matrix, add, compose, linear_terms, mul,
+from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, add, as_matrix, compose, linear_terms, mul,
                         operator_terms, vector_terms)
 
 
@@ -142,7 +142,7 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
             continue
         if t.right is not None and t.right.kind != "identity":
             reasons.append(f"the term `{_term_text(t, state.name)}` multiplies '{state.name}' from the right by "
-                           f"`{to_text(_as_matrix(t.right, state.shape[-1]))}`{_at(t.right.u)}, which is no "
+                           f"`{to_text(as_matrix(t.right, state.shape[-1]))}`{_at(t.right.u)}, which is no "
                            f"diagonal decay of its value axis (`{state.name}·diag(e)`) and no value-side "
                            f"correction (`{state.name}·(I − a⊗b)`): the forms take no other factor on the right")
             general = True
@@ -266,7 +266,7 @@ def _value_axis_mismatch(state: str, terms: list[Term]) -> list[str]:
 def _term_text(t: Term, state: str) -> str:
     """coef·L·S·R in the DSL's notation (the state as it was, by its name)."""
     def factor(f: Factor) -> str:
-        text = to_text(_as_matrix(f, "n"))
+        text = to_text(as_matrix(f, "n"))
         return f"({text})" if f.kind == "outer" else text
 
     coef, negative = (t.coef.operand, True) if isinstance(t.coef, ir.Neg) else (t.coef, False)

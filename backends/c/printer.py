@@ -294,7 +294,7 @@ class CPrinter:
                 if e.function == "mean":
                     return f"({self._reduce(e, lambda i: self.elem(x, i), n)} / {self.literal(float(n))})"
                 arr = self.array(x)
-                return f"lr_sqrt({self._reduce(e, lambda i: f'{arr}[{i}] * {arr}[{i}]', n)})"
+                return f"lr_sqrt(lr_dot({arr}, {arr}, {n}))"  # (the sum of squares as l2norm's)
             raise self._unsupported(e)
         raise self._unsupported(e)
 
