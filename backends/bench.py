@@ -53,6 +53,9 @@ import numpy as np
 
 from . import api, arrays, compiler, machine, registry
 from .c import build as c_build
+from .compiler import ir
+from .compiler.analysis import inline_lets, to_text, walk
+from .compiler.builtins import SEQUENCE
 from .compiler.linearity import split_scalar
 from .decode import reads_the_sequence
 from .dim_option import dims_with_overrides
@@ -146,20 +149,27 @@ def state_bytes(rec, dims: dict[str, int], heads: int = HEADS, itemsize: int = 4
     return heads * sum(prod(dims[d] for d in s.shape) for s in rec.program.states) * itemsize
 
 
-def key_value_sizes(rec, dims: dict[str, int]) -> tuple[int, int] | None:
-    """The key and value sizes of the softmax attention the program is held against: those of its inputs k (else
-    q: a query shared with the key, as in Reformer) and v, else the [key, value] shape of its first matrix state
-    (Mamba's S[dk, dv] fed by B and x); None when neither says (the KV cache is then not compared)."""
-    vectors = {x.name: dims[x.shape[0]] for x in rec.program.inputs if len(x.shape) == 1}
-    key = vectors.get("k", vectors.get("q"))
-    if key is not None and "v" in vectors:
-        return key, vectors["v"]
-    matrix = next((s for s in rec.program.states if len(s.shape) == 2), None)
+def key_value_sizes(rec, dims: dict[str, int]) -> tuple[int, ...] | None:
+    """The per-token sizes of a softmax KV cache in the program's place. A program that reads the sequence keeps
+    what it reads through seq(…) and lsh_attention, each distinct vector once (softmax: seq(k), seq(v); Reformer:
+    q, its key too, and v): its own cache. A program with states is held against the softmax attention of its
+    head sizes: by the field's convention its inputs k and v (Performer's S[m, dv] is fed by φ(k) of k[dk], and
+    softmax attention in its place keeps k), else its first matrix state's [key, value] shape (Mamba's S[dk, dv],
+    fed by B and x). None when neither applies (the KV cache is then not compared)."""
+    program = rec.program
+    if reads_the_sequence(rec):
+        kept = {to_text(a): a for o in program.outputs for n in walk(inline_lets(o.value, program.lets))
+                if isinstance(n, ir.Apply) and n.function in SEQUENCE for a in n.args}
+        return tuple(prod(dims[d] for d in a.shape) for a in kept.values()) or None
+    vectors = {x.name: dims[x.shape[0]] for x in program.inputs if len(x.shape) == 1}
+    if "k" in vectors and "v" in vectors:
+        return vectors["k"], vectors["v"]
+    matrix = next((s for s in program.states if len(s.shape) == 2), None)
     return None if matrix is None else (dims[matrix.shape[0]], dims[matrix.shape[1]])
 
 
-def kv_cache_bytes(tokens: int, sizes: tuple[int, int], heads: int = HEADS, itemsize: int = 4) -> int:
-    """Softmax attention's KV cache for one layer (B = 1) with keys and values of `sizes` (key_value_sizes):
+def kv_cache_bytes(tokens: int, sizes: tuple[int, ...], heads: int = HEADS, itemsize: int = 4) -> int:
+    """Softmax attention's KV cache for one layer (B = 1) keeping vectors of `sizes` per token (key_value_sizes):
     T · H · (key size + value size) · itemsize."""
     return tokens * heads * sum(sizes) * itemsize
 
@@ -1026,12 +1036,13 @@ def _memory_line(rep: dict) -> str:
     """One layer's memory (B = 1): the recurrent state in its dtype against softmax attention's float32 KV cache
     of the same key and value sizes; a program that reads the sequence keeps that cache itself."""
     sizes = rep.get("kv_sizes")
-    cache = (f"T·H·({sizes[0]} + {sizes[1]})·4 (float32): "
+    cache = (f"T·H·({' + '.join(map(str, sizes))})·4 (float32): "
              + ", ".join(f"T={t} {format_bytes(n)}" for t, n in rep["kv_cache_bytes"].items())) if sizes else None
-    unknown = "the key and value sizes are unknown (no inputs k and v, no matrix state)"
     if rep.get("reads_the_sequence"):
         return (f"memory per layer (B=1): no recurrent state — '{rep['program']}' reads the sequence, so it keeps the "
-                f"keys and values of every token, a KV cache " + (cache or f"of a size not given here: {unknown}"))
+                f"keys and values of every token, a KV cache " + (cache or "of a size not given here: it reads no "
+                                                                    "per-token vector through seq or lsh_attention"))
+    unknown = "the key and value sizes are unknown (no inputs k and v, no matrix state)"
     state = (f"memory per layer (B=1): state {format_bytes(rep['state_bytes'])} ({rep['state_bytes']} B, "
              f"{rep.get('state_dtype', 'float32')})")
     return state + (f" vs softmax KV cache {cache}" if cache else f"; no softmax KV cache to compare: {unknown}")

@@ -66,12 +66,18 @@ def chunkwise_first(rec, backend: str, dims: dict[str, int] | None, tokens: int 
             and not stabilized_states(rec.compiled))  # (exponential features at a running scale: no faster)
 
 
+def leads_with_chunkwise(rec, backend: str, dims: dict[str, int] | None = None, tokens: int | None = None) -> bool:
+    """form="auto" runs the chunkwise backward first on this backend at these sizes: chunkwise_first says so
+    and the backend builds it."""
+    return chunkwise_first(rec, backend, dims, tokens) and gradient_refusal(rec, "chunkwise", backend) is None
+
+
 def auto_gradient_form(rec, backend: str, dims: dict[str, int] | None = None, tokens: int | None = None) -> str | None:
     """The gradient form form="auto" runs on this backend for a call of these sizes: the chunkwise one where
     chunkwise_first says so, else the first of AUTO_ORDER the backend builds; None when it builds none of them
     (linrec.torch then falls back to NumPy: torch.backward.gradient_plan, which makes the same choice on the
     backend, then tries NumPy form by form)."""
-    if chunkwise_first(rec, backend, dims, tokens) and gradient_refusal(rec, "chunkwise", backend) is None:
+    if leads_with_chunkwise(rec, backend, dims, tokens):
         return "chunkwise"
     return next((f for f in AUTO_ORDER if gradient_refusal(rec, f, backend) is None), None)
 

@@ -132,12 +132,8 @@ def _reads(program: ir.Program) -> dict[str, set[str]]:
     reads = {s.name: states_in(inline_lets(program.updates[s.name].value, lets)) - {s.name}
              for s in program.states}
     for e in _expressions(program):
-        for n in walk(e):
-            if isinstance(n, ir.Dot) and isinstance(n.right, ir.StateRef) and len(n.right.shape) == 2:
-                reads[n.right.name] |= states_in(n.left) - {n.right.name}
-            if isinstance(n, ir.Dot) and isinstance(n.left, ir.StateRef) and len(n.left.shape) == 2 \
-                    and len(n.right.shape) == 1:  # S·q: the readout of the transposed convention
-                reads[n.left.name] |= states_in(n.right) - {n.left.name}
+        for state, query, _ in filter(None, map(_readout, walk(e))):
+            reads[state.name] |= states_in(query) - {state.name}
     return reads
 
 

@@ -158,6 +158,11 @@ S = 0.9·S + k⊗v
 output o = q·S
 """
 
+RENAMED_ATTENTION = """recurrence renamed(a = 5, b = 3)
+input x[a], y[a], z[b]
+output o = softmax(seq(y)·x)·seq(z)
+"""
+
 NO_KEY_VALUE = """recurrence running_sum(n = 4)
 input x[n]
 state z[n]
@@ -185,7 +190,9 @@ def _tiny_bench(path, *extra) -> list[str]:
 
 def test_bench_kv_cache_from_the_programs_own_key_and_value_sizes(tmp_path):
     """The softmax KV cache held against the state has the program's key and value sizes, whatever the
-    dimensions are called: inputs k (else q) and v, else the matrix state's [key, value]; unknown: said so."""
+    dimensions are called: inputs k and v, else the matrix state's [key, value]; a program that reads the
+    sequence keeps what it reads through seq and lsh_attention, whatever those inputs are called; unknown:
+    said so."""
     from linrec import bench
     (tmp_path / "odd.lin").write_text(ODD_DIMS)
     odd = linrec.load(tmp_path / "odd.lin")
@@ -194,6 +201,8 @@ def test_bench_kv_cache_from_the_programs_own_key_and_value_sizes(tmp_path):
     mamba2, reformer = linrec.load(EXAMPLES / "mamba2.lin"), linrec.load(EXAMPLES / "reformer.lin")
     assert bench.key_value_sizes(mamba2, {"dk": 4, "dv": 6}) == (4, 6)    # x[dv], B[dk]: S[dk, dv]
     assert bench.key_value_sizes(reformer, {"dk": 4, "dv": 6}) == (4, 6)  # the query is the key
+    (tmp_path / "renamed.lin").write_text(RENAMED_ATTENTION)  # what seq(…) keeps, not inputs called k and v
+    assert bench.key_value_sizes(linrec.load(tmp_path / "renamed.lin"), {"a": 5, "b": 3}) == (5, 3)
     (tmp_path / "sum.lin").write_text(NO_KEY_VALUE)
     assert bench.key_value_sizes(linrec.load(tmp_path / "sum.lin"), {"n": 4}) is None
     line = bench._memory_line({"program": "running_sum", "state_bytes": 128, "state_dtype": "float32",

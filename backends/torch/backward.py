@@ -27,7 +27,7 @@ from ..api import Recurrence
 from ..compiler import FORMS
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError
-from ..gradients import AUTO_ORDER, chunkwise_first, gradient_refusal
+from ..gradients import AUTO_ORDER, gradient_refusal, leads_with_chunkwise
 from .convert import to_array, to_tensor
 
 STEP = "step"  # the forward op's `form` for the decode step (op.STEP)
@@ -45,7 +45,7 @@ def gradient_plan(rec: Recurrence, form: str, backend: str, dims: dict[str, int]
         forms = (form, "recurrent")
     else:
         forms = AUTO_ORDER
-        if chunkwise_first(rec, backend, dims, tokens) and gradient_refusal(rec, "chunkwise", backend) is None:
+        if leads_with_chunkwise(rec, backend, dims, tokens):
             return "chunkwise", backend
     reasons = {}  # reason → the gradient forms refused for it (one reason often refuses them all)
     for gradient_form in dict.fromkeys(forms):
