@@ -139,8 +139,9 @@ class _PoolCall:
         self.kernel = module.slot_step(used, dims, **({"state_is_bf16": True} if bits else {})) \
             if able.steps_slots and (able.bfloat16_steps or not bits) \
             and all(a.flags.c_contiguous for a in self.arrays.values()) else None
-        # the gathered rows (fancy indexing: C-contiguous copies), where the step runs on them
-        self.rows = None if self.kernel else {k: v[self.idx] for k, v in self.arrays.items()}
+        # the gathered rows, where the step runs on them: C-contiguous copies (fancy indexing keeps a Fortran-order
+        # pool's order, which the in-place step refuses)
+        self.rows = None if self.kernel else {k: np.ascontiguousarray(v[self.idx]) for k, v in self.arrays.items()}
 
     def gather(self, idx: np.ndarray) -> None:
         for k, v in self.arrays.items():  # (not np.take(…, out=): it copies a non-contiguous pool whole)

@@ -480,7 +480,7 @@ def test_the_fused_kernel_steps_the_pool_where_it_lies():
     """On C the fused kernel's lr_step_slots reads and writes each active row in the pool itself (no
     gather, no scatter): here with enough heads for its helper thread, twice (the step alternates its
     direction over the heads), each row bit-identical to the request's own step; a pool whose arrays are
-    not C-contiguous takes the gathering path and gets the same bits."""
+    not C-contiguous (strided, or in Fortran order) takes the gathering path and gets the same bits."""
     rec = PROGRAMS["gla"]
     assert rec.module("recurrent", "c").capabilities.steps_slots
     assert not rec.module("recurrent", "numpy").capabilities.steps_slots
@@ -489,6 +489,7 @@ def test_the_fused_kernel_steps_the_pool_where_it_lies():
     pool = {"S": rng.standard_normal((40, 4, 16, 16))}
     strided = {"S": np.zeros((40, 4, 16, 32))[..., ::2]}  # the same values, not C-contiguous
     strided["S"][...] = pool["S"]
+    fortran = {"S": np.asfortranarray(pool["S"])}
     before = pool["S"].copy()
     expected = before.copy()
     for _ in range(2):
@@ -497,6 +498,8 @@ def test_the_fused_kernel_steps_the_pool_where_it_lies():
         out, _ = rec.step(tokens, pool, slots=slots, backend="c")
         again, _ = rec.step(tokens, strided, slots=slots, backend="c")
         np.testing.assert_array_equal(out["o"], again["o"])
+        again, _ = rec.step(tokens, fortran, slots=slots, backend="c")
+        np.testing.assert_array_equal(out["o"], again["o"])
         for n, slot in enumerate(slots):
             own = {"S": expected[slot:slot + 1].copy()}
             ref_out, ref_state = rec.step({k: v[n:n + 1] for k, v in tokens.items()}, own, backend="c")
@@ -504,6 +507,7 @@ def test_the_fused_kernel_steps_the_pool_where_it_lies():
             expected[slot] = ref_state["S"][0]
     np.testing.assert_array_equal(pool["S"], expected)
     np.testing.assert_array_equal(strided["S"], expected)
+    np.testing.assert_array_equal(fortran["S"], expected)
     untouched = np.setdiff1d(np.arange(40), slots)
     np.testing.assert_array_equal(pool["S"][untouched], before[untouched])
 
