@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..dsl import LinrecError, parse
+from ..dsl.errors import Span
 
 from . import ir
 from .decompose import FORMS, Decomposition, decompose
@@ -53,9 +54,20 @@ def compile_file(path: str | Path) -> Compiled:
         source = path.read_text(encoding="utf-8")
     except OSError as err:
         raise LinrecError(f"cannot read the file: {err.strerror}", filename=str(path)) from None
-    except UnicodeDecodeError:
-        raise LinrecError(f"{path} is not UTF-8 text", filename=str(path)) from None
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err) from None
     return compile_source(source, str(path))
+
+
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> LinrecError:
+    """The first byte that is not UTF-8, at its line and column (the line shown with � in its place)."""
+    data = err.object
+    line_start = data.rfind(b"\n", 0, err.start) + 1
+    line = data.count(b"\n", 0, err.start) + 1
+    column = len(data[line_start:err.start].decode("utf-8", errors="replace")) + 1
+    return LinrecError(f"byte 0x{data[err.start]:02x} is not UTF-8 text (the file was saved in another encoding, "
+                       f"such as Latin-1): save it as UTF-8", Span(line, column, line, column + 1),
+                       source=data.decode("utf-8", errors="replace"), filename=str(path))
 
 
 __all__ = ["Compiled", "FORMS", "LinrecError", "Stage", "compile_file", "compile_source", "ir", "stage_compiled"]

@@ -14,6 +14,10 @@ class Span:
     end_column: int
 
 
+# the most characters of a source line an error quotes (a generated program may put thousands on one line)
+EXCERPT = 160
+
+
 class LinrecError(Exception):
     """A user-facing error. `span` points at the offending source text when there is one."""
 
@@ -45,13 +49,18 @@ class LinrecError(Exception):
             lines = self.source.splitlines()
             if 0 < self.span.line <= len(lines):
                 line = lines[self.span.line - 1]
+                start = self.span.column - 1
                 width = (self.span.end_column - self.span.column
-                         if self.span.end_line == self.span.line else len(line) - self.span.column + 1)
+                         if self.span.end_line == self.span.line else len(line) - start)
+                # a long line is shown around its place: EXCERPT characters, with … where it is cut
+                first = 0 if len(line) <= EXCERPT else max(0, min(start - EXCERPT // 4, len(line) - EXCERPT))
+                last = first + EXCERPT
+                shown = ("…" if first else "") + line[first:last] + ("…" if last < len(line) else "")
                 # (the line's own tabs kept before the caret, so that it lines up under the line however
                 # wide the terminal shows a tab)
-                lead = "".join(c if c == "\t" else " " for c in line[:self.span.column - 1])
-                caret = lead + "^" * max(1, width)
-                text += f"\n  {line}\n  {caret}"
+                lead = ("…" if first else "") + "".join(c if c == "\t" else " " for c in line[first:start])
+                caret = lead.replace("…", " ") + "^" * max(1, min(width, last - start))
+                text += f"\n  {shown}\n  {caret}"
         return text
 
 

@@ -195,6 +195,8 @@ LOOKALIKES = [
     ("‐‑‒–—﹣－", " (a dash: write '−' or '-' for a minus)"),
     ("½⅓⅔¼¾⅕⅛", " (write a fraction as a division, e.g. (1/2))"),
     ("√", " (write sqrt(x))"),
+    ("\ufeff\u200b\u200c\u200d\u2060", " (an invisible character — a byte-order mark or a zero-width space, often "
+                                    "pasted along with text: delete it)"),
 ]
 
 
@@ -212,7 +214,7 @@ def _syntax_error(err: UnexpectedInput, source: str | None = None) -> LinrecErro
     tok = err.token
     width = max(1, len(str(tok)))
     if tok.type == "_NL" or tok.type == "$END":
-        what = "end of line"
+        what = "end of line" if tok.type == "_NL" else "end of file"
         width = 1
     else:
         what = repr(str(tok))
@@ -228,6 +230,9 @@ def _syntax_error(err: UnexpectedInput, source: str | None = None) -> LinrecErro
             hint = f" (the '{bracket}' at {where} is never closed)"
     lines = source.splitlines() if source else []
     statement = lines[line - 1].lstrip() if line <= len(lines) else ""
+    if tok.type == "$END" and statement.rstrip().endswith("\\"):
+        hint = (" (the line ends in '\\', which continues the statement onto the next line, but the file ends "
+                "there: finish the statement or remove the '\\')")
     if not hint and "LSQB" in err.expected and statement.startswith("state"):
         hint = " (a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv])"
     if not hint and tok.type == "NAME" and "EQUAL" in err.expected:

@@ -157,6 +157,48 @@ def test_a_byte_order_mark_is_no_character():
     assert rec.name == "t" and not rec.compiled.source.startswith("\ufeff")
 
 
+@pytest.mark.parametrize("invisible", ["\ufeff", "\u200b"])
+def test_an_invisible_character_inside_the_file_says_to_delete_it(invisible):
+    """A byte-order mark past the file's start (two files pasted together) or a zero-width space: named."""
+    src = HEAD + f"state S[dk, dv]\nS = S + k⊗v\n{invisible}output o = q·S\n"
+    check(compile_error(src), src, (5, 1), "unexpected character", "an invisible character", "delete it", width=1)
+
+
+@pytest.mark.parametrize("last", ["output o = q·S \\", "output o = q·S + \\"])
+def test_a_continuation_at_the_end_of_the_file_says_so(last):
+    """A last line ending in a backslash was 'unexpected end of line; expected end of line, …'."""
+    src = HEAD + f"state S[dk, dv]\nS = S + k⊗v\n{last}\n"
+    err = compile_error(src)
+    assert "unexpected end of file" in str(err) and "the line ends in '\\'" in str(err), str(err)
+    assert err.span.line == 5, str(err)
+
+
+def test_a_file_that_is_not_utf8_is_refused_at_its_first_such_byte(tmp_path):
+    path = tmp_path / "latin.lin"
+    path.write_bytes((HEAD + "state S[dk, dv]\nS = S + k⊗v  # café\noutput o = q·S\n").encode("utf-8")
+                     .replace("é".encode("utf-8"), b"\xe9"))
+    with pytest.raises(LinrecError) as info:
+        linrec.load(path)
+    err = info.value
+    assert (err.span.line, err.span.column) == (4, len("S = S + k⊗v  # caf") + 1), str(err)
+    assert "byte 0xe9 is not UTF-8" in str(err) and "save it as UTF-8" in str(err), str(err)
+    assert str(err).splitlines()[1] == "  S = S + k⊗v  # caf\ufffd"
+
+
+def test_a_long_line_is_quoted_around_its_place():
+    """A generated program with thousands of characters on a line: the error quotes EXCERPT of them around
+    the caret (it quoted the whole line: 27 KB for one error)."""
+    from linrec.dsl.errors import EXCERPT
+    terms = " + ".join(f"x{i}" for i in range(3000))
+    src = HEAD + f"state S[dk, dv]\nS = S + k⊗v\noutput o = q·S + {terms}\n"
+    line, caret = str(compile_error(src)).splitlines()[1:3]
+    assert len(line) <= EXCERPT + 4 and line.endswith("…") and len(caret) <= len(line), (line, caret)
+    far = LinrecError("here", linrec.dsl.errors.Span(1, 20001, 1, 20004), source="y" * 20000 + "abc" + "z" * 9000)
+    line, caret = str(far).splitlines()[1:3]
+    assert line.startswith("  …") and line.endswith("…") and len(line) <= EXCERPT + 4, line
+    assert line[caret.index("^"):caret.index("^") + 3] == "abc" and caret.count("^") == 3, (line, caret)
+
+
 def test_unexpected_character_dollar():
     src = HEAD + "state S[dk, dv]\nS = S + k⊗v $\noutput o = q·S\n"
     check(compile_error(src), src, where(src, 4, "$"), "unexpected character '$'")
