@@ -116,7 +116,12 @@ def check_inputs(program: ir.Program, inputs: dict, dims: dict[str, int] | None 
     """Inputs [B, T, H, *] by DSL name → (arrays, sizes). Unknown names, missing inputs, wrong ranks,
     dtypes or sizes are errors; so are values outside a declared range, unless ranges=False (the caller
     then checks them itself: check_ranges, or a kernel that checks while it reads)."""
-    return _checked_inputs(program, inputs, ("B", "T", "H"), dict(dims or {}), {}, ranges)
+    inputs_given = inputs if isinstance(inputs, dict) else {}
+    sizes, origins = _agreed_sizes([(f"input '{x.name}'", x.shape, 3, inputs_given.get(x.name))
+                                    for x in program.inputs])
+    for d, n in (dims or {}).items():  # (sizes asked for by the caller hold against every input)
+        sizes[d], origins[d] = n, "the dims option"
+    return _checked_inputs(program, inputs, ("B", "T", "H"), sizes, origins, ranges)
 
 
 def check_token_inputs(program: ir.Program, inputs: dict, states: dict | None = None,
@@ -139,6 +144,12 @@ def _step_sizes(program: ir.Program, inputs: dict, states: dict | None,
     arrays = [(f"state '{s.name}'", s.shape, 2, (states or {}).get(s.name)) for s in program.states] \
         + [(f"the KV cache's '{x.name}'", x.shape, 3, (cache or {}).get(x.name)) for x in program.inputs] \
         + [(f"input '{x.name}'", x.shape, 2, inputs.get(x.name)) for x in program.inputs]
+    return _agreed_sizes(arrays)
+
+
+def _agreed_sizes(arrays: list[tuple[str, tuple[str, ...], int, object]]) -> tuple[dict[str, int], dict[str, str]]:
+    """(label, dimension names, leading axes, array or None) → per dimension the size most arrays have, and
+    which arrays have it: the one that disagrees is the one an error names."""
     votes: dict[str, dict[int, list[str]]] = {}
     for label, names, lead, value in arrays:
         shape = _shape_of(value)

@@ -559,7 +559,19 @@ def test_unknown_input_as_keyword(delta):
 def test_wrong_feature_size(delta):
     rec, x = delta
     msg = runtime_error(rec, dict(x, k=x["k"][..., :3]))
-    assert "input 'k'" in msg and "[2, 3, 2, 3]" in msg and "dk = 3" in msg and "dk = 5" in msg
+    assert "input 'k'" in msg and "has shape [2, 3, 2, 3]" in msg and "dk = 5 in input 'q'" in msg, msg
+
+
+def test_a_wrong_size_is_blamed_on_the_input_that_disagrees():
+    """The sizes are those most inputs agree on: a query cut short is named, not the key read after it (the
+    first input's size used to bind the dimension, and the message blamed every input after it)."""
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    x = rec.random_inputs(2, 3, 2, seed=0)
+    msg = runtime_error(rec, dict(x, q=x["q"][..., :8]))
+    assert msg == ("error: input 'q' should have shape [B, T, H, dk] = [2, 3, 2, 16] but has shape [2, 3, 2, 8] "
+                   "(dk = 16 in input 'k' and input 'g')"), msg
+    msg = runtime_error(rec, x, dims={"dk": 8})
+    assert "dk = 8" in msg and "dk = 16" in msg, msg
 
 
 def test_wrong_rank(delta):
