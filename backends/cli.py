@@ -584,8 +584,16 @@ def _param_rows(params: dict[str, np.ndarray]) -> list[str]:
     return rows
 
 
-def _write_npz(path: str, arrays: dict[str, np.ndarray]) -> str:
-    target = path if path.endswith(".npz") else path + ".npz"  # what np.savez would write
+def _npz_target(path: str, option: str) -> str:
+    """The file an .npz option writes (np.savez adds .npz); a directory is an error, said before any work."""
+    if Path(path).is_dir():  # (np.savez would write PATH.npz beside it, which nobody asked for)
+        raise LinrecError(f"cannot write {option} {path}: it is a directory; give a file name, such as "
+                          f"{Path(path) / 'out.npz'}")
+    return path if path.endswith(".npz") else path + ".npz"
+
+
+def _write_npz(path: str, arrays: dict[str, np.ndarray], option: str = "--out") -> str:
+    target = _npz_target(path, option)
     try:
         np.savez(target, **arrays)
     except OSError as err:
@@ -698,7 +706,7 @@ def _run_on_generated(rec, form: str, args) -> RunOutcome:
     dim_text = ", ".join(f"{k}={v}" for k, v in sizes.items())
     origin = f"random, seed {seed}, B={batch}, T={tokens}, H={heads}" + (f", {dim_text}" if dim_text else "")
     if args.save_inputs:
-        origin += f"; saved to {_write_npz(args.save_inputs, inputs)}"
+        origin += f"; saved to {_write_npz(args.save_inputs, inputs, '--save-inputs')}"
     return RunOutcome(inputs, result, origin)
 
 
@@ -747,6 +755,9 @@ def cmd_run(args) -> int:
     it writes every output, final state and parameter used to an .npz file, by DSL name.
     """
     rec = _load(args.file)
+    for path, option in ((args.out, "--out"), (args.save_inputs, "--save-inputs")):
+        if path:
+            _npz_target(path, option)
     form = _auto_form(rec, args) if args.form == "auto" else args.form
     if args.chunk_size is not None and form != "chunkwise":
         print(f"{PROG}: note: --chunk-size only affects the chunkwise form (running the {form} form)",
@@ -868,6 +879,14 @@ def cmd_verify(args) -> int:
         raise LinrecError("--seeds goes with --against (the seeds it averages); leave it out")
     if args.grad and args.state_dtype == BFLOAT16:
         raise LinrecError("verify --grad checks gradients of float32 and float64 states; leave out --state-dtype")
+    if args.grad and args.against:
+        raise LinrecError("--grad and --against are two checks (the gradient forms; the outputs against another "
+                          "program's): run them one at a time")
+    if args.state_dtype == BFLOAT16 and (args.dtype and "float32" not in args.dtype
+                                         or args.form and "step" not in args.form):
+        raise LinrecError("--state-dtype bfloat16 checks the decode step (form step) on float32 tokens with the "
+                          "state kept in bfloat16; with this --dtype or --form there is no such row: add "
+                          "--dtype float32 and --form step, or leave them out")
     if args.against:
         return _verify_against(rec, _load(args.against), args)
     if args.grad:

@@ -86,11 +86,23 @@ def test_emit_grad_says_which_form_it_is(capsys):
         assert f" — {form} backward (the adjoint" in capsys.readouterr().out.splitlines()[0]
 
 
+def test_run_refuses_a_directory_as_its_npz_before_running(tmp_path, capsys):
+    """--out DIR wrote DIR.npz beside the directory, after the run: now an error before any work."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    for option in ("--out", "--save-inputs"):
+        assert main(["run", gla, "--tokens", "4", "--quiet", option, str(tmp_path)]) == 1
+        assert f"cannot write {option} {tmp_path}: it is a directory" in capsys.readouterr().err
+    assert list(tmp_path.parent.glob(f"{tmp_path.name}.npz")) == []
+
+
 def test_verify_refuses_what_it_would_ignore_or_check_nothing(capsys):
     gla, linformer = (str(next(p for p in EXAMPLES if p.stem == name)) for name in ("gla", "linformer"))
     for argv, message in ((["--seeds", "2"], "--seeds goes with --against"),
                           (["--grad", "--state-dtype", "bfloat16"], "leave out --state-dtype"),
-                          (["--grad", "--form", "step"], "has no step gradient form to verify")):
+                          (["--grad", "--form", "step"], "has no step gradient form to verify"),
+                          (["--grad", "--against", gla], "--grad and --against are two checks"),
+                          (["--state-dtype", "bfloat16", "--dtype", "float64"], "there is no such row"),
+                          (["--state-dtype", "bfloat16", "--form", "parallel"], "there is no such row")):
         assert main(["verify", gla, "--quick", *argv]) == 1
         assert message in capsys.readouterr().err
     assert main(["verify", linformer, "--quick", "--backend", "numpy", "--dtype", "float64"]) == 1
