@@ -84,8 +84,22 @@ def not_in_place(name: str, arr, dtype, expected: tuple) -> RuntimeInputError:
     bits = np.dtype(dtype) == BFLOAT16_BITS
     return RuntimeInputError(f"state '{name}' must be a writeable C-contiguous "
                              f"{'uint16 (bfloat16 bits)' if bits else np.dtype(dtype)} array of shape "
-                             f"{list(expected)} to be updated in place (inplace=True){'' if bits else _bits_hint(arr)}"
-                             f"{array_kind_hint(arr, f'state[{name!r}]')}")
+                             f"{list(expected)} to be updated in place (inplace=True, or a bound step)"
+                             f"{'' if bits else _bits_hint(arr)}{how_it_differs(arr, f'state[{name!r}]', expected, dtype)}")
+
+
+def how_it_differs(arr, label: str, shape: tuple, dtype) -> str:
+    """What an error about an array to be written in place (a state, an out= buffer) adds: the first way the
+    given one is not a writeable C-contiguous ndarray of this shape and dtype."""
+    if not isinstance(arr, np.ndarray):
+        return f"; {label} is a {type(arr).__name__}, not an ndarray"
+    if arr.dtype != np.dtype(dtype):
+        return f"; {label} is {arr.dtype}"
+    if arr.shape != tuple(shape):
+        return f"; {label} has shape {list(arr.shape)}"
+    if not arr.flags.c_contiguous:
+        return f"; {label} is not C-contiguous (a view with strides, or Fortran order)"
+    return array_kind_hint(arr, label)
 
 
 def array_kind_hint(arr, label: str) -> str:
@@ -411,9 +425,14 @@ def out_array(given, label: str, shape: tuple, dtype) -> np.ndarray:
     """`given` (an array the caller passed for a result, named `label` in the message, e.g. "out['o']") when it
     fits_out, else a clear error."""
     if not fits_out(given, shape, dtype):
-        raise RuntimeInputError(f"{label} must be a writeable C-contiguous {np.dtype(dtype)} array of shape "
-                                f"{list(shape)}")
+        raise out_error(label, given, shape, dtype)
     return given
+
+
+def out_error(label: str, given, shape: tuple, dtype) -> RuntimeInputError:
+    """The error for an array passed for a result that cannot take it in its own memory."""
+    return RuntimeInputError(f"{label} must be a writeable C-contiguous {np.dtype(dtype)} array of shape "
+                             f"{list(shape)}{how_it_differs(given, label, shape, dtype)}")
 
 
 def refuse_shared_outputs(out: dict | None, inputs: dict | None, states: dict | None,

@@ -177,15 +177,26 @@ def test_state_dtypes_in_a_step(backend):
     ref, _ = rec.step(token, {"S": s32.astype(np.float64)}, backend=backend)
     assert state["S"].dtype == np.float64
     np.testing.assert_allclose(out["o"], ref["o"], rtol=1e-12)
-    with pytest.raises(linrec.RuntimeInputError, match="state 'S' must be a writeable C-contiguous float64"):
+    with pytest.raises(linrec.RuntimeInputError, match="state 'S' must be a writeable C-contiguous float64.*"
+                                                        "; state\\['S'\\] is float32"):
         rec.step(token, {"S": s32}, backend=backend, inplace=True)
+    with pytest.raises(linrec.RuntimeInputError, match="or a bound step\\); state\\['S'\\] is float32"):
+        rec.bind_step(token, {"S": s32}, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_wrong_output_arrays_are_refused(backend):
+def test_wrong_output_arrays_are_refused_with_what_is_wrong(backend):
+    """The message names the first way the array given differs: its dtype, shape, layout, or writeability."""
     rec = linrec.compile(GATED, "gated.lin")
-    with pytest.raises(linrec.RuntimeInputError, match="out\\['o'\\] must be a writeable C-contiguous float64"):
-        rec.step(_token(rec), None, backend=backend, out={"o": np.zeros((2, 1, 3))})
+    read_only = np.zeros((2, 3, 3))
+    read_only.flags.writeable = False
+    for given, why in ((np.zeros((2, 1, 3)), "has shape \\[2, 1, 3\\]"),
+                       (np.zeros((2, 3, 3), np.float32), "is float32"),
+                       (np.asfortranarray(np.zeros((2, 3, 3))), "is not C-contiguous"),
+                       (read_only, "is read-only"), ([0.0], "is a list, not an ndarray")):
+        with pytest.raises(linrec.RuntimeInputError,
+                           match=f"out\\['o'\\] must be a writeable C-contiguous float64 .*; out\\['o'\\] {why}"):
+            rec.step(_token(rec), None, backend=backend, out={"o": given})
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

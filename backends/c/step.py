@@ -308,8 +308,7 @@ class Stepper:
             else:
                 if not (type(arr) is np.ndarray and arr.dtype == dt and arr.shape == shp and arr.strides == strides
                         and arr.flags.writeable):
-                    raise RuntimeInputError(f"out['{name}'] must be a writeable C-contiguous {dt} array of shape "
-                                            f"{list(shp)}")
+                    raise arrays.out_error(f"out['{name}']", arr, shp, dt)
                 pointer = fb(ptr, arr)
                 seen[i], seen_ptr[i] = arr, pointer
                 args.append(pointer)
