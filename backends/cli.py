@@ -533,9 +533,13 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
         raise LinrecError(f"{path} holds a single unnamed array (.npy), but the arrays must be named; {hint}")
     try:
         with data:
-            return {name: data[name] for name in data.files}
+            arrays = {name: data[name] for name in data.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
         raise LinrecError(f"cannot read the arrays in {path}: {err}") from None
+    for name, value in arrays.items():  # (a member that is not .npy data comes back as its raw bytes)
+        if not isinstance(value, np.ndarray):
+            raise LinrecError(f"{path}: member '{name}' is not a NumPy array; write it with np.savez")
+    return arrays
 
 
 def _split_arrays(program, arrays: dict[str, np.ndarray], path: str):

@@ -157,6 +157,20 @@ def test_missing_input_array_exits_1(tmp_path, capsys):
     assert "missing input" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("form", ["recurrent", "auto"])
+def test_an_npz_member_that_is_not_an_array_exits_1(tmp_path, capsys, form):
+    """An .npz whose member is not .npy data (np.load gives its raw bytes): one error naming the file and the
+    member, on every path that reads --inputs (--form auto reads it for the sizes first), not an internal error."""
+    import zipfile
+    weird = tmp_path / "weird.npz"
+    with zipfile.ZipFile(weird, "w") as z:
+        z.writestr("q.npy", b"not a npy")
+    assert main(["run", str(EXAMPLES[0]), "--inputs", str(weird), "--form", form]) == 1
+    err = capsys.readouterr().err
+    assert f"{weird}: member 'q' is not a NumPy array; write it with np.savez" in err
+    assert "internal error" not in err
+
+
 # the state read from the right (S·w): a recurrent form only, on NumPy only
 RANK3 = """recurrence rank3(dk = 4, dv = 3)
 input q[dk], k[dk], v[dv], g <= 0
