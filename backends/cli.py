@@ -1215,8 +1215,23 @@ def _error(err: LinrecError):
     print(text, file=sys.stderr)
 
 
-# the errors of a write that did not reach its file: a full disk or quota, a file too large, a device's failure
-OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+# the errors of a write that did not reach its file: a full disk or quota, a file too large, a device's failure,
+# a closed descriptor (`linrec emit FILE >&-`: _ClosedOutput)
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF})
+
+
+class _ClosedOutput:
+    """sys.stdout where the process started without one (`>&-`: Python sets it to None, and print() then drops
+    everything silently): a command that prints nothing still succeeds, and the first write fails as a write to a
+    closed descriptor does, to be said as 'cannot write the output' (exit 1)."""
+
+    def write(self, text: str) -> int:
+        if text:
+            raise OSError(errno.EBADF, "standard output is closed")
+        return 0
+
+    def flush(self) -> None:
+        pass
 
 
 def _output_failed(err: Exception) -> bool:
@@ -1236,6 +1251,8 @@ def _say_output_failed(err: OSError) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:
+        sys.stdout = _ClosedOutput()
     for stream in (sys.stdout, sys.stderr):  # never crash on a terminal that cannot show ·, ⊗ or −
         try:
             stream.reconfigure(errors="backslashreplace")

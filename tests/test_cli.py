@@ -299,6 +299,22 @@ def test_an_output_that_cannot_be_written_is_not_a_bug(monkeypatch, capsys):
     assert "linrec: internal error: PermissionError" in capsys.readouterr().err
 
 
+def test_a_closed_stdout_is_an_output_that_cannot_be_written(monkeypatch, tmp_path, capsys):
+    """Started with stdout closed (`linrec emit FILE >&-`: sys.stdout is None): 'cannot write the output', exit 1,
+    not an internal AttributeError; a command that prints nothing (run --quiet --out) still succeeds."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    for argv in (["emit", gla], ["check", gla], ["cache", "info"]):
+        monkeypatch.setattr(sys, "stdout", None)
+        assert main(argv) == 1
+        assert capsys.readouterr().err == "linrec: cannot write the output: standard output is closed\n"
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["run", gla, "--tokens", "2", "--quiet", "--out", str(tmp_path / "o.npz")]) == 0
+    assert (tmp_path / "o.npz").exists()
+    done = subprocess.run(["sh", "-c", '"$0" -m linrec emit "$1" >&-', sys.executable, gla],
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (1, "linrec: cannot write the output: standard output is closed\n")
+
+
 def test_out_of_memory_is_an_error_about_sizes(monkeypatch, capsys):
     """Sizes too large for the machine (a mutated file had dk = 100000: the recurrent form's I − β·k⊗k
     wanted 74.5 GiB) are bad input: exit 1 with what to change, not an internal error (exit 2)."""
