@@ -35,6 +35,7 @@ threadpoolctl (when installed) and OPENBLAS_NUM_THREADS (in the subprocesses).
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -887,6 +888,27 @@ def check_plot_destination(path: str) -> None:
         raise LinrecError(f"--plot {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise LinrecError(f"--plot {path}: the folder {folder} is not writable")
+    formats = plot_formats()
+    if formats is None:
+        raise LinrecError(f"--plot {path}: {NO_MATPLOTLIB}, so no plot can be written; install it or leave out "
+                          f"--plot")
+    # (matplotlib's savefig takes the format from the extension, lower-cased; none: its default, PNG)
+    extension = os.path.splitext(path)[1][1:].lower()
+    if extension and extension not in formats:
+        raise LinrecError(f"--plot {path}: matplotlib cannot write '.{extension}' files; use one of "
+                          f"{', '.join('.' + f for f in sorted(formats))} (e.g. {Path(path).with_suffix('.png')})")
+
+
+NO_MATPLOTLIB = "matplotlib is not installed (pip install 'linrec[bench]' or pip install matplotlib)"
+
+
+def plot_formats() -> dict[str, str] | None:
+    """The file formats matplotlib writes (extension → description), or None when it is not installed (then
+    nothing is imported)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    from matplotlib.backend_bases import FigureCanvasBase
+    return FigureCanvasBase.get_supported_filetypes()
 
 
 # ---- output -------------------------------------------------------------------------------------------

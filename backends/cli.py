@@ -991,7 +991,7 @@ def _add_bench(parser: argparse.ArgumentParser):
                         help="a dimension's size (default: dk = dv = 64 where declared, else the file's)")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="write a log-log plot of time against T per form and backend (needs matplotlib; "
-                             "its folder is checked before measuring)")
+                             "its folder and format are checked before measuring)")
     parser.add_argument("--no-limits", dest="limits", action="store_false",
                         help="also run the parallel form above T = 4096 and the NumPy recurrent form above "
                              "T = 4096 (slow: T² work, per-token interpreter overhead)")

@@ -250,6 +250,25 @@ def test_bench_checks_the_plot_destination_before_measuring(no_references, tmp_p
     assert f"--plot {tmp_path} is a folder" in capsys.readouterr().err
 
 
+def test_bench_checks_the_plot_format_before_measuring(no_references, tmp_path, capsys, monkeypatch):
+    """--plot x.txt: matplotlib cannot write it; said before measuring (exit 1) with the formats it writes, not
+    as an internal error after the run. Without matplotlib: said so up front, matplotlib not imported."""
+    import importlib.util
+    from linrec import bench
+    monkeypatch.setattr(bench, "time_rows", lambda *a: pytest.fail("measured before checking --plot"))
+    out = tmp_path / "x.txt"
+    assert main(_tiny_bench(EXAMPLES / "gla.lin", "--plot", str(out))) == 1
+    err = capsys.readouterr().err
+    assert f"error: --plot {out}: matplotlib cannot write '.txt' files; use one of " in err
+    assert ".png" in err and ".svg" in err and "internal error" not in err
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else
+                        find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", None)  # (an import of it would raise)
+    assert main(_tiny_bench(EXAMPLES / "gla.lin", "--plot", str(tmp_path / "x.png"))) == 1
+    assert f"--plot {tmp_path / 'x.png'}: matplotlib is not installed" in capsys.readouterr().err
+
+
 def test_bench_a_plot_that_fails_at_the_end_keeps_the_report(no_references, tmp_path, capsys, monkeypatch):
     from linrec import bench
 
