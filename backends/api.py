@@ -601,7 +601,7 @@ def _signature(given: dict, initial_state: dict | None, form: str, backend: str,
         return None
     parts = [form, backend, tuple(sorted((name, int(n)) for name, n in dims.items())) if dims else ()]
     for name, value in given.items():
-        if type(value) is not np.ndarray:
+        if type(value) is not np.ndarray or not value.dtype.isnative:  # (non-native: converted by each call's checks)
             return None
         parts.append((name, value.shape, value.dtype))
     parts.append(None)  # (inputs | states)

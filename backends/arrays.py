@@ -69,7 +69,13 @@ def _float_array(name: str, value, what: str) -> np.ndarray:
     if arr.dtype.type not in FLOAT_DTYPES:
         bits = _bits_hint(arr) if "state" in what else ""
         raise RuntimeInputError(f"{what} '{name}' has dtype {arr.dtype}; pass float32 or float64{bits}")
-    return arr
+    return native(arr)
+
+
+def native(arr: np.ndarray) -> np.ndarray:
+    """`arr` in the machine's byte order: a big-endian float64 ('>f8') on a little-endian machine is float64 as
+    much as a strided array is, a layout the kernels do not read; converted (a copy), as those are copied."""
+    return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
 
 
 def _bits_hint(arr) -> str:
@@ -102,11 +108,24 @@ def how_it_differs(arr, label: str, shape: tuple, dtype) -> str:
     return array_kind_hint(arr, label)
 
 
+def byte_order_hint(arr, label: str) -> str:
+    """What an error about an array the step reads or writes in place adds when the array is a float in the
+    other byte order (>f8 on a little-endian machine): the conversion to make, once, and keep ("" otherwise)."""
+    if not isinstance(arr, np.ndarray) or arr.dtype.isnative or arr.dtype.type not in FLOAT_DTYPES:
+        return ""
+    order = "big" if arr.dtype.byteorder == ">" else "little"
+    return (f"; {label} is {order}-endian ({arr.dtype.str}): pass {label}.astype('={arr.dtype.str[1:]}') (the "
+            f"machine's byte order) and go on with that array")
+
+
 def array_kind_hint(arr, label: str) -> str:
     """What an error about an array to be written in place adds when the array is of the right dtype and
-    shape but read-only, or an ndarray subclass (np.memmap …), which the kernels do not take as it is."""
+    shape but read-only, or an ndarray subclass (np.memmap …), which the kernels do not take as it is, or in
+    the other byte order (>f8 on a little-endian machine)."""
     if not isinstance(arr, np.ndarray):
         return ""
+    if byte_order_hint(arr, label):
+        return byte_order_hint(arr, label)
     if not arr.flags.writeable:
         return f"; {label} is read-only"
     if type(arr) is not np.ndarray:

@@ -169,6 +169,7 @@ def _gradient_array(what: str, value, expected: tuple, label: str, dtype: np.dty
     if arr.shape != expected:
         raise RuntimeInputError(f"{what} should have shape {label} = {list(expected)} (the shape of what it is "
                                 f"the gradient of) but has shape {list(arr.shape)}")
+    arr = arrays.native(arr)  # (a big-endian gradient: converted, as the inputs are)
     if arr.dtype != dtype:
         raise RuntimeInputError(f"{what} is {arr.dtype} but the inputs are {dtype}; pass the gradients in the "
                                 f"inputs' dtype")

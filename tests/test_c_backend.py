@@ -167,6 +167,42 @@ def test_user_params_and_noncontiguous_inputs(linrec):
     np.testing.assert_array_equal(a.outputs["y"], b.outputs["y"])
 
 
+def test_non_native_byte_order_is_a_layout(linrec):
+    """Big-endian float64 ('>f8', non-native here) is float64 in another layout: converted on every form, the
+    step and the slot pool, as strided arrays are (it was refused on the recurrent form and the step with 'has
+    dtype >f8; pass float32 or float64', and mixed with '<f8' as two dtypes); the results equal the native
+    ones. A state updated in place (inplace=True, bind_step, a slot pool) cannot be converted: refused, naming
+    the array and the fix."""
+    rec = rec_for(linrec, "gla")
+    x = rec.random_inputs(batch=1, tokens=5, heads=2, dims={"dk": 4, "dv": 4}, seed=1)
+    swapped = ">f8" if np.little_endian else "<f8"
+    other = {k: v.astype(swapped) for k, v in x.items()}
+    for form in ("recurrent", "auto", "parallel", "chunkwise"):
+        want = rec.run(x, form=form, backend="c")
+        for given in (other, {**x, "q": other["q"]}, other):  # (twice: the plan the first call cached)
+            got = rec.run(given, form=form, backend="c", initial_state={"S": want.final_state["S"].astype(swapped)})
+            again = rec.run(x, form=form, backend="c", initial_state={"S": want.final_state["S"]})
+            np.testing.assert_allclose(got.outputs["o"], again.outputs["o"], rtol=1e-12)
+    state = rec.run(x, form="recurrent", backend="c").final_state
+    token, native_token = {k: v[:, 0] for k, v in other.items()}, {k: v[:, 0] for k, v in x.items()}
+    for backend in ("c", "numpy"):
+        o, s = rec.step(token, {k: v.astype(swapped) for k, v in state.items()}, backend=backend)
+        o_ref, s_ref = rec.step(native_token, state, backend=backend)
+        np.testing.assert_allclose(o["o"], o_ref["o"], rtol=1e-12)
+        np.testing.assert_allclose(s["S"], s_ref["S"], rtol=1e-12)
+        pool = {k: np.concatenate([v, v]) for k, v in state.items()}
+        rec.step(token, pool, backend=backend, slots=np.array([1]))
+        np.testing.assert_allclose(pool["S"][1:], s_ref["S"], rtol=1e-12)
+        fix = f"state['S'] is {'big' if swapped[0] == '>' else 'little'}-endian ({swapped}): pass state['S'].astype('=f8')"
+        with pytest.raises(linrec.RuntimeInputError, match=re.escape(fix)):
+            rec.step(native_token, {k: v.astype(swapped) for k, v in state.items()}, backend=backend, inplace=True)
+        with pytest.raises(linrec.RuntimeInputError, match=re.escape(fix)):
+            rec.bind_step(native_token, {k: v.astype(swapped) for k, v in state.items()}, backend=backend)
+        with pytest.raises(linrec.RuntimeInputError, match=re.escape(fix.replace("state[", "pool["))):
+            rec.step(native_token, {k: v.astype(swapped) for k, v in pool.items()}, backend=backend,
+                     slots=np.array([1]))
+
+
 def test_emit_is_readable_c(linrec):
     rec = rec_for(linrec, "gated_deltanet")
     src = rec.emit("recurrent", backend="c")

@@ -9,6 +9,7 @@ from math import prod
 import cffi
 import numpy as np
 
+from ..arrays import native
 from ..dsl.errors import RuntimeInputError
 
 _FFI = cffi.FFI()  # only to read an array's address cheaply
@@ -85,7 +86,7 @@ def require_c_int_sizes(**sizes: int) -> None:
 def checked(value, shape: tuple, dtype, what: str) -> np.ndarray:
     """`value` as a C-contiguous array of `shape` (and `dtype`): converted when only the layout differs,
     rejected when the shape or the dtype is wrong."""
-    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    arr = native(value if isinstance(value, np.ndarray) else np.asarray(value))  # (>f8: a layout, converted)
     if tuple(arr.shape) != tuple(shape):
         raise RuntimeInputError(f"{what} should have shape {list(shape)} but has shape {list(arr.shape)}")
     if dtype is not None and arr.dtype != dtype:

@@ -36,7 +36,7 @@ class SlotStep:
     def outputs(self, token_inputs: dict, out: dict | None) -> dict:
         """The output arrays [N, H, *] a step on these tokens writes: out's, checked, or new ones (what a
         bound step checks once and reuses)."""
-        first = np.asarray(token_inputs[self.form.program.inputs[0].name])
+        first = arrays.native(np.asarray(token_inputs[self.form.program.inputs[0].name]))
         dims = self.form.kernel(first.dtype, self.dims, self.state_is_bf16).dims
         return self._outputs(first.shape[0], first.shape[1], first.dtype, dims, out)
 
@@ -47,7 +47,7 @@ class SlotStep:
 
     def __call__(self, token_inputs: dict, pool: dict, slots: np.ndarray, out: dict | None = None) -> dict:
         p = self.form.program
-        first = np.asarray(token_inputs[p.inputs[0].name])
+        first = arrays.native(np.asarray(token_inputs[p.inputs[0].name]))  # (>f8: converted by checked() below)
         dtype, (requests, heads) = first.dtype, first.shape[:2]
         require_c_int_sizes(batch=requests, heads=heads)
         k = self.form.kernel(dtype, self.dims, self.state_is_bf16)

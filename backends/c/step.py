@@ -180,8 +180,10 @@ class Stepper:
             if arr is not given:
                 what = f"input '{name}'" if name in self._in_names else f"state '{name}'"
                 kind = "uint16 (bfloat16 bits)" if arr.dtype == arrays.BFLOAT16_BITS else self._dtype
+                label = f"token_inputs[{name!r}]" if name in self._in_names else f"state[{name!r}]"
                 raise RuntimeInputError(f"{what} must be a C-contiguous {kind} array of shape "
-                                        f"{list(arr.shape)} to be bound: the step reads it in place every call")
+                                        f"{list(arr.shape)} to be bound: the step reads it in place every call"
+                                        f"{arrays.byte_order_hint(given, label)}")
         state.update(adopted)
         fn, call = self._packed_fn, self._packed_call()
         refused = self._refused
@@ -227,7 +229,7 @@ class Stepper:
         shape = getattr(first, "shape", None)
         dtype = getattr(first, "dtype", None)
         if shape is None or len(shape) < 2 or dtype not in CTYPES:
-            first = np.asarray(first)
+            first = arrays.native(np.asarray(first))  # (>f8: a layout, converted as checked() converts it)
             if first.ndim < 2 or first.dtype not in CTYPES:
                 raise RuntimeInputError(f"input '{p.inputs[0].name}' should be a float32 or float64 array of "
                                         f"shape [B, H, …] (one token), got {first.dtype} {list(first.shape)}")
