@@ -918,7 +918,7 @@ def cmd_verify(args) -> int:
     progress = verify.progress_to_stderr if (args.json or sys.stderr.isatty()) else None
     rows = verify.run(rec, backends=backends, forms=forms, dtypes=tuple(args.dtype or ("float64", "float32")),
                       quick=args.quick, seed=args.seed, on_row=on_row, on_progress=progress,
-                      state_bf16=args.state_dtype == BFLOAT16)
+                      state_bf16=args.state_dtype == BFLOAT16, notes=(notes := []))
     if not rows:  # (a pass that checked nothing would read as a pass)
         raise LinrecError(f"nothing to check: with these options the only row would be the reference itself "
                           f"(the float64 {verify.reference_form(rec)} form on numpy); add a backend, a dtype or "
@@ -928,8 +928,11 @@ def cmd_verify(args) -> int:
     if args.json:
         print(json.dumps({"program": rec.name, "file": args.file, "passed": not failed,
                           "not_implemented": [{"form": f, "backend": b, "why": why} for f, b, why in absent],
-                          "tolerance": verify.TOLERANCE, "rows": [r.as_dict() for r in rows]}, indent=1))
+                          "tolerance": verify.TOLERANCE, "notes": notes, "rows": [r.as_dict() for r in rows]},
+                         indent=1))
     else:
+        for note in notes:
+            print(f"note: {note}")
         for form, backend, why in absent:
             print(f"note: the {backend} backend does not build the {form} form" + (f": {why}" if why else "")
                   + " (not checked)")

@@ -134,25 +134,70 @@ def _params_without_default(program, heads, dims, rng):
             for p in program.params if p.default is None}
 
 
+def difference(got, ref) -> tuple[float, float]:
+    """(max abs, max rel) of `got` against the reference `ref`, the relative error normwise (max|got − ref| /
+    max|ref|) over the finite entries of ref. Where ref is NaN or ±∞, got must be the same (docs/guarantees.md,
+    non-finite values: each form gives the reference's NaN, its infinities, its finite values); a shape that
+    differs, or a non-finite value where ref has another value, is (inf, inf)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if got.shape != ref.shape:
+        return float("inf"), float("inf")
+    finite = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(got), finite):
+        return float("inf"), float("inf")
+    if not finite.all():
+        odd = ~finite  # (NaN at the same places, the same infinities elsewhere)
+        if not (np.array_equal(np.isnan(got[odd]), np.isnan(ref[odd]))
+                and np.array_equal(got[odd & ~np.isnan(ref)], ref[odd & ~np.isnan(ref)])):
+            return float("inf"), float("inf")
+    if not finite.any():
+        return 0.0, 0.0
+    err = float(np.max(np.abs(got[finite] - ref[finite])))
+    return err, err / max(float(np.max(np.abs(ref[finite]))), 1e-300)
+
+
 def _compare(result, reference) -> tuple[float, float]:
     worst_abs, worst_rel = 0.0, 0.0
     for group in ("outputs", "final_state"):
         for name, ref in getattr(reference, group).items():
-            got = np.asarray(getattr(result, group)[name], dtype=np.float64)
-            if not np.all(np.isfinite(got)):
-                return float("inf"), float("inf")
-            err = float(np.max(np.abs(got - ref))) if ref.size else 0.0
-            scale = float(np.max(np.abs(ref))) if ref.size else 1.0
-            worst_abs = max(worst_abs, err)
-            worst_rel = max(worst_rel, err / max(scale, 1e-300))
+            err, rel = difference(getattr(result, group)[name], ref)
+            worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
     return worst_abs, worst_rel
 
 
+def nan_in_reference(rec, reference, inputs: dict, run_reference) -> str | None:
+    """The note for a reference with NaN on random inputs, None without: where (the first array and index), and
+    the input whose range to declare — the first without a declared range whose absolute value, in its place,
+    leaves no NaN (`run_reference(inputs)`: the reference on other inputs), else a range in general."""
+    where = next(((group, name, np.argwhere(np.isnan(value))[0]) for group in ("outputs", "final_state")
+                  for name, value in getattr(reference, group).items() if np.isnan(value).any()), None)
+    if where is None:
+        return None
+    group, name, index = where
+    what = f"output '{name}'" if group == "outputs" else f"final state '{name}'"
+
+    def has_nan(result) -> bool:
+        return any(np.isnan(v).any() for group in ("outputs", "final_state") for v in getattr(result, group).values())
+    culprit = None
+    for x in rec.program.inputs:
+        if x.low is None and x.high is None:
+            with np.errstate(all="ignore"):
+                if not has_nan(run_reference({**inputs, x.name: np.abs(inputs[x.name])})):
+                    culprit = x
+                    break
+    example = f"`input {culprit.name}{'[' + ', '.join(culprit.shape) + ']' if culprit.shape else ''} >= 0`" \
+        if culprit else "`input x[dk] >= 0` for the input that needs it"
+    return (f"the reference itself has NaN on these random inputs ({what} at index {index.tolist()}); the forms "
+            f"are compared NaN for NaN, but random inputs that give NaN usually mean an input needs a declared "
+            f"range: declare one such as {example}")
+
+
 def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), quick=False, seed=0,
-        on_row=None, on_progress=None, state_bf16: bool = False) -> list[Row]:
+        on_row=None, on_progress=None, state_bf16: bool = False, notes: list | None = None) -> list[Row]:
     """Every (form, backend, dtype, case, chunk size) against the float64 NumPy recurrent form; by default
     the decode step too (outputs and final states of the tokens run one at a time). state_bf16: also the
-    decode step with its state kept in bfloat16 (rows BF16_STATE, float32 tokens, TOLERANCE_BF16_STATE)."""
+    decode step with its state kept in bfloat16 (rows BF16_STATE, float32 tokens, TOLERANCE_BF16_STATE).
+    `notes`: a list that gets what the report should say once (a reference with NaN: nan_in_reference)."""
     forms = list(forms or list(rec.forms) + decode_forms(rec))
     rows = []
     cases = battery(rec.program, quick)
@@ -178,8 +223,14 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
             dims = {d.name: d.default for d in rec.program.dims} | case.dims
             state0 = _initial_state(rec.program, case.batch, case.heads, dims, rng)
             drawn = _params_without_default(rec.program, case.heads, dims, rng)
-            refs[case.name] = (inputs, state0, rec.run(inputs, form=ref_form, initial_state=state0,
-                                                       params=drawn or None))
+            def reference_on(arrays):
+                return rec.run(arrays, form=ref_form, initial_state=state0, params=drawn or None)
+            with np.errstate(all="ignore"):  # (NaN from the statements: said once, below, as a note)
+                refs[case.name] = (inputs, state0, reference_on(inputs))
+            if notes is not None and not notes:
+                note = nan_in_reference(rec, refs[case.name][2], inputs, reference_on)
+                if note:
+                    notes.append(note)
         inputs, state0, reference = refs[case.name]
         bits = dtype == BF16_STATE  # (float32 inputs, the state in bfloat16 between the steps)
         tol = TOLERANCE_BF16_STATE if bits else TOLERANCE[dtype]
@@ -325,14 +376,8 @@ def _state_pairs(taken: dict, references: list[dict]) -> list[tuple]:
 def _serving_row(form, backend, dtype, case, chunk, pairs, note="") -> Row:
     worst_abs, worst_rel = 0.0, 0.0
     for got, ref in pairs:
-        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-        if got.shape != ref.shape or not np.all(np.isfinite(got)):
-            worst_abs = worst_rel = float("inf")
-            break
-        if ref.size:
-            err = float(np.max(np.abs(got - ref)))
-            worst_abs = max(worst_abs, err)
-            worst_rel = max(worst_rel, err / max(float(np.max(np.abs(ref))), 1e-300))
+        err, rel = difference(got, ref)
+        worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
     tol = TOLERANCE[dtype]
     return Row(form, backend, dtype, case, chunk, worst_abs, worst_rel, tol, bool(worst_rel <= tol), note)
 

@@ -20,6 +20,7 @@ import numpy as np
 from . import gradients, verify
 from .compiler import FORMS
 from .compiler.builtins import SEQ
+from .dsl.errors import LinrecError
 from .verify import Row, _initial_state, _params_without_default
 
 FD_TOLERANCE = 1e-6
@@ -107,7 +108,13 @@ def _case_arrays(rec, case: Case, seed: int):
     dims = {d.name: d.default for d in rec.program.dims} | case.dims
     state0 = _initial_state(rec.program, case.batch, case.heads, dims, rng)
     drawn = _params_without_default(rec.program, case.heads, dims, rng)
-    base = rec.run(inputs, form=reference_form(rec), initial_state=state0, params=drawn or None, dims=case.dims)
+    def forward(arrays):
+        return rec.run(arrays, form=reference_form(rec), initial_state=state0, params=drawn or None, dims=case.dims)
+    with np.errstate(all="ignore"):
+        base = forward(inputs)
+    note = verify.nan_in_reference(rec, base, inputs, forward)
+    if note:  # (finite differences of a NaN loss check nothing)
+        raise LinrecError(f"cannot check gradients: {note}")
     params = {k: np.array(v, dtype=np.float64) for k, v in base.params.items()}
     grad_outputs = {k: rng.standard_normal(v.shape) for k, v in base.outputs.items()}
     grad_state = {k: rng.standard_normal(v.shape) for k, v in base.final_state.items() if k in state0}

@@ -331,3 +331,33 @@ def test_softmax_attention_from_a_nonfinite_first_token():
     x["v"][0, 0, 1, 5] = np.inf
     x["v"][1, 20, 0, 2] = np.nan
     assert_follows_recurrent(rec, x, first=0)
+
+
+PARTLY_NAN = """recurrence t(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv]
+state S[dk, dv]
+S = S + k⊗v
+output o = q·S + sqrt(v)
+"""
+
+
+def test_verify_compares_nan_for_nan_and_says_which_range_to_declare(tmp_path, capsys):
+    """A reference with NaN on verify's random inputs (sqrt of a standard normal v): every form with exactly its
+    NaN and its finite rest passes (each row was FAIL with errors inf), the report says once which range to
+    declare; --grad says the same instead of an overflow error. A NaN where the reference is finite, or a
+    finite value where it is NaN, still fails."""
+    from linrec import verify
+    from linrec.cli import main
+    path = tmp_path / "partnan.lin"
+    path.write_text(PARTLY_NAN)
+    assert main(["verify", str(path), "--quick", "--backend", "numpy", "--dtype", "float64", "--form", "parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "0 failed" in out and out.count("note: the reference itself has NaN") == 1
+    assert "declare one such as `input v[dv] >= 0`" in out
+    assert main(["verify", str(path), "--grad", "--quick", "--backend", "numpy", "--dtype", "float64"]) == 1
+    assert "cannot check gradients: the reference itself has NaN" in capsys.readouterr().err
+    ref = np.array([1.0, np.nan, np.inf, 2.0])
+    assert verify.difference(ref + [1e-12, 0, 0, 0], ref)[1] < 1e-11
+    assert verify.difference([1.0, 1.0, np.inf, 2.0], ref) == (np.inf, np.inf)
+    assert verify.difference([np.nan, np.nan, np.inf, 2.0], ref) == (np.inf, np.inf)
+    assert verify.difference([1.0, np.nan, -np.inf, 2.0], ref) == (np.inf, np.inf)
