@@ -99,6 +99,8 @@ def how_it_differs(arr, label: str, shape: tuple, dtype) -> str:
     given one is not a writeable C-contiguous ndarray of this shape and dtype."""
     if not isinstance(arr, np.ndarray):
         return f"; {label} is a {type(arr).__name__}, not an ndarray"
+    if byte_order_hint(arr, label) and arr.dtype.newbyteorder("=") == np.dtype(dtype):
+        return byte_order_hint(arr, label)
     if arr.dtype != np.dtype(dtype):
         return f"; {label} is {arr.dtype}"
     if arr.shape != tuple(shape):
