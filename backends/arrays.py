@@ -9,6 +9,7 @@ import numpy as np
 
 from .compiler import ir
 from .compiler.builtins import SEQ
+from .compiler.resolve import SIZE_LIMIT, too_large
 from .dsl.errors import RuntimeInputError
 
 FLOAT_DTYPES = (np.float32, np.float64)
@@ -347,6 +348,8 @@ def checked_sizes(program: ir.Program, sizes: dict | None) -> dict[str, int]:
                                     f"{', '.join(sorted(known)) or 'none'}")
         if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
             raise RuntimeInputError(f"dimension {name} must be a whole number ≥ 1 (an int), got {size!r}")
+        if size > SIZE_LIMIT:
+            raise RuntimeInputError(too_large(f"dimension {name} = {size}"))
         out[name] = int(size)
     return out
 

@@ -36,6 +36,7 @@ from .c import cache as c_cache
 from .c import standalone as c_standalone
 from .compiler import ir
 from .compiler.analysis import inline_lets, to_text, walk
+from .compiler.resolve import SIZE_LIMIT, too_large
 from .compiler.steps import composed_update
 from .arrays import BFLOAT16, BFLOAT16_BITS, from_bfloat16
 from .decode import run_by_steps
@@ -428,6 +429,25 @@ def _chunk_size(text: str) -> int | str:
         return text
 
 
+# the options that take a size, by dest: each at most SIZE_LIMIT, checked as the command starts (naming the
+# option) so that no size reaches NumPy or a kernel's int, or the loops of emitted C, wrapped or overflowed
+SIZE_OPTIONS = ("dims",)
+
+
+def _refuse_oversized(args) -> None:
+    """A size option above SIZE_LIMIT is an error naming the option and the value, with the fix."""
+    parser = getattr(args, "command_parser", None)
+    for action in parser._actions if parser is not None else []:
+        value = getattr(args, action.dest, None)
+        if action.dest not in SIZE_OPTIONS or value is None or not action.option_strings:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            name, n = item if isinstance(item, tuple) else (None, item)
+            if isinstance(n, int) and n > SIZE_LIMIT:
+                option = action.option_strings[0]
+                raise LinrecError(too_large(f"{option} {name}={n}" if name is not None else f"{option} {n}"))
+
+
 class _DimOnce(argparse.Action):
     """--dim NAME=SIZE, repeatable: a name given again with another size is a usage error (which one was
     meant? the last would win silently)."""
@@ -632,7 +652,8 @@ def _auto_form(rec, args) -> str:
         first = next((v for k, v in _read_npz(args.inputs).items() if k in names), None)
         if first is not None and first.ndim >= 3:
             (batch, tokens, heads), dtype = first.shape[:3], first.dtype
-    form, why = rec.choose_form(args.backend, tokens, heads, batch, dict(args.dims or []), dtype)
+    sizes = dims_with_overrides(rec.program, args.dims or [])  # (an unknown or oversized --dim named as such)
+    form, why = rec.choose_form(args.backend, tokens, heads, batch, sizes, dtype)
     if not args.quiet:
         print(f"{PROG}: form auto → {form} ({why})", file=sys.stderr)
     return form
@@ -1270,6 +1291,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 1
     try:
+        _refuse_oversized(args)
         status = args.handler(args)
         sys.stdout.flush()  # a closed pipe shows up here, inside the handling below
         return status

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .compiler.resolve import SIZE_LIMIT, too_large
 from .dsl.errors import LinrecError
 
 
@@ -16,5 +17,7 @@ def dims_with_overrides(program, overrides: Iterable[tuple[str, int]],
         if name not in declared:
             raise LinrecError(f"--dim {name}={size}: '{program.name}' has no dimension '{name}'; its dimensions "
                               f"are {', '.join(declared) or 'none'}")
+        if size > SIZE_LIMIT:
+            raise LinrecError(too_large(f"--dim {name}={size}"))
         dims[name] = size
     return dims

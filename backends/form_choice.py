@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import registry
+from . import arrays, registry
 from .dsl.errors import LinrecError
 from .interface import FUSED
 from .registry import builds
@@ -100,6 +100,7 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
     """(form, reason) for a call of `tokens` tokens, among the forms `backend` builds (a form the program
     has may not be built by every backend: C does not run every recurrent form, say)."""
     forms = rec.forms
+    sizes = {d.name: d.default for d in rec.program.dims} | arrays.checked_sizes(rec.program, dims)
     built = [f for f in forms if builds(rec.compiled, backend, f)]
     if not built:
         raise LinrecError(f"the {backend} backend builds no form of '{rec.name}': "
@@ -112,7 +113,6 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
         if sequence.kind == "lsh":
             return "chunkwise", "the bucketed form: O(T log T) instead of the dense reference's O(T²)"
         return "chunkwise", "blocked online softmax: linear memory, keys read once per query block"
-    sizes = {d.name: d.default for d in rec.program.dims} | dict(dims or {})
     measured = measured_choice(rec, backend, tokens, heads, batch, sizes, dtype, built)
     if measured is not None:
         return measured

@@ -25,6 +25,15 @@ SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
 MAX_INLINED_NESTING = 128
 # Counts in options (seq's window, lsh_attention's buckets, rounds and chunk) reach the kernels as C ints
 MAX_COUNT = 2 ** 31
+# The largest size of a dimension (the header's, --dim's, dims='s) and of a call's batch, tokens and heads as
+# the command line takes them: the kernels count sizes in C ints, and the loops of emitted C in ints
+SIZE_LIMIT = MAX_COUNT - 1
+
+
+def too_large(what: str) -> str:
+    """The message for a size above SIZE_LIMIT; `what` names it with its value ("--dim dk=10000000000")."""
+    return (f"{what} is too large: sizes go up to {SIZE_LIMIT} (2³¹ − 1; the kernels count them in C ints); "
+            f"make it smaller")
 RESERVED = {"I", "h"} | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
 
 
@@ -91,6 +100,8 @@ class _Resolver:
                 raise LinrecError(f"dimension '{name}' is declared twice", span)
             if default <= 0:
                 raise LinrecError(f"dimension '{name}' must have a positive default size", span)
+            if default > SIZE_LIMIT:
+                raise LinrecError(too_large(f"dimension '{name}' = {default}"), span)
             self._define(name, span, "a dimension")
             self.dims[name] = ir.Dim(name, default)
         for st in self.p.statements:

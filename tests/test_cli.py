@@ -327,6 +327,32 @@ def test_out_of_memory_is_an_error_about_sizes(monkeypatch, capsys):
     assert "internal error" not in err
 
 
+@pytest.mark.parametrize("size", [2**31, 10**10, 99999999999999999999])
+def test_a_dim_above_the_size_limit_is_refused_by_every_command(size, tmp_path, capsys):
+    """--dim dk=10000000000 wrote standalone C with `for (int i = 0; i < 10000000000; ++i)`, and one above int64
+    was an internal error in run and bench; each names the option, exit 1, and writes nothing."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    out = tmp_path / "st"
+    for command in (["emit", gla, "--backend", "c", "--standalone", "--out", str(out)], ["run", gla],
+                    ["bench", gla, "--quick", "--T", "8"]):
+        assert main([*command, "--dim", f"dk={size}"]) == 1, command
+        err = capsys.readouterr().err
+        assert f"--dim dk={size} is too large: sizes go up to 2147483647" in err and "make it smaller" in err, err
+    assert not out.exists()
+    assert linrec.dim_option.dims_with_overrides(linrec.load(gla).program, [("dv", 2**31 - 1)])["dv"] == 2**31 - 1
+
+
+def test_a_header_dimension_above_the_size_limit_is_an_error_at_its_place(tmp_path, capsys):
+    path = tmp_path / "big.lin"
+    source = next(p for p in EXAMPLES if p.stem == "gla").read_text().replace("dk = 16", "dk = 99999999999999999999")
+    path.write_text(source)
+    for command in (["check", str(path)], ["emit", str(path), "--backend", "c"]):
+        assert main(command) == 1
+        out = capsys.readouterr()
+        assert f"{path}:2:16: error: dimension 'dk' = 99999999999999999999 is too large" in out.err, out.err
+        assert out.out == ""
+
+
 # ---- a Ctrl-C while the command imports ------------------------------------------------------------------------
 
 # (run first in a fresh interpreter: the import of MODULE raises KeyboardInterrupt, as a Ctrl-C at that moment does)

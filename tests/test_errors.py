@@ -342,6 +342,27 @@ def test_dimension_declared_twice():
     check(compile_error(src), src, where(src, 1, "dk", 2), "dimension 'dk' is declared twice", width=2)
 
 
+@pytest.mark.parametrize("size", [2**31, 10**10, 99999999999999999999])
+def test_a_dimension_above_the_size_limit(size):
+    """A header's size above 2³¹ − 1 passed `linrec check`, and emitted C looped to it in an int."""
+    src = f"recurrence t(dk = {size}, dv = 3)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\nS = S + k⊗v\n" \
+          "output o = q·S\n"
+    check(compile_error(src), src, where(src, 1, "dk"), f"dimension 'dk' = {size} is too large",
+          "sizes go up to 2147483647", "make it smaller", width=2)
+    linrec.compile(src.replace(str(size), str(2**31 - 1)), FILE)  # (the limit itself is a size)
+
+
+def test_dims_above_the_size_limit_are_refused_at_call_time():
+    """dims= above 2³¹ − 1 reached NumPy's shapes (ValueError) or C's ints; it is the caller's error."""
+    rec = linrec.compile(HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n", FILE)
+    x = rec.random_inputs(1, 2, 1)
+    message = "dimension dv = 2147483648 is too large: sizes go up to 2147483647"
+    for call in (lambda: rec.random_inputs(1, 2, 1, dims={"dv": 2**31}), lambda: rec.default_params(1, {"dv": 2**31}),
+                 lambda: rec.run(x, dims={"dv": 2**31}), lambda: rec.choose_form("numpy", 4, dims={"dv": 2**31})):
+        with pytest.raises(RuntimeInputError, match=message):
+            call()
+
+
 def test_reading_an_output():
     src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\noutput p = sum(o)\n"
     check(compile_error(src), src, where(src, 6, "o)"), "'o' is an output and cannot be read")
