@@ -549,7 +549,10 @@ def make_plan(rec, opts: Options) -> Plan:
     then form, then backend — what `--form auto` picks (timed too when asked for) and what is skipped."""
     dims = dims_with_overrides(rec.program, opts.dims.items(), preset=BENCH_DIMS)
     require_param_defaults(rec.program)
-    threads, threads_from = (opts.threads, "--threads") if opts.threads is not None else default_threads()
+    # (--threads above c_build.MAX_THREADS is taken as that many, as LINREC_NUM_THREADS and threads(n) are: the
+    # kernels, the FMA peak and BLAS then all run on the count the report gives)
+    threads, threads_from = (min(opts.threads, c_build.MAX_THREADS), "--threads") if opts.threads is not None \
+        else default_threads()
     tokens = sorted(set(opts.tokens))
     backends = list(dict.fromkeys(opts.backends or list(registry.BACKENDS)))
     forms, with_auto, skipped = forms_asked(rec, opts)

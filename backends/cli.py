@@ -431,7 +431,7 @@ def _chunk_size(text: str) -> int | str:
 
 # the options that take a size, by dest: each at most SIZE_LIMIT, checked as the command starts (naming the
 # option) so that no size reaches NumPy or a kernel's int, or the loops of emitted C, wrapped or overflowed
-SIZE_OPTIONS = ("dims",)
+SIZE_OPTIONS = ("dims", "batch", "batches", "tokens", "heads", "cu_seqlens", "requests", "pool")
 
 
 def _refuse_oversized(args) -> None:
@@ -838,6 +838,7 @@ Exit status 1 when any row fails."""
 
 
 AGAINST_SEEDS = 8  # verify --against: seeds averaged per row
+MAX_SEEDS = 1000  # … and the most --seeds may ask for (each seed runs both programs at every feature count)
 
 
 def _verify_against(rec, exact, args) -> int:
@@ -900,6 +901,9 @@ def cmd_verify(args) -> int:
     """
 
     rec = _load(args.file)
+    if args.seeds is not None and args.seeds > MAX_SEEDS:
+        raise LinrecError(f"--seeds {args.seeds}: at most {MAX_SEEDS} seeds (each runs both programs over every "
+                          f"feature count); ask for fewer")
     if args.seeds is not None and not args.against:
         raise LinrecError("--seeds goes with --against (the seeds it averages); leave it out")
     if args.grad and args.state_dtype == BFLOAT16:

@@ -521,3 +521,15 @@ def test_bench_serving_options_and_their_errors(cache_dir, capsys):
     assert "add --shapes serving" in capsys.readouterr().err
     assert main(["bench", str(EXAMPLES / "gla.lin"), "--shapes", "serving", "--requests", "9", "--pool", "8"]) == 1
     assert "--requests 9 is more than the pool's 8 slots" in capsys.readouterr().err
+
+
+def test_threads_beyond_the_kernels_most_are_taken_as_that_many(monkeypatch):
+    """--threads 99999999999999999999 reached machine.fma_peak (OverflowError: an internal error); it is clamped
+    to c_build.MAX_THREADS as LINREC_NUM_THREADS and threads(n) are, and the report says the count used."""
+    from linrec import bench
+    from linrec.c import build as c_build
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    monkeypatch.setattr(bench, "_auto_choices", lambda *args: [])  # (no form="auto" measurement needed here)
+    plan = bench.make_plan(rec, bench.Options(file="gla.lin", tokens=[16], threads=99999999999999999999,
+                                              backends=["numpy"], forms=["recurrent"], quick=True))
+    assert (plan.threads, plan.threads_from) == (c_build.MAX_THREADS, "--threads")

@@ -342,6 +342,34 @@ def test_a_dim_above_the_size_limit_is_refused_by_every_command(size, tmp_path, 
     assert linrec.dim_option.dims_with_overrides(linrec.load(gla).program, [("dv", 2**31 - 1)])["dv"] == 2**31 - 1
 
 
+BEYOND_INT64 = "99999999999999999999"
+
+
+@pytest.mark.parametrize("option", [["--tokens", BEYOND_INT64], ["--batch", BEYOND_INT64], ["--heads", BEYOND_INT64],
+                                    ["--tokens", str(2**31)], ["--cu-seqlens", f"0,{BEYOND_INT64}"]])
+def test_a_count_above_the_size_limit_is_an_error_not_a_bug(option, tmp_path, capsys):
+    """Integers beyond int64 were an internal error (NumPy's 'Maximum allowed dimension exceeded', exit 2)."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    assert main(["run", gla, "-q", *option]) == 1
+    err = capsys.readouterr().err
+    assert f"{option[0]} {option[1].split(',')[-1]} is too large: sizes go up to 2147483647" in err, err
+    assert "make it smaller" in err and "internal error" not in err
+    retnet = str(next(p for p in EXAMPLES if p.stem == "retnet"))
+    assert main(["emit", retnet, "--backend", "c", "--standalone", "--out", str(tmp_path / "d"), "--heads",
+                 BEYOND_INT64]) == 1
+    assert f"--heads {BEYOND_INT64} is too large" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+    assert main(["bench", gla, "--quick", "--T", BEYOND_INT64]) == 1
+    assert f"--T {BEYOND_INT64} is too large" in capsys.readouterr().err
+
+
+def test_verify_seeds_has_an_upper_bound(capsys):
+    """--seeds 99999999999999999999 ran on without end; it is refused up front, saying the bound."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    assert main(["verify", gla, "--seeds", BEYOND_INT64]) == 1
+    assert f"--seeds {BEYOND_INT64}: at most 1000 seeds" in capsys.readouterr().err
+
+
 def test_a_header_dimension_above_the_size_limit_is_an_error_at_its_place(tmp_path, capsys):
     path = tmp_path / "big.lin"
     source = next(p for p in EXAMPLES if p.stem == "gla").read_text().replace("dk = 16", "dk = 99999999999999999999")
