@@ -346,12 +346,18 @@ def checked_sizes(program: ir.Program, sizes: dict | None) -> dict[str, int]:
         if name not in known:
             raise RuntimeInputError(f"'{program.name}' has no dimension '{name}'; its dimensions are "
                                     f"{', '.join(sorted(known)) or 'none'}")
-        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
-            raise RuntimeInputError(f"dimension {name} must be a whole number ≥ 1 (an int), got {size!r}")
-        if size > SIZE_LIMIT:
-            raise RuntimeInputError(too_large(f"dimension {name} = {size}"))
-        out[name] = int(size)
+        out[name] = checked_size(f"dimension {name}", size)
     return out
+
+
+def checked_size(what: str, size) -> int:
+    """A size asked for by number (a dimension, or random_inputs' batch, tokens and heads) as a Python int: a
+    whole number ≥ 1 — a Python or NumPy int, not a bool or a float — and at most SIZE_LIMIT."""
+    if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise RuntimeInputError(f"{what} must be a whole number ≥ 1 (an int), got {size!r}")
+    if size > SIZE_LIMIT:
+        raise RuntimeInputError(too_large(f"{what} = {size}"))
+    return int(size)
 
 
 def check_given_params(program: ir.Program, given: dict, shape: CallShape, dims: dict) -> dict[str, np.ndarray]:
@@ -518,9 +524,17 @@ def random_inputs(program: ir.Program, batch: int, tokens: int, heads: int, dims
                   dtype=np.float64, seed: int = 0, decay_scale: float = 1.0) -> dict[str, np.ndarray]:
     """Seeded inputs that fit each input's declared role: intervals are sampled inside, one-sided bounds
     (log-decays ≤ 0, step sizes > 0) get magnitudes scaled by `decay_scale`, the rest is standard normal."""
+    # (the sizes, dimensions and dtype by run's rules: arrays that run would refuse are not made)
+    batch, tokens, heads = (checked_size(what, n) for what, n in (("batch", batch), ("tokens", tokens),
+                                                                   ("heads", heads)))
+    dims = {d.name: d.default for d in program.dims} | checked_sizes(program, dims)
+    try:
+        dtype = np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise RuntimeInputError(f"dtype {dtype!r} is not a NumPy dtype; pass float32 or float64") from None
+    if dtype.type not in FLOAT_DTYPES:
+        raise RuntimeInputError(f"dtype {dtype}: the inputs run takes are float32 or float64; pass one of them")
     rng = np.random.default_rng(seed)
-    known = {d.name: d.default for d in program.dims}  # (sizes of other names are ignored here, as they were)
-    dims = known | checked_sizes(program, {name: n for name, n in dims.items() if name in known})
     out = {}
     for x in program.inputs:
         size = (batch, tokens, heads) + tuple(dims[d] for d in x.shape)

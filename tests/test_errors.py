@@ -363,6 +363,30 @@ def test_dims_above_the_size_limit_are_refused_at_call_time():
             call()
 
 
+@pytest.mark.parametrize("call, message", [
+    (dict(tokens=-1), "tokens must be a whole number ≥ 1 (an int), got -1"),
+    (dict(tokens=2.5), "tokens must be a whole number ≥ 1 (an int), got 2.5"),
+    (dict(batch=0), "batch must be a whole number ≥ 1 (an int), got 0"),
+    (dict(heads=True), "heads must be a whole number ≥ 1 (an int), got True"),
+    (dict(heads=2**31), "heads = 2147483648 is too large: sizes go up to 2147483647"),
+    (dict(dtype=np.float16), "dtype float16: the inputs run takes are float32 or float64"),
+    (dict(dtype=np.int64), "dtype int64: the inputs run takes are float32 or float64"),
+    (dict(dtype="nope"), "dtype 'nope' is not a NumPy dtype; pass float32 or float64"),
+    (dict(dims={"zz": 1}), "'t' has no dimension 'zz'; its dimensions are dk, dv"),
+])
+def test_random_inputs_checks_what_run_checks(call, message):
+    """random_inputs(2, -1, 3) was NumPy's ValueError, tokens=2.5 a TypeError; float16 or int64 arrays, which
+    run refuses, came back, and an unknown dimension was ignored where run refuses it."""
+    rec = linrec.compile(HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n", FILE)
+    with pytest.raises(RuntimeInputError) as info:
+        rec.random_inputs(**{"batch": 1, "tokens": 2, "heads": 1} | call)
+    assert str(info.value).startswith(f"error: {message}"), str(info.value)
+    x = rec.random_inputs(np.int64(1), 2, 1, dims={"dk": np.int32(5)}, dtype=np.float32)
+    assert x["q"].shape == (1, 2, 1, 5) and x["q"].dtype == np.float32
+    with pytest.raises(RuntimeInputError, match="every size must be at least 1"):  # (run refuses B, T, H of 0 too)
+        rec.run({name: value[:, :0] for name, value in x.items()})
+
+
 def test_reading_an_output():
     src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\noutput p = sum(o)\n"
     check(compile_error(src), src, where(src, 6, "o)"), "'o' is an output and cannot be read")
