@@ -174,6 +174,7 @@ class Recurrence:
         `state_dtype="bfloat16"` (float32 inputs): initial and returned states are uint16 arrays of bfloat16
         bits, widened to float32 at entry and rounded at exit (backends/bf16_state.py)."""
         given = arrays.inputs_by_name(inputs, named_inputs)
+        arrays.require_dicts(initial_state=initial_state, params=params)
         if bf16_state.resolve(state_dtype, given):
             result = self.run(given, form=form, backend=backend, params=params,
                               initial_state=bf16_state.widen(self.program, initial_state, "initial state"),
@@ -305,6 +306,7 @@ class Recurrence:
             raise RuntimeInputError("vjp takes no cu_seqlens: packed variable-length batches have no backward; "
                                     "call vjp once per sequence (inputs [1, len_i, H, *]), or pass sequences of "
                                     "one length as the rows of [B, T, H, *]")
+        arrays.require_dicts(grad_final_state=grad_final_state, initial_state=initial_state, params=params)
         return gradients.vjp(self, inputs, grad_outputs, form=form, backend=backend,
                              grad_final_state=grad_final_state, initial_state=initial_state, params=params,
                              dims=dims, chunk_size=chunk_size, missing=missing)
@@ -323,6 +325,7 @@ class Recurrence:
         (checkpoints and last states too). `state_every`, `keep_last`, `cu_seqlens` and `state_dtype` as in
         run()."""
         given = arrays.inputs_by_name(inputs, named_inputs)
+        arrays.require_dicts(initial_state=initial_state, params=params)
         state = dict(initial_state or {})
         offsets = serving.check_cu_seqlens(cu_seqlens)
         if self._log_scales and given:
@@ -351,6 +354,8 @@ class Recurrence:
         widened to float32 for the step and rounded back (backends/bf16_state.py)."""
         _require_causal(self)
         bits = state_dtype is not None and bf16_state.resolve(state_dtype, dict(token_inputs)) is not None
+        if slots is not None or bits:  # (a pool that is no dict has slot_pool's own message)
+            arrays.require_dicts(state=None if slots is not None else state, params=params, out=out)
         if slots is not None:
             return slot_pool.step(self, token_inputs, state, slots, backend, params, out, bits)
         if bits:
@@ -367,6 +372,7 @@ class Recurrence:
                 return stepper(token_inputs, state, inplace, out)
             except RuntimeInputError:
                 pass  # new sizes or dtype, or a bad array: check everything again below (and say what is wrong)
+        arrays.require_dicts(state=state, params=params, out=out)  # (after the fast path: it costs the loop nothing)
         if self.decomposition.sequence is not None:
             return _cache_step(self, token_inputs, state, backend, params)
         checked, shape, module, dims, used = self._token_call(token_inputs, backend, params, state)
@@ -453,6 +459,7 @@ class Recurrence:
         place between calls (it is checked every call). `state_dtype="bfloat16"`: as in step()."""
         _require_causal(self)
         bits = state_dtype is not None and bf16_state.resolve(state_dtype, dict(token_inputs)) is not None
+        arrays.require_dicts(state=None if slots is not None else state, params=params, out=out)
         if slots is not None:
             return slot_pool.bind(self, token_inputs, state, slots, backend, params, out, bits)
         if self.decomposition.sequence is not None:

@@ -38,6 +38,20 @@ def by_name(value, what: str) -> dict:
     return dict(value)
 
 
+# what each optional dict argument holds arrays of, by name: "initial_state must be a dict of state name → array"
+_DICT_KEYS = {"initial_state": "state", "state": "state", "grad_final_state": "state", "params": "parameter",
+              "out": "output"}
+
+
+def require_dicts(**given) -> None:
+    """Optional dict arguments (initial_state=, state, params=, out= …): each None or a dict, else an error
+    naming the argument and what it holds, rather than an AttributeError deep inside the call."""
+    for what, value in given.items():
+        if value is not None and not isinstance(value, Mapping):
+            raise RuntimeInputError(f"{what} must be a dict of {_DICT_KEYS[what]} name → array, got a "
+                                    f"{type(value).__name__}")
+
+
 def inputs_by_name(inputs, named: dict) -> dict:
     """run()'s and prefill()'s inputs: the dict and the keywords together, none given in both."""
     given = by_name(inputs, "inputs")

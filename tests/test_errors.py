@@ -711,6 +711,38 @@ def test_inputs_given_as_a_list_or_twice(delta):
         rec.vjp(x, [np.ones((2, 3, 2, 4))])
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_states_params_and_outs_given_as_a_list(backend):
+    """rec.run(x, initial_state=[1, 2]) was an AttributeError ('list' object has no attribute 'items'), as were
+    step's, prefill's, bind_step's and vjp's state dicts and params= given as lists."""
+    rec = linrec.compile(HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n", FILE)
+    x = rec.random_inputs(1, 2, 1)
+    token = {name: value[:, 0] for name, value in x.items()}
+    state = rec.prefill(x, backend=backend).final_state
+    calls = {
+        "initial_state must be a dict of state name → array, got a list": [
+            lambda: rec.run(x, backend=backend, initial_state=[1, 2]),
+            lambda: rec.prefill(x, backend=backend, initial_state=[1, 2]),
+            lambda: rec.vjp(x, {"o": np.ones((1, 2, 1, 3))}, backend=backend, initial_state=[1, 2])],
+        "state must be a dict of state name → array, got a tuple": [
+            lambda: rec.step(token, (1, 2), backend=backend),
+            lambda: rec.bind_step(token, (1, 2), backend=backend)],
+        "params must be a dict of parameter name → array, got a list": [
+            lambda: rec.run(x, backend=backend, params=[1]),
+            lambda: rec.step(token, state, backend=backend, params=[1]),
+            lambda: rec.vjp(x, {"o": np.ones((1, 2, 1, 3))}, backend=backend, params=[1])],
+        "grad_final_state must be a dict of state name → array, got a list": [
+            lambda: rec.vjp(x, {"o": np.ones((1, 2, 1, 3))}, backend=backend, grad_final_state=[1])],
+        "out must be a dict of output name → array, got a list": [
+            lambda: rec.step(token, state, backend=backend, out=[1])],
+    }
+    for message, tries in calls.items():
+        for call in tries:
+            with pytest.raises(RuntimeInputError) as info:
+                call()
+            assert str(info.value) == f"error: {message}"
+
+
 def test_a_param_others_are_computed_from_is_checked_first():
     """Mamba-2's A = −exp(A_log): a string, a dict or a wrong shape for A_log is the usual error, not NumPy's
     (it met them inside the default of A); A_log = +∞ is the caller's value, so A = −∞ (a reset at every
