@@ -185,6 +185,14 @@ def _check_finite(rec, inputs, params, state0, outputs, final, grads) -> None:
     if bad is None or not all(map(all_finite, [*inputs.values(), *params.values(), *state0.values()])):
         return  # (finite results; or non-finite in, non-finite out: docs/guarantees.md)
     what, name = bad
+    value = np.asarray((outputs if what == "output" else final)[name])
+    if not np.isinf(value).any():  # NaN only: most often a builtin outside its domain, not an overflow
+        raise RuntimeInputError(f"the {what} '{name}' of the statements as written is NaN for these (finite) "
+                                f"arguments (first at index {np.argwhere(np.isnan(value))[0].tolist()}), so it has no "
+                                f"gradient there: a builtin outside its domain — sqrt or log of a negative value, "
+                                f"0/0 — or an overflow (∞ − ∞). Keep the arguments in the domain, e.g. declare the "
+                                f"range an input must keep (`input v[dv] >= 0`), or, for an overflow, scale the "
+                                f"inputs down or run in float64")
     raise RuntimeInputError(f"the {what} '{name}' of the statements as written is not finite for these (finite) "
                             f"arguments: the backward differentiates the statements as written — for exponential "
                             f"feature maps, without the stabilization of the forward forms — and they overflow "

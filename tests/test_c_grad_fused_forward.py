@@ -128,6 +128,20 @@ def test_an_output_that_overflows_from_finite_arguments_is_refused(recs):
     assert not np.all(np.isfinite(got.outputs["o"]))
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_an_output_that_is_nan_from_finite_arguments_names_the_domain_not_an_overflow(backend):
+    """sqrt of a random (negative) value: NaN with no overflow anywhere; the error said 'they overflow here;
+    scale the inputs down', which sends the user the wrong way."""
+    rec = linrec.compile("recurrence t(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                         "S = S + k⊗v\noutput o = q·S + sqrt(v)\n", "partnan.lin")
+    x = rec.random_inputs(1, 4, 1, seed=0)
+    assert (x["v"] < 0).any()
+    with pytest.raises(linrec.RuntimeInputError, match="is NaN for these \\(finite\\) arguments \\(first at index "
+                                                       "\\[0, 0, 0, [0-3]\\]\\).*a builtin outside its domain"):
+        with np.errstate(invalid="ignore"):
+            rec.vjp(x, {"o": np.ones((1, 4, 1, 4))}, backend=backend)
+
+
 @pytest.mark.parametrize("form", ["recurrent", "chunkwise"])
 def test_the_emitted_module_runs_on_its_own(recs, form):
     """`linrec emit --grad --backend c` prints a module that calls fused_forward where the program fits it: the
