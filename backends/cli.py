@@ -24,6 +24,7 @@ import os
 import sys
 import textwrap
 import traceback
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -1278,6 +1279,16 @@ def _say_output_failed(err: OSError) -> None:
         pass
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """linrec's own warnings (their text starts "linrec: ") as the command's other messages are, one line on
+    stderr — not with the Python file and source line that raised them; any other warning as Python shows it."""
+    text = str(message)
+    if text.startswith(f"{PROG}: "):
+        print(f"{PROG}: warning: {text[len(PROG) + 2:]}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 def main(argv: list[str] | None = None) -> int:
     if sys.stdout is None:
         sys.stdout = _ClosedOutput()
@@ -1295,8 +1306,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 1
     try:
-        _refuse_oversized(args)
-        status = args.handler(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            _refuse_oversized(args)
+            status = args.handler(args)
         sys.stdout.flush()  # a closed pipe shows up here, inside the handling below
         return status
     except LinrecError as err:

@@ -232,6 +232,9 @@ def test_cli_run_with_a_cache_that_is_a_file(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert str(blocker) in res.stderr and "LINREC_CACHE_DIR" in res.stderr and "internal error" not in res.stderr
+    # one line, as the command's other messages (not Python's file:line and the source line that warned)
+    assert res.stderr.splitlines() == [line for line in res.stderr.splitlines() if line.startswith("linrec: warning: ")]
+    assert len(res.stderr.splitlines()) == 1, res.stderr
     assert blocker.read_text() == "a file\n"
     assert not list(tmp.iterdir())  # the private kernels removed at exit
 
