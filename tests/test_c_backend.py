@@ -321,8 +321,7 @@ def test_bind_step_rejects_what_it_cannot_bind(linrec):
     state = {"S": np.zeros((1, 2, DIMS["dk"], DIMS["dv"]))}
     with pytest.raises(RuntimeInputError, match="state arrays in place"):
         rec.bind_step(token, None, backend="c")
-    with pytest.raises(RuntimeInputError, match="input 'q' must be a C-contiguous"):  # a copy would not be refilled
-        rec.bind_step({**token, "q": np.asfortranarray(np.repeat(token["q"], 2, 0))[:1]}, state, backend="c")
+    # (a token buffer in another layout is read every call: test_reliability's …_of_any_layout_every_call)
     with pytest.raises(RuntimeInputError, match="C-contiguous"):
         rec.bind_step(token, {"S": state["S"].astype(np.float32)}, backend="c")
     soft = linrec.load(EXAMPLES / "softmax.lin")

@@ -158,6 +158,24 @@ def test_binding_needs_every_state(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["fortran", "strided", "big-endian"])
+def test_a_bound_step_reads_token_buffers_of_any_layout_every_call(backend, layout):
+    """Token buffers the C kernel cannot read where they lie are copied every call, so their refills reach the
+    step as on NumPy (C refused them: 'must be a C-contiguous float64 array … to be bound')."""
+    rec = linrec.compile(GATED, "gated.lin")
+    x = rec.random_inputs(2, 4, 3, seed=5)
+    reference = rec.run(x, form="recurrent").outputs["o"]
+    make = {"fortran": np.asfortranarray, "big-endian": lambda a: a.astype(a.dtype.newbyteorder(">")),
+            "strided": lambda a: np.repeat(a, 2, axis=-1)[..., ::2]}[layout]
+    tokens = {k: make(np.ascontiguousarray(v[:, 0])) for k, v in x.items()}
+    step = rec.bind_step(tokens, {"S": np.zeros((2, 3, 4, 3))}, backend=backend)
+    for t in range(4):
+        for k in tokens:
+            tokens[k][...] = x[k][:, t]
+        np.testing.assert_allclose(step()["o"], reference[:, t], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_state_not_given_starts_from_zeros(backend):
     rec = linrec.compile(GATED, "gated.lin")
     token = _token(rec)

@@ -175,20 +175,30 @@ class Stepper:
         if missing:
             out.update((name, aligned_empty(shp, self._dtype)) for name, shp in missing)
             self._arguments(token_inputs, bound, True, out)
+        # a token buffer the kernel cannot read where it lies (strided, Fortran order, the other byte order) is
+        # copied into the kernel's own buffer every call, so that refills in place reach the step as on NumPy
+        refills = []
         for name, arr in zip(self._in_names + self._st_names, self._seen):  # (inputs, then states, are seen first)
             given = token_inputs.get(name) if name in self._in_names else bound.get(name)
-            if arr is not given:
-                what = f"input '{name}'" if name in self._in_names else f"state '{name}'"
-                kind = "uint16 (bfloat16 bits)" if arr.dtype == arrays.BFLOAT16_BITS else self._dtype
-                label = f"token_inputs[{name!r}]" if name in self._in_names else f"state[{name!r}]"
-                raise RuntimeInputError(f"{what} must be a C-contiguous {kind} array of shape "
-                                        f"{list(arr.shape)} to be bound: the step reads it in place every call"
-                                        f"{arrays.byte_order_hint(given, label)}")
+            if arr is given:
+                continue
+            if name in self._in_names and isinstance(given, np.ndarray) and given.shape == arr.shape \
+                    and given.dtype.newbyteorder("=") == arr.dtype:
+                refills.append((arr, given))
+                continue
+            what = f"input '{name}'" if name in self._in_names else f"state '{name}'"
+            kind = "uint16 (bfloat16 bits)" if arr.dtype == arrays.BFLOAT16_BITS else self._dtype
+            label = f"token_inputs[{name!r}]" if name in self._in_names else f"state[{name!r}]"
+            raise RuntimeInputError(f"{what} must be a {'' if name in self._in_names else 'C-contiguous '}{kind} "
+                                    f"array of shape {list(arr.shape)} to be bound: the step reads it every call"
+                                    f"{arrays.byte_order_hint(given, label)}")
         state.update(adopted)
         fn, call = self._packed_fn, self._packed_call()
         refused = self._refused
 
         def step():
+            for own, given in refills:
+                np.copyto(own, given)
             rc = fn(call)
             if rc:
                 refused(rc, token_inputs)
