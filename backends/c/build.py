@@ -66,9 +66,9 @@ except ImportError:  # Windows: no locks; a clear may then delete a build in pro
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 CTYPE_BYTES = {"float": 4, "double": 8}
 
-_NO_COMPILER = ("no C compiler found (looked for $CC, cc, gcc and clang): the C backend needs one to build "
-                "its kernels; install gcc (with OpenMP) or use the NumPy backend (backend='numpy'), which "
-                "still works")
+_NO_COMPILER = ("no C compiler found ({looked}): the C backend needs one to build its kernels; install gcc "
+                "(with OpenMP; and Python's headers, python3-dev on Debian or Ubuntu) or use the NumPy backend "
+                "(backend='numpy'), which still works")
 _BUILD_ATTEMPTS = 3  # builds of one kernel whose directory a concurrent clear deleted, before giving up
 _loaded: dict[str, object] = {}  # build key → the extension loaded in this process
 _lock = threading.Lock()
@@ -93,7 +93,9 @@ def compiler() -> str:
         path = shutil.which(c.split()[0]) if c.strip() else None
         if path:
             return path
-    raise LinrecError(_NO_COMPILER)
+    looked = f"CC={os.environ['CC']!r} is not on PATH; set CC to a compiler, or unset it" if os.environ.get("CC") \
+        else "looked for cc, gcc and clang on PATH"
+    raise LinrecError(_NO_COMPILER.format(looked=looked))
 
 
 @lru_cache(maxsize=None)
