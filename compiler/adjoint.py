@@ -55,7 +55,8 @@ class Einsum(ir.Apply):
 @dataclass(frozen=True)
 class Vjp(ir.Apply):
     """The vector–Jacobian product of the builtin `function` at args[0] with upstream gradient args[1] (for
-    "pow", args[2] is the exponent): the gradient with respect to args[0]. `site` names the call in the
+    "pow", args[2] is the exponent; "pow_exponent", the gradient of a^b with respect to b: args (a, g, b, a^b)):
+    the gradient with respect to args[0] (args[2] for "pow_exponent"). `site` names the call in the
     program, for the error where the builtin has no derivative."""
 
     site: str = ""
@@ -344,8 +345,8 @@ class _Sweep:
         elif e.op == "pow":
             # ∂(a^b)/∂a = b·a^(b−1), checked at a = 0 by the backend (an infinite slope for b < 1)
             self.grad(a, _fit(Vjp(e.shape, "pow", (a, g, b), site=self.site(e)), a.shape))
-            # ∂(a^b)/∂b = a^b·log(a)
-            self.grad(b, _fit(_arith("mul", _arith("mul", g, e), ir.Apply(a.shape, "log", (a,))), b.shape))
+            # ∂(a^b)/∂b = a^b·log(a), and 0 at a = 0 for b ≥ 0 (where a^b·log(a) is 0·(−∞): PyTorch's choice)
+            self.grad(b, _fit(Vjp(e.shape, "pow_exponent", (a, g, b, e)), b.shape))
         else:
             raise TypeError(f"internal error: no derivative rule for the operator {e.op}")
 

@@ -37,7 +37,7 @@ INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one",
 # the builtins they import from linrec.numpy.vjp.
 INTERNAL |= {"backward", "grad_outputs", "grad_final_state", "derived_params", "grads", "unbroadcast", "own_array",
              "in_place", "negated",
-             "vjp_pow", "decay_scan", "decay_scan_backward", "adjoint_checkpoints", "adjoint_recurrent",
+             "vjp_pow", "vjp_pow_exponent", "decay_scan", "decay_scan_backward", "adjoint_checkpoints", "adjoint_recurrent",
              "chunk_checkpoints", "adjoint_chunkwise", "flash_attention", "flash_attention_backward", "parallel_attention",
              "parallel_attention_backward", "pad_to",
              "vjp_lsh_attention", "vjp_lsh_attention_bucketed", "fused_forward", "common_segment"}

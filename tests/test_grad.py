@@ -498,6 +498,27 @@ def test_sqrt_at_zero_names_the_place():
     assert np.all(np.isfinite(rec.vjp(inputs, {"o": np.ones((1, 3, 1, 2))}).grads["k"]))
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_a_power_of_zero_has_gradient_zero_in_its_exponent(backend):
+    """∂(a^e)/∂e = a^e·log a is 0·(−∞) at a = 0: 0 for e ≥ 0 (PyTorch's choice) in every form, where it came out
+    NaN and went into the training step; elsewhere a^e·log a as before (against central differences)."""
+    rec = linrec.compile("recurrence pv(dk = 4, dv = 3)\ninput q[dk], k[dk], v[dv], e[dk]\nstate S[dk, dv]\n"
+                         "S = S + (abs(k)^e)⊗v\noutput o = q·S\n", "pv.lin")
+    x = rec.random_inputs(1, 3, 1, seed=0)
+    x["e"][:] = np.array([2.0, 0.0, 1.5, 3.0])
+    x["k"][0, 1, 0, :2] = 0.0
+    up = {"o": np.random.default_rng(1).standard_normal((1, 3, 1, 3))}
+    loss = lambda e: float(np.sum(up["o"] * rec.run(dict(x, e=e), form="recurrent").outputs["o"]))  # noqa: E731
+    for form in rec.forms:
+        grads = rec.vjp(x, up, form=form, backend=backend).grads["e"]
+        assert np.all(np.isfinite(grads)) and np.all(grads[0, 1, 0, :2] == 0), (form, grads)
+        for index in ((0, 0, 0, 1), (0, 1, 0, 2), (0, 2, 0, 3)):  # away from 0: the derivative itself
+            step = np.zeros_like(x["e"])
+            step[index] = 1e-6
+            fd = (loss(x["e"] + step) - loss(x["e"] - step)) / 2e-6
+            assert abs(grads[index] - fd) <= 1e-6 * max(1.0, abs(fd)), (form, index, grads[index], fd)
+
+
 def test_subgradients_at_zero():
     """abs and relu at 0: subgradient 0; norm of the zero vector: 0."""
     rec = linrec.compile("recurrence r(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"

@@ -46,7 +46,7 @@ class AdjointPrinter(NumpyPrinter):
         if isinstance(e, Vjp):
             helper = f"vjp_{e.function}"
             self.helpers.add(helper)
-            if e.function == "pow":  # elementwise with a scalar base or exponent: align the element axes
+            if e.function in ("pow", "pow_exponent"):  # elementwise with a scalar base or exponent: align the axes
                 rank = len(e.shape)
                 args = ", ".join(self._expand(a, rank) or self(a) for a in e.args)
             else:

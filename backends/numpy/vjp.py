@@ -155,6 +155,14 @@ def vjp_pow(x, g, p, site=""):
     return g * slope
 
 
+def vjp_pow_exponent(x, g, p, power):
+    """∂(x^p)/∂p = x^p·log(x) (`power` is x^p); at x = 0 with p ≥ 0, 0 (x^p·log x is 0·(−∞) there, and x^p stays
+    0 or 1 whatever p ≥ 0 does: PyTorch's choice) instead of NaN."""
+    x, g, p, power = np.broadcast_arrays(x, g, p, power)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where((x == 0) & (p >= 0), 0.0, g * power * np.log(x))
+
+
 def vjp_abs(x, g):
     return g * np.sign(x)  # subgradient 0 at 0
 
