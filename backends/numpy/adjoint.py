@@ -29,10 +29,11 @@ class AdjointPrinter(NumpyPrinter):
     """NumpyPrinter for derivative expressions: adjoints by name (`grad(node)`), contractions as einsum with
     the leading axes broadcast, builtins' vector–Jacobian products as calls of linrec.numpy.vjp."""
 
-    def __init__(self, ref, grad, seq=None):
+    def __init__(self, ref, grad, seq=None, token: str | None = None):
         super().__init__(ref)
         self.grad = grad
         self.seq = seq  # seq(x) → the code of x at the visible positions (programs that read the sequence)
+        self.token = token  # the token's index where the code runs token by token ([B, H, *] arrays), else None
 
     def _p(self, e: ir.Expr):
         if isinstance(e, GradRef):
@@ -53,7 +54,7 @@ class AdjointPrinter(NumpyPrinter):
                 args = ", ".join(self(a) for a in e.args)
             args += "".join(f", {k}={float(v)!r}" for k, v in e.options)
             if e.function in _SITED:
-                args += f", site={e.site!r}"
+                args += f", site={e.site!r}" + (f", token={self.token}" if self.token else "")
             return f"{helper}({args})", ATOM
         return super()._p(e)
 
@@ -110,7 +111,7 @@ class BackwardEmitter:
         def seq(arg: ir.Expr) -> str:
             index = next(a.step.index for a in self.adjoint.sequences if a.step.arg == arg)
             return f"{self.seq_vars[index][0]}[:, :, keys]"
-        return AdjointPrinter(ref, lambda g: self.grad_name(g, token_index), seq)
+        return AdjointPrinter(ref, lambda g: self.grad_name(g, token_index), seq, token_index)
 
     def grad_name(self, g: GradRef, token_index: str | None) -> str:
         if g.kind == "temp":

@@ -100,10 +100,14 @@ def unbroadcast(g, shape):
     return g.sum(axis=ones, keepdims=True) if ones else g
 
 
-def _infinite_slope(where, x, g, site: str, builtin: str) -> None:
+def _infinite_slope(where, x, g, site: str, builtin: str, token=None) -> None:
+    """An error where the slope is infinite and the upstream gradient is not 0, at its [B, T, H, *] index (a
+    backward token by token passes its token: its arrays are [B, H, *])."""
     bad = where & (g != 0)
     if np.any(bad):
         index = [int(i) for i in np.argwhere(bad)[0]]
+        if token is not None:
+            index.insert(1, int(token))
         raise RuntimeInputError(f"{builtin} has no derivative at 0 (its slope is infinite), and the gradient "
                                 f"needs it there: {site}, at index {index} of its argument. Keep the argument away from 0 (e.g. add a small constant)")
 
@@ -138,17 +142,17 @@ def vjp_tanh(x, g):
     return g * (1 - y * y)
 
 
-def vjp_sqrt(x, g, site=""):
+def vjp_sqrt(x, g, site="", token=None):
     x, g = np.broadcast_arrays(x, g)
-    _infinite_slope(x == 0, x, g, site, "sqrt")
+    _infinite_slope(x == 0, x, g, site, "sqrt", token)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(g == 0, 0.0, g / (2 * np.sqrt(np.where(x == 0, 1.0, x))))
 
 
-def vjp_pow(x, g, p, site=""):
+def vjp_pow(x, g, p, site="", token=None):
     """∂(x^p)/∂x = p·x^(p−1); at x = 0: 0 for p = 0 and p ≥ 1, infinite for 0 < p < 1 and p < 0."""
     x, g, p = np.broadcast_arrays(x, g, p)
-    _infinite_slope((x == 0) & (p < 1) & (p != 0), x, g, site, "a power below 1")
+    _infinite_slope((x == 0) & (p < 1) & (p != 0), x, g, site, "a power below 1", token)
     with np.errstate(divide="ignore", invalid="ignore"):
         slope = np.where(p == 0, 0.0, p * np.where(x == 0, 0.0, x) ** (p - 1))
         slope = np.where((x == 0) & (p == 1), 1.0, np.where((x == 0) & (p > 1), 0.0, slope))
