@@ -194,9 +194,11 @@ def _check_finite(rec, inputs, params, state0, outputs, final, grads) -> None:
                                 f"range an input must keep (`input v[dv] >= 0`), or, for an overflow, scale the "
                                 f"inputs down or run in float64")
     raise RuntimeInputError(f"the {what} '{name}' of the statements as written is not finite for these (finite) "
-                            f"arguments: the backward differentiates the statements as written — for exponential "
-                            f"feature maps, without the stabilization of the forward forms — and they overflow "
-                            f"here; scale the inputs down, or run in float64")
+                            f"arguments (first at index {np.argwhere(~np.isfinite(value))[0].tolist()}): the backward "
+                            f"differentiates the statements as written — for exponential feature maps, without the "
+                            f"stabilization of the forward forms — and they overflow here, or a builtin meets a pole "
+                            f"(log of 0, a division by 0); scale the inputs down or run in float64 for an "
+                            f"overflow, keep the arguments away from the pole for the other")
 
 
 def all_finite(value) -> bool:
