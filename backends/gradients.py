@@ -12,6 +12,7 @@ from .compiler import FORMS
 from .compiler.adjoint import GRADIENT_FORMS
 from .compiler.stabilize import stabilized_states
 from .dsl.errors import LinrecError, RuntimeInputError
+from .numpy.vjp import INFINITE_SLOPES
 
 MISSING = ("error", "zero")  # what a missing output gradient is: an error, or zeros when the caller says so
 
@@ -115,10 +116,17 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     final_upstream = _state_gradients(program, grad_final_state, shape, sizes)
     given = set(params or {})
     derived = tuple(p.name for p in program.params if p.name not in given)
-    with np.errstate(all="ignore"):  # (non-finite values are found below, with what they mean)
-        outputs, final, grads = module.backward(checked, used, state0, sizes, upstream, final_upstream, derived,
-                                                chunk_size=None if chunk is None else min(chunk, shape.tokens))
+    slopes = []  # infinite slopes met (linrec.numpy.vjp.INFINITE_SLOPES): an error only where a gradient is not finite
+    reset = INFINITE_SLOPES.set(slopes)
+    try:
+        with np.errstate(all="ignore"):  # (non-finite values are found below, with what they mean)
+            outputs, final, grads = module.backward(checked, used, state0, sizes, upstream, final_upstream, derived,
+                                                    chunk_size=None if chunk is None else min(chunk, shape.tokens))
+    finally:
+        INFINITE_SLOPES.reset(reset)
     _check_finite(rec, checked, used, state0, outputs, final, grads)
+    if slopes and not all(map(all_finite, grads.values())):
+        raise slopes[0]
     return VjpResult(outputs, final, grads, dict(used))
 
 

@@ -522,6 +522,27 @@ def test_a_power_of_zero_has_gradient_zero_in_its_exponent(backend):
             assert abs(grads[index] - fd) <= 1e-6 * max(1.0, abs(fd)), (form, index, grads[index], fd)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_an_infinite_slope_that_a_later_subgradient_stops_is_no_error(backend):
+    """sqrt(relu(k)): at k < 0 sqrt's slope at 0 is infinite, and relu's subgradient 0 below 0 stops it (as in
+    PyTorch); the call failed at the first such point. The gradient is 0 there and the derivative elsewhere
+    (central differences), in every form; where nothing stops it (sqrt(abs(k)) at 0) it is still the error."""
+    rec = linrec.compile("recurrence sr(dk = 4, dv = 3)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                         "S = S + sqrt(relu(k))⊗v\noutput o = q·S\n", "sr.lin")
+    x = rec.random_inputs(1, 3, 1, seed=0)
+    assert (x["k"] < 0).any() and (x["k"] > 0).any()
+    up = {"o": np.random.default_rng(1).standard_normal((1, 3, 1, 3))}
+    loss = lambda k: float(np.sum(up["o"] * rec.run(dict(x, k=k), form="recurrent").outputs["o"]))  # noqa: E731
+    for form in rec.forms:
+        grads = rec.vjp(x, up, form=form, backend=backend).grads["k"]
+        assert np.all(grads[x["k"] < 0] == 0), form
+        for index in map(tuple, np.argwhere(x["k"] > 0)[:3]):
+            step = np.zeros_like(x["k"])
+            step[index] = 1e-7
+            fd = (loss(x["k"] + step) - loss(x["k"] - step)) / 2e-7
+            assert abs(grads[index] - fd) <= 1e-6 * max(1.0, abs(fd)), (form, index, grads[index], fd)
+
+
 def test_subgradients_at_zero():
     """abs and relu at 0: subgradient 0; norm of the zero vector: 0."""
     rec = linrec.compile("recurrence r(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"

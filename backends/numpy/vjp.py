@@ -2,11 +2,15 @@
 vjp_f(x, g) is the gradient with respect to x of Σ g·f(x), over the last axis for the vector builtins.
 
 Where a builtin has no derivative: relu and abs at 0 take the subgradient 0, and norm at the zero vector the
-subgradient 0 (PyTorch's choices). sqrt, and a power below 1, at 0 have an infinite slope: used there with a
-nonzero upstream gradient they raise RuntimeInputError naming the place in the program (`site`).
+subgradient 0 (PyTorch's choices). sqrt, and a power below 1, at 0 have an infinite slope. Used there with a
+nonzero upstream gradient, in a backward linrec runs (gradients.vjp, INFINITE_SLOPES), the slope is ±∞ and
+flows on as in PyTorch, so that a later subgradient can stop it (relu's 0 below 0: sqrt(relu(k))); the call
+fails, with a RuntimeInputError naming the place in the program (`site`), only where a gradient it returns is
+not finite. A backward module run on its own fails at the first such point.
 """
 from __future__ import annotations
 
+import contextvars
 import weakref
 
 import numpy as np
@@ -100,16 +104,27 @@ def unbroadcast(g, shape):
     return g.sum(axis=ones, keepdims=True) if ones else g
 
 
-def _infinite_slope(where, x, g, site: str, builtin: str, token=None) -> None:
-    """An error where the slope is infinite and the upstream gradient is not 0, at its [B, T, H, *] index (a
-    backward token by token passes its token: its arrays are [B, H, *])."""
+# the infinite slopes met by the backward gradients.vjp runs: a list it reads afterwards (None: fail at once)
+INFINITE_SLOPES: contextvars.ContextVar[list | None] = contextvars.ContextVar("linrec_infinite_slopes", default=None)
+
+
+def _infinite_slope(where, x, g, site: str, builtin: str, token=None) -> np.ndarray:
+    """Where the slope is infinite and the upstream gradient is not 0 (returned: the caller puts ±∞ there): the
+    error that names it at its [B, T, H, *] index (a backward token by token passes its token: its arrays are
+    [B, H, *]), noted in INFINITE_SLOPES, or raised when there is none."""
     bad = where & (g != 0)
     if np.any(bad):
         index = [int(i) for i in np.argwhere(bad)[0]]
         if token is not None:
             index.insert(1, int(token))
-        raise RuntimeInputError(f"{builtin} has no derivative at 0 (its slope is infinite), and the gradient "
-                                f"needs it there: {site}, at index {index} of its argument. Keep the argument away from 0 (e.g. add a small constant)")
+        error = RuntimeInputError(f"{builtin} has no derivative at 0 (its slope is infinite), and the gradient "
+                                  f"needs it there: {site}, at index {index} of its argument. Keep the argument "
+                                  f"away from 0 (e.g. add a small constant)")
+        met = INFINITE_SLOPES.get()
+        if met is None:
+            raise error
+        met.append(error)
+    return bad
 
 
 def vjp_sigmoid(x, g):
@@ -125,7 +140,7 @@ def vjp_softplus(x, g):
 
 
 def vjp_relu(x, g):
-    return g * (x > 0)  # subgradient 0 at 0
+    return np.where(x > 0, g, 0.0)  # subgradient 0 at 0; 0 below it whatever g is (an infinite slope's ±∞ too)
 
 
 def vjp_elu(x, g):
@@ -144,19 +159,19 @@ def vjp_tanh(x, g):
 
 def vjp_sqrt(x, g, site="", token=None):
     x, g = np.broadcast_arrays(x, g)
-    _infinite_slope(x == 0, x, g, site, "sqrt", token)
+    infinite = _infinite_slope(x == 0, x, g, site, "sqrt", token)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(g == 0, 0.0, g / (2 * np.sqrt(np.where(x == 0, 1.0, x))))
+        return np.where(infinite, np.copysign(np.inf, g), np.where(g == 0, 0.0, g / (2 * np.sqrt(np.where(x == 0, 1.0, x)))))
 
 
 def vjp_pow(x, g, p, site="", token=None):
     """∂(x^p)/∂x = p·x^(p−1); at x = 0: 0 for p = 0 and p ≥ 1, infinite for 0 < p < 1 and p < 0."""
     x, g, p = np.broadcast_arrays(x, g, p)
-    _infinite_slope((x == 0) & (p < 1) & (p != 0), x, g, site, "a power below 1", token)
+    infinite = _infinite_slope((x == 0) & (p < 1) & (p != 0), x, g, site, "a power below 1", token)
     with np.errstate(divide="ignore", invalid="ignore"):
         slope = np.where(p == 0, 0.0, p * np.where(x == 0, 0.0, x) ** (p - 1))
         slope = np.where((x == 0) & (p == 1), 1.0, np.where((x == 0) & (p > 1), 0.0, slope))
-    return g * slope
+        return np.where(infinite, g * np.copysign(np.inf, p), g * slope)
 
 
 def vjp_pow_exponent(x, g, p, power):
