@@ -434,6 +434,10 @@ class _Resolver:
                 raise LinrecError(f"randn's std must be ≥ 0, got {opts['std']:g}", sp)
             if opts.get("low", 0.0) > opts.get("high", 1.0):
                 raise LinrecError(f"uniform's low ({opts['low']:g}) is above its high ({opts['high']:g})", sp)
+            if kind == "features" and len(self._param_shape) != 2:
+                raise LinrecError(f"random_features draws the rows of a projection matrix, but this param has "
+                                  f"shape {_fmt(self._param_shape)}: declare it as a matrix [features, input size], "
+                                  f"e.g. `param W[m, dk] = random_features(seed=0)`", sp)
             return ir.Random(self._param_shape, kind, int(seed), tuple(opts.items()), span=sp)
         if fn in SEQUENCE:
             return self._sequence_call(e, rec)

@@ -441,6 +441,13 @@ def test_random_defaults_with_impossible_options(default, fragment, message):
     check(compile_error(src), src, where(src, 3, fragment), message)
 
 
+def test_random_features_needs_a_matrix_param():
+    """(was: `check` passed and `run` an internal error, NumPy's 'not enough values to unpack')"""
+    src = HEAD + "param w[dk] = random_features(seed=3)\nstate S[dk, dv]\nS = S + (w*k)⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "random_features"), "random_features draws the rows of a "
+          "projection matrix, but this param has shape [dk]", "e.g. `param W[m, dk] = random_features(seed=0)`")
+
+
 @pytest.mark.parametrize("call", ["l2norm(q, eps=-1)", "groupnorm(q, eps=-0.5)", "rmsnorm(q, eps=-1e-6)"])
 def test_negative_eps_is_refused(call):
     """eps goes under a square root: a negative one gave NaN outputs with a NumPy warning only."""
