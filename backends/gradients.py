@@ -102,7 +102,9 @@ def emit(rec, form: str, backend: str) -> str:
 
 def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str, grad_final_state: dict | None,
         initial_state: dict | None, params: dict | None, dims: dict | None, chunk_size: int | None,
-        missing: str) -> VjpResult:
+        missing: str, wanted: frozenset | None = None) -> VjpResult:
+    """Recurrence.vjp. `wanted`: the inputs, states and params whose gradients the caller uses (linrec.torch:
+    autograd's needs_input_grad); an infinite slope on the way to the others only is no error. None: all."""
     if missing not in MISSING:
         raise RuntimeInputError(f"missing={missing!r}: choose 'error' (every output needs a gradient) or 'zero' "
                                 f"(an output without one has gradient zero)")
@@ -125,7 +127,7 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     finally:
         INFINITE_SLOPES.reset(reset)
     _check_finite(rec, checked, used, state0, outputs, final, grads)
-    if slopes and not all(map(all_finite, grads.values())):
+    if slopes and not all(all_finite(g) for name, g in grads.items() if wanted is None or name in wanted):
         raise slopes[0]
     return VjpResult(outputs, final, grads, dict(used))
 

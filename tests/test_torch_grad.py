@@ -221,6 +221,21 @@ def test_auto_backward_is_chunkwise_on_c_for_large_states_over_long_sequences(mo
     assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("recurrent", "c")
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_an_infinite_slope_on_the_way_to_a_constant_input_is_no_error(backend):
+    """sqrt(abs(k)) at k = 0 with k a constant (no requires_grad): the gradients of q and v exist and are
+    those of gradcheck; the backward refused them, as if k's were needed. With k requiring grad: the error."""
+    rec = linrec.compile("recurrence sq(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                         "S = S + sqrt(abs(k))⊗v\noutput o = q·S\n", "sq.lin")
+    x = rec.random_inputs(batch=1, tokens=3, heads=1, seed=0)
+    x["k"][0, 1, 0, 2] = 0.0
+    k = torch.from_numpy(x["k"])
+    q, v = (torch.from_numpy(x[n]).requires_grad_() for n in ("q", "v"))
+    assert torch.autograd.gradcheck(lambda q, v: linrec.torch.apply(rec, q=q, k=k, v=v, backend=backend)[0], (q, v))
+    with pytest.raises(linrec.RuntimeInputError, match="sqrt has no derivative at 0.*at index \\[0, 1, 0, 2\\]"):
+        linrec.torch.apply(rec, q=q, k=k.clone().requires_grad_(), v=v, backend=backend)[0].sum().backward()
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # (torch.func's own)
 def test_what_autograd_cannot_reach_is_refused_with_its_reason():
     """Forward mode (which would carry zero tangents through the op without a word), torch.func's transforms

@@ -27,6 +27,7 @@ from ..api import Recurrence
 from ..compiler import FORMS
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError
+from .. import gradients
 from ..gradients import AUTO_ORDER, gradient_refusal, leads_with_chunkwise
 from .convert import to_array, to_tensor
 
@@ -69,7 +70,9 @@ def schema(rec: Recurrence, argument) -> str:
     tensors += [f"Tensor? {argument('dstate', s.name, i)}" for i, s in enumerate(program.states)]
     count = len(program.inputs) + len(program.states) + len(program.params)
     returns = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
-    return f"({', '.join(tensors)}, *, SymInt[] sizes, str form, str backend, int? chunk_size) -> {returns}"
+    # needed: autograd's needs_input_grad, one per input, state and param (an infinite slope on the way to
+    # one that needs none is no error: gradients.vjp's `wanted`)
+    return f"({', '.join(tensors)}, *, SymInt[] sizes, str form, str backend, int? chunk_size, bool[] needed) -> {returns}"
 
 
 def _split(program, tensors: tuple) -> tuple[tuple, tuple, tuple, tuple, tuple]:
@@ -88,7 +91,7 @@ def kernel(rec: Recurrence):
     tensors."""
     program = rec.program
 
-    def backward_kernel(*tensors, sizes, form, backend, chunk_size):
+    def backward_kernel(*tensors, sizes, form, backend, chunk_size, needed):
         inputs, states, params, grad_outputs, grad_final = _split(program, tensors)
         arrays = {x.name: to_array(t) for x, t in zip(program.inputs, inputs)}
         state0 = {s.name: to_array(t) for s, t in zip(program.states, states) if t is not None}
@@ -101,9 +104,10 @@ def kernel(rec: Recurrence):
         if form == STEP and reads_the_sequence(rec):
             # the KV cache and the new token as one sequence: only its last position's outputs were returned
             upstream = {name: _at_last(g, tokens) for name, g in upstream.items()}
-        result = rec.vjp(arrays, upstream, form=gradient_form, backend=where, grad_final_state=upstream_final,
-                         initial_state=state0 or None, params=values or None, dims=dims,
-                         chunk_size=chunk_size, missing="zero")
+        names = [x.name for x in program.inputs] + [s.name for s in program.states] + [p.name for p in program.params]
+        result = gradients.vjp(rec, arrays, upstream, form=gradient_form, backend=where, grad_final_state=upstream_final,
+                               initial_state=state0 or None, params=values or None, dims=dims, chunk_size=chunk_size,
+                               missing="zero", wanted=frozenset(n for n, want in zip(names, needed) if want))
         given = [*arrays.values(), *state0.values(), *values.values()]
         grads = []
         for name, t in [*((x.name, t) for x, t in zip(program.inputs, inputs)),
@@ -131,7 +135,7 @@ def fake(rec: Recurrence):
     argument, an empty tensor for an argument that was None."""
     program = rec.program
 
-    def backward_fake(*tensors, sizes, form, backend, chunk_size):
+    def backward_fake(*tensors, sizes, form, backend, chunk_size, needed):
         inputs, states, params, _, _ = _split(program, tensors)
         grads = [t.new_empty(t.shape) if t is not None else inputs[0].new_empty((0,))
                  for t in (*inputs, *states, *params)]
@@ -169,7 +173,7 @@ def autograd_formula(rec: Recurrence, backward_op):
         tensors = [next(saved) if present else None for present in ctx.present]
         if not any(ctx.needs_input_grad[:count]):
             return (None,) * count
-        results = backward_op(*tensors, *grads, **ctx.options)
+        results = backward_op(*tensors, *grads, **ctx.options, needed=list(ctx.needs_input_grad[:count]))
         if isinstance(results, torch.Tensor):
             results = (results,)
         return tuple(g if present and needed else None
