@@ -30,6 +30,9 @@ class VjpResult:
 
 def gradient_refusal(rec, form: str, backend: str) -> str | None:
     """Why the backend does not build the backward of this form of the program, or None."""
+    if form == "step":  # (a forward form of decoding, run token by token: its backward is the recurrent one's)
+        return ("the decode step has no backward of its own: the gradient of tokens run one at a time is the "
+                "recurrent form's over them (form='recurrent'; linrec.torch's form='step' runs that)")
     if form not in FORMS:
         return f"unknown form '{form}'; choose one of {', '.join(FORMS)}"
     refusal = registry.backend(backend).gradient_why_not(rec.compiled, form)

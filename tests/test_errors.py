@@ -776,6 +776,9 @@ def test_unknown_form(delta):
     with pytest.raises(LinrecError) as info:
         rec.run(x, form="sideways")
     assert "unknown form 'sideways'" in str(info.value) and "recurrent" in str(info.value)
+    with pytest.raises(LinrecError) as info:  # a forward form without a backward of its own: said so, not "unknown"
+        rec.vjp(x, None, form="step", missing="zero")
+    assert "the decode step has no backward of its own" in str(info.value) and "form='recurrent'" in str(info.value)
 
 
 @pytest.mark.parametrize("form", ["auto", "chunkwise"])
