@@ -106,7 +106,8 @@ def not_in_place(name: str, arr, dtype, expected: tuple) -> RuntimeInputError:
     return RuntimeInputError(f"state '{name}' must be a writeable C-contiguous "
                              f"{'uint16 (bfloat16 bits)' if bits else np.dtype(dtype)} array of shape "
                              f"{list(expected)} to be updated in place (inplace=True, or a bound step)"
-                             f"{'' if bits else _bits_hint(arr)}{how_it_differs(arr, f'state[{name!r}]', expected, dtype)}")
+                             f"{'' if bits else _bits_hint(arr)}"
+                             f"{how_it_differs(arr, f'state[{name!r}]', expected, dtype)}")
 
 
 def how_it_differs(arr, label: str, shape: tuple, dtype) -> str:
@@ -114,8 +115,9 @@ def how_it_differs(arr, label: str, shape: tuple, dtype) -> str:
     given one is not a writeable C-contiguous ndarray of this shape and dtype."""
     if not isinstance(arr, np.ndarray):
         return f"; {label} is a {type(arr).__name__}, not an ndarray"
-    if byte_order_hint(arr, label) and arr.dtype.newbyteorder("=") == np.dtype(dtype):
-        return byte_order_hint(arr, label)
+    order = byte_order_hint(arr, label)
+    if order and arr.dtype.newbyteorder("=") == np.dtype(dtype):  # (the right dtype but for its byte order)
+        return order
     if arr.dtype != np.dtype(dtype):
         return f"; {label} is {arr.dtype}"
     if arr.shape != tuple(shape):
@@ -141,8 +143,9 @@ def array_kind_hint(arr, label: str) -> str:
     the other byte order (>f8 on a little-endian machine)."""
     if not isinstance(arr, np.ndarray):
         return ""
-    if byte_order_hint(arr, label):
-        return byte_order_hint(arr, label)
+    order = byte_order_hint(arr, label)
+    if order:
+        return order
     if not arr.flags.writeable:
         return f"; {label} is read-only"
     if type(arr) is not np.ndarray:

@@ -431,8 +431,9 @@ def _chunk_size(text: str) -> int | str:
 
 
 # the options that take a size, by dest: each at most SIZE_LIMIT, checked as the command starts (naming the
-# option) so that no size reaches NumPy or a kernel's int, or the loops of emitted C, wrapped or overflowed
-SIZE_OPTIONS = ("dims", "batch", "batches", "tokens", "heads", "cu_seqlens", "requests", "pool")
+# option) so that no size reaches NumPy or a kernel's int, or the loops of emitted C, wrapped or overflowed.
+# (--dim is checked where every command reads it, dims_with_overrides, with the name of its dimension.)
+SIZE_OPTIONS = ("batch", "batches", "tokens", "heads", "cu_seqlens", "requests", "pool")
 
 
 def _refuse_oversized(args) -> None:
@@ -442,11 +443,9 @@ def _refuse_oversized(args) -> None:
         value = getattr(args, action.dest, None)
         if action.dest not in SIZE_OPTIONS or value is None or not action.option_strings:
             continue
-        for item in value if isinstance(value, list) else [value]:
-            name, n = item if isinstance(item, tuple) else (None, item)
+        for n in value if isinstance(value, list) else [value]:
             if isinstance(n, int) and n > SIZE_LIMIT:
-                option = action.option_strings[0]
-                raise LinrecError(too_large(f"{option} {name}={n}" if name is not None else f"{option} {n}"))
+                raise LinrecError(too_large(f"{action.option_strings[0]} {n}"))
 
 
 class _DimOnce(argparse.Action):

@@ -199,19 +199,19 @@ def _check_finite(rec, inputs, params, state0, outputs, final, grads) -> None:
         return  # (finite results; or non-finite in, non-finite out: docs/guarantees.md)
     what, name = bad
     value = np.asarray((outputs if what == "output" else final)[name])
+    index = np.argwhere(~np.isfinite(value))[0].tolist()
+    found = (f"the {what} '{name}' of the statements as written is {{}} for these (finite) arguments (first at "
+             f"index {index})")
     if not np.isinf(value).any():  # NaN only: most often a builtin outside its domain, not an overflow
-        raise RuntimeInputError(f"the {what} '{name}' of the statements as written is NaN for these (finite) "
-                                f"arguments (first at index {np.argwhere(np.isnan(value))[0].tolist()}), so it has no "
-                                f"gradient there: a builtin outside its domain — sqrt or log of a negative value, "
-                                f"0/0 — or an overflow (∞ − ∞). Keep the arguments in the domain, e.g. declare the "
-                                f"range an input must keep (`input v[dv] >= 0`), or, for an overflow, scale the "
-                                f"inputs down or run in float64")
-    raise RuntimeInputError(f"the {what} '{name}' of the statements as written is not finite for these (finite) "
-                            f"arguments (first at index {np.argwhere(~np.isfinite(value))[0].tolist()}): the backward "
-                            f"differentiates the statements as written — for exponential feature maps, without the "
-                            f"stabilization of the forward forms — and they overflow here, or a builtin meets a pole "
-                            f"(log of 0, a division by 0); scale the inputs down or run in float64 for an "
-                            f"overflow, keep the arguments away from the pole for the other")
+        raise RuntimeInputError(found.format("NaN") + ", so it has no gradient there: a builtin outside its domain — "
+                                "sqrt or log of a negative value, 0/0 — or an overflow (∞ − ∞). Keep the arguments in "
+                                "the domain, e.g. declare the range an input must keep (`input v[dv] >= 0`), or, for "
+                                "an overflow, scale the inputs down or run in float64")
+    raise RuntimeInputError(found.format("not finite") + ": the backward differentiates the statements as written — "
+                            "for exponential feature maps, without the stabilization of the forward forms — and "
+                            "they overflow here, or a builtin meets a pole (log of 0, a division by 0); scale the "
+                            "inputs down or run in float64 for an overflow, keep the arguments away from the pole "
+                            "for the other")
 
 
 def all_finite(value) -> bool:
