@@ -93,14 +93,16 @@ def test_column_blocks_and_row_tiles(recs):
     """At dk = 70, dv = 61 (float64) the forward runs its columns in two blocks, the second one partly
     padding, and without corrections its tiles of rows leave a tail of single rows (grad_kernels:
     forward_registers, tile_rows); the tokens go in blocks that end at the checkpoints (T = 37 by 5):
-    the gradients still those of the NumPy recurrent backward to 1e-9 — GLA (the tiled pass) and gated
-    DeltaNet (with corrections: token by token)."""
+    the gradients still those of the NumPy recurrent backward to 1e-9 — GLA (the tiled pass), gated
+    DeltaNet and gdn2 (with corrections: token by token, a decay per token and per row). With corrections
+    the backward's columns go in groups of a register's lanes, then one at a time (LR_GROUPS): 61 columns are
+    7 groups and 5 more in float64, 3 groups and 13 more in float32 (to 5e-4 of float64)."""
     dims = {"dk": 70, "dv": 61}
     s = grad_kernels.Structure("row", 0, 1, (False,), 70, 61, "double", c_build.vector_bytes())
     registers = -(-61 // s.lanes)
     assert grad_kernels.forward_registers(s) < registers and 70 % grad_kernels.tile_rows(s) != 0
     rng = np.random.default_rng(21)
-    for name in ("gla", "gated_deltanet"):
+    for name in ("gla", "gated_deltanet", "gdn2"):
         rec = recs[name]
         x = rec.random_inputs(batch=1, tokens=37, heads=2, dims=dims, seed=21)
         up = {o.name: rng.standard_normal((1, 37, 2, 61)) for o in rec.program.outputs}
@@ -111,6 +113,10 @@ def test_column_blocks_and_row_tiles(recs):
         assert worst_error(got.grads, want.grads) <= 1e-9, name
         assert worst_error(got.outputs, want.outputs) <= 1e-9, name
         assert worst_error(got.final_state, want.final_state) <= 1e-9, name
+        if name != "gla":
+            x32, up32, s32, g32 = ({k: v.astype(np.float32) for k, v in d.items()} for d in (x, up, s0, gT))
+            got = rec.vjp(x32, up32, initial_state=s32, grad_final_state=g32, dims=dims, backend="c", chunk_size=5)
+            assert worst_error(got.grads, want.grads) <= 5e-4, name
 
 
 def test_threads_fewer_and_more_than_the_pairs(recs, monkeypatch):
