@@ -233,6 +233,23 @@ def test_torch_compile_fullgraph():
     assert ops == [model.gla.op.name.replace("::", ".") + ".default"]  # the op, one node
 
 
+def test_compiling_before_the_op_is_registered():
+    """A program's op is registered on its first call, which no graph holds: torch.compile breaks the graph
+    there (and computes what eager does), and with fullgraph=True its error says to register first — Dynamo's
+    own hint, to remove the torch.compiler.disable, points the wrong way."""
+    x = tensors(rec_of("gla").random_inputs(1, 4, 2, dims={"dk": 4, "dv": 4}, seed=1))
+
+    def loss(rec):
+        return lambda q: lt.apply(rec, dict(x, q=q), backend="numpy")[0].sum()
+
+    torch._dynamo.reset()
+    fresh = linrec.load("examples/gla.lin")  # (not registered yet: ops are found by Recurrence)
+    assert torch.allclose(torch.compile(loss(fresh), backend="eager")(x["q"]), loss(fresh)(x["q"]))
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"call linrec\.torch\.op_for\(rec\)"):
+        torch.compile(loss(linrec.load("examples/gla.lin")), fullgraph=True, backend="eager")(x["q"])
+
+
 def test_errors_name_the_argument_and_the_fix():
     rec = rec_of("gla")
     x = tensors(rec.random_inputs(1, 4, 2, dtype=np.float32))

@@ -240,7 +240,8 @@ def test_an_infinite_slope_on_the_way_to_a_constant_input_is_no_error(backend):
 def test_what_autograd_cannot_reach_is_refused_with_its_reason():
     """Forward mode (which would carry zero tangents through the op without a word), torch.func's transforms
     (which would fail inside torch) and a gradient of a gradient (no derived second-order backward) are
-    LinrecErrors that say what to use instead; a first-order gradient under create_graph=True still works."""
+    LinrecErrors that say what to use instead, compiled or not; a first-order gradient under create_graph=True
+    still works."""
     import torch.autograd.forward_ad as forward_ad
 
     rec = linrec.load("examples/gla.lin")
@@ -254,6 +255,15 @@ def test_what_autograd_cannot_reach_is_refused_with_its_reason():
         torch.func.jvp(o_of, (q,), (tangent,))
     with pytest.raises(linrec.LinrecError, match="torch.func's transforms"):
         torch.func.grad(lambda q: o_of(q).sum())(q)
+    # the same where torch.compile traces the transform (its fake tensors are not functorch's wrappers): with
+    # fullgraph=True, the refusal is the reason in torch.compile's message (not torch's error at the op)
+    lt.op_for(rec)
+    torch._dynamo.reset()
+    with pytest.raises(linrec.LinrecError, match="torch.func's transforms"):
+        torch.compile(torch.func.grad(lambda q: o_of(q).sum()), backend="eager")(q)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="torch.func's transforms .* torch.autograd"):
+        torch.compile(torch.func.grad(lambda q: o_of(q).sum()), fullgraph=True, backend="eager")(q)
     with forward_ad.dual_level():
         with pytest.raises(linrec.LinrecError, match="'q' carries a forward-mode tangent"):
             o_of(forward_ad.make_dual(q, tangent))

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.autograd.forward_ad as forward_ad
-from torch._C._functorch import is_functorch_wrapped_tensor
+from torch._C._functorch import is_functorch_wrapped_tensor, peek_interpreter_stack
 
 from ..api import Recurrence
 from ..arrays import check_chunk_size, checked_sizes, refuse_given_twice
@@ -169,18 +169,29 @@ def _bind(sizes: dict, dims: tuple, actual: tuple, where: str) -> None:
         sizes[d] = n
 
 
+TRANSFORMS_REFUSED = ("torch.func's transforms (grad, vmap, jvp, jacrev, …) do not reach linrec's op: differentiate "
+                      "it with torch.autograd (loss.backward(), torch.autograd.grad), and batch over B")
+
+
+@torch.compiler.disable(reason=TRANSFORMS_REFUSED)
+def _refuse_transform() -> None:
+    """The refusal where torch.compile traces a transform: a function it does not trace, so that it runs (or,
+    with fullgraph=True, its reason is torch.compile's message) rather than torch's own error at the op."""
+    raise LinrecError(TRANSFORMS_REFUSED)
+
+
 def _refuse_other_transforms(groups: list[dict[str, torch.Tensor]]) -> None:
     """torch.func's transforms (grad, vmap, jvp, jacrev …) and forward-mode AD have no rule for the op: the
     first fail inside torch, the second would carry zero tangents through it without a word. Refused here.
-    (Not while torch.compile traces: its fake tensors are neither.)"""
+    While torch.compile traces, its fake tensors are neither, but a transform is on functorch's stack."""
     if torch.compiler.is_compiling():
+        if peek_interpreter_stack() is not None:
+            _refuse_transform()
         return
     for tensors in groups:
         for name, t in tensors.items():
             if is_functorch_wrapped_tensor(t):
-                raise LinrecError("torch.func's transforms (grad, vmap, jvp, jacrev, …) do not reach linrec's op: "
-                                  "differentiate it with torch.autograd (loss.backward(), torch.autograd.grad), "
-                                  "and batch over B")
+                raise LinrecError(TRANSFORMS_REFUSED)
             if forward_ad.unpack_dual(t).tangent is not None:
                 raise LinrecError(f"'{name}' carries a forward-mode tangent, and linrec derives reverse-mode "
                                   f"gradients only (vector–Jacobian products): use loss.backward() or "

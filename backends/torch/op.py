@@ -81,7 +81,11 @@ def op_for(rec: Recurrence) -> RecurrenceOp:
     return found if found is not None else _register(rec)
 
 
-@torch.compiler.disable
+# (torch.compile's message for a call in a compiled function says this reason: its own hint, to remove the
+# disable, points the wrong way)
+@torch.compiler.disable(reason="linrec registers a program's op on its first call, which no graph can hold: "
+                               "call linrec.torch.op_for(rec), or make its linrec.torch.Layer, before "
+                               "torch.compile traces it (fullgraph=True needs this)")
 def _register(rec: Recurrence) -> RecurrenceOp:
     program = rec.program
     if not program.inputs:
