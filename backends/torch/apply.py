@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.autograd.forward_ad as forward_ad
-from torch._C._functorch import is_functorch_wrapped_tensor, peek_interpreter_stack
+from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 
 from ..api import Recurrence
 from ..arrays import check_chunk_size, checked_sizes, refuse_given_twice
@@ -183,9 +183,11 @@ def _refuse_transform() -> None:
 def _refuse_other_transforms(groups: list[dict[str, torch.Tensor]]) -> None:
     """torch.func's transforms (grad, vmap, jvp, jacrev …) and forward-mode AD have no rule for the op: the
     first fail inside torch, the second would carry zero tangents through it without a word. Refused here.
-    While torch.compile traces, its fake tensors are neither, but a transform is on functorch's stack."""
+    While torch.compile traces, its fake tensors are neither, but a transform has a level. Asking for it is a
+    graph break inside a transform (torch.compile runs the call eagerly, and this refuses it there); with
+    fullgraph=True, torch.compile's error quotes the line below, hence its comment."""
     if torch.compiler.is_compiling():
-        if peek_interpreter_stack() is not None:
+        if maybe_current_level() is not None:  # torch.func's transforms do not reach linrec's op: use torch.autograd
             _refuse_transform()
         return
     for tensors in groups:
