@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arrays, bf16_state, compiler, form_choice, gradients, registry, serving, slot_pool
+from . import arrays, bf16_state, compiler, float_warnings, form_choice, gradients, registry, serving, slot_pool
 from .c import build as c_build
 from .compiler import Compiled
 from .compiler import ir
@@ -41,6 +41,16 @@ class Result:
     checkpoint_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
+def _warnings_at_program(method):
+    """NumPy's floating-point warnings during the call at the program's place, not the generated code's
+    (float_warnings)."""
+    @functools.wraps(method)
+    def told_at_program(self, *args, **kwargs):
+        with float_warnings.at_program(self.compiled, self._float_warnings):
+            return method(self, *args, **kwargs)
+    return told_at_program
+
+
 class Recurrence:
     """A checked program and its generated forms (built once per backend and form, then reused)."""
 
@@ -55,6 +65,7 @@ class Recurrence:
         self._token_binds: dict[tuple, tuple] = {}
         self._plans: dict[tuple, _CallPlan] = {}  # run()'s plans by call signature (see _signature)
         self._sizes_checked: set[tuple] = set()   # sizes at which the program's constants are finite
+        self._float_warnings: dict = {}  # NumPy's warnings told at the program's place, each once (float_warnings)
 
     @property
     def name(self) -> str:
@@ -160,6 +171,7 @@ class Recurrence:
         registry.backend(backend)  # (an unknown name is an error)
         return form_choice.choose(self, backend, tokens, heads, batch, dims, dtype)
 
+    @_warnings_at_program
     def run(self, inputs: dict | None = None, *, form: str = "auto", backend: str = "numpy",
             params: dict | None = None, initial_state: dict | None = None, chunk_size: int | None = None,
             dims: dict[str, int] | None = None, threads: int | None = None, state_every: int | None = None,
@@ -338,6 +350,7 @@ class Recurrence:
                         dims=dims, state_every=state_every, keep_last=keep_last, cu_seqlens=offsets,
                         state_dtype=state_dtype)
 
+    @_warnings_at_program
     def step(self, token_inputs: dict, state: dict | None, *, backend: str = "numpy",
              params: dict | None = None, inplace: bool = False, out: dict | None = None,
              slots=None, state_dtype=None) -> tuple[dict, dict]:

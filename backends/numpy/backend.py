@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import linecache
 import types
 
 from ..compiler import Compiled
@@ -37,5 +38,8 @@ def module_from_source(source: str, compiled: Compiled, form: str, what: str = "
     module = types.ModuleType(f"linrec_generated_{compiled.name}_{form}")
     module.__dict__["__source__"] = source
     where = f"<linrec {compiled.filename} {form}" + (f" ({what})>" if what else ">")
+    # (its lines for tracebacks and warnings, which quote the line they name: a name in <…> is no file to read
+    # them from; mtime None keeps them through linecache.checkcache)
+    linecache.cache[where] = (len(source), None, source.splitlines(keepends=True), where)
     exec(compile(source, where, "exec"), module.__dict__)
     return module
