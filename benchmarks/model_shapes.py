@@ -140,6 +140,10 @@ def main(argv=None) -> int:
         return run(args.examples, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:  # (an unmatched glob, say results/model_*.json before any run, reaches here as itself)
+        parser.error(f"no such result file: {', '.join(missing)}; `python benchmarks/model_shapes.py run` writes "
+                     f"them into {RESULTS}")
     if args.command == "table":
         print(table(args.files))
         return 0

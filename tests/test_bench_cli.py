@@ -542,3 +542,16 @@ def test_threads_beyond_the_kernels_most_are_taken_as_that_many(monkeypatch):
     plan = bench.make_plan(rec, bench.Options(file="gla.lin", tokens=[16], threads=99999999999999999999,
                                               backends=["numpy"], forms=["recurrent"], quick=True))
     assert (plan.threads, plan.threads_from) == (c_build.MAX_THREADS, "--threads")
+
+
+def test_the_model_grid_scripts_name_a_missing_result_file(tmp_path):
+    """benchmarks/model_shapes.py table/plot before any run (the docs' glob results/model_*.json matches
+    nothing and reaches the script as itself): a usage error that says which file and what writes it, not a
+    FileNotFoundError traceback."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "model_shapes.py"
+    for command in ("table", "plot"):
+        done = subprocess.run([sys.executable, str(script), command, str(tmp_path / "model_*.json")],
+                              capture_output=True, text=True)
+        assert done.returncode == 2, done.stderr
+        assert "no such result file" in done.stderr and "model_shapes.py run" in done.stderr
+        assert "Traceback" not in done.stderr
