@@ -548,7 +548,7 @@ def test_the_model_grid_scripts_name_a_missing_result_file(tmp_path):
     """benchmarks/model_shapes.py table/plot before any run (the docs' glob results/model_*.json matches
     nothing and reaches the script as itself): a usage error that says which file and what writes it, not a
     FileNotFoundError traceback."""
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "model_shapes.py"
+    script = ROOT / "benchmarks" / "model_shapes.py"
     for command in ("table", "plot"):
         done = subprocess.run([sys.executable, str(script), command, str(tmp_path / "model_*.json")],
                               capture_output=True, text=True)
