@@ -169,10 +169,12 @@ def test_a_64_step_bf16_decode_stays_within_tolerance_of_the_float32_one(program
         assert out_err <= TOLERANCE_BF16_STATE, (backend, out_err)
 
 
-def bf16_step_is_the_rounded_float32_step(rec, dims: dict, seed: int) -> str:
+def bf16_step_is_the_rounded_float32_step(rec, dims: dict, seed: int, output_ulps: int = 0) -> str:
     """One C step with a bfloat16 state against the float32 C step from the widened state, rounded after:
-    the bits of the states and the outputs equal (the same float32 arithmetic, one rounding at the end).
-    Returns how the bfloat16 step's kernel holds the state (its generated source tells)."""
+    the bits of the states equal, and those of the outputs (the same float32 arithmetic, one rounding at the
+    end), or they differ by at most `output_ulps` units in the last place of the largest output (float32's
+    eps times it: an output near 0 is a difference of larger terms). Returns how the bfloat16 step's kernel
+    holds the state (its generated source tells)."""
     x = rec.random_inputs(BATCH, 1, HEADS, dims=dims, dtype=np.float32, seed=seed)
     S = (np.random.default_rng(seed).standard_normal((BATCH, HEADS, dims["dk"], dims["dv"])) * 0.5)
     bits = to_bits(S.astype(np.float32))
@@ -180,7 +182,11 @@ def bf16_step_is_the_rounded_float32_step(rec, dims: dict, seed: int) -> str:
     want_out, want = rec.step(token(x, 0), {"S": from_bits(bits)}, backend="c")
     assert np.array_equal(new["S"], to_bits(want["S"]))
     for o in out:
-        assert np.array_equal(out[o].view(np.uint32), want_out[o].view(np.uint32)), o
+        if not output_ulps:
+            assert np.array_equal(out[o].view(np.uint32), want_out[o].view(np.uint32)), o
+        else:
+            scale = np.finfo(np.float32).eps * np.abs(want_out[o]).max()
+            assert np.abs(out[o] - want_out[o]).max() <= output_ulps * scale, o
     source = recurrent_source(rec.compiled, dims, Target("float", c_build.vector_bytes()), True).source()
     return "in the passes" if "lr_bf16_load_vec(row" in source else "widened into a scratch"
 
@@ -192,10 +198,15 @@ def test_the_bf16_step_reads_and_writes_the_bits_in_its_passes_and_equals_the_fl
     assert bf16_step_is_the_rounded_float32_step(programs[name], {"dk": DIMS, "dv": DIMS}, seed=11) == "in the passes"
 
 
-def test_a_bf16_state_with_a_column_tail_is_widened_and_equals_the_float32_step(programs):
+@pytest.mark.parametrize("name, output_ulps", [("gated_deltanet", 0), ("deltanet", 1)])
+def test_a_bf16_state_with_a_column_tail_is_widened_and_equals_the_float32_step(programs, name, output_ulps):
     """dv = 20, not a whole number of registers: the step widens the head into a float32 scratch (the
-    columns past the last register run the float32 step's own loop), bit for bit the float32 step."""
-    got = bf16_step_is_the_rounded_float32_step(programs["gated_deltanet"], {"dk": DIMS, "dv": 20}, seed=12)
+    columns past the last register run the float32 step's own loop): the states bit for bit the float32
+    step's. The same source built as another kernel, gcc may fuse a multiply and an add of the per-token
+    values where the float32 kernel does not (-ffp-contract=fast): deltanet's outputs, read from the
+    unrounded state, come out apart by up to an ulp of the largest one (docs/serving.md says so)."""
+    rec = programs[name] if name in programs else linrec.load(f"examples/{name}.lin")
+    got = bf16_step_is_the_rounded_float32_step(rec, {"dk": 20, "dv": 20}, seed=5, output_ulps=output_ulps)
     assert got == "widened into a scratch"
 
 
