@@ -402,7 +402,8 @@ class Recurrence:
         if inplace and state is not None:
             arrays.check_states_in_place(self.program, state, shape, dims)
         outputs = arrays.token_outputs(self.program, out, shape, dims) if out else None
-        arrays.refuse_shared_outputs(outputs, token_inputs, state)  # (before anything is written)
+        # (before anything is written; with inplace=True, states overlapping each other too)
+        arrays.refuse_shared_outputs(outputs, token_inputs, state, states_written=inplace)
         computed, final = module.forward(checked, used, state0, dims)
         if outputs is None:
             outputs = {k: v[:, 0] for k, v in computed.items()}
@@ -496,7 +497,7 @@ class Recurrence:
             state[key] = np.full((shape.batch, shape.heads), np.nan)
         tokens, states = dict(token_inputs), dict(state)  # the arrays bound now, as the compiled step binds them
         buffers = arrays.token_outputs(self.program, out, shape, dims)
-        arrays.refuse_shared_outputs(buffers, tokens, states)
+        arrays.refuse_shared_outputs(buffers, tokens, states, states_written=True)
 
         def step():
             self.step(tokens, states, backend=backend, params=params, inplace=True, out=buffers)

@@ -483,24 +483,51 @@ def out_error(label: str, given, shape: tuple, dtype) -> RuntimeInputError:
 
 
 def refuse_shared_outputs(out: dict | None, inputs: dict | None, states: dict | None,
-                          states_label: str = "state '{}'") -> None:
+                          states_label: str = "state '{}'", states_written: bool = False) -> None:
     """The output arrays a step writes (`out`'s, by name) each in memory of its own: one that shares memory
     with a token input, a state (`states_label` names them: "state 'S'", "pool['S']") or another output is an
     error naming both, raised before anything is written — the step would write its result over what it
-    reads or updates. One np.may_share_memory per pair (a bounds check: cheap enough for every checked step);
-    arrays that are not ndarrays are converted copies, which share nothing."""
+    reads or updates. With `states_written` (the step updates the states in place: inplace=True, a bound
+    step, a slot pool) each state in memory of its own too: two that overlap would each be written over
+    the other. One _overlap per pair (a bounds check: cheap enough for every checked step); arrays that are
+    not ndarrays are converted copies, which share nothing."""
+    held = [(states_label.format(name), arr) for name, arr in (states or {}).items() if isinstance(arr, np.ndarray)]
+    if states_written:
+        for i, (label, arr) in enumerate(held):
+            for other, value in held[:i]:
+                if _overlap(arr, value):
+                    raise RuntimeInputError(f"{label} shares memory with {other}: the step updates both in place "
+                                            f"and would write one over the other; pass each state in an array "
+                                            f"of its own")
     if not out:
         return
     given = [(f"out['{name}']", arr) for name, arr in out.items() if isinstance(arr, np.ndarray)]
     if not given:
         return
     others = [(f"input '{name}'", arr) for name, arr in (inputs or {}).items() if isinstance(arr, np.ndarray)] \
-        + [(states_label.format(name), arr) for name, arr in (states or {}).items() if isinstance(arr, np.ndarray)]
+        + held
     for i, (label, arr) in enumerate(given):
         for other, value in others + given[:i]:
-            if np.may_share_memory(arr, value):
+            if _overlap(arr, value):
                 raise RuntimeInputError(f"{label} shares memory with {other}: the step would write the output "
                                         f"over an array it reads or writes; pass a separate array for {label}")
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays share memory: np.may_share_memory's bounds check, which is exact for two contiguous
+    arrays; where the bounds overlap and one is strided (a pool's states interleaved in one buffer, slot by
+    slot), np.shares_memory with bounded work, an overlap where that is too hard to tell."""
+    if not np.may_share_memory(a, b):
+        return False
+    if (a.flags.c_contiguous or a.flags.f_contiguous) and (b.flags.c_contiguous or b.flags.f_contiguous):
+        return True
+    try:
+        return bool(np.shares_memory(a, b, max_work=1000))
+    except _TOO_HARD:
+        return True
+
+
+_TOO_HARD = getattr(getattr(np, "exceptions", np), "TooHardError")
 
 
 def check_states_in_place(program: ir.Program, state: dict, shape: CallShape, dims: dict,

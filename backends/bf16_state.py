@@ -72,7 +72,8 @@ def step_widened(rec, token_inputs: dict, state: dict | None, backend: str, para
     rounded back — into the given uint16 arrays with inplace=True (after the step has succeeded)."""
     if inplace and state is not None:
         _require_writeable_bits(rec.program, state, "to be updated in place (inplace=True)", every=False)
-    arrays.refuse_shared_outputs(out, token_inputs, state)  # (the float32 step sees only widened copies)
+    # (the float32 step sees only widened copies: the given arrays are the ones written)
+    arrays.refuse_shared_outputs(out, token_inputs, state, states_written=inplace)
     wide = widen(rec.program, state)
     outputs, final = rec.step(token_inputs, wide, backend=backend, params=params, inplace=False, out=out)
     final = narrow(rec.program, final)
@@ -102,7 +103,7 @@ def bind_widened(rec, token_inputs: dict, state: dict, backend: str, params, out
     _require_writeable_bits(rec.program, state, "to be bound: the step updates it in place every call", every=True)
     tokens, states = dict(token_inputs), dict(state)  # the arrays bound now
     buffers = dict(out) if out is not None else {}
-    arrays.refuse_shared_outputs(buffers, tokens, states)
+    arrays.refuse_shared_outputs(buffers, tokens, states, states_written=True)
 
     def step():
         outputs, _ = step_widened(rec, tokens, states, backend, params, True, None)

@@ -156,7 +156,7 @@ def step(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, 
     """Recurrence.step(tokens, pool, slots=idx): (outputs [N, H, *], pool), the pool's rows idx advanced in
     place. A log-scale of a stabilized state that the pool lacks is added to it (NaN elsewhere: true scale)."""
     call = _PoolCall(rec, token_inputs, pool, slots, backend, params, bits)
-    refuse_shared_outputs(out, token_inputs, pool, "pool['{}']")
+    refuse_shared_outputs(out, token_inputs, pool, "pool['{}']", states_written=True)
     if call.kernel is not None:
         outputs = call.kernel(token_inputs, call.arrays, call.idx, out)
     else:
@@ -172,7 +172,7 @@ def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, 
     slots on these very arrays. The slots are checked again every call, so an int array refilled in place
     (another set of N requests) is safe; the token buffers are refilled in place as for any bound step."""
     call = _PoolCall(rec, token_inputs, pool, slots, backend, params, bits)
-    refuse_shared_outputs(out, token_inputs, pool, "pool['{}']")
+    refuse_shared_outputs(out, token_inputs, pool, "pool['{}']", states_written=True)
     held = slots if isinstance(slots, np.ndarray) else call.idx  # (an array refilled in place is read again)
     if call.kernel is not None:
         kernel, arrays = call.kernel, call.arrays

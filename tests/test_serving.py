@@ -599,3 +599,73 @@ def test_a_refused_c_step_leaves_the_callers_log_scale():
     assert all(state[k] is before[k] for k in before) and state["S.log_scale"].dtype == np.float64
     rec.step(tokens, state, backend="c", inplace=True)
     assert state["S.log_scale"].dtype == np.float32
+
+
+# ---- states that overlap in memory: refused before anything is written ---------------------------------
+def overlapping_states(batch: int, dtype, bits: bool = False) -> tuple[np.ndarray, dict]:
+    """linear_transformer's S [B, 2, 4, 4] and z [B, 2, 4] in one buffer, z's first 8 values S's last 8."""
+    n = batch * 2 * 4 * 4
+    values = np.random.default_rng(3).standard_normal(n + batch * 2 * 4 - 8).astype(dtype)
+    buffer = linrec.to_bfloat16(values) if bits else values
+    return buffer, {"S": buffer[:n].reshape(batch, 2, 4, 4), "z": buffer[n - 8:].reshape(batch, 2, 4)}
+
+
+@pytest.mark.parametrize("state_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_states_that_overlap_are_refused_before_the_step_writes_them(backend, state_dtype):
+    """An in-place step (inplace=True, a bound step) updates every state where it lies: two states sharing
+    memory would each be written over the other. Refused naming both, with the states left as they were;
+    a step that is not in place only reads them."""
+    rec = PROGRAMS["linear_transformer"]
+    dtype = np.float32 if state_dtype else np.float64
+    tokens = {k: np.ascontiguousarray(v[:, 0]) for k, v in inputs_for(rec, 2, 1, dtype=dtype).items()}
+    buffer, state = overlapping_states(2, dtype, bits=state_dtype is not None)
+    before = buffer.copy()
+    message = re.escape("state 'z' shares memory with state 'S': the step updates both in place") \
+        + ".*pass each state in an array of its own"
+    with pytest.raises(linrec.RuntimeInputError, match=message):
+        rec.step(tokens, state, backend=backend, inplace=True, state_dtype=state_dtype)
+    np.testing.assert_array_equal(buffer, before)
+    with pytest.raises(linrec.RuntimeInputError, match=message):
+        rec.bind_step(tokens, state, backend=backend, state_dtype=state_dtype)
+    np.testing.assert_array_equal(buffer, before)
+    rec.step(tokens, state, backend=backend, state_dtype=state_dtype)  # (copies: nothing written)
+    np.testing.assert_array_equal(buffer, before)
+
+
+@pytest.mark.parametrize("layout", ["z a view of S", "z over S's tail"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pool_whose_states_overlap_is_refused_and_changes_no_row(layout, backend):
+    """A pool whose states share memory (z a view of S's rows: gathered rows; or contiguous arrays that
+    overlap: C's own slot step) is refused naming both before any row is written, for step and bind_step."""
+    rec = PROGRAMS["linear_transformer"]
+    slots = np.array([0, 1])
+    if layout == "z a view of S":
+        buffer = random_state(rec, 4)["S"].copy()
+        pool = {"S": buffer, "z": buffer[:, :, 0, :]}
+    else:
+        buffer, pool = overlapping_states(4, np.float64)
+    tokens = {k: np.ascontiguousarray(v[:, 0]) for k, v in inputs_for(rec, 2, 1, seed=5).items()}
+    before = buffer.copy()
+    message = re.escape("pool['z'] shares memory with pool['S']") + ".*pass each state in an array of its own"
+    with pytest.raises(linrec.RuntimeInputError, match=message):
+        rec.step(tokens, pool, slots=slots, backend=backend)
+    with pytest.raises(linrec.RuntimeInputError, match=message):
+        rec.bind_step(tokens, pool, slots=slots, backend=backend)
+    np.testing.assert_array_equal(buffer, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pool_with_its_states_interleaved_slot_by_slot_is_taken(backend):
+    """States in one buffer, each slot's S then z ([P, H·dk·dv + H·dk]): their bounds overlap but their
+    elements do not, so the pool is taken, and steps as separate arrays do."""
+    rec = PROGRAMS["linear_transformer"]
+    slots = np.array([3, 1])
+    pool, tokens = pool_and_tokens(rec, 4, slots, np.float64)
+    buffer = np.concatenate([pool["S"].reshape(4, -1), pool["z"].reshape(4, -1)], axis=1)
+    interleaved = {"S": buffer[:, :32].reshape(4, 2, 4, 4), "z": buffer[:, 32:].reshape(4, 2, 4)}
+    want, _ = rec.step(tokens, pool, slots=slots, backend=backend)
+    got, _ = rec.step(tokens, interleaved, slots=slots, backend=backend)
+    np.testing.assert_array_equal(got["o"], want["o"])
+    for k in pool:
+        np.testing.assert_array_equal(interleaved[k], pool[k])

@@ -326,5 +326,6 @@ class Stepper:
                 args.append(pointer)
             outputs[name] = arr
             i += 1
-        arrays.refuse_shared_outputs(out, token_inputs, state)  # (before the kernel writes anything)
+        # (before the kernel writes anything; with inplace=True, states overlapping each other too)
+        arrays.refuse_shared_outputs(out, token_inputs, state, states_written=inplace)
         return args, outputs, new_state, every_seen, adopted
