@@ -68,12 +68,12 @@ def check_cu_seqlens(cu_seqlens) -> np.ndarray | None:
     except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
         raise RuntimeInputError(f"cu_seqlens must be an integer array [N + 1] of offsets, got "
                                 f"{type(cu_seqlens).__name__}") from None
-    if offsets.dtype.kind not in "iu":
+    if offsets.dtype.kind not in "iu" and offsets.size > 0:  # ([] is a float64 array: too short, not a dtype)
         raise RuntimeInputError(f"cu_seqlens must be an integer array [N + 1] of offsets (e.g. [0, 5, 37, 64]), "
                                 f"got dtype {offsets.dtype}; pass it as int32 or int64")
     if offsets.ndim != 1 or offsets.size < 2:
-        raise RuntimeInputError(f"cu_seqlens must be a 1-D array [N + 1] of at least 2 offsets (0 and the packed "
-                                f"length), got shape {list(offsets.shape)}")
+        raise RuntimeInputError(f"cu_seqlens must be a 1-D array [N + 1] of at least 2 offsets ([0, T_total] for "
+                                f"one sequence: 0 and the packed length), got shape {list(offsets.shape)}")
     # checked in the caller's own dtype, so that a message gives the values passed (a uint64 offset above
     # int64's maximum would wrap to a negative one in int64), and only then cast
     beyond = offsets > np.iinfo(np.int64).max if offsets.dtype == np.uint64 else np.zeros(offsets.shape, bool)

@@ -307,6 +307,7 @@ def test_slot_pool_of_a_program_that_reads_the_sequence_is_an_error():
     (dict(cu_seqlens=[0, 5, 9]), "cu_seqlens must end at the packed length T_total = 10"),
     (dict(cu_seqlens=np.array([0.0, 5.0, 10.0])), "cu_seqlens must be an integer array"),
     (dict(cu_seqlens=[0]), "at least 2 offsets"),
+    (dict(cu_seqlens=[]), r"at least 2 offsets \(\[0, T_total\] for one sequence.*got shape \[0\]"),  # (not "float64")
     (dict(cu_seqlens=[[0, 10]]), "1-D"),
     (dict(state_every=0), "state_every must be a positive integer"),
     (dict(state_every=-3), "state_every must be a positive integer"),
