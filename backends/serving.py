@@ -88,6 +88,10 @@ def check_cu_seqlens(cu_seqlens) -> np.ndarray | None:
         i = int(np.argmax(falls))
         raise RuntimeInputError(f"cu_seqlens must not decrease: cu_seqlens[{i + 1}] = {int(offsets[i + 1])} < "
                                 f"cu_seqlens[{i}] = {int(offsets[i])}")
+    if offsets[-1] == 0:
+        raise RuntimeInputError(f"every sequence in cu_seqlens is empty (its {offsets.size} offsets are all 0): a "
+                                f"packed call needs at least one token (cu_seqlens ends at T_total, the inputs' "
+                                f"token count); skip the call until a sequence has a token")
     return offsets.astype(np.int64)
 
 

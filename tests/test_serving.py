@@ -331,6 +331,20 @@ def test_cu_seqlens_needs_an_initial_state_per_sequence():
         rec.run(inputs_for(rec, 1, 10), cu_seqlens=[0, 4, 10], initial_state={"S": np.zeros((3, 2, 4, 4))})
 
 
+@pytest.mark.parametrize("cu_seqlens", [[0, 0], [0, 0, 0]])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_sequences_all_empty_say_so(cu_seqlens, backend):
+    """Empty sequences run nothing, but a packed call whose every sequence is empty (T_total = 0) has no
+    tokens at all: an error that names cu_seqlens, not the inputs' [B, T, H]."""
+    rec = PROGRAMS["gla"]
+    empty = {k: v[:, :0] for k, v in inputs_for(rec, 1, 4).items()}
+    message = r"every sequence in cu_seqlens is empty .*skip the call until a sequence has a token"
+    with pytest.raises(linrec.RuntimeInputError, match=message):
+        rec.run(empty, cu_seqlens=cu_seqlens, backend=backend)
+    with pytest.raises(linrec.RuntimeInputError, match=message):
+        rec.prefill(empty, cu_seqlens=cu_seqlens, backend=backend)
+
+
 def test_cu_seqlens_needs_one_packed_row():
     rec = PROGRAMS["gla"]
     with pytest.raises(linrec.RuntimeInputError, match="with cu_seqlens the inputs are one packed row .* batch "
