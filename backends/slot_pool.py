@@ -106,6 +106,36 @@ def check_pool(program, pool, heads: int, dims: dict[str, int], dtype: np.dtype,
     return size
 
 
+def check_pool_sizes(program, pool: dict, token_inputs, bits: bool = False) -> None:
+    """Each pool state's sizes against the tokens', where every token input that has a size agrees on it: a
+    pool state that disagrees is the pool's error. (The token's own check takes a size where most of the
+    step's arrays have it, a tie going to the state: it would blame the token for the pool's size.)"""
+    tokens: dict[str, dict[int, list[str]]] = {}
+    heads, dtype = "H", None
+    for x in program.inputs:
+        shape = np.shape(token_inputs.get(x.name)) if isinstance(token_inputs, dict) \
+            and isinstance(token_inputs.get(x.name), np.ndarray) else None
+        if shape is not None and len(shape) == 2 + len(x.shape):
+            heads, dtype = str(shape[1]), dtype or token_inputs[x.name].dtype
+            for d, n in zip(x.shape, shape[2:]):
+                tokens.setdefault(d, {}).setdefault(n, []).append(f"input '{x.name}'")
+    agreed = {d: next(iter(by.items())) for d, by in tokens.items() if len(by) == 1}
+    for s in program.states:
+        arr = pool.get(s.name)
+        if not isinstance(arr, np.ndarray) or arr.ndim != 2 + len(s.shape):
+            continue  # (check_pool says what is wrong with it)
+        for d, n in zip(s.shape, arr.shape[2:]):
+            if d in agreed and agreed[d][0] != n:
+                size, where = agreed[d]
+                label = "[P, H" + "".join(", " + e for e in s.shape) + "]"
+                want = ", ".join(str(agreed[e][0]) if e in agreed else e for e in s.shape)
+                kind = f"{np.dtype(np.uint16) if bits else dtype} array of shape"
+                raise RuntimeInputError(f"pool['{s.name}'] has {d} = {n} but the tokens have {d} = {size} "
+                                        f"({' and '.join(where)}): pool['{s.name}'] must be a writeable {kind} "
+                                        f"{label} = [P, {heads}, {want}] (the tokens' sizes), got {arr.dtype} "
+                                        f"{list(arr.shape)}; pass a pool made for these sizes")
+
+
 class _PoolCall:
     """One slot-pool call's checked pieces: the pool's arrays (plain ndarray views of them; with the log-scales
     absent from it made at the true scale, NaN, and those of another float dtype converted: `made`, which
@@ -123,6 +153,7 @@ class _PoolCall:
         if idx.size == 0 and np.ndim(first) >= 1 and np.shape(first)[0] == 0:
             raise RuntimeInputError("the step has no requests (N = 0 tokens and slots): run it only while a "
                                     "request is active")
+        check_pool_sizes(rec.program, pool, token_inputs, bits)
         _, shape, module, dims, used = rec._token_call(token_inputs, backend, params,
                                                        {k: v for k, v in pool.items() if np.ndim(v) >= 2})
         scales = rec._log_scales

@@ -364,6 +364,10 @@ def test_cu_seqlens_needs_one_packed_row():
     (lambda p, s: ({"S": p["S"].astype(np.float32)}, s), r"pool\['S'\] must be a writeable float64 array"),
     (lambda p, s: ({"S": p["S"][:, :, :3]}, s), r"pool\['S'\] must be a writeable float64 array of shape "
                                                 r"\[P, H, dk, dv\] = \[P, 2, 4, 4\]"),
+    # an inner size the tokens do not have is the pool's error, not the token's (a tie went to the state)
+    (lambda p, s: ({"S": np.zeros((6, 2, 4, 5))}, s), r"pool\['S'\] has dv = 5 but the tokens have dv = 4 "
+                                                      r"\(input 'v'\): pool\['S'\] must be a writeable float64 array "
+                                                      r"of shape \[P, H, dk, dv\] = \[P, 2, 4, 4\]"),
     (lambda p, s: ({}, s), "the pool must hold every state"),
     (lambda p, s: ([p["S"]], s), "the pool must be a dict"),
     (lambda p, s: (dict(p, X=p["S"]), s), r"unknown name\(s\) 'X'"),
