@@ -300,6 +300,22 @@ def test_errors_name_the_argument_and_the_fix(programs, backend):
         rec.run(tokens_of(rec, 2, seed=9), initial_state={"S": bits}, backend=backend)
 
 
+def test_a_uint16_state_without_state_dtype_gets_the_hint_on_every_backend(programs):
+    """A step that is not in place takes the state as a float array to copy: bfloat16 bits (uint16) without
+    state_dtype are refused on both backends with the same words, the hint to pass state_dtype included
+    (C said only 'pass float32 or float64')."""
+    rec = programs["gla"]
+    tok = token(tokens_of(rec, 1, seed=8), 0)
+    bits = to_bits(random_state((BATCH, HEADS, DIMS, DIMS)))
+    words = set()
+    for backend in ("numpy", "c"):
+        with pytest.raises(linrec.RuntimeInputError) as info:
+            rec.step(tok, {"S": bits}, backend=backend)
+        words.add(str(info.value))
+    assert words == {"error: state 'S' has dtype uint16; pass float32 or float64 (a uint16 state holding bfloat16 "
+                     "bits needs state_dtype='bfloat16')"}
+
+
 def test_the_cli_runs_the_decode_with_a_bf16_state(tmp_path, capsys):
     out = tmp_path / "bf16.npz"
     assert cli_main(["run", "examples/gla.lin", "--backend", "c", "--form", "step", "--state-dtype", "bfloat16",
