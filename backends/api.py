@@ -398,7 +398,7 @@ class Recurrence:
         carried = dict(state or {})
         for key in self._log_scales:
             carried.setdefault(key, np.full((shape.batch, shape.heads), np.nan))
-        state0 = arrays.check_initial_state(self.program, carried, shape, dims, self._log_scales)
+        state0 = arrays.check_initial_state(self.program, carried, shape, dims, self._log_scales, "state")
         if inplace and state is not None:
             arrays.check_states_in_place(self.program, state, shape, dims)
         outputs = arrays.token_outputs(self.program, out, shape, dims) if out else None

@@ -425,10 +425,11 @@ def refuse_unknown_states(program: ir.Program, given, also: frozenset[str] | set
 
 
 def check_initial_state(program: ir.Program, given: dict | None, shape: CallShape, dims: dict,
-                        scales: frozenset[str] = frozenset()) -> dict:
+                        scales: frozenset[str] = frozenset(), what: str = "initial state") -> dict:
     """Initial states [B, H, *] (zeros when absent), copied in the inputs' dtype. `scales` names the
     log-scales [B, H] a decode loop may carry beside stabilized states (float64 here; C's kernels take and
-    return them in their own dtype)."""
+    return them in their own dtype). `what` names them in an error: "initial state" for run and prefill,
+    "state" for a decode step (as C's step says)."""
     given = dict(given or {})
     out = {}
     for key in scales & set(given):
@@ -441,10 +442,10 @@ def check_initial_state(program: ir.Program, given: dict | None, shape: CallShap
     for s in program.states:
         expected = (shape.batch, shape.heads) + tuple(dims[d] for d in s.shape)
         if s.name in given:
-            arr = _float_array(s.name, given[s.name], "initial state")
+            arr = _float_array(s.name, given[s.name], what)
             if arr.shape != expected:
                 label = "[B, H" + "".join(", " + d for d in s.shape) + "]"
-                raise RuntimeInputError(f"initial state '{s.name}' should have shape {label} = {_fmt(expected)} "
+                raise RuntimeInputError(f"{what} '{s.name}' should have shape {label} = {_fmt(expected)} "
                                         f"but has shape {_fmt(arr.shape)}")
             out[s.name] = np.array(arr, dtype=shape.dtype, copy=True)
         else:

@@ -681,6 +681,20 @@ def test_wrong_initial_state_shape(delta):
     assert "initial state 'S' should have shape [B, H, dk, dv] = [2, 2, 5, 4] but has shape [2, 2, 4, 5]" in msg
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_a_step_calls_its_state_a_state(backend):
+    """In a decode step the state is the one the step goes on from: NumPy's step said "initial state 'S'" as
+    run does, C's "state 'S'". Both say "state" now; run and prefill keep "initial state"."""
+    rec = linrec.load(EXAMPLES / "deltanet.lin")
+    token = {k: np.ascontiguousarray(v[:, 0]) for k, v in
+             rec.random_inputs(batch=3, tokens=1, heads=2, dims={"dk": 5, "dv": 4}, seed=0).items()}
+    with pytest.raises(RuntimeInputError, match=r"^error: state 'S' should have shape .*\[3, 2, 5, 4\] but has shape "
+                                                r"\[2, 2, 5, 4\]$"):
+        rec.step(token, {"S": np.zeros((2, 2, 5, 4))}, backend=backend)
+    with pytest.raises(RuntimeInputError, match=r"^error: state 'S' has dtype int64; pass float32 or float64$"):
+        rec.step(token, {"S": np.zeros((3, 2, 5, 4), np.int64)}, backend=backend)
+
+
 def test_unknown_initial_state(delta):
     rec, x = delta
     msg = runtime_error(rec, x, initial_state={"Z": np.zeros((2, 2, 5, 4))})
