@@ -82,7 +82,7 @@ def _float_array(name: str, value, what: str) -> np.ndarray:
     except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
         raise RuntimeInputError(f"{what} '{name}' is not an array") from None
     if arr.dtype.type not in FLOAT_DTYPES:
-        bits = _bits_hint(arr) if "state" in what else ""
+        bits = bits_hint(arr) if "state" in what else ""
         raise RuntimeInputError(f"{what} '{name}' has dtype {arr.dtype}; pass float32 or float64{bits}")
     return native(arr)
 
@@ -93,7 +93,7 @@ def native(arr: np.ndarray) -> np.ndarray:
     return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
 
 
-def _bits_hint(arr) -> str:
+def bits_hint(arr) -> str:
     """What a float state's error adds when the array given holds bfloat16 bits (uint16)."""
     return " (a uint16 state holding bfloat16 bits needs state_dtype='bfloat16')" \
         if getattr(arr, "dtype", None) == np.uint16 else ""
@@ -106,7 +106,7 @@ def not_in_place(name: str, arr, dtype, expected: tuple) -> RuntimeInputError:
     return RuntimeInputError(f"state '{name}' must be a writeable C-contiguous "
                              f"{'uint16 (bfloat16 bits)' if bits else np.dtype(dtype)} array of shape "
                              f"{list(expected)} to be updated in place (inplace=True, or a bound step)"
-                             f"{'' if bits else _bits_hint(arr)}"
+                             f"{'' if bits else bits_hint(arr)}"
                              f"{how_it_differs(arr, f'state[{name!r}]', expected, dtype)}")
 
 

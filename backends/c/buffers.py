@@ -9,7 +9,7 @@ from math import prod
 import cffi
 import numpy as np
 
-from ..arrays import _bits_hint, native
+from ..arrays import bits_hint, native
 from ..dsl.errors import RuntimeInputError
 
 _FFI = cffi.FFI()  # only to read an array's address cheaply
@@ -93,7 +93,7 @@ def checked(value, shape: tuple, dtype, what: str) -> np.ndarray:
         raise RuntimeInputError(f"{what} has dtype {arr.dtype} but the call runs in {np.dtype(dtype)}; pass "
                                 f"every array in one dtype (float32 or float64)")
     if dtype is None and arr.dtype.type not in (np.float32, np.float64):
-        bits = _bits_hint(arr) if "state" in what else ""  # (the words of NumPy's check: arrays._float_array)
+        bits = bits_hint(arr) if "state" in what else ""  # (the words of NumPy's check: arrays._float_array)
         raise RuntimeInputError(f"{what} has dtype {arr.dtype}; pass float32 or float64{bits}")
     if not arr.flags.c_contiguous or not arr.flags.aligned:
         arr = np.ascontiguousarray(arr)
