@@ -222,3 +222,19 @@ def test_decays_of_both_axes_on_both_backends(strong, resets):
         for backend in ("numpy", "c"):
             got = rec.run(x, form=form, backend=backend, initial_state=s0, chunk_size=16, dims=DIMS)
             assert_close(got, want.outputs, want.final_state, f"both axes {form} {backend}")
+
+
+@pytest.mark.parametrize("name", ["value_side_key_decay", "value_side_both_decays", "key_side_both_decays"])
+@pytest.mark.parametrize("dims", [{"dk": 1, "dv": 5}, {"dk": 5, "dv": 1}])
+def test_a_state_of_one_row_or_column(name, dims):
+    """dk = 1 (or dv = 1): a decay per row of S has the shape of one per token. The NumPy scans took the key
+    axis's decay of a value-side correction for one per token by that shape, and the parallel and chunkwise
+    forms came out 1e-2 off the loop, growing with T."""
+    rec = rec_of(name)
+    x = rec.random_inputs(B, 45, H, dims, seed=3)
+    rng = np.random.default_rng(4)
+    s0 = {s.name: rng.standard_normal((B, H) + tuple(dims[d] for d in s.shape)) for s in rec.program.states}
+    want = rec.run(x, form="recurrent", initial_state=s0, dims=dims)
+    for form, chunk in (("parallel", None), ("chunkwise", 16)):
+        got = rec.run(x, form=form, initial_state=s0, chunk_size=chunk, dims=dims)
+        assert_close(got, want.outputs, want.final_state, f"{name} {form} {dims}")

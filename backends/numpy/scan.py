@@ -248,21 +248,16 @@ def _solve_decayed_columns(a, c, rhs, block: int = 16):
     return p
 
 
-def _pseudo_keys(value_corrections, writes, l, b, b_prev, c, c_prev, s0, block):
+def _pseudo_keys(value_corrections, writes, b, c, c_prev, s0, block):
     """P_r,t = exp(l_t)⊙(S_(t−1) a_r,t) for the value-side corrections (a, b): the pseudo-values of Sᵀ, whose
-    rows decay by the value axis's log-decay and columns by the rows' (a log-decay per token commutes and
-    joins the rows of Sᵀ; its factor exp(l_t) is applied to the result)."""
+    rows decay by the value axis's log-decay (prefix sums c) and columns by the key axis's (b, one per row of
+    S; a log-decay of shape [..., 1] is the same for every row, and broadcasts so). One way for both: a state
+    of one row (dk = 1) has a decay per row of that shape too, and telling the two apart by shape took the
+    key axis's decay for one of every row of Sᵀ, whose product with the correction came out wrong."""
     if not value_corrections:
         return []
-    scalar = l is not None and l.shape[-1] == 1
-    if scalar or b is None:
-        rows = (b, b_prev) if c is None else (c, c_prev) if b is None else (c + b, c_prev + b_prev)
-        cols = None
-    else:
-        rows, cols = (c, c_prev), b
-    keys = _pseudo_values([(b_vec, a) for a, b_vec in value_corrections], [(x, kappa) for kappa, x in writes],
-                          rows[0], rows[1], np.swapaxes(s0, -1, -2), block, cols)
-    return [key * np.exp(l).astype(key.dtype) for key in keys] if scalar else keys
+    return _pseudo_values([(b_vec, a) for a, b_vec in value_corrections], [(x, kappa) for kappa, x in writes],
+                          c, c_prev, np.swapaxes(s0, -1, -2), block, b)
 
 
 def _shifted(b: np.ndarray) -> np.ndarray:
@@ -287,7 +282,7 @@ def segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_c
     c = None if m is None else np.cumsum(m, axis=-2, dtype=np.float64)
     c_prev = None if m is None else _shifted(c)
     pseudo = _pseudo_values(corrections, writes, b, b_prev, s0, block, c)
-    keys = _pseudo_keys(value_corrections, writes, l, b, b_prev, c, c_prev, s0, block)
+    keys = _pseudo_keys(value_corrections, writes, b, c, c_prev, s0, block)
     terms = list(writes) + [(u, p) for (u, _), p in zip(corrections, pseudo)] + \
         [(key, b_vec) for key, (_, b_vec) in zip(keys, value_corrections)]
     results = None
