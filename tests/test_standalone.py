@@ -411,6 +411,36 @@ def test_header_is_strict_c99_and_cpp_and_the_source_compiles_as_c99_and_c11(bui
         assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stderr[-3000:]}"
 
 
+# a program C runs statement by statement (decays on both axes), and one in three stages whose kernels each
+# read some of the inputs
+WARNING_FREE = {
+    "both_decays": "recurrence both_decays(dk = 4, dv = 6)\ninput q[dk], k[dk], v[dv], ak[dk], av[dv]\n"
+                   "state S[dk, dv]\nS = diag(exp(logsigmoid(ak)))·S·diag(exp(logsigmoid(av))) + k⊗v\n"
+                   "output o = q·S\n",
+    "three_stages": "recurrence three_stages(dk = 6, dv = 6)\ninput q[dk], k[dk], v[dv], g <= 0\n"
+                    "state z[dk], S1[dk, dv], S2[dv, dv]\nz = exp(g)*z + relu(k)\nS1 = exp(g)·S1 + (k/(1 + z))⊗v\n"
+                    "u = l2norm(k·S1)\nS2 = S2 + u⊗v\noutput o = l2norm(v)·S2\n",
+}
+
+
+@pytest.mark.parametrize("name", WARNING_FREE)
+def test_statement_kernels_and_stages_compile_without_warnings(tmp_path, name):
+    """-Wall -Wextra -Werror beyond the examples: a statement-by-statement kernel with no declared ranges (its
+    inputs' pointers gathered for a range check it does not make) and a stage's kernel that does not read
+    every input (its row pointers) warned of unused variables."""
+    if GCC is None:
+        pytest.skip("no gcc")
+    rec = linrec.compile(WARNING_FREE[name], f"{name}.lin")
+    dims = {d.name: d.default for d in rec.program.dims}
+    sa = standalone.Standalone(rec.compiled, dims, 2, rec.default_params(2, dims))
+    for fname, data in sa.files().items():
+        (tmp_path / fname).write_bytes(data)
+    for openmp in ([], ["-fopenmp"]):
+        cmd = [GCC, "-std=c11", "-Wall", "-Wextra", "-Werror", *openmp, "-fsyntax-only", f"{sa.prefix}.c"]
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stderr[-3000:]}"
+
+
 def test_params_file_holds_the_defaults_at_the_offsets_the_header_gives(builds):
     bd = builds("mamba2")
     data = np.fromfile(bd.where / "mamba2_params.bin", "<f8")

@@ -229,8 +229,9 @@ class KernelSource:
         for x in self.program.inputs:
             c, n = self.cin(x.name), self.size(x.shape)
             row = self.row(c)
-            declaration = f"const T *restrict {row} = {self.row_start(c, x.shape, 'tok')};" if x.shape else \
-                f"const T {row} = {c}[tok];"
+            # (unused where a stage's kernel does not read this input: no warning for that under -Wall)
+            declaration = f"const T *restrict {row} __attribute__((unused)) = {self.row_start(c, x.shape, 'tok')};" \
+                if x.shape else f"const T {row} __attribute__((unused)) = {c}[tok];"
             out.append(InputArray(c, row, n, not x.shape, declaration, self.outside(x), self.outside(x, lanes=True),
                                   self.prefetch_lines(x)))
         return out
