@@ -50,6 +50,7 @@ class Case:
     dims: dict = field(default_factory=dict)
     decay_scale: float = 1.0
     chunk_sizes: tuple = (64,)
+    backends: tuple | None = None  # the backends it checks (None: every one asked for)
 
 
 def program_reads_sequence(program) -> bool:
@@ -86,6 +87,10 @@ def battery(program, quick: bool = False) -> list[Case]:
         Case("T=1", 2, 1, 2, small, chunk_sizes=(64,)),
         Case("ragged T", 2, 37, 3, small, chunk_sizes=(16, 64)),
         Case("odd dims", 1, 50, 2, odd, chunk_sizes=(7, 32)),
+        # the first size 1 (a state of one row: a decay per row has the shape of one per token, and the NumPy
+        # forms once told them apart by it); NumPy only, as a size of its own would build every C kernel again
+        *([Case("size-1 axis", 1, 40, 2, odd | {sized[0].name: 1}, chunk_sizes=(16,), backends=("numpy",))]
+          if sized else []),
         Case("mild decay", 1, 130, 2, small, decay_scale=0.1, chunk_sizes=(64,)),
         Case("strong decay", 2, 100, 2, small, decay_scale=40.0, chunk_sizes=(16, 64)),
         # forms that read the whole sequence are quadratic in T: their long case is shorter
@@ -205,6 +210,8 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
     for case in cases:
         for form in forms:
             for backend in backends:
+                if case.backends is not None and backend not in case.backends:
+                    continue
                 if not builds(rec, backend, form):
                     continue  # reported by `missing` below
                 with_bits = [BF16_STATE] if state_bf16 and form == STEP else []

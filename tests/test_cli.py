@@ -421,3 +421,17 @@ def test_a_ctrl_c_while_python_dash_m_linrec_imports_is_an_interrupt_not_a_trace
                          text=True, timeout=120)
     assert "Traceback" not in run.stderr
     assert (run.returncode, run.stderr) == (130, "linrec: interrupted\n")
+
+
+def test_the_battery_has_a_size_1_axis_on_numpy():
+    """verify's battery sets the first size to 1 (the others odd) for the NumPy forms: a value-side correction
+    under a key-axis decay at dk = 1 once came out 1e-2 off in the NumPy parallel and chunkwise forms, and
+    no case had a size of 1. C is not asked for it (a size of its own builds every kernel again)."""
+    from linrec import verify
+    rec = linrec.load(EXAMPLES[0])
+    case = next(c for c in verify.battery(rec.program) if c.name == "size-1 axis")
+    first = next(d.name for d in rec.program.dims)
+    assert case.dims[first] == 1 and all(n > 1 for d, n in case.dims.items() if d != first)
+    rows = verify.run(rec, backends=("numpy", "c"), forms=["chunkwise"], dtypes=("float64",), quick=True)
+    assert {r.backend for r in rows if r.case == "size-1 axis"} == {"numpy"}
+    assert all(r.passed for r in rows)
