@@ -77,6 +77,33 @@ def test_per_row_decays_strong_and_mild(recs, log_decay):
             assert worst_error(got.grads, want.grads) <= tolerance, (form, dtype)
 
 
+def test_a_decay_below_the_normal_range_has_a_zero_gradient(recs):
+    """A token whose decay underflows (float32: a log-decay below about −87) has ∂l = exp(l)·… = 0, exactly,
+    as the recurrent backward gives it: ∂l's sums over the sub-chunk would leave it the rounding of their large
+    terms (eps32 times their sizes), which a log-decay's chain rule can multiply. Mamba-2 with dt = 50 on every
+    fourth token (dt·A down to −800): its per-head A sums dt·∂l over the tokens, and came out 2e-4 off here (6e-4
+    at T = 200, dk = dv = 16), against 6e-6 now and 7e-7 from the recurrent backward."""
+    rec = recs["mamba2"]
+    x, up, s0, gT = _call(rec, 2, 200, 2, seed=2)
+    x["dt"][:, 1::4] = 50.0
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    for form, got in _both_forms(rec, float32(x), float32(up), float32(s0), float32(gT), None).items():
+        assert worst_error(got.grads, want.grads) <= 5e-4, form
+        for param in ("A", "A_log"):
+            assert worst_error({param: got.grads[param]}, {param: want.grads[param]}) <= 5e-5, (form, param)
+    gdn = recs["gated_deltanet"]
+    x, up, s0, gT = _call(gdn, 1, 40, 2, seed=3)
+    x["g"][:, ::4] = -200.0
+    underflow = np.zeros(x["g"].shape, bool)
+    underflow[:, ::4] = True
+    recurrent = gdn.vjp(float32(x), float32(up), initial_state=float32(s0), grad_final_state=float32(gT),
+                        dims=DIMS, backend="c", form="recurrent")
+    assert (recurrent.grads["g"][underflow] == 0).all()
+    for form, got in _both_forms(gdn, float32(x), float32(up), float32(s0), float32(gT), None).items():
+        assert (got.grads["g"][underflow] == 0).all(), form
+        assert (got.grads["g"][~underflow] != 0).all(), form
+
+
 @pytest.mark.parametrize("name", sorted(STRUCTURES))
 def test_other_structures(name):
     """Readouts before the update (two readouts of one state, a vector state read by q·z), and a state
