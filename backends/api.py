@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -59,7 +60,7 @@ class Recurrence:
         self.program = compiled.program
         self.decomposition = compiled.decomposition
         self._modules: dict[tuple[str, str], object] = {}
-        self._steppers: dict[str, tuple] = {}  # backend → (params, compiled step bound to them)
+        self._per_thread = _PerThread()  # each thread's compiled steps (see _PerThread)
         # a token call's sizes and params by (backend, [B, H], dtype, sizes, state shapes) → (params, dims, used):
         # a step that is not one compiled call (the NumPy backend's) would otherwise draw its params every token
         self._token_binds: dict[tuple, tuple] = {}
@@ -373,7 +374,7 @@ class Recurrence:
             return slot_pool.step(self, token_inputs, state, slots, backend, params, out, bits)
         if bits:
             return self._step_bf16(token_inputs, state, backend, params, inplace, out)
-        bound = self._steppers.get(backend)  # a compiled step bound before (never for a KV cache)
+        bound = self._per_thread.steppers.get(backend)  # a compiled step bound before (never for a KV cache)
         if bound is not None and bound[0].same(params):
             stepper = bound[1]
             fast = stepper.fast  # the decode loop passing the same arrays again: an identity test each
@@ -391,7 +392,7 @@ class Recurrence:
         checked, shape, module, dims, used = self._token_call(token_inputs, backend, params, state)
         if module.capabilities.binds_steps:  # compiled: bind once, then only shapes are checked per call
             stepper = module.stepper(used, dims)
-            self._steppers[backend] = (_ParamsSeen(params), stepper)
+            self._per_thread.steppers[backend] = (_ParamsSeen(params), stepper)
             return stepper(token_inputs, state, inplace=inplace, out=out)
         # stabilized states travel with their log-scale between steps, so that they neither over- nor
         # underflow however large the exponents get (NaN: a state at its true scale, e.g. from prefill)
@@ -425,7 +426,7 @@ class Recurrence:
         """step() with bfloat16 states: the backend's own bfloat16 step where it has one (bound once, as the
         float32 step is), else widened around the float32 step (bf16_state.step_widened)."""
         key = (backend, arrays.BFLOAT16)
-        bound = self._steppers.get(key)
+        bound = self._per_thread.steppers.get(key)
         if bound is not None and bound[0].same(params):
             try:
                 return bound[1](token_inputs, state, inplace, out)
@@ -437,7 +438,7 @@ class Recurrence:
         _, _, module, dims, used = self._token_call(token_inputs, backend, params, state)
         if module.capabilities.bfloat16_steps:
             stepper = module.stepper(used, dims, state_is_bf16=True)
-            self._steppers[key] = (_ParamsSeen(params), stepper)
+            self._per_thread.steppers[key] = (_ParamsSeen(params), stepper)
             return stepper(token_inputs, state, inplace=inplace, out=out)
         return bf16_state.step_widened(self, token_inputs, state, backend, params, inplace, out)
 
@@ -503,6 +504,17 @@ class Recurrence:
             self.step(tokens, states, backend=backend, params=params, inplace=True, out=buffers)
             return buffers
         return step
+
+
+class _PerThread(threading.local):
+    """A thread's compiled decode steps: backend (or (backend, bfloat16)) → (params, step bound to them). A
+    compiled step is bound to one [B, H] and dtype, rebinds itself to another, and keeps the arrays it saw
+    last: shared by threads stepping requests of other shapes (or other arrays) at once, one thread's call
+    read what the other's had just bound (heap corruption, another thread's numbers). Each thread binds its
+    own, once."""
+
+    def __init__(self):
+        self.steppers: dict = {}
 
 
 class _ParamsSeen:

@@ -344,3 +344,48 @@ def test_one_recurrence_called_from_several_threads(tmp_path, monkeypatch):
     assert len(results) == 6
     for o in results.values():
         assert rel_err(o, reference) <= F64_RTOL
+
+
+def test_threads_stepping_requests_of_other_shapes_on_one_recurrence():
+    """Threads decoding their own requests on one Recurrence, at other [B, H] or dtypes: each gets, token for
+    token, the very numbers it gets alone. A compiled step is bound to one [B, H] and dtype and rebinds
+    itself, and every thread shared one: a call read what another had just bound (the heap corrupted, the
+    process aborted; wrong numbers; errors about shapes nobody passed). Thread switches made frequent, so that
+    the interleavings that exist at the default interval show in a short run."""
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    tokens, heads = 150, 2
+    requests = [(1, np.float32), (2, np.float32), (1, np.float64)]
+    sequences = [rec.random_inputs(batch, tokens, heads, dtype=dtype, seed=i)
+                 for i, (batch, dtype) in enumerate(requests)]
+
+    def decode(i, backend):
+        state, outputs = None, []
+        for t in range(tokens):
+            o, state = rec.step({n: a[:, t] for n, a in sequences[i].items()}, state, backend=backend)
+            outputs.append(o["o"])
+        return np.stack(outputs)
+
+    for backend in ("c", "numpy"):
+        alone = [decode(i, backend) for i in range(len(requests))]
+        together, errors = {}, []
+
+        def run(i):
+            try:
+                together[i] = decode(i, backend)
+            except Exception as error:  # reported below, with the thread's number
+                errors.append((i, repr(error)))
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            for _ in range(2):
+                threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                assert not errors, (backend, errors)
+                for i, want in enumerate(alone):
+                    assert np.array_equal(together[i], want), (backend, requests[i])
+        finally:
+            sys.setswitchinterval(interval)
