@@ -3,6 +3,8 @@ without copies; Layer's params and forward; the decode step equals the full forw
 model that uses the op whole (fullgraph); bad tensors are clear errors. Skipped without torch (CI installs it)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -296,3 +298,34 @@ def test_a_kv_cache_that_does_not_fit_the_tokens_is_an_error():
         layer(q=x["q"][:, :1], k=torch.zeros(1, 1, 3, 16), v=x["v"][:, :1], state=cache)
     with pytest.raises(linrec.RuntimeInputError, match=r"holds its inputs by name \(k, q, v\); it has k, q"):
         layer(**{k: v[:, :1] for k, v in x.items()}, state={"q": cache["q"], "k": cache["k"]})
+
+
+def test_first_use_from_several_threads_at_once():
+    """Threads making their first call of one program's op at once (each its own Recurrence of the same
+    source) all get its outputs: two that registered the op at once had torch destroy the first's library
+    ("Library object has been destroyed"), for 0 to 3 of 4 threads. A program of its own, so that no test
+    before has registered it; a barrier lines the threads up."""
+    with open("examples/linear_transformer.lin", encoding="utf-8") as file:
+        source = file.read() + "# first use from threads\n"
+    recs = [linrec.compile(source) for _ in range(4)]
+    x = recs[0].random_inputs(1, 8, 2, seed=0)
+    (want,) = recs[0].run(x).outputs.values()
+    tensors = {k: torch.from_numpy(v) for k, v in x.items()}
+    barrier, results, errors = threading.Barrier(len(recs)), {}, []
+
+    def first_call(i):
+        barrier.wait()
+        try:
+            results[i] = lt.apply(recs[i], tensors)[0]  # (one output: the tensor)
+        except Exception as error:  # reported below, with the thread's number
+            errors.append((i, repr(error)))
+
+    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(len(recs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(results) == len(recs)
+    for o in results.values():
+        assert np.abs(o.numpy() - want).max() <= EXACT * np.abs(want).max()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 
 import numpy as np
 import torch
@@ -71,6 +72,9 @@ class RecurrenceOp:
 # recurrences alive, as the registered ops keep theirs)
 _OPS: dict[Recurrence, RecurrenceOp] = {}
 _BY_NAME: dict[str, RecurrenceOp] = {}     # by op name: recurrences of the same source share an op
+# one registration at a time: two threads registering the same op at once both got past `name not in _BY_NAME`,
+# and torch destroyed the first one's library ("Library object has been destroyed")
+_REGISTERING = threading.Lock()
 
 
 def op_for(rec: Recurrence) -> RecurrenceOp:
@@ -93,6 +97,12 @@ def _register(rec: Recurrence) -> RecurrenceOp:
     identifier = re.sub(r"\W", "_", program.name, flags=re.ASCII)
     digest = hashlib.sha256(rec.compiled.source.encode("utf-8")).hexdigest()[:16]
     name = f"{identifier}_{digest}"
+    with _REGISTERING:
+        return _registered(rec, name)
+
+
+def _registered(rec: Recurrence, name: str) -> RecurrenceOp:
+    """_register's work, one thread at a time: the op of `name`, registered unless a thread has done it before."""
     if name not in _BY_NAME:
         schema = _schema(rec)
         qualified = f"{NAMESPACE}::{name}"
