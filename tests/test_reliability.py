@@ -6,9 +6,12 @@ value of the float64 NumPy recurrent form's array.
 """
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -389,3 +392,57 @@ def test_threads_stepping_requests_of_other_shapes_on_one_recurrence():
                     assert np.array_equal(together[i], want), (backend, requests[i])
         finally:
             sys.setswitchinterval(interval)
+
+
+def _in_a_forked_child(work, seconds=60) -> str:
+    """work() run in a child forked from this process: "ok", "failed" (it raised or returned False), or "hung"
+    (no exit within `seconds`: an alarm ends it)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 1
+        try:
+            signal.alarm(seconds)
+            code = 0 if work() else 1
+        finally:
+            os._exit(code)
+    status = os.waitpid(pid, 0)[1]
+    if os.WIFSIGNALED(status):
+        return "hung" if os.WTERMSIG(status) == signal.SIGALRM else f"killed by signal {os.WTERMSIG(status)}"
+    return "ok" if os.waitstatus_to_exitcode(status) == 0 else "failed"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_after_a_kernel_ran_on_threads_runs_kernels():
+    """GNU OpenMP's threads do not survive a fork: a child forked after a run on two threads waited forever in
+    its first kernel (multiprocessing's "fork" start method, DataLoader workers). Its kernels now run on one
+    thread (backends/c/fork.py), with the parent's numbers."""
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    x = rec.random_inputs(2, 4096, 8, dtype=np.float32, seed=1)  # (work enough for a team of two)
+    want = rec.run(x, backend="c", form="recurrent", threads=2).outputs["o"]
+    assert _in_a_forked_child(lambda: np.array_equal(
+        rec.run(x, backend="c", form="recurrent", threads=2).outputs["o"], want)) == "ok"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_while_a_thread_builds_a_kernel_runs_kernels(tmp_path, monkeypatch):
+    """A thread of the parent holds the C backend's locks through a build (seconds of gcc); a child forked
+    meanwhile inherited them held, by a thread it does not have, and waited forever for a kernel that was
+    built and loaded already. The child gets them free (backends/c/fork.py)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LINREC_CACHE_DIR", str(cache))
+    source = (EXAMPLES / "gla.lin").read_text(encoding="utf-8")
+    x = linrec.compile(source).random_inputs(1, 16, 2, seed=2)
+    want = linrec.compile(source).run(x, backend="c", form="recurrent").outputs["o"]  # built and loaded
+    other = linrec.compile((EXAMPLES / "retnet.lin").read_text(encoding="utf-8") + "# built while forking\n")
+    building = threading.Thread(target=lambda: other.run(other.random_inputs(1, 16, 2), backend="c"))
+    building.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(cache.glob(".tmp-*")) and building.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # (until gcc runs: a build's temporary directory is there)
+        assert building.is_alive()
+        # (a new Recurrence of the same source: the child looks its kernel up in the cache)
+        assert _in_a_forked_child(lambda: np.array_equal(
+            linrec.compile(source).run(x, backend="c", form="recurrent").outputs["o"], want)) == "ok"
+    finally:
+        building.join()

@@ -17,7 +17,6 @@ softmax, the self-only-when-nothing-else rule and the log-sum-exp combination of
 """
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
@@ -25,6 +24,7 @@ from ..dsl.errors import LinrecError, RuntimeInputError
 
 from .. import arrays
 from . import build as c_build
+from . import fork
 from ..numpy import attention as numpy_attention
 from .build import CTYPE_BYTES, CTYPES
 from ..version import VERSION
@@ -44,7 +44,7 @@ int la_lsh(int dense, const {T} *q, const {T} *v, const int32_t *buckets, const 
 """
 
 _kernels: dict[tuple, object] = {}
-_lock = threading.Lock()
+_lock = fork.Lock()  # (free in a forked child: fork.py)
 
 # the generator's own files: a change to any of them rebuilds its cached kernels
 
@@ -179,7 +179,7 @@ def attention(queries, keys, values, causal: bool, window: int = 0, form: str = 
     mod = kernel(dtype, d, dv)
     ffi, ctype = mod.ffi, CTYPES[dtype]
     sh = np.array([batch, tq, tk, heads] + _strides(q) + _strides(k) + _strides(v) + _strides(out), np.int64)
-    threads = c_build.num_threads() if num_threads is None else int(num_threads)
+    threads = c_build.thread_count(num_threads)
     if threads < 1:
         raise RuntimeInputError(f"num_threads must be a positive integer, got {num_threads!r}")
     block = min(BLOCK if chunk is None else chunk, max(tq, tk))  # a block longer than the sequence changes nothing

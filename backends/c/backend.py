@@ -13,7 +13,6 @@ Python side is c_step; the checks and buffers of the arrays passed to the kernel
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 
 import numpy as np
@@ -31,6 +30,7 @@ from ..numpy import sequence as numpy_sequence
 from ..numpy.scan import rescale
 from . import attention as c_attention
 from . import build as c_build
+from . import fork
 from . import scan as c_scan
 from . import support
 from . import value_split
@@ -115,7 +115,7 @@ class CRecurrent:
                                     steps_slots=fused and compiled.program.causal,
                                     bfloat16_steps=fused and compiled.program.causal)
         self._kernels: dict[tuple, Kernel] = {}
-        self._lock = threading.Lock()
+        self._lock = fork.Lock()  # (held through a build; free in a forked child: fork.py)
         self._outputs = RecycledArrays(keep=2 * len(self.program.outputs))  # this call's and the last one's
         # stabilized states' log-scales ("S.log_scale", [B, H]): the kernels' arguments after the states
         self.scales = [(gr["key"], gr["states"]) for gr in Scales(compiled).groups]
@@ -223,7 +223,7 @@ class CRecurrent:
             given = (out or {}).get(o.name)
             outputs[o.name] = self._outputs.take(shape, dtype) if given is None else \
                 arrays.out_array(given, f"out['{o.name}']", shape, dtype)
-        threads = c_build.num_threads() if num_threads is None else int(num_threads)
+        threads = c_build.thread_count(num_threads)
         parts = self.value_parts(dtype, k.dims, batch * heads, tokens, threads) if stops is None else 1
         if parts > 1:  # fewer heads than threads: (head, part of the value axis) as the unit of work
             k = self.kernel(dtype, dims, parts=parts)

@@ -3,7 +3,6 @@ state buffers that start on a cache line, and output arrays recycled between cal
 from __future__ import annotations
 
 import sys
-import threading
 from math import prod
 
 import cffi
@@ -11,6 +10,7 @@ import numpy as np
 
 from ..arrays import bits_hint, native
 from ..dsl.errors import RuntimeInputError
+from . import fork
 
 _FFI = cffi.FFI()  # only to read an array's address cheaply
 
@@ -36,7 +36,7 @@ class RecycledArrays:
     def __init__(self, keep: int):
         self.keep = keep  # arrays kept for reuse, the most recent (idle ones hold memory until reused or replaced)
         self._entries: list[list] = []  # [array, its memory's owner, reference counts when idle]
-        self._lock = threading.Lock()
+        self._lock = fork.Lock()  # (free in a forked child: fork.py)
 
     @staticmethod
     def _refs(entry) -> tuple[int, int]:

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import uuid
 import warnings
 from functools import lru_cache
@@ -56,6 +55,7 @@ import numpy as np
 from ..dsl.errors import LinrecError
 
 from ..version import VERSION
+from . import fork
 
 try:
     import fcntl  # advisory locks on build directories
@@ -71,7 +71,7 @@ _NO_COMPILER = ("no C compiler found ({looked}): the C backend needs one to buil
                 "(backend='numpy'), which still works")
 _BUILD_ATTEMPTS = 3  # builds of one kernel whose directory a concurrent clear deleted, before giving up
 _loaded: dict[str, object] = {}  # build key → the extension loaded in this process
-_lock = threading.Lock()
+_lock = fork.Lock()  # (free in a forked child: fork.py)
 _private: list[Path] = []  # this process's own kernel directory, once a cache could not be written
 _warned: set[Path] = set()  # caches this process has warned about
 
@@ -600,6 +600,7 @@ def load_alias(alias: str):
         except ImportError:
             return None
         _loaded[key] = module
+        fork.kernel_loaded()
         return module
 
 
@@ -633,6 +634,7 @@ def build(source: str, cdef: str, label: str = "kernel", alias: str | None = Non
         module = _loaded.get(key)
         if module is None:
             module = _loaded[key] = _load_or_build(key, source, cdef, label)
+            fork.kernel_loaded()
     if alias:
         _record_alias(alias, key)
     return module
@@ -806,7 +808,10 @@ def threads(n: int | None):
 
 def num_threads() -> int:
     """Threads for the compiled kernels: threads(n) around the call, else LINREC_NUM_THREADS, else every
-    core this process may use; at most MAX_THREADS."""
+    core this process may use; at most MAX_THREADS. 1 in a process forked after its parent loaded kernels
+    (OpenMP's threads do not survive a fork: fork.py)."""
+    if fork.single_threaded():
+        return 1
     if _thread_override.get() is not None:
         return _thread_override.get()
     env = os.environ.get("LINREC_NUM_THREADS", "").strip()
@@ -822,3 +827,11 @@ def num_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def thread_count(asked=None) -> int:
+    """A kernel call's threads: `asked` (its num_threads argument, checked by the caller) or num_threads(); 1
+    in a process forked after its parent loaded kernels (fork.py)."""
+    if asked is None or fork.single_threaded():
+        return num_threads()
+    return int(asked)

@@ -3,13 +3,13 @@ it is (c.values): the forms they build, the chunk a call runs with, the memo of 
 they read and the call itself."""
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
 from .. import arrays
 from ..dsl.errors import RuntimeInputError
 from . import build as c_build
+from . import fork
 from .buffers import require_c_int_sizes
 from .build import CTYPES
 
@@ -19,7 +19,7 @@ FORMS = ("parallel", "chunkwise")
 
 
 _kernels: dict[object, object] = {}
-_lock = threading.Lock()
+_lock = fork.Lock()  # (free in a forked child: fork.py)
 
 
 def cached_kernel(s, kind: str, label: str, source, declarations: str):
@@ -76,7 +76,7 @@ def call(k, function: str, state: np.ndarray, ops: list, outs: list, work: int, 
     c_st = ffi.new("int64_t[]", [a.strides[i] // item for a in ops for i in range(3)] or 1)
     c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
     final = np.empty_like(state)
-    threads = c_build.num_threads() if num_threads is None else int(num_threads)
+    threads = c_build.thread_count(num_threads)
     threads = 1 if work < SMALL_WORK else min(threads, batch * heads)
     rc = getattr(k.lib, function)(ffi.from_buffer(ptr, state), ffi.from_buffer(ptr, final), c_in, c_st, c_out,
                                   batch, tokens, heads, max(1, threads), *extra)

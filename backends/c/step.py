@@ -78,7 +78,7 @@ class Stepper:
         self.dims = {d.name: int(dims[d.name]) for d in rec.program.dims}
         self._fixed_threads = None if num_threads is None else int(num_threads)
         self._env = None
-        self.threads = self._fixed_threads or c_build.num_threads()
+        self.threads = c_build.thread_count(self._fixed_threads)
         # bfloat16 states: the program's states are uint16 arrays of bfloat16 bits (log-scales stay in T), which
         # the kernel widens to float32 and rounds back (the kernel variant built for it)
         self.state_is_bf16 = state_is_bf16
