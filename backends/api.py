@@ -308,21 +308,22 @@ class Recurrence:
     def vjp(self, inputs: dict, grad_outputs: dict | None = None, *, form: str = "recurrent",
             backend: str = "numpy", grad_final_state: dict | None = None, initial_state: dict | None = None,
             params: dict | None = None, dims: dict[str, int] | None = None, chunk_size: int | None = None,
-            missing: str = "error", cu_seqlens=None) -> gradients.VjpResult:
+            missing: str = "error", cu_seqlens=None, threads: int | None = None) -> gradients.VjpResult:
         """The forward and its vector–Jacobian product: given the gradient of a loss with respect to every
         output [B, T, H, *] (`grad_outputs`, by output name) and optionally to the final states [B, H, *]
         (`grad_final_state`), the gradients of every input, param and initial state (`result.grads`, by name;
         per-head params [H, *], shared ones summed over heads). An output without a gradient is an error
         unless missing="zero". `chunk_size`: tokens between the forward's checkpoints (default √T).
-        `cu_seqlens` is not taken (packed sequences have no backward): an error that says what to do instead."""
+        `threads`: for the C backend, as in run(). `cu_seqlens` is not taken (packed sequences have no backward): an error that says what to do instead."""
         if cu_seqlens is not None:  # (a keyword of its own: run() takes it, and a bare TypeError said nothing)
             raise RuntimeInputError("vjp takes no cu_seqlens: packed variable-length batches have no backward; "
                                     "call vjp once per sequence (inputs [1, len_i, H, *]), or pass sequences of "
                                     "one length as the rows of [B, T, H, *]")
         arrays.require_dicts(grad_final_state=grad_final_state, initial_state=initial_state, params=params)
-        return gradients.vjp(self, inputs, grad_outputs, form=form, backend=backend,
-                             grad_final_state=grad_final_state, initial_state=initial_state, params=params,
-                             dims=dims, chunk_size=chunk_size, missing=missing)
+        with c_build.threads(threads):
+            return gradients.vjp(self, inputs, grad_outputs, form=form, backend=backend,
+                                 grad_final_state=grad_final_state, initial_state=initial_state, params=params,
+                                 dims=dims, chunk_size=chunk_size, missing=missing)
 
     def emit_gradient(self, form: str = "recurrent", backend: str = "numpy") -> str:
         """The generated source of a form's backward."""
@@ -332,11 +333,11 @@ class Recurrence:
     def prefill(self, inputs: dict | None = None, *, backend: str = "numpy", params: dict | None = None,
                 initial_state: dict | None = None, dims: dict[str, int] | None = None,
                 state_every: int | None = None, keep_last: int | None = None, cu_seqlens=None,
-                state_dtype=None, **named_inputs) -> Result:
+                state_dtype=None, threads: int | None = None, **named_inputs) -> Result:
         """Run the recurrent form over a prompt; `result.final_state` is the state to `step` from.
         Stabilized states come back scaled, with their log-scale ("S.log_scale"), for the steps to go on
-        (checkpoints and last states too). `state_every`, `keep_last`, `cu_seqlens` and `state_dtype` as in
-        run()."""
+        (checkpoints and last states too). `state_every`, `keep_last`, `cu_seqlens`, `state_dtype` and
+        `threads` as in run()."""
         given = arrays.inputs_by_name(inputs, named_inputs)
         arrays.require_dicts(initial_state=initial_state, params=params)
         state = dict(initial_state or {})
@@ -349,7 +350,7 @@ class Recurrence:
                     state.setdefault(key, np.full((rows, first.shape[2]), np.nan))
         return self.run(given, form="recurrent", backend=backend, params=params, initial_state=state or None,
                         dims=dims, state_every=state_every, keep_last=keep_last, cu_seqlens=offsets,
-                        state_dtype=state_dtype)
+                        state_dtype=state_dtype, threads=threads)
 
     @_warnings_at_program
     def step(self, token_inputs: dict, state: dict | None, *, backend: str = "numpy",

@@ -446,3 +446,21 @@ def test_a_child_forked_while_a_thread_builds_a_kernel_runs_kernels(tmp_path, mo
             linrec.compile(source).run(x, backend="c", form="recurrent").outputs["o"], want)) == "ok"
     finally:
         building.join()
+
+
+def test_prefill_and_vjp_take_threads_as_run_does():
+    """`threads=` on prefill and vjp, as on run: the same numbers on one thread and two. prefill took it for an
+    input ("unknown input array(s) 'threads'"), vjp for a TypeError; a bad count is the same error as run's."""
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    x = rec.random_inputs(2, 40, 3, seed=4)
+    up = {"o": np.random.default_rng(4).standard_normal(x["v"].shape)}
+    one = rec.prefill(x, backend="c", threads=1)
+    two = rec.prefill(x, backend="c", threads=2)
+    assert np.array_equal(one.outputs["o"], two.outputs["o"])
+    assert np.array_equal(one.final_state["S"], two.final_state["S"])
+    grads = [rec.vjp(x, up, backend="c", threads=n).grads for n in (1, 2)]
+    assert all(np.array_equal(grads[0][k], grads[1][k]) for k in grads[0])
+    for call in (lambda: rec.prefill(x, backend="c", threads=0), lambda: rec.vjp(x, up, backend="c", threads=0),
+                 lambda: rec.run(x, backend="c", threads=0)):
+        with pytest.raises(linrec.LinrecError, match="thread count must be a positive integer"):
+            call()
