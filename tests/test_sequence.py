@@ -185,3 +185,24 @@ def test_linformer_has_no_decode_step():
     x = rec.random_inputs(1, 1, 1)
     with pytest.raises(linrec.LinrecError, match="non-causal: .* no token-by-token decode step"):
         rec.step({k: v[:, 0] for k, v in x.items()}, None)
+
+
+def test_float32_stays_float32_on_numpy():
+    """float32 arrays computed on NumPy stay float32, every intermediate: NumPy's scalars are float64 and, under
+    NumPy 2's promotion, made float32 arrays float64 — Reformer's output came back float64 (its scores divided
+    by np.sqrt(dk)), and a builtin of constants in a program (sqrt(m), exp(0.5)) computed the expression around
+    it in float64. The output of `exp(0.5)·v` is float32 arithmetic's, bit for bit."""
+    reformer = linrec.load(ROOT / "reformer.lin")
+    x = reformer.random_inputs(1, 24, 2, dtype=np.float32, seed=0)
+    result = reformer.run(x, backend="numpy")
+    assert result.outputs["o"].dtype == np.float32
+    grads = reformer.vjp(x, {"o": np.ones_like(result.outputs["o"])}, form="parallel", backend="numpy").grads
+    assert all(g.dtype == np.float32 for g in grads.values())
+    scaled = linrec.compile("recurrence scaled(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                            "S = S + k⊗v\noutput o = q·S\noutput p = exp(0.5)·v\noutput r = sqrt(dk + 1)·v\n")
+    x = scaled.random_inputs(2, 300, 2, dtype=np.float32, seed=1)
+    for form in ("recurrent", "parallel", "chunkwise"):
+        outputs = scaled.run(x, form=form, backend="numpy").outputs
+        assert all(o.dtype == np.float32 for o in outputs.values())
+        assert np.array_equal(outputs["p"], np.float32(np.exp(0.5)) * x["v"]), form
+        assert np.array_equal(outputs["r"], np.float32(np.sqrt(5.0)) * x["v"]), form

@@ -2,6 +2,8 @@
 LSH attention (the bucketed form and its dense reference). Arrays are [B, T, H, *]."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -76,7 +78,7 @@ def _round_order(bucket_of, tokens: int):
 
 
 def _scores(q, keys):
-    return np.einsum("...id,...jd->...ij", q, keys) / np.sqrt(q.shape[-1])
+    return np.einsum("...id,...jd->...ij", q, keys) / math.sqrt(q.shape[-1])
 
 
 def _finish_round(scores, allowed, values):
@@ -183,7 +185,7 @@ def lsh_attention_backward(q, v, d_out, causal: bool, buckets: int, rounds: int,
         d_v += np.swapaxes(p, -1, -2) @ d_o
         d_p = d_o @ np.swapaxes(vh, -1, -2)
         d_scores += p * (d_p - np.sum(p * d_p, axis=-1, keepdims=True) + d_l[..., None])
-    scale = 1.0 / np.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1])
     d_keys = np.swapaxes(d_scores, -1, -2) @ qh * scale
     d_q = _into_queries(d_scores @ kh * scale, d_keys, kh, nh)
     return np.swapaxes(d_q, 1, 2), np.swapaxes(d_v, 1, 2)
@@ -287,7 +289,7 @@ def lsh_attention_bucketed_backward(q, v, d_out, causal: bool, buckets: int, rou
     rowsum = np.zeros((batch, heads, tokens, 1), dtype=w.dtype)       # Σ_r Σ_j P̄ ∂P per position
     for p_bar, (idx, _, _, d_p) in zip(p_bars, blocks):
         _scatter_add(rowsum, idx, np.sum(p_bar * d_p, axis=-1, keepdims=True))
-    scale = 1.0 / np.sqrt(dk)
+    scale = 1.0 / math.sqrt(dk)
     d_q, d_keys, d_v = (np.zeros(x.shape, x.dtype) for x in (qh, kh, vh))  # (C order: _scatter_add's reshape)
     for p_bar, (idx, look, _, d_p) in zip(p_bars, blocks):
         d_s = p_bar * (d_p - _gather(rowsum, idx)) * scale             # (padding rows: p̄ is 0)

@@ -117,6 +117,10 @@ class NumpyPrinter:
         f, x = e.function, self(e.args[0])
         opts = "".join(f", {k}={_float(v)}" for k, v in e.options)
         if f in _NUMPY_FUNCS:
+            if not e.shape and variance(e.args[0]) == "const":
+                # a number of sizes and constants (sqrt(m)): as a Python float it takes the arrays' dtype, where
+                # NumPy's own scalar, a float64, makes float32 arrays float64
+                return f"float({_NUMPY_FUNCS[f]}({x}))", ATOM
             return f"{_NUMPY_FUNCS[f]}({x})", ATOM
         if f in _REDUCE:
             return _REDUCE[f].format(x=x), ATOM
