@@ -329,3 +329,25 @@ def test_first_use_from_several_threads_at_once():
     assert len(results) == len(recs)
     for o in results.values():
         assert np.abs(o.numpy() - want).max() <= EXACT * np.abs(want).max()
+
+
+def test_layer_refuses_what_it_would_have_run_wrong():
+    """Three calls a Layer ran without a word, each now a clear error: an input given both positionally and by
+    keyword (the keyword won, and the positional after it moved up a place); inputs with another H than the
+    Layer's heads (a program without per-head params ran on them); inputs of another size than the one its
+    params' initial values were computed at (preconditioned DeltaNet's c = −log(dk) at the file's dk = 16, on
+    inputs of dk = 4: 0.05 off apply's output)."""
+    gla = lt.Layer("examples/gla.lin", heads=2, dims={"dk": 3, "dv": 4})
+    x = {k: torch.from_numpy(v).float() for k, v in gla.rec.random_inputs(1, 4, 2, dims=gla.dims).items()}
+    with pytest.raises(linrec.LinrecError, match="'q' given twice, positionally"):
+        gla(x["q"], q=x["q"], k=x["k"], v=x["v"], g=x["g"])
+    wider = {k: torch.from_numpy(v).float() for k, v in gla.rec.random_inputs(1, 4, 5, dims=gla.dims).items()}
+    with pytest.raises(linrec.LinrecError, match="has heads=2, but its inputs have H = 5"):
+        gla(**wider)
+    path = "examples/preconditioned_deltanet.lin"
+    x = {k: torch.from_numpy(v) for k, v in linrec.load(path).random_inputs(1, 6, 2, dims={"dk": 4, "dv": 4},
+                                                                            seed=0).items()}
+    with pytest.raises(linrec.LinrecError, match=r"initial values of 'c' at dk = 16 .* dims=\{'dk': 4\}"):
+        lt.Layer(path, heads=2, dtype=torch.float64)(**x)
+    layer = lt.Layer(path, heads=2, dims={"dk": 4}, dtype=torch.float64)
+    assert torch.allclose(layer(**x)[0], lt.apply(layer.rec, x)[0], rtol=0, atol=1e-12)

@@ -10,7 +10,7 @@ from torch import nn
 from ..api import Recurrence, load
 from ..arrays import refuse_unknown_params
 from ..compiler import ir
-from ..compiler.analysis import refs
+from ..compiler.analysis import refs, walk
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError, RuntimeInputError
 from ..registry import backend as known_backend
@@ -24,6 +24,18 @@ def trainable_params(program: ir.Program, given=()) -> tuple[str, ...]:
     D, not A = −exp(A_log), which the program computes from A_log on every call), and any given explicitly."""
     return tuple(p.name for p in program.params
                  if p.name in given or p.default is None or not refs(p.default, ir.ParamRef))
+
+
+def sizes_read(program: ir.Program, names) -> dict[str, list[str]]:
+    """The dimensions whose sizes the defaults of params `names` read as values (`c = −log(dk)`), each with
+    the params that read it."""
+    declared = {p.name: p for p in program.params}
+    read: dict[str, list[str]] = {}
+    for name in names:
+        default = declared[name].default
+        for dim in dict.fromkeys(n.dim for n in walk(default) if isinstance(n, ir.DimSize)) if default else ():
+            read.setdefault(dim, []).append(name)
+    return read
 
 
 def _initial_value(name: str, value) -> np.ndarray:
@@ -68,6 +80,12 @@ class Layer(nn.Module):
                 raise RuntimeInputError(f"parameter '{name}' of '{self.rec.name}' has no default; pass its "
                                         f"initial value: Layer(..., params={{'{name}': ...}})")
             self.params[name] = nn.Parameter(torch.as_tensor(values[name], dtype=dtype))
+        # the sizes, not given in `dims`, at which those initial values were computed (the file's defaults): the
+        # inputs must have them (checked at forward), else the values are another size's
+        made_at = {d.name: d.default for d in self.rec.program.dims} | self.dims
+        self._defaults_read = {dim: (made_at[dim], names) for dim, names in
+                               sizes_read(self.rec.program, [n for n in self.params if n not in given]).items()
+                               if dim not in self.dims}
         self.op = op_for(self.rec)  # registered now: torch.compile then finds it (a registration is no graph op)
 
     def _check_params(self, given: dict[str, np.ndarray]) -> None:
@@ -94,7 +112,16 @@ class Layer(nn.Module):
         if len(args) > len(names):
             raise RuntimeInputError(f"{len(args)} positional inputs, but '{self.rec.name}' has {len(names)}: "
                                     f"{', '.join(names)}")
+        twice = [name for name in names[:len(args)] if name in inputs]
+        if twice:  # (the keyword silently won, and the positional after it moved up a place)
+            raise RuntimeInputError(f"input(s) {', '.join(map(repr, twice))} given twice, positionally (the inputs "
+                                    f"in order: {', '.join(names)}) and as a keyword; pass each once")
         given = dict(zip(names, args)) | inputs
+        self._check_sizes_read(given)
+        heads = next((t.shape[2] for t in given.values() if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
+        if heads is not None and heads != self.heads:
+            raise RuntimeInputError(f"this Layer of '{self.rec.name}' has heads={self.heads}, but its inputs have "
+                                    f"H = {heads} ([B, T, H, *]); make a Layer with heads={heads} for them")
         params = {name: value for name, value in self.params.items()}
         options = dict(backend=self.backend, params=params, dims=self.dims, chunk_size=self.chunk_size)
         if reads_the_sequence(self.rec):
@@ -103,6 +130,21 @@ class Layer(nn.Module):
         decode = state is not None and tokens == 1 and self.rec.program.causal
         return apply(self.rec, given, initial_state=state, output_final_state=True,
                      form=STEP if decode else self.form, **options)
+
+    def _check_sizes_read(self, given: dict) -> None:
+        """The inputs have the sizes the params' initial values were computed at (see __init__)."""
+        for x in self.rec.program.inputs:
+            tensor = given.get(x.name)
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 + len(x.shape):
+                continue  # (apply says what is wrong with it)
+            for axis, dim in enumerate(x.shape):
+                if dim in self._defaults_read and tensor.shape[3 + axis] != self._defaults_read[dim][0]:
+                    made, names = self._defaults_read[dim]
+                    raise RuntimeInputError(
+                        f"this Layer computed the initial values of {', '.join(map(repr, names))} at {dim} = "
+                        f"{made} (the file's default size; {'they read' if len(names) > 1 else 'it reads'} it), but "
+                        f"input '{x.name}' has {dim} = {tensor.shape[3 + axis]}: make the Layer with "
+                        f"dims={{'{dim}': {tensor.shape[3 + axis]}}}")
 
     def _over_cache(self, given: dict, cache: dict | None, options: dict):
         """A program that reads the sequence: its state is the KV cache, the inputs so far. New tokens are
