@@ -351,3 +351,5 @@ def test_layer_refuses_what_it_would_have_run_wrong():
         lt.Layer(path, heads=2, dtype=torch.float64)(**x)
     layer = lt.Layer(path, heads=2, dims={"dk": 4}, dtype=torch.float64)
     assert torch.allclose(layer(**x)[0], lt.apply(layer.rec, x)[0], rtol=0, atol=1e-12)
+    with pytest.raises(linrec.LinrecError, match="chunk size must be a positive integer"):
+        lt.Layer(path, heads=2, chunk_size=0)  # (when made, not at the first forward)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..api import Recurrence, load
-from ..arrays import refuse_unknown_params
+from ..arrays import check_chunk_size, refuse_unknown_params
 from ..compiler import ir
 from ..compiler.analysis import refs, walk
 from ..decode import reads_the_sequence
@@ -68,6 +68,7 @@ class Layer(nn.Module):
             raise LinrecError(f"unknown form {form!r}; choose one of "
                               f"{', '.join(f for f in FORMS_TAKEN if f != STEP)}")
         known_backend(backend)
+        check_chunk_size(chunk_size)  # (here, where Layer(...) is written, not at the first forward)
         self.heads = int(heads)
         self.dims = dict(dims or {})
         self.form, self.backend, self.chunk_size = form, backend, chunk_size
