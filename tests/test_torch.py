@@ -353,3 +353,24 @@ def test_layer_refuses_what_it_would_have_run_wrong():
     assert torch.allclose(layer(**x)[0], lt.apply(layer.rec, x)[0], rtol=0, atol=1e-12)
     with pytest.raises(linrec.LinrecError, match="chunk size must be a positive integer"):
         lt.Layer(path, heads=2, chunk_size=0)  # (when made, not at the first forward)
+
+
+def test_layer_says_what_is_wrong_with_its_state_params_and_dtype():
+    """A softmax Layer's state (its KV cache) that is no dict was torch's "Boolean value of Tensor … ambiguous",
+    a join's TypeError, or silently no cache; zero new tokens after a cache gave back the cached tokens' outputs
+    as the new ones; a param named like a ParameterDict attribute, or an integer dtype, was torch's error from
+    inside Layer(...). Each is linrec's error now."""
+    attention = lt.Layer("examples/softmax.lin", heads=2, dims={"dk": 3, "dv": 3})
+    x = {k: torch.from_numpy(v).float() for k, v in attention.rec.random_inputs(2, 4, 2, dims=attention.dims).items()}
+    _, cache = attention(**x)
+    for wrong in (torch.ones(1), torch.ones(2, 3), [cache["q"]]):
+        with pytest.raises(linrec.LinrecError, match="state is a .*; the state of 'softmax' is its KV cache"):
+            attention(**x, state=wrong)
+    with pytest.raises(linrec.LinrecError, match=r"no new tokens \(T = 0\)"):
+        attention(**{k: v[:, :0] for k, v in x.items()}, state=cache)
+    named = linrec.compile("recurrence p(dk = 2, dv = 2)\ninput q[dk], k[dk], v[dv]\nparam type per head = 0.5\n"
+                           "state S[dk, dv]\nS = type·S + k⊗v\noutput o = q·S\n")
+    with pytest.raises(linrec.LinrecError, match="parameter 'type' .* rename it in the program"):
+        lt.Layer(named, heads=2)
+    with pytest.raises(linrec.LinrecError, match="dtype must be a floating-point torch.dtype"):
+        lt.Layer("examples/gla.lin", heads=2, dtype=torch.int32)

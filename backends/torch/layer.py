@@ -1,6 +1,7 @@
 """linrec.torch.Layer: a program as an nn.Module whose params are nn.Parameters."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -75,11 +76,17 @@ class Layer(nn.Module):
         given = {name: _initial_value(name, value) for name, value in dict(params or {}).items()}
         self._check_params(given)
         values = self.rec.default_params(self.heads, self.dims, given)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise RuntimeInputError(f"dtype must be a floating-point torch.dtype (its params are trained), got {dtype!r}")
         self.params = nn.ParameterDict()
         for name in trainable_params(self.rec.program, given):
             if values.get(name) is None:
                 raise RuntimeInputError(f"parameter '{name}' of '{self.rec.name}' has no default; pass its "
                                         f"initial value: Layer(..., params={{'{name}': ...}})")
+            if hasattr(self.params, name):  # (nn.ParameterDict's KeyError: "attribute 'type' already exists")
+                raise LinrecError(f"parameter '{name}' of '{self.rec.name}' has the name of an attribute of "
+                                  f"nn.ParameterDict, which cannot hold it: rename it in the program to make a "
+                                  f"Layer (linrec.torch.apply takes it as it is)")
             self.params[name] = nn.Parameter(torch.as_tensor(values[name], dtype=dtype))
         # the sizes, not given in `dims`, at which those initial values were computed (the file's defaults): the
         # inputs must have them (checked at forward), else the values are another size's
@@ -151,9 +158,17 @@ class Layer(nn.Module):
         """A program that reads the sequence: its state is the KV cache, the inputs so far. New tokens are
         appended to it; one token runs as the decode step (its query against the cache), more as a sequence
         whose last outputs are theirs."""
+        if cache is not None and not isinstance(cache, Mapping):  # (a tensor's truth value, a list's join failed)
+            raise RuntimeInputError(f"state is a {type(cache).__name__}; the state of '{self.rec.name}' is its KV "
+                                    f"cache, the inputs so far by name ({', '.join(given) or 'its inputs'}), as "
+                                    f"the Layer's last call returned it")
         if not cache:
             o, _ = apply(self.rec, given, form=self.form, **options)
             return o, dict(given)
+        new_tokens = [value.shape[1] for value in given.values() if isinstance(value, torch.Tensor) and value.dim() >= 2]
+        if 0 in new_tokens:  # (the cache's tokens would have passed apply's T ≥ 1, and their outputs come back)
+            raise RuntimeInputError(f"no new tokens (T = 0) to continue the KV cache of '{self.rec.name}' with: pass "
+                                    f"at least one")
         if not self.rec.program.causal:
             raise LinrecError(f"'{self.rec.name}' is non-causal: every output reads the whole sequence, so it "
                               f"cannot continue from a cache; pass the whole sequence")
