@@ -314,7 +314,8 @@ class Recurrence:
         (`grad_final_state`), the gradients of every input, param and initial state (`result.grads`, by name;
         per-head params [H, *], shared ones summed over heads). An output without a gradient is an error
         unless missing="zero". `chunk_size`: tokens between the forward's checkpoints (default √T).
-        `threads`: for the C backend, as in run(). `cu_seqlens` is not taken (packed sequences have no backward): an error that says what to do instead."""
+        `threads`: for the C backend, as in run(). `cu_seqlens` is not taken (packed sequences have no backward):
+        an error that says what to do instead."""
         if cu_seqlens is not None:  # (a keyword of its own: run() takes it, and a bare TypeError said nothing)
             raise RuntimeInputError("vjp takes no cu_seqlens: packed variable-length batches have no backward; "
                                     "call vjp once per sequence (inputs [1, len_i, H, *]), or pass sequences of "

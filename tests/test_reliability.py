@@ -415,7 +415,7 @@ def _in_a_forked_child(work, seconds=60) -> str:
 def test_a_child_forked_after_a_kernel_ran_on_threads_runs_kernels():
     """GNU OpenMP's threads do not survive a fork: a child forked after a run on two threads waited forever in
     its first kernel (multiprocessing's "fork" start method, DataLoader workers). Its kernels now run on one
-    thread (backends/c/fork.py), with the parent's numbers."""
+    thread (build.num_threads), with the parent's numbers."""
     rec = linrec.load(EXAMPLES / "gla.lin")
     x = rec.random_inputs(2, 4096, 8, dtype=np.float32, seed=1)  # (work enough for a team of two)
     want = rec.run(x, backend="c", form="recurrent", threads=2).outputs["o"]

@@ -81,9 +81,7 @@ def _positive(what: str, x) -> int:
 
 
 def _threads(num_threads) -> int:
-    if num_threads is None:
-        return int(c_build.num_threads())
-    return c_build.thread_count(_positive("num_threads", num_threads))
+    return c_build.thread_count(None if num_threads is None else _positive("num_threads", num_threads))
 
 
 def _options(causal, window, block, num_threads) -> tuple[int, int, int, int]:

@@ -600,7 +600,6 @@ def load_alias(alias: str):
         except ImportError:
             return None
         _loaded[key] = module
-        fork.kernel_loaded()
         return module
 
 
@@ -634,7 +633,6 @@ def build(source: str, cdef: str, label: str = "kernel", alias: str | None = Non
         module = _loaded.get(key)
         if module is None:
             module = _loaded[key] = _load_or_build(key, source, cdef, label)
-            fork.kernel_loaded()
     if alias:
         _record_alias(alias, key)
     return module
@@ -809,8 +807,8 @@ def threads(n: int | None):
 def num_threads() -> int:
     """Threads for the compiled kernels: threads(n) around the call, else LINREC_NUM_THREADS, else every
     core this process may use; at most MAX_THREADS. 1 in a process forked after its parent loaded kernels
-    (OpenMP's threads do not survive a fork: fork.py)."""
-    if fork.single_threaded():
+    (_forked_after_kernels)."""
+    if _forked_after_kernels:
         return 1
     if _thread_override.get() is not None:
         return _thread_override.get()
@@ -831,7 +829,22 @@ def num_threads() -> int:
 
 def thread_count(asked=None) -> int:
     """A kernel call's threads: `asked` (its num_threads argument, checked by the caller) or num_threads(); 1
-    in a process forked after its parent loaded kernels (fork.py)."""
-    if asked is None or fork.single_threaded():
+    in a process forked after its parent loaded kernels (_forked_after_kernels)."""
+    if asked is None or _forked_after_kernels:
         return num_threads()
     return int(asked)
+
+
+# GNU OpenMP's threads do not survive a fork: in the child, the first parallel region of a team the parent had
+# started waits for them forever. A process forked after its parent had loaded a kernel (and with it the OpenMP
+# runtime, likely its team too) runs every kernel on one thread; 'spawn' and 'forkserver' workers keep theirs.
+_forked_after_kernels = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_kernels
+    _forked_after_kernels = _forked_after_kernels or bool(_loaded)
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which has no fork)
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -27,7 +27,7 @@ def trainable_params(program: ir.Program, given=()) -> tuple[str, ...]:
                  if p.name in given or p.default is None or not refs(p.default, ir.ParamRef))
 
 
-def sizes_read(program: ir.Program, names) -> dict[str, list[str]]:
+def _sizes_read(program: ir.Program, names) -> dict[str, list[str]]:
     """The dimensions whose sizes the defaults of params `names` read as values (`c = −log(dk)`), each with
     the params that read it."""
     declared = {p.name: p for p in program.params}
@@ -77,7 +77,8 @@ class Layer(nn.Module):
         self._check_params(given)
         values = self.rec.default_params(self.heads, self.dims, given)
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise RuntimeInputError(f"dtype must be a floating-point torch.dtype (its params are trained), got {dtype!r}")
+            raise RuntimeInputError(f"dtype must be a floating-point torch.dtype (its params are trained), got "
+                                    f"{dtype!r}")
         self.params = nn.ParameterDict()
         for name in trainable_params(self.rec.program, given):
             if values.get(name) is None:
@@ -92,7 +93,7 @@ class Layer(nn.Module):
         # inputs must have them (checked at forward), else the values are another size's
         made_at = {d.name: d.default for d in self.rec.program.dims} | self.dims
         self._defaults_read = {dim: (made_at[dim], names) for dim, names in
-                               sizes_read(self.rec.program, [n for n in self.params if n not in given]).items()
+                               _sizes_read(self.rec.program, [n for n in self.params if n not in given]).items()
                                if dim not in self.dims}
         self.op = op_for(self.rec)  # registered now: torch.compile then finds it (a registration is no graph op)
 
@@ -165,8 +166,8 @@ class Layer(nn.Module):
         if not cache:
             o, _ = apply(self.rec, given, form=self.form, **options)
             return o, dict(given)
-        new_tokens = [value.shape[1] for value in given.values() if isinstance(value, torch.Tensor) and value.dim() >= 2]
-        if 0 in new_tokens:  # (the cache's tokens would have passed apply's T ≥ 1, and their outputs come back)
+        # (no new tokens: the grown sequence passes apply's T ≥ 1, and the cached tokens' outputs came back)
+        if any(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == 0 for t in given.values()):
             raise RuntimeInputError(f"no new tokens (T = 0) to continue the KV cache of '{self.rec.name}' with: pass "
                                     f"at least one")
         if not self.rec.program.causal:

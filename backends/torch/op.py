@@ -97,26 +97,21 @@ def _register(rec: Recurrence) -> RecurrenceOp:
     identifier = re.sub(r"\W", "_", program.name, flags=re.ASCII)
     digest = hashlib.sha256(rec.compiled.source.encode("utf-8")).hexdigest()[:16]
     name = f"{identifier}_{digest}"
-    with _REGISTERING:
-        return _registered(rec, name)
-
-
-def _registered(rec: Recurrence, name: str) -> RecurrenceOp:
-    """_register's work, one thread at a time: the op of `name`, registered unless a thread has done it before."""
-    if name not in _BY_NAME:
-        schema = _schema(rec)
-        qualified = f"{NAMESPACE}::{name}"
-        op = torch.library.custom_op(qualified, _kernel(rec), mutates_args=(), device_types="cpu", schema=schema)
-        op.register_fake(_fake(rec))
-        backward_op = torch.library.custom_op(f"{qualified}_backward", backward.kernel(rec), mutates_args=(),
-                                              device_types="cpu", schema=backward.schema(rec, _argument))
-        backward_op.register_fake(backward.fake(rec))
-        backward_op.register_autograd(backward.second_order_refused(rec))
-        setup_context, formula = backward.autograd_formula(rec, backward_op)
-        op.register_autograd(formula, setup_context=setup_context)
-        _BY_NAME[name] = RecurrenceOp(rec, op, qualified, schema)
-    _OPS[rec] = _BY_NAME[name]
-    return _OPS[rec]
+    with _REGISTERING:  # (one at a time: see _REGISTERING)
+        if name not in _BY_NAME:
+            schema = _schema(rec)
+            qualified = f"{NAMESPACE}::{name}"
+            op = torch.library.custom_op(qualified, _kernel(rec), mutates_args=(), device_types="cpu", schema=schema)
+            op.register_fake(_fake(rec))
+            backward_op = torch.library.custom_op(f"{qualified}_backward", backward.kernel(rec), mutates_args=(),
+                                                  device_types="cpu", schema=backward.schema(rec, _argument))
+            backward_op.register_fake(backward.fake(rec))
+            backward_op.register_autograd(backward.second_order_refused(rec))
+            setup_context, formula = backward.autograd_formula(rec, backward_op)
+            op.register_autograd(formula, setup_context=setup_context)
+            _BY_NAME[name] = RecurrenceOp(rec, op, qualified, schema)
+        _OPS[rec] = _BY_NAME[name]
+        return _OPS[rec]
 
 
 def _argument(prefix: str, name: str, index: int) -> str:
