@@ -548,6 +548,26 @@ def test_no_compiler_is_a_clear_error(linrec, monkeypatch):
         c_build.build("int f(void) { return 1; }", "int f(void);", "nocc")
 
 
+def test_a_kernel_is_built_beside_its_glue_and_linked(linrec):
+    """The kernel and cffi's glue compile as two objects at once, then link: the extension calls the kernel,
+    exports none of the kernel's symbols, and its cache entry keeps the sources but no objects; a compiler
+    error in the kernel is a LinrecError with the compiler's message."""
+    from linrec.c import build as c_build
+    from linrec.dsl.errors import LinrecError
+    source = "#include <stdint.h>\nint64_t lr_twice(int64_t x) { return 2 * x + LR_ONE; }\n"
+    module = c_build.build("#define LR_ONE 1\n" + source, "int64_t lr_twice(int64_t x);", "glue_test")
+    assert module.lib.lr_twice(20) == 41
+    entry = Path(module.__file__).parent
+    assert {p.suffix for p in entry.iterdir() if p.is_file()} >= {".c", ".so"}
+    assert not list(entry.glob("*.o"))
+    if shutil.which("nm"):
+        exported = subprocess.run(["nm", "-D", "--defined-only", module.__file__], capture_output=True,
+                                  text=True, check=True).stdout
+        assert "PyInit_" in exported and "lr_twice" not in exported
+    with pytest.raises(LinrecError, match=r"building the C kernel failed(.|\n)*LR_ONE(.|\n)*NumPy backend"):
+        c_build.build(source, "int64_t lr_twice(int64_t x);", "glue_test_broken")
+
+
 # ---- what the build produced ------------------------------------------------------------------------
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("objdump"),
                     reason="needs x86-64 and objdump")
