@@ -206,6 +206,27 @@ def test_a_build_survives_its_directory_vanishing(cache, monkeypatch):
     assert len(calls) == 2 and len(_entries(cache)) == 1
 
 
+def test_the_precompiled_prelude_saves_time_only(cache):
+    """The kernels' system headers are precompiled once into <cache>/headers; a kernel compiled with them
+    runs; a precompiled header that cannot be read (truncated) costs a second compile, not the build, and is
+    deleted (made again by the next build); `cache clear` deletes them."""
+    source, cdef, n = _tiny("prelude")
+    assert c_build.build(source, cdef, "prelude").lib.lr_value() == n
+    found = list((cache / "headers").glob("*.h.gch"))
+    if not found:
+        pytest.skip("the compiler made no precompiled header")
+    (compiled,) = found
+    compiled.write_bytes(compiled.read_bytes()[:100_000])  # GCC refuses a truncated one outright
+    source, cdef, n = _tiny("prelude-truncated")
+    assert c_build.build(source, cdef, "prelude-truncated").lib.lr_value() == n
+    assert not compiled.exists()
+    source, cdef, n = _tiny("prelude-again")
+    assert c_build.build(source, cdef, "prelude-again").lib.lr_value() == n
+    assert compiled.stat().st_size > 100_000
+    c_build.cache_clear()
+    assert not (cache / "headers").exists()
+
+
 # ---- item 10: caches that cannot be written ----------------------------------------------------------
 def _file_in_the_way(tmp_path: Path) -> Path:
     blocker = tmp_path / "not-a-directory"

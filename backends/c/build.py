@@ -5,6 +5,7 @@ The cache lives in $LINREC_CACHE_DIR, else $XDG_CACHE_HOME/linrec, else ~/.cache
     <cache>/<build key>/               one kernel: the extension, its C source, checksum.json, label, and
                 aliases/<alias>        a record of each alias build() wrote for it (empty files)
     <cache>/aliases/<alias>            a cheap key (program, sizes, dtype, linrec's code …) → its entry's key
+    <cache>/headers/<key>.h, .h.gch    the kernels' system headers, precompiled per compiler and flags (_prelude)
     <cache>/.tmp-*, .trash-*           builds in progress (locked) or interrupted, entries being deleted
 
 The build key is sha256 of the generated source, the cffi declarations, the compiler's path and `--version`,
@@ -245,7 +246,15 @@ def _compile(source: str, cdef: str, name: str, where: Path) -> Path:
                [cc, *glue_flags, "-I", include, "-c", str(glue_c), "-o", str(where / f"{name}.o")]]
     link = [cc, *fl, "-shared", str(where / "kernel.o"), str(where / f"{name}.o"), "-o", str(out), "-lm"]
     try:
-        res = _run_together(objects) or _run_together([link])
+        prelude = _prelude(cc, fl, where.parent)
+        if prelude is not None:
+            res = _run_together([objects[0][:1] + ["-include", str(prelude)] + objects[0][1:]] + objects[1:])
+            if res is not None:  # (a prelude deleted meanwhile by `cache clear`, or unreadable): without it
+                prelude.with_name(prelude.name + ".gch").unlink(missing_ok=True)
+                res = _run_together(objects)
+        else:
+            res = _run_together(objects)
+        res = res or _run_together([link])
         if res is not None and "-fopenmp" in fl and "omp" in (res.stderr or "").lower():
             # a compiler without OpenMP (e.g. Apple clang): build single-threaded, the pragmas are ignored
             serial = [[c for c in cmd if c != "-fopenmp"] for cmd in objects + [link]]
@@ -260,6 +269,54 @@ def _compile(source: str, cdef: str, name: str, where: Path) -> Path:
     for obj in objects:  # (the cache keeps the sources and the extension)
         Path(obj[-1]).unlink(missing_ok=True)
     return out
+
+
+# ---- the prelude: the kernels' system headers, precompiled -------------------------------------------------
+# Every kernel starts with the same system headers, and under -march=native <immintrin.h> alone is ~62,000
+# lines: parsing them was a quarter of a kernel's compile. The cache keeps them precompiled (GCC's .gch), once
+# per compiler and flags, in <cache>/headers/, and each kernel is compiled with `-include` of them (a kernel's
+# own #include of a header already read is then skipped by the header's guard). A precompiled header only saves
+# time: GCC uses it when it fits the compilation and otherwise reads the text, and a compile that fails with it
+# (say, a `cache clear` deleted it meanwhile) runs again without it. Any other compiler reads the text.
+PRELUDE = """\
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+"""
+
+
+def _prelude(cc: str, fl: list[str], root: Path) -> Path | None:
+    """The prelude header in `root`/headers, its precompiled form made first where missing; None when it
+    cannot be made (a cache that cannot be written, a compiler that cannot precompile): kernels then build
+    without it. (Called under _lock, as every build is: one thread of a process makes it.)"""
+    key = hashlib.sha256("\0".join([PRELUDE, cc, _compiler_version(cc), *fl, target_key()]).encode()).hexdigest()
+    header = root / "headers" / f"{key}.h"
+    compiled = header.with_name(header.name + ".gch")
+    if compiled.is_file():
+        return header
+    try:
+        header.parent.mkdir(exist_ok=True)
+        part = header.with_name(f".{header.name}.{uuid.uuid4().hex}")
+        part.write_text(PRELUDE, encoding="utf-8")
+        os.replace(part, header)
+        # compiled under a name of its own, then renamed into place: a process never reads half of one
+        part = compiled.with_name(f".{compiled.name}.{uuid.uuid4().hex}")
+        failed = _run_together([[cc, *fl, "-x", "c-header", str(header), "-o", str(part)]])
+        if failed is None:
+            os.replace(part, compiled)
+        part.unlink(missing_ok=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return header if compiled.is_file() else None
 
 
 def _run_together(commands: list[list[str]]) -> subprocess.CompletedProcess | None:
@@ -760,7 +817,7 @@ def cache_info() -> dict:
 def _clearable(path: Path) -> bool:
     """Whether `cache clear` deletes this directory of the cache: entries, aliases and the leftovers of builds
     and removals — nothing else (a cache directory set by mistake to a folder of other things keeps them)."""
-    return _is_key(path.name) or path.name == "aliases" or path.name.startswith((".tmp-", ".trash-"))
+    return _is_key(path.name) or path.name in ("aliases", "headers") or path.name.startswith((".tmp-", ".trash-"))
 
 
 def _remove(path: Path) -> OSError | None:

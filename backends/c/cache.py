@@ -5,6 +5,7 @@ Built on c_build (its cache_dir(), cache_info(), cache_problem() and cache_clear
     <cache dir>/<64 hex digits>/    one built kernel: the extension (.so), its C sources, checksum.json, label,
                                     aliases/ (the aliases recorded for it)
     <cache dir>/aliases/<key>       a cheap key (program, sizes, dtype, generator …) → the entry's key
+    <cache dir>/headers/            the kernels' system headers, precompiled (c_build._prelude)
     <cache dir>/.tmp-*, .trash-*    builds in progress (locked: clear leaves them), or leftovers of interrupted
                                     builds or removals
 
