@@ -152,6 +152,26 @@ def test_layer_params_given_and_missing():
         lt.Layer(nodefault, heads=2)
 
 
+def test_a_param_only_given_params_read_is_not_held():
+    """Mamba-2 with A given: A_log, which only A's default reads, is not held (it would get gradient 0); A is
+    held and trained, and the Layer runs as linrec.run with that A."""
+    layer = lt.Layer("examples/mamba2.lin", heads=2, params={"A": torch.tensor([-0.5, -2.0])},
+                     dtype=torch.float64)
+    assert sorted(dict(layer.named_parameters())) == ["params.A", "params.D"]
+    x = layer.rec.random_inputs(1, 6, 2, seed=3)
+    with torch.enable_grad():  # (this module's tests run under no_grad)
+        o, _ = layer(**tensors(x))
+        o.sum().backward()
+    ref = layer.rec.run(x, backend="c", params={"A": np.array([-0.5, -2.0]),
+                                                "D": layer.params["D"].detach().numpy()})
+    assert np.abs(o.detach().numpy() - ref.outputs["y"]).max() <= EXACT
+    assert float(layer.params["A"].grad.abs().min()) > 0
+    # given both, both are held, as given (A_log then reads nothing)
+    both = lt.Layer("examples/mamba2.lin", heads=2, params={"A": torch.tensor([-0.5, -2.0]),
+                                                           "A_log": torch.zeros(2)})
+    assert sorted(both.params) == ["A", "A_log", "D"]
+
+
 def test_a_layers_arguments_are_checked_where_it_is_made():
     rec = rec_of("mamba2")
     for kwargs, message in [

@@ -22,9 +22,22 @@ from .op import STEP, op_for
 
 def trainable_params(program: ir.Program, given=()) -> tuple[str, ...]:
     """The params a Layer holds as nn.Parameters: those whose default reads no other param (Mamba-2's A_log and
-    D, not A = −exp(A_log), which the program computes from A_log on every call), and any given explicitly."""
+    D, not A = −exp(A_log), which the program computes from A_log on every call), and any given explicitly —
+    but not one that only the defaults of given params read (Mamba-2's A_log when A is given: nothing would
+    read it, and its gradient would be 0)."""
+    declared = {p.name: p for p in program.params}
+    read_by_defaults = {n for p in program.params if p.default is not None for n in refs(p.default, ir.ParamRef)}
+    needed = {n for step in program.steps for n in refs(step.value, ir.ParamRef)}
+    todo = list(needed)
+    while todo:  # the params the needed defaults read, transitively (a given param's default is not run)
+        p = declared[todo.pop()]
+        if p.name not in given and p.default is not None:
+            fresh = set(refs(p.default, ir.ParamRef)) - needed
+            needed |= fresh
+            todo += fresh
     return tuple(p.name for p in program.params
-                 if p.name in given or p.default is None or not refs(p.default, ir.ParamRef))
+                 if p.name in given or ((p.default is None or not refs(p.default, ir.ParamRef))
+                                        and (p.name in needed or p.name not in read_by_defaults)))
 
 
 def _sizes_read(program: ir.Program, names) -> dict[str, list[str]]:
