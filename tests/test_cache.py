@@ -216,6 +216,10 @@ def test_the_precompiled_prelude_saves_time_only(cache):
     if not found:
         pytest.skip("the compiler made no precompiled header")
     (compiled,) = found
+    from linrec.c import cache as c_cache
+    data = c_cache.info()
+    assert data["header_bytes"] == compiled.stat().st_size + (cache / "headers" / compiled.stem).stat().st_size
+    assert "of it the kernels' precompiled headers" in c_cache.format_info(data)
     compiled.write_bytes(compiled.read_bytes()[:100_000])  # GCC refuses a truncated one outright
     source, cdef, n = _tiny("prelude-truncated")
     assert c_build.build(source, cdef, "prelude-truncated").lib.lr_value() == n

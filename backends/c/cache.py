@@ -79,12 +79,12 @@ def _children(root: Path) -> list[Path]:
 
 
 def info() -> dict:
-    """{"dir", "exists", "problem", "entries", "bytes", "aliases", "leftovers", "kernels": [{key, label, bytes,
-    age_s, built, status}]} — entries and bytes as c_build.cache_info() counts them; problem: what stops the
+    """{"dir", "exists", "problem", "entries", "bytes", "aliases", "leftovers", "header_bytes" (the precompiled
+    headers, c_build._prelude), "kernels": [{key, label, bytes, age_s, built, status}]} — entries and bytes as c_build.cache_info() counts them; problem: what stops the
     directory from serving as the cache (None when nothing does)."""
     base = c_build.cache_info()
     root = Path(base["dir"])
-    kernels, aliases, leftovers = [], 0, []
+    kernels, aliases, leftovers, headers = [], 0, [], 0
     now = time.time()
     for p in _children(root):
         if _is_entry(p):
@@ -93,12 +93,14 @@ def info() -> dict:
                 kernels.append(kernel)
         elif p.name == "aliases" and p.is_dir():
             aliases = sum(1 for q in _children(p) if not q.name.startswith("."))
+        elif p.name == "headers" and p.is_dir():
+            headers = _size(p)
         elif p.name.startswith((".tmp-", ".trash-")):
             leftovers.append(p.name)
     kernels.sort(key=lambda k: k["age_s"])
     return {"dir": str(root), "exists": root.is_dir(), "problem": c_build.cache_problem(root),
             "entries": base["entries"], "bytes": base["bytes"], "aliases": aliases, "leftovers": leftovers,
-            "kernels": kernels}
+            "header_bytes": headers, "kernels": kernels}
 
 
 def clear() -> dict:
@@ -144,6 +146,8 @@ def format_info(data: dict) -> str:
     lines = [f"cache: {data['dir']}" + (f" ({data['problem']})" if data["problem"] else ""),
              f"{data['entries']} entr{'y' if data['entries'] == 1 else 'ies'}, {human_bytes(data['bytes'])} "
              f"({data['bytes']} bytes) in total; {data['aliases']} alias(es)"
+             + (f"; {human_bytes(data['header_bytes'])} of it the kernels' precompiled headers"
+                if data.get("header_bytes") else "")
              + (f"; {len(data['leftovers'])} leftover(s) of interrupted builds" if data["leftovers"] else "")]
     if data["kernels"]:
         rows = [["key", "label", "size", "age", "built", "status"]]
