@@ -47,6 +47,7 @@ import sysconfig
 import tempfile
 import uuid
 import warnings
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -246,19 +247,22 @@ def _compile(source: str, cdef: str, name: str, where: Path) -> Path:
                [cc, *glue_flags, "-I", include, "-c", str(glue_c), "-o", str(where / f"{name}.o")]]
     link = [cc, *fl, "-shared", str(where / "kernel.o"), str(where / f"{name}.o"), "-o", str(out), "-lm"]
     try:
-        prelude = _prelude(cc, fl, where.parent)
+        prelude, making = _prelude(cc, fl, where.parent)
         if prelude is not None:
-            res = _run_together([objects[0][:1] + ["-include", str(prelude)] + objects[0][1:]] + objects[1:])
+            res = _failed(_run_together([objects[0][:1] + ["-include", str(prelude)] + objects[0][1:]] + objects[1:]))
             if res is not None:  # (a prelude deleted meanwhile by `cache clear`, or unreadable): without it
                 prelude.with_name(prelude.name + ".gch").unlink(missing_ok=True)
-                res = _run_together(objects)
-        else:
-            res = _run_together(objects)
-        res = res or _run_together([link])
+                res = _failed(_run_together(objects))
+        else:  # (the prelude precompiled beside the first build, for the next ones)
+            done = _run_together(objects + ([making.command] if making else []))
+            if making:
+                making.finish(done[-1])
+            res = _failed(done[:2])
+        res = res or _failed(_run_together([link]))
         if res is not None and "-fopenmp" in fl and "omp" in (res.stderr or "").lower():
             # a compiler without OpenMP (e.g. Apple clang): build single-threaded, the pragmas are ignored
             serial = [[c for c in cmd if c != "-fopenmp"] for cmd in objects + [link]]
-            res = _run_together(serial[:-1]) or _run_together(serial[-1:])
+            res = _failed(_run_together(serial[:-1])) or _failed(_run_together(serial[-1:]))
     except (OSError, subprocess.SubprocessError) as err:
         raise LinrecError(f"could not run the C compiler {cc}: {err}; the NumPy backend (backend='numpy') "
                           f"still works") from None
@@ -277,7 +281,8 @@ def _compile(source: str, cdef: str, name: str, where: Path) -> Path:
 # per compiler and flags, in <cache>/headers/, and each kernel is compiled with `-include` of them (a kernel's
 # own #include of a header already read is then skipped by the header's guard). A precompiled header only saves
 # time: GCC uses it when it fits the compilation and otherwise reads the text, and a compile that fails with it
-# (say, a `cache clear` deleted it meanwhile) runs again without it. Any other compiler reads the text.
+# (say, a `cache clear` deleted it meanwhile) runs again without it. Any other compiler reads the text. The first
+# build that finds it missing compiles without it, and precompiles it at the same time for the builds after.
 PRELUDE = """\
 #include <math.h>
 #include <stdatomic.h>
@@ -294,33 +299,46 @@ PRELUDE = """\
 """
 
 
-def _prelude(cc: str, fl: list[str], root: Path) -> Path | None:
-    """The prelude header in `root`/headers, its precompiled form made first where missing; None when it
-    cannot be made (a cache that cannot be written, a compiler that cannot precompile): kernels then build
-    without it. (Called under _lock, as every build is: one thread of a process makes it.)"""
+@dataclass
+class _Precompiling:
+    """The prelude's precompiled form being made: the command, and the name it is written under until done."""
+    command: list[str]
+    part: Path
+    compiled: Path
+
+    def finish(self, result: subprocess.CompletedProcess) -> None:
+        """Rename it into place (atomic: no process reads half of one), or drop it when the compiler failed."""
+        try:
+            if result.returncode == 0:
+                os.replace(self.part, self.compiled)
+            self.part.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _prelude(cc: str, fl: list[str], root: Path) -> tuple[Path | None, _Precompiling | None]:
+    """(the prelude header in `root`/headers, when its precompiled form is there; else None, and how to make
+    it: run beside the build that found it missing, for the builds after). (None, None) when it cannot be
+    made (a cache that cannot be written): kernels then build without it. (Called under _lock, as every build
+    is: one thread of a process makes it.)"""
     key = hashlib.sha256("\0".join([PRELUDE, cc, _compiler_version(cc), *fl, target_key()]).encode()).hexdigest()
     header = root / "headers" / f"{key}.h"
     compiled = header.with_name(header.name + ".gch")
     if compiled.is_file():
-        return header
+        return header, None
     try:
         header.parent.mkdir(exist_ok=True)
         part = header.with_name(f".{header.name}.{uuid.uuid4().hex}")
         part.write_text(PRELUDE, encoding="utf-8")
         os.replace(part, header)
-        # compiled under a name of its own, then renamed into place: a process never reads half of one
-        part = compiled.with_name(f".{compiled.name}.{uuid.uuid4().hex}")
-        failed = _run_together([[cc, *fl, "-x", "c-header", str(header), "-o", str(part)]])
-        if failed is None:
-            os.replace(part, compiled)
-        part.unlink(missing_ok=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return header if compiled.is_file() else None
+    except OSError:
+        return None, None
+    part = compiled.with_name(f".{compiled.name}.{uuid.uuid4().hex}")
+    return None, _Precompiling([cc, *fl, "-x", "c-header", str(header), "-o", str(part)], part, compiled)
 
 
-def _run_together(commands: list[list[str]]) -> subprocess.CompletedProcess | None:
-    """Run the compiler commands at once; the first that failed (its output captured), else None."""
+def _run_together(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Run the compiler commands at once; their results (output captured)."""
     running, done = [], []
     try:
         for cmd in commands:
@@ -333,7 +351,12 @@ def _run_together(commands: list[list[str]]) -> subprocess.CompletedProcess | No
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return next((r for r in done if r.returncode != 0), None)
+    return done
+
+
+def _failed(results: list[subprocess.CompletedProcess]) -> subprocess.CompletedProcess | None:
+    """The first result of a command that failed, else None."""
+    return next((r for r in results if r.returncode != 0), None)
 
 
 def _valid(entry: Path, name: str) -> bool:
