@@ -231,6 +231,25 @@ def test_the_precompiled_prelude_saves_time_only(cache):
     assert not (cache / "headers").exists()
 
 
+def test_a_compiler_that_cannot_precompile_still_builds(cache, tmp_path, monkeypatch):
+    """A compiler that fails to precompile the prelude: every kernel builds without it, and the process asks
+    that compiler to precompile once, not at every build."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("needs gcc")
+    log = tmp_path / "precompiles.log"
+    cc = tmp_path / "cc-without-pch"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do if [ "$a" = c-header ]; then echo x >> {log}; '
+                  f'echo "no precompiled headers" >&2; exit 1; fi; done\nexec {gcc} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    for tag in ("no-pch-1", "no-pch-2", "no-pch-3"):
+        source, cdef, n = _tiny(tag)
+        assert c_build.build(source, cdef, tag).lib.lr_value() == n
+    assert not list((cache / "headers").glob("*.gch"))
+    assert log.read_text().count("x") == 1
+
+
 # ---- item 10: caches that cannot be written ----------------------------------------------------------
 def _file_in_the_way(tmp_path: Path) -> Path:
     blocker = tmp_path / "not-a-directory"

@@ -307,13 +307,19 @@ class _Precompiling:
     compiled: Path
 
     def finish(self, result: subprocess.CompletedProcess) -> None:
-        """Rename it into place (atomic: no process reads half of one), or drop it when the compiler failed."""
+        """Rename it into place (atomic: no process reads half of one), or drop it when the compiler failed (and
+        do not ask that compiler again in this process)."""
+        if result.returncode != 0:
+            _cannot_precompile.add(self.compiled.name)
         try:
             if result.returncode == 0:
                 os.replace(self.part, self.compiled)
             self.part.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+_cannot_precompile: set[str] = set()  # the preludes (by file name) this process's compiler failed to precompile
 
 
 def _prelude(cc: str, fl: list[str], root: Path) -> tuple[Path | None, _Precompiling | None]:
@@ -326,6 +332,8 @@ def _prelude(cc: str, fl: list[str], root: Path) -> tuple[Path | None, _Precompi
     compiled = header.with_name(header.name + ".gch")
     if compiled.is_file():
         return header, None
+    if compiled.name in _cannot_precompile:
+        return None, None
     try:
         header.parent.mkdir(exist_ok=True)
         part = header.with_name(f".{header.name}.{uuid.uuid4().hex}")
