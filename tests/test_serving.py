@@ -675,6 +675,37 @@ def test_a_pool_whose_states_overlap_is_refused_and_changes_no_row(layout, backe
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_token_input_in_a_states_memory_is_refused_before_the_step_writes(backend):
+    """A token input that is a view of a state an in-place step updates (inplace=True, a bound step, a slot
+    pool): C's step read the token's rows while writing the state and gave another answer than NumPy's
+    (found by probing). Refused naming both, with the states left as they were; a step that is not in place
+    only reads them, and equals the step of a copied token."""
+    rec = PROGRAMS["linear_transformer"]
+    tokens = {k: np.ascontiguousarray(v[:, 0]) for k, v in inputs_for(rec, 2, 1).items()}
+    state = {k: np.ascontiguousarray(v) for k, v in random_state(rec, 2).items()}
+    shared = dict(tokens, v=state["S"][0].reshape(-1)[:16].reshape(2, 2, 4))  # v [B, H, dv] over S's first rows
+    before = {k: v.copy() for k, v in state.items()}
+    message = re.escape("input 'v' shares memory with state 'S', which the step updates in place") \
+        + r".*pass a copy \(v\.copy\(\)\)"
+    with pytest.raises(linrec.RuntimeInputError, match=message):
+        rec.step(shared, state, backend=backend, inplace=True)
+    with pytest.raises(linrec.RuntimeInputError, match=message):
+        rec.bind_step(shared, state, backend=backend)
+    for k in state:
+        np.testing.assert_array_equal(state[k], before[k])
+    got, _ = rec.step(shared, state, backend=backend)
+    want, _ = rec.step(dict(shared, v=shared["v"].copy()), state, backend=backend)
+    np.testing.assert_array_equal(got["o"], want["o"])
+    pool = {k: np.concatenate([v, v]) for k, v in random_state(rec, 2).items()}
+    pool_before = {k: v.copy() for k, v in pool.items()}
+    in_pool = dict(tokens, v=pool["S"][3].reshape(-1)[:16].reshape(2, 2, 4))
+    with pytest.raises(linrec.RuntimeInputError, match=re.escape("input 'v' shares memory with pool['S']")):
+        rec.step(in_pool, pool, slots=np.array([0, 2]), backend=backend)
+    for k in pool:
+        np.testing.assert_array_equal(pool[k], pool_before[k])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_pool_with_its_states_interleaved_slot_by_slot_is_taken(backend):
     """States in one buffer, each slot's S then z ([P, H·dk·dv + H·dk]): their bounds overlap but their
     elements do not, so the pool is taken, and steps as separate arrays do."""
