@@ -706,6 +706,28 @@ def test_a_token_input_in_a_states_memory_is_refused_before_the_step_writes(back
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_unknown_names_are_refused_after_the_first_step_too(backend):
+    """A name the step does not read — a misspelt input, a state among the tokens (it would start from
+    zeros), a misspelt state — is refused on every call, not only before C's step is bound: after a first
+    step, C ignored it (found by probing serving); also on the path of the very same arrays again."""
+    rec = PROGRAMS["gla"]
+    tokens = {k: np.ascontiguousarray(v[:, 0]) for k, v in inputs_for(rec, 2, 1).items()}
+    state = {k: np.ascontiguousarray(v) for k, v in random_state(rec, 2).items()}
+    out = {"o": np.empty_like(rec.step(tokens, state, backend=backend)[0]["o"])}
+    for _ in range(2):  # (the second call with these very arrays takes C's fast path)
+        rec.step(tokens, state, backend=backend, inplace=True, out=out)
+    before = state["S"].copy()
+    cases = [(dict(tokens, gg=tokens["g"]), state, "unknown input array(s) 'gg'; the inputs of 'gla' are q, k, v, g"),
+             (dict(tokens, S=state["S"]), state, "unknown input array(s) 'S'"),
+             (tokens, dict(state, s=state["S"]), "unknown state(s) 's'; the states of 'gla' are S")]
+    for given, states, message in cases:
+        for kwargs in ({}, {"inplace": True, "out": out}):
+            with pytest.raises(linrec.RuntimeInputError, match=re.escape(message)):
+                rec.step(given, states, backend=backend, **kwargs)
+    np.testing.assert_array_equal(state["S"], before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_pool_with_its_states_interleaved_slot_by_slot_is_taken(backend):
     """States in one buffer, each slot's S then z ([P, H·dk·dv + H·dk]): their bounds overlap but their
     elements do not, so the pool is taken, and steps as separate arrays do."""

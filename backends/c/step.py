@@ -38,14 +38,16 @@ class ShapeChanged(RuntimeInputError):
 def _fast_step_maker(names: tuple[tuple[str, str], ...]):
     """make(fn, call, *arrays) → step(token_inputs, state, out), for a program whose arrays are `names`
     ((dict, key) in lr_step's order). step runs fn(call) and returns (out, state) when each dict holds, at
-    each key, the very array bound there — and each array the step writes (states, outputs) is still
-    writeable —, else None (nothing run); None too when the kernel refused an input out of its declared
+    each key, the very array bound there and no other key — and each array the step writes (states, outputs)
+    is still writeable —, else None (nothing run); None too when the kernel refused an input out of its declared
     range (it updates nothing then; the checked path says which). An `is` test per array, written out: ~20 ns
     each, where a generic loop or tuples of ids cost 3–5 times that (the writeable flag: ~60 ns more)."""
     arrays = [f"a{i}" for i in range(len(names))]
     tests = " and\n                ".join(
         f"{d}[{key!r}] is {a}" + (f" and {a}.flags.writeable" if d != "token_inputs" else "")
         for (d, key), a in zip(names, arrays))
+    counts = {d: sum(1 for dd, _ in names if dd == d) for d in ("token_inputs", "state", "out")}
+    tests = " and\n                ".join([f"len({d}) == {n}" for d, n in counts.items()] + [tests])
     source = f"""def make(fn, call, {', '.join(arrays)}):
     def step(token_inputs, state, out):
         try:
@@ -232,6 +234,12 @@ class Stepper:
             if env != self._env:
                 self._env, self.threads = env, c_build.num_threads()
         p = self.rec.program
+        # names it does not read are errors, as on the checked path: a misspelt input, a state among the
+        # tokens (it would start from zeros), a misspelt state
+        arrays.refuse_unknown(token_inputs if isinstance(token_inputs, dict) else {}, [x.name for x in p.inputs],
+                              "input array(s)", "inputs", p)
+        if isinstance(state, dict):
+            arrays.refuse_unknown_states(p, state, {key for key, _ in self.rec.scales})
         try:
             first = token_inputs[p.inputs[0].name]
         except (KeyError, TypeError, IndexError):
