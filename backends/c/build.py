@@ -250,9 +250,10 @@ def _compile(source: str, cdef: str, name: str, where: Path) -> Path:
         prelude, making = _prelude(cc, fl, where.parent)
         if prelude is not None:
             res = _failed(_run_together([objects[0][:1] + ["-include", str(prelude)] + objects[0][1:]] + objects[1:]))
-            if res is not None:  # (a prelude deleted meanwhile by `cache clear`, or unreadable): without it
-                prelude.with_name(prelude.name + ".gch").unlink(missing_ok=True)
+            if res is not None:  # (a prelude deleted meanwhile by `cache clear`, or unreadable?): without it
                 res = _failed(_run_together(objects))
+                if res is None:  # it was the prelude: made again by the next build
+                    prelude.with_name(prelude.name + ".gch").unlink(missing_ok=True)
         else:  # (the prelude precompiled beside the first build, for the next ones)
             done = _run_together(objects + ([making.command] if making else []))
             if making:
