@@ -202,6 +202,13 @@ def _check_finite(rec, inputs, params, state0, outputs, final, grads) -> None:
     index = np.argwhere(~np.isfinite(value))[0].tolist()
     found = (f"the {what} '{name}' of the statements as written is {{}} for these (finite) arguments (first at "
              f"index {index})")
+    if stabilized_states(rec.compiled):  # (Performer: features that over- or underflow unstabilized, 0/0)
+        raise RuntimeInputError(found.format("not finite") + f": this program's feature maps are exponential, and "
+                                f"the backward differentiates its statements as written, without the "
+                                f"stabilization of the forward forms (which are finite here); they over- or "
+                                f"underflow in {value.dtype} at these arguments. Run the gradient in float64 (the "
+                                f"inputs as float64 arrays), or scale the inputs down (docs/gradients.md, "
+                                f"\"Exponential feature maps\")")
     if not np.isinf(value).any():  # NaN only: most often a builtin outside its domain, not an overflow
         raise RuntimeInputError(found.format("NaN") + ", so it has no gradient there: a builtin outside its domain — "
                                 "sqrt or log of a negative value, 0/0 — or an overflow (∞ − ∞). Keep the arguments in "

@@ -659,6 +659,22 @@ def test_long_performer():
     _assert_split_agrees(rec, x, up, long, dims, "chunkwise")
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_performer_in_float32_where_its_unstabilized_features_fail_says_why(backend):
+    """Performer in float32 with q and k ×6: the forward forms (stabilized) are finite, the backward (the
+    statements as written) is 0/0 there. The error says that, and to run the gradient in float64 — the generic
+    message sent the user to declare input ranges — and in float64 the same call's gradients are finite."""
+    rec, dims = example("performer"), {"dk": 4, "dv": 4, "m": 8}
+    x = {k: (6 * v if k in ("q", "k") else v) for k, v in rec.random_inputs(1, 64, 2, dims=dims, seed=0).items()}
+    up = {"o": np.ones((1, 64, 2, 4))}
+    x32 = {k: v.astype(np.float32) for k, v in x.items()}
+    assert np.isfinite(rec.run(x32, form="chunkwise", backend=backend, dims=dims).outputs["o"]).all()
+    with pytest.raises(linrec.RuntimeInputError, match="this program's feature maps are exponential.*without "
+                                                       "the stabilization.*in float32.*Run the gradient in float64"):
+        rec.vjp(x32, {"o": up["o"].astype(np.float32)}, backend=backend, dims=dims)
+    _assert_finite(rec.vjp(x, up, backend=backend, dims=dims))
+
+
 def test_first_contributions_make_the_adjoint_from_its_value():
     """linrec.numpy.adjoint_derived.first_contributions: zeros plus a first add become own_array of the value —
     kept as it is only where the code made it or only reads the adjoint (and the array the value names) from then
