@@ -121,18 +121,59 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     final_upstream = _state_gradients(program, grad_final_state, shape, sizes)
     given = set(params or {})
     derived = tuple(p.name for p in program.params if p.name not in given)
-    slopes = []  # infinite slopes met (linrec.numpy.vjp.INFINITE_SLOPES): an error only where a gradient is not finite
-    reset = INFINITE_SLOPES.set(slopes)
-    try:
-        with np.errstate(all="ignore"):  # (non-finite values are found below, with what they mean)
-            outputs, final, grads = module.backward(checked, used, state0, sizes, upstream, final_upstream, derived,
-                                                    chunk_size=None if chunk is None else min(chunk, shape.tokens))
-    finally:
-        INFINITE_SLOPES.reset(reset)
+    chunk = None if chunk is None else min(chunk, shape.tokens)
+    arguments = (checked, used, state0, upstream, final_upstream)
+    outputs, final, grads, slopes = _backward(module, arguments, sizes, derived, chunk)
+    if _wider_would_be_finite(rec, arguments, (outputs, final, grads)):
+        # exponential features, whose backward runs unstabilized, over- or underflow in float32 where the
+        # stabilized forward is finite: the same backward in float64 (e^±709 against e^±88), rounded back
+        wide = _backward(module, tuple(_as_float64(a) for a in arguments), sizes, derived, chunk)
+        outputs, final, grads = (_cast_like(w, n) for w, n in zip(wide[:3], (outputs, final, grads)))
+        slopes = wide[3]
     _check_finite(rec, checked, used, state0, outputs, final, grads)
     if slopes and not all(all_finite(g) for name, g in grads.items() if wanted is None or name in wanted):
         raise slopes[0]
     return VjpResult(outputs, final, grads, dict(used))
+
+
+def _backward(module, arguments: tuple, sizes: dict, derived: tuple, chunk: int | None) -> tuple:
+    """The backend's backward on (inputs, params, initial states, output gradients, final-state gradients):
+    (outputs, final states, gradients, the infinite slopes met on the way)."""
+    inputs, params, state0, upstream, final_upstream = arguments
+    slopes = []  # infinite slopes met (linrec.numpy.vjp.INFINITE_SLOPES): an error only where a gradient is not finite
+    reset = INFINITE_SLOPES.set(slopes)
+    try:
+        with np.errstate(all="ignore"):  # (non-finite values are found by the caller, with what they mean)
+            outputs, final, grads = module.backward(inputs, params, state0, sizes, upstream, final_upstream, derived,
+                                                    chunk_size=chunk)
+    finally:
+        INFINITE_SLOPES.reset(reset)
+    return outputs, final, grads, slopes
+
+
+def _wider_would_be_finite(rec, arguments: tuple, results: tuple) -> bool:
+    """Whether to run the backward again in float64: a program with stabilized exponential features (whose
+    backward differentiates the statements as written), arguments narrower than float64 and all finite, and a
+    result that is not finite."""
+    inputs = arguments[0]
+    if not stabilized_states(rec.compiled) or all(np.asarray(v).dtype == np.float64 for v in inputs.values()):
+        return False
+    if all(all_finite(v) for values in results for v in values.values()):
+        return False
+    return all(all_finite(v) for values in arguments for v in values.values())
+
+
+def _as_float64(values: dict) -> dict:
+    return {name: (np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v)
+            for name, v in values.items()}
+
+
+def _cast_like(wide: dict, narrow: dict) -> dict:
+    """float64 results in the dtypes the narrower call gave (under the float64 run's keys)."""
+    with np.errstate(over="ignore"):  # (a value beyond float32 becomes ∞, which _check_finite then reports)
+        return {name: np.asarray(v).astype(np.asarray(narrow[name]).dtype if name in narrow else np.asarray(v).dtype,
+                                           copy=False)
+                for name, v in wide.items()}
 
 
 def _refuse_unknown(argument: str, kind: str, kinds: str, given: dict, names: list[str], program) -> None:
@@ -203,12 +244,12 @@ def _check_finite(rec, inputs, params, state0, outputs, final, grads) -> None:
     found = (f"the {what} '{name}' of the statements as written is {{}} for these (finite) arguments (first at "
              f"index {index})")
     if stabilized_states(rec.compiled):  # (Performer: features that over- or underflow unstabilized, 0/0)
-        raise RuntimeInputError(found.format("not finite") + f": this program's feature maps are exponential, and "
-                                f"the backward differentiates its statements as written, without the "
-                                f"stabilization of the forward forms (which are finite here); they over- or "
-                                f"underflow in {value.dtype} at these arguments. Run the gradient in float64 (the "
-                                f"inputs as float64 arrays), or scale the inputs down (docs/gradients.md, "
-                                f"\"Exponential feature maps\")")
+        raise RuntimeInputError(found.format("not finite") + ": this program's feature maps are exponential, and "
+                                "the backward differentiates its statements as written, without the "
+                                "stabilization of the forward forms (which are finite here); they over- or "
+                                "underflow at these arguments even in float64 (a narrower call's backward runs "
+                                "again in float64 when its own is not finite). Scale the inputs down "
+                                "(docs/gradients.md, \"Exponential feature maps\")")
     if not np.isinf(value).any():  # NaN only: most often a builtin outside its domain, not an overflow
         raise RuntimeInputError(found.format("NaN") + ", so it has no gradient there: a builtin outside its domain — "
                                 "sqrt or log of a negative value, 0/0 — or an overflow (∞ − ∞). Keep the arguments in "
