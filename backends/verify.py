@@ -117,9 +117,13 @@ class Row:
     tolerance: float
     passed: bool
     note: str = ""
+    skipped: bool = False  # not comparable: the float64 reference lies beyond what this dtype can hold
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        if self.skipped:  # (no errors measured: null in JSON, not NaN, which JSON does not have)
+            out["max_abs"] = out["max_rel"] = None
+        return out
 
 
 def _initial_state(program, batch, heads, dims, rng):
@@ -197,6 +201,20 @@ def nan_in_reference(rec, reference, inputs: dict, run_reference) -> str | None:
             f"range: declare one such as {example}")
 
 
+def beyond_range(reference, dtype: str) -> str | None:
+    """Why a row of `dtype` cannot be compared with this float64 reference, or None: the reference itself
+    overflows (an infinity — a growth the random inputs compound past float64), or its values reach past the
+    largest finite value of `dtype` (a float32 run must overflow there: no tolerance means anything)."""
+    values = [np.asarray(v) for group in ("outputs", "final_state") for v in getattr(reference, group).values()]
+    if any(np.isinf(v).any() for v in values):
+        return "the float64 reference itself overflows (an infinity) on these random inputs"
+    largest = max((float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0)) for v in values), default=0.0)
+    limit = float(np.finfo(dtype).max)
+    if largest > limit:
+        return f"the float64 reference reaches {largest:.1e}, beyond {dtype}'s largest value ({limit:.1e})"
+    return None
+
+
 def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), quick=False, seed=0,
         on_row=None, on_progress=None, state_bf16: bool = False, notes: list | None = None) -> list[Row]:
     """Every (form, backend, dtype, case, chunk size) against the float64 NumPy recurrent form; by default
@@ -220,6 +238,7 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
                         plan.append((case, form, backend, dtype, chunk))
     refs = {}
     ref_form = reference_form(rec)
+    nan_noted = False
     for i, (case, form, backend, dtype, chunk) in enumerate(plan):
         if on_progress:
             on_progress(i, len(plan), f"{case.name}: {form} {backend} {dtype}")
@@ -234,10 +253,11 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
                 return rec.run(arrays, form=ref_form, initial_state=state0, params=drawn or None)
             with np.errstate(all="ignore"):  # (NaN from the statements: said once, below, as a note)
                 refs[case.name] = (inputs, state0, reference_on(inputs))
-            if notes is not None and not notes:
+            if notes is not None and not nan_noted and not beyond_range(refs[case.name][2], "float64"):
                 note = nan_in_reference(rec, refs[case.name][2], inputs, reference_on)
                 if note:
                     notes.append(note)
+                    nan_noted = True  # (once: the first case whose reference has NaN)
         inputs, state0, reference = refs[case.name]
         bits = dtype == BF16_STATE  # (float32 inputs, the state in bfloat16 between the steps)
         tol = TOLERANCE_BF16_STATE if bits else TOLERANCE[dtype]
@@ -246,6 +266,17 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
             continue
         if (form, backend, dtype) == (ref_form, "numpy", "float64"):
             continue  # that is the reference itself
+        beyond = beyond_range(reference, dtype_run)
+        if beyond:  # (a growth compounded over the case's tokens, say: said once per case and dtype, below)
+            rows.append(Row(form, backend, dtype, case.name, chunk, float("nan"), float("nan"), tol, True,
+                            note=beyond, skipped=True))
+            every_dtype = beyond_range(reference, "float64")  # (an overflowing reference: no dtype compares)
+            where = f"case '{case.name}'" + ("" if every_dtype else f", {dtype_run}")
+            if notes is not None and (note := f"{where}: {beyond}; its rows are not compared (skip)") not in notes:
+                notes.append(note)
+            if on_row:
+                on_row(rows[-1])
+            continue
         cast = {k: v.astype(dtype_run) for k, v in inputs.items()}
         s0 = {k: v.astype(dtype_run) for k, v in state0.items()}
         params = {k: v.astype(dtype_run) for k, v in reference.params.items()}
@@ -435,9 +466,10 @@ def builds(rec, backend: str, form: str) -> bool:
 
 def format_row(row: Row) -> str:
     chunk = f"C={row.chunk_size}" if row.chunk_size else ""
-    status = "pass" if row.passed else "FAIL"
+    status = "skip" if row.skipped else "pass" if row.passed else "FAIL"
+    errors = f"{'—':>10} {'—':>10}" if row.skipped else f"{row.max_abs:10.2e} {row.max_rel:10.2e}"
     return (f"{row.form:<10} {row.backend:<6} {row.dtype:<8} {row.case:<13} {chunk:<6} "
-            f"{row.max_abs:10.2e} {row.max_rel:10.2e} {row.tolerance:9.0e}  {status}")
+            f"{errors} {row.tolerance:9.0e}  {status}")
 
 
 HEADER = (f"{'form':<10} {'backend':<6} {'dtype':<8} {'case':<13} {'chunk':<6} {'max abs':>10} "

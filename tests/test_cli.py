@@ -199,6 +199,31 @@ def test_verify_notes_why_the_c_backend_skips_a_form(tmp_path, capsys):
     assert "internal error" not in err
 
 
+def test_verify_skips_the_rows_a_dtype_cannot_hold(tmp_path, capsys):
+    """A growth factor (`input a > 1`): the battery's "strong decay" case scales it ×40, and over 100 tokens the
+    float64 reference reaches 1e111. A float32 run must overflow there, so its rows are not compared: `skip`,
+    with a note saying why, and verify passes (they were FAIL inf). The float64 rows of the case are compared
+    as ever, and pass."""
+    path = tmp_path / "grow.lin"
+    path.write_text("recurrence grow(dk = 4, dv = 3)\ninput q[dk], k[dk], v[dv]\ninput a > 1\nstate S[dk, dv]\n"
+                    "S = a·S + k⊗v\noutput o = q·S\n")
+    assert main(["verify", str(path), "--quick", "--json", "--backend", "numpy"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    strong = [r for r in report["rows"] if r["case"] == "strong decay"]
+    assert report["passed"] and {r["dtype"] for r in strong} == {"float32", "float64"}
+    for r in strong:
+        if r["dtype"] == "float32":
+            assert r["skipped"] and r["max_rel"] is None and "beyond float32's largest value" in r["note"]
+        else:
+            assert not r["skipped"] and r["passed"] and r["max_rel"] <= r["tolerance"]
+    assert any("case 'strong decay', float32: the float64 reference reaches" in n for n in report["notes"])
+    assert not any(r["skipped"] for r in report["rows"] if r["case"] in ("T=1", "ragged T"))
+    assert main(["verify", str(path), "--quick", "--backend", "numpy", "--form", "recurrent"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"recurrent +numpy +float32 +strong decay .*— +— .*skip", out)
+    assert re.search(r"\d+ passed, 0 failed, \d+ skipped \(not comparable: see the notes\)", out)
+
+
 def test_verify_keeps_to_the_longest_sequence_a_program_takes(tmp_path, capsys):
     """A Linformer with projections over T = 40 positions: every case of the battery stays within 40
     tokens (was: the 200- and 2048-token cases stopped verify with an error)."""
