@@ -229,6 +229,28 @@ def test_resets(recs):
         assert np.all(got.grads["g"][0, 4] == 0) and np.all(got.grads["g"][0, 9, 1] == 0)
 
 
+def test_blocks_at_a_running_scale_and_blocks_without_one(recs):
+    """Without corrections the two passes carry a block of tokens' state and adjoint divided by the product of
+    the block's decays so far (templates/c_grad.c.j2, lr_scale_forward and lr_scale_adjoint); a block where that
+    product leaves its range multiplies by each decay instead. Here one pair runs both kinds of blocks: mild
+    decays, with a token of log-decay −40 in a few channels (the product underflows in its blocks) every 40
+    tokens and a reset (−∞) once — GLA, and readouts before and after the update (STRUCTURES["before"], a
+    decay through sigmoid). Against NumPy at 1e-9 in float64 and 5e-4 in float32."""
+    for rec, decay in ((recs["gla"], "g"), (linrec.compile(STRUCTURES["before"], "before.lin"), "a")):
+        x, up, s0, gT = _call(rec, 2, 90, 2, seed=11, decay_scale=0.1)
+        if decay == "a":
+            x["a"] = np.abs(x["a"]) + 3.0  # (sigmoid ≈ 0.95…1: mild)
+        x[decay][:, 5::40, :, 1:3] = -40.0  # (for "a": sigmoid(−40) = e^−40)
+        x[decay][0, 61, 0] = -np.inf if decay == "g" else -800.0
+        want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+        for dtype, tolerance in ((np.float64, 1e-9), (np.float32, 5e-4)):
+            cast = lambda d: {k: v.astype(dtype) for k, v in d.items()}  # noqa: E731
+            got = rec.vjp(cast(x), cast(up), initial_state=cast(s0), grad_final_state=cast(gT), dims=DIMS,
+                          backend="c")
+            assert worst_error(got.grads, want.grads) <= tolerance, (rec.name, dtype)
+            assert worst_error(got.outputs, want.outputs) <= tolerance, (rec.name, dtype)
+
+
 # readouts before the update, two readouts of one state, a vector state beside a matrix one, a decay whose
 # log is taken numerically; a state carried transposed (multiplied and read from the right)
 STRUCTURES = {
