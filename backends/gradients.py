@@ -130,6 +130,12 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
         wide = _backward(module, tuple(_as_float64(a) for a in arguments), sizes, derived, chunk)
         outputs, final, grads = (_cast_like(w, n) for w, n in zip(wide[:3], (outputs, final, grads)))
         slopes = wide[3]
+    if _as_written_would_be_finite(rec, form, backend, arguments, (outputs, final), grads, wanted):
+        # a decomposed backward that met 0/0 where the statements have a finite derivative — a decay of exactly
+        # 0 given as a value, whose gradient the chain rule takes through its log (∂a = ∂l / a): the statements
+        # as written (NumPy's recurrent backward, the product a·S differentiated directly)
+        as_written = gradient_module(rec, "recurrent", "numpy")
+        outputs, final, grads, slopes = _backward(as_written, arguments, sizes, derived, chunk)
     _check_finite(rec, checked, used, state0, outputs, final, grads)
     if slopes and not all(all_finite(g) for name, g in grads.items() if wanted is None or name in wanted):
         raise slopes[0]
@@ -161,6 +167,21 @@ def _wider_would_be_finite(rec, arguments: tuple, results: tuple) -> bool:
     if all(all_finite(v) for values in results for v in values.values()):
         return False
     return all(all_finite(v) for values in arguments for v in values.values())
+
+
+def _as_written_would_be_finite(rec, form: str, backend: str, arguments: tuple, results: tuple, grads: dict,
+                                wanted: frozenset | None) -> bool:
+    """Whether to run NumPy's recurrent backward (the statements as written) instead: this one is another, a
+    gradient the caller wants is not finite, and the arguments and results are (then the statements' own
+    derivative is the one to give, or to report). Only a program with a decay given as a value can meet that
+    0/0 (a log-decay that is not exact: compiler.transitions.log_of); the others pay no pass over their
+    gradients here."""
+    values = any(t.decays_as_values for t in rec.decomposition.transitions)
+    if (form, backend) == ("recurrent", "numpy") or not values or gradient_refusal(rec, "recurrent", "numpy"):
+        return False
+    if all(all_finite(g) for name, g in grads.items() if wanted is None or name in wanted):
+        return False
+    return all(all_finite(v) for values in (*arguments, *results) for v in values.values())
 
 
 def _as_float64(values: dict) -> dict:

@@ -51,6 +51,13 @@ class Transition:
         return not self.reasons
 
     @property
+    def decays_as_values(self) -> bool:
+        """A decay (of the rows or of the columns) whose log is computed numerically: its value's gradient is
+        the log-decay's divided by it (∂a = ∂l / a), which a small or zero decay makes ill-conditioned."""
+        return (self.log_decay is not None and not self.log_is_exact) or \
+            (self.value_log_decay is not None and not self.value_log_is_exact)
+
+    @property
     def elementwise(self) -> bool:
         """D_t⊙S_(t−1): a decay per element of a matrix state (its log-decay has the state's shape)."""
         return self.decay is not None and len(self.decay.shape) == 2

@@ -251,6 +251,55 @@ def test_blocks_at_a_running_scale_and_blocks_without_one(recs):
             assert worst_error(got.outputs, want.outputs) <= tolerance, (rec.name, dtype)
 
 
+# decays given as values (their logs computed numerically): a scalar, one per row, one per column, a vector
+# state's, and 1 − beta
+VALUE_DECAYS = {
+    "scalar": ("input a in (0, 1)", "S = a·S + k⊗v", "a"),
+    "rows": ("input a[dk] in (0, 1)", "S = diag(a)·S + k⊗v", "a"),
+    "columns": ("input a[dv] in (0, 1)", "S = S·diag(a) + k⊗v", "a"),
+    "ema": ("input a in (0, 1)", "S = (1 − a)·S + a·k⊗v", "a"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_DECAYS))
+def test_small_decays_given_as_values(name):
+    """A decay given as a value reaches its gradient through ∂a = ∂l / a, which multiplies the C kernels'
+    rounding of ∂l (exact to its terms, not to itself) by 1/a: a = 1e-4 gave 3e-3 of the largest ∂a in float32,
+    a = 1e-300 in float64 1e284 (found by probing). Where such decays are small the C module's scans run NumPy's
+    decomposed backward (c.small_decays): every C gradient form within 5e-4 (float32) and 1e-9 (float64) of
+    NumPy's recurrent backward, with decays of 1e-4 (float32) and 1e-300 (float64; 1 − a: 1e-12) at three tokens."""
+    declaration, update, decay = VALUE_DECAYS[name]
+    rec = linrec.compile(f"recurrence {name}(dk = 5, dv = 7)\ninput q[dk], k[dk], v[dv]\n{declaration}\n"
+                         f"state S[dk, dv]\n{update}\noutput o = q·S\n", f"{name}.lin")
+    x, up, s0, gT = _call(rec, 1, 40, 2, seed=5)
+    for dtype, small, tolerance in ((np.float32, 1e-4, 5e-4), (np.float64, 1e-300, 1e-9)):
+        y = dict(x, **{decay: x[decay].copy()})
+        y[decay][:, 5:8] = 1 - max(small, 1e-12) if name == "ema" else small  # (1 − 1e-300 is 1)
+        want = rec.vjp(y, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+        cast = lambda d: {k: v.astype(dtype) for k, v in d.items()}  # noqa: E731
+        for form in gradients.derived_forms(rec):
+            got = rec.vjp(cast(y), cast(up), initial_state=cast(s0), grad_final_state=cast(gT), dims=DIMS,
+                          form=form, backend="c")
+            assert worst_error(got.grads, want.grads) <= tolerance, (form, dtype)
+
+
+def test_a_decay_of_zero_given_as_a_param():
+    """A per-head decay param of exactly 0: the C recurrent backward gave ∂gamma = NaN (∂l = 0 there, and the
+    chain rule divides it by gamma), where the statements' derivative is finite. vjp now runs the statements as
+    written for such a call: C equals NumPy's recurrent backward, which equals a central difference."""
+    rec = linrec.compile("recurrence pdecay(dk = 5, dv = 7)\ninput q[dk], k[dk], v[dv]\nparam gamma per head = 0.9\n"
+                         "state S[dk, dv]\nS = gamma·S + k⊗v\noutput o = q·S\n", "pdecay.lin")
+    x, up, _, _ = _call(rec, 1, 6, 2, seed=0)
+    params = {"gamma": np.array([0.0, 0.5])}
+    want = rec.vjp(x, up, dims=DIMS, params=params).grads["gamma"]
+    got = rec.vjp(x, up, dims=DIMS, params=params, backend="c").grads["gamma"]
+    assert np.all(np.isfinite(got)) and np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want))
+
+    def loss(g0):
+        return np.sum(up["o"] * rec.run(x, dims=DIMS, params={"gamma": np.array([g0, 0.5])}).outputs["o"])
+    assert abs((loss(1e-6) - loss(-1e-6)) / 2e-6 - want[0]) <= 1e-6 * abs(want[0])
+
+
 # readouts before the update, two readouts of one state, a vector state beside a matrix one, a decay whose
 # log is taken numerically; a state carried transposed (multiplied and read from the right)
 STRUCTURES = {

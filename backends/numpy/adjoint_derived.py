@@ -49,6 +49,7 @@ class DecomposedEmitter(BackwardEmitter):
     scans = ADJOINT_SCANS  # the helpers the module imports for its scans
     forward_scan = "decay_scan"  # (s0, log_decay, writes, queries, chunk, corrections=, value_log_decay=)
     backward_scan = "decay_scan_backward"  # (…, starts, chunk, grad_readouts, grad_final, …) → ScanGrads
+    marks_decays_as_values = False  # the backward scan takes decays_as_values= (C's: c.small_decays)
     backward_comment = "the transposed recurrence, from the last chunk"
     no_decay = "per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1"
     # the backward scan's gradients are arrays of their own (none a view of another, none given twice): one read
@@ -244,6 +245,11 @@ class DecomposedEmitter(BackwardEmitter):
             (f", value_log_decay={a.value_log_decay}" if t.value_log_decay is not None else "") + \
             (f", value_corrections={a.value_corrections}" if t.value_corrections else "")
 
+    def decays_as_values(self, t) -> str:
+        """The backward scan's keyword for a state whose log-decay is the log of a value (its gradient divided
+        by that value in the chain rule), where the scans take it (marks_decays_as_values: C's, c.small_decays)."""
+        return ", decays_as_values=True" if self.marks_decays_as_values and t.decays_as_values else ""
+
     def carried(self, st: ir.State, code: str) -> str:
         """A state [B, H, *] as the scans carry it: a vector as one column, a state the decomposition
         transposes (compiler.transpose) transposed."""
@@ -288,7 +294,7 @@ class DecomposedEmitter(BackwardEmitter):
                                  f"{self.d[('readout', str(r.index))]}{column})")
             queries, grads, final = "[]", "", total
         lines += [f"{g} = {self.backward_scan}({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
-                  f"{final}{self.optional_arrays(st.name)})",
+                  f"{final}{self.optional_arrays(st.name)}{self.decays_as_values(t)})",
                   f"{state} = {self.declared(st, g + '.initial_state')}"]
         if t.log_decay is not None:
             self.seeds[f"{st.name}.log_decay"] = f"{g}.log_decay" + ("" if t.log_decay.shape else "[..., 0]")

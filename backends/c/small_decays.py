@@ -1,0 +1,54 @@
+"""Decays given as values, where they are small: the C backward hands such a call to NumPy's decomposed one.
+
+A log-decay that the compiler takes as the log of a value (compiler.transitions: `log_is_exact` False —
+`input a in (0, 1)` with S = a·S + …, or (1 − beta)·S) reaches that value's gradient through a division in the
+chain rule: ∂a = ∂l / a. The C kernels sum ∂l exactly to the rounding of the terms they add — the recurrent
+backward's two passes and the chunk kernels subtract sums over the later tokens, whose terms do not carry the
+token's decay — so ∂l is exact relative to those terms, not to itself, and where a is small the division
+multiplies that rounding by 1/a (found by probing: a = 1e-4 in float32 gave ∂a 3e-3 of its largest value off
+in every C form; a = 1e-300 in float64, 1e284). NumPy's decomposed backward (linrec.numpy.adjoint_scan) sums,
+for each token, only the terms whose decay spans it, each with that decay as a factor: ∂l to its own
+precision. So where a call's value decays fall below SMALL_DECAY, the C module's scans run NumPy's instead —
+slower, the same gradients within the forms' tolerance. Above it the division costs at most 2¹⁰ of the
+rounding, far inside the tolerances (1e-9 in float64, 5e-4 in float32).
+
+A decay of exactly 0 (a log-decay −∞) is not handed over: NumPy's decomposed backward refuses it, the C
+kernels give ∂l = 0 there, and the chain rule's 0 / 0 is found by gradients.vjp, which then runs the statements
+as written (linrec.numpy's recurrent backward: the product a·S differentiated directly).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..numpy import adjoint_scan
+
+SMALL_DECAY = 2.0 ** -10
+SMALL_LOG_DECAY = math.log(SMALL_DECAY)
+NUMPY_CHUNK = 64  # (linrec.numpy's chunkwise backward's default chunk)
+
+
+def hand_over(*log_decays) -> bool:
+    """Whether a call whose value decays have these log-decays (None: none on that axis) runs NumPy's backward:
+    one is below SMALL_LOG_DECAY, and none is −∞ (or NaN: then the C kernels' checks say so)."""
+    arrays = [np.asarray(d) for d in log_decays if d is not None]
+    if not arrays or any(not np.all(d > -np.inf) for d in arrays):
+        return False
+    return any(float(np.min(d)) < SMALL_LOG_DECAY for d in arrays if d.size)
+
+
+def numpy_backward(s0, log_decay, writes, queries, chunk, grad_readouts, grad_final, corrections=(),
+                   value_log_decay=None, value_corrections=()) -> adjoint_scan.ScanGrads:
+    """decay_scan_backward on the states before each chunk that decay_scan gives (the C forward's checkpoints
+    are laid out for the C kernels). The C scans' conventions in NumPy's: no decay of the rows (None) a log-decay
+    of 0, no chunk (the recurrent backward's default segment) NumPy's default chunk."""
+    chunk = chunk or NUMPY_CHUNK
+    if log_decay is None:
+        lead = np.shape(grad_readouts[0])[:3] if grad_readouts else np.shape(writes[0][0])[:3]
+        log_decay = np.zeros(lead + (1,), np.asarray(s0).dtype)
+    _, _, starts = adjoint_scan.decay_scan(s0, log_decay, writes, [], chunk, corrections=corrections,
+                                           value_log_decay=value_log_decay, value_corrections=value_corrections)
+    return adjoint_scan.decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts,
+                                            grad_final, corrections=corrections, value_log_decay=value_log_decay,
+                                            value_corrections=value_corrections)
