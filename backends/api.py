@@ -186,7 +186,7 @@ class Recurrence:
         [N + 1] of offsets) runs packed sequences: inputs [1, T_total, H, *], states [N, H, *].
         `state_dtype="bfloat16"` (float32 inputs): initial and returned states are uint16 arrays of bfloat16
         bits, widened to float32 at entry and rounded at exit (backends/bf16_state.py)."""
-        given = arrays.inputs_by_name(inputs, named_inputs)
+        given = arrays.inputs_by_name(inputs, named_inputs, self.program, Recurrence.run)
         arrays.require_dicts(initial_state=initial_state, params=params)
         if bf16_state.resolve(state_dtype, given):
             result = self.run(given, form=form, backend=backend, params=params,
@@ -339,7 +339,7 @@ class Recurrence:
         Stabilized states come back scaled, with their log-scale ("S.log_scale"), for the steps to go on
         (checkpoints and last states too). `state_every`, `keep_last`, `cu_seqlens`, `state_dtype` and
         `threads` as in run()."""
-        given = arrays.inputs_by_name(inputs, named_inputs)
+        given = arrays.inputs_by_name(inputs, named_inputs, self.program, Recurrence.prefill)
         arrays.require_dicts(initial_state=initial_state, params=params)
         state = dict(initial_state or {})
         offsets = serving.check_cu_seqlens(cu_seqlens)
@@ -577,11 +577,26 @@ def _extended(cache, token: np.ndarray, name: str) -> np.ndarray:
 
 def compile(source: str, filename: str = "<source>") -> Recurrence:  # noqa: A001 - the natural name
     """Compile a program given as text."""
+    if isinstance(source, (bytes, bytearray)):
+        try:
+            source = bytes(source).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LinrecError(f"compile() takes the program's text; these bytes are not UTF-8 ({e.reason} at byte "
+                              f"{e.start}): pass a str") from None
+    if not isinstance(source, str):
+        raise LinrecError(f"compile() takes the program's text as a str, not {type(source).__name__}; for a "
+                          f"file, linrec.load(path)")
+    if not isinstance(filename, str):
+        raise LinrecError(f"compile()'s filename (the name its errors give the text) is a str, not "
+                          f"{type(filename).__name__}")
     return Recurrence(compiler.compile_source(source, filename))
 
 
 def load(path: str | Path) -> Recurrence:
     """Compile a program file (.lin)."""
+    if not isinstance(path, (str, Path)) and not hasattr(path, "__fspath__"):
+        raise LinrecError(f"load() takes the path of a .lin file (a str or a path), not {type(path).__name__}; for "
+                          f"a program's text, linrec.compile(text)")
     return Recurrence(compiler.compile_file(path))
 
 

@@ -2,6 +2,8 @@
 RuntimeInputError naming the array, what was expected and what came."""
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -52,11 +54,29 @@ def require_dicts(**given) -> None:
                                     f"{type(value).__name__}")
 
 
-def inputs_by_name(inputs, named: dict) -> dict:
-    """run()'s and prefill()'s inputs: the dict and the keywords together, none given in both."""
+def inputs_by_name(inputs, named: dict, program: ir.Program | None = None, method=None) -> dict:
+    """run()'s and prefill()'s inputs: the dict and the keywords together, none given in both. With the
+    program and the method: a keyword that is none of the program's inputs but close to one of the method's
+    options (`chunksize=` for chunk_size) is an error that says so, rather than an unknown input."""
     given = by_name(inputs, "inputs")
     refuse_given_twice(given, named)
+    if program is not None and method is not None:
+        refuse_misspelt_options(program, named, method)
     return given | named
+
+
+def refuse_misspelt_options(program: ir.Program, named: dict, method) -> None:
+    inputs = [x.name for x in program.inputs]
+    unknown = [n for n in named if n not in inputs]
+    if not unknown:
+        return
+    options = [p.name for p in inspect.signature(method).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    for name in unknown:
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.7)
+        if close:
+            raise RuntimeInputError(f"unknown input '{name}': did you mean the option {close[0]}=? (a keyword "
+                                    f"that is no option of {method.__name__}() is an input array, and the inputs "
+                                    f"of '{program.name}' are {', '.join(inputs) or 'none'})")
 
 
 def refuse_given_twice(given: dict, named: dict) -> None:

@@ -39,7 +39,7 @@ from .compiler import ir
 from .compiler.analysis import inline_lets, to_text, walk
 from .compiler.resolve import SIZE_LIMIT, too_large
 from .compiler.steps import composed_update
-from .arrays import BFLOAT16, BFLOAT16_BITS, from_bfloat16
+from .arrays import BFLOAT16, BFLOAT16_BITS, FLOAT_DTYPES, from_bfloat16
 from .decode import run_by_steps
 from .dim_option import dims_with_overrides
 from .dsl.errors import LinrecError, RuntimeInputError
@@ -497,7 +497,7 @@ def _add_run(parser: argparse.ArgumentParser):
     serve.add_argument("--cu-seqlens", type=_offsets, metavar="OFFSETS",
                        help="packed variable-length sequences: offsets 0,…,T_total into one row [1, T_total, H, "
                             "*]; initial and final states [N, H, *] (generated inputs: B = 1 and T = the last "
-                            "offset unless given)")
+                            "offset; --batch and --tokens, if given, must agree)")
     serve.add_argument("--state-dtype", choices=("float32", BFLOAT16), metavar="{float32,bfloat16}",
                        help="how states are stored between calls: bfloat16 keeps initial, final and returned "
                             "states as uint16 arrays of bfloat16 bits (float32 inputs; generated ones are "
@@ -637,6 +637,14 @@ def _generated_shape(args) -> tuple[int, int, int, np.dtype]:
     """B, T, H and dtype of generated inputs: the options given, else the defaults (with --cu-seqlens, one
     packed row as long as the last offset)."""
     packed = args.cu_seqlens is not None
+    if packed and args.inputs is None:  # (the packed inputs' shape is the offsets': other sizes cannot fit)
+        last = args.cu_seqlens[-1]
+        if args.tokens is not None and args.tokens != last:
+            raise LinrecError(f"--tokens {args.tokens} disagrees with --cu-seqlens, which ends at {last}: the packed "
+                              f"inputs have T = the last offset; drop --tokens (or give --tokens {last})")
+        if args.batch is not None and args.batch != 1:
+            raise LinrecError(f"--batch {args.batch} with --cu-seqlens: packed sequences lie in one row (B = 1), "
+                              f"each sequence its own state; drop --batch")
     batch = args.batch or (1 if packed else RUN_BATCH)
     tokens = args.tokens or (max(args.cu_seqlens[-1], 1) if packed else RUN_TOKENS)
     default = "float32" if getattr(args, "state_dtype", None) == BFLOAT16 else RUN_DTYPE  # (bfloat16: float32 inputs)
@@ -651,7 +659,9 @@ def _auto_form(rec, args) -> str:
         names = {x.name for x in rec.program.inputs}
         first = next((v for k, v in _read_npz(args.inputs).items() if k in names), None)
         if first is not None and first.ndim >= 3:
-            (batch, tokens, heads), dtype = first.shape[:3], first.dtype
+            batch, tokens, heads = first.shape[:3]
+            # (another dtype: the run below names the array and the file in its error)
+            dtype = first.dtype if first.dtype.type in FLOAT_DTYPES else dtype
     sizes = dims_with_overrides(rec.program, args.dims or [])  # (an unknown or oversized --dim named as such)
     form, why = rec.choose_form(args.backend, tokens, heads, batch, sizes, dtype)
     if not args.quiet:

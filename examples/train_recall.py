@@ -366,6 +366,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for path in spec.split(","):
             if not Path(path.strip()).is_file():
                 raise SystemExit(f"error: no such program file '{path.strip()}' in LAYERS '{spec}'")
+            if not linrec.load(path.strip()).program.causal:  # (refused before any training, not after it)
+                raise SystemExit(f"error: {path.strip()} is non-causal: its outputs read the whole sequence, later "
+                                 f"tokens included, so a model of it sees the answers it is trained to predict and "
+                                 f"cannot decode token by token; give causal programs")
     results = [run_model(spec, args) for spec in args.layers]
     print(f"\nMQAR: T = {args.tokens}, {args.pairs} pairs, vocab {args.vocab}; d_model {args.d_model}, "
           f"{args.heads} heads, dk = dv = {args.dk}; {args.steps} steps of batch {args.batch}, seed {args.seed}\n")

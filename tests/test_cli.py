@@ -224,6 +224,31 @@ def test_verify_skips_the_rows_a_dtype_cannot_hold(tmp_path, capsys):
     assert re.search(r"\d+ passed, 0 failed, \d+ skipped \(not comparable: see the notes\)", out)
 
 
+def test_mistakes_found_by_a_new_user_get_clear_errors(tmp_path, capsys):
+    """Found by walking the docs as a user: compile() and load() of something that is no text or path; a
+    misspelt option of run() taken for an input; an int32 array in --inputs under --form auto (the error named
+    neither the array nor the file); --tokens that disagrees with --cu-seqlens (the error spoke of T_total)."""
+    for call, args, said in ((linrec.compile, (123,), "compile() takes the program's text as a str, not int"),
+                             (linrec.compile, (b"\xff",), "these bytes are not UTF-8"),
+                             (linrec.load, (None,), "load() takes the path of a .lin file")):
+        with pytest.raises(linrec.LinrecError, match=re.escape(said)):
+            call(*args)
+    gla = Path(__file__).resolve().parent.parent / "examples" / "gla.lin"
+    rec = linrec.load(gla)
+    x = rec.random_inputs(1, 8, 2)
+    with pytest.raises(linrec.LinrecError, match=r"unknown input 'chunksize': did you mean the option chunk_size=\?"):
+        rec.run(x, chunksize=4)
+    with pytest.raises(linrec.LinrecError, match=r"unknown input array\(s\) 'qq'"):  # (no option is close)
+        rec.run(x, qq=x["q"])
+    ints = tmp_path / "int.npz"
+    np.savez(ints, **{k: (v.astype(np.int32) if k == "q" else v) for k, v in x.items()})
+    assert main(["run", str(gla), "--inputs", str(ints), "-q"]) == 1
+    assert f"{ints}: error: input 'q' has dtype int32; pass float32 or float64" in capsys.readouterr().err
+    assert main(["run", str(gla), "--cu-seqlens", "0,5,37,64", "--tokens", "50", "-q"]) == 1
+    assert "--tokens 50 disagrees with --cu-seqlens, which ends at 64" in capsys.readouterr().err
+    assert main(["run", str(gla), "--cu-seqlens", "0,5,37,64", "--tokens", "64", "-q"]) == 0
+
+
 def test_verify_keeps_to_the_longest_sequence_a_program_takes(tmp_path, capsys):
     """A Linformer with projections over T = 40 positions: every case of the battery stays within 40
     tokens (was: the 200- and 2048-token cases stopped verify with an error)."""

@@ -119,3 +119,12 @@ def test_help(capsys):
     with pytest.raises(SystemExit) as done:
         train_recall.main(["--help"])
     assert done.value.code == 0 and "LAYERS" in capsys.readouterr().out
+
+
+def test_a_non_causal_program_is_refused_before_training(capsys):
+    """Linformer reads the whole sequence: trained on recall it would see the answers, and it has no decode
+    step. The script refuses it up front (it used to train for every step and fail at the decode)."""
+    examples = SCRIPT.parent
+    with pytest.raises(SystemExit, match="linformer.lin is non-causal: its outputs read the whole sequence"):
+        train_recall.main([str(examples / "linformer.lin"), "--steps", "1"])
+    assert "parameters" not in capsys.readouterr().out  # (no model was built)
