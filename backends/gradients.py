@@ -139,7 +139,33 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     _check_finite(rec, checked, used, state0, outputs, final, grads)
     if slopes and not all(all_finite(g) for name, g in grads.items() if wanted is None or name in wanted):
         raise slopes[0]
+    if stabilized_states(rec.compiled):  # (its backward runs other statements than its forward: see below)
+        # (an initial state the caller did not pass: its gradient is there to read, not one the caller asked for)
+        passed = wanted if wanted is not None else frozenset(grads) - (
+            {s.name for s in program.states} - set(initial_state or {}))
+        _check_finite_gradients(rec, arguments, grads, passed)
     return VjpResult(outputs, final, grads, dict(used))
+
+
+def _check_finite_gradients(rec, arguments: tuple, grads: dict, wanted: frozenset | None) -> None:
+    """A program with stabilized exponential features: its backward differentiates the statements as written,
+    which can over- or underflow where the stabilized forward is finite, in the gradients alone (Performer
+    with q and k ×13: every gradient NaN, the outputs finite; ×7 in float32: the initial states' gradients
+    beyond float32's range, ∞ once rounded back from the float64 run). Such a call is refused, naming the
+    gradient, rather than hand ∞ or NaN to an optimizer."""
+    bad = next((name for name, g in grads.items() if (wanted is None or name in wanted) and not all_finite(g)),
+               None)
+    if bad is None or not all(all_finite(v) for values in arguments for v in values.values()):
+        return  # (finite gradients; or non-finite arguments: docs/guarantees.md)
+    value = np.asarray(grads[bad])
+    index = np.argwhere(~np.isfinite(value))[0].tolist()
+    what = "NaN" if np.isnan(value).any() else "not finite"
+    raise RuntimeInputError(f"the gradient of '{bad}' is {what} for these (finite) arguments (first at index {index}), "
+                            f"where the forward is finite: this program's feature maps are exponential, and the "
+                            f"backward differentiates its statements as written, without the stabilization of the "
+                            f"forward forms; they over- or underflow at these arguments even in float64, or the "
+                            f"gradient lies beyond {value.dtype}'s range. Scale the inputs down (docs/gradients.md, "
+                            f"\"Exponential feature maps\")")
 
 
 def _backward(module, arguments: tuple, sizes: dict, derived: tuple, chunk: int | None) -> tuple:

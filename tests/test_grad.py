@@ -683,6 +683,32 @@ def test_performer_in_float32_where_its_unstabilized_features_fail_runs_in_float
         rec.vjp(x30, {"o": up["o"].astype(np.float32)}, backend=backend, dims=dims)
 
 
+def test_performer_gradients_that_fail_alone_are_refused():
+    """Performer's backward differentiates the statements without the forward's stabilization, so its gradients
+    can fail where its outputs are finite (found by probing): with q and k ×12.75 in float64 every gradient was
+    NaN, and with ×7 in float32 the initial states' gradients (8e42 in float64) came back ∞ — returned without a
+    word, for an optimizer to step on. Such a call is now refused, naming the gradient; the gradient of an
+    initial state the caller did not pass is not held against it."""
+    rec, dims = example("performer"), {"dk": 16, "dv": 8, "m": 64}
+    x = rec.random_inputs(batch=1, tokens=17, heads=2, dims=dims, seed=7)
+    up = {"o": np.random.default_rng(0).standard_normal((1, 17, 2, 8))}
+    big = {k: (12.75 * v if k in ("q", "k") else v) for k, v in x.items()}
+    assert np.isfinite(rec.run(big, dims=dims).outputs["o"]).all()
+    for backend in ("numpy", "c"):
+        with pytest.raises(linrec.RuntimeInputError, match="the gradient of 'q' is NaN for these \\(finite\\) "
+                                                           "arguments.*even in float64"):
+            rec.vjp(big, up, dims=dims, backend=backend)
+    x32 = {k: (7 * v if k in ("q", "k") else v).astype(np.float32) for k, v in x.items()}
+    up32 = {"o": up["o"].astype(np.float32)}
+    s0 = {s.name: np.zeros((1, 2) + tuple(dims[d] for d in s.shape), np.float32) for s in rec.program.states}
+    for backend in ("numpy", "c"):
+        with pytest.raises(linrec.RuntimeInputError, match="the gradient of '[Sz]' is not finite.*beyond float32's "
+                                                           "range"):
+            rec.vjp(x32, up32, dims=dims, backend=backend, initial_state=s0)
+        result = rec.vjp(x32, up32, dims=dims, backend=backend)  # (no initial state passed)
+        assert all(np.isfinite(result.grads[k]).all() for k in ("q", "k", "v", "W"))
+
+
 def test_first_contributions_make_the_adjoint_from_its_value():
     """linrec.numpy.adjoint_derived.first_contributions: zeros plus a first add become own_array of the value —
     kept as it is only where the code made it or only reads the adjoint (and the array the value names) from then
