@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dsl.errors import RuntimeInputError
+from ..numpy.adjoint_arrays import RESET_REFUSED, ResetRefused
 from ..numpy.adjoint_scan import ScanGrads
 from ..templating import environment
 from ..version import VERSION
@@ -74,8 +75,7 @@ def _finite_decays(log_decay):
     """Refuses a log-decay of −∞ (the pairwise factors would take −∞ − (−∞)), as decay_scan does: one
     reduction, no temporary array. (A NaN makes the minimum NaN: NaN in, NaN out, as elsewhere.)"""
     if log_decay is not None and np.size(log_decay) and np.min(log_decay) == -np.inf:
-        raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
-                                "backward work with finite log-decays; use form='recurrent' for this call")
+        raise ResetRefused(RESET_REFUSED)
 
 
 def chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), num_threads=None):

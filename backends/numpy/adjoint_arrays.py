@@ -21,12 +21,20 @@ def tokens_major(x):
     return np.moveaxis(x, 2, 1)
 
 
+RESET_REFUSED = ("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise backward work with "
+                 "finite log-decays; use form='recurrent' for this call")
+
+
+class ResetRefused(RuntimeInputError):
+    """The parallel and chunkwise backward's refusal of a decay of exactly 0 (form="auto" then runs the
+    recurrent backward: linrec.torch.backward)."""
+
+
 def check_finite_log_decay(log_decay):
     """A log-decay of −∞ (a decay of exactly 0, a reset) is refused: the backward's pairwise exponents are
     differences of prefix sums, which −∞ makes NaN."""
     if np.isneginf(log_decay).any():
-        raise RuntimeInputError("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise "
-                                "backward work with finite log-decays; use form='recurrent' for this call")
+        raise ResetRefused(RESET_REFUSED)
     return log_decay
 
 
