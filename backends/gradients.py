@@ -12,6 +12,7 @@ from .compiler import FORMS
 from .compiler.adjoint import GRADIENT_FORMS
 from .compiler.stabilize import stabilized_states
 from .dsl.errors import LinrecError, RuntimeInputError
+from .numpy.adjoint_arrays import BelowNormalRange
 from .numpy.vjp import INFINITE_SLOPES
 
 MISSING = ("error", "zero")  # what a missing output gradient is: an error, or zeros when the caller says so
@@ -123,7 +124,11 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     derived = tuple(p.name for p in program.params if p.name not in given)
     chunk = None if chunk is None else min(chunk, shape.tokens)
     arguments = (checked, used, state0, upstream, final_upstream)
-    outputs, final, grads, slopes = _backward(module, arguments, sizes, derived, chunk)
+    try:
+        outputs, final, grads, slopes = _backward(module, arguments, sizes, derived, chunk)
+    except BelowNormalRange:  # (a decay given as a subnormal value: the statements' own derivative)
+        module, form, backend = gradient_module(rec, "recurrent", "numpy"), "recurrent", "numpy"
+        outputs, final, grads, slopes = _backward(module, arguments, sizes, derived, chunk)
     if _wider_would_be_finite(rec, arguments, (outputs, final, grads)):
         # exponential features, whose backward runs unstabilized, over- or underflow in float32 where the
         # stabilized forward is finite: the same backward in float64 (e^±709 against e^±88), rounded back

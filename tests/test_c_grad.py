@@ -283,6 +283,26 @@ def test_small_decays_given_as_values(name):
             assert worst_error(got.grads, want.grads) <= tolerance, (form, dtype)
 
 
+def test_subnormal_decays_given_as_values():
+    """A decay given as a value below its dtype's normal range keeps too few bits for any log-space backward:
+    ∂a was 0.74 off at a = 5e-324 (float64) and 1.5e-2 at 1e-43 (float32) in every form but NumPy's recurrent
+    one (found by probing). Such a call runs the statements as written: every form on both backends within the
+    forms' tolerance of NumPy's recurrent backward in the same dtype."""
+    declaration, update, decay = VALUE_DECAYS["scalar"]
+    rec = linrec.compile(f"recurrence subnormal(dk = 5, dv = 7)\ninput q[dk], k[dk], v[dv]\n{declaration}\n"
+                         f"state S[dk, dv]\n{update}\noutput o = q·S\n", "subnormal.lin")
+    x, up, s0, _ = _call(rec, 1, 20, 2, seed=9)
+    for dtype, tiny, tolerance in ((np.float64, 5e-324, 1e-9), (np.float32, 1e-43, 5e-4)):
+        y = dict(x, a=x["a"].copy())
+        y["a"][:, 4:6] = tiny
+        cast = lambda d: {k: v.astype(dtype) for k, v in d.items()}  # noqa: E731
+        want = rec.vjp(cast(y), cast(up), initial_state=cast(s0), dims=DIMS, form="recurrent").grads
+        for backend in ("numpy", "c"):
+            for form in gradients.derived_forms(rec):
+                got = rec.vjp(cast(y), cast(up), initial_state=cast(s0), dims=DIMS, form=form, backend=backend)
+                assert worst_error(got.grads, want) <= tolerance, (backend, form, dtype)
+
+
 def test_a_decay_of_zero_given_as_a_param():
     """A per-head decay param of exactly 0: the C recurrent backward gave ∂gamma = NaN (∂l = 0 there, and the
     chain rule divides it by gamma), where the statements' derivative is finite. vjp now runs the statements as

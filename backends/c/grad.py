@@ -72,7 +72,6 @@ class _CEmitter(DecomposedEmitter):
     scans = SCANS
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
-    marks_decays_as_values = True  # (logs of values, where they are small: NumPy's scans, c.small_decays)
     no_decay = "None  # no decay"  # (the kernel skips it, rather than decay by exp(0))
     scan_grads_owned = True  # (adjoint_recurrent's gradients: arrays of their own, numpy.vjp.hand_over)
     # the forward may be the fused recurrent kernel's (load() gives the module its fused_forward: c.grad_forward),

@@ -42,7 +42,6 @@ class _ChunkEmitter(DecomposedEmitter):
     scans = SCANS
     forward_scan, backward_scan = "chunk_checkpoints", "adjoint_chunkwise"
     backward_comment = "the transposed recurrence in C, from the last chunk"
-    marks_decays_as_values = True  # (logs of values, where they are small: NumPy's scans, c.small_decays)
     no_decay = "None  # no decay"  # (the kernels skip it, rather than decay by exp(0))
     scan_grads_owned = True  # (adjoint_chunkwise's gradients: arrays of their own, grad_calls.gradient_arrays)
     fused_forward = True  # (load() gives the module its fused_forward: c.grad_forward)

@@ -49,7 +49,7 @@ class DecomposedEmitter(BackwardEmitter):
     scans = ADJOINT_SCANS  # the helpers the module imports for its scans
     forward_scan = "decay_scan"  # (s0, log_decay, writes, queries, chunk, corrections=, value_log_decay=)
     backward_scan = "decay_scan_backward"  # (…, starts, chunk, grad_readouts, grad_final, …) → ScanGrads
-    marks_decays_as_values = False  # the backward scan takes decays_as_values= (C's: c.small_decays)
+    marks_decays_as_values = True  # the backward scan takes decays_as_values= (adjoint_arrays.BelowNormalRange; C's: c.small_decays)
     backward_comment = "the transposed recurrence, from the last chunk"
     no_decay = "per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1"
     # the backward scan's gradients are arrays of their own (none a view of another, none given twice): one read

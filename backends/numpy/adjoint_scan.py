@@ -48,7 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import adjoint_frames as frames
-from .adjoint_arrays import check_finite_log_decay, heads as _heads
+from .adjoint_arrays import check_finite_log_decay, heads as _heads, refuse_subnormal_decays
 from .adjoint_elementwise import elementwise_decay_scan_backward
 from .scan import segment, solve_unit_lower
 
@@ -236,11 +236,14 @@ class ScanGrads(NamedTuple):
 
 
 def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
-                        value_log_decay=None, value_corrections=()) -> ScanGrads:
+                        value_log_decay=None, value_corrections=(), decays_as_values=False) -> ScanGrads:
     """The backward of decay_scan (the same arguments, the states before each chunk it returned, the readouts'
     gradients [B, T, H, V] and the final state's, None: zero). Value-side corrections, and corrections beside a
     decay of the value axis or an elementwise one, run this scan in another frame (adjoint_frames), which
-    recomputes its own states before each chunk."""
+    recomputes its own states before each chunk. decays_as_values: the log-decays are logs of values, which
+    are refused below the normal range (adjoint_arrays.BelowNormalRange: vjp then runs the statements)."""
+    if decays_as_values:
+        refuse_subnormal_decays(log_decay, value_log_decay)
     if frames.needed(log_decay, corrections, value_log_decay, value_corrections):
         plain = frames.reframe(s0, log_decay, writes, queries, grad_readouts, grad_final, corrections,
                                value_log_decay, value_corrections)
