@@ -514,7 +514,7 @@ def refuse_shared_outputs(out: dict | None, inputs: dict | None, states: dict | 
     _overlap per pair (a bounds check: cheap enough for every checked step); arrays that are not ndarrays are
     converted copies, which share nothing."""
     held = [(states_label.format(name), arr) for name, arr in (states or {}).items() if isinstance(arr, np.ndarray)]
-    read = [(f"input '{name}'", arr) for name, arr in (inputs or {}).items() if isinstance(arr, np.ndarray)]
+    read = [(name, arr) for name, arr in (inputs or {}).items() if isinstance(arr, np.ndarray)]
     if states_written:
         for i, (label, arr) in enumerate(held):
             for other, value in held[:i]:
@@ -522,8 +522,8 @@ def refuse_shared_outputs(out: dict | None, inputs: dict | None, states: dict | 
                     raise RuntimeInputError(f"{label} shares memory with {other}: the step updates both in place "
                                             f"and would write one over the other; pass each state in an array "
                                             f"of its own")
-            for name, value in (inputs or {}).items():  # (the C step reads a token's rows as it writes states)
-                if isinstance(value, np.ndarray) and _overlap(arr, value):
+            for name, value in read:  # (the C step reads a token's rows as it writes states)
+                if _overlap(arr, value):
                     raise RuntimeInputError(f"input '{name}' shares memory with {label}, which the step updates "
                                             f"in place: it would read the token from a state it is writing; pass "
                                             f"a copy ({name}.copy())")
@@ -532,7 +532,7 @@ def refuse_shared_outputs(out: dict | None, inputs: dict | None, states: dict | 
     given = [(f"out['{name}']", arr) for name, arr in out.items() if isinstance(arr, np.ndarray)]
     if not given:
         return
-    others = read + held
+    others = [(f"input '{name}'", arr) for name, arr in read] + held
     for i, (label, arr) in enumerate(given):
         for other, value in others + given[:i]:
             if _overlap(arr, value):

@@ -15,6 +15,10 @@ from .dsl.errors import LinrecError, RuntimeInputError
 from .numpy.adjoint_arrays import BelowNormalRange
 from .numpy.vjp import INFINITE_SLOPES
 
+# the two errors of a program with stabilized exponential features whose backward over- or underflows
+UNSTABILIZED = ("this program's feature maps are exponential, and the backward differentiates its statements as "
+                "written, without the stabilization of the forward forms")
+SCALE_DOWN = 'Scale the inputs down (docs/gradients.md, "Exponential feature maps")'
 MISSING = ("error", "zero")  # what a missing output gradient is: an error, or zeros when the caller says so
 
 
@@ -126,8 +130,11 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     arguments = (checked, used, state0, upstream, final_upstream)
     try:
         outputs, final, grads, slopes = _backward(module, arguments, sizes, derived, chunk)
-    except BelowNormalRange:  # (a decay given as a subnormal value: the statements' own derivative)
-        module, form, backend = gradient_module(rec, "recurrent", "numpy"), "recurrent", "numpy"
+    except BelowNormalRange:
+        # a decay given as a value below its dtype's normal range, or (the recurrent backward) of exactly 0,
+        # whose gradient the chain rule would take through its log (∂a = ∂l / a): the statements as written
+        # (NumPy's recurrent backward, the product a·S differentiated directly)
+        module = gradient_module(rec, "recurrent", "numpy")
         outputs, final, grads, slopes = _backward(module, arguments, sizes, derived, chunk)
     if _wider_would_be_finite(rec, arguments, (outputs, final, grads)):
         # exponential features, whose backward runs unstabilized, over- or underflow in float32 where the
@@ -135,12 +142,6 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
         wide = _backward(module, tuple(_as_float64(a) for a in arguments), sizes, derived, chunk)
         outputs, final, grads = (_cast_like(w, n) for w, n in zip(wide[:3], (outputs, final, grads)))
         slopes = wide[3]
-    if _as_written_would_be_finite(rec, form, backend, arguments, (outputs, final), grads, wanted):
-        # a decomposed backward that met 0/0 where the statements have a finite derivative — a decay of exactly
-        # 0 given as a value, whose gradient the chain rule takes through its log (∂a = ∂l / a): the statements
-        # as written (NumPy's recurrent backward, the product a·S differentiated directly)
-        as_written = gradient_module(rec, "recurrent", "numpy")
-        outputs, final, grads, slopes = _backward(as_written, arguments, sizes, derived, chunk)
     _check_finite(rec, checked, used, state0, outputs, final, grads)
     if slopes and not all(all_finite(g) for name, g in grads.items() if wanted is None or name in wanted):
         raise slopes[0]
@@ -160,17 +161,15 @@ def _check_finite_gradients(rec, arguments: tuple, grads: dict, wanted: frozense
     gradient, rather than hand ∞ or NaN to an optimizer."""
     bad = next((name for name, g in grads.items() if (wanted is None or name in wanted) and not all_finite(g)),
                None)
-    if bad is None or not all(all_finite(v) for values in arguments for v in values.values()):
+    if bad is None or not _finite(*arguments):
         return  # (finite gradients; or non-finite arguments: docs/guarantees.md)
     value = np.asarray(grads[bad])
     index = np.argwhere(~np.isfinite(value))[0].tolist()
     what = "NaN" if np.isnan(value).any() else "not finite"
     raise RuntimeInputError(f"the gradient of '{bad}' is {what} for these (finite) arguments (first at index {index}), "
-                            f"where the forward is finite: this program's feature maps are exponential, and the "
-                            f"backward differentiates its statements as written, without the stabilization of the "
-                            f"forward forms; they over- or underflow at these arguments even in float64, or the "
-                            f"gradient lies beyond {value.dtype}'s range. Scale the inputs down (docs/gradients.md, "
-                            f"\"Exponential feature maps\")")
+                            f"where the forward is finite: {UNSTABILIZED}; they over- or underflow at these "
+                            f"arguments even in float64, or the gradient lies beyond {value.dtype}'s range. "
+                            f"{SCALE_DOWN}")
 
 
 def _backward(module, arguments: tuple, sizes: dict, derived: tuple, chunk: int | None) -> tuple:
@@ -195,24 +194,12 @@ def _wider_would_be_finite(rec, arguments: tuple, results: tuple) -> bool:
     inputs = arguments[0]
     if not stabilized_states(rec.compiled) or all(np.asarray(v).dtype == np.float64 for v in inputs.values()):
         return False
-    if all(all_finite(v) for values in results for v in values.values()):
-        return False
-    return all(all_finite(v) for values in arguments for v in values.values())
+    return not _finite(*results) and _finite(*arguments)
 
 
-def _as_written_would_be_finite(rec, form: str, backend: str, arguments: tuple, results: tuple, grads: dict,
-                                wanted: frozenset | None) -> bool:
-    """Whether to run NumPy's recurrent backward (the statements as written) instead: this one is another, a
-    gradient the caller wants is not finite, and the arguments and results are (then the statements' own
-    derivative is the one to give, or to report). Only a program with a decay given as a value can meet that
-    0/0 (a log-decay that is not exact: compiler.transitions.log_of); the others pay no pass over their
-    gradients here."""
-    values = any(t.decays_as_values for t in rec.decomposition.transitions)
-    if (form, backend) == ("recurrent", "numpy") or not values or gradient_refusal(rec, "recurrent", "numpy"):
-        return False
-    if all(all_finite(g) for name, g in grads.items() if wanted is None or name in wanted):
-        return False
-    return all(all_finite(v) for values in (*arguments, *results) for v in values.values())
+def _finite(*groups: dict) -> bool:
+    """Whether every array of these dicts is finite."""
+    return all(all_finite(v) for values in groups for v in values.values())
 
 
 def _as_float64(values: dict) -> dict:
@@ -296,12 +283,9 @@ def _check_finite(rec, inputs, params, state0, outputs, final, grads) -> None:
     found = (f"the {what} '{name}' of the statements as written is {{}} for these (finite) arguments (first at "
              f"index {index})")
     if stabilized_states(rec.compiled):  # (Performer: features that over- or underflow unstabilized, 0/0)
-        raise RuntimeInputError(found.format("not finite") + ": this program's feature maps are exponential, and "
-                                "the backward differentiates its statements as written, without the "
-                                "stabilization of the forward forms (which are finite here); they over- or "
-                                "underflow at these arguments even in float64 (a narrower call's backward runs "
-                                "again in float64 when its own is not finite). Scale the inputs down "
-                                "(docs/gradients.md, \"Exponential feature maps\")")
+        raise RuntimeInputError(found.format("not finite") + f": {UNSTABILIZED} (which are finite here); they over- "
+                                "or underflow at these arguments even in float64 (a narrower call's backward runs "
+                                f"again in float64 when its own is not finite). {SCALE_DOWN}")
     if not np.isinf(value).any():  # NaN only: most often a builtin outside its domain, not an overflow
         raise RuntimeInputError(found.format("NaN") + ", so it has no gradient there: a builtin outside its domain — "
                                 "sqrt or log of a negative value, 0/0 — or an overflow (∞ − ∞). Keep the arguments in "

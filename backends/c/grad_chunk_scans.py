@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..numpy import adjoint_frames as frames
-from ..numpy.adjoint_arrays import check_finite_log_decay, refuse_subnormal_decays
+from ..numpy.adjoint_arrays import check_finite_log_decay
 from ..numpy.adjoint_scan import ScanGrads
 from . import grad_chunk_kernels, grad_scans, small_decays
 
@@ -66,11 +66,12 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
     """The backward, decay_scan_backward's ScanGrads (log_decay None where the rows do not decay; a query None
     gets the gradient None), from the readouts' gradients and the final state's (None: zero). decays_as_values:
     the log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays)."""
-    if decays_as_values:
-        refuse_subnormal_decays(log_decay, value_log_decay)
-    if decays_as_values and small_decays.hand_over(log_decay, value_log_decay):
-        return small_decays.numpy_backward(s0, log_decay, writes, queries, chunk, grad_readouts, grad_final,
-                                           corrections, value_log_decay, value_corrections)
+    if decays_as_values:  # (a decay of 0: refused as a reset, below)
+        grads = small_decays.backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts,
+                                               grad_final, corrections, value_log_decay, value_corrections,
+                                               zero_too=False)
+        if grads is not None:
+            return grads
     if grad_scans.unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         return grad_scans.adjoint_recurrent(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final)
     if _as_it_is(log_decay, queries, corrections, value_log_decay, value_corrections):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..dsl.errors import LinrecError
-from ..numpy.adjoint_arrays import refuse_subnormal_decays
 from ..numpy.adjoint_scan import ScanGrads
 from . import grad_calls, grad_elementwise, grad_kernels, grad_value_side, small_decays
 
@@ -88,11 +87,12 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
                       value_log_decay=None, value_corrections=(), decays_as_values=False):
     """The adjoint recurrence, from the last segment (see the module's docstring). decays_as_values: the
     log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays)."""
-    if decays_as_values:
-        refuse_subnormal_decays(log_decay, value_log_decay)
-    if decays_as_values and small_decays.hand_over(log_decay, value_log_decay):
-        return small_decays.numpy_backward(s0, log_decay, writes, queries, chunk, grad_readouts, grad_final,
-                                           corrections, value_log_decay, value_corrections)
+    if decays_as_values:  # (a decay of 0 too)
+        grads = small_decays.backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts,
+                                               grad_final, corrections, value_log_decay, value_corrections,
+                                               zero_too=True)
+        if grads is not None:
+            return grads
     if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.asarray(s0)
         dtype = np.float32 if state.dtype == np.float32 else np.float64

@@ -12,9 +12,11 @@ precision. So where a call's value decays fall below SMALL_DECAY, the C module's
 slower, the same gradients within the forms' tolerance. Above it the division costs at most 2¹⁰ of the
 rounding, far inside the tolerances (1e-9 in float64, 5e-4 in float32).
 
-A decay of exactly 0 (a log-decay −∞) is not handed over: NumPy's decomposed backward refuses it, the C
-kernels give ∂l = 0 there, and the chain rule's 0 / 0 is found by gradients.vjp, which then runs the statements
-as written (linrec.numpy's recurrent backward: the product a·S differentiated directly).
+Below the normal range (a subnormal value) no log-space backward keeps enough bits, NumPy's included; nor
+has a decay of exactly 0 (a log-decay −∞) a gradient in log space at all (∂l = 0 there, and ∂a = 0 / 0). The
+recurrent backward refuses both with adjoint_arrays.BelowNormalRange, and gradients.vjp then runs the
+statements as written (linrec.numpy's recurrent backward: the product a·S differentiated directly); the
+chunkwise one refuses a subnormal decay so, and a decay of 0 as it refuses every reset (ResetRefused).
 """
 from __future__ import annotations
 
@@ -23,10 +25,23 @@ import math
 import numpy as np
 
 from ..numpy import adjoint_scan
+from ..numpy.adjoint_arrays import refuse_subnormal_decays
+from ..numpy.adjoint_derived import DEFAULT_CHUNK
 
 SMALL_DECAY = 2.0 ** -10
 SMALL_LOG_DECAY = math.log(SMALL_DECAY)
-NUMPY_CHUNK = 64  # (linrec.numpy's chunkwise backward's default chunk)
+
+
+def backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts, grad_final, corrections=(),
+                      value_log_decay=None, value_corrections=(), *, zero_too: bool):
+    """What the C backward scans do first for decays given as values: refuse those below the normal range
+    (with `zero_too`, the recurrent backward's, those of exactly 0 as well), then NumPy's backward where one is
+    small (its ScanGrads); None: the C kernels run."""
+    refuse_subnormal_decays(log_decay, value_log_decay, zero_too=zero_too)
+    if not hand_over(log_decay, value_log_decay):
+        return None
+    return numpy_backward(s0, log_decay, writes, queries, chunk, grad_readouts, grad_final, corrections,
+                          value_log_decay, value_corrections)
 
 
 def hand_over(*log_decays) -> bool:
@@ -43,7 +58,7 @@ def numpy_backward(s0, log_decay, writes, queries, chunk, grad_readouts, grad_fi
     """decay_scan_backward on the states before each chunk that decay_scan gives (the C forward's checkpoints
     are laid out for the C kernels). The C scans' conventions in NumPy's: no decay of the rows (None) a log-decay
     of 0, no chunk (the recurrent backward's default segment) NumPy's default chunk."""
-    chunk = chunk or NUMPY_CHUNK
+    chunk = chunk or DEFAULT_CHUNK
     if log_decay is None:
         lead = np.shape(grad_readouts[0])[:3] if grad_readouts else np.shape(writes[0][0])[:3]
         log_decay = np.zeros(lead + (1,), np.asarray(s0).dtype)

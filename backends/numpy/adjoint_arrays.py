@@ -33,20 +33,21 @@ class ResetRefused(RuntimeInputError):
 class BelowNormalRange(RuntimeInputError):
     """A decay given as a value (its log computed numerically) below the normal range of its dtype: its
     subnormal value keeps too few bits for the log-space backward, whose gradient ∂a = ∂l / a is then off
-    (5e-324 in float64: 0.74 of ∂a; 1e-43 in float32: 1.5e-2 — found by probing). gradients.vjp runs the
-    statements as written instead (NumPy's recurrent backward), where the product a·S is differentiated
-    directly."""
+    (5e-324 in float64: 0.74 of ∂a; 1e-43 in float32: 1.5e-2 — found by probing); one of exactly 0 has no
+    gradient in log space at all (0 / 0). gradients.vjp runs the statements as written instead (NumPy's
+    recurrent backward), where the product a·S is differentiated directly."""
 
 
-def refuse_subnormal_decays(*log_decays) -> None:
+def refuse_subnormal_decays(*log_decays, zero_too: bool = False) -> None:
     """BelowNormalRange where a finite log-decay lies below the log of its dtype's smallest normal value (the
-    log-decays of decays given as values; None: none on that axis)."""
+    log-decays of decays given as values; None: none on that axis) — with `zero_too`, a log-decay of −∞ as
+    well (else the scans' own refusal of a reset, ResetRefused, or the recurrent form's handling of it)."""
     for d in log_decays:
         if d is None or not np.size(d):
             continue
         d = np.asarray(d)
         floor = float(np.log(np.finfo(d.dtype if d.dtype.kind == "f" else np.float64).tiny))
-        if np.any((d < floor) & (d > -np.inf)):
+        if np.any((d < floor) & ((d > -np.inf) | zero_too)):
             raise BelowNormalRange(f"a decay given as a value below {d.dtype}'s normal range (its log under "
                                    f"{floor:.1f}): the log-space backward cannot give its gradient")
 
