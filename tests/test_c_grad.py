@@ -305,15 +305,18 @@ def test_subnormal_decays_given_as_values():
 
 def test_a_decay_of_zero_given_as_a_param():
     """A per-head decay param of exactly 0: the C recurrent backward gave ∂gamma = NaN (∂l = 0 there, and the
-    chain rule divides it by gamma), where the statements' derivative is finite. vjp now runs the statements as
-    written for such a call: C equals NumPy's recurrent backward, which equals a central difference."""
+    chain rule divides it by gamma), where the statements' derivative is finite; the parallel and chunkwise
+    backward refused it. vjp now runs the statements as written for such a call in every form: each equals
+    NumPy's recurrent backward, which equals a central difference."""
     rec = linrec.compile("recurrence pdecay(dk = 5, dv = 7)\ninput q[dk], k[dk], v[dv]\nparam gamma per head = 0.9\n"
                          "state S[dk, dv]\nS = gamma·S + k⊗v\noutput o = q·S\n", "pdecay.lin")
     x, up, _, _ = _call(rec, 1, 6, 2, seed=0)
     params = {"gamma": np.array([0.0, 0.5])}
     want = rec.vjp(x, up, dims=DIMS, params=params).grads["gamma"]
-    got = rec.vjp(x, up, dims=DIMS, params=params, backend="c").grads["gamma"]
-    assert np.all(np.isfinite(got)) and np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want))
+    for backend in ("numpy", "c"):
+        for form in gradients.derived_forms(rec):
+            got = rec.vjp(x, up, dims=DIMS, params=params, backend=backend, form=form).grads["gamma"]
+            assert np.all(np.isfinite(got)) and np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want))
 
     def loss(g0):
         return np.sum(up["o"] * rec.run(x, dims=DIMS, params={"gamma": np.array([g0, 0.5])}).outputs["o"])

@@ -16,7 +16,7 @@ import linrec
 from linrec import gradients
 from linrec.c import scan_kernels
 from linrec.cli import main
-from test_c_grad_chunkwise import assert_reset_refused_as_on_numpy
+from test_c_grad_chunkwise import assert_resets_as_recurrent
 from test_c_grad_cover import PROGRAMS as COVER, DIMS, _call
 from test_grad import float32, worst_error
 
@@ -120,6 +120,6 @@ def test_threads_give_the_same_bits(recs, name, monkeypatch):
             assert worst_error(runs[1][form].grads, runs[0][form].grads) == 0.0, (name, form)
 
 
-def test_resets_are_refused_as_on_numpy(recs):
-    """A log-decay of −∞ on the value axis (the gated Oja rule's gv): the message NumPy gives."""
-    assert_reset_refused_as_on_numpy(recs["gated_oja"], "gv")
+def test_resets_on_the_value_axis(recs):
+    """Log-decays of −∞ on the value axis (the gated Oja rule's gv: the frames move it to the rows)."""
+    assert_resets_as_recurrent(recs["gated_oja"], "gv")

@@ -139,21 +139,32 @@ def test_chunk_size_does_not_change_the_gradients(recs):
     assert all(worst_error(g, grads[0]) <= 1e-12 for g in grads[1:])
 
 
-def test_resets_are_refused_as_on_numpy(recs):
-    assert_reset_refused_as_on_numpy(recs["gla"], "g")
+def test_resets(recs):
+    assert_resets_as_recurrent(recs["gla"], "g")
 
 
-def assert_reset_refused_as_on_numpy(rec, decay: str):
-    """A log-decay of −∞ in input `decay`: the C chunkwise backward refuses it with NumPy's message, which
-    points to the recurrent form."""
-    x, up, _, _ = _call(rec, 1, 12, 2, seed=6)
-    x[decay][0, 4] = -np.inf
-    messages = []
+def assert_resets_as_recurrent(rec, decay: str):
+    """Log-decays of exactly −∞ (a decay of 0, a reset) in input `decay`, at a token of every row and head, in
+    one channel and at the last token: the parallel and chunkwise backward, which refused them, run them raised
+    to numpy.scan.RESET_LOG_DECAY as the forward forms do — on both backends the NumPy recurrent backward's
+    gradients (1e-9 in float64, 5e-4 in float32), ∂ of a reset exactly 0, the chunks ending anywhere."""
+    x, up, s0, gT = _call(rec, 2, 23, 2, seed=6)
+    x[decay][:, 4] = -np.inf
+    x[decay][1, 9, 1, ..., :1] = -np.inf
+    x[decay][0, -1] = -np.inf
+    resets = np.isneginf(x[decay])
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
     for backend in ("numpy", "c"):
-        with pytest.raises(RuntimeInputError) as err:
-            rec.vjp(x, up, dims=DIMS, backend=backend, form="chunkwise")
-        messages.append(str(err.value))
-    assert messages[0] == messages[1] and "form='recurrent'" in messages[1]
+        for form in FORMS:
+            for chunk in (4, 5, None):
+                got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend=backend,
+                              form=form, chunk_size=chunk)
+                assert worst_error(got.grads, want.grads) <= 1e-9, (backend, form, chunk)
+                assert np.all(got.grads[decay][resets] == 0.0)
+            got = rec.vjp(float32(x), float32(up), initial_state=float32(s0), grad_final_state=float32(gT), dims=DIMS,
+                          backend=backend, form=form, chunk_size=5)
+            assert worst_error(got.grads, want.grads) <= 5e-4, (backend, form, "float32")
+            assert np.all(got.grads[decay][resets] == 0.0)
 
 
 ELEMENTWISE_DELTA = """recurrence ew_delta(dk = 5, dv = 4)

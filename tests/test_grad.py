@@ -307,14 +307,18 @@ def test_parallel_and_chunkwise_backward(kind, name, form):
 
 
 def test_a_decay_of_zero():
-    """A reset (log-decay −∞): the recurrent backward takes it (exp(−∞) = 0); the chunkwise one says to."""
+    """A reset (log-decay −∞): the recurrent backward takes it (exp(−∞) = 0), and so do the parallel and
+    chunkwise ones (which refused it), the reset raised to a finite log-decay whose exponentials underflow to 0
+    alike: the same gradients, ∂g 0 at the reset."""
     rec = example("gla")
     x = rec.random_inputs(1, 6, 1, {"dk": 4, "dv": 4}, seed=0)
     x["g"][0, 3, 0, 1] = -np.inf
     up = {"o": np.ones((1, 6, 1, 4))}
-    assert all(np.all(np.isfinite(g)) for name, g in rec.vjp(x, up).grads.items() if name != "g")
-    with pytest.raises(linrec.RuntimeInputError, match="a decay of exactly 0.*form='recurrent'"):
-        rec.vjp(x, up, form="chunkwise")
+    want = rec.vjp(x, up).grads
+    assert all(np.all(np.isfinite(g)) for g in want.values()) and want["g"][0, 3, 0, 1] == 0.0
+    for form in ("parallel", "chunkwise"):
+        got = rec.vjp(x, up, form=form, chunk_size=2).grads
+        assert worst_error(got, want) <= 1e-9 and got["g"][0, 3, 0, 1] == 0.0
 
 
 def test_which_programs_have_the_derived_backward():
@@ -623,8 +627,8 @@ def test_long_gla_strong_and_vanishing_decays():
 
 def test_long_gla_resets():
     """A decay of exactly 0 (log-decay −∞) at token t resets the state (docs/guarantees.md). At T = 32768 with
-    resets in every channel at three tokens (the recurrent backward: the chunkwise one refuses −∞, says so, and
-    test_a_decay_of_zero covers that): every gradient is finite — ∂g is 0 where g = −∞ — the inputs before the
+    resets in every channel at three tokens (the recurrent backward; test_a_decay_of_zero and the C tests hold
+    the parallel and chunkwise ones to it at resets): every gradient is finite — ∂g is 0 where g = −∞ — the inputs before the
     last reset get exactly zero gradient from the outputs after it, the initial state too, and the tokens from
     the last reset on have the gradients of those tokens run alone from a zero state."""
     rec, dims = example("gla"), {"dk": 4, "dv": 4}

@@ -221,12 +221,12 @@ def test_auto_backward_is_chunkwise_on_c_for_large_states_over_long_sequences(mo
     assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("recurrent", "c")
 
 
-def test_auto_backward_takes_a_reset_the_chunkwise_one_refuses(monkeypatch):
+def test_a_reset_in_the_chunkwise_backward_auto_picks(monkeypatch):
     """form="auto" picks the chunkwise backward on C for large states over long sequences; a reset (a log-decay
-    of −∞, as at the boundary of packed documents) that backward refuses. The training step then failed with
-    "use form='recurrent'", which the caller never chose; it now runs the recurrent backward (the same
-    gradients). A form the caller asked for keeps its refusal. (The size rule lowered here so that the kernels
-    are the small ones of the other tests.)"""
+    of −∞, as at the boundary of packed documents) it once refused, so the training step failed with "use
+    form='recurrent'", which the caller never chose. It takes resets now, auto's choice and a form asked for by
+    name alike: the recurrent backward's gradients. (The size rule lowered here so that the kernels are the
+    small ones of the other tests.)"""
     from linrec import gradients
     monkeypatch.setattr(gradients, "CHUNKWISE_STATE", 16)
     monkeypatch.setattr(gradients, "CHUNKWISE_TOKENS", 8)
@@ -234,16 +234,14 @@ def test_auto_backward_takes_a_reset_the_chunkwise_one_refuses(monkeypatch):
     x = gla.random_inputs(1, 24, 2, dims=dims, seed=1)
     x["g"][:, 10] = -np.inf
     assert gradients.auto_gradient_form(gla, "c", dims, 24) == "chunkwise"
-    tensors = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
-    o, _ = lt.apply(gla, **tensors, dims=dims, backend="c")
-    o.sum().backward()
-    ref = gla.vjp(x, {"o": np.ones(o.shape)}, form="recurrent", backend="c", dims=dims)
-    for name, t in tensors.items():
-        assert np.abs(t.grad.numpy() - ref.grads[name]).max() <= EXACT * max(1, np.abs(ref.grads[name]).max())
-    asked = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
-    o, _ = lt.apply(gla, **asked, dims=dims, backend="c", form="chunkwise")
-    with pytest.raises(linrec.RuntimeInputError, match="a decay of exactly 0.*use form='recurrent'"):
+    ref = gla.vjp(x, {"o": np.ones((1, 24, 2, 4))}, form="recurrent", backend="c", dims=dims)
+    for form in ("auto", "chunkwise", "parallel"):
+        tensors = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
+        o, _ = lt.apply(gla, **tensors, dims=dims, backend="c", form=form)
         o.sum().backward()
+        assert np.all(tensors["g"].grad.numpy()[:, 10] == 0.0)
+        for name, t in tensors.items():
+            assert np.abs(t.grad.numpy() - ref.grads[name]).max() <= 1e-9 * max(1, np.abs(ref.grads[name]).max())
 
 
 @pytest.mark.parametrize("backend", ["numpy", "c"])

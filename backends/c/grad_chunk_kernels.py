@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dsl.errors import RuntimeInputError
-from ..numpy.adjoint_arrays import RESET_REFUSED, ResetRefused
 from ..numpy.adjoint_scan import ScanGrads
+from ..numpy.scan import raise_to_reset
 from ..templating import environment
 from ..version import VERSION
 from . import grad_calls, grad_kernels
@@ -71,28 +71,23 @@ def kernel(s: Structure):
     return cached_kernel(s, "grad_chunk", label, lambda: render(s), cdef(s))
 
 
-def _finite_decays(log_decay):
-    """Refuses a log-decay of −∞ (the pairwise factors would take −∞ − (−∞)), as decay_scan does: one
-    reduction, no temporary array. (A NaN makes the minimum NaN: NaN in, NaN out, as elsewhere.)"""
-    if log_decay is not None and np.size(log_decay) and np.min(log_decay) == -np.inf:
-        raise ResetRefused(RESET_REFUSED)
-
-
 def chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), num_threads=None):
     """The forward: ([readout [B, T, H, V]], final state [B, H, K, V], the state before each chunk
     [B, H, ⌈T/chunk⌉, K, V]) — decay_scan's. It is the recurrent backward's forward (grad_kernels: the
     update token by token, a column block of the state at a time, keeping the state every `chunk` tokens):
-    O(T) for the parallel backward's one chunk too, where a chunkwise forward over one chunk is O(T²)."""
-    _finite_decays(log_decay)
-    return grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections, num_threads)
+    O(T) for the parallel backward's one chunk too, where a chunkwise forward over one chunk is O(T²). Resets
+    (log-decays of −∞) run raised, as in adjoint_chunkwise."""
+    return grad_kernels.adjoint_checkpoints(s0, raise_to_reset(log_decay), writes, queries, chunk, corrections,
+                                            num_threads)
 
 
 def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
                       num_threads=None) -> ScanGrads:
     """The backward, as decay_scan_backward's (ScanGrads; log_decay None where the state does not decay), from
     the readouts' gradients [B, T, H, V] and the final state's (None: zero); starts and chunk as
-    chunk_checkpoints gives and takes them."""
-    _finite_decays(log_decay)  # (again: the forward may have been the fused kernel's, c.grad_forward)
+    chunk_checkpoints gives and takes them. Resets (log-decays of −∞, which the pairwise factors would take as
+    −∞ − (−∞)) run raised to RESET_LOG_DECAY, their gradients 0 (ScanGrads.at_resets)."""
+    given, log_decay = log_decay, raise_to_reset(log_decay)
     c = grad_kernels._prepare(s0, log_decay, corrections, writes, queries)
     s = Structure(**{f.name: getattr(c.structure, f.name) for f in dataclasses.fields(grad_kernels.Structure)})
     batch, tokens, heads = c.lead
@@ -113,4 +108,4 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
                                     f"chunk_checkpoints gives them for chunk {chunk}")
         d_s0 = call(k, "lr_chunk_backward", final, c.ops + grads, outs, 6 * c.work, num_threads,
                     k.ffi.from_buffer(CTYPES[dtype] + " *", starts), chunk, c_scan.SPAN_MAX[s.ctype])
-    return grad_kernels.scan_grads(outs, d_s0, log_decay, corrections, writes, queries)
+    return grad_kernels.scan_grads(outs, d_s0, log_decay, corrections, writes, queries).at_resets(given)

@@ -33,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..numpy import adjoint_frames as frames
-from ..numpy.adjoint_arrays import check_finite_log_decay
 from ..numpy.adjoint_scan import ScanGrads
+from ..numpy.scan import raise_to_reset
 from . import grad_chunk_kernels, grad_scans, small_decays
 
 
@@ -47,15 +47,13 @@ def _as_it_is(log_decay, queries, corrections, value_log_decay, value_correction
 def chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
                       value_corrections=()):
     """The forward: ([readout], final state, the states before each chunk [B, H, n, K, V]) — decay_scan's
-    results. Log-decays of −∞ are refused (as the NumPy parallel and chunkwise backward
-    refuse them)."""
+    results. Resets (log-decays of −∞) run raised, as the NumPy parallel and chunkwise backward run them
+    (linrec.numpy.scan.raise_to_reset)."""
+    log_decay, value_log_decay = raise_to_reset(log_decay), raise_to_reset(value_log_decay)
     if grad_scans.unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         return grad_scans.adjoint_checkpoints(s0, log_decay, writes, queries, chunk)  # (no kernel: s0 itself)
     if _as_it_is(log_decay, queries, corrections, value_log_decay, value_corrections):
         return grad_chunk_kernels.chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections)
-    for decay in (log_decay, value_log_decay):
-        if decay is not None:
-            check_finite_log_decay(decay)
     # (its checkpoints every `chunk` tokens are the states before each chunk: the frame's are theirs, mapped)
     return grad_scans.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections, value_log_decay,
                                           value_corrections)
@@ -64,12 +62,12 @@ def chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), val
 def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
                       value_log_decay=None, value_corrections=(), decays_as_values=False) -> ScanGrads:
     """The backward, decay_scan_backward's ScanGrads (log_decay None where the rows do not decay; a query None
-    gets the gradient None), from the readouts' gradients and the final state's (None: zero). decays_as_values:
-    the log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays)."""
-    if decays_as_values:  # (a decay of 0: refused as a reset, below)
+    gets the gradient None), from the readouts' gradients and the final state's (None: zero); resets run raised,
+    their gradients 0, as there. decays_as_values: the log-decays are logs of values whose gradients the chain
+    rule divides by them (c.small_decays)."""
+    if decays_as_values:
         grads = small_decays.backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts,
-                                               grad_final, corrections, value_log_decay, value_corrections,
-                                               zero_too=False)
+                                               grad_final, corrections, value_log_decay, value_corrections)
         if grads is not None:
             return grads
     if grad_scans.unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):

@@ -87,10 +87,9 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
                       value_log_decay=None, value_corrections=(), decays_as_values=False):
     """The adjoint recurrence, from the last segment (see the module's docstring). decays_as_values: the
     log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays)."""
-    if decays_as_values:  # (a decay of 0 too)
+    if decays_as_values:
         grads = small_decays.backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts,
-                                               grad_final, corrections, value_log_decay, value_corrections,
-                                               zero_too=True)
+                                               grad_final, corrections, value_log_decay, value_corrections)
         if grads is not None:
             return grads
     if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):

@@ -13,10 +13,9 @@ slower, the same gradients within the forms' tolerance. Above it the division co
 rounding, far inside the tolerances (1e-9 in float64, 5e-4 in float32).
 
 Below the normal range (a subnormal value) no log-space backward keeps enough bits, NumPy's included; nor
-has a decay of exactly 0 (a log-decay −∞) a gradient in log space at all (∂l = 0 there, and ∂a = 0 / 0). The
-recurrent backward refuses both with adjoint_arrays.BelowNormalRange, and gradients.vjp then runs the
-statements as written (linrec.numpy's recurrent backward: the product a·S differentiated directly); the
-chunkwise one refuses a subnormal decay so, and a decay of 0 as it refuses every reset (ResetRefused).
+has a decay of exactly 0 (a log-decay −∞) a gradient in log space at all (∂l = 0 there, and ∂a = 0 / 0).
+Every form's backward refuses both with adjoint_arrays.BelowNormalRange, and gradients.vjp then runs the
+statements as written (linrec.numpy's recurrent backward: the product a·S differentiated directly).
 """
 from __future__ import annotations
 
@@ -33,11 +32,10 @@ SMALL_LOG_DECAY = math.log(SMALL_DECAY)
 
 
 def backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts, grad_final, corrections=(),
-                      value_log_decay=None, value_corrections=(), *, zero_too: bool):
-    """What the C backward scans do first for decays given as values: refuse those below the normal range
-    (with `zero_too`, the recurrent backward's, those of exactly 0 as well), then NumPy's backward where one is
-    small (its ScanGrads); None: the C kernels run."""
-    refuse_subnormal_decays(log_decay, value_log_decay, zero_too=zero_too)
+                      value_log_decay=None, value_corrections=()):
+    """What the C backward scans do first for decays given as values: refuse those below the normal range, 0
+    included, then NumPy's backward where one is small (its ScanGrads); None: the C kernels run."""
+    refuse_subnormal_decays(log_decay, value_log_decay, zero_too=True)
     if not hand_over(log_decay, value_log_decay):
         return None
     return numpy_backward(s0, log_decay, writes, queries, chunk, grad_readouts, grad_final, corrections,

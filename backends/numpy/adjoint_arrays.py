@@ -1,6 +1,6 @@
 """The adjoint scans' array helpers, shared by adjoint_scan, adjoint_elementwise and adjoint_frames: per-token
-arrays between the callers' layout [B, T, H, *] and the scans' head-major one [B, H, T, *], and the check
-that every log-decay is finite."""
+arrays between the callers' layout [B, T, H, *] and the scans' head-major one [B, H, T, *], and the refusal
+of decays given as values below the normal range."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,15 +21,6 @@ def tokens_major(x):
     return np.moveaxis(x, 2, 1)
 
 
-RESET_REFUSED = ("a decay of exactly 0 (a log-decay of −∞, a reset): the parallel and chunkwise backward work with "
-                 "finite log-decays; use form='recurrent' for this call")
-
-
-class ResetRefused(RuntimeInputError):
-    """The parallel and chunkwise backward's refusal of a decay of exactly 0 (form="auto" then runs the
-    recurrent backward: linrec.torch.backward)."""
-
-
 class BelowNormalRange(RuntimeInputError):
     """A decay given as a value (its log computed numerically) below the normal range of its dtype: its
     subnormal value keeps too few bits for the log-space backward, whose gradient ∂a = ∂l / a is then off
@@ -41,7 +32,7 @@ class BelowNormalRange(RuntimeInputError):
 def refuse_subnormal_decays(*log_decays, zero_too: bool = False) -> None:
     """BelowNormalRange where a finite log-decay lies below the log of its dtype's smallest normal value (the
     log-decays of decays given as values; None: none on that axis) — with `zero_too`, a log-decay of −∞ as
-    well (else the scans' own refusal of a reset, ResetRefused, or the recurrent form's handling of it)."""
+    well (else a reset, which the backward's forms take: adjoint_scan.ScanGrads.at_resets)."""
     for d in log_decays:
         if d is None or not np.size(d):
             continue
@@ -51,15 +42,3 @@ def refuse_subnormal_decays(*log_decays, zero_too: bool = False) -> None:
             raise BelowNormalRange(f"a decay given as a value below {d.dtype}'s normal range (its log under "
                                    f"{floor:.1f}): the log-space backward cannot give its gradient")
 
-
-def check_finite_log_decay(log_decay):
-    """A log-decay of −∞ (a decay of exactly 0, a reset) is refused: the backward's pairwise exponents are
-    differences of prefix sums, which −∞ makes NaN."""
-    if np.isneginf(log_decay).any():
-        raise ResetRefused(RESET_REFUSED)
-    return log_decay
-
-
-def finite_log_decays(log_decay):
-    """The log-decays head-major [B, H, T, …], refused where one is −∞ (check_finite_log_decay)."""
-    return check_finite_log_decay(heads(log_decay))

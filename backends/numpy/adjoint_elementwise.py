@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .adjoint_arrays import finite_log_decays as _log_decays, heads as _heads, tokens_major as _back
+from .adjoint_arrays import heads as _heads, tokens_major as _back
 
 ROWS = 16  # the tokens t of the pairwise sums formed at once
 
@@ -72,7 +72,7 @@ def _chunks(tokens: int, chunk: int):
 def elementwise_decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final):
     """The backward of adjoint_scan.decay_scan for an elementwise decay plus writes (the states before each
     chunk it returned): (∂log_decay, [(∂key, ∂value)], [∂query], ∂initial state)."""
-    l = _log_decays(log_decay)
+    l = _heads(log_decay)  # (finite: adjoint_scan.decay_scan_backward raised the resets)
     dtype = np.result_type(s0, l)
     ws = [(_heads(k), _heads(v)) for k, v in writes]
     qs = [(_heads(q), before) for q, before in queries]

@@ -48,9 +48,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import adjoint_frames as frames
-from .adjoint_arrays import check_finite_log_decay, heads as _heads, refuse_subnormal_decays
+from .adjoint_arrays import heads as _heads, refuse_subnormal_decays
 from .adjoint_elementwise import elementwise_decay_scan_backward
-from .scan import segment, solve_unit_lower
+from .scan import RESET_LOG_DECAY, raise_to_reset, segment, solve_unit_lower
 
 
 SEGMENT_BLOCK = 16  # the forward's sub-blocks (the chunkwise form's, linrec.numpy.scan)
@@ -138,9 +138,7 @@ def decay_scan(s0, log_decay, writes, queries, chunk, corrections=(), value_log_
     may be [B, T, H, K, V]); value_log_decay None or [B, T, H, V]: the columns decay too, S·diag(e^m) = S·E_t;
     value_corrections [(a, b), [B, T, H, V] each]: + (D_t·S_(t−1)·a) ⊗ b. It runs the forms' own segments
     (linrec.numpy.scan.segment) chunk by chunk."""
-    for decay in (log_decay, value_log_decay):
-        if decay is not None:
-            check_finite_log_decay(decay)
+    log_decay, value_log_decay = raise_to_reset(log_decay), raise_to_reset(value_log_decay)  # (resets: −750)
     K, V = s0.shape[-2:]
 
     def along(x, width):  # a vector broadcast to its width; a matrix (one vector per column) as it is
@@ -234,16 +232,41 @@ class ScanGrads(NamedTuple):
     value_log_decay: np.ndarray | None
     value_corrections: list = ()  # of each value-side correction's (a, b)
 
+    def at_resets(self, log_decay, value_log_decay=None) -> "ScanGrads":
+        """These gradients of a backward that ran on the log-decays raised to RESET_LOG_DECAY (raise_to_reset,
+        as the forward's derived forms run them: a reset's −∞ would make the differences of prefix sums in the
+        pairwise exponents NaN), with the log-decays' own gradient 0 where one (as given) lay below it: there
+        ∂(e^l·X)/∂l = e^l·X underflows to 0, as in the recurrent form, where a form whose ∂l is a difference of
+        sums over the tokens would leave their rounding."""
+        def zeroed(grad, given):
+            if grad is None or given is None:
+                return grad
+            below = np.asarray(given) < RESET_LOG_DECAY
+            return np.where(below, np.zeros((), np.result_type(grad)), grad) if below.any() else grad
+        return self._replace(log_decay=zeroed(self.log_decay, log_decay),
+                             value_log_decay=zeroed(self.value_log_decay, value_log_decay))
+
 
 def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
                         value_log_decay=None, value_corrections=(), decays_as_values=False) -> ScanGrads:
     """The backward of decay_scan (the same arguments, the states before each chunk it returned, the readouts'
+    gradients [B, T, H, V] and the final state's, None: zero), resets (log-decays of −∞) included: run raised,
+    their gradients 0 (ScanGrads.at_resets). decays_as_values: the log-decays are logs of values, which are
+    refused below the normal range, 0 included (adjoint_arrays.BelowNormalRange: vjp then runs the statements,
+    whose product a·S has a finite derivative at a = 0 that no log-space form gives)."""
+    if decays_as_values:
+        refuse_subnormal_decays(log_decay, value_log_decay, zero_too=True)
+    grads = _decay_scan_backward(s0, raise_to_reset(log_decay), writes, queries, starts, chunk, grad_readouts,
+                                 grad_final, corrections, raise_to_reset(value_log_decay), value_corrections)
+    return grads.at_resets(log_decay, value_log_decay)
+
+
+def _decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
+                         value_log_decay=None, value_corrections=()) -> ScanGrads:
+    """The backward of decay_scan (the same arguments, the states before each chunk it returned, the readouts'
     gradients [B, T, H, V] and the final state's, None: zero). Value-side corrections, and corrections beside a
     decay of the value axis or an elementwise one, run this scan in another frame (adjoint_frames), which
-    recomputes its own states before each chunk. decays_as_values: the log-decays are logs of values, which
-    are refused below the normal range (adjoint_arrays.BelowNormalRange: vjp then runs the statements)."""
-    if decays_as_values:
-        refuse_subnormal_decays(log_decay, value_log_decay)
+    recomputes its own states before each chunk. The log-decays are finite (decay_scan_backward raised them)."""
     if frames.needed(log_decay, corrections, value_log_decay, value_corrections):
         plain = frames.reframe(s0, log_decay, writes, queries, grad_readouts, grad_final, corrections,
                                value_log_decay, value_corrections)

@@ -443,7 +443,7 @@ def _guarded(derived, s0, log_decay, corrections, writes, readouts, causal, chun
     """A derived form (_parallel or _chunkwise) under the rule for non-finite values: log-decays raised to
     RESET_LOG_DECAY; in each (batch row, head) the tokens from the first one with a NaN or ±∞ on run through
     recurrent_scan, from the state before it (the whole sequence where the initial state is not finite)."""
-    log_decay, value_log_decay = _raise_to_reset(log_decay), _raise_to_reset(value_log_decay)
+    log_decay, value_log_decay = raise_to_reset(log_decay), raise_to_reset(value_log_decay)
     corrections = [tuple(pair) for pair in corrections]
     writes = [tuple(pair) for pair in writes]
     value_corrections = [tuple(pair) for pair in value_corrections]
@@ -504,7 +504,7 @@ def _recurrent_from(first, tokens: int, start, results, log_decay, corrections, 
     return results, end
 
 
-def _raise_to_reset(log_decay):
+def raise_to_reset(log_decay):
     """Log-decays below RESET_LOG_DECAY raised to it (−∞ included; NaN stays NaN)."""
     if log_decay is None:
         return None

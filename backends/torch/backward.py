@@ -29,7 +29,6 @@ from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError
 from .. import gradients
 from ..gradients import AUTO_ORDER, gradient_refusal, leads_with_chunkwise
-from ..numpy.adjoint_arrays import ResetRefused
 from .convert import to_array, to_tensor
 
 STEP = "step"  # the forward op's `form` for the decode step (op.STEP)
@@ -108,14 +107,7 @@ def kernel(rec: Recurrence):
         names = [x.name for x in program.inputs] + [s.name for s in program.states] + [p.name for p in program.params]
         call = dict(grad_final_state=upstream_final, initial_state=state0 or None, params=values or None, dims=dims,
                     chunk_size=chunk_size, missing="zero", wanted=frozenset(n for n, want in zip(names, needed) if want))
-        try:
-            result = gradients.vjp(rec, arrays, upstream, form=gradient_form, backend=where, **call)
-        except ResetRefused:
-            if form in FORMS or gradient_refusal(rec, "recurrent", where) is not None:
-                raise  # (a form the caller chose: its refusal says what to do)
-            # form="auto" chose the chunkwise backward for its speed; a reset (a decay of exactly 0, as at the
-            # boundary of packed documents) it refuses, and the recurrent backward takes: the same gradients
-            result = gradients.vjp(rec, arrays, upstream, form="recurrent", backend=where, **call)
+        result = gradients.vjp(rec, arrays, upstream, form=gradient_form, backend=where, **call)
         given = [*arrays.values(), *state0.values(), *values.values()]
         grads = []
         for name, t in [*((x.name, t) for x, t in zip(program.inputs, inputs)),
