@@ -4,6 +4,7 @@ model that uses the op whole (fullgraph); bad tensors are clear errors. Skipped 
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -394,3 +395,28 @@ def test_layer_says_what_is_wrong_with_its_state_params_and_dtype():
         lt.Layer(named, heads=2)
     with pytest.raises(linrec.LinrecError, match="dtype must be a floating-point torch.dtype"):
         lt.Layer("examples/gla.lin", heads=2, dtype=torch.int32)
+
+
+def test_layer_errors_name_what_the_caller_wrote():
+    """Found by probing: a Layer's state= that is no dict was reported as `initial_state is a Tensor`, an
+    argument the caller never wrote; a Layer made at the file's default sizes, given inputs of another dk,
+    blamed a parameter 'W' the caller never passed (Performer's W [m, dk], held at dk = 16) without saying to
+    make the Layer with dims=; a nested tensor got torch's "Internal error: NestedTensorImpl doesn't support
+    sizes"."""
+    gla = lt.Layer("examples/gla.lin", heads=2, dims={"dk": 3, "dv": 4})
+    x = {k: torch.from_numpy(v).float() for k, v in gla.rec.random_inputs(2, 5, 2, dims=gla.dims).items()}
+    with pytest.raises(linrec.LinrecError, match=r"^error: state is a Tensor; pass the states by name, .* "
+                                                 r"state=\{'S': \.\.\.\}"):
+        gla(**x, state=torch.zeros(2, 2, 3, 4))
+    performer = lt.Layer("examples/performer.lin", heads=2)
+    y = {k: torch.from_numpy(v) for k, v in performer.rec.random_inputs(1, 4, 2, dims={"dk": 8, "dv": 16},
+                                                                        dtype=np.float32).items()}
+    with pytest.raises(linrec.LinrecError, match=r"holds 'W' at dk = 16 \(the file's default size, as no dims= "
+                                                 r"gave it\), but input 'q' has dk = 8: make the Layer with "
+                                                 r"dims=\{'dk': 8\}"):
+        performer(**y)
+    with warnings.catch_warnings():  # ("the PyTorch API of nested tensors is in prototype stage")
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([x["q"][0], x["q"][1]])  # (layout strided; jagged's is refused as such)
+    with pytest.raises(linrec.LinrecError, match="input 'q' is a nested tensor; pass a dense one"):
+        lt.apply(gla.rec, dict(x, q=nested), dims=gla.dims)

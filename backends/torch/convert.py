@@ -22,6 +22,9 @@ def checked_tensor(name: str, value, what: str) -> torch.Tensor:
     if value.device.type != "cpu":
         raise RuntimeInputError(f"{what} '{name}' is on device '{value.device}', but linrec's kernels run on the "
                                 f"CPU; move it there with .cpu() (and the result back with .to(device))")
+    if value.is_nested:  # (its layout is strided, and its shape is no tuple of sizes)
+        raise RuntimeInputError(f"{what} '{name}' is a nested tensor; pass a dense one [B, T, H, *] "
+                                f"(torch.nested.to_padded_tensor), or one call per sequence")
     if value.layout != torch.strided:
         raise RuntimeInputError(f"{what} '{name}' has layout {value.layout}; pass a dense tensor (.to_dense())")
     if value.dtype not in COMPUTED and value.dtype not in WIDENED:

@@ -148,25 +148,48 @@ class Layer(nn.Module):
         options = dict(backend=self.backend, params=params, dims=self.dims, chunk_size=self.chunk_size)
         if reads_the_sequence(self.rec):
             return self._over_cache(given, state, options)
+        if state is not None and not isinstance(state, Mapping):  # (apply would name its initial_state=)
+            raise RuntimeInputError(f"state is a {type(state).__name__}; pass the states by name, as the Layer's last "
+                                    f"call returned them, e.g. state={{'{self.rec.program.states[0].name}': ...}}"
+                                    if self.rec.program.states else f"state is a {type(state).__name__}; "
+                                    f"'{self.rec.name}' has no state: pass none")
         tokens = next((t.shape[1] for t in given.values() if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
         decode = state is not None and tokens == 1 and self.rec.program.causal
         return apply(self.rec, given, initial_state=state, output_final_state=True,
                      form=STEP if decode else self.form, **options)
 
     def _check_sizes_read(self, given: dict) -> None:
-        """The inputs have the sizes the params' initial values were computed at (see __init__)."""
+        """The inputs have the sizes the params' initial values were computed at (see __init__), and those of
+        the params' own axes (a Layer made at the file's default sizes holds its params at them)."""
+        held = self._sizes_held()
         for x in self.rec.program.inputs:
             tensor = given.get(x.name)
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 + len(x.shape):
                 continue  # (apply says what is wrong with it)
             for axis, dim in enumerate(x.shape):
-                if dim in self._defaults_read and tensor.shape[3 + axis] != self._defaults_read[dim][0]:
+                size = tensor.shape[3 + axis]
+                if dim in self._defaults_read and size != self._defaults_read[dim][0]:
                     made, names = self._defaults_read[dim]
                     raise RuntimeInputError(
                         f"this Layer computed the initial values of {', '.join(map(repr, names))} at {dim} = "
                         f"{made} (the file's default size; {'they read' if len(names) > 1 else 'it reads'} it), but "
-                        f"input '{x.name}' has {dim} = {tensor.shape[3 + axis]}: make the Layer with "
-                        f"dims={{'{dim}': {tensor.shape[3 + axis]}}}")
+                        f"input '{x.name}' has {dim} = {size}: make the Layer with dims={{'{dim}': {size}}}")
+                if dim in held and size != held[dim][0]:
+                    made, names = held[dim]
+                    made_by = "dims=" if dim in self.dims else "the file's default size, as no dims= gave it"
+                    raise RuntimeInputError(
+                        f"this Layer holds {', '.join(map(repr, names))} at {dim} = {made} ({made_by}), but input "
+                        f"'{x.name}' has {dim} = {size}: make the Layer with dims={{'{dim}': {size}}}")
+
+    def _sizes_held(self) -> dict[str, tuple[int, list[str]]]:
+        """dimension → (its size in the params this Layer holds, their names), from their shapes."""
+        declared = {p.name: p for p in self.rec.program.params}
+        held: dict[str, tuple[int, list[str]]] = {}
+        for name, value in self.params.items():
+            p = declared[name]
+            for dim, size in zip(p.shape, value.shape[1 if p.per_head else 0:]):
+                held.setdefault(dim, (int(size), []))[1].append(name)
+        return held
 
     def _over_cache(self, given: dict, cache: dict | None, options: dict):
         """A program that reads the sequence: its state is the KV cache, the inputs so far. New tokens are
