@@ -411,9 +411,12 @@ def test_header_is_strict_c99_and_cpp_and_the_source_compiles_as_c99_and_c11(bui
         assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stderr[-3000:]}"
 
 
-# a program C runs statement by statement (decays on both axes), and one in three stages whose kernels each
-# read some of the inputs
+# a program C runs statement by statement (decays on both axes), one in three stages whose kernels each read
+# some of the inputs, and a fused kernel's program that declares an input it never reads (found by probing: its
+# decode step's pointer to `k` was an unused variable)
 WARNING_FREE = {
+    "unread_input": "recurrence unread_input(dk = 8, dv = 6)\ninput q[dk], k[dk], v[dv]\ninput a[dk] in (0, 1]\n"
+                    "state S[dk, dv]\nS = diag(a)·S + (1 − a)⊗v\noutput o = q·S\n",
     "both_decays": "recurrence both_decays(dk = 4, dv = 6)\ninput q[dk], k[dk], v[dv], ak[dk], av[dv]\n"
                    "state S[dk, dv]\nS = diag(exp(logsigmoid(ak)))·S·diag(exp(logsigmoid(av))) + k⊗v\n"
                    "output o = q·S\n",
@@ -426,8 +429,9 @@ WARNING_FREE = {
 @pytest.mark.parametrize("name", WARNING_FREE)
 def test_statement_kernels_and_stages_compile_without_warnings(tmp_path, name):
     """-Wall -Wextra -Werror beyond the examples: a statement-by-statement kernel with no declared ranges (its
-    inputs' pointers gathered for a range check it does not make) and a stage's kernel that does not read
-    every input (its row pointers) warned of unused variables."""
+    inputs' pointers gathered for a range check it does not make), a stage's kernel that does not read every
+    input (its row pointers) and a fused decode step of a program with an input it never reads warned of
+    unused variables."""
     if GCC is None:
         pytest.skip("no gcc")
     rec = linrec.compile(WARNING_FREE[name], f"{name}.lin")
