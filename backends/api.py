@@ -369,6 +369,7 @@ class Recurrence:
         `state_dtype="bfloat16"` (float32 tokens): the states (or the pool's) are uint16 arrays of bfloat16 bits,
         widened to float32 for the step and rounded back (backends/bf16_state.py)."""
         _require_causal(self)
+        arrays.require_token_inputs(token_inputs)
         bits = state_dtype is not None and bf16_state.resolve(state_dtype, dict(token_inputs)) is not None
         if slots is not None or bits:  # (a pool that is no dict has slot_pool's own message)
             arrays.require_dicts(state=None if slots is not None else state, params=params, out=out)
@@ -468,13 +469,15 @@ class Recurrence:
         """The decode step bound to these very arrays: returns step(), which runs one token — reads the token
         buffers `token_inputs` ([B, H, *]; refill them in place between calls), updates `state` in place
         and writes the outputs — and returns the outputs dict (`out`'s arrays, created when absent). Every
-        array is checked here, once; the C kernel checks the declared value ranges on every call (and
-        updates nothing when one fails). The cheapest decode loop from Python: one call per token.
+        array is checked here, once (each call: only that the arrays it writes are still writeable); the C
+        kernel checks the declared value ranges on every call (and updates nothing when one fails). The
+        cheapest decode loop from Python: one call per token.
         On every backend the step is bound to the arrays the dicts hold now: putting another array into a
         dict later changes nothing (refill the bound ones in place), and every state must be given.
         `slots`: `state` is a pool of slots [P, H, *], as in step(); an int array of slots may be refilled in
         place between calls (it is checked every call). `state_dtype="bfloat16"`: as in step()."""
         _require_causal(self)
+        arrays.require_token_inputs(token_inputs)
         bits = state_dtype is not None and bf16_state.resolve(state_dtype, dict(token_inputs)) is not None
         arrays.require_dicts(state=None if slots is not None else state, params=params, out=out)
         if slots is not None:

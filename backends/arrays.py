@@ -54,6 +54,14 @@ def require_dicts(**given) -> None:
                                     f"{type(value).__name__}")
 
 
+def require_token_inputs(value) -> None:
+    """step()'s and bind_step()'s token_inputs: a dict of arrays by name, else an error that says so (rather
+    than a TypeError from inside the step). A dict passes on one type test: the decode loop's cost."""
+    if type(value) is not dict and not isinstance(value, Mapping):
+        raise RuntimeInputError(f"token_inputs must be a dict of input name → array [B, H, *] (one token), got a "
+                                f"{type(value).__name__}")
+
+
 def inputs_by_name(inputs, named: dict, program: ir.Program | None = None, method=None) -> dict:
     """run()'s and prefill()'s inputs: the dict and the keywords together, none given in both. With the
     program and the method: a keyword that is none of the program's inputs but close to one of the method's

@@ -174,6 +174,15 @@ class _PoolCall:
         # pool's order, which the in-place step refuses)
         self.rows = None if self.kernel else {k: np.ascontiguousarray(v[self.idx]) for k, v in self.arrays.items()}
 
+    def require_writeable(self) -> None:
+        """Every pool array still writeable, before a bound step writes any (its caller may have made one
+        read-only since binding: found by probing, the rows' way then updated pool['S'] and failed on
+        pool['z'], leaving the pool half-stepped, and the C slot step wrote into the read-only array)."""
+        for key, v in self.arrays.items():
+            if not v.flags.writeable:
+                raise RuntimeInputError(f"pool['{key}'] has been made read-only since the step was bound: the step "
+                                        f"updates it in place (nothing was written)")
+
     def gather(self, idx: np.ndarray) -> None:
         for k, v in self.arrays.items():  # (not np.take(…, out=): it copies a non-contiguous pool whole)
             self.rows[k][...] = v[idx]
@@ -212,6 +221,7 @@ def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, 
 
         def run_kernel():
             idx = check_slot_values(slot_array(held), call.requests, call.size)
+            call.require_writeable()
             outputs = kernel(token_inputs, arrays, idx, buffers)
             buffers.update(outputs)  # (made at the first call, reused after)
             return outputs
@@ -222,6 +232,7 @@ def bind(rec, token_inputs: dict, pool: dict, slots, backend: str, params, out, 
 
     def run_rows():
         idx = check_slot_values(slot_array(held), call.requests, call.size)
+        call.require_writeable()
         call.gather(idx)
         outputs = inner()
         call.scatter(idx)

@@ -741,3 +741,46 @@ def test_a_pool_with_its_states_interleaved_slot_by_slot_is_taken(backend):
     np.testing.assert_array_equal(got["o"], want["o"])
     for k in pool:
         np.testing.assert_array_equal(interleaved[k], pool[k])
+
+
+TWO_STATES = """recurrence twostate(dk = 8, dv = 6)
+input q[dk], k[dk], v[dv]
+input g[dk] <= 0
+state S[dk, dv], z[dk]
+S = diag(exp(g))·S + k⊗v
+z = exp(g)*z + k
+output o = (q·S) / (1 + abs(q·z))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bound_steps_refuse_arrays_made_read_only_since_and_steps_say_what_is_wrong(backend):
+    """Found by probing serving: a pool array made read-only after bind_step(…, slots=) left NumPy's pool
+    half-stepped (pool['S'] updated, then a ValueError on pool['z']) and was written by C all the same, as was a
+    bound C step's state; token_inputs that are no dict were TypeErrors from inside the step; and after a C
+    step refused for an unknown state, a token missing an input was cffi's TypeError, not 'missing input'."""
+    rec = linrec.compile(TWO_STATES, "twostate.lin")
+    tokens = {k: np.ascontiguousarray(v[:, 0]) for k, v in rec.random_inputs(2, 1, 2, seed=0).items()}
+    pool = {"S": np.zeros((4, 2, 8, 6)), "z": np.zeros((4, 2, 8))}
+    pooled = rec.bind_step(tokens, pool, slots=np.array([3, 1]), backend=backend)
+    pooled()
+    state = {"S": np.zeros((2, 2, 8, 6)), "z": np.zeros((2, 2, 8))}
+    bound = rec.bind_step(tokens, state, backend=backend)
+    bound()
+    for arrays, step in ((pool, pooled), (state, bound)):
+        arrays["z"].flags.writeable = False
+        before = {k: v.copy() for k, v in arrays.items()}
+        with pytest.raises(linrec.RuntimeInputError, match=r"(pool|state)(\['z'\]| 'z') .*read-only"):
+            step()
+        for k in arrays:
+            np.testing.assert_array_equal(arrays[k], before[k])
+    for wrong in (list(tokens.values()), None, tokens["q"]):
+        for call in (lambda w: rec.step(w, None, backend=backend), lambda w: rec.bind_step(w, dict(state), backend=backend),
+                     lambda w: rec.step(w, {"S": np.zeros((3, 2, 8, 6))}, slots=[0], backend=backend)):
+            with pytest.raises(linrec.RuntimeInputError, match="token_inputs must be a dict of input name → array"):
+                call(wrong)
+    fresh = linrec.compile(TWO_STATES, "twostate.lin")
+    with pytest.raises(linrec.RuntimeInputError, match="unknown state"):
+        fresh.step(tokens, {"S": np.zeros((2, 2, 8, 6)), "typo": np.zeros(3)}, backend=backend)
+    with pytest.raises(linrec.RuntimeInputError, match="missing input 'g'"):
+        fresh.step({k: v for k, v in tokens.items() if k != "g"}, None, backend=backend)

@@ -197,8 +197,16 @@ class Stepper:
         state.update(adopted)
         fn, call = self._packed_fn, self._packed_call()
         refused = self._refused
+        # the arrays the step writes, by name: each still writeable every call, as on NumPy (a caller may make one
+        # read-only after binding; the kernel would write it all the same)
+        written = [(f"state[{name!r}]", bound[name]) for name in self._st_names] + \
+            [(f"out[{name!r}]", out[name]) for name in self._out_names]
 
         def step():
+            for label, arr in written:
+                if not arr.flags.writeable:
+                    raise RuntimeInputError(f"{label} has been made read-only since the step was bound: the step "
+                                            f"writes it (nothing was written)")
             for own, given in refills:
                 np.copyto(own, given)
             rc = fn(call)
@@ -262,11 +270,11 @@ class Stepper:
         i = 0
         for name, shp, strides in self._inputs:
             arr = token_inputs.get(name) if name != p.inputs[0].name else first
+            if arr is None:  # (before the test below: a position not seen yet holds None too)
+                raise RuntimeInputError(f"missing input '{name}'")
             if arr is seen[i]:
                 args.append(seen_ptr[i])
             else:
-                if arr is None:
-                    raise RuntimeInputError(f"missing input '{name}'")
                 if type(arr) is not np.ndarray or arr.dtype != dt or arr.shape != shp or arr.strides != strides:
                     arr = checked(arr, shp, dt, f"input '{name}'")
                 pointer = fb(ptr, arr)
