@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arrays, bf16_state, compiler, float_warnings, form_choice, gradients, registry, serving, slot_pool
+from . import arrays, bf16_state, compiler, float_warnings, form_choice, gradients, packed_vjp, registry, serving
+from . import slot_pool
 from .c import build as c_build
 from .compiler import Compiled
 from .compiler import ir
@@ -314,14 +315,16 @@ class Recurrence:
         (`grad_final_state`), the gradients of every input, param and initial state (`result.grads`, by name;
         per-head params [H, *], shared ones summed over heads). An output without a gradient is an error
         unless missing="zero". `chunk_size`: tokens between the forward's checkpoints (default √T).
-        `threads`: for the C backend, as in run(). `cu_seqlens` is not taken (packed sequences have no backward):
-        an error that says what to do instead."""
-        if cu_seqlens is not None:  # (a keyword of its own: run() takes it, and a bare TypeError said nothing)
-            raise RuntimeInputError("vjp takes no cu_seqlens: packed variable-length batches have no backward; "
-                                    "call vjp once per sequence (inputs [1, len_i, H, *]), or pass sequences of "
-                                    "one length as the rows of [B, T, H, *]")
+        `threads`: for the C backend, as in run(). `cu_seqlens`: packed variable-length sequences, as run()
+        takes them — inputs, outputs and their gradients [1, T_total, H, *], initial and final states and their
+        gradients [N, H, *] (backends/packed_vjp.py)."""
         arrays.require_dicts(grad_final_state=grad_final_state, initial_state=initial_state, params=params)
+        offsets = serving.check_cu_seqlens(cu_seqlens)
         with c_build.threads(threads):
+            if offsets is not None:
+                return packed_vjp.vjp_packed(self, inputs, grad_outputs, offsets, form=form, backend=backend,
+                                             grad_final_state=grad_final_state, initial_state=initial_state,
+                                             params=params, dims=dims, chunk_size=chunk_size, missing=missing)
             return gradients.vjp(self, inputs, grad_outputs, form=form, backend=backend,
                                  grad_final_state=grad_final_state, initial_state=initial_state, params=params,
                                  dims=dims, chunk_size=chunk_size, missing=missing)

@@ -446,19 +446,6 @@ def test_bad_final_state_gradient():
         rec.vjp(inputs, g_out, grad_final_state={"T": np.ones((1, 2, 4, 4))})
 
 
-@pytest.mark.parametrize("backend", ["numpy", "c"])
-def test_packed_sequences_have_no_gradient(backend):
-    """run() takes cu_seqlens, vjp does not: the keyword was Python's TypeError (an unexpected keyword
-    argument), which said neither why nor what to do."""
-    rec = example("gla")
-    inputs = rec.random_inputs(1, 8, 2, {"dk": 4, "dv": 4})
-    with pytest.raises(linrec.RuntimeInputError, match=r"^error: vjp takes no cu_seqlens: packed variable-length "
-                                                        r"batches have no backward; call vjp once per sequence "
-                                                        r"\(inputs \[1, len_i, H, \*\]\), or pass sequences of one "
-                                                        r"length as the rows of \[B, T, H, \*\]$"):
-        rec.vjp(inputs, {"o": np.ones((1, 8, 2, 4))}, backend=backend, cu_seqlens=np.array([0, 3, 8]))
-
-
 def test_forms_and_backends_without_a_gradient():
     reformer = example("reformer")
     summed = linrec.compile("recurrence summed(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\n"

@@ -43,7 +43,7 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     check_chunk_size(chunk_size)
     if "cu_seqlens" in named_inputs and all(x.name != "cu_seqlens" for x in program.inputs):
         raise RuntimeInputError("linrec.torch takes no cu_seqlens: packed variable-length batches run through "
-                                "Recurrence.run (NumPy arrays, no gradients); pass the sequences as rows of "
+                                "Recurrence.run and Recurrence.vjp (NumPy arrays); pass the sequences as rows of "
                                 "[B, T, H, *] or one call each")
     given = _by_name(inputs, "inputs", program.inputs)
     refuse_given_twice(given, named_inputs)
