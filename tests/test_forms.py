@@ -355,6 +355,19 @@ output o = (q·U)·S
             assert np.max(np.abs(got - expected)) <= 1e-10 * np.max(np.abs(expected)), (backend, form)
 
 
+def test_a_nonpositive_decays_advice_names_the_factor_at_fault():
+    """`exp(g)·gamma` with gamma's default negative for heads from the tenth on (found by probing): the advice
+    was to declare ranges of g, which no range fixes (exp(g) has its logarithm, g); it is gamma's default."""
+    rec = linrec.compile("recurrence m1(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\ninput g <= 0\n"
+                         "param gamma per head = 0.95 − 0.1·h\nstate S[dk, dv]\nS = exp(g)·gamma·S + k⊗v\n"
+                         "output o = q·S\n", "m1.lin")
+    why = rec.decomposition.why_not("parallel")
+    assert "change the defaults it is computed from" in why and "ranges of g" not in why
+    rec = linrec.compile("recurrence m2(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\ninput g <= 0, b\n"
+                         "state S[dk, dv]\nS = exp(g)·b·S + k⊗v\noutput o = q·S\n", "m2.lin")
+    assert "declare ranges of b that keep it positive" in rec.decomposition.why_not("parallel")
+
+
 def test_nonpositive_decay_is_refused_in_log_space_forms():
     """A decay with no symbolic logarithm must be positive in the log-space forms: an input without a range
     that keeps it so (or a param without a default) leaves the program without them, and check says why; a
