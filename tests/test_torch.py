@@ -304,8 +304,16 @@ def test_errors_name_the_argument_and_the_fix():
         lt.apply(rec, x, backend=None)
     with pytest.raises(linrec.RuntimeInputError, match=r"input\(s\) 'q' given twice"):
         lt.apply(rec, x, q=2 * x["q"])
-    with pytest.raises(linrec.RuntimeInputError, match="linrec.torch takes no cu_seqlens"):
-        lt.apply(rec, x, cu_seqlens=torch.tensor([0, 2, 4]))
+    with pytest.raises(linrec.RuntimeInputError, match="cu_seqlens must be an integer tensor"):
+        lt.apply(rec, x, cu_seqlens=torch.tensor([0.0, 2.0, 4.0]))
+    with pytest.raises(linrec.RuntimeInputError, match="with cu_seqlens the inputs are one packed row"):
+        lt.apply(rec, {k: torch.cat([v, v]) for k, v in x.items()}, cu_seqlens=torch.tensor([0, 2, 4]))
+    with pytest.raises(linrec.RuntimeInputError, match=r"initial state 'S' should have shape \[N, H, dk, dv\]"):
+        lt.apply(rec, x, initial_state={"S": torch.zeros(1, 2, 16, 16)}, cu_seqlens=torch.tensor([0, 2, 4]))
+    with pytest.raises(linrec.RuntimeInputError, match="cu_seqlens must end at the packed length"):
+        lt.apply(rec, x, cu_seqlens=torch.tensor([0, 2, 3]), backend="numpy")
+    with pytest.raises(linrec.RuntimeInputError, match="form='step' runs one token"):
+        lt.apply(rec, x, cu_seqlens=torch.tensor([0, 2, 4]), form="step")
     with pytest.raises(linrec.RuntimeInputError, match=r"input 'g' must lie in \(-inf, 0\]"):
         lt.apply(rec, dict(x, g=x["g"].abs() + 1), backend="numpy")  # the kernel's own checks still apply
 

@@ -297,3 +297,33 @@ def test_what_autograd_cannot_reach_is_refused_with_its_reason():
     assert torch.equal(g.detach(), plain)
     with pytest.raises(linrec.LinrecError, match="second-order gradients through 'gla' are not derived"):
         g.square().sum().backward()
+
+
+@pytest.mark.parametrize("name, form", [("gla", "chunkwise"), ("mamba2", "recurrent"), ("gated_deltanet", "auto")])
+def test_gradcheck_over_packed_sequences(name, form):
+    """cu_seqlens (it was refused: packed batches had no backward): one packed row [1, T_total, H, *] of
+    sequences of 3, 0, 1 and 4 tokens, their initial states [N, H, *] and the params, through gradcheck on C;
+    the final states come back one per sequence, the outputs those of each sequence run alone."""
+    layer = layer_of(name, {"dk": 3, "dv": 2} if name != "mamba2" else {"dk": 2, "dv": 3})
+    offsets = torch.tensor([0, 3, 3, 4, 8])
+    x = layer.rec.random_inputs(1, 8, layer.heads, dims=layer.dims, seed=4)
+    sizes = {d.name: layer.dims.get(d.name, d.default) for d in layer.rec.program.dims}
+    rng = np.random.default_rng(5)
+    inputs = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
+    states = {s.name: torch.from_numpy(0.5 * rng.standard_normal((4, layer.heads, *(sizes[d] for d in s.shape))))
+              .requires_grad_() for s in layer.rec.program.states}
+    params = dict(layer.params.items())
+    names = [*inputs, *states, *params]
+
+    def f(*tensors):
+        given = dict(zip(names, tensors))
+        return call(layer, {k: given[k] for k in inputs}, {k: given[k] for k in states},
+                    {k: given[k] for k in params}, form=form, cu_seqlens=offsets)
+
+    assert torch.autograd.gradcheck(f, (*inputs.values(), *states.values(), *params.values()), eps=1e-6,
+                                    atol=1e-7, rtol=1e-6)
+    results = f(*inputs.values(), *states.values(), *params.values())
+    alone = call(layer, {k: v[:, 4:8] for k, v in inputs.items()}, {k: v[3:4] for k, v in states.items()}, params,
+                 form=form)
+    assert torch.allclose(results[0][:, 4:8], alone[0], rtol=0, atol=1e-12)
+    assert all(torch.allclose(a[3:4], b, rtol=0, atol=1e-12) for a, b in zip(results[1:], alone[1:]))

@@ -12,6 +12,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 
+from .. import serving
 from ..api import Recurrence
 from ..arrays import check_chunk_size, checked_sizes, refuse_given_twice
 from ..compiler import FORMS
@@ -26,7 +27,7 @@ FORMS_TAKEN = ("auto", *FORMS, STEP)
 
 def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | None = None,
           output_final_state: bool = False, form: str = "auto", backend: str = "c", params: dict | None = None,
-          dims: dict[str, int] | None = None, chunk_size: int | None = None, **named_inputs):
+          dims: dict[str, int] | None = None, chunk_size: int | None = None, cu_seqlens=None, **named_inputs):
     """Run `rec` on CPU tensors: inputs [B, T, H, *] by DSL name (a dict, keywords, or both), float32 or
     float64 (bfloat16 and float16 are computed in float32 and the outputs converted back); initial states
     [B, H, *] by name (zeros when absent); params override the file's defaults (per-head ones [H, *]).
@@ -34,17 +35,16 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     Returns (o, final_state), flash-linear-attention's pair: `o` is the output tensor [B, T, H, *] when the
     program has one output, else a dict of them by name; `final_state` is None unless output_final_state,
     then a dict of the final states [B, H, *] by name (what `initial_state` takes back). form="step" is the
-    decode step: one token (T = 1) from `initial_state`."""
+    decode step: one token (T = 1) from `initial_state`. `cu_seqlens` (an integer tensor [N + 1]): packed
+    variable-length sequences, flash-linear-attention's convention — the inputs one row [1, T_total, H, *],
+    the initial and final states one per sequence [N, H, *] — with gradients (linrec.packed_vjp)."""
     op = op_for(rec)
     program = rec.program
     if form not in FORMS_TAKEN:
         raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(FORMS_TAKEN)}")
     known_backend(backend)  # (before the op's schema meets a value that is no backend's name)
     check_chunk_size(chunk_size)
-    if "cu_seqlens" in named_inputs and all(x.name != "cu_seqlens" for x in program.inputs):
-        raise RuntimeInputError("linrec.torch takes no cu_seqlens: packed variable-length batches run through "
-                                "Recurrence.run and Recurrence.vjp (NumPy arrays); pass the sequences as rows of "
-                                "[B, T, H, *] or one call each")
+    offsets = _offsets(cu_seqlens, form)
     given = _by_name(inputs, "inputs", program.inputs)
     refuse_given_twice(given, named_inputs)
     given |= named_inputs
@@ -59,20 +59,42 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
         if t.dtype != dtype:
             raise RuntimeInputError(f"input '{name}' is {t.dtype} but '{first}' is {dtype}; pass every input in "
                                     f"one dtype")
-    sizes = _sizes(program, tensors, states, values, dims)
+    sizes = _sizes(program, tensors, states, values, dims, None if offsets is None else offsets.shape[0] - 1)
     _refuse_other_transforms([tensors, states, values])
     _check_differentiable(rec, form, backend, [tensors, states, values])
 
     computed = WIDENED.get(dtype, dtype)  # (a copy for half types; .to() and .contiguous() are no-ops else)
     outputs, finals = op([_ready(tensors[x.name], computed) for x in program.inputs],
                          [_ready(states.get(s.name), computed) for s in program.states],
-                         [_ready(values.get(p.name), computed) for p in program.params],
+                         [_ready(values.get(p.name), computed) for p in program.params], offsets,
                          [sizes[d.name] for d in program.dims], form, backend, chunk_size)
     if computed != dtype:
         outputs = [o.to(dtype) for o in outputs]
     o = outputs[0] if len(outputs) == 1 else {out.name: t for out, t in zip(program.outputs, outputs)}
     final = {s.name: t for s, t in zip(program.states, finals)} if output_final_state else None
     return o, final
+
+
+def _offsets(cu_seqlens, form: str) -> torch.Tensor | None:
+    """cu_seqlens as the op takes it: a CPU int64 tensor [N + 1] (its values are checked where the op runs, as
+    Recurrence.run checks them: serving.check_cu_seqlens), or None."""
+    if cu_seqlens is None:
+        return None
+    if form == STEP:
+        raise RuntimeInputError("form='step' runs one token of each row of [B, H, *] states, which cu_seqlens "
+                                "does not pack: decode each sequence's token as a row")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type != "cpu":
+            raise RuntimeInputError(f"cu_seqlens is on device '{cu_seqlens.device}'; move it to the CPU (.cpu())")
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+            raise RuntimeInputError(f"cu_seqlens must be an integer tensor [N + 1] of offsets, got {cu_seqlens.dtype}")
+        offsets = cu_seqlens
+    else:
+        offsets = torch.as_tensor(serving.check_cu_seqlens(cu_seqlens))
+    if offsets.dim() != 1 or offsets.shape[0] < 2:
+        raise RuntimeInputError(f"cu_seqlens must be a 1-D tensor [N + 1] of at least 2 offsets, got shape "
+                                f"{list(offsets.shape)}")
+    return offsets.to(torch.int64).contiguous()
 
 
 def _ready(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -115,7 +137,8 @@ def _label(lead: str, dims) -> str:
     return lead + "".join(", " + d for d in dims) + "]"
 
 
-def _sizes(program, inputs: dict, states: dict, params: dict, asked: dict | None) -> dict[str, int]:
+def _sizes(program, inputs: dict, states: dict, params: dict, asked: dict | None,
+           sequences: int | None = None) -> dict[str, int]:
     """Every dimension's size for this call, from the shapes (plain ints, which torch.compile guards on): the
     inputs' first, then `dims`, the initial states', the params', and the file's defaults. A shape that does
     not fit the declarations or the other arguments is an error naming the argument."""
@@ -137,9 +160,13 @@ def _sizes(program, inputs: dict, states: dict, params: dict, asked: dict | None
     for name, n in checked_sizes(program, asked).items():
         _bind(sizes, (name,), (n,), "dims")
     batch, heads = lead[0], lead[2]
+    if sequences is not None and batch != 1:
+        raise RuntimeInputError(f"with cu_seqlens the inputs are one packed row [1, T_total, H, *], got batch size "
+                                f"{batch}; concatenate the sequences along the token axis")
+    rows, label = (batch, "[B, H") if sequences is None else (sequences, "[N, H")
     for s in program.states:
         if s.name in states:
-            _bind_whole(sizes, f"initial state '{s.name}'", _label("[B, H", s.shape), (batch, heads), s.shape,
+            _bind_whole(sizes, f"initial state '{s.name}'", _label(label, s.shape), (rows, heads), s.shape,
                         tuple(states[s.name].shape))
     for p in program.params:
         if p.name in params:

@@ -2,12 +2,13 @@
 op so that torch.compile traces a backward pass around it (autograd's formula must be traceable: it calls the
 backward op, whose fake implementation gives the gradients' shapes, and never touches the tensors' memory).
 
-    linrec::gla_<digest>_backward(Tensor in_q, …, Tensor? state_S, Tensor? dout_o, Tensor? dstate_S,
+    linrec::gla_<digest>_backward(Tensor in_q, …, Tensor? state_S, Tensor? cu_seqlens, Tensor? dout_o, Tensor? dstate_S,
                                   *, SymInt[] sizes, str form, str backend, int? chunk_size) -> (Tensor, …)
 
-Its tensors: the forward op's (inputs, initial states, params), then the gradients of the forward's results
-(outputs, then final states; None: zero). It returns one gradient per forward tensor, in the same order: an
-empty tensor where the forward's argument was None (autograd's formula turns it back into None).
+Its tensors: the forward op's (inputs, initial states, params, cu_seqlens), then the gradients of the forward's
+results (outputs, then final states; None: zero). It returns one gradient per forward input, state and param,
+in the same order: an empty tensor where the forward's argument was None (autograd's formula turns it back into
+None; cu_seqlens, integer offsets, has none).
 
 Which backward runs: the gradient form of the forward's form where one is derived, else the recurrent one,
 on the forward's backend when it builds that gradient, else on NumPy. form="auto": the recurrent one (the
@@ -27,7 +28,7 @@ from ..api import Recurrence
 from ..compiler import FORMS
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError
-from .. import gradients
+from .. import gradients, packed_vjp
 from ..gradients import AUTO_ORDER, gradient_refusal, leads_with_chunkwise
 from .convert import to_array, to_tensor
 
@@ -66,6 +67,7 @@ def schema(rec: Recurrence, argument) -> str:
     tensors = [f"Tensor {argument('in', x.name, i)}" for i, x in enumerate(program.inputs)]
     tensors += [f"Tensor? {argument('state', s.name, i)}" for i, s in enumerate(program.states)]
     tensors += [f"Tensor? {argument('param', p.name, i)}" for i, p in enumerate(program.params)]
+    tensors.append("Tensor? cu_seqlens")  # (the forward's: packed sequences' offsets, or None)
     tensors += [f"Tensor? {argument('dout', o.name, i)}" for i, o in enumerate(program.outputs)]
     tensors += [f"Tensor? {argument('dstate', s.name, i)}" for i, s in enumerate(program.states)]
     count = len(program.inputs) + len(program.states) + len(program.params)
@@ -75,14 +77,15 @@ def schema(rec: Recurrence, argument) -> str:
     return f"({', '.join(tensors)}, *, SymInt[] sizes, str form, str backend, int? chunk_size, bool[] needed) -> {returns}"
 
 
-def _split(program, tensors: tuple) -> tuple[tuple, tuple, tuple, tuple, tuple]:
-    """(inputs, initial states, params, output gradients, final-state gradients)."""
-    counts = [len(program.inputs), len(program.states), len(program.params), len(program.outputs),
+def _split(program, tensors: tuple) -> tuple[tuple, tuple, tuple, torch.Tensor | None, tuple, tuple]:
+    """(inputs, initial states, params, cu_seqlens, output gradients, final-state gradients)."""
+    counts = [len(program.inputs), len(program.states), len(program.params), 1, len(program.outputs),
               len(program.states)]
     groups, start = [], 0
     for n in counts:
         groups.append(tuple(tensors[start:start + n]))
         start += n
+    groups[3] = groups[3][0]
     return tuple(groups)
 
 
@@ -92,7 +95,7 @@ def kernel(rec: Recurrence):
     program = rec.program
 
     def backward_kernel(*tensors, sizes, form, backend, chunk_size, needed):
-        inputs, states, params, grad_outputs, grad_final = _split(program, tensors)
+        inputs, states, params, cu_seqlens, grad_outputs, grad_final = _split(program, tensors)
         arrays = {x.name: to_array(t) for x, t in zip(program.inputs, inputs)}
         state0 = {s.name: to_array(t) for s, t in zip(program.states, states) if t is not None}
         values = {p.name: to_array(t) for p, t in zip(program.params, params) if t is not None}
@@ -107,7 +110,11 @@ def kernel(rec: Recurrence):
         names = [x.name for x in program.inputs] + [s.name for s in program.states] + [p.name for p in program.params]
         call = dict(grad_final_state=upstream_final, initial_state=state0 or None, params=values or None, dims=dims,
                     chunk_size=chunk_size, missing="zero", wanted=frozenset(n for n, want in zip(names, needed) if want))
-        result = gradients.vjp(rec, arrays, upstream, form=gradient_form, backend=where, **call)
+        if cu_seqlens is None:
+            result = gradients.vjp(rec, arrays, upstream, form=gradient_form, backend=where, **call)
+        else:  # (packed sequences: each one's backward on its own slice, joined)
+            result = packed_vjp.vjp_packed(rec, arrays, upstream, to_array(cu_seqlens), form=gradient_form,
+                                           backend=where, **call)
         given = [*arrays.values(), *state0.values(), *values.values()]
         grads = []
         for name, t in [*((x.name, t) for x, t in zip(program.inputs, inputs)),
@@ -136,7 +143,7 @@ def fake(rec: Recurrence):
     program = rec.program
 
     def backward_fake(*tensors, sizes, form, backend, chunk_size, needed):
-        inputs, states, params, _, _ = _split(program, tensors)
+        inputs, states, params, _, _, _ = _split(program, tensors)
         grads = [t.new_empty(t.shape) if t is not None else inputs[0].new_empty((0,))
                  for t in (*inputs, *states, *params)]
         return grads[0] if len(grads) == 1 else tuple(grads)
@@ -172,11 +179,11 @@ def autograd_formula(rec: Recurrence, backward_op):
         saved = iter(ctx.saved_tensors)
         tensors = [next(saved) if present else None for present in ctx.present]
         if not any(ctx.needs_input_grad[:count]):
-            return (None,) * count
+            return (None,) * (count + 1)  # (one per tensor argument, cu_seqlens the last)
         results = backward_op(*tensors, *grads, **ctx.options, needed=list(ctx.needs_input_grad[:count]))
         if isinstance(results, torch.Tensor):
             results = (results,)
         return tuple(g if present and needed else None
-                     for g, present, needed in zip(results, ctx.present, ctx.needs_input_grad))
+                     for g, present, needed in zip(results, ctx.present, ctx.needs_input_grad)) + (None,)  # (cu_seqlens)
 
     return setup_context, backward

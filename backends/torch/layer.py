@@ -68,7 +68,7 @@ class Layer(nn.Module):
     (`rec.default_params`) or from `params=`. forward takes the program's inputs [B, T, H, *] by name (or
     positionally, in declaration order) and returns (o, state): `o` as linrec.torch.apply returns it, `state`
     the final states by name. Passing `state=` continues from it; with one token (T = 1) that is the decode
-    step. A program that reads the sequence (softmax attention) keeps its KV cache as its state: the inputs
+    step. `cu_seqlens=` packs variable-length sequences into one row, as linrec.torch.apply takes them. A program that reads the sequence (softmax attention) keeps its KV cache as its state: the inputs
     so far, [B, t, H, *] by name."""
 
     def __init__(self, program: str | Path | Recurrence, heads: int, dims: dict[str, int] | None = None, *,
@@ -129,7 +129,7 @@ class Layer(nn.Module):
     def extra_repr(self) -> str:
         return f"'{self.rec.name}' ({self.rec.compiled.filename}), heads={self.heads}, backend={self.backend!r}"
 
-    def forward(self, *args, state: dict | None = None, **inputs):
+    def forward(self, *args, state: dict | None = None, cu_seqlens=None, **inputs):
         names = [x.name for x in self.rec.program.inputs]
         if len(args) > len(names):
             raise RuntimeInputError(f"{len(args)} positional inputs, but '{self.rec.name}' has {len(names)}: "
@@ -147,6 +147,9 @@ class Layer(nn.Module):
         params = {name: value for name, value in self.params.items()}
         options = dict(backend=self.backend, params=params, dims=self.dims, chunk_size=self.chunk_size)
         if reads_the_sequence(self.rec):
+            if cu_seqlens is not None:  # (its state, the KV cache, is the inputs so far: rows, not packed sequences)
+                raise RuntimeInputError(f"this Layer of '{self.rec.name}' keeps its KV cache by rows of [B, T, H, *]; "
+                                        f"for packed sequences call linrec.torch.apply(…, cu_seqlens=…)")
             return self._over_cache(given, state, options)
         if state is not None and not isinstance(state, Mapping):  # (apply would name its initial_state=)
             raise RuntimeInputError(f"state is a {type(state).__name__}; pass the states by name, as the Layer's last "
@@ -154,9 +157,9 @@ class Layer(nn.Module):
                                     if self.rec.program.states else f"state is a {type(state).__name__}; "
                                     f"'{self.rec.name}' has no state: pass none")
         tokens = next((t.shape[1] for t in given.values() if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
-        decode = state is not None and tokens == 1 and self.rec.program.causal
+        decode = state is not None and tokens == 1 and self.rec.program.causal and cu_seqlens is None
         return apply(self.rec, given, initial_state=state, output_final_state=True,
-                     form=STEP if decode else self.form, **options)
+                     form=STEP if decode else self.form, cu_seqlens=cu_seqlens, **options)
 
     def _check_sizes_read(self, given: dict) -> None:
         """The inputs have the sizes the params' initial values were computed at (see __init__), and those of

@@ -3,11 +3,12 @@
 A custom op's schema is fixed, and each program has its own inputs, states and params. So each program gets
 an op of its own, with a schema generated from its declarations (`RecurrenceOp.schema`):
 
-    linrec::gla_<digest>(Tensor in_q, Tensor in_k, Tensor in_v, Tensor in_g, Tensor? state_S,
+    linrec::gla_<digest>(Tensor in_q, Tensor in_k, Tensor in_v, Tensor in_g, Tensor? state_S, Tensor? cu_seqlens,
                          *, SymInt[] sizes, str form, str backend, int? chunk_size) -> (Tensor, Tensor)
 
 Positional tensors: the inputs [B, T, H, *], then the initial states [B, H, *] (None: zeros), then the params
-(None: the file's default) — each group in declaration order. Keywords: the program's dimension sizes in
+(None: the file's default) — each group in declaration order —, then cu_seqlens (None: the rows of B are the
+sequences; else the offsets [N + 1] of packed sequences in one row, whose states are [N, H, *]). Keywords: the program's dimension sizes in
 declaration order (the fake implementation needs those no tensor shows), the form, the backend and the chunk
 size. Returns the outputs [B, T, H, *], then the final states [B, H, *], in declaration order. The op is named
 by the program's name and a digest of its source, so every Recurrence compiled from the same text shares one.
@@ -58,10 +59,10 @@ class RecurrenceOp:
         torch op itself is the process's registration."""
         return op_for, (self.rec,)
 
-    def __call__(self, inputs: list, states: list, params: list, sizes: list, form: str, backend: str,
+    def __call__(self, inputs: list, states: list, params: list, cu_seqlens, sizes: list, form: str, backend: str,
                  chunk_size: int | None) -> tuple[list, list]:
         """(outputs, final states), each a list in declaration order."""
-        results = self.op(*inputs, *states, *params, sizes=sizes, form=form, backend=backend,
+        results = self.op(*inputs, *states, *params, cu_seqlens, sizes=sizes, form=form, backend=backend,
                           chunk_size=chunk_size)
         if isinstance(results, torch.Tensor):  # (a schema of one result returns it bare)
             results = (results,)
@@ -124,14 +125,16 @@ def _schema(rec: Recurrence) -> str:
     tensors = [f"Tensor {_argument('in', x.name, i)}" for i, x in enumerate(program.inputs)]
     tensors += [f"Tensor? {_argument('state', s.name, i)}" for i, s in enumerate(program.states)]
     tensors += [f"Tensor? {_argument('param', p.name, i)}" for i, p in enumerate(program.params)]
+    tensors.append("Tensor? cu_seqlens")  # (packed sequences' offsets [N + 1], int64; None: rows of [B, T, H, *])
     count = len(program.outputs) + len(program.states)
     returns = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
     return f"({', '.join(tensors)}, *, SymInt[] sizes, str form, str backend, int? chunk_size) -> {returns}"
 
 
-def _split(program, tensors: tuple) -> tuple[tuple, tuple, tuple]:
+def _split(program, tensors: tuple) -> tuple[tuple, tuple, tuple, torch.Tensor | None]:
+    """(inputs, initial states, params, cu_seqlens)."""
     n_in, n_states = len(program.inputs), len(program.states)
-    return tensors[:n_in], tensors[n_in:n_in + n_states], tensors[n_in + n_states:]
+    return tensors[:n_in], tensors[n_in:n_in + n_states], tensors[n_in + n_states:-1], tensors[-1]
 
 
 def _kernel(rec: Recurrence):
@@ -140,7 +143,7 @@ def _kernel(rec: Recurrence):
     program = rec.program
 
     def kernel(*tensors, sizes, form, backend, chunk_size):
-        inputs, states, params = _split(program, tensors)
+        inputs, states, params, cu_seqlens = _split(program, tensors)
         inputs = {x.name: to_array(t) for x, t in zip(program.inputs, inputs)}
         states = {s.name: to_array(t) for s, t in zip(program.states, states) if t is not None}
         params = {p.name: to_array(t) for p, t in zip(program.params, params) if t is not None}
@@ -149,7 +152,8 @@ def _kernel(rec: Recurrence):
             outputs, final = _step(rec, inputs, states, params, dims, backend)
         else:
             result = rec.run(inputs, form=form, backend=backend, params=params or None,
-                             initial_state=states or None, chunk_size=chunk_size, dims=dims)
+                             initial_state=states or None, chunk_size=chunk_size, dims=dims,
+                             cu_seqlens=None if cu_seqlens is None else to_array(cu_seqlens))
             outputs, final = result.outputs, result.final_state
         arguments = [*inputs.values(), *states.values(), *params.values()]
         results = []
@@ -186,18 +190,20 @@ def _step(rec: Recurrence, inputs: dict, states: dict, params: dict, dims: dict,
 
 def _fake(rec: Recurrence):
     """The op's shapes and dtypes without running it (for torch.compile): outputs [B, T, H, *] (T = 1 for the
-    decode step) and final states [B, H, *], sized by the program's declarations, in the inputs' dtype."""
+    decode step) and final states [B, H, *] ([N, H, *] for N packed sequences), sized by the program's
+    declarations, in the inputs' dtype."""
     program = rec.program
 
     def fake(*tensors, sizes, form, backend, chunk_size):
-        first = tensors[0]
+        first, cu_seqlens = tensors[0], tensors[-1]
         batch, tokens, heads = first.shape[:3]
         if form == STEP:
             tokens = 1
+        rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
         dims = dict(zip((d.name for d in program.dims), sizes))
         results = [first.new_empty((batch, tokens, heads, *(dims[d] for d in o.value.shape)))
                    for o in program.outputs]
-        results += [first.new_empty((batch, heads, *(dims[d] for d in s.shape))) for s in program.states]
+        results += [first.new_empty((rows, heads, *(dims[d] for d in s.shape))) for s in program.states]
         return results[0] if len(results) == 1 else tuple(results)
 
     return fake
