@@ -113,17 +113,15 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
         missing: str, wanted: frozenset | None = None) -> VjpResult:
     """Recurrence.vjp. `wanted`: the inputs, states and params whose gradients the caller uses (linrec.torch:
     autograd's needs_input_grad); an infinite slope on the way to the others only is no error. None: all."""
-    if missing not in MISSING:
-        raise RuntimeInputError(f"missing={missing!r}: choose 'error' (every output needs a gradient) or 'zero' "
-                                f"(an output without one has gradient zero)")
+    check_missing(missing)
     chunk = arrays.check_chunk_size(chunk_size)
     module = gradient_module(rec, form, backend)
     program = rec.program
     checked, shape = arrays.check_inputs(program, arrays.by_name(inputs, "inputs"))
     sizes, used = rec.bind(module, shape, params, initial_state, dims)
     state0 = arrays.check_initial_state(program, initial_state, shape, sizes)
-    upstream = _output_gradients(program, grad_outputs, shape, sizes, missing)
-    final_upstream = _state_gradients(program, grad_final_state, shape, sizes)
+    upstream = output_gradients(program, grad_outputs, shape, sizes, missing)
+    final_upstream = state_gradients(program, grad_final_state, shape, sizes)
     given = set(params or {})
     derived = tuple(p.name for p in program.params if p.name not in given)
     chunk = None if chunk is None else min(chunk, shape.tokens)
@@ -223,7 +221,14 @@ def _refuse_unknown(argument: str, kind: str, kinds: str, given: dict, names: li
                                 f"'{program.name}' are {', '.join(names) or 'none'}")
 
 
-def _output_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict, missing: str) -> dict:
+def check_missing(missing: str) -> None:
+    """vjp's `missing`: what an output without a gradient is."""
+    if missing not in MISSING:
+        raise RuntimeInputError(f"missing={missing!r}: choose 'error' (every output needs a gradient) or 'zero' "
+                                f"(an output without one has gradient zero)")
+
+
+def output_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict, missing: str) -> dict:
     given = arrays.by_name(given, "grad_outputs")
     _refuse_unknown("grad_outputs", "output(s)", "outputs", given, [o.name for o in program.outputs], program)
     out = {}
@@ -241,7 +246,7 @@ def _output_gradients(program, given: dict | None, shape: arrays.CallShape, size
     return out
 
 
-def _state_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict) -> dict:
+def state_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict) -> dict:
     given = dict(given or {})
     _refuse_unknown("grad_final_state", "state(s)", "states", given, [s.name for s in program.states], program)
     out = {}

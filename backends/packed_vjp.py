@@ -11,6 +11,8 @@ final state is its initial one, and that state's gradient is its final state's.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from . import arrays, gradients, serving
@@ -18,41 +20,41 @@ from .dsl.errors import RuntimeInputError
 
 
 def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray, *, grad_final_state: dict | None,
-               initial_state: dict | None, params: dict | None, **options) -> gradients.VjpResult:
+               initial_state: dict | None, params: dict | None, dims: dict | None = None, missing: str = "error",
+               **options) -> gradients.VjpResult:
     """Recurrence.vjp(…, cu_seqlens=offsets) (offsets as serving.check_cu_seqlens returns them); `options`:
-    the rest of vjp's arguments, passed to each sequence's call."""
+    the rest of vjp's arguments, passed to each sequence's call. The arguments are checked whole first, so
+    that an error gives the shapes the caller passed; one raised by a sequence's call says which sequence."""
     program = rec.program
     why = serving.why_not_packed(program, rec.decomposition.sequence)
     if why:
         raise RuntimeInputError(f"'{rec.name}' does not take cu_seqlens: {why}")
-    given = arrays.by_name(inputs, "inputs")
-    _, shape = arrays.check_inputs(program, given)
+    checked, shape = arrays.check_inputs(program, arrays.by_name(inputs, "inputs"))
     serving.check_packed_call(offsets, shape.batch, shape.tokens)
     sequences = len(offsets) - 1
     serving.check_packed_states(initial_state, sequences)
-    finals_upstream = arrays.by_name(grad_final_state, "grad_final_state")
-    for name, value in finals_upstream.items():
-        if value is not None and (np.ndim(value) < 1 or np.shape(value)[0] != sequences):
-            raise RuntimeInputError(f"with cu_seqlens, grad_final_state['{name}'] holds the gradient of each "
-                                    f"sequence's final state, [N, H, *] with N = {sequences} (len(cu_seqlens) − 1), "
-                                    f"got shape {list(np.shape(value))}")
-    upstream = arrays.by_name(grad_outputs, "grad_outputs")
-    for name, value in upstream.items():
-        if value is not None and tuple(np.shape(value)[:2]) != (1, shape.tokens):
-            raise RuntimeInputError(f"with cu_seqlens, grad_outputs['{name}'] is packed as the outputs are, "
-                                    f"[1, T_total, H, *] with T_total = {shape.tokens}, got shape "
-                                    f"{list(np.shape(value))}")
-    state0 = dict(initial_state or {})
+    rows = replace(shape, batch=sequences)  # (the states' leading axis: one per sequence)
+    sizes = arrays.resolve_dims(program, shape, dict(params or {}), initial_state, dims)
+    state0 = arrays.check_initial_state(program, initial_state, rows, sizes)
+    gradients.check_missing(missing)
+    upstream = gradients.output_gradients(program, grad_outputs, shape, sizes, missing)
+    finals_upstream = gradients.state_gradients(program, arrays.by_name(grad_final_state, "grad_final_state"), rows,
+                                                sizes)
     runs: dict[int, gradients.VjpResult] = {}
     for i, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         if end == start:
-            continue  # (after the others: its state's shape is theirs)
+            continue  # (joined after the others: its state's shape is theirs)
         row = slice(i, i + 1)
-        runs[i] = gradients.vjp(
-            rec, {k: v[:, start:end] for k, v in given.items()},
-            {k: None if v is None else v[:, start:end] for k, v in upstream.items()},
-            grad_final_state={k: None if v is None else v[row] for k, v in finals_upstream.items()},
-            initial_state={k: v[row] for k, v in state0.items()} or None, params=params, **options)
+        try:
+            runs[i] = gradients.vjp(
+                rec, {k: v[:, start:end] for k, v in checked.items()}, {k: v[:, start:end] for k, v in upstream.items()},
+                grad_final_state={k: v[row] for k, v in finals_upstream.items()},
+                initial_state={k: v[row] for k, v in state0.items()}, params=params, dims=dims, missing=missing,
+                **options)
+        except RuntimeInputError as err:  # (its indices count from the sequence's first token, its B from 0)
+            raise RuntimeInputError(f"{err.message} — in sequence {i} of cu_seqlens (packed tokens {start}…{end - 1}; "
+                                    f"an index above is the sequence's own: its token 0 is packed token {start})"
+                                    ) from None
     return _joined(program, runs, sequences, state0, finals_upstream)
 
 

@@ -89,10 +89,9 @@ def test_bad_packing_is_refused_with_the_argument_named():
     rec = linrec.load("examples/gla.lin")
     dims, x, s0, up, gT, _ = _packed(rec, seed=2)
     n = len(LENGTHS)
-    cases = [(dict(up=dict(o=up["o"][:, :-1])), r"grad_outputs\['o'\] is packed as the outputs are"),
+    cases = [(dict(up=dict(o=up["o"][:, :-1])), r"grad_outputs\['o'\] should have shape \[B, T, H, dv\] = \[1, 26,"),
              (dict(s0={"S": s0["S"][:-1]}), rf"initial state 'S' holds one state per sequence, \[N, H, \*\] with N = {n}"),
-             (dict(gT={"S": gT["S"][:-1]}), rf"grad_final_state\['S'\] holds the gradient of each sequence's final "
-                                            rf"state, \[N, H, \*\] with N = {n}"),
+             (dict(gT={"S": gT["S"][:-1]}), rf"grad_final_state\['S'\] should have shape \[B, H, dk, dv\] = \[{n},"),
              (dict(x={k: np.concatenate([v, v]) for k, v in x.items()}), "one packed row"),
              (dict(offsets=OFFSETS[:-1]), "cu_seqlens must end at the packed length")]
     for change, message in cases:
@@ -100,3 +99,27 @@ def test_bad_packing_is_refused_with_the_argument_named():
         with pytest.raises(linrec.RuntimeInputError, match=message):
             rec.vjp(args["x"], args["up"], dims=dims, initial_state=args["s0"], grad_final_state=args["gT"],
                     cu_seqlens=args["offsets"])
+
+
+def test_what_the_caller_passed_is_what_errors_describe():
+    """Found by probing: a shape error described one sequence's slice ([1, 2, 4, 3] for initial states
+    [N, H, dk, dv]; T = the first sequence's length for grad_outputs), lists were a TypeError from inside the
+    packing, and an error inside one sequence's backward gave its index without saying which sequence."""
+    rec = linrec.load("examples/gla.lin")
+    dims, x, s0, up, gT, _ = _packed(rec, seed=3)
+    n, tokens = len(LENGTHS), int(OFFSETS[-1])
+    with pytest.raises(linrec.RuntimeInputError, match=rf"= \[{n}, 2, 5, 5\] but has shape \[{n}, 3, 5, 5\]"):
+        rec.vjp(x, up, dims=dims, initial_state={"S": np.zeros((n, 3, 5, 5))}, cu_seqlens=OFFSETS)
+    with pytest.raises(linrec.RuntimeInputError, match=rf"grad_outputs\['o'\] should have shape \[B, T, H, dv\] = "
+                                                       rf"\[1, {tokens}, 2, 5\]"):
+        rec.vjp(x, {"o": np.zeros((1, tokens, 3, 5))}, dims=dims, cu_seqlens=OFFSETS)
+    listed = rec.vjp({k: v.tolist() for k, v in x.items()}, {k: v.tolist() for k, v in up.items()}, dims=dims,
+                     cu_seqlens=OFFSETS.tolist())
+    assert worst_error(listed.grads, rec.vjp(x, up, dims=dims, cu_seqlens=OFFSETS).grads) == 0.0
+    sq = linrec.compile("recurrence sq(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                        "S = S + sqrt(abs(k))⊗v\noutput o = q·S\n", "sq.lin")
+    y = sq.random_inputs(1, 6, 1, seed=0)
+    y["k"][0, 4, 0, 2] = 0.0  # packed token 4: token 1 of sequence 1
+    with pytest.raises(linrec.RuntimeInputError, match=r"at index \[0, 1, 0, 2\] .* in sequence 1 of cu_seqlens "
+                                                       r"\(packed tokens 3…5; .* its token 0 is packed token 3\)"):
+        sq.vjp(y, {"o": np.ones((1, 6, 1, 4))}, cu_seqlens=[0, 3, 6])

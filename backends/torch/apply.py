@@ -89,6 +89,10 @@ def _offsets(cu_seqlens, form: str) -> torch.Tensor | None:
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
             raise RuntimeInputError(f"cu_seqlens must be an integer tensor [N + 1] of offsets, got {cu_seqlens.dtype}")
         offsets = cu_seqlens
+    elif torch.compiler.is_compiling():  # (a list's values are constants to it; NumPy's checks are not traced)
+        offsets = torch.as_tensor(cu_seqlens)
+        if offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
+            raise RuntimeInputError(f"cu_seqlens must be an integer tensor [N + 1] of offsets, got {offsets.dtype}")
     else:
         offsets = torch.as_tensor(serving.check_cu_seqlens(cu_seqlens))
     if offsets.dim() != 1 or offsets.shape[0] < 2:
