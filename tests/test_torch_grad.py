@@ -347,3 +347,23 @@ def test_packed_sequences_compile_whole_with_offsets_of_any_kind():
             run(**inputs).backward()
             results.append([inputs[k].grad for k in x])
         assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(*results))
+
+
+def test_auto_picks_the_backward_by_each_packed_sequences_length(monkeypatch):
+    """form="auto" takes the chunkwise backward on C for long sequences only: with cu_seqlens, by the longest
+    sequence, not by the packed row's length (found by probing: many short sequences took it). The size rule
+    lowered as in test_a_reset_in_the_chunkwise_backward_auto_picks."""
+    from linrec import gradients
+    monkeypatch.setattr(gradients, "CHUNKWISE_STATE", 16)
+    monkeypatch.setattr(gradients, "CHUNKWISE_TOKENS", 8)
+    ran = []
+    vjp = gradients.vjp
+    monkeypatch.setattr(gradients, "vjp", lambda *args, **kw: ran.append(kw["form"]) or vjp(*args, **kw))
+    gla, dims = linrec.load("examples/gla.lin"), {"dk": 4, "dv": 4}
+    x = gla.random_inputs(1, 24, 2, dims=dims, seed=1)
+    for offsets, form in (([0, 4, 8, 12, 16, 20, 24], "recurrent"), ([0, 24], "chunkwise")):
+        tensors = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
+        o, _ = lt.apply(gla, tensors, dims=dims, backend="c", cu_seqlens=torch.tensor(offsets))
+        ran.clear()
+        o.sum().backward()
+        assert ran and set(ran) == {form}, (offsets, ran)

@@ -103,7 +103,9 @@ def kernel(rec: Recurrence):
         upstream_final = {s.name: to_array(g) for s, g in zip(program.states, grad_final) if g is not None}
         dims = {d.name: int(n) for d, n in zip(program.dims, sizes)}
         tokens = next(iter(arrays.values())).shape[1]
-        gradient_form, where = gradient_plan(rec, form, backend, dims, tokens)
+        # (form="auto" picks by the length of the sequences the backward runs: with cu_seqlens, each apart)
+        longest = tokens if cu_seqlens is None else int(np.diff(to_array(cu_seqlens)).max(initial=0))
+        gradient_form, where = gradient_plan(rec, form, backend, dims, longest)
         if form == STEP and reads_the_sequence(rec):
             # the KV cache and the new token as one sequence: only its last position's outputs were returned
             upstream = {name: _at_last(g, tokens) for name, g in upstream.items()}
