@@ -4,10 +4,12 @@ varlen convention, as Recurrence.run takes it: serving.run_packed).
 Inputs are one packed row [1, T_total, H, *], sequence i the tokens cu_seqlens[i] … cu_seqlens[i + 1] − 1;
 initial states, final states and their gradients hold one row per sequence, [N, H, *]. No state crosses
 from one sequence into the next, so the packed call is N independent calls: each sequence's vjp runs on its
-own slice, from its own initial state, with its own final state's gradient, and the results are joined —
-inputs' gradients and outputs along the token axis, initial states' gradients and final states along the
-sequence axis, params' gradients summed over the sequences. An empty sequence ends where it started: its
-final state is its initial one, and that state's gradient is its final state's.
+own slice, from its own initial state, with its own final state's gradient, and the results are placed back —
+inputs' gradients and outputs at the sequence's tokens, initial states' gradients and final states at its
+row, params' gradients summed over the sequences. Sequences of one length run together, as the rows of one
+batch [n, length, H, *] (one call per distinct length: packings of equal lengths cost a batch's time). An
+empty sequence ends where it started: its final state is its initial one, and that state's gradient is its
+final state's.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray
                initial_state: dict | None, params: dict | None, dims: dict | None = None, missing: str = "error",
                **options) -> gradients.VjpResult:
     """Recurrence.vjp(…, cu_seqlens=offsets) (offsets as serving.check_cu_seqlens returns them); `options`:
-    the rest of vjp's arguments, passed to each sequence's call. The arguments are checked whole first, so
-    that an error gives the shapes the caller passed; one raised by a sequence's call says which sequence."""
+    the rest of vjp's arguments, passed to each length's call. The arguments are checked whole first, so
+    that an error gives the shapes the caller passed; one raised by a length's call says which sequences."""
     program = rec.program
     why = serving.why_not_packed(program, rec.decomposition.sequence)
     if why:
@@ -40,52 +42,54 @@ def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray
     upstream = gradients.output_gradients(program, grad_outputs, shape, sizes, missing)
     finals_upstream = gradients.state_gradients(program, arrays.by_name(grad_final_state, "grad_final_state"), rows,
                                                 sizes)
-    runs: dict[int, gradients.VjpResult] = {}
-    for i, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
-        if end == start:
-            continue  # (joined after the others: its state's shape is theirs)
-        row = slice(i, i + 1)
+    lengths = np.diff(offsets)
+    result = _empty_result(program, checked, upstream, state0, finals_upstream, sequences)
+    for length in sorted(set(lengths.tolist()) - {0}):
+        group = np.flatnonzero(lengths == length)
+        tokens = offsets[group][:, None] + np.arange(length)  # [n, length]: each sequence's packed tokens
         try:
-            runs[i] = gradients.vjp(
-                rec, {k: v[:, start:end] for k, v in checked.items()}, {k: v[:, start:end] for k, v in upstream.items()},
-                grad_final_state={k: v[row] for k, v in finals_upstream.items()},
-                initial_state={k: v[row] for k, v in state0.items()}, params=params, dims=dims, missing=missing,
+            ran = gradients.vjp(
+                rec, {k: v[0, tokens] for k, v in checked.items()}, {k: v[0, tokens] for k, v in upstream.items()},
+                grad_final_state={k: v[group] for k, v in finals_upstream.items()},
+                initial_state={k: v[group] for k, v in state0.items()}, params=params, dims=dims, missing=missing,
                 **options)
-        except RuntimeInputError as err:  # (its indices count from the sequence's first token, its B from 0)
-            raise RuntimeInputError(f"{err.message} — in sequence {i} of cu_seqlens (packed tokens {start}…{end - 1}; "
-                                    f"an index above is the sequence's own: its token 0 is packed token {start})"
-                                    ) from None
-    return _joined(program, runs, sequences, state0, finals_upstream)
+        except RuntimeInputError as err:  # (its indices: a row of this group's batch, a token of that sequence)
+            which = ", ".join(map(str, group.tolist()))
+            raise RuntimeInputError(f"{err.message} — in the packed sequences of {length} tokens ({which} of "
+                                    f"cu_seqlens, run as the rows of one batch: an index above is row b of them, "
+                                    f"token t of its sequence, packed token cu_seqlens[sequence] + t)") from None
+        _place(result, ran, group, tokens, program)
+    return result
 
 
-def _joined(program, runs: dict, sequences: int, state0: dict, finals_upstream: dict):
-    """The per-sequence results as one packed call's (see the module's docstring)."""
-    ran = [runs[i] for i in sorted(runs)]
-    first = ran[0]  # (T_total ≥ 1: check_inputs refuses an all-empty batch)
-    dtype = next(iter(first.grads.values())).dtype
-    outputs = {name: np.concatenate([r.outputs[name] for r in ran], axis=1) for name in first.outputs}
-    grads = {x.name: np.concatenate([r.grads[x.name] for r in ran], axis=1) for x in program.inputs}
-    for p in program.params:
-        grads[p.name] = sum(r.grads[p.name] for r in ran)
-    final = {}
+def _empty_result(program, inputs: dict, upstream: dict, state0: dict, finals_upstream: dict,
+                  sequences: int) -> gradients.VjpResult:
+    """The packed call's result before any sequence has run: what an empty sequence leaves — its final state
+    its initial one, whose gradient is its final state's (zero where none is given) — and zeros elsewhere."""
+    dtype = next(iter(inputs.values())).dtype
+    grads = {k: np.zeros_like(v) for k, v in inputs.items()}
+    for name, s0 in state0.items():
+        grads[name] = np.array(finals_upstream[name], dtype) if name in finals_upstream else np.zeros_like(s0)
+    outputs = {k: np.zeros_like(v) for k, v in upstream.items()}
+    final = {k: np.array(v) for k, v in state0.items()}
+    return gradients.VjpResult(outputs, final, grads, {})
+
+
+def _place(result: gradients.VjpResult, ran: gradients.VjpResult, group: np.ndarray, tokens: np.ndarray,
+           program) -> None:
+    """One length's batch of sequences (rows `group`, packed tokens `tokens`) into the packed result."""
+    for x in program.inputs:
+        result.grads[x.name][0, tokens] = ran.grads[x.name]
+    for name, value in ran.outputs.items():
+        result.outputs[name][0, tokens] = value
     for s in program.states:
-        rows, grad_rows = [], []
-        for i in range(sequences):
-            if i in runs:
-                rows.append(runs[i].final_state[s.name])
-                grad_rows.append(runs[i].grads[s.name])
-                continue
-            # an empty sequence: its final state is its initial one, whose gradient is the final state's
-            like = first.final_state[s.name]
-            initial = state0.get(s.name)
-            rows.append(np.zeros_like(like) if initial is None else np.asarray(initial[i:i + 1], like.dtype))
-            upstream = finals_upstream.get(s.name)
-            grad_rows.append(np.zeros_like(like, dtype=dtype) if upstream is None else
-                             np.asarray(upstream[i:i + 1], dtype))
-        final[s.name] = np.concatenate(rows, axis=0)
-        grads[s.name] = np.concatenate(grad_rows, axis=0)
-    for key in first.final_state:  # (stabilized states' log-scales, [1, H] per sequence; NaN: at the true scale)
-        if key not in final:
-            final[key] = np.concatenate([runs[i].final_state[key] if i in runs else
-                                         np.full_like(first.final_state[key], np.nan) for i in range(sequences)])
-    return gradients.VjpResult(outputs, final, grads, dict(first.params))
+        result.grads[s.name][group] = ran.grads[s.name]
+        result.final_state[s.name][group] = ran.final_state[s.name]
+    states = {s.name for s in program.states}
+    for key, value in ran.final_state.items():  # (stabilized states' log-scales [n, H]; NaN: at the true scale)
+        if key not in states:
+            rows = len(result.final_state[program.states[0].name])
+            result.final_state.setdefault(key, np.full((rows,) + value.shape[1:], np.nan, value.dtype))[group] = value
+    for p in program.params:
+        result.grads[p.name] = ran.grads[p.name] + result.grads.get(p.name, 0)
+    result.params = result.params or dict(ran.params)

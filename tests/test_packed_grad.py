@@ -104,7 +104,7 @@ def test_bad_packing_is_refused_with_the_argument_named():
 def test_what_the_caller_passed_is_what_errors_describe():
     """Found by probing: a shape error described one sequence's slice ([1, 2, 4, 3] for initial states
     [N, H, dk, dv]; T = the first sequence's length for grad_outputs), lists were a TypeError from inside the
-    packing, and an error inside one sequence's backward gave its index without saying which sequence."""
+    packing, and an error inside one sequence's backward gave its index without saying which sequences."""
     rec = linrec.load("examples/gla.lin")
     dims, x, s0, up, gT, _ = _packed(rec, seed=3)
     n, tokens = len(LENGTHS), int(OFFSETS[-1])
@@ -119,7 +119,7 @@ def test_what_the_caller_passed_is_what_errors_describe():
     sq = linrec.compile("recurrence sq(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
                         "S = S + sqrt(abs(k))⊗v\noutput o = q·S\n", "sq.lin")
     y = sq.random_inputs(1, 6, 1, seed=0)
-    y["k"][0, 4, 0, 2] = 0.0  # packed token 4: token 1 of sequence 1
-    with pytest.raises(linrec.RuntimeInputError, match=r"at index \[0, 1, 0, 2\] .* in sequence 1 of cu_seqlens "
-                                                       r"\(packed tokens 3…5; .* its token 0 is packed token 3\)"):
+    y["k"][0, 4, 0, 2] = 0.0  # packed token 4: token 1 of sequence 1, row 1 of the sequences of 3 tokens
+    with pytest.raises(linrec.RuntimeInputError, match=r"at index \[1, 1, 0, 2\] .* in the packed sequences of 3 "
+                                                       r"tokens \(0, 1 of cu_seqlens, run as the rows of one batch"):
         sq.vjp(y, {"o": np.ones((1, 6, 1, 4))}, cu_seqlens=[0, 3, 6])
