@@ -256,12 +256,24 @@ def _shape_of(value) -> tuple[int, ...] | None:
         return None
 
 
+# the keyword options of run, prefill, vjp and step: a key of the inputs dict with one of these names is an option
+# put in the wrong place
+CALL_OPTIONS = frozenset({"cu_seqlens", "chunk_size", "initial_state", "params", "dims", "form", "backend",
+                          "state_every", "keep_last", "state_dtype", "threads", "grad_final_state", "missing",
+                          "output_final_state", "slots", "inplace", "out"})
+
+
 def _checked_inputs(program: ir.Program, inputs: dict, axes: tuple[str, ...], bound: dict[str, int],
                     origins: dict[str, str], ranges: bool) -> tuple[dict, CallShape]:
     """check_inputs for arrays whose leading axes are `axes` ([B, T, H] for a sequence, [B, H] for a decode
     step's token). `bound`: sizes known before; `origins`, where those came from, for the error of an input
     that disagrees (a step's), else the sizes come from the inputs in order."""
     declared = {x.name: x for x in program.inputs}
+    options = sorted(set(inputs) & CALL_OPTIONS - set(declared))
+    if options:  # (found by probing: cu_seqlens put among the inputs was only "unknown input")
+        raise RuntimeInputError(f"'{options[0]}' is an option of the call, not an input array: pass it as "
+                                f"{options[0]}=…, beside the inputs (the inputs of '{program.name}' are "
+                                f"{', '.join(declared) or 'none'})")
     refuse_unknown(inputs, list(declared), "input array(s)", "inputs", program)
     arrays, lead, dtype, n = {}, None, None, len(axes)
     for x in program.inputs:

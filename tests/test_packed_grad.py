@@ -123,3 +123,18 @@ def test_what_the_caller_passed_is_what_errors_describe():
     with pytest.raises(linrec.RuntimeInputError, match=r"at index \[1, 1, 0, 2\] .* in the packed sequences of 3 "
                                                        r"tokens \(0, 1 of cu_seqlens, run as the rows of one batch"):
         sq.vjp(y, {"o": np.ones((1, 6, 1, 4))}, cu_seqlens=[0, 3, 6])
+
+
+def test_cu_seqlens_among_the_inputs_is_called_an_option():
+    """Found by probing: cu_seqlens put into the inputs dict was only an unknown input."""
+    rec = linrec.load("examples/gla.lin")
+    dims, x, _, up, _, _ = _packed(rec, seed=4)
+    for call in (lambda: rec.run(dict(x, cu_seqlens=OFFSETS), dims=dims),
+                 lambda: rec.vjp(dict(x, cu_seqlens=OFFSETS), up, dims=dims)):
+        with pytest.raises(linrec.RuntimeInputError, match=r"'cu_seqlens' is an option of the call, not an input "
+                                                           r"array: pass it as cu_seqlens=…"):
+            call()
+    torch = pytest.importorskip("torch")
+    import linrec.torch as lt
+    with pytest.raises(linrec.RuntimeInputError, match=r"'cu_seqlens' is an option of apply, not an input"):
+        lt.apply(rec, {k: torch.from_numpy(v) for k, v in dict(x, cu_seqlens=OFFSETS).items()}, dims=dims)
