@@ -3,8 +3,8 @@ varlen convention, as Recurrence.run takes it: serving.run_packed).
 
 Inputs are one packed row [1, T_total, H, *], sequence i the tokens cu_seqlens[i] … cu_seqlens[i + 1] − 1;
 initial states, final states and their gradients hold one row per sequence, [N, H, *]. No state crosses
-from one sequence into the next, so the packed call is N independent calls: each sequence's vjp runs on its
-own slice, from its own initial state, with its own final state's gradient, and the results are placed back —
+from one sequence into the next, so the packed call is N independent ones: each sequence's backward runs on
+its own tokens, from its own initial state, with its own final state's gradient, and the results are placed back —
 inputs' gradients and outputs at the sequence's tokens, initial states' gradients and final states at its
 row, params' gradients summed over the sequences. Sequences of one length run together, as the rows of one
 batch [n, length, H, *] (one call per distinct length: packings of equal lengths cost a batch's time). An
@@ -43,7 +43,7 @@ def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray
     finals_upstream = gradients.state_gradients(program, arrays.by_name(grad_final_state, "grad_final_state"), rows,
                                                 sizes)
     lengths = np.diff(offsets)
-    result = _empty_result(program, checked, upstream, state0, finals_upstream, sequences)
+    result = _empty_result(checked, upstream, state0, finals_upstream)
     for length in sorted(set(lengths.tolist()) - {0}):
         group = np.flatnonzero(lengths == length)
         tokens = offsets[group][:, None] + np.arange(length)  # [n, length]: each sequence's packed tokens
@@ -62,8 +62,7 @@ def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray
     return result
 
 
-def _empty_result(program, inputs: dict, upstream: dict, state0: dict, finals_upstream: dict,
-                  sequences: int) -> gradients.VjpResult:
+def _empty_result(inputs: dict, upstream: dict, state0: dict, finals_upstream: dict) -> gradients.VjpResult:
     """The packed call's result before any sequence has run: what an empty sequence leaves — its final state
     its initial one, whose gradient is its final state's (zero where none is given) — and zeros elsewhere."""
     dtype = next(iter(inputs.values())).dtype
