@@ -191,9 +191,13 @@ def operator_terms(m: ir.Expr) -> list[tuple[ir.Expr, Factor]]:
                 return [(ONE, Factor("dense", m))]
         return [(mul(scalar, c), f) for c, f in operator_terms(matrix)]
     if isinstance(m, ir.Dot) and len(m.left.shape) == 2 and len(m.right.shape) == 2:
+        left, right = operator_terms(m.left), operator_terms(m.right)
+        if len(left) * len(right) > MAX_TERMS:  # (a product of sums multiplies out: bounded as linear_terms is)
+            raise Unfactorable(f"a product of matrices multiplies out into more than {MAX_TERMS} terms, where the "
+                               f"forms take a decay and a few rank-one terms")
         out = []
-        for ca, fa in operator_terms(m.left):
-            for cb, fb in operator_terms(m.right):
+        for ca, fa in left:
+            for cb, fb in right:
                 c, f = compose(fa, fb)
                 out.append((mul(mul(ca, cb), c), f))
         return out
@@ -220,6 +224,20 @@ class Unfactorable(Exception):
     """Linear, but not in a shape the derived forms handle; the message says why."""
 
 
+# The most terms linear in the state an update may split into: assignments composed in steps multiply out, each
+# (I − a⊗b)·S step doubling them (found by probing: 18 steps took minutes to classify); a decay plus a few
+# rank-one terms, what the forms take, is far below it
+MAX_TERMS = 256
+
+
+def _bounded(terms: list, state: str) -> list:
+    if len(terms) > MAX_TERMS:
+        raise Unfactorable(f"its update multiplies out into more than {MAX_TERMS} terms linear in '{state}' (each "
+                           f"assignment step of the form (I − a⊗b)·{state} doubles them), where the forms take a "
+                           f"decay and a few rank-one terms")
+    return terms
+
+
 def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
     """Split `e` (lets already inlined) into terms linear in `state` and a state-free remainder.
 
@@ -240,7 +258,7 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
             rt = [t.scaled(ir.Const((), -1.0)) for t in rt]
             rr = neg(rr) if rr is not None else None
         rem = lr if rr is None else add(lr, rr)
-        return lt + rt, rem
+        return _bounded(lt + rt, state), rem
     if isinstance(e, (ir.Arith, ir.Dot, ir.Outer)):
         in_left = _side_with_state(e, state)
         other = e.right if in_left else e.left
@@ -255,7 +273,8 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
         if not other.shape:  # a scalar factor
             c = ir.Arith((), "div", ONE, other) if isinstance(e, ir.Arith) and e.op == "div" else other
             return [t.scaled(c) for t in terms], rebuilt(rem)
-        return [t for term in terms for t in _product(e, term, inner, other, in_left, state)], rebuilt(rem)
+        return _bounded([t for term in terms for t in _product(e, term, inner, other, in_left, state)], state), \
+            rebuilt(rem)
     raise _applies_a_function(e, state)
 
 

@@ -23,6 +23,11 @@ SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
 # How deep an expression may nest with its named values written out: the analyses and code generators walk
 # expressions recursively (the parser bounds each expression as written: dsl.parser.MAX_NESTING)
 MAX_INLINED_NESTING = 128
+# How many operations an expression may hold with its named values, functions and composed assignments written
+# out: the analyses walk it so, and a value used twice in each of a chain of named values (x2 = x1 + x1, …) or
+# functions doubles it at every link — 2²⁴ operations took minutes to compile (found by probing). The examples
+# hold at most a few hundred.
+MAX_INLINED_SIZE = 50_000
 # Counts in options (seq's window, lsh_attention's buckets, rounds and chunk) reach the kernels as C ints
 MAX_COUNT = 2 ** 31
 # The largest size of a dimension (the header's, --dim's, dims='s) and of a call's batch, tokens and heads as
@@ -59,8 +64,8 @@ class _Resolver:
         self.states: dict[str, ir.State] = {}
         self.functions: dict[str, ast.FunctionDef] = {}
         self.lets: dict[str, ir.Expr] = {}
-        self.let_depths: dict[str, int] = {}  # how deep each value nests, written out (see _nesting)
-        self.step_depths: dict[tuple[str, str], int] = {}  # (state, version) → how deep its value nests
+        self.let_written: dict[str, tuple[int, int]] = {}  # each value's depth and size written out (_written_out)
+        self.step_written: dict[tuple[str, str], tuple[int, int]] = {}  # (state, version) → its value's
         self.outputs: dict[str, ir.Expr] = {}
         self.assigned = StepValues()  # each state's value after each of its assignments (compiler.steps)
         self.defined_at: dict[str, Span] = {}
@@ -250,7 +255,10 @@ class _Resolver:
             raise LinrecError("cannot tell the size of I here; write it inside an expression with a sized "
                               "matrix", st.value.span)
         self.lets[st.target] = value
-        self.let_depths[st.target] = self._nesting(value)
+        depth, size = self._written_out(value)
+        # (a value that is another's name adds no operation, but writing it out recurses once more: found by
+        # probing, 400 such aliases in a row exhausted Python's stack)
+        self.let_written[st.target] = depth + isinstance(value, ir.LetRef), size
         self._step(ir.Let(st.target, value), st.span)
 
     def _assign(self, state: str, value: ir.Expr, span: Span):
@@ -263,11 +271,16 @@ class _Resolver:
             assignments = self.steps[earlier].assignments
             del self.steps[earlier], self.step_spans[earlier]
         composed = self.assigned.assign(state, value)
-        depth = self._nesting(composed)
+        depth, size = self._written_out(composed)
         if depth > MAX_INLINED_NESTING:
             raise LinrecError(f"with the assignments of '{state}' composed, its update nests {depth} levels "
                               f"deep; linrec's analyses take at most {MAX_INLINED_NESTING}", span)
-        self.step_depths[(state, self.assigned.version(state))] = depth  # (a later read may hold this value)
+        if size > MAX_INLINED_SIZE:
+            raise LinrecError(f"with the assignments of '{state}' composed, its update holds {size} operations "
+                              f"(each assignment repeats the state's value in every term that reads it); "
+                              f"linrec's analyses take at most {MAX_INLINED_SIZE}: assign it in fewer steps",
+                              span)
+        self.step_written[(state, self.assigned.version(state))] = depth, size  # (a later read may hold this value)
         self._step(ir.Update(state, composed, span, assignments + (span,)), span)
 
     def _step(self, step: ir.Step, span: Span):
@@ -286,32 +299,38 @@ class _Resolver:
     # ---- expressions ----
     def expr(self, e: ast.Expr, *, in_param: bool = False, bound=None) -> ir.Expr:
         resolved = self._expr(e, in_param, bound or {}, ())
-        depth = self._nesting(resolved)
+        depth, size = self._written_out(resolved)
         if depth > MAX_INLINED_NESTING:
             raise LinrecError(f"with its named values and functions written out, this expression nests {depth} "
                               f"levels deep; linrec's analyses take at most {MAX_INLINED_NESTING}", e.span)
+        if size > MAX_INLINED_SIZE:
+            raise LinrecError(f"with its named values and functions written out, this expression holds {size} "
+                              f"operations (a value used twice in each of a chain of definitions doubles at "
+                              f"every link); linrec's analyses take at most {MAX_INLINED_SIZE}", e.span)
         check_constants(resolved, {name: dim.default for name, dim in self.dims.items()})
         return resolved
 
-    def _nesting(self, e: ir.Expr) -> int:
-        """How deep `e` nests once its named values are written out (the analyses inline them), counted
-        without recursion."""
-        depth_of: dict[int, int] = {}
+    def _written_out(self, e: ir.Expr) -> tuple[int, int]:
+        """How deep `e` nests and how many operations it holds once its named values are written out (the
+        analyses inline them), counted without recursion and once per shared node (an argument a function
+        uses twice is one node twice: its size counts twice, its walk here once)."""
+        measure: dict[int, tuple[int, int]] = {}
         stack = [(e, False)]
         while stack:
             node, done = stack.pop()
             kids = children(node)
             if done:
                 if isinstance(node, ir.LetRef):
-                    depth_of[id(node)] = self.let_depths.get(node.name, 0)
+                    measure[id(node)] = self.let_written.get(node.name, (0, 1))
                 elif isinstance(node, ir.StateRef):  # between assignments, it stands for their value
-                    depth_of[id(node)] = self.step_depths.get((node.name, node.version), 0)
+                    measure[id(node)] = self.step_written.get((node.name, node.version), (0, 1))
                 else:  # (a leaf is no level)
-                    depth_of[id(node)] = 1 + max((depth_of[id(k)] for k in kids), default=-1)
-            elif id(node) not in depth_of:
+                    measure[id(node)] = (1 + max((measure[id(k)][0] for k in kids), default=-1),
+                                         1 + sum(measure[id(k)][1] for k in kids))
+            elif id(node) not in measure:
                 stack.append((node, True))
                 stack.extend((k, False) for k in kids)
-        return depth_of[id(e)]
+        return measure[id(e)]
 
     def _expr(self, e, in_param, bound, stack) -> ir.Expr:
         rec = lambda x: self._expr(x, in_param, bound, stack)  # noqa: E731
@@ -419,9 +438,15 @@ class _Resolver:
             f = self.functions[fn]
             if fn in stack:
                 raise LinrecError(f"function '{fn}' calls itself; recursion is not supported", sp)
-            if e.keywords or len(e.args) != len(f.params):
+            if len(stack) >= MAX_INLINED_NESTING:  # (here, before the compiler's own recursion runs out)
+                raise LinrecError(f"functions call each other {len(stack) + 1} deep here; linrec writes each call "
+                                  f"out and takes at most {MAX_INLINED_NESTING}", sp)
+            if e.keywords:
+                raise LinrecError(f"'{fn}' takes its arguments by position, `{fn}({', '.join(f.params)})`, not by "
+                                  f"name", sp)
+            if len(e.args) != len(f.params):
                 raise LinrecError(f"'{fn}' takes {len(f.params)} argument(s) ({', '.join(f.params)}), "
-                                  f"got {len(e.args) + len(e.keywords)}", sp)
+                                  f"got {len(e.args)}", sp)
             args = {p: rec(a) for p, a in zip(f.params, e.args)}
             return self._expr(f.body, in_param, args, stack + (fn,))
         if fn in RANDOM:

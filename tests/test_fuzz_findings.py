@@ -540,3 +540,32 @@ def test_c_recurrent_scan_of_a_noncausal_value_side_decay():
     reference = rec.run(x, form="recurrent").outputs["o"]
     got = rec.run(x, form="recurrent", backend="c").outputs["o"]
     assert np.abs(got - reference).max() <= 1e-9 * np.abs(reference).max()
+
+
+def test_programs_that_blow_up_when_written_out_are_refused_or_degrade_quickly():
+    """Found by probing: a value used twice in each of a chain of named values (x2 = x1 + x1, …) or of nested
+    calls of a function that uses its argument twice doubles at every link once written out — 24 links took
+    minutes; 400 aliases in a row and 300 functions calling each other exhausted Python's stack (an internal
+    RecursionError); and 18 assignment steps of the delta rule multiplied out into 2¹⁸ terms (minutes in the
+    analyses). Now each is a located compile error, or (the steps) a program whose derived forms are refused
+    with the reason and whose recurrent form runs — all within seconds."""
+    import time
+    doubling = "".join(f"x{i} = x{i - 1} + x{i - 1}\n" for i in range(1, 25))
+    src = HEAD + "x0 = k\n" + doubling + "state S[dk, dv]\nS = S + x24⊗v\noutput o = q·S\n"
+    err = compile_error(src)
+    assert "this expression holds" in str(err) and "operations" in str(err) and err.span.line < 3 + 25
+    src = HEAD + "f(x) = x + x\nstate S[dk, dv]\nS = S + k⊗v\noutput o = " + "f(" * 20 + "q" + ")" * 20 + "·S\n"
+    assert "this expression holds" in str(compile_error(src))
+    aliases = "".join(f"x{i} = x{i - 1}\n" for i in range(1, 401))
+    src = HEAD + "x0 = k\n" + aliases + "state S[dk, dv]\nS = S + x400⊗v\noutput o = q·S\n"
+    assert "nests 129 levels deep" in str(compile_error(src))
+    calls = "".join(f"f{i}(x) = f{i - 1}(x) + x\n" for i in range(1, 301))
+    src = HEAD + "f0(x) = x\n" + calls + "state S[dk, dv]\nS = S + f300(k)⊗v\noutput o = q·S\n"
+    assert "functions call each other 129 deep" in str(compile_error(src))
+    start = time.perf_counter()
+    steps = "S = (I − 0.1·k⊗k)·S + k⊗v\n" * 18
+    rec = linrec.compile(HEAD + "state S[dk, dv]\n" + steps + "output o = q·S\n", FILE)
+    assert rec.forms == ("recurrent",) and "more than 256 terms" in rec.decomposition.why_not("chunkwise")
+    assert time.perf_counter() - start < 20  # (minutes before; a bound that cannot be met by the old way)
+    x = rec.random_inputs(1, 3, 1, seed=0)
+    assert np.all(np.isfinite(rec.run(x).outputs["o"]))
