@@ -87,6 +87,12 @@ def test_every_example(name):
     check_gradients(rec, 1, 6, 1, odd, seed=4, chunk_size=2)
 
 
+def test_a_program_without_a_state():
+    """Found by probing: its NumPy recurrent backward was invalid Python (`checkpoints.append((,))`)."""
+    rec = linrec.compile("recurrence no_state(dk = 5)\ninput q[dk], k[dk]\noutput o = q·k·q\n", "no_state.lin")
+    check_gradients(rec, 2, 5, 2, {"dk": 5}, seed=1)
+
+
 def test_strong_decay_reaches_minus_twenty():
     """The strong-decay case above has log-decays near −20 (the battery's decay_scale of 40)."""
     inputs = example("gla").random_inputs(2, 9, 2, {"dk": 6, "dv": 6}, decay_scale=40.0, seed=2)

@@ -415,6 +415,7 @@ def test_header_is_strict_c99_and_cpp_and_the_source_compiles_as_c99_and_c11(bui
 # some of the inputs, and a fused kernel's program that declares an input it never reads (found by probing: its
 # decode step's pointer to `k` was an unused variable)
 WARNING_FREE = {
+    "no_state": "recurrence no_state(dk = 8)\ninput q[dk], k[dk]\noutput o = q·k\n",  # (found by probing: `&& ()`)
     "unread_input": "recurrence unread_input(dk = 8, dv = 6)\ninput q[dk], k[dk], v[dv]\ninput a[dk] in (0, 1]\n"
                     "state S[dk, dv]\nS = diag(a)·S + (1 − a)⊗v\noutput o = q·S\n",
     "both_decays": "recurrence both_decays(dk = 4, dv = 6)\ninput q[dk], k[dk], v[dv], ak[dk], av[dv]\n"

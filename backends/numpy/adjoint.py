@@ -265,7 +265,7 @@ class BackwardEmitter:
         causal = p.causal
         body += ["for t in range(tokens):",
                  f"    if t % {self.segment} == 0:",
-                 f"        {self.checkpoints}.append(({', '.join(S)},))",
+                 f"        {self.checkpoints}.append({_tuple(S)})",
                  "    " + _assign(prev, S)]
         body += ["    " + x for x in self.token_forward(loop, with_outputs=causal)]
         if not causal:
@@ -296,7 +296,7 @@ class BackwardEmitter:
                  "    " + _assign(S, [f"*{self.checkpoints}[start // {self.segment}]"]),
                  f"    {self.before} = []",
                  "    for t in range(start, stop):",
-                 f"        {self.before}.append(({', '.join(S)},))",
+                 f"        {self.before}.append({_tuple(S)})",
                  "        " + _assign(prev, S)]
         body += ["        " + x for x in self.token_forward(loop, with_outputs=False)]
         body += ["    for t in reversed(range(start, stop)):",
@@ -333,6 +333,11 @@ class BackwardEmitter:
             imports=imports(self.helpers, self.modules), param_lines=param_lines,
             param_names=[(prm.name, self.em.name(prm.name)) for prm in self.p.params], body=body,
             fused_forward=self.calls_fused_forward)
+
+
+def _tuple(names: list[str]) -> str:
+    """`(a, b,)`; `()` for a program with no states."""
+    return f"({', '.join(names)},)" if names else "()"
 
 
 def _assign(names: list[str], values: list[str]) -> str:
