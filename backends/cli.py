@@ -351,8 +351,8 @@ examples:
   linrec emit examples/gla.lin --backend c --standalone --out build --dim dk=64 --dim dv=64
   linrec emit examples/deltanet.lin --grad --form recurrent
 
-The NumPy source defines default_params(heads, dims) and
-forward(inputs, params, initial_state, dims, chunk_size=None); with --grad,
+The NumPy source defines default_params(heads, dims, given={}) and
+forward(inputs, params, initial_state, dims, chunk_size=None, first=0); with --grad,
 backward(inputs, params, initial_state, dims, grad_outputs, grad_final_state,
 derived_params=(), chunk_size=None)."""
 
@@ -921,6 +921,16 @@ def cmd_verify(args) -> int:
     if args.grad and args.against:
         raise LinrecError("--grad and --against are two checks (the gradient forms; the outputs against another "
                           "program's): run them one at a time")
+    ignored = [option for option, given in (("--quick", args.quick), ("--form", args.form), ("--backend", args.backend),
+                                            ("--dtype", args.dtype), ("--state-dtype", args.state_dtype),
+                                            ("--seed", args.seed != 0)) if given]
+    if args.against and ignored:  # (found by probing: they were silently ignored; --seed read as a change)
+        raise LinrecError(f"--against compares the outputs on its own inputs (every feature count, --seeds "
+                          f"seeds, float64 NumPy), which {', '.join(ignored)} would not change: leave "
+                          f"{'it' if len(ignored) == 1 else 'them'} out")
+    for repeatable in ("backend", "form", "dtype"):  # (a repeated choice once: each row was checked again)
+        if getattr(args, repeatable):
+            setattr(args, repeatable, list(dict.fromkeys(getattr(args, repeatable))))
     if args.state_dtype == BFLOAT16 and (args.dtype and "float32" not in args.dtype
                                          or args.form and "step" not in args.form):
         raise LinrecError("--state-dtype bfloat16 checks the decode step (form step) on float32 tokens with the "

@@ -107,6 +107,17 @@ def test_verify_refuses_what_it_would_ignore_or_check_nothing(capsys):
         assert message in capsys.readouterr().err
     assert main(["verify", linformer, "--quick", "--backend", "numpy", "--dtype", "float64"]) == 1
     assert "nothing to check" in capsys.readouterr().err
+    # found by probing: --against ignored these without a word (--seed read as other inputs); a repeated
+    # choice checked every row again
+    for option in (["--seed", "5"], ["--form", "parallel"], ["--dtype", "float32"]):
+        assert main(["verify", gla, "--against", gla, "--seeds", "1", *option]) == 1
+        assert f"which {option[0]} would not change: leave it out" in capsys.readouterr().err
+    once = ["--form", "chunkwise", "--dtype", "float64", "--backend", "numpy", "--json"]
+    counts = []
+    for argv in (once, once[:2] + once):
+        assert main(["verify", gla, "--quick", *argv]) == 0
+        counts.append(len(json.loads(capsys.readouterr().out)["rows"]))
+    assert counts[0] == counts[1] > 0
     # --grad --form: the rows of that gradient form only (the reference computed all the same)
     assert main(["verify", gla, "--grad", "--quick", "--form", "parallel", "--backend", "numpy", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
@@ -485,3 +496,12 @@ def test_the_battery_has_a_size_1_axis_on_numpy():
     rows = verify.run(rec, backends=("numpy", "c"), forms=["chunkwise"], dtypes=("float64",), quick=True)
     assert {r.backend for r in rows if r.case == "size-1 axis"} == {"numpy"}
     assert all(r.passed for r in rows)
+
+
+def test_an_unsplittable_linrec_cflags_is_named(monkeypatch, capsys):
+    """Found by probing: an unbalanced quote in LINREC_CFLAGS was 'internal error: ValueError: No closing
+    quotation' (exit 2); now an error naming the variable (exit 1)."""
+    from linrec.c import build as c_build
+    monkeypatch.setenv("LINREC_CFLAGS", '"-O2')
+    with pytest.raises(linrec.LinrecError, match="LINREC_CFLAGS='\"-O2' cannot be split into compiler flags"):
+        c_build.flags()

@@ -149,7 +149,12 @@ def vector_bytes() -> int:
 def flags() -> list[str]:
     """The compiler's flags: linrec's, the target's, then $LINREC_CFLAGS (extra flags, e.g. the sanitizers'
     in tests/test_sanitizers.py; part of every cache key like the rest)."""
-    return _target_flags() + shlex.split(os.environ.get("LINREC_CFLAGS", ""))
+    extra = os.environ.get("LINREC_CFLAGS", "")
+    try:
+        return _target_flags() + shlex.split(extra)
+    except ValueError as err:  # (an unbalanced quote: shlex's "No closing quotation" was an internal error)
+        raise LinrecError(f"LINREC_CFLAGS={extra!r} cannot be split into compiler flags ({err}); quote it as a "
+                          f"shell would, or unset it") from None
 
 
 def _target_flags() -> list[str]:
