@@ -34,6 +34,8 @@ class Compiled:
 def compile_source(source: str, filename: str = "<source>") -> Compiled:
     """Parse, check and decompose. Raises LinrecError with FILE:LINE:COL, the line and a caret."""
     source = source.removeprefix("\ufeff")  # (the byte-order mark some editors write first is no character)
+    # line ends as a file read as text has them (universal newlines): a text with old Macs' bare CR was refused
+    source = source.replace("\r\n", "\n").replace("\r", "\n")
     try:
         program, warnings = resolve(parse(source, filename))
         return Compiled(source, filename, program, derive(program, decompose(program)),

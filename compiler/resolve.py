@@ -88,7 +88,8 @@ class _Resolver:
     def _check_shape(self, shape: tuple[str, ...], span: Span, what: str = "input"):
         for d in shape:
             if d == SEQ and what != "param":
-                raise LinrecError(f"'{SEQ}' is the sequence axis: an {what} is per token and cannot span it; "
+                raise LinrecError(f"'{SEQ}' is the sequence axis: {'an' if what[0] in 'aeiou' else 'a'} {what} is "
+                                  f"per token and cannot span it; "
                                   f"read other tokens with seq(x)", span)
             if d == SEQ and d not in self.dims:
                 raise LinrecError(f"a parameter over the sequence axis needs its maximum length: declare it in "
@@ -385,6 +386,8 @@ class _Resolver:
         lookalike = next((hint for chars, hint in LOOKALIKES if any(c in chars for c in n)), None)
         if lookalike:  # (½ is a letter to the lexer, as to Python: a name)
             raise LinrecError(f"unknown name '{n}'{lookalike}", sp)
+        if n in self.defined_at:  # (its own definition, being read: `param a = a + 1` said "did you mean 'a'?")
+            raise LinrecError(f"'{n}' is defined here from itself; define it from other names", sp)
         hint = _closest(n, list(self.defined_at) + list(BUILTINS))
         raise LinrecError(f"unknown name '{n}'" + (f"; did you mean '{hint}'?" if hint else
                                                    "; declare it as an input, param, state or value first"), sp)
@@ -541,8 +544,8 @@ class _Resolver:
         pairs = list(zip(positional, values)) + [(k.name, k.value) for k in e.keywords]
         for name, value in pairs:
             if name not in defaults:
-                raise LinrecError(f"'{e.function}' has no option '{name}' (options: {', '.join(defaults)})",
-                                  e.span)
+                raise LinrecError(f"'{e.function}' has no option '{name}'" + (f" (options: {', '.join(defaults)})"
+                                  if defaults else "; it takes none"), e.span)
             v = _number(value)
             if v is None:
                 raise LinrecError(f"option '{name}' must be a number", value.span)

@@ -46,7 +46,9 @@ class LinrecError(Exception):
         where = f"{self.filename or '<source>'}:{self.span.line}:{self.span.column}"
         text = f"{where}: {self.kind}: {self.message}"
         if self.source is not None:
-            lines = self.source.splitlines()
+            # (the lines the parser counts: "\n" ends one; splitlines() would also break at U+2028, \f, \v … in
+            # a comment, and quote another line than the one named — found by probing)
+            lines = [line.removesuffix("\r") for line in self.source.split("\n")]
             if 0 < self.span.line <= len(lines):
                 line = lines[self.span.line - 1]
                 start = self.span.column - 1

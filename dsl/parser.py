@@ -148,9 +148,13 @@ class _ToAst(Transformer):
         args = tuple(a for a in arguments if not isinstance(a, ast.Keyword))
         keywords = tuple(a for a in arguments if isinstance(a, ast.Keyword))
         seen_keyword = False
+        named: set[str] = set()
         for a in arguments:
             if isinstance(a, ast.Keyword):
                 seen_keyword = True
+                if a.name in named:  # (found by probing: the last one silently won)
+                    raise LinrecError(f"option '{a.name}' is given twice; give it once", a.span)
+                named.add(a.name)
             elif seen_keyword:
                 raise LinrecError("a positional argument cannot follow a keyword argument", a.span)
         return ast.Call(_span(meta), str(name), args, keywords, _span(name))

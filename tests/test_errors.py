@@ -847,3 +847,23 @@ def test_check_prints_warnings_to_stderr_and_in_its_json(tmp_path, capsys):
     assert main(["check", str(path), "--json"]) == 0
     warnings = json.loads(capsys.readouterr().out)["warnings"]
     assert [w["line"] for w in warnings] == [2, 3, 4, 5]
+
+
+def test_messages_found_by_probing_the_front_end():
+    """A repeated option silently took the last value (randn(seed=0, seed=1)), or was blamed on another call
+    (seq's window); `param a = a + 1` said "did you mean 'a'?"; a builtin without options listed "(options: )";
+    a comment holding U+2028 (or \\f, \\v) made the error quote another line than the one it names; a text with
+    old Macs' bare CR line ends, which load() takes, was refused by compile()."""
+    head = "recurrence t(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\n"
+    body = "state S[dk, dv]\nS = a·S + k⊗v\noutput o = q·S\n"
+    assert "option 'seed' is given twice" in str(compile_error(head + "param a = randn(seed=0, seed=1)\n" + body))
+    err = compile_error(head + "output o = softmax(seq(k, window=4, window=8)·q)·seq(v, window=4)\n")
+    assert "option 'window' is given twice" in str(err) and err.span.column == 37
+    assert "'a' is defined here from itself" in str(compile_error(head + "param a = a + 1\n" + body))
+    assert "'softplus' has no option 'beta'; it takes none" in \
+        str(compile_error(head + "state S[dk, dv]\nS = S + k⊗v\noutput o = softplus(q, beta=2)·S\n"))
+    for mark in ("\u2028", "\f", "\v", "\x85"):
+        err = compile_error(head + f"# a comment {mark} with a mark\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S + $\n")
+        assert err.span.line == 6 and "output o = q·S + $" in str(err).splitlines()[1], repr(mark)
+    crlf = (head + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n").replace("\n", "\r")
+    assert linrec.compile(crlf, "cr.lin").forms == linrec.compile(crlf.replace("\r", "\n"), "lf.lin").forms
