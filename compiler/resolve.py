@@ -182,6 +182,8 @@ class _Resolver:
         if st.default is not None:
             self._param_shape = st.shape
             default = self.expr(st.default, in_param=True)
+            if SQUARE in default.shape and len(st.shape) == 2 and st.shape[0] == st.shape[1]:
+                default = _settle(default, st.shape[0])  # (I takes its size from the declaration, as in an update)
             if default.shape and default.shape != st.shape:  # a scalar default fills the shape
                 raise LinrecError(f"the default of '{st.name}' has shape {_fmt(default.shape)} but the "
                                   f"parameter is declared {_fmt(st.shape)}", st.default.span)

@@ -865,5 +865,8 @@ def test_messages_found_by_probing_the_front_end():
     for mark in ("\u2028", "\f", "\v", "\x85"):
         err = compile_error(head + f"# a comment {mark} with a mark\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S + $\n")
         assert err.span.line == 6 and "output o = q·S + $" in str(err).splitlines()[1], repr(mark)
+    # `param A[dk, dk] = 0.5*I` was refused ("has shape [?, ?]"): I takes its size from the declaration
+    eye = linrec.compile(head + "param A[dk, dk] = 0.5*I\nstate S[dk, dv]\nS = A·S + k⊗v\noutput o = q·S\n", "eye.lin")
+    np.testing.assert_array_equal(eye.default_params(1, {"dk": 4, "dv": 4})["A"], 0.5 * np.eye(4))
     crlf = (head + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n").replace("\n", "\r")
     assert linrec.compile(crlf, "cr.lin").forms == linrec.compile(crlf.replace("\r", "\n"), "lf.lin").forms

@@ -103,6 +103,8 @@ class Emitter:
     # ---- pieces every form shares ----
     def param_lines(self, helpers: set[str]) -> list[str]:
         lines = ["h = np.arange(heads)"] if any(p.per_head for p in self.p.params) else []
+        if any(isinstance(n, ir.Identity) for p in self.p.params if p.default is not None for n in walk(p.default)):
+            lines.append("dtype = np.float64  # (the defaults' own: I is an eye of it)")
         lines += [f"{self.name(d.name)} = dims[\"{d.name}\"]" for d in self.p.dims
                   if any(d.name in p.shape or _uses_dim(p.default, d.name) for p in self.p.params)]
         printer = self.printer(None)
