@@ -34,8 +34,6 @@ class Compiled:
 def compile_source(source: str, filename: str = "<source>") -> Compiled:
     """Parse, check and decompose. Raises LinrecError with FILE:LINE:COL, the line and a caret."""
     source = source.removeprefix("\ufeff")  # (the byte-order mark some editors write first is no character)
-    # line ends as a file read as text has them (universal newlines): a text with old Macs' bare CR was refused
-    source = source.replace("\r\n", "\n").replace("\r", "\n")
     try:
         program, warnings = resolve(parse(source, filename))
         return Compiled(source, filename, program, derive(program, decompose(program)),
@@ -53,7 +51,10 @@ def stage_compiled(compiled: Compiled, stage: Stage) -> Compiled:
 def compile_file(path: str | Path) -> Compiled:
     path = Path(path)
     try:
-        source = path.read_text(encoding="utf-8")
+        # (line ends as written, as compile_source takes a text: a bare CR is no line end to either — found by
+        # probing, a file read with universal newlines took old Macs' line ends that the same text did not)
+        with open(path, encoding="utf-8", newline="") as file:
+            source = file.read()
     except OSError as err:
         raise LinrecError(f"cannot read the file: {err.strerror}", filename=str(path)) from None
     except UnicodeDecodeError as err:

@@ -48,7 +48,8 @@ class LinrecError(Exception):
         if self.source is not None:
             # (the lines the parser counts: "\n" ends one; splitlines() would also break at U+2028, \f, \v … in
             # a comment, and quote another line than the one named — found by probing)
-            lines = [line.removesuffix("\r") for line in self.source.split("\n")]
+            # (a CR left inside a line, shown as ␍: a terminal would return to the line's start)
+            lines = [line.removesuffix("\r").replace("\r", "\u240d") for line in self.source.split("\n")]
             if 0 < self.span.line <= len(lines):
                 line = lines[self.span.line - 1]
                 start = self.span.column - 1

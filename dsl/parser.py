@@ -199,6 +199,7 @@ LOOKALIKES = [
     ("‐‑‒–—﹣－", " (a dash: write '−' or '-' for a minus)"),
     ("½⅓⅔¼¾⅕⅛", " (write a fraction as a division, e.g. (1/2))"),
     ("√", " (write sqrt(x))"),
+    ("\r", " (a carriage return alone: old Macs' line ends; save the file with \\n or \\r\\n line ends)"),
     ("\ufeff\u200b\u200c\u200d\u2060", " (an invisible character — a byte-order mark or a zero-width space, often "
                                     "pasted along with text: delete it)"),
 ]

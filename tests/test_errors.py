@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -868,5 +869,12 @@ def test_messages_found_by_probing_the_front_end():
     # `param A[dk, dk] = 0.5*I` was refused ("has shape [?, ?]"): I takes its size from the declaration
     eye = linrec.compile(head + "param A[dk, dk] = 0.5*I\nstate S[dk, dv]\nS = A·S + k⊗v\noutput o = q·S\n", "eye.lin")
     np.testing.assert_array_equal(eye.default_params(1, {"dk": 4, "dv": 4})["A"], 0.5 * np.eye(4))
-    crlf = (head + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n").replace("\n", "\r")
-    assert linrec.compile(crlf, "cr.lin").forms == linrec.compile(crlf.replace("\r", "\n"), "lf.lin").forms
+    # a text with old Macs' bare CR line ends: refused by compile() and load() alike, with the reason (load
+    # read the file with universal newlines and took it), the line shown with ␍ (a terminal would go back)
+    cr = (head + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n").replace("\n", "\r")
+    path = Path(tempfile.mkdtemp()) / "cr.lin"
+    path.write_bytes(cr.encode("utf-8"))
+    for err in (compile_error(cr), pytest.raises(LinrecError, linrec.load, path).value):
+        assert "a carriage return alone: old Macs' line ends" in str(err) and "\r" not in str(err).splitlines()[1]
+    crlf = cr.replace("\r", "\r\n")
+    assert linrec.compile(crlf, "crlf.lin").forms == linrec.compile(crlf.replace("\r\n", "\n"), "lf.lin").forms
