@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import arrays, bf16_state, compiler, float_warnings, form_choice, gradients, packed_vjp, registry, serving
-from . import slot_pool
+from . import (arrays, bf16_state, compiler, float_warnings, form_choice, gradients, packed_vjp, registry, serving,
+               slot_pool)
 from .c import build as c_build
 from .compiler import Compiled
 from .compiler import ir

@@ -73,12 +73,17 @@ def inputs_by_name(inputs, named: dict, program: ir.Program | None = None, metho
     return given | named
 
 
+def keyword_options(method) -> list[str]:
+    """The names of a function's keyword-only parameters: its options, as its signature says."""
+    return [p.name for p in inspect.signature(method).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+
 def refuse_misspelt_options(program: ir.Program, named: dict, method) -> None:
     inputs = [x.name for x in program.inputs]
     unknown = [n for n in named if n not in inputs]
     if not unknown:
         return
-    options = [p.name for p in inspect.signature(method).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    options = keyword_options(method)
     for name in unknown:
         close = difflib.get_close_matches(name, options, n=1, cutoff=0.7)
         if close:
@@ -256,11 +261,12 @@ def _shape_of(value) -> tuple[int, ...] | None:
         return None
 
 
-# the keyword options of run, prefill, vjp and step: a key of the inputs dict with one of these names is an option
-# put in the wrong place
+# the keyword options of Recurrence's run, prefill, vjp, step and bind_step — their keyword_options, written out
+# because this module is below linrec.api (tests/test_packed_grad.py holds the two equal): a key of the inputs
+# dict with one of these names is an option put in the wrong place
 CALL_OPTIONS = frozenset({"cu_seqlens", "chunk_size", "initial_state", "params", "dims", "form", "backend",
                           "state_every", "keep_last", "state_dtype", "threads", "grad_final_state", "missing",
-                          "output_final_state", "slots", "inplace", "out"})
+                          "slots", "inplace", "out"})
 
 
 def _checked_inputs(program: ir.Program, inputs: dict, axes: tuple[str, ...], bound: dict[str, int],

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..dsl.errors import Span
 
 from . import Compiled, ir
-from .analysis import inline_lets, rebuild, states_in, to_text, walk
+from .analysis import inline_lets, product_factors, rebuild, states_in, to_text, walk
 from .builtins import SEQUENCE
 from .sequence import SequencePlan
 
@@ -239,14 +239,6 @@ def _neg(a: ir.Expr) -> ir.Expr:
     return a.operand if isinstance(a, ir.Neg) else ir.Neg(a.shape, a)
 
 
-def _factors(e: ir.Expr) -> list[ir.Expr]:
-    """The factors of a product (nested multiplications, and products with a scalar written `s·x`, flattened),
-    in order; e itself if it is none."""
-    if (isinstance(e, ir.Arith) and e.op == "mul") or (isinstance(e, ir.Dot) and not (e.left.shape and e.right.shape)):
-        return _factors(e.left) + _factors(e.right)
-    return [e]
-
-
 def _product(factors: list[ir.Expr], shape: ir.Shape) -> ir.Expr:
     out = factors[0]
     for f in factors[1:]:
@@ -262,7 +254,7 @@ def _fit(g: ir.Expr, shape: ir.Shape) -> ir.Expr:
         return g
     if not shape:
         letters = _LETTERS[:len(g.shape)]
-        factors = _factors(g)
+        factors = product_factors(g)
         vectors = [f for f in factors if f.shape == g.shape]
         scalars = [f for f in factors if not f.shape]
         if len(vectors) < 2 or len(vectors) + len(scalars) != len(factors):

@@ -43,6 +43,15 @@ def inline_lets(e: ir.Expr, lets: dict[str, ir.Expr]) -> ir.Expr:
     return rebuild(e, sub)
 
 
+def product_factors(e: ir.Expr, divisions: bool = False) -> list[ir.Expr]:
+    """The factors of a product (nested multiplications, and products with a scalar written `s·x`, flattened),
+    in order — with `divisions`, a quotient's numerator's and denominator's too; e itself if it is none."""
+    ops = ("mul", "div") if divisions else ("mul",)
+    if (isinstance(e, ir.Arith) and e.op in ops) or (isinstance(e, ir.Dot) and not (e.left.shape and e.right.shape)):
+        return product_factors(e.left, divisions) + product_factors(e.right, divisions)
+    return [e]
+
+
 def states_in(e: ir.Expr) -> set[str]:
     return {n.name for n in walk(e) if isinstance(n, ir.StateRef)}
 

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from . import ir
-from .analysis import inline_lets, refs, states_in, to_text, variance
+from .analysis import inline_lets, product_factors, refs, states_in, to_text, variance
 from .intervals import Bounds, undefaulted_params
 from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, add, as_matrix, compose, linear_terms, mul,
                         operator_terms, vector_terms)
@@ -364,7 +364,8 @@ def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
     if bounds.hi > 0:  # it can be positive: what keeps it so is for the program to say
         # (of a product, the factors without a symbolic logarithm that can be non-positive: exp(g)·gamma's gamma,
         # not g, which no range fixes)
-        factors = [f for f in _factors(decay) if not log_of(f)[1] and not Bounds(program).of(f).positive] or [decay]
+        factors = [f for f in product_factors(decay, divisions=True)
+                   if not log_of(f)[1] and not Bounds(program).of(f).positive] or [decay]
         inputs = list(dict.fromkeys(name for f in factors for name in refs(f, ir.InputRef)))
         free = list(dict.fromkeys(name for f in factors for name in undefaulted_params(f, program)))
         hints += [f"declare ranges of {', '.join(inputs)} that keep it positive"] if inputs else []
@@ -376,14 +377,6 @@ def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
         "is negative" if bounds.negative else "can be zero or negative"
     return [f"the decay `{to_text(decay)}` of '{state}' {sign} (its values lie in {bounds}), and the "
             f"parallel and chunkwise forms work with its logarithm; {fix}"]
-
-
-def _factors(e: ir.Expr) -> list[ir.Expr]:
-    """The factors of a product or quotient of scalars (`·` or `*`; e itself when it is neither)."""
-    if (isinstance(e, ir.Arith) and e.op in ("mul", "div")) or (isinstance(e, ir.Dot) and not e.shape
-                                                                 and not e.left.shape and not e.right.shape):
-        return _factors(e.left) + _factors(e.right)
-    return [e]
 
 
 def split_exp(e: ir.Expr) -> tuple[ir.Expr, ir.Expr | None]:

@@ -138,3 +138,12 @@ def test_cu_seqlens_among_the_inputs_is_called_an_option():
     import linrec.torch as lt
     with pytest.raises(linrec.RuntimeInputError, match=r"'cu_seqlens' is an option of apply, not an input"):
         lt.apply(rec, {k: torch.from_numpy(v) for k, v in dict(x, cu_seqlens=OFFSETS).items()}, dims=dims)
+
+
+def test_the_options_told_apart_from_inputs_are_the_methods_own():
+    """arrays.CALL_OPTIONS is written out (arrays lies below the API): it is the keyword options of the methods
+    that take inputs, no more, no fewer."""
+    from linrec import arrays
+    from linrec.api import Recurrence
+    methods = (Recurrence.run, Recurrence.prefill, Recurrence.vjp, Recurrence.step, Recurrence.bind_step)
+    assert arrays.CALL_OPTIONS == {name for method in methods for name in arrays.keyword_options(method)}

@@ -35,7 +35,7 @@ def backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts, grad
                       value_log_decay=None, value_corrections=()):
     """What the C backward scans do first for decays given as values: refuse those below the normal range, 0
     included, then NumPy's backward where one is small (its ScanGrads); None: the C kernels run."""
-    refuse_subnormal_decays(log_decay, value_log_decay, zero_too=True)
+    refuse_subnormal_decays(log_decay, value_log_decay)
     if not hand_over(log_decay, value_log_decay):
         return None
     return numpy_backward(s0, log_decay, writes, queries, chunk, grad_readouts, grad_final, corrections,
@@ -44,9 +44,9 @@ def backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts, grad
 
 def hand_over(*log_decays) -> bool:
     """Whether a call whose value decays have these log-decays (None: none on that axis) runs NumPy's backward:
-    one is below SMALL_LOG_DECAY, and none is −∞ (or NaN: then the C kernels' checks say so)."""
+    one is below SMALL_LOG_DECAY, and none is NaN (then the C kernels' checks say so; −∞ was refused before)."""
     arrays = [np.asarray(d) for d in log_decays if d is not None]
-    if not arrays or any(not np.all(d > -np.inf) for d in arrays):
+    if not arrays or any(np.isnan(d).any() for d in arrays):
         return False
     return any(float(np.min(d)) < SMALL_LOG_DECAY for d in arrays if d.size)
 

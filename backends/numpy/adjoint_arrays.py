@@ -29,16 +29,16 @@ class BelowNormalRange(RuntimeInputError):
     recurrent backward), where the product a·S is differentiated directly."""
 
 
-def refuse_subnormal_decays(*log_decays, zero_too: bool = False) -> None:
-    """BelowNormalRange where a finite log-decay lies below the log of its dtype's smallest normal value (the
-    log-decays of decays given as values; None: none on that axis) — with `zero_too`, a log-decay of −∞ as
-    well (else a reset, which the backward's forms take: adjoint_scan.ScanGrads.at_resets)."""
+def refuse_subnormal_decays(*log_decays) -> None:
+    """BelowNormalRange where a log-decay lies below the log of its dtype's smallest normal value, −∞ (a decay
+    of exactly 0) included (the log-decays of decays given as values; None: none on that axis). A log-decay
+    written as one, exp(g)'s g, may be −∞: a reset, which every form takes (adjoint_scan.ScanGrads.at_resets)."""
     for d in log_decays:
         if d is None or not np.size(d):
             continue
         d = np.asarray(d)
         floor = float(np.log(np.finfo(d.dtype if d.dtype.kind == "f" else np.float64).tiny))
-        if np.any((d < floor) & ((d > -np.inf) | zero_too)):
+        if np.any(d < floor):
             raise BelowNormalRange(f"a decay given as a value below {d.dtype}'s normal range (its log under "
                                    f"{floor:.1f}): the log-space backward cannot give its gradient")
 

@@ -49,7 +49,6 @@ class DecomposedEmitter(BackwardEmitter):
     scans = ADJOINT_SCANS  # the helpers the module imports for its scans
     forward_scan = "decay_scan"  # (s0, log_decay, writes, queries, chunk, corrections=, value_log_decay=)
     backward_scan = "decay_scan_backward"  # (…, starts, chunk, grad_readouts, grad_final, …) → ScanGrads
-    marks_decays_as_values = True  # the backward scan takes decays_as_values= (adjoint_arrays.BelowNormalRange; C's: c.small_decays)
     backward_comment = "the transposed recurrence, from the last chunk"
     no_decay = "per_token(0.0, (batch, tokens, heads, 1), dtype, scalar=True)  # a decay of 1"
     # the backward scan's gradients are arrays of their own (none a view of another, none given twice): one read
@@ -247,8 +246,8 @@ class DecomposedEmitter(BackwardEmitter):
 
     def decays_as_values(self, t) -> str:
         """The backward scan's keyword for a state whose log-decay is the log of a value (its gradient divided
-        by that value in the chain rule), where the scans take it (marks_decays_as_values: C's, c.small_decays)."""
-        return ", decays_as_values=True" if self.marks_decays_as_values and t.decays_as_values else ""
+        by that value in the chain rule: adjoint_arrays.BelowNormalRange; C's scans, c.small_decays)."""
+        return ", decays_as_values=True" if t.decays_as_values else ""
 
     def carried(self, st: ir.State, code: str) -> str:
         """A state [B, H, *] as the scans carry it: a vector as one column, a state the decomposition

@@ -255,7 +255,7 @@ def decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_read
     refused below the normal range, 0 included (adjoint_arrays.BelowNormalRange: vjp then runs the statements,
     whose product a·S has a finite derivative at a = 0 that no log-space form gives)."""
     if decays_as_values:
-        refuse_subnormal_decays(log_decay, value_log_decay, zero_too=True)
+        refuse_subnormal_decays(log_decay, value_log_decay)
     grads = _decay_scan_backward(s0, raise_to_reset(log_decay), writes, queries, starts, chunk, grad_readouts,
                                  grad_final, corrections, raise_to_reset(value_log_decay), value_corrections)
     return grads.at_resets(log_decay, value_log_decay)

@@ -14,7 +14,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 
 from .. import serving
 from ..api import Recurrence
-from ..arrays import CALL_OPTIONS, check_chunk_size, checked_sizes, refuse_given_twice
+from ..arrays import check_chunk_size, checked_sizes, keyword_options, refuse_given_twice
 from ..compiler import FORMS
 from ..dsl.errors import LinrecError, RuntimeInputError
 from ..registry import backend as known_backend
@@ -125,7 +125,7 @@ def _named(declared, given: dict, what: str, plural: str, required: bool = False
     missing when `required`, each a float tensor on the CPU."""
     names = [d.name for d in declared]
     unknown = sorted(set(given) - set(names))
-    options = [name for name in unknown if name in CALL_OPTIONS] if what == "input" else []
+    options = [name for name in unknown if name in keyword_options(apply)] if what == "input" else []
     if options:  # (an option put among the inputs)
         raise RuntimeInputError(f"'{options[0]}' is an option of apply, not an input: pass it as {options[0]}=…, "
                                 f"beside the inputs (the inputs of this program are {', '.join(names)})")
