@@ -548,8 +548,8 @@ def test_programs_that_blow_up_when_written_out_are_refused_or_degrade_quickly()
     minutes; 400 aliases in a row and 300 functions calling each other exhausted Python's stack (an internal
     RecursionError); and 18 assignment steps of the delta rule multiplied out into 2¹⁸ terms (minutes in the
     analyses). Now each is a located compile error, or (the steps) a program whose derived forms are refused
-    with the reason and whose recurrent form runs — all within seconds."""
-    import time
+    with the reason and whose recurrent form runs. (No clock here: the bounds are what the messages name, and a
+    return of the blow-up would be minutes, which CI's time limit shows.)"""
     doubling = "".join(f"x{i} = x{i - 1} + x{i - 1}\n" for i in range(1, 25))
     src = HEAD + "x0 = k\n" + doubling + "state S[dk, dv]\nS = S + x24⊗v\noutput o = q·S\n"
     err = compile_error(src)
@@ -562,10 +562,8 @@ def test_programs_that_blow_up_when_written_out_are_refused_or_degrade_quickly()
     calls = "".join(f"f{i}(x) = f{i - 1}(x) + x\n" for i in range(1, 301))
     src = HEAD + "f0(x) = x\n" + calls + "state S[dk, dv]\nS = S + f300(k)⊗v\noutput o = q·S\n"
     assert "functions call each other 129 deep" in str(compile_error(src))
-    start = time.perf_counter()
     steps = "S = (I − 0.1·k⊗k)·S + k⊗v\n" * 18
     rec = linrec.compile(HEAD + "state S[dk, dv]\n" + steps + "output o = q·S\n", FILE)
     assert rec.forms == ("recurrent",) and "more than 256 terms" in rec.decomposition.why_not("chunkwise")
-    assert time.perf_counter() - start < 20  # (minutes before; a bound that cannot be met by the old way)
     x = rec.random_inputs(1, 3, 1, seed=0)
     assert np.all(np.isfinite(rec.run(x).outputs["o"]))
