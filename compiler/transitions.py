@@ -245,10 +245,7 @@ def _value_axis_mismatch(state: str, terms: list[Term]) -> list[str]:
         return []
     decay_rights = list(dict.fromkeys(right(t) for t in decays))
     if len(decay_rights) > 1:
-        listed = ", ".join(f"`{_term_text(t, state)}`" for t in decays)
-        return [f"the decay terms of '{state}' differ in their factor on the right ({listed}): the forms take one "
-                f"decay of the value axis, `D·{state}·diag(e)`, the same factor on the right of every term; "
-                f"write it once"]
+        return [_decays_differ_on_the_right(state, decays, [right(t) for t in decays])]
     own = decay_rights[0] if decay_rights else None
     reasons = []
     for t in corrections:
@@ -268,6 +265,23 @@ def _value_axis_mismatch(state: str, terms: list[Term]) -> list[str]:
                        f"not decay; a correction scaled per value column otherwise (a rank-one step of a "
                        f"different strength in each column), or one that skips that decay, has no such form")
     return reasons
+
+
+def _decays_differ_on_the_right(state: str, decays: list[Term], rights: list[Factor | None]) -> str:
+    """Why decay terms with different factors on the right (0.5·diag(a)·S + 0.5·S·diag(e)) have no parallel or
+    chunkwise form, and what would: their sum decays element (i, j) by a sum of products, a_i/2 + e_j/2, which
+    no single product d_i·e_j of a key-axis and a value-axis decay equals — so the advice is a decay that is one
+    product, made of the factors the user wrote (writing "the same factor once" cannot be followed here)."""
+    listed = ", ".join(f"`{_term_text(t, state)}`" for t in decays)
+    left = next((t.left for t in decays if t.left.kind == "diag"), None)
+    on_right = next((r for r in rights if r is not None), None)
+    product = "·".join(([to_text(as_matrix(left, "n"))] if left is not None else []) + [state] +
+                       ([to_text(as_matrix(on_right, "n"))] if on_right is not None else []))
+    return (f"the decay terms of '{state}' differ in their factor on the right ({listed}): their sum decays "
+            f"each element of '{state}' by a sum of products, which is no one product `D·{state}·diag(e)` of a "
+            f"key-axis and a value-axis decay — the decay the parallel and chunkwise forms take, with the same "
+            f"factor on the right of every term; only the recurrent form runs this update. For those forms, "
+            f"decay by one product, such as `{product}`")
 
 
 def _term_text(t: Term, state: str) -> str:

@@ -70,6 +70,11 @@ REFUSED = {
                             "`diag(sigmoid(v2))` on its right, where its value axis does not decay"),
     "per_column_strength_in_steps": ("diag(exp(gk))·S\nS = S + kn⊗(sigmoid(v2)*(v − kn·S))",
                                      "is scaled per value column by `sigmoid(v2)`"),
+    # decays on the two sides summed (each element decays by a sum, no product of two axes' decays): the
+    # advice is a decay that is one product, of the factors written (it said "write it once", which cannot be)
+    "decays_summed_on_two_sides": ("0.5·diag(exp(gk))·S + 0.5·S·diag(exp(gv)) + k⊗v",
+                                   "only the recurrent form runs this update. For those forms, decay by one "
+                                   "product, such as `diag(exp(gk))·S·diag(exp(gv))`"),
     # its twin: the correction skips the decay of the value axis
     "skips_the_value_decay": ("S·diag(exp(gv)) − beta·kn⊗(kn·S) + beta·kn⊗v",
                               "has no factor on its right, where its value axis decays by `diag(exp(gv))`: the "
