@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import sys
+import tempfile
 import textwrap
 import traceback
 import warnings
@@ -55,6 +57,19 @@ DEBUG_VARIABLE = "LINREC_DEBUG"
 
 def _shape(dims) -> str:
     return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+def _path(what: str):
+    """An argparse type for a path: an empty one is a usage error saying so (found by probing: `check ""` read
+    the directory "." and named it; `run --out ""` wrote nothing, `verify --against ""` ran the other check)."""
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"the path is empty: give {what}")
+        return text
+    return parse
+
+
+PROGRAM_PATH = _path("a program file (.lin)")
 
 
 def _load(path: str):
@@ -273,7 +288,8 @@ def _refusals(refused: dict[str, str]) -> list[str]:
 
 
 def _add_check(parser: argparse.ArgumentParser):
-    parser.add_argument("files", nargs="+", metavar="FILE", help="a program file (.lin); several may be given")
+    parser.add_argument("files", nargs="+", type=PROGRAM_PATH, metavar="FILE",
+                        help="a program file (.lin); several may be given")
     parser.add_argument("--json", action="store_true",
                         help="print a machine-readable report: one JSON object for one file, "
                              "a JSON array for several")
@@ -328,7 +344,7 @@ def _add_backend_form(parser: argparse.ArgumentParser, default_form: str | None 
 
 
 def _add_emit(parser: argparse.ArgumentParser):
-    parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
+    parser.add_argument("file", type=PROGRAM_PATH, metavar="FILE", help="a program file (.lin)")
     _add_backend_form(parser)
     parser.add_argument("--grad", action="store_true",
                         help="the form's backward instead: the forward with checkpoints and the adjoint of the "
@@ -338,9 +354,11 @@ def _add_emit(parser: argparse.ArgumentParser):
                        help="write NAME.h and NAME.c (prefill, prefill with checkpoints and last states, decode "
                             "step, slot-pool step; float and double) and NAME_params.bin into --out, instead of "
                             "printing the source; see docs/embedding.md")
-    alone.add_argument("--out", "-o", metavar="DIR", help="the directory to write them to (created if missing)")
+    alone.add_argument("--out", "-o", type=_path("the directory to write to"), metavar="DIR",
+                       help="the directory to write them to (created if missing)")
     alone.add_argument("--heads", type=_positive_int, metavar="H",
-                       help=f"heads of the params' defaults in NAME_params.bin (default: {RUN_HEADS})")
+                       help=f"heads of the params' defaults in NAME_params.bin (default: {RUN_HEADS}; the file may "
+                            f"take up to {PARAMS_FILE_LIMIT >> 30} GiB)")
     alone.add_argument("--dim", dest="dims", action=_DimOnce, type=_dim, metavar="NAME=SIZE",
                        help="a dimension's size, compiled into the kernels (repeatable; default: the file's)")
     parser.epilog = """\
@@ -389,18 +407,45 @@ def _emit_standalone(rec, args) -> int:
         raise LinrecError(why)
     sizes = dims_with_overrides(rec.program, args.dims or [])
     heads = args.heads or RUN_HEADS
+    _refuse_large_params_file(rec.program, sizes, heads)
     params = {k: v for k, v in rec.default_params(heads, sizes).items() if v is not None}
     files = c_standalone.export(rec.compiled, sizes, heads, params)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            (out / name).write_bytes(data)
     except OSError as err:
         raise LinrecError(f"cannot write to {out}: {err.strerror or err}") from None
+    _write_files({out / name: (lambda f, data=data: f.write(data)) for name, data in files.items()})
     for name in files:
         print(out / name)
     return 0
+
+
+PARAMS_FILE_LIMIT = 1 << 30  # bytes: the most `emit --standalone` writes to NAME_params.bin
+
+
+def _bytes_text(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+def _refuse_large_params_file(program, sizes: dict[str, int], heads: int) -> None:
+    """NAME_params.bin holds the params' defaults at --heads heads, float64: a size that would make it larger
+    than PARAMS_FILE_LIMIT is an error naming its size and the options that set it — before the defaults are
+    computed (found by probing: mamba2 at --heads 100000000 wrote 2.4 GB without a word)."""
+    written = [prm for prm in program.params if prm.default is not None]
+    size = 8 * sum((heads if prm.per_head else 1) * math.prod(sizes[d] for d in prm.shape)
+                   for prm in written)
+    if size <= PARAMS_FILE_LIMIT:
+        return
+    options = (["--heads"] if any(prm.per_head for prm in written) else []) + \
+        [f"--dim {d}" for d in dict.fromkeys(d for prm in written for d in prm.shape)]
+    limit = f"{PARAMS_FILE_LIMIT >> 30} GiB"
+    raise LinrecError(f"{program.name}_params.bin would be {_bytes_text(size)} ({size} bytes: the float64 defaults "
+                      f"of {', '.join(prm.name for prm in written)} for {heads} head(s)), above the {limit} that "
+                      f"--standalone writes: make {' or '.join(options)} smaller")
 
 
 # ---- run -------------------------------------------------------------------------------------
@@ -448,6 +493,38 @@ def _refuse_oversized(args) -> None:
                 raise LinrecError(too_large(f"{action.option_strings[0]} {n}"))
 
 
+def _option_text(value) -> str:
+    """A parsed option value as it was typed: --cu-seqlens' offsets comma-separated, --dim as NAME=SIZE."""
+    if isinstance(value, tuple):
+        return f"{value[0]}={value[1]}"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _given_twice(parser, first: str, second: str, what: str):
+    """The usage error of an option given again with another value: which one was meant? (the last would win
+    silently)."""
+    parser.error(f"{first} and {second}: give {what} once")
+
+
+class _Once(argparse.Action):
+    """Every single-valued option (argparse's `store`, which _Parser makes this): given again with another value
+    it is a usage error naming both (found by probing: `run --tokens 8 --tokens 16` ran 16 tokens without a
+    word); the same value again is harmless."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if self.option_strings:  # (a positional is given once by construction)
+            seen = namespace.__dict__.setdefault("_once", {})  # dest → (option as typed, value), of this parse
+            if self.dest in seen and seen[self.dest][1] != value:
+                typed, before = seen[self.dest]
+                long = next((o for o in self.option_strings if o.startswith("--")), self.option_strings[0])
+                _given_twice(parser, f"{typed} {_option_text(before)}", f"{option_string} {_option_text(value)}",
+                             long)
+            seen[self.dest] = (option_string, value)
+        setattr(namespace, self.dest, value)
+
+
 class _DimOnce(argparse.Action):
     """--dim NAME=SIZE, repeatable: a name given again with another size is a usage error (which one was
     meant? the last would win silently)."""
@@ -456,7 +533,7 @@ class _DimOnce(argparse.Action):
         given = list(getattr(namespace, self.dest, None) or [])
         for name, size in given:
             if name == value[0] and size != value[1]:
-                parser.error(f"--dim {name}={size} and --dim {name}={value[1]}: give each dimension once")
+                _given_twice(parser, f"--dim {name}={size}", f"--dim {name}={value[1]}", "each dimension")
         setattr(namespace, self.dest, given + [value])
 
 
@@ -482,7 +559,7 @@ RUN_BATCH, RUN_TOKENS, RUN_HEADS, RUN_DTYPE, RUN_SEED = 2, 16, 2, "float64", 0  
 
 
 def _add_run(parser: argparse.ArgumentParser):
-    parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
+    parser.add_argument("file", type=PROGRAM_PATH, metavar="FILE", help="a program file (.lin)")
     _add_backend_form(parser, "auto", step=True)
     parser.add_argument("--chunk-size", type=_chunk_size, metavar="C",
                         help="chunk length for the chunkwise form, a positive integer (default: the form's own "
@@ -503,14 +580,14 @@ def _add_run(parser: argparse.ArgumentParser):
                             "states as uint16 arrays of bfloat16 bits (float32 inputs; generated ones are "
                             "float32 then); with --form step every token's state is rounded to bfloat16")
     io = parser.add_argument_group("arrays from and to files")
-    io.add_argument("--inputs", metavar="IN.npz",
+    io.add_argument("--inputs", type=_path("the .npz file to read"), metavar="IN.npz",
                     help="arrays by DSL name: inputs [B, T, H, *]; arrays named like a state are initial "
                          "states [B, H, *]; arrays named like a param override its default ([H, *] per "
                          "head). Any other name is an error. The inputs' dtype is kept.")
-    io.add_argument("--out", "-o", metavar="OUT.npz",
+    io.add_argument("--out", "-o", type=_path("the .npz file to write"), metavar="OUT.npz",
                     help="write every output [B, T, H, *], every final state [B, H, *] and every param "
                          "used, by DSL name")
-    io.add_argument("--save-inputs", metavar="IN.npz",
+    io.add_argument("--save-inputs", type=_path("the .npz file to write"), metavar="IN.npz",
                     help="with generated inputs: also write them, to rerun with --inputs (e.g. with "
                          "another form)")
     io.add_argument("--quiet", "-q", action="store_true", help="print no summary")
@@ -618,11 +695,61 @@ def _npz_target(path: str, option: str) -> str:
 
 def _write_npz(path: str, arrays: dict[str, np.ndarray], option: str = "--out") -> str:
     target = _npz_target(path, option)
-    try:
-        np.savez(target, **arrays)
-    except OSError as err:
-        raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
+    _write_files({Path(target): lambda f: np.savez(f, **arrays)})
     return target
+
+
+def _write_files(writes: dict[Path, Callable]) -> None:
+    """Write each file whole or not at all: write(f) fills a temporary file in the target's directory, and only
+    when every one is complete are they renamed over their targets (found by probing: a full disk left a
+    truncated .npz, or the first of the --standalone files, behind). On a failure the temporary files are
+    removed and the targets left as they were; an OSError is an error naming the file and the reason. (A target
+    that is a symlink is written where it points; one that is no regular file, such as a device, directly.)"""
+    done: list[tuple[str, str, Path]] = []  # (temporary file, where it goes, the target as given)
+    try:
+        for target, write in writes.items():
+            real = os.path.realpath(target)
+            if os.path.exists(real) and not os.path.isfile(real):
+                try:
+                    with open(real, "wb") as f:
+                        write(f)
+                except OSError as err:
+                    raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
+                continue
+            try:
+                fd, temporary = tempfile.mkstemp(dir=os.path.dirname(real), prefix=f".{os.path.basename(real)}.",
+                                                 suffix=".tmp")
+            except OSError as err:
+                raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
+            done.append((temporary, real, target))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    write(f)
+                os.chmod(temporary, _file_mode(real))
+            except OSError as err:
+                raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
+        for temporary, real, target in done:
+            try:
+                os.replace(temporary, real)
+            except OSError as err:
+                raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
+    except BaseException:
+        for temporary, _, _ in done:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+        raise
+
+
+def _file_mode(path: str) -> int:
+    """The permissions a written file gets: an existing file's own, else those open() gives a new one."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 @dataclass
@@ -807,7 +934,7 @@ def cmd_run(args) -> int:
 
 # ---- verify ----------------------------------------------------------------------------------
 def _add_verify(parser: argparse.ArgumentParser):
-    parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
+    parser.add_argument("file", type=PROGRAM_PATH, metavar="FILE", help="a program file (.lin)")
     parser.add_argument("--backend", action="append", choices=_backend_names(),
                         help="check this backend (repeatable; default: every backend)")
     parser.add_argument("--form", action="append", choices=_form_names() + ["step"],
@@ -821,7 +948,7 @@ def _add_verify(parser: argparse.ArgumentParser):
     parser.add_argument("--quick", action="store_true", help="a shorter battery (long T = 2048, fewer cases)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     parser.add_argument("--seed", type=_nonnegative_int, default=0, help="seed of the generated inputs")
-    parser.add_argument("--against", metavar="EXACT.lin",
+    parser.add_argument("--against", type=PROGRAM_PATH, metavar="EXACT.lin",
                         help="instead: the error of FILE's outputs against EXACT's on the same inputs, for "
                              "16, 64, 256, 1024 random features, orthogonal and i.i.d. (e.g. Performer "
                              "against examples/softmax.lin)")
@@ -1011,7 +1138,7 @@ def _dk_dv(text: str) -> tuple[int, int]:
 
 
 def _add_bench(parser: argparse.ArgumentParser):
-    parser.add_argument("file", metavar="FILE", help="a program file (.lin)")
+    parser.add_argument("file", type=PROGRAM_PATH, metavar="FILE", help="a program file (.lin)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke run: T in {{{', '.join(map(str, bench.QUICK_TOKENS))}}}, "
@@ -1039,7 +1166,7 @@ def _add_bench(parser: argparse.ArgumentParser):
                              f"(default: {bench.BUDGET_S:g}; --quick: {bench.QUICK_BUDGET_S:g})")
     parser.add_argument("--dim", dest="dims", action=_DimOnce, type=_dim, metavar="NAME=SIZE",
                         help="a dimension's size (default: dk = dv = 64 where declared, else the file's)")
-    parser.add_argument("--plot", metavar="OUT.png",
+    parser.add_argument("--plot", type=_path("the image file to write"), metavar="OUT.png",
                         help="write a log-log plot of time against T per form and backend (needs matplotlib; "
                              "its folder and format are checked before measuring)")
     parser.add_argument("--no-limits", dest="limits", action="store_false",
@@ -1232,7 +1359,13 @@ set LINREC_DEBUG=1 to see the traceback of an internal error."""
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors are bad input like any other: one message (and where to look), exit status 1."""
+    """Usage errors are bad input like any other: one message (and where to look), exit status 1. A
+    single-valued option is given once (_Once)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name in (None, "store"):  # (add_argument's default action, and the same asked by name)
+            self.register("action", name, _Once)
 
     def error(self, message: str):
         self.exit(1, f"{self.prog}: error: {message}\n(see '{self.prog} --help')\n")

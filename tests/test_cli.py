@@ -505,3 +505,151 @@ def test_an_unsplittable_linrec_cflags_is_named(monkeypatch, capsys):
     monkeypatch.setenv("LINREC_CFLAGS", '"-O2')
     with pytest.raises(linrec.LinrecError, match="LINREC_CFLAGS='\"-O2' cannot be split into compiler flags"):
         c_build.flags()
+
+
+# ---- found by probing: options given twice, empty paths, a params file of gigabytes, a write cut short ----------
+
+def test_a_single_valued_option_given_twice_is_an_error(capsys):
+    """`run --tokens 8 --tokens 16` ran 16 tokens without a word (argparse keeps the last): every single-valued
+    option of every command given again with another value is a usage error naming both; the same value again
+    is harmless, and the repeatable options stay repeatable."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    for argv, said in ((["run", gla, "--tokens", "8", "--tokens", "16"],
+                        "--tokens 8 and --tokens 16: give --tokens once"),
+                       (["run", gla, "-o", "a.npz", "--out", "b.npz"], "-o a.npz and --out b.npz: give --out once"),
+                       (["run", gla, "--cu-seqlens", "0,4", "--cu-seqlens", "0,5"],
+                        "--cu-seqlens 0,4 and --cu-seqlens 0,5: give --cu-seqlens once"),
+                       (["run", gla, "--form", "parallel", "--form", "chunkwise"],
+                        "--form parallel and --form chunkwise: give --form once"),
+                       (["run", gla, "--dim", "dk=2", "--dim", "dk=3"],
+                        "--dim dk=2 and --dim dk=3: give each dimension once"),
+                       (["emit", gla, "--backend", "c", "--backend", "numpy"],
+                        "--backend c and --backend numpy: give --backend once"),
+                       (["verify", gla, "--seed", "1", "--seed", "2"], "--seed 1 and --seed 2: give --seed once"),
+                       (["verify", gla, "--against", gla, "--against", "x.lin"],
+                        f"--against {gla} and --against x.lin: give --against once"),
+                       (["bench", gla, "--budget", "1", "--budget", "2"],
+                        "--budget 1 and --budget 2: give --budget once")):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 1, argv
+        assert err == f"linrec {argv[0]}: error: {said}\n(see 'linrec {argv[0]} --help')\n", err
+    assert main(["run", gla, "-q", "--tokens", "4", "--tokens", "4", "--dim", "dk=2", "--dim", "dk=2"]) == 0
+    assert main(["verify", gla, "--quick", "--json", "--backend", "numpy", "--backend", "numpy", "--form", "recurrent",
+                 "--dtype", "float64", "--dtype", "float32"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"]
+
+
+def test_an_empty_path_is_named_as_empty(tmp_path, monkeypatch, capsys):
+    """`check ""` said `.: error: cannot read the file: Is a directory`; `run --out ""` wrote nothing, and
+    `verify --against ""` ran the other check, without a word: each is a usage error saying the path is empty."""
+    monkeypatch.chdir(tmp_path)
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    for argv, option, what in ((["check", ""], "FILE", "a program file (.lin)"),
+                               (["check", gla, ""], "FILE", "a program file (.lin)"),
+                               (["run", ""], "FILE", "a program file (.lin)"),
+                               (["run", gla, "-q", "--out", ""], "--out/-o", "the .npz file to write"),
+                               (["run", gla, "-q", "--save-inputs", ""], "--save-inputs", "the .npz file to write"),
+                               (["run", gla, "--inputs", ""], "--inputs", "the .npz file to read"),
+                               (["verify", gla, "--against", ""], "--against", "a program file (.lin)"),
+                               (["emit", gla, "--backend", "c", "--standalone", "--out", ""], "--out/-o",
+                                "the directory to write to"),
+                               (["bench", gla, "--quick", "--plot", ""], "--plot", "the image file to write")):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 1, argv
+        assert capsys.readouterr().err == (f"linrec {argv[0]}: error: argument {option}: the path is empty: give "
+                                           f"{what}\n(see 'linrec {argv[0]} --help')\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_standalone_refuses_a_params_file_above_1_gib(tmp_path, monkeypatch, capsys):
+    """mamba2 at --heads 100000000 wrote a 2.4 GB mamba2_params.bin without a word: refused before the defaults
+    are computed, naming the size and the options that set it."""
+    computed = []
+    default_params = linrec.Recurrence.default_params
+
+    def counted(self, heads, *args, **kwargs):
+        computed.append(heads)
+        assert heads <= 1000, "the defaults were computed at the refused size"
+        return default_params(self, heads, *args, **kwargs)
+    monkeypatch.setattr(linrec.Recurrence, "default_params", counted)
+    mamba2, mamba1 = (str(next(p for p in EXAMPLES if p.stem == name)) for name in ("mamba2", "mamba1"))
+    out = tmp_path / "k"
+    for file, options, said in (
+            (mamba2, ["--heads", "100000000"], "mamba2_params.bin would be 2.2 GiB (2400000000 bytes: the float64 "
+             "defaults of A_log, A, D for 100000000 head(s)), above the 1 GiB that --standalone writes: make --heads "
+             "smaller"),
+            (mamba1, ["--dim", "dk=10000", "--dim", "dv=10000"], "mamba1_params.bin would be 3.0 GiB (3200160000 "
+             "bytes: the float64 defaults of A_log, A, D for 2 head(s)), above the 1 GiB that --standalone writes: "
+             "make --heads or --dim dk or --dim dv smaller")):
+        assert main(["emit", file, "--backend", "c", "--standalone", "--out", str(out), *options]) == 1
+        assert capsys.readouterr().err == f"linrec: error: {said}\n"
+    assert computed == [] and not out.exists()
+    assert main(["emit", mamba2, "--backend", "c", "--standalone", "--out", str(out), "--heads", "1000"]) == 0
+    assert (out / "mamba2_params.bin").stat().st_size == 3 * 1000 * 8 and computed == [1000]
+
+
+def _cut_short(monkeypatch):
+    """np.savez on a disk that fills up halfway: half the archive reaches the file, then ENOSPC."""
+    savez = np.savez
+
+    def half_then_full(file, **arrays):
+        whole = io.BytesIO()
+        savez(whole, **arrays)
+        half = whole.getvalue()[: len(whole.getvalue()) // 2]
+        if isinstance(file, (str, Path)):
+            with open(file, "wb") as f:
+                f.write(half)
+        else:
+            file.write(half)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(np, "savez", half_then_full)
+
+
+def test_a_write_cut_short_leaves_no_partial_npz(tmp_path, monkeypatch, capsys):
+    """A full disk during `run --out` (or --save-inputs) left a truncated .npz at the target: now the arrays go to
+    a temporary file beside it, renamed over the target once complete; on a failure it is removed, an existing
+    target is left as it was, and the error names the file and the reason."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    fresh, kept = tmp_path / "fresh.npz", tmp_path / "kept.npz"
+    kept.write_bytes(b"the arrays of an earlier run")
+    kept.chmod(0o600)
+    with monkeypatch.context() as patch:
+        _cut_short(patch)
+        for option, target in (("--out", fresh), ("--out", kept), ("--save-inputs", fresh)):
+            assert main(["run", gla, "--tokens", "4", "-q", option, str(target)]) == 1
+            assert capsys.readouterr().err == f"linrec: error: cannot write {target}: No space left on device\n"
+            assert sorted(tmp_path.iterdir()) == [kept], option
+            assert kept.read_bytes() == b"the arrays of an earlier run"
+    assert main(["run", gla, "--tokens", "4", "-q", "--out", str(kept), "--save-inputs", str(fresh)]) == 0
+    assert sorted(tmp_path.iterdir()) == [fresh, kept]
+    assert np.load(kept)["o"].shape == (2, 4, 2, 16) and kept.stat().st_mode & 0o777 == 0o600
+    if Path("/dev/full").exists():  # (a target that is no regular file, here through a symlink: written directly)
+        full = tmp_path / "full.npz"
+        full.symlink_to("/dev/full")
+        assert main(["run", gla, "--tokens", "4", "-q", "--out", str(full)]) == 1
+        assert capsys.readouterr().err == f"linrec: error: cannot write {full}: No space left on device\n"
+        assert sorted(tmp_path.iterdir()) == [fresh, full, kept] and full.is_symlink()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE and SIGXFSZ as on Linux")
+def test_a_write_cut_short_leaves_no_partial_standalone_file(tmp_path):
+    """`emit --standalone` under a file-size limit (RLIMIT_FSIZE: the write fails with EFBIG, as on a full disk
+    with ENOSPC) wrote mamba2.h and a truncated mamba2.c: now no file is replaced unless every one is complete,
+    and no temporary file stays behind."""
+    mamba2 = str(next(p for p in EXAMPLES if p.stem == "mamba2"))
+    out = tmp_path / "k"
+    out.mkdir()
+    (out / "mamba2.h").write_text("old header")
+    (out / "mamba2.c").write_text("old source")
+    code = ("import resource, signal, sys\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000))\n"
+            "from linrec.cli import main\nsys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "emit", mamba2, "--backend", "c", "--standalone", "--out",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert sorted(p.name for p in out.iterdir()) == ["mamba2.c", "mamba2.h"]
+    assert (out / "mamba2.h").read_text() == "old header" and (out / "mamba2.c").read_text() == "old source"
+    assert (done.returncode, done.stdout, done.stderr) == (
+        1, "", f"linrec: error: cannot write {out / 'mamba2.c'}: File too large\n")
