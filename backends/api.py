@@ -603,6 +603,8 @@ def load(path: str | Path) -> Recurrence:
     if not isinstance(path, (str, Path)) and not hasattr(path, "__fspath__"):
         raise LinrecError(f"load() takes the path of a .lin file (a str or a path), not {type(path).__name__}; for "
                           f"a program's text, linrec.compile(text)")
+    if isinstance(path, str) and not path:  # (read as ".", the directory: the error would name no file given)
+        raise LinrecError("load() was given an empty path: give the path of a .lin file")
     return Recurrence(compiler.compile_file(path))
 
 

@@ -241,7 +241,9 @@ def test_mistakes_found_by_a_new_user_get_clear_errors(tmp_path, capsys):
     neither the array nor the file); --tokens that disagrees with --cu-seqlens (the error spoke of T_total)."""
     for call, args, said in ((linrec.compile, (123,), "compile() takes the program's text as a str, not int"),
                              (linrec.compile, (b"\xff",), "these bytes are not UTF-8"),
-                             (linrec.load, (None,), "load() takes the path of a .lin file")):
+                             (linrec.load, (None,), "load() takes the path of a .lin file"),
+                             # (it named the directory ".")
+                             (linrec.load, ("",), "load() was given an empty path: give the path of a .lin file")):
         with pytest.raises(linrec.LinrecError, match=re.escape(said)):
             call(*args)
     gla = Path(__file__).resolve().parent.parent / "examples" / "gla.lin"
