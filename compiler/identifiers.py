@@ -30,7 +30,8 @@ INTERNAL = {"np", "rt", "t", "h", "batch", "tokens", "heads", "inputs", "params"
 INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one", "silu", "l2norm", "groupnorm",
              "rmsnorm", "matvec", "vecmat", "diag_matrix", "random_features", "per_token", "log_decay",
              "parallel_scan", "chunkwise_scan", "recurrent_scan", "running_max", "scale_decay", "rescale",
-             "visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step", "attention",
+             "visible_positions", "mask", "masked_softmax", "masked_mean", "masked_rmsnorm", "masked_groupnorm",
+             "softmax", "online_softmax_step", "attention",
              "lsh_attention_dense", "lsh_attention_bucketed", "causal", "visible", "keys", "queries", "block",
              "scores", "key_start", "acc", "l", "m"}
 # The backward modules' (linrec.numpy.adjoint): their function's parameters, and the vector–Jacobian products of

@@ -17,7 +17,7 @@ from ..dsl.errors import LinrecError
 
 from . import ir
 from .analysis import inline_lets, rebuild, to_text, walk
-from .builtins import SEQ, SEQUENCE
+from .builtins import BUILTINS, SEQ, SEQUENCE
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,20 @@ def _uses(e: ir.Expr, function: str) -> list[ir.Apply]:
 
 def _reads_sequence(e: ir.Expr) -> bool:
     return bool(_uses(e, "seq")) or any(isinstance(n, ir.ParamRef) and SEQ in n.shape for n in walk(e))
+
+
+def _mixes_positions(e: ir.Expr) -> ir.Expr | None:
+    """The first part of e (softmax's scores s or its values V) that combines different positions' values —
+    a builtin over the sequence axis (softmax, l2norm, mean, … of a [T] vector) or a contraction over it —
+    else None. The chunkwise form computes s and V one block of keys at a time, so each position's entries must
+    follow from that position's values alone."""
+    for n in walk(e):
+        if isinstance(n, ir.Apply) and n.function in BUILTINS and BUILTINS[n.function].kind != "elementwise" \
+                and n.args[0].shape[-1:] == (SEQ,):
+            return n
+        if isinstance(n, ir.Dot) and n.left.shape[-1:] == (SEQ,):
+            return n
+    return None
 
 
 def is_sequence_program(program: ir.Program) -> bool:
@@ -101,11 +115,18 @@ def plan(program: ir.Program) -> SequencePlan:
 
     planned = []
     for name, e, original in outputs:
+        found = len(readouts)
         replaced = rebuild(e, extract)
         for n in walk(replaced):
             if SEQ in n.shape and not isinstance(n, ir.ReadoutRef):
                 problems.append(f"`{to_text(original)}` uses the sequence other than in softmax(s)·V")
                 break
+        for r in readouts[found:]:
+            for part, what in ((r.scores, "scores"), (r.values, "values")):
+                mixing = _mixes_positions(part)
+                if mixing is not None:
+                    problems.append(f"in `{to_text(original)}`, `{to_text(mixing)}` combines the {what} of "
+                                    f"different positions, which a block of keys does not hold alone")
         planned.append((name, replaced))
     if kind == "attention" and problems:
         unavailable.append(("chunkwise", "; ".join(dict.fromkeys(problems)) + " — only softmax(s)·V "

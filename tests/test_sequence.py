@@ -206,3 +206,56 @@ def test_float32_stays_float32_on_numpy():
         assert all(o.dtype == np.float32 for o in outputs.values())
         assert np.array_equal(outputs["p"], np.float32(np.exp(0.5)) * x["v"]), form
         assert np.array_equal(outputs["r"], np.float32(np.sqrt(5.0)) * x["v"]), form
+
+
+# ---- found by probing: statistics over the visible keys, scores that mix positions, sequence expressions in C ----
+
+MIXED_HEAD = """recurrence mixed(dk = 3, dv = 5)
+input q[dk], k[dk], v[dv], u[dv], k2[dk]
+output o = {body}
+"""
+# bodies whose every form (on each backend that builds it) must equal the float64 NumPy recurrent form (a KV
+# cache of the visible keys): means, rmsnorm and groupnorm over the sequence divide by the visible keys (the
+# parallel form divided by every key); scores or values that combine positions (softmax of a softmax, l2norm of
+# the scores, a mean in the values) have no chunkwise form (it ran one block of keys at a time: wrong outputs);
+# keys and values computed from sequences (seq(v)·2, seq(v) + seq(u)) run in the C kernels (they did not run)
+MIXED = {
+    "mean_of_weights": ("mean(softmax(seq(k)·q))·v", None),
+    "mean_of_scores": ("mean(seq(k)·q)·v", None),
+    "rmsnorm_of_scores": ("rmsnorm(seq(k)·q)·seq(v)", None),
+    "groupnorm_of_scores": ("groupnorm(seq(k)·q)·seq(v)", None),
+    "softmax_of_softmax": ("softmax(softmax(seq(k)·q))·seq(v)", "`softmax(seq(k)·q)` combines the scores"),
+    "l2norm_scores": ("softmax(5·l2norm(seq(k)·q))·seq(v)", "`l2norm(seq(k)·q)` combines the scores"),
+    "rmsnorm_scores": ("softmax(rmsnorm(seq(k)·q))·seq(v)", "`rmsnorm(seq(k)·q)` combines the scores"),
+    "mean_in_values": ("softmax(seq(k)·q)·(seq(v)*mean(seq(k)·q))", "`mean(seq(k)·q)` combines the values"),
+    "values_scaled": ("softmax(seq(k)·q)·(seq(v)*2)", None),
+    "values_summed": ("softmax(seq(k)·q)·(seq(v) + seq(u))", None),
+    "keys_summed": ("softmax((seq(k)+seq(k2))·q)·seq(v)", None),
+}
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("name", MIXED)
+def test_sequence_statistics_and_mixed_scores_every_form(name, window):
+    def windowed(text):
+        for x in ("k", "v", "u", "k2"):
+            text = text.replace(f"seq({x})", f"seq({x}, window={window})") if window else text
+        return text
+    body, refused = (windowed(text) if text else text for text in MIXED[name])
+    rec = linrec.compile(MIXED_HEAD.format(body=body), f"{name}.lin")
+    if refused:
+        assert "chunkwise" not in rec.forms and refused in rec.decomposition.why_not("chunkwise")
+    x = rec.random_inputs(2, 37, 2, seed=3)
+    want = rec.run(x, form="recurrent").outputs["o"]
+    ran = 0
+    for form in rec.forms:
+        for backend in ("numpy", "c"):
+            if linrec.registry.refusal(rec.compiled, backend, form):
+                continue
+            got = rec.run(x, form=form, backend=backend, chunk_size=8 if form == "chunkwise" else None).outputs["o"]
+            assert np.max(np.abs(got - want)) <= 1e-9 * np.max(np.abs(want)), (form, backend)
+            ran += 1
+    assert ran >= 2
+    if name == "mean_of_weights":  # the weights' mean is 1/(number of keys seen): o = v / that number
+        seen = np.minimum(np.arange(1, 38), window or 37)
+        assert np.allclose(want / x["v"], (1 / seen)[None, :, None, None], rtol=1e-12)

@@ -30,6 +30,28 @@ def mask(x, visible):
     return x if visible is None else np.where(visible, x, 0.0)
 
 
+def masked_mean(x, visible):
+    """The mean over the keys a query sees: their sum over their count (np.mean of the masked row would divide
+    by every key, the unseen ones too)."""
+    if visible is None:
+        return np.mean(x, axis=-1)
+    return np.sum(np.where(visible, x, 0.0), axis=-1) / np.sum(visible, axis=-1)
+
+
+def masked_rmsnorm(x, visible, eps=1e-6):
+    """rmsnorm over the keys a query sees (runtime.rmsnorm's, its mean of squares over those keys); the unseen
+    keys' entries are 0, as mask gives them."""
+    seen = mask(x, visible)
+    return seen / np.sqrt(masked_mean(seen * seen, visible)[..., None] + eps)
+
+
+def masked_groupnorm(x, visible, eps=1e-5):
+    """groupnorm over the keys a query sees (runtime.groupnorm's: zero mean and unit variance over them); the
+    unseen keys' entries are 0, as mask gives them."""
+    centered = mask(x - masked_mean(x, visible)[..., None], visible)
+    return centered / np.sqrt(masked_mean(centered * centered, visible)[..., None] + eps)
+
+
 def softmax(x):
     shifted = x - np.max(x, axis=-1, keepdims=True)
     e = np.exp(shifted)

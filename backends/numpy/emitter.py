@@ -16,7 +16,8 @@ RUNTIME, ATTENTION, SCAN = "linrec.numpy.runtime", "linrec.numpy.attention", "li
 # the per-token arrays of a derived form and their stabilization: NumPy, whatever module runs the scans
 PER_TOKEN_HELPERS = frozenset({"per_token", "log_decay", "running_max", "scale_decay", "rescale"})
 SCANS = frozenset({"parallel_scan", "chunkwise_scan", "recurrent_scan"})
-ATTENTION_HELPERS = frozenset({"visible_positions", "mask", "masked_softmax", "softmax", "online_softmax_step",
+ATTENTION_HELPERS = frozenset({"visible_positions", "mask", "masked_softmax", "masked_mean", "masked_rmsnorm",
+                               "masked_groupnorm", "softmax", "online_softmax_step",
                                "flash_attention", "flash_attention_backward",
                                "lsh_attention_dense", "lsh_attention_bucketed"})
 # module → the helpers it provides (None: every helper no other module of the mapping lists), in the order of

@@ -22,6 +22,10 @@ KERNELS = frozenset({"attention", "lsh_attention_dense", "lsh_attention_bucketed
 MASKED = "<masked>"
 
 
+# reductions over the sequence axis that divide by its length: over the keys a query sees, by their count
+MASKED_STATISTICS = {"mean": "masked_mean", "rmsnorm": "masked_rmsnorm", "groupnorm": "masked_groupnorm"}
+
+
 class SequencePrinter(NumpyPrinter):
     """Prints seq(x) through `seq_code`, masks contractions and softmaxes over the sequence axis."""
 
@@ -44,6 +48,12 @@ class SequencePrinter(NumpyPrinter):
             if e.function == "softmax":
                 self.helpers.add("masked_softmax")
                 return f"masked_softmax({self(e.args[0])}, {self.visible})", ATOM
+            if e.function in MASKED_STATISTICS and e.args[0].shape == (SEQ,):
+                # a mean over the sequence axis counts the keys the query sees, not every key
+                helper = MASKED_STATISTICS[e.function]
+                self.helpers.add(helper)
+                opts = "".join(f", {k}={v!r}" for k, v in e.options)
+                return f"{helper}({self(e.args[0])}, {self.visible}{opts})", ATOM
             if e.function in ("sum", "mean", "norm", "l2norm", "groupnorm", "rmsnorm"):
                 self.helpers.add("mask")
                 inner = ir.LetRef(e.args[0].shape, MASKED)
@@ -208,10 +218,13 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
         keys, query, values = kernel_pattern(r)
         readout = readout_vars[r.index] = fresh(f"r{r.index}")
         k, v, q = (fresh(f"{what}{r.index}") for what in ("keys", "values", "query"))
-        # a sequence expression prints as [B, 1, H, Tk, *]: drop the query axis, back to [B, Tk, H, *]
-        body += ["", f"# {readout} = softmax(K·q)·V over the visible keys, in a compiled kernel",
-                 f"{k} = np.swapaxes({seq_printer(em.refold(keys))}[:, 0], 1, 2)",
-                 f"{v} = np.swapaxes({seq_printer(em.refold(values))}[:, 0], 1, 2)",
+        # a sequence expression prints as [B, 1, H, Tk, *] (an expression of constants or params alone in some
+        # axis: broadcast to it): drop the query axis, back to [B, Tk, H, *]
+        body += ["", f"# {readout} = softmax(K·q)·V over the visible keys, in a compiled kernel"]
+        for name, e in ((k, keys), (v, values)):
+            whole = f"(batch, 1, heads, {_positions(em, e)}, {n(e.shape[-1])})"
+            body.append(f"{name} = np.swapaxes(np.broadcast_to({seq_printer(em.refold(e))}, {whole})[:, 0], 1, 2)")
+        body += [
                  f"{q} = np.broadcast_to({base(em.refold(query))}, (batch, tokens, heads, {k}.shape[-1]))",
                  f"{readout} = attention(np.ascontiguousarray({q}[:, first:], dtype=dtype), "
                  f"np.ascontiguousarray({k}, dtype=dtype), np.ascontiguousarray({v}, "
@@ -231,6 +244,13 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     if plan.softmax_readouts:
         helpers.add("attention")  # (written out above: the compiled kernel)
     return em.render(form, body, helpers, {kernels: KERNELS, **NUMPY_MODULES})
+
+
+def _positions(em, e: ir.Expr) -> str:
+    """The code of the number of positions of a sequence expression [positions, *]: T, or a dim's size
+    (Linformer's E·seq(k) has kproj)."""
+    first = e.shape[0]
+    return "tokens" if first == SEQ else em.name(first)
 
 
 def visible_slice(causal: bool, window: int) -> tuple[str, str]:
