@@ -39,7 +39,16 @@ def too_large(what: str) -> str:
     """The message for a size above SIZE_LIMIT; `what` names it with its value ("--dim dk=10000000000")."""
     return (f"{what} is too large: sizes go up to {SIZE_LIMIT} (2³¹ − 1; the kernels count them in C ints); "
             f"make it smaller")
-RESERVED = {"I", "h"} | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
+# The builtin names that are values, not functions: what each is and how it is used. A call of one says so
+# (the name cannot be defined either, so "unknown function, define it first" sent the writer in a circle)
+VALUES = {"I": ("the identity matrix", "use it in a product, where the matrix it meets gives its size, e.g. "
+                                       "`(I − beta·k⊗k)·S`"),
+          "h": ("the head index, a number", "use it in a per-head parameter's default, e.g. "
+                                            "`param gamma per head = 1 − 2^(−5 − h)`")}
+RESERVED = set(VALUES) | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
+# What each kind of statement declares, as a message names it
+_DECLARES = {ast.InputDecl: "input", ast.ParamDecl: "parameter", ast.StateDecl: "state",
+             ast.FunctionDef: "function", ast.OutputDef: "output", ast.Assignment: "value"}
 
 
 def _fmt(shape: ir.Shape) -> str:
@@ -73,6 +82,12 @@ class _Resolver:
         self.step_spans: list[Span] = []  # where each step is written
         self.used: set[str] = set()  # inputs, params, values and functions some expression refers to
         self.warnings: tuple[LinrecWarning, ...] = ()  # set by run()
+        # each name's first declaration in the whole program, and what it declares: a name used before it is
+        # told where it comes, not called unknown
+        self.declarations: dict[str, tuple[Span, str]] = {}
+        for st in program.statements:
+            name = st.target if isinstance(st, ast.Assignment) else st.name
+            self.declarations.setdefault(name, (st.span, _DECLARES[type(st)]))
 
     # ---- names ----
     def _define(self, name: str, span: Span, what: str):
@@ -228,9 +243,7 @@ class _Resolver:
                 visit(e.right)
             elif isinstance(e, ast.Call):
                 if e.function not in callable_:
-                    hint = _closest(e.function, list(self.functions) + list(BUILTINS) + list(STRUCTURAL))
-                    raise LinrecError(f"unknown function '{e.function}'"
-                                      + (f"; did you mean '{hint}'?" if hint else ""), e.name_span or e.span)
+                    raise self._no_function(e)
                 for a in e.args:
                     visit(a)
                 for k in e.keywords:
@@ -367,7 +380,9 @@ class _Resolver:
             self.used.add(n)
             p = self.params[n]
             return ir.ParamRef(p.shape, n, p.per_head, span=sp)
-        if in_param and n in (self.inputs.keys() | self.states.keys() | self.lets.keys()):
+        # (one declared later, too: moving it up, as an out-of-order name is told, would not help)
+        per_token = n in (self.inputs.keys() | self.states.keys() | self.lets.keys())
+        if in_param and (per_token or self.declarations.get(n, (None, ""))[1] in ("input", "state", "value")):
             raise LinrecError(f"a parameter's default may use only numbers, dimensions, h and other "
                               f"parameters, not '{n}'", sp)
         if n in self.inputs:
@@ -390,6 +405,9 @@ class _Resolver:
             raise LinrecError(f"unknown name '{n}'{lookalike}", sp)
         if n in self.defined_at:  # (its own definition, being read: `param a = a + 1` said "did you mean 'a'?")
             raise LinrecError(f"'{n}' is defined here from itself; define it from other names", sp)
+        out_of_order = self._out_of_order(n, sp)
+        if out_of_order:
+            raise LinrecError(out_of_order, sp)
         hint = _closest(n, list(self.defined_at) + list(BUILTINS))
         raise LinrecError(f"unknown name '{n}'" + (f"; did you mean '{hint}'?" if hint else
                                                    "; declare it as an input, param, state or value first"), sp)
@@ -495,11 +513,36 @@ class _Resolver:
                     raise LinrecError(f"'{fn}' works on a vector, got {_fmt(x.shape)}", e.args[0].span)
                 shape = x.shape if b.kind == "vector" else ()
             return ir.Apply(shape, fn, args, tuple(opts.items()), span=sp)
+        raise self._no_function(e)
+
+    def _no_function(self, e: ast.Call) -> LinrecError:
+        """The error for a call whose name is no function (defined so far)."""
+        fn, sp = e.function, e.name_span or e.span
+        if fn in VALUES:
+            what, use = VALUES[fn]
+            return LinrecError(f"'{fn}' is {what}, not a function: {use}", sp)
         if fn in self.defined_at or fn in self.dims:
-            raise LinrecError(f"'{fn}' is not a function", e.name_span or sp)
+            return LinrecError(f"'{fn}' is not a function", sp)
+        out_of_order = self._out_of_order(fn, sp)
+        if out_of_order:
+            return LinrecError(out_of_order, sp)
         hint = _closest(fn, list(self.functions) + list(BUILTINS) + list(STRUCTURAL))
-        raise LinrecError(f"unknown function '{fn}'" + (f"; did you mean '{hint}'?" if hint else
-                          "; define it first, e.g. `phi(x) = elu(x) + 1`"), e.name_span or sp)
+        return LinrecError(f"unknown function '{fn}'" + (f"; did you mean '{hint}'?" if hint else
+                           "; define it first, e.g. `phi(x) = elu(x) + 1`"), sp)
+
+    def _out_of_order(self, name: str, use: Span) -> str | None:
+        """The message for a name read before the statement that declares it, or in its own definition (a
+        value's name is defined once its value is resolved), if a statement declares it."""
+        if name not in self.declarations:
+            return None
+        at, what = self.declarations[name]
+        if (at.line, at.column) <= (use.line, use.column):  # (the statement being resolved: `x = 2*x`)
+            return f"'{name}' is defined here from itself; define it from other names"
+        if what == "output":  # (moving it up would not help)
+            return (f"'{name}' is an output (line {at.line}) and cannot be read; define the value with "
+                    f"`{name}_value = …` and output that")
+        return (f"'{name}' is used before its declaration: it is {'an' if what[0] in 'aeiou' else 'a'} {what} "
+                f"declared later, on line {at.line}; move that declaration above its first use (line {use.line})")
 
     def _sequence_call(self, e: ast.Call, rec) -> ir.Expr:
         arity, defaults = SEQUENCE[e.function]

@@ -8,17 +8,27 @@ from importlib import resources
 
 from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark.lexer import PatternStr
 
 from . import ast
 from .errors import LinrecError, Span
 
-# Readable names for the grammar's terminals, used in "expected ..." messages.
+# Readable names for the grammar's terminals that are patterns, used in "expected ..." messages (a terminal of
+# one fixed text, `(` or `input`, is shown as that text: _readable)
 _TERMINAL_NAMES = {
-    "NAME": "a name", "NUMBER": "a number", "INT": "an integer", "LPAR": "'('", "RPAR": "')'",
-    "LSQB": "'['", "RSQB": "']'", "COMMA": "','", "EQUAL": "'='", "PLUS": "'+'", "MINUS": "'-'",
-    "STAR": "'*'", "SLASH": "'/'", "CIRCUMFLEX": "'^'", "DOT": "'·'", "OUTER": "'⊗'", "_NL": "end of line",
-    "MODE": "'causal' or 'noncausal'", "PER_HEAD": "'per head'", "COMPARE": "a comparison",
-    "IN": "'in'", "RECURRENCE": "'recurrence'", "$END": "end of file",
+    "NAME": "a name", "NUMBER": "a number", "INT": "an integer", "MINUS": "'-'", "DOT": "'·'",
+    "_NL": "end of line", "MODE": "'causal' or 'noncausal'", "PER_HEAD": "'per head'", "COMPARE": "a comparison",
+    "LBRACKET": "'(' or '['", "RBRACKET": "')' or ']'", "$END": "end of file",
+}
+
+# The words the grammar keeps from names (its NAME excludes them), and the statement each belongs in: a program
+# that uses one as a name is told so
+KEYWORDS = {
+    "recurrence": "the header, `recurrence NAME(dk = 64)`",
+    "input": "`input q[dk]`", "param": "`param w[dk] = 1`", "state": "`state S[dk, dv]`",
+    "output": "`output o = q·S`", "per": "`param NAME per head`", "in": "a range, `input beta in (0, 1)`",
+    "causal": "the header, `recurrence NAME(dk = 64) causal`",
+    "noncausal": "the header, `recurrence NAME(dk = 64) noncausal`",
 }
 
 
@@ -33,6 +43,11 @@ def _span(meta_or_token) -> Span:
     if isinstance(m, Token):
         return Span(m.line, m.column, m.end_line, m.end_column)
     return Span(m.line, m.column, m.end_line, m.end_column)
+
+
+def _value(number: Token) -> float:
+    """A NUMBER's value (its exponent's sign may be written −, which float() does not read)."""
+    return float(str(number).replace("−", "-"))
 
 
 @v_args(meta=True)
@@ -68,7 +83,7 @@ class _ToAst(Transformer):
 
     def signed_number(self, meta, children):
         sign, number = children
-        value = float(number)
+        value = _value(number)
         if not math.isfinite(value):  # (1e999: a range's end must be a number a comparison can use)
             raise LinrecError("this number is too large: it is not a finite double-precision number (the largest "
                               "is about 1.8e308)", _span(number))
@@ -117,7 +132,7 @@ class _ToAst(Transformer):
 
     # ---- expressions ----
     def number(self, meta, children):
-        return ast.Number(_span(meta), float(children[0]))
+        return ast.Number(_span(meta), _value(children[0]))
 
     def name(self, meta, children):
         return ast.Name(_span(meta), str(children[0]))
@@ -160,10 +175,40 @@ class _ToAst(Transformer):
         return ast.Call(_span(meta), str(name), args, keywords, _span(name))
 
 
+def _readable(terminal: str) -> str | None:
+    """How a terminal is written: its text when it has one, else its description (None for a pattern without
+    one, which is left out of a message rather than shown by its internal name; a test keeps that from
+    happening)."""
+    if terminal in _TERMINAL_NAMES:
+        return _TERMINAL_NAMES[terminal]
+    pattern = next((t.pattern for t in _parser().terminals if t.name == terminal), None)
+    return repr(pattern.value) if isinstance(pattern, PatternStr) else None
+
+
+def _accepted(err: UnexpectedInput, text: str) -> set[str]:
+    """The terminals that can come where the parser stopped. Lark's `expected` is a row of the LALR table,
+    which names tokens that cannot come there (states merged: `,` and `)` after `x = a`), and when the bad
+    token was a lookahead that reduced first, misses some that can (`*` after `x = a )`); the parser run
+    again on the text before the place, and asked which terminals it would take next, gives exactly those."""
+    at_end = isinstance(err, UnexpectedToken) and err.token.type == "$END"
+    start = len(text) if at_end else err.pos_in_stream
+    try:
+        parser = _parser().parse_interactive(text[:start])
+        parser.exhaust_lexer()
+        accepted = parser.accepts()
+    except UnexpectedInput:  # (not expected: the text before the place parsed once already)
+        return set(getattr(err, "expected", None) or getattr(err, "allowed", None) or ())
+    # (accepts() feeds each candidate alone, and the end of the file only ends a program fed as the end)
+    if "$END" in parser.choices() and not at_end:
+        accepted.add("$END")
+    return accepted
+
+
 def _expected(tokens) -> str:
-    # The end of a line is usually the most useful alternative, so it comes first and is never cut off.
-    names = {_TERMINAL_NAMES.get(t, repr(t) if len(t) < 3 else repr(t.lower())) for t in tokens}
-    first = [n for n in ("end of line", "end of file") if n in names]
+    # The end of a line is usually the most useful alternative, and a closing bracket the likeliest one missing
+    # (before `(`, which may follow any name as a call), so they come first and are never cut off.
+    names = {n for n in map(_readable, tokens) if n is not None}
+    first = [n for n in ("end of line", "end of file", "')'", "']'", "')' or ']'") if n in names]
     rest = sorted(names - set(first))
     return ", ".join(first + rest[:12])
 
@@ -205,47 +250,89 @@ LOOKALIKES = [
 ]
 
 
-def _syntax_error(err: UnexpectedInput, source: str | None = None) -> LinrecError:
+def _syntax_error(err: UnexpectedInput, source: str) -> LinrecError:
     line, column = max(err.line, 1), max(err.column, 1)
-    if isinstance(err, UnexpectedCharacters):
-        char = err.char if hasattr(err, "char") else "?"
-        msg = f"unexpected character {char!r}"
-        msg += next((hint for chars, hint in LOOKALIKES if char in chars), "")
-        return LinrecError(msg, Span(line, column, line, column + 1))
     if isinstance(err, UnexpectedEOF):
         return LinrecError("unexpected end of file: the last statement is incomplete",
                            Span(line, column, line, column + 1))
-    assert isinstance(err, UnexpectedToken)
-    tok = err.token
-    width = max(1, len(str(tok)))
-    if tok.type == "_NL" or tok.type == "$END":
-        what = "end of line" if tok.type == "_NL" else "end of file"
-        width = 1
+    accepted = _accepted(err, source)
+    if isinstance(err, UnexpectedCharacters):
+        # (a keyword that is no token alone — `per` — reaches the lexer as characters no terminal takes)
+        word = _word_at(source, err.pos_in_stream)
+        if word not in KEYWORDS:
+            char = err.char if hasattr(err, "char") else "?"
+            msg = f"unexpected character {char!r}"
+            msg += next((hint for chars, hint in LOOKALIKES if char in chars), "")
+            return LinrecError(msg, Span(line, column, line, column + 1))
+        kind, what = "NAME", repr(word)
     else:
-        what = repr(str(tok))
-    hint = ""
-    if "RECURRENCE" in err.expected and tok.type != "_NL":
+        assert isinstance(err, UnexpectedToken)
+        word = str(err.token)
+        kind = err.token.type
+        what = {"_NL": "end of line", "$END": "end of file"}.get(kind, repr(word))
+    width = 1 if kind in ("_NL", "$END") else max(1, len(word))
+    span = Span(line, column, line, column + width)
+    if "RECURRENCE" in accepted and kind != "_NL":
         return LinrecError(f"a program starts with its header, e.g. `recurrence NAME(dk = 64, dv = 64)`; "
-                           f"found {what}", Span(line, column, line, column + width))
-    if tok.type in ("_NL", "$END") and ({"RPAR", "RSQB"} & set(err.expected)):
+                           f"found {what}", span)
+    if kind not in ("_NL", "$END") and word in KEYWORDS:
+        message = _misplaced_keyword(word, accepted, source, err.pos_in_stream)
+        if message:
+            return LinrecError(message, span)
+    msg = f"unexpected {what}; expected {_expected(accepted)}{_hint(err, kind, accepted, source, line, column)}"
+    return LinrecError(msg, span)
+
+
+def _word_at(source: str, position: int) -> str:
+    """The word (a name or keyword) that starts at `position`, or ""."""
+    word = re.match(r"[^\W\d]\w*", source[position:])
+    return word.group() if word else ""
+
+
+def _misplaced_keyword(word: str, accepted: set[str], source: str, position: int) -> str | None:
+    """What is wrong with a keyword where the parser cannot take it, when that can be told: `per` not followed
+    by `head` where `per head` may come, or a keyword where a name goes."""
+    if word == "per" and "PER_HEAD" in accepted:
+        rest = source[position + len(word):].split("\n", 1)[0].split("#", 1)[0].strip()
+        after = repr(_word_at(rest, 0) or rest[:1]) if rest else "the end of the line"
+        return (f"'per' is followed here by {after}, but it is one half of the keyword 'per head', as in "
+                f"`param NAME per head`: write 'head' after it on the same line (or continue the line with "
+                f"'\\' first)")
+    if word == "recurrence" and "INPUT" in accepted:  # (at the start of a statement: a second header)
+        return ("a file holds one recurrence, and its header is the first statement; this is a second header: "
+                "put each recurrence in a file of its own")
+    if "NAME" in accepted:
+        return (f"'{word}' is a keyword (of {KEYWORDS[word]}) and cannot be a name; choose another name, "
+                f"e.g. '{word}_'")
+    return None
+
+
+def _hint(err: UnexpectedInput, kind: str, accepted: set[str], source: str, line: int, column: int) -> str:
+    """A guess at the cause of an unexpected token, in parentheses after the message, or ""."""
+    lines = source.splitlines()
+    statement = lines[line - 1].lstrip() if line <= len(lines) else ""
+    if kind == "$END" and statement.rstrip().endswith("\\"):
+        return (" (the line ends in '\\', which continues the statement onto the next line, but the file ends "
+                "there: finish the statement or remove the '\\')")
+    if kind in ("_NL", "$END") and ({"RPAR", "RSQB", "RBRACKET"} & accepted):
         opened = _unclosed(source, line, column)
         if opened is not None:
             bracket, at_line, at_col = opened
             where = f"column {at_col}" if at_line == line else f"line {at_line}, column {at_col}"
-            hint = f" (the '{bracket}' at {where} is never closed)"
-    lines = source.splitlines() if source else []
-    statement = lines[line - 1].lstrip() if line <= len(lines) else ""
-    if tok.type == "$END" and statement.rstrip().endswith("\\"):
-        hint = (" (the line ends in '\\', which continues the statement onto the next line, but the file ends "
-                "there: finish the statement or remove the '\\')")
-    if not hint and "LSQB" in err.expected and statement.startswith("state"):
-        hint = " (a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv])"
-    if not hint and tok.type == "NAME" and "EQUAL" in err.expected:
-        hint = " (each statement goes on its own line)"
-    elif not hint and str(tok) in ("recurrence", "input", "param", "state", "output"):
-        hint = f" ('{tok}' starts a statement of its own line)"
-    msg = f"unexpected {what}; expected {_expected(err.expected)}{hint}"
-    return LinrecError(msg, Span(line, column, line, column + width))
+            return f" (the '{bracket}' at {where} is never closed)"
+    if "LSQB" in accepted and statement.startswith("state"):
+        return " (a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv])"
+    # a name glued to a number, starting with e: an exponent its sign is missing from (`1e–3`, a dash)
+    if kind == "NAME" and err.pos_in_stream and source[err.pos_in_stream - 1] in "0123456789." \
+            and source[err.pos_in_stream] in "eE":
+        return " (a number's exponent is written as in 1e-3 or 1e−3)"
+    # a name where the line could have ended, followed by what begins a definition: a second statement
+    rest = source[err.pos_in_stream:].split("\n", 1)[0]
+    if kind == "NAME" and "_NL" in accepted and re.match(r"[^\W\d]\w*\s*(\([^()]*\)\s*)?=", rest):
+        return " (each statement goes on its own line)"
+    if kind in ("RECURRENCE", "INPUT", "PARAM", "STATE", "OUTPUT"):
+        return f" ('{kind.lower()}' starts a statement of its own line)"
+    return ""
 
 
 # How deeply an expression may nest (operators and calls; parentheses make no node): every stage after the parser walks

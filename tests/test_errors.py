@@ -240,6 +240,122 @@ def test_empty_interval():
     check(compile_error(src), src, where(src, 2, "in ("), "empty interval", "lower end 1", "upper end 0")
 
 
+# (found by probing: a keyword as a name, and `per` without `head` on its line, were "unexpected character 'p'")
+@pytest.mark.parametrize("line, word", [
+    ("input per", "per"), ("per = 2*q", "per"), ("x = 2*per", "per"), ("input in", "in"),
+    ("x = causal", "causal"), ("input state", "state"),
+])
+def test_a_keyword_used_as_a_name_says_it_is_a_keyword(line, word):
+    src = HEAD + f"{line}\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n"
+    at = (3, line.rindex(word) + 1) if line.endswith(word) else where(src, 3, word)
+    check(compile_error(src), src, at, f"'{word}' is a keyword", "cannot be a name",
+          f"choose another name, e.g. '{word}_'", width=len(word))
+
+
+@pytest.mark.parametrize("declaration, follows", [
+    ("param w per\n  head", "the end of the line"), ("param w per", "the end of the line"),
+    ("param w per heads", "'heads'"), ("param w per-head", "'-'"),
+])
+def test_per_without_head_on_its_line_says_per_head_is_one_keyword(declaration, follows):
+    src = HEAD + f"{declaration}\nstate S[dk, dv]\nS = S + k⊗v\noutput o = w*q·S\n"
+    check(compile_error(src), src, where(src, 3, "per"), f"'per' is followed here by {follows}",
+          "the keyword 'per head'", "`param NAME per head`", "write 'head' after it on the same line", width=3)
+
+
+def test_per_head_may_be_continued_over_a_line_end():
+    """A line ending in '\\' continues the statement, between the words of `per head` too (it was refused)."""
+    src = HEAD + "param w per \\\n  head = 1\nstate S[dk, dv]\nS = S + k⊗v\noutput o = w*q·S\n"
+    assert linrec.compile(src, FILE).compiled.program.params[0].per_head
+
+
+def test_a_second_header_says_one_recurrence_per_file():
+    """It said "('recurrence' starts a statement of its own line)", on a line of its own."""
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\nrecurrence u(dk = 4)\n"
+    check(compile_error(src), src, (6, 1), "a file holds one recurrence", "a file of its own", width=10)
+
+
+def test_an_exponent_with_a_dash_says_how_exponents_are_written():
+    src = HEAD + "x = 1e–3*q\nstate S[dk, dv]\nS = S + k⊗v\noutput o = x·S\n"
+    check(compile_error(src), src, where(src, 3, "e"), "unexpected 'e'", "written as in 1e-3 or 1e−3", width=1)
+
+
+def test_a_line_of_spaces_or_an_indented_comment_is_no_statement():
+    """Found by probing: a blank line holding spaces, or a comment indented, was "unexpected end of line"."""
+    src = HEAD + "  \n    # an indented comment\nstate S[dk, dv]\n\t\nS = S + k⊗v   \n  \noutput o = q·S\n   \n"
+    assert linrec.compile(src, FILE).name == "t"
+
+
+def test_the_names_keywords_are_the_grammars():
+    """Every word the grammar keeps from names has a use the keyword message can name."""
+    from linrec.dsl.parser import KEYWORDS, _parser
+    name = next(t for t in _parser().terminals if t.name == "NAME").pattern.value
+    assert set(re.search(r"\(\?!\(([^)]*)\)", name).group(1).split("|")) == set(KEYWORDS)
+
+
+@pytest.mark.parametrize("number, value", [("1e−3", 1e-3), ("2.5E−2", 2.5e-2), ("1e-3", 1e-3)])
+def test_an_exponent_takes_the_minus_sign_as_expressions_do(number, value):
+    """`1e−3` with U+2212, the minus the DSL takes in `dk^(−1/2)`, is 1e-3 (it was "unexpected 'e'")."""
+    src = f"recurrence t(dk = 4)\ninput q[dk], beta in (−{number}, 1)\nparam c = {number}\nstate S[dk]\n" \
+          f"S = S + beta*q\noutput o = c*q·S\n"
+    program = linrec.dsl.parse(src)
+    assert program.statements[0].constraint is None and program.statements[1].constraint.low == -value
+    assert program.statements[2].default.value == value
+    linrec.compile(src, FILE)
+
+
+def _internal_terminal_names() -> set[str]:
+    """How the old messages leaked the grammar's terminals: a name in lower case ('rbracket'), where it is no
+    text the user writes (a keyword's name is its text: 'input')."""
+    from lark.lexer import PatternStr
+    from linrec.dsl.parser import _parser
+    return {repr(t.name.lower()) for t in _parser().terminals
+            if not (isinstance(t.pattern, PatternStr) and t.pattern.value == t.name.lower())}
+
+
+def test_every_terminal_has_a_readable_name():
+    """A terminal of a pattern needs a description in the table (one without is left out of messages)."""
+    from linrec.dsl.parser import _parser, _readable
+    parser = _parser()
+    for t in parser.terminals:
+        if t.name not in parser.ignore_tokens:
+            assert _readable(t.name) and _readable(t.name) not in _internal_terminal_names(), t.name
+
+
+def test_expected_tokens_are_written_as_the_user_writes_them():
+    """An interval's closing bracket was listed as 'rbracket', and ',' with it, which cannot come there."""
+    src = "recurrence t(dk = 4)\ninput q[dk], beta in (0, 1 x\nstate S[dk]\nS = S + beta*q\noutput o = q·S\n"
+    err = compile_error(src)
+    check(err, src, where(src, 2, "x"), "unexpected 'x'; expected ')' or ']'", width=1)
+    assert "rbracket" not in str(err) and "','" not in str(err), str(err)
+
+
+def test_expected_tokens_are_those_that_can_come_there():
+    """Lark's expected set is a row of its LALR table: ',' and end of line inside parentheses, where neither
+    can come; and after a token that made it reduce first, too few (`x = q )` listed only end of line)."""
+    src = HEAD + "x = (q k\nstate S[dk, dv]\nS = S + k⊗v\noutput o = x·S\n"
+    err = compile_error(src)
+    check(err, src, where(src, 3, "k"), "unexpected 'k'; expected ')', ", width=1)
+    assert "','" not in str(err) and "end of line" not in str(err), str(err)
+    src = HEAD + "x = q )\nstate S[dk, dv]\nS = S + k⊗v\noutput o = x·S\n"
+    check(compile_error(src), src, where(src, 3, ")"), "unexpected ')'; expected end of line, ", "'*'", "'·'",
+          width=1)
+
+
+def test_no_message_names_an_internal_terminal():
+    """Every prefix of an example, and the example with a stray bracket or comma at every place: no message
+    names a terminal by its grammar name."""
+    text = (EXAMPLES / "deltanet.lin").read_text(encoding="utf-8")
+    internal = _internal_terminal_names()
+    variants = [text[:i] for i in range(len(text))]
+    variants += [text[:i] + extra + text[i:] for i in range(len(text)) for extra in (")", "]", ",")]
+    for variant in variants:
+        try:
+            linrec.dsl.parse(variant, FILE)
+        except LinrecError as err:
+            message = str(err).splitlines()[0]
+            assert not any(name in message for name in internal), (variant, message)
+
+
 # ---- names ---------------------------------------------------------------------------------------
 def test_unknown_name_did_you_mean():
     src = HEAD + "state S[dk, dv]\nS = S + k⊗vv\noutput o = q·S\n"
@@ -285,6 +401,52 @@ def test_function_body_may_use_names_defined_later():
     res = rec.run(x)
     S = np.cumsum(np.einsum("bthi,bthj->bthij", x["k"], x["v"]), axis=1)
     np.testing.assert_allclose(res.outputs["o"], np.einsum("bthi,bthij->bthj", x["q"], S), rtol=1e-12)
+
+
+@pytest.mark.parametrize("use", ["output o = I(q)·S", "f(x) = I(x)·x\noutput o = f(q)·S"])
+def test_calling_the_identity_says_what_it_is(use):
+    """`I(q)` said "unknown function 'I'; define it first", but defining I is refused."""
+    src = HEAD + f"state S[dk, dv]\nS = S + k⊗v\n{use}\n"
+    check(compile_error(src), src, where(src, 5, "I("), "'I' is the identity matrix, not a function",
+          "use it in a product", "`(I − beta·k⊗k)·S`", width=1)
+
+
+def test_calling_the_head_index_says_what_it_is():
+    src = HEAD + "param w per head = h(2)\nstate S[dk, dv]\nS = S + k⊗v\noutput o = w*q·S\n"
+    check(compile_error(src), src, where(src, 3, "h("), "'h' is the head index, a number, not a function",
+          width=1)
+
+
+@pytest.mark.parametrize("early, late, name, what", [
+    ("x = 2*q", "input q[dk], k[dk], v[dv]", "q", "an input"),
+    ("x = w*k", "param w = 2", "w", "a parameter"),
+    ("x = phi(k)", "phi(y) = 2*y", "phi", "a function"),
+])
+def test_a_name_used_before_its_declaration_says_where_it_is_declared(early, late, name, what):
+    """An input read on a line above its `input` line was "unknown name 'q'" (with a "did you mean" for
+    another name)."""
+    inputs = "" if late.startswith("input") else "input q[dk], k[dk], v[dv]\n"
+    src = f"recurrence t(dk = 4, dv = 3)\n{inputs}{early}\n{late}\nstate S[dk, dv]\nS = S + k⊗v\noutput o = x·S\n"
+    line = src.splitlines().index(early) + 1
+    check(compile_error(src), src, where(src, line, name), f"'{name}' is used before its declaration",
+          f"it is {what} declared later, on line {line + 1}", f"move that declaration above its first use (line "
+          f"{line})", width=len(name))
+
+
+def test_a_value_read_in_its_own_definition_says_so():
+    src = HEAD + "x = 2*x\nstate S[dk, dv]\nS = S + k⊗v\noutput o = x·S\n"
+    check(compile_error(src), src, where(src, 3, "x", 2), "'x' is defined here from itself", width=1)
+
+
+def test_an_output_read_before_its_line_says_outputs_cannot_be_read():
+    src = HEAD + "x = 2*o\nstate S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "o"), "'o' is an output (line 6) and cannot be read", width=1)
+
+
+def test_a_param_default_reading_an_input_declared_later_says_it_cannot():
+    src = "recurrence t(dk = 4, dv = 3)\nparam w = 2*q\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n" \
+          "S = S + k⊗v\noutput o = w*q·S\n"
+    check(compile_error(src), src, where(src, 2, "q"), "a parameter's default may use only", "not 'q'", width=1)
 
 
 def test_redefined_input():
