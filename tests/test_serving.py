@@ -784,3 +784,32 @@ def test_bound_steps_refuse_arrays_made_read_only_since_and_steps_say_what_is_wr
         fresh.step(tokens, {"S": np.zeros((2, 2, 8, 6)), "typo": np.zeros(3)}, backend=backend)
     with pytest.raises(linrec.RuntimeInputError, match="missing input 'g'"):
         fresh.step({k: v for k, v in tokens.items() if k != "g"}, None, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("state_dtype", [None, "bfloat16"])
+def test_an_in_place_decode_loop_carries_the_states_it_was_not_given(backend, state_dtype):
+    """Found by probing: step(…, inplace=True) with a state dict lacking a state (or a stabilized state's
+    log-scale) starts it from zeros and hands it to the dict, as NumPy did; the C step made it anew each call,
+    so the state restarted every token (a two-state program: outputs 24 % off) and Performer's states were
+    left scaled by a log-scale it dropped (143 % off). The loop's outputs equal run()'s."""
+    two = linrec.compile("recurrence two(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv], z[dk]\n"
+                         "S = 0.9·S + k⊗v\nz = 0.9·z + k\noutput o = q·S + sum(q*z)\n", "two.lin")
+    cases = [(two, {"dk": 4, "dv": 4}, ["S"])]
+    if state_dtype is None:  # (a stabilized state has no bfloat16 form: its log-scale stands for the range)
+        cases.append((linrec.load(EXAMPLES / "performer.lin"), {"m": 16}, ["S", "z"]))
+    dtype = np.float32 if state_dtype else np.float64
+    for rec, dims, given in cases:
+        x = rec.random_inputs(1, 6, 2, dims=dims, seed=1, dtype=dtype)
+        x["q"] *= 4
+        x["k"] *= 4  # (Performer: large enough that the kernel rescales its state)
+        starts = {name: np.random.default_rng(0).standard_normal(s.shape).astype(dtype) * (name == "S")
+                  for name, s in rec.run(x, form="recurrent", dims=dims).final_state.items() if name in given}
+        want = rec.run(x, form="recurrent", initial_state=starts, dims=dims).outputs["o"]
+        state = {name: linrec.to_bfloat16(s) if state_dtype else s.copy() for name, s in starts.items()}
+        got = np.stack([rec.step({n: a[:, t].copy() for n, a in x.items()}, state, backend=backend, inplace=True,
+                                 state_dtype=state_dtype)[0]["o"].copy() for t in range(6)], axis=1)
+        assert set(state) == {s.name for s in rec.program.states} | \
+            ({"S.log_scale"} if rec.name == "performer" else set())
+        tol = 2e-2 if state_dtype else 1e-12
+        assert np.max(np.abs(got - want)) <= tol * np.max(np.abs(want)), rec.name

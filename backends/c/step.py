@@ -293,6 +293,11 @@ class Stepper:
                 arr = aligned_zeros(shp, sdt)  # (bfloat16 zeros are zero bits)
                 if name in self._scale_names:
                     arr[...] = np.nan
+                if inplace and state is not None:
+                    # the caller's dict takes the state this step starts (as on NumPy), so that an in-place
+                    # decode loop goes on with it: made anew each call, it restarted every token, and a stabilized
+                    # state's log-scale was dropped while its values stayed scaled by it
+                    adopted[name] = arr
                 every_seen = False
             elif name in self._scale_names and getattr(arr, "dtype", dt) != dt:
                 # a log-scale from the NumPy backend (float64): converted, and the caller's dict given the
