@@ -124,8 +124,10 @@ class Recurrence:
     def default_params(self, heads: int, dims: dict[str, int] | None = None,
                        given: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """The file's parameter defaults for `heads` heads (float64; per-head ones as [H, *]), except those
-        `given`: a default computed from another param uses the given value of that one. Whatever backend
-        runs the forms, the defaults are the NumPy backend's code (seeded draws included), so both agree."""
+        `given`: a default computed from another param uses the given value of that one. A param without a
+        default is None, and so is one whose default reads such a param not given (the caller passes them).
+        Whatever backend runs the forms, the defaults are the NumPy backend's code (seeded draws included), so
+        both agree."""
         sizes = {d.name: d.default for d in self.program.dims} | arrays.checked_sizes(self.program, dims)
         self._check_constants(sizes)
         given = dict(given or {})

@@ -576,9 +576,10 @@ def _add_run(parser: argparse.ArgumentParser):
                             "*]; initial and final states [N, H, *] (generated inputs: B = 1 and T = the last "
                             "offset; --batch and --tokens, if given, must agree)")
     serve.add_argument("--state-dtype", choices=("float32", BFLOAT16), metavar="{float32,bfloat16}",
-                       help="how states are stored between calls: bfloat16 keeps initial, final and returned "
-                            "states as uint16 arrays of bfloat16 bits (float32 inputs; generated ones are "
-                            "float32 then); with --form step every token's state is rounded to bfloat16")
+                       help="how states are stored between calls, either with float32 inputs (generated ones "
+                            "are float32 then): float32 in the inputs' dtype; bfloat16 keeps initial, final and "
+                            "returned states as uint16 arrays of bfloat16 bits, and with --form step every "
+                            "token's state is rounded to bfloat16")
     io = parser.add_argument_group("arrays from and to files")
     io.add_argument("--inputs", type=_path("the .npz file to read"), metavar="IN.npz",
                     help="arrays by DSL name: inputs [B, T, H, *]; arrays named like a state are initial "
@@ -774,7 +775,9 @@ def _generated_shape(args) -> tuple[int, int, int, np.dtype]:
                               f"each sequence its own state; drop --batch")
     batch = args.batch or (1 if packed else RUN_BATCH)
     tokens = args.tokens or (max(args.cu_seqlens[-1], 1) if packed else RUN_TOKENS)
-    default = "float32" if getattr(args, "state_dtype", None) == BFLOAT16 else RUN_DTYPE  # (bfloat16: float32 inputs)
+    # a state dtype asks for float32 inputs: bfloat16 states go with float32 inputs only, and a float32 state
+    # is kept in the inputs' dtype (float64 inputs would make it float64, which the run refuses)
+    default = "float32" if getattr(args, "state_dtype", None) else RUN_DTYPE
     return batch, tokens, args.heads or RUN_HEADS, np.dtype(args.dtype or default)
 
 

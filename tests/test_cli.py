@@ -655,3 +655,16 @@ def test_a_write_cut_short_leaves_no_partial_standalone_file(tmp_path):
     assert (out / "mamba2.h").read_text() == "old header" and (out / "mamba2.c").read_text() == "old source"
     assert (done.returncode, done.stdout, done.stderr) == (
         1, "", f"linrec: error: cannot write {out / 'mamba2.c'}: File too large\n")
+
+
+def test_run_state_dtype_float32_generates_float32_inputs(tmp_path, capsys):
+    """--state-dtype float32 (a listed choice) failed with generated inputs, which were float64 (a float32 state
+    is kept in the inputs' dtype): generated inputs are float32 with either state dtype, as with bfloat16."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    out = tmp_path / "out.npz"
+    assert main(["run", gla, "--state-dtype", "float32", "--form", "recurrent", "-q", "--out", str(out)]) == 0
+    written = np.load(out)
+    assert written["o"].dtype == np.float32 and written["S"].dtype == np.float32
+    # an explicit --dtype float64 still meets the run's own error, which says what goes together
+    assert main(["run", gla, "--state-dtype", "float32", "--dtype", "float64", "-q"]) == 1
+    assert "state_dtype='float32' with float64 inputs" in capsys.readouterr().err

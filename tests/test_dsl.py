@@ -405,3 +405,29 @@ output o = q·S
     x = rec.random_inputs(batch=1, tokens=2, heads=1, seed=0)
     S = np.cumsum(np.einsum("bthi,bthj->bthij", x["k"], x["v"]), axis=1)
     assert_close(rec.run(x, form="recurrent").outputs["o"], np.einsum("bthi,bthij->bthj", x["q"], S))
+
+
+DEPENDENT_DEFAULT = """recurrence dep(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv]
+param A per head
+param lam per head = exp(−exp(A))
+state S[dk, dv]
+S = lam·S + k⊗v
+output o = q·S
+"""
+
+
+def test_a_default_computed_from_a_param_without_one():
+    """lam = exp(−exp(A)) with A left to the caller was NumPy's TypeError (exp of None) from default_params and
+    run: lam is None like A until A is given, run names A as the param to pass, and a given A makes lam."""
+    rec = linrec.compile(DEPENDENT_DEFAULT, "dep.lin")
+    assert rec.default_params(2) == {"A": None, "lam": None}
+    A = np.array([0.5, -1.0])
+    np.testing.assert_allclose(rec.default_params(2, given={"A": A})["lam"], np.exp(-np.exp(A)))
+    x = rec.random_inputs(1, 3, 2, seed=1)
+    with pytest.raises(linrec.RuntimeInputError, match=r"parameter 'A' has no default; pass it \(shape \[H\]\)"):
+        rec.run(x)
+    res = rec.run(x, params={"A": A}, form="recurrent")
+    np.testing.assert_allclose(res.params["lam"], np.exp(-np.exp(A)))
+    both = rec.run(x, params={"A": A, "lam": np.exp(-np.exp(A))}, form="recurrent")
+    np.testing.assert_allclose(res.outputs["o"], both.outputs["o"], rtol=1e-12)

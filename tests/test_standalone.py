@@ -490,3 +490,19 @@ def test_programs_without_a_recurrent_kernel_are_refused_with_their_reason():
     source = (EXAMPLES / "performer.lin").read_text().replace("m = 256)", "m = 256) noncausal")
     with pytest.raises(LinrecError, match="scan that NumPy prepares"):
         standalone.Standalone(linrec.compile(source, "bidirectional_performer.lin").compiled, {})
+
+
+def test_a_default_computed_from_a_param_without_one_is_the_engines_too(tmp_path, capsys):
+    """lam = exp(−exp(A)) with A without a default: `emit --standalone` was an internal TypeError (exit 2); the
+    header leaves both to the engine, lam to be computed from its A, and no params file is written."""
+    path = tmp_path / "dep.lin"
+    path.write_text("recurrence dep(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\nparam A per head\n"
+                    "param lam per head = exp(−exp(A))\nstate S[dk, dv]\nS = lam·S + k⊗v\noutput o = q·S\n")
+    out = tmp_path / "kernels"
+    assert main(["emit", str(path), "--backend", "c", "--standalone", "--out", str(out), "--heads", "2"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["dep.c", "dep.h"]
+    header = " ".join((out / "dep.h").read_text().split())
+    assert "'A' has no default: the engine supplies it." in header
+    assert ("'lam' has a default computed from 'A', left to the engine: the engine supplies 'lam' too, computed "
+            "from its 'A'.") in header
+    capsys.readouterr()

@@ -13,9 +13,11 @@ from ..compiler.identifiers import Namespace
 from ..dsl.errors import LinrecError
 from ..templating import comment_lines, environment
 
-from .build import CTYPE_BYTES
+from . import stack
+from .build import CTYPE_BYTES, CTYPES
 from .printer import CPrinter, Local
 
+_DTYPE_NAMES = {ctype: dtype.name for dtype, ctype in CTYPES.items()}  # float → float32 (for messages)
 # Below this many multiply-adds per call the step kernel runs on one thread (waking others costs more).
 STEP_PARALLEL_THRESHOLD = 1 << 20
 # Multiply-adds a thread of a sequence kernel should have at least (LR_THREAD_WORK in c_common.h.j2): a call
@@ -323,8 +325,13 @@ class KernelSource:
         return out
 
     def source(self) -> str:
+        """The kernel's C source, refused (LinrecError) where its sizes would overflow a thread's stack: every
+        kernel is built, emitted or exported from this text, so no kernel that does is ever run (c.stack)."""
         # (the template's macro definitions come first and render as blank lines)
-        return environment(__package__).get_template(self.template).render(**self.context()).lstrip("\n")
+        text = environment(__package__).get_template(self.template).render(**self.context()).lstrip("\n")
+        stack.check(text, self.target.ctype, self.dims, self.target.lanes,
+                    f"the C kernel of '{self.program.name}' ({_DTYPE_NAMES[self.target.ctype]})")
+        return text
 
 
 def _strings(code) -> list[str]:

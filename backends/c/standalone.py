@@ -26,7 +26,8 @@ from math import prod
 
 import numpy as np
 
-from ..compiler import Compiled
+from ..compiler import Compiled, ir
+from ..compiler.analysis import refs
 from ..compiler.identifiers import Namespace, safe_identifier
 from ..dsl.errors import LinrecError
 from ..interface import FUSED, STATEMENTS
@@ -36,6 +37,7 @@ from ..version import VERSION
 from . import backend as c_backend
 from . import build as c_build
 from .kernel_source import KernelSource, Target
+from .stack import STACK_BUDGET
 from .stabilize import Scales
 
 ABI_VERSION = 1
@@ -248,6 +250,20 @@ class Standalone:
             offset += count
         return out
 
+    def missing_defaults(self) -> list[tuple[Array, str]]:
+        """The params NAME_params.bin lacks, the engine's to supply, each with why: "" (no default in the file), or
+        the params without one that its default reads (`lam = exp(−exp(A))` with A left to the engine: the
+        engine computes lam from its A, as the kernel takes every param computed)."""
+        declared = {prm.name: prm for prm in self.program.params}
+        out = []
+        for a in self.param_arrays:
+            if a.dsl in self.params:
+                continue
+            default = declared[a.dsl].default
+            reads = [n for n in refs(default, ir.ParamRef) if n not in self.params] if default is not None else []
+            out.append((a, ", ".join(f"'{c_comment_text(n)}'" for n in reads)))
+        return out
+
     def params_file(self) -> bytes | None:
         """The params' defaults at `heads` heads, float64 little-endian, one after another (None: no defaults)."""
         layout = self.param_layout()
@@ -266,8 +282,8 @@ class Standalone:
             dims=self.dim_macros, inputs=self.inputs, params=self.param_arrays, states=self.states,
             scales=self.scales, outputs=self.outputs, checkpoints=self.checkpoints, lasts=self.lasts,
             carried=self.carried, heads=self.heads, param_layout=self.param_layout(),
-            missing_defaults=[a for a in self.param_arrays if a.dsl not in self.params],
-            checks_inputs=self.checks_inputs, size_limit=SIZE_LIMIT, zip=zip,
+            missing_defaults=self.missing_defaults(),
+            checks_inputs=self.checks_inputs, size_limit=SIZE_LIMIT, zip=zip, stack_budget_mib=STACK_BUDGET >> 20,
             max_size=max(a.size for a in self.inputs + self.param_arrays + self.carried + self.outputs),
             dtypes=[dict(suffix=suffix, ctype=ct, kp=kp, functions={f.what: f for f in self.functions(suffix, ct)})
                     for _, suffix, ct, kp in DTYPES],

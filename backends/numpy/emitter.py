@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..compiler import Compiled, ir
-from ..compiler.analysis import children, inline_lets, rebuild, states_in, to_text, variance, walk
+from ..compiler.analysis import children, inline_lets, rebuild, refs, states_in, to_text, variance, walk
 from ..compiler.identifiers import INTERNAL, Namespace, user_names
 from ..templating import comment_lines, environment
 from ..version import VERSION
@@ -109,9 +109,11 @@ class Emitter:
         lines += [f"{self.name(d.name)} = dims[\"{d.name}\"]" for d in self.p.dims
                   if any(d.name in p.shape or _uses_dim(p.default, d.name) for p in self.p.params)]
         printer = self.printer(None)
+        unset: set[str] = set()  # params that may be None here: no default, or a default that reads such a param
         for prm in self.p.params:
             var = self.name(prm.name)
             if prm.default is None:
+                unset.add(prm.name)
                 lines.append(f"{var} = given.get(\"{prm.name}\")  # no default: the caller must pass '{prm.name}'")
                 continue
             dims = (["heads"] if prm.per_head else []) + [self.name(d) for d in prm.shape]
@@ -121,9 +123,21 @@ class Emitter:
                 code = f"({code})" + "[..., " + ", ".join(["None"] * len(prm.shape)) + "]"  # per head → [H, 1…]
             code = f"np.broadcast_to({code}, {shape}).astype(np.float64)"
             lines.append(f"# {prm.name} = {to_text(prm.default)}")
+            code = self._unless_unset(prm, code, unset, lines)
             lines.append(f"{var} = given[\"{prm.name}\"] if \"{prm.name}\" in given else {code}")
         helpers |= printer.helpers
         return lines
+
+    def _unless_unset(self, prm: ir.Param, code: str, unset: set[str], lines: list[str]) -> str:
+        """A default computed from params the caller may leave out (`unset`, None then): None while one of
+        them is (the caller is told the one without a default is missing, not a NumPy TypeError), and the
+        param joins `unset`."""
+        reads = [name for name in refs(prm.default, ir.ParamRef) if name in unset]
+        if not reads:
+            return code
+        unset.add(prm.name)
+        lines.append(f"# (None while {', '.join(repr(n) for n in reads)} is: no default, and not given)")
+        return f"(None if {' or '.join(f'{self.name(n)} is None' for n in reads)} else {code})"
 
     def prologue(self) -> list[str]:
         """Bind inputs, params, sizes and initial states to local names."""
