@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import api, arrays, compiler, machine, registry
+from . import api, arrays, compiler, form_choice, machine, registry
 from .c import build as c_build
 from .compiler import ir
 from .compiler.analysis import inline_lets, to_text, walk
@@ -561,6 +561,10 @@ def make_plan(rec, opts: Options) -> Plan:
         timed, not_timed = backend_combos(rec, b, forms, tokens, opts.limits)
         combos += timed
         skipped += not_timed
+        nothing = form_choice.why_nothing_to_choose(rec, b)
+        if nothing:  # (said once, as a form the backend does not build is; the other backends run)
+            skipped += [{"form": "auto", "backend": b, "T": None, "reason": nothing}] if with_auto else []
+            continue
         choices = _auto_choices(rec, b, tokens, dims)
         auto += choices
         if with_auto:

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from . import api, bench, gradients, registry
+from . import api, bench, form_choice, gradients, registry
 from .compiler.adjoint import GRADIENT_FORMS
 from .dim_option import dims_with_overrides
 from .dsl.errors import LinrecError
@@ -83,10 +83,12 @@ def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
 
-def auto_forms(rec, backend: str, dims: dict[str, int], tokens: int) -> tuple[str, str | None]:
+def auto_forms(rec, backend: str, dims: dict[str, int], tokens: int) -> tuple[str | None, str | None]:
     """What form="auto" runs on this backend at this size: the forward (Recurrence.choose_form) and the backward
-    (gradients.auto_gradient_form, linrec.torch's choice; None: the backend builds no backward of it)."""
-    forward, _ = rec.choose_form(backend, tokens, heads=bench.HEADS, batch=bench.BATCH, dims=dims, dtype=np.float32)
+    (gradients.auto_gradient_form, linrec.torch's choice; None: the backend builds no backward of it). The
+    forward is None where the backend builds no form of the program (form_choice.why_nothing_to_choose)."""
+    forward = None if form_choice.why_nothing_to_choose(rec, backend) else \
+        rec.choose_form(backend, tokens, heads=bench.HEADS, batch=bench.BATCH, dims=dims, dtype=np.float32)[0]
     return forward, gradients.auto_gradient_form(rec, backend, dims, tokens)
 
 
@@ -104,6 +106,9 @@ def size_rows(rec, dims: dict[str, int], tokens: int, forms: list[str], backends
     gc.collect()
     x = rec.random_inputs(batch=bench.BATCH, tokens=tokens, heads=bench.HEADS, dims=dims, dtype=np.float32, seed=0)
     for b in backends:
+        nothing = with_auto and form_choice.why_nothing_to_choose(rec, b)
+        if nothing:  # (said once, at no size: a form the backend does not build is said so too)
+            skipped.append({"form": "auto", "backend": b, "T": None, "reason": nothing, "pass": "forward"})
         combos, not_timed = bench.backend_combos(rec, b, _with(forms, auto[b][0]), [tokens], limits)
         skipped += [_at(dict(s, **{"pass": "forward"}), where) for s in not_timed]
         for f, _, _ in combos:
@@ -117,9 +122,9 @@ def size_rows(rec, dims: dict[str, int], tokens: int, forms: list[str], backends
                                 auto=f == auto[b][0]))
     grad_o = upstream_gradients(rec, dims, tokens, np.float32)
     for b in backends:
-        if with_auto and auto[b][1] is None:
-            skipped.append(dict(where, form="auto", backend=b, reason=f"the {b} backend builds no backward "
-                                f"form=\"auto\" runs ({', '.join(gradients.AUTO_ORDER)})", **{"pass": "backward"}))
+        if with_auto and auto[b][1] is None:  # (at no size: what the backend builds is the program's structure)
+            skipped.append({"form": "auto", "backend": b, "T": None, "reason": _no_auto_backward(rec, b),
+                            "pass": "backward"})
         grad_forms, not_timed = grad_combos(rec, b, _with(forms, auto[b][1]), tokens, limits)
         skipped += [_at(s, where) for s in not_timed]
         for f in grad_forms:
@@ -132,6 +137,16 @@ def size_rows(rec, dims: dict[str, int], tokens: int, forms: list[str], backends
             backward.append(dict(where, form=f, backend=b, ms=_median_ms(times), repeats=len(times),
                                  warmup_s=warm, auto=f == auto[b][1]))
     return forward, [against_forward(r, forward) for r in backward], skipped
+
+
+def _no_auto_backward(rec, backend: str) -> str:
+    """Why form="auto" has no backward to run on this backend: the forms it tries, each with the backend's
+    reason (forms of the same reason together)."""
+    why: dict[str, list[str]] = {}
+    for form in gradients.AUTO_ORDER:
+        why.setdefault(gradients.gradient_refusal(rec, form, backend), []).append(form)
+    return f"the {backend} backend builds no backward form=\"auto\" runs: " + \
+        "; ".join(f"{', '.join(forms)}: {reason}" for reason, forms in why.items())
 
 
 def _at(skipped: dict, where: dict) -> dict:

@@ -103,8 +103,7 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
     sizes = {d.name: d.default for d in rec.program.dims} | arrays.checked_sizes(rec.program, dims)
     built = [f for f in forms if builds(rec.compiled, backend, f)]
     if not built:
-        raise LinrecError(f"the {backend} backend builds no form of '{rec.name}': "
-                          f"{registry.refusal(rec.compiled, backend, forms[0])}")
+        raise LinrecError(why_nothing_to_choose(rec, backend))
     if len(built) == 1:
         return built[0], (f"the only form '{rec.name}' has" if len(forms) == 1 else
                           f"the only form of '{rec.name}' the {backend} backend builds")
@@ -127,6 +126,15 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
     best = min(costs, key=costs.get)
     told = ", ".join(f"{f} {c:.0f} µs/token" for f, c in sorted(costs.items(), key=lambda fc: fc[1]))
     return best, f"measured on {CALIBRATION_TOKENS} tokens ({told}); both forms are linear in T"
+
+
+def why_nothing_to_choose(rec, backend: str) -> str | None:
+    """Why `auto` has no form to pick on this backend (it builds none of the program's), or None when it has
+    one: for callers that list such a backend with the reason (linrec bench) instead of failing as choose does."""
+    if any(builds(rec.compiled, backend, f) for f in rec.forms):
+        return None
+    return f"the {backend} backend builds no form of '{rec.name}': " \
+           f"{registry.refusal(rec.compiled, backend, rec.forms[0])}"
 
 
 def per_token_cost(rec, backend: str, heads: int, batch: int, sizes: dict[str, int], dtype) -> dict[str, float]:

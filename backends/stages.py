@@ -5,19 +5,31 @@ each stage is a program of its own, whose form the backend builds as it builds a
 values a stage hands on (a vector state's value, a readout q·S) are per-token outputs of its form and
 per-token inputs of the next stage's. `Staged` wraps a backend so that the driver asks it about a staged
 program as about any other (registry.BACKENDS are wrapped): which forms it builds (those it builds for every
-stage), their source (the stages' in order) and the loaded form (`StagedModule`, which chains the stages'
-modules). The backward of a staged form (`StagedGradient`) runs the stages' backwards from the last. The
+stage), their source and the loaded form (`StagedModule`, which chains the stages' modules). The backward of a
+staged form (`StagedGradient`) runs the stages' backwards from the last. The source of a staged form or
+backward is one module (`_join`): the stages' generated modules, their functions renamed stage1_forward, …,
+and the program's `default_params` and `forward` (or `backward`) chaining them as `StagedModule` (or
+`StagedGradient`) does — printed one after another, the stages' modules would define `forward` once per stage
+and the last would win; a C forward is kernels to read (no module), and stays the stages' in order. The
 recurrent form and the decode step run the program as written: they need no stages; so does the recurrent
 backward, but where a backend's is derived from the decomposition (which such a program has per stage: the C
 backward, `staged_gradient_forms`) it runs stage by stage too.
 """
 from __future__ import annotations
 
+import ast
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from .compiler import Compiled, stage_compiled
 from .dsl.errors import LinrecError
 from .interface import Backend, Capabilities, Refusal
+from .numpy import BACKEND as NUMPY
+from .templating import comment_lines
+from .version import VERSION
 
 STAGED_FORMS = ("parallel", "chunkwise")  # the forms a staged program runs stage by stage
 
@@ -57,11 +69,12 @@ class Staged:
         refused = self.why_not(compiled, form)
         if refused:
             _refuse(self.name, compiled, form, refused)
-        parts = []
-        for stage in compiled.decomposition.stages:
-            source = self.inner.emit(stage_compiled(compiled, stage), form, **options)
-            parts.append(_comment(source, _header(stage)) + "\n" + source)
-        return "\n\n".join(parts)
+        stages = compiled.decomposition.stages
+        sources = [self.inner.emit(stage_compiled(compiled, stage), form, **options) for stage in stages]
+        if _in_c(sources[0]):  # (kernels to read, no module to run: the stages' in order)
+            return "\n\n".join(_comment(source, _header(stage)) + "\n" + source
+                                 for stage, source in zip(stages, sources))
+        return staged_form_source(compiled, form, sources)
 
     def load(self, compiled: Compiled, form: str):
         if not in_stages(compiled, form):
@@ -104,11 +117,13 @@ class Staged:
     def emit_gradient(self, compiled: Compiled, form: str) -> str:
         if not self.gradient_in_stages(compiled, form):
             return self.inner.emit_gradient(compiled, form)
-        parts = []
-        for stage in reversed(compiled.decomposition.stages):
-            source = self.inner.emit_gradient(stage_compiled(compiled, stage), form)
-            parts.append(_comment(source, f"backward of {_header(stage)}") + "\n" + source)
-        return "\n\n".join(parts)
+        stages = compiled.decomposition.stages
+        backwards = [self.inner.emit_gradient(stage_compiled(compiled, stage), form) for stage in reversed(stages)]
+        # the forwards of the stages but the last (for the values they hand on) are NumPy's generated modules on
+        # every backend: a backward module is Python on every backend, while a C forward is a kernel that linrec
+        # builds and loads (its source is C to read); NumPy's gives the same values, to rounding
+        forwards = [NUMPY.emit(stage_compiled(compiled, stage), form) for stage in stages[:-1]]
+        return staged_gradient_source(compiled, form, backwards, forwards)
 
     def load_gradient(self, compiled: Compiled, form: str):
         if not self.gradient_in_stages(compiled, form):
@@ -134,9 +149,14 @@ def _header(stage) -> str:
     return f"stage {stage.number}: state(s) {', '.join(stage.states)}{takes}{hands}"
 
 
+def _in_c(source: str) -> bool:
+    """Whether generated source is C (it opens with a /* comment; Python's does not)."""
+    return source.lstrip().startswith("/*")
+
+
 def _comment(source: str, text: str) -> str:
-    """`text` as a comment of the source's language (C's opens with /*, Python's does not)."""
-    return f"/* ==== {text} ==== */" if source.lstrip().startswith("/*") else f"# ==== {text} ===="
+    """`text` as a comment of the source's language."""
+    return f"/* ==== {text} ==== */" if _in_c(source) else f"# ==== {text} ===="
 
 
 class StagedModule:
@@ -225,3 +245,322 @@ class StagedGradient:
             {s.name: final[s.name] for s in self.program.states}, grads
 
 
+# ---- the source of a staged form or backward: one module ------------------------------------------------------
+def staged_form_source(compiled: Compiled, form: str, sources: list[str]) -> str:
+    """The generated module of a staged form: the stages' modules (`sources`, in stage order), each's forward
+    named stage1_forward, …; the program's default_params; forward, which runs them as StagedModule does."""
+    stages = compiled.decomposition.stages
+    parts = [_defaults_part(compiled)] + [_Part(f"# ==== {_header(stage)} ====", source, f"stage{stage.number}_",
+                                                ("forward",)) for stage, source in zip(stages, sources)]
+    title = (f"{compiled.name} — {form} form, stage by stage, generated by linrec {VERSION}. Do not edit.\n\n"
+             f"Each stage's functions are named stage1_…, stage2_…; forward chains them.")
+    return _join(title, compiled, parts, lambda names: _forward_chain(compiled, [n["forward"] for n in names[1:]]))
+
+
+def staged_gradient_source(compiled: Compiled, form: str, backwards: list[str], forwards: list[str]) -> str:
+    """The generated module of a staged backward: the stages' backward modules (`backwards`, from the last
+    stage), each's backward named stage2_backward, …, and the forward modules of the stages but the last
+    (`forwards`, in stage order), each's forward named stage1_forward, …; the program's default_params;
+    backward, which runs them as StagedGradient does."""
+    stages = compiled.decomposition.stages
+    parts = [_defaults_part(compiled)]
+    parts += [_Part(f"# ==== backward of {_header(stage)} ====", source, f"stage{stage.number}_", ("backward",))
+              for stage, source in zip(reversed(stages), backwards)]
+    parts += [_Part(f"# ---- forward of stage {stage.number}, for the values it hands on (NumPy's, on every "
+                    f"backend) ----", source, f"stage{stage.number}_", ("forward",))
+              for stage, source in zip(stages, forwards)]
+    title = (f"{compiled.name} — {form} backward, stage by stage, generated by linrec {VERSION}. Do not edit.\n\n"
+             f"Each stage's functions are named stage1_…, stage2_…; backward chains them.")
+
+    def chain(names: list[dict[str, str]]) -> str:
+        backward = {stage.number: n["backward"] for stage, n in zip(reversed(stages), names[1:])}
+        forward = {stage.number: n["forward"] for stage, n in zip(stages, names[1 + len(stages):])}
+        return _backward_chain(compiled, forward, backward)
+    return _join(title, compiled, parts, chain)
+
+
+def _defaults_part(compiled: Compiled) -> _Part:
+    """The program's default_params: the NumPy module's of its first form (the program as written), which
+    Recurrence.default_params runs on every backend."""
+    return _Part("# ---- the params' defaults: the program's, as Recurrence.default_params computes them ----",
+                 NUMPY.emit(compiled, compiled.decomposition.forms[0]), "", ("default_params",))
+
+
+# the names the chaining functions bind and read at the module's top level (they import numpy as np)
+_CHAIN_IMPORT = (None, "numpy", "np")
+_CHAIN_NAMES = frozenset({"forward", "backward", "np"})
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A generated module to take into the joined one: the comment line above it, its source, the prefix of
+    the names its definitions get there, and the functions the chaining calls (it keeps what they reach)."""
+    header: str
+    source: str
+    prefix: str
+    roots: tuple[str, ...]
+
+
+class _Parsed:
+    """A part's top-level statements: those kept (the roots and what they reach), the names they define, use
+    and bind anywhere, and the imports they use, as (module or None for `import name`, name, bound name)."""
+
+    def __init__(self, part: _Part):
+        self.part = part
+        tree = ast.parse(part.source)
+        self.body = tree.body
+        imports = [s for s in tree.body if isinstance(s, (ast.Import, ast.ImportFrom))]
+        docstring = tree.body[:1] if tree.body and isinstance(tree.body[0], ast.Expr) and \
+            isinstance(tree.body[0].value, ast.Constant) and isinstance(tree.body[0].value.value, str) else []
+        self.kept = _reached([s for s in tree.body if s not in imports and s not in docstring], part.roots)
+        self.defined = [name for s in self.kept for name in _bound(s)]
+        self.used = {n.id for s in self.kept for n in ast.walk(s) if isinstance(n, ast.Name)}
+        self.identifiers = {_identifier(n) for s in self.kept for n in ast.walk(s)} - {None}
+        self.imports = [(getattr(s, "module", None), a.name, a.asname or a.name.split(".")[0])
+                        for s in imports for a in s.names if (a.asname or a.name.split(".")[0]) in self.used]
+
+
+def _identifier(node: ast.AST) -> str | None:
+    """The name a node reads or binds (a name, a function's, a class's, a parameter's), or None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    return node.arg if isinstance(node, ast.arg) else None
+
+
+def _bound(statement: ast.stmt) -> list[str]:
+    """The names a top-level statement defines (a function, a class, an assignment's names)."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [statement.name]
+    targets = statement.targets if isinstance(statement, ast.Assign) else \
+        [statement.target] if isinstance(statement, (ast.AnnAssign, ast.AugAssign)) else []
+    return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+
+
+def _reached(statements: list[ast.stmt], roots: tuple[str, ...]) -> list[ast.stmt]:
+    """The statements that define the roots or what those read, in their order (a statement that defines
+    nothing is kept: what it does is not known here)."""
+    defining = {name: s for s in statements for name in _bound(s)}
+    wanted, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in wanted or name not in defining:
+            continue
+        wanted.add(name)
+        todo += [n.id for n in ast.walk(defining[name]) if isinstance(n, ast.Name)]
+    return [s for s in statements if not _bound(s) or set(_bound(s)) & wanted]
+
+
+def _fresh(wanted: str, taken: set[str]) -> str:
+    """`wanted`, or with the first suffix _2, _3, … that makes it a name not taken."""
+    name, number = wanted, 1
+    while name in taken:
+        number += 1
+        name = f"{wanted}_{number}"
+    return name
+
+
+def _plan(parsed: list[_Parsed]) -> tuple[list[dict[str, str]], list[tuple[str | None, str, str]]]:
+    """Each part's renames (its definitions take its prefix; an import it binds to another object than a part
+    before it does, or that shadows a name another part reads unbound, such as a builtin, is renamed the
+    same way) and the imports of the joined module. Parts come first in the order given, the chaining's names
+    before all."""
+    module, name, bound = _CHAIN_IMPORT
+    binds = {bound: (module, name)}
+    taken = set(_CHAIN_NAMES)
+    imports = [_CHAIN_IMPORT]
+    unbound = [p.used - set(p.defined) - {b for _, _, b in p.imports} for p in parsed]
+    renames = []
+    for index, p in enumerate(parsed):
+        mine = {}
+        for defined in p.defined:
+            new = _fresh(p.part.prefix + defined, taken | (p.identifiers - {defined}))
+            taken.add(new)
+            if new != defined:
+                mine[defined] = new
+        read_elsewhere = set().union(*(u for i, u in enumerate(unbound) if i != index))
+        for module, name, bound in p.imports:
+            if binds.get(bound) == (module, name):
+                continue  # (the same object, imported once)
+            new = bound
+            if bound in taken or bound in read_elsewhere:
+                new = _fresh(p.part.prefix + bound, taken | p.identifiers)
+                mine[bound] = new
+            binds[new] = (module, name)
+            taken.add(new)
+            imports.append((module, name, new))
+        renames.append(mine)
+    return renames, imports
+
+
+def _renamed(parsed: _Parsed, renames: dict[str, str]) -> str:
+    """The part's kept statements, each with the comment lines above it, its names renamed (every Name and
+    definition of a renamed name; a parameter of that name would be a local one, which no generated module
+    has: an internal error)."""
+    lines = parsed.part.source.split("\n")  # (the lines ast numbers: splitlines would break at \f, \u2028, …)
+    edits = []  # (line, column in characters, old name, new name)
+    for statement in parsed.kept:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.arg) and node.arg in renames:
+                raise RuntimeError(f"internal error: a parameter named {node.arg!r} in a generated module whose "
+                                   f"top-level {node.arg!r} is renamed")
+            if isinstance(node, ast.Name) and node.id in renames:
+                line = lines[node.lineno - 1]
+                column = len(line.encode("utf-8")[:node.col_offset].decode("utf-8"))
+                edits.append((node.lineno - 1, column, node.id, renames[node.id]))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in renames:
+                column = re.match(r"\s*(?:async\s+)?(?:def|class)\s+", lines[node.lineno - 1]).end()
+                edits.append((node.lineno - 1, column, node.name, renames[node.name]))
+    for row, column, old, new in sorted(edits, reverse=True):  # (from the right: earlier columns stay put)
+        if lines[row][column:column + len(old)] != old:
+            raise RuntimeError(f"internal error: {old!r} is not at line {row + 1}, column {column} of a generated "
+                               f"module")
+        lines[row] = lines[row][:column] + new + lines[row][column + len(old):]
+    ends = {id(s): (parsed.body[i - 1].end_lineno if i else 0) for i, s in enumerate(parsed.body)}
+    return "\n\n\n".join("\n".join(lines[ends[id(s)]:s.end_lineno]).strip("\n") for s in parsed.kept)
+
+
+def _import_lines(imports: list[tuple[str | None, str, str]]) -> list[str]:
+    """`import name as bound` lines, then one `from module import …` line per module, in the order met."""
+    plain = [f"import {name}" + ("" if bound == name else f" as {bound}") for module, name, bound in imports
+             if module is None]
+    by_module: dict[str, list[str]] = {}
+    for module, name, bound in imports:
+        if module is not None:
+            by_module.setdefault(module, []).append(name if bound == name else f"{name} as {bound}")
+    return list(dict.fromkeys(plain)) + [f"from {m} import {', '.join(sorted(dict.fromkeys(names)))}"
+                                         for m, names in by_module.items()]
+
+
+def _join(title: str, compiled: Compiled, parts: list[_Part], chain: Callable[[list[dict[str, str]]], str]) -> str:
+    """One module of the parts (their definitions renamed, their imports at the top) and the chaining, which
+    `chain` writes from each part's roots' names there."""
+    parsed = [_Parsed(p) for p in parts]
+    renames, imports = _plan(parsed)
+    sections = ["\n".join([f'"""{title}"""', "# Source program:",
+                           comment_lines(compiled.source.strip(), "#     ", c=False)] + _import_lines(imports))]
+    sections += [f"{p.part.header}\n{_renamed(p, r)}" for p, r in zip(parsed, renames)]
+    sections.append(chain([{root: r.get(root, root) for root in p.part.roots} for p, r in zip(parsed, renames)]))
+    return "\n\n\n".join(sections) + "\n"
+
+
+# ---- the chaining, as generated code ---------------------------------------------------------------------------
+def _names(program, kind: str) -> list[str]:
+    return [x.name for x in getattr(program, kind)]
+
+
+def _picked(source: str, names: list[str], read: str = "[{}]") -> str:
+    """A dict literal of these entries of `source` ({"q": inputs["q"], …})."""
+    return "{" + ", ".join(f'"{n}": {source}{read.format(chr(34) + n + chr(34))}' for n in names) + "}"
+
+
+def _tuple(names: list[str]) -> str:
+    """A tuple literal of these names as strings."""
+    return "(" + ", ".join(f'"{n}"' for n in names) + (",)" if len(names) == 1 else ")")
+
+
+def _stage_inputs(stage, handed_by: dict[str, int], handed: str) -> str:
+    """A stage's inputs: the program's, and those an earlier stage handed on (`handed`: its outputs' name)."""
+    return "{" + ", ".join(f'"{n}": ' + (f'{handed}{handed_by[n]}["{n}"]' if n in handed_by else f'inputs["{n}"]')
+                           for n in _names(stage.program, "inputs")) + "}"
+
+
+def _results(compiled: Compiled) -> tuple[str, str]:
+    """The program's outputs and final states, each from the stage that computes it ({"o": out2["o"]}, …)."""
+    stages, program = compiled.decomposition.stages, compiled.program
+    output = {name: s.number for s in stages for name in s.outputs}
+    state = {name: s.number for s in stages for name in s.states}
+    return ("{" + ", ".join(f'"{o}": out{output[o]}["{o}"]' for o in _names(program, "outputs")) + "}",
+            "{" + ", ".join(f'"{n}": final{state[n]}["{n}"]' for n in _names(program, "states")) + "}")
+
+
+def _forward_chain(compiled: Compiled, calls: list[str]) -> str:
+    """forward(): each stage's forward in order (StagedModule.forward), written out."""
+    stages = compiled.decomposition.stages
+    handed_by = {h.name: s.number for s in stages for h in s.hands}
+    lines = ["def forward(inputs, params, initial_state, dims, chunk_size=None, first=0):",
+             '    """The program\'s forward: the stages\' in order, each given the values the earlier ones hand on as',
+             "    inputs. Inputs [B, T, H, *], params as from default_params, initial states [B, H, *].",
+             "",
+             '    Returns (outputs [B, T, H, *], final states [B, H, *]).',
+             '    """']
+    for stage, call in zip(stages, calls):
+        n, program = stage.number, stage.program
+        lines += [f"    # {_header(stage)}",
+                  f"    out{n}, final{n} = {call}(",
+                  f"        {_stage_inputs(stage, handed_by, 'out')},",
+                  f"        {_picked('params', _names(program, 'params'))},",
+                  f"        {_picked('initial_state', _names(program, 'states'))},",
+                  "        dims, chunk_size=chunk_size, first=first)"]
+    outputs, final = _results(compiled)
+    return "\n".join(lines + [f"    return {outputs}, {final}"])
+
+
+def _backward_chain(compiled: Compiled, forward: dict[int, str], backward: dict[int, str]) -> str:
+    """backward(): the forwards of the stages but the last, then the stages' backwards from the last
+    (StagedGradient.backward), written out."""
+    stages, program = compiled.decomposition.stages, compiled.program
+    handed_by = {h.name: s.number for s in stages for h in s.hands}
+    lines = [("def backward(inputs, params, initial_state, dims, grad_outputs, grad_final_state, derived_params=(), "
+              "chunk_size=None):"),
+             '    """The program\'s forward and its vector–Jacobian product, stage by stage (docs/gradients.md,',
+             '    "Programs derived in stages"). Arguments as each stage\'s backward: inputs [B, T, H, *], params as',
+             "    from default_params, initial states [B, H, *]; grad_outputs: the gradient of every output;",
+             "    grad_final_state: of the final states (a state absent or None: zero); derived_params: the params",
+             "    whose defaults were used; chunk_size: as the stages' backwards take it.",
+             "",
+             "    Returns (outputs, final states, gradients of every input, param and initial state by name).",
+             '    """',
+             "    # the forward of the stages but the last, for the values each hands on"]
+    for stage in stages[:-1]:
+        n = stage.number
+        lines += [f"    handed{n}, _ = {forward[n]}(",
+                  f"        {_stage_inputs(stage, handed_by, 'handed')},",
+                  f"        {_picked('params', _names(stage.program, 'params'))},",
+                  f"        {_picked('initial_state', _names(stage.program, 'states'))},",
+                  "        dims, chunk_size=chunk_size)"]
+    lines += ["",
+              "    # the stages' backwards from the last: each gives the gradients of the values handed to it, which",
+              "    # seed the outputs of that name of the stage that handed them on"]
+    for stage in reversed(stages):
+        lines += _stage_backward(compiled, stage, handed_by, backward[stage.number])
+    lines += ["", "    # a name several stages read gets the sum of their gradients; one no stage reads, zero",
+              "    grads = {"]
+    for kind, source in (("inputs", "inputs"), ("params", "params"), ("states", "initial_state")):
+        lines += [f'        "{n}": {_gradient(stages, n, source)},' for n in _names(program, kind)]
+    outputs, final = _results(compiled)
+    return "\n".join(lines + ["    }", f"    return {outputs}, {final}, grads"])
+
+
+def _stage_backward(compiled: Compiled, stage, handed_by: dict[str, int], call: str) -> list[str]:
+    """The call of one stage's backward: its outputs' seeds are the program's gradients of them and the later
+    stages' gradients of the values it handed on, summed (as StagedGradient adds them, from the last)."""
+    n, program = stage.number, stage.program
+    outputs = set(_names(compiled.program, "outputs"))
+    seeds = []
+    for name in _names(program, "outputs"):
+        terms = ([f'grad_outputs["{name}"]'] if name in outputs else []) + \
+            [f'grads{s.number}["{name}"]' for s in reversed(compiled.decomposition.stages)
+             if s.number > n and name in s.takes]
+        seeds.append(f'"{name}": ' + (" + ".join(terms) or f'np.zeros_like(handed{n}["{name}"])'))
+    params = _names(program, "params")
+    derived = f"tuple(name for name in {_tuple(params)} if name in derived_params)" if params else "()"
+    return [f"    # {_header(stage)}",
+            f"    out{n}, final{n}, grads{n} = {call}(",
+            f"        {_stage_inputs(stage, handed_by, 'handed')},",
+            f"        {_picked('params', params)},",
+            f"        {_picked('initial_state', _names(program, 'states'))},",
+            "        dims,",
+            "        {" + ", ".join(seeds) + "},",
+            f"        {_picked('grad_final_state', _names(program, 'states'), read='.get({})')},",
+            f"        {derived}, chunk_size=chunk_size)"]
+
+
+def _gradient(stages, name: str, source: str) -> str:
+    """The program's gradient of an input, param or initial state: the sum of the stages' that read it (the
+    later first, as StagedGradient adds them), else zero."""
+    terms = [f'grads{s.number}["{name}"]' for s in reversed(stages) if name not in s.takes and name in
+             _names(s.program, "inputs") + _names(s.program, "params") + _names(s.program, "states")]
+    value = f'{source}["{name}"]'
+    return " + ".join(terms) or f"np.zeros(np.shape({value}), np.result_type({value}, np.float32))"

@@ -15,6 +15,7 @@ import linrec
 from linrec.cli import main
 from linrec.decode import run_by_steps
 from linrec.dsl.errors import LinrecError
+from linrec.interface import Refusal
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -311,6 +312,46 @@ def test_bench_grad_form_auto_times_the_backward_auto_runs(capsys, monkeypatch):
     gla = linrec.load(EXAMPLES / "gla.lin")  # on C, a large state over many tokens: the chunkwise backward
     assert gradients.auto_gradient_form(gla, "c", {"dk": 128, "dv": 128}, 4096) == "chunkwise"
     assert gradients.auto_gradient_form(gla, "c", {"dk": 64, "dv": 64}, 4096) == "recurrent"
+
+
+class _BuildsNothing:
+    """A backend that builds no form of the program and no backward (as C builds none of some programs')."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def __getattr__(self, attribute):
+        return getattr(self.inner, attribute)
+
+    def why_not(self, compiled, form):
+        return Refusal("nothing built here", "the NumPy backend runs it")
+
+    def gradient_why_not(self, compiled, form):
+        return Refusal("nothing built here")
+
+
+@pytest.mark.parametrize("extra", [[], ["--form", "auto"], ["--grad"], ["--grad", "--form", "auto"]],
+                         ids=["forms", "auto", "grad", "grad-auto"])
+def test_bench_lists_a_backend_that_builds_no_form_as_not_measured(extra, no_references, monkeypatch, capsys):
+    """A backend that builds no form of the program is listed under "not measured" with the reason, and the
+    other backends run (exit 0), with --form auto as with the forms named: `auto` asked Recurrence.choose_form
+    of every backend, whose error ended the run (exit 1) — without --form auto too, but for --grad."""
+    from linrec import form_choice, registry
+    monkeypatch.setitem(registry.BACKENDS, "c", _BuildsNothing(registry.BACKENDS["c"]))
+    monkeypatch.setattr(form_choice, "per_token_cost", lambda *args: {"recurrent": 1.0, "chunkwise": 2.0})
+    assert main(["bench", str(EXAMPLES / "gla.lin"), "--json", "--quick", "--dim", "dk=8", "--dim", "dv=8",
+                 "--T", "32", "--repeats", "1", "--threads", "1", *extra]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rows"] and {r["backend"] for r in report["rows"]} == {"numpy"}
+    on_c = [s for s in report["skipped"] if s["backend"] == "c"]
+    assert on_c and all("nothing built here" in s["reason"] for s in on_c)
+    if "auto" in extra:
+        [auto] = [s for s in on_c if s["form"] == "auto" and s.get("pass", "forward") == "forward"]
+        assert auto["T"] is None and auto["reason"].startswith("the c backend builds no form of 'gla': nothing built")
+    if "--grad" in extra:
+        assert any(r["auto"] for r in report["rows"]) == ("auto" in extra)  # (NumPy's backward auto runs)
+    else:  # (what auto picks, on NumPy alone)
+        assert [(a["backend"], a["T"]) for a in report["auto"]] == [("numpy", 32)]
 
 
 def test_bench_warns_about_unused_names(tmp_path, capsys):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import linrec
-from linrec import verify_grad
+from linrec import gradients, verify_grad
 from linrec.interface import Refusal
 from linrec.numpy import BACKEND as NUMPY
 from linrec.registry import backend
@@ -132,3 +132,78 @@ def test_verify_grad_checks_the_staged_forms():
     rows = verify_grad.run(rec, quick=True)
     assert {r.form for r in rows} == {"recurrent", "parallel", "chunkwise"}
     assert rows and all(r.passed for r in rows)
+
+
+# ---- the emitted backward: one module (`linrec emit FILE --grad`) ----------------------------------------------
+ATTEND_MEMORY = """recurrence attend_memory(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv], p[dv], a <= 0
+param tau per head = 1 + 0.5·h
+param gain per head = 2·tau       # a default computed from another param, read by the other stage
+state U[dk, dv], S[dv, dv]
+U = exp(a)·U + k⊗(gain*v)
+w = softmax(tau·(q·U))            # stage 2 attends over stage 1's readout
+S = S + w⊗v
+output o = p·S
+output m = w
+"""
+
+EMITTED = {
+    "preconditioned_deltanet": (lambda: linrec.load("examples/preconditioned_deltanet.lin"), {"dk": 6, "dv": 5}),
+    "attend_memory": (lambda: linrec.compile(ATTEND_MEMORY, "attend_memory.lin"), {}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(EMITTED))
+def emitted(request):
+    make, dims = EMITTED[request.param]
+    rec = make()
+    x, up, s0, end = _case(rec, 19, dims, seed=3)
+    return rec, x, up, s0, end, {d.name: d.default for d in rec.program.dims} | dims
+
+
+def _saved_copy(text: str, name: str) -> dict:
+    """Generated source run as a user's saved copy of it runs: no loader, nothing replaced."""
+    module = {}
+    exec(compile(text, name, "exec"), module)  # noqa: S102 - the generated module under test
+    return module
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_the_emitted_backward_is_one_module_of_the_program(emitted, backend):
+    """`linrec emit FILE --grad` of a staged program prints one module: each stage's backward (and the forward
+    of the stages but the last) under a name of its own, and the program's default_params and backward, which
+    chains them as StagedGradient does. It printed each stage's module in turn, so that a saved copy's
+    backward was stage 1's alone (asking for the gradient of the value it hands on). Saved and run on its own,
+    it gives Recurrence.vjp's outputs, final states and gradients (1e-12 in float64: on C the forwards of the
+    stages but the last are NumPy's), in every form `linrec check` lists on the backend."""
+    rec, x, up, s0, end, sizes = emitted
+    forms = [f for f in rec.forms if gradients.gradient_refusal(rec, f, backend) is None]
+    assert forms == ["recurrent", "parallel", "chunkwise"]
+    for form in forms:
+        text = rec.emit_gradient(form, backend)
+        for function in ("backward", "default_params"):
+            assert text.count(f"\ndef {function}(") == 1, (form, function)
+        module = _saved_copy(text, f"{rec.name}_{form}_backward.py")
+        params = module["default_params"](2, sizes)
+        assert worst_error(params, rec.default_params(2, sizes)) == 0
+        derived = tuple(p.name for p in rec.program.params)  # (the defaults used, as Recurrence.vjp says)
+        outputs, final, grads = module["backward"](x, params, s0, sizes, up, end, derived)
+        want = rec.vjp(x, up, initial_state=s0, grad_final_state=end, form=form, backend=backend, dims=sizes)
+        assert list(grads) == list(want.grads), form
+        assert worst_error(grads, want.grads) <= 1e-12, form
+        assert worst_error(outputs, want.outputs) <= 1e-12 and worst_error(final, want.final_state) <= 1e-12, form
+
+
+def test_the_emitted_backward_keeps_the_stages_apart():
+    """The stages' modules in one: their functions renamed (stage2_backward, stage1_forward, …: each called by
+    the chaining under that name); an import one stage binds to another object than an earlier one does
+    (C's l2norm, NumPy's) renamed in the later; the stages' headers, backwards from the last, as before."""
+    rec = linrec.load("examples/preconditioned_deltanet.lin")
+    text = rec.emit_gradient("chunkwise", "c")
+    assert [line for line in text.splitlines() if "====" in line] == [
+        "# ==== backward of stage 2: state(s) S; takes A_t ====",
+        "# ==== backward of stage 1: state(s) A; hands on A_t = A (after this token's update) ===="]
+    for name in ("stage2_backward", "stage1_backward", "stage1_forward"):
+        assert f"\ndef {name}(" in text and f"= {name}(" in text
+    assert "from linrec.c.rows import l2norm, vjp_l2norm\n" in text
+    assert "from linrec.numpy.runtime import l2norm as stage1_l2norm\n" in text

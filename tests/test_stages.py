@@ -10,6 +10,7 @@ recurrences below are module-level, and each keeps the kernels it built).
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -296,6 +297,34 @@ def test_the_staged_forms_source_names_each_stage():
     source = PRECONDITIONED.emit("chunkwise")
     assert "# ==== stage 1: state(s) A; hands on A_t = A (after this token's update) ====" in source
     assert "# ==== stage 2: state(s) S; takes A_t ====" in source
+
+
+@pytest.mark.parametrize("program", [PRECONDITIONED, ATTEND], ids=lambda rec: rec.name)
+def test_the_emitted_staged_form_is_one_module_of_the_program(program):
+    """`linrec emit FILE --form parallel|chunkwise` of a staged program prints one module: each stage's forward
+    under a name of its own (stage1_forward, …), and the program's default_params and forward, which chains
+    them as the driver's StagedModule does (it printed each stage's module in turn, so that a saved copy's
+    forward was the last stage's alone). Saved and run on its own, it gives Recurrence.run's outputs and final
+    states. The C source of a staged form is kernels to read (C's scan kernels say the NumPy module above
+    runs them), still the stages' in order."""
+    x = program.random_inputs(batch=2, tokens=21, heads=2, seed=5)
+    sizes = {d.name: d.default for d in program.program.dims}
+    rng = np.random.default_rng(6)
+    s0 = {s.name: np.abs(rng.standard_normal((2, 2) + tuple(sizes[d] for d in s.shape)))
+          for s in program.program.states}
+    for form in ("parallel", "chunkwise"):
+        text = program.emit(form)
+        for function in ("forward", "default_params"):
+            assert text.count(f"\ndef {function}(") == 1, (form, function)
+        assert "\ndef stage1_forward(" in text and "\ndef stage2_forward(" in text
+        module = {}
+        exec(compile(text, f"{program.name}_{form}.py", "exec"), module)  # noqa: S102 - a user's saved copy
+        params = module["default_params"](2, sizes)
+        outputs, final = module["forward"](x, params, s0, sizes, chunk_size=8)
+        want = program.run(x, form=form, params=params, initial_state=s0, chunk_size=8)
+        assert_close(SimpleNamespace(outputs=outputs, final_state=final), want, rtol=1e-12)
+        c_source = program.emit(form, backend="c")
+        assert c_source.startswith("/* ==== stage 1: ") and "/* ==== stage 2: " in c_source
 
 
 # ---- gradients: the recurrent backward runs the program as written ------------------------------------------
