@@ -9,9 +9,11 @@ The error of one comparison is |fd − ⟨∇, d⟩| / max(|fd|, |⟨∇, d⟩|,
 bounds what rounding leaves of the difference quotient (a derivative that small — zero by cancellation, or
 through a decay of e^−300 — is checked to r in absolute terms). Tolerance: 1e-6 in float64. Every other
 gradient form (parallel, chunkwise) is compared with the float64 recurrent gradient at 1e-9, and a float32
-gradient of any form at 5e-4: max|g32 − g64| / max|g64| ≤ 5e-4, max|g64| at least float32's
-eps times the largest gradient of the call (what float32 can hold beside it). Finite differences check the
-recurrent gradient of the first backend asked; another backend's (C's) is compared with it at 1e-9.
+gradient of any form at 5e-4: max|g − g64| / max|g64| per array, max|g64| at least what rounding leaves of
+the terms the array sums, divided by the tolerance (_against: eps of g's dtype times B·T·H·d times the
+largest gradient per token) — so that a gradient zero by cancellation (a bias softmax ignores) is checked to
+that rounding in absolute terms. Finite differences check the recurrent gradient of the first backend
+asked; another backend's (C's) is compared with it at 1e-9.
 """
 from __future__ import annotations
 
@@ -131,6 +133,7 @@ def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = F
     plan = gradient_forms(rec, backends)
     plan.sort(key=lambda fb: fb[0] != "recurrent")  # (the recurrent gradient first: the others' reference)
     asked = [fb for fb in plan if forms is None or fb[0] in forms]
+    per_token = frozenset(x.name for x in rec.program.inputs)  # (the gradients of one token's values)
     for case in battery(rec.program, quick):
         if not asked:
             break
@@ -160,8 +163,8 @@ def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = F
                             first, on = plan[0]
                             reference = rec.vjp(inputs, g_out, form=first, backend=on, grad_final_state=g_state,
                                                 initial_state=state0, params=params, dims=case.dims).grads
-                        diff, err, worst = _against(result.grads, reference)
                         tol = FORM_TOLERANCE if dtype == "float64" else FLOAT32_TOLERANCE
+                        diff, err, worst = _against(result.grads, reference, tol, per_token)
                         note = f"against the float64 recurrent gradient; worst: {worst}"
                     row = Row(form, backend, dtype, case.name, chunk, diff, err, tol,
                               bool(err <= tol), note)
@@ -171,21 +174,34 @@ def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = F
     return rows
 
 
-def _against(grads: dict, reference: dict | None) -> tuple[float, float, str]:
-    """(max abs, max rel, the worst array's name) of gradients against the float64 recurrent ones."""
+def _against(grads: dict, reference: dict | None, tolerance: float = FORM_TOLERANCE,
+             per_token=frozenset()) -> tuple[float, float, str]:
+    """(max abs, max rel, the worst array's name) of gradients against the float64 recurrent ones: each array's
+    error relative to its reference's largest value or, where that lies below what rounding leaves of the
+    terms it sums (divided by `tolerance`), to that — an array that small is checked in absolute terms, to the
+    rounding, as directional_errors checks a derivative below the rounding of the differences.
+
+    A gradient is a sum of contributions: a param's, of one per token and head; one token's, of those of the
+    tokens that read it, each a sum over the values of a token in turn. Another form, another backend, adds
+    them in another order, and the results differ by the rounding of the terms — about the dtype's eps times
+    their sum, which cancellation does not shrink: the gradient of a bias that softmax ignores (softmax(K·q + b),
+    seq(k + c)) is 0 exactly, and each form gives it as ~1e-15 in float64, ~1e-6 in float32. That sum is taken
+    as the number of values of a gradient per token (`per_token`: the inputs'), B·T·H·d, times the largest of
+    them; and at least the largest gradient of the call (an array far below it, an initial state's through a
+    decay of e^−300, the dtype cannot hold beside it)."""
     if reference is None:
         return float("inf"), float("inf"), "no float64 reference"
     worst, worst_abs, name = 0.0, 0.0, ""
-    # an array far below the largest gradient (an initial state's, through a decay of e^−300) is compared at
-    # the rounding of the largest: below that the dtype cannot hold it beside the largest (float32 underflows
-    # to zero; a sum in another order leaves float64 rounding of the largest terms)
     largest = max((float(np.max(np.abs(ref), initial=0.0)) for ref in reference.values()), default=0.0)
+    tokens = [reference[k] for k in per_token if k in reference]
+    terms = max((np.size(g) * float(np.max(np.abs(g), initial=0.0)) for g in tokens), default=0.0)
     for k, ref in reference.items():
         got = np.asarray(grads[k], np.float64)
         if not np.all(np.isfinite(got)):
             return float("inf"), float("inf"), k
         diff = float(np.max(np.abs(got - ref), initial=0.0))
-        scale = max(float(np.max(np.abs(ref), initial=0.0)), float(np.finfo(grads[k].dtype).eps) * largest)
+        rounding = float(np.finfo(grads[k].dtype).eps) * max(largest, terms)
+        scale = max(float(np.max(np.abs(ref), initial=0.0)), rounding / tolerance)
         err = diff / scale if scale else diff
         if err >= worst:
             worst, worst_abs, name = err, diff, k

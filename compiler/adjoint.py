@@ -14,7 +14,9 @@ The derivative expressions are IR over a few nodes of this module: `GradRef` (an
 product: the backend supplies it, as it supplies the builtin). Points where a builtin has no derivative:
 relu and abs at 0 take the subgradient 0, norm at the zero vector the subgradient 0 (as PyTorch does);
 sqrt, and a power below 1, at 0 have an infinite slope — the backend's Vjp reports the place when one is
-used there with a nonzero upstream gradient.
+used there with a nonzero upstream gradient —, and so does log at 0 whatever the upstream gradient (0·∞ there:
+log(0) = −∞ made finite by what follows), except where log(w) is a term of a softmax's argument, whose weight w
+it is: the derivative in w, finite at 0, is taken without the division by w (_Sweep.softmax_of_weights).
 """
 from __future__ import annotations
 
@@ -55,8 +57,9 @@ class Einsum(ir.Apply):
 @dataclass(frozen=True)
 class Vjp(ir.Apply):
     """The vector–Jacobian product of the builtin `function` at args[0] with upstream gradient args[1] (for
-    "pow", args[2] is the exponent; "pow_exponent", the gradient of a^b with respect to b: args (a, g, b, a^b)):
-    the gradient with respect to args[0] (args[2] for "pow_exponent"). `site` names the call in the
+    "pow", args[2] is the exponent; "pow_exponent", the gradient of a^b with respect to b: args (a, g, b, a^b);
+    "softmax" with args[2], rest, the gradient with respect to w where args[0] = rest + log(w)): the gradient
+    with respect to args[0] (args[2] for "pow_exponent", w for "softmax" with a rest). `site` names the call in the
     program, for the error where the builtin has no derivative."""
 
     site: str = ""
@@ -246,6 +249,21 @@ def _product(factors: list[ir.Expr], shape: ir.Shape) -> ir.Expr:
     return out if out.shape == shape else ir.Arith(shape, "mul", out, ir.Const((), 1.0))
 
 
+def _summands(e: ir.Expr) -> list[ir.Expr]:
+    """e as a sum: its terms through + and − (a subtracted term negated)."""
+    if isinstance(e, ir.Arith) and e.op in ("add", "sub"):
+        right = _summands(e.right)
+        return _summands(e.left) + (right if e.op == "add" else [_neg(t) for t in right])
+    return [e]
+
+
+def _sum(terms: list[ir.Expr]) -> ir.Expr:
+    out = terms[0]
+    for t in terms[1:]:
+        out = _arith("add", out, t)
+    return out
+
+
 def _fit(g: ir.Expr, shape: ir.Shape) -> ir.Expr:
     """The gradient of an operand that broadcast: a scalar operand of a vector operation gets the sum. The sum
     of a product is a contraction of its last two vector factors, the scalar factors outside it
@@ -412,11 +430,40 @@ class _Sweep:
         (x,) = e.args
         if e.function == "exp":
             self.grad(x, _arith("mul", g, e))
-        elif e.function == "log":
+        elif e.function == "log" and e.span is None:
+            # a log the compiler wrote, not the program: a decay given as a value, as its log-decay
+            # (transitions.log_of), which no backward takes below the normal range (adjoint_arrays.BelowNormalRange,
+            # 0 included): 1/x has no infinite slope to meet there, and stays the division
             self.grad(x, _arith("div", g, x))
-        else:  # the backend's vector–Jacobian product of the builtin
+        elif e.function == "softmax" and any(self.is_log_weight(t) for t in _summands(x)):
+            self.softmax_of_weights(e, g)
+        else:  # the backend's vector–Jacobian product of the builtin (log's: 1/x, checked at 0 by the backend)
             self.grad(x, Vjp(x.shape, e.function, (x, g), e.options, site=self.site(e)))
 
+    def is_log_weight(self, term: ir.Expr) -> bool:
+        """A term log(w) of a softmax's argument, w carrying a gradient: softmax(s + log(w)) weighs e^s by w."""
+        return isinstance(term, ir.Apply) and term.function == "log" and self.live(term)
+
+    def softmax_of_weights(self, e: ir.Apply, g: ir.Expr) -> None:
+        """softmax(s + log(w)): the softmax of the scores s weighted by w — an additive log-mask where w = 0, at
+        which log(w) is −∞ and the softmax's gradient there 0. Through log the chain rule would divide that 0
+        by w = 0, but softmax(s + log(w))_j = w_j·e^(s_j) / Σ w·e^s has a finite derivative in w_j at 0: the
+        softmax's gradient divided by w, written without the division — the backend's Vjp "softmax" given the
+        sum's other terms (`rest`: s), softmax_j / w_j = e^(s_j − m) / Σ e^(x − m). The other terms take the
+        softmax's gradient as ever."""
+        (x,) = e.args
+        terms = _summands(x)
+        weights = [i for i, t in enumerate(terms) if self.is_log_weight(t)]
+        others = [t for i, t in enumerate(terms) if i not in weights]
+        uses = len(weights) + (bool(others) and self.live(_sum(others)))
+        g = self.shared(g) if uses > 1 else g
+        if others:
+            rest = _sum(others)
+            self.grad(rest, _fit(Vjp(x.shape, "softmax", (x, g), e.options, site=self.site(e)), rest.shape))
+        for i in weights:
+            rest = _sum(terms[:i] + terms[i + 1:]) if len(terms) > 1 else ir.Const((), 0.0)
+            (w,) = terms[i].args
+            self.grad(w, _fit(Vjp(x.shape, "softmax", (x, g, rest), e.options, site=self.site(e)), w.shape))
 
 
 # the forms whose backward is derived where the program allows (see why_no_gradient)

@@ -22,7 +22,7 @@ from .vjp import HELPERS
 VJP, ADJOINT_SCAN = "linrec.numpy.vjp", "linrec.numpy.adjoint_scan"
 ADJOINT_SCANS = frozenset({"decay_scan", "decay_scan_backward"})  # the parallel and chunkwise backward's
 MODULES = NUMPY_MODULES | {VJP: HELPERS, ADJOINT_SCAN: ADJOINT_SCANS}
-_SITED = {"sqrt", "pow"}  # the Vjps that check for a point without a derivative and name the place
+_SITED = {"sqrt", "pow", "log"}  # the Vjps that check for a point without a derivative and name the place
 
 
 class AdjointPrinter(NumpyPrinter):

@@ -38,6 +38,9 @@ class _ParallelPrinter(AdjointPrinter, SequencePrinter):
     def __init__(self, ref, grad, seq, masked: bool, lsh: str, lsh_vjp: str):
         NumpyPrinter.__init__(self, ref)  # (the two parents' own initialisers take different arguments)
         self.grad, self.seq, self.seq_code = grad, seq, seq
+        # (AdjointPrinter's token: none, every token at once — a point without a derivative is named at its
+        # index in the [B, T, H, *] array, or [B, T, H, T, *] over the keys, as the recurrent backward names it)
+        self.token = None
         self.visible = "visible" if masked else "None"
         self.lsh, self.lsh_vjp = lsh, lsh_vjp  # lsh_attention's forward and its vector–Jacobian product
         self.masked = masked
@@ -51,8 +54,10 @@ class _ParallelPrinter(AdjointPrinter, SequencePrinter):
                     f"[{0 if e.function.endswith('_q') else 1}]"), ATOM
         if isinstance(e, Vjp) and e.function == "softmax" and e.args[0].shape[:1] == (SEQ,) and self.masked:
             self.helpers.add("vjp_softmax")
-            scores, grad = (self(a) for a in e.args)
-            return f"vjp_softmax(np.where(visible, {scores}, -np.inf), {grad})", ATOM
+            # (the scores, and the scores without their log-weights where the gradient is a weight's: compiler.
+            # adjoint's softmax_of_weights; the gradient, args[1], is not masked)
+            args = [f"np.where(visible, {self(a)}, -np.inf)" if i != 1 else self(a) for i, a in enumerate(e.args)]
+            return f"vjp_softmax({', '.join(args)})", ATOM
         return super()._p(e)
 
 

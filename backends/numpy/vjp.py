@@ -2,7 +2,8 @@
 vjp_f(x, g) is the gradient with respect to x of Σ g·f(x), over the last axis for the vector builtins.
 
 Where a builtin has no derivative: relu and abs at 0 take the subgradient 0, and norm at the zero vector the
-subgradient 0 (PyTorch's choices). sqrt, and a power below 1, at 0 have an infinite slope. Used there with a
+subgradient 0 (PyTorch's choices). sqrt, and a power below 1, at 0 have an infinite slope, and so has log (at
+any upstream gradient: see vjp_log). Used there with a
 nonzero upstream gradient, in a backward linrec runs (gradients.vjp, INFINITE_SLOPES), the slope is ±∞ and
 flows on as in PyTorch, so that a later subgradient can stop it (relu's 0 below 0: sqrt(relu(k))); the call
 fails, with a RuntimeInputError naming the place in the program (`site`), only where a gradient it returns is
@@ -113,6 +114,12 @@ def _infinite_slope(where, x, g, site: str, builtin: str, token=None) -> np.ndar
     error that names it at its [B, T, H, *] index (a backward token by token passes its token: its arrays are
     [B, H, *]), noted in INFINITE_SLOPES, or raised when there is none."""
     bad = where & (g != 0)
+    _note_infinite_slope(bad, site, builtin, token)
+    return bad
+
+
+def _note_infinite_slope(bad, site: str, builtin: str, token=None) -> None:
+    """_infinite_slope's error where `bad` holds, noted or raised."""
     if np.any(bad):
         index = [int(i) for i in np.argwhere(bad)[0]]
         if token is not None:
@@ -124,7 +131,6 @@ def _infinite_slope(where, x, g, site: str, builtin: str, token=None) -> np.ndar
         if met is None:
             raise error
         met.append(error)
-    return bad
 
 
 def vjp_sigmoid(x, g):
@@ -162,6 +168,19 @@ def vjp_sqrt(x, g, site="", token=None):
     infinite = _infinite_slope(x == 0, x, g, site, "sqrt", token)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(infinite, np.copysign(np.inf, g), np.where(g == 0, 0.0, g / (2 * np.sqrt(np.where(x == 0, 1.0, x)))))
+
+
+def vjp_log(x, g, site="", token=None):
+    """∂log(x)/∂x = 1/x, infinite at x = 0 — where log(x) is −∞, which the forward can still carry to a finite
+    value (exp, sigmoid, a softmax's weight 0), and the gradient arriving there is then 0: its product with
+    the slope, 0·∞, is no number (the limit depends on what came after log; compiler.adjoint takes the one of
+    softmax(s + log(w)) without it). So at 0 whatever the upstream gradient: ±∞ where it is not 0, NaN where it
+    is, noted as an infinite slope (an error where it reaches a returned gradient)."""
+    x, g = np.broadcast_arrays(x, g)
+    zero = x == 0
+    _note_infinite_slope(zero, site, "log", token)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return g / x
 
 
 def vjp_pow(x, g, p, site="", token=None):
@@ -213,10 +232,16 @@ def vjp_groupnorm(x, g, eps=1e-5):
     return (g - np.mean(g, axis=-1, keepdims=True) - y * np.mean(g * y, axis=-1, keepdims=True)) / r
 
 
-def vjp_softmax(x, g):
-    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
-    y = e / np.sum(e, axis=-1, keepdims=True)
-    return y * (g - np.sum(g * y, axis=-1, keepdims=True))
+def vjp_softmax(x, g, rest=None):
+    """The gradient with respect to x of Σ g·softmax(x); given `rest`, the one with respect to w where
+    x = rest + log(w) (compiler.adjoint: a softmax of weighted scores): softmax(x)/w times the former's factor,
+    with softmax(x)_j/w_j = e^(rest_j − max x) / Σ e^(x − max x) — finite at w = 0, where log(w) is −∞."""
+    top = np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x - top)
+    total = np.sum(e, axis=-1, keepdims=True)
+    y = e / total
+    over = y if rest is None else np.exp(rest - top) / total
+    return over * (g - np.sum(g * y, axis=-1, keepdims=True))
 
 
 def vjp_sum(x, g):
