@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import arrays, registry
+from .c import grad_forward
 from .compiler import FORMS
 from .compiler.adjoint import GRADIENT_FORMS
 from .compiler.stabilize import stabilized_states
@@ -108,11 +109,34 @@ def emit(rec, form: str, backend: str) -> str:
     return registry.backend(backend).emit_gradient(rec.compiled, form)
 
 
+def saved_forward(rec, inputs: dict, *, form: str, backend: str, initial_state: dict | None, params: dict | None,
+                  dims: dict | None, chunk_size: int | None) -> grad_forward.Saved | None:
+    """The forward of vjp(…, form, backend) on these arguments, kept for vjp(…, saved=) — a training step's
+    forward, whose backward then does not run it again (linrec.torch) — or None where the backward's forward is
+    not the fused kernel's (the NumPy backend, a program it does not take, a call below its MIN_WORK): that
+    backward runs its own forward, as ever. Its outputs and final states are run()'s."""
+    chunk = arrays.check_chunk_size(chunk_size)
+    module = gradient_module(rec, form, backend)
+    if not isinstance(getattr(module, "fused_forward", None), grad_forward.FusedForward):
+        return None
+    checked, shape = arrays.check_inputs(rec.program, arrays.by_name(inputs, "inputs"))
+    sizes, used = rec.bind(module, shape, params, initial_state, dims)
+    state0 = arrays.check_initial_state(rec.program, initial_state, shape, sizes)
+    chunk = None if chunk is None else min(chunk, shape.tokens)
+    # (the module's own backward, stopped once its forward has run: the chunk, the prelude and the call are
+    # exactly those of the backward that will take it; no upstream gradient is read before that)
+    with grad_forward.capturing() as kept, np.errstate(all="ignore"):
+        module.backward(checked, used, state0, sizes, {}, {}, (), chunk_size=chunk)
+    return kept.result
+
+
 def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str, grad_final_state: dict | None,
         initial_state: dict | None, params: dict | None, dims: dict | None, chunk_size: int | None,
-        missing: str, wanted: frozenset | None = None) -> VjpResult:
+        missing: str, wanted: frozenset | None = None, saved: grad_forward.Saved | None = None) -> VjpResult:
     """Recurrence.vjp. `wanted`: the inputs, states and params whose gradients the caller uses (linrec.torch:
-    autograd's needs_input_grad); an infinite slope on the way to the others only is no error. None: all."""
+    autograd's needs_input_grad); an infinite slope on the way to the others only is no error. None: all.
+    `saved`: saved_forward's result for these very arguments (not checked against them: the caller's to keep
+    together), whose forward the backward then reuses where it fits."""
     check_missing(missing)
     chunk = arrays.check_chunk_size(chunk_size)
     module = gradient_module(rec, form, backend)
@@ -127,7 +151,8 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     chunk = None if chunk is None else min(chunk, shape.tokens)
     arguments = (checked, used, state0, upstream, final_upstream)
     try:
-        outputs, final, grads, slopes = _backward(module, arguments, sizes, derived, chunk)
+        with grad_forward.reusing(saved):
+            outputs, final, grads, slopes = _backward(module, arguments, sizes, derived, chunk)
     except BelowNormalRange:
         # a decay given as a value below its dtype's normal range, or (the recurrent backward) of exactly 0,
         # whose gradient the chain rule would take through its log (∂a = ∂l / a): the statements as written

@@ -367,3 +367,57 @@ def test_auto_picks_the_backward_by_each_packed_sequences_length(monkeypatch):
         ran.clear()
         o.sum().backward()
         assert ran and set(ran) == {form}, (offsets, ran)
+
+
+@pytest.mark.parametrize("name,form,kept", [("gla", "recurrent", 1), ("gated_deltanet", "auto", 1),
+                                            ("mamba2", "recurrent", 1), ("retnet", "recurrent", 0)])
+def test_a_training_step_runs_the_forward_once(monkeypatch, name, form, kept):
+    """On C, the forward a training step runs (the fused recurrent kernel) keeps the states before each chunk,
+    and the backward starts from them instead of running that forward again: one call of the kernel that keeps
+    them per step, where there were two. RetNet's backward reads its readouts (groupnorm of q·S), which the fused
+    kernel does not give: it keeps nothing, and its backward runs its own forward as before. The gradients are
+    those of Recurrence.vjp (which runs its own forward), eager and under torch.compile(fullgraph=True), and
+    again on a second backward through the same graph."""
+    from linrec.c.backend import CRecurrent
+    rec = linrec.load(f"examples/{name}.lin")
+    dims = {d.name: 32 for d in rec.program.dims if d.name in ("dk", "dv", "dh", "d")}
+    x = rec.random_inputs(1, 2048, 2, dims=dims, seed=0)  # (B·T·H·K·V past c.grad_forward.MIN_WORK)
+    ran = []
+    forward = CRecurrent.forward_snapshots
+
+    def counted(self, *args, **kwargs):
+        ran.append(1)
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(CRecurrent, "forward_snapshots", counted)
+    layer_inputs = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
+    first = rec.program.outputs[0].name
+
+    def loss(**inputs):
+        out, _ = lt.apply(rec, **inputs, form=form, backend="c", dims=dims)
+        o = out if isinstance(out, torch.Tensor) else out[first]
+        return (o * torch.linspace(-1, 1, o.shape[-1], dtype=o.dtype)).square().sum()
+
+    upstream = None
+    for run in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        for t in layer_inputs.values():
+            t.grad = None
+        ran.clear()
+        value = run(**layer_inputs)
+        eager = run is loss
+        value.backward(retain_graph=eager)
+        assert len(ran) == kept, ran  # (the forward's kernel, which the backward did not run again)
+        grads = {k: t.grad.clone() for k, t in layer_inputs.items()}
+        if eager:  # (the kept states are read, not written: a second backward gives the same again)
+            value.backward()
+            for k, t in layer_inputs.items():
+                assert torch.equal(t.grad, 2 * grads[k]), k
+        if upstream is None:
+            with torch.no_grad():
+                out, _ = lt.apply(rec, **layer_inputs, form=form, backend="c", dims=dims)
+            o = (out if isinstance(out, torch.Tensor) else out[first]).numpy()
+            w = np.linspace(-1, 1, o.shape[-1])
+            upstream = {first: 2 * o * w * w}
+        want = rec.vjp(x, upstream, form=lt.backward.gradient_plan(rec, form, "c", dims, 2048)[0], backend="c",
+                       dims=dims)
+        for k in grads:
+            assert np.max(np.abs(grads[k].numpy() - want.grads[k])) <= EXACT * np.max(np.abs(want.grads[k])), k

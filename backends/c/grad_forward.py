@@ -15,14 +15,29 @@ kernel's time.
 
 The generated module calls it as `fused_forward` (linrec.numpy.adjoint_derived.DecomposedEmitter.fused_forward)
 where its chain rule reads no readout's value (the fused kernel gives the outputs, not the readouts q·S).
+
+A training step runs the forward, then the backward, which would run the same forward again. The forward can
+be kept for it instead (linrec.torch does; gradients.saved_forward and vjp(saved=…)):
+
+    with capturing() as kept: module.backward(…)   the module's own forward, stopped once it has run:
+                                                    kept.result is a Saved (or None below MIN_WORK)
+    with reusing(saved): module.backward(…)         the backward, whose fused_forward gives `saved` where
+                                                    its arrays fit the call (else it runs as ever)
+
+Saved holds the outputs, the final states and one flat array of every state's states before each chunk
+(layout: each state's [B, H, n, K, V] in turn, from a cache line), so that it travels as one tensor.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..compiler import Compiled
 from .backend import CRecurrent
-from .buffers import RecycledArrays
+from .buffers import RecycledArrays, aligned_empty
 from .scan_kernels import chunk_of
 from .stabilize import Scales
 from .support import fused_refusal
@@ -41,6 +56,65 @@ ARRAYS = 2
 _starts = RecycledArrays(keep=ARRAYS)
 
 
+@dataclass
+class Saved:
+    """A forward kept for its backward: outputs and final states by name, and `flat`, every state's states
+    before each chunk in one 1-D array (starts_layout)."""
+
+    outputs: dict
+    final_state: dict
+    flat: np.ndarray
+
+
+class _Kept:
+    """What capturing() found: the forward's Saved, or None (a call below MIN_WORK keeps nothing)."""
+
+    result: Saved | None = None
+
+
+class _Stopped(Exception):
+    """The module's backward stopped after its forward (capturing)."""
+
+
+_CAPTURE: ContextVar[_Kept | None] = ContextVar("linrec_capture_forward", default=None)
+_REUSE: ContextVar[Saved | None] = ContextVar("linrec_reuse_forward", default=None)
+
+
+@contextmanager
+def capturing():
+    """Run a generated backward's forward only: its fused_forward keeps what it computes and stops the module
+    there (the rest, the adjoint, is the backward's, for later)."""
+    kept = _Kept()
+    token = _CAPTURE.set(kept)
+    try:
+        yield kept
+    except _Stopped:
+        pass
+    finally:
+        _CAPTURE.reset(token)
+
+
+@contextmanager
+def reusing(saved: Saved | None):
+    """Run a generated backward on a kept forward: its fused_forward gives `saved` where it fits the call."""
+    token = _REUSE.set(saved)
+    try:
+        yield
+    finally:
+        _REUSE.reset(token)
+
+
+def starts_layout(shapes: list[tuple[int, ...]], dtype) -> tuple[list[int], int]:
+    """Where each state's [B, H, n, K, V] starts in the flat array (in elements, each from a cache line, as
+    the kernels' state buffers are), and the flat array's length."""
+    line = 64 // np.dtype(dtype).itemsize
+    offsets, total = [], 0
+    for shape in shapes:
+        offsets.append(total)
+        total += -(-int(np.prod(shape)) // line) * line
+    return offsets, total
+
+
 def fits(compiled: Compiled) -> bool:
     """The fused kernel takes the program, and no state of it is stabilized (those come with a log-scale the
     chunk kernels do not take)."""
@@ -57,13 +131,27 @@ class FusedForward:
     def __call__(self, inputs, params, initial_state, dims, chunk):
         batch, tokens, heads = next(iter(inputs.values())).shape[:3]
         states = [np.asarray(initial_state[st.name]) for st in self.states]
+        kept = _CAPTURE.get()
         if batch * tokens * sum(s[0].size for s in states) < MIN_WORK:
+            if kept is not None:
+                raise _Stopped
             return None
         chunk = chunk_of(chunk, tokens)
         stops = np.arange(chunk, tokens, chunk)  # the token counts at the chunks' starts, after the first
         dtype = np.asarray(inputs[self.recurrent.program.inputs[0].name]).dtype  # (the kernel's)
-        starts = {st.name: _starts.take((batch, heads, len(stops) + 1) + s0.shape[2:], dtype)
-                  for st, s0 in zip(self.states, states)}
+        shapes = [(batch, heads, len(stops) + 1) + s0.shape[2:] for s0 in states]
+        saved = _REUSE.get()
+        if saved is not None:
+            found = self._reused(saved, shapes, dtype)
+            if found is not None:
+                return found
+        if kept is not None:  # (one array of them all, kept: the recycled ones are the next call's)
+            offsets, total = starts_layout(shapes, dtype)
+            flat = aligned_empty((total,), dtype)
+            starts = {st.name: flat[o:o + int(np.prod(shape))].reshape(shape)
+                      for st, o, shape in zip(self.states, offsets, shapes)}
+        else:
+            starts = {st.name: _starts.take(shape, dtype) for st, shape in zip(self.states, shapes)}
         for st, s0 in zip(self.states, states):
             starts[st.name][:, :, 0] = s0
         if len(stops):  # (the kernel writes the state at each stop in its place: starts[…][:, :, 1:])
@@ -71,4 +159,27 @@ class FusedForward:
                                                                  into=starts)
         else:
             outputs, final = self.recurrent.forward(inputs, params, initial_state, dims)
+        if kept is not None:
+            kept.result = Saved(outputs, final, flat)
+            raise _Stopped
         return outputs, final, starts
+
+    def _reused(self, saved: Saved, shapes: list, dtype) -> tuple | None:
+        """(outputs, final states, starts) from a kept forward, read-only (the backward's own arrays are its
+        to overwrite; these are the caller's), or None where it does not fit this call (another chunk, size
+        or dtype: then the forward runs again)."""
+        offsets, total = starts_layout(shapes, dtype)
+        flat = saved.flat
+        if flat.dtype != dtype or flat.shape != (total,) or \
+                {st.name for st in self.states} != set(saved.final_state):
+            return None
+        starts = {st.name: _read_only(flat[o:o + int(np.prod(shape))].reshape(shape))
+                  for st, o, shape in zip(self.states, offsets, shapes)}
+        return ({k: _read_only(v) for k, v in saved.outputs.items()},
+                {k: _read_only(v) for k, v in saved.final_state.items()}, starts)
+
+
+def _read_only(array) -> np.ndarray:
+    view = np.asarray(array).view()
+    view.flags.writeable = False
+    return view

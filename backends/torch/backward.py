@@ -3,12 +3,14 @@ op so that torch.compile traces a backward pass around it (autograd's formula mu
 backward op, whose fake implementation gives the gradients' shapes, and never touches the tensors' memory).
 
     linrec::gla_<digest>_backward(Tensor in_q, …, Tensor? state_S, Tensor? cu_seqlens, Tensor? dout_o, Tensor? dstate_S,
-                                  *, SymInt[] sizes, str form, str backend, int? chunk_size) -> (Tensor, …)
+                                  Tensor[] kept, *, SymInt[] sizes, str form, str backend, int? chunk_size,
+                                  bool[] needed) -> (Tensor, …)
 
 Its tensors: the forward op's (inputs, initial states, params, cu_seqlens), then the gradients of the forward's
-results (outputs, then final states; None: zero). It returns one gradient per forward input, state and param,
-in the same order: an empty tensor where the forward's argument was None (autograd's formula turns it back into
-None; cu_seqlens, integer offsets, has none).
+results (outputs, then final states; None: zero), then `kept`: the forward's results (outputs, final states and
+the kept states before each chunk, op.py) where it kept them, else none. It returns one gradient per forward
+input, state and param, in the same order: an empty tensor where the forward's argument was None (autograd's
+formula turns it back into None; cu_seqlens, integer offsets, has none).
 
 Which backward runs: the gradient form of the forward's form where one is derived, else the recurrent one,
 on the forward's backend when it builds that gradient, else on NumPy. form="auto": the recurrent one (the
@@ -29,6 +31,7 @@ from ..compiler import FORMS
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError
 from .. import gradients, packed_vjp
+from ..c import grad_forward
 from ..gradients import AUTO_ORDER, gradient_refusal, leads_with_chunkwise
 from .convert import to_array, to_tensor
 
@@ -70,6 +73,7 @@ def schema(rec: Recurrence, argument) -> str:
     tensors.append("Tensor? cu_seqlens")  # (the forward's: packed sequences' offsets, or None)
     tensors += [f"Tensor? {argument('dout', o.name, i)}" for i, o in enumerate(program.outputs)]
     tensors += [f"Tensor? {argument('dstate', s.name, i)}" for i, s in enumerate(program.states)]
+    tensors.append("Tensor[] kept")  # (the forward's results, where it kept its states for this backward)
     count = len(program.inputs) + len(program.states) + len(program.params)
     returns = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
     # needed: autograd's needs_input_grad, one per input, state and param (an infinite slope on the way to
@@ -95,6 +99,7 @@ def kernel(rec: Recurrence):
     program = rec.program
 
     def backward_kernel(*tensors, sizes, form, backend, chunk_size, needed):
+        *tensors, kept = tensors
         inputs, states, params, cu_seqlens, grad_outputs, grad_final = _split(program, tensors)
         arrays = {x.name: to_array(t) for x, t in zip(program.inputs, inputs)}
         state0 = {s.name: to_array(t) for s, t in zip(program.states, states) if t is not None}
@@ -113,7 +118,8 @@ def kernel(rec: Recurrence):
         call = dict(grad_final_state=upstream_final, initial_state=state0 or None, params=values or None, dims=dims,
                     chunk_size=chunk_size, missing="zero", wanted=frozenset(n for n, want in zip(names, needed) if want))
         if cu_seqlens is None:
-            result = gradients.vjp(rec, arrays, upstream, form=gradient_form, backend=where, **call)
+            result = gradients.vjp(rec, arrays, upstream, form=gradient_form, backend=where,
+                                   saved=_saved(program, kept), **call)
         else:  # (packed sequences: each one's backward on its own slice, joined)
             result = packed_vjp.vjp_packed(rec, arrays, upstream, to_array(cu_seqlens), form=gradient_form,
                                            backend=where, **call)
@@ -132,6 +138,17 @@ def kernel(rec: Recurrence):
     return backward_kernel
 
 
+def _saved(program, kept: list) -> grad_forward.Saved | None:
+    """The forward's kept results as gradients.vjp takes them (c.grad_forward.Saved), or None where it kept no
+    states."""
+    if not kept or not kept[-1].numel():
+        return None
+    arrays = [to_array(t) for t in kept]
+    count = len(program.outputs)
+    return grad_forward.Saved({o.name: a for o, a in zip(program.outputs, arrays)},
+                              {s.name: a for s, a in zip(program.states, arrays[count:])}, arrays[-1])
+
+
 def _at_last(gradient: np.ndarray, tokens: int) -> np.ndarray:
     """A gradient of the last position's outputs [B, 1, H, *], as one of the whole sequence's [B, T, H, *]."""
     whole = np.zeros(gradient.shape[:1] + (tokens,) + gradient.shape[2:], gradient.dtype)
@@ -145,7 +162,7 @@ def fake(rec: Recurrence):
     program = rec.program
 
     def backward_fake(*tensors, sizes, form, backend, chunk_size, needed):
-        inputs, states, params, _, _, _ = _split(program, tensors)
+        inputs, states, params, _, _, _ = _split(program, tensors[:-1])
         grads = [t.new_empty(t.shape) if t is not None else inputs[0].new_empty((0,))
                  for t in (*inputs, *states, *params)]
         return grads[0] if len(grads) == 1 else tuple(grads)
@@ -165,27 +182,33 @@ def second_order_refused(rec: Recurrence):
 
 
 def autograd_formula(rec: Recurrence, backward_op):
-    """(setup_context, backward) for register_autograd: the forward's tensors and keywords saved, and the
-    cotangents of its outputs and final states mapped through the backward op to one gradient per tensor
-    argument (None for an argument that was None or needs none)."""
+    """(setup_context, backward) for register_autograd: the forward's tensors and keywords saved — and its
+    results, where it kept its states for the backward (op.py) — and the cotangents of its outputs and final
+    states mapped through the backward op to one gradient per tensor argument (None for an argument that was
+    None or needs none)."""
     program = rec.program
     count = len(program.inputs) + len(program.states) + len(program.params)
+    returned = len(program.outputs) + len(program.states)  # (the forward's results before its kept states)
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
-        present = [t is not None for t in inputs]
-        ctx.present = present
-        ctx.save_for_backward(*(t for t in inputs if t is not None))
+        ctx.present = [t is not None for t in inputs]
         ctx.options = dict(keyword_only_inputs)
+        ctx.keep = ctx.options.pop("keep")
+        ctx.mark_non_differentiable(output[-1])  # (the kept states: the backward's, no result of the layer)
+        ctx.save_for_backward(*(t for t in inputs if t is not None), *(output if ctx.keep else ()))
 
     def backward(ctx, *grads):
-        saved = iter(ctx.saved_tensors)
-        tensors = [next(saved) if present else None for present in ctx.present]
+        saved = list(ctx.saved_tensors)
+        kept = saved[len(saved) - returned - 1:] if ctx.keep else []
+        arguments = iter(saved)
+        tensors = [next(arguments) if present else None for present in ctx.present]
         if not any(ctx.needs_input_grad[:count]):
             return (None,) * (count + 1)  # (one per tensor argument, cu_seqlens the last)
-        results = backward_op(*tensors, *grads, **ctx.options, needed=list(ctx.needs_input_grad[:count]))
-        if isinstance(results, torch.Tensor):
-            results = (results,)
+        found = backward_op(*tensors, *grads[:returned], kept, **ctx.options,
+                            needed=list(ctx.needs_input_grad[:count]))
+        if isinstance(found, torch.Tensor):
+            found = (found,)
         return tuple(g if present and needed else None
-                     for g, present, needed in zip(results, ctx.present, ctx.needs_input_grad)) + (None,)  # (cu_seqlens)
+                     for g, present, needed in zip(found, ctx.present, ctx.needs_input_grad)) + (None,)  # (cu_seqlens)
 
     return setup_context, backward

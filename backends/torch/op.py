@@ -4,14 +4,18 @@ A custom op's schema is fixed, and each program has its own inputs, states and p
 an op of its own, with a schema generated from its declarations (`RecurrenceOp.schema`):
 
     linrec::gla_<digest>(Tensor in_q, Tensor in_k, Tensor in_v, Tensor in_g, Tensor? state_S, Tensor? cu_seqlens,
-                         *, SymInt[] sizes, str form, str backend, int? chunk_size) -> (Tensor, Tensor)
+                         *, SymInt[] sizes, str form, str backend, int? chunk_size, bool keep)
+                         -> (Tensor, Tensor, Tensor)
 
 Positional tensors: the inputs [B, T, H, *], then the initial states [B, H, *] (None: zeros), then the params
 (None: the file's default) — each group in declaration order —, then cu_seqlens (None: the rows of B are the
 sequences; else the offsets [N + 1] of packed sequences in one row, whose states are [N, H, *]). Keywords: the program's dimension sizes in
 declaration order (the fake implementation needs those no tensor shows), the form, the backend and the chunk
-size. Returns the outputs [B, T, H, *], then the final states [B, H, *], in declaration order. The op is named
-by the program's name and a digest of its source, so every Recurrence compiled from the same text shares one.
+size, and `keep`: whether autograd will ask for the backward (then the forward is kept for it, below).
+Returns the outputs [B, T, H, *], then the final states [B, H, *], in declaration order, then `kept`: the
+states before each chunk of the backward's forward, one flat tensor (c.grad_forward.Saved.flat; empty where
+nothing is kept). The op is named by the program's name and a digest of its source, so every Recurrence
+compiled from the same text shares one.
 
 Every tensor reaches the kernel as a NumPy view of its memory (no copy) and every result leaves as a tensor
 over the kernel's array (no copy): `apply` hands the op contiguous float32/float64 CPU tensors.
@@ -19,6 +23,11 @@ over the kernel's array (no copy): `apply` hands the op contiguous float32/float
 Autograd: the op's backward is a second custom op, `<name>_backward` (backward.py), which runs the derived
 vector–Jacobian product (Recurrence.vjp) on the saved arguments and the cotangents of the outputs and final
 states; `register_autograd` wires it, so gradients reach every input, initial state and param tensor.
+
+A training step's forward is kept for its backward where the backward's forward is the fused C kernel — the
+one the forward runs anyway (form "recurrent", or "auto" choosing it, on C): the op runs it keeping the states
+before each chunk, and the backward starts from them instead of running the forward again (saving a forward
+per step; the price, those states held until the backward: O(T/C) states, C the backward's chunk).
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ import torch
 from ..api import Recurrence
 from ..decode import at_true_scale, reads_the_sequence
 from ..dsl.errors import LinrecError
+from .. import gradients
 from . import backward
 from .backward import STEP  # the op's `form` for the decode step: one token through Recurrence.step (see _step)
 from .convert import to_array, to_tensor
@@ -62,11 +72,14 @@ class RecurrenceOp:
     def __call__(self, inputs: list, states: list, params: list, cu_seqlens, sizes: list, form: str, backend: str,
                  chunk_size: int | None) -> tuple[list, list]:
         """(outputs, final states), each a list in declaration order."""
+        # the forward is kept for the backward only where autograd will ask for one (a decode step's or packed
+        # sequences' backward runs its own forward: backward.kernel)
+        keep = torch.is_grad_enabled() and form != STEP and cu_seqlens is None and \
+            any(t is not None and t.requires_grad for t in (*inputs, *states, *params))
         results = self.op(*inputs, *states, *params, cu_seqlens, sizes=sizes, form=form, backend=backend,
-                          chunk_size=chunk_size)
-        if isinstance(results, torch.Tensor):  # (a schema of one result returns it bare)
-            results = (results,)
-        return list(results[:len(self.outputs)]), list(results[len(self.outputs):])
+                          chunk_size=chunk_size, keep=keep)
+        count = len(self.outputs)
+        return list(results[:count]), list(results[count:count + len(self.states)])
 
 
 # by Recurrence (identity): what a compiled model looks up, a plain dict that torch.compile traces (it keeps its
@@ -126,9 +139,8 @@ def _schema(rec: Recurrence) -> str:
     tensors += [f"Tensor? {_argument('state', s.name, i)}" for i, s in enumerate(program.states)]
     tensors += [f"Tensor? {_argument('param', p.name, i)}" for i, p in enumerate(program.params)]
     tensors.append("Tensor? cu_seqlens")  # (packed sequences' offsets [N + 1], int64; None: rows of [B, T, H, *])
-    count = len(program.outputs) + len(program.states)
-    returns = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
-    return f"({', '.join(tensors)}, *, SymInt[] sizes, str form, str backend, int? chunk_size) -> {returns}"
+    returns = "(" + ", ".join(["Tensor"] * (len(program.outputs) + len(program.states) + 1)) + ")"  # (+ kept)
+    return f"({', '.join(tensors)}, *, SymInt[] sizes, str form, str backend, int? chunk_size, bool keep) -> {returns}"
 
 
 def _split(program, tensors: tuple) -> tuple[tuple, tuple, tuple, torch.Tensor | None]:
@@ -142,13 +154,17 @@ def _kernel(rec: Recurrence):
     tensors."""
     program = rec.program
 
-    def kernel(*tensors, sizes, form, backend, chunk_size):
+    def kernel(*tensors, sizes, form, backend, chunk_size, keep):
         inputs, states, params, cu_seqlens = _split(program, tensors)
         inputs = {x.name: to_array(t) for x, t in zip(program.inputs, inputs)}
         states = {s.name: to_array(t) for s, t in zip(program.states, states) if t is not None}
         params = {p.name: to_array(t) for p, t in zip(program.params, params) if t is not None}
         dims = {d.name: int(n) for d, n in zip(program.dims, sizes)}
-        if form == STEP:
+        first = next(iter(inputs.values()))
+        kept = _kept_forward(rec, inputs, states, params, dims, form, backend, chunk_size) if keep else None
+        if kept is not None:
+            outputs, final = kept.outputs, kept.final_state
+        elif form == STEP:
             outputs, final = _step(rec, inputs, states, params, dims, backend)
         else:
             result = rec.run(inputs, form=form, backend=backend, params=params or None,
@@ -157,12 +173,30 @@ def _kernel(rec: Recurrence):
             outputs, final = result.outputs, result.final_state
         arguments = [*inputs.values(), *states.values(), *params.values()]
         results = []
-        for array in [*(outputs[o.name] for o in program.outputs), *(final[s.name] for s in program.states)]:
+        flat = kept.flat if kept is not None else np.empty(0, first.dtype)
+        for array in [*(outputs[o.name] for o in program.outputs), *(final[s.name] for s in program.states), flat]:
             results.append(to_tensor(array, arguments))
             arguments.append(results[-1].numpy())  # (nor may results alias each other)
-        return results[0] if len(results) == 1 else tuple(results)
+        return tuple(results)
 
     return kernel
+
+
+def _kept_forward(rec: Recurrence, inputs: dict, states: dict, params: dict, dims: dict, form: str, backend: str,
+                  chunk_size: int | None):
+    """The forward kept for the backward (gradients.saved_forward), where it is the one this call runs anyway:
+    the fused C kernel of the recurrent form, and the backward's forward on the same backend. Else None: the op
+    runs its form, and the backward its own forward."""
+    first = next(iter(inputs.values()))
+    batch, tokens, heads = first.shape[:3]
+    ran = form if form != "auto" else rec.choose_form(backend, tokens, heads, batch, dims, first.dtype)[0]
+    if backend != "c" or ran != "recurrent":
+        return None
+    gradient_form, where = backward.gradient_plan(rec, form, backend, dims, tokens)
+    if where != backend:
+        return None
+    return gradients.saved_forward(rec, inputs, form=gradient_form, backend=where, initial_state=states or None,
+                                   params=params or None, dims=dims, chunk_size=chunk_size)
 
 
 def _step(rec: Recurrence, inputs: dict, states: dict, params: dict, dims: dict, backend: str):
@@ -194,7 +228,7 @@ def _fake(rec: Recurrence):
     declarations, in the inputs' dtype."""
     program = rec.program
 
-    def fake(*tensors, sizes, form, backend, chunk_size):
+    def fake(*tensors, sizes, form, backend, chunk_size, keep):
         first, cu_seqlens = tensors[0], tensors[-1]
         batch, tokens, heads = first.shape[:3]
         if form == STEP:
@@ -204,6 +238,8 @@ def _fake(rec: Recurrence):
         results = [first.new_empty((batch, tokens, heads, *(dims[d] for d in o.value.shape)))
                    for o in program.outputs]
         results += [first.new_empty((rows, heads, *(dims[d] for d in s.shape))) for s in program.states]
-        return results[0] if len(results) == 1 else tuple(results)
+        # (the kept states' length is the kernel's to decide: its chunk, and whether it keeps any)
+        results.append(first.new_empty((torch.library.get_ctx().new_dynamic_size() if keep else 0,)))
+        return tuple(results)
 
     return fake
