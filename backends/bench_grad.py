@@ -135,8 +135,23 @@ def size_rows(rec, dims: dict[str, int], tokens: int, forms: list[str], backends
                 skipped.append(dict(where, form=f, backend=b, reason=f"failed: {err}", **{"pass": "backward"}))
                 continue
             backward.append(dict(where, form=f, backend=b, ms=_median_ms(times), repeats=len(times),
-                                 warmup_s=warm, auto=f == auto[b][1]))
+                                 warmup_s=warm, auto=f == auto[b][1],
+                                 kept_ms=_kept_ms(rec, x, grad_o, f, b, repeats, budget_s)))
     return forward, [against_forward(r, forward) for r in backward], skipped
+
+
+def _kept_ms(rec, x: dict, grad_o: dict, form: str, backend: str, repeats: int, budget_s: float) -> float | None:
+    """The backward alone, as a training step runs it: from the forward kept for it (gradients.saved_forward,
+    as linrec.torch keeps it), without running that forward again — None where no forward is kept (the NumPy
+    backend, or a backward whose forward is not the fused kernel's)."""
+    saved = gradients.saved_forward(rec, x, form=form, backend=backend, initial_state=None, params=None, dims=None,
+                                    chunk_size=None)
+    if saved is None:
+        return None
+    _, times = _time(lambda: gradients.vjp(rec, x, grad_o, form=form, backend=backend, grad_final_state=None,
+                                           initial_state=None, params=None, dims=None, chunk_size=None,
+                                           missing="error", saved=saved), repeats, budget_s)
+    return _median_ms(times)
 
 
 def _no_auto_backward(rec, backend: str) -> str:
@@ -160,10 +175,12 @@ def against_forward(row: dict, forward: list[dict]) -> dict:
     backward / fastest forward ("ratio")."""
     same = [r for r in forward if (r["form"], r["backend"]) == (row["form"], row["backend"])]
     fastest = min(forward, key=lambda r: r["ms"], default=None)
+    kept = row.get("kept_ms")
     return dict(row, forward_ms=same[0]["ms"] if same else None,
                 fastest_forward_ms=fastest["ms"] if fastest else None,
                 fastest_forward=f"{fastest['form']} ({fastest['backend']})" if fastest else None,
-                ratio=row["ms"] / fastest["ms"] if fastest else None)
+                ratio=row["ms"] / fastest["ms"] if fastest else None,
+                kept_ratio=kept / fastest["ms"] if fastest and kept is not None else None)
 
 
 def run(opts: bench.Options, progress=None) -> dict:
@@ -205,17 +222,20 @@ def format_report(rep: dict) -> str:
     out = [f"{rep['program']} ({rep['file']}): backward against forward, B={rep['batch']}, H={rep['heads']}, "
            f"{rep['dtype']}, {rep['threads']} thread(s) (from {rep['threads_from']})", ""]
     if rep["rows"]:
-        table = [["dk", "dv", "T", "form", "backend", "forward ms", "backward ms", "fastest forward", "ms",
-                  "backward / fastest", "reps"]]
+        table = [["dk", "dv", "T", "form", "backend", "forward ms", "backward ms", "kept ms", "fastest forward",
+                  "ms", "backward / fastest", "kept / fastest", "reps"]]
         for r in rep["rows"]:
             form = f"{r['form']} (auto)" if r.get("auto") else r["form"]
             table.append([str(r["dk"]), str(r["dv"]), str(r["T"]), form, r["backend"], _ms(r["forward_ms"]),
-                          _ms(r["ms"]), r["fastest_forward"] or "-", _ms(r["fastest_forward_ms"]),
-                          "-" if r["ratio"] is None else f"{r['ratio']:.2f}", str(r["repeats"])])
-        out += bench.table_lines(table, {0, 1, 2, 5, 6, 8, 9, 10})
+                          _ms(r["ms"]), _ms(r.get("kept_ms")), r["fastest_forward"] or "-",
+                          _ms(r["fastest_forward_ms"]), "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+                          "-" if r.get("kept_ratio") is None else f"{r['kept_ratio']:.2f}", str(r["repeats"])])
+        out += bench.table_lines(table, {0, 1, 2, 5, 6, 7, 9, 10, 11, 12})
         out.append("  (medians after a warm-up call; backward ms: the whole Recurrence.vjp call, which runs the "
-                   "forward again for its checkpoints; forward ms: Recurrence.run of the same form and backend; "
-                   "fastest forward: of every form and backend timed at the size"
+                   "forward again for its checkpoints; kept ms: the backward alone, from the forward kept for it "
+                   "as linrec.torch keeps it in a training step (- where none is kept); forward ms: "
+                   "Recurrence.run of the same form and backend; fastest forward: of every form and backend timed "
+                   "at the size"
                    + ("; (auto): the backward form=\"auto\" runs on the backend at the size" if any(
                        r.get("auto") for r in rep["rows"]) else "") + ")")
     else:

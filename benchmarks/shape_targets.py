@@ -15,7 +15,8 @@ back, and each figure is computed inside its round:
               (targets: ≥ 80% GLA, ≥ 75% the delta rules);
     grad      per program and d, the fastest forward (the C recurrent form) and each gradient form's
               Recurrence.vjp (which runs its forward too) at B = 1, H = 8, T = 4096 on 2 threads: the fastest
-              backward over the fastest forward (target ≤ 3×).
+              backward over the fastest forward (target ≤ 3×); and the backward alone, from the forward kept for
+              it as a training step through linrec.torch runs it (gradients.saved_forward, vjp(saved=…)).
 
 The report gives the median over rounds and the range (min–max); --json the rounds too. Float32 throughout.
 """
@@ -31,7 +32,7 @@ import numpy as np
 
 import linrec
 from fma_peak import fma_peak_gflops  # (benchmarks/, the script's own folder)
-from linrec import bench, bench_grad
+from linrec import bench, bench_grad, gradients
 from targets import median_ms, run_ms
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the example programs
@@ -112,8 +113,19 @@ def measure_grad(rounds: int, progress) -> dict:
             forward = run_ms(rec, x, 2)
             vjp = {form: median_ms(lambda f=form: rec.vjp(x, grads, form=f, backend="c"), 2) for form in forms}
             fastest = min(vjp, key=vjp.get)
+            kept = {}
+            for form in forms:
+                saved = gradients.saved_forward(rec, x, form=form, backend="c", initial_state=None, params=None,
+                                                dims=None, chunk_size=None)
+                if saved is not None:
+                    kept[form] = median_ms(lambda f=form, s=saved: gradients.vjp(
+                        rec, x, grads, form=f, backend="c", grad_final_state=None, initial_state=None, params=None,
+                        dims=None, chunk_size=None, missing="error", saved=s), 2)
+            fastest_kept = min(kept, key=kept.get) if kept else None
             rows[f"{name} d={d}"] = {"forward_ms": forward, "vjp_ms": vjp, "fastest": fastest,
-                                     "ratio": vjp[fastest] / forward}
+                                     "ratio": vjp[fastest] / forward, "kept_ms": kept,
+                                     "kept_fastest": fastest_kept,
+                                     "kept_ratio": kept[fastest_kept] / forward if kept else None}
         out.append({"rows": rows})
     return {"rounds": out}
 
@@ -125,21 +137,30 @@ def summarize_grad(res: dict) -> dict:
         per = [r["rows"][key] for r in rounds]
         rows[key] = {"forward_ms": _span([p["forward_ms"] for p in per]),
                      "vjp_ms": {f: _span([p["vjp_ms"][f] for p in per]) for f in per[0]["vjp_ms"]},
-                     "fastest": [p["fastest"] for p in per], "ratio": _span([p["ratio"] for p in per])}
+                     "fastest": [p["fastest"] for p in per], "ratio": _span([p["ratio"] for p in per]),
+                     "kept_ms": {f: _span([p["kept_ms"][f] for p in per]) for f in per[0]["kept_ms"]},
+                     "kept_fastest": [p["kept_fastest"] for p in per],
+                     "kept_ratio": _span([p["kept_ratio"] for p in per]) if per[0]["kept_ms"] else None}
     return {"rows": rows}
 
 
 def report_grad(s: dict, rounds: int) -> str:
     lines = [f"{rounds} rounds; B = {B}, H = {H}, T = {T}, float32, 2 threads, C; the fastest vjp (which runs its "
-             f"forward too) over the fastest forward (the recurrent form), median (min–max over rounds)", "",
-             "| program | d | forward ms | vjp ms per form | fastest | × forward | target |", "|---|---|---|---|---|---|---|"]
+             f"forward too) over the fastest forward (the recurrent form), and the fastest backward alone (from the "
+             f"forward kept for it, as in a training step), median (min–max over rounds)", "",
+             "| program | d | forward ms | vjp ms per form | fastest | × forward | backward alone ms per form | "
+             "× forward | target |", "|---|---|---|---|---|---|---|---|---|"]
     for key, row in s["rows"].items():
         name, d = key.split(" d=")
         forms = ", ".join(f"{f} {v['median']:.1f}" for f, v in row["vjp_ms"].items())
+        kept = ", ".join(f"{f} {v['median']:.1f}" for f, v in row["kept_ms"].items()) or "-"
         fastest = max(set(row["fastest"]), key=row["fastest"].count)
-        ratio = row["ratio"]
+        ratio, kept_ratio = row["ratio"], row["kept_ratio"]
+        alone = "-" if kept_ratio is None else \
+            f"{kept_ratio['median']:.1f}× ({kept_ratio['min']:.1f}–{kept_ratio['max']:.1f})"
         lines.append(f"| {name} | {d} | {row['forward_ms']['median']:.2f} | {forms} | {fastest} | "
-                     f"{ratio['median']:.1f}× ({ratio['min']:.1f}–{ratio['max']:.1f}) | ≤ {GRAD['target']:.0f}× |")
+                     f"{ratio['median']:.1f}× ({ratio['min']:.1f}–{ratio['max']:.1f}) | {kept} | {alone} | "
+                     f"≤ {GRAD['target']:.0f}× |")
     return "\n".join(lines)
 
 
