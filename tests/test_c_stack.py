@@ -102,3 +102,18 @@ def test_the_frames_are_read_from_the_declarations():
     assert frames["h"].arrays == (("e", 7, 56),)  # (an array of pointers is not a dimension's)
     worst = stack.deepest(list(frames.values()))
     assert worst.function == "f → g" and worst.bytes == 124
+
+
+@pytest.mark.parametrize("form", ["parallel", "chunkwise"])
+def test_a_state_of_millions_of_rows_is_refused_by_the_scan_kernels_too(form):
+    """The parallel and chunkwise forms' kernels (and the gradients' ones, built the same way: c.scan_kernels.
+    cached_kernel) keep a row of the state per token on the stack too: GLA with dk = 2·10⁶ was a SIGSEGV in
+    both. Their check names the state's rows, the size they are specialized for. (It also found that a function
+    declared `static __attribute__((…)) void f(` was read as one named __attribute__, and every such function
+    as the first one's frame: c.stack._without_attributes.)"""
+    rec = linrec.load(EXAMPLES / "gla.lin")
+    x = rec.random_inputs(1, 4, 1, dims={"dk": 2_000_000, "dv": 4}, dtype=np.float32)
+    with pytest.raises(LinrecError, match=r"dk \(the state's rows\) = 2000000 is too large for the C scan kernel "
+                                          r"\(float\): it would keep 30\.5 MiB .* in lr_prepare\), .*Use the NumPy "
+                                          r"backend \(backend='numpy'\)"):
+        rec.run(x, backend="c", form=form)

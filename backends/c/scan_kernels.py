@@ -9,7 +9,7 @@ import numpy as np
 from .. import arrays
 from ..dsl.errors import RuntimeInputError
 from . import build as c_build
-from . import fork
+from . import fork, stack
 from .buffers import require_c_int_sizes
 from .build import CTYPES
 
@@ -24,7 +24,8 @@ _lock = fork.Lock()  # (free in a forked child: fork.py)
 
 def cached_kernel(s, kind: str, label: str, source, declarations: str):
     """The built extension (ffi, lib) for a kernel structure `s` (hashable, its repr a key): memoized, else
-    from the disk cache by an alias of (kind, s), else built from source() — rendered only then."""
+    from the disk cache by an alias of (kind, s), else built from source() — rendered only then, and refused
+    where its sizes would overflow a thread's stack (_stack_checked)."""
     k = _kernels.get(s)
     if k is None:
         with _lock:
@@ -33,9 +34,22 @@ def cached_kernel(s, kind: str, label: str, source, declarations: str):
                 alias = c_build.alias_key(kind, repr(s))
                 k = c_build.load_alias(alias)
                 if k is None:
-                    k = c_build.build(source(), declarations, label, alias)
+                    k = c_build.build(_stack_checked(s, kind, source()), declarations, label, alias)
                 _kernels[s] = k
     return k
+
+
+def _stack_checked(s, kind: str, text: str) -> str:
+    """A kernel's source, refused (c.stack) where the state's sizes it is specialized for would put more on a
+    thread's stack than a call may: the recurrent kernels' check (kernel_source), for the scan, elementwise and
+    gradient kernels, which keep a row of the state or a token's vector on the stack too (a state of 2,000,000
+    rows was a SIGSEGV in the parallel and chunkwise forms). Their sizes are the state's rows and columns."""
+    ctype = getattr(s, "ctype", None)
+    if ctype in ("float", "double") and hasattr(s, "dk"):
+        sizes = {"dk (the state's rows)": s.dk, "dv (the state's columns)": getattr(s, "dv", 1)}
+        lanes = s.lanes if hasattr(s, "lanes") else 1
+        stack.check(text, ctype, sizes, lanes, f"the C {kind} kernel ({ctype})")
+    return text
 
 
 def operand(x, dtype: np.dtype, shape: tuple, what: str) -> np.ndarray:

@@ -98,7 +98,9 @@ def _function_bodies(text: str) -> list[tuple[str, str]]:
             if depth == 0:
                 header = text[header_from:m.start()]
                 start = m.end() if re.search(r"\)\s*(__attribute__\s*\(\(.*\)\)\s*)?$", header, re.S) else -1
-                name = re.search(r"(\w+)\s*\(", header)
+                # (the name, not the attribute list before it: `static __attribute__((noinline)) void lr_gemm(`
+                # was a function "__attribute__", and every such function one frame, the first one's)
+                name = re.search(r"(\w+)\s*\(", _without_attributes(header))
             depth += 1
         elif c == "}":
             depth -= 1
@@ -109,6 +111,21 @@ def _function_bodies(text: str) -> list[tuple[str, str]]:
         elif depth == 0:
             header_from = m.end()
     return out
+
+
+def _without_attributes(header: str) -> str:
+    """A declaration's text without its `__attribute__((…))` lists (their parentheses balanced)."""
+    out, at = [], 0
+    for m in re.finditer(r"__attribute__\s*\(", header):
+        if m.start() < at:
+            continue
+        depth, i = 1, m.end()
+        while i < len(header) and depth:
+            depth += {"(": 1, ")": -1}.get(header[i], 0)
+            i += 1
+        out.append(header[at:m.start()])
+        at = i
+    return "".join(out) + header[at:]
 
 
 def _is_static(body: str, at: int) -> bool:
