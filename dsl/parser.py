@@ -326,6 +326,11 @@ def _hint(err: UnexpectedInput, kind: str, accepted: set[str], source: str, line
     if kind == "NAME" and err.pos_in_stream and source[err.pos_in_stream - 1] in "0123456789." \
             and source[err.pos_in_stream] in "eE":
         return " (a number's exponent is written as in 1e-3 or 1e−3)"
+    # a name glued to a number (`2x`, `0.5k`): a product written as in mathematics
+    if kind == "NAME" and err.pos_in_stream and source[err.pos_in_stream - 1] in "0123456789.":
+        number = re.search(r"[\d.]+$", source[:err.pos_in_stream]).group(0)
+        name = re.match(r"\w+", source[err.pos_in_stream:]).group(0)
+        return f" (a product is written with an operator: {number}*{name} or {number}·{name})"
     # a name where the line could have ended, followed by what begins a definition: a second statement
     rest = source[err.pos_in_stream:].split("\n", 1)[0]
     if kind == "NAME" and "_NL" in accepted and re.match(r"[^\W\d]\w*\s*(\([^()]*\)\s*)?=", rest):

@@ -279,6 +279,13 @@ def test_an_exponent_with_a_dash_says_how_exponents_are_written():
     check(compile_error(src), src, where(src, 3, "e"), "unexpected 'e'", "written as in 1e-3 or 1e−3", width=1)
 
 
+def test_a_number_glued_to_a_name_says_to_write_the_product():
+    """Found by probing: `x = 2x` said only what may come after the 2."""
+    src = HEAD + "x = 2k\nstate S[dk, dv]\nS = S + x⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "k"), "unexpected 'k'", "written with an operator: 2*k or 2·k",
+          width=1)
+
+
 def test_a_line_of_spaces_or_an_indented_comment_is_no_statement():
     """Found by probing: a blank line holding spaces, or a comment indented, was "unexpected end of line"."""
     src = HEAD + "  \n    # an indented comment\nstate S[dk, dv]\n\t\nS = S + k⊗v   \n  \noutput o = q·S\n   \n"
