@@ -96,6 +96,8 @@ def gradient_module(rec, form: str, backend: str):
     """The loaded backward module of a form (built once per recurrence)."""
     key = ("gradient", backend, form)
     if key not in rec._modules:
+        if form not in FORMS and form != "step":  # (an option's value: as run() says it)
+            raise RuntimeInputError(f"unknown form '{form}'; choose one of {', '.join(FORMS)}")
         why = gradient_refusal(rec, form, backend)
         if why:
             raise LinrecError(f"'{rec.name}' has no {form} gradient on the {backend} backend: {why}. Gradient forms "

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .compiler import Compiled
-from .dsl.errors import LinrecError
+from .dsl.errors import RuntimeInputError
 from .interface import Backend, Refusal
 from .c import BACKEND as C
 from .numpy import BACKEND as NUMPY
@@ -18,7 +18,7 @@ def backend(name: str) -> Backend:
     try:
         return BACKENDS[name]
     except (KeyError, TypeError):  # (TypeError: a value no dict key can be, such as a list)
-        raise LinrecError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
+        raise RuntimeInputError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
 
 
 def refusal(compiled: Compiled, backend_name: str, form: str) -> Refusal | None:

@@ -948,18 +948,23 @@ def test_a_param_others_are_computed_from_is_checked_first():
     np.testing.assert_array_equal(reset, rec.run(x, params={"A": np.full(3, -np.inf)}).outputs["y"])
 
 
+# (options are RuntimeInputErrors, as docs/guarantees.md says — a probe found these plain LinrecErrors)
 def test_thread_counts_as_numpy_integers_but_not_bools(delta):
     rec, x = delta
     rec.run(x, backend="c", threads=np.int64(2))
-    with pytest.raises(LinrecError, match="the thread count must be a positive integer, got True"):
+    with pytest.raises(RuntimeInputError, match="the thread count must be a positive integer, got True"):
         rec.run(x, backend="c", threads=True)
+    with pytest.raises(RuntimeInputError, match="the thread count must be a positive integer, got 0"):
+        rec.vjp(x, None, backend="c", threads=0, missing="zero")
 
 
 def test_unknown_form(delta):
     rec, x = delta
-    with pytest.raises(LinrecError) as info:
+    with pytest.raises(RuntimeInputError) as info:
         rec.run(x, form="sideways")
     assert "unknown form 'sideways'" in str(info.value) and "recurrent" in str(info.value)
+    with pytest.raises(RuntimeInputError, match="unknown form 'sideways'; choose one of recurrent"):
+        rec.vjp(x, None, form="sideways", missing="zero")
     with pytest.raises(LinrecError) as info:  # a forward form without a backward of its own: said so, not "unknown"
         rec.vjp(x, None, form="step", missing="zero")
     assert "the decode step has no backward of its own" in str(info.value) and "form='recurrent'" in str(info.value)
@@ -968,7 +973,7 @@ def test_unknown_form(delta):
 @pytest.mark.parametrize("form", ["auto", "chunkwise"])
 def test_unknown_backend(delta, form):
     rec, x = delta
-    with pytest.raises(LinrecError) as info:
+    with pytest.raises(RuntimeInputError) as info:
         rec.run(x, form=form, backend="gpu")
     assert "unknown backend 'gpu'; choose one of numpy, c" in str(info.value)
 

@@ -54,7 +54,7 @@ from pathlib import Path
 import cffi
 import numpy as np
 
-from ..dsl.errors import LinrecError
+from ..dsl.errors import LinrecError, RuntimeInputError
 
 from ..version import VERSION
 from . import fork
@@ -919,7 +919,7 @@ def threads(n: int | None):
         yield
         return
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:  # (NumPy's integers are Integral)
-        raise LinrecError(f"the thread count must be a positive integer, got {n!r}")
+        raise RuntimeInputError(f"the thread count must be a positive integer, got {n!r}")
     token = _thread_override.set(min(int(n), MAX_THREADS))
     try:
         yield

@@ -41,7 +41,7 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     op = op_for(rec)
     program = rec.program
     if form not in FORMS_TAKEN:
-        raise LinrecError(f"unknown form '{form}'; choose one of {', '.join(FORMS_TAKEN)}")
+        raise RuntimeInputError(f"unknown form '{form}'; choose one of {', '.join(FORMS_TAKEN)}")
     known_backend(backend)  # (before the op's schema meets a value that is no backend's name)
     check_chunk_size(chunk_size)
     offsets = _offsets(cu_seqlens, form)
