@@ -421,3 +421,35 @@ def test_a_training_step_runs_the_forward_once(monkeypatch, name, form, kept):
                        dims=dims)
         for k in grads:
             assert np.max(np.abs(grads[k].numpy() - want.grads[k])) <= EXACT * np.max(np.abs(want.grads[k])), k
+
+
+def test_recompute_keeps_nothing_and_gives_the_same_gradients(monkeypatch):
+    """recompute=True (apply, Layer): the forward keeps no states for the backward (memory: none held until
+    backward), which runs the forward again — two calls of the kernel that keeps states, where the default
+    makes one — and the gradients are the same."""
+    from linrec.c.backend import CRecurrent
+    rec = linrec.load("examples/gla.lin")
+    dims = {"dk": 32, "dv": 32}
+    x = rec.random_inputs(1, 2048, 2, dims=dims, seed=0)
+    ran = []
+    forward = CRecurrent.forward_snapshots
+
+    def counted(self, *args, **kwargs):
+        ran.append(1)
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(CRecurrent, "forward_snapshots", counted)
+    grads = []
+    for recompute in (False, True):
+        leaves = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
+        ran.clear()
+        o, _ = lt.apply(rec, **leaves, form="recurrent", backend="c", dims=dims, recompute=recompute)
+        kept = len(ran)
+        o.square().sum().backward()
+        assert (kept, len(ran)) == ((1, 1) if not recompute else (0, 1)), (recompute, kept, len(ran))
+        grads.append({k: t.grad for k, t in leaves.items()})
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+    layer = lt.Layer("examples/gla.lin", heads=2, dims=dims, dtype=torch.float64, recompute=True)
+    ran.clear()
+    o, _ = layer(**{k: torch.from_numpy(v).requires_grad_() for k, v in x.items()})
+    assert ran == []  # (the Layer's forward kept nothing: its backward will run the kernel itself)

@@ -27,7 +27,8 @@ FORMS_TAKEN = ("auto", *FORMS, STEP)
 
 def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | None = None,
           output_final_state: bool = False, form: str = "auto", backend: str = "c", params: dict | None = None,
-          dims: dict[str, int] | None = None, chunk_size: int | None = None, cu_seqlens=None, **named_inputs):
+          dims: dict[str, int] | None = None, chunk_size: int | None = None, cu_seqlens=None,
+          recompute: bool = False, **named_inputs):
     """Run `rec` on CPU tensors: inputs [B, T, H, *] by DSL name (a dict, keywords, or both), float32 or
     float64 (bfloat16 and float16 are computed in float32 and the outputs converted back); initial states
     [B, H, *] by name (zeros when absent); params override the file's defaults (per-head ones [H, *]).
@@ -37,7 +38,9 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     then a dict of the final states [B, H, *] by name (what `initial_state` takes back). form="step" is the
     decode step: one token (T = 1) from `initial_state`. `cu_seqlens` (an integer tensor [N + 1]): packed
     variable-length sequences, flash-linear-attention's convention — the inputs one row [1, T_total, H, *],
-    the initial and final states one per sequence [N, H, *] — with gradients (linrec.packed_vjp)."""
+    the initial and final states one per sequence [N, H, *] — with gradients (linrec.packed_vjp).
+    `recompute=True`: the backward runs the forward again instead of keeping its states until then (less
+    memory, one more forward per training step; docs/torch.md, "The forward kept for the backward")."""
     op = op_for(rec)
     program = rec.program
     if form not in FORMS_TAKEN:
@@ -67,7 +70,8 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     outputs, finals = op([_ready(tensors[x.name], computed) for x in program.inputs],
                          [_ready(states.get(s.name), computed) for s in program.states],
                          [_ready(values.get(p.name), computed) for p in program.params], offsets,
-                         [sizes[d.name] for d in program.dims], form, backend, chunk_size)
+                         [sizes[d.name] for d in program.dims], form, backend, chunk_size,
+                         keep_allowed=not recompute)
     if computed != dtype:
         outputs = [o.to(dtype) for o in outputs]
     o = outputs[0] if len(outputs) == 1 else {out.name: t for out, t in zip(program.outputs, outputs)}

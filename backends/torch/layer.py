@@ -69,11 +69,12 @@ class Layer(nn.Module):
     positionally, in declaration order) and returns (o, state): `o` as linrec.torch.apply returns it, `state`
     the final states by name. Passing `state=` continues from it; with one token (T = 1) that is the decode
     step. `cu_seqlens=` packs variable-length sequences into one row, as linrec.torch.apply takes them. A program that reads the sequence (softmax attention) keeps its KV cache as its state: the inputs
-    so far, [B, t, H, *] by name."""
+    so far, [B, t, H, *] by name. `recompute=True`: its backward runs the forward again rather than keep the
+    forward's states until then (apply's option)."""
 
     def __init__(self, program: str | Path | Recurrence, heads: int, dims: dict[str, int] | None = None, *,
                  params: dict | None = None, form: str = "auto", backend: str = "c",
-                 chunk_size: int | None = None, dtype: torch.dtype = torch.float32):
+                 chunk_size: int | None = None, dtype: torch.dtype = torch.float32, recompute: bool = False):
         super().__init__()
         self.rec = program if isinstance(program, Recurrence) else load(program)
         if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
@@ -86,6 +87,7 @@ class Layer(nn.Module):
         self.heads = int(heads)
         self.dims = dict(dims or {})
         self.form, self.backend, self.chunk_size = form, backend, chunk_size
+        self.recompute = bool(recompute)  # (apply's: the backward runs the forward again, keeping no states)
         given = {name: _initial_value(name, value) for name, value in dict(params or {}).items()}
         self._check_params(given)
         values = self.rec.default_params(self.heads, self.dims, given)
@@ -145,7 +147,8 @@ class Layer(nn.Module):
             raise RuntimeInputError(f"this Layer of '{self.rec.name}' has heads={self.heads}, but its inputs have "
                                     f"H = {heads} ([B, T, H, *]); make a Layer with heads={heads} for them")
         params = {name: value for name, value in self.params.items()}
-        options = dict(backend=self.backend, params=params, dims=self.dims, chunk_size=self.chunk_size)
+        options = dict(backend=self.backend, params=params, dims=self.dims, chunk_size=self.chunk_size,
+                       recompute=self.recompute)
         if reads_the_sequence(self.rec):
             if cu_seqlens is not None:  # (its state, the KV cache, is the inputs so far: rows, not packed sequences)
                 raise RuntimeInputError(f"this Layer of '{self.rec.name}' keeps its KV cache by rows of [B, T, H, *]; "
