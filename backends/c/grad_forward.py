@@ -37,7 +37,7 @@ import numpy as np
 
 from ..compiler import Compiled
 from .backend import CRecurrent
-from .buffers import RecycledArrays, aligned_empty
+from .buffers import RecycledArrays
 from .scan_kernels import chunk_of
 from .stabilize import Scales
 from .support import fused_refusal
@@ -54,6 +54,12 @@ MIN_WORK = 1 << 22
 # stay allocated while idle.
 ARRAYS = 2
 _starts = RecycledArrays(keep=ARRAYS)
+# The states kept for a later backward (capturing: a training step's) are recycled the same way, once their
+# backward has dropped them — a fresh 32 MB array each step (dk = dv = 128, T = 4096, B·H = 8) cost more in page
+# faults than the forward it saves. A model holds one per layer until its backward: KEPT_ARRAYS layers of one
+# shape reuse theirs, and as many arrays stay allocated while idle.
+KEPT_ARRAYS = 8
+_kept = RecycledArrays(keep=KEPT_ARRAYS)
 
 
 @dataclass
@@ -147,7 +153,7 @@ class FusedForward:
                 return found
         if kept is not None:  # (one array of them all, kept: the recycled ones are the next call's)
             offsets, total = starts_layout(shapes, dtype)
-            flat = aligned_empty((total,), dtype)
+            flat = _kept.take((total,), dtype)
             starts = {st.name: flat[o:o + int(np.prod(shape))].reshape(shape)
                       for st, o, shape in zip(self.states, offsets, shapes)}
         else:
