@@ -369,6 +369,19 @@ def test_auto_picks_the_backward_by_each_packed_sequences_length(monkeypatch):
         assert ran and set(ran) == {form}, (offsets, ran)
 
 
+def _calls_of_the_kernel_that_keeps_states(monkeypatch) -> list:
+    """A list that gets an entry per call of the fused kernel's forward that keeps the states before each chunk
+    (CRecurrent.forward_snapshots): a training step's kept forward, or a backward's own."""
+    from linrec.c.backend import CRecurrent
+    ran, forward = [], CRecurrent.forward_snapshots
+
+    def counted(self, *args, **kwargs):
+        ran.append(1)
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(CRecurrent, "forward_snapshots", counted)
+    return ran
+
+
 @pytest.mark.parametrize("name,form,kept", [("gla", "recurrent", 1), ("gated_deltanet", "auto", 1),
                                             ("mamba2", "recurrent", 1), ("retnet", "recurrent", 0)])
 def test_a_training_step_runs_the_forward_once(monkeypatch, name, form, kept):
@@ -378,17 +391,10 @@ def test_a_training_step_runs_the_forward_once(monkeypatch, name, form, kept):
     kernel does not give: it keeps nothing, and its backward runs its own forward as before. The gradients are
     those of Recurrence.vjp (which runs its own forward), eager and under torch.compile(fullgraph=True), and
     again on a second backward through the same graph."""
-    from linrec.c.backend import CRecurrent
     rec = linrec.load(f"examples/{name}.lin")
     dims = {d.name: 32 for d in rec.program.dims if d.name in ("dk", "dv", "dh", "d")}
     x = rec.random_inputs(1, 2048, 2, dims=dims, seed=0)  # (B·T·H·K·V past c.grad_forward.MIN_WORK)
-    ran = []
-    forward = CRecurrent.forward_snapshots
-
-    def counted(self, *args, **kwargs):
-        ran.append(1)
-        return forward(self, *args, **kwargs)
-    monkeypatch.setattr(CRecurrent, "forward_snapshots", counted)
+    ran = _calls_of_the_kernel_that_keeps_states(monkeypatch)
     layer_inputs = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
     first = rec.program.outputs[0].name
 
@@ -427,17 +433,10 @@ def test_recompute_keeps_nothing_and_gives_the_same_gradients(monkeypatch):
     """recompute=True (apply, Layer): the forward keeps no states for the backward (memory: none held until
     backward), which runs the forward again — two calls of the kernel that keeps states, where the default
     makes one — and the gradients are the same."""
-    from linrec.c.backend import CRecurrent
     rec = linrec.load("examples/gla.lin")
     dims = {"dk": 32, "dv": 32}
     x = rec.random_inputs(1, 2048, 2, dims=dims, seed=0)
-    ran = []
-    forward = CRecurrent.forward_snapshots
-
-    def counted(self, *args, **kwargs):
-        ran.append(1)
-        return forward(self, *args, **kwargs)
-    monkeypatch.setattr(CRecurrent, "forward_snapshots", counted)
+    ran = _calls_of_the_kernel_that_keeps_states(monkeypatch)
     grads = []
     for recompute in (False, True):
         leaves = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
