@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_over_readouts
-from ..compiler.builtins import SEQ
 from .adjoint import AdjointPrinter, BackwardEmitter
 from .adjoint_attention import pad_sequence_param_grads
-from .sequence import BLOCK, cut_sequence_params, kernel_pattern, kernel_support
+from .sequence import BLOCK, cut_sequence_params, kernel_pattern, kernel_support, positions
 
 
 def why_no_flash_attention_backward(compiled: Compiled) -> str | None:
@@ -104,9 +103,9 @@ class FlashAttentionEmitter(BackwardEmitter):
             a, readout = self.arrays[r.index], self.readout_vars[r.index]
             body += ["", f"# {readout} = softmax(K·q)·V: its query, its keys and values at every position [B, T, H, *]",
                      f"{a['keys']} = np.swapaxes(np.broadcast_to({over(em.refold(keys))}, (batch, 1, heads, "
-                     f"{self.positions(keys)}, {n(keys.shape[-1])}))[:, 0], 1, 2)",
+                     f"{positions(self.em, keys)}, {n(keys.shape[-1])}))[:, 0], 1, 2)",
                      f"{a['values']} = np.swapaxes(np.broadcast_to({over(em.refold(values))}, (batch, 1, heads, "
-                     f"{self.positions(values)}, {n(values.shape[-1])}))[:, 0], 1, 2)",
+                     f"{positions(self.em, values)}, {n(values.shape[-1])}))[:, 0], 1, 2)",
                      f"{a['query']} = np.broadcast_to({prelude(em.refold(query))}, (batch, tokens, heads, "
                      f"{n(query.shape[-1])}))",
                      self.attend(a, readout)]
@@ -152,12 +151,6 @@ class FlashAttentionEmitter(BackwardEmitter):
         """The call giving a readout's ∂query, ∂keys, ∂values from its adjoint."""
         return (f"flash_attention_backward({a['query']}, {a['keys']}, {a['values']}, {self.readout_vars[index]}, "
                 f"{a['lse']}, {self.d[('readout', str(index))]}, causal, {self.plan.window}, block)")
-
-    def positions(self, e: ir.Expr) -> str:
-        """The code of the number of positions of a sequence expression [positions, *]: T, or a dim's size
-        (Linformer's E·seq(k) has kproj)."""
-        first = e.shape[0]
-        return "tokens" if first == SEQ else self.em.name(first)
 
 
 def emit_flash_attention_backward(compiled: Compiled) -> str:

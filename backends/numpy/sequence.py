@@ -222,7 +222,7 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
         # axis: broadcast to it): drop the query axis, back to [B, Tk, H, *]
         body += ["", f"# {readout} = softmax(K·q)·V over the visible keys, in a compiled kernel"]
         for name, e in ((k, keys), (v, values)):
-            whole = f"(batch, 1, heads, {_positions(em, e)}, {n(e.shape[-1])})"
+            whole = f"(batch, 1, heads, {positions(em, e)}, {n(e.shape[-1])})"
             body.append(f"{name} = np.swapaxes(np.broadcast_to({seq_printer(em.refold(e))}, {whole})[:, 0], 1, 2)")
         body += [
                  f"{q} = np.broadcast_to({base(em.refold(query))}, (batch, tokens, heads, {k}.shape[-1]))",
@@ -246,7 +246,7 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
     return em.render(form, body, helpers, {kernels: KERNELS, **NUMPY_MODULES})
 
 
-def _positions(em, e: ir.Expr) -> str:
+def positions(em, e: ir.Expr) -> str:
     """The code of the number of positions of a sequence expression [positions, *]: T, or a dim's size
     (Linformer's E·seq(k) has kproj)."""
     first = e.shape[0]
