@@ -424,13 +424,6 @@ def _emit_standalone(rec, args) -> int:
 PARAMS_FILE_LIMIT = 1 << 30  # bytes: the most `emit --standalone` writes to NAME_params.bin
 
 
-def _bytes_text(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-
-
 def _refuse_large_params_file(program, sizes: dict[str, int], heads: int) -> None:
     """NAME_params.bin holds the params' defaults at --heads heads, float64: a size that would make it larger
     than PARAMS_FILE_LIMIT is an error naming its size and the options that set it — before the defaults are
@@ -443,7 +436,7 @@ def _refuse_large_params_file(program, sizes: dict[str, int], heads: int) -> Non
     options = (["--heads"] if any(prm.per_head for prm in written) else []) + \
         [f"--dim {d}" for d in dict.fromkeys(d for prm in written for d in prm.shape)]
     limit = f"{PARAMS_FILE_LIMIT >> 30} GiB"
-    raise LinrecError(f"{program.name}_params.bin would be {_bytes_text(size)} ({size} bytes: the float64 defaults "
+    raise LinrecError(f"{program.name}_params.bin would be {c_cache.human_bytes(size)} ({size} bytes: the float64 defaults "
                       f"of {', '.join(prm.name for prm in written)} for {heads} head(s)), above the {limit} that "
                       f"--standalone writes: make {' or '.join(options)} smaller")
 
@@ -707,39 +700,30 @@ def _write_files(writes: dict[Path, Callable]) -> None:
     removed and the targets left as they were; an OSError is an error naming the file and the reason. (A target
     that is a symlink is written where it points; one that is no regular file, such as a device, directly.)"""
     done: list[tuple[str, str, Path]] = []  # (temporary file, where it goes, the target as given)
+    target = None  # (the file being written or renamed: the one an OSError names)
     try:
         for target, write in writes.items():
             real = os.path.realpath(target)
             if os.path.exists(real) and not os.path.isfile(real):
-                try:
-                    with open(real, "wb") as f:
-                        write(f)
-                except OSError as err:
-                    raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
-                continue
-            try:
-                fd, temporary = tempfile.mkstemp(dir=os.path.dirname(real), prefix=f".{os.path.basename(real)}.",
-                                                 suffix=".tmp")
-            except OSError as err:
-                raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
-            done.append((temporary, real, target))
-            try:
-                with os.fdopen(fd, "wb") as f:
+                with open(real, "wb") as f:
                     write(f)
-                os.chmod(temporary, _file_mode(real))
-            except OSError as err:
-                raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
+                continue
+            fd, temporary = tempfile.mkstemp(dir=os.path.dirname(real), prefix=f".{os.path.basename(real)}.",
+                                             suffix=".tmp")
+            done.append((temporary, real, target))
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+            os.chmod(temporary, _file_mode(real))
         for temporary, real, target in done:
-            try:
-                os.replace(temporary, real)
-            except OSError as err:
-                raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
-    except BaseException:
-        for temporary, _, _ in done:
+            os.replace(temporary, real)
+    except BaseException as err:
+        for temporary, _, _ in done:  # (a renamed one is gone already: nothing to remove)
             try:
                 os.unlink(temporary)
             except OSError:
                 pass
+        if isinstance(err, OSError):
+            raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
         raise
 
 

@@ -51,6 +51,21 @@ _DECLARES = {ast.InputDecl: "input", ast.ParamDecl: "parameter", ast.StateDecl: 
              ast.FunctionDef: "function", ast.OutputDef: "output", ast.Assignment: "value"}
 
 
+def _a(word: str) -> str:
+    """The word with its indefinite article ("an input", "a state")."""
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+
+
+def _read_in_its_definition(name: str) -> str:
+    return f"'{name}' is defined here from itself; define it from other names"
+
+
+def _output_read(name: str, where: str = "") -> str:
+    """An output read as a value (`where`: its line, when it comes later)."""
+    return (f"'{name}' is an output{where} and cannot be read; define the value with `{name}_value = …` and output "
+            f"that")
+
+
 def _fmt(shape: ir.Shape) -> str:
     return "scalar" if not shape else "[" + ", ".join(shape) + "]"
 
@@ -103,8 +118,7 @@ class _Resolver:
     def _check_shape(self, shape: tuple[str, ...], span: Span, what: str = "input"):
         for d in shape:
             if d == SEQ and what != "param":
-                raise LinrecError(f"'{SEQ}' is the sequence axis: {'an' if what[0] in 'aeiou' else 'a'} {what} is "
-                                  f"per token and cannot span it; "
+                raise LinrecError(f"'{SEQ}' is the sequence axis: {_a(what)} is per token and cannot span it; "
                                   f"read other tokens with seq(x)", span)
             if d == SEQ and d not in self.dims:
                 raise LinrecError(f"a parameter over the sequence axis needs its maximum length: declare it in "
@@ -396,15 +410,14 @@ class _Resolver:
         if n in self.functions:
             raise LinrecError(f"'{n}' is a function; call it, e.g. `{n}(x)`", sp)
         if n in self.outputs:
-            raise LinrecError(f"'{n}' is an output and cannot be read; define the value with `{n}_value = …` "
-                              f"and output that", sp)
+            raise LinrecError(_output_read(n), sp)
         if n in BUILTINS or n in STRUCTURAL or n in RANDOM:
             raise LinrecError(f"'{n}' is a builtin function; call it, e.g. `{n}(x)`", sp)
         lookalike = next((hint for chars, hint in LOOKALIKES if any(c in chars for c in n)), None)
         if lookalike:  # (½ is a letter to the lexer, as to Python: a name)
             raise LinrecError(f"unknown name '{n}'{lookalike}", sp)
         if n in self.defined_at:  # (its own definition, being read: `param a = a + 1` said "did you mean 'a'?")
-            raise LinrecError(f"'{n}' is defined here from itself; define it from other names", sp)
+            raise LinrecError(_read_in_its_definition(n), sp)
         out_of_order = self._out_of_order(n, sp)
         if out_of_order:
             raise LinrecError(out_of_order, sp)
@@ -537,12 +550,11 @@ class _Resolver:
             return None
         at, what = self.declarations[name]
         if (at.line, at.column) <= (use.line, use.column):  # (the statement being resolved: `x = 2*x`)
-            return f"'{name}' is defined here from itself; define it from other names"
+            return _read_in_its_definition(name)
         if what == "output":  # (moving it up would not help)
-            return (f"'{name}' is an output (line {at.line}) and cannot be read; define the value with "
-                    f"`{name}_value = …` and output that")
-        return (f"'{name}' is used before its declaration: it is {'an' if what[0] in 'aeiou' else 'a'} {what} "
-                f"declared later, on line {at.line}; move that declaration above its first use (line {use.line})")
+            return _output_read(name, f" (line {at.line})")
+        return (f"'{name}' is used before its declaration: it is {_a(what)} declared later, on line {at.line}; move "
+                f"that declaration above its first use (line {use.line})")
 
     def _sequence_call(self, e: ast.Call, rec) -> ir.Expr:
         arity, defaults = SEQUENCE[e.function]

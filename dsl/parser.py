@@ -322,14 +322,13 @@ def _hint(err: UnexpectedInput, kind: str, accepted: set[str], source: str, line
             return f" (the '{bracket}' at {where} is never closed)"
     if "LSQB" in accepted and statement.startswith("state"):
         return " (a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv])"
-    # a name glued to a number, starting with e: an exponent its sign is missing from (`1e–3`, a dash)
-    if kind == "NAME" and err.pos_in_stream and source[err.pos_in_stream - 1] in "0123456789." \
-            and source[err.pos_in_stream] in "eE":
-        return " (a number's exponent is written as in 1e-3 or 1e−3)"
-    # a name glued to a number (`2x`, `0.5k`): a product written as in mathematics
+    # a name glued to a number: starting with e, an exponent its sign is missing from (`1e–3`, a dash); else
+    # a product written as in mathematics (`2x`, `0.5k`)
     if kind == "NAME" and err.pos_in_stream and source[err.pos_in_stream - 1] in "0123456789.":
+        if source[err.pos_in_stream] in "eE":
+            return " (a number's exponent is written as in 1e-3 or 1e−3)"
         number = re.search(r"[\d.]+$", source[:err.pos_in_stream]).group(0)
-        name = re.match(r"\w+", source[err.pos_in_stream:]).group(0)
+        name = _word_at(source, err.pos_in_stream)
         return f" (a product is written with an operator: {number}*{name} or {number}·{name})"
     # a name where the line could have ended, followed by what begins a definition: a second statement
     rest = source[err.pos_in_stream:].split("\n", 1)[0]

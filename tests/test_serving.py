@@ -811,5 +811,7 @@ def test_an_in_place_decode_loop_carries_the_states_it_was_not_given(backend, st
                                  state_dtype=state_dtype)[0]["o"].copy() for t in range(6)], axis=1)
         assert set(state) == {s.name for s in rec.program.states} | \
             ({"S.log_scale"} if rec.name == "performer" else set())
+        # (a bfloat16 state rounds to 8 bits each token: its drift over 6 tokens is below 1e-2, the restarted
+        # or dropped state was 0.24 to 1.4 off)
         tol = 2e-2 if state_dtype else 1e-12
         assert np.max(np.abs(got - want)) <= tol * np.max(np.abs(want)), rec.name

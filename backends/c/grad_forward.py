@@ -152,10 +152,8 @@ class FusedForward:
             if found is not None:
                 return found
         if kept is not None:  # (one array of them all, kept: the recycled ones are the next call's)
-            offsets, total = starts_layout(shapes, dtype)
-            flat = _kept.take((total,), dtype)
-            starts = {st.name: flat[o:o + int(np.prod(shape))].reshape(shape)
-                      for st, o, shape in zip(self.states, offsets, shapes)}
+            flat = _kept.take((starts_layout(shapes, dtype)[1],), dtype)
+            starts = self._carved(flat, shapes)
         else:
             starts = {st.name: _starts.take(shape, dtype) for st, shape in zip(self.states, shapes)}
         for st, s0 in zip(self.states, states):
@@ -174,15 +172,20 @@ class FusedForward:
         """(outputs, final states, starts) from a kept forward, read-only (the backward's own arrays are its
         to overwrite; these are the caller's), or None where it does not fit this call (another chunk, size
         or dtype: then the forward runs again)."""
-        offsets, total = starts_layout(shapes, dtype)
         flat = saved.flat
-        if flat.dtype != dtype or flat.shape != (total,) or \
+        if flat.dtype != dtype or flat.shape != (starts_layout(shapes, dtype)[1],) or \
                 {st.name for st in self.states} != set(saved.final_state):
             return None
-        starts = {st.name: _read_only(flat[o:o + int(np.prod(shape))].reshape(shape))
-                  for st, o, shape in zip(self.states, offsets, shapes)}
         return ({k: _read_only(v) for k, v in saved.outputs.items()},
-                {k: _read_only(v) for k, v in saved.final_state.items()}, starts)
+                {k: _read_only(v) for k, v in saved.final_state.items()},
+                {k: _read_only(v) for k, v in self._carved(flat, shapes).items()})
+
+    def _carved(self, flat: np.ndarray, shapes: list) -> dict:
+        """Each state's states before each chunk, [B, H, n, K, V] by name: views of the flat array
+        (starts_layout)."""
+        offsets, _ = starts_layout(shapes, flat.dtype)
+        return {st.name: flat[o:o + int(np.prod(shape))].reshape(shape)
+                for st, o, shape in zip(self.states, offsets, shapes)}
 
 
 def _read_only(array) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The stack a recurrent kernel's calls use, read from its source, and the sizes refused for it.
+"""The stack a kernel's calls use, read from its source, and the sizes refused for it.
 
 The kernels keep a token's vectors on the stack (`T v1[1000];` from the printers: c.printer, c.block_region,
 c.passes): cheap to make, but a size is a compile-time constant there, and a dimension of millions puts
@@ -7,10 +7,12 @@ run on have the smallest stacks: OpenMP's workers and the decode step's helpers 
 stack (glibc: the `ulimit -s` limit, usually 8 MiB, but 2 MiB when that is unlimited; libgomp sets no size of
 its own unless OMP_STACKSIZE does), and a caller's own threads the same. So a kernel whose largest frame's
 arrays exceed STACK_BUDGET, half of those 2 MiB (the rest: the frame's other locals, spills, libm and libgomp),
-is refused when its source is rendered (KernelSource.source: building, `linrec emit`, the standalone export),
-naming the dimension that makes it so. (A kernel the cache finds by its alias is not rendered again: the code
-that wrote the alias rendered and checked it, and the alias holds a hash of that code: c.build.) Moving the arrays to the heap would lift the limit at a cost to every
-call of the common small sizes; the NumPy backend runs any size.
+is refused when its source is rendered — KernelSource.source for the recurrent kernels (building, `linrec
+emit`, the standalone export), scan_kernels.cached_kernel for the scan, elementwise and gradient ones — naming
+the dimension that makes it so. (A kernel the cache finds by its alias is not rendered again: the code that
+wrote the alias rendered and checked it, and the alias holds a hash of that code: c.build.) Moving the arrays
+to the heap would lift the limit at a cost to every call of the common small sizes; the NumPy backend runs any
+size.
 """
 from __future__ import annotations
 

@@ -224,8 +224,7 @@ def _emit_with_kernels(compiled: Compiled, form: str, kernels: str) -> str:
         for name, e in ((k, keys), (v, values)):
             whole = f"(batch, 1, heads, {positions(em, e)}, {n(e.shape[-1])})"
             body.append(f"{name} = np.swapaxes(np.broadcast_to({seq_printer(em.refold(e))}, {whole})[:, 0], 1, 2)")
-        body += [
-                 f"{q} = np.broadcast_to({base(em.refold(query))}, (batch, tokens, heads, {k}.shape[-1]))",
+        body += [f"{q} = np.broadcast_to({base(em.refold(query))}, (batch, tokens, heads, {k}.shape[-1]))",
                  f"{readout} = attention(np.ascontiguousarray({q}[:, first:], dtype=dtype), "
                  f"np.ascontiguousarray({k}, dtype=dtype), np.ascontiguousarray({v}, "
                  f"dtype=dtype), causal, {plan.window}, \"{form}\", chunk_size, query_offset=first)",

@@ -193,17 +193,17 @@ def autograd_formula(rec: Recurrence, backward_op):
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         ctx.present = [t is not None for t in inputs]
         ctx.options = dict(keyword_only_inputs)
-        ctx.keep = ctx.options.pop("keep")
+        keep = ctx.options.pop("keep")
         ctx.mark_non_differentiable(output[-1])  # (the kept states: the backward's, no result of the layer)
         # an output no loss reads gets None, not zeros: the kept states' zeros (32 MB at dk = dv = 128, T = 4096,
         # B·H = 8) cost a quarter of the forward they save; the backward op takes None as zero (missing="zero")
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*(t for t in inputs if t is not None), *(output if ctx.keep else ()))
+        ctx.save_for_backward(*(t for t in inputs if t is not None), *(output if keep else ()))
 
     def backward(ctx, *grads):
         saved = list(ctx.saved_tensors)
-        kept = saved[len(saved) - returned - 1:] if ctx.keep else []
-        arguments = iter(saved)
+        given = sum(ctx.present)  # (the forward's tensors come first; its results, where it kept them, after)
+        arguments, kept = iter(saved[:given]), saved[given:]
         tensors = [next(arguments) if present else None for present in ctx.present]
         if not any(ctx.needs_input_grad[:count]):
             return (None,) * (count + 1)  # (one per tensor argument, cu_seqlens the last)
