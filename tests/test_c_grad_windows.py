@@ -1,0 +1,48 @@
+"""The C recurrent backward without corrections (templates/c_grad.c.j2) runs its two passes one window of whole
+segments at a time, from the last: pass 1 from the window's checkpoint, pass 2 back over the same window, the
+decay's gradient summed anew from each window's end. Here: windows of every shape the checkpoint interval
+gives (one token per segment, segments grouped to 64 tokens, a segment longer than 64, one longer than the
+sequence, a last window shorter than the others), with several key blocks, against the NumPy recurrent backward
+at 1e-9 in float64; and in float32 the decay's gradient over a long sequence, which the sums started anew per
+window keep within a window's rounding."""
+import numpy as np
+import pytest
+
+import linrec
+from test_grad import worst_error
+
+DIMS = {"dk": 96, "dv": 80}  # (several key blocks; the sizes tests/test_c_grad.py builds too)
+
+
+@pytest.mark.parametrize("name, decay", [("gla", "g"), ("mamba2", "dt"), ("linear_transformer", None)])
+def test_windows_of_every_shape_match_numpy(name, decay):
+    rec = linrec.load(f"examples/{name}.lin")
+    dims = {k: v for k, v in DIMS.items() if k in {d.name for d in rec.program.dims}}
+    tokens = 150
+    x = rec.random_inputs(batch=1, tokens=tokens, heads=2, dims=dims, seed=5)
+    if decay is not None:
+        x[decay][:, :, 1] *= 0.2  # (the second head's decays mild enough for the sums, the first's as drawn)
+    rng = np.random.default_rng(6)
+    up = {o.name: rng.standard_normal(np.shape(x[rec.program.inputs[0].name])[:3] + (dims["dv"],))
+          for o in rec.program.outputs}
+    shapes = {s.name: (1, 2) + tuple(dims[d] for d in s.shape) for s in rec.program.states}
+    s0 = {k: rng.standard_normal(v) for k, v in shapes.items()}
+    gT = {k: rng.standard_normal(v) for k, v in shapes.items()}
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=dims)
+    for chunk in (1, 7, 50, 64, 100, 200):
+        got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=dims, backend="c", chunk_size=chunk)
+        assert worst_error(got.grads, want.grads) <= 1e-9, (name, chunk)
+
+
+def test_float32_decay_gradient_over_a_long_sequence():
+    """GLA, T = 4096 in float32 against float64: the decay's gradient, a sum over the tokens after each one,
+    within 1e-6 of its largest value (carried over the whole sequence, its rounding reached 2.4e-6 here)."""
+    rec = linrec.load("examples/gla.lin")
+    dims = {"dk": 64, "dv": 64}
+    x = rec.random_inputs(batch=1, tokens=4096, heads=2, dims=dims, seed=3, dtype=np.float32)
+    rng = np.random.default_rng(7)
+    up = {"o": rng.standard_normal((1, 4096, 2, 64)).astype(np.float32)}
+    got = rec.vjp(x, up, dims=dims, backend="c", form="recurrent").grads["g"]
+    want = rec.vjp({k: v.astype(np.float64) for k, v in x.items()}, {"o": up["o"].astype(np.float64)}, dims=dims,
+                   backend="c", form="recurrent").grads["g"]
+    assert np.max(np.abs(got - want)) <= 1e-6 * np.max(np.abs(want))
