@@ -18,6 +18,12 @@ class Span:
 EXCERPT = 160
 
 
+def source_lines(source: str) -> list[str]:
+    """A program's lines as the parser counts them: "\n" ends one. (str.splitlines() would also break at
+    U+2028, \f, \v … inside a comment, and name or quote another line than the one meant — found by probing.)"""
+    return source.split("\n")
+
+
 class LinrecError(Exception):
     """A user-facing error. `span` points at the offending source text when there is one."""
 
@@ -46,10 +52,8 @@ class LinrecError(Exception):
         where = f"{self.filename or '<source>'}:{self.span.line}:{self.span.column}"
         text = f"{where}: {self.kind}: {self.message}"
         if self.source is not None:
-            # (the lines the parser counts: "\n" ends one; splitlines() would also break at U+2028, \f, \v … in
-            # a comment, and quote another line than the one named — found by probing)
             # (a CR left inside a line, shown as ␍: a terminal would return to the line's start)
-            lines = [line.removesuffix("\r").replace("\r", "\u240d") for line in self.source.split("\n")]
+            lines = [line.removesuffix("\r").replace("\r", "\u240d") for line in source_lines(self.source)]
             if 0 < self.span.line <= len(lines):
                 line = lines[self.span.line - 1]
                 start = self.span.column - 1

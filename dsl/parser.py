@@ -11,7 +11,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from lark.lexer import PatternStr
 
 from . import ast
-from .errors import LinrecError, Span
+from .errors import LinrecError, Span, source_lines
 
 # Readable names for the grammar's terminals that are patterns, used in "expected ..." messages (a terminal of
 # one fixed text, `(` or `input`, is shown as that text: _readable)
@@ -217,7 +217,7 @@ def _unclosed(source: str | None, line: int, column: int) -> tuple[str, int, int
     """The innermost bracket still open at (line, column) in the statement there: (bracket, line, column)."""
     if source is None:
         return None
-    lines = source.splitlines()
+    lines = source_lines(source)
     if not 0 < line <= len(lines):
         return None
     first = line  # a statement may continue over lines ending in a backslash
@@ -309,7 +309,7 @@ def _misplaced_keyword(word: str, accepted: set[str], source: str, position: int
 
 def _hint(err: UnexpectedInput, kind: str, accepted: set[str], source: str, line: int, column: int) -> str:
     """A guess at the cause of an unexpected token, in parentheses after the message, or ""."""
-    lines = source.splitlines()
+    lines = source_lines(source)
     statement = lines[line - 1].lstrip() if line <= len(lines) else ""
     if kind == "$END" and statement.rstrip().endswith("\\"):
         return (" (the line ends in '\\', which continues the statement onto the next line, but the file ends "

@@ -31,7 +31,7 @@ def compile_error(source: str) -> LinrecError:
 
 def where(source: str, line: int, fragment: str, occurrence: int = 1) -> tuple[int, int]:
     """(line, column) of the n-th occurrence of `fragment` in line `line` of source (1-based)."""
-    text = source.splitlines()[line - 1]
+    text = _line(source, line)
     col = -1
     for _ in range(occurrence):
         col = text.index(fragment, col + 1)
@@ -40,7 +40,12 @@ def where(source: str, line: int, fragment: str, occurrence: int = 1) -> tuple[i
 
 def end_of(source: str, line: int) -> tuple[int, int]:
     """(line, column) just past the last character of a line: where 'unexpected end of line' points."""
-    return line, len(source.splitlines()[line - 1]) + 1
+    return line, len(_line(source, line)) + 1
+
+
+def _line(source: str, line: int) -> str:
+    """Line `line` of source (1-based) as the parser counts lines: "\n" ends one (dsl.errors.source_lines)."""
+    return source.split("\n")[line - 1].removesuffix("\r")
 
 
 def check(err: LinrecError, source: str, pos: tuple[int, int], *fragments: str, width: int | None = None):
@@ -54,7 +59,7 @@ def check(err: LinrecError, source: str, pos: tuple[int, int], *fragments: str, 
         assert f in lines[0], f"{f!r} not in {lines[0]!r}"
     # the quoted source line and a caret under the offending column
     assert len(lines) == 3, text
-    assert lines[1] == "  " + source.splitlines()[line - 1]
+    assert lines[1] == "  " + _line(source, line)
     m = re.fullmatch(r"  ( *)(\^+)", lines[2])
     assert m, repr(lines[2])
     assert len(m.group(1)) == col - 1, text
@@ -118,6 +123,17 @@ def test_unclosed_parenthesis_at_end_of_file():
     src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = (q·S"  # no final newline
     col_open = where(src, 5, "(")[1]
     check(compile_error(src), src, end_of(src, 5), "expected ')'", f"the '(' at column {col_open} is never closed")
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x0c", "\x0b", "\x1c", "\x85"])
+def test_hints_count_lines_as_the_parser_does(separator):
+    """A comment holding a character str.splitlines() breaks at (not the parser) leaves the hints on the line
+    the error names: the unclosed bracket's and the missing shape's."""
+    src = f"# a comment {separator} with a line separator\n" + HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = (q·S\n"
+    col_open = where(src, 6, "(")[1]
+    check(compile_error(src), src, end_of(src, 6), "expected ')'", f"the '(' at column {col_open} is never closed")
+    src = f"# a comment {separator} with a line separator\n" + HEAD + "state S[dk, dv], c\nS = S + k⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, end_of(src, 4), "expected '['", "a state has a shape")
 
 
 def test_unclosed_parenthesis_over_continued_lines():
