@@ -1,10 +1,10 @@
 """The C recurrent backward without corrections (templates/c_grad.c.j2) runs its two passes one window of whole
 segments at a time, from the last: pass 1 from the window's checkpoint, pass 2 back over the same window, the
 decay's gradient summed anew from the end of each block of 16 tokens. Here: windows of every shape the
-checkpoint interval gives (one token per segment, segments grouped to 64 tokens, a segment longer than 64, one longer than the
-sequence, a last window shorter than the others), with several key blocks, against the NumPy recurrent backward
-at 1e-9 in float64; and in float32 the decay's gradient over a long sequence and a decay param's gradient over
-long segments, which the sums started anew keep within a block's rounding."""
+checkpoint interval gives (one token per segment, segments grouped to 64 tokens, a segment longer than 64, one
+longer than the sequence, a last window shorter than the others), with several key blocks, against the NumPy
+recurrent backward at 1e-9 in float64; and in float32 the decay's gradient over a long sequence and a decay
+param's gradient over long segments, which the sums started anew keep within a block's rounding."""
 import numpy as np
 import pytest
 
