@@ -67,3 +67,21 @@ def test_float32_decay_param_gradient_with_long_segments(tokens, heads, dk, dv, 
     got = rec.vjp(as32(x), as32(up), dims=dims, backend="c", chunk_size=tokens).grads
     for name in ("A", "A_log"):
         assert np.max(np.abs(got[name] - want[name])) <= 5e-4 * np.max(np.abs(want[name])), name
+
+
+@pytest.mark.parametrize("lanes", [2, 4, 8, 16])
+def test_the_checkpoint_transpose_shuffles(lanes):
+    """Each window loads its checkpoint [dk, dv] transposed, VW × VW values at a time through registers
+    (lr_transpose): grad_kernels.transpose_swaps' masks, applied as __builtin_shuffle applies them (an index
+    ≥ lanes picks the second register's lane − lanes), transpose any block."""
+    from linrec.c.grad_kernels import transpose_swaps
+    block = np.arange(lanes * lanes).reshape(lanes, lanes)
+    regs = [row.copy() for row in block]
+    lo, hi = transpose_swaps(lanes)
+    for level, (mask_lo, mask_hi) in enumerate(zip(lo, hi)):
+        s = 1 << level
+        for a in range(lanes):
+            if not a & s:
+                both = np.concatenate([regs[a], regs[a + s]])
+                regs[a], regs[a + s] = both[mask_lo], both[mask_hi]
+    assert np.array_equal(np.array(regs), block.T)

@@ -121,16 +121,31 @@ def row_sum_tree(lanes: int) -> tuple[list[list[int]], list[list[int]], list[int
     return lo, hi, regs[0]
 
 
+def transpose_swaps(lanes: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The shuffles of a transpose of `lanes` registers of `lanes` lanes in place (templates/c_grad.c.j2,
+    lr_transpose): at level s = 1, 2, 4, …, registers a and a + s (a without the bit s) swap their off-diagonal
+    blocks of s lanes — (the new a's masks, the new (a + s)'s, one per level) for __builtin_shuffle(r[a],
+    r[a + s], mask)."""
+    lo, hi = [], []
+    s = 1
+    while s < lanes:
+        lo.append([b if not b & s else lanes + b - s for b in range(lanes)])
+        hi.append([b + s if not b & s else lanes + b for b in range(lanes)])
+        s *= 2
+    return lo, hi
+
+
 def render(s: Structure) -> str:
     """The C source of one kernel."""
     lanes = s.lanes
     tree_lo, tree_hi, tree_slot = row_sum_tree(lanes)
+    swap_lo, swap_hi = transpose_swaps(lanes)
     return environment(__package__).get_template("c_grad.c.j2").render(
         # (c_common.h.j2: LR_BLOCK is the tiled forward's block of tokens; the inputs are not range-checked)
         **common_context(Target(s.ctype, s.vector_bytes)), block_tokens=FORWARD_BLOCK_TOKENS, checks_inputs=False,
         fcols=forward_registers(s), fcols_bytes=FORWARD_BLOCK_BYTES,
         tile_rows=tile_rows(s), kcols=backward_registers(s), tile_rows_backward=max(1, 16 // backward_registers(s)),
-        tree_lo=tree_lo, tree_hi=tree_hi, tree_slot=tree_slot,
+        tree_lo=tree_lo, tree_hi=tree_hi, tree_slot=tree_slot, swap_lo=swap_lo, swap_hi=swap_hi,
         version=VERSION, description=s.describe(),
         dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
