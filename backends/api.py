@@ -99,7 +99,7 @@ class Recurrence:
         if form == DEFINITION and chosen.why_not(self.compiled, form) is None:
             return  # the statements as written (verify's reference, see interface.DEFINITION)
         if form not in compiler.FORMS:
-            raise RuntimeInputError(f"unknown form '{form}'; choose one of {', '.join(compiler.FORMS)}")
+            raise RuntimeInputError(arrays.unknown_form(form, compiler.FORMS))
         why = self.decomposition.why_not(form)
         if why:
             raise LinrecError(f"'{self.name}' has no {form} form: {why}. Its forms: {', '.join(self.forms)}")

@@ -658,6 +658,11 @@ def check_sequence_length(program: ir.Program, shape: CallShape, dims: dict[str,
                                 f"or a shorter sequence")
 
 
+def unknown_form(form, choices) -> str:
+    """The message for a form that is none of `choices` (an option's value: a RuntimeInputError where raised)."""
+    return f"unknown form '{form}'; choose one of {', '.join(choices)}"
+
+
 def check_chunk_size(chunk_size) -> int | None:
     """A call's chunk size (None: the form's own default) as a Python int: a positive integer, a Python or NumPy
     one — not a bool, a float or a string, which would only look like one — else a RuntimeInputError naming the

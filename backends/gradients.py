@@ -40,7 +40,7 @@ def gradient_refusal(rec, form: str, backend: str) -> str | None:
         return ("the decode step has no backward of its own: the gradient of tokens run one at a time is the "
                 "recurrent form's over them (form='recurrent'; linrec.torch's form='step' runs that)")
     if form not in FORMS:
-        return f"unknown form '{form}'; choose one of {', '.join(FORMS)}"
+        return arrays.unknown_form(form, FORMS)
     refusal = registry.backend(backend).gradient_why_not(rec.compiled, form)
     return None if refusal is None else str(refusal)
 
@@ -97,7 +97,7 @@ def gradient_module(rec, form: str, backend: str):
     key = ("gradient", backend, form)
     if key not in rec._modules:
         if form not in FORMS and form != "step":  # (an option's value: as run() says it)
-            raise RuntimeInputError(f"unknown form '{form}'; choose one of {', '.join(FORMS)}")
+            raise RuntimeInputError(arrays.unknown_form(form, FORMS))
         why = gradient_refusal(rec, form, backend)
         if why:
             raise LinrecError(f"'{rec.name}' has no {form} gradient on the {backend} backend: {why}. Gradient forms "

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import linrec
-from linrec.dsl.errors import LinrecError, RuntimeInputError
+from linrec.dsl.errors import LinrecError, RuntimeInputError, source_lines
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FILE = "bad.lin"
@@ -44,8 +44,8 @@ def end_of(source: str, line: int) -> tuple[int, int]:
 
 
 def _line(source: str, line: int) -> str:
-    """Line `line` of source (1-based) as the parser counts lines: "\n" ends one (dsl.errors.source_lines)."""
-    return source.split("\n")[line - 1].removesuffix("\r")
+    """Line `line` of source (1-based), as the parser counts lines (without a CR before its end)."""
+    return source_lines(source)[line - 1].removesuffix("\r")
 
 
 def check(err: LinrecError, source: str, pos: tuple[int, int], *fragments: str, width: int | None = None):

@@ -106,6 +106,5 @@ def emit(compiled: Compiled) -> str:
 def load(compiled: Compiled):
     module = numpy_backend.module_from_source(emit(compiled), compiled, "recurrent", "C backward")
     module.form = "recurrent"
-    if grad_forward.fits(compiled) and hasattr(module, "fused_forward"):  # (defined where the module calls it)
-        module.fused_forward = grad_forward.FusedForward(compiled)  # (the forward the module may call)
+    grad_forward.attach(module, compiled)
     return module

@@ -60,6 +60,5 @@ def emit(compiled: Compiled, form: str) -> str:
 def load(compiled: Compiled, form: str):
     module = numpy_backend.module_from_source(emit(compiled, form), compiled, form, "C backward")
     module.form = form
-    if grad_forward.fits(compiled) and hasattr(module, "fused_forward"):  # (defined where the module calls it)
-        module.fused_forward = grad_forward.FusedForward(compiled)  # (the forward the module may call)
+    grad_forward.attach(module, compiled)
     return module

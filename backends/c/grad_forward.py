@@ -127,6 +127,14 @@ def fits(compiled: Compiled) -> bool:
     return fused_refusal(compiled) is None and not Scales(compiled).groups
 
 
+def attach(module, compiled: Compiled) -> None:
+    """Give a loaded C backward module the fused kernel as its `fused_forward`, where the kernel takes the program
+    and the module's code calls it (it defines the function only then; RetNet's, whose chain rule reads its
+    readouts, does not)."""
+    if fits(compiled) and hasattr(module, "fused_forward"):
+        module.fused_forward = FusedForward(compiled)
+
+
 class FusedForward:
     """The forward of one program, with the state before each chunk."""
 

@@ -14,7 +14,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 
 from .. import serving
 from ..api import Recurrence
-from ..arrays import check_chunk_size, checked_sizes, keyword_options, refuse_given_twice
+from ..arrays import check_chunk_size, checked_sizes, keyword_options, refuse_given_twice, unknown_form
 from ..compiler import FORMS
 from ..dsl.errors import LinrecError, RuntimeInputError
 from ..registry import backend as known_backend
@@ -44,7 +44,7 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     op = op_for(rec)
     program = rec.program
     if form not in FORMS_TAKEN:
-        raise RuntimeInputError(f"unknown form '{form}'; choose one of {', '.join(FORMS_TAKEN)}")
+        raise RuntimeInputError(unknown_form(form, FORMS_TAKEN))
     known_backend(backend)  # (before the op's schema meets a value that is no backend's name)
     check_chunk_size(chunk_size)
     offsets = _offsets(cu_seqlens, form)
