@@ -27,6 +27,7 @@ import numpy as np
 from .compiler import Compiled, ir
 from .compiler.analysis import walk
 from .compiler.constants import program_expressions
+from .dsl.errors import source_lines
 
 # NumPy's ufunc → which IR nodes of the program call it directly from generated code
 _DIRECT = {
@@ -84,8 +85,8 @@ class _AtProgram:
 
 
 def _excerpt(source: str, span) -> str:
-    """The text of a span (its first line when it spans several)."""
-    lines = source.splitlines()
+    """The text of a span (its first line when it spans several), from the lines as the parser counts them."""
+    lines = [line.removesuffix("\r") for line in source_lines(source)]
     if not 0 < span.line <= len(lines):
         return ""
     line = lines[span.line - 1]

@@ -46,6 +46,17 @@ def test_a_builtin_outside_its_domain_is_named_at_its_place(tmp_path, backend, f
     assert np.isnan(out[0].outputs["o"]).any()
 
 
+def test_the_place_is_quoted_from_the_line_the_parser_counts(tmp_path):
+    """A comment holding a character str.splitlines() breaks at (U+2028; the parser does not) leaves the
+    quoted call the one on the line the warning names — it was the text at that column of the line before."""
+    path = tmp_path / "sep.lin"
+    path.write_text("# a comment \u2028 with a line separator\n" + SOURCE.format(write="log(v)"), encoding="utf-8")
+    rec = linrec.load(path)
+    caught = _warned(lambda: rec.run(rec.random_inputs(1, 4, 1, seed=0), backend="numpy", form="recurrent"))
+    assert [(w.lineno, str(w.message)) for w in caught] == \
+        [(5, "invalid value encountered in log, at column 11: log(v)")]
+
+
 def test_a_decode_step_and_a_builtins_own_helper(tmp_path):
     """A step warns at the same place; a builtin computed by a helper (rmsnorm, whose square overflows) is
     named as the call of that builtin."""
