@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..dsl.errors import Span
 
 from . import Compiled, ir
-from .analysis import inline_lets, product_factors, rebuild, states_in, to_text, walk
+from .analysis import children, inline_lets, product_factors, rebuild, states_in, to_text, walk
 from .builtins import SEQUENCE
 from .sequence import SequencePlan
 
@@ -556,9 +556,27 @@ def derive_over_readouts(compiled: Compiled, outputs, quantities, refold=lambda 
     return tuple(swept_outputs), tuple(swept)
 
 
-def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoint:
+def constant_factor(query: ir.Expr) -> tuple[ir.Expr | None, ir.Expr]:
+    """A readout's query as (its constant factor, the rest): the product of its scalar factors written with
+    numbers and dimensions' sizes alone (`dk^(−1/2)` of `dk^(−1/2)·q`: the same at every token and head, and for
+    every call of the sizes a kernel is built for), and the product of its other factors. (None, query) where it
+    has no such factor, or nothing else. A backend's kernel that multiplies by the factor itself takes the rest
+    as the readout's query array (derive_decomposed's `query_of`)."""
+    def sizes_only(e: ir.Expr) -> bool:
+        return not e.shape and all(isinstance(n, (ir.Const, ir.DimSize)) for n in walk(e) if not children(n))
+    factors = product_factors(query)
+    constant = [f for f in factors if sizes_only(f)]
+    rest = [f for f in factors if not sizes_only(f)]
+    if not constant or not rest:
+        return None, query
+    return _product(constant, ()), _product(rest, query.shape)
+
+
+def derive_decomposed(compiled: Compiled, refold=lambda e: e, query_of=None) -> DecomposedAdjoint:
     """The adjoint of a program's outputs over its readouts, and of its decomposition's per-token arrays (see
-    why_no_decomposed_adjoint). `refold`: the backend's folding of inlined named values back to their names."""
+    why_no_decomposed_adjoint). `refold`: the backend's folding of inlined named values back to their names;
+    `query_of`: the expression of a readout's query array (None: its query; a backend whose kernel applies a
+    constant factor itself gives the rest, constant_factor)."""
     program, d = compiled.program, compiled.decomposition
     lets = program.lets
     hoisted = frozenset(n for n, v in lets.items() if not states_in(inline_lets(v, lets)))
@@ -583,7 +601,7 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e) -> DecomposedAdjoi
             quantity(f"{t.state}.value_correction{j}_a", a)
             quantity(f"{t.state}.value_correction{j}_b", b)
     for r in d.readouts:
-        quantity(f"r{r.index}", r.query)
+        quantity(f"r{r.index}", r.query if query_of is None else query_of(r))
     outputs, quantities = derive_over_readouts(compiled, d.outputs, labelled, refold)
     top = [sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step)
            for step in reversed(program.steps) if isinstance(step, ir.Let) and step.name in hoisted]

@@ -51,6 +51,9 @@ class Structure:
     dv: int                    # columns (1: a vector state)
     ctype: str                 # "float" or "double"
     vector_bytes: int          # SIMD register width the kernel is written for
+    # per readout: the constant factor of its query, by which the backward multiplies its upstream gradient (c.grad
+    # passes `dk^(−1/2)` of `dk^(−1/2)·q` with q as the query array); () for none
+    read_scales: tuple[float, ...] = ()
 
     @property
     def lanes(self) -> int:
@@ -66,8 +69,15 @@ class Structure:
     def describe(self) -> str:
         decay = {"none": "no decay", "token": "one log-decay per token", "row": "one log-decay per row"}
         reads = ", ".join("before" if b else "after" for b in self.before) or "none"
+        scales = "" if not any(f != 1.0 for f in self.read_scales) else \
+            "; readouts' factors " + ", ".join(map(repr, self.read_scales))
         return (f"{decay[self.decay]}; {self.corrections} correction(s); {self.writes} write(s); readouts: "
-                f"{reads}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
+                f"{reads}{scales}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
+
+    @property
+    def factors(self) -> list[float]:
+        """Each readout's factor (1 where none is given)."""
+        return list(self.read_scales) or [1.0] * len(self.before)
 
 
 # The forward runs one block of the state's columns at a time over the whole sequence, the block's rows at
@@ -150,6 +160,7 @@ def render(s: Structure) -> str:
         dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),
+        read_scales=", ".join(map(repr, s.factors)),
         n_inputs=len(s.widths))
 
 
@@ -163,15 +174,16 @@ def kernel(s: Structure):
     return cached_kernel(s, "grad", label, lambda: render(s), cdef(s))
 
 
-def _prepare(s0, log_decay, corrections, writes, queries) -> grad_calls.Call:
+def _prepare(s0, log_decay, corrections, writes, queries, read_scales=()) -> grad_calls.Call:
     per_token = [a for pair in list(corrections) + list(writes) for a in pair] + [q for q, _ in queries] + \
         ([] if log_decay is None else [log_decay])
     state, lead = grad_calls.lead_and_state(s0, per_token)
     dtype = state.dtype
     dk, dv = int(state.shape[2]), int(state.shape[3])
     decay = "none" if log_decay is None else ("token" if np.shape(log_decay)[-1] == 1 else "row")
+    scales = tuple(float(f) for f in read_scales) if any(f != 1.0 for f in read_scales) else ()
     s = Structure(decay, len(corrections), len(writes), tuple(bool(b) for _, b in queries), dk, dv,
-                  CTYPES[dtype], c_build.vector_bytes())
+                  CTYPES[dtype], c_build.vector_bytes(), scales)
     arrays = ([] if log_decay is None else [log_decay]) + [a for pair in list(corrections) + list(writes)
                                                            for a in pair] + [q for q, _ in queries]
     ops = [operand(a, dtype, lead + (n,), "a per-token array of the recurrent backward")
@@ -189,11 +201,13 @@ def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), n
 
 
 def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
-                      corrections=(), num_threads=None) -> ScanGrads:
+                      corrections=(), num_threads=None, read_scales=()) -> ScanGrads:
     """The backward, as linrec.numpy.adjoint_scan.decay_scan_backward's (ScanGrads; log_decay None where the
     state does not decay), from the readouts' gradients [B, T, H, V] and the final state's (None: zero);
-    checkpoints and chunk as adjoint_checkpoints gave and took them."""
-    c = _prepare(s0, log_decay, corrections, writes, queries)
+    checkpoints and chunk as adjoint_checkpoints gave and took them. read_scales: per readout, a constant factor
+    of its query (the readout is factor·(q·S); () for none), which the kernel applies to its upstream gradient —
+    the queries' gradients are then with respect to q."""
+    c = _prepare(s0, log_decay, corrections, writes, queries, read_scales)
     outs, d_s0 = grad_calls.backward(c, kernel(c.structure), "lr_grad_backward", [c.structure.dv] * len(queries),
                                      checkpoints, chunk, grad_readouts, grad_final, num_threads)
     return scan_grads(outs, d_s0, log_decay, corrections, writes, queries)

@@ -19,6 +19,10 @@ read of the state as it is.)
     grads = adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final,
                               corrections=(), value_log_decay=None, value_corrections=())
 
+A query may come with a third item, a constant factor (c.grad: `dk^(−1/2)` of `dk^(−1/2)·q`, the query array q):
+the readout is then factor·(q·S), and its query's gradient the gradient with respect to q. c.grad_kernels' kernels
+multiply each readout's upstream gradient by it as they read it; for the others it is applied to q here.
+
 (A non-causal program's readouts read the final state: the generated module calls these without readouts and
 takes them, and their adjoints, itself — numpy.adjoint_derived.DecomposedEmitter.)
 
@@ -64,46 +68,76 @@ def common_segment(tokens: int, initial_states) -> int:
     return grad_calls.default_segment(tokens, max((working_bytes(s0) for s0 in initial_states), default=0))
 
 
+def _factors(queries) -> tuple[list, tuple[float, ...]]:
+    """The queries as (query, before_update) pairs, and each one's constant factor (1 where none is given)."""
+    return [(q[0], q[1]) for q in queries], tuple(float(q[2]) if len(q) > 2 else 1.0 for q in queries)
+
+
+def _scaled(queries: list, factors: tuple[float, ...]) -> list:
+    """The queries with their factors applied (for the kernels that do not apply them)."""
+    return [(q if f == 1.0 or q is None else q * np.asarray(f, np.asarray(q).dtype), before)
+            for (q, before), f in zip(queries, factors)]
+
+
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
                         value_corrections=()):
     """The forward of the recurrent backward (see the module's docstring)."""
+    queries, factors = _factors(queries)
     if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.array(s0, dtype=np.float32 if np.asarray(s0).dtype == np.float32 else np.float64)
         return [], state, None
-    return _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections)
+    return _forward(s0, log_decay, writes, queries, factors, chunk, corrections, value_log_decay, value_corrections)
 
 
-def _forward(s0, log_decay, writes, queries, chunk, corrections, value_log_decay, value_corrections):
+def _forward(s0, log_decay, writes, queries, factors, chunk, corrections, value_log_decay, value_corrections):
     which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
+    if which == "rows":
+        readouts, final, checkpoints = grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk,
+                                                                        corrections=corrections)
+        for r, f in zip(readouts, factors):
+            if f != 1.0:
+                r *= np.asarray(f, r.dtype)  # (the readouts are the kernel's new arrays)
+        return readouts, final, checkpoints
+    queries = _scaled(queries, factors)
     if which == "value_side":
         return grad_value_side.value_side_checkpoints(s0, log_decay, writes, queries, chunk, value_log_decay,
                                                       value_corrections, corrections)
-    if which == "elementwise":
-        return grad_elementwise.elementwise_checkpoints(s0, log_decay, writes, queries, chunk)
-    return grad_kernels.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=corrections)
+    return grad_elementwise.elementwise_checkpoints(s0, log_decay, writes, queries, chunk)
 
 
 def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections=(),
                       value_log_decay=None, value_corrections=(), decays_as_values=False):
     """The adjoint recurrence, from the last segment (see the module's docstring). decays_as_values: the
     log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays)."""
+    queries, factors = _factors(queries)
     if decays_as_values:
-        grads = small_decays.backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts,
-                                               grad_final, corrections, value_log_decay, value_corrections)
+        grads = small_decays.backward_if_small(s0, log_decay, writes, _scaled(queries, factors), chunk,
+                                               grad_readouts, grad_final, corrections, value_log_decay,
+                                               value_corrections)
         if grads is not None:
-            return grads
+            return _of_unscaled(grads, factors)
     if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.asarray(s0)
         dtype = np.float32 if state.dtype == np.float32 else np.float64
         d_s0 = np.zeros(state.shape, dtype) if grad_final is None else np.array(grad_final, dtype=dtype)
         return ScanGrads(None, [], [], d_s0, [], None)
     which = _kernel(log_decay, queries, corrections, value_log_decay, value_corrections)
+    if which == "rows":  # (the gradients with respect to the queries as given: the kernel applies the factors)
+        return grad_kernels.adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts,
+                                              grad_final, corrections=corrections, read_scales=factors)
+    queries = _scaled(queries, factors)
     if which == "value_side":
-        return grad_value_side.value_side_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
-                                                    grad_readouts, grad_final, value_log_decay, value_corrections,
-                                                    corrections)
-    if which == "elementwise":
-        return grad_elementwise.elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
-                                                      grad_readouts, grad_final)
-    return grad_kernels.adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts,
-                                          grad_final, corrections=corrections)
+        return _of_unscaled(grad_value_side.value_side_recurrent(
+            s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, value_log_decay,
+            value_corrections, corrections), factors)
+    return _of_unscaled(grad_elementwise.elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
+                                                               grad_readouts, grad_final), factors)
+
+
+def _of_unscaled(grads: ScanGrads, factors: tuple[float, ...]) -> ScanGrads:
+    """The gradients of a backward that ran on the queries times their factors (_scaled), with the queries'
+    gradients taken to the queries as given (times the factor again)."""
+    if all(f == 1.0 for f in factors):
+        return grads
+    return grads._replace(queries=[d if f == 1.0 or d is None else d * np.asarray(f, d.dtype)
+                                   for d, f in zip(grads.queries, factors)])

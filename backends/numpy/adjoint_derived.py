@@ -64,7 +64,7 @@ class DecomposedEmitter(BackwardEmitter):
     def __init__(self, compiled: Compiled, form: str):
         super().__init__(compiled)
         self.form = form
-        self.decomposed = derive_decomposed(compiled, self.em.refold)
+        self.decomposed = derive_decomposed(compiled, self.em.refold, self.readout_query)
         em, n = self.em, self.em.name
         self.readout_vars = {r.index: em.fresh(f"r{r.index}") for r in compiled.decomposition.readouts}
         for i, var in self.readout_vars.items():
@@ -76,6 +76,15 @@ class DecomposedEmitter(BackwardEmitter):
         self.seeds: dict[str, str] = {}  # a per-token array's label → the code of its adjoint
         self.chunk = em.fresh("chunk")
         self.fused_result = em.fresh("fused")
+
+    def readout_query(self, r) -> ir.Expr:
+        """The expression of readout r's query array, which the scans take (the C backend's: without the
+        constant factor its kernel applies, readout_scale)."""
+        return r.query
+
+    def readout_scale(self, r) -> ir.Expr | None:
+        """The constant factor of readout r's query that the scans apply themselves (None: none)."""
+        return None
 
     def printer(self, token_index):
         base = self.em.printer(token_index, readout_vars=self.readout_vars)
@@ -208,9 +217,13 @@ class DecomposedEmitter(BackwardEmitter):
                 f"({per_token(prelude(em.refold(x)), cols, not x.shape)}, "
                 f"{per_token(prelude(em.refold(y)), cols, not y.shape)})" for x, y in t.value_corrections) + "]")
         reads = [r for r in self.c.decomposition.readouts if r.state == st.name]
-        lines.append(f"{queries} = [" + ", ".join(  # (a query None: the vector state read as it is)
-            f"({'None' if r.is_value else per_token(prelude(em.refold(r.query)), rows, not r.query.shape)}, "
-            f"{r.before_update})" for r in reads) + "]")
+        def query(r):  # (None: the vector state read as it is; a third item: the factor the scan applies)
+            if r.is_value:
+                return f"(None, {r.before_update})"
+            q, scale = self.readout_query(r), self.readout_scale(r)
+            return f"({per_token(prelude(em.refold(q)), rows, not q.shape)}, {r.before_update}" + \
+                ("" if scale is None else f", {prelude(scale)}") + ")"
+        lines.append(f"{queries} = [" + ", ".join(query(r) for r in reads) + "]")
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
