@@ -472,8 +472,10 @@ class _Resolver:
         if fn in self.functions:
             self.used.add(fn)
             f = self.functions[fn]
-            if fn in stack:
-                raise LinrecError(f"function '{fn}' calls itself; recursion is not supported", sp)
+            if fn in stack:  # (through others: say which, `f → g → f`, where the error points into g)
+                cycle = stack[stack.index(fn):] + (fn,)
+                how = "calls itself" if len(cycle) == 2 else f"calls itself through {' → '.join(cycle)}"
+                raise LinrecError(f"function '{fn}' {how}; recursion is not supported", sp)
             if len(stack) >= MAX_INLINED_NESTING:  # (here, before the compiler's own recursion runs out)
                 raise LinrecError(f"functions call each other {len(stack) + 1} deep here; linrec writes each call "
                                   f"out and takes at most {MAX_INLINED_NESTING}", sp)

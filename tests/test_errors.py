@@ -221,6 +221,19 @@ def test_unexpected_character_dollar():
     check(compile_error(src), src, where(src, 4, "$"), "unexpected character '$'")
 
 
+def test_a_function_that_calls_itself():
+    src = HEAD + "f(x) = f(x) + 1\nstate S[dk, dv]\nS = S + f(k)⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 3, "f(x) + 1"), "function 'f' calls itself; recursion is not supported",
+          width=4)
+
+
+def test_functions_that_call_each_other_name_the_cycle():
+    """The error points into the last function of the cycle, so it says which functions lead back there."""
+    src = HEAD + "f(x) = g(x) + 1\ng(x) = m(x)*2\nm(x) = f(x)\nstate S[dk, dv]\nS = S + f(k)⊗v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 5, "f(x)"), "function 'f' calls itself through f → g → m → f",
+          "recursion is not supported", width=4)
+
+
 def test_two_statements_on_one_line():
     src = HEAD + "state S[dk, dv] S = S\n"
     check(compile_error(src), src, where(src, 3, "S", 2), "unexpected 'S'", "each statement goes on its own line")
