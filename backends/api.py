@@ -441,8 +441,7 @@ class Recurrence:
             except RuntimeInputError:
                 pass  # new sizes, or a bad array: checked again below
         if self.decomposition.sequence is not None:
-            raise RuntimeInputError(f"'{self.name}' reads the sequence: its decode state is a KV cache of the "
-                                    f"inputs, not a state to keep in bfloat16; leave state_dtype out")
+            raise RuntimeInputError(bf16_state.kv_cache_refusal(self.name))
         _, _, module, dims, used = self._token_call(token_inputs, backend, params, state)
         if module.capabilities.bfloat16_steps:
             stepper = module.stepper(used, dims, state_is_bf16=True)

@@ -34,6 +34,13 @@ def resolve(state_dtype, given: dict) -> str | None:
     return arrays.check_state_dtype(state_dtype, inputs_dtype(given))
 
 
+def kv_cache_refusal(name: str) -> str:
+    """The message for a bfloat16 state asked of a program that reads the sequence (Recurrence.step,
+    decode.run_by_steps): its decode state is the KV cache, kept in the inputs' dtype."""
+    return (f"'{name}' reads the sequence: its decode state is a KV cache of the inputs, not a state to keep in "
+            f"bfloat16; leave state_dtype out")
+
+
 def state_names(program) -> set[str]:
     return {s.name for s in program.states}
 

@@ -14,7 +14,7 @@ import numpy as np
 from . import arrays, bf16_state, registry
 from .api import Result
 from .compiler.stabilize import log_scale_keys
-from .dsl.errors import LinrecError
+from .dsl.errors import LinrecError, RuntimeInputError
 from .numpy.scan import rescale
 
 
@@ -42,6 +42,8 @@ def run_by_steps(rec, inputs: dict, backend: str = "numpy", params: dict | None 
     # the same checks, sizes and parameters as Recurrence.run, once for the whole sequence
     checked, shape = arrays.check_inputs(program, dict(inputs))
     bits = bf16_state.resolve(state_dtype, checked) is not None
+    if bits and sequence:  # (as step() refuses it: the KV cache stays the inputs' dtype, nothing is bfloat16)
+        raise RuntimeInputError(bf16_state.kv_cache_refusal(program.name))
     if bits:
         initial_state = bf16_state.widen(program, initial_state, "initial state")
     module = rec.module("recurrent", backend if not sequence else "numpy")

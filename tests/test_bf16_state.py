@@ -332,3 +332,19 @@ def test_verify_checks_the_bf16_state_decode_at_its_tolerance(capsys):
     rows = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["dtype"] == "float32+bf16"]
     assert rows and all(r["passed"] and r["tolerance"] == TOLERANCE_BF16_STATE for r in rows)
     assert all(0 < r["max_rel"] for r in rows)  # (rounded: not the float32 step)
+
+
+def test_a_kv_cache_is_never_said_to_be_bfloat16(capsys):
+    """A program that reads the sequence decodes over a KV cache of its inputs, kept in their dtype: step(),
+    decode.run_by_steps and `linrec run --form step` all refuse state_dtype="bfloat16" (the last two took it,
+    and the command's header said "bfloat16 state" over a float32 cache)."""
+    from linrec import decode
+    softmax = linrec.load("examples/softmax.lin")
+    x = softmax.random_inputs(1, 4, 2, dtype=np.float32)
+    with pytest.raises(linrec.RuntimeInputError, match="KV cache of the inputs, not a state to keep in bfloat16"):
+        softmax.step({k: v[:, 0] for k, v in x.items()}, None, state_dtype="bfloat16")
+    with pytest.raises(linrec.RuntimeInputError, match="KV cache of the inputs, not a state to keep in bfloat16"):
+        decode.run_by_steps(softmax, x, backend="c", state_dtype="bfloat16")
+    code = cli_main(["run", "examples/softmax.lin", "--form", "step", "--state-dtype", "bfloat16", "--dtype", "float32",
+                     "--tokens", "4"])
+    assert code == 1 and "not a state to keep in bfloat16" in capsys.readouterr().err
