@@ -46,11 +46,17 @@ INTERNAL |= {f"vjp_{name}" for name in BUILTINS}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def _spelled(name: str) -> str:
+    """`u_` and the name's characters one by one, `_` between: an ASCII letter or digit as it is, any other by its
+    code point in hex (two digits or more, so that the spelling reads back one way: σ → u_3c3)."""
+    return "u_" + "_".join(f"{ord(ch):x}" if not ch.isascii() or not ch.isalnum() else ch for ch in name)
+
+
 def safe_identifier(name: str, taken: Iterable[str] = frozenset(), reserved: Iterable[str] = INTERNAL) -> str:
     """`name` as an ASCII identifier that is no keyword and not in `reserved` or `taken`: non-ASCII characters
     spelled by their code points (σ → u_3c3), then `_` appended until it is free."""
     if not _IDENT.match(name):
-        name = "u_" + "_".join(f"{ord(ch):x}" if not ch.isascii() or not ch.isalnum() else ch for ch in name)
+        name = _spelled(name)
     reserved, taken = set(reserved), set(taken)
     while keyword.iskeyword(name) or name in _C_KEYWORDS or name in _PYTHON_FIXED or name in reserved \
             or name in taken:
@@ -108,3 +114,14 @@ def user_names(program) -> list[str]:
     dimensions, params, states, named values, outputs."""
     return ([x.name for x in program.inputs] + [d.name for d in program.dims] + [p.name for p in program.params]
             + [s.name for s in program.states] + list(program.lets) + [o.name for o in program.outputs])
+
+
+def exported_identifier(name: str, reserved: Iterable[str] = frozenset()) -> str:
+    """A program's name as the prefix of the names other files link against (c.standalone: NAME.h, NAME_prefill_f32):
+    the name itself where it is an ASCII identifier that is no keyword, not in `reserved` and does not begin with
+    `u_`, else spelled (_spelled: γ → u_3b3, u_3b3 → u_u_5f_3_b_3, int → u_i_n_t). One program's names are kept
+    apart by `taken` (safe_identifier); across programs, which an engine links together, only a prefix no other
+    name can have does it: the spelled names all begin with `u_`, and the spelling reads back one way."""
+    plain = _IDENT.match(name) and not name.startswith("u_") and not keyword.iskeyword(name) and \
+        name not in _C_KEYWORDS and name not in _PYTHON_FIXED and name not in set(reserved)
+    return name if plain else _spelled(name)

@@ -28,6 +28,7 @@ import pytest
 
 import linrec
 from linrec.c import standalone
+from linrec.compiler.identifiers import exported_identifier
 from linrec.cli import main
 from linrec.dsl.errors import LinrecError
 from compare import rel_err
@@ -465,6 +466,23 @@ def test_cli_writes_the_files(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["gla.c", "gla.h"]  # (no params: no params file)
     assert "#define GLA_dim_dk 8" in (out / "gla.h").read_text()
     assert "gla.h" in capsys.readouterr().out
+
+
+def test_no_two_programs_export_the_same_names(tmp_path, capsys):
+    """An engine links several programs: programs named γ and u_3b3 both exported u_3b3.h and u_3b3_prefill_f32
+    (found by a probe), and int and int_ both int_. Each name now gives a prefix no other name gives."""
+    names = ["γ", "u_3b3", "u_", "σx", "u_3c3_x", "int", "int_", "u_i_n_t", "lr32", "main", "gla", "a_b", "A", "Γ"]
+    prefixes = [exported_identifier(n, {"lr32", "lr64", "lrs"}) for n in names]
+    assert len(set(prefixes)) == len(names), dict(zip(names, prefixes))
+    assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", p) for p in prefixes)
+    assert prefixes[names.index("gla")] == "gla" and prefixes[names.index("γ")] == "u_3b3"  # (as ever)
+    for name in ("γ", "u_3b3"):
+        (tmp_path / "p.lin").write_text(f"recurrence {name}(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\n"
+                                        "state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\n", encoding="utf-8")
+        assert main(["emit", str(tmp_path / "p.lin"), "--backend", "c", "--standalone", "--out",
+                     str(tmp_path / name)]) == 0
+    assert {p.name for p in (tmp_path / "γ").iterdir()} == {"u_3b3.c", "u_3b3.h"}
+    assert {p.name for p in (tmp_path / "u_3b3").iterdir()} == {"u_u_5f_3_b_3.c", "u_u_5f_3_b_3.h"}
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..compiler import Compiled, ir
 from ..compiler.analysis import refs
-from ..compiler.identifiers import Namespace, safe_identifier
+from ..compiler.identifiers import Namespace, exported_identifier
 from ..dsl.errors import LinrecError
 from ..interface import FUSED, STATEMENTS
 from ..templating import c_comment_text, comment_lines, environment
@@ -142,7 +142,7 @@ class Standalone:
         self.vector_bytes = c_build.vector_bytes() if vector_bytes is None else vector_bytes
         self.causal = p.causal
         # (not the kernels' renamed vocabulary, nor the entry points' helpers: lrs_*)
-        self.prefix = safe_identifier(p.name, reserved={"lr32", "lr64", "lrs"})
+        self.prefix = exported_identifier(p.name, reserved={"lr32", "lr64", "lrs"})
         self.macro = self.prefix.upper()
         names = Namespace(reserved=set(FIXED))
         for prefix, group in (("in_", [x.name for x in p.inputs]), ("prm_", [prm.name for prm in p.params]),
