@@ -314,6 +314,9 @@ def test_errors_name_the_argument_and_the_fix():
         lt.apply(rec, x, cu_seqlens=torch.tensor([0, 2, 3]), backend="numpy")
     with pytest.raises(linrec.RuntimeInputError, match="form='step' runs one token"):
         lt.apply(rec, x, cu_seqlens=torch.tensor([0, 2, 4]), form="step")
+    empty = {k: v[:, :0] for k, v in x.items()}  # (as run() says it, not "[B, T, H] = [1, 0, 2]")
+    with pytest.raises(linrec.RuntimeInputError, match="every sequence in cu_seqlens is empty"):
+        lt.apply(rec, empty, cu_seqlens=torch.tensor([0, 0, 0]))
     with pytest.raises(linrec.RuntimeInputError, match=r"input 'g' must lie in \(-inf, 0\]"):
         lt.apply(rec, dict(x, g=x["g"].abs() + 1), backend="numpy")  # the kernel's own checks still apply
 

@@ -167,6 +167,9 @@ def _sizes(program, inputs: dict, states: dict, params: dict, asked: dict | None
             raise RuntimeInputError(f"input '{x.name}' has [B, T, H] = {list(shape[:3])} but '{first}' has "
                                     f"{list(lead)}")
         _bind(sizes, x.shape, shape[3:], f"input '{x.name}' {expected}")
+    if sequences is not None and lead[1] == 0 and min(lead[0], lead[2]) >= 1:  # (offsets that end at T_total = 0)
+        raise RuntimeInputError("every sequence in cu_seqlens is empty (the packed inputs have T_total = 0 tokens): a "
+                                "packed call needs at least one token; skip the call until a sequence has a token")
     if min(lead) < 1:
         raise RuntimeInputError(f"[B, T, H] = {list(lead)}: every size must be at least 1")
     for name, n in checked_sizes(program, asked).items():
