@@ -322,6 +322,8 @@ class CPrinter:
 
     # ---- vectors ----
     def _elem(self, e: ir.Expr, i: str) -> str:
+        if isinstance(e, ir.Const):  # (a vector of one value: state_terms.ones, a scalar write's left vector)
+            return self.literal(e.value)
         if isinstance(e, ir.Neg):
             return f"(-{self.elem(e.operand, i)})"
         if isinstance(e, ir.Arith):

@@ -77,11 +77,11 @@ def state_terms(kernel: KernelSource, scales: Scales, st: ir.State, *, updates: 
         for r, (u, w) in enumerate(tr.corrections):
             p = Local(right_shape, kernel.local("p", kernel.cstate(st.name), r))
             corrections.append(Correction(w, p))
-            coef, base = split_scalar(u)
+            coef, base = _over_rows(split_scalar(u), st)
             sums.setdefault(base, []).append(_scaled(coef, p, right_shape))
             terms.setdefault(base, []).append(Term(coef, correction=r))
         for key, value in writes:
-            coef, base = split_scalar(key)
+            coef, base = _over_rows(split_scalar(key), st)
             rhs = value if value is not None else ONE
             if matrix and not rhs.shape:
                 raise LinrecError(f"state '{st.name}': a write with a scalar value")
@@ -91,6 +91,16 @@ def state_terms(kernel: KernelSource, scales: Scales, st: ir.State, *, updates: 
     reads = [replace(r, query=scales.query(r)) for r in kernel.decomposition.readouts if r.state == st.name] \
         if readouts else []
     return StateTerms(decay, tuple(corrections), tuple(groups), tuple(reads))
+
+
+def _over_rows(split: tuple[ir.Expr, ir.Expr], st: ir.State) -> tuple[ir.Expr, ir.Expr]:
+    """(coefficient, left vector) of a rank-one term, the left vector over the state's rows: a scalar one — a
+    vector state's write `z = z + beta`, the same value added to every element — is the coefficient of a vector
+    of ones (which the printer writes as the literal 1)."""
+    coef, base = split
+    if base.shape:
+        return coef, base
+    return (base if coef == ONE else ir.Arith((), "mul", coef, base)), ir.Const((st.shape[0],), 1.0)
 
 
 def _sum(terms: list[ir.Expr], shape) -> ir.Expr:

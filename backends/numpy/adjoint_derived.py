@@ -313,21 +313,22 @@ class DecomposedEmitter(BackwardEmitter):
         if t.value_log_decay is not None:
             self.seeds[f"{st.name}.value_log_decay"] = f"{g}.value_log_decay" + \
                 ("" if t.value_log_decay.shape else ".sum(axis=-1)")  # (a scalar, broadcast over the columns)
+        # (a scalar the scans took broadcast over a vector's width: its gradient is the sum over that width)
+        def seed(code: str, x: ir.Expr) -> str:
+            return code if x.shape else code + ".sum(axis=-1)"
         for j, (key, value) in enumerate(t.writes):
-            self.seeds[f"{st.name}.key{j}"] = f"{g}.writes[{j}][0]" + ("" if key.shape else "[..., 0]")
+            self.seeds[f"{st.name}.key{j}"] = seed(f"{g}.writes[{j}][0]", key)
             if value is not None:
-                self.seeds[f"{st.name}.value{j}"] = f"{g}.writes[{j}][1]" + ("" if value.shape else "[..., 0]")
+                self.seeds[f"{st.name}.value{j}"] = seed(f"{g}.writes[{j}][1]", value)
         for j, (u, w) in enumerate(t.corrections):
-            self.seeds[f"{st.name}.correction{j}_u"] = f"{g}.corrections[{j}][0]" + ("" if u.shape else "[..., 0]")
-            self.seeds[f"{st.name}.correction{j}_w"] = f"{g}.corrections[{j}][1]" + ("" if w.shape else "[..., 0]")
+            self.seeds[f"{st.name}.correction{j}_u"] = seed(f"{g}.corrections[{j}][0]", u)
+            self.seeds[f"{st.name}.correction{j}_w"] = seed(f"{g}.corrections[{j}][1]", w)
         for j, (x, y) in enumerate(t.value_corrections):
-            self.seeds[f"{st.name}.value_correction{j}_a"] = f"{g}.value_corrections[{j}][0]" + \
-                ("" if x.shape else "[..., 0]")
-            self.seeds[f"{st.name}.value_correction{j}_b"] = f"{g}.value_corrections[{j}][1]" + \
-                ("" if y.shape else "[..., 0]")
+            self.seeds[f"{st.name}.value_correction{j}_a"] = seed(f"{g}.value_corrections[{j}][0]", x)
+            self.seeds[f"{st.name}.value_correction{j}_b"] = seed(f"{g}.value_corrections[{j}][1]", y)
         for i, r in enumerate(reads):
             if not r.is_value:  # (a state read as it is has no query)
-                self.seeds[f"r{r.index}"] = read_grads.get(i, f"{g}.queries[{i}]") + ("" if r.query.shape else "[..., 0]")
+                self.seeds[f"r{r.index}"] = seed(read_grads.get(i, f"{g}.queries[{i}]"), self.readout_query(r))
         return lines
 
 
