@@ -15,15 +15,16 @@ from ..dsl.errors import LinrecError
 
 from . import ir
 from .analysis import children, to_text, walk
+from .intervals import sigmoid
 
 _UNARY = {
     "exp": math.exp, "log": math.log, "sqrt": math.sqrt, "abs": abs, "tanh": math.tanh,
     "relu": lambda x: max(x, 0.0),
-    "sigmoid": lambda x: 0.5 * (math.tanh(0.5 * x) + 1.0),
+    "sigmoid": sigmoid,
     "logsigmoid": lambda x: min(x, 0.0) - math.log1p(math.exp(-abs(x))),
     "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))),
     "elu": lambda x: x if x > 0 else math.expm1(x),
-    "silu": lambda x: x * 0.5 * (math.tanh(0.5 * x) + 1.0),
+    "silu": lambda x: x * sigmoid(x),
 }
 
 

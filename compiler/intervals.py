@@ -107,8 +107,14 @@ def _monotone(f, a: Interval, increasing: bool = True) -> Interval:
     return _make(lo, hi, lo_open, hi_open)
 
 
-def _sigmoid(x: float) -> float:
-    return 0.5 * (math.tanh(0.5 * x) + 1.0)
+def sigmoid(x: float) -> float:
+    """1/(1 + e^−x), as e^x/(1 + e^x) below 0: far below 0 its value to the last digits (0.5·(tanh(x/2) + 1)
+    cancelled to 0 from x = −38, a bound of 0 that a decay sigmoid(a)^p does not reach). ±∞ and NaN as the
+    formula gives them. (compiler.constants folds sigmoid and silu with it too.)"""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 def _softplus(x: float) -> float:
@@ -123,7 +129,7 @@ def _apply(name: str, a: Interval) -> Interval:
         r = _monotone(math.exp, a)
         return Interval(r.lo, r.hi, True if r.lo == 0 else r.lo_open, r.hi_open)
     if name == "sigmoid":
-        r = _monotone(_sigmoid, a)
+        r = _monotone(sigmoid, a)
         return Interval(r.lo, r.hi, True if r.lo == 0 else r.lo_open, True if r.hi == 1 else r.hi_open)
     if name == "softplus":
         r = _monotone(_softplus, a)
@@ -153,8 +159,8 @@ def _apply(name: str, a: Interval) -> Interval:
         return _monotone(lambda x: x if x > 0 else (-1.0 if x == -INF else math.expm1(x)), a)
     if name == "silu":
         if a.lo >= -1.2785:
-            return _monotone(lambda x: x * _sigmoid(x) if x != INF else INF, a)
-        hi = max(0.0 if a.lo == -INF else a.lo * _sigmoid(a.lo), a.hi * _sigmoid(a.hi) if a.hi < INF else INF)
+            return _monotone(lambda x: x * sigmoid(x) if x != INF else INF, a)
+        hi = max(0.0 if a.lo == -INF else a.lo * sigmoid(a.lo), a.hi * sigmoid(a.hi) if a.hi < INF else INF)
         return _make(_SILU_MIN, hi, False, a.hi == INF)
     if name == "l2norm":
         return Interval(0.0, 1.0, a.positive, False) if a.lo >= 0 else Interval(-1.0, 1.0)
