@@ -452,7 +452,10 @@ class _Resolver:
             return ir.Arith(sa or sb, op, a, b, span=sp)
         if op == "outer":
             if len(sa) != 1 or len(sb) != 1:
-                raise LinrecError(f"'⊗' takes two vectors, got {_fmt(sa)} and {_fmt(sb)}", sp)
+                # (a scalar side is most often precedence: `k⊗s·v` is `(k⊗s)·v`, the operators binding equally)
+                hint = "; `·`, `⊗`, `*` and `/` bind equally, left to right: `k⊗s·v` is `(k⊗s)·v`, so write " \
+                    "`k⊗(s·v)` or `(s·k)⊗v`" if not sa or not sb else ""
+                raise LinrecError(f"'⊗' takes two vectors, got {_fmt(sa)} and {_fmt(sb)}{hint}", sp)
             return ir.Outer((sa[0], sb[0]), a, b, span=sp)
         assert op == "dot"
         if not sa or not sb:

@@ -234,6 +234,14 @@ def test_functions_that_call_each_other_name_the_cycle():
           "recursion is not supported", width=4)
 
 
+def test_an_outer_product_with_a_scalar_side_says_how_the_operators_bind():
+    src = HEAD + "input s\nstate S[dk, dv]\nS = S + k⊗s·v\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 5, "k⊗s"), "'⊗' takes two vectors, got [dk] and scalar",
+          "`k⊗s·v` is `(k⊗s)·v`", "`k⊗(s·v)`", width=3)
+    src = HEAD + "state S[dk, dv]\nS = S + (k⊗v)⊗v\noutput o = q·S\n"  # (a matrix: no such hint)
+    assert "bind equally" not in str(compile_error(src))
+
+
 def test_two_statements_on_one_line():
     src = HEAD + "state S[dk, dv] S = S\n"
     check(compile_error(src), src, where(src, 3, "S", 2), "unexpected 'S'", "each statement goes on its own line")
