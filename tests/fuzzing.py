@@ -288,6 +288,8 @@ class ProgramGenerator:
         if self.chance(0.15) and names.scalars:
             a = self.pick(names.scalars)
             return f"sigmoid({a})·{s} + (1 − sigmoid({a}))·{vec}"
+        if self.chance(0.08):  # the same value added to every element (a probe's find: tests/test_scalar_writes.py)
+            vec = self.pick(names.scalars + [self.number(), "1/dk" if over_k else "1/dv"])
         return f"{base} + {vec}"
 
     def next_step(self, s: str, shape: tuple, names: _Names) -> str:
