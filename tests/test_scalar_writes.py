@@ -11,6 +11,7 @@ import pytest
 
 import linrec
 from linrec import gradients
+from linrec.numpy.runtime import l2norm
 from test_grad import worst_error
 
 BODIES = {
@@ -72,3 +73,34 @@ def test_every_gradient_form_sums_the_scalar_over_the_rows(name):
                 continue
             got = rec.vjp(x, up, initial_state=s0, form=form, backend=backend, chunk_size=8)
             assert worst_error(got.grads, want.grads) <= 1e-9, (form, backend)
+
+
+@pytest.mark.parametrize("update", ["z = z + s\nz = z − beta*(kn·z)*kn\n", "z = (I − beta·kn⊗kn)·(z + s)\n",
+                                    "z = (I − beta·kn⊗kn)·(z + 0.5)\n", "z = z + s\nz = diag(exp(−beta*k*k))·z\n"])
+def test_a_scalar_added_before_a_later_step_maps_the_state(update):
+    """Composed, the scalar meets the later step's map inside a contraction, `kn·(z + s)`, which the terms of a
+    decomposition would take as kn scaled by s (the derived forms raised NumPy errors, and every backward but
+    NumPy's recurrent one an internal error; a probe found it). Such an update is a general linear map: the
+    recurrent form runs the steps as written on both backends, the gradient on NumPy, and the rest is refused
+    with the reason."""
+    rec = linrec.compile("recurrence p(dk = 3, dv = 3)\ninput q[dk], k[dk], s, beta in (0, 1)\nkn = l2norm(k)\n"
+                         "state z[dk]\n" + update + "output o = q·z\n", "p.lin")
+    assert rec.forms == ("recurrent",)
+    assert "a scalar is added to 'z'" in rec.decomposition.why_not("chunkwise")
+    x = rec.random_inputs(1, 6, 2, seed=0)
+    s0 = {"z": np.random.default_rng(1).standard_normal((1, 2, 3))}
+    z, outputs = s0["z"][0], []  # (the steps by hand)
+    for t in range(6):
+        kk, ss, bb = x["k"][0, t], x["s"][0, t], x["beta"][0, t]
+        kn = l2norm(kk, eps=1e-6)
+        z = z + (0.5 if "0.5" in update else ss[:, None])
+        z = z - bb[:, None] * np.sum(kn * z, -1, keepdims=True) * kn if "kn" in update else \
+            np.exp(-bb[:, None] * kk * kk) * z
+        outputs.append(np.sum(x["q"][0, t] * z, -1))
+    for backend in ("numpy", "c"):
+        got = rec.run(x, backend=backend, initial_state=s0).outputs["o"][0]
+        assert np.abs(got - np.array(outputs)).max() <= 1e-12, backend
+    up = {"o": np.ones((1, 6, 2))}
+    assert np.all(np.isfinite(rec.vjp(x, up, initial_state=s0).grads["s"]))
+    with pytest.raises(linrec.LinrecError, match="a scalar is added to 'z'"):
+        rec.vjp(x, up, backend="c")
