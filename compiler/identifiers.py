@@ -58,10 +58,14 @@ def safe_identifier(name: str, taken: Iterable[str] = frozenset(), reserved: Ite
     if not _IDENT.match(name):
         name = _spelled(name)
     reserved, taken = set(reserved), set(taken)
-    while keyword.iskeyword(name) or name in _C_KEYWORDS or name in _PYTHON_FIXED or name in reserved \
-            or name in taken:
+    while _fixed_word(name) or name in reserved or name in taken:
         name += "_"
     return name
+
+
+def _fixed_word(name: str) -> bool:
+    """A keyword of Python or C, or a word either fixes (`__debug__`, `main`): no generated name may be one."""
+    return keyword.iskeyword(name) or name in _C_KEYWORDS or name in _PYTHON_FIXED
 
 
 class Namespace:
@@ -122,6 +126,5 @@ def exported_identifier(name: str, reserved: Iterable[str] = frozenset()) -> str
     `u_`, else spelled (_spelled: γ → u_3b3, u_3b3 → u_u_5f_3_b_3, int → u_i_n_t). One program's names are kept
     apart by `taken` (safe_identifier); across programs, which an engine links together, only a prefix no other
     name can have does it: the spelled names all begin with `u_`, and the spelling reads back one way."""
-    plain = _IDENT.match(name) and not name.startswith("u_") and not keyword.iskeyword(name) and \
-        name not in _C_KEYWORDS and name not in _PYTHON_FIXED and name not in set(reserved)
+    plain = _IDENT.match(name) and not name.startswith("u_") and not _fixed_word(name) and name not in set(reserved)
     return name if plain else _spelled(name)

@@ -273,6 +273,8 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
         if not other.shape:  # a scalar factor
             c = ir.Arith((), "div", ONE, other) if isinstance(e, ir.Arith) and e.op == "div" else other
             return [t.scaled(c) for t in terms], rebuilt(rem)
+        if rem is not None and not rem.shape and inner.shape and not isinstance(e, ir.Arith):
+            raise _broadcast_under_a_map(e, inner, state)
         return _bounded([t for term in terms for t in _product(e, term, inner, other, in_left, state)], state), \
             rebuilt(rem)
     raise _applies_a_function(e, state)
@@ -348,6 +350,17 @@ def _elementwise_beside_a_factor(e: ir.Expr | None = None) -> "Unfactorable":
                         f"forms take an elementwise decay only as the whole factor of its term (`exp(X)*S`), and a "
                         f"rank-one correction beside it on the state as it was (`exp(X)*S − u⊗(w·S)` or "
                         f"`exp(X)*S − (S·a)⊗b`)")
+
+
+def _broadcast_under_a_map(e: ir.Expr, inner: ir.Expr, state: str) -> "Unfactorable":
+    """A scalar added to the state (`z + s`, the same value in every element) inside a product that contracts it
+    (`kn·(z + s)`, `M·(z + s)`, `diag(d)·(z + s)`: a later step of an update in steps, composed). Split off as the
+    remainder, the scalar would meet the product as a scalar, which scales rather than contracts (kn·s, where the
+    program means kn·(s, s, …)); only an elementwise product keeps its meaning. A probe found the forms raising
+    NumPy errors on it."""
+    return Unfactorable(f"a scalar is added to '{state}' in `{to_text(inner)}` before `{to_text(e)}` maps it (the "
+                        f"steps of an update composed): the derived forms take a scalar only as a term of its own; "
+                        f"add it after the step that maps '{state}', or write it as a vector")
 
 
 def _unfactorable(e: ir.Expr, state: str) -> "Unfactorable":

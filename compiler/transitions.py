@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from . import ir
-from .analysis import inline_lets, product_factors, refs, states_in, to_text, variance, walk
+from .analysis import inline_lets, product_factors, refs, states_in, to_text, variance
 from .intervals import Bounds, undefaulted_params
 from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, add, as_matrix, compose, linear_terms, mul,
                         operator_terms, vector_terms)
@@ -102,36 +102,10 @@ def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = 
     return rank + ("" if base == "identity" else f" with {base}")
 
 
-def _scalar_under_a_map(value: ir.Expr, state: str) -> str | None:
-    """Why the update cannot be split into terms: a scalar added to the state (`z + s`, broadcast over its
-    elements) inside a product that contracts it (`kn·(z + s)`, `M·(z + s)`, `diag(d)·(z + s)`), as a later step
-    of an update in steps composes it (`z = z + s`, then `z = z − beta*(kn·z)*kn`). Split into terms, the scalar
-    would meet the map as a scalar, which scales rather than contracts (kn·s is a vector, where the program's
-    kn·(s, s, …) is the sum of kn's elements times s): so the forms that need the terms are refused, and the
-    recurrent form runs the steps as written. None where there is no such product (a probe found it)."""
-    def broadcast_add(e: ir.Expr) -> ir.Expr | None:
-        for n in walk(e):
-            if isinstance(n, ir.Arith) and n.op in ("add", "sub") and n.shape and \
-                    any(not x.shape for x in (n.left, n.right)) and states_in(n) >= {state}:
-                return n
-        return None
-    for n in walk(value):
-        if isinstance(n, ir.Dot) and n.left.shape and n.right.shape:
-            found = broadcast_add(n.left) or broadcast_add(n.right)
-            if found is not None:
-                return (f"a scalar is added to '{state}' in `{to_text(found)}` before `{to_text(n)}` maps it (the steps "
-                        f"of an update composed): the derived forms take a scalar only as a term of its own; add it "
-                        f"after the step that maps '{state}', or write it as a vector")
-    return None
-
-
 def classify(program: ir.Program, update: ir.Update) -> Transition:
     state = program.state(update.state)
     value = inline_lets(update.value, program.lets)
     reasons: list[str] = []
-    mapped = _scalar_under_a_map(value, state.name)
-    if mapped:
-        return Transition(state.name, "general linear map", None, None, True, (), (), (mapped,))
     try:
         terms, remainder = linear_terms(value, state.name)
     except Unfactorable as why:

@@ -90,7 +90,8 @@ class _CEmitter(DecomposedEmitter):
 
     # The kernels multiply a readout's upstream gradient by its query's constant factor as they read it (`dk^(−1/2)`
     # of `dk^(−1/2)·q`): q itself is the query array, and its gradient is the kernel's — two passes over [B, T, H, dk]
-    # less than scaling q before the kernel and its gradient after (about 0.8 ms of GLA's 13 at dk = dv = 64, T = 4096).
+    # less than scaling q before the kernel and its gradient after (GLA's backward alone at dk = dv = 64, T = 4096:
+    # 13.9 → 12.5 ms, timed alternately; docs/benchmarks.md).
     def readout_query(self, r):
         return self._split(r)[1]
 

@@ -69,8 +69,7 @@ class Structure:
     def describe(self) -> str:
         decay = {"none": "no decay", "token": "one log-decay per token", "row": "one log-decay per row"}
         reads = ", ".join("before" if b else "after" for b in self.before) or "none"
-        scales = "" if not any(f != 1.0 for f in self.read_scales) else \
-            "; readouts' factors " + ", ".join(map(repr, self.read_scales))
+        scales = "; readouts' factors " + ", ".join(map(repr, self.read_scales)) if self.read_scales else ""
         return (f"{decay[self.decay]}; {self.corrections} correction(s); {self.writes} write(s); readouts: "
                 f"{reads}{scales}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
 

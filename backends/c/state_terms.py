@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..compiler import ir
 from ..compiler.decompose import Readout
-from ..compiler.linearity import ONE, split_scalar
+from ..compiler.linearity import ONE, mul, split_scalar
 from ..dsl.errors import LinrecError
 
 from .kernel_source import KernelSource
@@ -100,7 +100,7 @@ def _over_rows(split: tuple[ir.Expr, ir.Expr], st: ir.State) -> tuple[ir.Expr, i
     coef, base = split
     if base.shape:
         return coef, base
-    return (base if coef == ONE else ir.Arith((), "mul", coef, base)), ir.Const((st.shape[0],), 1.0)
+    return mul(coef, base), ir.Const((st.shape[0],), 1.0)
 
 
 def _sum(terms: list[ir.Expr], shape) -> ir.Expr:
