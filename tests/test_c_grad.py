@@ -90,24 +90,24 @@ def test_rows_of_one_register_off_a_cache_line(recs):
 
 
 def test_column_blocks_and_row_tiles(recs):
-    """At dk = 70, dv = 61 (float64) the forward runs its columns in two blocks, the second one partly
-    padding, and without corrections its tiles of rows leave a tail of single rows (grad_kernels:
-    forward_registers, tile_rows); the tokens go in blocks that end at the checkpoints (T = 37 by 5):
-    the gradients still those of the NumPy recurrent backward to 1e-9 — GLA (the tiled pass), gated
-    DeltaNet and gdn2 (with corrections: token by token, a decay per token and per row). With corrections
-    the backward's columns go in groups of a register's lanes, then one at a time (LR_GROUPS): 61 columns are
-    7 groups and 5 more in float64, 3 groups and 13 more in float32 (to 5e-4 of float64)."""
-    dims = {"dk": 70, "dv": 61}
-    s = grad_kernels.Structure("row", 0, 1, (False,), 70, 61, "double", c_build.vector_bytes())
+    """At dk = 71, dv = 61 (float64) the forward runs its columns in blocks, the last one partly padding, and
+    without corrections its tiles of rows leave a tail of single rows (grad_kernels: forward_registers,
+    tile_rows) — with 32-byte registers and with 64-byte ones; the tokens go in blocks that end at the
+    checkpoints (T = 37 by 5): the gradients still those of the NumPy recurrent backward to 1e-9 — GLA (the
+    tiled pass), gated DeltaNet and gdn2 (with corrections: token by token, a decay per token and per row). With
+    corrections the backward's columns go in groups of a register's lanes, then one at a time (LR_GROUPS): 61
+    columns leave a tail in float64 and in float32 at either width (to 5e-4 of float64 in float32)."""
+    dims = {"dk": 71, "dv": 61}
+    s = grad_kernels.Structure("row", 0, 1, (False,), 71, 61, "double", c_build.vector_bytes())
     registers = -(-61 // s.lanes)
-    assert grad_kernels.forward_registers(s) < registers and 70 % grad_kernels.tile_rows(s) != 0
+    assert grad_kernels.forward_registers(s) < registers and 71 % grad_kernels.tile_rows(s) != 0
     rng = np.random.default_rng(21)
     for name in ("gla", "gated_deltanet", "gdn2"):
         rec = recs[name]
         x = rec.random_inputs(batch=1, tokens=37, heads=2, dims=dims, seed=21)
         up = {o.name: rng.standard_normal((1, 37, 2, 61)) for o in rec.program.outputs}
-        s0 = {"S": rng.standard_normal((1, 2, 70, 61))}
-        gT = {"S": rng.standard_normal((1, 2, 70, 61))}
+        s0 = {"S": rng.standard_normal((1, 2, 71, 61))}
+        gT = {"S": rng.standard_normal((1, 2, 71, 61))}
         want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=dims)
         got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=dims, backend="c", chunk_size=5)
         assert worst_error(got.grads, want.grads) <= 1e-9, name

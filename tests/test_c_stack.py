@@ -4,6 +4,7 @@ backend — before any kernel runs (they were a SIGSEGV: a vector state z[dk] at
 step, Performer's features at m = 524288 in the prefill) — and a size at the limit still runs."""
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -45,17 +46,26 @@ def test_a_vector_state_of_millions_is_refused_before_the_step_runs():
 
 
 def test_performer_features_of_half_a_million_are_refused_before_the_prefill_runs():
+    """The limit the message names: the largest m whose 9 arrays of m values stay within 1 MiB (29127 float32
+    values, 14563 float64), less what rounding each array up to whole registers takes (the registers' width is
+    the machine's: a few values either way)."""
     perf = linrec.load(EXAMPLES / "performer.lin")
     dims = {"m": 524288, "dk": 16, "dv": 4}
     x = perf.random_inputs(1, 2, 1, dims=dims, dtype=np.float32)
     given = {"W": np.zeros((524288, 16))}  # (the refusal does not need the seconds its random features take)
     with pytest.raises(LinrecError, match=r"m = 524288 is too large for the C kernel of 'performer' \(float32\): "
-                                          r"it would keep 18.0 MiB .* m up to 29120 fits .*backend='numpy'"):
+                                          r"it would keep 18.0 MiB .* m up to (\d+) fits .*backend='numpy'") as said:
         perf.prefill(x, dims={"m": 524288}, backend="c", params=given)
+    assert 29127 - 16 <= _named_limit(said) <= 29127
     # float64: dk = 16 divides 524288 too, and is no longer within a register's lanes; m is the one to name
     with pytest.raises(LinrecError, match=r"m = 524288 is too large .*\(float64\): it would keep 36.0 MiB .*9 arrays "
-                                          r"of m values.* m up to 14558 fits"):
+                                          r"of m values.* m up to (\d+) fits") as said:
         perf.prefill({k: v.astype(np.float64) for k, v in x.items()}, dims={"m": 524288}, backend="c", params=given)
+    assert 14563 - 8 <= _named_limit(said) <= 14563
+
+
+def _named_limit(raised) -> int:
+    return int(re.search(r"m up to (\d+) fits", str(raised.value)).group(1))
 
 
 def test_the_emitted_source_and_the_standalone_export_are_refused_alike():

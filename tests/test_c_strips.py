@@ -2,11 +2,11 @@
 strip of columns, each strip a contiguous copy that stays in L1 for a block of 64 tokens
 (passes.strip_registers, templates/c_fused.c.j2 `token_pass`), against the float64 NumPy recurrent form.
 
-dk = 128 rows take strips of two registers (32 float32 columns, 16 float64), so dv = 128 and dv = 64 run in
-several strips; 150 tokens cross two block ends and end in a partial block; strong decays make tokens slow
-(the decay applied to the strip's rows) as the lazy scale leaves its range. Tolerances as in
-test_c_backend.py: 1e-10 (float64), 2e-5 (float32). Three kernels are built, one per case (the snapshots'
-test shares the first's).
+dk = 128 rows take strips of two registers (32 float32 columns, 16 float64, with 64-byte registers; half
+that with 32-byte ones), so dv = 128 and dv = 64 run in several strips; 150 tokens cross two block ends and
+end in a partial block; strong decays make tokens slow (the decay applied to the strip's rows) as the lazy
+scale leaves its range. Tolerances as in test_c_backend.py: 1e-10 (float64), 2e-5 (float32). Three kernels
+are built, one per case (the snapshots' test shares the first's).
 """
 from __future__ import annotations
 
@@ -39,12 +39,16 @@ def test_strips_match_the_recurrent_form(linrec, name, dims, dtype):
 
 
 def test_strips_too_tall_to_copy_run_in_place(linrec):
-    """dk = 520 rows of a float64 strip of two registers (16 columns) take more than STRIP_COPY_BYTES: the
-    strips run on the state's own rows, 32 columns apart."""
+    """Rows of a float64 strip of two registers (16 columns with 64-byte registers, 8 with 32-byte ones) that
+    take more than STRIP_COPY_BYTES (dk = 520 and 1032): the strips run on the state's own rows, 32 columns
+    apart."""
+    from linrec.c import build as c_build
+    from linrec.c.passes import STRIP_COPY_BYTES
     rec = linrec.load(EXAMPLES / "gated_deltanet.lin")
-    dims = {"dk": 520, "dv": 32}
+    width = 2 * c_build.vector_bytes() // 8  # (float64 columns of a strip)
+    dims = {"dk": STRIP_COPY_BYTES // (width * 8) + 8, "dv": 32}
     source = rec.module("recurrent", "c").source(np.float64, dims)
-    assert "for (int js = 0; js < 32; js += 16)" in source
+    assert f"for (int js = 0; js < 32; js += {width})" in source
     assert "strip_st_S" not in source
     inputs = rec.random_inputs(batch=1, tokens=70, heads=1, dims=dims, seed=13, decay_scale=10.0)
     compare(rec, inputs, random_state(rec, 1, 1, dims, np.float64, 13), np.float64, F64_RTOL)
