@@ -310,6 +310,30 @@ def test_c_helpers_give_numpys_values_for_nan_and_infinities(ctype, target, monk
         assert (np.isnan(got) and np.isnan(expected)) or got == expected, row
 
 
+@pytest.mark.parametrize("target", ["native", "avx2", "portable"])
+def test_the_register_exp_is_the_scalar_ones_formula(target, monkeypatch):
+    """lr_exp_v, on every target (AVX-512's vscalefps, or the vector extensions' two-halves scaling on AVX2 and
+    SSE), against lr_exp over float32's whole range of exp: from below the subnormals (−110: 0) past the top
+    (95: ∞), within a few float32 roundings of each other and of float64's exp — subnormal results included,
+    whose absolute error is what float32 can hold there."""
+    if target == "avx2" and "avx2" not in c_build._cpu_flags():
+        pytest.skip("needs AVX2")
+    monkeypatch.setenv("LINREC_C_TARGET", target)
+    k = helper_kernel("float")
+    x = np.linspace(-110.0, 95.0, 1 << 16).astype(np.float32)
+    pointer = k.ffi.cast("float *", x.ctypes.data)
+    scalar, register = np.empty_like(x), np.empty_like(x)
+    k.lib.s_exp(pointer, k.ffi.cast("float *", scalar.ctypes.data), x.size)
+    k.lib.v_exp(pointer, k.ffi.cast("float *", register.ctypes.data), x.size)
+    want = np.exp(x.astype(np.float64))
+    for got in (scalar, register):
+        assert np.array_equal(np.isinf(got), want > np.finfo(np.float32).max)
+        finite = np.isfinite(got)
+        error = np.abs(got[finite] - want[finite]) / np.maximum(want[finite], np.finfo(np.float32).tiny)
+        assert error.max() <= 4e-7
+    assert np.all(register[x < -104] == 0) and np.all(register[x > 89] == np.inf)
+
+
 # ---- programs that read the sequence ------------------------------------------------------------------
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_softmax_attention_values_follow_the_rule(value):
