@@ -283,6 +283,22 @@ def test_small_decays_given_as_values(name):
             assert worst_error(got.grads, want.grads) <= tolerance, (form, dtype)
 
 
+def test_per_key_decays_in_whole_registers(recs):
+    """GLA in float32 at dk = 20 (whole registers of decays and a tail, with 32- and 64-byte registers), mild
+    decays (the blocks' two passes, where strong ones take the states' way): the blocks take exp of the
+    log-decays a register at a time (templates/c_grad.c.j2, lr_expf_v; 0.1% off there gives 7e-3 here). The
+    gradients within float32's tolerance of NumPy's float64 recurrent backward."""
+    rec, dims = recs["gla"], {"dk": 20, "dv": 8}
+    x = rec.random_inputs(batch=1, tokens=40, heads=2, dims=dims, seed=17)
+    x["g"] = np.random.default_rng(18).uniform(-0.3, 0.0, x["g"].shape)
+    up = {"o": np.random.default_rng(19).standard_normal((1, 40, 2, 8))}
+    want = rec.vjp(x, up, dims=dims)
+    got = rec.vjp({k: v.astype(np.float32) for k, v in x.items()}, {"o": up["o"].astype(np.float32)}, dims=dims,
+                  backend="c", chunk_size=7)
+    assert worst_error(got.grads, want.grads) <= 5e-4
+    assert worst_error(got.outputs, want.outputs) <= 5e-4
+
+
 def test_subnormal_decays_given_as_values():
     """A decay given as a value below its dtype's normal range keeps too few bits for any log-space backward:
     ∂a was 0.74 off at a = 5e-324 (float64) and 1.5e-2 at 1e-43 (float32) in every form but NumPy's recurrent
