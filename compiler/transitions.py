@@ -163,6 +163,8 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
             elementwise = mul(t.coef, t.left.u) if elementwise is None else add(elementwise, mul(t.coef, t.left.u))
         elif kind == "outer":
             corrections.append((mul(t.coef, t.left.u), t.left.w))
+        elif kind == "covector":  # w·S, lower in rank than the state, added to each of its rows: u⊗(w·S) with
+            corrections.append((t.coef, t.left.u))  # the scalar u = coef at every row, as a scalar write's key
         else:
             reasons.append(f"the transition contains the dense matrix `{to_text(t.left.u)}`, which has no "
                            f"decay-plus-rank-one structure")

@@ -5,7 +5,11 @@ state's rows. Found by a probe: the C fused kernel had no C for it (an internal 
 gradient form but NumPy's recurrent one took the key's gradient at one row instead of summing it over the rows
 (70 % off, silently; numpy.adjoint_derived's seeds now sum a broadcast scalar's gradient). Here: every form on
 both backends against the NumPy recurrent form at 1e-9, prefill and steps on C, every gradient form against
-the NumPy recurrent backward at 1e-9 and that one against central differences."""
+the NumPy recurrent backward at 1e-9 and that one against central differences.
+
+The same for a scalar read of the state added to each of its elements, `z − beta*(kn·z)/dk`: the rank-one
+correction (−beta/dk)⊗kn whose u is that scalar at every row (compiler.transitions; it was refused every form
+but the recurrent one as "a dense matrix", found by a probe)."""
 import numpy as np
 import pytest
 
@@ -21,6 +25,11 @@ BODIES = {
     "param": "input q[dk], g[dk] <= 0\nparam c per head = 0.3\nstate z[dk]\nz = diag(exp(g))·z + c\noutput o = z\n",
     "builtin": "input q[dk], w, g <= 0\nstate z[dk]\nz = exp(g)*z + sigmoid(w)\noutput o = q·z\noutput p = z\n",
     "noncausal": "input q[dk], beta, g <= 0\nstate z[dk]\nz = exp(g)*z + beta\noutput o = q·z\n",
+    # a scalar read of the state added to each of its elements: the rank-one correction (beta/dk·1)⊗kn
+    "state_read": "input q[dk], k[dk], beta in (0, 1), g <= 0\nkn = l2norm(k)\nstate z[dk]\n"
+                  "z = exp(g)*z − beta*(kn·z)/dk + k\noutput o = q·z\n",
+    "state_read_steps": "input q[dk], k[dk], beta in (0, 1), g <= 0\nkn = l2norm(k)\nstate z[dk]\n"
+                        "z = z − beta*(kn·z)\nz = exp(g)*z + k\noutput o = q·z\n",
 }
 
 
