@@ -91,7 +91,8 @@ def _extract_readouts(program: ir.Program, readouts: list[Readout], problems: li
         expr = rebuild(rebuild(_read_value(program, out), contraction), value)
         for n in walk(expr):
             if isinstance(n, ir.StateRef):
-                problems.append(f"output '{out.name}' uses matrix state '{n.name}' other than through a readout "
+                problems.append(_read_from_both_sides(program, out, n.name) or
+                                f"output '{out.name}' uses matrix state '{n.name}' other than through a readout "
                                 f"`q·{n.name}` with a state-free q (in `{to_text(out.value)}`)")
                 break
         outputs.append((out.name, expr))
@@ -106,13 +107,29 @@ def _read_value(program: ir.Program, out: ir.Output) -> ir.Expr:
 
 def _read_through_readouts(program: ir.Program, state: str) -> bool:
     """Every output reads `state` through a readout q·S with a state-free q."""
-    for out in program.outputs:
-        nodes = list(walk(_read_value(program, out)))
-        uses = sum(isinstance(n, ir.StateRef) and n.name == state for n in nodes)
-        readouts = sum(_is_readout(n, state) for n in nodes)
-        if uses != readouts:
-            return False
-    return True
+    return all(_reads_through_readouts(program, out, state) for out in program.outputs)
+
+
+def _reads_through_readouts(program: ir.Program, out: ir.Output, state: str) -> bool:
+    """The output reads `state` (if at all) through readouts q·S with a state-free q."""
+    nodes = list(walk(_read_value(program, out)))
+    uses = sum(isinstance(n, ir.StateRef) and n.name == state for n in nodes)
+    return uses == sum(_is_readout(n, state) for n in nodes)
+
+
+def _read_from_both_sides(program: ir.Program, out: ir.Output, state: str) -> str | None:
+    """Why `out` is no readout of `state` where it reads it from the right (S·w, a readout of Sᵀ) and another
+    output reads it from the left (q·S): no orientation of the state takes both — or None."""
+    flipped = transposed(program, state)
+    if flipped is None or not _reads_through_readouts(flipped, next(o for o in flipped.outputs if o.name == out.name),
+                                                      state):
+        return None
+    for other in program.outputs:
+        if other.name != out.name and any(_is_readout(n, state) for n in walk(_read_value(program, other))):
+            return (f"output '{out.name}' reads matrix state '{state}' from the right (`{to_text(out.value)}`) and "
+                    f"output '{other.name}' from the left (`{to_text(other.value)}`): the forms take the reads of a "
+                    f"state on one side, `q·{state}` (or `{state}·q` throughout, the state carried transposed)")
+    return None
 
 
 def _derivable(program: ir.Program, state: str) -> bool:

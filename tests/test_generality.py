@@ -241,10 +241,14 @@ def test_linear_reads_on_both_backends():
 
 def test_a_read_from_the_right_is_no_readout():
     # S·w reads S's rows, not its columns: linear, but not q·S (the transposed program would need all reads
-    # from the right): only the recurrent form, with the reason
+    # from the right): only the recurrent form, with the reason — both reads named (alone, S·w is a readout of
+    # the transposed state: every form)
     rec = linrec.compile(READOUT_HEAD.format(name="right") + "output o = q·S\noutput r = S·w\n", "right.lin")
     assert rec.forms == ("recurrent",)
-    assert "output 'r' uses matrix state 'S' other than through a readout" in rec.decomposition.why_not("parallel")
+    assert ("output 'r' reads matrix state 'S' from the right (`S·w`) and output 'o' from the left (`q·S`): the "
+            "forms take the reads of a state on one side") in rec.decomposition.why_not("parallel")
+    alone = linrec.compile(READOUT_HEAD.format(name="right") + "output r = S·w\n", "right.lin")
+    assert alone.forms == ("recurrent", "parallel", "chunkwise")
 
 
 # ---- the examples GDN-2 and Comba against loops -----------------------------------------------------------

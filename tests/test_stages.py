@@ -168,7 +168,8 @@ output o = q·S
     assert first.forms == ("recurrent",) and second.forms == ("recurrent", "parallel", "chunkwise")
     assert rec.forms == ("recurrent",)
     why = rec.decomposition.why_not("parallel")
-    assert why.startswith("stage 1 (U): ") and "other than through a readout" in why and "no stage hands on" not in why
+    assert why.startswith("stage 1 (U): ") and "reads matrix state 'U' from the right (`U·v`)" in why \
+        and "from the left (`q·U`)" in why and "no stage hands on" not in why
 
 
 # ---- every form against the recurrent one, and the loop reference ---------------------------------------------
