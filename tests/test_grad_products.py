@@ -47,3 +47,18 @@ def test_the_correction_contracts_once():
     section = source.split("# adjoint of S.correction0_u")[1].split("# adjoint of")[0]
     assert section.count("einsum(") == 1, section
     assert section.count("S_grads.corrections[0][0]") == 2, section  # (the contraction, and kn's gradient)
+
+
+def test_a_negated_product_negates_its_scalar():
+    """−(e^g·β·kn), the correction's per-token array, printed as (−e^g)·β·kn (backends/numpy/printer.py): the
+    negation on the [B, T, H] scalar, not a pass over the [B, T, H, dk] product; the chunkwise form as the
+    recurrent one."""
+    import numpy as np
+    rec = linrec.load("examples/gated_deltanet.lin")
+    source = emit_decomposed_backward(rec.compiled, "chunkwise")
+    line = next(x for x in source.splitlines() if x.strip().startswith("S_corrections ="))
+    assert "(-np.exp(g))[..., None]" in line and "negated(" not in line, line
+    x = rec.random_inputs(1, 33, 2, dims={"dk": 8, "dv": 8}, seed=5)
+    want = rec.run(x, dims={"dk": 8, "dv": 8})
+    got = rec.run(x, form="chunkwise", dims={"dk": 8, "dv": 8}, chunk_size=8)
+    assert float(np.max(np.abs(got.outputs["o"] - want.outputs["o"]))) <= 1e-12

@@ -26,6 +26,26 @@ def _float(v: float) -> str:
     return repr(float(v)) if math.isfinite(v) else f"float('{float(v)!r}')"
 
 
+
+def _negated_scalar_factor(e: ir.Expr) -> ir.Expr | None:
+    """−(s·x), s a scalar factor and x an array, as (−s)·x: the negation then costs a pass over the scalar
+    ([B, T, H]) and none over the product ([B, T, H, d]; the delta rule's correction −(e^g·β)·kn); the same
+    values, bit for bit. None where e is no such product."""
+    if not e.shape or not ((isinstance(e, ir.Arith) and e.op == "mul")
+                           or (isinstance(e, ir.Dot) and not (e.left.shape and e.right.shape))):
+        return None
+    if not e.left.shape:
+        return ir.Arith(e.shape, "mul", _negative(e.left), e.right)
+    if not e.right.shape:
+        return ir.Arith(e.shape, "mul", e.left, _negative(e.right))
+    return None
+
+
+def _negative(s: ir.Expr) -> ir.Expr:
+    if isinstance(s, ir.Const):
+        return ir.Const(s.shape, -s.value)
+    return s.operand if isinstance(s, ir.Neg) else ir.Neg(s.shape, s)
+
 class NumpyPrinter:
     """`ref(node)` gives the code for a leaf (InputRef, ParamRef, StateRef, LetRef, ReadoutRef, DimSize)."""
 
@@ -45,6 +65,9 @@ class NumpyPrinter:
                           ir.HeadIndex)):
             return self.ref(e), ATOM
         if isinstance(e, ir.Neg):
+            scaled = _negated_scalar_factor(e.operand)
+            if scaled is not None:
+                return self._p(scaled)
             return "-" + self._wrap(e.operand, UNARY), UNARY
         if isinstance(e, ir.Arith):
             return self._arith(e)
