@@ -19,9 +19,9 @@ from .fused_plan import (BlockRegion, BlockVectorPass, CorrectionDot, Correction
                          RangeCheck, RightVector, RowsLazyDecay, ScalarLazyDecay, ScaleGroup, TokenPair, TokenPass,
                          TokenUpdate, VectorRead)
 from .kernel_source import InputArray, KernelSource
-from .passes import (REGISTER_BUDGET, STRIP_COPY_BYTES, Decay, MatrixOperands, ReadoutOperands, column_block,
-                     correction_arrays, correction_pass, divisor_at_most, pair_pass, row_pass, strip_registers,
-                     tiled_pass)
+from .passes import (STRIP_COPY_BYTES, Decay, MatrixOperands, ReadoutOperands, column_block,
+                     correction_arrays, correction_pass, divisor_at_most, pair_pass, register_budget, row_pass,
+                     strip_registers, tiled_pass)
 from .printer import CPrinter
 from .stabilize import Scales
 from .state_terms import StateTerms, state_terms
@@ -385,7 +385,8 @@ class _BlockRegionPlanner:
         whole = s.cols_padded // lanes
         # per register of the row: the right vectors', two accumulators per readout and per next p, the row's
         # (then as many as a strip that stays in L1 allows: the tokens run strip by strip, see TokenPass)
-        most = column_block(whole, len(ops.lefts) + 2 * len(ops.before + ops.after) + 2 * len(ws) + 1)
+        most = column_block(whole, len(ops.lefts) + 2 * len(ops.before + ops.after) + 2 * len(ws) + 1,
+                            vector_bytes)
         registers = strip_registers(s.rows, whole, most, vector_bytes)
         # a strip narrower than the row runs on a contiguous copy: the rows of the buffer lie a power of two
         # apart, so a strip of them falls into a few of L1's sets and leaves it, token after token (measured:
@@ -416,7 +417,8 @@ class _BlockRegionPlanner:
         return TokenPass(
             correction_arrays(ops, s.cols_padded),
             correction_pass(first, lanes=lanes, columns=s.cols_padded,
-                            registers=divisor_at_most(registers, REGISTER_BUDGET // (2 * len(first_sums) + 1))),
+                            registers=divisor_at_most(registers,
+                                                      register_budget(vector_bytes) // (2 * len(first_sums) + 1))),
             tuple(rights), update(tuple(f"{w}[u + 1]" for w in ws) + tuple(f"{w}[{_clamped(2)}]" for w in ws)),
             update(()), s.cols_padded, width, strip, buffer, ld, s.rows,
             self._token_pair(s, ops, ws, terms, rights, partial, slow, registers))
@@ -441,12 +443,13 @@ class _BlockRegionPlanner:
                          rights=tuple(y.name for y in ys), before=tuple(one_on(rd) for rd in ops.before),
                          after=tuple(one_on(rd) for rd in ops.after))
         next_w = tuple(f"{w}[{_clamped(2)}]" for w in ws) + tuple(f"{w}[{_clamped(3)}]" for w in ws)
-        # per register of a row: both tokens' right vectors and one sum per readout and next p (REGISTER_BUDGET
+        # per register of a row: both tokens' right vectors and one sum per readout and next p (register_budget
         # counts these; the row's register is a temporary among the rest): gated DeltaNet's 6 give four
         # registers at d = 64 (1.06-1.08× faster than two, one thread)
         live = 2 * len(ops.lefts) + 2 * len(ops.before + ops.after) + len(next_w)
         pass_ = pair_pass(replace(ops, decay=None), second, lanes=k.target.lanes, columns=s.cols_padded,
-                          registers=divisor_at_most(registers, REGISTER_BUDGET // live), next_w=next_w,
+                          registers=divisor_at_most(registers, register_budget(k.target.vector_bytes) // live),
+                          next_w=next_w,
                           next_p=tuple(cr.p for cr in ops.corrections) + tuple(partial))
         arrays = tuple(f"T {name}[{s.cols_padded}] __attribute__((aligned(64)));"
                        for name in [*partial, *(y.name for y in ys)])

@@ -9,8 +9,20 @@ from dataclasses import dataclass
 from .fused_plan import (ColumnTail, CorrectionOperands, CorrectionPass, CorrectionRow, CorrectionTail, Lines,
                          PassRow, PrefetchPace, ReadoutTile, RowPass, Tile, TiledPass)
 
-# SIMD registers the fused passes may hold (accumulators, right vectors); AVX-512 has 32.
-REGISTER_BUDGET = 24
+def register_budget(vector_bytes: int) -> int:
+    """SIMD registers a pass over the rows may hold (accumulators, right vectors), three quarters of the
+    register file, the rest left for broadcasts and temporaries: 24 of AVX-512's 32, 12 of the 16 of AVX2 and
+    SSE. (Measured on a Zen 2 core, AVX2, alternating in one process: gated DeltaNet's prefill at d = 64 and
+    128 took 10.3 and 31.6 ms with 24, which spill, and 8.8 and 26.9 with 12; gdn2's 14.0 and 41.2 against 13.3
+    and 37.8; the same at d = 256, where the strips are narrower anyway.)"""
+    return 24 if vector_bytes >= 64 else 12
+
+
+# Registers of a tile of the pass without corrections (tile_shape): AVX-512's 32 less a few. Kept with 16
+# registers too, where it spills: on a Zen 2 core GLA's prefill at d = 128 took 23.2 ms with these tiles and
+# 24.6 and 33.9 ms with tiles sized for 20 and 16 registers (the spills ride on the load slots a tile has to
+# spare, the smaller tiles broadcast each scalar over fewer multiply-adds).
+TILE_REGISTERS = 28
 
 
 @dataclass(frozen=True)
@@ -71,11 +83,11 @@ def divisor_at_most(n: int, limit: int) -> int:
     return next(g for g in range(limit, 0, -1) if n % g == 0) if n else 1
 
 
-def column_block(whole_registers: int, live_per_register: int) -> int:
+def column_block(whole_registers: int, live_per_register: int, vector_bytes: int) -> int:
     """How many registers of a row a pass over the rows takes at a time: the most that divide the row's whole
     registers and, with `live_per_register` registers live for each (accumulators, right vectors, the row's
-    own), fit REGISTER_BUDGET (1 for a row shorter than a register)."""
-    return divisor_at_most(whole_registers, REGISTER_BUDGET // max(1, live_per_register))
+    own), fit register_budget (1 for a row shorter than a register)."""
+    return divisor_at_most(whole_registers, register_budget(vector_bytes) // max(1, live_per_register))
 
 
 # A strip of a state's columns (a pass token after token, see strip_registers) stays in L1 for a block of
@@ -114,7 +126,7 @@ def tile_shape(whole_registers: int, rows: int, groups: int) -> tuple[int, int]:
     of x and q over four multiply-adds (measured ~8% faster than two registers for GLA at dv = 64) —, then
     as many rows as the registers allow beside the right vectors."""
     across = next(c for c in (4, 2, 1) if whole_registers % c == 0)
-    tall = next(r for r in (8, 6, 4, 3, 2, 1) if r * across + (groups + 2) * across <= REGISTER_BUDGET + 4)
+    tall = next(r for r in (8, 6, 4, 3, 2, 1) if r * across + (groups + 2) * across <= TILE_REGISTERS)
     return across, min(tall, rows)
 
 

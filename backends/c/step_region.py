@@ -108,9 +108,10 @@ def _state(k: KernelSource, pr: CPrinter, st: ir.State, t: StateTerms, v: _Value
     prefetches = bool(t.corrections) and not k.state_is_bf16
     corrections = None
     if t.corrections:
-        corrections = correction_pass(ops, lanes=lanes, columns=cols, registers=column_block(whole, 2 * len(v.ws) + 1))
+        corrections = correction_pass(ops, lanes=lanes, columns=cols,
+                                      registers=column_block(whole, 2 * len(v.ws) + 1, k.target.vector_bytes))
     update = row_pass(ops, lanes=lanes, vector_bytes=k.target.vector_bytes, columns=cols,
-                      registers=column_block(whole, len(v.xs) + 2 * len(t.readouts) + 1),
+                      registers=column_block(whole, len(v.xs) + 2 * len(t.readouts) + 1, k.target.vector_bytes),
                       ahead=ahead if prefetches else None)
     return (StepMatrixPass(correction_arrays(ops, cols_padded) if t.corrections else (), corrections, right_lines,
                            update),
