@@ -278,7 +278,8 @@ class _BlockRegionPlanner:
         if not matrix:
             return self._vector_pass(s, ops, terms, rights, before, after), bookkeeping
         if not terms.corrections:
-            return tiled_pass(ops, lanes=k.target.lanes, whole_registers=s.cols_padded // k.target.lanes,
+            return tiled_pass(ops, lanes=k.target.lanes, vector_bytes=k.target.vector_bytes,
+                              whole_registers=s.cols_padded // k.target.lanes,
                               inputs=len(k.program.inputs), slow=bookkeeping.slow if bookkeeping else "",
                               readout_arrays=tuple(rd.sums.removesuffix("[u]") for rd in before + after)), bookkeeping
         return self._token_pass(s, ops, ws, rights, terms, bookkeeping.slow if bookkeeping else None), bookkeeping

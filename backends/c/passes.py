@@ -18,11 +18,10 @@ def register_budget(vector_bytes: int) -> int:
     return 24 if vector_bytes >= 64 else 12
 
 
-# Registers of a tile of the pass without corrections (tile_shape): AVX-512's 32 less a few. Kept with 16
-# registers too, where it spills: on a Zen 2 core GLA's prefill at d = 128 took 23.2 ms with these tiles and
-# 24.6 and 33.9 ms with tiles sized for 20 and 16 registers (the spills ride on the load slots a tile has to
-# spare, the smaller tiles broadcast each scalar over fewer multiply-adds).
-TILE_REGISTERS = 28
+def tile_registers(vector_bytes: int) -> int:
+    """Registers a tile of the pass without corrections may count (tile_shape): 28 of AVX-512's 32; 18 with the
+    16 of AVX2 and SSE, a little past them (the spills ride on load slots the tile has to spare)."""
+    return 28 if vector_bytes >= 64 else 18
 
 
 @dataclass(frozen=True)
@@ -121,13 +120,20 @@ def _registers(names: list[str], keyword: str) -> str:
 
 
 # ---- the register-tiled pass ---------------------------------------------------------------------------
-def tile_shape(whole_registers: int, rows: int, groups: int) -> tuple[int, int]:
-    """(registers across, rows) of a tile: wide tiles first — a row of four registers shares each broadcast
-    of x and q over four multiply-adds (measured ~8% faster than two registers for GLA at dv = 64) —, then
-    as many rows as the registers allow beside the right vectors."""
-    across = next(c for c in (4, 2, 1) if whole_registers % c == 0)
-    tall = next(r for r in (8, 6, 4, 3, 2, 1) if r * across + (groups + 2) * across <= TILE_REGISTERS)
-    return across, min(tall, rows)
+def tile_shape(whole_registers: int, rows: int, groups: int, vector_bytes: int) -> tuple[int, int]:
+    """(registers across, rows) of a tile. With AVX-512's 32 registers, wide tiles first — a row of four
+    registers shares each broadcast of x and q over four multiply-adds (measured ~8% faster than two registers
+    for GLA at dv = 64) —, then as many rows as the registers allow beside the right vectors. With 16 (AVX2,
+    SSE), four across leave room for one row: the shape that holds the most of the state, ties to the wider
+    (on a Zen 2 core, 2 × 6 against 4 × 4 — spilling six — made GLA's prefill 6–8% faster at d = 64 and 256, 4%
+    at 128; 4 × 2 was slower at 128 and 256)."""
+    budget = tile_registers(vector_bytes)
+
+    def tall(across: int) -> int:
+        return next((r for r in (8, 6, 4, 3, 2) if r * across + (groups + 2) * across <= budget), 1)
+    widths = [c for c in (4, 2, 1) if whole_registers % c == 0]
+    across = widths[0] if vector_bytes >= 64 else max(widths, key=lambda c: (c * tall(c), c))
+    return across, min(tall(across), rows)
 
 
 def prefetch_pace(steps: int, inputs: int) -> PrefetchPace:
@@ -141,12 +147,12 @@ def prefetch_pace(steps: int, inputs: int) -> PrefetchPace:
     return PrefetchPace(max(1, steps // inputs), -(-inputs // steps))
 
 
-def tiled_pass(ops: MatrixOperands, *, lanes: int, whole_registers: int, inputs: int, slow: str,
+def tiled_pass(ops: MatrixOperands, *, lanes: int, vector_bytes: int, whole_registers: int, inputs: int, slow: str,
                readout_arrays: tuple[str, ...]) -> TiledPass:
     """The pass over a matrix state without corrections, a tile of rows × registers in registers for the
     whole block: tiles of the shape tile_shape() gives, then one tile of the rows left. It prefetches the
     next block's rows of the `inputs` inputs as it goes."""
-    across, tall = tile_shape(whole_registers, ops.rows, len(ops.lefts) if ops.update else 0)
+    across, tall = tile_shape(whole_registers, ops.rows, len(ops.lefts) if ops.update else 0, vector_bytes)
     main_rows = ops.rows - ops.rows % tall
     left = ops.rows % tall
     pace = prefetch_pace(whole_registers // across * -(-ops.rows // tall), inputs)  # (each tile once per token)
