@@ -63,21 +63,29 @@ class Transition:
         return self.decay is not None and len(self.decay.shape) == 2
 
 
-def log_of(e: ir.Expr) -> tuple[ir.Expr, bool]:
-    """log(e) simplified so that strong decays stay exact (log(exp(x)) = x, not log of an underflow)."""
+def log_of(e: ir.Expr, bounds: Bounds | None = None) -> tuple[ir.Expr, bool]:
+    """log(e) simplified so that strong decays stay exact (log(exp(x)) = x, not log of an underflow), and
+    whether it is: a product or quotient taken factor by factor, log(a·b) = log a + log b, only where it is
+    elementwise (not a contraction a·b of two vectors, whose log is no sum of logs) and `bounds` find both
+    factors positive (−a·−b is positive, its factors' logs NaN); a power's, y·log x, only for a positive x.
+    Elsewhere the log of the values (not exact). bounds None: the factors are taken as positive."""
+    def positive(x: ir.Expr) -> bool:
+        return bounds is None or bounds.of(x).positive
     if isinstance(e, ir.Apply) and e.function == "exp":
         return e.args[0], True
     if isinstance(e, ir.Apply) and e.function == "sigmoid":
         return ir.Apply(e.shape, "logsigmoid", e.args), True
     if isinstance(e, ir.Const) and e.value > 0:
         return ir.Const((), math.log(e.value)), True
-    if isinstance(e, (ir.Arith, ir.Dot)) and (not isinstance(e, ir.Arith) or e.op in ("mul", "div")) \
-            and (not e.left.shape or not e.right.shape or e.left.shape == e.right.shape):
-        (la, ea), (lb, eb) = log_of(e.left), log_of(e.right)
+    elementwise = (isinstance(e, ir.Arith) and e.op in ("mul", "div")
+                   and (not e.left.shape or not e.right.shape or e.left.shape == e.right.shape)) \
+        or (isinstance(e, ir.Dot) and not (e.left.shape and e.right.shape))
+    if elementwise and positive(e.left) and positive(e.right):
+        (la, ea), (lb, eb) = log_of(e.left, bounds), log_of(e.right, bounds)
         op = "sub" if isinstance(e, ir.Arith) and e.op == "div" else "add"
         return ir.Arith(la.shape or lb.shape, op, la, lb), ea and eb
-    if isinstance(e, ir.Arith) and e.op == "pow":  # log(x^y) = y·log x, elementwise for a vector exponent
-        la, ea = log_of(e.left)
+    if isinstance(e, ir.Arith) and e.op == "pow" and positive(e.left):  # log(x^y) = y·log x, elementwise
+        la, ea = log_of(e.left, bounds)
         return mul(e.right, la), ea
     return ir.Apply(e.shape, "log", (e,)), False
 
@@ -199,8 +207,9 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
             elif elementwise is None and not _acts_as(left, decay):
                 reasons.append(_value_side_under(state.name, left, decay))
             value_corrections.append((a, b))
-    log_decay, exact = (None, True) if decay is None else log_of(decay)
-    value_log, value_exact = (None, True) if value_decay is None else log_of(value_decay)
+    bounds = Bounds(program)
+    log_decay, exact = (None, True) if decay is None else log_of(decay, bounds)
+    value_log, value_exact = (None, True) if value_decay is None else log_of(value_decay, bounds)
     for d, is_exact in ((decay, exact), (value_decay, value_exact)):
         if d is not None and not is_exact:
             reasons.extend(_not_positive(d, state.name, program))
@@ -381,7 +390,7 @@ def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
         # (of a product, the factors without a symbolic logarithm that can be non-positive: exp(g)·gamma's gamma,
         # not g, which no range fixes)
         factors = [f for f in product_factors(decay, divisions=True)
-                   if not log_of(f)[1] and not Bounds(program).of(f).positive] or [decay]
+                   if not log_of(f, Bounds(program))[1] and not Bounds(program).of(f).positive] or [decay]
         inputs = list(dict.fromkeys(name for f in factors for name in refs(f, ir.InputRef)))
         free = list(dict.fromkeys(name for f in factors for name in undefaulted_params(f, program)))
         hints += [f"declare ranges of {', '.join(inputs)} that keep it positive"] if inputs else []
