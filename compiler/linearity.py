@@ -259,6 +259,8 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
             rr = neg(rr) if rr is not None else None
         rem = lr if rr is None else add(lr, rr)
         return _bounded(lt + rt, state), rem
+    if _is_sum(e):
+        return _summed(e, state)
     if isinstance(e, (ir.Arith, ir.Dot, ir.Outer)):
         in_left = _side_with_state(e, state)
         other = e.right if in_left else e.left
@@ -278,6 +280,23 @@ def linear_terms(e: ir.Expr, state: str) -> tuple[list[Term], ir.Expr | None]:
         return _bounded([t for term in terms for t in _product(e, term, inner, other, in_left, state)], state), \
             rebuilt(rem)
     raise _applies_a_function(e, state)
+
+
+def _is_sum(e: ir.Expr) -> bool:
+    """sum(x) or mean(x) of a vector x."""
+    return isinstance(e, ir.Apply) and e.function in ("sum", "mean") and len(e.args) == 1 and len(e.args[0].shape) == 1
+
+
+def _summed(e: ir.Apply, state: str) -> tuple[list[Term], ir.Expr | None]:
+    """sum(x) and mean(x) of a vector x linear in the state: the contraction 1·x (over n for mean), its terms
+    those of a readout by the vector of ones (`sum(kn*z)` is kn·z)."""
+    (x,) = e.args
+    ones = ir.Const(x.shape, 1.0)
+    scale = ONE if e.function == "sum" else ir.Arith((), "div", ONE, ir.DimSize((), x.shape[0]))
+    terms, rem = linear_terms(x, state)
+    contraction = ir.Dot((), ones, x)
+    out = [t.scaled(scale) for term in terms for t in _product(contraction, term, x, ones, False, state)]
+    return _bounded(out, state), (None if rem is None else ir.Apply((), e.function, (rem,), e.options))
 
 
 def _product(e: ir.Arith | ir.Dot | ir.Outer, t: Term, inner: ir.Expr, other: ir.Expr, in_left: bool,
@@ -389,6 +408,9 @@ def _require_affine(e: ir.Expr, state: str) -> None:
         return
     if isinstance(e, (ir.Arith, ir.Dot, ir.Outer)):
         _require_affine(e.left if _side_with_state(e, state) else e.right, state)
+        return
+    if _is_sum(e):  # (a contraction with ones: linear)
+        _require_affine(e.args[0], state)
         return
     raise _applies_a_function(e, state)
 

@@ -9,7 +9,8 @@ the NumPy recurrent backward at 1e-9 and that one against central differences.
 
 The same for a scalar read of the state added to each of its elements, `z − beta*(kn·z)/dk`: the rank-one
 correction (−beta/dk)⊗kn whose u is that scalar at every row (compiler.transitions; it was refused every form
-but the recurrent one as "a dense matrix", found by a probe)."""
+but the recurrent one as "a dense matrix", found by a probe) — also written `sum(kn*z)` or `mean(z)`, a
+contraction with the vector of ones (compiler.linearity; such a program was refused outright as "not linear")."""
 import numpy as np
 import pytest
 
@@ -30,6 +31,11 @@ BODIES = {
                   "z = exp(g)*z − beta*(kn·z)/dk + k\noutput o = q·z\n",
     "state_read_steps": "input q[dk], k[dk], beta in (0, 1), g <= 0\nkn = l2norm(k)\nstate z[dk]\n"
                         "z = z − beta*(kn·z)\nz = exp(g)*z + k\noutput o = q·z\n",
+    # the same read written with sum and mean: linear (a contraction with ones), not "a function of the state"
+    "sum_read": "input q[dk], k[dk], beta in (0, 1), g <= 0\nkn = l2norm(k)\nstate z[dk]\n"
+                "z = exp(g)*z − beta*sum(kn*z)/dk + k\noutput o = q·z\n",
+    "mean_read": "input q[dk], k[dk], beta in (0, 1), g <= 0\nstate z[dk]\nz = exp(g)*z − beta*mean(z) + k\n"
+                 "output o = q·z\n",
 }
 
 
