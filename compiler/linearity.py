@@ -288,12 +288,17 @@ def _is_sum(e: ir.Expr) -> bool:
 
 
 def _summed(e: ir.Apply, state: str) -> tuple[list[Term], ir.Expr | None]:
-    """sum(x) and mean(x) of a vector x linear in the state: the contraction 1·x (over n for mean), its terms
-    those of a readout by the vector of ones (`sum(kn*z)` is kn·z)."""
+    """sum(x) and mean(x) of a vector x linear in a vector state: the contraction 1·x (over n for mean), its
+    terms those of a readout by the vector of ones (`sum(kn*z)` is kn·z). Of a row read of a matrix state,
+    Unfactorable: a readout's query takes no vector of ones (the readouts take such an output as computed from
+    its reads, as before)."""
     (x,) = e.args
     ones = ir.Const(x.shape, 1.0)
     scale = ONE if e.function == "sum" else ir.Arith((), "div", ONE, ir.DimSize((), x.shape[0]))
     terms, rem = linear_terms(x, state)
+    if any(t.left.kind == "covector" or t.right is not None for t in terms):
+        raise Unfactorable(f"`{to_text(e)}` sums a read of a matrix state, which the forms take as it is computed "
+                           f"from the read, not as a read of its own")
     contraction = ir.Dot((), ones, x)
     out = [t.scaled(scale) for term in terms for t in _product(contraction, term, x, ones, False, state)]
     return _bounded(out, state), (None if rem is None else ir.Apply((), e.function, (rem,), e.options))

@@ -567,3 +567,20 @@ def test_programs_that_blow_up_when_written_out_are_refused_or_degrade_quickly()
     assert rec.forms == ("recurrent",) and "more than 256 terms" in rec.decomposition.why_not("chunkwise")
     x = rec.random_inputs(1, 3, 1, seed=0)
     assert np.all(np.isfinite(rec.run(x).outputs["o"]))
+
+
+def test_a_sum_of_a_matrix_states_read_is_computed_from_the_read():
+    """`sum(kg·S)` of a matrix state (an output) is computed from the readout kg·S, as before sum was taken as
+    linear: taken as a readout by the vector of ones, its query was no array NumPy's derived forms could contract
+    (an internal error: einsum's subscripts, found by the fuzzer). Every form against the recurrent one."""
+    rec = linrec.compile("recurrence t(dk = 3, dv = 1)\ninput q[dk], k[dk], v[dv], dt in (-1, 0)\n"
+                         "kg = k*sigmoid(q)\nkn = k/norm(k)\nstate S[dk, dv]\n"
+                         "S = S − dt·kn⊗(kn·S) + sigmoid(q)⊗v\noutput o = sum(kg·S)\nS = S·diag(sigmoid(v))\n"
+                         "output p = tanh(dk^(−1/2)·k·S)\n", FILE)
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    x = rec.random_inputs(batch=1, tokens=9, heads=2, seed=1)
+    want = rec.run(x)
+    for form in ("parallel", "chunkwise"):
+        got = rec.run(x, form=form, chunk_size=4)
+        for name in ("o", "p"):
+            assert np.abs(got.outputs[name] - want.outputs[name]).max() <= 1e-9 * np.abs(want.outputs[name]).max()

@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..compiler import ir
 from ..compiler.analysis import variance
+from ..compiler.linearity import neg
 
 # Builtins that map to a NumPy expression; the others call linrec.numpy.runtime helpers.
 _NUMPY_FUNCS = {"exp": "np.exp", "log": "np.log", "tanh": "np.tanh", "sqrt": "np.sqrt", "abs": "np.abs"}
@@ -26,7 +27,6 @@ def _float(v: float) -> str:
     return repr(float(v)) if math.isfinite(v) else f"float('{float(v)!r}')"
 
 
-
 def _negated_scalar_factor(e: ir.Expr) -> ir.Expr | None:
     """−(s·x), s a scalar factor and x an array, as (−s)·x: the negation then costs a pass over the scalar
     ([B, T, H]) and none over the product ([B, T, H, d]; the delta rule's correction −(e^g·β)·kn); the same
@@ -35,16 +35,11 @@ def _negated_scalar_factor(e: ir.Expr) -> ir.Expr | None:
                            or (isinstance(e, ir.Dot) and not (e.left.shape and e.right.shape))):
         return None
     if not e.left.shape:
-        return ir.Arith(e.shape, "mul", _negative(e.left), e.right)
+        return ir.Arith(e.shape, "mul", neg(e.left), e.right)
     if not e.right.shape:
-        return ir.Arith(e.shape, "mul", e.left, _negative(e.right))
+        return ir.Arith(e.shape, "mul", e.left, neg(e.right))
     return None
 
-
-def _negative(s: ir.Expr) -> ir.Expr:
-    if isinstance(s, ir.Const):
-        return ir.Const(s.shape, -s.value)
-    return s.operand if isinstance(s, ir.Neg) else ir.Neg(s.shape, s)
 
 class NumpyPrinter:
     """`ref(node)` gives the code for a leaf (InputRef, ParamRef, StateRef, LetRef, ReadoutRef, DimSize)."""
