@@ -29,6 +29,7 @@ from ..dsl.errors import Span
 from . import Compiled, ir
 from .analysis import children, inline_lets, product_factors, rebuild, states_in, to_text, walk
 from .builtins import SEQUENCE
+from .linearity import split_scalar
 from .sequence import SequencePlan
 
 _LETTERS = "ijklmnpqrs"
@@ -249,17 +250,6 @@ def _product(factors: list[ir.Expr], shape: ir.Shape) -> ir.Expr:
     return out if out.shape == shape else ir.Arith(shape, "mul", out, ir.Const((), 1.0))
 
 
-def _signed_factors(e: ir.Expr) -> tuple[int, list[ir.Expr]]:
-    """e as ±(a product): its sign and its factors, through unary minus, `*` and a scalar's `s·x`."""
-    if isinstance(e, ir.Neg):
-        sign, factors = _signed_factors(e.operand)
-        return -sign, factors
-    if (isinstance(e, ir.Arith) and e.op == "mul") or (isinstance(e, ir.Dot) and not (e.left.shape and e.right.shape)):
-        (left_sign, left), (right_sign, right) = _signed_factors(e.left), _signed_factors(e.right)
-        return left_sign * right_sign, left + right
-    return 1, [e]
-
-
 def _summands(e: ir.Expr) -> list[ir.Expr]:
     """e as a sum: its terms through + and − (a subtracted term negated)."""
     if isinstance(e, ir.Arith) and e.op in ("add", "sub"):
@@ -345,37 +335,23 @@ class _Sweep:
             raise TypeError(f"internal error: no derivative rule for {type(e).__name__}")
 
     def scaled_array(self, e: ir.Expr, g: ir.Expr) -> bool:
-        """The gradient of ±s_1·…·s_m·v — one array v of e's shape times scalars, m ≥ 2 or negated (−e^g·β·kn,
-        a delta rule's correction) — carried to its leaves, or False where e is no such product. The binary rule
-        would walk the products' tree, multiplying g by a scalar at each level and contracting it with v once per
-        level: over [B, T, H, d] arrays, a pass each. Here each scalar's gradient is one contraction t = Σ g⊙v,
-        shared, times the other scalars (per token: no array), and v's is g times their product: two passes
-        whatever m."""
+        """The gradient of c·v — one array v of e's shape scaled by a scalar c that is itself a product, a
+        quotient or negated (−e^g·β·kn, a delta rule's correction: c = −(e^g·β); linearity.split_scalar) —
+        carried to its leaves, or False where e is no such product. The binary rule would walk the products'
+        tree, multiplying g by a scalar at each level and contracting it with v once per level: over [B, T, H, d]
+        arrays, a pass each. Here c's gradient is one contraction Σ g⊙v, whose chain rule through c's own tree
+        runs per token (no array), and v's is g·c: two passes whatever c."""
         if not e.shape:
             return False
-        sign, factors = _signed_factors(e)
-        arrays = [f for f in factors if f.shape]
-        scalars = [f for f in factors if not f.shape]
-        if len(arrays) != 1 or arrays[0].shape != e.shape or len(scalars) + (sign < 0) < 2:
-            return False
-        (v,) = arrays
-        live = [i for i, s in enumerate(scalars) if self.live(s)]
-        if live and self.live(v):
+        c, v = split_scalar(e)
+        if v.shape != e.shape or not isinstance(c, (ir.Neg, ir.Arith)):
+            return False  # (no scalar, or a single one: the binary rule is these two passes already)
+        if self.live(c) and self.live(v):
             g = self.shared(g)
-
-        def scaled(x: ir.Expr, others: list[ir.Expr]) -> ir.Expr:  # ±x·(the product of the scalars `others`)
-            scale = _product(others, ()) if others else None
-            if scale is not None and sign < 0:
-                scale = _neg(scale)
-            out = x if scale is None else _arith("mul", x, scale)
-            return _neg(out) if scale is None and sign < 0 else out
-        if live:
+        if self.live(c):
             letters = _LETTERS[:len(e.shape)]
-            total = Einsum((), "einsum", (g, v), spec=f"{letters},{letters}->")
-            total = self.shared(total) if len(live) > 1 else total
-            for i in live:
-                self.grad(scalars[i], scaled(total, scalars[:i] + scalars[i + 1:]))
-        self.grad(v, scaled(g, scalars))
+            self.grad(c, Einsum((), "einsum", (g, v), spec=f"{letters},{letters}->"))
+        self.grad(v, _arith("mul", g, c))
         return True
 
     def pair(self, e: ir.Expr, g: ir.Expr) -> ir.Expr:

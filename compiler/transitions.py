@@ -382,7 +382,8 @@ def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
     (its values must then be positive), or nothing. A param without a default may be any real; one with a
     default is taken at its default (a caller who passes values that make the decay non-positive is refused
     when the form runs, as for an input outside its declared range)."""
-    bounds = Bounds(program).of(decay)
+    known = Bounds(program)
+    bounds = known.of(decay)
     if bounds.positive:
         return []
     hints = []
@@ -390,7 +391,7 @@ def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
         # (of a product, the factors without a symbolic logarithm that can be non-positive: exp(g)·gamma's gamma,
         # not g, which no range fixes)
         factors = [f for f in product_factors(decay, divisions=True)
-                   if not log_of(f, Bounds(program))[1] and not Bounds(program).of(f).positive] or [decay]
+                   if not log_of(f, known)[1] and not known.of(f).positive] or [decay]
         inputs = list(dict.fromkeys(name for f in factors for name in refs(f, ir.InputRef)))
         free = list(dict.fromkeys(name for f in factors for name in undefaulted_params(f, program)))
         hints += [f"declare ranges of {', '.join(inputs)} that keep it positive"] if inputs else []
