@@ -6,11 +6,12 @@
   number of registers, against the float64 NumPy forms (1e-9). A sanitizer's report, or any difference,
   fails the test. UndefinedBehaviorSanitizer stops at its first report (-fno-sanitize-recover).
 * Warnings: the kernels' own source (without cffi's wrapper) compiles with `-Wall -Wextra -Werror` at the
-  flags linrec builds with, optimized at -O1 (see the test): the recurrent kernels, the scans of every state and the attention kernels, in
-  both dtypes.
+  flags linrec builds with, optimized at -O1 (see the test): the recurrent kernels, the scans of every state, the
+  recurrent and chunkwise backward kernels of each causal state's scan and the attention kernels, in both dtypes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,6 +27,8 @@ from linrec.c import attention as c_attention
 from linrec.c import backend as c_backend
 from linrec.c import build as c_build
 from linrec.c import elementwise as c_elementwise
+from linrec.c import grad_chunk_kernels as c_grad_chunk_kernels
+from linrec.c import grad_kernels as c_grad_kernels
 from linrec.c import scan as c_scan
 from linrec.c import values as c_values
 from linrec.numpy import sequence as numpy_sequence
@@ -129,12 +132,24 @@ def _kernel_sources() -> list[tuple[str, str]]:
                     render = c_values.render if isinstance(s, c_values.Structure) else \
                         c_elementwise.render if isinstance(s, c_elementwise.Structure) else c_scan.render
                     out.append((f"{stem} scan of {state} {dtype.__name__}", render(s)))
+                    out += _backward_sources(f"{stem} {state} {dtype.__name__}", s)
     return out
 
 
+def _backward_sources(label: str, s) -> list[tuple[str, str]]:
+    """The recurrent and the chunkwise backward kernels of a causal state's scan structure (the same decay,
+    corrections, writes, readouts and sizes, as the C backward builds them for it)."""
+    if not isinstance(s, c_scan.Structure) or not s.causal:
+        return []
+    fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(c_grad_kernels.Structure)
+              if f.name != "read_scales"}
+    return [(f"{label} recurrent backward", c_grad_kernels.render(c_grad_kernels.Structure(**fields))),
+            (f"{label} chunkwise backward", c_grad_chunk_kernels.render(c_grad_chunk_kernels.Structure(**fields)))]
+
+
 def test_the_kernels_compile_without_warnings(tmp_path):
-    sources = _kernel_sources()
-    assert len(sources) > 30
+    sources = list({source: (label, source) for label, source in _kernel_sources()}.values())  # (each text once)
+    assert len(sources) > 60
 
     def compile_one(item):
         label, source = item
