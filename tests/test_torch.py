@@ -226,6 +226,20 @@ def test_decode_step_equals_the_full_forward(name, dims, backend):
     assert sorted(state) == sorted(end) and all((state[k] - end[k]).abs().max() <= EXACT for k in end)
 
 
+def test_apply_refuses_an_initial_state_for_a_program_that_reads_the_sequence():
+    """Softmax attention's state is its KV cache, the inputs so far: its final state from apply is {}, which
+    handed back as initial_state restarted attention from no context, silently (a probe's finding). It is
+    refused; the decode step over the inputs so far is the continuation."""
+    rec = rec_of("softmax")
+    x = tensors(rec.random_inputs(1, 12, 2, seed=0))
+    full, final = lt.apply(rec, x, output_final_state=True)
+    assert final == {}
+    with pytest.raises(linrec.LinrecError, match=r"KV cache.*initial_state cannot carry.*linrec\.torch\.Layer"):
+        lt.apply(rec, {k: v[:, 7:] for k, v in x.items()}, initial_state=final)
+    last, _ = lt.apply(rec, {k: v[:, :8] for k, v in x.items()}, form="step")
+    assert (last - full[:, 7:8]).abs().max() <= EXACT
+
+
 def test_torch_compile_fullgraph():
     """A model around the op compiles whole (fullgraph=True fails on any graph break) and computes what the
     eager model computes."""

@@ -14,6 +14,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 
 from .. import serving
 from ..api import Recurrence
+from ..decode import reads_the_sequence
 from ..arrays import check_chunk_size, checked_sizes, keyword_options, refuse_given_twice, unknown_form
 from ..compiler import FORMS
 from ..dsl.errors import LinrecError, RuntimeInputError
@@ -36,7 +37,10 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     Returns (o, final_state), flash-linear-attention's pair: `o` is the output tensor [B, T, H, *] when the
     program has one output, else a dict of them by name; `final_state` is None unless output_final_state,
     then a dict of the final states [B, H, *] by name (what `initial_state` takes back). form="step" is the
-    decode step: one token (T = 1) from `initial_state`. `cu_seqlens` (an integer tensor [N + 1]): packed
+    decode step: one token (T = 1) from `initial_state`; for a program that reads the sequence (softmax
+    attention), whose state is its KV cache, the inputs so far and the new token as one sequence, its last
+    position's outputs returned; such a program takes no initial_state (linrec.torch.Layer keeps the cache).
+    `cu_seqlens` (an integer tensor [N + 1]): packed
     variable-length sequences, flash-linear-attention's convention — the inputs one row [1, T_total, H, *],
     the initial and final states one per sequence [N, H, *] — with gradients (linrec.packed_vjp).
     `recompute=True`: the backward runs the forward again instead of keeping its states until then (less
@@ -48,6 +52,13 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
     known_backend(backend)  # (before the op's schema meets a value that is no backend's name)
     check_chunk_size(chunk_size)
     offsets = _offsets(cu_seqlens, form)
+    if initial_state is not None and reads_the_sequence(rec):
+        # (what output_final_state gives such a program, its recurrent states alone — {} for softmax attention —
+        # handed back here would restart attention from no context, silently)
+        raise RuntimeInputError(f"'{rec.name}' reads the sequence (as softmax attention does): its state is its KV "
+                                f"cache, the inputs so far, which initial_state cannot carry; to continue a sequence "
+                                f"pass the inputs so far and the new tokens together (form='step' for one new token: "
+                                f"its outputs alone), or use linrec.torch.Layer, which keeps the cache")
     given = _by_name(inputs, "inputs", program.inputs)
     refuse_given_twice(given, named_inputs)
     given |= named_inputs
