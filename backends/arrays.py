@@ -690,7 +690,19 @@ def to_bfloat16(x) -> np.ndarray:
     its top mantissa bit set), ±inf stays ±inf, and float32 subnormals (|x| < 2⁻¹²⁶) become ±0 — what AVX-512
     BF16's vcvtneps2bf16 does, so that the C kernels (with or without it) and this give the same bits.
     float64 values are rounded to float32 first."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    if isinstance(x, Mapping):  # (what prefill and step return: states by name)
+        raise RuntimeInputError("linrec.to_bfloat16 converts one array, got a dict; convert each state: "
+                                "{name: linrec.to_bfloat16(a) for name, a in states.items()}")
+    try:
+        arr = np.asarray(x)
+    except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
+        raise RuntimeInputError(f"linrec.to_bfloat16 converts an array of real numbers, got a {type(x).__name__}") \
+            from None
+    if arr.dtype.kind not in "fiu":  # (None, strings and objects would become NaN or fail in NumPy; complex
+        # values would lose their imaginary part)
+        raise RuntimeInputError(f"linrec.to_bfloat16 converts an array of real numbers (float32, float64 or "
+                                f"integers), got dtype {arr.dtype}")
+    u = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32).astype(np.uint64)
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     subnormal = (u & 0x7F800000) == 0

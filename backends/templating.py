@@ -46,10 +46,12 @@ def python_comment_text(text: str) -> str:
 
 def c_comment_text(text: str) -> str:
     """`text` as it may stand inside a C block comment: python_comment_text's, with the comment's delimiters
-    broken apart (`*/` → `* /`, and `/*`, which gcc warns about inside a comment, → `/ *`)."""
+    broken apart (`*/` → `* /`, and `/*`, which gcc warns about inside a comment, → `/ *`), and question marks
+    in pairs too (`??` → `? ?`): `??/` and the other trigraphs draw gcc's -Wtrigraphs in every mode, comments
+    included, so an engine built with -Werror would fail on a program's comment."""
     text = python_comment_text(text)
-    while "*/" in text or "/*" in text:
-        text = text.replace("*/", "* /").replace("/*", "/ *")
+    while "*/" in text or "/*" in text or "??" in text:
+        text = text.replace("*/", "* /").replace("/*", "/ *").replace("??", "? ?")
     return text
 
 

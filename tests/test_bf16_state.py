@@ -61,6 +61,21 @@ def test_rounding_is_to_nearest_even_and_keeps_nan_inf_and_flushes_subnormals():
     assert np.isnan(from_bits(got[8:11])).all()
 
 
+@pytest.mark.parametrize("value, message", [
+    ({"S": np.ones((1, 2, 4, 4), np.float32)}, r"got a dict; convert each state: \{name: linrec\.to_bfloat16"),
+    (None, "real numbers .*got dtype object"),
+    ("1.5", "real numbers .*got dtype <U3"),
+    (np.array([1 + 2j], np.complex64), "real numbers .*got dtype complex64"),
+])
+def test_to_bfloat16_refuses_what_is_not_an_array_of_real_numbers(value, message):
+    """A dict of states (what prefill returns), None, text or complex values: a clear error, where NumPy's own
+    raised from inside linrec, None became a NaN and complex values lost their imaginary part (a probe's
+    finding)."""
+    with pytest.raises(linrec.LinrecError, match=message):
+        linrec.to_bfloat16(value)
+    assert arrays.from_bfloat16(linrec.to_bfloat16(np.arange(3, dtype=np.int64))).tolist() == [0.0, 1.0, 2.0]
+
+
 def test_every_bfloat16_round_trips_except_subnormals_and_signalling_nans():
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     back = to_bits(from_bits(bits))

@@ -425,6 +425,11 @@ WARNING_FREE = {
     "three_stages": "recurrence three_stages(dk = 6, dv = 6)\ninput q[dk], k[dk], v[dv], g <= 0\n"
                     "state z[dk], S1[dk, dv], S2[dv, dv]\nz = exp(g)*z + relu(k)\nS1 = exp(g)·S1 + (k/(1 + z))⊗v\n"
                     "u = l2norm(k·S1)\nS2 = S2 + u⊗v\noutput o = l2norm(v)·S2\n",
+    # a program's comments are copied into the files' opening comments: C's comment marks and trigraphs (??/ …,
+    # which gcc warns of in every mode, comments included) in them are broken apart
+    "comment_marks": "# or not?? */ /* ??= ???( \\\n# does it saturate??/\nrecurrence comment_marks(dk = 4, dv = 4)\n"
+                     "input q[dk], k[dk], v[dv], g <= 0\nstate S[dk, dv]\nS = exp(g)·S + k⊗v  # ??' ??-\n"
+                     "output o = q·S\n",
 }
 
 
