@@ -183,7 +183,11 @@ def _power(a: Interval, b: Interval) -> Interval:
         if c == 0:
             return point(1.0)
         if a.positive or (a.lo >= 0 and c > 0):
-            r = _monotone(lambda x: math.pow(x, c) if x != INF else (INF if c > 0 else 0.0), a, increasing=c > 0)
+            def at(x: float) -> float:  # (x^c at a bound: 0^−3 is +∞, where math.pow raises a domain error)
+                if x == INF:
+                    return INF if c > 0 else 0.0
+                return INF if x == 0 and c < 0 else math.pow(x, c)
+            r = _monotone(at, a, increasing=c > 0)
             return r if not a.positive else Interval(r.lo, r.hi, True if r.lo == 0 else r.lo_open, r.hi_open)
         if c == int(c):
             odd = _monotone(lambda x: math.pow(x, c) if not math.isinf(x) else math.copysign(INF, x), a) \

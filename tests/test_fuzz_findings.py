@@ -300,6 +300,27 @@ def test_a_decay_the_ranges_keep_positive_keeps_its_forms(decay):
         np.testing.assert_allclose(result.outputs["o"], reference.outputs["o"], rtol=1e-11, atol=1e-13)
 
 
+def test_a_negative_power_of_a_positive_input_as_a_decay():
+    """a^(−3) with a > 0: the bounds of a power at the open end 0 are +∞ (math.pow raised a domain error there,
+    and check stopped with an internal error — a probe's finding). With a ≥ 1 the decay lies in (0, 1]: every
+    form on every backend, and the gradient forms against the recurrent one."""
+    rec = linrec.compile("recurrence negpow(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv], a > 0\n"
+                         "state S[dk, dv]\nS = a^(−3)·S + k⊗v\noutput o = q·S\n", FILE)
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    x = rec.random_inputs(2, 9, 2, seed=4)
+    x["a"] = 1 + np.random.default_rng(4).random(x["a"].shape)
+    reference = rec.run(x, form="recurrent")
+    for result in every_form(rec, x).values():
+        np.testing.assert_allclose(result.outputs["o"], reference.outputs["o"], rtol=1e-11, atol=1e-13)
+    up = {"o": np.random.default_rng(5).standard_normal(reference.outputs["o"].shape)}
+    want = rec.vjp(x, up)
+    for form in rec.forms:
+        for backend in ("numpy", "c"):
+            got = rec.vjp(x, up, form=form, backend=backend)
+            for name, g in want.grads.items():
+                np.testing.assert_allclose(got.grads[name], g, rtol=1e-9, atol=1e-11, err_msg=f"{form} {backend} {name}")
+
+
 # ---- programs that read the sequence -----------------------------------------------------------------
 def test_errors_of_programs_that_read_the_sequence_say_where():
     """Three refusals of programs that read the sequence had no place in the program (`fuzz.lin: error: …`):
