@@ -205,7 +205,12 @@ def beyond_range(reference, dtype: str) -> str | None:
     """Why a row of `dtype` cannot be compared with this float64 reference, or None: the reference itself
     overflows (an infinity — a growth the random inputs compound past float64), or its values reach past the
     largest finite value of `dtype` (a float32 run must overflow there: no tolerance means anything)."""
-    values = [np.asarray(v) for group in ("outputs", "final_state") for v in getattr(reference, group).values()]
+    return _beyond(dtype, [v for group in ("outputs", "final_state") for v in getattr(reference, group).values()])
+
+
+def _beyond(dtype: str, reference_arrays) -> str | None:
+    """beyond_range's reason for these float64 reference arrays."""
+    values = [np.asarray(v) for v in reference_arrays]
     if any(np.isinf(v).any() for v in values):
         return "the float64 reference itself overflows (an infinity) on these random inputs"
     largest = max((float(np.max(np.abs(v[np.isfinite(v)]), initial=0.0)) for v in values), default=0.0)
@@ -298,6 +303,9 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
             on_row(row)
     for row in serving_rows(rec, backends, forms, dtypes, seed, on_progress):
         rows.append(row)
+        if row.skipped and notes is not None and \
+                (note := f"case '{row.case}', {row.dtype}: {row.note}; its rows are not compared (skip)") not in notes:
+            notes.append(note)
         if on_row:
             on_row(row)
     return rows
@@ -412,6 +420,10 @@ def _state_pairs(taken: dict, references: list[dict]) -> list[tuple]:
 
 
 def _serving_row(form, backend, dtype, case, chunk, pairs, note="") -> Row:
+    beyond = _beyond(dtype, [ref for _, ref in pairs])
+    if beyond:  # (as the battery's rows: a float32 run must overflow where its reference passes float32's range)
+        return Row(form, backend, dtype, case, chunk, float("nan"), float("nan"), TOLERANCE[dtype], True,
+                   note=beyond, skipped=True)
     worst_abs, worst_rel = 0.0, 0.0
     for got, ref in pairs:
         err, rel = difference(got, ref)

@@ -210,6 +210,25 @@ def test_verify_notes_why_the_c_backend_skips_a_form(tmp_path, capsys):
     assert "internal error" not in err
 
 
+def test_verify_skips_the_serving_rows_a_dtype_cannot_hold(tmp_path, capsys):
+    """The serving rows (checkpoints, last K) skip a dtype the float64 reference outgrows, as the battery's rows
+    do: with a^(−3) for a > 0 (a growth factor where a < 1) verify failed them with an error of inf in float32
+    (a probe's finding), and passes now, saying why in a note."""
+    path = tmp_path / "negpow.lin"
+    path.write_text("recurrence negpow(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv], a > 0\nstate S[dk, dv]\n"
+                    "S = a^(−3)·S + k⊗v\noutput o = q·S\n")
+    assert main(["verify", str(path), "--quick", "--json", "--backend", "numpy", "--form", "recurrent"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    serving = [r for r in report["rows"] if r["case"] in ("checkpoints", "last K")]
+    assert report["passed"] and {r["dtype"] for r in serving} == {"float32", "float64"}
+    for r in serving:
+        if r["dtype"] == "float32":
+            assert r["skipped"] and r["max_rel"] is None and "beyond float32's largest value" in r["note"]
+        else:
+            assert not r["skipped"] and r["passed"] and r["max_rel"] <= r["tolerance"]
+    assert any(n.startswith("case 'checkpoints', float32: the float64 reference reaches") for n in report["notes"])
+
+
 def test_verify_skips_the_rows_a_dtype_cannot_hold(tmp_path, capsys):
     """A growth factor (`input a > 1`): the battery's "strong decay" case scales it ×40, and over 100 tokens the
     float64 reference reaches 1e111. A float32 run must overflow there, so its rows are not compared: `skip`,
