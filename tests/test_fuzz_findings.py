@@ -321,6 +321,27 @@ def test_a_negative_power_of_a_positive_input_as_a_decay():
                 np.testing.assert_allclose(got.grads[name], g, rtol=1e-9, atol=1e-11, err_msg=f"{form} {backend} {name}")
 
 
+def test_a_state_carried_only_by_a_rank_one_correction_is_told_how_to_get_its_forms():
+    """S = k⊗(p·S) + k⊗v: no term of S itself (a decay of 0), S carried over by the correction alone. The
+    parallel and chunkwise forms were refused as "'S' does not carry over from one token to the next", which it
+    does (a probe's finding). The reason now names the correction and the rewrite that gets every form — a
+    decay input of −∞ — and that rewrite gives the recurrent form's outputs on every form and backend."""
+    rec = linrec.compile(HEAD + "input p[dk]\nstate S[dk, dv]\nS = k⊗(p·S) + k⊗v\noutput o = q·S\n", FILE)
+    assert rec.forms == ("recurrent",)
+    with pytest.raises(LinrecError) as info:
+        rec.run(rec.random_inputs(1, 4, 1), form="chunkwise")
+    message = str(info.value)
+    assert "carries over only through its rank-one correction (`(k⊗p)·S`)" in message
+    assert "does not carry over" not in message and "pass g = −∞" in message
+    x = rec.random_inputs(2, 11, 2, seed=2)
+    reference = rec.run(x).outputs["o"]
+    rewritten = linrec.compile(HEAD + "input p[dk], g <= 0\nstate S[dk, dv]\nS = exp(g)·S + k⊗(p·S) + k⊗v\n"
+                               "output o = q·S\n", FILE)
+    x["g"] = np.full(x["k"].shape[:3], -np.inf)
+    for result in every_form(rewritten, x).values():
+        np.testing.assert_allclose(result.outputs["o"], reference, rtol=1e-10, atol=1e-12)
+
+
 # ---- programs that read the sequence -----------------------------------------------------------------
 def test_errors_of_programs_that_read_the_sequence_say_where():
     """Three refusals of programs that read the sequence had no place in the program (`fuzz.lin: error: …`):
