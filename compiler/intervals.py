@@ -177,6 +177,14 @@ def _apply(name: str, a: Interval) -> Interval:
     return ANY  # groupnorm, and the sequence builtins
 
 
+def _pow_or_inf(x: float, c: float) -> float:
+    """x^c for x ≥ 0 and c > 0, +∞ past the largest float (math.pow raises there)."""
+    try:
+        return math.pow(x, c)
+    except OverflowError:
+        return INF
+
+
 def _power(a: Interval, b: Interval) -> Interval:
     if b.lo == b.hi and not math.isinf(b.lo):  # a constant exponent c
         c = b.lo
@@ -194,10 +202,12 @@ def _power(a: Interval, b: Interval) -> Interval:
                 if c > 0 else ANY
             if int(c) % 2:
                 return odd
-            if c > 0:  # an even power: ≥ 0
+            if c > 0:  # an even power: ≥ 0, and > 0 off zero
                 top = max(abs(a.lo), abs(a.hi))
                 top_open = all(o for x, o in ((a.lo, a.lo_open), (a.hi, a.hi_open)) if abs(x) == top)
-                return _make(0.0, math.pow(top, c) if top < INF else INF, False, top_open)
+                # (a negative interval: |x| from |hi| up, where (exp(g) − 2)^2 for g <= 0 lies in [1, 4), not [0, 4))
+                bottom, bottom_open = (abs(a.hi), a.hi_open) if a.hi <= 0 else (0.0, False)
+                return _make(_pow_or_inf(bottom, c), _pow_or_inf(top, c), bottom_open, top_open)
         return ANY
     if a.lo == a.hi and a.lo > 0:  # a positive constant base: exp(b·log a)
         base = a.lo

@@ -288,9 +288,11 @@ def test_a_decay_that_can_be_zero_or_negative_has_no_log_space_forms(decay, sign
     assert np.all(np.isfinite(reference.outputs["o"]))
 
 
-@pytest.mark.parametrize("decay", ["(1 + a)/2", "1 − sigmoid(dt)", "sigmoid(dt) + 0.1", "g", "2^(−a)·a"])
+@pytest.mark.parametrize("decay", ["(1 + a)/2", "1 − sigmoid(dt)", "sigmoid(dt) + 0.1", "g", "2^(−a)·a",
+                                   "(a − 2)^2/4"])
 def test_a_decay_the_ranges_keep_positive_keeps_its_forms(decay):
-    """…and a decay whose ranges keep it positive keeps them (g: a per-head param 1 − 2^(−5 − h), RetNet's)."""
+    """…and a decay whose ranges keep it positive keeps them (g: a per-head param 1 − 2^(−5 − h), RetNet's; an
+    even power of a negative range, (a − 2)^2 in (1, 4), was taken to reach 0 — a probe's finding)."""
     rec = linrec.compile(SIGNED + "param g per head = 1 − 2^(−5 − h)\n"
                          f"state S[dk, dv]\nS = ({decay})·S + k⊗v\noutput o = q·S\n", FILE)
     assert rec.forms == ("recurrent", "parallel", "chunkwise")
