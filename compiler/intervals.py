@@ -197,6 +197,9 @@ def _power(a: Interval, b: Interval) -> Interval:
                 return INF if x == 0 and c < 0 else math.pow(x, c)
             r = _monotone(at, a, increasing=c > 0)
             return r if not a.positive else Interval(r.lo, r.hi, True if r.lo == 0 else r.lo_open, r.hi_open)
+        if c == int(c) and (a.hi < 0 or (a.hi == 0 and a.hi_open)):  # a negative base: (−1)^c·(−x)^c
+            r = _power(_neg(a), b)
+            return _neg(r) if int(c) % 2 else r
         if c == int(c):
             odd = _monotone(lambda x: math.pow(x, c) if not math.isinf(x) else math.copysign(INF, x), a) \
                 if c > 0 else ANY

@@ -289,10 +289,11 @@ def test_a_decay_that_can_be_zero_or_negative_has_no_log_space_forms(decay, sign
 
 
 @pytest.mark.parametrize("decay", ["(1 + a)/2", "1 − sigmoid(dt)", "sigmoid(dt) + 0.1", "g", "2^(−a)·a",
-                                   "(a − 2)^2/4"])
+                                   "(a − 2)^2/4", "(−1 − a)^(−1)·(−1)", "(−a)^4"])
 def test_a_decay_the_ranges_keep_positive_keeps_its_forms(decay):
-    """…and a decay whose ranges keep it positive keeps them (g: a per-head param 1 − 2^(−5 − h), RetNet's; an
-    even power of a negative range, (a − 2)^2 in (1, 4), was taken to reach 0 — a probe's finding)."""
+    """…and a decay whose ranges keep it positive keeps them (g: a per-head param 1 − 2^(−5 − h), RetNet's; the
+    whole-number powers of a negative range, (a − 2)^2 in (1, 4) and (−1 − a)^(−1) in (−1, −0.5), were taken to
+    reach 0 or to be anything — a probe's finding)."""
     rec = linrec.compile(SIGNED + "param g per head = 1 − 2^(−5 − h)\n"
                          f"state S[dk, dv]\nS = ({decay})·S + k⊗v\noutput o = q·S\n", FILE)
     assert rec.forms == ("recurrent", "parallel", "chunkwise")
