@@ -197,7 +197,12 @@ class DecomposedEmitter(BackwardEmitter):
         else:
             # (an elementwise decay: one log-decay per element, [B, T, H, rows, cols])
             width = f"{rows}, {cols}" if t.elementwise else rows if t.log_decay.shape else "1"
-            lines.append(f"{decay} = {per_token(prelude(em.refold(t.log_decay)), width, not t.log_decay.shape)}")
+            log = prelude(em.refold(t.log_decay))
+            if not t.log_is_exact:  # log of the values: the runtime's log_decay, which refuses a negative decay by
+                # name, as the forward's module does (np.log gave NaN, and the call a false 'NaN for these arguments')
+                self.helpers.add("log_decay")
+                log = f"log_decay({prelude(em.refold(t.decay))}, \"{st.name}\")"
+            lines.append(f"{decay} = {per_token(log, width, not t.log_decay.shape)}")
         pairs = []
         for key, value in t.writes:
             val = per_token(prelude(em.refold(value)), cols, not value.shape) if value is not None else \

@@ -64,9 +64,9 @@ def log_decay(decay, state: str) -> np.ndarray:
     decay = np.asarray(decay)
     if np.any(decay < 0):
         raise RuntimeInputError(f"the decay of state '{state}' must be positive in the parallel and chunkwise "
-                                f"forms, which work with its logarithm, but it is as low as "
+                                f"forms and in the C backward, which work with its logarithm, but it is as low as "
                                 f"{float(np.nanmin(decay)):g} here; pass params that keep it positive, or use "
-                                f"the recurrent form")
+                                f"the recurrent form (for gradients, NumPy's)")
     with np.errstate(divide="ignore"):  # log(0) = −∞: a reset
         return np.log(decay)
 
