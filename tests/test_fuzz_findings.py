@@ -324,6 +324,18 @@ def test_a_negative_power_of_a_positive_input_as_a_decay():
                 np.testing.assert_allclose(got.grads[name], g, rtol=1e-9, atol=1e-11, err_msg=f"{form} {backend} {name}")
 
 
+@pytest.mark.parametrize("declared, decay", [(" > 0", "a^(−3)"), (" in (0, 1)", "a^(−0.5)"), ("", "softplus(a)^(−1)"),
+                                             (" > 0", "abs(a)^(−1)"), (" > 0", "tanh(a)^(−2)"),
+                                             (" in (−1e300, 0)", "a^2")])
+def test_the_bounds_of_powers_at_zero_and_past_the_largest_float(declared, decay):
+    """Powers whose bounds meet 0^(negative) or pass the largest float stopped check with an internal error
+    (math.pow's domain and overflow errors, a probe's finding): they compile, and a decay positive by its
+    bounds keeps its log-space forms."""
+    rec = linrec.compile(f"recurrence f(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv], a{declared}\nstate S[dk, dv]\n"
+                         f"S = ({decay})·S + k⊗v\noutput o = q·S\n", FILE)
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+
+
 def test_a_state_carried_only_by_a_rank_one_correction_is_told_how_to_get_its_forms():
     """S = k⊗(p·S) + k⊗v: no term of S itself (a decay of 0), S carried over by the correction alone. The
     parallel and chunkwise forms were refused as "'S' does not carry over from one token to the next", which it
