@@ -16,7 +16,7 @@ from . import ir
 from .analysis import children, rebuild, refs, to_text, variance, walk
 from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
 from .constants import check_constants
-from .linearity import check_linear
+from .linearity import NotLinear, check_linear
 from .steps import StepValues
 
 SQUARE = "?"  # placeholder dimension of `I` until its context fixes it
@@ -265,6 +265,42 @@ class _Resolver:
 
         visit(f.body)
 
+    def _at_the_call(self, err: LinrecError, value: ast.Expr, state: str) -> LinrecError:
+        """An error at a place inside a function's definition, moved to the update's call of that function (the
+        definition is right for every other call): `phi(q·S)`, not `elu(x) + 1`, is what is not linear."""
+        def inside(span: Span | None, outer: Span | None) -> bool:
+            return span is not None and outer is not None and \
+                (outer.line, outer.column) <= (span.line, span.column) and \
+                (span.end_line, span.end_column) <= (outer.end_line, outer.end_column)
+        if inside(err.span, value.span):
+            return err
+        calls = []
+
+        def visit(e):
+            if isinstance(e, ast.Call):
+                if e.function in self.functions and inside(err.span, self.functions[e.function].body.span):
+                    calls.append(e)
+                for a in e.args:
+                    visit(a)
+            elif isinstance(e, ast.Unary):
+                visit(e.operand)
+            elif isinstance(e, ast.Binary):
+                visit(e.left)
+                visit(e.right)
+        visit(value)
+        if not calls:
+            return err
+
+        def reads_state(e) -> bool:  # (the call whose arguments read the state: phi(q·S), not phi(k))
+            if isinstance(e, ast.Name):
+                return e.name == state
+            parts = (e.args if isinstance(e, ast.Call) else (e.operand,) if isinstance(e, ast.Unary)
+                     else (e.left, e.right) if isinstance(e, ast.Binary) else ())
+            return any(reads_state(x) for x in parts)
+        call = next((c for c in calls if any(reads_state(a) for a in c.args)), calls[0])
+        f = self.functions[call.function]
+        return type(err)(f"{err.message} (through '{f.name}', defined at line {f.span.line})", call.span)
+
     def _Assignment(self, st: ast.Assignment):
         value = self.expr(st.value)
         if st.target in self.states:
@@ -274,7 +310,10 @@ class _Resolver:
             if value.shape != state.shape:
                 raise LinrecError(f"the update of '{st.target}' has shape {_fmt(value.shape)} but the state is "
                                   f"declared {_fmt(state.shape)}", st.value.span)
-            check_linear(value, st.target, self.lets)
+            try:
+                check_linear(value, st.target, self.lets)
+            except NotLinear as err:
+                raise self._at_the_call(err, st.value, st.target) from None
             self._assign(st.target, value, st.span)
             return
         if st.target in self.inputs or st.target in self.params or st.target in self.dims:

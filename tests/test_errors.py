@@ -740,6 +740,15 @@ def test_update_applies_function_to_state():
           width=6)
 
 
+def test_nonlinearity_inside_a_function_points_at_the_call_that_passes_the_state():
+    """A function applied to the state through a user function: the error is at the call `phi(q·S)` and names
+    the definition — it pointed into the definition, `elu(x) + 1`, which every other call uses rightly (a
+    probe's finding)."""
+    src = HEAD + "phi(x) = elu(x) + 1\nstate S[dk, dv]\nS = 0.9·S + phi(k)⊗v + k⊗phi(q·S)\noutput o = phi(q)·S\n"
+    check(compile_error(src), src, where(src, 5, "phi(q·S)"), "not linear in 'S'", "applies a function to the state",
+          "(through 'phi', defined at line 3)", width=8)
+
+
 def test_nonlinearity_hidden_in_a_value_points_at_the_value():
     src = HEAD + "state S[dk, dv]\nr = exp(S)\nS = r\noutput o = q·S\n"
     check(compile_error(src), src, where(src, 4, "exp(S)"), "not linear in 'S'")
