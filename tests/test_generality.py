@@ -141,6 +141,28 @@ def test_a_read_between_steps_reads_the_intermediate_value():
         assert_close(got, {"mid": mid}, {}, f"{form} on {backend}")
 
 
+def test_a_read_between_steps_of_one_state_before_the_update_of_another():
+    """mid reads S between its two assignments and z before z's update: q·(exp(g)·S_(t−1)) + Σ z_(t−1), on every
+    form and backend (docs/dsl.md said such a read is refused; it is not, and it is right — a probe's finding)."""
+    rec = compiled("read_before_other", "recurrence read_before_other(dk = 5, dv = 4)\n"
+                   "input q[dk], k[dk], v[dv], g <= 0\nstate S[dk, dv], z[dk]\nS = exp(g)·S\nmid = q·S + sum(z)\n"
+                   "z = z + k\nS = S + k⊗v\noutput o = q·S*mid\n")
+    x, s0 = inputs_for(rec, seed=5)
+    o = np.zeros((B, T, H, DIMS["dv"]))
+    for b in range(B):
+        for h in range(H):
+            S, z = s0["S"][b, h].copy(), s0["z"][b, h].copy()
+            for t in range(T):
+                q, k, v, g = (x[n][b, t, h] for n in "qkvg")
+                S = np.exp(g) * S
+                mid = q @ S + z.sum()
+                z = z + k
+                S = S + np.outer(k, v)
+                o[b, t, h] = (q @ S) * mid
+    for form, backend, got in every_run(rec, x, s0):
+        assert_close(got, {"o": o}, {}, f"{form} on {backend}")
+
+
 def test_check_reports_the_composed_update(tmp_path, capsys):
     path = tmp_path / "gdn_in_steps.lin"
     path.write_text(GDN_IN_STEPS, encoding="utf-8")
