@@ -197,20 +197,18 @@ def _power(a: Interval, b: Interval) -> Interval:
                 return INF if x == 0 and c < 0 else math.pow(x, c)
             r = _monotone(at, a, increasing=c > 0)
             return r if not a.positive else Interval(r.lo, r.hi, True if r.lo == 0 else r.lo_open, r.hi_open)
-        if c == int(c) and (a.hi < 0 or (a.hi == 0 and a.hi_open)):  # a negative base: (−1)^c·(−x)^c
-            r = _power(_neg(a), b)
+        if c == int(c) and (a.hi < 0 or (a.hi == 0 and a.hi_open)):  # a negative base: (−1)^c·(−x)^c, where
+            r = _power(_neg(a), b)  # (exp(g) − 2)^2 for g <= 0 lies in [1, 4), not [0, 4)
             return _neg(r) if int(c) % 2 else r
         if c == int(c):
-            odd = _monotone(lambda x: math.pow(x, c) if not math.isinf(x) else math.copysign(INF, x), a) \
-                if c > 0 else ANY
+            # (with x's sign: past the largest float −x^3 is −∞, where _monotone takes an overflow for +∞)
+            odd = _monotone(lambda x: math.copysign(_pow_or_inf(abs(x), c), x), a) if c > 0 else ANY
             if int(c) % 2:
                 return odd
-            if c > 0:  # an even power: ≥ 0, and > 0 off zero
+            if c > 0:  # an even power of a range with 0 in it (a negative one is above): ≥ 0
                 top = max(abs(a.lo), abs(a.hi))
                 top_open = all(o for x, o in ((a.lo, a.lo_open), (a.hi, a.hi_open)) if abs(x) == top)
-                # (a negative interval: |x| from |hi| up, where (exp(g) − 2)^2 for g <= 0 lies in [1, 4), not [0, 4))
-                bottom, bottom_open = (abs(a.hi), a.hi_open) if a.hi <= 0 else (0.0, False)
-                return _make(_pow_or_inf(bottom, c), _pow_or_inf(top, c), bottom_open, top_open)
+                return _make(0.0, _pow_or_inf(top, c), False, top_open)
         return ANY
     if a.lo == a.hi and a.lo > 0:  # a positive constant base: exp(b·log a)
         base = a.lo

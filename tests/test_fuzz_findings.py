@@ -336,6 +336,15 @@ def test_the_bounds_of_powers_at_zero_and_past_the_largest_float(declared, decay
     assert rec.forms == ("recurrent", "parallel", "chunkwise")
 
 
+def test_an_odd_power_past_the_largest_float_keeps_its_sign():
+    """a^3 for a in (−1e300, 1e300): (−1e300)^3 overflows, and the bound took the overflow for +∞ — a decay in
+    [∞, ∞), 'positive', listed with the log-space forms it cannot have. It can be negative."""
+    rec = linrec.compile("recurrence f(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv], a in (−1e300, 1e300)\n"
+                         "state S[dk, dv]\nS = (a^3)·S + k⊗v\noutput o = q·S\n", FILE)
+    assert rec.forms == ("recurrent",)
+    assert "can be zero or negative" in rec.decomposition.why_not("parallel")
+
+
 def test_a_state_carried_only_by_a_rank_one_correction_is_told_how_to_get_its_forms():
     """S = k⊗(p·S) + k⊗v: no term of S itself (a decay of 0), S carried over by the correction alone. The
     parallel and chunkwise forms were refused as "'S' does not carry over from one token to the next", which it

@@ -14,9 +14,9 @@ from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 
 from .. import serving
 from ..api import Recurrence
-from ..decode import reads_the_sequence
 from ..arrays import check_chunk_size, checked_sizes, keyword_options, refuse_given_twice, unknown_form
 from ..compiler import FORMS
+from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError, RuntimeInputError
 from ..registry import backend as known_backend
 from .backward import gradient_plan
