@@ -208,6 +208,12 @@ def beyond_range(reference, dtype: str) -> str | None:
     return _beyond(dtype, [v for group in ("outputs", "final_state") for v in getattr(reference, group).values()])
 
 
+def _note_skip(notes: list | None, where: str, why: str) -> None:
+    """The report's note, once, for rows not compared: where, and why."""
+    if notes is not None and (note := f"{where}: {why}; its rows are not compared (skip)") not in notes:
+        notes.append(note)
+
+
 def _beyond(dtype: str, reference_arrays) -> str | None:
     """beyond_range's reason for these float64 reference arrays."""
     values = [np.asarray(v) for v in reference_arrays]
@@ -276,9 +282,7 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
             rows.append(Row(form, backend, dtype, case.name, chunk, float("nan"), float("nan"), tol, True,
                             note=beyond, skipped=True))
             every_dtype = beyond_range(reference, "float64")  # (an overflowing reference: no dtype compares)
-            where = f"case '{case.name}'" + ("" if every_dtype else f", {dtype_run}")
-            if notes is not None and (note := f"{where}: {beyond}; its rows are not compared (skip)") not in notes:
-                notes.append(note)
+            _note_skip(notes, f"case '{case.name}'" + ("" if every_dtype else f", {dtype_run}"), beyond)
             if on_row:
                 on_row(rows[-1])
             continue
@@ -303,9 +307,8 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
             on_row(row)
     for row in serving_rows(rec, backends, forms, dtypes, seed, on_progress):
         rows.append(row)
-        if row.skipped and notes is not None and \
-                (note := f"case '{row.case}', {row.dtype}: {row.note}; its rows are not compared (skip)") not in notes:
-            notes.append(note)
+        if row.skipped:
+            _note_skip(notes, f"case '{row.case}', {row.dtype}", row.note)
         if on_row:
             on_row(row)
     return rows

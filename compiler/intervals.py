@@ -178,7 +178,9 @@ def _apply(name: str, a: Interval) -> Interval:
 
 
 def _pow_or_inf(x: float, c: float) -> float:
-    """x^c for x ≥ 0 and c > 0, +∞ past the largest float (math.pow raises there)."""
+    """x^c for x ≥ 0 (±∞ included), +∞ where math.pow raises: past the largest float, and 0^c for c < 0."""
+    if x == 0 and c < 0:
+        return INF
     try:
         return math.pow(x, c)
     except OverflowError:
@@ -191,11 +193,7 @@ def _power(a: Interval, b: Interval) -> Interval:
         if c == 0:
             return point(1.0)
         if a.positive or (a.lo >= 0 and c > 0):
-            def at(x: float) -> float:  # (x^c at a bound: 0^−3 is +∞, where math.pow raises a domain error)
-                if x == INF:
-                    return INF if c > 0 else 0.0
-                return INF if x == 0 and c < 0 else math.pow(x, c)
-            r = _monotone(at, a, increasing=c > 0)
+            r = _monotone(lambda x: _pow_or_inf(x, c), a, increasing=c > 0)
             return r if not a.positive else Interval(r.lo, r.hi, True if r.lo == 0 else r.lo_open, r.hi_open)
         if c == int(c) and (a.hi < 0 or (a.hi == 0 and a.hi_open)):  # a negative base: (−1)^c·(−x)^c, where
             r = _power(_neg(a), b)  # (exp(g) − 2)^2 for g <= 0 lies in [1, 4), not [0, 4)

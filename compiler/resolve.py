@@ -243,27 +243,14 @@ class _Resolver:
         known = set(f.params) | set(self.defined_at) | set(self.dims) | {"I", "h"}
         callable_ = set(self.functions) | set(BUILTINS) | set(STRUCTURAL) | set(RANDOM) | set(SEQUENCE)
 
-        def visit(e):
-            if isinstance(e, ast.Name):
-                if e.name not in known and e.name not in callable_:
-                    hint = _closest(e.name, sorted(known) + list(BUILTINS))
-                    raise LinrecError(f"unknown name '{e.name}' in the body of '{f.name}'"
-                                      + (f"; did you mean '{hint}'?" if hint else
-                                         f"; the parameters of '{f.name}' are {', '.join(f.params)}"), e.span)
-            elif isinstance(e, ast.Unary):
-                visit(e.operand)
-            elif isinstance(e, ast.Binary):
-                visit(e.left)
-                visit(e.right)
-            elif isinstance(e, ast.Call):
-                if e.function not in callable_:
-                    raise self._no_function(e)
-                for a in e.args:
-                    visit(a)
-                for k in e.keywords:
-                    visit(k.value)
-
-        visit(f.body)
+        for e in ast.walk(f.body):
+            if isinstance(e, ast.Name) and e.name not in known and e.name not in callable_:
+                hint = _closest(e.name, sorted(known) + list(BUILTINS))
+                raise LinrecError(f"unknown name '{e.name}' in the body of '{f.name}'"
+                                  + (f"; did you mean '{hint}'?" if hint else
+                                     f"; the parameters of '{f.name}' are {', '.join(f.params)}"), e.span)
+            if isinstance(e, ast.Call) and e.function not in callable_:
+                raise self._no_function(e)
 
     def _at_the_call(self, err: LinrecError, value: ast.Expr, state: str) -> LinrecError:
         """An error at a place inside a function's definition, moved to the update's call of that function (the
@@ -274,30 +261,13 @@ class _Resolver:
                 (span.end_line, span.end_column) <= (outer.end_line, outer.end_column)
         if inside(err.span, value.span):
             return err
-        calls = []
-
-        def visit(e):
-            if isinstance(e, ast.Call):
-                if e.function in self.functions and inside(err.span, self.functions[e.function].body.span):
-                    calls.append(e)
-                for a in e.args:
-                    visit(a)
-            elif isinstance(e, ast.Unary):
-                visit(e.operand)
-            elif isinstance(e, ast.Binary):
-                visit(e.left)
-                visit(e.right)
-        visit(value)
+        calls = [e for e in ast.walk(value) if isinstance(e, ast.Call) and e.function in self.functions
+                 and inside(err.span, self.functions[e.function].body.span)]
         if not calls:
             return err
-
-        def reads_state(e) -> bool:  # (the call whose arguments read the state: phi(q·S), not phi(k))
-            if isinstance(e, ast.Name):
-                return e.name == state
-            parts = (e.args if isinstance(e, ast.Call) else (e.operand,) if isinstance(e, ast.Unary)
-                     else (e.left, e.right) if isinstance(e, ast.Binary) else ())
-            return any(reads_state(x) for x in parts)
-        call = next((c for c in calls if any(reads_state(a) for a in c.args)), calls[0])
+        # (the call whose arguments read the state: phi(q·S), not phi(k))
+        call = next((c for c in calls if any(isinstance(n, ast.Name) and n.name == state
+                                             for a in c.args for n in ast.walk(a))), calls[0])
         f = self.functions[call.function]
         return type(err)(f"{err.message} (through '{f.name}', defined at line {f.span.line})", call.span)
 

@@ -53,6 +53,15 @@ Expr = Number | Name | Unary | Binary | Call
 
 
 # ---- statements --------------------------------------------------------------------------------
+def walk(e: Expr):
+    """e and every expression inside it, each before its parts (a call's arguments, then its keywords' values)."""
+    yield e
+    parts = (e.operand,) if isinstance(e, Unary) else (e.left, e.right) if isinstance(e, Binary) else \
+        (*e.args, *(k.value for k in e.keywords)) if isinstance(e, Call) else ()
+    for part in parts:
+        yield from walk(part)
+
+
 @dataclass(frozen=True)
 class Constraint(Node):
     """Where an input's values live: an interval with open/closed ends (None = unbounded)."""
