@@ -110,6 +110,10 @@ def refuse_unknown(given, names, kind: str, kinds: str, program: ir.Program, whe
 
 
 def _float_array(name: str, value, what: str) -> np.ndarray:
+    if value is None:  # (NumPy would make it an array of dtype object, and the error say so)
+        absent = {"initial state": "leave it out for zeros", "parameter": "leave it out where it has a default"}
+        fix = f"pass an array, or {absent[what]}" if what in absent else "pass an array"
+        raise RuntimeInputError(f"{what} '{name}' is None; {fix}")
     try:
         arr = np.asarray(value)
     except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error

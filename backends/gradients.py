@@ -273,14 +273,16 @@ def output_gradients(program, given: dict | None, shape: arrays.CallShape, sizes
     return out
 
 
-def state_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict) -> dict:
+def state_gradients(program, given: dict | None, shape: arrays.CallShape, sizes: dict, rows_are: str = "B") -> dict:
+    """The final states' gradients [B, H, *] by name (absent or None: none); `rows_are` names their leading axis
+    in an error ("N": one row per packed sequence)."""
     given = dict(given or {})
     _refuse_unknown("grad_final_state", "state(s)", "states", given, [s.name for s in program.states], program)
     out = {}
     for s in program.states:
         if given.get(s.name) is not None:
             expected = (shape.batch, shape.heads) + tuple(sizes[d] for d in s.shape)
-            label = "[B, H" + "".join(", " + d for d in s.shape) + "]"
+            label = f"[{rows_are}, H" + "".join(", " + d for d in s.shape) + "]"
             out[s.name] = _gradient_array(f"grad_final_state['{s.name}']", given[s.name], expected, label,
                                           shape.dtype)
     return out

@@ -41,7 +41,13 @@ def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray
     gradients.check_missing(missing)
     upstream = gradients.output_gradients(program, grad_outputs, shape, sizes, missing)
     finals_upstream = gradients.state_gradients(program, arrays.by_name(grad_final_state, "grad_final_state"), rows,
-                                                sizes)
+                                                sizes, rows_are="N")
+    gradients.gradient_module(rec, options.get("form", "recurrent"), options.get("backend", "numpy"))
+    arrays.check_chunk_size(options.get("chunk_size"))  # (these two checked here: said of a length's call, an
+    # error in them would seem to be the sequences')
+    # only the states the caller passed go to each length's call, as zeros are what it takes for the others: an
+    # initial state not passed is one whose gradient the caller only reads (gradients.vjp)
+    passed = set(initial_state or {})
     lengths = np.diff(offsets)
     result = _empty_result(checked, upstream, state0, finals_upstream)
     for length in sorted(set(lengths.tolist()) - {0}):
@@ -51,8 +57,8 @@ def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray
             ran = gradients.vjp(
                 rec, {k: v[0, tokens] for k, v in checked.items()}, {k: v[0, tokens] for k, v in upstream.items()},
                 grad_final_state={k: v[group] for k, v in finals_upstream.items()},
-                initial_state={k: v[group] for k, v in state0.items()}, params=params, dims=dims, missing=missing,
-                **options)
+                initial_state={k: v[group] for k, v in state0.items() if k in passed}, params=params, dims=dims,
+                missing=missing, **options)
         except RuntimeInputError as err:  # (its indices: a row of this group's batch, a token of that sequence)
             which = ", ".join(map(str, group.tolist()))
             raise RuntimeInputError(f"{err.message} — in the packed sequences of {length} tokens ({which} of "

@@ -923,6 +923,27 @@ def test_integer_initial_state(delta):
     assert "initial state 'S' has dtype int64" in msg
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_a_state_or_param_of_none_is_called_none(backend):
+    """A probe's finding: initial_state={'S': None} said "initial state 'S' has dtype object" (NumPy's array of
+    None), and so did a param, a decode step's state and an input."""
+    rec = linrec.load(EXAMPLES / "retnet.lin")
+    x = rec.random_inputs(batch=1, tokens=2, heads=2, dims={"dk": 3, "dv": 2}, seed=0)
+    token = {k: v[:, 0] for k, v in x.items()}
+    calls = [(lambda: rec.run(x, backend=backend, initial_state={"S": None}),
+              "initial state 'S' is None; pass an array, or leave it out for zeros"),
+             (lambda: rec.vjp(x, {"o": np.ones((1, 2, 2, 2))}, backend=backend, initial_state={"S": None}),
+              "initial state 'S' is None; pass an array, or leave it out for zeros"),
+             (lambda: rec.run(x, backend=backend, params={"gamma": None}),
+              "parameter 'gamma' is None; pass an array, or leave it out where it has a default"),
+             (lambda: rec.step(token, {"S": None}, backend=backend), "state 'S' is None; pass an array"),
+             (lambda: rec.run(dict(x, q=None), backend=backend), "input 'q' is None; pass an array")]
+    for call, message in calls:
+        with pytest.raises(RuntimeInputError) as info:
+            call()
+        assert str(info.value) == f"error: {message}"
+
+
 def test_unknown_param(delta):
     rec, x = delta
     msg = runtime_error(rec, x, params={"gamma": np.ones(2)})

@@ -91,7 +91,7 @@ def test_bad_packing_is_refused_with_the_argument_named():
     n = len(LENGTHS)
     cases = [(dict(up=dict(o=up["o"][:, :-1])), r"grad_outputs\['o'\] should have shape \[B, T, H, dv\] = \[1, 26,"),
              (dict(s0={"S": s0["S"][:-1]}), rf"initial state 'S' holds one state per sequence, \[N, H, \*\] with N = {n}"),
-             (dict(gT={"S": gT["S"][:-1]}), rf"grad_final_state\['S'\] should have shape \[B, H, dk, dv\] = \[{n},"),
+             (dict(gT={"S": gT["S"][:-1]}), rf"grad_final_state\['S'\] should have shape \[N, H, dk, dv\] = \[{n},"),
              (dict(x={k: np.concatenate([v, v]) for k, v in x.items()}), "one packed row"),
              (dict(offsets=OFFSETS[:-1]), "cu_seqlens must end at the packed length")]
     for change, message in cases:
@@ -123,6 +123,30 @@ def test_what_the_caller_passed_is_what_errors_describe():
     with pytest.raises(linrec.RuntimeInputError, match=r"at index \[1, 1, 0, 2\] .* in the packed sequences of 3 "
                                                        r"tokens \(0, 1 of cu_seqlens, run as the rows of one batch"):
         sq.vjp(y, {"o": np.ones((1, 6, 1, 4))}, cu_seqlens=[0, 3, 6])
+
+
+def test_a_packed_call_is_refused_only_what_the_same_call_unpacked_is():
+    """Found by probing: an initial state the caller did not pass was handed to each length's call as zeros it
+    had passed, so a gradient only there to be read — Performer's S and z, beyond float32 for these features —
+    refused the packed call, which the unpacked one answers (docs/gradients.md); and a bad form or chunk size
+    was said to be the packed sequences' error."""
+    rec = linrec.load("examples/performer.lin")
+    dims = {"dk": 16, "dv": 16, "m": 64}
+    x = {k: (v * (7.0 if k in "qk" else 1.0)).astype(np.float32)
+         for k, v in rec.random_inputs(1, 24, 2, dims=dims, seed=0).items()}
+    up = {"o": np.ones((1, 24, 2, 16), np.float32)}
+    whole = rec.vjp(x, up, dims=dims)
+    assert not np.isfinite(whole.grads["S"]).all()  # (the case: a gradient beyond float32, not asked for)
+    packed = rec.vjp(x, up, dims=dims, cu_seqlens=[0, 24])
+    assert worst_error({k: packed.grads[k] for k in x}, {k: whole.grads[k] for k in x}) == 0.0
+    with pytest.raises(linrec.RuntimeInputError, match="the gradient of 'S' is not finite"):
+        rec.vjp(x, up, dims=dims, cu_seqlens=[0, 24], initial_state={"S": np.zeros((1, 2, 64, 16), np.float32)})
+    gla = linrec.load("examples/gla.lin")
+    dims, x, _, up, _, _ = _packed(gla, seed=5)
+    for option, message in ((dict(form="bogus"), r"unknown form 'bogus'; choose one of [^—]*$"),
+                            (dict(chunk_size=0), r"the chunk size must be a positive integer[^—]*$")):
+        with pytest.raises(linrec.RuntimeInputError, match=message):
+            gla.vjp(x, up, dims=dims, cu_seqlens=OFFSETS, **option)
 
 
 def test_cu_seqlens_among_the_inputs_is_called_an_option():
