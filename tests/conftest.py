@@ -1,5 +1,6 @@
 """Make tests/reference_impls importable however pytest is started (`python -m pytest tests` or plain
-`pytest`), and give the session one kernel cache. linrec itself is imported from the installed package
+`pytest`), run them on every core (pytest-xdist's workers, when it is installed), and give the session one
+kernel cache. linrec itself is imported from the installed package
 (`pip install .`, or `pip install -e .` while developing), never from the source folders.
 
 The fuzzer's options (tests/test_fuzz.py, tests/README.md): --fuzz-programs N, --fuzz-c N, --fuzz-grad-every N,
@@ -16,11 +17,33 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 
+WORKERS_AT_MOST = 8  # (each worker holds its own kernels and NumPy: ~0.5 GB)
+
+
+@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist's own, which turns the count into workers)
+def pytest_cmdline_main(config):
+    """The suite on every core this process may use, one pytest-xdist worker per core (up to WORKERS_AT_MOST),
+    when pytest-xdist is installed (the test extra has it) and the command line says nothing of workers:
+    half of a serial run's time goes to the C compiler, one process at a time. `-n 0` runs it in this process
+    (as --pdb needs); without pytest-xdist it runs here too."""
+    if hasattr(config, "workerinput"):
+        return  # a worker (pytest-xdist calls this hook in each, with no count of workers: it would start more)
+    if getattr(config.option, "numprocesses", "absent") is not None or config.getoption("usepdb", False):
+        return  # pytest-xdist absent (or -p no:xdist), or told how many workers, or a debugger wanted
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores > 1:
+        config.option.numprocesses = min(cores, WORKERS_AT_MOST)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cache_dir(tmp_path_factory):
-    """One C kernel cache for the whole session (LINREC_CACHE_DIR): every kernel is built once, and
-    never into the user's own cache."""
-    path = tmp_path_factory.mktemp("linrec-cache")
+    """One C kernel cache for the whole session (LINREC_CACHE_DIR), its workers' too: every kernel is built
+    once, and never into the user's own cache."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's temporary folder is in the run's
+        path = tmp_path_factory.getbasetemp().parent / "linrec-cache"
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("linrec-cache")
     old = os.environ.get("LINREC_CACHE_DIR")
     os.environ["LINREC_CACHE_DIR"] = str(path)
     yield path
