@@ -548,10 +548,11 @@ def why_no_decomposed_adjoint(compiled: Compiled, form: str) -> str | None:
     d = compiled.decomposition
     if d.sequence is not None:
         return f"the {form} backward of attention over the sequence is not derived"
-    for t in d.transitions:  # (an elementwise decay: its own scan, or, with corrections, a state per column)
-        if t.elementwise and (t.value_log_decay is not None or t.state in d.transposed):
-            return f"'{t.state}' decays elementwise (`X*{t.state}`) beside a decay of its value axis or in the " \
-                   f"transposed convention: the {form} backward of that is not derived"
+    for t in d.transitions:  # (an elementwise decay: its own scan, or, with corrections, a state per column; in
+        # the transposed convention the same on Sᵀ, as the forward forms carry it)
+        if t.elementwise and t.value_log_decay is not None:
+            return f"'{t.state}' decays elementwise (`X*{t.state}`) beside a decay of its value axis: the {form} " \
+                   f"backward of that is not derived"
     if any(r.is_value and len(compiled.program.state(r.state).shape) != 1 for r in d.readouts):
         return f"an output reads a state as a value (not q·S): the {form} backward of that is not derived"
     return None

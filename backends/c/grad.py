@@ -52,9 +52,9 @@ def why_not(compiled: Compiled) -> str | None:
         return f"the C backward runs the decomposition of the updates, and there is none: {why}"
     values = {r.state for r in d.readouts if r.is_value}
     for t in d.transitions:
-        if t.elementwise and (t.corrections or t.value_corrections or t.state in d.transposed):
-            return (f"'{t.state}' decays elementwise (`X*{t.state}`) with rank-one corrections or in the transposed "
-                    f"convention: the C backward does not take it")
+        if t.elementwise and (t.corrections or t.value_corrections):
+            return (f"'{t.state}' decays elementwise (`X*{t.state}`) with rank-one corrections: the C backward does "
+                    f"not take it")
         if t.state in values and t.log_decay is None and not t.writes:
             return (f"an output reads vector state '{t.state}' as a value, and it neither decays nor is written (it "
                     f"stays its initial state): the C backward does not take it")
