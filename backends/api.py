@@ -273,16 +273,17 @@ class Recurrence:
         sizes, used = self.bind(module, shape, params, initial_state, dims)
         for value in used.values():
             value.flags.writeable = False  # shared by the calls of this plan and their results
-        return checked, _CallPlan(module, shape, sizes, used, self._nonfinite_tail(form, backend))
+        return checked, _CallPlan(module, shape, sizes, used, self._nonfinite_tail(form, backend),
+                                  self.program.causal)
 
     def _nonfinite_tail(self, form: str, backend: str):
         """The module that runs the tokens from the first non-finite one on (docs/guarantees.md#non-finite-
         values) where the form does not keep the rule itself: the recurrent form over the KV cache, for the
-        other forms of a causal program that reads the sequence through attention. Their products mask the
-        attention weights, not the values, and a masked weight 0 times a later token's NaN is NaN. None for
-        every other form (the scans keep the rule in their kernels)."""
-        if self.decomposition.sequence is None or not self.program.causal or form == "recurrent" \
-                or "recurrent" not in self.forms:
+        other forms of a program that reads the sequence through attention. Their products mask the attention
+        weights, not the values, and a masked weight 0 times a later token's NaN is NaN. (A non-causal program
+        runs all of its tokens so, from the first: with a window, a token sees only some of the others.) None
+        for every other form (the scans keep the rule in their kernels)."""
+        if self.decomposition.sequence is None or form == "recurrent" or "recurrent" not in self.forms:
             return None
         module = self.module("recurrent", backend)
         return module if module.capabilities.decodes_over_cache else self.module("recurrent", NUMPY.name)
@@ -559,6 +560,12 @@ def _cache_step(rec: "Recurrence", token_inputs: dict, cache: dict | None, backe
     unknown = sorted(set(cache) - {x.name for x in rec.program.inputs})
     if unknown:
         raise RuntimeInputError(f"the KV cache of '{rec.name}' holds its inputs by name; unknown: {unknown}")
+    held = {name for name, value in cache.items() if value is not None}
+    missing = sorted({x.name for x in rec.program.inputs} - held)
+    if held and missing:  # (else the token alone would stand for the inputs so far, and its sizes be the error)
+        raise RuntimeInputError(f"the KV cache of '{rec.name}' holds no {', '.join(map(repr, missing))} (it holds "
+                                f"{', '.join(map(repr, sorted(held)))}): it holds every input so far, [B, t, H, *] "
+                                f"by name — pass the cache the last step returned")
     token, _ = arrays.check_token_inputs(rec.program, dict(token_inputs), cache=cache)
     grown = {name: value if cache.get(name) is None else _extended(cache[name], value, name)
              for name, value in token.items()}
@@ -579,6 +586,9 @@ def _extended(cache, token: np.ndarray, name: str) -> np.ndarray:
         raise RuntimeInputError(f"the KV cache's '{name}' has shape {list(cache.shape)} but the token's '{name}' "
                                 f"has {list(token.shape[:1] + token.shape[2:])}: the cache holds the inputs so far, "
                                 f"[B, t, H, *], with the token's B, H and sizes")
+    if cache.dtype != token.dtype:  # (concatenated, float32 and float64 would make float64 of the rest)
+        raise RuntimeInputError(f"the KV cache's '{name}' is {cache.dtype} but the token's '{name}' is {token.dtype}: "
+                                f"pass the token in the cache's dtype")
     return np.concatenate([cache, token], axis=1)
 
 
@@ -624,12 +634,15 @@ class _CallPlan:
     dims: dict[str, int]
     params: dict[str, np.ndarray]
     nonfinite_tail: object = None  # (Recurrence._nonfinite_tail)
+    causal: bool = True  # (a non-causal program's tail is all of its tokens)
 
 
 def _forward(plan: _CallPlan, inputs: dict, state0, chunk):
     """plan.module.forward, and where the plan has a module for the tail, the tokens from the first one
     whose inputs hold NaN or ±∞ on through it: the tokens before run alone through the plan's form."""
     first = None if plan.nonfinite_tail is None else _first_nonfinite_token(inputs)
+    if first is not None and not plan.causal:
+        first = 0  # (a token sees later ones too: all of them through the recurrent form)
     if first is None:
         return plan.module.forward(inputs, plan.params, state0, plan.dims, chunk_size=chunk)
     tail, final = plan.nonfinite_tail.forward(inputs, plan.params, state0, plan.dims, first=first)

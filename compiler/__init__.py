@@ -13,6 +13,7 @@ from ..dsl.errors import Span
 from . import ir
 from .decompose import FORMS, Decomposition, decompose
 from .resolve import resolve
+from .sequence import inline_sequence_lets
 from .stages import Stage, derive
 
 
@@ -36,6 +37,7 @@ def compile_source(source: str, filename: str = "<source>") -> Compiled:
     source = source.removeprefix("\ufeff")  # (the byte-order mark some editors write first is no character)
     try:
         program, warnings = resolve(parse(source, filename))
+        program = inline_sequence_lets(program)
         return Compiled(source, filename, program, derive(program, decompose(program)),
                         tuple(w.located(source, filename) for w in warnings))
     except LinrecError as err:

@@ -332,6 +332,10 @@ class _Resolver:
         if len(value.shape) > 1:
             raise LinrecError(f"output '{st.name}' has shape {_fmt(value.shape)}; outputs are scalars or "
                               f"vectors per token and head", st.value.span)
+        if SEQ in value.shape:  # (a vector over the sequence is no value of one token, [B, T, H, T])
+            raise LinrecError(f"output '{st.name}' has shape {_fmt(value.shape)}, over the sequence axis '{SEQ}'; "
+                              f"an output is a scalar or a vector per token and head: contract it over the "
+                              f"sequence, e.g. softmax(seq(k)·q)·seq(v)", st.value.span)
         self.outputs[st.name] = value
         self._step(ir.Output(st.name, value), st.span)
 

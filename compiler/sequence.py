@@ -11,6 +11,7 @@ follows from how the sequence is used:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..dsl.errors import LinrecError
@@ -60,17 +61,41 @@ def _mixes_positions(e: ir.Expr) -> ir.Expr | None:
     return None
 
 
+def _sequence_reads(program: ir.Program) -> list[ir.Apply]:
+    """Every seq(…) and lsh_attention(…) of the program's outputs, named values and state updates, in order."""
+    return [a for step in program.steps for a in walk(step.value)
+            if isinstance(a, ir.Apply) and a.function in SEQUENCE]
+
+
+def inline_sequence_lets(program: ir.Program) -> ir.Program:
+    """The program with each named value that reads the sequence (`a = softmax(seq(k)·q)·seq(v)`) written into
+    the steps that use it, and dropped: such a value is no value of one token that the forms compute before
+    the outputs — plan() finds the attention readouts in the outputs, with the named values inlined — so the
+    backends never meet it on its own."""
+    inlined: dict[str, ir.Expr] = {}
+    steps = []
+
+    def substitute(node: ir.Expr) -> ir.Expr:
+        return inlined[node.name] if isinstance(node, ir.LetRef) and node.name in inlined else node
+
+    for step in program.steps:
+        value = rebuild(step.value, substitute)
+        if isinstance(step, ir.Let) and _reads_sequence(value):
+            inlined[step.name] = value
+            continue
+        steps.append(dataclasses.replace(step, value=value))
+    return dataclasses.replace(program, steps=tuple(steps)) if inlined else program
+
+
 def is_sequence_program(program: ir.Program) -> bool:
-    for out in program.outputs:
-        e = inline_lets(out.value, program.lets)
-        if _uses(e, "seq") or _uses(e, "lsh_attention"):
-            return True
-    return any(SEQ in p.shape for p in program.params)
+    """Whether the program reads the sequence: a seq(…) or lsh_attention(…) anywhere in it — a state's update
+    too, which plan() then refuses — or a param over the sequence axis."""
+    return bool(_sequence_reads(program)) or any(SEQ in p.shape for p in program.params)
 
 
 def plan(program: ir.Program) -> SequencePlan:
     outputs = [(o.name, inline_lets(o.value, program.lets), o.value) for o in program.outputs]
-    reads = [a for _, e, _ in outputs for a in walk(e) if isinstance(a, ir.Apply) and a.function in SEQUENCE]
+    reads = _sequence_reads(program)
     spanning = [p for p in program.params if SEQ in p.shape]
     if program.states:  # (pointed at the first read of the sequence, else the first param over it)
         raise LinrecError(f"a program with states ({', '.join(s.name for s in program.states)}) cannot also "
@@ -87,6 +112,11 @@ def plan(program: ir.Program) -> SequencePlan:
     if spanning:
         kind = "mixing"
         names = ", ".join(p.name for p in spanning)
+        if window:  # (the forms would each take the window their own way: the forward ignored it)
+            windowed = next(a for a in seqs if dict(a.options)["window"])
+            raise LinrecError(f"parameter(s) {names} span the sequence axis '{SEQ}' and mix every position, so a "
+                              f"window of seq(…), which limits the positions a token sees, has nothing to limit; "
+                              f"leave out `window=`", windowed.span)
         if program.causal:
             raise LinrecError(f"parameter(s) {names} span the sequence axis '{SEQ}' and mix every position, "
                               f"future ones included: there is no causal form — declare the recurrence "
@@ -102,14 +132,22 @@ def plan(program: ir.Program) -> SequencePlan:
         kind = "attention"
         unavailable = []
     readouts: list[SoftmaxReadout] = []
+    extracted: list[ir.Expr] = []  # (each readout as written)
     problems: list[str] = []
 
     def extract(node: ir.Expr) -> ir.Expr:
         if isinstance(node, ir.Dot) and isinstance(node.left, ir.Apply) and node.left.function == "softmax" \
                 and len(node.left.shape) == 1 and node.right.shape[:1] == node.left.shape \
                 and _reads_sequence(node):
+            inner = next((n for n in walk(node) if isinstance(n, ir.ReadoutRef)), None)  # (extracted: bottom-up)
+            if inner is not None:
+                raise LinrecError("an attention readout's scores or values use another attention readout (`"
+                                  f"{to_text(extracted[inner.index])}`), a second attention over the "
+                                  "first one's results; write them as two programs, the first one's output an "
+                                  "input of the second", node.left.span)
             r = SoftmaxReadout(len(readouts), node.left.args[0], node.right)
             readouts.append(r)
+            extracted.append(node)
             return ir.ReadoutRef(node.shape, r.index)
         return node
 

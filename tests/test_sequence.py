@@ -259,3 +259,97 @@ def test_sequence_statistics_and_mixed_scores_every_form(name, window):
     if name == "mean_of_weights":  # the weights' mean is 1/(number of keys seen): o = v / that number
         seen = np.minimum(np.arange(1, 38), window or 37)
         assert np.allclose(want / x["v"], (1 / seen)[None, :, None, None], rtol=1e-12)
+
+
+# ---- a probe's findings (stop 49): each failed before its fix ------------------------------------------------
+NAMED_READOUTS = """recurrence named(d = 5)
+input q[d], k[d], v[d]
+a = softmax(seq(k)·q)·seq(v)               # attention readouts given names, then combined
+b = softmax(seq(k)·(2*q))·seq(v)
+output o = a + b*sigmoid(q)
+"""
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_named_attention_readouts_every_form_equals_direct(backend):
+    """`a = softmax(seq(k)·q)·seq(v)` then `output o = 2*a`: check listed every form, and every run was an internal
+    error (the named value printed as a value of one token, seq and all). Named readouts are now written into
+    the outputs that use them."""
+    rec = linrec.compile(NAMED_READOUTS, "named.lin")
+    x = rec.random_inputs(2, 9, 2, seed=1)
+    q, k, v = x["q"], x["k"], x["v"]
+    unscaled = np.sqrt(5)  # (direct_softmax_attention divides the scores by √dk)
+    want = direct_softmax_attention(q * unscaled, k, v) + \
+        direct_softmax_attention(2 * q * unscaled, k, v) / (1 + np.exp(-q))
+    for form in rec.forms:
+        got = rec.run(x, form=form, backend=backend, chunk_size=4).outputs["o"]
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13, err_msg=form)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("state S[d, d]\nS = S + k⊗(softmax(seq(k)·q)·seq(v))\noutput o = q·S\n",
+     r"a program with states \(S\) cannot also read the sequence"),
+    ("a = softmax(seq(k)·q)·seq(v)\noutput o = softmax(seq(k)·a)·seq(v)\n",
+     "an attention readout's scores or values use another attention readout"),
+    ("a = softmax(seq(k)·q)·seq(v)\noutput o = softmax(seq(a)·q)·seq(v)\n",
+     "an attention readout's scores or values use another attention readout"),
+    ("output o = softmax(seq(k)·q)\n", r"output 'o' has shape \[T\], over the sequence axis 'T'"),
+])
+def test_programs_the_forms_cannot_run_are_refused_at_their_place(source, message):
+    """Each passed check with forms listed, then failed every run with an internal error (a state update
+    reading the sequence, attention over another attention's results, an output over the sequence axis)."""
+    with pytest.raises(linrec.LinrecError, match=message) as info:
+        linrec.compile("recurrence m(d = 5)\ninput q[d], k[d], v[d]\n" + source, "m.lin")
+    assert "m.lin:" in str(info.value)
+
+
+def test_a_window_on_a_projection_over_the_sequence_is_refused():
+    """Linformer's E·seq(k, window=3): the forward ignored the window and the gradients applied it."""
+    with pytest.raises(linrec.LinrecError, match=r"m.lin:4:\d+: error: parameter\(s\) E span the sequence axis .* "
+                                                 r"leave out `window=`"):
+        linrec.compile("recurrence m(dk = 5, dv = 4, kp = 3, T = 40) noncausal\ninput q[dk], k[dk], v[dv]\n"
+                       "param E[kp, T] = randn(seed=0, std=0.2)\n"
+                       "output o = softmax((E·seq(k, window=3))·q)·(E·seq(v, window=3))\n", "m.lin")
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 70])
+def test_scalar_values_in_the_chunkwise_form(tokens):
+    """seq(v) of a scalar input v: the NumPy chunkwise form (form='auto''s pick) failed to broadcast."""
+    rec = linrec.compile("recurrence m(dk = 5)\ninput q[dk], k[dk], v\noutput o = softmax(seq(k)·q)·seq(v)\n", "m.lin")
+    x = rec.random_inputs(2, tokens, 2, seed=1)
+    want = direct_softmax_attention(x["q"] * np.sqrt(5), x["k"], x["v"][..., None])[..., 0]
+    for chunk in (None, 3):
+        got = rec.run(x, form="chunkwise", chunk_size=chunk).outputs["o"]
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_non_finite_value_under_a_non_causal_window(bad, dtype):
+    """A non-causal window and one value of ±∞ or NaN: the products masked the weights, and a masked weight 0
+    times ∞ is NaN, so the parallel and chunkwise forms had NaN at tokens whose window does not hold it (35 of
+    40 outputs NaN against the recurrent form's 0). Every form now gives the recurrent form's outputs."""
+    rec = _variant(causal=False, window=3)
+    x = {k: v.astype(dtype) for k, v in rec.random_inputs(1, 40, 1, dims={"dk": 5, "dv": 4}, seed=0).items()}
+    x["v"][0, 17, 0, 2] = bad
+    want = rec.run(x, form="recurrent").outputs["o"]
+    assert np.isfinite(want).sum() == want.size - 5  # (the five tokens whose window holds token 17, column 2)
+    for backend in ("numpy", "c"):
+        for form in ("parallel", "chunkwise"):
+            got = rec.run(x, form=form, backend=backend, chunk_size=8).outputs["o"]
+            np.testing.assert_allclose(got, want, rtol=1e-12 if dtype == np.float64 else 1e-4, atol=1e-6,
+                                       err_msg=f"{backend} {form}")
+
+
+def test_a_kv_cache_missing_an_input_or_of_another_dtype_is_refused():
+    """A cache without 'k' was refused for its sizes (the token alone stood for the inputs so far); a float32
+    cache took a float64 token and became float64, where run refuses mixed dtypes."""
+    rec = linrec.load(ROOT / "softmax.lin")
+    x = rec.random_inputs(2, 3, 3, dims={"dk": 4, "dv": 4}, seed=0)
+    token = {name: value[:, 0] for name, value in x.items()}
+    _, cache = rec.step(token, None)
+    with pytest.raises(linrec.RuntimeInputError, match=r"the KV cache of 'softmax' holds no 'k' \(it holds 'q', "
+                                                       r"'v'\)"):
+        rec.step(token, {name: value for name, value in cache.items() if name != "k"})
+    with pytest.raises(linrec.RuntimeInputError, match="the KV cache's 'q' is float32 but the token's 'q' is float64"):
+        rec.step(token, {name: value.astype(np.float32) for name, value in cache.items()})

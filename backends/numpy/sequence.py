@@ -173,6 +173,11 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
             scores, values = sc(em.refold(r.scores)), sc(em.refold(r.values))
             helpers |= sc.helpers
             width = "".join(", " + n(d) for d in r.values.shape[1:])
+            # a scalar per position (seq(v) of a scalar v): an axis of one for the accumulator, which
+            # online_softmax_step contracts as values [..., keys, dv]
+            scalar = not r.values.shape[1:]
+            if scalar:
+                values = f"{values}[..., None]"
             first = f"max(0, start - {window - 1})" if window else "0"
             last = "stop" if p.causal else (f"min(tokens, stop + {window - 1})" if window else "tokens")
             readout = readout_vars[r.index]
@@ -183,7 +188,7 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
                 "    queries = slice(start, stop)",
                 "    m = np.full((batch, stop - start, heads), -np.inf, dtype=dtype)",
                 "    l = np.zeros((batch, stop - start, heads), dtype=dtype)",
-                f"    acc = np.zeros((batch, stop - start, heads{width}), dtype=dtype)",
+                f"    acc = np.zeros((batch, stop - start, heads{', 1' if scalar else width}), dtype=dtype)",
                 f"    for key_start in range({first}, {last}, block):",
                 f"        keys = slice(key_start, min(key_start + block, {last}))",
                 f"        visible = visible_positions(tokens, causal, {window}, start, stop, keys.start, keys.stop)",
@@ -191,7 +196,7 @@ def emit(compiled: Compiled, form: str, kernels: str | None = None) -> str:
                 "        if visible is not None:",
                 "            scores = np.where(visible, scores, -np.inf)",
                 f"        m, l, acc = online_softmax_step(m, l, acc, scores, {values})",
-                f"    {readout}[:, queries] = acc / l[..., None]",
+                f"    {readout}[:, queries] = " + ("acc[..., 0] / l" if scalar else "acc / l[..., None]"),
             ]
         helpers |= {"visible_positions", "online_softmax_step"}
         out = em.printer(None, readout_vars=readout_vars)
