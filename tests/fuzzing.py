@@ -387,6 +387,9 @@ class ProgramGenerator:
             lines.append(self.pick(["kn = l2norm(k)", "c = 0.5", "c = dk^(−1/2)"]))
             out = out.replace("seq(k", "seq(kn" if "kn" in lines[-1] else "seq(k").replace(
                 "(dk^(−1/2)·q)", "(c·q)" if lines[-1].startswith("c") else "(dk^(−1/2)·q)")
+        if self.chance(0.15):  # the readout given a name (written into the outputs that use it)
+            lines.append(f"a = {out}")
+            out = self.pick(["a", "2*a", "a + v", "a*sigmoid(v)"])
         lines.append(f"output o = {out}")
         if self.chance(0.2):
             lines.append(f"output p = softmax({score})·{values}")
