@@ -680,11 +680,16 @@ def _param_rows(params: dict[str, np.ndarray]) -> list[str]:
 
 
 def _npz_target(path: str, option: str) -> str:
-    """The file an .npz option writes (np.savez adds .npz); a directory is an error, said before any work."""
+    """The file an .npz option writes (np.savez adds .npz); a directory, or a folder that does not exist, is an
+    error, said before any work."""
     if Path(path).is_dir():  # (np.savez would write PATH.npz beside it, which nobody asked for)
         raise LinrecError(f"cannot write {option} {path}: it is a directory; give a file name, such as "
                           f"{Path(path) / 'out.npz'}")
-    return path if path.endswith(".npz") else path + ".npz"
+    target = path if path.endswith(".npz") else path + ".npz"
+    folder = Path(target).parent
+    if not folder.is_dir():  # (found by probing: the whole run happened first, and then this failed)
+        raise LinrecError(f"cannot write {option} {path}: the folder {folder} does not exist; create it first")
+    return target
 
 
 def _write_npz(path: str, arrays: dict[str, np.ndarray], option: str = "--out") -> str:
@@ -904,9 +909,11 @@ def cmd_run(args) -> int:
     it writes every output, final state and parameter used to an .npz file, by DSL name.
     """
     rec = _load(args.file)
-    for path, option in ((args.out, "--out"), (args.save_inputs, "--save-inputs")):
-        if path:
-            _npz_target(path, option)
+    targets = {option: os.path.realpath(_npz_target(path, option))
+               for path, option in ((args.out, "--out"), (args.save_inputs, "--save-inputs")) if path}
+    if len(targets) == 2 and targets["--out"] == targets["--save-inputs"]:  # (the results would overwrite the inputs)
+        raise LinrecError(f"--save-inputs {args.save_inputs} and --out {args.out} name the same file, "
+                          f"{targets['--out']}: give them different names")
     form = _auto_form(rec, args) if args.form == "auto" else args.form
     if args.chunk_size is not None and form != "chunkwise":
         print(f"{PROG}: note: --chunk-size only affects the chunkwise form (running the {form} form)",
@@ -1357,6 +1364,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(1, f"{self.prog}: error: {message}\n(see '{self.prog} --help')\n")
 
+    def _print_message(self, message, file=None):
+        """As argparse's, but a write that fails is not dropped: --help and --version into a full disk or a
+        closed stdout exited 0 having said nothing (a probe's finding); main() says so, exit status 1."""
+        if message:
+            (file or sys.stderr).write(message)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -1440,7 +1453,23 @@ def main(argv: list[str] | None = None) -> int:
             pass
     parser = build_parser()
     # (a command's unknown option is the command's usage error: its name and its --help, not the top level's)
-    args, unknown = parser.parse_known_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except SystemExit as done:  # --help and --version print, then exit here: their output checked as any other's
+        if done.code in (0, None):
+            try:
+                sys.stdout.flush()
+            except OSError as err:
+                if not _output_failed(err):
+                    raise
+                _say_output_failed(err)
+                return 1
+        raise
+    except OSError as err:  # (help or version text that could not be written: _Parser._print_message)
+        if not _output_failed(err):
+            raise
+        _say_output_failed(err)
+        return 1
     if unknown:
         getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "handler", None) is None:

@@ -382,6 +382,43 @@ def test_an_output_that_cannot_be_written_is_not_a_bug(monkeypatch, capsys):
     assert "linrec: internal error: PermissionError" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["run", "--help"], ["cache", "--help"]])
+def test_help_and_version_that_cannot_be_written_exit_1(argv, monkeypatch, capsys):
+    """A probe's finding: `linrec --help > /dev/full` (or >&-) exited 0 having said nothing — argparse drops a
+    failed write of its help and version text."""
+    for stdout, reason in ((_FullDisk(), "No space left on device"), (None, "standard output is closed")):
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert main(argv) == 1
+        assert capsys.readouterr().err == f"linrec: cannot write the output: {reason}\n"
+
+
+def test_run_refuses_output_files_it_could_not_write_before_any_work(tmp_path, capsys):
+    """Probe findings: --save-inputs and --out naming one file wrote the results over the inputs (exit 0); an
+    --out in a folder that does not exist failed after the whole run, the --save-inputs file written."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    same = tmp_path / "same.npz"
+    for saved in (str(same), str(tmp_path / "same")):
+        assert main(["run", gla, "--save-inputs", saved, "--out", str(same)]) == 1
+        assert f"name the same file, {same}: give them different names" in capsys.readouterr().err
+    saved = tmp_path / "saved.npz"
+    assert main(["run", gla, "--save-inputs", str(saved), "--out", str(tmp_path / "nodir" / "o.npz")]) == 1
+    assert f"cannot write --out {tmp_path / 'nodir' / 'o.npz'}: the folder {tmp_path / 'nodir'} does not exist" in \
+        capsys.readouterr().err
+    assert not same.exists() and not saved.exists()
+
+
+def test_a_small_pool_takes_the_default_request_counts_that_fit():
+    """`bench --shapes serving --pool 32` was refused for N = 64, a default, as if --requests had said it."""
+    from types import SimpleNamespace
+
+    from linrec.bench_serving import _requests
+    assert _requests(SimpleNamespace(pool=32, requests=None)) == [1, 16]
+    assert _requests(SimpleNamespace(pool=None, requests=None)) == [1, 16, 64]
+    assert _requests(SimpleNamespace(pool=1, requests=None)) == [1]
+    with pytest.raises(linrec.LinrecError, match="--requests 9 is more than the pool's 8 slots"):
+        _requests(SimpleNamespace(pool=8, requests=[1, 9]))
+
+
 def test_a_closed_stdout_is_an_output_that_cannot_be_written(monkeypatch, tmp_path, capsys):
     """Started with stdout closed (`linrec emit FILE >&-`: sys.stdout is None): 'cannot write the output', exit 1,
     not an internal AttributeError; a command that prints nothing (run --quiet --out) still succeeds."""
