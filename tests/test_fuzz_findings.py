@@ -650,3 +650,24 @@ def test_a_sum_of_a_matrix_states_read_is_computed_from_the_read():
         got = rec.run(x, form=form, chunk_size=4)
         for name in ("o", "p"):
             assert np.abs(got.outputs[name] - want.outputs[name]).max() <= 1e-9 * np.abs(want.outputs[name]).max()
+
+
+def test_an_overflowing_delta_rule_runs_every_form():
+    """A decay of 2^1001 per token beside a delta-rule correction (fuzzer, seed 11): the state overflows at once,
+    and NumPy's chunkwise form raised LinAlgError ('Singular matrix', an internal error) — LAPACK's LU on the
+    UT transform's block of ∞ and NaN, which with its unit diagonal is never singular. It runs now: such a program
+    is not compared (forms.md: an expanding transition), but it must run. The substitution that takes over is
+    checked against the solve on a finite system."""
+    from linrec.numpy.scan import _substituted
+    rng = np.random.default_rng(0)
+    m = np.tril(0.1 * rng.standard_normal((3, 70, 70)), -1) + np.eye(70)
+    rhs = rng.standard_normal((3, 70, 4))
+    assert np.abs(_substituted(m, rhs) - np.linalg.solve(m, rhs)).max() < 1e-12
+    rec = linrec.compile("recurrence fz465(dk = 2, dv = 2)\ninput q[dk], k[dk], v[dv]\ninput dt > 0\n"
+                         "param p1[dk] per head = 2*dk^1000\nstate S[dk, dv]\n"
+                         "S = (I − dt·k⊗k)·(diag(p1)·S) + dt·k⊗v\noutput o = (k·S)*sigmoid(v)\n", FILE)
+    x = rec.random_inputs(2, 12, 2, seed=0)
+    with np.errstate(all="ignore"):
+        for form in rec.forms:
+            for chunk in (None, 5):
+                assert rec.run(x, form=form, chunk_size=chunk).outputs["o"].shape == (2, 12, 2, 2)

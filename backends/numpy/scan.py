@@ -167,7 +167,19 @@ def solve_unit_lower(m, rhs, block: int = 64):
         r = rhs[..., s:e, :]
         if s:
             r = r - m[..., s:e, :s] @ x[..., :s, :]
-        x[..., s:e, :] = np.linalg.solve(m[..., s:e, s:e], r)
+        try:
+            x[..., s:e, :] = np.linalg.solve(m[..., s:e, s:e], r)
+        except np.linalg.LinAlgError:  # (∞ or NaN entries, an overflowing state's: LAPACK's LU calls the block
+            # singular, which a unit diagonal never is; substitution gives their IEEE values, as the recurrence)
+            x[..., s:e, :] = _substituted(m[..., s:e, s:e], r)
+    return x
+
+
+def _substituted(m, rhs):
+    """M·X = rhs for unit lower-triangular M, row by row."""
+    x = np.empty_like(rhs)
+    for i in range(m.shape[-1]):
+        x[..., i, :] = rhs[..., i, :] - (m[..., i, None, :i] @ x[..., :i, :])[..., 0, :] if i else rhs[..., i, :]
     return x
 
 
