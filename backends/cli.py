@@ -916,8 +916,8 @@ def cmd_run(args) -> int:
                           f"{targets['--out']}: give them different names")
     if args.chunk_size is not None and not (isinstance(args.chunk_size, int) and args.chunk_size >= 1):
         # (before the form is chosen and its note said, as every other size option is checked as the command starts)
-        raise LinrecError(f"--chunk-size {args.chunk_size}: a chunk size is a positive integer (tokens per chunk "
-                          f"of the chunkwise form, e.g. 64); leave it out for the form's default")
+        raise LinrecError(f"--chunk-size {args.chunk_size}: the chunk size must be a positive integer (tokens per "
+                          f"chunk of the chunkwise form, e.g. 64); leave it out for the form's default")
     form = _auto_form(rec, args) if args.form == "auto" else args.form
     if args.chunk_size is not None and form != "chunkwise":
         print(f"{PROG}: note: --chunk-size only affects the chunkwise form (running the {form} form)",

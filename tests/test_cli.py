@@ -407,9 +407,9 @@ def test_run_refuses_output_files_it_could_not_write_before_any_work(tmp_path, c
     assert not same.exists() and not saved.exists()
     for bad in ("0", "3.5", "abc"):  # (checked by the library after the form's choice and its note were printed)
         assert main(["run", gla, "--chunk-size", bad]) == 1
-        assert capsys.readouterr().err == f"linrec: error: --chunk-size {bad}: a chunk size is a positive integer " \
-                                          f"(tokens per chunk of the chunkwise form, e.g. 64); leave it out for the " \
-                                          f"form's default\n"
+        assert capsys.readouterr().err == f"linrec: error: --chunk-size {bad}: the chunk size must be a positive " \
+                                          f"integer (tokens per chunk of the chunkwise form, e.g. 64); leave it out " \
+                                          f"for the form's default\n"
 
 
 def test_a_small_pool_takes_the_default_request_counts_that_fit():
