@@ -109,11 +109,19 @@ def refuse_unknown(given, names, kind: str, kinds: str, program: ir.Program, whe
                                 f"'{program.name}' are {', '.join(names) or 'none'}")
 
 
+WHEN_LEFT_OUT = {"initial state": "leave it out for zeros", "parameter": "leave it out where it has a default"}
+
+
+def given_none(name: str, what: str) -> RuntimeInputError:
+    """The error for an array given as None (NumPy would make it an array of dtype object, and the error say
+    so); `what` as _float_array's: "input", "parameter", "initial state", "state"."""
+    fix = f"pass an array, or {WHEN_LEFT_OUT[what]}" if what in WHEN_LEFT_OUT else "pass an array"
+    return RuntimeInputError(f"{what} '{name}' is None; {fix}")
+
+
 def _float_array(name: str, value, what: str) -> np.ndarray:
-    if value is None:  # (NumPy would make it an array of dtype object, and the error say so)
-        absent = {"initial state": "leave it out for zeros", "parameter": "leave it out where it has a default"}
-        fix = f"pass an array, or {absent[what]}" if what in absent else "pass an array"
-        raise RuntimeInputError(f"{what} '{name}' is None; {fix}")
+    if value is None:
+        raise given_none(name, what)
     try:
         arr = np.asarray(value)
     except Exception:  # noqa: BLE001 - any failure to view the value as an array is the caller's error
@@ -667,6 +675,9 @@ def unknown_form(form, choices) -> str:
     return f"unknown form '{form}'; choose one of {', '.join(choices)}"
 
 
+CHUNK_SIZE_RULE = "the chunk size must be a positive integer (tokens per chunk of the chunkwise form, e.g. 64)"
+
+
 def check_chunk_size(chunk_size) -> int | None:
     """A call's chunk size (None: the form's own default) as a Python int: a positive integer, a Python or NumPy
     one — not a bool, a float or a string, which would only look like one — else a RuntimeInputError naming the
@@ -677,8 +688,7 @@ def check_chunk_size(chunk_size) -> int | None:
     integer = isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool)
     if not integer or chunk_size < 1:
         kind = "" if integer else f" (a {type(chunk_size).__name__})"
-        raise RuntimeInputError(f"the chunk size must be a positive integer (tokens per chunk of the chunkwise "
-                                f"form, e.g. 64), got {chunk_size!r}{kind}; leave it out for the form's default")
+        raise RuntimeInputError(f"{CHUNK_SIZE_RULE}, got {chunk_size!r}{kind}; leave it out for the form's default")
     return int(chunk_size)
 
 

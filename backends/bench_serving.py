@@ -81,11 +81,11 @@ def _filled_pool(rec, dims: dict[str, int], heads: int, slots: int) -> dict[str,
 
 def _requests(opts: bench.Options) -> list[int]:
     """The N of the decode rows, each at most the pool's slots: those of --requests (one more than the slots is
-    an error naming it), else the default counts that fit in the pool, and the pool's size where none of them
-    does (a probe's finding: --pool 32 alone was refused for the default N = 64, as if --requests said it)."""
+    an error naming it), else the default counts that fit in the pool (a probe's finding: --pool 32 alone was
+    refused for the default N = 64, as if --requests said it)."""
     slots = opts.pool or POOL_SLOTS
     if not opts.requests:
-        return [n for n in REQUESTS if n <= slots] or [slots]
+        return [n for n in REQUESTS if n <= slots]
     requests = list(dict.fromkeys(opts.requests))
     too_many = [n for n in requests if n > slots]
     if too_many:

@@ -41,7 +41,7 @@ from .compiler import ir
 from .compiler.analysis import inline_lets, to_text, walk
 from .compiler.resolve import SIZE_LIMIT, too_large
 from .compiler.steps import composed_update
-from .arrays import BFLOAT16, BFLOAT16_BITS, FLOAT_DTYPES, from_bfloat16
+from .arrays import BFLOAT16, BFLOAT16_BITS, CHUNK_SIZE_RULE, FLOAT_DTYPES, check_chunk_size, from_bfloat16
 from .decode import run_by_steps
 from .dim_option import dims_with_overrides
 from .dsl.errors import LinrecError, RuntimeInputError
@@ -914,10 +914,11 @@ def cmd_run(args) -> int:
     if len(targets) == 2 and targets["--out"] == targets["--save-inputs"]:  # (the results would overwrite the inputs)
         raise LinrecError(f"--save-inputs {args.save_inputs} and --out {args.out} name the same file, "
                           f"{targets['--out']}: give them different names")
-    if args.chunk_size is not None and not (isinstance(args.chunk_size, int) and args.chunk_size >= 1):
-        # (before the form is chosen and its note said, as every other size option is checked as the command starts)
-        raise LinrecError(f"--chunk-size {args.chunk_size}: the chunk size must be a positive integer (tokens per "
-                          f"chunk of the chunkwise form, e.g. 64); leave it out for the form's default")
+    try:  # (before the form is chosen and its note said, as every other size option is checked as the command starts)
+        check_chunk_size(args.chunk_size)
+    except RuntimeInputError:
+        raise LinrecError(f"--chunk-size {args.chunk_size}: {CHUNK_SIZE_RULE}; leave it out for the form's "
+                          f"default") from None
     form = _auto_form(rec, args) if args.form == "auto" else args.form
     if args.chunk_size is not None and form != "chunkwise":
         print(f"{PROG}: note: --chunk-size only affects the chunkwise form (running the {form} form)",
@@ -1457,19 +1458,14 @@ def main(argv: list[str] | None = None) -> int:
             pass
     parser = build_parser()
     # (a command's unknown option is the command's usage error: its name and its --help, not the top level's)
-    try:
-        args, unknown = parser.parse_known_args(argv)
-    except SystemExit as done:  # --help and --version print, then exit here: their output checked as any other's
-        if done.code in (0, None):
-            try:
-                sys.stdout.flush()
-            except OSError as err:
-                if not _output_failed(err):
-                    raise
-                _say_output_failed(err)
-                return 1
-        raise
-    except OSError as err:  # (help or version text that could not be written: _Parser._print_message)
+    try:  # --help and --version print, then exit here: their output is checked as any other's
+        try:
+            args, unknown = parser.parse_known_args(argv)
+        except SystemExit as done:
+            if done.code in (0, None):
+                sys.stdout.flush()  # (a buffered stdout fails here, an unbuffered one in _Parser._print_message)
+            raise
+    except OSError as err:
         if not _output_failed(err):
             raise
         _say_output_failed(err)

@@ -21,9 +21,9 @@ from . import arrays, gradients, serving
 from .dsl.errors import RuntimeInputError
 
 
-def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray, *, grad_final_state: dict | None,
-               initial_state: dict | None, params: dict | None, dims: dict | None = None, missing: str = "error",
-               **options) -> gradients.VjpResult:
+def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray, *, form: str, backend: str,
+               grad_final_state: dict | None, initial_state: dict | None, params: dict | None,
+               dims: dict | None = None, missing: str = "error", **options) -> gradients.VjpResult:
     """Recurrence.vjp(…, cu_seqlens=offsets) (offsets as serving.check_cu_seqlens returns them); `options`:
     the rest of vjp's arguments, passed to each length's call. The arguments are checked whole first, so
     that an error gives the shapes the caller passed; one raised by a length's call says which sequences."""
@@ -42,7 +42,7 @@ def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray
     upstream = gradients.output_gradients(program, grad_outputs, shape, sizes, missing)
     finals_upstream = gradients.state_gradients(program, arrays.by_name(grad_final_state, "grad_final_state"), rows,
                                                 sizes, rows_are="N")
-    gradients.gradient_module(rec, options.get("form", "recurrent"), options.get("backend", "numpy"))
+    gradients.gradient_module(rec, form, backend)
     arrays.check_chunk_size(options.get("chunk_size"))  # (these two checked here: said of a length's call, an
     # error in them would seem to be the sequences')
     # only the states the caller passed go to each length's call, as zeros are what it takes for the others: an
@@ -58,7 +58,7 @@ def vjp_packed(rec, inputs: dict, grad_outputs: dict | None, offsets: np.ndarray
                 rec, {k: v[0, tokens] for k, v in checked.items()}, {k: v[0, tokens] for k, v in upstream.items()},
                 grad_final_state={k: v[group] for k, v in finals_upstream.items()},
                 initial_state={k: v[group] for k, v in state0.items() if k in passed}, params=params, dims=dims,
-                missing=missing, **options)
+                missing=missing, form=form, backend=backend, **options)
         except RuntimeInputError as err:  # (its indices: a row of this group's batch, a token of that sequence)
             which = ", ".join(map(str, group.tolist()))
             raise RuntimeInputError(f"{err.message} — in the packed sequences of {length} tokens ({which} of "

@@ -291,7 +291,7 @@ class Stepper:
             arr = state.get(name) if state is not None else None
             if arr is None:
                 if state is not None and name in state and name not in self._scale_names:
-                    raise RuntimeInputError(f"state '{name}' is None; pass an array")  # (as arrays says it)
+                    raise arrays.given_none(name, "state")
                 arr = aligned_zeros(shp, sdt)  # (bfloat16 zeros are zero bits)
                 if name in self._scale_names:
                     arr[...] = np.nan
