@@ -56,7 +56,7 @@ def _mixes_positions(e: ir.Expr) -> ir.Expr | None:
         if isinstance(n, ir.Apply) and n.function in BUILTINS and BUILTINS[n.function].kind != "elementwise" \
                 and n.args[0].shape[-1:] == (SEQ,):
             return n
-        if isinstance(n, ir.Dot) and n.left.shape[-1:] == (SEQ,):
+        if isinstance(n, ir.Dot) and n.left.shape[-1:] == (SEQ,) and n.right.shape:  # (by a scalar: a scaling)
             return n
     return None
 

@@ -9,6 +9,7 @@ import pytest
 
 import linrec
 from linrec.numpy import attention as numpy_attention
+from test_grad import worst_error
 
 ROOT = Path(__file__).resolve().parent.parent / "examples"
 
@@ -353,3 +354,41 @@ def test_a_kv_cache_missing_an_input_or_of_another_dtype_is_refused():
         rec.step(token, {name: value for name, value in cache.items() if name != "k"})
     with pytest.raises(linrec.RuntimeInputError, match="the KV cache's 'q' is float32 but the token's 'q' is float64"):
         rec.step(token, {name: value.astype(np.float32) for name, value in cache.items()})
+
+
+# ---- scores scaled by scalars: the kernels' softmax(K·q)·V with the scalars on the query ---------------------
+SCALED_SCORES = {  # (scores as written, the factor of q·k in direct_softmax_attention's scores, from x)
+    "constant_left": ("2.5·(seq(k)·q)", lambda x: 2.5),
+    "dim_power_right": ("(seq(k)·q)·dk^(−1/2)", lambda x: 5 ** -0.5),
+    "negated_over_input": ("−((seq(k)·q)·dk^(−1/2))/tau", lambda x: -(5 ** -0.5) / x["tau"][..., None]),
+    "param_times": ("c*(seq(l2norm(k))·q)", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALED_SCORES))
+def test_scaled_scores_run_in_the_c_kernels_every_form(name):
+    """`softmax(dk^(−1/2)·(seq(k)·q))·seq(v)` — the scale written on the scores, not on q — had no C form and no
+    parallel or chunkwise backward; a scale on the right had no chunkwise form ("combines the scores"). Every
+    form, forward and backward, on both backends, now equals a direct loop and the NumPy recurrent backward."""
+    scores, factor = SCALED_SCORES[name]
+    rec = linrec.compile(f"""recurrence scaled(dk = 5, dv = 4)
+param c = 0.7
+input q[dk], k[dk], v[dv]
+input tau > 0
+output o = softmax({scores})·seq(v)
+""", "scaled.lin")
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    x = rec.random_inputs(2, 19, 2, seed=3)
+    if factor is None:  # c·(l2norm(k)·q)
+        unit = x["k"] / np.sqrt(np.sum(x["k"] ** 2, -1, keepdims=True) + 1e-6)
+        want = direct_softmax_attention(x["q"] * 0.7 * np.sqrt(5), unit, x["v"])
+    else:
+        want = direct_softmax_attention(x["q"] * factor(x) * np.sqrt(5), x["k"], x["v"])
+    up = {"o": np.random.default_rng(4).standard_normal(want.shape)}
+    reference = rec.vjp(x, up, form="recurrent", backend="numpy").grads
+    for backend in ("numpy", "c"):
+        for form in ("recurrent", "parallel", "chunkwise"):
+            got = rec.run(x, form=form, backend=backend, chunk_size=4).outputs["o"]
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13, err_msg=f"{form} {backend}")
+            grads = rec.vjp(x, up, form=form, backend=backend, chunk_size=4).grads
+            assert worst_error(grads, reference) < 1e-9, (form, backend)

@@ -88,10 +88,10 @@ class SequencePrinter(NumpyPrinter):
 def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
     """softmax(K·g)·V with K and V sequences that do not depend on the query token and g a per-token
     query vector: (K, g, V) for a compiled attention kernel, else None."""
-    scores, values = readout.scores, readout.values
-    if not isinstance(scores, ir.Dot) or len(scores.right.shape) != 1:
+    found = _scaled_dot(readout.scores)
+    if found is None:
         return None
-    keys, query = scores.left, scores.right
+    (keys, query), values = found, readout.values
     if len(keys.shape) != 2 or len(values.shape) != 2:
         return None
     if any(isinstance(n, ir.Apply) and n.function == "seq" for n in walk(query)):
@@ -104,6 +104,32 @@ def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
             return False
         return all(sequence_only(c) for c in children(e))
     return (keys, query, values) if sequence_only(keys) and sequence_only(values) else None
+
+
+def _scaled_dot(scores: ir.Expr) -> tuple[ir.Expr, ir.Expr] | None:
+    """(K, g) when the scores are K·q times scalars that do not read the sequence (`dk^(−1/2)·(seq(k)·q)`,
+    `−(seq(k)·q)/tau`): g is q with those scalars applied, so that K·g are the same scores. None otherwise."""
+    if isinstance(scores, ir.Dot) and len(scores.left.shape) == 2 and len(scores.right.shape) == 1:
+        return scores.left, scores.right
+    if isinstance(scores, ir.Neg):
+        inner = _scaled_dot(scores.operand)
+        return inner and (inner[0], ir.Neg(inner[1].shape, inner[1], span=scores.span))
+    dividing = isinstance(scores, ir.Arith) and scores.op == "div"
+    if not (isinstance(scores, ir.Dot) or dividing or (isinstance(scores, ir.Arith) and scores.op == "mul")):
+        return None
+    # (scalar, the scaled scores, whether the scalar is written first); a quotient's scalar is its divisor
+    sides = [(scores.right, scores.left, False)] if dividing else \
+        [(scores.left, scores.right, True), (scores.right, scores.left, False)]
+    for scalar, scaled, first in sides:
+        if scalar.shape or any(isinstance(n, ir.Apply) and n.function == "seq" for n in walk(scalar)):
+            continue
+        inner = _scaled_dot(scaled)
+        if inner is None:
+            return None
+        keys, q = inner
+        operands = (scalar, q) if first else (q, scalar)
+        return keys, ir.Arith(q.shape, "div" if dividing else "mul", *operands, span=scores.span)
+    return None
 
 
 def kernel_support(compiled: Compiled) -> str | None:
