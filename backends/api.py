@@ -192,6 +192,8 @@ class Recurrence:
         given = arrays.inputs_by_name(inputs, named_inputs, self.program, Recurrence.run)
         arrays.require_dicts(initial_state=initial_state, params=params)
         if bf16_state.resolve(state_dtype, given):
+            if not self.program.states:
+                raise RuntimeInputError(bf16_state.no_state_refusal(self.name))
             result = self.run(given, form=form, backend=backend, params=params,
                               initial_state=bf16_state.widen(self.program, initial_state, "initial state"),
                               chunk_size=chunk_size, dims=dims, threads=threads, state_every=state_every,

@@ -41,6 +41,12 @@ def kv_cache_refusal(name: str) -> str:
             f"bfloat16; leave state_dtype out")
 
 
+def no_state_refusal(name: str) -> str:
+    """The message for a bfloat16 state asked of Recurrence.run on a program with no state (one that reads the
+    sequence): as step() refuses it, rather than return what it would have without."""
+    return f"'{name}' has no state: there is nothing to keep in bfloat16; leave state_dtype out"
+
+
 def state_names(program) -> set[str]:
     return {s.name for s in program.states}
 

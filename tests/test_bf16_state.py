@@ -363,3 +363,11 @@ def test_a_kv_cache_is_never_said_to_be_bfloat16(capsys):
     code = cli_main(["run", "examples/softmax.lin", "--form", "step", "--state-dtype", "bfloat16", "--dtype", "float32",
                      "--tokens", "4"])
     assert code == 1 and "not a state to keep in bfloat16" in capsys.readouterr().err
+    # run() on a form over the sequence took it and returned what it returns without (a probe's finding): it
+    # refuses it as step() does, on every backend and through the command line
+    for backend in ("numpy", "c"):
+        for form in ("parallel", "chunkwise"):
+            with pytest.raises(linrec.RuntimeInputError, match="'softmax' has no state: .*leave state_dtype out"):
+                softmax.run(x, form=form, backend=backend, state_dtype="bfloat16")
+    code = cli_main(["run", "examples/softmax.lin", "--state-dtype", "bfloat16", "--dtype", "float32", "--tokens", "4"])
+    assert code == 1 and "has no state: there is nothing to keep in bfloat16" in capsys.readouterr().err
