@@ -1,0 +1,202 @@
+"""Variants no example and no compiler change was written for, as their papers write them, compiled unchanged:
+every forward form on both backends against a loop written here from the math, and every gradient form on both
+backends against the NumPy recurrent backward, itself checked against central finite differences.
+
+    rwkv7      a generalized delta rule: (diag(e^w) − k̂⊗(a⊙k̂))·S + k⊗v, read by r
+    longhorn   the delta rule with its step size from the key: β = ε/(1 + ε‖k‖²)
+    hgrn2      a forget gate whose complement is the key: diag(f)·S + (1 − f)⊗v
+    dproduct   two Householder-like steps per token (DeltaProduct), written as one nested update
+    gsa        gated slot attention: two states of slots, read through a softmax over the slots
+    mlstm      xLSTM's matrix memory with its normalizer state and max(|n·q|, 1) (as 1 + relu(|n·q| − 1))
+    hedgehog   learned softmax feature maps over a param matrix, normalized by a second state
+
+Tolerances (float64): 1e-9 of the largest magnitude for every form and backend against the loop and for every
+gradient form against the recurrent one (the forms' tolerance); the recurrent backward against central
+differences on random directions at verify_grad's 1e-6.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import linrec
+from test_grad import FD_TOLERANCE, arrays_for, assert_same_gradients
+from linrec import verify_grad
+
+FORMS = ("recurrent", "parallel", "chunkwise")
+B, T, H = 2, 13, 2
+CHUNK = 4  # several chunks, the last one partial
+TOL = 1e-9
+
+
+def l2norm(x):
+    return x / np.sqrt(np.sum(x * x, -1, keepdims=True) + 1e-6)
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+# each: (program, the loop over one (batch row, head): arrays of one token → the next state and the output)
+VARIANTS = {
+    "rwkv7": ("""recurrence rwkv7(dk = 5, dv = 4)
+input r[dk], k[dk], v[dv], a[dk] in (0, 1)
+input w[dk] <= 0
+kk = l2norm(k)
+state S[dk, dv]
+S = (diag(exp(w)) − kk⊗(a*kk))·S + k⊗v
+output o = r·S
+""", lambda x, s: _one_state(s, lambda S: (np.diag(np.exp(x["w"])) - np.outer(l2norm(x["k"]), x["a"] * l2norm(x["k"]))) @ S
+                              + np.outer(x["k"], x["v"]), lambda S: {"o": x["r"] @ S})),
+    "longhorn": ("""recurrence longhorn(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv], eps > 0
+beta = eps/(1 + eps*(k·k))
+state S[dk, dv]
+S = (I − beta·k⊗k)·S + beta·k⊗v
+output o = q·S
+""", lambda x, s: _one_state(s, lambda S: S - _b(x) * np.outer(x["k"], x["k"] @ S) + _b(x) * np.outer(x["k"], x["v"]),
+                             lambda S: {"o": x["q"] @ S})),
+    "hgrn2": ("""recurrence hgrn2(dk = 5, dv = 4)
+input q[dk], f[dk] in (0, 1), v[dv]
+state S[dk, dv]
+S = diag(f)·S + (1 − f)⊗v
+output o = q·S
+""", lambda x, s: _one_state(s, lambda S: x["f"][:, None] * S + np.outer(1 - x["f"], x["v"]),
+                             lambda S: {"o": x["q"] @ S})),
+    "dproduct": ("""recurrence dproduct(dk = 5, dv = 4)
+input q[dk], k1[dk], k2[dk], v1[dv], v2[dv], b1 in (0, 1), b2 in (0, 1)
+n1 = l2norm(k1)
+n2 = l2norm(k2)
+state S[dk, dv]
+S = (I − b2·n2⊗n2)·((I − b1·n1⊗n1)·S + b1·n1⊗v1) + b2·n2⊗v2
+output o = q·S
+""", lambda x, s: _one_state(s, lambda S: _householder(x, "2", _householder(x, "1", S)), lambda S: {"o": x["q"] @ S})),
+    "gsa": ("""recurrence gsa(dk = 5, dv = 4, m = 3)
+input q[dk], k[dk], v[dv], a[m] in (0, 1)
+state K[m, dk], V[m, dv]
+K = diag(a)·K + (1 − a)⊗k
+V = diag(a)·V + (1 − a)⊗v
+output o = softmax(K·q)·V
+""", lambda x, s: _slots(x, s)),
+    "mlstm": ("""recurrence mlstm(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv], ipre, fpre
+state C[dk, dv], n[dk]
+C = sigmoid(fpre)·C + exp(ipre)·k⊗v
+n = sigmoid(fpre)·n + exp(ipre)·k
+output y = (dk^(−1/2)·q·C)/(1 + relu(abs(dk^(−1/2)·n·q) − 1))
+""", lambda x, s: _mlstm(x, s)),
+    "hedgehog": ("""recurrence hedgehog(dk = 5, dv = 4, df = 6)
+param W[df, dk] = randn(seed=0)
+input q[dk], k[dk], v[dv]
+fq = softmax(W·q)
+fk = softmax(W·k)
+state S[df, dv], z[df]
+S = S + fk⊗v
+z = z + fk
+output o = (fq·S)/(fq·z)
+""", lambda x, s: _hedgehog(x, s)),
+}
+
+
+def _b(x):
+    return x["eps"] / (1 + x["eps"] * (x["k"] @ x["k"]))
+
+
+def _householder(x, i, S):
+    n, b, v = l2norm(x["k" + i]), x["b" + i], x["v" + i]
+    return S - b * np.outer(n, n @ S) + b * np.outer(n, v)
+
+
+def _one_state(state, update, read):
+    (name,) = state
+    new = {name: update(state[name])}
+    return new, read(new[name])
+
+
+def _slots(x, s):
+    a = x["a"]
+    K = a[:, None] * s["K"] + np.outer(1 - a, x["k"])
+    V = a[:, None] * s["V"] + np.outer(1 - a, x["v"])
+    return {"K": K, "V": V}, {"o": softmax(K @ x["q"]) @ V}
+
+
+def _mlstm(x, s):
+    f, i = sigmoid(x["fpre"]), np.exp(x["ipre"])
+    C = f * s["C"] + i * np.outer(x["k"], x["v"])
+    n = f * s["n"] + i * x["k"]
+    scale = len(x["q"]) ** -0.5
+    return {"C": C, "n": n}, {"y": scale * (x["q"] @ C) / max(abs(scale * (n @ x["q"])), 1.0)}
+
+
+def _hedgehog(x, s):
+    fq, fk = softmax(x["W"] @ x["q"]), softmax(x["W"] @ x["k"])
+    S, z = s["S"] + np.outer(fk, x["v"]), s["z"] + fk
+    return {"S": S, "z": z}, {"o": (fq @ S) / (fq @ z)}
+
+
+_RECS: dict[str, linrec.Recurrence] = {}
+
+
+def _rec(name: str) -> linrec.Recurrence:
+    if name not in _RECS:
+        _RECS[name] = linrec.compile(VARIANTS[name][0], f"{name}.lin")
+    return _RECS[name]
+
+
+def _loop(name, rec, inputs, params, state0):
+    """The outputs by the loop of VARIANTS, token by token for every (batch row, head)."""
+    step = VARIANTS[name][1]
+    outputs = {o.name: np.zeros((B, T, H) + tuple(_size(rec, d) for d in o.value.shape)) for o in rec.program.outputs}
+    for b in range(B):
+        for h in range(H):
+            state = {k: v[b, h] for k, v in state0.items()}
+            for t in range(T):
+                x = {k: v[b, t, h] for k, v in inputs.items()}
+                x |= {k: (v[h] if k in _per_head(rec) else v) for k, v in params.items()}
+                state, out = step(x, state)
+                for k, v in out.items():
+                    outputs[k][b, t, h] = v
+    return outputs
+
+
+def _size(rec, dim: str) -> int:
+    return next(d.default for d in rec.program.dims if d.name == dim)
+
+
+def _per_head(rec) -> set[str]:
+    return {p.name for p in rec.program.params if p.per_head}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_form_on_both_backends_equals_the_loop(name):
+    rec = _rec(name)
+    assert rec.forms == FORMS
+    inputs, params, state0, _, _ = arrays_for(rec, B, T, H, seed=5)
+    want = _loop(name, rec, inputs, params, state0)
+    for backend in ("numpy", "c"):
+        for form in FORMS:
+            got = rec.run(inputs, form=form, backend=backend, params=params, initial_state=state0,
+                          chunk_size=CHUNK).outputs
+            for k, ref in want.items():
+                err = np.max(np.abs(got[k] - ref)) / np.max(np.abs(ref))
+                assert err < TOL, (form, backend, k, err)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_gradient_form_on_both_backends_equals_the_recurrent_one(name):
+    rec = _rec(name)
+    inputs, params, state0, g_out, g_state = arrays_for(rec, B, T, H, seed=6)
+    call = dict(grad_final_state=g_state, initial_state=state0, params=params, chunk_size=CHUNK)
+    reference = rec.vjp(inputs, g_out, form="recurrent", backend="numpy", **call)
+    errors = verify_grad.directional_errors(rec, inputs, params, state0, g_out, g_state, reference.grads, None, 6)
+    assert set(errors) == set(reference.grads)
+    bad = {k: rel for k, (_, rel) in errors.items() if not rel <= FD_TOLERANCE}
+    assert not bad, f"finite differences disagree (relative errors {bad})"
+    for backend in ("numpy", "c"):
+        for form in FORMS:
+            assert_same_gradients(rec.vjp(inputs, g_out, form=form, backend=backend, **call), reference, TOL)
