@@ -208,6 +208,25 @@ def test_a_layer_copies_pickles_and_saves_whole(tmp_path):
         assert torch.equal(got, want)
 
 
+def test_a_copied_layer_compiles_whole():
+    """A deepcopy or an unpickled Layer, whose program's op another Recurrence of the same source registered
+    first: the copy kept that op, its own program was never registered, and torch.compile(fullgraph=True)
+    refused the registration inside the graph (a probe's finding). A copy registers its own program, as __init__
+    does, and compiles whole."""
+    import copy
+    import pickle
+
+    lt.Layer("examples/gla.lin", heads=2)  # (the first of this source: the op's registrant)
+    x = {n: torch.randn(2, 5, 2, 16, generator=torch.Generator().manual_seed(i)) for i, n in enumerate("qkvg")}
+    x["g"] = -x["g"].abs()
+    original = lt.Layer("examples/gla.lin", heads=2)
+    want, _ = original(**x)
+    for other in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
+        torch._dynamo.reset()
+        got, _ = torch.compile(other, fullgraph=True, backend="aot_eager")(**x)
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name, dims, backend", [("gla", None, "c"), ("performer", {"m": 8}, "c"),
                                                  ("linear_transformer", None, "numpy"), ("softmax", None, "c"),
                                                  ("softmax", None, "numpy")])

@@ -452,3 +452,23 @@ def test_recompute_keeps_nothing_and_gives_the_same_gradients(monkeypatch):
     ran.clear()
     o, _ = layer(**{k: torch.from_numpy(v).requires_grad_() for k, v in x.items()})
     assert ran == []  # (the Layer's forward kept nothing: its backward will run the kernel itself)
+
+
+@pytest.mark.parametrize("backend, form", [("numpy", "auto"), ("numpy", "recurrent"), ("c", "chunkwise"),
+                                           ("c", "parallel")])
+def test_outputs_stay_free_where_no_forward_is_kept(backend, form):
+    """Only the fused C forward is kept for the backward, and only then are the outputs saved with it (an output
+    changed in place before backward() is then autograd's error). Elsewhere they were saved too (a probe's
+    finding): changing one in place failed the backward, which never reads them."""
+    rec = linrec.load("examples/gla.lin")
+    arrays = rec.random_inputs(2, 8, 2, seed=2)
+    grads = []
+    for edit in (False, True):
+        x = {n: torch.from_numpy(t).requires_grad_() for n, t in arrays.items()}
+        o, _ = lt.apply(rec, x, backend=backend, form=form)
+        doubled = 2 * o
+        if edit:
+            o.zero_()
+        doubled.sum().backward()
+        grads.append({n: t.grad for n, t in x.items()})
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

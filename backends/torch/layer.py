@@ -131,6 +131,21 @@ class Layer(nn.Module):
     def extra_repr(self) -> str:
         return f"'{self.rec.name}' ({self.rec.compiled.filename}), heads={self.heads}, backend={self.backend!r}"
 
+    def __getstate__(self):
+        """Copied and pickled without its op: the op is the process's registration, found again for the copy's
+        own program (__setstate__)."""
+        state = super().__getstate__().copy()
+        state.pop("op", None)
+        return state
+
+    def __setstate__(self, state):
+        """The copy's program registered as __init__ registers it: op_for(self.rec), so that torch.compile finds
+        it. Kept as pickled, the op would stand for the program it was first registered with — another
+        Recurrence of the same source — and the copy's first call inside a compiled function would register
+        it there, which fullgraph=True refuses."""
+        super().__setstate__(state)
+        self.op = op_for(self.rec)
+
     def forward(self, *args, state: dict | None = None, cu_seqlens=None, **inputs):
         names = [x.name for x in self.rec.program.inputs]
         if len(args) > len(names):

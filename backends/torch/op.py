@@ -72,10 +72,11 @@ class RecurrenceOp:
     def __call__(self, inputs: list, states: list, params: list, cu_seqlens, sizes: list, form: str, backend: str,
                  chunk_size: int | None, keep_allowed: bool = True) -> tuple[list, list]:
         """(outputs, final states), each a list in declaration order."""
-        # the forward is kept for the backward only where autograd will ask for one (a decode step's or packed
-        # sequences' backward runs its own forward: backward.kernel)
-        keep = keep_allowed and torch.is_grad_enabled() and form != STEP and cu_seqlens is None and \
-            any(t is not None and t.requires_grad for t in (*inputs, *states, *params))
+        # the forward is kept for the backward only where autograd will ask for one, and only where it can be
+        # (the fused C kernel: _kept_forward), for the outputs saved with it stay alive and unchangeable (a decode
+        # step's or packed sequences' backward runs its own forward: backward.kernel)
+        keep = keep_allowed and backend == "c" and form in ("recurrent", "auto") and torch.is_grad_enabled() and \
+            cu_seqlens is None and any(t is not None and t.requires_grad for t in (*inputs, *states, *params))
         results = self.op(*inputs, *states, *params, cu_seqlens, sizes=sizes, form=form, backend=backend,
                           chunk_size=chunk_size, keep=keep)
         count = len(self.outputs)
