@@ -9,6 +9,7 @@ backends against the NumPy recurrent backward, itself checked against central fi
     gsa        gated slot attention: two states of slots, read through a softmax over the slots
     mlstm      xLSTM's matrix memory with its normalizer state and max(|n·q|, 1) (as 1 + relu(|n·q| − 1))
     hedgehog   learned softmax feature maps over a param matrix, normalized by a second state
+    lru        the linear recurrent unit: a per-head decay and the input scaled by sqrt(1 − λ²)
 
 Tolerances (float64): 1e-9 of the largest magnitude for every form and backend against the loop and for every
 gradient form against the recurrent one (the forms' tolerance); the recurrent backward against central
@@ -90,6 +91,19 @@ C = sigmoid(fpre)·C + exp(ipre)·k⊗v
 n = sigmoid(fpre)·n + exp(ipre)·k
 output y = (dk^(−1/2)·q·C)/(1 + relu(abs(dk^(−1/2)·n·q) − 1))
 """, lambda x, s: _mlstm(x, s)),
+    # (C's fused kernel computed sqrt(1 − lam^2), fixed per head, before the token loop from the decay's per-token
+    # array, and failed to compile: 'u' undeclared — a probe's finding)
+    "lru": ("""recurrence lru(d = 4, n = 5)
+input x[d]
+param nu_log[n] per head = log(uniform(0.01, 1, seed=0))
+param B[n, d] per head = randn(std=0.25, seed=1)
+param C[d, n] per head = randn(std=0.25, seed=2)
+param D[d] per head = randn(seed=3)
+lam = exp(−exp(nu_log))
+state hs[n]
+hs = lam*hs + sqrt(1 − lam^2)*(B·x)
+output y = C·hs + D*x
+""", lambda x, s: _lru(x, s)),
     "hedgehog": ("""recurrence hedgehog(dk = 5, dv = 4, df = 6)
 param W[df, dk] = randn(seed=0)
 input q[dk], k[dk], v[dv]
@@ -131,6 +145,12 @@ def _mlstm(x, s):
     n = f * s["n"] + i * x["k"]
     scale = len(x["q"]) ** -0.5
     return {"C": C, "n": n}, {"y": scale * (x["q"] @ C) / max(abs(scale * (n @ x["q"])), 1.0)}
+
+
+def _lru(x, s):
+    lam = np.exp(-np.exp(x["nu_log"]))
+    hs = lam * s["hs"] + np.sqrt(1 - lam ** 2) * (x["B"] @ x["x"])
+    return {"hs": hs}, {"y": x["C"] @ hs + x["D"] * x["x"]}
 
 
 def _hedgehog(x, s):

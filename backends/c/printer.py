@@ -257,7 +257,9 @@ class CPrinter:
             else:
                 code = self._apply_elementwise(e, "i")
                 body = ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
-            self._cache[e] = target
+            if token_variant(e):  # (a value fixed per head is printed before the token loop wherever another
+                # value uses it, and there a per-token target, blk[u], names nothing: such uses compute it there)
+                self._cache[e] = target
             return [f"/* {target} = {self._comment(e).strip()[3:-3].strip()} */"] + body
         code = self.elem(e, "i")
         return ["#pragma omp simd", f"for (int i = 0; i < {n}; ++i) {target}[i] = {code};"]
