@@ -33,6 +33,11 @@ def log_scale_keys(compiled: Compiled) -> dict[str, str]:
             for state, alphas in stabilized_states(compiled).items()}
 
 
+# builtins f with f(c·x) = c·f(x) for every c > 0, as exp(scale) is: a scale passes through them (Aaren's
+# a/sum(c) cancels its scales, where multiplying them back overflowed)
+POSITIVELY_HOMOGENEOUS = frozenset({"sum", "mean", "norm", "abs", "relu"})
+
+
 def scale_degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
     """How an output scales when readout i is multiplied by exp(scale_of[i]): exponents per scale, or None
     when the output is not a product of powers (then the scales are multiplied back in)."""
@@ -44,7 +49,7 @@ def scale_degree(e: ir.Expr, scale_of: dict[int, str]) -> dict[str, int] | None:
     degrees = [scale_degree(k, scale_of) for k in kids]
     if any(dg is None for dg in degrees):
         return None
-    if isinstance(e, ir.Neg):
+    if isinstance(e, ir.Neg) or (isinstance(e, ir.Apply) and e.function in POSITIVELY_HOMOGENEOUS):
         return degrees[0]
     if isinstance(e, (ir.Dot, ir.Outer)) or (isinstance(e, ir.Arith) and e.op == "mul"):
         return {k: degrees[0].get(k, 0) + degrees[1].get(k, 0) for k in degrees[0].keys() | degrees[1].keys()}

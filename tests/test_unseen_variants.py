@@ -9,6 +9,7 @@ backends against the NumPy recurrent backward, itself checked against central fi
     gsa        gated slot attention: two states of slots, read through a softmax over the slots
     mlstm      xLSTM's matrix memory with its normalizer state and max(|n·q|, 1) (as 1 + relu(|n·q| − 1))
     hedgehog   learned softmax feature maps over a param matrix, normalized by a second state
+    aaren      attention as a recurrence with a learned query: exp(q0·k)-weighted sums of v and of 1, divided
     lru        the linear recurrent unit: a per-head decay and the input scaled by sqrt(1 − λ²)
 
 Tolerances (float64): 1e-9 of the largest magnitude for every form and backend against the loop and for every
@@ -91,6 +92,16 @@ C = sigmoid(fpre)·C + exp(ipre)·k⊗v
 n = sigmoid(fpre)·n + exp(ipre)·k
 output y = (dk^(−1/2)·q·C)/(1 + relu(abs(dk^(−1/2)·n·q) − 1))
 """, lambda x, s: _mlstm(x, s)),
+    # a vector state of exponential writes, read as itself, normalized by another (its scales cancel)
+    "aaren": ("""recurrence aaren(dk = 5, dv = 4, one = 1)
+input k[dk], v[dv]
+param q0[dk] per head = randn(std=0.25, seed=0)
+s = q0·k
+state a[dv], c[one]
+a = a + exp(s)*v
+c = c + exp(s)
+output o = a/sum(c)
+""", lambda x, s: _aaren(x, s)),
     # (C's fused kernel computed sqrt(1 − lam^2), fixed per head, before the token loop from the decay's per-token
     # array, and failed to compile: 'u' undeclared — a probe's finding)
     "lru": ("""recurrence lru(d = 4, n = 5)
@@ -145,6 +156,13 @@ def _mlstm(x, s):
     n = f * s["n"] + i * x["k"]
     scale = len(x["q"]) ** -0.5
     return {"C": C, "n": n}, {"y": scale * (x["q"] @ C) / max(abs(scale * (n @ x["q"])), 1.0)}
+
+
+def _aaren(x, s):
+    # (the states as the run returns them, at their true scale: initial ones too)
+    w = np.exp(x["q0"] @ x["k"])
+    a, c = s["a"] + w * x["v"], s["c"] + w
+    return {"a": a, "c": c}, {"o": a / c.sum()}
 
 
 def _lru(x, s):
@@ -220,3 +238,34 @@ def test_every_gradient_form_on_both_backends_equals_the_recurrent_one(name):
     for backend in ("numpy", "c"):
         for form in FORMS:
             assert_same_gradients(rec.vjp(inputs, g_out, form=form, backend=backend, **call), reference, TOL)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # (the final states at their true scale: beyond float32)
+@pytest.mark.parametrize("dtype, scale", [(np.float32, 80), (np.float64, 600)])
+def test_exponential_writes_whose_scales_cancel_stay_finite(dtype, scale):
+    """Aaren's o = a/sum(c) with scores q0·k up to ~100 (float32) and ~840 (float64), where exp overflows: the
+    states are stabilized (carried times exp(−max score)) and their scales cancel in the quotient. C's fused
+    kernel and decode step multiplied them back in through sum(c) — inf/inf, NaN for every token of a head —
+    and in float64 every form did (a probe's finding): sum, like every positively homogeneous builtin, passes
+    a scale through. Every form on both backends and the decode step against the softmax-weighted mean of v."""
+    rec = _rec("aaren")
+    x = rec.random_inputs(1, 24, 2, seed=0)
+    x["k"] = x["k"] * scale
+    q0 = rec.run(x, form="recurrent").params["q0"]
+    s = np.einsum("bthd,hd->bth", x["k"], q0)
+    assert s.max() > (88 if dtype == np.float32 else 709)  # (exp overflows)
+    want = np.zeros_like(x["v"])
+    for t in range(24):
+        w = np.exp(s[:, :t + 1] - s[:, :t + 1].max(1, keepdims=True))
+        want[:, t] = np.einsum("bth,bthd->bhd", w, x["v"][:, :t + 1]) / w.sum(1)[..., None]
+    x = {k: v.astype(dtype) for k, v in x.items()}
+    tolerance = 1e-5 if dtype == np.float32 else 1e-12
+    for backend in ("numpy", "c"):
+        for form in FORMS:
+            got = rec.run(x, form=form, backend=backend).outputs["o"]
+            assert np.max(np.abs(got - want)) < tolerance, (form, backend)
+        state, steps = None, []
+        for t in range(24):
+            o, state = rec.step({k: v[:, t] for k, v in x.items()}, state, backend=backend)
+            steps.append(o["o"])
+        assert np.max(np.abs(np.stack(steps, 1) - want)) < tolerance, backend
