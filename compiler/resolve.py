@@ -457,6 +457,11 @@ class _Resolver:
             ways = [f"its {axis}: {how}" for axis, how, d in (("rows", "diag(v)·M", 0), ("columns", "M·diag(v)", 1))
                     if op == "mul" and len(vector) == 1 and len(matrix) == 2 and vector[0] == matrix[d]]
             hint = f"; to scale a matrix by a vector, write for {' or '.join(ways)}" if ways else ""
+            if op in ("add", "sub") and any(isinstance(x, ir.Dot) and len(x.left.shape) == 1 and
+                                            x.right.shape in (sa, sb) for x in (a, b)):
+                # (`sigmoid(f)·S + k⊗v`, meant as a decay of the rows: the dot is a readout, a vector)
+                hint = "; `v·M` contracts the matrix M with the vector v, giving a vector: to scale M's rows by v, " \
+                       "write diag(v)·M"
             raise LinrecError(f"shape mismatch in '{_opname(op)}': {_fmt(sa)} and {_fmt(sb)}{hint}", sp)
         if op == "pow":  # elementwise: a scalar on either side broadcasts
             if sa and sb and sa != sb:

@@ -244,6 +244,10 @@ LOOKALIKES = [
     ("‐‑‒–—﹣－", " (a dash: write '−' or '-' for a minus)"),
     ("½⅓⅔¼¾⅕⅛", " (write a fraction as a division, e.g. (1/2))"),
     ("√", " (write sqrt(x))"),
+    ("⊙∘", " (write '*' for an elementwise product)"),
+    ("‖", " (write norm(x) for ‖x‖)"),
+    ("ᵀ⊤", " (there is no transpose: write k⊗v for the outer product k·vᵀ, and q·S to read a state S[dk, dv]; "
+           "a state declared S[dv, dk] is read S·q — docs/forms.md, the transposed convention)"),
     ("\r", " (a carriage return alone: old Macs' line ends; save the file with \\n or \\r\\n line ends)"),
     ("\ufeff\u200b\u200c\u200d\u2060", " (an invisible character — a byte-order mark or a zero-width space, often "
                                     "pasted along with text: delete it)"),

@@ -158,6 +158,8 @@ def test_unexpected_character_with_hint():
     ("S = S + k•v", "•", "write '·' or '@' for a contraction"),
     ("S = S – k⊗v", "–", "a dash: write '−' or '-' for a minus"),
     ("S = S + dk^(‐1)·k⊗v", "‐", "a dash: write '−' or '-' for a minus"),
+    ("S = S + k⊗(v⊙v)", "⊙", "write '*' for an elementwise product"),  # (a probe's: these said nothing more)
+    ("S = S + k⊗v/‖k‖", "‖", "write norm(x) for ‖x‖"),
 ])
 def test_look_alike_characters_name_the_one_to_write(text, bad, hint):
     src = HEAD + f"state S[dk, dv]\n{text}\noutput o = q·S\n"
@@ -167,6 +169,21 @@ def test_look_alike_characters_name_the_one_to_write(text, bad, hint):
 def test_a_fraction_character_is_a_name_to_the_lexer_and_says_so():
     src = HEAD + "state S[dk, dv]\nS = S + k⊗v\noutput o = dk^(−½)·q·S\n"
     check(compile_error(src), src, where(src, 5, "½"), "unknown name '½'", "write a fraction as a division, e.g. (1/2)")
+
+
+def test_a_transpose_says_there_is_none_and_what_to_write():
+    """`k·vᵀ` from a paper: 'vᵀ' is a name to the lexer, and was an unknown one with no more said (a probe's)."""
+    src = HEAD + "state S[dk, dv]\nS = S + k·vᵀ\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "vᵀ"), "unknown name 'vᵀ'", "there is no transpose",
+          "write k⊗v for the outer product k·vᵀ")
+
+
+def test_a_dot_meant_as_a_decay_of_the_rows_says_diag():
+    """`sigmoid(a)·S + k⊗v`: the dot is a readout, a vector, and the sum's shapes differ — where `*` says
+    diag(v)·M, this said only the shapes (a probe's finding)."""
+    src = HEAD.replace("v[dv]", "v[dv], a[dk]") + "state S[dk, dv]\nS = sigmoid(a)·S + k⊗v\noutput o = q·S\n"
+    err = compile_error(src)
+    assert "shape mismatch in '+'" in str(err) and "to scale M's rows by v, write diag(v)·M" in str(err)
 
 
 def test_a_byte_order_mark_is_no_character():
