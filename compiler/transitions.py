@@ -20,10 +20,11 @@ name: the class follows from the terms.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from . import ir
-from .analysis import inline_lets, product_factors, refs, states_in, to_text, variance
+from .analysis import inline_lets, product_factors, refs, states_in, to_text, variance, walk
 from .intervals import Bounds, undefaulted_params
 from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, add, as_matrix, compose, linear_terms, mul,
                         operator_terms, vector_terms)
@@ -407,6 +408,14 @@ def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
         hints += [] if inputs or free else ["change the defaults it is computed from"]
     hints.append("write it as exp(…) or sigmoid(…)")
     fix = ", ".join(hints[:-1]) + (", or " if len(hints) > 1 else "") + hints[-1]
+    # (bounds take each occurrence of a value on its own: lb + (1 − lb)*sigmoid(f) spans (−∞, ∞) for lb ≥ 0, where
+    # the same value written lb*(1 − sigmoid(f)) + sigmoid(f) is seen positive — say so rather than only ask for
+    # ranges that cannot help)
+    uses = Counter(n.name for n in walk(decay) if isinstance(n, (ir.InputRef, ir.ParamRef)))
+    repeated = [name for name, count in uses.items() if count > 1]
+    if repeated and bounds.hi > 0:
+        fix += (f" (the bounds take each occurrence of {', '.join(repeated)} on its own: written with "
+                f"{'each' if len(repeated) > 1 else 'it'} once, the same decay may be seen positive)")
     sign = ("is zero" if bounds.hi == 0 else "can be zero") if bounds.lo >= 0 else \
         "is negative" if bounds.negative else "can be zero or negative"
     return [f"the decay `{to_text(decay)}` of '{state}' {sign} (its values lie in {bounds}), and the "

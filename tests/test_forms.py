@@ -368,6 +368,17 @@ def test_a_nonpositive_decays_advice_names_the_factor_at_fault():
     assert "declare ranges of b that keep it positive" in rec.decomposition.why_not("parallel")
 
 
+def test_a_value_written_twice_in_a_decay_is_named_and_once_is_seen_positive():
+    """HGRN's lower-bounded gate lb + (1 − lb)*sigmoid(f): positive for lb ≥ 0, but the bounds take each lb on its
+    own and found (−∞, ∞), and the message asked for ranges of f that cannot help (a probe's finding). It now
+    names lb; the same decay written with lb once has every form."""
+    head = "recurrence hg(d = 4)\ninput f[d], c[d]\nparam lb per head = 0.1*(h + 1)\nstate hh[d]\n"
+    twice = linrec.compile(head + "hh = (lb + (1 − lb)*sigmoid(f))*hh + c\noutput o = hh\n", "hg.lin")
+    assert "the bounds take each occurrence of lb on its own" in twice.decomposition.why_not("parallel")
+    once = linrec.compile(head + "hh = (lb*(1 − sigmoid(f)) + sigmoid(f))*hh + c\noutput o = hh\n", "hg.lin")
+    assert once.forms == ("recurrent", "parallel", "chunkwise")
+
+
 def test_nonpositive_decay_is_refused_in_log_space_forms():
     """A decay with no symbolic logarithm must be positive in the log-space forms: an input without a range
     that keeps it so (or a param without a default) leaves the program without them, and check says why; a
