@@ -331,7 +331,7 @@ class _Sweep:
             self.grad(e.operand, Einsum(e.operand.shape, "einsum", (g,), spec="ii->i"))
         elif isinstance(e, ir.Apply):
             self.apply(e, g)
-        else:  # Const, DimSize, HeadIndex, Identity, Random: no gradient (and never live)
+        else:  # Const, DimSize, HeadIndex, HeadCount, Identity, Random: no gradient (and never live)
             raise TypeError(f"internal error: no derivative rule for {type(e).__name__}")
 
     def scaled_array(self, e: ir.Expr, g: ir.Expr) -> bool:

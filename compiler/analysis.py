@@ -92,6 +92,8 @@ def to_text(e: ir.Expr) -> str:
             return node.dim
         if isinstance(node, ir.HeadIndex):
             return "h"
+        if isinstance(node, ir.HeadCount):
+            return "H"
         if isinstance(node, (ir.InputRef, ir.ParamRef, ir.LetRef)):
             return node.name
         if isinstance(node, ir.StateRef):

@@ -237,6 +237,8 @@ class Bounds:
             return Interval(1.0, INF, False, True)
         if isinstance(e, ir.HeadIndex):
             return Interval(0.0, INF, False, True)
+        if isinstance(e, ir.HeadCount):
+            return Interval(1.0, INF, False, True)
         if isinstance(e, ir.InputRef):
             x = self.inputs[e.name]
             return _make(-INF if x.low is None else x.low, INF if x.high is None else x.high,

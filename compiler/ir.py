@@ -37,6 +37,11 @@ class HeadIndex(Expr):
 
 
 @dataclass(frozen=True)
+class HeadCount(Expr):
+    """`H`, the number of heads of the call, for parameter defaults (ALiBi's slopes 2^(−8·(h + 1)/H))."""
+
+
+@dataclass(frozen=True)
 class InputRef(Expr):
     name: str
 

@@ -426,6 +426,10 @@ class _Resolver:
             raise LinrecError(_output_read(n), sp)
         if n in BUILTINS or n in STRUCTURAL or n in RANDOM:
             raise LinrecError(f"'{n}' is a builtin function; call it, e.g. `{n}(x)`", sp)
+        if n == "H":  # (after the program's own names: a dim or an input may be called H)
+            if not in_param:
+                raise LinrecError("the number of heads 'H' may only appear in a parameter's default", sp)
+            return ir.HeadCount((), span=sp)
         lookalike = next((hint for chars, hint in LOOKALIKES if any(c in chars for c in n)), None)
         if lookalike:  # (½ is a letter to the lexer, as to Python: a name)
             raise LinrecError(f"unknown name '{n}'{lookalike}", sp)

@@ -621,6 +621,31 @@ def test_head_index_outside_param():
     check(compile_error(src), src, where(src, 4, "h"), "head index 'h'", width=1)
 
 
+def test_head_count_outside_a_param_default():
+    src = HEAD + "state S[dk, dv]\nS = S + k⊗v/H\noutput o = q·S\n"
+    check(compile_error(src), src, where(src, 4, "H"), "the number of heads 'H' may only appear in a parameter's "
+          "default", width=1)
+
+
+def test_head_count_in_param_defaults():
+    """`H`, the call's number of heads, in param defaults (it was an unknown name: a probe's finding): every form
+    on both backends at two head counts, and a dim named H is the program's."""
+    rec = linrec.compile(HEAD + "param lam per head = exp(−8*(h + 1)/H)\nparam scale = 1/H\nstate S[dk, dv]\n"
+                         "S = lam·S + k⊗v\noutput o = scale·q·S\n", "heads.lin")
+    for heads in (2, 4):
+        x = rec.random_inputs(1, 5, heads, seed=heads)
+        reference = rec.run(x)
+        np.testing.assert_allclose(reference.params["lam"], np.exp(-8 * (np.arange(heads) + 1) / heads), rtol=1e-15)
+        assert reference.params["scale"] == 1 / heads
+        for backend in ("numpy", "c"):
+            for form in rec.forms:
+                got = rec.run(x, form=form, backend=backend).outputs["o"]
+                np.testing.assert_allclose(got, reference.outputs["o"], rtol=1e-12, err_msg=f"{form} {backend}")
+    own = linrec.compile("recurrence t(dk = 4, H = 3)\ninput q[dk], k[dk], v[H]\nstate S[dk, H]\n"
+                         "S = S + k⊗v\noutput o = q·S\n", "own.lin")
+    assert [d.name for d in own.program.dims] == ["dk", "H"]
+
+
 def test_head_index_in_param_not_per_head():
     src = HEAD + "param u = 1 + h\nstate S[dk, dv]\nS = S + u*k⊗v\noutput o = q·S\n"
     check(compile_error(src), src, where(src, 3, "1 + h"), "'u' uses the head index h", "param u per head")

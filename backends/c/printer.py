@@ -184,7 +184,7 @@ class CPrinter:
         if v is not None:
             return self.literal(v)
         code = self._scalar(e)
-        if isinstance(e, _LEAVES) or isinstance(e, (ir.Const, ir.DimSize, ir.HeadIndex)):
+        if isinstance(e, _LEAVES) or isinstance(e, (ir.Const, ir.DimSize, ir.HeadIndex, ir.HeadCount)):
             return code
         if isinstance(e, ir.Apply) or self._uses[e] > 1:
             name = self._name(e, "s")
@@ -272,6 +272,8 @@ class CPrinter:
             return self.literal(float(self.size(e.dim)))
         if isinstance(e, ir.HeadIndex):
             return "((T)h)"
+        if isinstance(e, ir.HeadCount):
+            return "((T)H)"
         if isinstance(e, _LEAVES):
             return self.ref(e)
         if isinstance(e, ir.Neg):

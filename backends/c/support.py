@@ -229,7 +229,7 @@ class _Spelling:
         return self._memo("scalar", e, self._scalar) if not e.shape else e
 
     def _scalar(self, e: ir.Expr) -> ir.Expr | None:
-        if isinstance(e, (ir.Const, ir.DimSize, ir.HeadIndex)):
+        if isinstance(e, (ir.Const, ir.DimSize, ir.HeadIndex, ir.HeadCount)):
             return None
         if isinstance(e, _LEAVES):
             return self._leaf(e)

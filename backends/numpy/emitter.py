@@ -88,6 +88,8 @@ class Emitter:
                 return self.name(node.dim)
             if isinstance(node, ir.HeadIndex):
                 return "h"
+            if isinstance(node, ir.HeadCount):
+                return "heads"
             if isinstance(node, ir.ParamRef):
                 return self.name(node.name)
             if isinstance(node, ir.InputRef) or (isinstance(node, ir.LetRef) and node.name in self.per_token):

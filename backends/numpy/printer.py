@@ -57,7 +57,7 @@ class NumpyPrinter:
             v = e.value
             return (_float(v), ATOM) if v >= 0 else (_float(v), UNARY)
         if isinstance(e, (ir.InputRef, ir.ParamRef, ir.StateRef, ir.LetRef, ir.ReadoutRef, ir.DimSize,
-                          ir.HeadIndex)):
+                          ir.HeadIndex, ir.HeadCount)):
             return self.ref(e), ATOM
         if isinstance(e, ir.Neg):
             scaled = _negated_scalar_factor(e.operand)
