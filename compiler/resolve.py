@@ -489,7 +489,14 @@ class _Resolver:
         if sa[-1] != sb[0]:
             raise LinrecError(f"shape mismatch in '·': {_fmt(sa)}·{_fmt(sb)} contracts '{sa[-1]}' with "
                               f"'{sb[0]}', which are different dimensions", sp)
-        return ir.Dot(sa[:-1] + sb[1:], a, b, span=sp)
+        shape = sa[:-1] + sb[1:]
+        # a negated matrix times a vector, −W·x (the minus binds tighter: (−W)·x), is −(W·x): the product of the
+        # matrix itself, which the kernels compute over a param's rows (the C fused kernel took no other)
+        if isinstance(a, ir.Neg) and len(sa) == 2 and len(sb) == 1:
+            return ir.Neg(shape, ir.Dot(shape, a.operand, b, span=sp), span=sp)
+        if isinstance(b, ir.Neg) and len(sa) == 1 and len(sb) == 2:
+            return ir.Neg(shape, ir.Dot(shape, a, b.operand, span=sp), span=sp)
+        return ir.Dot(shape, a, b, span=sp)
 
     def _call(self, e: ast.Call, in_param, bound, stack) -> ir.Expr:
         fn, sp = e.function, e.span

@@ -238,3 +238,30 @@ def test_prefill_on_one_backend_then_steps_on_the_other(performer, first, then):
     got = np.stack(outs, axis=1)
     want = ref.outputs["o"][:, 10:]
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 5e-4
+
+
+HYPERBOLIC = """recurrence hyperbolic(dk = 8, dv = 4, m = 16)
+input q[dk], k[dk], v[dv]
+param W[m, dk] = random_features(seed=0)
+pp(x) = exp(W·x − norm(x)^2/2)
+pm(x) = exp({minus} − norm(x)^2/2)
+state Sp[m, dv], Sm[m, dv], zp[m], zm[m]
+Sp = Sp + pp(k)⊗v
+Sm = Sm + pm(k)⊗v
+zp = zp + pp(k)
+zm = zm + pm(k)
+output o = (pp(q)·Sp + pm(q)·Sm)/(pp(q)·zp + pm(q)·zm)
+"""
+
+
+def test_a_negated_param_matrix_times_a_vector_runs_in_the_fused_kernel():
+    """FAVOR+'s hyperbolic features exp(−W·x − …): the minus binds tighter, (−W)·x, which the fused C kernel
+    refused ("multiplies a vector by a matrix only when the matrix is a parameter"; a probe's finding), where
+    −(W·x) ran. It is read as −(W·x): the same recurrent form on C, equal to NumPy's."""
+    as_written = linrec.compile(HYPERBOLIC.format(minus="−W·x"), "hyperbolic.lin")
+    bracketed = linrec.compile(HYPERBOLIC.format(minus="−(W·x)"), "bracketed.lin")
+    x = as_written.random_inputs(2, 9, 2, seed=1)
+    want = bracketed.run(x, form="recurrent", backend="numpy").outputs["o"]
+    for rec in (as_written, bracketed):
+        got = rec.run(x, form="recurrent", backend="c").outputs["o"]
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
