@@ -546,6 +546,19 @@ class _Resolver:
                 n = args[0].shape[0]
                 return ir.Diag((n, n), args[0], span=sp)
             return self._binary(ast.Binary(sp, "outer", e.args[0], e.args[1]), *args)
+        if fn in ("max", "min"):  # (a program's own function of that name came first)
+            if e.keywords or len(e.args) != 2:
+                raise LinrecError(f"'{fn}' takes two arguments, `{fn}(a, b)`: the elementwise {fn}imum", sp)
+            a, b = (rec(x) for x in e.args)
+            if a.shape and b.shape and a.shape != b.shape:
+                raise LinrecError(f"'{fn}' takes two values of one shape, or a scalar beside either: got "
+                                  f"{_fmt(a.shape)} and {_fmt(b.shape)}", sp)
+            # max(a, b) = b + relu(a − b), min(a, b) = a − relu(a − b): relu's kernels, bounds and derivative
+            # (at a = b its subgradient 0: the gradient goes to b for max, to a for min)
+            shape = a.shape or b.shape
+            excess = ir.Apply(shape, "relu", (ir.Arith(shape, "sub", a, b, span=sp),), (), span=sp)
+            return ir.Arith(shape, "add", b, excess, span=sp) if fn == "max" else \
+                ir.Arith(shape, "sub", a, excess, span=sp)
         if fn in BUILTINS:
             b = BUILTINS[fn]
             if len(e.args) != b.arity:

@@ -646,6 +646,26 @@ def test_head_count_in_param_defaults():
     assert [d.name for d in own.program.dims] == ["dk", "H"]
 
 
+def test_max_and_min_are_elementwise_on_every_form():
+    """max(a, b) and min(a, b), which were unknown functions (mLSTM's max(|n·q|, 1) had to be written with relu: a
+    probe's finding): against np.maximum and np.minimum on every form and both backends, and their errors."""
+    rec = linrec.compile(HEAD + "input c\nstate S[dk, dv]\nS = S + k⊗v\noutput o = max(q·S, c)\n"
+                         "output p = min(k, 0.25) + max(0, q)\n", "minmax.lin")
+    x = rec.random_inputs(2, 9, 2, seed=3)
+    S = np.cumsum(np.einsum("bthk,bthv->bthkv", x["k"], x["v"]), axis=1)
+    want_o = np.maximum(np.einsum("bthk,bthkv->bthv", x["q"], S), x["c"][..., None])
+    want_p = np.minimum(x["k"], 0.25) + np.maximum(0, x["q"])
+    for backend in ("numpy", "c"):
+        for form in rec.forms:
+            got = rec.run(x, form=form, backend=backend).outputs
+            np.testing.assert_allclose(got["o"], want_o, rtol=1e-12, atol=1e-12, err_msg=f"{form} {backend}")
+            # (b + relu(a − b) rounds a − b: within an ulp of the larger operand, here below 4)
+            np.testing.assert_allclose(got["p"], want_p, rtol=0, atol=4e-15, err_msg=f"{form} {backend}")
+    for call, message in (("max(q)", "'max' takes two arguments"), ("min(q, v)", "two values of one shape")):
+        src = HEAD + f"state S[dk, dv]\nS = S + k⊗v\noutput o = q·S\noutput p = {call}\n"
+        assert message in str(compile_error(src))
+
+
 def test_head_index_in_param_not_per_head():
     src = HEAD + "param u = 1 + h\nstate S[dk, dv]\nS = S + u*k⊗v\noutput o = q·S\n"
     check(compile_error(src), src, where(src, 3, "1 + h"), "'u' uses the head index h", "param u per head")

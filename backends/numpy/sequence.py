@@ -94,7 +94,7 @@ def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
     (keys, query), values = found, readout.values
     if len(keys.shape) != 2 or len(values.shape) != 2:
         return None
-    if any(isinstance(n, ir.Apply) and n.function == "seq" for n in walk(query)):
+    if _calls_seq(query):
         return None
 
     def sequence_only(e):  # every per-token reference sits inside seq(…)
@@ -104,6 +104,10 @@ def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
             return False
         return all(sequence_only(c) for c in children(e))
     return (keys, query, values) if sequence_only(keys) and sequence_only(values) else None
+
+
+def _calls_seq(e: ir.Expr) -> bool:
+    return any(isinstance(n, ir.Apply) and n.function == "seq" for n in walk(e))
 
 
 def _scaled_dot(scores: ir.Expr) -> tuple[ir.Expr, ir.Expr] | None:
@@ -121,7 +125,7 @@ def _scaled_dot(scores: ir.Expr) -> tuple[ir.Expr, ir.Expr] | None:
     sides = [(scores.right, scores.left, False)] if dividing else \
         [(scores.left, scores.right, True), (scores.right, scores.left, False)]
     for scalar, scaled, first in sides:
-        if scalar.shape or any(isinstance(n, ir.Apply) and n.function == "seq" for n in walk(scalar)):
+        if scalar.shape or _calls_seq(scalar):
             continue
         inner = _scaled_dot(scaled)
         if inner is None:
