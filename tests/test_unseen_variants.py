@@ -9,6 +9,7 @@ backends against the NumPy recurrent backward, itself checked against central fi
     gsa        gated slot attention: two states of slots, read through a softmax over the slots
     mlstm      xLSTM's matrix memory with its normalizer state and max(|n·q|, 1) (as 1 + relu(|n·q| − 1))
     hedgehog   learned softmax feature maps over a param matrix, normalized by a second state
+    ttt_linear TTT-Linear's inner gradient step on raw keys: a delta rule whose state grows
     aaren      attention as a recurrence with a learned query: exp(q0·k)-weighted sums of v and of 1, divided
     lru        the linear recurrent unit: a per-head decay and the input scaled by sqrt(1 − λ²)
 
@@ -92,6 +93,13 @@ C = sigmoid(fpre)·C + exp(ipre)·k⊗v
 n = sigmoid(fpre)·n + exp(ipre)·k
 output y = (dk^(−1/2)·q·C)/(1 + relu(abs(dk^(−1/2)·n·q) − 1))
 """, lambda x, s: _mlstm(x, s)),
+    # the delta rule on raw keys with a step up to 1: 1 − eta·‖k‖² down to −15, a state that grows
+    "ttt_linear": ("""recurrence ttt_linear(d = 5)
+input q[d], k[d], v[d], eta in (0, 1)
+state W[d, d]
+W = W − eta·k⊗(k·W − v)
+output z = q + groupnorm(q·W)
+""", lambda x, s: _ttt(x, s)),
     # a vector state of exponential writes, read as itself, normalized by another (its scales cancel)
     "aaren": ("""recurrence aaren(dk = 5, dv = 4, one = 1)
 input k[dk], v[dv]
@@ -156,6 +164,13 @@ def _mlstm(x, s):
     n = f * s["n"] + i * x["k"]
     scale = len(x["q"]) ** -0.5
     return {"C": C, "n": n}, {"y": scale * (x["q"] @ C) / max(abs(scale * (n @ x["q"])), 1.0)}
+
+
+def _ttt(x, s):
+    k = x["k"]
+    W = s["W"] - x["eta"] * np.outer(k, k @ s["W"] - x["v"])
+    y = x["q"] @ W
+    return {"W": W}, {"z": x["q"] + (y - y.mean()) / np.sqrt(y.var() + 1e-5)}
 
 
 def _aaren(x, s):
@@ -269,3 +284,17 @@ def test_exponential_writes_whose_scales_cancel_stay_finite(dtype, scale):
             o, state = rec.step({k: v[:, t] for k, v in x.items()}, state, backend=backend)
             steps.append(o["o"])
         assert np.max(np.abs(np.stack(steps, 1) - want)) < tolerance, backend
+
+
+def test_a_growing_delta_rule_keeps_its_digits_in_numpys_parallel_and_chunkwise_forms():
+    """TTT-Linear on raw keys: 1 − eta·‖k‖² reaches −15 at d = 16, so the state grows, and the entries of a
+    segment's triangular system with it. NumPy's parallel and chunkwise forms solved each segment whole and were
+    0.8 off at T = 512 (1e-5 at T = 64) where C's, which solve in sub-chunks of 16, were 1e-13 (a probe's finding).
+    A segment that could grow by more than e^4 now runs in halves."""
+    rec = linrec.compile(VARIANTS["ttt_linear"][0].replace("d = 5", "d = 16"), "ttt_linear.lin")
+    x = rec.random_inputs(1, 512, 2, seed=1)
+    want = rec.run(x, form="recurrent", backend="numpy").outputs["z"]
+    for backend in ("numpy", "c"):
+        for form in ("parallel", "chunkwise"):
+            got = rec.run(x, form=form, backend=backend).outputs["z"]
+            assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < TOL, (form, backend)

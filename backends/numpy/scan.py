@@ -287,6 +287,15 @@ def segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_c
     Returns (readouts or None when non-causal, state after the segment)."""
     if _is_elementwise(l):
         return _elementwise(s0, l, corrections, writes, readouts, causal, value_corrections)
+    tokens = _tokens(l, corrections, writes, readouts, m, value_corrections)
+    if tokens > 1 and _growth(corrections, value_corrections) > GROWTH_LIMIT:  # (two halves, the state passed)
+        pieces, state = [], s0
+        for part in (slice(0, tokens // 2), slice(tokens // 2, tokens)):
+            l_p, corr_p, wr_p, rd_p, m_p, vc_p = _cut(part, l, corrections, writes, readouts, m, value_corrections)
+            results, state = segment(state, l_p, corr_p, wr_p, rd_p, causal, block, m=m_p, value_corrections=vc_p)
+            pieces.append(results)
+        first, second = pieces
+        return (None if first is None else [np.concatenate(pair, axis=-2) for pair in zip(first, second)]), state
     # prefix sums of log-decays in float64: in float32 their rounding grows with T and, exponentiated,
     # becomes a relative error of the outputs (1e-3 at T = 3000); the products stay in the working dtype
     b = None if l is None else np.cumsum(l, axis=-2, dtype=np.float64)
@@ -324,6 +333,38 @@ def segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_c
         end = end * np.exp(c[..., -1:, :]).astype(s0.dtype)
     end = end + sum(np.swapaxes(row(kappa), -1, -2) @ col(x) for kappa, x in terms)
     return results, end
+
+
+# A segment's corrections solve a triangular system whose entries grow with the transitions I + u⊗w: where they
+# grow (TTT-Linear's raw keys, W − eta·k⊗(k·W − v): 1 − eta·‖k‖² down to −15), a segment's solution loses the
+# digits of that growth — NumPy's parallel form of such a program was 0.8 off at T = 512 where the recurrent
+# form and C's (which solves in sub-chunks of 16 tokens) were not. A segment whose transitions could grow by more
+# than e^GROWTH_LIMIT runs as two halves, the state passed between them, down to single tokens if need be.
+GROWTH_LIMIT = 4.0
+
+
+def _growth(corrections, value_corrections) -> float:
+    """The largest, over the (batch row, head) pairs, of Σ_t max(0, log |1 + Σ_r w_r·u_r|) over the segment's
+    tokens — the factor by which the corrections can stretch the state along u, decays aside (they only shrink
+    it) — and the value-side corrections' likewise; 0 without corrections. u, w [B, H, n, k]."""
+    total = 0.0
+    for pairs in (corrections, [(b, a) for a, b in value_corrections]):
+        if not pairs:
+            continue
+        stretch = 1 + sum(np.einsum("...i,...i->...", u, w) for u, w in pairs)  # [B, H, n]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.log(np.abs(stretch))
+        logs = np.where(np.isfinite(logs), np.maximum(logs, 0), 0)  # (non-finite tokens: the recurrent form's)
+        total += float(np.max(np.sum(logs, axis=-1), initial=0.0))  # (over the tokens, [B, H, n] → [B, H])
+    return total
+
+
+def _cut(tokens: slice, l, corrections, writes, readouts, m, value_corrections):
+    """segment's per-token arguments for some of its tokens ([B, H, n, …] arrays: their third axis)."""
+    cut = (slice(None), slice(None), tokens)
+    return (None if l is None else l[cut], [(u[cut], w[cut]) for u, w in corrections],
+            [(k[cut], x[cut]) for k, x in writes], [(None if q is None else q[cut], b) for q, b in readouts],
+            None if m is None else m[cut], [(a[cut], b[cut]) for a, b in value_corrections])
 
 
 def _elementwise(s0, l, corrections, writes, readouts, causal, value_corrections, block: int = 16):
@@ -439,11 +480,8 @@ def _chunkwise(s0, log_decay, corrections, writes, readouts, causal, chunk_size,
     tokens = _tokens(l, corr, wr, rd, m, vc)
     state, pieces = s0, []
     for s in range(0, tokens, chunk):
-        cut = (slice(None), slice(None), slice(s, min(s + chunk, tokens)))  # the tokens of [B, H, T, …]
-        results, state = segment(
-            state, None if l is None else l[cut], [(u[cut], w[cut]) for u, w in corr], [(k[cut], x[cut]) for k, x in wr],
-            [(None if q is None else q[cut], b) for q, b in rd], causal, block=16, m=None if m is None else m[cut],
-            value_corrections=[(a[cut], b[cut]) for a, b in vc])
+        l_c, corr_c, wr_c, rd_c, m_c, vc_c = _cut(slice(s, min(s + chunk, tokens)), l, corr, wr, rd, m, vc)
+        results, state = segment(state, l_c, corr_c, wr_c, rd_c, causal, block=16, m=m_c, value_corrections=vc_c)
         pieces.append(results)
     results = [np.concatenate([p[i] for p in pieces], axis=-2) for i in range(len(rd))] if causal else None
     return _finish(results, state, rd, causal, tokens)
