@@ -39,12 +39,13 @@ class SequencePlan:
     unavailable: tuple[tuple[str, str], ...]
 
 
-def _uses(e: ir.Expr, function: str) -> list[ir.Apply]:
+def applications(e: ir.Expr, function: str) -> list[ir.Apply]:
+    """The calls of a builtin (`seq`, `lsh_attention`, …) in an expression."""
     return [n for n in walk(e) if isinstance(n, ir.Apply) and n.function == function]
 
 
 def _reads_sequence(e: ir.Expr) -> bool:
-    return bool(_uses(e, "seq")) or any(isinstance(n, ir.ParamRef) and SEQ in n.shape for n in walk(e))
+    return bool(applications(e, "seq")) or any(isinstance(n, ir.ParamRef) and SEQ in n.shape for n in walk(e))
 
 
 def _mixes_positions(e: ir.Expr) -> ir.Expr | None:

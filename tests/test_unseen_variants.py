@@ -203,14 +203,14 @@ def _rec(name: str) -> linrec.Recurrence:
 
 def _loop(name, rec, inputs, params, state0):
     """The outputs by the loop of VARIANTS, token by token for every (batch row, head)."""
-    step = VARIANTS[name][1]
+    step, per_head = VARIANTS[name][1], {p.name for p in rec.program.params if p.per_head}
     outputs = {o.name: np.zeros((B, T, H) + tuple(_size(rec, d) for d in o.value.shape)) for o in rec.program.outputs}
     for b in range(B):
         for h in range(H):
             state = {k: v[b, h] for k, v in state0.items()}
             for t in range(T):
                 x = {k: v[b, t, h] for k, v in inputs.items()}
-                x |= {k: (v[h] if k in _per_head(rec) else v) for k, v in params.items()}
+                x |= {k: (v[h] if k in per_head else v) for k, v in params.items()}
                 state, out = step(x, state)
                 for k, v in out.items():
                     outputs[k][b, t, h] = v
@@ -219,10 +219,6 @@ def _loop(name, rec, inputs, params, state0):
 
 def _size(rec, dim: str) -> int:
     return next(d.default for d in rec.program.dims if d.name == dim)
-
-
-def _per_head(rec) -> set[str]:
-    return {p.name for p in rec.program.params if p.per_head}
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -348,7 +348,7 @@ def _growth(corrections, value_corrections) -> float:
     tokens — the factor by which the corrections can stretch the state along u, decays aside (they only shrink
     it) — and the value-side corrections' likewise; 0 without corrections. u, w [B, H, n, k]."""
     total = 0.0
-    for pairs in (corrections, [(b, a) for a, b in value_corrections]):
+    for pairs in (corrections, value_corrections):  # (u·w and a·b alike)
         if not pairs:
             continue
         stretch = 1 + sum(np.einsum("...i,...i->...", u, w) for u, w in pairs)  # [B, H, n]

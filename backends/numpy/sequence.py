@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..compiler import Compiled, ir
 from ..compiler.analysis import children, rebuild, walk
 from ..compiler.builtins import SEQ
+from ..compiler.sequence import applications
 
 from .emitter import NUMPY_MODULES, Emitter  # the shared pieces of every NumPy module
 from .printer import ATOM, NumpyPrinter
@@ -94,7 +95,7 @@ def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
     (keys, query), values = found, readout.values
     if len(keys.shape) != 2 or len(values.shape) != 2:
         return None
-    if _calls_seq(query):
+    if applications(query, "seq"):
         return None
 
     def sequence_only(e):  # every per-token reference sits inside seq(…)
@@ -104,10 +105,6 @@ def kernel_pattern(readout) -> tuple[ir.Expr, ir.Expr, ir.Expr] | None:
             return False
         return all(sequence_only(c) for c in children(e))
     return (keys, query, values) if sequence_only(keys) and sequence_only(values) else None
-
-
-def _calls_seq(e: ir.Expr) -> bool:
-    return any(isinstance(n, ir.Apply) and n.function == "seq" for n in walk(e))
 
 
 def _scaled_dot(scores: ir.Expr) -> tuple[ir.Expr, ir.Expr] | None:
@@ -125,7 +122,7 @@ def _scaled_dot(scores: ir.Expr) -> tuple[ir.Expr, ir.Expr] | None:
     sides = [(scores.right, scores.left, False)] if dividing else \
         [(scores.left, scores.right, True), (scores.right, scores.left, False)]
     for scalar, scaled, first in sides:
-        if scalar.shape or _calls_seq(scalar):
+        if scalar.shape or applications(scalar, "seq"):
             continue
         inner = _scaled_dot(scaled)
         if inner is None:

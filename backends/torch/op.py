@@ -73,10 +73,10 @@ class RecurrenceOp:
                  chunk_size: int | None, keep_allowed: bool = True) -> tuple[list, list]:
         """(outputs, final states), each a list in declaration order."""
         # the forward is kept for the backward only where autograd will ask for one, and only where it can be
-        # (the fused C kernel: _kept_forward), for the outputs saved with it stay alive and unchangeable (a decode
-        # step's or packed sequences' backward runs its own forward: backward.kernel)
-        keep = keep_allowed and backend == "c" and form in ("recurrent", "auto") and torch.is_grad_enabled() and \
-            cu_seqlens is None and any(t is not None and t.requires_grad for t in (*inputs, *states, *params))
+        # (_may_keep), for the outputs saved with it stay alive and unchangeable (a decode step's or packed
+        # sequences' backward runs its own forward: backward.kernel)
+        keep = keep_allowed and _may_keep(form, backend) and torch.is_grad_enabled() and cu_seqlens is None and \
+            any(t is not None and t.requires_grad for t in (*inputs, *states, *params))
         results = self.op(*inputs, *states, *params, cu_seqlens, sizes=sizes, form=form, backend=backend,
                           chunk_size=chunk_size, keep=keep)
         count = len(self.outputs)
@@ -183,6 +183,12 @@ def _kernel(rec: Recurrence):
     return kernel
 
 
+def _may_keep(form: str, backend: str) -> bool:
+    """Whether a call's forward can be the one kept for its backward: the fused C kernel of the recurrent form,
+    asked for or, with "auto", perhaps chosen (_kept_forward decides with the sizes)."""
+    return backend == "c" and form in ("recurrent", "auto")
+
+
 def _kept_forward(rec: Recurrence, inputs: dict, states: dict, params: dict, dims: dict, form: str, backend: str,
                   chunk_size: int | None):
     """The forward kept for the backward (gradients.saved_forward), where it is the one this call runs anyway:
@@ -191,7 +197,7 @@ def _kept_forward(rec: Recurrence, inputs: dict, states: dict, params: dict, dim
     first = next(iter(inputs.values()))
     batch, tokens, heads = first.shape[:3]
     ran = form if form != "auto" else rec.choose_form(backend, tokens, heads, batch, dims, first.dtype)[0]
-    if backend != "c" or ran != "recurrent":
+    if not _may_keep(form, backend) or ran != "recurrent":
         return None
     gradient_form, where = backward.gradient_plan(rec, form, backend, dims, tokens)
     if where != backend:
