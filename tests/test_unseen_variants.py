@@ -294,3 +294,18 @@ def test_a_growing_delta_rule_keeps_its_digits_in_numpys_parallel_and_chunkwise_
         for form in ("parallel", "chunkwise"):
             got = rec.run(x, form=form, backend=backend).outputs["z"]
             assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < TOL, (form, backend)
+
+
+def test_a_growing_delta_rule_keeps_its_digits_in_numpys_parallel_and_chunkwise_backward():
+    """The backward of the program above: NumPy's parallel and chunkwise backward solved the transposed system in
+    sub-chunks of 64 tokens, and every gradient was 8e-8 off the recurrent backward at T = 512 (C's, in
+    sub-chunks of 16: 5e-11). Its sub-chunks are now halved, as the forward's segments, until none can stretch
+    the state by more than e^4."""
+    rec = linrec.compile(VARIANTS["ttt_linear"][0].replace("d = 5", "d = 16"), "ttt_linear.lin")
+    x = rec.random_inputs(1, 512, 2, seed=1)
+    rng = np.random.default_rng(0)
+    g_out = {k: rng.standard_normal(v.shape) for k, v in rec.run(x, form="recurrent").outputs.items()}
+    reference = rec.vjp(x, g_out, form="recurrent", backend="numpy")
+    for backend in ("numpy", "c"):
+        for form in ("parallel", "chunkwise"):
+            assert_same_gradients(rec.vjp(x, g_out, form=form, backend=backend), reference, TOL)

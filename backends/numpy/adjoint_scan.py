@@ -50,7 +50,7 @@ import numpy as np
 from . import adjoint_frames as frames
 from .adjoint_arrays import heads as _heads, refuse_subnormal_decays
 from .adjoint_elementwise import elementwise_decay_scan_backward
-from .scan import RESET_LOG_DECAY, raise_to_reset, segment, solve_unit_lower
+from .scan import GROWTH_LIMIT, RESET_LOG_DECAY, growth, raise_to_reset, segment, solve_unit_lower
 
 
 SEGMENT_BLOCK = 16  # the forward's sub-blocks (the chunkwise form's, linrec.numpy.scan)
@@ -279,10 +279,11 @@ def _decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_rea
     if np.ndim(log_decay) == 5:  # an elementwise decay
         return ScanGrads(*elementwise_decay_scan_backward(s0, log_decay, writes, queries, starts, chunk,
                                                           grad_readouts, grad_final), [], None)
-    if corrections and chunk > BACKWARD_SUB_CHUNK:  # (the states before each sub-chunk: one forward again)
-        _, _, sub_starts = decay_scan(s0, log_decay, writes, [], BACKWARD_SUB_CHUNK, corrections, value_log_decay)
-        return decay_scan_backward(s0, log_decay, writes, queries, sub_starts, BACKWARD_SUB_CHUNK, grad_readouts,
-                                   grad_final, corrections, value_log_decay)
+    sub = _sub_chunk(corrections, chunk)
+    if sub < chunk:  # (the states before each sub-chunk: one forward again)
+        _, _, sub_starts = decay_scan(s0, log_decay, writes, [], sub, corrections, value_log_decay)
+        return decay_scan_backward(s0, log_decay, writes, queries, sub_starts, sub, grad_readouts, grad_final,
+                                   corrections, value_log_decay)
     K, V = s0.shape[-2:]
     l, m = _heads(log_decay), None if value_log_decay is None else _heads(value_log_decay)
     fold = (lambda x: x.sum(axis=-1, keepdims=True)) if l.shape[-1] == 1 else (lambda x: x)  # noqa: E731
@@ -335,6 +336,23 @@ def _decay_scan_backward(s0, log_decay, writes, queries, starts, chunk, grad_rea
     return ScanGrads(back(dl), [(back(dk), back(dv)) for dk, dv in dws],
                      [None if value else back(dq) for dq, value in zip(dqs, values)], adjoint,
                      [(back(du), back(dw)) for du, dw in dcs], None if dm is None else back(dm))
+
+
+def _sub_chunk(corrections, chunk: int) -> int:
+    """The chunk the backward of corrections runs in: at most BACKWARD_SUB_CHUNK tokens, and halved until no
+    sub-chunk's corrections can stretch the state by more than e^GROWTH_LIMIT (scan.growth), as the forward's
+    segments are — the transposed solve loses the digits of that growth as the forward's does (TTT-Linear on
+    raw keys, whose 1 − eta·‖k‖² reaches −15: every gradient 8e-8 off at T = 512 in sub-chunks of 64 tokens,
+    5e-11 in C's of 16). Without corrections: the chunk itself."""
+    if not corrections:
+        return chunk
+    size = min(chunk, BACKWARD_SUB_CHUNK)
+    pairs = [(_heads(u), _heads(w)) for u, w in corrections]  # (head-major [B, H, T, K], as growth takes them)
+    tokens = pairs[0][0].shape[2]
+    while size > 1 and any(growth([(u[:, :, at], w[:, :, at]) for u, w in pairs], ()) > GROWTH_LIMIT
+                           for at in (slice(start, start + size) for start in range(0, tokens, size))):
+        size //= 2
+    return size
 
 
 @dataclass

@@ -288,7 +288,7 @@ def segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_c
     if _is_elementwise(l):
         return _elementwise(s0, l, corrections, writes, readouts, causal, value_corrections)
     tokens = _tokens(l, corrections, writes, readouts, m, value_corrections)
-    if tokens > 1 and _growth(corrections, value_corrections) > GROWTH_LIMIT:  # (two halves, the state passed)
+    if tokens > 1 and growth(corrections, value_corrections) > GROWTH_LIMIT:  # (two halves, the state passed)
         pieces, state = [], s0
         for part in (slice(0, tokens // 2), slice(tokens // 2, tokens)):
             l_p, corr_p, wr_p, rd_p, m_p, vc_p = _cut(part, l, corrections, writes, readouts, m, value_corrections)
@@ -343,7 +343,7 @@ def segment(s0, l, corrections, writes, readouts, causal, block, m=None, value_c
 GROWTH_LIMIT = 4.0
 
 
-def _growth(corrections, value_corrections) -> float:
+def growth(corrections, value_corrections) -> float:
     """The largest, over the (batch row, head) pairs, of Σ_t max(0, log |1 + Σ_r w_r·u_r|) over the segment's
     tokens — the factor by which the corrections can stretch the state along u, decays aside (they only shrink
     it) — and the value-side corrections' likewise; 0 without corrections. u, w [B, H, n, k]."""
