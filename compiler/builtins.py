@@ -23,6 +23,8 @@ BUILTINS = {b.name: b for b in [
     Builtin("elu", "elementwise", 1, doc="x if x > 0 else e^x − 1"),
     Builtin("silu", "elementwise", 1, doc="x·sigmoid(x)"),
     Builtin("tanh", "elementwise", 1),
+    Builtin("cos", "elementwise", 1, doc="cosine (radians): rotary features, cosFormer's re-weighting"),
+    Builtin("sin", "elementwise", 1, doc="sine (radians)"),
     Builtin("sqrt", "elementwise", 1),
     Builtin("abs", "elementwise", 1),
     Builtin("l2norm", "vector", 1, (("eps", 1e-6),), doc="x/‖x‖ (eps inside the root)"),

@@ -19,6 +19,7 @@ from .intervals import sigmoid
 
 _UNARY = {
     "exp": math.exp, "log": math.log, "sqrt": math.sqrt, "abs": abs, "tanh": math.tanh,
+    "cos": math.cos, "sin": math.sin,
     "relu": lambda x: max(x, 0.0),
     "sigmoid": sigmoid,
     "logsigmoid": lambda x: min(x, 0.0) - math.log1p(math.exp(-abs(x))),

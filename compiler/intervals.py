@@ -107,6 +107,22 @@ def _monotone(f, a: Interval, increasing: bool = True) -> Interval:
     return _make(lo, hi, lo_open, hi_open)
 
 
+def _periodic(f, peak: float, a: Interval) -> Interval:
+    """cos or sin (f) over a: from its values at the ends, widened to 1 where a holds a maximum (peak + 2πk)
+    and to −1 where it holds a minimum (peak + π + 2πk), closed there; [−1, 1] for an unbounded a. (A point
+    within rounding of an end counts as held: a bound a little wide is sound, one a little narrow is not.)"""
+    if not (math.isfinite(a.lo) and math.isfinite(a.hi)):
+        return Interval(-1.0, 1.0)
+
+    def holds(x0: float) -> bool:  # a point x0 + 2πk inside a
+        x = x0 + 2 * math.pi * math.ceil((a.lo - x0) / (2 * math.pi))
+        return x <= a.hi + 1e-12 * max(1.0, abs(x))
+    ends = ((f(a.lo), a.lo_open), (f(a.hi), a.hi_open))
+    lo = -1.0 if holds(peak + math.pi) else min(v for v, _ in ends)
+    hi = 1.0 if holds(peak) else max(v for v, _ in ends)
+    return _make(lo, hi, lo > -1 and all(o for v, o in ends if v == lo), hi < 1 and all(o for v, o in ends if v == hi))
+
+
 def sigmoid(x: float) -> float:
     """1/(1 + e^−x), as e^x/(1 + e^x) below 0: far below 0 its value to the last digits (0.5·(tanh(x/2) + 1)
     cancelled to 0 from x = −38, a bound of 0 that a decay sigmoid(a)^p does not reach). ±∞ and NaN as the
@@ -138,6 +154,8 @@ def _apply(name: str, a: Interval) -> Interval:
         return _neg(_apply("softplus", _neg(a)))
     if name == "tanh":
         return _monotone(math.tanh, a)
+    if name in ("cos", "sin"):
+        return _periodic(math.cos if name == "cos" else math.sin, 0.0 if name == "cos" else math.pi / 2, a)
     if name == "log":
         if a.lo > 0:
             return _monotone(math.log, a)

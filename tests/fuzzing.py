@@ -233,7 +233,7 @@ class ProgramGenerator:
 
     def value(self, names: _Names) -> str:
         v = self.pick(names.vectors_v)
-        return self.pick([v, v, f"{self.number()}*{v}", f"tanh({v})",
+        return self.pick([v, v, f"{self.number()}*{v}", f"tanh({v})", f"sin({v})",
                           f"{self.pick(names.scalars)}·{v}" if names.scalars else v])
 
     def scalar_decay(self, names: _Names) -> str:

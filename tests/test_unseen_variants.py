@@ -12,6 +12,8 @@ backends against the NumPy recurrent backward, itself checked against central fi
     ttt_linear TTT-Linear's inner gradient step on raw keys: a delta rule whose state grows
     aaren      attention as a recurrence with a learned query: exp(q0·k)-weighted sums of v and of 1, divided
     lru        the linear recurrent unit: a per-head decay and the input scaled by sqrt(1 − λ²)
+    rope       rotary position features on q and k (cos and sin of the token's position times a param
+               frequency, the rotation a param matrix), a per-head decay: RetNet's xPos as features
 
 Tolerances (float64): 1e-9 of the largest magnitude for every form and backend against the loop and for every
 gradient form against the recurrent one (the forms' tolerance); the recurrent backward against central
@@ -133,6 +135,18 @@ S = S + fk⊗v
 z = z + fk
 output o = (fq·S)/(fq·z)
 """, lambda x, s: _hedgehog(x, s)),
+    # rotary features of the token's position (an input: the caller's positions, packed or not)
+    "rope": ("""recurrence rope(dk = 6, dv = 4)
+input q[dk], k[dk], v[dv], pos
+param theta[dk] = uniform(0, 1, seed=3)
+param R[dk, dk] = randn(seed=4)
+param gamma per head = uniform(0.8, 0.99, seed=5)
+state S[dk, dv]
+qr = q*cos(pos*theta) + (R·q)*sin(pos*theta)
+kr = k*cos(pos*theta) + (R·k)*sin(pos*theta)
+S = gamma*S + kr⊗v
+output o = qr·S
+""", lambda x, s: _rope(x, s)),
 }
 
 
@@ -156,6 +170,13 @@ def _slots(x, s):
     K = a[:, None] * s["K"] + np.outer(1 - a, x["k"])
     V = a[:, None] * s["V"] + np.outer(1 - a, x["v"])
     return {"K": K, "V": V}, {"o": softmax(K @ x["q"]) @ V}
+
+
+def _rope(x, s):
+    c, sn = np.cos(x["pos"] * x["theta"]), np.sin(x["pos"] * x["theta"])
+    qr, kr = x["q"] * c + (x["R"] @ x["q"]) * sn, x["k"] * c + (x["R"] @ x["k"]) * sn
+    S = x["gamma"] * s["S"] + np.outer(kr, x["v"])
+    return {"S": S}, {"o": qr @ S}
 
 
 def _mlstm(x, s):

@@ -32,7 +32,8 @@ class Local(ir.Expr):
 # elementwise builtins → C helper of the template (each numerically careful; see c_common.h.j2)
 _ELEMENTWISE = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logsigmoid": "lr_logsigmoid",
                 "softplus": "lr_softplus", "relu": "lr_relu", "elu": "lr_elu", "silu": "lr_silu",
-                "tanh": "lr_tanh", "sqrt": "lr_sqrt", "abs": "lr_abs"}
+                "tanh": "lr_tanh", "sqrt": "lr_sqrt", "abs": "lr_abs",
+                "cos": "lr_cos", "sin": "lr_sin"}
 # elementwise builtins with a helper over a whole row (whole registers at a time, see c_common.h.j2): used
 # for vectors, where the scalar helper in a vectorized loop costs about twice the instructions
 _ROWS = {"exp": "lr_exp_row", "sigmoid": "lr_sigmoid_row", "silu": "lr_silu_row"}

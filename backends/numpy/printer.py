@@ -13,7 +13,8 @@ from ..compiler.analysis import variance
 from ..compiler.linearity import neg
 
 # Builtins that map to a NumPy expression; the others call linrec.numpy.runtime helpers.
-_NUMPY_FUNCS = {"exp": "np.exp", "log": "np.log", "tanh": "np.tanh", "sqrt": "np.sqrt", "abs": "np.abs"}
+_NUMPY_FUNCS = {"exp": "np.exp", "log": "np.log", "tanh": "np.tanh", "sqrt": "np.sqrt", "abs": "np.abs",
+               "cos": "np.cos", "sin": "np.sin"}
 _RUNTIME_FUNCS = {"sigmoid", "logsigmoid", "softplus", "elu", "silu", "relu", "l2norm", "groupnorm", "rmsnorm"}
 _REDUCE = {"sum": "np.sum({x}, axis=-1)", "mean": "np.mean({x}, axis=-1)",
            "norm": "np.linalg.norm({x}, axis=-1)"}

@@ -163,6 +163,14 @@ def vjp_tanh(x, g):
     return g * (1 - y * y)
 
 
+def vjp_cos(x, g):
+    return -g * np.sin(x)
+
+
+def vjp_sin(x, g):
+    return g * np.cos(x)
+
+
 def vjp_sqrt(x, g, site="", token=None):
     x, g = np.broadcast_arrays(x, g)
     infinite = _infinite_slope(x == 0, x, g, site, "sqrt", token)
