@@ -325,7 +325,8 @@ def _hint(err: UnexpectedInput, kind: str, accepted: set[str], source: str, line
             where = f"column {at_col}" if at_line == line else f"line {at_line}, column {at_col}"
             return f" (the '{bracket}' at {where} is never closed)"
     if "LSQB" in accepted and statement.startswith("state"):
-        return " (a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv])"
+        return (" (a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv]; for a scalar, declare a "
+                "dim of size 1 in the header, `one = 1`, write c[one], and read it as sum(c))")
     # a name glued to a number: starting with e, an exponent its sign is missing from (`1e–3`, a dash); else
     # a product written as in mathematics (`2x`, `0.5k`)
     if kind == "NAME" and err.pos_in_stream and source[err.pos_in_stream - 1] in "0123456789.":

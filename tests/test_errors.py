@@ -100,7 +100,8 @@ def test_unclosed_parenthesis():
 def test_state_without_a_shape():
     src = HEAD + "state S[dk, dv], c\nS = S + k⊗v\noutput o = q·S\n"
     check(compile_error(src), src, end_of(src, 3), "unexpected end of line", "expected '['",
-          "a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv]", width=1)
+          "a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv]",
+          "for a scalar, declare a dim of size 1 in the header, `one = 1`, write c[one]", width=1)
 
 
 @pytest.mark.parametrize("update, fragments", [
