@@ -37,23 +37,25 @@ def _whole_number(value) -> bool:
 
 
 def check_state_every(state_every) -> int | None:
-    """state_every: tokens between checkpoints, a positive integer (None: no checkpoints)."""
-    if state_every is None:
+    """state_every: tokens between checkpoints, a positive integer (None or 0: no checkpoints, as the embeddable
+    C's 0)."""
+    if state_every is None or (_whole_number(state_every) and state_every == 0):
         return None
     if not _whole_number(state_every) or state_every < 1:
         raise RuntimeInputError(f"state_every must be a positive integer (tokens between checkpoints, e.g. 64), "
-                                f"got {state_every!r}; leave it out for no checkpoints")
+                                f"got {state_every!r}; leave it out (or pass 0) for no checkpoints")
     return int(state_every)
 
 
 def check_keep_last(keep_last) -> int | None:
-    """keep_last: how many of the last tokens' states to return, a positive integer (None: none). That it is
-    at most T is checked once T is known (check_keep_last_fits)."""
-    if keep_last is None:
+    """keep_last: how many of the last tokens' states to return, a positive integer (None or 0: none, as the
+    embeddable C's 0 — an engine with no draft tokens this step). That it is at most T is checked once T is known
+    (check_keep_last_fits)."""
+    if keep_last is None or (_whole_number(keep_last) and keep_last == 0):
         return None
     if not _whole_number(keep_last) or keep_last < 1:
         raise RuntimeInputError(f"keep_last must be a positive integer (the states after each of the last K "
-                                f"tokens, e.g. 4), got {keep_last!r}; leave it out for none")
+                                f"tokens, e.g. 4), got {keep_last!r}; leave it out (or pass 0) for none")
     return int(keep_last)
 
 

@@ -309,11 +309,9 @@ def test_slot_pool_of_a_program_that_reads_the_sequence_is_an_error():
     (dict(cu_seqlens=[0]), "at least 2 offsets"),
     (dict(cu_seqlens=[]), r"at least 2 offsets \(\[0, T_total\] for one sequence.*got shape \[0\]"),  # (not "float64")
     (dict(cu_seqlens=[[0, 10]]), "1-D"),
-    (dict(state_every=0), "state_every must be a positive integer"),
     (dict(state_every=-3), "state_every must be a positive integer"),
     (dict(state_every=2.0), "state_every must be a positive integer"),
     (dict(state_every=True), "state_every must be a positive integer"),
-    (dict(keep_last=0), "keep_last must be a positive integer"),
     (dict(keep_last=11), "keep_last = 11 exceeds the 10 token"),
     (dict(keep_last=3, cu_seqlens=[0, 2, 10]), "keep_last = 3 exceeds the 2 token.* sequence 0"),
     (dict(keep_last=1.5), "keep_last must be a positive integer"),
@@ -322,6 +320,21 @@ def test_bad_serving_arguments(kwargs, message):
     rec = PROGRAMS["gla"]
     with pytest.raises(linrec.RuntimeInputError, match=message):
         rec.run(inputs_for(rec, 1, 10), backend="c", **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_asks_for_no_checkpoints_and_no_last_states(backend):
+    """state_every=0 and keep_last=0 are none, as the embeddable C's 0 is (an engine with no draft tokens this
+    step): the same result as leaving them out."""
+    rec = PROGRAMS["gla"]
+    x = inputs_for(rec, 1, 10)
+    plain = rec.run(x, backend=backend)
+    zero = rec.run(x, backend=backend, state_every=0, keep_last=0)
+    assert zero.checkpoints == plain.checkpoints and zero.last_states == plain.last_states
+    for name in plain.outputs:
+        np.testing.assert_array_equal(zero.outputs[name], plain.outputs[name])
+    for name in plain.final_state:
+        np.testing.assert_array_equal(zero.final_state[name], plain.final_state[name])
 
 
 def test_cu_seqlens_needs_an_initial_state_per_sequence():
