@@ -289,6 +289,38 @@ def test_torch_compile_fullgraph():
     assert ops == [model.gla.op.name.replace("::", ".") + ".default"]  # the op, one node
 
 
+def test_torch_export_keeps_no_forward_for_a_backward():
+    """torch.export with grad mode on (a module's weights require grad) recorded keep=True in the graph, so every
+    run of the exported program kept a forward no backward reads (a probe's finding). It records keep=False; the
+    exported module computes the model's outputs, and its gradients (the backward running its own forward)."""
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 4 * 2 * 16)
+            self.gla = lt.Layer("examples/gla.lin", heads=2)
+
+        def forward(self, x):
+            q, k, v, g = self.proj(x).unflatten(-1, (4, 2, 16)).unbind(2)
+            o, _ = self.gla(q=q, k=k, v=v, g=-torch.nn.functional.softplus(g))
+            return o
+
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(2, 5, 8, requires_grad=True)
+    upstream = torch.randn(2, 5, 2, 16)
+    with torch.enable_grad():  # (this module's tests run under no_grad)
+        exported = torch.export.export(model, (x,))
+        calls = [node for node in exported.graph.nodes if "linrec" in str(node.target)]
+        assert len(calls) == 1 and calls[0].kwargs["keep"] is False
+        want_out = model(x)
+        want = torch.autograd.grad(want_out, (x, model.proj.weight), upstream)
+        module = exported.module()
+        got_out = module(x)
+        got = torch.autograd.grad(got_out, (x, module.proj.weight), upstream)
+    assert torch.allclose(got_out, want_out, atol=1e-5)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-4)
+
+
 def test_compiling_before_the_op_is_registered():
     """A program's op is registered on its first call, which no graph holds: torch.compile breaks the graph
     there (and computes what eager does), and with fullgraph=True its error says to register first — Dynamo's

@@ -74,8 +74,11 @@ class RecurrenceOp:
         """(outputs, final states), each a list in declaration order."""
         # the forward is kept for the backward only where autograd will ask for one, and only where it can be
         # (_may_keep), for the outputs saved with it stay alive and unchangeable (a decode step's or packed
-        # sequences' backward runs its own forward: backward.kernel)
+        # sequences' backward runs its own forward: backward.kernel). Not under torch.export: the exported graph
+        # records the argument, and every run of the exported program would keep a forward no backward reads
+        # (a backward of an exported graph runs its own forward, as without keeping)
         keep = keep_allowed and _may_keep(form, backend) and torch.is_grad_enabled() and cu_seqlens is None and \
+            not torch.compiler.is_exporting() and \
             any(t is not None and t.requires_grad for t in (*inputs, *states, *params))
         results = self.op(*inputs, *states, *params, cu_seqlens, sizes=sizes, form=form, backend=backend,
                           chunk_size=chunk_size, keep=keep)
