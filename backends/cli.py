@@ -685,6 +685,8 @@ def _npz_target(path: str, option: str) -> str:
     if Path(path).is_dir():  # (np.savez would write PATH.npz beside it, which nobody asked for)
         raise LinrecError(f"cannot write {option} {path}: it is a directory; give a file name, such as "
                           f"{Path(path) / 'out.npz'}")
+    if _special(path) or (os.path.exists(path) and not os.path.isfile(os.path.realpath(path))):
+        return path  # (/dev/stdout, a pipe: as it is — np.savez's .npz would make a file /dev/stdout.npz)
     target = path if path.endswith(".npz") else path + ".npz"
     folder = Path(target).parent
     if not folder.is_dir():  # (found by probing: the whole run happened first, and then this failed)
@@ -709,8 +711,8 @@ def _write_files(writes: dict[Path, Callable]) -> None:
     try:
         for target, write in writes.items():
             real = os.path.realpath(target)
-            if os.path.exists(real) and not os.path.isfile(real):
-                with open(real, "wb") as f:
+            if _special(target) or (os.path.exists(real) and not os.path.isfile(real)):
+                with open(target, "wb") as f:  # (as given: the real path of a pipe is no path)
                     write(f)
                 continue
             fd, temporary = tempfile.mkstemp(dir=os.path.dirname(real), prefix=f".{os.path.basename(real)}.",
@@ -730,6 +732,29 @@ def _write_files(writes: dict[Path, Callable]) -> None:
         if isinstance(err, OSError):
             raise LinrecError(f"cannot write {target}: {err.strerror or err}") from None
         raise
+
+
+def _special(path) -> bool:
+    """Whether the path, or a symlink on the way to its file, lies in /dev or /proc: /dev/stdout is a link to
+    /proc/self/fd/1, which resolves to whatever the shell redirected stdout to — a regular file that renaming
+    a temporary file over would unlink from under the open descriptor (`--out /dev/stdout > f.npz` left f.npz
+    empty, with exit status 0). Such a path is written directly, as a device is."""
+    here = os.path.abspath(path)
+    for _ in range(40):  # (a cycle of links: as many hops as the system allows)
+        if here == "/dev" or here.startswith(("/dev/", "/proc/")):
+            return True
+        if not os.path.islink(here):
+            return False
+        here = os.path.normpath(os.path.join(os.path.dirname(here), os.readlink(here)))
+    return False
+
+
+def _is_stdout(path: str) -> bool:
+    """Whether path names the file standard output writes to (/dev/stdout, or the file it is redirected to)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):  # (no such file, or a stdout without a descriptor)
+        return False
 
 
 def _file_mode(path: str) -> int:
@@ -914,6 +939,10 @@ def cmd_run(args) -> int:
     if len(targets) == 2 and targets["--out"] == targets["--save-inputs"]:  # (the results would overwrite the inputs)
         raise LinrecError(f"--save-inputs {args.save_inputs} and --out {args.out} name the same file, "
                           f"{targets['--out']}: give them different names")
+    for path, option in ((args.out, "--out"), (args.save_inputs, "--save-inputs")):
+        if path and not args.quiet and _is_stdout(path):  # (the summary would land inside the .npz)
+            raise LinrecError(f"{option} {path} writes the .npz to standard output, where the run's summary goes "
+                              f"too: add --quiet")
     try:  # (before the form is chosen and its note said, as every other size option is checked as the command starts)
         check_chunk_size(args.chunk_size)
     except RuntimeInputError:

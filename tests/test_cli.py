@@ -730,3 +730,28 @@ def test_run_state_dtype_float32_generates_float32_inputs(tmp_path, capsys):
     # an explicit --dtype float64 still meets the run's own error, which says what goes together
     assert main(["run", gla, "--state-dtype", "float32", "--dtype", "float64", "-q"]) == 1
     assert "state_dtype='float32' with float64 inputs" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/dev/stdout").exists(), reason="no /dev/stdout")
+def test_out_to_standard_output(tmp_path):
+    """`--out /dev/stdout` wrote a file /dev/stdout.npz (the .npz suffix added) and exit 0, and resolved through
+    /proc/self/fd/1 it would have renamed a temporary file over the file stdout is redirected to. It writes the
+    .npz to standard output — a redirected file, or a pipe — the same arrays as `--out FILE`; with the run's
+    summary also going there, it says to add --quiet."""
+    gla = str(next(p for p in EXAMPLES if p.stem == "gla"))
+    base = [sys.executable, "-m", "linrec", "run", gla, "--tokens", "4", "--backend", "numpy", "--form", "recurrent"]
+    subprocess.run(base + ["--quiet", "--out", str(tmp_path / "file.npz")], check=True, timeout=120)
+    want = np.load(tmp_path / "file.npz")
+    existed = Path("/dev/stdout.npz").exists()
+    with open(tmp_path / "redirected.npz", "wb") as out:
+        subprocess.run(base + ["--quiet", "--out", "/dev/stdout"], stdout=out, check=True, timeout=120)
+    piped = subprocess.run(base + ["--quiet", "--out", "/dev/stdout"], capture_output=True, check=True, timeout=120)
+    assert Path("/dev/stdout.npz").exists() == existed
+    for got in (np.load(tmp_path / "redirected.npz"), np.load(io.BytesIO(piped.stdout))):
+        assert sorted(got.keys()) == sorted(want.keys())
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+    mixed = subprocess.run(base + ["--out", "/dev/stdout"], capture_output=True, timeout=120)
+    assert mixed.returncode == 1 and mixed.stdout == b""
+    assert b"--out /dev/stdout writes the .npz to standard output, where the run's summary goes too: add --quiet" \
+        in mixed.stderr
