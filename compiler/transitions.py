@@ -54,14 +54,33 @@ class Transition:
     @property
     def decays_as_values(self) -> bool:
         """A decay (of the rows or of the columns) whose log is computed numerically: its value's gradient is
-        the log-decay's divided by it (∂a = ∂l / a), which a small or zero decay makes ill-conditioned."""
-        return (self.log_decay is not None and not self.log_is_exact) or \
-            (self.value_log_decay is not None and not self.value_log_is_exact)
+        the log-decay's divided by it (∂a = ∂l / a), which a small or zero decay makes ill-conditioned — or
+        whose exact log divides by what it is computed from: exp(log(a)), sigmoid(log(a)) (logsigmoid(log a)),
+        exp(−c/a) give ∂a = ∂l / a (c·∂l / a²), the same division where the decay is small (found by probing:
+        a = 1e-12 made the C backward's ∂a 2.5e-5 off in float64, and 1e-300 with sigmoid(log(a)) 1e283)."""
+        return (self.log_decay is not None and (not self.log_is_exact or _divides(self.log_decay))) or \
+            (self.value_log_decay is not None and (not self.value_log_is_exact or _divides(self.value_log_decay)))
 
     @property
     def elementwise(self) -> bool:
         """D_t⊙S_(t−1): a decay per element of a matrix state (its log-decay has the state's shape)."""
         return self.decay is not None and len(self.decay.shape) == 2
+
+
+def _divides(log_decay: ir.Expr) -> bool:
+    """Whether a log-decay's derivative divides by a value it is computed from: a log, a quotient or a negative
+    power of something with a gradient (an input, a param, a named value)."""
+    def varies(e: ir.Expr) -> bool:
+        return any(isinstance(n, (ir.InputRef, ir.ParamRef, ir.LetRef, ir.StateRef, ir.ReadoutRef)) for n in walk(e))
+    for n in walk(log_decay):
+        if isinstance(n, ir.Apply) and n.function == "log" and varies(n.args[0]):
+            return True
+        if isinstance(n, ir.Arith) and n.op == "div" and varies(n.right):
+            return True
+        if isinstance(n, ir.Arith) and n.op == "pow" and varies(n.left) and \
+                not (isinstance(n.right, ir.Const) and n.right.value >= 1):
+            return True
+    return False
 
 
 def log_of(e: ir.Expr, bounds: Bounds | None = None) -> tuple[ir.Expr, bool]:

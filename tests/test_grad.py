@@ -173,7 +173,7 @@ recurrence transposed(dk = 4, dv = 3)
 input q[dk], k[dk], v[dv], g[dk] <= 0
 state S[dv, dk]
 S = S·diag(exp(g)) + v⊗k
-output o = S·q
+output o = S·q + cos(S·q)*sin(v)
 """,
     # non-causal: every output reads the final states
     "noncausal": """

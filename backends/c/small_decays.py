@@ -1,8 +1,9 @@
 """Decays given as values, where they are small: the C backward hands such a call to NumPy's decomposed one.
 
 A log-decay that the compiler takes as the log of a value (compiler.transitions: `log_is_exact` False —
-`input a in (0, 1)` with S = a·S + …, or (1 − beta)·S) reaches that value's gradient through a division in the
-chain rule: ∂a = ∂l / a. The C kernels sum ∂l exactly to the rounding of the terms they add — the recurrent
+`input a in (0, 1)` with S = a·S + …, or (1 − beta)·S), or whose exact log divides by what it is computed from
+(exp(log(a)), sigmoid(log(a)), exp(−c/a): Transition.decays_as_values), reaches that value's gradient through a
+division in the chain rule: ∂a = ∂l / a. The C kernels sum ∂l exactly to the rounding of the terms they add — the recurrent
 backward's two passes and the chunk kernels subtract sums over the later tokens, whose terms do not carry the
 token's decay — so ∂l is exact relative to those terms, not to itself, and where a is small the division
 multiplies that rounding by 1/a (found by probing: a = 1e-4 in float32 gave ∂a 3e-3 of its largest value off
