@@ -330,3 +330,32 @@ def test_a_growing_delta_rule_keeps_its_digits_in_numpys_parallel_and_chunkwise_
     for backend in ("numpy", "c"):
         for form in ("parallel", "chunkwise"):
             assert_same_gradients(rec.vjp(x, g_out, form=form, backend=backend), reference, TOL)
+
+
+@pytest.mark.parametrize("steps", [3, 4])
+def test_rank_one_steps_written_one_by_one_are_as_many_corrections(steps):
+    """DeltaProduct's steps written one statement each multiply out to 2ⁿ − 1 rank-one terms; those that share a
+    vector u are one correction, so n steps are n corrections, the product's rank (a probe's finding: six steps
+    ran as 63, the C chunkwise form 1.4 s for 256 tokens). Every form on both backends against the loop."""
+    lines = "\n".join(f"S = S + b{i}·l2norm(k{i})⊗(v{i} − l2norm(k{i})·S)" for i in range(steps))
+    names = ", ".join(f"k{i}[dk], v{i}[dv], b{i} in (0, 1)" for i in range(steps))
+    rec = linrec.compile(f"recurrence steps(dk = 5, dv = 4)\ninput q[dk], {names}, g <= 0\nstate S[dk, dv]\n"
+                         f"S = exp(g)·S\n{lines}\noutput o = q·S\n", "steps.lin")
+    assert len(rec.decomposition.transition("S").corrections) == steps
+    assert rec.forms == FORMS
+    inputs, params, state0, _, _ = arrays_for(rec, B, T, H, seed=3)
+    want = np.zeros((B, T, H, 4))
+    for b in range(B):
+        for h in range(H):
+            S = state0["S"][b, h]
+            for t in range(T):
+                x = {k: v[b, t, h] for k, v in inputs.items()}
+                S = np.exp(x["g"]) * S
+                for i in range(steps):
+                    S = _householder({"k": x[f"k{i}"], "b": x[f"b{i}"], "v": x[f"v{i}"]}, "", S)
+                want[b, t, h] = x["q"] @ S
+    for backend in ("numpy", "c"):
+        for form in FORMS:
+            got = rec.run(inputs, form=form, backend=backend, params=params, initial_state=state0,
+                          chunk_size=CHUNK).outputs["o"]
+            assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < TOL, (form, backend)
