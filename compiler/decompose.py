@@ -10,7 +10,7 @@ from .analysis import inline_lets, rebuild, states_in, to_text, walk
 from .readouts import in_readout_shape
 from .sequence import SequencePlan, is_sequence_program, plan
 from .transitions import Transition, classify
-from .transpose import transposed
+from .transpose import obstacle, transposed
 
 FORMS = ("recurrent", "parallel", "chunkwise")
 
@@ -136,10 +136,11 @@ def _derivable(program: ir.Program, state: str) -> bool:
     return classify(program, program.updates[state]).factorable and _read_through_readouts(program, state)
 
 
-def _orient(program: ir.Program) -> tuple[ir.Program, frozenset[str]]:
+def _orient(program: ir.Program) -> tuple[ir.Program, frozenset[str], list[str]]:
     """The program the forms are derived from: each matrix state that has them only once transposed (it is
-    multiplied and read from the right) replaced by its transpose."""
-    flipped = set()
+    multiplied and read from the right) replaced by its transpose; and why a state read from the right could
+    not be carried transposed, where an input or param matrix meets it."""
+    flipped, why = set(), []
     for st in program.states:
         if len(st.shape) != 2 or _derivable(program, st.name):
             continue
@@ -147,18 +148,35 @@ def _orient(program: ir.Program) -> tuple[ir.Program, frozenset[str]]:
         if other is not None and _derivable(other, st.name):
             program = other
             flipped.add(st.name)
-    return program, frozenset(flipped)
+        elif other is None and _read_from_the_right(program, st.name):
+            matrix = obstacle(program, st.name)
+            if matrix is not None:
+                kind = "an input" if isinstance(matrix, ir.InputRef) else "a param"
+                a, b = matrix.shape
+                why.append(f"state '{st.name}': it is read from the right (`{st.name}·q`), which the forms take by "
+                           f"carrying it transposed, and its update meets '{matrix.name}', {kind} matrix, which "
+                           f"would then be transposed too: the forms take no transposed input or param; declare "
+                           f"'{st.name}' with its axes swapped, '{matrix.name}' as [{b}, {a}], update it from the "
+                           f"left and read it as `q·{st.name}`")
+    return program, frozenset(flipped), why
+
+
+def _read_from_the_right(program: ir.Program, state: str) -> bool:
+    """Some output reads matrix state `state` as M·q (a vector on its right)."""
+    return any(isinstance(n, ir.Dot) and isinstance(n.left, ir.StateRef) and n.left.name == state
+               and len(n.right.shape) == 1
+               for out in program.outputs for n in walk(_read_value(program, out)))
 
 
 def decompose(program: ir.Program) -> Decomposition:
     if is_sequence_program(program):
         sp = plan(program)
         return Decomposition((), (), sp.outputs, sp.unavailable, sp)
-    program, flipped = _orient(program)
+    program, flipped, orientation = _orient(program)
     updates = program.updates
     transitions = tuple(classify(program, updates[s.name]) for s in program.states)
     readouts: list[Readout] = []
-    problems: list[str] = []
+    problems: list[str] = list(orientation)
     outputs = _extract_readouts(program, readouts, problems)
     for t in transitions:
         problems.extend(f"state '{t.state}': {r}" for r in t.reasons)

@@ -49,7 +49,7 @@ def _matrix(e: ir.Expr, state: str) -> ir.Expr:
                                    right=_matrix(e.right, state))
     if isinstance(e, ir.Dot):  # (A·B)ᵀ = Bᵀ·Aᵀ
         return ir.Dot(_flip(e.shape), _matrix(e.right, state), _matrix(e.left, state), span=e.span)
-    raise NotTransposable(type(e).__name__)
+    raise NotTransposable(e)
 
 
 def _value(e: ir.Expr, state: str) -> ir.Expr:
@@ -99,3 +99,20 @@ def transposed(program: ir.Program, state: str) -> ir.Program | None:
         return None
     states = tuple(ir.State(s.name, _flip(s.shape)) if s.name == state else s for s in program.states)
     return dataclasses.replace(program, states=states, steps=tuple(steps))
+
+
+def obstacle(program: ir.Program, state: str) -> ir.Expr | None:
+    """The input or param matrix that keeps matrix state `state` from being carried transposed (its transpose
+    would be needed: `exp(X)*S` with S read from the right), or None when there is none such."""
+    if len(program.state(state).shape) != 2:
+        return None
+    lets = program.lets
+    try:
+        for s in program.steps:
+            if isinstance(s, ir.Update) and s.state == state:
+                _matrix(inline_lets(s.value, lets), state)
+    except NotTransposable as why:
+        found = why.args[0] if why.args else None
+        if isinstance(found, (ir.InputRef, ir.ParamRef)) and len(found.shape) == 2:
+            return found
+    return None

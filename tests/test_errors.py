@@ -179,6 +179,23 @@ def test_a_transpose_says_there_is_none_and_what_to_write():
           "write k⊗v for the outer product k·vᵀ")
 
 
+@pytest.mark.parametrize("decay, matrix", [("exp(X)*S", "X"), ("exp(A·diag(dt))*S", "A")])
+def test_a_state_read_from_the_right_that_meets_a_matrix_says_how_to_turn_it(decay, matrix):
+    """An elementwise decay by an input or param matrix of a state read from the right (Mamba-1 written in the
+    transposed convention): carried transposed, the matrix would be transposed too. The reason said only that
+    the output read the state other than through `q·S` (a probe's finding); it says what stops the transpose
+    and how to write the program so that it has the forms — which that program then has."""
+    decls = "input q[dk], k[dk], v[dv], X[dv, dk] <= 0, dt[dk] > 0\nparam A[dv, dk] = −uniform(0.5, 2, seed=0)\n"
+    rec = linrec.compile(f"recurrence t(dk = 4, dv = 3)\n{decls}state S[dv, dk]\nS = {decay} + v⊗k\n"
+                         f"output o = S·q\n", "t.lin")
+    why = rec.decomposition.why_not("parallel")
+    assert why is not None and f"its update meets '{matrix}'" in why and "declare 'S' with its axes swapped" in why
+    turned = decay.replace("A·diag(dt)", "diag(dt)·A")  # (A [dk, dv] now: each row scaled by its dt)
+    rec = linrec.compile(f"recurrence t(dk = 4, dv = 3)\n{decls.replace('[dv, dk]', '[dk, dv]')}state S[dk, dv]\n"
+                         f"S = {turned} + k⊗v\noutput o = q·S\n", "t.lin")
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+
+
 def test_a_dot_meant_as_a_decay_of_the_rows_says_diag():
     """`sigmoid(a)·S + k⊗v`: the dot is a readout, a vector, and the sum's shapes differ — where `*` says
     diag(v)·M, this said only the shapes (a probe's finding)."""
