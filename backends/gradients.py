@@ -11,7 +11,7 @@ from . import arrays, registry
 from .c import grad_forward
 from .compiler import FORMS
 from .compiler.adjoint import GRADIENT_FORMS
-from .compiler.stabilize import stabilized_states
+from .compiler.stabilize import log_scale_keys, stabilized_states
 from .dsl.errors import LinrecError, RuntimeInputError
 from .numpy.adjoint_arrays import BelowNormalRange
 from .numpy.vjp import INFINITE_SLOPES
@@ -122,6 +122,7 @@ def saved_forward(rec, inputs: dict, *, form: str, backend: str, initial_state: 
     if not isinstance(getattr(module, "fused_forward", None), grad_forward.FusedForward):
         return None
     checked, shape = arrays.check_inputs(rec.program, arrays.by_name(inputs, "inputs"))
+    initial_state = at_true_scale(rec, initial_state)
     sizes, used = rec.bind(module, shape, params, initial_state, dims)
     state0 = arrays.check_initial_state(rec.program, initial_state, shape, sizes)
     chunk = None if chunk is None else min(chunk, shape.tokens)
@@ -144,6 +145,7 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     module = gradient_module(rec, form, backend)
     program = rec.program
     checked, shape = arrays.check_inputs(program, arrays.by_name(inputs, "inputs"))
+    initial_state = at_true_scale(rec, initial_state)
     sizes, used = rec.bind(module, shape, params, initial_state, dims)
     state0 = arrays.check_initial_state(program, initial_state, shape, sizes)
     upstream = output_gradients(program, grad_outputs, shape, sizes, missing)
@@ -176,6 +178,37 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
             {s.name for s in program.states} - set(initial_state or {}))
         _check_finite_gradients(rec, arguments, grads, passed)
     return VjpResult(outputs, final, grads, dict(used))
+
+
+def at_true_scale(rec, initial_state: dict | None) -> dict | None:
+    """Initial states as the backward takes them: a stabilized state that comes with its log-scale (prefill's
+    and a decode step's "S.log_scale" [B, H], which run and step take back) multiplied by exp of it — the
+    state itself, whose gradient vjp gives (vjp refused the log-scale as an unknown state, so a prefilled
+    continuation could not be differentiated: a probe's finding). One that overflows there is an error."""
+    if not initial_state:
+        return initial_state
+    keys = {state: key for state, key in log_scale_keys(rec.compiled).items() if key in initial_state}
+    if not keys:
+        return initial_state
+    out = {k: v for k, v in initial_state.items() if k not in set(keys.values())}
+    for state, key in keys.items():
+        if state not in out:
+            raise RuntimeInputError(f"initial state '{key}' is given without '{state}', the state it scales; pass "
+                                    f"both, as prefill and step return them")
+        value = np.asarray(out[state])
+        scale = np.asarray(initial_state[key], dtype=np.float64)
+        if scale.shape != value.shape[:2]:
+            raise RuntimeInputError(f"'{key}' should have shape [B, H] = {list(value.shape[:2])} but has shape "
+                                    f"{list(scale.shape)}")
+        with np.errstate(over="ignore", invalid="ignore"):
+            true = value * np.exp(scale).reshape(scale.shape + (1,) * (value.ndim - 2))
+        dtype = value.dtype if value.dtype.kind == "f" else np.float64
+        if not np.all(np.isfinite(true.astype(dtype))) and np.all(np.isfinite(value)):
+            raise RuntimeInputError(f"initial state '{state}' times exp('{key}') is beyond {np.dtype(dtype).name}'s "
+                                    f"range: the backward takes the state at its true scale, whose gradient it "
+                                    f"gives; differentiate from a shorter prefill, or in float64")
+        out[state] = true.astype(dtype)
+    return out
 
 
 def _check_finite_gradients(rec, arguments: tuple, grads: dict, wanted: frozenset | None) -> None:

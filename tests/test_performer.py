@@ -265,3 +265,25 @@ def test_a_negated_param_matrix_times_a_vector_runs_in_the_fused_kernel():
     for rec in (as_written, bracketed):
         got = rec.run(x, form="recurrent", backend="c").outputs["o"]
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_the_gradient_of_a_prefilled_continuation(performer):
+    """vjp refused the state prefill returns (its 'S.log_scale' an unknown state), so the continuation of a
+    prefill could not be differentiated (a probe's finding). It takes the state at its true scale, S·exp(σ):
+    every gradient form on both backends equals the recurrent backward from the true-scale state run returns;
+    a log-scale without its state is an error that says to pass both."""
+    dims = {"dk": 4, "dv": 3, "m": 8}
+    x = performer.random_inputs(1, 10, 2, dims, seed=0)
+    first, rest = {k: v[:, :4] for k, v in x.items()}, {k: v[:, 4:] for k, v in x.items()}
+    prefilled = performer.prefill(first, dims=dims).final_state
+    assert "S.log_scale" in prefilled
+    up = {"o": np.random.default_rng(1).standard_normal((1, 6, 2, 3))}
+    want = performer.vjp(rest, up, dims=dims, initial_state=performer.run(first, dims=dims).final_state)
+    for backend in ("numpy", "c"):
+        for form in performer.forms:
+            got = performer.vjp(rest, up, dims=dims, initial_state=prefilled, form=form, backend=backend)
+            for name, ref in want.grads.items():
+                assert np.max(np.abs(got.grads[name] - ref)) <= 1e-12 * np.max(np.abs(ref)), (backend, form, name)
+    alone = {k: v for k, v in prefilled.items() if k != "S"}
+    with pytest.raises(linrec.RuntimeInputError, match="'S.log_scale' is given without 'S'"):
+        performer.vjp(rest, up, dims=dims, initial_state=alone)
