@@ -98,18 +98,23 @@ def derive(program: ir.Program, whole: Decomposition) -> Decomposition:
         return _noted(whole, cycle_note)
     unavailable = []
     for form in FORMS:
-        reasons = [f"stage {s.number} ({', '.join(s.states)}): {_with_legend(s.decomposition.why_not(form), stages)}"
+        reasons = [f"stage {s.number} ({', '.join(s.states)}): {_with_legend(s.decomposition.why_not(form), s, stages)}"
                    for s in stages if s.decomposition.why_not(form)]
         if reasons:
             unavailable.append((form, "; ".join(reasons + ([cycle_note] if cycle_note else []))))
     return dataclasses.replace(whole, unavailable=tuple(unavailable), stages=tuple(stages))
 
 
-def _with_legend(reason: str, stages: list[Stage]) -> str:
-    """A stage's reason, with what the values handed to it that the reason names are (they are no names of
-    the program)."""
-    named = [h.text() for s in stages for h in s.hands if re.search(rf"(?<!\w){re.escape(h.name)}(?!\w)", reason)]
-    return reason + (f" (where {'; '.join(named)}, handed on by an earlier stage)" if named else "")
+def _with_legend(reason: str, stage: Stage, stages: list[Stage]) -> str:
+    """A stage's reason, with what the values it names that a stage hands on are (they are no names of the
+    program): its own, handed on to a later stage, and those an earlier stage hands to it."""
+    def named(hands) -> list[str]:
+        return [h.text() for h in hands if re.search(rf"(?<!\w){re.escape(h.name)}(?!\w)", reason)]
+    own = named(stage.hands)
+    taken = named(h for s in stages if s is not stage for h in s.hands)
+    legend = ([f"{'; '.join(own)}, which this stage hands on to a later one"] if own else []) + \
+        ([f"{'; '.join(taken)}, handed on by an earlier stage"] if taken else [])
+    return reason + (f" (where {'; and '.join(legend)})" if legend else "")
 
 
 def _noted(d: Decomposition, note: str) -> Decomposition:

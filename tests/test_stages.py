@@ -352,3 +352,18 @@ def test_the_recurrent_gradient_of_the_staged_example_matches_finite_differences
     # (its parallel and chunkwise backward run the stages' backwards: tests/test_grad_stages.py)
     assert PRECONDITIONED.decomposition.stages
     assert linrec.gradients.gradient_refusal(PRECONDITIONED, "chunkwise", "numpy") is None
+
+
+def test_a_stages_own_values_are_said_to_be_handed_on_to_a_later_one():
+    """A reason of stage 1 names the values it hands on (made-up names such as S1_read): the legend said they
+    were "handed on by an earlier stage" (a probe's finding), where this stage hands them on to a later one."""
+    rec = linrec.compile("""recurrence r(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv]
+state S1[dk, dv], S2[dk, dv]
+S1 = S1 + k⊗v
+S2 = S2 + k⊗(q·S1) + (S1·v)⊗v
+output o = q·S2
+""")
+    why = rec.decomposition.why_not("parallel")
+    assert why.startswith("stage 1 (S1): ") and "handed on by an earlier stage" not in why
+    assert why.endswith("(after this token's update), which this stage hands on to a later one)")
