@@ -96,6 +96,35 @@ def _summed(a: Interval) -> Interval:
     return _make(lo, hi, lo_open, hi_open)
 
 
+def _max_or_min(e: ir.Arith) -> tuple[str, ir.Expr, ir.Expr] | None:
+    """("max", a, b) for b + relu(a − b), ("min", a, b) for a − relu(a − b) — how max(a, b) and min(a, b) are
+    read (compiler.resolve) —, else None. Their bounds are those of the larger or smaller operand: taken term by
+    term, each occurrence of a on its own, min(a, 0.9) with a in (0, 1) spanned (−0.1, 1), no decay (a probe's
+    finding), where it lies in (0, 0.9]."""
+    excess = e.right
+    if e.op not in ("add", "sub") or not (isinstance(excess, ir.Apply) and excess.function == "relu"
+                                          and isinstance(excess.args[0], ir.Arith) and excess.args[0].op == "sub"):
+        return None
+    a, b = excess.args[0].left, excess.args[0].right
+    if e.op == "add" and e.left == b:
+        return "max", a, b
+    if e.op == "sub" and e.left == a:
+        return "min", a, b
+    return None
+
+
+def _extreme(kind: str, a: Interval, b: Interval) -> Interval:
+    """The bounds of max(x, y) (kind "max") or min(x, y) for x in a, y in b."""
+    pick = max if kind == "max" else min
+
+    def end(x: float, x_open: bool, y: float, y_open: bool) -> tuple[float, bool]:
+        value = pick(x, y)
+        return value, (x_open if x == value else True) and (y_open if y == value else True)
+    lo, lo_open = end(a.lo, a.lo_open, b.lo, b.lo_open)
+    hi, hi_open = end(a.hi, a.hi_open, b.hi, b.hi_open)
+    return _make(lo, hi, lo_open, hi_open)
+
+
 def _monotone(f, a: Interval, increasing: bool = True) -> Interval:
     def at(x):
         try:
@@ -273,6 +302,10 @@ class Bounds:
         if isinstance(e, ir.Neg):
             return _neg(self.of(e.operand))
         if isinstance(e, ir.Arith):
+            extreme = _max_or_min(e)
+            if extreme is not None:
+                kind, x, y = extreme
+                return _extreme(kind, self.of(x), self.of(y))
             a, b = self.of(e.left), self.of(e.right)
             if e.op == "add":
                 return _add(a, b)

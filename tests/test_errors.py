@@ -684,6 +684,26 @@ def test_max_and_min_are_elementwise_on_every_form():
         assert message in str(compile_error(src))
 
 
+@pytest.mark.parametrize("decay, value", [("min(a, 0.9)", lambda a: np.minimum(a, 0.9)),
+                                          ("max(a, 0.2)", lambda a: np.maximum(a, 0.2))])
+def test_a_decay_of_max_or_min_is_bounded_by_its_operands(decay, value):
+    """min(a, 0.9) with a in (0, 1): its bounds were taken term by term from a − relu(a − 0.9), each a on its
+    own, (−0.1, 1), and the decay was refused the forms (a probe's finding). They are the smaller operand's:
+    (0, 0.9]. Every form on both backends against the loop."""
+    rec = linrec.compile(f"recurrence t(dk = 4, dv = 3)\ninput q[dk], k[dk], v[dv], a in (0, 1)\nstate S[dk, dv]\n"
+                         f"S = {decay}·S + k⊗v\noutput o = q·S\n", "decay.lin")
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    x = rec.random_inputs(1, 9, 2, seed=4)
+    want, S = np.zeros((1, 9, 2, 3)), np.zeros((1, 2, 4, 3))
+    for t in range(9):
+        S = value(x["a"][:, t])[..., None, None] * S + np.einsum("bhk,bhv->bhkv", x["k"][:, t], x["v"][:, t])
+        want[:, t] = np.einsum("bhk,bhkv->bhv", x["q"][:, t], S)
+    for backend in ("numpy", "c"):
+        for form in rec.forms:
+            got = rec.run(x, form=form, backend=backend, chunk_size=4).outputs["o"]
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13, err_msg=f"{form} {backend}")
+
+
 def test_head_index_in_param_not_per_head():
     src = HEAD + "param u = 1 + h\nstate S[dk, dv]\nS = S + u*k⊗v\noutput o = q·S\n"
     check(compile_error(src), src, where(src, 3, "1 + h"), "'u' uses the head index h", "param u per head")
