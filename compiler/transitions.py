@@ -438,7 +438,7 @@ def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
     when the form runs, as for an input outside its declared range)."""
     known = Bounds(program)
     bounds = known.of(decay)
-    if bounds.positive:
+    if bounds.lo >= 0:  # (a decay of exactly 0: a log-decay of −∞, which the forms take as a reset)
         return []
     hints = []
     if bounds.hi > 0:  # it can be positive: what keeps it so is for the program to say
