@@ -326,7 +326,8 @@ class Recurrence:
         arrays.require_dicts(grad_final_state=grad_final_state, initial_state=initial_state, params=params)
         offsets = serving.check_cu_seqlens(cu_seqlens)
         with c_build.threads(threads):
-            if offsets is not None:
+            if offsets is not None:  # (a stabilized state with its log-scale: at its true scale, as unpacked)
+                initial_state = gradients.at_true_scale(self, initial_state)
                 return packed_vjp.vjp_packed(self, inputs, grad_outputs, offsets, form=form, backend=backend,
                                              grad_final_state=grad_final_state, initial_state=initial_state,
                                              params=params, dims=dims, chunk_size=chunk_size, missing=missing)

@@ -196,18 +196,23 @@ def at_true_scale(rec, initial_state: dict | None) -> dict | None:
             raise RuntimeInputError(f"initial state '{key}' is given without '{state}', the state it scales; pass "
                                     f"both, as prefill and step return them")
         value = np.asarray(out[state])
+        if value.dtype.kind != "f":  # (a bfloat16 state's bits, say: check_initial_state refuses its dtype)
+            continue
         scale = np.asarray(initial_state[key], dtype=np.float64)
         if scale.shape != value.shape[:2]:
             raise RuntimeInputError(f"'{key}' should have shape [B, H] = {list(value.shape[:2])} but has shape "
                                     f"{list(scale.shape)}")
+        if np.isnan(scale).any():
+            raise RuntimeInputError(f"'{key}' holds NaN (first at index {np.argwhere(np.isnan(scale))[0].tolist()}): "
+                                    f"pass the log-scale prefill or step returned with the state")
         with np.errstate(over="ignore", invalid="ignore"):
-            true = value * np.exp(scale).reshape(scale.shape + (1,) * (value.ndim - 2))
-        dtype = value.dtype if value.dtype.kind == "f" else np.float64
-        if not np.all(np.isfinite(true.astype(dtype))) and np.all(np.isfinite(value)):
-            raise RuntimeInputError(f"initial state '{state}' times exp('{key}') is beyond {np.dtype(dtype).name}'s "
+            true = value.astype(np.float64) * np.exp(scale).reshape(scale.shape + (1,) * (value.ndim - 2))
+            fits = np.abs(true) <= np.finfo(value.dtype).max
+        if not np.all(fits | ~np.isfinite(value)):
+            raise RuntimeInputError(f"initial state '{state}' times exp('{key}') is beyond {value.dtype.name}'s "
                                     f"range: the backward takes the state at its true scale, whose gradient it "
                                     f"gives; differentiate from a shorter prefill, or in float64")
-        out[state] = true.astype(dtype)
+        out[state] = true.astype(value.dtype)
     return out
 
 

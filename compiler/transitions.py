@@ -278,10 +278,13 @@ def _merged(corrections: list[tuple[ir.Expr, ir.Expr]]) -> list[tuple[ir.Expr, i
     each correction costs the forms a pass over the state per token (found by probing: six steps ran as 63
     corrections, the C chunkwise form 1.4 s for 256 tokens). Vectors only: a u or w per column (beside an
     elementwise decay) stays as written."""
-    groups: dict[ir.Expr, list[tuple[ir.Expr, ir.Expr, ir.Expr]]] = {}
-    for u, w in corrections:
-        coef, base = split_scalar(u) if len(u.shape) == 1 and len(w.shape) == 1 else (None, u)
-        groups.setdefault(base if coef is not None else (u, w), []).append((coef, u, w))
+    groups: dict[object, list[tuple[ir.Expr, ir.Expr, ir.Expr]]] = {}
+    for index, (u, w) in enumerate(corrections):
+        if len(u.shape) == 1 and len(w.shape) == 1:
+            coef, base = split_scalar(u)
+            groups.setdefault(base, []).append((coef, u, w))
+        else:  # (a u or w per column: as written, each its own)
+            groups[("as written", index)] = [(None, u, w)]
     merged = []
     for key, members in groups.items():
         if len(members) == 1:

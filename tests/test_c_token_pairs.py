@@ -18,7 +18,8 @@ from test_c_backend import F32_RTOL, F64_RTOL, compare, random_state
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
-# (I − β·k⊗k)(I − β·a⊗a)·S: corrections w = k, a and (k·a)-weighted a, left vectors k and a
+# (I − β·k⊗k)(I − β·a⊗a)·S: the three terms it multiplies out to share their u vectors, so two corrections,
+# u = kn (w = kn − β(kn·an)·an) and u = an (w = an) (transitions._merged); left vectors k and a
 TWO_CORRECTIONS = """recurrence two_corrections(dk = 16, dv = 16)
 input q[dk], k[dk], a[dk], v[dv], e[dv]
 input beta in (0, 1)
@@ -41,11 +42,11 @@ def test_pairs_with_several_corrections_and_slow_tokens(linrec):
     rec = linrec.compile(TWO_CORRECTIONS)
     dims = {"dk": 40, "dv": 48}
     (transition,) = rec.decomposition.transitions
-    assert len(transition.corrections) == 3 and len(transition.writes) == 2
+    assert len(transition.corrections) == 2 and len(transition.writes) == 2
     source = rec.module("recurrent", "c").source(np.float64, dims)
     assert "two tokens a pass" in source
     # what token u's writes add to token u + 1's p: one dot per (correction, left vector)
-    assert source.count("[u] = acc;") == 3 * 2
+    assert source.count("[u] = acc;") == 2 * 2
     inputs = rec.random_inputs(batch=1, tokens=133, heads=2, dims=dims, seed=21, decay_scale=10.0)
     compare(rec, inputs, random_state(rec, 1, 2, dims, np.float64, 21), np.float64, F64_RTOL)
 

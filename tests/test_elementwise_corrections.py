@@ -233,3 +233,24 @@ def test_c_refuses_a_correction_under_the_decay_with_its_reason(recs):
     for form in ("parallel", "chunkwise"):
         with pytest.raises(linrec.LinrecError, match="no outer product for the elementwise kernels"):
             rec.run(x, form=form, backend="c", initial_state=s0, dims=DIMS)
+
+
+def test_two_equal_corrections_under_an_elementwise_decay():
+    """Two equal corrections beside an elementwise decay, whose u is one per column: merging the corrections
+    that share a u (transitions._merged) took them for one group with no scalar, and compiling stopped with an
+    AttributeError (a probe's finding, a regression of that merge). They stay as written: every form against
+    the recurrent one."""
+    rec = linrec.compile("""recurrence m(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv]
+input X[dk, dv] <= 0
+kn = l2norm(k)
+state S[dk, dv]
+S = exp(X)*(S − 0.25·kn⊗(kn·S) − 0.25·kn⊗(kn·S)) + kn⊗v
+output o = q·S
+""", "m.lin")
+    assert len(rec.decomposition.transition("S").corrections) == 2
+    x = rec.random_inputs(2, 11, 2, seed=3)
+    want = rec.run(x, form="recurrent").outputs["o"]
+    for form in rec.forms:
+        got = rec.run(x, form=form, chunk_size=4).outputs["o"]
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12, err_msg=form)
