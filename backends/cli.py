@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import json
 import math
 import os
@@ -608,10 +609,26 @@ Making an input file with NumPy (names as in the program):
 Generated inputs are seeded and respect declared ranges (e.g. `input g[dk] <= 0`)."""
 
 
+_STREAMS: dict[str, bytes] = {}  # what a pipe (/dev/stdin) held, by path: it can be read only once
+
+
+def _stream_bytes(path: str) -> bytes:
+    """The whole of a file that is no regular one (a pipe, /dev/stdin), read once per process — np.load seeks,
+    and the command reads --inputs twice (the form auto chooses looks at its shapes): the second read of
+    `… | linrec run P --inputs /dev/stdin` found the pipe empty, "not a NumPy .npz file"."""
+    if path not in _STREAMS:
+        with open(path, "rb") as f:
+            _STREAMS[path] = f.read()
+    return _STREAMS[path]
+
+
 def _read_npz(path: str) -> dict[str, np.ndarray]:
     hint = f"write one with np.savez('{Path(path).stem}.npz', q=q, k=k, …)"
     try:
-        data = np.load(path, allow_pickle=False)
+        source = path
+        if os.path.exists(path) and not os.path.isfile(os.path.realpath(path)):
+            source = io.BytesIO(_stream_bytes(path))
+        data = np.load(source, allow_pickle=False)
     except FileNotFoundError:
         raise LinrecError(f"cannot read {path}: no such file") from None
     except IsADirectoryError:
@@ -711,6 +728,11 @@ def _write_files(writes: dict[Path, Callable]) -> None:
     try:
         for target, write in writes.items():
             real = os.path.realpath(target)
+            if _is_stdout(target):  # (its own descriptor: a `>>` redirection appends, which open() would truncate)
+                sys.stdout.flush()
+                write(sys.stdout.buffer)
+                sys.stdout.buffer.flush()
+                continue
             if _special(target) or (os.path.exists(real) and not os.path.isfile(real)):
                 with open(target, "wb") as f:  # (as given: the real path of a pipe is no path)
                     write(f)
@@ -735,25 +757,28 @@ def _write_files(writes: dict[Path, Callable]) -> None:
 
 
 def _special(path) -> bool:
-    """Whether the path, or a symlink on the way to its file, lies in /dev or /proc: /dev/stdout is a link to
-    /proc/self/fd/1, which resolves to whatever the shell redirected stdout to — a regular file that renaming
-    a temporary file over would unlink from under the open descriptor (`--out /dev/stdout > f.npz` left f.npz
-    empty, with exit status 0). Such a path is written directly, as a device is."""
+    """Whether the path names a descriptor or a device rather than a file: /dev/stdout, /dev/fd/N or anything
+    under /proc, or a symlink on the way to one (/dev/stdout is a link to /proc/self/fd/1, which resolves to
+    whatever the shell redirected stdout to — a regular file that renaming a temporary file over would unlink
+    from under the open descriptor: `--out /dev/stdout > f.npz` left f.npz empty, with exit status 0); or an
+    existing file that is no regular one (a FIFO, a device). Such a path is written directly and as it is. A
+    file in a folder of /dev such as /dev/shm is an ordinary file."""
     here = os.path.abspath(path)
     for _ in range(40):  # (a cycle of links: as many hops as the system allows)
-        if here == "/dev" or here.startswith(("/dev/", "/proc/")):
+        if here in ("/dev/stdin", "/dev/stdout", "/dev/stderr") or here.startswith(("/dev/fd/", "/proc/")):
             return True
         if not os.path.islink(here):
-            return False
+            return os.path.exists(here) and not os.path.isfile(here) and not os.path.isdir(here)
         here = os.path.normpath(os.path.join(os.path.dirname(here), os.readlink(here)))
     return False
 
 
-def _is_stdout(path: str) -> bool:
-    """Whether path names the file standard output writes to (/dev/stdout, or the file it is redirected to)."""
+def _is_stdout(path: str, stream=None) -> bool:
+    """Whether path names the file standard output (or `stream`) writes to: /dev/stdout, or the file it is
+    redirected to."""
     try:
-        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
-    except (OSError, ValueError, AttributeError):  # (no such file, or a stdout without a descriptor)
+        return os.path.samestat(os.stat(path), os.fstat((stream or sys.stdout).fileno()))
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # (no such file, no descriptor)
         return False
 
 
@@ -943,6 +968,9 @@ def cmd_run(args) -> int:
         if path and not args.quiet and _is_stdout(path):  # (the summary would land inside the .npz)
             raise LinrecError(f"{option} {path} writes the .npz to standard output, where the run's summary goes "
                               f"too: add --quiet")
+        if path and _is_stdout(path, sys.stderr) and not _is_stdout(path):  # (notes and warnings go there)
+            raise LinrecError(f"{option} {path} writes the .npz to standard error, where linrec's notes and "
+                              f"warnings go too: write it to standard output (with --quiet) or to a file")
     try:  # (before the form is chosen and its note said, as every other size option is checked as the command starts)
         check_chunk_size(args.chunk_size)
     except RuntimeInputError:

@@ -755,3 +755,18 @@ def test_out_to_standard_output(tmp_path):
     assert mixed.returncode == 1 and mixed.stdout == b""
     assert b"--out /dev/stdout writes the .npz to standard output, where the run's summary goes too: add --quiet" \
         in mixed.stderr
+    # a `>>` redirection appends (opening /dev/stdout anew truncated the file), standard error is refused (the
+    # notes go there), and a pipe into --inputs /dev/stdin is read once for both the reads of the command
+    (tmp_path / "log").write_bytes(b"before\n")
+    with open(tmp_path / "log", "ab") as out:
+        subprocess.run(base + ["--quiet", "--out", "/dev/stdout"], stdout=out, check=True, timeout=120)
+    assert (tmp_path / "log").read_bytes()[:9] == b"before\nPK"
+    to_stderr = subprocess.run(base + ["--quiet", "--out", "/dev/stderr"], capture_output=True, timeout=120)
+    assert to_stderr.returncode == 1 and b"where linrec's notes and warnings go too" in to_stderr.stderr
+    generated = subprocess.run(base[:5] + ["--tokens", "4", "--quiet", "--save-inputs", "/dev/stdout"],
+                               capture_output=True, check=True, timeout=120).stdout
+    rerun = subprocess.run([sys.executable, "-m", "linrec", "run", gla, "--inputs", "/dev/stdin", "--quiet",
+                            "--out", str(tmp_path / "rerun.npz")], input=generated, capture_output=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    for name in want:
+        np.testing.assert_allclose(np.load(tmp_path / "rerun.npz")[name], want[name], rtol=1e-12)
