@@ -625,10 +625,7 @@ def _stream_bytes(path: str) -> bytes:
 def _read_npz(path: str) -> dict[str, np.ndarray]:
     hint = f"write one with np.savez('{Path(path).stem}.npz', q=q, k=k, …)"
     try:
-        source = path
-        if os.path.exists(path) and not os.path.isfile(os.path.realpath(path)):
-            source = io.BytesIO(_stream_bytes(path))
-        data = np.load(source, allow_pickle=False)
+        data = np.load(io.BytesIO(_stream_bytes(path)) if _special(path) else path, allow_pickle=False)
     except FileNotFoundError:
         raise LinrecError(f"cannot read {path}: no such file") from None
     except IsADirectoryError:
@@ -702,7 +699,7 @@ def _npz_target(path: str, option: str) -> str:
     if Path(path).is_dir():  # (np.savez would write PATH.npz beside it, which nobody asked for)
         raise LinrecError(f"cannot write {option} {path}: it is a directory; give a file name, such as "
                           f"{Path(path) / 'out.npz'}")
-    if _special(path) or (os.path.exists(path) and not os.path.isfile(os.path.realpath(path))):
+    if _special(path):
         return path  # (/dev/stdout, a pipe: as it is — np.savez's .npz would make a file /dev/stdout.npz)
     target = path if path.endswith(".npz") else path + ".npz"
     folder = Path(target).parent
@@ -733,7 +730,7 @@ def _write_files(writes: dict[Path, Callable]) -> None:
                 write(sys.stdout.buffer)
                 sys.stdout.buffer.flush()
                 continue
-            if _special(target) or (os.path.exists(real) and not os.path.isfile(real)):
+            if _special(target):
                 with open(target, "wb") as f:  # (as given: the real path of a pipe is no path)
                     write(f)
                 continue

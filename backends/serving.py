@@ -36,10 +36,15 @@ def _whole_number(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def _none(count) -> bool:
+    """None or 0, which the serving counts take as none (as the embeddable C's 0)."""
+    return count is None or (_whole_number(count) and count == 0)
+
+
 def check_state_every(state_every) -> int | None:
     """state_every: tokens between checkpoints, a positive integer (None or 0: no checkpoints, as the embeddable
     C's 0)."""
-    if state_every is None or (_whole_number(state_every) and state_every == 0):
+    if _none(state_every):
         return None
     if not _whole_number(state_every) or state_every < 1:
         raise RuntimeInputError(f"state_every must be a positive integer (tokens between checkpoints, e.g. 64), "
@@ -51,7 +56,7 @@ def check_keep_last(keep_last) -> int | None:
     """keep_last: how many of the last tokens' states to return, a positive integer (None or 0: none, as the
     embeddable C's 0 — an engine with no draft tokens this step). That it is at most T is checked once T is known
     (check_keep_last_fits)."""
-    if keep_last is None or (_whole_number(keep_last) and keep_last == 0):
+    if _none(keep_last):
         return None
     if not _whole_number(keep_last) or keep_last < 1:
         raise RuntimeInputError(f"keep_last must be a positive integer (the states after each of the last K "

@@ -125,3 +125,26 @@ def to_text(e: ir.Expr) -> str:
             return f"({s})" if outer_prec > mine else s
         raise TypeError(type(node))
     return p(e)
+
+
+def extremum(function: str, a: ir.Expr, b: ir.Expr, span=None) -> ir.Expr:
+    """max(a, b) as b + relu(a − b), min(a, b) as a − relu(a − b): relu's kernels, bounds and derivative (at
+    a = b its subgradient 0: the gradient goes to b for max, to a for min). as_extremum reads it back."""
+    shape = a.shape or b.shape
+    excess = ir.Apply(shape, "relu", (ir.Arith(shape, "sub", a, b, span=span),), (), span=span)
+    return ir.Arith(shape, "add", b, excess, span=span) if function == "max" else \
+        ir.Arith(shape, "sub", a, excess, span=span)
+
+
+def as_extremum(e: ir.Expr) -> tuple[str, ir.Expr, ir.Expr] | None:
+    """("max", a, b) or ("min", a, b) for an expression `extremum` made (or written the same way), else None."""
+    excess = e.right if isinstance(e, ir.Arith) and e.op in ("add", "sub") else None
+    if not (isinstance(excess, ir.Apply) and excess.function == "relu"
+            and isinstance(excess.args[0], ir.Arith) and excess.args[0].op == "sub"):
+        return None
+    a, b = excess.args[0].left, excess.args[0].right
+    if e.op == "add" and e.left == b:
+        return "max", a, b
+    if e.op == "sub" and e.left == a:
+        return "min", a, b
+    return None

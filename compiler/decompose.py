@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from . import ir
 from .analysis import inline_lets, rebuild, states_in, to_text, walk
-from .readouts import in_readout_shape
+from .readouts import in_readout_shape, read_side
 from .sequence import SequencePlan, is_sequence_program, plan
 from .transitions import Transition, classify
 from .transpose import obstacle, transposed
@@ -162,10 +162,9 @@ def _orient(program: ir.Program) -> tuple[ir.Program, frozenset[str], list[str]]
 
 
 def _read_from_the_right(program: ir.Program, state: str) -> bool:
-    """Some output reads matrix state `state` as M·q (a vector on its right)."""
-    return any(isinstance(n, ir.Dot) and isinstance(n.left, ir.StateRef) and n.left.name == state
-               and len(n.right.shape) == 1
-               for out in program.outputs for n in walk(_read_value(program, out)))
+    """Some output reads matrix state `state` as S·q (a vector on its right)."""
+    return any(read is not None and read[0].name == state and read[2] == "right"
+               for out in program.outputs for read in map(read_side, walk(_read_value(program, out))))
 
 
 def decompose(program: ir.Program) -> Decomposition:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from . import ir
-from .analysis import children
+from .analysis import as_extremum, children
 
 INF = math.inf
 
@@ -96,25 +96,10 @@ def _summed(a: Interval) -> Interval:
     return _make(lo, hi, lo_open, hi_open)
 
 
-def _max_or_min(e: ir.Arith) -> tuple[str, ir.Expr, ir.Expr] | None:
-    """("max", a, b) for b + relu(a − b), ("min", a, b) for a − relu(a − b) — how max(a, b) and min(a, b) are
-    read (compiler.resolve) —, else None. Their bounds are those of the larger or smaller operand: taken term by
-    term, each occurrence of a on its own, min(a, 0.9) with a in (0, 1) spanned (−0.1, 1), no decay (a probe's
-    finding), where it lies in (0, 0.9]."""
-    excess = e.right
-    if e.op not in ("add", "sub") or not (isinstance(excess, ir.Apply) and excess.function == "relu"
-                                          and isinstance(excess.args[0], ir.Arith) and excess.args[0].op == "sub"):
-        return None
-    a, b = excess.args[0].left, excess.args[0].right
-    if e.op == "add" and e.left == b:
-        return "max", a, b
-    if e.op == "sub" and e.left == a:
-        return "min", a, b
-    return None
-
-
 def _extreme(kind: str, a: Interval, b: Interval) -> Interval:
-    """The bounds of max(x, y) (kind "max") or min(x, y) for x in a, y in b."""
+    """The bounds of max(x, y) (kind "max") or min(x, y) for x in a, y in b: the larger or smaller operand's
+    ends. (Taken term by term from b + relu(a − b), each occurrence of a on its own, min(a, 0.9) with a in
+    (0, 1) spanned (−0.1, 1), no decay — a probe's finding —, where it lies in (0, 0.9].)"""
     pick = max if kind == "max" else min
 
     def end(x: float, x_open: bool, y: float, y_open: bool) -> tuple[float, bool]:
@@ -302,7 +287,7 @@ class Bounds:
         if isinstance(e, ir.Neg):
             return _neg(self.of(e.operand))
         if isinstance(e, ir.Arith):
-            extreme = _max_or_min(e)
+            extreme = as_extremum(e)
             if extreme is not None:
                 kind, x, y = extreme
                 return _extreme(kind, self.of(x), self.of(y))

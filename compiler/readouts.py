@@ -30,6 +30,18 @@ def in_readout_shape(e: ir.Expr, states: tuple[ir.State, ...]) -> ir.Expr:
     return e
 
 
+def read_side(n: ir.Expr) -> tuple[ir.StateRef, ir.Expr, str] | None:
+    """(the matrix state, the vector query, the side it reads from) when `n` is a readout q·S ("left") or S·q
+    ("right": the transposed convention's readout); else None."""
+    if not isinstance(n, ir.Dot):
+        return None
+    if isinstance(n.right, ir.StateRef) and len(n.right.shape) == 2 and len(n.left.shape) == 1:
+        return n.right, n.left, "left"
+    if isinstance(n.left, ir.StateRef) and len(n.left.shape) == 2 and len(n.right.shape) == 1:
+        return n.left, n.right, "right"
+    return None
+
+
 def _is_read(node: ir.Expr, state: ir.StateRef) -> bool:
     return isinstance(node, ir.StateRef) and (node.name, node.version) == (state.name, state.version)
 

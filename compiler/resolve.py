@@ -13,7 +13,7 @@ from ..dsl.errors import LinrecError, LinrecWarning, Span
 from ..dsl.parser import LOOKALIKES
 
 from . import ir
-from .analysis import children, rebuild, refs, to_text, variance, walk
+from .analysis import children, extremum, rebuild, refs, to_text, variance, walk
 from .builtins import BUILTINS, RANDOM, SEQ, SEQUENCE, STRUCTURAL
 from .constants import check_constants
 from .linearity import NotLinear, check_linear
@@ -553,12 +553,7 @@ class _Resolver:
             if a.shape and b.shape and a.shape != b.shape:
                 raise LinrecError(f"'{fn}' takes two values of one shape, or a scalar beside either: got "
                                   f"{_fmt(a.shape)} and {_fmt(b.shape)}", sp)
-            # max(a, b) = b + relu(a − b), min(a, b) = a − relu(a − b): relu's kernels, bounds and derivative
-            # (at a = b its subgradient 0: the gradient goes to b for max, to a for min)
-            shape = a.shape or b.shape
-            excess = ir.Apply(shape, "relu", (ir.Arith(shape, "sub", a, b, span=sp),), (), span=sp)
-            return ir.Arith(shape, "add", b, excess, span=sp) if fn == "max" else \
-                ir.Arith(shape, "sub", a, excess, span=sp)
+            return extremum(fn, a, b, span=sp)
         if fn in BUILTINS:
             b = BUILTINS[fn]
             if len(e.args) != b.arity:

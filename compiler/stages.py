@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from . import ir
 from .analysis import inline_lets, rebuild, refs, states_in, to_text, walk
 from .decompose import FORMS, Decomposition, decompose
-from .readouts import in_readout_shape
+from .readouts import in_readout_shape, read_side
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def _reads(program: ir.Program) -> dict[str, set[str]]:
     reads = {s.name: states_in(inline_lets(program.updates[s.name].value, lets)) - {s.name}
              for s in program.states}
     for e in _expressions(program):
-        for state, query, _ in filter(None, map(_readout, walk(e))):
+        for state, query, _ in filter(None, map(read_side, walk(e))):
             reads[state.name] |= states_in(query) - {state.name}
     return reads
 
@@ -221,7 +221,7 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
             e = in_readout_shape(written_out, matrices)
 
         def visit(node: ir.Expr) -> ir.Expr:
-            read = _readout(node)
+            read = read_side(node)
             if read is not None and levels.get(read[0].name, k) < k:  # (S·q is handed on as q·S is)
                 state, query, side = read
                 return ir.InputRef(node.shape, hand(program.state(state.name), state.version,
@@ -279,22 +279,10 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
     return stages
 
 
-def _readout(n: ir.Expr) -> tuple[ir.StateRef, ir.Expr, str] | None:
-    """(the matrix state, the vector query, the side it reads from) when `n` is a readout q·S ("left") or S·q
-    ("right": the transposed convention's readout); else None."""
-    if not isinstance(n, ir.Dot):
-        return None
-    if isinstance(n.right, ir.StateRef) and len(n.right.shape) == 2 and len(n.left.shape) == 1:
-        return n.right, n.left, "left"
-    if isinstance(n.left, ir.StateRef) and len(n.left.shape) == 2 and len(n.right.shape) == 1:
-        return n.left, n.right, "right"
-    return None
-
-
 def _in_readouts(e: ir.Expr, state: str) -> bool:
     """Every read of matrix state `state` in `e` is q·S or S·q with a vector q."""
     reads = sum(isinstance(n, ir.StateRef) and n.name == state for n in walk(e))
-    return reads == sum(r is not None and r[0].name == state for r in map(_readout, walk(e)))
+    return reads == sum(r is not None and r[0].name == state for r in map(read_side, walk(e)))
 
 
 def _lets_used(e: ir.Expr, lets: dict[str, ir.Expr]) -> set[str]:

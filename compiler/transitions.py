@@ -278,23 +278,20 @@ def _merged(corrections: list[tuple[ir.Expr, ir.Expr]]) -> list[tuple[ir.Expr, i
     each correction costs the forms a pass over the state per token (found by probing: six steps ran as 63
     corrections, the C chunkwise form 1.4 s for 256 tokens). Vectors only: a u or w per column (beside an
     elementwise decay) stays as written."""
-    groups: dict[object, list[tuple[ir.Expr, ir.Expr, ir.Expr]]] = {}
+    groups: dict[object, list[tuple[ir.Expr, ir.Expr]]] = {}  # u's vector (an index: as written) → (u, w)s
     for index, (u, w) in enumerate(corrections):
-        if len(u.shape) == 1 and len(w.shape) == 1:
-            coef, base = split_scalar(u)
-            groups.setdefault(base, []).append((coef, u, w))
-        else:  # (a u or w per column: as written, each its own)
-            groups[("as written", index)] = [(None, u, w)]
+        vectors = len(u.shape) == 1 and len(w.shape) == 1  # (a u or w per column stays as written)
+        groups.setdefault(split_scalar(u)[1] if vectors else index, []).append((u, w))
     merged = []
-    for key, members in groups.items():
+    for base, members in groups.items():
         if len(members) == 1:
-            merged.append(members[0][1:])
+            merged.extend(members)
             continue
         w = None
-        for coef, _, wi in members:
-            term = mul(coef, wi)
+        for u, wi in members:
+            term = mul(split_scalar(u)[0], wi)
             w = term if w is None else add(w, term)
-        merged.append((key, w))
+        merged.append((base, w))
     return merged
 
 

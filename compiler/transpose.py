@@ -102,15 +102,13 @@ def transposed(program: ir.Program, state: str) -> ir.Program | None:
 
 
 def obstacle(program: ir.Program, state: str) -> ir.Expr | None:
-    """The input or param matrix that keeps matrix state `state` from being carried transposed (its transpose
-    would be needed: `exp(X)*S` with S read from the right), or None when there is none such."""
-    if len(program.state(state).shape) != 2:
+    """The input or param matrix that keeps matrix state `state` from being carried transposed (its update would
+    need its transpose: `exp(X)*S` with S read from the right), or None when there is none such."""
+    update = program.updates.get(state)
+    if update is None or len(program.state(state).shape) != 2:
         return None
-    lets = program.lets
     try:
-        for s in program.steps:
-            if isinstance(s, ir.Update) and s.state == state:
-                _matrix(inline_lets(s.value, lets), state)
+        _matrix(inline_lets(update.value, program.lets), state)
     except NotTransposable as why:
         found = why.args[0] if why.args else None
         if isinstance(found, (ir.InputRef, ir.ParamRef)) and len(found.shape) == 2:
