@@ -152,12 +152,14 @@ class _BlockRegionPlanner:
         output_lines, output_rows = self._outputs(outputs, streamed)
         inputs = k.input_arrays()
         checks = [_range_check(x) for x in inputs if self.updates and x.outside]
-        tiled = [p for p in passes if p.kind == "tiled" and inputs]
+        # passes that prefetch the next block's rows as they go, paced (phase 1 notes the rows); a vector state's
+        # pass alone leaves them to phase 1
+        pacing = [p for p in passes if p.kind in ("tiled", "tokens") and inputs]
         return BlockRegion(
             head=tuple(head + self.output_printer.take_head()),
-            notes_rows=bool(tiled), ticks=any(p.pace.ticks for p in tiled),
+            notes_rows=bool(pacing), ticks=any(p.kind == "tiled" and p.pace.ticks for p in pacing),
             lane_checks=any(not c.scalar for c in checks), scales=tuple(self.groups if self.updates else ()),
-            next_rows=tuple(f"pf_row[pf_count++] = {k.row_start(x.c, xi.shape, 'ahead')};" if tiled else
+            next_rows=tuple(f"pf_row[pf_count++] = {k.row_start(x.c, xi.shape, 'ahead')};" if pacing else
                             f"lr_prefetch_rows({k.row_start(x.c, xi.shape, 'ahead')}, {x.size});"
                             for x, xi in zip(inputs, k.program.inputs)),
             input_rows=self._rows(k.rows_mentioned(decay_values, self.values, lazies) | {c.row for c in checks}),

@@ -496,7 +496,7 @@ class BlockRegion:
     arrays, with the bookkeeping of lazily applied decays, (2) the passes over the states, (3) the outputs."""
 
     head: Lines                       # per head, before the block
-    notes_rows: bool                  # phase 1 notes the next block's rows, the tiled passes prefetch them
+    notes_rows: bool                  # phase 1 notes the next block's rows, the tiled and token passes prefetch them
     ticks: bool                       # a tiled pass paces its prefetches (pf_tick)
     lane_checks: bool                 # a vector input's range is checked a register at a time
     scales: tuple[ScaleGroup, ...]    # the groups whose σ and M the region carries
