@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Callable, Iterator
 
 from . import ir
@@ -106,6 +107,9 @@ def to_text(e: ir.Expr) -> str:
             args = ", ".join([f"seed={node.seed}"] + [f"{k}={v:g}" for k, v in node.options])
             name = {"normal": "randn", "features": "random_features"}.get(node.kind, node.kind)
             return f"{name}({args})"
+        extreme = as_extremum(node)
+        if extreme:  # (written max(a, b) or min(a, b), read back as such)
+            return f"{extreme[0]}({p(extreme[1])}, {p(extreme[2])})"
         if isinstance(node, ir.Apply):
             defaults = dict(BUILTINS[node.function].options) if node.function in BUILTINS else \
                 dict(SEQUENCE.get(node.function, (0, ()))[1])
@@ -148,3 +152,14 @@ def as_extremum(e: ir.Expr) -> tuple[str, ir.Expr, ir.Expr] | None:
     if e.op == "sub" and e.left == a:
         return "min", a, b
     return None
+
+
+def occurrences(e: ir.Expr) -> Counter:
+    """How often each input and param occurs in e as written: max(a, b) and min(a, b) count each operand once,
+    as their bounds take them (intervals._extreme), where the b + relu(a − b) they are built as holds one twice."""
+    extreme = as_extremum(e)
+    if extreme:
+        return occurrences(extreme[1]) + occurrences(extreme[2])
+    if isinstance(e, (ir.InputRef, ir.ParamRef)):
+        return Counter([e.name])
+    return sum((occurrences(c) for c in children(e)), Counter())

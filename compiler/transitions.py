@@ -20,11 +20,10 @@ name: the class follows from the terms.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 
 from . import ir
-from .analysis import inline_lets, product_factors, refs, states_in, to_text, variance, walk
+from .analysis import inline_lets, occurrences, product_factors, refs, states_in, to_text, variance, walk
 from .intervals import Bounds, undefaulted_params
 from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, add, as_matrix, compose, linear_terms, mul,
                         operator_terms, split_scalar, vector_terms)
@@ -456,13 +455,11 @@ def _not_positive(decay: ir.Expr, state: str, program: ir.Program) -> list[str]:
     # (bounds take each occurrence of a value on its own: lb + (1 − lb)*sigmoid(f) spans (−∞, ∞) for lb ≥ 0, where
     # the same value written lb*(1 − sigmoid(f)) + sigmoid(f) is seen positive — say so rather than only ask for
     # ranges that cannot help)
-    uses = Counter(n.name for n in walk(decay) if isinstance(n, (ir.InputRef, ir.ParamRef)))
-    repeated = [name for name, count in uses.items() if count > 1]
+    repeated = [name for name, count in occurrences(decay).items() if count > 1]
     if repeated and bounds.hi > 0:
         fix += (f" (the bounds take each occurrence of {', '.join(repeated)} on its own: written with "
                 f"{'each' if len(repeated) > 1 else 'it'} once, the same decay may be seen positive)")
-    sign = ("is zero" if bounds.hi == 0 else "can be zero") if bounds.lo >= 0 else \
-        "is negative" if bounds.negative else "can be zero or negative"
+    sign = "is negative" if bounds.negative else "can be zero or negative"
     return [f"the decay `{to_text(decay)}` of '{state}' {sign} (its values lie in {bounds}), and the "
             f"parallel and chunkwise forms work with its logarithm; {fix}"]
 
