@@ -27,6 +27,7 @@ from . import ir
 from .analysis import inline_lets, rebuild, refs, states_in, to_text, walk
 from .decompose import FORMS, Decomposition, decompose
 from .readouts import in_readout_shape, read_side
+from .transitions import classify
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
         if left:
             raise _NoStages(f"state '{left[0]}' is read by a later stage other than through readouts q·{left[0]} "
                             f"or {left[0]}·q with a query q that reads no state of its stage: its value per token "
-                            f"is a matrix, which no stage hands on")
+                            f"is a matrix, which no stage hands on{_as_vectors(program, left[0])}")
         return e
 
     def stage_of(e: ir.Expr) -> int:
@@ -277,6 +278,20 @@ def split(program: ir.Program, levels: dict[str, int] | None = None) -> list[Sta
                             tuple(s.name for s in steps if isinstance(s, ir.Output)
                                   and s.name in {o.name for o in program.outputs})))
     return stages
+
+
+def _as_vectors(program: ir.Program, name: str) -> str:
+    """For a matrix state that holds only its token's write a⊗b (Mamba-3's previous write, read by the next
+    token): how to write it as two vector states, which a stage hands on."""
+    t = classify(program, program.updates[name])
+    if t.decay != ir.Const((), 0.0) or t.corrections or len(t.writes) != 1 or t.reasons:
+        return ""
+    a, b = t.writes[0]
+    state = program.state(name)
+    return (f"; '{name}' holds only its token's write `{to_text(a)}⊗{to_text(b)}`: as two vector states, "
+            f"`state {name}_a[{state.shape[0]}], {name}_b[{state.shape[1]}]` with `{name}_a = {to_text(a)}` and "
+            f"`{name}_b = {to_text(b)}`, read as `{name}_a⊗{name}_b`, the two vectors are handed on (an initial "
+            f"state then is their outer product)")
 
 
 def _in_readouts(e: ir.Expr, state: str) -> bool:

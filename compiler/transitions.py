@@ -112,6 +112,8 @@ def log_of(e: ir.Expr, bounds: Bounds | None = None) -> tuple[ir.Expr, bool]:
 def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = None, value_side: bool = False) -> str:
     if decay is None:
         base = "identity" if value_decay is None else ""
+    elif decay == ir.Const((), 0.0):
+        base = "a decay of 0"
     elif len(decay.shape) == 2:
         base = "elementwise decay"
     elif decay.shape:
@@ -208,17 +210,11 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         decay = add(diagonal, scalar)
     else:
         decay = diagonal if diagonal is not None else scalar
-    if decay is None and not reasons and corrections:
-        # (a decay of 0 beside its corrections: the forms take it as a log-decay of −∞ at every token, as they
-        # take resets, when it is an input's; not yet as a constant of the update)
-        first = next(t for t in terms if t.right is None and t.left.kind in ("outer", "covector"))
-        reasons.append(f"'{state.name}' carries over only through its rank-one correction (`{_term_text(first, state.name)}`"
-                       f"{' and others' if len(corrections) > 1 else ''}), with no term of '{state.name}' itself (a decay "
-                       f"of 0); the parallel and chunkwise forms are derived for a decay times '{state.name}': write it "
-                       f"`exp(g)·{state.name} + …` with an input `g <= 0` and pass g = −∞ for the same recurrence")
-    elif decay is None and not reasons:
-        reasons.append(f"'{state.name}' does not carry over from one token to the next (no S term with a "
-                       f"nonzero decay)")
+    if decay is None and not reasons and not value_side:
+        # no term of the state itself: a decay of 0, as `0·S + …` writes it — a log-decay of −∞ at every token,
+        # which the forms take as a reset (a state that holds this token's write only, or carries over through
+        # its corrections alone)
+        decay = ir.Const((), 0.0)
     if decay == ONE:
         decay = None
     value_corrections: list[tuple[ir.Expr, ir.Expr]] = []

@@ -373,25 +373,29 @@ def test_an_odd_power_past_the_largest_float_keeps_its_sign():
     assert "can be zero or negative" in rec.decomposition.why_not("parallel")
 
 
-def test_a_state_carried_only_by_a_rank_one_correction_is_told_how_to_get_its_forms():
-    """S = k⊗(p·S) + k⊗v: no term of S itself (a decay of 0), S carried over by the correction alone. The
-    parallel and chunkwise forms were refused as "'S' does not carry over from one token to the next", which it
-    does (a probe's finding). The reason now names the correction and the rewrite that gets every form — a
-    decay input of −∞ — and that rewrite gives the recurrent form's outputs on every form and backend."""
-    rec = linrec.compile(HEAD + "input p[dk]\nstate S[dk, dv]\nS = k⊗(p·S) + k⊗v\noutput o = q·S\n", FILE)
-    assert rec.forms == ("recurrent",)
-    with pytest.raises(LinrecError) as info:
-        rec.run(rec.random_inputs(1, 4, 1), form="chunkwise")
-    message = str(info.value)
-    assert "carries over only through its rank-one correction (`(k⊗p)·S`)" in message
-    assert "does not carry over" not in message and "pass g = −∞" in message
+@pytest.mark.parametrize("update, reference_update", [
+    ("S = k⊗(p·S) + k⊗v", "S = exp(g)·S + k⊗(p·S) + k⊗v"),
+    ("S = k⊗v", "S = exp(g)·S + k⊗v"),
+    ("S = −k⊗(k·S) + 2·k⊗v", "S = exp(g)·S − k⊗(k·S) + 2·k⊗v"),
+])
+def test_a_state_with_no_term_of_itself_has_every_form(update, reference_update):
+    """An update with no term of S itself — a decay of 0, S carried over by a correction alone, or holding this
+    token's write only (Mamba-3's previous write) — was refused the parallel and chunkwise forms, where the same
+    update written `0·S + …` had them: its log-decay is −∞ at every token, which the forms take as a reset.
+    Every form, backend and initial state gives what the update written with a decay input of −∞ gives."""
+    rec = linrec.compile(HEAD + f"input p[dk]\nstate S[dk, dv]\n{update}\noutput o = q·S\n", FILE)
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    assert rec.program.updates and "a decay of 0" in rec.decomposition.transitions[0].kind
     x = rec.random_inputs(2, 11, 2, seed=2)
-    reference = rec.run(x).outputs["o"]
-    rewritten = linrec.compile(HEAD + "input p[dk], g <= 0\nstate S[dk, dv]\nS = exp(g)·S + k⊗(p·S) + k⊗v\n"
-                               "output o = q·S\n", FILE)
-    x["g"] = np.full(x["k"].shape[:3], -np.inf)
-    for result in every_form(rewritten, x).values():
-        np.testing.assert_allclose(result.outputs["o"], reference, rtol=1e-10, atol=1e-12)
+    s0 = {"S": np.random.default_rng(3).standard_normal((2, 2) + x["k"].shape[-1:] + x["v"].shape[-1:])}
+    written = linrec.compile(HEAD + f"input p[dk], g <= 0\nstate S[dk, dv]\n{reference_update}\noutput o = q·S\n",
+                             FILE)
+    reference = written.run(dict(x, g=np.full(x["k"].shape[:3], -np.inf)), initial_state=s0)
+    results = every_form(rec, x, initial_state=s0)
+    assert len(results) == 6
+    for result in results.values():
+        np.testing.assert_allclose(result.outputs["o"], reference.outputs["o"], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(result.final_state["S"], reference.final_state["S"], rtol=1e-10, atol=1e-12)
 
 
 # ---- programs that read the sequence -----------------------------------------------------------------

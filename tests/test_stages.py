@@ -114,6 +114,31 @@ output o = q·S
 """)
     assert rec.forms == ("recurrent",) and not rec.decomposition.stages
     assert "its value per token is a matrix, which no stage hands on" in rec.decomposition.why_not("parallel")
+    assert "holds only its token's write" not in rec.decomposition.why_not("parallel")
+
+
+def test_a_matrix_state_holding_its_tokens_write_is_told_to_be_two_vectors():
+    """Mamba-3's previous write as a matrix state P = k⊗v, read whole by the next token's update: no stage hands
+    a matrix on; the reason says how to write it as two vector states, which then give every form."""
+    source = """
+recurrence prevwrite(dk = 8, dv = 8)
+input q[dk], k[dk], v[dv], g <= 0
+state S[dk, dv], P[dk, dv]
+S = exp(g)·S + exp(g)·P + k⊗v
+P = 2·k⊗v
+output o = q·S
+"""
+    rec = linrec.compile(source)
+    assert rec.forms == ("recurrent",)
+    assert ("'P' holds only its token's write `2·k⊗v`: as two vector states, `state P_a[dk], P_b[dv]` with "
+            "`P_a = 2·k` and `P_b = v`, read as `P_a⊗P_b`") in rec.decomposition.why_not("parallel")
+    rewritten = linrec.compile(source.replace("P[dk, dv]", "P_a[dk], P_b[dv]").replace("·P +", "·P_a⊗P_b +")
+                               .replace("P = 2·k⊗v", "P_a = 2*k\nP_b = v"))
+    assert rewritten.forms == ("recurrent", "parallel", "chunkwise")
+    x = rec.random_inputs(1, 9, 2, seed=1)
+    want = rec.run(x).outputs["o"]
+    for form in rewritten.forms:
+        assert rel_err(rewritten.run(x, form=form, chunk_size=4).outputs["o"], want) < 1e-12, form
 
 
 # the transposed convention (docs/forms.md): U ∈ R^(dv×dk), written v⊗k and read from the right, U·q — its

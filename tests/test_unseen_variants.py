@@ -14,6 +14,8 @@ backends against the NumPy recurrent backward, itself checked against central fi
     lru        the linear recurrent unit: a per-head decay and the input scaled by sqrt(1 − λ²)
     rope       rotary position features on q and k (cos and sin of the token's position times a param
                frequency, the rotation a param matrix), a per-head decay: RetNet's xPos as features
+    mamba3     Mamba-3's trapezoidal rule: the state takes a blend of this token's write and the previous
+               token's, which two vector states of decay 0 (`K = k`) hold for the next token
 
 Tolerances (float64): 1e-9 of the largest magnitude for every form and backend against the loop and for every
 gradient form against the recurrent one (the forms' tolerance); the recurrent backward against central
@@ -147,6 +149,16 @@ kr = k*cos(pos*theta) + (R·k)*sin(pos*theta)
 S = gamma*S + kr⊗v
 output o = qr·S
 """, lambda x, s: _rope(x, s)),
+    # the previous token's write: vector states that hold their token's value only (a decay of 0)
+    "mamba3": ("""recurrence mamba3(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv], dt > 0, lam in (0, 1)
+param A per head = uniform(0.5, 2, seed=6)
+state S[dk, dv], K[dk], V[dv]
+S = exp(−A*dt)·S + (1 − lam)·exp(−A*dt)·dt·K⊗V + lam·dt·k⊗v
+K = k
+V = v
+output o = q·S
+""", lambda x, s: _mamba3(x, s)),
 }
 
 
@@ -177,6 +189,12 @@ def _rope(x, s):
     qr, kr = x["q"] * c + (x["R"] @ x["q"]) * sn, x["k"] * c + (x["R"] @ x["k"]) * sn
     S = x["gamma"] * s["S"] + np.outer(kr, x["v"])
     return {"S": S}, {"o": qr @ S}
+
+
+def _mamba3(x, s):
+    a, dt, lam = np.exp(-x["A"] * x["dt"]), x["dt"], x["lam"]
+    S = a * s["S"] + (1 - lam) * a * dt * np.outer(s["K"], s["V"]) + lam * dt * np.outer(x["k"], x["v"])
+    return {"S": S, "K": x["k"], "V": x["v"]}, {"o": x["q"] @ S}
 
 
 def _mlstm(x, s):
