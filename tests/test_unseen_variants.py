@@ -14,6 +14,8 @@ backends against the NumPy recurrent backward, itself checked against central fi
     lru        the linear recurrent unit: a per-head decay and the input scaled by sqrt(1 − λ²)
     rope       rotary position features on q and k (cos and sin of the token's position times a param
                frequency, the rotation a param matrix), a per-head decay: RetNet's xPos as features
+    positions  rope with the positions a running sum, P = P + theta, in a stage of its own that reads no input:
+               a packed sequence or a decode step counts from its own initial state
     mamba3     Mamba-3's trapezoidal rule: the state takes a blend of this token's write and the previous
                token's, which two vector states of decay 0 (`K = k`) hold for the next token
 
@@ -149,6 +151,19 @@ kr = k*cos(pos*theta) + (R·k)*sin(pos*theta)
 S = gamma*S + kr⊗v
 output o = qr·S
 """, lambda x, s: _rope(x, s)),
+    # the positions as a state: (t + 1)·theta at token t, from the initial state
+    "positions": ("""recurrence positions(dk = 6, dv = 4)
+input q[dk], k[dk], v[dv]
+param theta[dk] = uniform(0, 1, seed=3)
+param R[dk, dk] = randn(seed=4)
+param gamma per head = uniform(0.8, 0.99, seed=5)
+state P[dk], S[dk, dv]
+P = P + theta
+qr = q*cos(P) + (R·q)*sin(P)
+kr = k*cos(P) + (R·k)*sin(P)
+S = gamma*S + kr⊗v
+output o = qr·S
+""", lambda x, s: _positions(x, s)),
     # the previous token's write: vector states that hold their token's value only (a decay of 0)
     "mamba3": ("""recurrence mamba3(dk = 5, dv = 4)
 input q[dk], k[dk], v[dv], dt > 0, lam in (0, 1)
@@ -189,6 +204,14 @@ def _rope(x, s):
     qr, kr = x["q"] * c + (x["R"] @ x["q"]) * sn, x["k"] * c + (x["R"] @ x["k"]) * sn
     S = x["gamma"] * s["S"] + np.outer(kr, x["v"])
     return {"S": S}, {"o": qr @ S}
+
+
+def _positions(x, s):
+    P = s["P"] + x["theta"]
+    c, sn = np.cos(P), np.sin(P)
+    qr, kr = x["q"] * c + (x["R"] @ x["q"]) * sn, x["k"] * c + (x["R"] @ x["k"]) * sn
+    S = x["gamma"] * s["S"] + np.outer(kr, x["v"])
+    return {"P": P, "S": S}, {"o": qr @ S}
 
 
 def _mamba3(x, s):
@@ -377,3 +400,23 @@ def test_rank_one_steps_written_one_by_one_are_as_many_corrections(steps):
             got = rec.run(inputs, form=form, backend=backend, params=params, initial_state=state0,
                           chunk_size=CHUNK).outputs["o"]
             assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < TOL, (form, backend)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_positions_kept_as_a_state_count_from_each_sequences_start(backend):
+    """The positions as a running sum P = P + theta (a stage that reads no input, which had no per-token array to
+    take its sizes from, and failed in every form but the recurrent one): in a packed batch every sequence counts
+    from its own initial state, and a prefill followed by decode steps goes on counting where it stopped."""
+    rec = _rec("positions")
+    x = rec.random_inputs(1, 11, 2, seed=4)
+    cu = np.array([0, 4, 11])
+    packed = {form: rec.run(x, form=form, backend=backend, cu_seqlens=cu).outputs["o"] for form in FORMS}
+    alone = np.concatenate([rec.run({k: v[:, a:b] for k, v in x.items()}, backend="numpy").outputs["o"]
+                            for a, b in zip(cu[:-1], cu[1:])], axis=1)
+    for form, got in packed.items():
+        assert np.max(np.abs(got - alone)) <= TOL * np.max(np.abs(alone)), form
+    whole = rec.run(x, backend="numpy").outputs["o"]
+    state = rec.prefill({k: v[:, :6] for k, v in x.items()}, backend=backend).final_state
+    for t in range(6, 11):
+        out, state = rec.step({k: v[:, t] for k, v in x.items()}, state, backend=backend)
+        assert np.max(np.abs(out["o"] - whole[:, t])) <= TOL * np.max(np.abs(whole)), t
