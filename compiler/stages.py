@@ -288,7 +288,7 @@ def _as_vectors(program: ir.Program, name: str) -> str:
         return ""
     a, b = t.writes[0]
     state = program.state(name)
-    return (f"; '{name}' holds only its token's write `{to_text(a)}⊗{to_text(b)}`: as two vector states, "
+    return (f"; '{name}' holds only its token's write `{to_text(ir.Outer(state.shape, a, b))}`: as two vector states, "
             f"`state {name}_a[{state.shape[0]}], {name}_b[{state.shape[1]}]` with `{name}_a = {to_text(a)}` and "
             f"`{name}_b = {to_text(b)}`, read as `{name}_a⊗{name}_b`, the two vectors are handed on (an initial "
             f"state then is their outer product)")

@@ -121,7 +121,9 @@ def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = 
     else:
         base = {"const": "constant scalar decay", "head": "per-head scalar decay",
                 "token": "data-dependent scalar decay"}[variance(decay)]
-    if value_decay is not None:
+    if value_decay == ir.Const((), 0.0):  # (no term of the state: the 0 moves to the value axis)
+        base = "a decay of 0"
+    elif value_decay is not None:
         base = (base + " and a " if base else "") + \
             ("diagonal decay on the value axis" if value_decay.shape else "scalar decay")
     if not corrections:
@@ -210,10 +212,11 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         decay = add(diagonal, scalar)
     else:
         decay = diagonal if diagonal is not None else scalar
-    if decay is None and not reasons and not value_side:
+    if decay is None and not reasons:
         # no term of the state itself: a decay of 0, as `0·S + …` writes it — a log-decay of −∞ at every token,
         # which the forms take as a reset (a state that holds this token's write only, or carries over through
-        # its corrections alone)
+        # its corrections alone, of either side: beside value-side ones the 0 is the value axis's decay below;
+        # left None, it would be read as the identity, S·(I + a⊗b) for S·(a⊗b))
         decay = ir.Const((), 0.0)
     if decay == ONE:
         decay = None

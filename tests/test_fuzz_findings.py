@@ -377,6 +377,10 @@ def test_an_odd_power_past_the_largest_float_keeps_its_sign():
     ("S = k⊗(p·S) + k⊗v", "S = exp(g)·S + k⊗(p·S) + k⊗v"),
     ("S = k⊗v", "S = exp(g)·S + k⊗v"),
     ("S = −k⊗(k·S) + 2·k⊗v", "S = exp(g)·S − k⊗(k·S) + 2·k⊗v"),
+    # (value-side terms only: a probe's finding — left as no decay, read as the identity, the forms ran
+    # S·(I − a⊗b) for −(S·a)⊗b, off by 700)
+    ("S = −0.5·(S·v)⊗v + k⊗v", "S = exp(g)·S − 0.5·(S·v)⊗v + k⊗v"),
+    ("S = 0.5·S\nS = S·(v⊗v) + k⊗v", "S = exp(g)·S + 0.5·S·(v⊗v) + k⊗v"),
 ])
 def test_a_state_with_no_term_of_itself_has_every_form(update, reference_update):
     """An update with no term of S itself — a decay of 0, S carried over by a correction alone, or holding this
@@ -385,7 +389,7 @@ def test_a_state_with_no_term_of_itself_has_every_form(update, reference_update)
     Every form, backend and initial state gives what the update written with a decay input of −∞ gives."""
     rec = linrec.compile(HEAD + f"input p[dk]\nstate S[dk, dv]\n{update}\noutput o = q·S\n", FILE)
     assert rec.forms == ("recurrent", "parallel", "chunkwise")
-    assert rec.program.updates and "a decay of 0" in rec.decomposition.transitions[0].kind
+    assert "a decay of 0" in rec.decomposition.transitions[0].kind
     x = rec.random_inputs(2, 11, 2, seed=2)
     s0 = {"S": np.random.default_rng(3).standard_normal((2, 2) + x["k"].shape[-1:] + x["v"].shape[-1:])}
     written = linrec.compile(HEAD + f"input p[dk], g <= 0\nstate S[dk, dv]\n{reference_update}\noutput o = q·S\n",
@@ -396,6 +400,14 @@ def test_a_state_with_no_term_of_itself_has_every_form(update, reference_update)
     for result in results.values():
         np.testing.assert_allclose(result.outputs["o"], reference.outputs["o"], rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(result.final_state["S"], reference.final_state["S"], rtol=1e-10, atol=1e-12)
+    upstream = {"o": np.random.default_rng(4).standard_normal(reference.outputs["o"].shape)}
+    want = rec.vjp(x, upstream, initial_state=s0, form="recurrent", backend="numpy").grads
+    for form in rec.forms:
+        for backend in ("numpy", "c"):
+            got = rec.vjp(x, upstream, initial_state=s0, form=form, backend=backend).grads
+            for name, ref in want.items():
+                scale = max(np.max(np.abs(ref)), 1e-300)
+                assert np.max(np.abs(got[name] - ref)) <= 1e-9 * scale, (form, backend, name)
 
 
 # ---- programs that read the sequence -----------------------------------------------------------------

@@ -132,6 +132,8 @@ output o = q·S
     assert rec.forms == ("recurrent",)
     assert ("'P' holds only its token's write `2·k⊗v`: as two vector states, `state P_a[dk], P_b[dv]` with "
             "`P_a = 2·k` and `P_b = v`, read as `P_a⊗P_b`") in rec.decomposition.why_not("parallel")
+    other = linrec.compile(source.replace("P = 2·k⊗v", "P = 2·k⊗(v − 1)"))  # (a probe's finding: `2·k⊗v − 1`)
+    assert "write `2·k⊗(v − 1)`: as two vector states" in other.decomposition.why_not("parallel")
     rewritten = linrec.compile(source.replace("P[dk, dv]", "P_a[dk], P_b[dv]").replace("·P +", "·P_a⊗P_b +")
                                .replace("P = 2·k⊗v", "P_a = 2*k\nP_b = v"))
     assert rewritten.forms == ("recurrent", "parallel", "chunkwise")
