@@ -20,6 +20,7 @@ from . import ir
 from .analysis import contains_state, inline_lets, to_text
 
 ONE = ir.Const((), 1.0)
+ZERO = ir.Const((), 0.0)
 
 
 # ---- small expression builders that keep the tree tidy ----------------------------------------

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from . import ir
 from .analysis import inline_lets, rebuild, refs, states_in, to_text, walk
 from .decompose import FORMS, Decomposition, decompose
+from .linearity import ZERO
 from .readouts import in_readout_shape, read_side
 from .transitions import classify
 
@@ -284,7 +285,7 @@ def _as_vectors(program: ir.Program, name: str) -> str:
     """For a matrix state that holds only its token's write a⊗b (Mamba-3's previous write, read by the next
     token): how to write it as two vector states, which a stage hands on."""
     t = classify(program, program.updates[name])
-    if t.decay != ir.Const((), 0.0) or t.corrections or len(t.writes) != 1 or t.reasons:
+    if t.decay != ZERO or t.corrections or len(t.writes) != 1 or t.reasons:
         return ""
     a, b = t.writes[0]
     state = program.state(name)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from . import ir
 from .analysis import inline_lets, occurrences, product_factors, refs, states_in, to_text, variance, walk
 from .intervals import Bounds, undefaulted_params
-from .linearity import (ONE, Factor, NotLinear, Term, Unfactorable, add, as_matrix, compose, linear_terms, mul,
+from .linearity import (ONE, ZERO, Factor, NotLinear, Term, Unfactorable, add, as_matrix, compose, linear_terms, mul,
                         operator_terms, split_scalar, vector_terms)
 
 
@@ -112,7 +112,7 @@ def log_of(e: ir.Expr, bounds: Bounds | None = None) -> tuple[ir.Expr, bool]:
 def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = None, value_side: bool = False) -> str:
     if decay is None:
         base = "identity" if value_decay is None else ""
-    elif decay == ir.Const((), 0.0):
+    elif decay == ZERO:
         base = "a decay of 0"
     elif len(decay.shape) == 2:
         base = "elementwise decay"
@@ -121,7 +121,7 @@ def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = 
     else:
         base = {"const": "constant scalar decay", "head": "per-head scalar decay",
                 "token": "data-dependent scalar decay"}[variance(decay)]
-    if value_decay == ir.Const((), 0.0):  # (no term of the state: the 0 moves to the value axis)
+    if value_decay == ZERO:  # (no term of the state: the 0 moves to the value axis)
         base = "a decay of 0"
     elif value_decay is not None:
         base = (base + " and a " if base else "") + \
@@ -217,7 +217,7 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         # which the forms take as a reset (a state that holds this token's write only, or carries over through
         # its corrections alone, of either side: beside value-side ones the 0 is the value axis's decay below;
         # left None, it would be read as the identity, S·(I + a⊗b) for S·(a⊗b))
-        decay = ir.Const((), 0.0)
+        decay = ZERO
     if decay == ONE:
         decay = None
     value_corrections: list[tuple[ir.Expr, ir.Expr]] = []
