@@ -373,6 +373,23 @@ def test_an_odd_power_past_the_largest_float_keeps_its_sign():
     assert "can be zero or negative" in rec.decomposition.why_not("parallel")
 
 
+@pytest.mark.parametrize("update, kind", [("S = a·S − a·S + k⊗v", "a decay of 0"), ("S = S − S + k⊗v", "a decay of 0"),
+                                          ("S = 0.5·S + 0.5·S + k⊗v", "identity")])
+def test_terms_of_a_state_that_cancel_or_add_up_are_folded(update, kind):
+    """a·S − a·S is no term of S (a decay of 0), and 0.5·S + 0.5·S is S: the decay `a − a`, its bounds taking each a
+    on its own, was (−1, 1) — refused the parallel and chunkwise forms as possibly negative (a probe's finding) —
+    and `0.5 + 0.5` a constant decay to take the log of. Every form gives the recurrent form's outputs."""
+    rec = linrec.compile(HEAD + f"input a in (0, 1)\nstate S[dk, dv]\n{update}\noutput o = q·S\n", FILE)
+    assert rec.decomposition.transitions[0].kind == kind
+    x = rec.random_inputs(2, 9, 2, seed=1)
+    s0 = {"S": np.random.default_rng(2).standard_normal((2, 2) + x["k"].shape[-1:] + x["v"].shape[-1:])}
+    reference = rec.run(x, initial_state=s0, form="recurrent", backend="numpy").outputs["o"]
+    results = every_form(rec, x, initial_state=s0)
+    assert len(results) == 6
+    for result in results.values():
+        np.testing.assert_allclose(result.outputs["o"], reference, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("update, reference_update", [
     ("S = k⊗(p·S) + k⊗v", "S = exp(g)·S + k⊗(p·S) + k⊗v"),
     ("S = k⊗v", "S = exp(g)·S + k⊗v"),
