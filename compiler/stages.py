@@ -330,8 +330,10 @@ def _program(program: ir.Program, k: int, states: tuple[str, ...], steps: tuple,
                     todo.append(q)
     inputs = [x for x in program.inputs if x.name in used_inputs]
     inputs += [ir.Input(name, _shape_of(program, h)) for name, h in handed.items() if name in used_inputs]
-    if not inputs and program.inputs:  # (a stage of params alone — positions P = P + theta: its forms take the
-        inputs = [program.inputs[0]]  # batch, the tokens, the heads and the dtype from a per-token array, unused)
+    # a stage of params alone (positions P = P + theta) has the program's first input, unused: its forms take
+    # the batch, the tokens, the heads and the dtype from a per-token array
+    if not inputs and program.inputs:
+        inputs = [program.inputs[0]]
     return ir.Program(f"{program.name}_stage{k + 1}", program.causal, program.dims, tuple(inputs),
                       tuple(p for p in program.params if p.name in used_params),
                       tuple(s for s in program.states if s.name in states), steps)
