@@ -201,6 +201,8 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
                            f"decay-plus-rank-one structure")
             general = True
     corrections = _merged(corrections)
+    if scalar == ZERO:  # (S − S: terms that add up to no term, as none beside an elementwise decay)
+        scalar = None
     if elementwise is None and any(len(u.shape) == 2 or len(w.shape) == 2 for u, w in corrections):
         reasons.append(f"a rank-one correction of '{state.name}' reads or writes an elementwise product with it "
                        f"(`u⊗(w·(X*{state.name}))`) without an elementwise decay of '{state.name}' (`X*{state.name}`)")

@@ -3,6 +3,8 @@ programs `check` accepts that then failed inside linrec, forms `check` listed th
 programs rejected without saying where. Errors are checked for their message and their source location."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -373,13 +375,15 @@ def test_an_odd_power_past_the_largest_float_keeps_its_sign():
     assert "can be zero or negative" in rec.decomposition.why_not("parallel")
 
 
-@pytest.mark.parametrize("update, kind", [("S = a·S − a·S + k⊗v", "a decay of 0"), ("S = S − S + k⊗v", "a decay of 0"),
-                                          ("S = 0.5·S + 0.5·S + k⊗v", "identity")])
-def test_terms_of_a_state_that_cancel_or_add_up_are_folded(update, kind):
-    """a·S − a·S is no term of S (a decay of 0), and 0.5·S + 0.5·S is S: the decay `a − a`, its bounds taking each a
-    on its own, was (−1, 1) — refused the parallel and chunkwise forms as possibly negative (a probe's finding) —
-    and `0.5 + 0.5` a constant decay to take the log of. Every form gives the recurrent form's outputs."""
-    rec = linrec.compile(HEAD + f"input a in (0, 1)\nstate S[dk, dv]\n{update}\noutput o = q·S\n", FILE)
+@pytest.mark.parametrize("update, kind", [("S = S − S + k⊗v", "a decay of 0"), ("S = 0.5·S + 0.5·S + k⊗v", "identity"),
+                                          ("S = S − S + exp(X)*S + k⊗v", "elementwise decay")])
+def test_constant_terms_of_a_state_that_cancel_or_add_up_are_folded(update, kind):
+    """S − S is no term of S (a decay of 0, and none beside an elementwise decay), and 0.5·S + 0.5·S is S: `1 − 1`
+    was a constant decay to take the log of, and beside exp(X)*S a scalar decay the forms do not take with it.
+    Every form gives the recurrent form's outputs. (a·S − a·S is not folded: an infinite a makes it NaN as
+    written, which the recurrent form computes and the others must give too — a probe's finding.)"""
+    rec = linrec.compile(HEAD + f"input a in (0, 1), X[dk, dv] <= 0\nstate S[dk, dv]\n{update}\noutput o = q·S\n",
+                         FILE)
     assert rec.decomposition.transitions[0].kind == kind
     x = rec.random_inputs(2, 9, 2, seed=1)
     s0 = {"S": np.random.default_rng(2).standard_normal((2, 2) + x["k"].shape[-1:] + x["v"].shape[-1:])}
@@ -388,6 +392,22 @@ def test_terms_of_a_state_that_cancel_or_add_up_are_folded(update, kind):
     assert len(results) == 6
     for result in results.values():
         np.testing.assert_allclose(result.outputs["o"], reference, rtol=1e-10, atol=1e-12)
+
+
+def test_an_input_taken_away_again_is_not_folded():
+    """a·S − a·S + k⊗v with a = ∞ at a token is NaN from there on as written; folded to a decay of 0, the derived
+    forms and C gave finite values (a probe's finding). It keeps the recurrent form only, and every backend gives
+    the NaN."""
+    rec = linrec.compile(HEAD + "input a > 0\nstate S[dk, dv]\nS = a·S − a·S + k⊗v\noutput o = q·S\n", FILE)
+    assert rec.forms == ("recurrent",)
+    x = rec.random_inputs(1, 4, 1, seed=1)
+    x["a"][0, 1, 0] = np.inf
+    s0 = {"S": np.ones((1, 1) + x["k"].shape[-1:] + x["v"].shape[-1:])}
+    for backend in ("numpy", "c"):
+        with warnings.catch_warnings():  # (NumPy's ∞ − ∞, said with its place in the program: wanted here)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            o = rec.run(x, backend=backend, initial_state=s0).outputs["o"]
+        assert np.isfinite(o[:, 0]).all() and np.isnan(o[:, 1:]).all(), backend
 
 
 @pytest.mark.parametrize("update, reference_update", [
