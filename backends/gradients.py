@@ -14,6 +14,7 @@ from .compiler.adjoint import GRADIENT_FORMS
 from .compiler.stabilize import log_scale_keys, stabilized_states
 from .dsl.errors import LinrecError, RuntimeInputError
 from .numpy.adjoint_arrays import BelowNormalRange
+from .numpy.scan import rescale
 from .numpy.vjp import INFINITE_SLOPES
 
 # the two errors of a program with stabilized exponential features whose backward over- or underflows
@@ -184,7 +185,9 @@ def at_true_scale(rec, initial_state: dict | None) -> dict | None:
     """Initial states as the backward takes them: a stabilized state that comes with its log-scale (prefill's
     and a decode step's "S.log_scale" [B, H], which run and step take back) multiplied by exp of it — the
     state itself, whose gradient vjp gives (vjp refused the log-scale as an unknown state, so a prefilled
-    continuation could not be differentiated: a probe's finding). One that overflows there is an error."""
+    continuation could not be differentiated: a probe's finding). decode.at_true_scale's rescaling (which this
+    module cannot import: decode imports the API, which imports this), with the caller's errors said: a
+    log-scale without its state, of another shape or NaN, and a state that overflows at its true scale."""
     if not initial_state:
         return initial_state
     keys = {state: key for state, key in log_scale_keys(rec.compiled).items() if key in initial_state}
@@ -205,14 +208,15 @@ def at_true_scale(rec, initial_state: dict | None) -> dict | None:
         if np.isnan(scale).any():
             raise RuntimeInputError(f"'{key}' holds NaN (first at index {np.argwhere(np.isnan(scale))[0].tolist()}): "
                                     f"pass the log-scale prefill or step returned with the state")
+        vector = value.ndim == 3  # (rescale, decode.at_true_scale's, takes [B, H, rows, cols])
         with np.errstate(over="ignore", invalid="ignore"):
-            true = value.astype(np.float64) * np.exp(scale).reshape(scale.shape + (1,) * (value.ndim - 2))
-            fits = np.abs(true) <= np.finfo(value.dtype).max
-        if not np.all(fits | ~np.isfinite(value)):
+            true = rescale(value[..., None] if vector else value, scale, None, value.dtype)
+        true = true[..., 0] if vector else true
+        if not np.all(np.isfinite(true) | ~np.isfinite(value)):
             raise RuntimeInputError(f"initial state '{state}' times exp('{key}') is beyond {value.dtype.name}'s "
                                     f"range: the backward takes the state at its true scale, whose gradient it "
                                     f"gives; differentiate from a shorter prefill, or in float64")
-        out[state] = true.astype(value.dtype)
+        out[state] = true
     return out
 
 

@@ -199,19 +199,22 @@ def _slots(x, s):
     return {"K": K, "V": V}, {"o": softmax(K @ x["q"]) @ V}
 
 
-def _rope(x, s):
-    c, sn = np.cos(x["pos"] * x["theta"]), np.sin(x["pos"] * x["theta"])
+def _rotary(x, s, angle):
+    """rope's step with the rotation by `angle` (the position times theta, given or kept as a state)."""
+    c, sn = np.cos(angle), np.sin(angle)
     qr, kr = x["q"] * c + (x["R"] @ x["q"]) * sn, x["k"] * c + (x["R"] @ x["k"]) * sn
     S = x["gamma"] * s["S"] + np.outer(kr, x["v"])
     return {"S": S}, {"o": qr @ S}
 
 
+def _rope(x, s):
+    return _rotary(x, s, x["pos"] * x["theta"])
+
+
 def _positions(x, s):
     P = s["P"] + x["theta"]
-    c, sn = np.cos(P), np.sin(P)
-    qr, kr = x["q"] * c + (x["R"] @ x["q"]) * sn, x["k"] * c + (x["R"] @ x["k"]) * sn
-    S = x["gamma"] * s["S"] + np.outer(kr, x["v"])
-    return {"P": P, "S": S}, {"o": qr @ S}
+    states, outputs = _rotary(x, s, P)
+    return {"P": P, **states}, outputs
 
 
 def _mamba3(x, s):
