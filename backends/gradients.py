@@ -187,7 +187,8 @@ def at_true_scale(rec, initial_state: dict | None) -> dict | None:
     state itself, whose gradient vjp gives (vjp refused the log-scale as an unknown state, so a prefilled
     continuation could not be differentiated: a probe's finding). decode.at_true_scale's rescaling (which this
     module cannot import: decode imports the API, which imports this), with the caller's errors said: a
-    log-scale without its state, of another shape or NaN, and a state that overflows at its true scale."""
+    log-scale without its state or of another shape, and a state that overflows at its true scale. A NaN
+    log-scale is 0, as run and step read it."""
     if not initial_state:
         return initial_state
     keys = {state: key for state, key in log_scale_keys(rec.compiled).items() if key in initial_state}
@@ -205,9 +206,8 @@ def at_true_scale(rec, initial_state: dict | None) -> dict | None:
         if scale.shape != value.shape[:2]:
             raise RuntimeInputError(f"'{key}' should have shape [B, H] = {list(value.shape[:2])} but has shape "
                                     f"{list(scale.shape)}")
-        if np.isnan(scale).any():
-            raise RuntimeInputError(f"'{key}' holds NaN (first at index {np.argwhere(np.isnan(scale))[0].tolist()}): "
-                                    f"pass the log-scale prefill or step returned with the state")
+        # NaN is the true scale: bind_step and a slot pool hand a state back so until its first step, and run
+        # and step take it so (rescale reads it as 0)
         vector = value.ndim == 3  # (rescale, decode.at_true_scale's, takes [B, H, rows, cols])
         with np.errstate(over="ignore", invalid="ignore"):
             true = rescale(value[..., None] if vector else value, scale, None, value.dtype)

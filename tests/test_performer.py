@@ -289,6 +289,33 @@ def test_the_gradient_of_a_prefilled_continuation(performer):
         performer.vjp(rest, up, dims=dims, initial_state=alone)
 
 
+def test_the_gradient_from_a_state_whose_log_scale_is_nan(performer):
+    """bind_step hands its state back with the log-scale NaN (at its true scale) until the first step, and run
+    and step take it so; vjp refused it ("holds NaN"). It takes NaN as the true scale too, head by head: a
+    log-scale NaN in one head and 2.5 in the other gives the gradients of the states (S and z, which share it)
+    with the second head ×e^2.5, on every gradient form and backend."""
+    dims = {"dk": 4, "dv": 3, "m": 8}
+    x = performer.random_inputs(1, 7, 2, dims, seed=3)
+    up = {"o": np.random.default_rng(4).standard_normal((1, 7, 2, 3))}
+    rng = np.random.default_rng(5)
+    state = {"S": rng.random((1, 2, 8, 3)), "z": rng.random((1, 2, 8))}
+    factor = np.array([1.0, np.exp(2.5)])
+    true = {"S": state["S"] * factor[None, :, None, None], "z": state["z"] * factor[None, :, None]}
+    want = performer.vjp(x, up, dims=dims, initial_state=true)
+    scaled = {**state, "S.log_scale": np.array([[np.nan, 2.5]])}
+    for backend in ("numpy", "c"):
+        for form in performer.forms:
+            got = performer.vjp(x, up, dims=dims, initial_state=scaled, form=form, backend=backend)
+            for name, ref in want.grads.items():
+                assert np.max(np.abs(got.grads[name] - ref)) <= 1e-12 * np.max(np.abs(ref)), (backend, form, name)
+    zeros = {"S": np.zeros((1, 2, 8, 3)), "z": np.zeros((1, 2, 8))}
+    performer.bind_step({k: v[:, 0].copy() for k, v in x.items()}, zeros)
+    assert np.all(np.isnan(zeros["S.log_scale"]))
+    got = performer.vjp(x, up, dims=dims, initial_state=zeros)
+    for name, ref in performer.vjp(x, up, dims=dims).grads.items():
+        assert np.max(np.abs(got.grads[name] - ref)) <= 1e-12 * np.max(np.abs(ref)), name
+
+
 def test_the_gradient_of_a_prefilled_continuation_packed_and_in_bfloat16(performer):
     """The same for packed sequences, which still refused the log-scale, and a bfloat16 state (its bits in
     uint16) with its log-scale, which vjp took as numbers — every gradient wrong (3.4 relative in the outputs) —
