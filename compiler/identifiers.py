@@ -30,6 +30,7 @@ INTERNAL = {"np", "rt", "t", "h", "batch", "tokens", "heads", "inputs", "params"
 INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one", "silu", "l2norm", "groupnorm",
              "rmsnorm", "matvec", "vecmat", "diag_matrix", "random_features", "per_token", "log_decay",
              "parallel_scan", "chunkwise_scan", "recurrent_scan", "running_max", "scale_decay", "rescale",
+             "running_signs", "with_signs", "signed_state", "signed_reads", "signed_grads",
              "visible_positions", "mask", "masked_softmax", "masked_mean", "masked_rmsnorm", "masked_groupnorm",
              "softmax", "online_softmax_step", "attention",
              "lsh_attention_dense", "lsh_attention_bucketed", "causal", "visible", "keys", "queries", "block",

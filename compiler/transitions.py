@@ -45,6 +45,7 @@ class Transition:
     value_log_is_exact: bool = True
     value_corrections: tuple[tuple[ir.Expr, ir.Expr], ...] = ()  # (a, b): + (D_t·S_(t−1)·a)⊗b, D_t: the decay
     #                                                               (of the rows; an elementwise one is not applied)
+    signed: bool = False  # D_t (a scalar or one per row) may be negative: log_decay is log |D_t| (see signs below)
 
     @property
     def factorable(self) -> bool:
@@ -59,6 +60,17 @@ class Transition:
         a = 1e-12 made the C backward's ∂a 2.5e-5 off in float64, and 1e-300 with sigmoid(log(a)) 1e283)."""
         return (self.log_decay is not None and (not self.log_is_exact or _divides(self.log_decay))) or \
             (self.value_log_decay is not None and (not self.value_log_is_exact or _divides(self.value_log_decay)))
+
+    @property
+    def magnitude(self) -> ir.Expr | None:
+        """The decay whose logarithm the forms take: |D_t| for a decay of either sign, else D_t. A decay of
+        either sign is |D_t| times a sign s_t: with σ_t = s_1 ⋯ s_t (per row; a decay of 0 counts +1), S̃_t =
+        σ_t ⊙ S_t follows the same update with the decay |D_t| and the keys and u taken times σ_t, the w
+        times σ_(t−1), the queries read after the update times σ_t and those before it times σ_(t−1); the
+        state is σ_T ⊙ S̃_T (backends/numpy/scan.py's running_signs, with_signs)."""
+        if self.decay is None or not self.signed:
+            return self.decay
+        return ir.Apply(self.decay.shape, "abs", (self.decay,))
 
     @property
     def elementwise(self) -> bool:
@@ -239,8 +251,14 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     bounds = Bounds(program)
     log_decay, exact = (None, True) if decay is None else log_of(decay, bounds)
     value_log, value_exact = (None, True) if value_decay is None else log_of(value_decay, bounds)
+    # a decay of the rows (one per token or per row) that may be negative: the forms take log |D| and the signs
+    # apart (Transition.magnitude); an elementwise one or one of the value axis is refused (_not_positive)
+    signed = decay is not None and not exact and len(decay.shape) < 2 and value_decay is None \
+        and not value_corrections and bool(_not_positive(decay, state.name, program))
+    if signed:
+        log_decay = ir.Apply(decay.shape, "log", (ir.Apply(decay.shape, "abs", (decay,)),))
     for d, is_exact in ((decay, exact), (value_decay, value_exact)):
-        if d is not None and not is_exact:
+        if d is not None and not is_exact and not (signed and d is decay):
             reasons.extend(_not_positive(d, state.name, program))
     if value_decay is not None and states_in(value_decay):
         reasons.append(f"the decay of '{state.name}' depends on a state")
@@ -266,8 +284,11 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         reasons.append(f"the decay of '{state.name}' depends on a state")
     kind = "general linear map" if general else \
         _describe(decay, corrections or value_corrections, value_decay, bool(value_corrections))
+    if signed and not general:
+        kind += " of either sign"
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
-                      tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact, tuple(value_corrections))
+                      tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact, tuple(value_corrections),
+                      signed)
 
 
 def _merged(corrections: list[tuple[ir.Expr, ir.Expr]]) -> list[tuple[ir.Expr, ir.Expr]]:

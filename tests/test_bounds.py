@@ -80,12 +80,12 @@ def test_max_and_min_are_bounded_by_their_operands(a_lo, a_width, b_lo, b_width,
 
 
 def test_a_refused_extremum_is_named_as_written():
-    """A decay written min(a, 0.9) that can be negative (a unbounded) is named so in the reason, and the hint
+    """An elementwise decay written min(a, 0.9) that can be negative (a unbounded) is named so in the reason, and the hint
     that bounds take each occurrence on its own is left out: built as a − relu(a − 0.9), the reason showed that
     and suggested writing a once."""
-    rec = linrec.compile("recurrence t(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv], a\nstate S[dk, dv]\n"
-                         "S = min(a, 0.9)·S + k⊗v\noutput o = q·S\n", "t.lin")
+    rec = linrec.compile("recurrence t(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv], a[dk, dv]\nstate S[dk, dv]\n"
+                         "S = min(a, 0.9)*S + k⊗v\noutput o = q·S\n", "t.lin")
     why = rec.decomposition.why_not("parallel")
     assert "the decay `min(a, 0.9)` of 'S' can be zero or negative (its values lie in (−∞, 0.9])" in why
     assert "relu" not in why and "occurrence" not in why
-    assert to_text(rec.program.updates["S"].value) == "min(a, 0.9)·S + k⊗v"  # (linrec check's line)
+    assert to_text(rec.program.updates["S"].value) == "min(a, 0.9)*S + k⊗v"  # (linrec check's line)

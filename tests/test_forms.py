@@ -356,53 +356,74 @@ output o = (q·U)·S
 
 
 def test_a_nonpositive_decays_advice_names_the_factor_at_fault():
-    """`exp(g)·gamma` with gamma's default negative for heads from the tenth on (found by probing): the advice
-    was to declare ranges of g, which no range fixes (exp(g) has its logarithm, g); it is gamma's default."""
-    rec = linrec.compile("recurrence m1(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\ninput g <= 0\n"
-                         "param gamma per head = 0.95 − 0.1·h\nstate S[dk, dv]\nS = exp(g)·gamma·S + k⊗v\n"
+    """`exp(G)·gamma` with gamma's default negative for heads from the tenth on (found by probing): the advice
+    was to declare ranges of G, which no range fixes (exp(G) has its logarithm, G); it is gamma's default. (An
+    elementwise decay: one of the rows may have either sign, below.)"""
+    rec = linrec.compile("recurrence m1(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\ninput G[dk, dv] <= 0\n"
+                         "param gamma per head = 0.95 − 0.1·h\nstate S[dk, dv]\nS = (exp(G)*gamma)*S + k⊗v\n"
                          "output o = q·S\n", "m1.lin")
     why = rec.decomposition.why_not("parallel")
-    assert "change the defaults it is computed from" in why and "ranges of g" not in why
-    rec = linrec.compile("recurrence m2(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\ninput g <= 0, b\n"
-                         "state S[dk, dv]\nS = exp(g)·b·S + k⊗v\noutput o = q·S\n", "m2.lin")
+    assert "change the defaults it is computed from" in why and "ranges of G" not in why
+    rec = linrec.compile("recurrence m2(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\ninput G[dk, dv] <= 0, b\n"
+                         "state S[dk, dv]\nS = (exp(G)*b)*S + k⊗v\noutput o = q·S\n", "m2.lin")
     assert "declare ranges of b that keep it positive" in rec.decomposition.why_not("parallel")
 
 
 def test_a_value_written_twice_in_a_decay_is_named_and_once_is_seen_positive():
     """HGRN's lower-bounded gate lb + (1 − lb)*sigmoid(f): positive for lb ≥ 0, but the bounds take each lb on its
     own and found (−∞, ∞), and the message asked for ranges of f that cannot help (a probe's finding). It now
-    names lb; the same decay written with lb once has every form."""
-    head = "recurrence hg(d = 4)\ninput f[d], c[d]\nparam lb per head = 0.1*(h + 1)\nstate hh[d]\n"
-    twice = linrec.compile(head + "hh = (lb + (1 − lb)*sigmoid(f))*hh + c\noutput o = hh\n", "hg.lin")
+    names lb; the same decay written with lb once is seen positive. (On the value axis here: a decay of the rows
+    of either sign has every form, below.)"""
+    head = "recurrence hg(d = 4)\ninput f[d], c[d]\nparam lb per head = 0.1*(h + 1)\nstate hh[d, d]\n"
+    twice = linrec.compile(head + "hh = hh·diag(lb + (1 − lb)*sigmoid(f)) + c⊗c\noutput o = c·hh\n", "hg.lin")
     assert "the bounds take each occurrence of lb on its own" in twice.decomposition.why_not("parallel")
-    once = linrec.compile(head + "hh = (lb*(1 − sigmoid(f)) + sigmoid(f))*hh + c\noutput o = hh\n", "hg.lin")
+    once = linrec.compile(head + "hh = hh·diag(lb*(1 − sigmoid(f)) + sigmoid(f)) + c⊗c\noutput o = c·hh\n", "hg.lin")
     assert once.forms == ("recurrent", "parallel", "chunkwise")
+    assert not once.decomposition.transitions[0].signed
 
 
-def test_nonpositive_decay_is_refused_in_log_space_forms():
-    """A decay with no symbolic logarithm must be positive in the log-space forms: an input without a range
-    that keeps it so (or a param without a default) leaves the program without them, and check says why; a
-    param whose default keeps it positive keeps them, and a call that passes values that do not is refused
-    when the form runs, as an input outside its range is."""
-    rec = linrec.compile("""recurrence signed(dk = 3, dv = 3)
+SIGNED_DECAY = """recurrence signed(dk = 3, dv = 3)
 input q[dk], k[dk], v[dv], a
 state S[dk, dv]
 S = a·S + k⊗v
 output o = q·S
-""", "signed.lin")
-    assert rec.forms == ("recurrent",)
-    why = rec.decomposition.why_not("parallel")
-    assert "the decay `a` of 'S' can be zero or negative (its values lie in (−∞, ∞))" in why
-    assert "declare ranges of a that keep it positive" in why
-    inputs = rec.random_inputs(1, 5, 1, seed=1)
-    with pytest.raises(linrec.LinrecError, match="has no parallel form: state 'S': the decay `a`"):
-        rec.run(inputs, form="parallel")
-    assert np.all(np.isfinite(rec.run(inputs).outputs["o"]))
+"""
+
+
+def test_a_decay_of_either_sign_has_every_form():
+    """A decay of the rows with no symbolic logarithm that may be negative (an input without a range, a param
+    without a default) was refused the log-space forms. It is |a| times a sign: the forms carry σ_t·S_t, σ_t the
+    running product of the signs, whose decay |a| has a logarithm (docs/forms.md). Every form and backend equals
+    the recurrent one on decays of both signs, zeros included; an elementwise decay that may be negative is
+    still refused, and says why."""
+    rec = linrec.compile(SIGNED_DECAY, "signed.lin")
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    assert rec.decomposition.transitions[0].kind == "data-dependent scalar decay of either sign"
+    inputs = rec.random_inputs(2, 19, 2, seed=1)
+    inputs["a"] = np.random.default_rng(2).uniform(-1.2, 1.2, inputs["a"].shape)
+    inputs["a"][0, 4, 1] = 0.0
+    s0 = {"S": np.random.default_rng(3).standard_normal((2, 2, 3, 3))}
+    want = rec.run(inputs, form="recurrent", initial_state=s0)
+    for backend in ("numpy", "c"):
+        for form in rec.forms:
+            got = rec.run(inputs, form=form, backend=backend, initial_state=s0, chunk_size=5)
+            np.testing.assert_allclose(got.outputs["o"], want.outputs["o"], rtol=1e-10, atol=1e-10 * np.abs(
+                want.outputs["o"]).max(), err_msg=f"{backend} {form}")
+            np.testing.assert_allclose(got.final_state["S"], want.final_state["S"], rtol=1e-10, atol=1e-12)
     source = "recurrence signed(dk = 3, dv = 3)\ninput q[dk], k[dk], v[dv]\nparam a per head\nstate S[dk, dv]\n" \
              "S = a·S + k⊗v\noutput o = q·S\n"
-    rec = linrec.compile(source, "signed.lin")
-    assert rec.forms == ("recurrent",)
-    assert "give a a default that keeps it positive" in rec.decomposition.why_not("parallel")
+    assert linrec.compile(source, "signed.lin").forms == ("recurrent", "parallel", "chunkwise")
+    elementwise = linrec.compile(SIGNED_DECAY.replace("v[dv], a", "v[dv], a[dk, dv]").replace("a·S", "a*S"), "e.lin")
+    assert elementwise.forms == ("recurrent",)
+    assert "the decay `a` of 'S' can be zero or negative (its values lie in (−∞, ∞))" in \
+        elementwise.decomposition.why_not("parallel")
+
+
+def test_a_decay_a_default_keeps_positive_is_refused_negative_when_the_form_runs():
+    """A param whose default keeps the decay positive gives the log-space forms without signs; a call that
+    passes values that make it negative is refused when the form runs, as an input outside its range is."""
+    source = "recurrence signed(dk = 3, dv = 3)\ninput q[dk], k[dk], v[dv]\nparam a per head\nstate S[dk, dv]\n" \
+             "S = a·S + k⊗v\noutput o = q·S\n"
     rec = linrec.compile(source.replace("per head", "per head = 0.9"), "signed.lin")
     assert rec.forms == ("recurrent", "parallel", "chunkwise")
     inputs = rec.random_inputs(1, 5, 2, seed=1)

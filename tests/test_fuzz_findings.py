@@ -267,25 +267,33 @@ def test_states_that_only_decay_or_stay_on_every_form(body):
 SIGNED = "recurrence t(dk = 3, dv = 2)\ninput q[dk], k[dk], v[dv]\ninput dt in (-2, 3)\ninput a in (0, 1)\n"
 
 
-@pytest.mark.parametrize("decay, sign, values", [
-    ("dt", "can be zero or negative", "(−2, 3)"),
-    ("a − 1", "is negative", "(−1, 0)"),
-    ("−exp(p)", "is negative", "(−∞, 0)"),   # whatever the caller passes for p, a param without a default
+@pytest.mark.parametrize("decay, values", [
+    ("dt", "(−2, 3)"),
+    ("a − 1", "(−1, 0)"),
+    ("−exp(p)", "(−∞, 0)"),   # whatever the caller passes for p, a param without a default
 ])
-def test_a_decay_that_can_be_zero_or_negative_has_no_log_space_forms(decay, sign, values):
+def test_a_decay_that_can_be_zero_or_negative_takes_its_signs_in_the_log_space_forms(decay, values):
     """The parallel and chunkwise forms take the logarithm of a decay; where the compiler has no symbolic one
-    (log(exp(x)) = x), the values must be positive. check listed the forms and run refused them on valid
-    inputs ("the decay of state 'S' is not positive (min np.float64(-1.9))", a NumPy repr). The ranges of
-    what the decay is computed from now decide it, and check says why the forms are missing."""
+    (log(exp(x)) = x), the ranges of what the decay is computed from decide whether it may be negative. check
+    listed the forms and run refused them on valid inputs ("the decay of state 'S' is not positive (min
+    np.float64(-1.9))", a NumPy repr); then they were refused. A decay of the rows that may be negative now
+    takes its signs apart (|decay| has a logarithm): every form equals the recurrent one. An elementwise one is
+    still refused, with the reason."""
     rec = linrec.compile(SIGNED + f"param p per head\nstate S[dk, dv]\nS = ({decay})·S + k⊗v\noutput o = q·S\n", FILE)
-    assert rec.forms == ("recurrent",)
-    why = rec.decomposition.why_not("chunkwise")
-    assert f"the decay `{decay}` of 'S' {sign} (its values lie in {values}), and the parallel and chunkwise forms " \
-           f"work with its logarithm" in why, why
-    with pytest.raises(LinrecError, match="has no parallel form"):
-        rec.run(rec.random_inputs(1, 4, 1), form="parallel", params={"p": np.ones(1)})
-    reference = rec.run(rec.random_inputs(1, 4, 1), form="recurrent", params={"p": np.ones(1)})
-    assert np.all(np.isfinite(reference.outputs["o"]))
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    assert rec.decomposition.transitions[0].signed
+    x = rec.random_inputs(1, 9, 2, seed=3)
+    x["dt"] = np.random.default_rng(4).uniform(-2, 3, x["dt"].shape)
+    params = {"p": np.array([0.1, -0.2])}
+    reference = rec.run(x, form="recurrent", params=params).outputs["o"]
+    for form in ("parallel", "chunkwise"):
+        for backend in ("numpy", "c"):
+            got = rec.run(x, form=form, backend=backend, params=params, chunk_size=4).outputs["o"]
+            np.testing.assert_allclose(got, reference, rtol=1e-10, atol=1e-12 * np.abs(reference).max())
+    elementwise = linrec.compile(SIGNED + f"param p per head\nstate S[dk, dv]\nS = (({decay})*(k⊗v))*S\n"
+                                 f"output o = q·S\n", FILE)
+    assert elementwise.forms == ("recurrent",)
+    assert "of 'S' can be zero or negative" in elementwise.decomposition.why_not("chunkwise")
 
 
 @pytest.mark.parametrize("decay", ["(1 + a)/2", "1 − sigmoid(dt)", "sigmoid(dt) + 0.1", "g", "2^(−a)·a",
@@ -368,11 +376,12 @@ def test_the_bounds_of_powers_at_zero_and_past_the_largest_float(declared, decay
 
 def test_an_odd_power_past_the_largest_float_keeps_its_sign():
     """a^3 for a in (−1e300, 1e300): (−1e300)^3 overflows, and the bound took the overflow for +∞ — a decay in
-    [∞, ∞), 'positive', listed with the log-space forms it cannot have. It can be negative."""
+    [∞, ∞), 'positive', listed with log-space forms that took its log. It can be negative: its forms take
+    its signs apart."""
     rec = linrec.compile("recurrence f(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv], a in (−1e300, 1e300)\n"
                          "state S[dk, dv]\nS = (a^3)·S + k⊗v\noutput o = q·S\n", FILE)
-    assert rec.forms == ("recurrent",)
-    assert "can be zero or negative" in rec.decomposition.why_not("parallel")
+    assert rec.forms == ("recurrent", "parallel", "chunkwise")
+    assert rec.decomposition.transitions[0].signed  # (taken positive, its log would be NaN where a < 0)
 
 
 @pytest.mark.parametrize("update, kind", [("S = S − S + k⊗v", "a decay of 0"), ("S = 0.5·S + 0.5·S + k⊗v", "identity"),
@@ -396,18 +405,19 @@ def test_constant_terms_of_a_state_that_cancel_or_add_up_are_folded(update, kind
 
 def test_an_input_taken_away_again_is_not_folded():
     """a·S − a·S + k⊗v with a = ∞ at a token is NaN from there on as written; folded to a decay of 0, the derived
-    forms and C gave finite values (a probe's finding). It keeps the recurrent form only, and every backend gives
-    the NaN."""
+    forms and C gave finite values (a probe's finding). It is the decay a − a, which the bounds take to be of
+    either sign (each a on its own): every form and backend gives the NaN."""
     rec = linrec.compile(HEAD + "input a > 0\nstate S[dk, dv]\nS = a·S − a·S + k⊗v\noutput o = q·S\n", FILE)
-    assert rec.forms == ("recurrent",)
+    assert rec.decomposition.transitions[0].signed
     x = rec.random_inputs(1, 4, 1, seed=1)
     x["a"][0, 1, 0] = np.inf
     s0 = {"S": np.ones((1, 1) + x["k"].shape[-1:] + x["v"].shape[-1:])}
     for backend in ("numpy", "c"):
-        with warnings.catch_warnings():  # (NumPy's ∞ − ∞, said with its place in the program: wanted here)
-            warnings.simplefilter("ignore", RuntimeWarning)
-            o = rec.run(x, backend=backend, initial_state=s0).outputs["o"]
-        assert np.isfinite(o[:, 0]).all() and np.isnan(o[:, 1:]).all(), backend
+        for form in rec.forms:
+            with warnings.catch_warnings():  # (NumPy's ∞ − ∞, said with its place in the program: wanted here)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                o = rec.run(x, backend=backend, form=form, initial_state=s0).outputs["o"]
+            assert np.isfinite(o[:, 0]).all() and np.isnan(o[:, 1:]).all(), (backend, form)
 
 
 @pytest.mark.parametrize("update, reference_update", [

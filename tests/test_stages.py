@@ -260,14 +260,15 @@ output o = q·S + (z*q)·U
 
 
 def test_a_stage_without_a_form_gives_the_program_its_reason():
-    """The decay of S is A_t itself: no symbolic logarithm, and nothing bounds it above 0. Stage 1 has every
-    form, stage 2 the recurrent one: so has the program, with stage 2's reason (naming what A_t is)."""
+    """The decay of S's value axis is A_t itself: no symbolic logarithm, and nothing bounds it above 0 (a decay
+    of the value axis is not taken with its signs). Stage 1 has every form, stage 2 the recurrent one: so has
+    the program, with stage 2's reason (naming what A_t is)."""
     rec = linrec.compile("""
 recurrence decayed_by_a_state(dk = 4, dv = 4)
-input q[dk], k[dk], v[dv], g[dk] <= 0
-state A[dk], S[dk, dv]
-A = exp(g)*A + k*k
-S = diag(A)·S + k⊗v
+input q[dk], k[dk], v[dv], g[dv] <= 0
+state A[dv], S[dk, dv]
+A = exp(g)*A + v*v
+S = S·diag(A) + k⊗v
 output o = q·S
 """)
     first, second = rec.decomposition.stages

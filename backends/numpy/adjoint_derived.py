@@ -33,6 +33,7 @@ class StateArrays:
 
     log_decay: str
     value_log_decay: str
+    signs: tuple[str, str] | None  # a decay of either sign: σ_t and σ_(t−1) (linrec.numpy.scan.running_signs)
     writes: str
     corrections: str
     value_corrections: str
@@ -72,7 +73,10 @@ class DecomposedEmitter(BackwardEmitter):
         self.arrays = {}  # state → its per-token arrays' variables and their adjoints' (StateArrays)
         for st in self.p.states:
             s = n(st.name)
-            self.arrays[st.name] = StateArrays(**{f.name: em.fresh(f"{s}_{f.name}") for f in fields(StateArrays)})
+            names = {f.name: em.fresh(f"{s}_{f.name}") for f in fields(StateArrays) if f.name != "signs"}
+            signs = (em.fresh(f"{s}_signs"), em.fresh(f"{s}_signs_before")) \
+                if compiled.decomposition.transition(st.name).signed else None
+            self.arrays[st.name] = StateArrays(**names, signs=signs)
         self.seeds: dict[str, str] = {}  # a per-token array's label → the code of its adjoint
         self.chunk = em.fresh("chunk")
         self.fused_result = em.fresh("fused")
@@ -154,7 +158,7 @@ class DecomposedEmitter(BackwardEmitter):
         reading no readout is checked apart): causal, every state a matrix in its declared layout."""
         d = self.c.decomposition
         return self.c.program.causal and all(len(st.shape) == 2 and st.name not in d.transposed
-                                             for st in self.p.states)
+                                             and not d.transition(st.name).signed for st in self.p.states)
 
     def adjoint_lines(self, prelude, fused: bool) -> list[str]:
         """The backward: the readouts' adjoints, each state's backward scan, the chain rule to the inputs."""
@@ -201,7 +205,7 @@ class DecomposedEmitter(BackwardEmitter):
             if not t.log_is_exact:  # log of the values: the runtime's log_decay, which refuses a negative decay by
                 # name, as the forward's module does (np.log gave NaN, and the call a false 'NaN for these arguments')
                 self.helpers.add("log_decay")
-                log = f"log_decay({prelude(em.refold(t.decay))}, \"{st.name}\")"
+                log = f"log_decay({prelude(em.refold(t.magnitude))}, \"{st.name}\")"
             lines.append(f"{decay} = {per_token(log, width, not t.log_decay.shape)}")
         pairs = []
         for key, value in t.writes:
@@ -229,6 +233,18 @@ class DecomposedEmitter(BackwardEmitter):
             return f"({per_token(prelude(em.refold(q)), rows, not q.shape)}, {r.before_update}" + \
                 ("" if scale is None else f", {prelude(scale)}") + ")"
         lines.append(f"{queries} = [" + ", ".join(query(r) for r in reads) + "]")
+        if t.signed:  # (the scans carry S̃ = σ ⊙ S, whose decay is |D|; the readouts of a non-causal program are
+            # read below from the state itself)
+            after, before = a.signs
+            self.helpers |= {"running_signs", "with_signs", "signed_state"} | ({"signed_reads"} if any(
+                r.is_value for r in reads) else set())
+            width = rows if t.decay.shape else "1"
+            lines += [f"# {st.name}'s decay may be negative: the scans carry σ_t ⊙ {st.name}_t, σ_t the running product "
+                      f"of its signs, which decays by |decay| (with_signs)",
+                      f"{after}, {before} = running_signs({per_token(prelude(em.refold(t.decay)), width, not t.decay.shape)})",
+                      f"{a.corrections if t.corrections else '_'}, {writes}, {queries if self.c.program.causal else '_'}"
+                      f" = with_signs({after}, {before}, {a.corrections if t.corrections else '[]'}, {writes}, "
+                      f"{queries if self.c.program.causal else '[]'})"]
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
@@ -237,12 +253,19 @@ class DecomposedEmitter(BackwardEmitter):
             return lines + [f"if {fwd} is None:", f"    [{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, "
                             f"{decay}, {writes}, {queries}, {self.chunk}{self.optional_arrays(st.name)})", "else:",
                             f"    {n(st.name)}, {starts} = {fwd}[1][\"{st.name}\"], {fwd}[2][\"{st.name}\"]"]
+        # (a decay of either sign: the readouts of the state itself and the state back from S̃, as the forward's)
+        signed = [f"{n(st.name)} = signed_state({n(st.name)}, {a.signs[0]})  # σ_T ⊙ {st.name}̃_T: the state itself"] \
+            if t.signed else []
         if self.c.program.causal:
             lines.append(f"[{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, "
                          f"{queries}, {self.chunk}{self.optional_arrays(st.name)})")
+            if t.signed and any(r.is_value for r in reads):
+                lines.append(f"[{targets}] = signed_reads([{targets}], {a.signs[0]}, {a.signs[1]}, {queries})")
+            lines += signed
         else:  # every readout reads the final state: the scan runs without readouts, they read its result
             lines.append(f"[], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, [], "
                          f"{self.chunk}{self.optional_arrays(st.name)})")
+            lines += signed
             for i, r in enumerate(reads):
                 var = self.readout_vars[r.index]
                 lines.append(f"{var} = np.broadcast_to({n(st.name)}[:, None, :, :, 0], (batch, tokens) + "
@@ -310,9 +333,17 @@ class DecomposedEmitter(BackwardEmitter):
                     lines.append(f"{read_grads[i]} = np.einsum('bhkv,bthv->bthk', {end}, "
                                  f"{self.d[('readout', str(r.index))]}{column})")
             queries, grads, final = "[]", "", total
+        if t.signed:  # (the scan's arrays are S̃'s, σ ⊙ S: the gradients of S's readouts and final state to S̃'s)
+            after, before = a.signs
+            final = f"signed_state({final}, {after})"
+            if any(r.is_value for r in reads):
+                grads = f"*signed_reads([{grads}], {after}, {before}, {queries})"
         lines += [f"{g} = {self.backward_scan}({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
                   f"{final}{self.optional_arrays(st.name)}{self.decays_as_values(t)})",
                   f"{state} = {self.declared(st, g + '.initial_state')}"]
+        if t.signed:
+            self.helpers.add("signed_grads")
+            lines.append(f"{g} = signed_grads({g}, {after}, {before}, {queries})  # the arrays' own, before with_signs")
         if t.log_decay is not None:
             self.seeds[f"{st.name}.log_decay"] = f"{g}.log_decay" + ("" if t.log_decay.shape else "[..., 0]")
         if t.value_log_decay is not None:

@@ -92,6 +92,7 @@ class ScanArrays:
     writes: str
     value_log_decay: str | None  # only where the value axis decays
     value_corrections: str | None = None  # only where a correction acts on the value side
+    signs: tuple[str, str] | None = None  # a decay of either sign: σ_t and σ_(t−1) (scan.running_signs)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
     if t.log_decay is not None:
         # one log-decay per token, per row, or per element ([B, T, H, rows, cols]: an elementwise decay)
         width = f"{lay.rows}, {lay.cols}" if t.elementwise else lay.rows if t.log_decay.shape else "1"
-        terms.append(log_of_decay(mod, lay, t.log_decay, t.log_is_exact, t.decay, width, not t.decay.shape))
+        terms.append(log_of_decay(mod, lay, t.log_decay, t.log_is_exact, t.magnitude, width, not t.decay.shape))
     if scale:
         terms.append(f"scale_decay({scale.running})" + ("[..., None]" if t.elementwise else "") + "  # M_(t−1) − M_t")
         mod.helpers.add("scale_decay")
@@ -222,7 +223,15 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
         value_corrections = mod.em.fresh(f"{s}_value_corrections")
         mod.body.append(f"{value_corrections} = [" + ", ".join(
             f"({mod.per_token(a, lay.cols)}, {mod.per_token(b, lay.cols)})" for a, b in t.value_corrections) + "]")
-    return ScanArrays(decay, corrections, writes, value_decay, value_corrections)
+    signs = None
+    if t.signed:
+        signs = (mod.em.fresh(f"{s}_signs"), mod.em.fresh(f"{s}_signs_before"))
+        mod.helpers |= {"running_signs", "with_signs", "signed_state"}
+        width = lay.rows if t.decay.shape else "1"
+        mod.body += [f"# {lay.name}'s decay may be negative: the scan carries σ_t ⊙ {lay.name}_t, σ_t the running product "
+                     f"of its signs, which decays by |decay| (with_signs)",
+                     f"{signs[0]}, {signs[1]} = running_signs({per_token(mod.code(t.decay), width, not t.decay.shape)})"]
+    return ScanArrays(decay, corrections, writes, value_decay, value_corrections, signs)
 
 
 def log_of_decay(mod: Module, lay: Layout, log: ir.Expr, exact: bool, decay: ir.Expr, width: str,
@@ -373,9 +382,21 @@ def scan_call(mod: Module, lay: Layout, arrays: ScanArrays, reads: Reads, scale:
     value_decay = f", value_log_decay={arrays.value_log_decay}" if arrays.value_log_decay else ""
     if arrays.value_corrections:
         value_decay += f", value_corrections={arrays.value_corrections}"
+    queries = f"[{', '.join(reads.queries)}]"
+    if arrays.signs:
+        after, before = arrays.signs
+        queries = mod.em.fresh(f"{lay.var}_readouts")
+        lines.append(f"{arrays.corrections}, {arrays.writes}, {queries} = with_signs({after}, {before}, "
+                     f"{arrays.corrections}, {arrays.writes}, [{', '.join(reads.queries)}], causal={mod.em.p.causal})")
     lines.append(f"[{', '.join(reads.targets)}], {lay.var} = {mod.scan}({init}, {arrays.log_decay}, "
-                 f"{arrays.corrections}, {arrays.writes}, [{', '.join(reads.queries)}], causal={mod.em.p.causal}, "
+                 f"{arrays.corrections}, {arrays.writes}, {queries}, causal={mod.em.p.causal}, "
                  f"chunk_size=chunk_size{value_decay})")
+    if arrays.signs:
+        if reads.reads_itself:
+            mod.helpers.add("signed_reads")
+            lines.append(f"[{', '.join(reads.targets)}] = signed_reads([{', '.join(reads.targets)}], {after}, "
+                         f"{before}, {queries}, causal={mod.em.p.causal})")
+        lines.append(f"{lay.var} = signed_state({lay.var}, {after})  # σ_T ⊙ {lay.name}̃_T: the state itself")
     return lines
 
 

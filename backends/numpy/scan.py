@@ -71,6 +71,58 @@ def log_decay(decay, state: str) -> np.ndarray:
         return np.log(decay)
 
 
+def running_signs(decay) -> tuple[np.ndarray, np.ndarray]:
+    """σ_t and σ_(t−1) of a decay of either sign ([B, T, H, n] each, as per_token gives the decay): the running
+    product over the tokens of its signs, a decay of 0 counted +1 (it resets the state, and any sign then
+    holds). Exactly ±1: the forms run S̃_t = σ_t ⊙ S_t, whose decay |D_t| has a logarithm (see with_signs)."""
+    signs = np.where(np.asarray(decay) < 0, -1.0, 1.0).astype(np.asarray(decay).dtype)
+    after = np.cumprod(signs, axis=1)
+    before = np.concatenate([np.ones_like(after[:, :1]), after[:, :-1]], axis=1)
+    return after, before
+
+
+def with_signs(after, before, corrections, writes, readouts, causal=True):
+    """A state's per-token arrays for S̃_t = σ_t ⊙ S_t (running_signs), which decays by |D_t|: S_t = D_t·S_(t−1)
+    + Σ u⊗(w·S_(t−1)) + Σ κ⊗x is, times σ_t (σ_t·D_t = σ_(t−1)·|D_t|), S̃_t = |D_t|·S̃_(t−1) + Σ (σ_t u)⊗((σ_(t−1)
+    w)·S̃_(t−1)) + Σ (σ_t κ)⊗x; a readout q·S_t is (σ_t q)·S̃_t, one before the update (σ_(t−1) q)·S̃_(t−1), a
+    non-causal one's of the final state (σ_T q)·S̃_T. (corrections, writes, readouts) as the scans take them; a
+    readout of the state itself (query None) stays, for signed_reads."""
+    final = after[:, -1:] if after.shape[1] else after
+    def query(r):
+        if r[0] is None:
+            return r
+        sign = (before if r[1] else after) if causal else final
+        return (r[0] * sign,) + tuple(r[1:])
+    return ([(u * after, w * before) for u, w in corrections], [(k * after, x) for k, x in writes],
+            [query(r) for r in readouts])
+
+
+def signed_grads(grads, after, before, readouts):
+    """The gradients a backward scan gives of the arrays with_signs made (a ScanGrads) as those of the arrays
+    before it: the same products again, σ² being 1. `readouts` as with_signs gave them; the log-decays',
+    the values' and the initial state's gradients stay (S̃_0 = S_0)."""
+    corrections, writes, queries = with_signs(after, before, grads.corrections, grads.writes,
+                                              [(g,) + tuple(r[1:]) for g, r in zip(grads.queries, readouts)])
+    return grads._replace(corrections=corrections, writes=writes, queries=[q[0] for q in queries])
+
+
+def signed_state(state, after):
+    """S = σ_T ⊙ S̃ of a state [B, H, n, m] carried as S̃ = σ ⊙ S (with_signs); None stays None. The same map
+    takes the final state's gradient to S̃'s (σ_T² = 1)."""
+    if state is None or not after.shape[1]:
+        return state
+    return state * after[:, -1, :, :, None]
+
+
+def signed_reads(reads, after, before, readouts, causal=True):
+    """Readouts of the state itself (a query None) back from S̃ (with_signs): σ_t ⊙ S̃_t (σ_(t−1) before the
+    update, σ_T in a non-causal program; a vector state's, [B, T, H, n]); the others as they are. The same
+    map takes their gradients to S̃'s."""
+    final = after[:, -1:] if after.shape[1] else after
+    return [r if q[0] is not None or r is None else r * ((before if q[1] else after) if causal else final)
+            for r, q in zip(reads, readouts)]
+
+
 def _head_major(x):
     return None if x is None else np.ascontiguousarray(np.swapaxes(x, 1, 2))
 
