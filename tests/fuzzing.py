@@ -239,7 +239,8 @@ class ProgramGenerator:
     def scalar_decay(self, names: _Names) -> str:
         choices = ["0.9", "0.5", "1"]
         for a in names.scalars:
-            choices += [f"exp({a})", f"sigmoid({a})", a, f"exp(−softplus({a}))", f"1 − sigmoid({a})"]
+            # (a and tanh(a): decays of either sign, which the forms take with their signs apart)
+            choices += [f"exp({a})", f"sigmoid({a})", a, f"exp(−softplus({a}))", f"1 − sigmoid({a})", f"tanh({a})"]
         for p, (s, _) in names.params.items():
             if not s:
                 choices += [p, f"exp({p})", f"sigmoid({p})"]
@@ -248,7 +249,7 @@ class ProgramGenerator:
     def diagonal(self, names: _Names) -> str | None:
         choices = []
         for g in names.gates:
-            choices += [f"exp({g})", f"sigmoid({g})", f"exp({g})*0.5"]
+            choices += [f"exp({g})", f"sigmoid({g})", f"exp({g})*0.5", f"tanh({g})"]  # (tanh(g): in (−1, 0])
         for p, (s, _) in names.params.items():
             if s == ("dk",):
                 choices += [f"exp(−abs({p}))", f"sigmoid({p})", p]
