@@ -259,7 +259,10 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         log_decay = ir.Apply(decay.shape, "log", (ir.Apply(decay.shape, "abs", (decay,)),))
     for d, is_exact in ((decay, exact), (value_decay, value_exact)):
         if d is not None and not is_exact and not (signed and d is decay):
-            reasons.extend(_not_positive(d, state.name, program))
+            # (why its signs are not taken apart, as a decay of the rows' are)
+            axis = "of the value axis" if d is value_decay else "elementwise" if len(d.shape) == 2 else None
+            reasons.extend(r + (f" (a decay {axis} is taken positive: the signs of a decay of the rows alone are "
+                                f"taken apart)" if axis else "") for r in _not_positive(d, state.name, program))
     if value_decay is not None and states_in(value_decay):
         reasons.append(f"the decay of '{state.name}' depends on a state")
 

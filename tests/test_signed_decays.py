@@ -121,3 +121,23 @@ def test_packed_sequences_resets_and_float32():
             single = rec.run(x32, form=form, backend=backend, cu_seqlens=offsets, initial_state=s32)
             for key, ref in want32.outputs.items():
                 assert _rel(single.outputs[key], ref) <= 5e-4, (backend, form, key)
+
+
+@pytest.mark.parametrize("update, read, axis", [
+    # a scalar beside a correction on the value side: carried on the value axis
+    ("input a in [−1, 1]\ninput beta in (0, 1)\nstate S[dk, dv]\nS = a·S·(I − beta·v⊗v) + beta·k⊗v\n",
+     "output o = q·S\n", "the decay `a` of 'S' can be zero or negative"),
+    # the rows of a state read from the right: carried transposed, they are its value axis
+    ("input a[dk] in [−1, 1]\ninput p[dv]\nstate S[dk, dv]\nS = diag(a)·S + k⊗v\n", "output r = S·p\n",
+     "it is read from the right (`S·q`), which the forms take by carrying it transposed, and carried so: the "
+     "decay `a` of 'S' can be zero or negative"),
+])
+def test_a_decay_of_either_sign_the_forms_carry_on_the_value_axis_is_refused_with_its_reason(update, read, axis):
+    """Carried on the value axis a decay's signs are not taken apart: the program keeps the recurrent form, and
+    the reason says it is the sign, on the value axis (for the state read from the right the reason was only
+    that `S·p` is no readout q·S, a probe's finding: so it is, once S is carried transposed)."""
+    rec = linrec.compile(HEAD.format(causal="") + update + read, "value_axis.lin")
+    assert rec.forms == ("recurrent",)
+    why = rec.decomposition.why_not("parallel")
+    assert axis in why and "(a decay of the value axis is taken positive: the signs of a decay of the rows " \
+        "alone are taken apart)" in why, why
