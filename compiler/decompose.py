@@ -148,13 +148,6 @@ def _orient(program: ir.Program) -> tuple[ir.Program, frozenset[str], list[str]]
         if other is not None and _derivable(other, st.name):
             program = other
             flipped.add(st.name)
-        elif other is not None and _read_from_the_right(program, st.name) and \
-                classify(program, program.updates[st.name]).factorable and _read_through_readouts(other, st.name):
-            # (carried transposed its reads are readouts, and its update is what stops it — a decay of either
-            # sign on the rows becomes one of the value axis, say: that is the reason, not the read)
-            carried = classify(other, other.updates[st.name]).reasons
-            why.append(f"state '{st.name}': it is read from the right (`{st.name}·q`), which the forms take by "
-                       f"carrying it transposed, and carried so: " + "; ".join(carried))
         elif other is None and _read_from_the_right(program, st.name):
             matrix = obstacle(program, st.name)
             if matrix is not None:

@@ -45,7 +45,8 @@ class Transition:
     value_log_is_exact: bool = True
     value_corrections: tuple[tuple[ir.Expr, ir.Expr], ...] = ()  # (a, b): + (D_t·S_(t−1)·a)⊗b, D_t: the decay
     #                                                               (of the rows; an elementwise one is not applied)
-    signed: bool = False  # D_t (a scalar or one per row) may be negative: log_decay is log |D_t| (see signs below)
+    signed: bool = False  # D_t (a scalar or one per row) may be negative: log_decay is log |D_t| (see magnitude)
+    value_signed: bool = False  # E_t may be negative: value_log_decay is log |E_t| (see value_magnitude)
 
     @property
     def factorable(self) -> bool:
@@ -71,6 +72,17 @@ class Transition:
         if self.decay is None or not self.signed:
             return self.decay
         return ir.Apply(self.decay.shape, "abs", (self.decay,))
+
+    @property
+    def value_magnitude(self) -> ir.Expr | None:
+        """The decay of the value axis whose logarithm the forms take: |E_t| for one of either sign, else E_t.
+        As magnitude's, on the columns: with τ_t the running product of E's signs, S̃_t = S_t·diag(τ_t) decays
+        by |E_t|, the values (of the writes, and the b of value-side corrections) taken times τ_t, the a of
+        value-side corrections times τ_(t−1), every readout q·S̃ times τ_t (τ_(t−1) before the update), and
+        the state is S̃_T·diag(τ_T) (backends/numpy/scan.py's with_value_signs)."""
+        if self.value_decay is None or not self.value_signed:
+            return self.value_decay
+        return ir.Apply(self.value_decay.shape, "abs", (self.value_decay,))
 
     @property
     def elementwise(self) -> bool:
@@ -253,16 +265,24 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     value_log, value_exact = (None, True) if value_decay is None else log_of(value_decay, bounds)
     # a decay of the rows (one per token or per row) that may be negative: the forms take log |D| and the signs
     # apart (Transition.magnitude); an elementwise one or one of the value axis is refused (_not_positive)
-    signed = decay is not None and not exact and len(decay.shape) < 2 and value_decay is None \
-        and not value_corrections and bool(_not_positive(decay, state.name, program))
+    # a decay of the rows (one per token or per row) or of the value axis that may be negative: the forms take
+    # log |D| and the signs apart (Transition.magnitude, value_magnitude); an elementwise one is refused
+    # (_not_positive)
+    signed = decay is not None and not exact and len(decay.shape) < 2 and bool(_not_positive(decay, state.name,
+                                                                                                program))
+    value_signed = value_decay is not None and not value_exact and value_decay != ZERO and \
+        bool(_not_positive(value_decay, state.name, program))
     if signed:
         log_decay = ir.Apply(decay.shape, "log", (ir.Apply(decay.shape, "abs", (decay,)),))
+    if value_signed:
+        value_log = ir.Apply(value_decay.shape, "log", (ir.Apply(value_decay.shape, "abs", (value_decay,)),))
     for d, is_exact in ((decay, exact), (value_decay, value_exact)):
-        if d is not None and not is_exact and not (signed and d is decay):
+        if d is not None and not is_exact and not (signed and d is decay) and not (value_signed and d is value_decay):
             # (why its signs are not taken apart, as a decay of the rows' are)
-            axis = "of the value axis" if d is value_decay else "elementwise" if len(d.shape) == 2 else None
-            reasons.extend(r + (f" (a decay {axis} is taken positive: the signs of a decay of the rows alone are "
-                                f"taken apart)" if axis else "") for r in _not_positive(d, state.name, program))
+            axis = "elementwise" if len(d.shape) == 2 else None
+            reasons.extend(r + (f" (a decay {axis} is taken positive: the signs of a decay of the rows or of the "
+                                f"value axis are taken apart)" if axis else "") for r in _not_positive(d, state.name,
+                                                                                                    program))
     if value_decay is not None and states_in(value_decay):
         reasons.append(f"the decay of '{state.name}' depends on a state")
 
@@ -287,11 +307,11 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
         reasons.append(f"the decay of '{state.name}' depends on a state")
     kind = "general linear map" if general else \
         _describe(decay, corrections or value_corrections, value_decay, bool(value_corrections))
-    if signed and not general:
+    if (signed or value_signed) and not general:
         kind += " of either sign"
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
                       tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact, tuple(value_corrections),
-                      signed)
+                      signed, value_signed)
 
 
 def _merged(corrections: list[tuple[ir.Expr, ir.Expr]]) -> list[tuple[ir.Expr, ir.Expr]]:

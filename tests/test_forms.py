@@ -372,14 +372,14 @@ def test_a_nonpositive_decays_advice_names_the_factor_at_fault():
 def test_a_value_written_twice_in_a_decay_is_named_and_once_is_seen_positive():
     """HGRN's lower-bounded gate lb + (1 − lb)*sigmoid(f): positive for lb ≥ 0, but the bounds take each lb on its
     own and found (−∞, ∞), and the message asked for ranges of f that cannot help (a probe's finding). It now
-    names lb; the same decay written with lb once is seen positive. (On the value axis here: a decay of the rows
-    of either sign has every form, below.)"""
-    head = "recurrence hg(d = 4)\ninput f[d], c[d]\nparam lb per head = 0.1*(h + 1)\nstate hh[d, d]\n"
-    twice = linrec.compile(head + "hh = hh·diag(lb + (1 − lb)*sigmoid(f)) + c⊗c\noutput o = c·hh\n", "hg.lin")
+    names lb; the same decay written with lb once is seen positive. (Elementwise here: a decay of the rows or
+    of the value axis of either sign has every form, below.)"""
+    head = "recurrence hg(d = 4)\ninput f[d], c[d], u[d] in (0, 1]\nparam lb per head = 0.1*(h + 1)\nstate hh[d, d]\n"
+    twice = linrec.compile(head + "hh = ((lb + (1 − lb)*sigmoid(f))⊗u)*hh + c⊗c\noutput o = c·hh\n", "hg.lin")
     assert "the bounds take each occurrence of lb on its own" in twice.decomposition.why_not("parallel")
-    once = linrec.compile(head + "hh = hh·diag(lb*(1 − sigmoid(f)) + sigmoid(f)) + c⊗c\noutput o = c·hh\n", "hg.lin")
+    once = linrec.compile(head + "hh = ((lb*(1 − sigmoid(f)) + sigmoid(f))⊗u)*hh + c⊗c\noutput o = c·hh\n",
+                          "hg.lin")
     assert once.forms == ("recurrent", "parallel", "chunkwise")
-    assert not once.decomposition.transitions[0].signed
 
 
 SIGNED_DECAY = """recurrence signed(dk = 3, dv = 3)

@@ -25,6 +25,17 @@ PROGRAMS = {
     # a state of either sign read by a later stage
     "staged": ("", "input a[dk] in [−1, 1]\ninput g <= 0\nstate m[dk]\nstate S[dk, dv]\nm = a*m + k\n"
                    "S = exp(g)·S + m⊗v\noutput o = q·S\n"),
+    # a scalar beside a correction on the value side, which the forms carry on the value axis
+    "value_side": ("", "input a in [−1, 1]\ninput beta in (0, 1)\nstate S[dk, dv]\n"
+                       "S = a·S·(I − beta·v⊗v) + beta·k⊗v\noutput o = q·S\n"),
+    # a decay of the value axis of either sign beside one of the rows, read before and after the update
+    "value_axis": ("", "input a[dv] in [−1, 1]\ninput g[dk] <= 0\nstate S[dk, dv]\noutput y = q·S\n"
+                       "S = diag(exp(g))·S·diag(a) + k⊗v\noutput o = q·S\n"),
+    "value_axis_noncausal": (" noncausal", "input a[dv] in [−1, 1]\ninput g[dk] <= 0\nstate S[dk, dv]\n"
+                                           "S = diag(exp(g))·S·diag(a) + k⊗v\noutput o = q·S\n"),
+    # the rows of a state read from the right, which the forms carry transposed: its value axis then
+    "read_from_the_right": ("", "input a[dk] in [−1, 1]\nstate S[dk, dv]\nS = diag(a)·S + k⊗v\n"
+                                "output r = S·v\n"),
 }
 
 
@@ -52,7 +63,7 @@ def _rel(got, want) -> float:
 def test_every_form_and_gradient_form_of_a_decay_of_either_sign(name):
     rec = _compile(name)
     assert rec.forms == ("recurrent", "parallel", "chunkwise"), rec.decomposition.why_not("parallel")
-    assert any(t.signed for t in rec.decomposition.transitions)
+    assert any(t.signed or t.value_signed for t in rec.decomposition.transitions)
     x, s0, rng = _case(rec)
     want = rec.run(x, form="recurrent", initial_state=s0)
     up = {k: rng.standard_normal(v.shape) for k, v in want.outputs.items()}
@@ -123,21 +134,13 @@ def test_packed_sequences_resets_and_float32():
                 assert _rel(single.outputs[key], ref) <= 5e-4, (backend, form, key)
 
 
-@pytest.mark.parametrize("update, read, axis", [
-    # a scalar beside a correction on the value side: carried on the value axis
-    ("input a in [−1, 1]\ninput beta in (0, 1)\nstate S[dk, dv]\nS = a·S·(I − beta·v⊗v) + beta·k⊗v\n",
-     "output o = q·S\n", "the decay `a` of 'S' can be zero or negative"),
-    # the rows of a state read from the right: carried transposed, they are its value axis
-    ("input a[dk] in [−1, 1]\ninput p[dv]\nstate S[dk, dv]\nS = diag(a)·S + k⊗v\n", "output r = S·p\n",
-     "it is read from the right (`S·q`), which the forms take by carrying it transposed, and carried so: the "
-     "decay `a` of 'S' can be zero or negative"),
-])
-def test_a_decay_of_either_sign_the_forms_carry_on_the_value_axis_is_refused_with_its_reason(update, read, axis):
-    """Carried on the value axis a decay's signs are not taken apart: the program keeps the recurrent form, and
-    the reason says it is the sign, on the value axis (for the state read from the right the reason was only
-    that `S·p` is no readout q·S, a probe's finding: so it is, once S is carried transposed)."""
-    rec = linrec.compile(HEAD.format(causal="") + update + read, "value_axis.lin")
+
+def test_an_elementwise_decay_of_either_sign_is_refused_with_its_reason():
+    """Elementwise, a decay's signs are not taken apart (σ ⊙ k⊗v is no rank-one write): the program keeps the
+    recurrent form, and the reason says it is the sign."""
+    rec = linrec.compile(HEAD.format(causal="") + "input X[dk, dv] in [−1, 1]\nstate S[dk, dv]\nS = X*S + k⊗v\n"
+                         "output o = q·S\n", "elementwise.lin")
     assert rec.forms == ("recurrent",)
     why = rec.decomposition.why_not("parallel")
-    assert axis in why and "(a decay of the value axis is taken positive: the signs of a decay of the rows " \
-        "alone are taken apart)" in why, why
+    assert "the decay `X` of 'S' can be zero or negative" in why and "(a decay elementwise is taken positive: the " \
+        "signs of a decay of the rows or of the value axis are taken apart)" in why, why

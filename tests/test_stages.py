@@ -260,22 +260,22 @@ output o = q·S + (z*q)·U
 
 
 def test_a_stage_without_a_form_gives_the_program_its_reason():
-    """The decay of S's value axis is A_t itself: no symbolic logarithm, and nothing bounds it above 0 (a decay
-    of the value axis is not taken with its signs). Stage 1 has every form, stage 2 the recurrent one: so has
+    """S decays elementwise by A_t⊗w, A_t a state: no symbolic logarithm, and nothing bounds it above 0 (an
+    elementwise decay is not taken with its signs). Stage 1 has every form, stage 2 the recurrent one: so has
     the program, with stage 2's reason (naming what A_t is)."""
     rec = linrec.compile("""
 recurrence decayed_by_a_state(dk = 4, dv = 4)
-input q[dk], k[dk], v[dv], g[dv] <= 0
-state A[dv], S[dk, dv]
-A = exp(g)*A + v*v
-S = S·diag(A) + k⊗v
+input q[dk], k[dk], v[dv], g[dk] <= 0, w[dv] > 0
+state A[dk], S[dk, dv]
+A = exp(g)*A + k*k
+S = (A⊗w)*S + k⊗v
 output o = q·S
 """)
     first, second = rec.decomposition.stages
     assert first.forms == ("recurrent", "parallel", "chunkwise") and second.forms == ("recurrent",)
     assert rec.forms == ("recurrent",)
     why = rec.decomposition.why_not("chunkwise")
-    assert why.startswith("stage 2 (S): state 'S': the decay `A_t` of 'S' can be zero or negative")
+    assert why.startswith("stage 2 (S): state 'S': the decay `A_t⊗w` of 'S' can be zero or negative")
     assert why.endswith("(where A_t = A (after this token's update), handed on by an earlier stage)")
 
 

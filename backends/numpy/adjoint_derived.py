@@ -34,6 +34,7 @@ class StateArrays:
     log_decay: str
     value_log_decay: str
     signs: tuple[str, str] | None  # a decay of either sign: σ_t and σ_(t−1) (linrec.numpy.scan.running_signs)
+    value_signs: tuple[str, str] | None  # the same of a decay of the value axis: τ_t and τ_(t−1)
     writes: str
     corrections: str
     value_corrections: str
@@ -73,10 +74,13 @@ class DecomposedEmitter(BackwardEmitter):
         self.arrays = {}  # state → its per-token arrays' variables and their adjoints' (StateArrays)
         for st in self.p.states:
             s = n(st.name)
-            names = {f.name: em.fresh(f"{s}_{f.name}") for f in fields(StateArrays) if f.name != "signs"}
-            signs = (em.fresh(f"{s}_signs"), em.fresh(f"{s}_signs_before")) \
-                if compiled.decomposition.transition(st.name).signed else None
-            self.arrays[st.name] = StateArrays(**names, signs=signs)
+            names = {f.name: em.fresh(f"{s}_{f.name}") for f in fields(StateArrays)
+                     if f.name not in ("signs", "value_signs")}
+            t = compiled.decomposition.transition(st.name)
+            signs = (em.fresh(f"{s}_signs"), em.fresh(f"{s}_signs_before")) if t.signed else None
+            value_signs = (em.fresh(f"{s}_value_signs"), em.fresh(f"{s}_value_signs_before")) \
+                if t.value_signed else None
+            self.arrays[st.name] = StateArrays(**names, signs=signs, value_signs=value_signs)
         self.seeds: dict[str, str] = {}  # a per-token array's label → the code of its adjoint
         self.chunk = em.fresh("chunk")
         self.fused_result = em.fresh("fused")
@@ -245,6 +249,16 @@ class DecomposedEmitter(BackwardEmitter):
                       f"{a.corrections if t.corrections else '_'}, {writes}, {queries if self.c.program.causal else '_'}"
                       f" = with_signs({after}, {before}, {a.corrections if t.corrections else '[]'}, {writes}, "
                       f"{queries if self.c.program.causal else '[]'})"]
+        if t.value_signed:  # (S̃ = S·diag(τ), whose value axis decays by |E|)
+            after, before = a.value_signs
+            self.helpers |= {"running_signs", "with_value_signs", "value_signed_reads", "value_signed_state"}
+            width = cols if t.value_decay.shape else "1"
+            held = a.value_corrections if t.value_corrections else None
+            lines += [f"# the decay of {st.name}'s value axis may be negative: the scans carry {st.name}_t·diag(τ_t), τ_t "
+                      f"the running product of its signs, which decays by |decay| (with_value_signs)",
+                      f"{after}, {before} = running_signs("
+                      f"{per_token(prelude(em.refold(t.value_decay)), width, not t.value_decay.shape)})",
+                      f"{writes}, {held or '_'} = with_value_signs({after}, {before}, {writes}, {held or '[]'})"]
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)
@@ -256,11 +270,17 @@ class DecomposedEmitter(BackwardEmitter):
         # (a decay of either sign: the readouts of the state itself and the state back from S̃, as the forward's)
         signed = [f"{n(st.name)} = signed_state({n(st.name)}, {a.signs[0]})  # σ_T ⊙ {st.name}̃_T: the state itself"] \
             if t.signed else []
+        if t.value_signed:
+            signed.append(f"{n(st.name)} = value_signed_state({n(st.name)}, {a.value_signs[0]})  "
+                          f"# {st.name}̃_T·diag(τ_T): the state itself")
         if self.c.program.causal:
             lines.append(f"[{targets}], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, "
                          f"{queries}, {self.chunk}{self.optional_arrays(st.name)})")
             if t.signed and any(r.is_value for r in reads):
                 lines.append(f"[{targets}] = signed_reads([{targets}], {a.signs[0]}, {a.signs[1]}, {queries})")
+            if t.value_signed:
+                lines.append(f"[{targets}] = value_signed_reads([{targets}], {a.value_signs[0]}, {a.value_signs[1]}, "
+                             f"{queries})")
             lines += signed
         else:  # every readout reads the final state: the scan runs without readouts, they read its result
             lines.append(f"[], {n(st.name)}, {starts} = {self.forward_scan}({s0}, {decay}, {writes}, [], "
@@ -338,12 +358,20 @@ class DecomposedEmitter(BackwardEmitter):
             final = f"signed_state({final}, {after})"
             if any(r.is_value for r in reads):
                 grads = f"*signed_reads([{grads}], {after}, {before}, {queries})"
+        if t.value_signed:  # (and those of S̃ = S·diag(τ))
+            final = f"value_signed_state({final}, {a.value_signs[0]})"
+            if self.c.program.causal:
+                grads = f"*value_signed_reads([{grads}], {a.value_signs[0]}, {a.value_signs[1]}, {queries})"
         lines += [f"{g} = {self.backward_scan}({s0}, {decay}, {writes}, {queries}, {starts}, {self.chunk}, [{grads}], "
                   f"{final}{self.optional_arrays(st.name)}{self.decays_as_values(t)})",
                   f"{state} = {self.declared(st, g + '.initial_state')}"]
         if t.signed:
             self.helpers.add("signed_grads")
             lines.append(f"{g} = signed_grads({g}, {after}, {before}, {queries})  # the arrays' own, before with_signs")
+        if t.value_signed:
+            self.helpers.add("value_signed_grads")
+            lines.append(f"{g} = value_signed_grads({g}, {a.value_signs[0]}, {a.value_signs[1]})  # (the same: "
+                         f"before with_value_signs)")
         if t.log_decay is not None:
             self.seeds[f"{st.name}.log_decay"] = f"{g}.log_decay" + ("" if t.log_decay.shape else "[..., 0]")
         if t.value_log_decay is not None:

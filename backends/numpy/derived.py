@@ -93,6 +93,7 @@ class ScanArrays:
     value_log_decay: str | None  # only where the value axis decays
     value_corrections: str | None = None  # only where a correction acts on the value side
     signs: tuple[str, str] | None = None  # a decay of either sign: σ_t and σ_(t−1) (scan.running_signs)
+    value_signs: tuple[str, str] | None = None  # the same of a decay of the value axis: τ_t and τ_(t−1)
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
     if t.value_log_decay is not None:
         value_decay = mod.em.fresh(f"{s}_value_log_decay")
         mod.body.append(f"{value_decay} = " + log_of_decay(mod, lay, t.value_log_decay, t.value_log_is_exact,
-                                                           t.value_decay, lay.cols, not t.value_decay.shape))
+                                                           t.value_magnitude, lay.cols, not t.value_decay.shape))
     along = lambda x: f"{lay.rows}, {lay.cols}" if len(x.shape) == 2 else lay.rows  # noqa: E731 (a vector per column)
     mod.body.append(f"{corrections} = [" + ", ".join(
         f"({mod.per_token(u, along(u))}, {mod.per_token(w, along(w))})" for u, w in t.corrections) + "]")
@@ -231,7 +232,21 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
         mod.body += [f"# {lay.name}'s decay may be negative: the scan carries σ_t ⊙ {lay.name}_t, σ_t the running product "
                      f"of its signs, which decays by |decay| (with_signs)",
                      f"{signs[0]}, {signs[1]} = running_signs({per_token(mod.code(t.decay), width, not t.decay.shape)})"]
-    return ScanArrays(decay, corrections, writes, value_decay, value_corrections, signs)
+    value_signs = None
+    if t.value_signed:
+        value_signs = (mod.em.fresh(f"{s}_value_signs"), mod.em.fresh(f"{s}_value_signs_before"))
+        mod.helpers |= {"running_signs", "with_value_signs", "value_signed_reads", "value_signed_state"}
+        width = lay.cols if t.value_decay.shape else "1"
+        if value_corrections is None:
+            value_corrections = mod.em.fresh(f"{s}_value_corrections")
+            mod.body.append(f"{value_corrections} = []")
+        mod.body += [f"# the decay of {lay.name}'s value axis may be negative: the scan carries {lay.name}_t·diag(τ_t), τ_t "
+                     f"the running product of its signs, which decays by |decay| (with_value_signs)",
+                     f"{value_signs[0]}, {value_signs[1]} = running_signs("
+                     f"{per_token(mod.code(t.value_decay), width, not t.value_decay.shape)})",
+                     f"{writes}, {value_corrections} = with_value_signs({value_signs[0]}, {value_signs[1]}, {writes}, "
+                     f"{value_corrections})"]
+    return ScanArrays(decay, corrections, writes, value_decay, value_corrections, signs, value_signs)
 
 
 def log_of_decay(mod: Module, lay: Layout, log: ir.Expr, exact: bool, decay: ir.Expr, width: str,
@@ -388,6 +403,9 @@ def scan_call(mod: Module, lay: Layout, arrays: ScanArrays, reads: Reads, scale:
         queries = mod.em.fresh(f"{lay.var}_readouts")
         lines.append(f"{arrays.corrections}, {arrays.writes}, {queries} = with_signs({after}, {before}, "
                      f"{arrays.corrections}, {arrays.writes}, [{', '.join(reads.queries)}], causal={mod.em.p.causal})")
+    elif arrays.value_signs:
+        queries = mod.em.fresh(f"{lay.var}_readouts")
+        lines.append(f"{queries} = [{', '.join(reads.queries)}]")
     lines.append(f"[{', '.join(reads.targets)}], {lay.var} = {mod.scan}({init}, {arrays.log_decay}, "
                  f"{arrays.corrections}, {arrays.writes}, {queries}, causal={mod.em.p.causal}, "
                  f"chunk_size=chunk_size{value_decay})")
@@ -397,6 +415,11 @@ def scan_call(mod: Module, lay: Layout, arrays: ScanArrays, reads: Reads, scale:
             lines.append(f"[{', '.join(reads.targets)}] = signed_reads([{', '.join(reads.targets)}], {after}, "
                          f"{before}, {queries}, causal={mod.em.p.causal})")
         lines.append(f"{lay.var} = signed_state({lay.var}, {after})  # σ_T ⊙ {lay.name}̃_T: the state itself")
+    if arrays.value_signs:
+        after, before = arrays.value_signs
+        lines += [f"[{', '.join(reads.targets)}] = value_signed_reads([{', '.join(reads.targets)}], {after}, "
+                  f"{before}, {queries}, causal={mod.em.p.causal})",
+                  f"{lay.var} = value_signed_state({lay.var}, {after})  # {lay.name}̃_T·diag(τ_T): the state itself"]
     return lines
 
 

@@ -15,7 +15,8 @@ from .printer import NumpyPrinter
 RUNTIME, ATTENTION, SCAN = "linrec.numpy.runtime", "linrec.numpy.attention", "linrec.numpy.scan"
 # the per-token arrays of a derived form and their stabilization: NumPy, whatever module runs the scans
 PER_TOKEN_HELPERS = frozenset({"per_token", "log_decay", "running_max", "scale_decay", "rescale", "running_signs",
-                               "with_signs", "signed_state", "signed_reads", "signed_grads"})
+                               "with_signs", "signed_state", "signed_reads", "signed_grads",
+                               "with_value_signs", "value_signed_reads", "value_signed_state", "value_signed_grads"})
 SCANS = frozenset({"parallel_scan", "chunkwise_scan", "recurrent_scan"})
 ATTENTION_HELPERS = frozenset({"visible_positions", "mask", "masked_softmax", "masked_mean", "masked_rmsnorm",
                                "masked_groupnorm", "softmax", "online_softmax_step",

@@ -125,6 +125,37 @@ def signed_reads(reads, after, before, readouts, causal=True):
             for r, q in zip(reads, readouts)]
 
 
+def with_value_signs(after, before, writes, value_corrections):
+    """A state's per-token arrays for S̃_t = S_t·diag(τ_t), τ the running product of the signs of a decay E_t
+    of the value axis (running_signs), which decays by |E_t|: the writes' values times τ_t, the value-side
+    corrections' (D·S_(t−1)·a)⊗b with a times τ_(t−1) and b times τ_t. (The corrections of the rows read
+    S_(t−1)·E_t = S̃_(t−1)·|E_t|·diag(τ_t): they are S̃'s as they are.) Returns (writes, value_corrections)."""
+    return ([(k, x * after) for k, x in writes], [(a * before, b * after) for a, b in value_corrections])
+
+
+def value_signed_reads(reads, after, before, readouts, causal=True):
+    """Readouts q·S̃ of a state carried as S̃ = S·diag(τ) (with_value_signs) back to q·S: times τ_t (τ_(t−1)
+    before the update, τ_T in a non-causal program). The same map takes their gradients to S̃'s."""
+    final = after[:, -1:] if after.shape[1] else after
+    return [r if r is None else r * ((before if q[1] else after) if causal else final)
+            for r, q in zip(reads, readouts)]
+
+
+def value_signed_state(state, after):
+    """S = S̃·diag(τ_T) of a state [B, H, n, m] carried as S̃ = S·diag(τ) (with_value_signs); None stays None.
+    The same map takes the final state's gradient to S̃'s."""
+    if state is None or not after.shape[1]:
+        return state
+    return state * after[:, -1, :, None, :]
+
+
+def value_signed_grads(grads, after, before):
+    """The gradients a backward scan gives of the arrays with_value_signs made as those of the arrays before it
+    (τ² = 1)."""
+    writes, value_corrections = with_value_signs(after, before, grads.writes, grads.value_corrections)
+    return grads._replace(writes=writes, value_corrections=value_corrections)
+
+
 def _head_major(x):
     return None if x is None else np.ascontiguousarray(np.swapaxes(x, 1, 2))
 
