@@ -133,7 +133,8 @@ def log_of(e: ir.Expr, bounds: Bounds | None = None) -> tuple[ir.Expr, bool]:
     return ir.Apply(e.shape, "log", (e,)), False
 
 
-def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = None, value_side: bool = False) -> str:
+def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = None, value_side: bool = False,
+              signed: bool = False, value_signed: bool = False) -> str:
     if decay is None:
         base = "identity" if value_decay is None else ""
     elif decay == ZERO:
@@ -145,11 +146,13 @@ def _describe(decay: ir.Expr | None, corrections, value_decay: ir.Expr | None = 
     else:
         base = {"const": "constant scalar decay", "head": "per-head scalar decay",
                 "token": "data-dependent scalar decay"}[variance(decay)]
+    base += " of either sign" if signed else ""
     if value_decay == ZERO:  # (no term of the state: the 0 moves to the value axis)
         base = "a decay of 0"
     elif value_decay is not None:
         base = (base + " and a " if base else "") + \
-            ("diagonal decay on the value axis" if value_decay.shape else "scalar decay")
+            ("diagonal decay on the value axis" if value_decay.shape else "scalar decay") + \
+            (" of either sign" if value_signed else "")
     if not corrections:
         return base
     rank = "rank-one correction" if len(corrections) == 1 else f"{len(corrections)} rank-one corrections"
@@ -306,9 +309,7 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     if decay is not None and states_in(decay):
         reasons.append(f"the decay of '{state.name}' depends on a state")
     kind = "general linear map" if general else \
-        _describe(decay, corrections or value_corrections, value_decay, bool(value_corrections))
-    if (signed or value_signed) and not general:
-        kind += " of either sign"
+        _describe(decay, corrections or value_corrections, value_decay, bool(value_corrections), signed, value_signed)
     return Transition(state.name, kind, decay, log_decay, exact, tuple(corrections), tuple(writes),
                       tuple(dict.fromkeys(reasons)), value_decay, value_log, value_exact, tuple(value_corrections),
                       signed, value_signed)

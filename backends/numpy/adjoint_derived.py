@@ -162,7 +162,8 @@ class DecomposedEmitter(BackwardEmitter):
         reading no readout is checked apart): causal, every state a matrix in its declared layout."""
         d = self.c.decomposition
         return self.c.program.causal and all(len(st.shape) == 2 and st.name not in d.transposed
-                                             and not d.transition(st.name).signed for st in self.p.states)
+                                             and not d.transition(st.name).signed
+                                             and not d.transition(st.name).value_signed for st in self.p.states)
 
     def adjoint_lines(self, prelude, fused: bool) -> list[str]:
         """The backward: the readouts' adjoints, each state's backward scan, the chain rule to the inputs."""
