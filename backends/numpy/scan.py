@@ -66,9 +66,9 @@ def log_decay(decay, state: str) -> np.ndarray:
         raise RuntimeInputError(f"the decay of state '{state}' must be positive in the parallel and chunkwise "
                                 f"forms and in the C backward, which work with its logarithm, but it is as low as "
                                 f"{float(np.nanmin(decay)):g} here; pass params that keep it positive, or use "
-                                f"the recurrent form (for gradients, NumPy's). A decay of the rows the program "
-                                f"declares of either sign (an input range or a param default that admits negative "
-                                f"values) runs in every form, its signs taken apart")
+                                f"the recurrent form (for gradients, NumPy's). A decay of the rows or of the value "
+                                f"axis that the program declares of either sign (an input range or a param default "
+                                f"that admits negative values) runs in every form, its signs taken apart")
     with np.errstate(divide="ignore"):  # log(0) = −∞: a reset
         return np.log(decay)
 
