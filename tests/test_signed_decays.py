@@ -1,8 +1,9 @@
-"""Decays of either sign in the log-space forms (compiler.transitions.Transition.magnitude): a decay of the rows
-with no symbolic logarithm that may be negative is |D_t| times a sign, and the forms carry σ_t ⊙ S_t, σ_t the
-running product of the signs, whose decay |D_t| has a logarithm (linrec.numpy.scan.with_signs). Every form and
-gradient form on both backends against the float64 recurrent form and its backward, and the recurrent backward
-against central differences."""
+"""Decays of either sign in the log-space forms (compiler.transitions.Transition.magnitude, value_magnitude): a
+decay of the rows or of the value axis with no symbolic logarithm that may be negative is |D_t| times a sign, and
+the forms carry σ_t ⊙ S_t (S_t·diag(τ_t) on the value axis), σ the running product of the signs, whose decay
+|D_t| has a logarithm (linrec.numpy.scan.with_signs, with_value_signs). Every form and gradient form on both
+backends against the float64 recurrent form and its backward, and the recurrent backward against central
+differences."""
 import numpy as np
 import pytest
 
@@ -45,7 +46,7 @@ def _compile(name):
 
 
 def _case(rec, batch=2, tokens=23, heads=2, seed=0):
-    """Inputs with decays of both signs (and a 0: a reset), random initial states, upstream gradients."""
+    """Inputs whose decay `a` takes both signs (uniform in [−1, 1]) and random initial states."""
     rng = np.random.default_rng(seed)
     x = rec.random_inputs(batch, tokens, heads, seed=seed)
     if "a" in x:
