@@ -69,9 +69,7 @@ class Transition:
         σ_t ⊙ S_t follows the same update with the decay |D_t| and the keys and u taken times σ_t, the w
         times σ_(t−1), the queries read after the update times σ_t and those before it times σ_(t−1); the
         state is σ_T ⊙ S̃_T (backends/numpy/scan.py's running_signs, with_signs)."""
-        if self.decay is None or not self.signed:
-            return self.decay
-        return ir.Apply(self.decay.shape, "abs", (self.decay,))
+        return _abs(self.decay) if self.signed else self.decay
 
     @property
     def value_magnitude(self) -> ir.Expr | None:
@@ -80,14 +78,17 @@ class Transition:
         by |E_t|, the values (of the writes, and the b of value-side corrections) taken times τ_t, the a of
         value-side corrections times τ_(t−1), every readout q·S̃ times τ_t (τ_(t−1) before the update), and
         the state is S̃_T·diag(τ_T) (backends/numpy/scan.py's with_value_signs)."""
-        if self.value_decay is None or not self.value_signed:
-            return self.value_decay
-        return ir.Apply(self.value_decay.shape, "abs", (self.value_decay,))
+        return _abs(self.value_decay) if self.value_signed else self.value_decay
 
     @property
     def elementwise(self) -> bool:
         """D_t⊙S_(t−1): a decay per element of a matrix state (its log-decay has the state's shape)."""
         return self.decay is not None and len(self.decay.shape) == 2
+
+
+def _abs(e: ir.Expr) -> ir.Expr:
+    """|e|: the decay of either sign whose logarithm the forms take."""
+    return ir.Apply(e.shape, "abs", (e,))
 
 
 def _divides(log_decay: ir.Expr) -> bool:
@@ -266,26 +267,20 @@ def classify(program: ir.Program, update: ir.Update) -> Transition:
     bounds = Bounds(program)
     log_decay, exact = (None, True) if decay is None else log_of(decay, bounds)
     value_log, value_exact = (None, True) if value_decay is None else log_of(value_decay, bounds)
-    # a decay of the rows (one per token or per row) that may be negative: the forms take log |D| and the signs
-    # apart (Transition.magnitude); an elementwise one or one of the value axis is refused (_not_positive)
     # a decay of the rows (one per token or per row) or of the value axis that may be negative: the forms take
-    # log |D| and the signs apart (Transition.magnitude, value_magnitude); an elementwise one is refused
-    # (_not_positive)
-    signed = decay is not None and not exact and len(decay.shape) < 2 and bool(_not_positive(decay, state.name,
-                                                                                                program))
-    value_signed = value_decay is not None and not value_exact and value_decay != ZERO and \
-        bool(_not_positive(value_decay, state.name, program))
+    # log |D| and the signs apart (Transition.magnitude, value_magnitude); an elementwise one is refused, for
+    # σ ⊙ k⊗v is no rank-one write (_not_positive says why)
+    negative = [] if decay is None or exact else _not_positive(decay, state.name, program)
+    signed = bool(negative) and len(decay.shape) < 2
+    value_signed = value_decay is not None and not value_exact and bool(_not_positive(value_decay, state.name,
+                                                                                      program))
     if signed:
-        log_decay = ir.Apply(decay.shape, "log", (ir.Apply(decay.shape, "abs", (decay,)),))
+        log_decay = ir.Apply(decay.shape, "log", (_abs(decay),))
     if value_signed:
-        value_log = ir.Apply(value_decay.shape, "log", (ir.Apply(value_decay.shape, "abs", (value_decay,)),))
-    for d, is_exact in ((decay, exact), (value_decay, value_exact)):
-        if d is not None and not is_exact and not (signed and d is decay) and not (value_signed and d is value_decay):
-            # (why its signs are not taken apart, as a decay of the rows' are)
-            axis = "elementwise" if len(d.shape) == 2 else None
-            reasons.extend(r + (f" (a decay {axis} is taken positive: the signs of a decay of the rows or of the "
-                                f"value axis are taken apart)" if axis else "") for r in _not_positive(d, state.name,
-                                                                                                    program))
+        value_log = ir.Apply(value_decay.shape, "log", (_abs(value_decay),))
+    if negative and not signed:
+        reasons.extend(r + " (a decay elementwise is taken positive: the signs of a decay of the rows or of the value "
+                           "axis are taken apart)" for r in negative)
     if value_decay is not None and states_in(value_decay):
         reasons.append(f"the decay of '{state.name}' depends on a state")
 

@@ -20,7 +20,7 @@ from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
 from ..compiler.analysis import walk
 from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
 from .adjoint_in_place import in_place_products
-from .derived import canonical_text, per_token
+from .derived import canonical_text, per_token, running_signs_lines
 
 DEFAULT_CHUNK = 64
 
@@ -243,23 +243,18 @@ class DecomposedEmitter(BackwardEmitter):
             after, before = a.signs
             self.helpers |= {"running_signs", "with_signs", "signed_state"} | ({"signed_reads"} if any(
                 r.is_value for r in reads) else set())
-            width = rows if t.decay.shape else "1"
-            lines += [f"# {st.name}'s decay may be negative: the scans carry σ_t ⊙ {st.name}_t, σ_t the running product "
-                      f"of its signs, which decays by |decay| (with_signs)",
-                      f"{after}, {before} = running_signs({per_token(prelude(em.refold(t.decay)), width, not t.decay.shape)})",
-                      f"{a.corrections if t.corrections else '_'}, {writes}, {queries if self.c.program.causal else '_'}"
-                      f" = with_signs({after}, {before}, {a.corrections if t.corrections else '[]'}, {writes}, "
-                      f"{queries if self.c.program.causal else '[]'})"]
+            lines += running_signs_lines(st.name, a.signs, prelude(em.refold(t.decay)), rows, t.decay)
+            causal = self.c.program.causal
+            lines.append(f"{a.corrections if t.corrections else '_'}, {writes}, {queries if causal else '_'} = "
+                         f"with_signs({after}, {before}, {a.corrections if t.corrections else '[]'}, {writes}, "
+                         f"{queries if causal else '[]'})")
         if t.value_signed:  # (S̃ = S·diag(τ), whose value axis decays by |E|)
             after, before = a.value_signs
             self.helpers |= {"running_signs", "with_value_signs", "value_signed_reads", "value_signed_state"}
-            width = cols if t.value_decay.shape else "1"
             held = a.value_corrections if t.value_corrections else None
-            lines += [f"# the decay of {st.name}'s value axis may be negative: the scans carry {st.name}_t·diag(τ_t), τ_t "
-                      f"the running product of its signs, which decays by |decay| (with_value_signs)",
-                      f"{after}, {before} = running_signs("
-                      f"{per_token(prelude(em.refold(t.value_decay)), width, not t.value_decay.shape)})",
-                      f"{writes}, {held or '_'} = with_value_signs({after}, {before}, {writes}, {held or '[]'})"]
+            lines += running_signs_lines(st.name, a.value_signs, prelude(em.refold(t.value_decay)), cols, t.value_decay,
+                                         value_axis=True)
+            lines.append(f"{writes}, {held or '_'} = with_value_signs({after}, {before}, {writes}, {held or '[]'})")
         vector = len(st.shape) == 1
         s0 = self.carried(st, f"initial_state[\"{st.name}\"]")
         targets = ", ".join(self.readout_vars[r.index] for r in reads)

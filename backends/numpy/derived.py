@@ -228,25 +228,31 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
     if t.signed:
         signs = (mod.em.fresh(f"{s}_signs"), mod.em.fresh(f"{s}_signs_before"))
         mod.helpers |= {"running_signs", "with_signs", "signed_state"}
-        width = lay.rows if t.decay.shape else "1"
-        mod.body += [f"# {lay.name}'s decay may be negative: the scan carries σ_t ⊙ {lay.name}_t, σ_t the running product "
-                     f"of its signs, which decays by |decay| (with_signs)",
-                     f"{signs[0]}, {signs[1]} = running_signs({per_token(mod.code(t.decay), width, not t.decay.shape)})"]
+        mod.body += running_signs_lines(lay.name, signs, mod.code(t.decay), lay.rows, t.decay)
     value_signs = None
     if t.value_signed:
         value_signs = (mod.em.fresh(f"{s}_value_signs"), mod.em.fresh(f"{s}_value_signs_before"))
         mod.helpers |= {"running_signs", "with_value_signs", "value_signed_reads", "value_signed_state"}
-        width = lay.cols if t.value_decay.shape else "1"
         if value_corrections is None:
             value_corrections = mod.em.fresh(f"{s}_value_corrections")
             mod.body.append(f"{value_corrections} = []")
-        mod.body += [f"# the decay of {lay.name}'s value axis may be negative: the scan carries {lay.name}_t·diag(τ_t), τ_t "
-                     f"the running product of its signs, which decays by |decay| (with_value_signs)",
-                     f"{value_signs[0]}, {value_signs[1]} = running_signs("
-                     f"{per_token(mod.code(t.value_decay), width, not t.value_decay.shape)})",
-                     f"{writes}, {value_corrections} = with_value_signs({value_signs[0]}, {value_signs[1]}, {writes}, "
-                     f"{value_corrections})"]
+        mod.body += running_signs_lines(lay.name, value_signs, mod.code(t.value_decay), lay.cols, t.value_decay,
+                                        value_axis=True)
+        mod.body.append(f"{writes}, {value_corrections} = with_value_signs({value_signs[0]}, {value_signs[1]}, "
+                        f"{writes}, {value_corrections})")
     return ScanArrays(decay, corrections, writes, value_decay, value_corrections, signs, value_signs)
+
+
+def running_signs_lines(state: str, signs: tuple[str, str], code: str, width: str, decay: ir.Expr,
+                        value_axis: bool = False) -> list[str]:
+    """A decay of either sign's running signs σ_t, σ_(t−1) (`signs`; linrec.numpy.scan.running_signs) from its
+    `code`, one per token or per row of `width` (of the columns on the value axis), and the comment that says
+    what the scans carry (the forward's module and the backward's)."""
+    what, carried, helper = (f"the decay of {state}'s value axis", f"{state}_t·diag(τ_t), τ_t", "with_value_signs") \
+        if value_axis else (f"{state}'s decay", f"σ_t ⊙ {state}_t, σ_t", "with_signs")
+    per_row = per_token(code, width if decay.shape else "1", not decay.shape)
+    return [f"# {what} may be negative: the scans carry {carried} the running product of its signs, which decays by "
+            f"|decay| ({helper})", f"{signs[0]}, {signs[1]} = running_signs({per_row})"]
 
 
 def log_of_decay(mod: Module, lay: Layout, log: ir.Expr, exact: bool, decay: ir.Expr, width: str,

@@ -89,14 +89,17 @@ def with_signs(after, before, corrections, writes, readouts, causal=True):
     w)·S̃_(t−1)) + Σ (σ_t κ)⊗x; a readout q·S_t is (σ_t q)·S̃_t, one before the update (σ_(t−1) q)·S̃_(t−1), a
     non-causal one's of the final state (σ_T q)·S̃_T. (corrections, writes, readouts) as the scans take them; a
     readout of the state itself (query None) stays, for signed_reads."""
-    final = after[:, -1:] if after.shape[1] else after
-    def query(r):
-        if r[0] is None:
-            return r
-        sign = (before if r[1] else after) if causal else final
-        return (r[0] * sign,) + tuple(r[1:])
     return ([(u * after, w * before) for u, w in corrections], [(k * after, x) for k, x in writes],
-            [query(r) for r in readouts])
+            [r if r[0] is None else (r[0] * _read_signs(after, before, r[1], causal),) + tuple(r[1:])
+             for r in readouts])
+
+
+def _read_signs(after, before, before_update: bool, causal: bool):
+    """The signs a readout meets (running_signs): σ_t after the update, σ_(t−1) before it, σ_T at every token
+    of a non-causal program (its readouts read the final state)."""
+    if causal:
+        return before if before_update else after
+    return after[:, -1:] if after.shape[1] else after
 
 
 def signed_grads(grads, after, before, readouts):
@@ -120,8 +123,7 @@ def signed_reads(reads, after, before, readouts, causal=True):
     """Readouts of the state itself (a query None) back from S̃ (with_signs): σ_t ⊙ S̃_t (σ_(t−1) before the
     update, σ_T in a non-causal program; a vector state's, [B, T, H, n]); the others as they are. The same
     map takes their gradients to S̃'s."""
-    final = after[:, -1:] if after.shape[1] else after
-    return [r if q[0] is not None or r is None else r * ((before if q[1] else after) if causal else final)
+    return [r if q[0] is not None or r is None else r * _read_signs(after, before, q[1], causal)
             for r, q in zip(reads, readouts)]
 
 
@@ -136,9 +138,7 @@ def with_value_signs(after, before, writes, value_corrections):
 def value_signed_reads(reads, after, before, readouts, causal=True):
     """Readouts q·S̃ of a state carried as S̃ = S·diag(τ) (with_value_signs) back to q·S: times τ_t (τ_(t−1)
     before the update, τ_T in a non-causal program). The same map takes their gradients to S̃'s."""
-    final = after[:, -1:] if after.shape[1] else after
-    return [r if r is None else r * ((before if q[1] else after) if causal else final)
-            for r, q in zip(reads, readouts)]
+    return [r if r is None else r * _read_signs(after, before, q[1], causal) for r, q in zip(reads, readouts)]
 
 
 def value_signed_state(state, after):
