@@ -95,8 +95,9 @@ def test_column_blocks_and_row_tiles(recs):
     tile_rows) — with 32-byte registers and with 64-byte ones; the tokens go in blocks that end at the
     checkpoints (T = 37 by 5): the gradients still those of the NumPy recurrent backward to 1e-9 — GLA (the
     tiled pass), gated DeltaNet and gdn2 (with corrections: token by token, a decay per token and per row). With
-    corrections the backward's columns go in groups of a register's lanes, then one at a time (LR_GROUPS): 61
-    columns leave a tail in float64 and in float32 at either width (to 5e-4 of float64 in float32)."""
+    corrections the backward's columns go in groups of a register's lanes, its adjoint two columns at once
+    (LR_PAIR), then one at a time (LR_GROUPS): 61 columns leave a tail in float64 and in float32 at either width
+    (to 5e-4 of float64 in float32)."""
     dims = {"dk": 71, "dv": 61}
     s = grad_kernels.Structure("row", 0, 1, (False,), 71, 61, "double", c_build.vector_bytes())
     registers = -(-61 // s.lanes)
