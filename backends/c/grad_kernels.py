@@ -102,13 +102,33 @@ def tile_rows(s: Structure) -> int:
     return max(1, 16 // forward_registers(s))
 
 
+def _backward_tile(s: Structure) -> tuple[int | None, int]:
+    """(the most registers of a row, or None: no bound; the registers of a tile) for the tiles of the backward
+    without corrections, which hold TRB rows × KCOLS registers of the state (pass 1) or the adjoint (pass 2)
+    across a block of tokens, beside KCOLS accumulators of ∂q or ∂κ and each row's operands. With AVX-512's 32
+    vector registers a tile takes 16 of them; with 16 (AVX2 and narrower) at most 4 of a row and 8 in all, which
+    leave the accumulators and operands theirs: tiles of 2 rows × 8 spilled them, and GLA's backward (a Zen 2
+    core, dk = dv = 64 and 128) took 7% and 4% longer."""
+    return (None, 16) if s.vector_bytes >= 64 else (4, 8)
+
+
 def backward_registers(s: Structure) -> int:
     """Registers of a row in one key block of the backward without corrections: its state and adjoint carried
-    transposed, [DV × DKP] (templates/c_grad.c.j2, KCOLS) — forward_registers with the axes' roles swapped."""
+    transposed, [DV × DKP] (templates/c_grad.c.j2, KCOLS) — forward_registers with the axes' roles swapped, at
+    most _backward_tile's registers of a row."""
     registers = -(-s.dk // s.lanes)
-    fits = [n for n in range(1, registers + 1)
+    most = _backward_tile(s)[0] or registers
+    fits = [n for n in range(1, min(registers, most) + 1)
             if registers % n == 0 and s.dv * n * s.vector_bytes <= FORWARD_BLOCK_BYTES]
     return max(fits, default=1)
+
+
+def backward_tile_rows(s: Structure) -> int:
+    """Rows of a tile of the backward's passes (templates/c_grad.c.j2, TRB): _backward_tile's registers of a
+    tile, at most 4 rows where registers are few (each row adds its operands and its ∂x accumulator)."""
+    most, held = _backward_tile(s)
+    rows = max(1, held // backward_registers(s))
+    return rows if most is None else min(rows, 4)
 
 
 def row_sum_tree(lanes: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -153,7 +173,7 @@ def render(s: Structure) -> str:
         # (c_common.h.j2: LR_BLOCK is the tiled forward's block of tokens; the inputs are not range-checked)
         **common_context(Target(s.ctype, s.vector_bytes)), block_tokens=FORWARD_BLOCK_TOKENS, checks_inputs=False,
         fcols=forward_registers(s), fcols_bytes=FORWARD_BLOCK_BYTES,
-        tile_rows=tile_rows(s), kcols=backward_registers(s), tile_rows_backward=max(1, 16 // backward_registers(s)),
+        tile_rows=tile_rows(s), kcols=backward_registers(s), tile_rows_backward=backward_tile_rows(s),
         tree_lo=tree_lo, tree_hi=tree_hi, tree_slot=tree_slot, swap_lo=swap_lo, swap_hi=swap_hi,
         version=VERSION, description=s.describe(),
         dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
