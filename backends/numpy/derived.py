@@ -233,13 +233,10 @@ def scan_arrays(mod: Module, lay: Layout, t: Transition, scale: Scale | None) ->
     if t.value_signed:
         value_signs = (mod.em.fresh(f"{s}_value_signs"), mod.em.fresh(f"{s}_value_signs_before"))
         mod.helpers |= {"running_signs", "with_value_signs", "value_signed_reads", "value_signed_state"}
-        if value_corrections is None:
-            value_corrections = mod.em.fresh(f"{s}_value_corrections")
-            mod.body.append(f"{value_corrections} = []")
         mod.body += running_signs_lines(lay.name, value_signs, mod.code(t.value_decay), lay.cols, t.value_decay,
                                         value_axis=True)
-        mod.body.append(f"{writes}, {value_corrections} = with_value_signs({value_signs[0]}, {value_signs[1]}, "
-                        f"{writes}, {value_corrections})")
+        mod.body.append(f"{writes}, {value_corrections or '_'} = with_value_signs({value_signs[0]}, {value_signs[1]}, "
+                        f"{writes}, {value_corrections or '[]'})")
     return ScanArrays(decay, corrections, writes, value_decay, value_corrections, signs, value_signs)
 
 
