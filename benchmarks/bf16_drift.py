@@ -117,7 +117,10 @@ def main(argv=None) -> int:
     rows, skipped = [], []
     for path in files:
         for head_dim in args.dims or [None]:
-            row = drift(path, args.tokens, args.heads, args.backend, args.seed, head_dim)
+            try:
+                row = drift(path, args.tokens, args.heads, args.backend, args.seed, head_dim)
+            except linrec.LinrecError as err:  # (a missing or wrong program: its message, not a traceback)
+                parser.error(str(err))
             if row is None:
                 skipped.append(path.stem)
                 break

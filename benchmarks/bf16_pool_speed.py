@@ -60,7 +60,10 @@ def main(argv=None) -> int:
     print(f"N = {args.requests} requests × H = {args.heads} × d = {args.dim}, pool of {2 * args.requests} slots, "
           f"C backend, LINREC_NUM_THREADS or every core")
     for path in files:
-        rec = linrec.load(path)
+        try:
+            rec = linrec.load(path)
+        except linrec.LinrecError as err:  # (a missing or wrong program: its message, not a traceback)
+            parser.error(str(err))
         steps = {sd: bound_step(rec, args.requests, args.heads, args.dim, sd) for sd in (None, "bfloat16")}
         taken = {sd: [] for sd in steps}
         for _ in range(args.rounds):

@@ -215,7 +215,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    rec = linrec.load(args.program)
+    try:
+        rec = linrec.load(args.program)
+    except linrec.LinrecError as err:  # (a missing or wrong program: its message, not a traceback)
+        parser.error(str(err))
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # as linrec loads its kernels
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -109,7 +109,10 @@ def main(argv=None) -> int:
             return subprocess.run([sys.executable, *sys.argv], start_new_session=True, check=False).returncode
         raise_priority(args.priority)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    rec = linrec.load(args.program)
+    try:
+        rec = linrec.load(args.program)
+    except linrec.LinrecError as err:  # (a missing or wrong program: its message, not a traceback)
+        parser.error(str(err))
     dims = {d.name: args.d for d in rec.program.dims if d.name in ("dk", "dv")}
     x = rec.random_inputs(batch=1, tokens=args.T, heads=args.heads, dims=dims, dtype=np.float32, seed=0)
     small = rec.random_inputs(batch=1, tokens=17, heads=args.heads, dims=dims, dtype=np.float32, seed=1)
