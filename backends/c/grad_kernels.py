@@ -24,6 +24,7 @@ and per dtype, built once through c_build (cffi, cached on disk) and memoized.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,33 +103,41 @@ def tile_rows(s: Structure) -> int:
     return max(1, 16 // forward_registers(s))
 
 
-def _backward_tile(s: Structure) -> tuple[int | None, int]:
-    """(the most registers of a row, or None: no bound; the registers of a tile) for the tiles of the backward
-    without corrections, which hold TRB rows × KCOLS registers of the state (pass 1) or the adjoint (pass 2)
-    across a block of tokens, beside KCOLS accumulators of ∂q or ∂κ and each row's operands. With AVX-512's 32
-    vector registers a tile takes 16 of them; with 16 (AVX2 and narrower) at most 4 of a row and 8 in all, which
-    leave the accumulators and operands theirs: tiles of 2 rows × 8 spilled them, and GLA's backward (a Zen 2
-    core, dk = dv = 64 and 128) took 7% and 4% longer."""
-    return (None, 16) if s.vector_bytes >= 64 else (4, 8)
+class TileBounds(NamedTuple):
+    """Bounds on the tiles of the backward without corrections (None: no bound of that kind)."""
+
+    row_registers: int | None   # registers of keys in a row of a tile
+    registers: int              # registers of a tile, rows × registers of a row
+    rows: int | None            # rows of a tile
+
+
+def _backward_tile(s: Structure) -> TileBounds:
+    """The bounds on the tiles of the backward without corrections, which hold TRB rows × KCOLS registers of the
+    state (pass 1) or the adjoint (pass 2) across a block of tokens, beside KCOLS accumulators of ∂q or ∂κ and
+    each row's operands and ∂x accumulator. With AVX-512's 32 vector registers a tile takes 16 of them; with 16
+    (AVX2 and narrower) at most 4 of a row, 8 in all and 4 rows, which leave the accumulators and operands
+    theirs: tiles of 2 rows × 8 spilled them, and GLA's backward (a Zen 2 core, dk = dv = 64 and 128) took 7% and
+    4% longer."""
+    return TileBounds(None, 16, None) if s.vector_bytes >= 64 else TileBounds(4, 8, 4)
 
 
 def backward_registers(s: Structure) -> int:
     """Registers of a row in one key block of the backward without corrections: its state and adjoint carried
-    transposed, [DV × DKP] (templates/c_grad.c.j2, KCOLS) — forward_registers with the axes' roles swapped, at
-    most _backward_tile's registers of a row."""
+    transposed, [DV × DKP] (templates/c_grad.c.j2, KCOLS) — forward_registers with the axes' roles swapped, within
+    _backward_tile's registers of a row."""
     registers = -(-s.dk // s.lanes)
-    most = _backward_tile(s)[0] or registers
+    most = _backward_tile(s).row_registers or registers
     fits = [n for n in range(1, min(registers, most) + 1)
             if registers % n == 0 and s.dv * n * s.vector_bytes <= FORWARD_BLOCK_BYTES]
     return max(fits, default=1)
 
 
 def backward_tile_rows(s: Structure) -> int:
-    """Rows of a tile of the backward's passes (templates/c_grad.c.j2, TRB): _backward_tile's registers of a
-    tile, at most 4 rows where registers are few (each row adds its operands and its ∂x accumulator)."""
-    most, held = _backward_tile(s)
-    rows = max(1, held // backward_registers(s))
-    return rows if most is None else min(rows, 4)
+    """Rows of a tile of the backward's passes (templates/c_grad.c.j2, TRB): as many as _backward_tile's
+    registers of a tile hold, within its rows."""
+    bounds = _backward_tile(s)
+    rows = max(1, bounds.registers // backward_registers(s))
+    return rows if bounds.rows is None else min(rows, bounds.rows)
 
 
 def row_sum_tree(lanes: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
