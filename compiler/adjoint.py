@@ -596,11 +596,14 @@ def constant_factor(query: ir.Expr) -> tuple[ir.Expr | None, ir.Expr]:
     return _product(constant, ()), _product(rest, query.shape)
 
 
-def derive_decomposed(compiled: Compiled, refold=lambda e: e, query_of=None) -> DecomposedAdjoint:
+def derive_decomposed(compiled: Compiled, refold=lambda e: e, query_of=None,
+                      factors_of=lambda t: None) -> DecomposedAdjoint:
     """The adjoint of a program's outputs over its readouts, and of its decomposition's per-token arrays (see
     why_no_decomposed_adjoint). `refold`: the backend's folding of inlined named values back to their names;
     `query_of`: the expression of a readout's query array (None: its query; a backend whose kernel applies a
-    constant factor itself gives the rest, constant_factor)."""
+    constant factor itself gives the rest, constant_factor); `factors_of`: a transition's key-side vectors as
+    its backward takes them, factored (compiler.key_factors.KeyFactors), or None: each slot's own array. A
+    factored slot's arrays are labelled "<slot>.scale" (where it has a scalar) and "<slot>.base" (its owner)."""
     program, d = compiled.program, compiled.decomposition
     lets = program.lets
     hoisted = frozenset(n for n, v in lets.items() if not states_in(inline_lets(v, lets)))
@@ -612,15 +615,25 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e, query_of=None) -> 
     def quantity(label: str, expr: ir.Expr | None):
         if expr is not None:
             labelled.append((label, expr))
+
+    def key_side(label: str, expr: ir.Expr, slot, bases):  # (slot None: the vector as one array)
+        if slot is None:
+            quantity(label, expr)
+            return
+        quantity(f"{label}.scale", slot.scale)
+        if slot.owner:
+            quantity(f"{label}.base", bases[slot.base])
     for t in d.transitions:
         quantity(f"{t.state}.log_decay", t.log_decay)
         quantity(f"{t.state}.value_log_decay", t.value_log_decay)  # (S·diag(e^m); None: the columns do not decay)
+        f = factors_of(t)
+        bases = f.bases if f else ()
         for j, (key, value) in enumerate(t.writes):
-            quantity(f"{t.state}.key{j}", key)
+            key_side(f"{t.state}.key{j}", key, f and f.writes[j], bases)
             quantity(f"{t.state}.value{j}", value)
         for j, (u, w) in enumerate(t.corrections):  # + u ⊗ (w·S_(t−1)): the UT transform's backward seeds them
-            quantity(f"{t.state}.correction{j}_u", u)
-            quantity(f"{t.state}.correction{j}_w", w)
+            key_side(f"{t.state}.correction{j}_u", u, f and f.corrections[j][0], bases)
+            key_side(f"{t.state}.correction{j}_w", w, f and f.corrections[j][1], bases)
         for j, (a, b) in enumerate(t.value_corrections):  # + (D·S_(t−1)·a) ⊗ b: Sᵀ's key-side corrections
             quantity(f"{t.state}.value_correction{j}_a", a)
             quantity(f"{t.state}.value_correction{j}_b", b)

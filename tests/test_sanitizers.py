@@ -142,9 +142,15 @@ def _backward_sources(label: str, s) -> list[tuple[str, str]]:
     if not isinstance(s, c_scan.Structure) or not s.causal:
         return []
     fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(c_grad_kernels.Structure)
-              if f.name != "read_scales"}
-    return [(f"{label} recurrent backward", c_grad_kernels.render(c_grad_kernels.Structure(**fields))),
-            (f"{label} chunkwise backward", c_grad_chunk_kernels.render(c_grad_chunk_kernels.Structure(**fields)))]
+              if f.name not in ("read_scales", "sources", "scaled")}
+    out = [(f"{label} recurrent backward", c_grad_kernels.render(c_grad_kernels.Structure(**fields))),
+           (f"{label} chunkwise backward", c_grad_chunk_kernels.render(c_grad_chunk_kernels.Structure(**fields)))]
+    if s.corrections:  # (and with its key-side slots factored: all on the first slot's vector, each u and κ scaled)
+        slots = 2 * s.corrections + s.writes
+        factored = c_grad_kernels.Structure(**fields, sources=(0,) * slots, scaled=tuple(
+            i >= 2 * s.corrections or i % 2 == 0 for i in range(slots)))
+        out.append((f"{label} recurrent backward, factored", c_grad_kernels.render(factored)))
+    return out
 
 
 def test_the_kernels_compile_without_warnings(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..compiler import Compiled
 from ..compiler.adjoint import constant_factor, why_no_gradient
+from ..compiler.key_factors import key_factors
 from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
@@ -68,7 +69,7 @@ class _CEmitter(DecomposedEmitter):
     """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
     (which take the NumPy scans' arguments and give their results)."""
 
-    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS | {SEGMENT}}  # (rows': first)
+    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS | {SEGMENT, "scaled"}}  # (rows': first)
     scans = SCANS
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
@@ -100,6 +101,18 @@ class _CEmitter(DecomposedEmitter):
 
     def fused_fits(self) -> bool:
         return super().fused_fits() and grad_forward.fits(self.c)
+
+    # The backward of a state with corrections (c.grad_kernels' stored one) takes its key-side vectors factored,
+    # each vector once with the scalars of the slots that use it, and gives the vector's gradient summed and the
+    # scalars' (compiler.key_factors): gated DeltaNet's u = −(e^g·(β·k̂)), w = k̂ and key = β·k̂ are then one array
+    # k̂ and two of scalars, and its chain rule no pass over [B, T, H, dk] arrays to take ∂u, ∂w and ∂key apart.
+    # Other states, and a decay whose gradient divides by its value (c.small_decays), take each slot's array.
+    def key_factors(self, t):
+        reads_as_value = any(r.is_value for r in self.c.decomposition.readouts if r.state == t.state)
+        if not t.corrections or t.elementwise or t.signed or t.value_signed or t.value_log_decay is not None \
+                or t.value_corrections or t.decays_as_values or reads_as_value:
+            return None
+        return key_factors(t)
 
     def chunk_code(self) -> str:
         if not self.forward_fused():  # (each state's kernel picks its own segment)

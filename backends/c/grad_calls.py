@@ -40,11 +40,12 @@ GRADIENT_ARRAYS = 12
 _gradients = RecycledArrays(keep=GRADIENT_ARRAYS)
 
 
-def gradient_arrays(lead: tuple[int, int, int], widths, dtype) -> list[np.ndarray]:
-    """The arrays a backward kernel writes the per-token gradients into, [B, T, H, n] for each width n: recycled
-    (_gradients), cache-line aligned, and handed over — the module's own to keep and write into, never the
-    caller's, who gets them back only from this call. The kernel writes every value."""
-    return [hand_over(_gradients.take(lead + (n,), dtype)) for n in widths]
+def gradient_arrays(lead: tuple[int, int, int], widths, dtype, unwritten=frozenset()) -> list[np.ndarray | None]:
+    """The arrays a backward kernel writes the per-token gradients into, [B, T, H, n] for each width n (None for
+    the indices in `unwritten`): recycled (_gradients), cache-line aligned, and handed over — the module's own to
+    keep and write into, never the caller's, who gets them back only from this call. The kernel writes every
+    value."""
+    return [None if i in unwritten else hand_over(_gradients.take(lead + (n,), dtype)) for i, n in enumerate(widths)]
 
 
 def default_segment(tokens: int, state_bytes: int) -> int:
@@ -70,6 +71,9 @@ class Call:
     ops: list[np.ndarray]      # the per-token arrays [B, T, H, n]
     lead: tuple[int, int, int]
     passes: int | None = None  # multiply-adds per state value and token (None: one per per-token array)
+    # the ops whose gradients the kernel does not write (a key-side slot whose vector another slot holds, whose
+    # gradient goes with that one's: c.scaled_keys): no array for them, None in the backward's results
+    unwritten: frozenset = frozenset()
 
     @property
     def state_bytes(self) -> int:
@@ -123,11 +127,12 @@ def backward(c: Call, k, function: str, read_widths, checkpoints, chunk, grad_re
     seg, _ = c.segments(chunk)
     grads = [operand(g, dtype, c.lead + (n,), f"the gradient of readout {i}")
              for i, (g, n) in enumerate(zip(grad_readouts, read_widths))]
-    outs = gradient_arrays(c.lead, c.structure.widths, dtype)  # (aligned: the kernel streams whole rows)
+    outs = gradient_arrays(c.lead, c.structure.widths, dtype, c.unwritten)  # (aligned: the kernel streams rows)
     final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
     if batch * heads == 0 or tokens == 0:
         for o in outs:
-            o[...] = 0
+            if o is not None:
+                o[...] = 0
         return outs, final.copy()
     ckpt = k.ffi.from_buffer(CTYPES[dtype] + " *", np.ascontiguousarray(checkpoints, dtype=dtype))
     return outs, call(k, function, final, c.ops + grads, outs, 3 * c.work, num_threads, ckpt, seg)

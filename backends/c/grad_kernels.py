@@ -10,7 +10,9 @@ and its readouts q·S; the arrays here are those of the decomposition, per token
                               corrections=corrections)                          # a ScanGrads
 
 s0 [B, H, K, V] (a vector state: one column, V = 1); log_decay None or [B, T, H, 1 | K]; corrections
-[(u, w)] and writes [(key, value)] per token; queries [(q, before_update)]. adjoint_checkpoints runs the
+[(u, w)] and writes [(key, value)] per token — in the backward with corrections, a u, w or key may be
+factored, c.scaled_keys.Scaled (a vector several slots share times a scalar per token: its gradient a
+ScaledGrad); queries [(q, before_update)]. adjoint_checkpoints runs the
 forward token by token, keeping the state before every `chunk` tokens (the checkpoints; None: about √T,
 see c.grad_calls.default_segment); adjoint_recurrent
 runs the adjoint recurrence in reverse, segment by segment from the last, the segment's states recomputed
@@ -34,7 +36,7 @@ from . import build as c_build
 from ..numpy.adjoint_scan import ScanGrads
 from .build import CTYPE_BYTES, CTYPES
 from .kernel_source import Target, common_context
-from . import grad_calls
+from . import grad_calls, scaled_keys
 from .scan_kernels import cached_kernel, operand
 
 DECAYS = ("none", "token", "row")
@@ -55,6 +57,11 @@ class Structure:
     # per readout: the constant factor of its query, by which the backward multiplies its upstream gradient (c.grad
     # passes `dk^(−1/2)` of `dk^(−1/2)·q` with q as the query array); () for none
     read_scales: tuple[float, ...] = ()
+    # the key-side slots factored (c.scaled_keys; the backward with corrections only): per slot (u_0, w_0, …,
+    # κ_0, …), the slot whose array holds its vector, and whether it is that vector times a scalar per token (the
+    # scalars' arrays follow the queries, in the slots' order); () for none factored
+    sources: tuple[int, ...] = ()
+    scaled: tuple[bool, ...] = ()
 
     @property
     def lanes(self) -> int:
@@ -63,16 +70,28 @@ class Structure:
     @property
     def widths(self) -> list[int]:
         """Values per token of each per-token array, in the kernels' order: [log-decay,] u_0, w_0, …,
-        key_0, value_0, …, q_0, …"""
+        key_0, value_0, …, q_0, …[, the factored slots' scalars, one each]"""
         decay = [] if self.decay == "none" else [self.dk if self.decay == "row" else 1]
-        return decay + [self.dk] * 2 * self.corrections + [self.dk, self.dv] * self.writes + [self.dk] * len(self.before)
+        return decay + [self.dk] * 2 * self.corrections + [self.dk, self.dv] * self.writes + \
+            [self.dk] * len(self.before) + [1] * sum(self.scaled)
 
     def describe(self) -> str:
         decay = {"none": "no decay", "token": "one log-decay per token", "row": "one log-decay per row"}
         reads = ", ".join("before" if b else "after" for b in self.before) or "none"
         scales = "; readouts' factors " + ", ".join(map(repr, self.read_scales)) if self.read_scales else ""
+        slots = [f"{'uw'[i % 2]}_{i // 2}" for i in range(2 * self.corrections)] + \
+            [f"κ_{j}" for j in range(self.writes)]
+        factored = "; key slots: " + ", ".join(
+            f"{name} " + ("a scalar × " if sc else "") + ("its own vector" if src == i else f"{slots[src]}'s vector")
+            for i, (name, src, sc) in enumerate(zip(slots, self.sources, self.scaled))) if self.sources else ""
         return (f"{decay[self.decay]}; {self.corrections} correction(s); {self.writes} write(s); readouts: "
-                f"{reads}{scales}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
+                f"{reads}{scales}{factored}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
+
+    def slot_input(self, i: int) -> int:
+        """The index among the per-token arrays of key-side slot i (u_0, w_0, …, κ_0, …; I_SLOT in the
+        template)."""
+        first = 0 if self.decay == "none" else 1
+        return first + i if i < 2 * self.corrections else first + 2 * self.corrections + 2 * (i - 2 * self.corrections)
 
     @property
     def factors(self) -> list[float]:
@@ -189,7 +208,13 @@ def render(s: Structure) -> str:
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),
         read_scales=", ".join(map(repr, s.factors)),
-        n_inputs=len(s.widths))
+        n_inputs=len(s.widths), factored=bool(s.sources), n_scales=sum(s.scaled),
+        sources=", ".join(map(str, s.sources)), scale_of=", ".join(map(str, _scale_indices(s.scaled))))
+
+
+def _scale_indices(scaled: tuple[bool, ...]) -> list[int]:
+    """Per key slot, the index of its scalar's array among the scalars' (−1: none)."""
+    return [sum(scaled[:i]) if sc else -1 for i, sc in enumerate(scaled)]
 
 
 def cdef(s: Structure) -> str:
@@ -203,6 +228,12 @@ def kernel(s: Structure):
 
 
 def _prepare(s0, log_decay, corrections, writes, queries, read_scales=()) -> grad_calls.Call:
+    slots = scaled_keys.key_slots(corrections, writes)
+    factored = [x for x in slots if isinstance(x, scaled_keys.Scaled)]
+    sources = tuple(scaled_keys.owners(slots)) if factored else ()
+    scaled = tuple(isinstance(x, scaled_keys.Scaled) and x.scale is not None for x in slots) if factored else ()
+    corrections, writes = scaled_keys.rebuilt(corrections, writes, [
+        x.base if isinstance(x, scaled_keys.Scaled) else x for x in slots])  # (a shared vector: one array object)
     per_token = [a for pair in list(corrections) + list(writes) for a in pair] + [q for q, _ in queries] + \
         ([] if log_decay is None else [log_decay])
     state, lead = grad_calls.lead_and_state(s0, per_token)
@@ -211,18 +242,27 @@ def _prepare(s0, log_decay, corrections, writes, queries, read_scales=()) -> gra
     decay = "none" if log_decay is None else ("token" if np.shape(log_decay)[-1] == 1 else "row")
     scales = tuple(float(f) for f in read_scales) if any(f != 1.0 for f in read_scales) else ()
     s = Structure(decay, len(corrections), len(writes), tuple(bool(b) for _, b in queries), dk, dv,
-                  CTYPES[dtype], c_build.vector_bytes(), scales)
+                  CTYPES[dtype], c_build.vector_bytes(), scales, sources, scaled)
     arrays = ([] if log_decay is None else [log_decay]) + [a for pair in list(corrections) + list(writes)
-                                                           for a in pair] + [q for q, _ in queries]
-    ops = [operand(a, dtype, lead + (n,), "a per-token array of the recurrent backward")
-           for a, n in zip(arrays, s.widths)]
-    return grad_calls.Call(s, state, ops, lead, passes=1 + 2 * s.corrections + s.writes + len(s.before))
+                                                           for a in pair] + [q for q, _ in queries] + \
+        [x.scale for x in factored if x.scale is not None]
+    made: dict[int, np.ndarray] = {}  # (a vector several slots share: checked and converted once)
+    for a, n in zip(arrays, s.widths):
+        if id(a) not in made:
+            made[id(a)] = operand(a, dtype, lead + (n,), "a per-token array of the recurrent backward")
+    ops = [made[id(a)] for a in arrays]
+    # (a slot whose vector another slot holds gets no gradient of its own: it goes with that one's)
+    unwritten = frozenset(s.slot_input(i) for i, src in enumerate(sources) if src != i)
+    return grad_calls.Call(s, state, ops, lead, passes=1 + 2 * s.corrections + s.writes + len(s.before),
+                           unwritten=unwritten)
 
 
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), num_threads=None):
     """The forward of the recurrent backward: ([readout [B, T, H, V]], final state [B, H, K, V], the state
     before every chunk [B, H, ⌈T/chunk⌉, K, V]) — linrec.numpy.adjoint_scan.decay_scan's arguments and
     results (log_decay None: no decay), the states kept every `chunk` tokens (None: grad_calls.default_segment)."""
+    if scaled_keys.any_scaled(corrections, writes):  # (the forward takes each slot's own array)
+        corrections, writes = scaled_keys.expand(corrections, writes)
     c = _prepare(s0, log_decay, corrections, writes, queries)
     return grad_calls.forward(c, kernel(c.structure), "lr_grad_forward", [c.structure.dv] * len(queries), chunk,
                               num_threads)
@@ -238,7 +278,19 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
     c = _prepare(s0, log_decay, corrections, writes, queries, read_scales)
     outs, d_s0 = grad_calls.backward(c, kernel(c.structure), "lr_grad_backward", [c.structure.dv] * len(queries),
                                      checkpoints, chunk, grad_readouts, grad_final, num_threads)
-    return scan_grads(outs, d_s0, log_decay, corrections, writes, queries)
+    n_scales = sum(c.structure.scaled)
+    grads = scan_grads(outs[:len(outs) - n_scales], d_s0, log_decay, corrections, writes, queries)
+    if not c.structure.sources:
+        return grads
+    # the factored slots' gradients (c.scaled_keys.ScaledGrad): the vector's with the slot that holds it
+    slots = scaled_keys.key_slots(corrections, writes)
+    given = scaled_keys.key_slots(grads.corrections, grads.writes)
+    scale_grads = iter(outs[len(outs) - n_scales:])
+    folded = [scaled_keys.ScaledGrad(d if src == i else None, next(scale_grads) if sc else None)
+              if isinstance(x, scaled_keys.Scaled) else d
+              for i, (x, d, src, sc) in enumerate(zip(slots, given, c.structure.sources, c.structure.scaled))]
+    d_corrections, d_writes = scaled_keys.rebuilt(grads.corrections, grads.writes, folded)
+    return grads._replace(corrections=d_corrections, writes=d_writes)
 
 
 def scan_grads(outs: list, d_s0, log_decay, corrections, writes, queries) -> ScanGrads:

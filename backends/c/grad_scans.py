@@ -38,7 +38,8 @@ import numpy as np
 
 from ..dsl.errors import LinrecError
 from ..numpy.adjoint_scan import ScanGrads
-from . import grad_calls, grad_elementwise, grad_kernels, grad_value_side, small_decays
+from . import grad_calls, grad_elementwise, grad_kernels, grad_value_side, scaled_keys, small_decays
+from .scaled_keys import scaled  # noqa: F401  (the generated module's helper: c.grad imports it from here)
 
 
 def _kernel(log_decay, queries, corrections, value_log_decay, value_corrections) -> str:
@@ -86,6 +87,8 @@ def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), v
     if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.array(s0, dtype=np.float32 if np.asarray(s0).dtype == np.float32 else np.float64)
         return [], state, None
+    if scaled_keys.any_scaled(corrections, writes):  # (every forward takes each key-side slot's own array)
+        corrections, writes = scaled_keys.expand(corrections, writes)
     return _forward(s0, log_decay, writes, queries, factors, chunk, corrections, value_log_decay, value_corrections)
 
 
@@ -108,8 +111,16 @@ def _forward(s0, log_decay, writes, queries, factors, chunk, corrections, value_
 def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, corrections=(),
                       value_log_decay=None, value_corrections=(), decays_as_values=False):
     """The adjoint recurrence, from the last segment (see the module's docstring). decays_as_values: the
-    log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays)."""
-    queries, factors = _factors(queries)
+    log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays). Factored
+    key-side slots (c.scaled_keys) go to the stored backward of c.grad_kernels as they are; for the other
+    kernels they are expanded, and their gradients folded back."""
+    given_queries, (queries, factors) = queries, _factors(queries)
+    if scaled_keys.any_scaled(corrections, writes) and (decays_as_values or not corrections or _kernel(
+            log_decay, queries, corrections, value_log_decay, value_corrections) != "rows"):
+        plain_corrections, plain_writes = scaled_keys.expand(corrections, writes)
+        grads = adjoint_recurrent(s0, log_decay, plain_writes, given_queries, checkpoints, chunk, grad_readouts,
+                                  grad_final, plain_corrections, value_log_decay, value_corrections, decays_as_values)
+        return scaled_keys.fold(grads, corrections, writes)
     if decays_as_values:
         grads = small_decays.backward_if_small(s0, log_decay, writes, _scaled(queries, factors), chunk,
                                                grad_readouts, grad_final, corrections, value_log_decay,

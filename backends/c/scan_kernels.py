@@ -78,17 +78,19 @@ def chunk_of(chunk_size, tokens: int) -> int:
 
 def call(k, function: str, state: np.ndarray, ops: list, outs: list, work: int, num_threads, *extra) -> np.ndarray:
     """Runs `function` of the built extension k: (s0, sT, inputs, their strides, outputs, B, T, H, threads,
-    *extra) with state [B, H, …] and ops [B, T, H, n]. Returns the final state. A call with less than
-    SMALL_WORK multiply-adds runs on one thread (waking others costs more); at most one per (batch row, head)."""
+    *extra) with state [B, H, …] and ops [B, T, H, n]; an output None is passed as NULL (the kernel writes none).
+    Returns the final state. A call with less than SMALL_WORK multiply-adds runs on one thread (waking others
+    costs more); at most one per (batch row, head)."""
     ffi = k.ffi
-    batch, tokens, heads = (outs[0] if outs else ops[0]).shape[:3]
+    given = [o for o in outs if o is not None]
+    batch, tokens, heads = (given[0] if given else ops[0]).shape[:3]
     require_c_int_sizes(batch=batch, tokens=tokens, heads=heads)
     ctype = CTYPES[state.dtype]
     ptr = ctype + " *"
     item = state.dtype.itemsize
     c_in = ffi.new(ctype + " *[]", [ffi.cast(ptr, a.__array_interface__["data"][0]) for a in ops] or 1)
     c_st = ffi.new("int64_t[]", [a.strides[i] // item for a in ops for i in range(3)] or 1)
-    c_out = ffi.new(ctype + " *[]", [ffi.from_buffer(ptr, o) for o in outs] or 1)
+    c_out = ffi.new(ctype + " *[]", [ffi.NULL if o is None else ffi.from_buffer(ptr, o) for o in outs] or 1)
     final = np.empty_like(state)
     threads = c_build.thread_count(num_threads)
     threads = 1 if work < SMALL_WORK else min(threads, batch * heads)

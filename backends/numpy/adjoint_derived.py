@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
 from ..compiler.analysis import walk
+from ..compiler.key_factors import KeyFactors
 from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
 from .adjoint_in_place import in_place_products
 from .derived import canonical_text, per_token, running_signs_lines
@@ -33,6 +34,7 @@ class StateArrays:
 
     log_decay: str
     value_log_decay: str
+    bases: str  # the vectors its key-side slots share, where the backward takes them factored (key_factors)
     signs: tuple[str, str] | None  # a decay of either sign: σ_t and σ_(t−1) (linrec.numpy.scan.running_signs)
     value_signs: tuple[str, str] | None  # the same of a decay of the value axis: τ_t and τ_(t−1)
     writes: str
@@ -66,7 +68,7 @@ class DecomposedEmitter(BackwardEmitter):
     def __init__(self, compiled: Compiled, form: str):
         super().__init__(compiled)
         self.form = form
-        self.decomposed = derive_decomposed(compiled, self.em.refold, self.readout_query)
+        self.decomposed = derive_decomposed(compiled, self.em.refold, self.readout_query, self.key_factors)
         em, n = self.em, self.em.name
         self.readout_vars = {r.index: em.fresh(f"r{r.index}") for r in compiled.decomposition.readouts}
         for i, var in self.readout_vars.items():
@@ -92,6 +94,11 @@ class DecomposedEmitter(BackwardEmitter):
 
     def readout_scale(self, r) -> ir.Expr | None:
         """The constant factor of readout r's query that the scans apply themselves (None: none)."""
+        return None
+
+    def key_factors(self, t) -> KeyFactors | None:
+        """The transition's key-side vectors as the scans take them, factored into per-token scalars times the
+        vectors they share (compiler.key_factors), or None: each slot its own array (the NumPy scans')."""
         return None
 
     def printer(self, token_index):
@@ -212,20 +219,31 @@ class DecomposedEmitter(BackwardEmitter):
                 self.helpers.add("log_decay")
                 log = f"log_decay({prelude(em.refold(t.magnitude))}, \"{st.name}\")"
             lines.append(f"{decay} = {per_token(log, width, not t.log_decay.shape)}")
+        factors = self.key_factors(t)
+        if factors:  # (the vectors the key-side slots share, each computed once)
+            lines.append(f"{a.bases} = [" + ", ".join(per_token(prelude(em.refold(b)), rows, False)
+                                                     for b in factors.bases) + "]")
+            self.helpers.add("scaled")
+
+        def key_side(x, slot):  # a key-side vector: its array, or (factored) its base and its scalar
+            if slot is None:
+                return per_token(prelude(em.refold(x)), f"{rows}, {cols}" if len(x.shape) == 2 else rows, not x.shape)
+            scale = "None" if slot.scale is None else per_token(prelude(em.refold(slot.scale)), "1", True)
+            return f"scaled({a.bases}[{slot.base}], {scale})"
         pairs = []
-        for key, value in t.writes:
+        for j, (key, value) in enumerate(t.writes):
             val = per_token(prelude(em.refold(value)), cols, not value.shape) if value is not None else \
                 "np.ones((batch, tokens, heads, 1), dtype)"
-            pairs.append(f"({per_token(prelude(em.refold(key)), rows, not key.shape)}, {val})")
+            pairs.append(f"({key_side(key, factors and factors.writes[j])}, {val})")
         if t.value_log_decay is not None:  # S·diag(e^m): one log-decay per value column (a scalar: the same for all)
             scalar = not t.value_log_decay.shape
             lines.append(f"{a.value_log_decay} = {per_token(prelude(em.refold(t.value_log_decay)), cols, scalar)}")
         lines.append(f"{writes} = [" + ", ".join(pairs) + "]")
-        def along_rows(x):  # a vector over the rows, or (beside an elementwise decay) a matrix: one per column
-            return per_token(prelude(em.refold(x)), f"{rows}, {cols}" if len(x.shape) == 2 else rows, not x.shape)
-        if t.corrections:
+        if t.corrections:  # (u and w: vectors over the rows, or beside an elementwise decay matrices, one per column)
             lines.append(f"{a.corrections} = [" + ", ".join(
-                f"({along_rows(u)}, {along_rows(w)})" for u, w in t.corrections) + "]")
+                f"({key_side(u, factors and factors.corrections[j][0])}, "
+                f"{key_side(w, factors and factors.corrections[j][1])})"
+                for j, (u, w) in enumerate(t.corrections)) + "]")
         if t.value_corrections:  # + (D·S·a) ⊗ b: vectors over the columns
             lines.append(f"{a.value_corrections} = [" + ", ".join(
                 f"({per_token(prelude(em.refold(x)), cols, not x.shape)}, "
@@ -376,13 +394,24 @@ class DecomposedEmitter(BackwardEmitter):
         # (a scalar the scans took broadcast over a vector's width: its gradient is the sum over that width)
         def seed(code: str, x: ir.Expr) -> str:
             return code if x.shape else code + ".sum(axis=-1)"
+        factors = self.key_factors(t)
+
+        def key_side(label: str, code: str, x: ir.Expr, slot):  # (factored: its scalar's, and its base's)
+            if slot is None:
+                self.seeds[label] = seed(code, x)
+                return
+            if slot.scale is not None:
+                self.seeds[f"{label}.scale"] = f"{code}.scale[..., 0]"
+            if slot.owner:
+                self.seeds[f"{label}.base"] = f"{code}.base"
         for j, (key, value) in enumerate(t.writes):
-            self.seeds[f"{st.name}.key{j}"] = seed(f"{g}.writes[{j}][0]", key)
+            key_side(f"{st.name}.key{j}", f"{g}.writes[{j}][0]", key, factors and factors.writes[j])
             if value is not None:
                 self.seeds[f"{st.name}.value{j}"] = seed(f"{g}.writes[{j}][1]", value)
         for j, (u, w) in enumerate(t.corrections):
-            self.seeds[f"{st.name}.correction{j}_u"] = seed(f"{g}.corrections[{j}][0]", u)
-            self.seeds[f"{st.name}.correction{j}_w"] = seed(f"{g}.corrections[{j}][1]", w)
+            slots = factors.corrections[j] if factors else (None, None)
+            key_side(f"{st.name}.correction{j}_u", f"{g}.corrections[{j}][0]", u, slots[0])
+            key_side(f"{st.name}.correction{j}_w", f"{g}.corrections[{j}][1]", w, slots[1])
         for j, (x, y) in enumerate(t.value_corrections):
             self.seeds[f"{st.name}.value_correction{j}_a"] = seed(f"{g}.value_corrections[{j}][0]", x)
             self.seeds[f"{st.name}.value_correction{j}_b"] = seed(f"{g}.value_corrections[{j}][1]", y)

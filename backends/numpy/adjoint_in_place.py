@@ -162,7 +162,7 @@ def _array_key(node, owned) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
     text = ast.unparse(node)
-    if owned and text.startswith(owned) and re.fullmatch(r"\w+(\.\w+)+(\[\d+\])*", text):
+    if owned and text.startswith(owned) and re.fullmatch(r"\w+(\.\w+|\[\d+\])+", text):
         return text
     return None
 
