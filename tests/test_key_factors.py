@@ -1,17 +1,19 @@
 """The key-side vectors of an update factored into per-token scalars times the vectors they share
-(compiler.key_factors), as the C backward with corrections takes them (linrec.c.scaled_keys, lr_key_row and
-lr_put_factored in templates/c_grad.c.j2): what the factoring finds in the expressions, and the C backward on
-programs whose slots share vectors in every way the kernel distinguishes — a scaled owner, an unscaled owner, a
-write's key as the only slot of its vector, two corrections on two vectors, a constant scalar, a scalar of
-zero — against the NumPy recurrent backward at 1e-9 in float64 and 5e-4 in float32 (sizes that are not whole
-registers), and the expansion the other kernels take (scaled_keys.expand, fold) against the plain arrays."""
+(compiler.key_factors), as the C backward takes them (linrec.c.scaled_keys): the recurrent one with corrections
+(lr_key_row and lr_put_factored in templates/c_grad.c.j2) and the chunkwise and parallel ones
+(c_grad_chunk.c.j2). What the factoring finds in the expressions, and the C backward in every form on programs
+whose slots share vectors in every way the kernels distinguish — a scaled owner, an unscaled owner, a write's
+key as the only slot of its vector, two corrections on two vectors, a constant scalar, a scalar of zero, a
+scaled key without corrections — against the NumPy recurrent backward at 1e-9 in float64 and 5e-4 in float32
+(sizes that are not whole registers), and the expansion the other kernels take (scaled_keys.expand, fold)
+against the plain arrays."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import linrec
-from linrec.c import grad_kernels, grad_scans, scaled_keys, scan_kernels
+from linrec.c import grad_chunk_kernels, grad_kernels, grad_scans, scaled_keys, scan_kernels
 from linrec.compiler.analysis import to_text
 from linrec.compiler.key_factors import key_factors
 from test_grad import worst_error
@@ -68,6 +70,13 @@ S = exp(g)·(I + k⊗(−beta·k))·S + sigmoid(q)⊗v
 output o = q·S
 """,
     # a constant scalar (−1) and a scalar that is zero at some tokens
+    # a scaled key and no corrections (Mamba-2's dt·B): the chunk kernels take it factored, the recurrent one not
+    "scaled key": """recurrence scaled_key(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], dt > 0
+state S[dk, dv]
+S = exp(−dt)·S + (dt·k)⊗v
+output o = q·S
+""",
     "constant and zero": """recurrence constant(dk = 4, dv = 3)
 input q[dk], k[dk], v[dv], z >= 0
 kn = l2norm(k)
@@ -96,22 +105,29 @@ def _factored_kernels() -> list:
     return [s for s in scan_kernels._kernels if isinstance(s, grad_kernels.Structure) and s.sources]
 
 
+@pytest.mark.parametrize("form", ["recurrent", "chunkwise", "parallel"])
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_the_c_backward_of_factored_slots(name):
+def test_the_c_backward_of_factored_slots(name, form):
     rec = linrec.compile(PROGRAMS[name], f"{name}.lin")
     assert _slots(rec) is not None
     for i, (batch, tokens, heads, chunk) in enumerate([(2, 13, 3, 4), (1, 9, 2, None), (1, 1, 1, None)]):
+        chunk = None if form == "parallel" else chunk
         x, up, s0, gT = _call(rec, batch, tokens, heads, seed=i)
         want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
-        got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", chunk_size=chunk)
+        got = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", form=form,
+                      chunk_size=chunk)
         assert worst_error(got.grads, want.grads) <= 1e-9, (name, i)
         assert worst_error(got.outputs, want.outputs) <= 1e-9
         x32, up32, s32, g32 = ({k: v.astype(np.float32) for k, v in d.items()} for d in (x, up, s0, gT))
-        got32 = rec.vjp(x32, up32, initial_state=s32, grad_final_state=g32, dims=DIMS, backend="c", chunk_size=chunk)
+        got32 = rec.vjp(x32, up32, initial_state=s32, grad_final_state=g32, dims=DIMS, backend="c", form=form,
+                        chunk_size=chunk)
         assert all(g.dtype == np.float32 for g in got32.grads.values())
         assert worst_error(got32.grads, want.grads) <= 5e-4, (name, i)
-    # (the kernel that ran took the slots factored, in both precisions)
-    assert {s.ctype for s in _factored_kernels() if s.dk == DIMS["dk"]} == {"float", "double"}
+    # (kernels that take the slots factored ran, in both precisions — the recurrent one only with corrections)
+    chunk_kernel = form != "recurrent"
+    if chunk_kernel or rec.compiled.decomposition.transition("S").corrections:
+        assert {s.ctype for s in _factored_kernels() if s.dk == DIMS["dk"]
+                and isinstance(s, grad_chunk_kernels.Structure) == chunk_kernel} == {"float", "double"}
 
 
 def test_expanded_slots_give_the_same_gradients():

@@ -145,11 +145,16 @@ def _backward_sources(label: str, s) -> list[tuple[str, str]]:
               if f.name not in ("read_scales", "sources", "scaled")}
     out = [(f"{label} recurrent backward", c_grad_kernels.render(c_grad_kernels.Structure(**fields))),
            (f"{label} chunkwise backward", c_grad_chunk_kernels.render(c_grad_chunk_kernels.Structure(**fields)))]
-    if s.corrections:  # (and with its key-side slots factored: all on the first slot's vector, each u and κ scaled)
-        slots = 2 * s.corrections + s.writes
-        factored = c_grad_kernels.Structure(**fields, sources=(0,) * slots, scaled=tuple(
-            i >= 2 * s.corrections or i % 2 == 0 for i in range(slots)))
-        out.append((f"{label} recurrent backward, factored", c_grad_kernels.render(factored)))
+    # (and with the key-side slots factored: all on the first slot's vector, each u and κ scaled; the recurrent
+    # kernel takes them so only with corrections)
+    slots = 2 * s.corrections + s.writes
+    factored = dict(sources=(0,) * slots, scaled=tuple(i >= 2 * s.corrections or i % 2 == 0 for i in range(slots)))
+    if slots:
+        out.append((f"{label} chunkwise backward, factored",
+                    c_grad_chunk_kernels.render(c_grad_chunk_kernels.Structure(**fields, **factored))))
+    if s.corrections:
+        out.append((f"{label} recurrent backward, factored",
+                    c_grad_kernels.render(c_grad_kernels.Structure(**fields, **factored))))
     return out
 
 

@@ -65,6 +65,21 @@ def why_not(compiled: Compiled) -> str | None:
     return None
 
 
+def factored_keys(compiled: Compiled, t):
+    """The state's key-side vectors factored (compiler.key_factors) where the C kernels that run its backward as
+    it is take them so, else None. Each vector is read once with the scalars of the slots that use it, and its
+    gradient given summed, with the scalars': gated DeltaNet's u = −(e^g·(β·k̂)), w = k̂ and key = β·k̂ are then
+    one array k̂ and two of scalars, and the chain rule makes no [B, T, H, dk] array of ∂u, ∂w and ∂key to reduce.
+    Not for a state the kernels take in another frame or with signs (a decay of the value axis, an elementwise
+    one, value-side corrections, a decay of either sign, a vector read as a value), nor for a decay whose
+    gradient divides by its value (c.small_decays): those take each slot's own array."""
+    reads_as_value = any(r.is_value for r in compiled.decomposition.readouts if r.state == t.state)
+    if t.elementwise or t.signed or t.value_signed or t.value_log_decay is not None or t.value_corrections \
+            or t.decays_as_values or reads_as_value:
+        return None
+    return key_factors(t)
+
+
 class _CEmitter(DecomposedEmitter):
     """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
     (which take the NumPy scans' arguments and give their results)."""
@@ -102,17 +117,10 @@ class _CEmitter(DecomposedEmitter):
     def fused_fits(self) -> bool:
         return super().fused_fits() and grad_forward.fits(self.c)
 
-    # The backward of a state with corrections (c.grad_kernels' stored one) takes its key-side vectors factored,
-    # each vector once with the scalars of the slots that use it, and gives the vector's gradient summed and the
-    # scalars' (compiler.key_factors): gated DeltaNet's u = −(e^g·(β·k̂)), w = k̂ and key = β·k̂ are then one array
-    # k̂ and two of scalars, and its chain rule no pass over [B, T, H, dk] arrays to take ∂u, ∂w and ∂key apart.
-    # Other states, and a decay whose gradient divides by its value (c.small_decays), take each slot's array.
+    # The backward of a state with corrections (c.grad_kernels' stored one) takes its key-side vectors factored
+    # (factored_keys); the backward without them (two passes) takes each slot's array.
     def key_factors(self, t):
-        reads_as_value = any(r.is_value for r in self.c.decomposition.readouts if r.state == t.state)
-        if not t.corrections or t.elementwise or t.signed or t.value_signed or t.value_log_decay is not None \
-                or t.value_corrections or t.decays_as_values or reads_as_value:
-            return None
-        return key_factors(t)
+        return factored_keys(self.c, t) if t.corrections else None
 
     def chunk_code(self) -> str:
         if not self.forward_fused():  # (each state's kernel picks its own segment)

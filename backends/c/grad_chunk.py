@@ -38,7 +38,7 @@ class _ChunkEmitter(DecomposedEmitter):
     """The decomposed backward's module, its scans the C kernels' (c.grad_chunk_scans, which take the NumPy
     scans' arguments and give their results)."""
 
-    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_chunk_scans.__name__: SCANS}  # (rows: first)
+    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_chunk_scans.__name__: SCANS | {"scaled"}}  # (rows: first)
     scans = SCANS
     forward_scan, backward_scan = "chunk_checkpoints", "adjoint_chunkwise"
     backward_comment = "the transposed recurrence in C, from the last chunk"
@@ -48,6 +48,9 @@ class _ChunkEmitter(DecomposedEmitter):
 
     def fused_fits(self) -> bool:
         return super().fused_fits() and grad_forward.fits(self.c)
+
+    def key_factors(self, t):  # (the chunk kernels take them factored: c.grad.factored_keys)
+        return grad.factored_keys(self.c, t)
 
 
 def emit(compiled: Compiled, form: str) -> str:

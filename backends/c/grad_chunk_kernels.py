@@ -7,7 +7,8 @@ linrec.numpy.adjoint_scan's decay_scan and decay_scan_backward — the same argu
                               corrections=())                                          # a ScanGrads
 
 s0 [B, H, K, V]; log_decay None (no decay) or [B, T, H, 1 | K]; writes [(key, value)], corrections [(u, w)]
-and queries [(q, before_update)] per token [B, T, H, n]. chunk_checkpoints is the recurrent backward's C
+and queries [(q, before_update)] per token [B, T, H, n] (a u, w or key of adjoint_chunkwise may be factored:
+c.scaled_keys). chunk_checkpoints is the recurrent backward's C
 forward (grad_kernels.adjoint_checkpoints), keeping the state before each chunk ([B, H, ⌈T/chunk⌉, K, V]);
 adjoint_chunkwise runs the chunks from the last, each in sub-chunks of sub_chunk() tokens whose states it
 recomputes from the chunk's (see the template). A parallel backward is one chunk of the whole sequence. The
@@ -56,7 +57,8 @@ def render(s: Structure) -> str:
         corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         qprev=", ".join(["1"] * s.corrections + ["1" if b else "0" for b in s.before]),
         widths=", ".join(map(str, s.widths + [s.dv] * len(s.before))), n_inputs=len(s.widths) + len(s.before),
-        nb=c_scan.tile_registers(s.vector_bytes), tile_rows=c_scan.tile_rows(s.vector_bytes), gemm_transposed=True)
+        nb=c_scan.tile_registers(s.vector_bytes), tile_rows=c_scan.tile_rows(s.vector_bytes), gemm_transposed=True,
+        **grad_kernels.factoring(s))
 
 
 def cdef(s: Structure) -> str:
@@ -93,12 +95,13 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
     batch, tokens, heads = c.lead
     dtype = c.state.dtype
     grads = [operand(g, dtype, c.lead + (s.dv,), f"the gradient of readout {i}") for i, g in enumerate(grad_readouts)]
-    outs = grad_calls.gradient_arrays(c.lead, s.widths, dtype)
+    outs = grad_calls.gradient_arrays(c.lead, s.widths, dtype, c.unwritten)
     final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
     if batch * heads == 0 or tokens == 0:
         d_s0 = final.copy()
         for o in outs:
-            o[...] = 0
+            if o is not None:
+                o[...] = 0
     else:
         k = kernel(s)
         chunk = chunk_of(chunk, tokens)
@@ -108,4 +111,4 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
                                     f"chunk_checkpoints gives them for chunk {chunk}")
         d_s0 = call(k, "lr_chunk_backward", final, c.ops + grads, outs, 6 * c.work, num_threads,
                     k.ffi.from_buffer(CTYPES[dtype] + " *", starts), chunk, c_scan.SPAN_MAX[s.ctype])
-    return grad_kernels.scan_grads(outs, d_s0, log_decay, corrections, writes, queries).at_resets(given)
+    return grad_kernels.call_grads(s, outs, d_s0, log_decay, corrections, writes, queries).at_resets(given)

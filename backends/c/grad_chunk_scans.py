@@ -35,7 +35,8 @@ import numpy as np
 from ..numpy import adjoint_frames as frames
 from ..numpy.adjoint_scan import ScanGrads
 from ..numpy.scan import raise_to_reset
-from . import grad_chunk_kernels, grad_scans, small_decays
+from . import grad_chunk_kernels, grad_scans, scaled_keys, small_decays
+from .scaled_keys import scaled  # noqa: F401  (the generated module's helper: c.grad_chunk imports it from here)
 
 
 def _as_it_is(log_decay, queries, corrections, value_log_decay, value_corrections) -> bool:
@@ -64,7 +65,14 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
     """The backward, decay_scan_backward's ScanGrads (log_decay None where the rows do not decay; a query None
     gets the gradient None), from the readouts' gradients and the final state's (None: zero); resets run raised,
     their gradients 0, as there. decays_as_values: the log-decays are logs of values whose gradients the chain
-    rule divides by them (c.small_decays)."""
+    rule divides by them (c.small_decays). Factored key-side slots (c.scaled_keys) go to the chunk kernels as they
+    are where those take the state as it is; elsewhere they are expanded, and their gradients folded back."""
+    if scaled_keys.any_scaled(corrections, writes) and (decays_as_values or not _as_it_is(
+            log_decay, queries, corrections, value_log_decay, value_corrections)):
+        plain_corrections, plain_writes = scaled_keys.expand(corrections, writes)
+        grads = adjoint_chunkwise(s0, log_decay, plain_writes, queries, starts, chunk, grad_readouts, grad_final,
+                                  plain_corrections, value_log_decay, value_corrections, decays_as_values)
+        return scaled_keys.fold(grads, corrections, writes)
     if decays_as_values:
         grads = small_decays.backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts,
                                                grad_final, corrections, value_log_decay, value_corrections)

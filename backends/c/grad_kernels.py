@@ -208,13 +208,15 @@ def render(s: Structure) -> str:
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),
         read_scales=", ".join(map(repr, s.factors)),
-        n_inputs=len(s.widths), factored=bool(s.sources), n_scales=sum(s.scaled),
-        sources=", ".join(map(str, s.sources)), scale_of=", ".join(map(str, _scale_indices(s.scaled))))
+        n_inputs=len(s.widths), **factoring(s))
 
 
-def _scale_indices(scaled: tuple[bool, ...]) -> list[int]:
-    """Per key slot, the index of its scalar's array among the scalars' (−1: none)."""
-    return [sum(scaled[:i]) if sc else -1 for i, sc in enumerate(scaled)]
+def factoring(s: Structure) -> dict:
+    """The templates' variables of the factored key-side slots (c_grad.c.j2, c_grad_chunk.c.j2): FACTORED,
+    NSCALE, and per slot its SOURCE and SCALE_OF (the index of its scalar's array among the scalars', −1: none)."""
+    scale_of = [sum(s.scaled[:i]) if sc else -1 for i, sc in enumerate(s.scaled)]
+    return dict(factored=bool(s.sources), n_scales=sum(s.scaled), sources=", ".join(map(str, s.sources)),
+                scale_of=", ".join(map(str, scale_of)))
 
 
 def cdef(s: Structure) -> str:
@@ -278,17 +280,23 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
     c = _prepare(s0, log_decay, corrections, writes, queries, read_scales)
     outs, d_s0 = grad_calls.backward(c, kernel(c.structure), "lr_grad_backward", [c.structure.dv] * len(queries),
                                      checkpoints, chunk, grad_readouts, grad_final, num_threads)
-    n_scales = sum(c.structure.scaled)
+    return call_grads(c.structure, outs, d_s0, log_decay, corrections, writes, queries)
+
+
+def call_grads(s: Structure, outs: list, d_s0, log_decay, corrections, writes, queries) -> ScanGrads:
+    """A backward kernel's outputs as ScanGrads (scan_grads), the factored slots' (c.scaled_keys.ScaledGrad:
+    the vector's with the slot that holds it, the scalar's from the arrays after the queries') where the
+    structure has them."""
+    n_scales = sum(s.scaled)
     grads = scan_grads(outs[:len(outs) - n_scales], d_s0, log_decay, corrections, writes, queries)
-    if not c.structure.sources:
+    if not s.sources:
         return grads
-    # the factored slots' gradients (c.scaled_keys.ScaledGrad): the vector's with the slot that holds it
     slots = scaled_keys.key_slots(corrections, writes)
     given = scaled_keys.key_slots(grads.corrections, grads.writes)
     scale_grads = iter(outs[len(outs) - n_scales:])
     folded = [scaled_keys.ScaledGrad(d if src == i else None, next(scale_grads) if sc else None)
               if isinstance(x, scaled_keys.Scaled) else d
-              for i, (x, d, src, sc) in enumerate(zip(slots, given, c.structure.sources, c.structure.scaled))]
+              for i, (x, d, src, sc) in enumerate(zip(slots, given, s.sources, s.scaled))]
     d_corrections, d_writes = scaled_keys.rebuilt(grads.corrections, grads.writes, folded)
     return grads._replace(corrections=d_corrections, writes=d_writes)
 
