@@ -392,7 +392,23 @@ def test_every_block_is_tagged_and_every_marker_has_a_reason(path):
 
 @pytest.mark.parametrize("path, index", list(_block_cases()))
 def test_block_runs(path, index, page_runs):
-    page_runs(path).run_through(index)
+    with _torch_grad_mode_kept():
+        page_runs(path).run_through(index)
+
+
+@contextlib.contextmanager
+def _torch_grad_mode_kept():
+    """Torch's global grad mode as it was before a page's blocks ran: docs/torch.md turns gradients off for its
+    forward passes and on again pages later, so a worker that ran only its first blocks went on with them off,
+    and a later test of gradients on that worker failed ("element 0 of tensors does not require grad")."""
+    torch = sys.modules.get("torch")
+    enabled = torch.is_grad_enabled() if torch is not None else None
+    try:
+        yield
+    finally:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_grad_enabled(True if enabled is None else enabled)
 
 
 def test_the_readme_table_of_examples_says_what_check_says():

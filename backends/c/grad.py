@@ -65,6 +65,17 @@ def why_not(compiled: Compiled) -> str | None:
     return None
 
 
+# The kernels multiply a readout's upstream gradient by its query's constant factor as they read it (`dk^(−1/2)`
+# of `dk^(−1/2)·q`): q itself is the query array, and its gradient is the kernel's — two passes over [B, T, H, dk]
+# less than scaling q before the kernel and its gradient after (GLA's backward alone at dk = dv = 64, T = 4096:
+# 13.9 → 12.5 ms, timed alternately; docs/benchmarks.md). The chunk kernels do the same (c.grad_chunk).
+def split_readout(compiled: Compiled, r):
+    """(constant factor, rest) of readout r's query, where the kernels take them apart: a causal program's (a
+    non-causal one's readouts are the module's own products with the final state), and not a vector state
+    read as it is (no query)."""
+    return constant_factor(r.query) if compiled.program.causal and not r.is_value else (None, r.query)
+
+
 def factored_keys(compiled: Compiled, t):
     """The state's key-side vectors factored (compiler.key_factors) where the C kernels that run its backward as
     it is take them so, else None. Each vector is read once with the scalars of the slots that use it, and its
@@ -98,21 +109,11 @@ class _CEmitter(DecomposedEmitter):
     def __init__(self, compiled: Compiled):
         super().__init__(compiled, "recurrent")
 
-    def _split(self, r):
-        """(constant factor, rest) of readout r's query, where the kernels take them apart: a causal program's
-        (a non-causal one's readouts are the module's own products with the final state), and not a vector
-        state read as it is (no query)."""
-        return constant_factor(r.query) if self.c.program.causal and not r.is_value else (None, r.query)
-
-    # The kernels multiply a readout's upstream gradient by its query's constant factor as they read it (`dk^(−1/2)`
-    # of `dk^(−1/2)·q`): q itself is the query array, and its gradient is the kernel's — two passes over [B, T, H, dk]
-    # less than scaling q before the kernel and its gradient after (GLA's backward alone at dk = dv = 64, T = 4096:
-    # 13.9 → 12.5 ms, timed alternately; docs/benchmarks.md).
     def readout_query(self, r):
-        return self._split(r)[1]
+        return split_readout(self.c, r)[1]
 
     def readout_scale(self, r):
-        return self._split(r)[0]
+        return split_readout(self.c, r)[0]
 
     def fused_fits(self) -> bool:
         return super().fused_fits() and grad_forward.fits(self.c)

@@ -52,6 +52,12 @@ class _ChunkEmitter(DecomposedEmitter):
     def key_factors(self, t):  # (the chunk kernels take them factored: c.grad.factored_keys)
         return grad.factored_keys(self.c, t)
 
+    def readout_query(self, r):  # (the chunk kernels apply a query's constant factor: c.grad.split_readout)
+        return grad.split_readout(self.c, r)[1]
+
+    def readout_scale(self, r):
+        return grad.split_readout(self.c, r)[0]
+
 
 def emit(compiled: Compiled, form: str) -> str:
     why = why_not(compiled, form)

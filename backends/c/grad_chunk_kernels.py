@@ -58,7 +58,7 @@ def render(s: Structure) -> str:
         qprev=", ".join(["1"] * s.corrections + ["1" if b else "0" for b in s.before]),
         widths=", ".join(map(str, s.widths + [s.dv] * len(s.before))), n_inputs=len(s.widths) + len(s.before),
         nb=c_scan.tile_registers(s.vector_bytes), tile_rows=c_scan.tile_rows(s.vector_bytes), gemm_transposed=True,
-        **grad_kernels.factoring(s))
+        read_scales=", ".join(map(repr, s.factors)), **grad_kernels.factoring(s))
 
 
 def cdef(s: Structure) -> str:
@@ -84,13 +84,15 @@ def chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), num
 
 
 def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections=(),
-                      num_threads=None) -> ScanGrads:
+                      num_threads=None, read_scales=()) -> ScanGrads:
     """The backward, as decay_scan_backward's (ScanGrads; log_decay None where the state does not decay), from
     the readouts' gradients [B, T, H, V] and the final state's (None: zero); starts and chunk as
     chunk_checkpoints gives and takes them. Resets (log-decays of −∞, which the pairwise factors would take as
-    −∞ − (−∞)) run raised to RESET_LOG_DECAY, their gradients 0 (ScanGrads.at_resets)."""
+    −∞ − (−∞)) run raised to RESET_LOG_DECAY, their gradients 0 (ScanGrads.at_resets). read_scales: per readout,
+    the constant factor of its query, which the kernel applies to its upstream gradient as it reads it (as
+    grad_kernels.adjoint_recurrent's)."""
     given, log_decay = log_decay, raise_to_reset(log_decay)
-    c = grad_kernels._prepare(s0, log_decay, corrections, writes, queries)
+    c = grad_kernels._prepare(s0, log_decay, corrections, writes, queries, read_scales)
     s = Structure(**{f.name: getattr(c.structure, f.name) for f in dataclasses.fields(grad_kernels.Structure)})
     batch, tokens, heads = c.lead
     dtype = c.state.dtype

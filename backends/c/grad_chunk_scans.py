@@ -51,11 +51,10 @@ def chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), val
     results. Resets (log-decays of −∞) run raised, as the NumPy parallel and chunkwise backward run them
     (linrec.numpy.scan.raise_to_reset)."""
     log_decay, value_log_decay = raise_to_reset(log_decay), raise_to_reset(value_log_decay)
-    if grad_scans.unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
-        return grad_scans.adjoint_checkpoints(s0, log_decay, writes, queries, chunk)  # (no kernel: s0 itself)
-    if _as_it_is(log_decay, queries, corrections, value_log_decay, value_corrections):
-        return grad_chunk_kernels.chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections)
-    # (its checkpoints every `chunk` tokens are the states before each chunk: the frame's are theirs, mapped)
+    # (the recurrent backward's C forward for the state's structure — the chunk kernels' own, grad_chunk_kernels'
+    # chunk_checkpoints, for a state they take as it is; a query's constant factor applied to its readouts; no
+    # kernel for a state that stays its initial state: its checkpoints every `chunk` tokens are the states before
+    # each chunk, and a frame's are theirs, mapped)
     return grad_scans.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections, value_log_decay,
                                           value_corrections)
 
@@ -66,23 +65,36 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
     gets the gradient None), from the readouts' gradients and the final state's (None: zero); resets run raised,
     their gradients 0, as there. decays_as_values: the log-decays are logs of values whose gradients the chain
     rule divides by them (c.small_decays). Factored key-side slots (c.scaled_keys) go to the chunk kernels as they
-    are where those take the state as it is; elsewhere they are expanded, and their gradients folded back."""
+    are where those take the state as it is; elsewhere they are expanded, and their gradients folded back. A
+    query's constant factor (a third item, as c.grad_scans takes it) the chunk kernels apply to its upstream
+    gradient; elsewhere it is applied to the query."""
+    given_queries, (queries, factors) = queries, grad_scans.query_factors(queries)
     if scaled_keys.any_scaled(corrections, writes) and (decays_as_values or not _as_it_is(
             log_decay, queries, corrections, value_log_decay, value_corrections)):
         plain_corrections, plain_writes = scaled_keys.expand(corrections, writes)
-        grads = adjoint_chunkwise(s0, log_decay, plain_writes, queries, starts, chunk, grad_readouts, grad_final,
-                                  plain_corrections, value_log_decay, value_corrections, decays_as_values)
+        grads = adjoint_chunkwise(s0, log_decay, plain_writes, given_queries, starts, chunk, grad_readouts,
+                                  grad_final, plain_corrections, value_log_decay, value_corrections, decays_as_values)
         return scaled_keys.fold(grads, corrections, writes)
     if decays_as_values:
-        grads = small_decays.backward_if_small(s0, log_decay, writes, queries, chunk, grad_readouts,
-                                               grad_final, corrections, value_log_decay, value_corrections)
+        grads = small_decays.backward_if_small(s0, log_decay, writes, grad_scans.scaled_queries(queries, factors),
+                                               chunk, grad_readouts, grad_final, corrections, value_log_decay,
+                                               value_corrections)
         if grads is not None:
-            return grads
+            return grad_scans.unscaled_grads(grads, factors)
     if grad_scans.unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
-        return grad_scans.adjoint_recurrent(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final)
+        return grad_scans.adjoint_recurrent(s0, log_decay, writes, given_queries, starts, chunk, grad_readouts,
+                                            grad_final)
     if _as_it_is(log_decay, queries, corrections, value_log_decay, value_corrections):
         return grad_chunk_kernels.adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readouts,
-                                                    grad_final, corrections)
+                                                    grad_final, corrections, read_scales=factors)
+    return grad_scans.unscaled_grads(_in_a_frame(s0, log_decay, writes, grad_scans.scaled_queries(queries, factors),
+                                                 starts, chunk, grad_readouts, grad_final, corrections,
+                                                 value_log_decay, value_corrections), factors)
+
+
+def _in_a_frame(s0, log_decay, writes, queries, starts, chunk, grad_readouts, grad_final, corrections,
+                value_log_decay, value_corrections) -> ScanGrads:
+    """adjoint_chunkwise of a state the chunk kernels take in another frame (see the module's docstring)."""
     s0 = np.asarray(s0)
     lead = np.shape(grad_readouts[0])[:3] if grad_readouts else None
     # a vector state read as it is: the readout g_t·S_t with gradient 1 (see the module's docstring)

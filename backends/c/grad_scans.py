@@ -69,12 +69,12 @@ def common_segment(tokens: int, initial_states) -> int:
     return grad_calls.default_segment(tokens, max((working_bytes(s0) for s0 in initial_states), default=0))
 
 
-def _factors(queries) -> tuple[list, tuple[float, ...]]:
+def query_factors(queries) -> tuple[list, tuple[float, ...]]:
     """The queries as (query, before_update) pairs, and each one's constant factor (1 where none is given)."""
     return [(q[0], q[1]) for q in queries], tuple(float(q[2]) if len(q) > 2 else 1.0 for q in queries)
 
 
-def _scaled(queries: list, factors: tuple[float, ...]) -> list:
+def scaled_queries(queries: list, factors: tuple[float, ...]) -> list:
     """The queries with their factors applied (for the kernels that do not apply them)."""
     return [(q if f == 1.0 or q is None else q * np.asarray(f, np.asarray(q).dtype), before)
             for (q, before), f in zip(queries, factors)]
@@ -83,7 +83,7 @@ def _scaled(queries: list, factors: tuple[float, ...]) -> list:
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
                         value_corrections=()):
     """The forward of the recurrent backward (see the module's docstring)."""
-    queries, factors = _factors(queries)
+    queries, factors = query_factors(queries)
     if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.array(s0, dtype=np.float32 if np.asarray(s0).dtype == np.float32 else np.float64)
         return [], state, None
@@ -101,7 +101,7 @@ def _forward(s0, log_decay, writes, queries, factors, chunk, corrections, value_
             if f != 1.0:
                 r *= np.asarray(f, r.dtype)  # (the readouts are the kernel's new arrays)
         return readouts, final, checkpoints
-    queries = _scaled(queries, factors)
+    queries = scaled_queries(queries, factors)
     if which == "value_side":
         return grad_value_side.value_side_checkpoints(s0, log_decay, writes, queries, chunk, value_log_decay,
                                                       value_corrections, corrections)
@@ -114,7 +114,7 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
     log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays). Factored
     key-side slots (c.scaled_keys) go to the stored backward of c.grad_kernels as they are; for the other
     kernels they are expanded, and their gradients folded back."""
-    given_queries, (queries, factors) = queries, _factors(queries)
+    given_queries, (queries, factors) = queries, query_factors(queries)
     if scaled_keys.any_scaled(corrections, writes) and (decays_as_values or not corrections or _kernel(
             log_decay, queries, corrections, value_log_decay, value_corrections) != "rows"):
         plain_corrections, plain_writes = scaled_keys.expand(corrections, writes)
@@ -122,11 +122,11 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
                                   grad_final, plain_corrections, value_log_decay, value_corrections, decays_as_values)
         return scaled_keys.fold(grads, corrections, writes)
     if decays_as_values:
-        grads = small_decays.backward_if_small(s0, log_decay, writes, _scaled(queries, factors), chunk,
+        grads = small_decays.backward_if_small(s0, log_decay, writes, scaled_queries(queries, factors), chunk,
                                                grad_readouts, grad_final, corrections, value_log_decay,
                                                value_corrections)
         if grads is not None:
-            return _of_unscaled(grads, factors)
+            return unscaled_grads(grads, factors)
     if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.asarray(s0)
         dtype = np.float32 if state.dtype == np.float32 else np.float64
@@ -136,16 +136,16 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
     if which == "rows":  # (the gradients with respect to the queries as given: the kernel applies the factors)
         return grad_kernels.adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts,
                                               grad_final, corrections=corrections, read_scales=factors)
-    queries = _scaled(queries, factors)
+    queries = scaled_queries(queries, factors)
     if which == "value_side":
-        return _of_unscaled(grad_value_side.value_side_recurrent(
+        return unscaled_grads(grad_value_side.value_side_recurrent(
             s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, value_log_decay,
             value_corrections, corrections), factors)
-    return _of_unscaled(grad_elementwise.elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
+    return unscaled_grads(grad_elementwise.elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
                                                                grad_readouts, grad_final), factors)
 
 
-def _of_unscaled(grads: ScanGrads, factors: tuple[float, ...]) -> ScanGrads:
+def unscaled_grads(grads: ScanGrads, factors: tuple[float, ...]) -> ScanGrads:
     """The gradients of a backward that ran on the queries times their factors (_scaled), with the queries'
     gradients taken to the queries as given (times the factor again)."""
     if all(f == 1.0 for f in factors):
