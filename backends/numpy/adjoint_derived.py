@@ -221,6 +221,8 @@ class DecomposedEmitter(BackwardEmitter):
             lines.append(f"{decay} = {per_token(log, width, not t.log_decay.shape)}")
         factors = self.key_factors(t)
         if factors:  # (the vectors the key-side slots share, each computed once)
+            lines.append(f"# the vectors {st.name}'s key-side slots (u, w, keys) share: a slot is scaled(vector, its "
+                         f"scalar per token or None), as the kernels take it")
             lines.append(f"{a.bases} = [" + ", ".join(per_token(prelude(em.refold(b)), rows, False)
                                                      for b in factors.bases) + "]")
             self.helpers.add("scaled")
