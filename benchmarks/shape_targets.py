@@ -1,8 +1,10 @@
 """The prefill targets at the shapes models use (issue #26) and the backward's ratio to the forward (issue #24),
 measured in interleaved rounds on a noisy machine.
 
-    python benchmarks/shape_targets.py prefill [--rounds 5] [--json]   # gla, gated_deltanet, gdn2; d = 64, 128, 256
-    python benchmarks/shape_targets.py grad [--rounds 3] [--json]      # gla, gated_deltanet, mamba2; d = 64, 128
+    python benchmarks/shape_targets.py prefill [--rounds 5] [--tokens 4096] [--json]   # gla, gated_deltanet,
+                                                                                        # gdn2; d = 64, 128, 256
+    python benchmarks/shape_targets.py grad [--rounds 3] [--tokens 4096] [--json]      # gla, gated_deltanet,
+                                                                                        # mamba2; d = 64, 128
 
 On a shared machine the speed drifts by tens of percent over minutes (this VM: GLA's prefill at d = 128 took
 23.6 ms in one `linrec bench` run and 16.0 ms in the next, ten minutes apart), so a table whose rows were
@@ -10,11 +12,11 @@ timed minutes apart compares a fast spell with a slow one. Here every round meas
 back, and each figure is computed inside its round:
 
     prefill   the cores' float32 multiply-add peak on 2 threads (fma_peak.py's method), then per program and
-              d = dk = dv the C recurrent form at B = 1, H = 8, T = 4096 on 2 threads (median of 3 calls of
+              d = dk = dv the C recurrent form at B = 1, H = 8, T = --tokens (4096) on 2 threads (median of 3 calls of
               Recurrence.run after a warm-up): the fraction of the bound its useful flops set at that peak
               (targets: ≥ 80% GLA, ≥ 75% the delta rules);
     grad      per program and d, the fastest forward (the C recurrent form) and each gradient form's
-              Recurrence.vjp (which runs its forward too) at B = 1, H = 8, T = 4096 on 2 threads: the fastest
+              Recurrence.vjp (which runs its forward too) at B = 1, H = 8, T = --tokens (4096) on 2 threads: the fastest
               backward over the fastest forward (target ≤ 3×); and the backward alone, from the forward kept for
               it as a training step through linrec.torch runs it (gradients.saved_forward, vjp(saved=…)).
 
@@ -36,7 +38,7 @@ from linrec import bench, bench_grad, gradients
 from targets import median_ms, run_ms
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the example programs
-B, H, T = bench.BATCH, bench.HEADS, 4096  # (bench_grad.upstream_gradients' B and H)
+B, H, T = bench.BATCH, bench.HEADS, 4096  # (bench_grad.upstream_gradients' B and H; T: --tokens' default)
 PREFILL = {"programs": ["gla", "gated_deltanet", "gdn2"], "dims": [64, 128, 256],
            "target": {"gla": 0.80, "gated_deltanet": 0.75, "gdn2": 0.75}}
 GRAD = {"programs": ["gla", "gated_deltanet", "mamba2"], "dims": [64, 128], "target": 3.0}
@@ -50,14 +52,14 @@ def _span(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure_prefill(rounds: int, progress) -> dict:
+def measure_prefill(rounds: int, progress, tokens: int = T) -> dict:
     cases = []
     for name in PREFILL["programs"]:
         rec = _load(name)
         for d in PREFILL["dims"]:
             dims = {"dk": d, "dv": d}
-            cases.append((name, d, rec, rec.random_inputs(B, T, H, dims=dims, dtype=np.float32, seed=0),
-                          bench.flop_count(rec, dims)[0] * B * T * H))
+            cases.append((name, d, rec, rec.random_inputs(B, tokens, H, dims=dims, dtype=np.float32, seed=0),
+                          bench.flop_count(rec, dims)[0] * B * tokens * H))
     out = []
     for r in range(rounds):
         progress(f"prefill: round {r + 1}/{rounds} …")
@@ -78,9 +80,9 @@ def summarize_prefill(res: dict) -> dict:
     return {"fma_peak_gflops": _span([r["fma_peak_gflops"] for r in rounds]), "rows": rows}
 
 
-def report_prefill(s: dict, rounds: int) -> str:
+def report_prefill(s: dict, rounds: int, tokens: int = T) -> str:
     pk = s["fma_peak_gflops"]
-    lines = [f"{rounds} rounds; B = {B}, H = {H}, T = {T}, float32, 2 threads, the C recurrent form; multiply-add "
+    lines = [f"{rounds} rounds; B = {B}, H = {H}, T = {tokens}, float32, 2 threads, the C recurrent form; multiply-add "
              f"peak {pk['median']:.0f} GFLOP/s ({pk['min']:.0f}–{pk['max']:.0f}); median (min–max over rounds)", "",
              "| program | " + " | ".join(f"d = {d}" for d in PREFILL["dims"]) + " | target |",
              "|---|" + "---|" * (len(PREFILL["dims"]) + 1)]
@@ -94,17 +96,17 @@ def report_prefill(s: dict, rounds: int) -> str:
     return "\n".join(lines)
 
 
-def measure_grad(rounds: int, progress) -> dict:
+def measure_grad(rounds: int, progress, tokens: int = T) -> dict:
     cases = []
     for name in GRAD["programs"]:
         rec = _load(name)
         # (the gradient forms C builds at T, as linrec bench --grad times them)
         forms, _ = bench_grad.grad_combos(rec, "c", [f for f in rec.forms if not rec.decomposition.why_not(f)],
-                                          T, limits=True)
+                                          tokens, limits=True)
         for d in GRAD["dims"]:
             dims = {"dk": d, "dv": d}
-            x = rec.random_inputs(B, T, H, dims=dims, dtype=np.float32, seed=0)
-            cases.append((name, d, rec, x, bench_grad.upstream_gradients(rec, dims, T, np.float32), forms))
+            x = rec.random_inputs(B, tokens, H, dims=dims, dtype=np.float32, seed=0)
+            cases.append((name, d, rec, x, bench_grad.upstream_gradients(rec, dims, tokens, np.float32), forms))
     out = []
     for r in range(rounds):
         progress(f"grad: round {r + 1}/{rounds} …")
@@ -144,8 +146,8 @@ def summarize_grad(res: dict) -> dict:
     return {"rows": rows}
 
 
-def report_grad(s: dict, rounds: int) -> str:
-    lines = [f"{rounds} rounds; B = {B}, H = {H}, T = {T}, float32, 2 threads, C; the fastest vjp (which runs its "
+def report_grad(s: dict, rounds: int, tokens: int = T) -> str:
+    lines = [f"{rounds} rounds; B = {B}, H = {H}, T = {tokens}, float32, 2 threads, C; the fastest vjp (which runs its "
              f"forward too) over the fastest forward (the recurrent form), and the fastest backward alone (from the "
              f"forward kept for it, as in a training step), median (min–max over rounds)", "",
              "| program | d | forward ms | vjp ms per form | fastest | × forward | backward alone ms per form | "
@@ -171,20 +173,23 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=["prefill", "grad"], help="which targets")
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds (default: 5 for prefill, 3 for grad)")
+    parser.add_argument("--tokens", type=int, default=T, help=f"tokens per sequence, T (default {T})")
     parser.add_argument("--json", action="store_true", help="print the rounds and the summary as JSON")
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else 5 if args.what == "prefill" else 3
     if rounds < 1:
         parser.error("--rounds: expected a positive integer")
+    if args.tokens < 1:
+        parser.error("--tokens: expected a positive integer")
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.what == "prefill":
-        res = measure_prefill(rounds, progress)
+        res = measure_prefill(rounds, progress, args.tokens)
         s = summarize_prefill(res)
-        text = report_prefill(s, rounds)
+        text = report_prefill(s, rounds, args.tokens)
     else:
-        res = measure_grad(rounds, progress)
+        res = measure_grad(rounds, progress, args.tokens)
         s = summarize_grad(res)
-        text = report_grad(s, rounds)
+        text = report_grad(s, rounds, args.tokens)
     print(json.dumps({"rounds": res["rounds"], "summary": s}, indent=1) if args.json else text)
     return 0
 
