@@ -95,7 +95,8 @@ class _CEmitter(DecomposedEmitter):
     """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
     (which take the NumPy scans' arguments and give their results)."""
 
-    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS | {SEGMENT, "scaled"}}  # (rows': first)
+    # (rows' helpers first; `scaled`: factored key-side slots, c.scaled_keys)
+    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS | {SEGMENT, "scaled"}}
     scans = SCANS
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"

@@ -10,8 +10,8 @@ and its readouts q·S; the arrays here are those of the decomposition, per token
                               corrections=corrections)                          # a ScanGrads
 
 s0 [B, H, K, V] (a vector state: one column, V = 1); log_decay None or [B, T, H, 1 | K]; corrections
-[(u, w)] and writes [(key, value)] per token — in the backward with corrections, a u, w or key may be
-factored, c.scaled_keys.Scaled (a vector several slots share times a scalar per token: its gradient a
+[(u, w)] and writes [(key, value)] per token — in the backward with corrections (and the chunk kernels'), a
+u, w or key may be factored, c.scaled_keys.Scaled (a vector several slots share times a scalar per token: its gradient a
 ScaledGrad); queries [(q, before_update)]. adjoint_checkpoints runs the
 forward token by token, keeping the state before every `chunk` tokens (the checkpoints; None: about √T,
 see c.grad_calls.default_segment); adjoint_recurrent
@@ -57,9 +57,9 @@ class Structure:
     # per readout: the constant factor of its query, by which the backward multiplies its upstream gradient (c.grad
     # passes `dk^(−1/2)` of `dk^(−1/2)·q` with q as the query array); () for none
     read_scales: tuple[float, ...] = ()
-    # the key-side slots factored (c.scaled_keys; the backward with corrections only): per slot (u_0, w_0, …,
-    # κ_0, …), the slot whose array holds its vector, and whether it is that vector times a scalar per token (the
-    # scalars' arrays follow the queries, in the slots' order); () for none factored
+    # the key-side slots factored (c.scaled_keys; the backward with corrections, the chunk kernels): per slot
+    # (u_0, w_0, …, κ_0, …), the slot whose array holds its vector, and whether it is that vector times a scalar
+    # per token (the scalars' arrays follow the queries, in the slots' order); () for none factored
     sources: tuple[int, ...] = ()
     scaled: tuple[bool, ...] = ()
 

@@ -142,11 +142,11 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
             s0, log_decay, writes, queries, checkpoints, chunk, grad_readouts, grad_final, value_log_decay,
             value_corrections, corrections), factors)
     return unscaled_grads(grad_elementwise.elementwise_recurrent(s0, log_decay, writes, queries, checkpoints, chunk,
-                                                               grad_readouts, grad_final), factors)
+                                                                 grad_readouts, grad_final), factors)
 
 
 def unscaled_grads(grads: ScanGrads, factors: tuple[float, ...]) -> ScanGrads:
-    """The gradients of a backward that ran on the queries times their factors (_scaled), with the queries'
+    """The gradients of a backward that ran on the queries times their factors (scaled_queries), with the queries'
     gradients taken to the queries as given (times the factor again)."""
     if all(f == 1.0 for f in factors):
         return grads

@@ -1,4 +1,4 @@
-"""Key-side vectors taken factored by the recurrent backward on C (compiler.key_factors; c.grad emits them).
+"""Key-side vectors taken factored by the backward on C (compiler.key_factors; c.grad and c.grad_chunk emit them).
 
 In the generated module a factored slot — a correction's u or w, a write's key — is `scaled(base, scale)`: the
 vector shared by the slots that use it [B, T, H, K] (the same array object for each of them) times a scalar per
@@ -6,8 +6,9 @@ token [B, T, H, 1] (None: 1). Its gradient in the scan's results is a ScaledGrad
 H, 1] (None without one), and `.base`, the shared vector's summed over all its slots — given with the first of
 them in the kernels' order (each correction's u, w, then each write's key), None with the others.
 
-The stored backward's kernel (c.grad_kernels) takes them so; for any other kernel, and for every forward,
-expand() gives each slot its own array and fold() takes their gradients back to this form.
+The recurrent backward with corrections (c.grad_kernels' stored one) and the chunk kernels (c.grad_chunk_kernels)
+take them so; for any other kernel, and for every forward, expand() gives each slot its own array and fold()
+takes their gradients back to this form.
 """
 from __future__ import annotations
 
