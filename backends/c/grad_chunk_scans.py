@@ -51,10 +51,10 @@ def chunk_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), val
     results. Resets (log-decays of −∞) run raised, as the NumPy parallel and chunkwise backward run them
     (linrec.numpy.scan.raise_to_reset)."""
     log_decay, value_log_decay = raise_to_reset(log_decay), raise_to_reset(value_log_decay)
-    # (the recurrent backward's C forward for the state's structure — the chunk kernels' own, grad_chunk_kernels'
-    # chunk_checkpoints, for a state they take as it is; a query's constant factor applied to its readouts; no
-    # kernel for a state that stays its initial state: its checkpoints every `chunk` tokens are the states before
-    # each chunk, and a frame's are theirs, mapped)
+    # (the recurrent backward's C forward for the state's structure, c.grad_scans' — for a state the chunk kernels
+    # take as it is the same kernel as grad_chunk_kernels.chunk_checkpoints, its readouts times their queries'
+    # constant factors; no kernel for a state that stays its initial state: its checkpoints every `chunk` tokens
+    # are the states before each chunk, and a frame's are theirs, mapped)
     return grad_scans.adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections, value_log_decay,
                                           value_corrections)
 

@@ -38,6 +38,7 @@ def key_slots(corrections, writes) -> list:
 
 
 def any_scaled(corrections, writes) -> bool:
+    """Whether any key-side slot is factored."""
     return any(isinstance(x, Scaled) for x in key_slots(corrections, writes))
 
 
