@@ -208,7 +208,7 @@ def render(s: Structure) -> str:
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),
         read_scales=", ".join(map(repr, s.factors)),
-        n_inputs=len(s.widths), **factoring(s))
+        n_inputs=len(s.widths), **factoring(s), **write_groups(s))
 
 
 def factoring(s: Structure) -> dict:
@@ -217,6 +217,27 @@ def factoring(s: Structure) -> dict:
     scale_of = [sum(s.scaled[:i]) if sc else -1 for i, sc in enumerate(s.scaled)]
     return dict(factored=bool(s.sources), n_scales=sum(s.scaled), sources=", ".join(map(str, s.sources)),
                 scale_of=", ".join(map(str, scale_of)))
+
+
+def write_groups(s: Structure) -> dict:
+    """The template's variables of the groups of written slots (c_grad.c.j2, the backward with corrections): the
+    corrections' u_r and the writes' κ_j that share a vector — factored slots of one SOURCE; unfactored, each slot
+    alone — are one group, whose vector the update and the adjoint take once (NGROUP; per key-side slot u_0,
+    w_0, …, κ_0, … its GROUP_OF, −1 for a w_r; per group its first slot, GROUP_SLOT; per slot the group whose
+    vector is its array, GROUP_OF_ARRAY, −1 for none)."""
+    nkey = 2 * s.corrections + s.writes
+    sources = s.sources or tuple(range(nkey))
+    written = [2 * r for r in range(s.corrections)] + [2 * s.corrections + j for j in range(s.writes)]
+    group_of, group_slot, by_source = [-1] * nkey, [], {}
+    for i in written:
+        if sources[i] not in by_source:
+            by_source[sources[i]] = len(group_slot)
+            group_slot.append(i)
+        group_of[i] = by_source[sources[i]]
+    group_of_array = [by_source.get(a, -1) for a in range(nkey)]
+    text = lambda values, empty: ", ".join(map(str, values)) or empty  # noqa: E731
+    return dict(n_groups=len(group_slot), group_of=text(group_of, "-1"), group_slot=text(group_slot, "0"),
+                group_of_array=text(group_of_array, "-1"))
 
 
 def cdef(s: Structure) -> str:
