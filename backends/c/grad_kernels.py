@@ -208,19 +208,20 @@ def render(s: Structure) -> str:
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),
         read_scales=", ".join(map(repr, s.factors)),
-        n_inputs=len(s.widths), **factoring(s), **write_groups(s))
+        n_inputs=len(s.widths), **factoring(s))
 
 
 def factoring(s: Structure) -> dict:
-    """The templates' variables of the factored key-side slots (c_grad.c.j2, c_grad_chunk.c.j2): FACTORED,
-    NSCALE, and per slot its SOURCE and SCALE_OF (the index of its scalar's array among the scalars', −1: none)."""
+    """The templates' variables of the factored key-side slots (c_key_slots.h.j2, in c_grad.c.j2 and
+    c_grad_chunk.c.j2): FACTORED, NSCALE, and per slot its SOURCE and SCALE_OF (the index of its scalar's array
+    among the scalars', −1: none); and the groups of the written slots (write_groups)."""
     scale_of = [sum(s.scaled[:i]) if sc else -1 for i, sc in enumerate(s.scaled)]
     return dict(factored=bool(s.sources), n_scales=sum(s.scaled), sources=", ".join(map(str, s.sources)),
-                scale_of=", ".join(map(str, scale_of)))
+                scale_of=", ".join(map(str, scale_of)), **write_groups(s))
 
 
 def write_groups(s: Structure) -> dict:
-    """The template's variables of the groups of written slots (c_grad.c.j2, the backward with corrections): the
+    """The templates' variables of the groups of written slots (the backward kernels' key-side arrays): the
     corrections' u_r and the writes' κ_j that share a vector — factored slots of one SOURCE; unfactored, each slot
     alone — are one group, whose vector the update and the adjoint take once (NGROUP; per key-side slot u_0,
     w_0, …, κ_0, … its GROUP_OF, −1 for a w_r; per group its first slot, GROUP_SLOT; per slot the group whose
