@@ -377,11 +377,14 @@ def _check_finite(rec, inputs, params, state0, outputs, final, grads) -> None:
 def all_finite(value) -> bool:
     """Whether every element of the array is finite: its sum, where that is finite (one pass, no array of
     flags: a sum with a NaN or an infinity in it is not finite), else element by element (finite values can
-    sum to an overflow)."""
+    sum to an overflow). A contiguous array is summed by einsum, in one pass of registers: np.sum's pairwise
+    sum took about four times as long (an [1, 4096, 8, 64] float32 gradient: 0.38 against 0.10 ms), and a
+    backward checks each of its gradients."""
     value = np.asarray(value)
     if value.dtype.kind not in "fc":  # (integers and booleans: always)
         return True
     with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(np.sum(value)):
+        total = np.einsum("i->", value.reshape(-1)) if value.flags.c_contiguous else np.sum(value)
+        if np.isfinite(total):
             return True
     return bool(np.isfinite(value).all())
