@@ -1,7 +1,7 @@
 """The key-side vectors of an update factored into per-token scalars times the vectors they share
 (compiler.key_factors), as the C backward takes them (linrec.c.scaled_keys): the recurrent one with corrections
-(lr_key_row and lr_put_factored in templates/c_grad.c.j2) and the chunkwise and parallel ones
-(c_grad_chunk.c.j2). What the factoring finds in the expressions, and the C backward in every form on programs
+(templates/c_grad.c.j2: the written slots by the vectors they share, lr_put_keys) and the chunkwise and parallel
+ones (c_grad_chunk.c.j2, the same groups). What the factoring finds in the expressions, and the C backward in every form on programs
 whose slots share vectors in every way the kernels distinguish — a scaled owner, an unscaled owner, a write's
 key as the only slot of its vector, two corrections on two vectors, a constant scalar, a scalar of zero, a
 scaled key without corrections — against the NumPy recurrent backward at 1e-9 in float64 and 5e-4 in float32
