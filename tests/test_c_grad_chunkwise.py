@@ -116,6 +116,27 @@ def test_other_structures(name):
             assert worst_error(got.grads, want.grads) <= 1e-9, (form, chunk)
 
 
+UNREAD = """recurrence unread(dk = 5, dv = 7)
+input q[dk], k[dk], v[dv], g <= 0
+state S[dk, dv], U[dk, dv]
+S = exp(g)·S + k⊗v
+U = U + q⊗v
+output o = q·U
+"""
+
+
+def test_a_state_no_readout_reads():
+    """S is read by no readout and has no corrections: its kernel has no query-side array (NQ = 0), and its
+    gradients come from the final state's alone (the state's terms of the query-side arrays are none)."""
+    rec = linrec.compile(UNREAD, "unread.lin")
+    x, up, s0, gT = _call(rec, 2, 45, 3, seed=11)
+    want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS)
+    assert np.abs(want.grads["k"]).max() > 0.1 and np.abs(want.grads["g"]).max() > 0.1  # (S's, from ∂S_T)
+    for chunk in (None, 7):
+        for form, got in _both_forms(rec, x, up, s0, gT, chunk).items():
+            assert worst_error(got.grads, want.grads) <= 1e-9, (form, chunk)
+
+
 def test_threads_give_the_same_bits(recs, monkeypatch):
     """(batch row, head) pairs fewer than the threads and more: the same gradients, bit for bit, as on one
     thread (the kernels' small-work rule, which would run these tiny calls on one thread, is lifted)."""
