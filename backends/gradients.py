@@ -122,7 +122,9 @@ def saved_forward(rec, inputs: dict, *, form: str, backend: str, initial_state: 
     module = gradient_module(rec, form, backend)
     if not isinstance(getattr(module, "fused_forward", None), grad_forward.FusedForward):
         return None
-    checked, shape = arrays.check_inputs(rec.program, arrays.by_name(inputs, "inputs"))
+    # (the values' declared ranges: the fused kernel checks them as it reads, and names the input where one lies
+    # outside; below its MIN_WORK it does not run, and they are checked here)
+    checked, shape = arrays.check_inputs(rec.program, arrays.by_name(inputs, "inputs"), ranges=False)
     initial_state = at_true_scale(rec, initial_state)
     sizes, used = rec.bind(module, shape, params, initial_state, dims)
     state0 = arrays.check_initial_state(rec.program, initial_state, shape, sizes)
@@ -131,6 +133,8 @@ def saved_forward(rec, inputs: dict, *, form: str, backend: str, initial_state: 
     # exactly those of the backward that will take it; no upstream gradient is read before that)
     with grad_forward.capturing() as kept, np.errstate(all="ignore"):
         module.backward(checked, used, state0, sizes, {}, {}, (), chunk_size=chunk)
+    if kept.result is None:
+        arrays.check_ranges(rec.program, checked)
     return kept.result
 
 
@@ -145,7 +149,9 @@ def vjp(rec, inputs: dict, grad_outputs: dict | None, *, form: str, backend: str
     chunk = arrays.check_chunk_size(chunk_size)
     module = gradient_module(rec, form, backend)
     program = rec.program
-    checked, shape = arrays.check_inputs(program, arrays.by_name(inputs, "inputs"))
+    # (the values' declared ranges: saved_forward checked them on these very arguments, so a training step's
+    # backward does not pass over every input again — 0.3 ms of GLA's 7.5 ms backward at d = 64, T = 4096)
+    checked, shape = arrays.check_inputs(program, arrays.by_name(inputs, "inputs"), ranges=saved is None)
     initial_state = at_true_scale(rec, initial_state)
     sizes, used = rec.bind(module, shape, params, initial_state, dims)
     state0 = arrays.check_initial_state(program, initial_state, shape, sizes)

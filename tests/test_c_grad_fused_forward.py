@@ -157,3 +157,30 @@ def test_the_emitted_module_runs_on_its_own(recs, form):
     want = rec.vjp(x, up, initial_state=s0, grad_final_state=gT, dims=DIMS, backend="c", form=form)
     assert worst_error(grads, want.grads) <= 1e-10
     assert worst_error(outputs, want.outputs) <= 1e-10 and worst_error(final, want.final_state) <= 1e-10
+
+
+def test_a_kept_forward_gives_the_backward_without_its_own(recs, monkeypatch):
+    """gradients.vjp(saved=…): the backward from the forward kept by saved_forward (linrec.torch's training
+    step) equals the whole vjp bit for bit; an input outside its declared range (GLA's g ≤ 0) is refused by
+    saved_forward — the check the backward then skips on the same arguments — naming the input: by the fused
+    kernel as it reads, and below MIN_WORK (no forward kept) by the scan over the inputs."""
+    rec = recs["gla"]
+    x, _, s0, _ = _call(rec, 1, 6, 2, seed=8)
+    x["g"][0, 4, 1, 2] = 0.25
+    small = dict(form="recurrent", backend="c", initial_state=s0, params=None, dims=DIMS, chunk_size=None)
+    with pytest.raises(linrec.RuntimeInputError, match="input 'g' must lie in .* found 0.25 at index \\[0, 4, 1, 2\\]"):
+        gradients.saved_forward(rec, x, **small)
+    x["g"][0, 4, 1, 2] = -0.25
+    assert gradients.saved_forward(rec, x, **small) is None  # (below MIN_WORK)
+    monkeypatch.setattr(grad_forward, "MIN_WORK", 0)
+    x, up, s0, gT = _call(rec, 2, 13, 3, seed=7)
+    how = dict(form="recurrent", backend="c", initial_state=s0, params=None, dims=DIMS, chunk_size=4)
+    saved = gradients.saved_forward(rec, x, **how)
+    assert saved is not None
+    kept = gradients.vjp(rec, x, up, grad_final_state=gT, missing="error", saved=saved, **how)
+    whole = gradients.vjp(rec, x, up, grad_final_state=gT, missing="error", **how)
+    for what in ("grads", "outputs", "final_state"):
+        assert worst_error(getattr(kept, what), getattr(whole, what)) == 0, what
+    x["g"][1, 5, 2, 3] = 0.5
+    with pytest.raises(linrec.RuntimeInputError, match="input 'g' must lie in .* found 0.5 at index \\[1, 5, 2, 3\\]"):
+        gradients.saved_forward(rec, x, **how)
