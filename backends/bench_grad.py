@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from . import api, bench, form_choice, gradients, registry
+from . import api, bench, form_choice, gradient_choice, gradients, registry
 from .compiler.adjoint import GRADIENT_FORMS
 from .dim_option import dims_with_overrides
 from .dsl.errors import LinrecError
@@ -85,11 +85,12 @@ def _median_ms(times: list[float]) -> float:
 
 def auto_forms(rec, backend: str, dims: dict[str, int], tokens: int) -> tuple[str | None, str | None]:
     """What form="auto" runs on this backend at this size: the forward (Recurrence.choose_form) and the backward
-    (gradients.auto_gradient_form, linrec.torch's choice; None: the backend builds no backward of it). The
+    (gradient_choice.auto_gradient_form, linrec.torch's choice; None: the backend builds no backward of it). The
     forward is None where the backend builds no form of the program (form_choice.why_nothing_to_choose)."""
     forward = None if form_choice.why_nothing_to_choose(rec, backend) else \
         rec.choose_form(backend, tokens, heads=bench.HEADS, batch=bench.BATCH, dims=dims, dtype=np.float32)[0]
-    return forward, gradients.auto_gradient_form(rec, backend, dims, tokens)
+    return forward, gradient_choice.auto_gradient_form(rec, backend, dims, tokens, heads=bench.HEADS,
+                                                       batch=bench.BATCH, dtype=np.float32)
 
 
 def _with(forms: list[str], form: str | None) -> list[str]:

@@ -51,46 +51,10 @@ def derived_forms(rec) -> list[str]:
     return [f for f in GRADIENT_FORMS if any(gradient_refusal(rec, f, b) is None for b in registry.BACKENDS)]
 
 
-# form="auto"'s backward (linrec.torch's, and `linrec bench --grad --form auto`'s), here, free of torch: at small
+# form="auto"'s backward (linrec.torch's, and `linrec bench --grad --form auto`'s), free of torch: at small
 # dk the recurrent backward is the fastest NumPy one (docs/torch.md, "Gradients"); a program without it, the
 # chunkwise one (its memory: a chunk's scores, not the parallel one's T × T), else the parallel one
-AUTO_ORDER = ("recurrent", "chunkwise", "parallel")
-# form="auto" on C: the chunkwise backward first from a state of this many values (dk·dv) over this many tokens,
-# for an update whose decays are scalars or diagonals and whose features need no running scale. Measured, the
-# fastest `vjp` at B = 1, H = 8, dk = dv = 128, T = 4096, against the recurrent one (docs/benchmarks.md, "The
-# backward against the forward"): GLA 1.41×, gated DeltaNet 1.25×, Mamba-2 1.56× on an AMD Zen 4 and 1.00,
-# 1.24, 1.82× on an Intel Xeon, chunkwise at T = 16384 too; on the Zen 4 also RetNet 2.09×, comba 1.26×, gdn2,
-# gated Oja and the Linear Transformer 1.15×, DeltaNet 1.10×, the preconditioned DeltaNet 1.03×. Not so
-# Mamba-1's decay per element (the chunkwise backward 8× slower) nor Performer's stabilized features (0.95×).
-# At dk = dv = 64 the order changes with the CPU: the recurrent one stays first.
-CHUNKWISE_STATE = 128 * 128
-CHUNKWISE_TOKENS = 1024
-
-
-def chunkwise_first(rec, backend: str, dims: dict[str, int] | None, tokens: int | None) -> bool:
-    """Whether form="auto" tries the chunkwise backward on the backend before the others, for a call of these
-    sizes (None: not known yet)."""
-    if backend != "c" or dims is None or tokens is None or tokens < CHUNKWISE_TOKENS:
-        return False
-    largest = max((int(np.prod([dims[d] for d in s.shape])) for s in rec.program.states), default=0)
-    return (largest >= CHUNKWISE_STATE and not any(t.elementwise for t in rec.decomposition.transitions)
-            and not stabilized_states(rec.compiled))  # (exponential features at a running scale: no faster)
-
-
-def leads_with_chunkwise(rec, backend: str, dims: dict[str, int] | None = None, tokens: int | None = None) -> bool:
-    """form="auto" runs the chunkwise backward first on this backend at these sizes: chunkwise_first says so
-    and the backend builds it."""
-    return chunkwise_first(rec, backend, dims, tokens) and gradient_refusal(rec, "chunkwise", backend) is None
-
-
-def auto_gradient_form(rec, backend: str, dims: dict[str, int] | None = None, tokens: int | None = None) -> str | None:
-    """The gradient form form="auto" runs on this backend for a call of these sizes: the chunkwise one where
-    chunkwise_first says so, else the first of AUTO_ORDER the backend builds; None when it builds none of them
-    (linrec.torch then falls back to NumPy: torch.backward.gradient_plan, which makes the same choice on the
-    backend, then tries NumPy form by form)."""
-    if leads_with_chunkwise(rec, backend, dims, tokens):
-        return "chunkwise"
-    return next((f for f in AUTO_ORDER if gradient_refusal(rec, f, backend) is None), None)
+AUTO_ORDER = ("recurrent", "chunkwise", "parallel")  # (on C from 1024 tokens on, measured: gradient_choice)
 
 
 def gradient_module(rec, form: str, backend: str):

@@ -200,40 +200,76 @@ def test_auto_backward_of_a_program_without_a_recurrent_form(name, dims, gradien
     assert np.abs(q.grad.numpy() - ref.grads["q"]).max() <= EXACT * max(1, np.abs(ref.grads["q"]).max())
 
 
-def test_auto_backward_is_chunkwise_on_c_for_large_states_over_long_sequences(monkeypatch):
-    """form="auto"'s backward: the recurrent one, but on C the chunkwise one first for a state of 128 × 128 or
-    more over 1024 tokens or more (the fastest `vjp` measured there, gradients.CHUNKWISE_STATE); never the
-    chunkwise one on NumPy ahead of the recurrent one on C. The sizes' rule only, no kernel is built."""
+def _measured(monkeypatch, costs: dict) -> list:
+    """gradient_choice.backward_costs fixed to `costs` (ms per form); a list that gets the heads of each call."""
+    from linrec import gradient_choice
+    asked = []
+    monkeypatch.setattr(gradient_choice, "backward_costs",
+                        lambda rec, backend, heads, batch, dims, dtype: asked.append(heads) or costs)
+    return asked
+
+
+def test_auto_backward_on_c_is_the_one_measured_faster(monkeypatch):
+    """form="auto"'s backward on C from 1024 tokens on: the faster of the recurrent and the chunkwise one as
+    measured (gradient_choice.backward_costs, fixed here: no kernel is built); shorter calls, the NumPy backend,
+    calls whose heads are not known yet and a backend without one of the two run the recurrent one unmeasured;
+    a form asked for by name runs as asked."""
     from linrec.torch import backward
     gla, big = linrec.load("examples/gla.lin"), {"dk": 128, "dv": 128}
-    assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("chunkwise", "c")
-    assert backward.gradient_plan(gla, "auto", "c", {"dk": 64, "dv": 64}, 4096) == ("recurrent", "c")
-    assert backward.gradient_plan(gla, "auto", "c", big, 1000) == ("recurrent", "c")
-    assert backward.gradient_plan(gla, "auto", "numpy", big, 4096) == ("recurrent", "numpy")
-    assert backward.gradient_plan(gla, "chunkwise", "c", {"dk": 8, "dv": 8}, 16) == ("chunkwise", "c")  # (asked)
-    for slower in ("mamba1", "performer"):  # (a decay per element; features at a running scale)
-        rec = linrec.load(f"examples/{slower}.lin")
-        assert backward.gradient_plan(rec, "auto", "c", {d.name: 128 for d in rec.program.dims}, 4096)[0] == "recurrent"
+    for costs in ({"recurrent": 2.0, "chunkwise": 1.0}, {"recurrent": 1.0, "chunkwise": 2.0}):
+        asked = _measured(monkeypatch, costs)
+        assert backward.gradient_plan(gla, "auto", "c", big, 4096, 8) == (min(costs, key=costs.get), "c")
+        assert asked == [8]
+    asked = _measured(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
+    assert backward.gradient_plan(gla, "auto", "c", big, 1000, 8) == ("recurrent", "c")
+    assert backward.gradient_plan(gla, "auto", "numpy", big, 4096, 8) == ("recurrent", "numpy")
+    assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("recurrent", "c")  # (heads not known)
+    assert backward.gradient_plan(gla, "recurrent", "c", big, 4096, 8) == ("recurrent", "c")  # (asked)
+    assert backward.gradient_plan(gla, "chunkwise", "c", {"dk": 8, "dv": 8}, 16) == ("chunkwise", "c")
+    assert asked == []
     refused = lambda rec, form, where: None if (form, where) != ("chunkwise", "c") else "not on C"  # noqa: E731
     from linrec import gradients
     monkeypatch.setattr(backward, "gradient_refusal", refused)
-    monkeypatch.setattr(gradients, "gradient_refusal", refused)  # (leads_with_chunkwise asks it too)
-    assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("recurrent", "c")
+    monkeypatch.setattr(gradients, "gradient_refusal", refused)  # (measured_form asks it too)
+    assert backward.gradient_plan(gla, "auto", "c", big, 4096, 8) == ("recurrent", "c")
+    assert asked == []
+
+
+def test_the_backward_measurement_times_both_forms_once_per_shape(monkeypatch):
+    """gradient_choice.backward_costs, for real on small sizes (the calibration's tokens lowered): both forms'
+    vjp timed, the measurement kept for the process (a second ask runs nothing), and the faster one chosen; a
+    program with a param without a default is not measured (the calibration has no values for it)."""
+    from linrec import gradient_choice
+    monkeypatch.setattr(gradient_choice, "CALIBRATION_TOKENS", 64)
+    monkeypatch.setattr(gradient_choice, "_costs", {})
+    gla, dims = linrec.load("examples/gla.lin"), {"dk": 4, "dv": 4}
+    forms = []
+    vjp = gla.vjp
+    monkeypatch.setattr(gla, "vjp", lambda *args, **kw: forms.append(kw["form"]) or vjp(*args, **kw))
+    costs = gradient_choice.backward_costs(gla, "c", 2, 1, dims, np.float64)
+    assert sorted(costs) == ["chunkwise", "recurrent"] and all(ms > 0 for ms in costs.values())
+    assert forms == ["recurrent"] * 4 + ["chunkwise"] * 4  # (a call that builds the kernels, three timed)
+    assert gradient_choice.measured_form(gla, "c", dims, 64, 2, 1, np.float64) == min(costs, key=costs.get)
+    assert gradient_choice.backward_costs(gla, "c", 2, 1, dims, np.float64) is costs and len(forms) == 8
+    needs = linrec.compile("recurrence p(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\nparam w[dk]\n"
+                           "state S[dk, dv]\nS = S + (w*k)⊗v\noutput o = q·S\n", "p.lin")
+    assert gradient_choice.backward_costs(needs, "c", 2, 1, dims, np.float64) is None
+    assert gradient_choice.auto_gradient_form(needs, "c", dims, 64, 2, 1, np.float64) == "recurrent"
 
 
 def test_a_reset_in_the_chunkwise_backward_auto_picks(monkeypatch):
-    """form="auto" picks the chunkwise backward on C for large states over long sequences; a reset (a log-decay
-    of −∞, as at the boundary of packed documents) it once refused, so the training step failed with "use
+    """form="auto" picks the chunkwise backward on C where it is measured faster; a reset (a log-decay of −∞, as
+    at the boundary of packed documents) it once refused, so the training step failed with "use
     form='recurrent'", which the caller never chose. It takes resets now, auto's choice and a form asked for by
-    name alike: the recurrent backward's gradients. (The size rule lowered here so that the kernels are the
-    small ones of the other tests.)"""
-    from linrec import gradients
-    monkeypatch.setattr(gradients, "CHUNKWISE_STATE", 16)
-    monkeypatch.setattr(gradients, "CHUNKWISE_TOKENS", 8)
+    name alike: the recurrent backward's gradients. (The calibration's tokens lowered and its measurement fixed
+    here, so that the kernels are the small ones of the other tests.)"""
+    from linrec import gradient_choice
+    monkeypatch.setattr(gradient_choice, "CALIBRATION_TOKENS", 8)
+    _measured(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
     gla, dims = linrec.load("examples/gla.lin"), {"dk": 4, "dv": 4}
     x = gla.random_inputs(1, 24, 2, dims=dims, seed=1)
     x["g"][:, 10] = -np.inf
-    assert gradients.auto_gradient_form(gla, "c", dims, 24) == "chunkwise"
+    assert gradient_choice.auto_gradient_form(gla, "c", dims, 24, 2) == "chunkwise"
     ref = gla.vjp(x, {"o": np.ones((1, 24, 2, 4))}, form="recurrent", backend="c", dims=dims)
     for form in ("auto", "chunkwise", "parallel"):
         tensors = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
@@ -350,12 +386,13 @@ def test_packed_sequences_compile_whole_with_offsets_of_any_kind():
 
 
 def test_auto_picks_the_backward_by_each_packed_sequences_length(monkeypatch):
-    """form="auto" takes the chunkwise backward on C for long sequences only: with cu_seqlens, by the longest
-    sequence, not by the packed row's length (found by probing: many short sequences took it). The size rule
-    lowered as in test_a_reset_in_the_chunkwise_backward_auto_picks."""
-    from linrec import gradients
-    monkeypatch.setattr(gradients, "CHUNKWISE_STATE", 16)
-    monkeypatch.setattr(gradients, "CHUNKWISE_TOKENS", 8)
+    """form="auto" measures, and takes the chunkwise backward on C where it is faster, for long sequences only:
+    with cu_seqlens, by the longest sequence, not by the packed row's length (found by probing: many short
+    sequences took it). The calibration's tokens lowered and its measurement fixed as in
+    test_a_reset_in_the_chunkwise_backward_auto_picks."""
+    from linrec import gradient_choice, gradients
+    monkeypatch.setattr(gradient_choice, "CALIBRATION_TOKENS", 8)
+    _measured(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
     ran = []
     vjp = gradients.vjp
     monkeypatch.setattr(gradients, "vjp", lambda *args, **kw: ran.append(kw["form"]) or vjp(*args, **kw))
@@ -394,6 +431,7 @@ def test_a_training_step_runs_the_forward_once(monkeypatch, name, form, kept):
     rec = linrec.load(f"examples/{name}.lin")
     dims = {d.name: 32 for d in rec.program.dims if d.name in ("dk", "dv", "dh", "d")}
     x = rec.random_inputs(1, 2048, 2, dims=dims, seed=0)  # (B·T·H·K·V past c.grad_forward.MIN_WORK)
+    _measured(monkeypatch, {"recurrent": 1.0, "chunkwise": 2.0})  # (auto's measurement: its runs would count)
     ran = _calls_of_the_kernel_that_keeps_states(monkeypatch)
     layer_inputs = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
     first = rec.program.outputs[0].name
@@ -423,7 +461,7 @@ def test_a_training_step_runs_the_forward_once(monkeypatch, name, form, kept):
             o = (out if isinstance(out, torch.Tensor) else out[first]).numpy()
             w = np.linspace(-1, 1, o.shape[-1])
             upstream = {first: 2 * o * w * w}
-        want = rec.vjp(x, upstream, form=lt.backward.gradient_plan(rec, form, "c", dims, 2048)[0], backend="c",
+        want = rec.vjp(x, upstream, form=lt.backward.gradient_plan(rec, form, "c", dims, 2048, 2)[0], backend="c",
                        dims=dims)
         for k in grads:
             assert np.max(np.abs(grads[k].numpy() - want.grads[k])) <= EXACT * np.max(np.abs(want.grads[k])), k

@@ -13,10 +13,10 @@ input, state and param, in the same order: an empty tensor where the forward's a
 formula turns it back into None; cu_seqlens, integer offsets, has none).
 
 Which backward runs: the gradient form of the forward's form where one is derived, else the recurrent one,
-on the forward's backend when it builds that gradient, else on NumPy. form="auto": the recurrent one (the
-fastest NumPy backward at small models' sizes) — except on C for a state of 128 × 128 values or more over
-1024 tokens or more, where the chunkwise backward comes first (chunkwise_first) — and for a program without
-one (Linformer, Reformer: no recurrent form) the chunkwise one, else the parallel one. The gradients of every
+on the forward's backend when it builds that gradient, else on NumPy. form="auto": on C for 1024 tokens or more,
+the faster of the recurrent and the chunkwise backward as measured once per process on the call's heads, sizes
+and dtype (gradient_choice); else the recurrent one (the fastest NumPy backward at small models' sizes), and
+for a program without one (Linformer, Reformer: no recurrent form) the chunkwise one, else the parallel one. The gradients of every
 form agree to 1e-9 (docs/gradients.md), so the choice is one of speed only. The decode step (form="step") is
 the recurrent form over its one token; for a program that reads the sequence, over the KV cache and the token
 with a gradient on the last position only.
@@ -32,26 +32,28 @@ from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError
 from .. import gradients, packed_vjp
 from ..c import grad_forward
-from ..gradients import AUTO_ORDER, gradient_refusal, leads_with_chunkwise
+from ..gradient_choice import measured_form
+from ..gradients import AUTO_ORDER, gradient_refusal
 from .convert import to_array, to_tensor
 
 STEP = "step"  # the forward op's `form` for the decode step (op.STEP)
 
 
 def gradient_plan(rec: Recurrence, form: str, backend: str, dims: dict[str, int] | None = None,
-                  tokens: int | None = None) -> tuple[str, str]:
+                  tokens: int | None = None, heads: int | None = None, batch: int = 1,
+                  dtype=np.float32) -> tuple[str, str]:
     """(gradient form, backend) of the backward of a forward call with this form and backend (and, for
-    form="auto", these sizes): each form in turn, on the backend, else on NumPy — form="auto"'s chunkwise
-    one first where chunkwise_first says so, on the backend only (on NumPy it would be slower than the
-    recurrent one on C)."""
+    form="auto", these sizes and dtype): each form in turn, on the backend, else on NumPy — form="auto"'s
+    measured faster one first where gradient_choice.measured_form gives one (on the backend only)."""
     if form == STEP:
         forms = ("recurrent",)
     elif form in FORMS:
         forms = (form, "recurrent")
     else:
         forms = AUTO_ORDER
-        if leads_with_chunkwise(rec, backend, dims, tokens):
-            return "chunkwise", backend
+        measured = measured_form(rec, backend, dims, tokens, heads, batch, dtype)
+        if measured is not None:
+            return measured, backend
     reasons = {}  # reason → the gradient forms refused for it (one reason often refuses them all)
     for gradient_form in dict.fromkeys(forms):
         for where in dict.fromkeys((backend, "numpy")):
@@ -107,10 +109,12 @@ def kernel(rec: Recurrence):
         upstream = {o.name: to_array(g) for o, g in zip(program.outputs, grad_outputs) if g is not None}
         upstream_final = {s.name: to_array(g) for s, g in zip(program.states, grad_final) if g is not None}
         dims = {d.name: int(n) for d, n in zip(program.dims, sizes)}
-        tokens = next(iter(arrays.values())).shape[1]
+        first = next(iter(arrays.values()))
+        tokens = first.shape[1]
         # (form="auto" picks by the length of the sequences the backward runs: with cu_seqlens, each apart)
         longest = tokens if cu_seqlens is None else int(np.diff(to_array(cu_seqlens)).max(initial=0))
-        gradient_form, where = gradient_plan(rec, form, backend, dims, longest)
+        gradient_form, where = gradient_plan(rec, form, backend, dims, longest, first.shape[2], first.shape[0],
+                                             first.dtype)
         if form == STEP and reads_the_sequence(rec):
             # the KV cache and the new token as one sequence: only its last position's outputs were returned
             upstream = {name: _at_last(g, tokens) for name, g in upstream.items()}

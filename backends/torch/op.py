@@ -202,7 +202,7 @@ def _kept_forward(rec: Recurrence, inputs: dict, states: dict, params: dict, dim
     ran = form if form != "auto" else rec.choose_form(backend, tokens, heads, batch, dims, first.dtype)[0]
     if not _may_keep(form, backend) or ran != "recurrent":
         return None
-    gradient_form, where = backward.gradient_plan(rec, form, backend, dims, tokens)
+    gradient_form, where = backward.gradient_plan(rec, form, backend, dims, tokens, heads, batch, first.dtype)
     if where != backend:
         return None
     return gradients.saved_forward(rec, inputs, form=gradient_form, backend=where, initial_state=states or None,
