@@ -63,8 +63,8 @@ def backward_costs(rec, backend: str, heads: int, batch: int, dims: dict[str, in
     MEASURED form on CALIBRATION_TOKENS tokens of these heads, sizes and dtype and at most 2 batch rows, the
     best of three timed calls after one that builds the kernels; measured once per process. None where the
     program cannot be run on its own defaults (a param without one: the caller's values are not the
-    calibration's to guess)."""
-    rows = min(batch, 2)  # (B·H pairs share the threads: two rows are as many as two cores need)
+    calibration's to guess) or that does not fit in memory at 1024 tokens."""
+    rows = min(batch, 2)  # (what is compared is the cost per row and head; more rows, more memory and time)
     key = (rec.compiled.source, backend, heads, rows, tuple(sorted(dims.items())), np.dtype(dtype).str)
     if key not in _costs:
         _costs[key] = _measure(rec, backend, heads, rows, dims, dtype)
@@ -91,5 +91,5 @@ def _measure(rec, backend: str, heads: int, rows: int, dims: dict[str, int], dty
                 best = min(best, time.perf_counter() - start)
             costs[form] = best * 1e3
         return costs
-    except LinrecError:
+    except (LinrecError, MemoryError):  # (then the order of AUTO_ORDER decides, as for a shorter call)
         return None
