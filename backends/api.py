@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import (arrays, bf16_state, compiler, float_warnings, form_choice, gradients, packed_vjp, registry, serving,
-               slot_pool)
+from . import (arrays, bf16_state, compiler, float_warnings, form_choice, gradient_choice, gradients, packed_vjp,
+               registry, serving, slot_pool)
 from .c import build as c_build
 from .compiler import Compiled
 from .compiler import ir
@@ -319,13 +319,17 @@ class Recurrence:
         output [B, T, H, *] (`grad_outputs`, by output name) and optionally to the final states [B, H, *]
         (`grad_final_state`), the gradients of every input, param and initial state (`result.grads`, by name;
         per-head params [H, *], shared ones summed over heads). An output without a gradient is an error
-        unless missing="zero". `chunk_size`: tokens between the forward's checkpoints (default √T).
+        unless missing="zero". `form`: a gradient form, or "auto" — on C from 1024 tokens on, the faster of the
+        recurrent and the chunkwise backward as measured once per process (backends/gradient_choice.py), else
+        the recurrent one (without one, the chunkwise one, else the parallel one). `chunk_size`: tokens between the forward's checkpoints (default √T).
         `threads`: for the C backend, as in run(). `cu_seqlens`: packed variable-length sequences, as run()
         takes them — inputs, outputs and their gradients [1, T_total, H, *], initial and final states and their
         gradients [N, H, *] (backends/packed_vjp.py)."""
         arrays.require_dicts(grad_final_state=grad_final_state, initial_state=initial_state, params=params)
         offsets = serving.check_cu_seqlens(cu_seqlens)
         with c_build.threads(threads):
+            if form == "auto":
+                form = gradient_choice.form_for_call(self, inputs, backend, params, initial_state, dims, offsets)
             if offsets is not None:  # (a stabilized state with its log-scale: at its true scale, as unpacked)
                 initial_state = gradients.at_true_scale(self, initial_state)
                 return packed_vjp.vjp_packed(self, inputs, grad_outputs, offsets, form=form, backend=backend,

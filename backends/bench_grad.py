@@ -124,7 +124,7 @@ def size_rows(rec, dims: dict[str, int], tokens: int, forms: list[str], backends
     grad_o = upstream_gradients(rec, dims, tokens, np.float32)
     for b in backends:
         if with_auto and auto[b][1] is None:  # (at no size: what the backend builds is the program's structure)
-            skipped.append({"form": "auto", "backend": b, "T": None, "reason": _no_auto_backward(rec, b),
+            skipped.append({"form": "auto", "backend": b, "T": None, "reason": gradient_choice.no_auto_backward(rec, b),
                             "pass": "backward"})
         grad_forms, not_timed = grad_combos(rec, b, _with(forms, auto[b][1]), tokens, limits)
         skipped += [_at(s, where) for s in not_timed]
@@ -153,16 +153,6 @@ def _kept_ms(rec, x: dict, grad_o: dict, form: str, backend: str, repeats: int, 
                                            initial_state=None, params=None, dims=None, chunk_size=None,
                                            missing="error", saved=saved), repeats, budget_s)
     return _median_ms(times)
-
-
-def _no_auto_backward(rec, backend: str) -> str:
-    """Why form="auto" has no backward to run on this backend: the forms it tries, each with the backend's
-    reason (forms of the same reason together)."""
-    why: dict[str, list[str]] = {}
-    for form in gradients.AUTO_ORDER:
-        why.setdefault(gradients.gradient_refusal(rec, form, backend), []).append(form)
-    return f"the {backend} backend builds no backward form=\"auto\" runs: " + \
-        "; ".join(f"{', '.join(forms)}: {reason}" for reason, forms in why.items())
 
 
 def _at(skipped: dict, where: dict) -> dict:

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from . import gradients
+from . import arrays, gradients
 from .dsl.errors import LinrecError
 
 # from this many tokens (the longest sequence of the call) form="auto" on C measures, on this many tokens
@@ -43,6 +43,31 @@ def auto_gradient_form(rec, backend: str, dims: dict[str, int] | None = None, to
     if measured is not None:
         return measured
     return next((f for f in gradients.AUTO_ORDER if gradients.gradient_refusal(rec, f, backend) is None), None)
+
+
+def no_auto_backward(rec, backend: str) -> str:
+    """Why form="auto" has no backward to run on this backend: the forms it tries, each with the backend's
+    reason (forms of the same reason together)."""
+    why: dict[str, list[str]] = {}
+    for form in gradients.AUTO_ORDER:
+        why.setdefault(gradients.gradient_refusal(rec, form, backend), []).append(form)
+    return f"the {backend} backend builds no backward form=\"auto\" runs: " + \
+        "; ".join(f"{', '.join(forms)}: {reason}" for reason, forms in why.items())
+
+
+def form_for_call(rec, inputs: dict, backend: str, params: dict | None, initial_state: dict | None,
+                  dims: dict[str, int] | None, offsets: np.ndarray | None) -> str:
+    """Recurrence.vjp(form="auto")'s gradient form for these arguments: auto_gradient_form at their sizes (with
+    packed sequences, cu_seqlens' offsets, the longest one's tokens). The inputs' names and shapes are checked
+    as vjp checks them; a backend that builds none of AUTO_ORDER is an error that gives each form's reason."""
+    _, shape = arrays.check_inputs(rec.program, arrays.by_name(inputs, "inputs"), ranges=False)
+    sizes = arrays.resolve_dims(rec.program, shape, dict(params or {}), initial_state, dims)
+    tokens = shape.tokens if offsets is None else int(np.diff(offsets).max(initial=0))
+    form = auto_gradient_form(rec, backend, sizes, tokens, shape.heads, shape.batch, shape.dtype)
+    if form is None:
+        raise LinrecError(f"'{rec.name}' has no backward for form='auto': {no_auto_backward(rec, backend)} "
+                          f"(see `linrec check`)")
+    return form
 
 
 def measured_form(rec, backend: str, dims: dict[str, int] | None, tokens: int | None, heads: int | None,

@@ -235,28 +235,6 @@ def test_auto_backward_on_c_is_the_one_measured_faster(monkeypatch):
     assert asked == []
 
 
-def test_the_backward_measurement_times_both_forms_once_per_shape(monkeypatch):
-    """gradient_choice.backward_costs, for real on small sizes (the calibration's tokens lowered): both forms'
-    vjp timed, the measurement kept for the process (a second ask runs nothing), and the faster one chosen; a
-    program with a param without a default is not measured (the calibration has no values for it)."""
-    from linrec import gradient_choice
-    monkeypatch.setattr(gradient_choice, "CALIBRATION_TOKENS", 64)
-    monkeypatch.setattr(gradient_choice, "_costs", {})
-    gla, dims = linrec.load("examples/gla.lin"), {"dk": 4, "dv": 4}
-    forms = []
-    vjp = gla.vjp
-    monkeypatch.setattr(gla, "vjp", lambda *args, **kw: forms.append(kw["form"]) or vjp(*args, **kw))
-    costs = gradient_choice.backward_costs(gla, "c", 2, 1, dims, np.float64)
-    assert sorted(costs) == ["chunkwise", "recurrent"] and all(ms > 0 for ms in costs.values())
-    assert forms == ["recurrent"] * 4 + ["chunkwise"] * 4  # (a call that builds the kernels, three timed)
-    assert gradient_choice.measured_form(gla, "c", dims, 64, 2, 1, np.float64) == min(costs, key=costs.get)
-    assert gradient_choice.backward_costs(gla, "c", 2, 1, dims, np.float64) is costs and len(forms) == 8
-    needs = linrec.compile("recurrence p(dk = 4, dv = 4)\ninput q[dk], k[dk], v[dv]\nparam w[dk]\n"
-                           "state S[dk, dv]\nS = S + (w*k)⊗v\noutput o = q·S\n", "p.lin")
-    assert gradient_choice.backward_costs(needs, "c", 2, 1, dims, np.float64) is None
-    assert gradient_choice.auto_gradient_form(needs, "c", dims, 64, 2, 1, np.float64) == "recurrent"
-
-
 def test_a_reset_in_the_chunkwise_backward_auto_picks(monkeypatch):
     """form="auto" picks the chunkwise backward on C where it is measured faster; a reset (a log-decay of −∞, as
     at the boundary of packed documents) it once refused, so the training step failed with "use
