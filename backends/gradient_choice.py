@@ -6,9 +6,9 @@ chunkwise backward first on C from a state of 128 × 128 values over 1024 tokens
 the chunkwise `vjp` of GLA at dk = dv = 128 was 1.41 times faster than the recurrent one, and an Intel Xeon (as
 fast); on an AMD Zen 5 it was 1.23 times slower there, and at dk = dv = 64, where the rule kept the recurrent one,
 the chunkwise one was 1.31 times faster for Mamba-2 and 1.16 for gated DeltaNet (B = 1, H = 8, T = 4096, float32,
-two threads; docs/benchmarks.md, "The backward against the forward"). So on C the choice is
-measured: from CALIBRATION_TOKENS tokens on, the recurrent and the chunkwise backward each run on that many
-tokens of the call's heads, sizes and dtype, once per process, and the faster runs from then on. Both forms' time
+two threads; docs/benchmarks.md, "The backward against the forward"). So on C the choice is measured: from
+CALIBRATION_TOKENS tokens on, the recurrent and the chunkwise backward each run on that many tokens of the
+call's heads, sizes and dtype, once per process, and the faster runs from then on. Both forms' time
 is linear in T past a few chunks; at 512 tokens gated DeltaNet's order at dk = dv = 64 was still the other way
 round (the recurrent one 0.72 of the chunkwise one, 1.16 from 1024 tokens on), at 1024 every example's order was
 T = 4096's. The gradients of the two agree to the forms' tolerance (docs/gradients.md), so the choice is one of
