@@ -86,9 +86,9 @@ def measured_form(rec, backend: str, dims: dict[str, int] | None, tokens: int | 
 def backward_costs(rec, backend: str, heads: int, batch: int, dims: dict[str, int], dtype) -> dict[str, float] | None:
     """Milliseconds of the whole `vjp` (its forward and backward: a training step's cost either way) of each
     MEASURED form on CALIBRATION_TOKENS tokens of these heads, sizes and dtype and at most 2 batch rows, the
-    best of three timed calls after one that builds the kernels; measured once per process. None where the
-    program cannot be run on its own defaults (a param without one: the caller's values are not the
-    calibration's to guess) or that does not fit in memory at 1024 tokens."""
+    best of three timed calls (the forms in turn) after one each that builds the kernels; measured once per
+    process. None where the program cannot be run on its own defaults (a param without one: the caller's values
+    are not the calibration's to guess) or that does not fit in memory at 1024 tokens."""
     rows = min(batch, 2)  # (what is compared is the cost per row and head; more rows, more memory and time)
     key = (rec.compiled.source, backend, heads, rows, tuple(sorted(dims.items())), np.dtype(dtype).str)
     if key not in _costs:
@@ -104,17 +104,17 @@ def _measure(rec, backend: str, heads: int, rows: int, dims: dict[str, int], dty
         upstream = {o.name: rng.standard_normal((rows, CALIBRATION_TOKENS, heads)
                                                 + tuple(sizes[d] for d in o.value.shape)).astype(dtype)
                     for o in rec.program.outputs}
-        costs = {}
+        def call(form):
+            rec.vjp(inputs, upstream, form=form, backend=backend, dims=dims)
         for form in MEASURED:
-            def call():
-                rec.vjp(inputs, upstream, form=form, backend=backend, dims=dims)
-            call()  # (builds the kernels)
-            best = float("inf")
-            for _ in range(3):
+            call(form)  # (builds the kernels)
+        # the forms in turn, so that a spell of load on a shared machine slows both alike
+        costs = dict.fromkeys(MEASURED, float("inf"))
+        for _ in range(3):
+            for form in MEASURED:
                 start = time.perf_counter()
-                call()
-                best = min(best, time.perf_counter() - start)
-            costs[form] = best * 1e3
+                call(form)
+                costs[form] = min(costs[form], (time.perf_counter() - start) * 1e3)
         return costs
     except (LinrecError, MemoryError):  # (then the order of AUTO_ORDER decides, as for a shorter call)
         return None
