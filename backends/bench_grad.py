@@ -64,11 +64,8 @@ def grad_combos(rec, backend: str, forms: list[str], tokens: int,
 
 
 def upstream_gradients(rec, dims: dict[str, int], tokens: int, dtype) -> dict[str, np.ndarray]:
-    """A random gradient for every output [B, T, H, *] (the loss Σ grad · output)."""
-    rng = np.random.default_rng(1)
-    return {o.name: rng.standard_normal((bench.BATCH, tokens, bench.HEADS)
-                                        + tuple(dims[d] for d in o.value.shape)).astype(dtype)
-            for o in rec.program.outputs}
+    """A random gradient for every output [B, T, H, *] at bench's B and H (gradients.random_upstream)."""
+    return gradients.random_upstream(rec, bench.BATCH, tokens, bench.HEADS, dims, dtype)
 
 
 def _time(fn, repeats: int, budget_s: float) -> tuple[float, list[float]]:

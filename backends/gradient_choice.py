@@ -99,11 +99,8 @@ def backward_costs(rec, backend: str, heads: int, batch: int, dims: dict[str, in
 def _measure(rec, backend: str, heads: int, rows: int, dims: dict[str, int], dtype) -> dict[str, float] | None:
     try:
         inputs = rec.random_inputs(batch=rows, tokens=CALIBRATION_TOKENS, heads=heads, dims=dims, dtype=dtype, seed=0)
-        rng = np.random.default_rng(1)
-        sizes = {d.name: d.default for d in rec.program.dims} | dict(dims)
-        upstream = {o.name: rng.standard_normal((rows, CALIBRATION_TOKENS, heads)
-                                                + tuple(sizes[d] for d in o.value.shape)).astype(dtype)
-                    for o in rec.program.outputs}
+        upstream = gradients.random_upstream(rec, rows, CALIBRATION_TOKENS, heads, dims, dtype)
+
         def call(form):
             rec.vjp(inputs, upstream, form=form, backend=backend, dims=dims)
         for form in MEASURED:

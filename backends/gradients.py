@@ -35,6 +35,15 @@ class VjpResult:
     params: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def random_upstream(rec, batch: int, tokens: int, heads: int, dims: dict[str, int], dtype) -> dict[str, np.ndarray]:
+    """A random gradient for every output [B, T, H, *] (the loss Σ grad · output), for timing a backward: bench
+    --grad's, and form="auto"'s measurement (gradient_choice). `dims`: sizes asked for, over the file's."""
+    rng = np.random.default_rng(1)
+    sizes = {d.name: d.default for d in rec.program.dims} | dict(dims)
+    return {o.name: rng.standard_normal((batch, tokens, heads) + tuple(sizes[d] for d in o.value.shape)).astype(dtype)
+            for o in rec.program.outputs}
+
+
 def gradient_refusal(rec, form: str, backend: str) -> str | None:
     """Why the backend does not build the backward of this form of the program, or None."""
     if form == "step":  # (a forward form of decoding, run token by token: its backward is the recurrent one's)
