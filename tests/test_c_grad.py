@@ -199,6 +199,31 @@ def test_key_blocks_and_both_ways_of_the_decay_gradient(recs):
                            {k: v[1:] for k, v in want.grads.items() if np.ndim(v) == 4}) <= 1e-9, name
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_sums_for_the_values_gradient_in_the_tiles_or_after_them(recs, dtype):
+    """∂x sums the adjoint over the key axis, across a register's lanes: where the tiles of pass 2 hold the
+    value rows whole, in groups that divide the lanes, a tile combines its rows' partial sums as they come and the
+    tree of shuffles ends after the tiles (templates/c_grad.c.j2, LR_TILE_SUMS); elsewhere the whole tree runs
+    after them. Each way against NumPy's backward; a lane order wrong in the tiles' way gives another row's
+    ∂v (tested by that mutation)."""
+    lanes = c_build.vector_bytes() // np.dtype(dtype).itemsize
+    ctype = "double" if dtype == np.float64 else "float"
+    ways = {}
+    for dv in (2 * lanes, 2 * lanes + 2, 3):
+        s = grad_kernels.Structure("row", 0, 1, (False,), 32, dv, ctype, c_build.vector_bytes())
+        ways[dv] = grad_kernels.tile_sum_levels(s)
+    assert ways[2 * lanes] is not None and ways[3] is None  # (both ways are run)
+    rec = recs["gla"]
+    for dv, levels in ways.items():
+        dims = {"dk": 32, "dv": dv}
+        x = rec.random_inputs(batch=2, tokens=37, heads=2, dims=dims, seed=dv, dtype=dtype)
+        rng = np.random.default_rng(dv)
+        up = {"o": rng.standard_normal((2, 37, 2, dv)).astype(dtype)}
+        want = rec.vjp({k: v.astype(np.float64) for k, v in x.items()}, {"o": up["o"].astype(np.float64)}, dims=dims)
+        got = rec.vjp(x, up, dims=dims, backend="c")
+        assert worst_error(got.grads, want.grads) <= (1e-9 if dtype == np.float64 else 5e-4), (dv, levels)
+
+
 def test_gradients_held_by_the_caller_are_never_reused(recs):
     """The kernels' gradient arrays are recycled between calls (c.grad_calls.GRADIENT_ARRAYS) only once the
     caller has dropped them: a result kept — or a view of one — keeps its values through later calls."""

@@ -159,6 +159,17 @@ def backward_tile_rows(s: Structure) -> int:
     return rows if bounds.rows is None else min(rows, bounds.rows)
 
 
+def tile_sum_levels(s: Structure) -> int | None:
+    """The levels of the tree of ∂x's sums (row_sum_tree) that pass 2 of the backward without corrections takes
+    in its tiles (templates/c_grad.c.j2, LR_TILE_LEVELS): log2 of the tile's rows, where those rows are a power
+    of two that divides both the lanes (a group of lanes' rows is whole tiles) and the value size (every tile
+    whole); else None, and the tree runs whole after the tiles."""
+    rows, lanes = backward_tile_rows(s), s.lanes
+    if rows & (rows - 1) or lanes % rows or s.dv % rows:
+        return None
+    return rows.bit_length() - 1
+
+
 def row_sum_tree(lanes: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """The shuffles that sum the lanes of `lanes` registers at once (templates/c_grad.c.j2, lr_row_sums): at
     each level, pairs of registers (a, b) become lo(a, b) + hi(a, b), every block of 2h lanes of the result
@@ -202,7 +213,8 @@ def render(s: Structure) -> str:
         **common_context(Target(s.ctype, s.vector_bytes)), block_tokens=FORWARD_BLOCK_TOKENS, checks_inputs=False,
         fcols=forward_registers(s), fcols_bytes=FORWARD_BLOCK_BYTES,
         tile_rows=tile_rows(s), kcols=backward_registers(s), tile_rows_backward=backward_tile_rows(s),
-        tree_lo=tree_lo, tree_hi=tree_hi, tree_slot=tree_slot, swap_lo=swap_lo, swap_hi=swap_hi,
+        tile_levels=tile_sum_levels(s), tree_lo=tree_lo, tree_hi=tree_hi, tree_slot=tree_slot,
+        tree_order=[tree_slot.index(i) for i in range(lanes)], swap_lo=swap_lo, swap_hi=swap_hi,
         version=VERSION, description=s.describe(),
         dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
