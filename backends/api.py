@@ -322,9 +322,9 @@ class Recurrence:
         unless missing="zero". `form`: a gradient form, or "auto" — on C from 1024 tokens on, the faster of the
         recurrent and the chunkwise backward as measured once per process (backends/gradient_choice.py), else
         the recurrent one (without one, the chunkwise one, else the parallel one). `chunk_size`: tokens between
-        the forward's checkpoints (default √T). `threads`: for the C backend, as in run(). `cu_seqlens`: packed variable-length sequences, as run()
-        takes them — inputs, outputs and their gradients [1, T_total, H, *], initial and final states and their
-        gradients [N, H, *] (backends/packed_vjp.py)."""
+        the forward's checkpoints (default √T). `threads`: for the C backend, as in run(). `cu_seqlens`: packed
+        variable-length sequences, as run() takes them — inputs, outputs and their gradients [1, T_total, H, *],
+        initial and final states and their gradients [N, H, *] (backends/packed_vjp.py)."""
         arrays.require_dicts(grad_final_state=grad_final_state, initial_state=initial_state, params=params)
         offsets = serving.check_cu_seqlens(cu_seqlens)
         with c_build.threads(threads):

@@ -16,8 +16,9 @@ def gla():
     return linrec.load("examples/gla.lin")
 
 
-def _measured(monkeypatch, costs: dict) -> list:
-    """backward_costs fixed to `costs` (ms per form); a list that gets the heads of each call."""
+def fixed_costs(monkeypatch, costs: dict) -> list:
+    """gradient_choice.backward_costs fixed to `costs` (ms per form); a list that gets the heads of each call
+    (tests/test_torch_grad.py uses it too)."""
     asked = []
     monkeypatch.setattr(gradient_choice, "backward_costs",
                         lambda rec, backend, heads, batch, dims, dtype: asked.append(heads) or costs)
@@ -56,7 +57,7 @@ def test_vjp_auto_runs_the_chosen_form(monkeypatch, gla):
     by the packed row's length; the results are that form's, bit for bit."""
     x = gla.random_inputs(2, 24, 2, dims=DIMS, seed=4)
     up = {"o": np.random.default_rng(5).standard_normal((2, 24, 2, 4))}
-    asked = _measured(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
+    asked = fixed_costs(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
     for backend in ("numpy", "c"):
         assert _same(gla.vjp(x, up, form="auto", backend=backend),
                      gla.vjp(x, up, form="recurrent", backend=backend)), backend
@@ -69,7 +70,7 @@ def test_vjp_auto_runs_the_chosen_form(monkeypatch, gla):
         got = gla.vjp(packed, {"o": up["o"][:1]}, form="auto", backend="c", cu_seqlens=offsets)
         want = gla.vjp(packed, {"o": up["o"][:1]}, form=form, backend="c", cu_seqlens=offsets)
         assert _same(got, want), offsets
-    _measured(monkeypatch, {"recurrent": 1.0, "chunkwise": 2.0})
+    fixed_costs(monkeypatch, {"recurrent": 1.0, "chunkwise": 2.0})
     assert _same(gla.vjp(x, up, form="auto", backend="c"), gla.vjp(x, up, form="recurrent", backend="c"))
 
 

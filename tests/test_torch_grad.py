@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import linrec  # noqa: E402
 import linrec.torch as lt  # noqa: E402
+from test_gradient_choice import fixed_costs  # noqa: E402
 
 EXACT = 1e-12  # float64: the op's backward runs rec.vjp itself, so only a different evaluation could differ
 SMALL = {"dk": 3, "dv": 4}  # (gradcheck perturbs every element: keep it small)
@@ -200,15 +201,6 @@ def test_auto_backward_of_a_program_without_a_recurrent_form(name, dims, gradien
     assert np.abs(q.grad.numpy() - ref.grads["q"]).max() <= EXACT * max(1, np.abs(ref.grads["q"]).max())
 
 
-def _measured(monkeypatch, costs: dict) -> list:
-    """gradient_choice.backward_costs fixed to `costs` (ms per form); a list that gets the heads of each call."""
-    from linrec import gradient_choice
-    asked = []
-    monkeypatch.setattr(gradient_choice, "backward_costs",
-                        lambda rec, backend, heads, batch, dims, dtype: asked.append(heads) or costs)
-    return asked
-
-
 def test_auto_backward_on_c_is_the_one_measured_faster(monkeypatch):
     """form="auto"'s backward on C from 1024 tokens on: the faster of the recurrent and the chunkwise one as
     measured (gradient_choice.backward_costs, fixed here: no kernel is built); shorter calls, the NumPy backend,
@@ -217,10 +209,10 @@ def test_auto_backward_on_c_is_the_one_measured_faster(monkeypatch):
     from linrec.torch import backward
     gla, big = linrec.load("examples/gla.lin"), {"dk": 128, "dv": 128}
     for costs in ({"recurrent": 2.0, "chunkwise": 1.0}, {"recurrent": 1.0, "chunkwise": 2.0}):
-        asked = _measured(monkeypatch, costs)
+        asked = fixed_costs(monkeypatch, costs)
         assert backward.gradient_plan(gla, "auto", "c", big, 4096, 8) == (min(costs, key=costs.get), "c")
         assert asked == [8]
-    asked = _measured(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
+    asked = fixed_costs(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
     assert backward.gradient_plan(gla, "auto", "c", big, 1000, 8) == ("recurrent", "c")
     assert backward.gradient_plan(gla, "auto", "numpy", big, 4096, 8) == ("recurrent", "numpy")
     assert backward.gradient_plan(gla, "auto", "c", big, 4096) == ("recurrent", "c")  # (heads not known)
@@ -243,7 +235,7 @@ def test_a_reset_in_the_chunkwise_backward_auto_picks(monkeypatch):
     here, so that the kernels are the small ones of the other tests.)"""
     from linrec import gradient_choice
     monkeypatch.setattr(gradient_choice, "CALIBRATION_TOKENS", 8)
-    _measured(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
+    fixed_costs(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
     gla, dims = linrec.load("examples/gla.lin"), {"dk": 4, "dv": 4}
     x = gla.random_inputs(1, 24, 2, dims=dims, seed=1)
     x["g"][:, 10] = -np.inf
@@ -370,7 +362,7 @@ def test_auto_picks_the_backward_by_each_packed_sequences_length(monkeypatch):
     test_a_reset_in_the_chunkwise_backward_auto_picks."""
     from linrec import gradient_choice, gradients
     monkeypatch.setattr(gradient_choice, "CALIBRATION_TOKENS", 8)
-    _measured(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
+    fixed_costs(monkeypatch, {"recurrent": 2.0, "chunkwise": 1.0})
     ran = []
     vjp = gradients.vjp
     monkeypatch.setattr(gradients, "vjp", lambda *args, **kw: ran.append(kw["form"]) or vjp(*args, **kw))
@@ -409,7 +401,7 @@ def test_a_training_step_runs_the_forward_once(monkeypatch, name, form, kept):
     rec = linrec.load(f"examples/{name}.lin")
     dims = {d.name: 32 for d in rec.program.dims if d.name in ("dk", "dv", "dh", "d")}
     x = rec.random_inputs(1, 2048, 2, dims=dims, seed=0)  # (B·T·H·K·V past c.grad_forward.MIN_WORK)
-    _measured(monkeypatch, {"recurrent": 1.0, "chunkwise": 2.0})  # (auto's measurement: its runs would count)
+    fixed_costs(monkeypatch, {"recurrent": 1.0, "chunkwise": 2.0})  # (auto's measurement: its runs would count)
     ran = _calls_of_the_kernel_that_keeps_states(monkeypatch)
     layer_inputs = {k: torch.from_numpy(v).requires_grad_() for k, v in x.items()}
     first = rec.program.outputs[0].name

@@ -17,9 +17,9 @@ on the forward's backend when it builds that gradient, else on NumPy. form="auto
 the faster of the recurrent and the chunkwise backward as measured once per process on the call's heads, sizes
 and dtype (gradient_choice); else the recurrent one (the fastest NumPy backward at small models' sizes), and
 for a program without one (Linformer, Reformer: no recurrent form) the chunkwise one, else the parallel one.
-The gradients of every form agree to 1e-9 (docs/gradients.md), so the choice is one of speed only. The decode step (form="step") is
-the recurrent form over its one token; for a program that reads the sequence, over the KV cache and the token
-with a gradient on the last position only.
+The gradients of every form agree to 1e-9 (docs/gradients.md), so the choice is one of speed only. The decode
+step (form="step") is the recurrent form over its one token; for a program that reads the sequence, over the KV
+cache and the token with a gradient on the last position only.
 """
 from __future__ import annotations
 
