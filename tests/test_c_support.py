@@ -229,6 +229,24 @@ def test_reasons_name_the_place(name):
         assert "NumPy" not in reason and "numpy" not in reason  # (the advice is the backend's to add)
 
 
+def test_the_fused_verdict_is_kept_per_program_and_dropped_with_it():
+    """fused_refusal answers once per program object (callers ask it several times a call) and forgets the
+    program when it is gone: another program compiled later, in the same memory or not, gets its own answer."""
+    import gc
+    takes, refused = compile_source(CORPUS["example gla"]), compile_source(aimed_source("stabilized_value_decay"))
+    reason = support.fused_refusal(refused)
+    assert support.fused_refusal(takes) is None and reason is not None
+    assert support.fused_refusal(refused) is reason  # (the kept answer, not a second walk)
+    keys = {id(takes), id(refused)}
+    assert keys <= set(support._FUSED_REFUSALS)
+    del takes, refused
+    gc.collect()
+    assert not keys & set(support._FUSED_REFUSALS)
+    for name in ("example gla", "example mamba1"):  # (new programs, perhaps at the freed addresses)
+        again = compile_source(CORPUS[name])
+        assert support.fused_refusal(again) == (support.fused_limits(again) or support.fused_unspellable(again))
+
+
 def test_users_see_the_reason_and_the_advice(tmp_path, capsys):
     """rec.run and `linrec run` on C: one sentence — the form, the program, the reason, the advice (which
     holds: NumPy runs it); `linrec check` lists the backends that build each form."""

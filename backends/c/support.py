@@ -25,6 +25,7 @@ the way; the advice (another backend) is the backend's to add (CBackend.why_not)
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterator
 
 from ..compiler import Compiled, ir
@@ -128,9 +129,22 @@ def fused_unspellable(compiled: Compiled) -> str | None:
     return None
 
 
+# A program's answer, kept per program object (a Compiled never changes), by id and dropped with the program.
+# The question comes several times a call — form="auto"'s choice, the backend's refusal, the kernel it loads,
+# the saved forward of a training step — and each answer walks every expression the kernel prints: a tenth of
+# a training step through linrec.torch at T = 16 (GLA and gated DeltaNet, d = 16).
+_FUSED_REFUSALS: dict[int, tuple[weakref.ref, str | None]] = {}
+
+
 def fused_refusal(compiled: Compiled) -> str | None:
     """Why the fused recurrent kernel (fused.py) does not take the program, or None when it does."""
-    return fused_limits(compiled) or fused_unspellable(compiled)
+    key = id(compiled)
+    known = _FUSED_REFUSALS.get(key)
+    if known is not None and known[0]() is compiled:
+        return known[1]
+    reason = fused_limits(compiled) or fused_unspellable(compiled)
+    _FUSED_REFUSALS[key] = (weakref.ref(compiled, lambda _, key=key: _FUSED_REFUSALS.pop(key, None)), reason)
+    return reason
 
 
 def _fused_leaf(e: ir.Expr) -> bool:
