@@ -324,6 +324,10 @@ def _hint(err: UnexpectedInput, kind: str, accepted: set[str], source: str, line
             bracket, at_line, at_col = opened
             where = f"column {at_col}" if at_line == line else f"line {at_line}, column {at_col}"
             return f" (the '{bracket}' at {where} is never closed)"
+    if statement.startswith("param") and re.match(r"(in\b|[<>≤≥])", source[err.pos_in_stream:]):
+        return (" (a param declares no range: ranges are for inputs, checked at every call; a param's value is its "
+                "default or what the caller passes — to keep a learned one in a range, compute it from an "
+                "unconstrained param, e.g. `param a per head` and `gamma = sigmoid(a)`)")
     if "LSQB" in accepted and statement.startswith("state"):
         return (" (a state has a shape: a vector such as z[dk] or a matrix such as S[dk, dv]; for a scalar, declare a "
                 "dim of size 1 in the header, `one = 1`, write c[one], and read it as sum(c))")

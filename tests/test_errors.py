@@ -334,6 +334,16 @@ def test_per_without_head_on_its_line_says_per_head_is_one_keyword(declaration, 
           "the keyword 'per head'", "`param NAME per head`", "write 'head' after it on the same line", width=3)
 
 
+@pytest.mark.parametrize("declaration, token", [
+    ("param w per head in (0, 1)", "in"), ("param w <= 1", "<="), ("param w[dk] ≥ 0 = 1", "≥"),
+])
+def test_a_range_on_a_param_says_ranges_are_for_inputs(declaration, token):
+    """A range after a param's name was refused with only the tokens the parser could take there."""
+    src = HEAD + f"{declaration}\nstate S[dk, dv]\nS = S + k⊗v\noutput o = w*q·S\n"
+    check(compile_error(src), src, where(src, 3, token), f"unexpected '{token}'", "a param declares no range",
+          "ranges are for inputs", "`gamma = sigmoid(a)`", width=len(token))
+
+
 def test_per_head_may_be_continued_over_a_line_end():
     """A line ending in '\\' continues the statement, between the words of `per head` too (it was refused)."""
     src = HEAD + "param w per \\\n  head = 1\nstate S[dk, dv]\nS = S + k⊗v\noutput o = w*q·S\n"
