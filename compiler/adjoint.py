@@ -523,10 +523,11 @@ class Quantity:
 
     label: str
     value: ir.Expr
+    also: tuple[str, ...] = ()  # the labels of the other arrays computed from the same expression
 
     @property
     def name(self) -> str:
-        return self.label
+        return ", ".join((self.label,) + self.also)
 
 
 @dataclass(frozen=True)
@@ -573,10 +574,17 @@ def derive_over_readouts(compiled: Compiled, outputs, quantities, refold=lambda 
         value = refold(expr)
         swept_outputs.append(sweep(value, GradRef(value.shape, name, kind="output"), live, site,
                                    ir.Output(name, value)))
-    swept = []
+    # Arrays computed from the same expression (the linear transformer's φ(k), key of S and of its normalizer z)
+    # are one sweep, seeded by the sum of their adjoints: the chain rule through the expression — elu's slope,
+    # a random-feature map's product — once, not once per array.
+    labels_of: dict[ir.Expr, list[str]] = {}
     for label, expr in quantities:
-        value = refold(expr)
-        swept.append(sweep(value, GradRef(value.shape, label, kind="quantity"), live, site, Quantity(label, value)))
+        labels_of.setdefault(refold(expr), []).append(label)  # (IR nodes compare without their spans)
+    swept = []
+    for value, labels in labels_of.items():
+        seeds = [GradRef(value.shape, label, kind="quantity") for label in labels]
+        swept.append(sweep(value, _sum(seeds), live, site, Quantity(labels[0], value, tuple(labels[1:])),
+                           named_seed=seeds[0]))
     return tuple(swept_outputs), tuple(swept)
 
 
