@@ -177,6 +177,9 @@ class BackwardEmitter:
             return f"{name} += {value}"  # a value that reads a state: this token's, [B, H, *]
         if t.kind == "input" or (t.kind == "let" and t.name in self.per_token_lets):
             return f"{name}{at} += {value}"
+        if isinstance(s.value, ir.Outer):  # (W of W·x: a matrix product over the tokens, not an array per token)
+            self.helpers.add("outer_sum")
+            return f"{name} += outer_sum({printer(s.value.left)}, {printer(s.value.right)}, {name}.shape)"
         self.helpers.add("unbroadcast")  # a param, or a value fixed per head: summed over what it broadcast along
         return f"{name} += unbroadcast({value}, {name}.shape)"
 
