@@ -1,5 +1,5 @@
-"""linrec.c.rows (templates/c_rows.c.j2): l2norm and its vector–Jacobian product in one pass of C, which the C
-backward's generated modules import in place of the NumPy helpers — the same values (float64 to 1e-12,
+"""linrec.c.rows (templates/c_rows.c.j2): l2norm, rmsnorm and groupnorm and their vector–Jacobian products in one
+pass of C, which the C backward's generated modules import in place of the NumPy helpers — the same values (float64 to 1e-12,
 float32 to float32 rounding), the same NaN rows, the same bits on any number of threads, and the NumPy
 helper for what the kernel does not take. Also the chain rule's two rewrites that make fewer
 [B, T, H, d] arrays: a sum of a product as a contraction (compiler.adjoint._fit) and a scan's gradient
@@ -13,13 +13,17 @@ from linrec.c import rows
 from linrec.compiler import ir
 from linrec.compiler.adjoint import Einsum, _fit
 from linrec.numpy.adjoint_derived import first_contributions
+from linrec.numpy import runtime as numpy_runtime
+from linrec.numpy import vjp as numpy_vjps
 from linrec.numpy.runtime import l2norm as numpy_l2norm
 from linrec.numpy.vjp import vjp_l2norm as numpy_vjp_l2norm
+
+BUILTINS = ["l2norm", "rmsnorm", "groupnorm"]
 
 
 def _arrays(shape, dtype, seed=0):
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape)
+    x = rng.standard_normal(shape) + 0.5  # (groupnorm: rows whose mean is not 0)
     x[(0,) * (len(shape) - 1)] = 0.0  # a zero row: eps keeps it finite
     return x.astype(dtype), rng.standard_normal(shape).astype(dtype)
 
@@ -28,37 +32,51 @@ def _relative(got, want):
     return np.abs(got - want).max() / np.abs(want).max()
 
 
+def _pair(builtin):
+    """(the builtin, its vector–Jacobian product) of the C rows, and the same of NumPy."""
+    return (getattr(rows, builtin), getattr(rows, "vjp_" + builtin)), \
+        (getattr(numpy_runtime, builtin), getattr(numpy_vjps, "vjp_" + builtin))
+
+
+@pytest.mark.parametrize("builtin", BUILTINS)
 @pytest.mark.parametrize("shape", [(2, 7, 3, 5), (1, 33, 2, 64), (4, 129)])
-def test_float64_matches_the_numpy_helpers(shape):
+def test_float64_matches_the_numpy_helpers(shape, builtin):
     x, g = _arrays(shape, np.float64)
+    (f, vjp), (numpy_f, numpy_vjp) = _pair(builtin)
     for eps in (1e-6, 0.5):
-        assert _relative(rows.l2norm(x, eps=eps), numpy_l2norm(x, eps=eps)) <= 1e-12
-        assert _relative(rows.vjp_l2norm(x, g, eps=eps), numpy_vjp_l2norm(x, g, eps=eps)) <= 1e-12
+        assert _relative(f(x, eps=eps), numpy_f(x, eps=eps)) <= 1e-12
+        assert _relative(vjp(x, g, eps=eps), numpy_vjp(x, g, eps=eps)) <= 1e-12
 
 
-def test_float32_is_float32_and_rounds_like_it():
+@pytest.mark.parametrize("builtin", BUILTINS)
+def test_float32_is_float32_and_rounds_like_it(builtin):
     x, g = _arrays((3, 40, 2, 64), np.float32, seed=1)
-    want_y, want_d = numpy_l2norm(x.astype(np.float64)), numpy_vjp_l2norm(x.astype(np.float64), g.astype(np.float64))
-    y, d = rows.l2norm(x), rows.vjp_l2norm(x, g)
+    (f, vjp), (numpy_f, numpy_vjp) = _pair(builtin)
+    want_y, want_d = numpy_f(x.astype(np.float64)), numpy_vjp(x.astype(np.float64), g.astype(np.float64))
+    y, d = f(x), vjp(x, g)
     assert y.dtype == d.dtype == np.float32
     assert _relative(y, want_y) <= 1e-6 and _relative(d, want_d) <= 1e-6
 
 
-def test_a_nan_stays_in_its_row():
+@pytest.mark.parametrize("builtin", BUILTINS)
+def test_a_nan_stays_in_its_row(builtin):
     x, g = _arrays((5, 8), np.float64, seed=2)
     x[2, 3] = np.nan
-    for got, want in ((rows.l2norm(x), numpy_l2norm(x)), (rows.vjp_l2norm(x, g), numpy_vjp_l2norm(x, g))):
+    (f, vjp), (numpy_f, numpy_vjp) = _pair(builtin)
+    for got, want in ((f(x), numpy_f(x)), (vjp(x, g), numpy_vjp(x, g))):
         assert np.isnan(got[2]).all() and np.isfinite(np.delete(got, 2, axis=0)).all()
         np.testing.assert_allclose(np.delete(got, 2, axis=0), np.delete(want, 2, axis=0), rtol=1e-12, atol=0)
 
 
-def test_threads_give_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("builtin", BUILTINS)
+def test_threads_give_the_same_bits(monkeypatch, builtin):
     x, g = _arrays((2, 301, 3, 17), np.float32, seed=3)
+    (f, vjp), _ = _pair(builtin)
     monkeypatch.setattr(rows, "ROWS_PER_THREAD", 1)
     runs = []
     for threads in ("1", "3"):
         monkeypatch.setenv("LINREC_NUM_THREADS", threads)
-        runs.append((rows.l2norm(x), rows.vjp_l2norm(x, g)))
+        runs.append((f(x), vjp(x, g)))
     assert all(np.array_equal(a, b) for a, b in zip(*runs))
 
 
@@ -81,6 +99,8 @@ def test_the_c_backward_modules_import_them():
     for form in ("recurrent", "chunkwise"):
         assert "from linrec.c.rows import l2norm, vjp_l2norm" in gradients.emit(rec, form, "c")
     assert "linrec.c.rows" not in gradients.emit(rec, "chunkwise", "numpy")
+    retnet = linrec.load("examples/retnet.lin")  # (its output's groupnorm)
+    assert "from linrec.c.rows import groupnorm, vjp_groupnorm" in gradients.emit(retnet, "recurrent", "c")
 
 
 def test_the_sum_of_a_product_is_a_contraction():

@@ -8,7 +8,8 @@ cached on disk.
                    its forward, where the program fits, the fused kernel keeping each segment's state (grad_forward.py)
     grad_chunk.py  the parallel and chunkwise backward: the same module with grad_chunk_kernels.py's kernels
                    (c_grad_chunk.c.j2), its forward the fused kernel keeping each chunk's state (grad_forward.py)
-    rows.py        l2norm and its vector–Jacobian product in one pass (c_rows.c.j2), for the backward modules
+    rows.py        l2norm, rmsnorm, groupnorm and their vector–Jacobian products in one pass (c_rows.c.j2), for the
+                   backward modules
     fused.py       the fused recurrent kernel and decode step of a factorable recurrence (c_fused.c.j2),
                    planned by state_terms.py, block_region.py, step_region.py and passes.py as the records
                    of fused_plan.py; kernel_source.py: what it shares with statements.py
