@@ -38,8 +38,8 @@ INTERNAL |= {"sigmoid", "logsigmoid", "softplus", "relu", "elu", "elu_plus_one",
              "scores", "key_start", "acc", "l", "m"}
 # The backward modules' (linrec.numpy.adjoint): their function's parameters, and the vector–Jacobian products of
 # the builtins they import from linrec.numpy.vjp.
-INTERNAL |= {"backward", "grad_outputs", "grad_final_state", "derived_params", "grads", "unbroadcast", "outer_sum", "own_array",
-             "in_place", "negated",
+INTERNAL |= {"backward", "grad_outputs", "grad_final_state", "derived_params", "grads", "unbroadcast", "outer_sum",
+             "own_array", "in_place", "negated",
              "vjp_pow", "vjp_pow_exponent", "decay_scan", "decay_scan_backward", "adjoint_checkpoints", "adjoint_recurrent",
              "chunk_checkpoints", "adjoint_chunkwise", "flash_attention", "flash_attention_backward", "parallel_attention",
              "parallel_attention_backward", "pad_to",

@@ -1,7 +1,7 @@
-"""linrec.c.rows (templates/c_rows.c.j2): l2norm, rmsnorm and groupnorm and their vector–Jacobian products in one
-pass of C, which the C backward's generated modules import in place of the NumPy helpers — the same values (float64 to 1e-12,
-float32 to float32 rounding), the same NaN rows, the same bits on any number of threads, and the NumPy
-helper for what the kernel does not take. Also the chain rule's two rewrites that make fewer
+"""linrec.c.rows (templates/c_rows.c.j2): l2norm, rmsnorm and groupnorm and their vector–Jacobian products in
+one pass of C, which the C backward's generated modules import in place of the NumPy helpers — the same values
+(float64 to 1e-12, float32 to float32 rounding), the same NaN rows, the same bits on any number of threads, and
+the NumPy helper for what the kernel does not take. Also the chain rule's two rewrites that make fewer
 [B, T, H, d] arrays: a sum of a product as a contraction (compiler.adjoint._fit) and a scan's gradient
 scaled in place (numpy.adjoint_derived.first_contributions). One kernel, built once."""
 import numpy as np

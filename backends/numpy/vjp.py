@@ -211,9 +211,11 @@ def vjp_log(x, g, site="", token=None):
 
 
 def vjp_pow(x, g, p, site="", token=None):
-    """∂(x^p)/∂x = p·x^(p−1); at x = 0: 0 for p = 0 and p ≥ 1, infinite for 0 < p < 1 and p < 0. Where no base is
-    0 (checked on x as given: a param's few values, not broadcast), the same values without the special points'
-    passes over the whole array (Preconditioned DeltaNet's x^(−r/(1 + |r|)): 26 → 12 ms at [1, 4096, 8, 64])."""
+    """∂(x^p)/∂x = p·x^(p−1); at x = 0: 0 for p = 0 and p ≥ 1, infinite for 0 < p < 1 and p < 0.
+
+    Where no base is 0 (checked on x as given: a param's few values, not broadcast), the same values without the
+    special points' passes over the whole array (Preconditioned DeltaNet's x^(−r/(1 + |r|)): 26 → 13 ms at
+    [1, 4096, 8, 64])."""
     if not np.any(np.asarray(x) == 0):
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             slope = p * x ** (p - 1)
