@@ -71,8 +71,8 @@ def _row_vjp(builtin: str, x, g, eps: float, out=None) -> np.ndarray:
     g before writing the row's result, no restrict pointers); NumPy's where the kernel does not take them."""
     x, g = np.asarray(x), np.asarray(g)
     if not _rows(x, g):
-        numpy_vjp = getattr(numpy_vjps, f"vjp_{builtin}")
-        return numpy_vjp(x, g, eps=eps, out=out) if builtin == "l2norm" else numpy_vjp(x, g, eps=eps)
+        where = {} if out is None else {"out": out}  # (only vjp_l2norm takes one)
+        return getattr(numpy_vjps, f"vjp_{builtin}")(x, g, eps=eps, **where)
     k, t = _kernel(), CTYPES[x.dtype]
     out = out if fits_out(out, x.shape, x.dtype) else _results.take(x.shape, x.dtype)
     rows, n = x.size // x.shape[-1], x.shape[-1]

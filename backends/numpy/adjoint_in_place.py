@@ -57,7 +57,7 @@ def in_place_products(lines: list[str], owned: tuple[str, ...] = ()) -> list[str
             stmt = ast.parse(code).body[0]
         except SyntaxError:
             continue
-        targets = _targets(stmt)
+        targets = assigned_names(stmt)
         if line[0].isspace() or not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.Expr)):
             made -= targets  # (assigned in a branch or a compound statement: not known to be new)
             _record_holders(stmt, targets, holders, owned)
@@ -134,10 +134,10 @@ def _free(node, stmt, later: list[str], made: set[str], holders: dict[str, set[s
     value = ast.unparse(stmt.value)
     if _count(key, value) != 1 or any(_count(h, value) for h in others):
         return False  # (read again in the statement itself, which may see it changed)
-    if isinstance(stmt, ast.AugAssign) and _targets(stmt) & (others | {key}):
+    if isinstance(stmt, ast.AugAssign) and assigned_names(stmt) & (others | {key}):
         return False  # (the target that is added to holds it)
     # (a name this statement assigns holds its new value from here on)
-    assigned = _targets(stmt) - {key} if isinstance(stmt, ast.Assign) else set()
+    assigned = assigned_names(stmt) - {key} if isinstance(stmt, ast.Assign) else set()
     return not any(_count(n, x) for n in ({key} | others) - assigned for x in later)
 
 
@@ -223,7 +223,9 @@ def _kept(node, owned) -> set[str]:
     return found
 
 
-def _targets(stmt) -> set[str]:
+def assigned_names(stmt) -> set[str]:
+    """The names a statement binds or changes: its targets, and the arrays a subscript or attribute of a target is
+    assigned in."""
     nodes = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(
         stmt, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
     return {n.id for t in nodes for n in ast.walk(t) if isinstance(n, ast.Name)}

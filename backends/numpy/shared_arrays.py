@@ -17,6 +17,8 @@ from __future__ import annotations
 import ast
 import re
 
+from .adjoint_in_place import assigned_names
+
 
 def shared_per_token(lines: list[str]) -> list[str]:
     uses: dict[str, list[int]] = {}  # a call's text → the lines it appears on (once per appearance)
@@ -65,17 +67,8 @@ def _names_read(call: str) -> set[str]:
 
 
 def _names_assigned(line: str) -> set[str]:
-    """The names a line binds or changes: assignment targets, the arrays a subscript or attribute is assigned in."""
     tree = _parsed(line)
-    if tree is None:
-        return set()
-    found = set()
-    for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-        for target in targets:
-            found |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
-    return found
+    return assigned_names(tree.body[0]) if tree is not None and tree.body else set()
 
 
 def _computing_calls(line: str) -> list[str]:
