@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -108,10 +109,21 @@ class Recurrence:
             raise LinrecError(f"the {backend_name} backend does not build the {form} form of '{self.name}': "
                               f"{refusal}")
 
-    def emit(self, form: str = "recurrent", backend: str = "numpy") -> str:
-        """The generated source of a form."""
+    def emit(self, form: str = "recurrent", backend: str = "numpy", dims: dict[str, int] | None = None) -> str:
+        """The generated source of a form. `dims`: sizes (by dimension name; the others the file's) for a backend
+        that compiles them into its code — C's kernels, whose tiles, strips and blocks follow the head size; the
+        NumPy source takes its sizes when it runs, and refuses them here."""
         self._check_form(form, backend)
-        return registry.backend(backend).emit(self.compiled, form)
+        chosen = registry.backend(backend)
+        if dims is not None and not isinstance(dims, Mapping):
+            raise RuntimeInputError(f"dims must be a dict of dimension name → size, got a {type(dims).__name__}")
+        if not dims:
+            return chosen.emit(self.compiled, form)
+        if not getattr(chosen, "compiles_sizes", False):
+            raise LinrecError(f"the {backend} backend's source takes its sizes when it runs (`dims` of run), not "
+                              f"when it is generated: leave out dims, or emit the C kernels (backend='c') at them")
+        sizes = {d.name: d.default for d in self.program.dims} | arrays.checked_sizes(self.program, dims)
+        return chosen.emit(self.compiled, form, dims=sizes)
 
     def module(self, form: str = "recurrent", backend: str = "numpy") -> FormModule:
         key = (backend, form)

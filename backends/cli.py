@@ -350,6 +350,9 @@ def _add_emit(parser: argparse.ArgumentParser):
     parser.add_argument("--grad", action="store_true",
                         help="the form's backward instead: the forward with checkpoints and the adjoint of the "
                              "statements (docs/gradients.md)")
+    parser.add_argument("--dim", dest="dims", action=_DimOnce, type=_dim, metavar="NAME=SIZE",
+                        help="with --backend c: a dimension's size, compiled into the kernels printed or written "
+                             "(repeatable; default: the file's) — their tiles, strips and blocks follow it")
     alone = parser.add_argument_group("kernels to embed without Python (--backend c --standalone)")
     alone.add_argument("--standalone", action="store_true",
                        help="write NAME.h and NAME.c (prefill, prefill with checkpoints and last states, decode "
@@ -360,13 +363,12 @@ def _add_emit(parser: argparse.ArgumentParser):
     alone.add_argument("--heads", type=_positive_int, metavar="H",
                        help=f"heads of the params' defaults in NAME_params.bin (default: {RUN_HEADS}; the file may "
                             f"take up to {PARAMS_FILE_LIMIT >> 30} GiB)")
-    alone.add_argument("--dim", dest="dims", action=_DimOnce, type=_dim, metavar="NAME=SIZE",
-                       help="a dimension's size, compiled into the kernels (repeatable; default: the file's)")
     parser.epilog = """\
 examples:
   linrec emit examples/gla.lin
   linrec emit examples/gla.lin --form chunkwise > gla_chunkwise.py
   linrec emit examples/retnet.lin --backend numpy --form parallel
+  linrec emit examples/gated_deltanet.lin --backend c --dim dk=128 --dim dv=128
   linrec emit examples/gla.lin --backend c --standalone --out build --dim dk=64 --dim dv=64
   linrec emit examples/deltanet.lin --grad --form recurrent
 
@@ -388,10 +390,20 @@ def cmd_emit(args) -> int:
                               f"Python module, which `linrec emit {args.file} --grad` prints; with --backend c, where "
                               f"C builds it, one that calls linrec's C backward kernels: docs/gradients.md)")
         return _emit_standalone(rec, args)
-    if args.out or args.heads or args.dims:
-        raise LinrecError("--out, --heads and --dim go with --standalone (the kernels written to files)")
+    if args.out or args.heads:
+        raise LinrecError("--out and --heads go with --standalone (the kernels written to files)")
+    if args.dims and args.grad:
+        raise LinrecError("--dim sizes the C kernels emit prints; the backward (--grad) is a Python module that takes "
+                          "its sizes when it runs: leave out --dim")
+    if args.dims and args.backend != "c":
+        raise LinrecError(f"--dim sizes the C kernels: add --backend c (the {args.backend} source takes its sizes "
+                          f"when it runs)")
     form = args.form or rec.forms[0]  # the recurrent form when the program has one
-    sys.stdout.write(rec.emit_gradient(form, args.backend) if args.grad else rec.emit(form, args.backend))
+    if args.grad:
+        sys.stdout.write(rec.emit_gradient(form, args.backend))
+    else:
+        sizes = dims_with_overrides(rec.program, args.dims) if args.dims else None  # (a name it lacks: an error)
+        sys.stdout.write(rec.emit(form, args.backend, dims=sizes))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The --dim NAME=SIZE option of `linrec run` and `linrec bench`: the sizes a program runs at."""
+"""The --dim NAME=SIZE option of `linrec run`, `bench` and `emit`: the sizes a program runs at (or C compiles)."""
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -77,6 +77,7 @@ class Backend(Protocol):
     """The questions the driver asks a backend."""
 
     name: str
+    compiles_sizes: bool  # True: emit(compiled, form, dims=…) gives the code at those sizes (C's kernels)
 
     def why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         """None when this backend builds `form` of the program, else why not. Answered from the program's
@@ -84,7 +85,8 @@ class Backend(Protocol):
         ...
 
     def emit(self, compiled: Compiled, form: str) -> str:
-        """The generated source of a form (at the program's default sizes where the code depends on them)."""
+        """The generated source of a form (at the program's default sizes where the code depends on them; a
+        backend that compiles_sizes also takes dims=, every dimension's size)."""
         ...
 
     def load(self, compiled: Compiled, form: str) -> FormModule:

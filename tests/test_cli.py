@@ -86,6 +86,45 @@ def test_emit_grad_says_which_form_it_is(capsys):
         assert f" — {form} backward (the adjoint" in capsys.readouterr().out.splitlines()[0]
 
 
+def test_emit_prints_the_c_kernels_at_the_sizes_asked_for(capsys):
+    """--dim with --backend c prints the kernel compiled at those sizes — at a model's head size a delta rule's
+    pass goes in strips of two registers' columns, at the file's default size (16) in one — as Recurrence.emit(…,
+    dims=) gives it; before, --dim went with --standalone only (files), and the printed kernel was the file's."""
+    path = next(p for p in EXAMPLES if p.stem == "gated_deltanet")
+    rec = linrec.load(path)
+    assert main(["emit", str(path), "--backend", "c", "--dim", "dk=128", "--dim", "dv=128"]) == 0
+    source = capsys.readouterr().out
+    assert source == rec.emit("recurrent", "c", dims={"dk": 128, "dv": 128})
+    assert "Sizes (compile-time constants): dk = 128, dv = 128." in source
+    assert "js < 128; js += 32" in source and "js < 16; js += 16" in rec.emit("recurrent", "c")
+    assert main(["emit", str(path), "--backend", "c", "--form", "chunkwise", "--dim", "dk=32"]) == 0
+    assert capsys.readouterr().out == rec.emit("chunkwise", "c", dims={"dk": 32, "dv": 16})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dim", "dk=64"], "--dim sizes the C kernels: add --backend c"),
+    (["--backend", "c", "--grad", "--dim", "dk=64"], "takes its sizes when it runs: leave out --dim"),
+    (["--backend", "c", "--dim", "dq=64"], "--dim dq=64: 'gla' has no dimension 'dq'"),
+    (["--backend", "c", "--heads", "4"], "--out and --heads go with --standalone"),
+])
+def test_emit_says_where_dim_does_not_apply(capsys, argv, message):
+    assert main(["emit", str(next(p for p in EXAMPLES if p.stem == "gla")), *argv]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+def test_the_api_emits_c_at_sizes_and_refuses_them_where_they_are_not_compiled():
+    rec = linrec.load(next(p for p in EXAMPLES if p.stem == "gla"))
+    assert "dk = 64, dv = 16." in rec.emit("recurrent", "c", dims={"dk": 64})
+    assert rec.emit("recurrent", "c", dims={}) == rec.emit("recurrent", "c")
+    with pytest.raises(linrec.LinrecError, match="numpy backend's source takes its sizes when it runs"):
+        rec.emit("recurrent", "numpy", dims={"dk": 64})
+    for dims, message in (({"dk": 0}, "whole number ≥ 1"), ({"dk": 8.0}, "whole number ≥ 1"),
+                          ({"dq": 8}, "no dimension 'dq'"), ([("dk", 8)], "dims must be a dict")):
+        with pytest.raises(linrec.LinrecError, match=message):
+            rec.emit("recurrent", "c", dims=dims)
+
+
 def test_run_refuses_a_directory_as_its_npz_before_running(tmp_path, capsys):
     """--out DIR wrote DIR.npz beside the directory, after the run: now an error before any work."""
     gla = str(next(p for p in EXAMPLES if p.stem == "gla"))

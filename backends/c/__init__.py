@@ -38,6 +38,7 @@ class CBackend:
     """linrec.interface.Backend for C."""
 
     name = "c"
+    compiles_sizes = True  # (emit takes dims: the kernels are compiled at the sizes they run at)
     # the backwards derived from the decomposition, which a program derived in stages has per stage: they run
     # stage by stage (linrec.stages.Staged), the recurrent one too
     staged_gradient_forms = ("recurrent", "parallel", "chunkwise")

@@ -34,6 +34,7 @@ class NumpyBackend:
     """linrec.interface.Backend for NumPy: it builds every form the program has (and the definition)."""
 
     name = "numpy"
+    compiles_sizes = False  # (its modules take the sizes when they run)
 
     def why_not(self, compiled: Compiled, form: str) -> Refusal | None:
         if form == DEFINITION:
