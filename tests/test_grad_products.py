@@ -57,7 +57,8 @@ def test_a_negated_product_negates_its_scalar():
     rec = linrec.load("examples/gated_deltanet.lin")
     source = emit_decomposed_backward(rec.compiled, "chunkwise")
     line = next(x for x in source.splitlines() if x.strip().startswith("S_corrections ="))
-    assert "(-np.exp(g))[..., None]" in line and "negated(" not in line, line
+    assert "(-exp_g)[..., None]" in line and "negated(" not in line, line  # (exp_g: np.exp(g), computed once)
+    assert "    exp_g = np.exp(g)  # (read more than once below: computed once)" in source.splitlines()
     x = rec.random_inputs(1, 33, 2, dims={"dk": 8, "dv": 8}, seed=5)
     want = rec.run(x, dims={"dk": 8, "dv": 8})
     got = rec.run(x, form="chunkwise", dims={"dk": 8, "dv": 8}, chunk_size=8)

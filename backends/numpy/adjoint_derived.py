@@ -22,7 +22,7 @@ from ..compiler.key_factors import KeyFactors
 from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
 from .adjoint_in_place import in_place_products
 from .derived import canonical_text, per_token, running_signs_lines
-from .shared_arrays import shared_per_token
+from .shared_arrays import shared_calls, shared_per_token
 
 DEFAULT_CHUNK = 64
 
@@ -150,7 +150,7 @@ class DecomposedEmitter(BackwardEmitter):
             body += own
         self.helpers |= prelude.helpers
         owned = tuple(f"{a.grads}." for a in self.arrays.values()) if self.scan_grads_owned else ()
-        lines = in_place_products(first_contributions(shared_per_token(body + adjoint), owned), owned)
+        lines = in_place_products(first_contributions(shared_calls(shared_per_token(body + adjoint)), owned), owned)
         self.helpers |= {h for h in ("in_place", "negated") if any(f"{h}(" in x for x in lines)}
         return lines
 

@@ -46,13 +46,13 @@ def in_place_products(lines: list[str], owned: tuple[str, ...] = ()) -> list[str
     if any(re.match(r"\s*(for|while|def|with)\b", x) for x in lines):
         return list(lines)  # (not straight code: the pass does not apply)
     out = list(lines)
-    codes = [_split_comment(x.strip())[0] for x in lines]  # (comments name arrays too, and read none)
+    codes = [split_comment(x.strip())[0] for x in lines]  # (comments name arrays too, and read none)
     made: set[str] = set()  # names a top-level line assigned a new array
     holders: dict[str, set[str]] = {}  # an array (a name or a scan's gradient) → names that may hold it
     for j, line in enumerate(lines):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        code, comment = _split_comment(line.strip())
+        code, comment = split_comment(line.strip())
         try:
             stmt = ast.parse(code).body[0]
         except SyntaxError:
@@ -231,7 +231,7 @@ def assigned_names(stmt) -> set[str]:
     return {n.id for t in nodes for n in ast.walk(t) if isinstance(n, ast.Name)}
 
 
-def _split_comment(code: str) -> tuple[str, str]:
+def split_comment(code: str) -> tuple[str, str]:
     """(the code, its trailing comment with the spaces before it, or '')."""
     try:
         for tok in tokenize.generate_tokens(io.StringIO(code).readline):

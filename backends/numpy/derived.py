@@ -22,7 +22,7 @@ from ..compiler.stabilize import log_scale_keys, scale_degree, stabilized_states
 from ..compiler.transitions import Transition, split_exp
 from .emitter import NUMPY_MODULES, PER_TOKEN_HELPERS, SCAN, SCANS, Emitter
 from .printer import NumpyPrinter
-from .shared_arrays import shared_per_token
+from .shared_arrays import shared_calls, shared_per_token
 
 SCAN_OF_FORM = {"parallel": "parallel_scan", "chunkwise": "chunkwise_scan", "recurrent": "recurrent_scan"}
 
@@ -120,7 +120,7 @@ def emit_derived(compiled: Compiled, form: str, scan_module: str = SCAN) -> str:
     emit_outputs(mod)
     mod.body += return_lines(mod)
     mod.helpers |= mod.base.helpers
-    return em.render(form, shared_per_token(mod.body), mod.helpers, helper_modules(scan_module))
+    return em.render(form, shared_calls(shared_per_token(mod.body)), mod.helpers, helper_modules(scan_module))
 
 
 def helper_modules(scan_module: str) -> dict[str, frozenset[str] | None]:
