@@ -100,6 +100,17 @@ class NumpyPrinter:
             # elu(x) + 1 cancels to 0 for very negative x in low precision: compute it directly
             self.helpers.add("elu_plus_one")
             return f"elu_plus_one({self(e.left.args[0])})", ATOM
+        if e.op == "mul":
+            one = next((x for x in (e.left, e.right) if _is_one(x)), None)
+            if one is not None and len((other := e.right if one is e.left else e.left).shape) == rank:
+                # × 1 (the chain rule's way of giving a product its shape, compiler.adjoint._product): the same
+                # values bit for bit and, a scalar broadcasting nothing in NumPy, the same shape — one pass less
+                return self._p(other)
+            if isinstance(e.right, ir.Arith) and e.right.op == "div" and _is_one(e.right.left) \
+                    and self._expand(e.right, rank) is None:
+                # x·(1/c), printed x * 1.0 / c (which Python reads as (x·1)/c): x / c, the same values bit for
+                # bit, a pass over x less (the derivative of x/c for a constant c, which the program holds as x·(1/c))
+                return self._arith(ir.Arith(e.shape, "div", e.left, e.right.right))
         op, prec = {"add": (" + ", SUM), "sub": (" - ", SUM), "mul": (" * ", PRODUCT),
                     "div": (" / ", PRODUCT), "pow": (" ** ", POWER)}[e.op]
         left = self._expand(e.left, rank) or self._wrap(e.left, prec if e.op != "pow" else ATOM)
@@ -150,3 +161,7 @@ class NumpyPrinter:
             self.helpers.add("softmax")
             return f"softmax({x})", ATOM
         raise TypeError(f"no NumPy spelling for builtin {f}")
+
+
+def _is_one(e: ir.Expr) -> bool:
+    return isinstance(e, ir.Const) and not e.shape and e.value == 1.0
