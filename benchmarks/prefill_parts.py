@@ -1,10 +1,10 @@
 """Where a fused prefill kernel's time goes: the C recurrent kernel with one part taken away at a time.
 
-    python benchmarks/prefill_parts.py [examples/gla.lin] [--dims 64 128 256] [--rounds 7] [--threads 1]
+    python benchmarks/prefill_parts.py [examples/gla.lin] [--dims 64 128 256] [--rounds 7] [--threads 1] [--tokens T]
 
 The kernel is the standalone C (`linrec emit --backend c --standalone`, float32) of the program at dk = dv = d,
 called directly (`lr_forward`: no Python, no pass over the inputs for their ranges) on the inputs `linrec bench`
-uses (`random_inputs(seed=0)`, B = 1, H = 8, T = 4096), in arrays on huge pages as NumPy's large arrays are
+uses (`random_inputs(seed=0)`, B = 1, H = 8, T = 4096 or --tokens), in arrays on huge pages as NumPy's large arrays are
 (with 4 KiB pages the inputs' TLB misses alone cost GLA 1.36× at d = 64). Each variant is the same C with one
 part changed, built with linrec's flags (only its time means anything; its outputs differ):
 
@@ -214,6 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256], help="dk = dv sizes")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=T,
+                        help=f"T (default {T}; the issue's table has d = 64 and 128 at 16384)")
     args = parser.parse_args(argv)
     try:
         rec = linrec.load(args.program)
@@ -223,13 +225,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         exe = tmp / "harness"
-        (tmp / "harness.c").write_text(HARNESS % {"T": T, "H": H})
+        (tmp / "harness.c").write_text(HARNESS % {"T": args.tokens, "H": H})
         subprocess.run([c_build.compiler(), "-O2", "-march=native", str(tmp / "harness.c"), "-o", str(exe), "-ldl"],
                        check=True)
         for d in args.dims:
             sos, ins, sts, outs = build(rec, d, tmp)
             dims = {dim.name: d for dim in rec.program.dims}
-            x = rec.random_inputs(batch=B, tokens=T, heads=H, dims=dims, dtype=np.float32, seed=0)
+            x = rec.random_inputs(batch=B, tokens=args.tokens, heads=H, dims=dims, dtype=np.float32, seed=0)
             sizes = {len(np.asarray(x[i.name])[0, 0, 0].reshape(-1)) for i in ins}
             if len(sizes) != 1:
                 raise SystemExit("inputs of different sizes are not covered here")
@@ -239,14 +241,15 @@ def main(argv=None) -> int:
             values = lambda shape: int(np.prod([dims[s] for s in shape]))  # noqa: E731
             one = rec.run(rec.random_inputs(batch=1, tokens=1, heads=1, dims=dims, dtype=np.float32, seed=0),
                           form="recurrent", backend="numpy").outputs  # (each output's values per token)
-            flops = B * T * H * flop_count(rec, dims)[0]  # the useful flops, as `linrec bench` counts them
+            flops = B * args.tokens * H * flop_count(rec, dims)[0]  # the useful flops, as `linrec bench` counts them
             cmd = [str(exe), str(tmp / "inputs.bin"), str(len(ins)), str(len(sts)), str(len(outs)),
-                   str(B * T * H * sizes.pop()), str(B * H * max(values(s.shape) for s in sts)),
-                   str(B * T * H * max(one[o.name].size for o in outs)), str(args.threads), str(args.rounds),
+                   str(B * args.tokens * H * sizes.pop()), str(B * H * max(values(s.shape) for s in sts)),
+                   str(B * args.tokens * H * max(one[o.name].size for o in outs)), str(args.threads), str(args.rounds),
                    str(flops), *map(str, sos)]
             lines = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split("\n")
             peak = float(lines[0].split()[1])
-            print(f"{rec.program.name}, dk = dv = {d}, {args.threads} thread(s), multiply-add peak {peak:.0f} GFLOP/s "
+            print(f"{rec.program.name}, dk = dv = {d}, T = {args.tokens}, {args.threads} thread(s), multiply-add peak "
+                  f"{peak:.0f} GFLOP/s "
                   f"(measured in the same rounds):")
             whole = None
             for line in lines[1:]:
