@@ -152,8 +152,9 @@ def shared_calls(lines: list[str]) -> list[str]:
             return lines
         name = _name_for(call, taken, whole=sorted(_operand_names(call) - scalars))
         taken.add(name)
+        # (replaced on the lines where it was found an operand only: elsewhere its text stays as it was)
         lines = lines[:at[0]] + [f"{name} = {call}  # (read more than once below: computed once)"] + \
-            [_replaced(line, call, name) for line in lines[at[0]:]]
+            [_replaced(line, call, name) if j in at else line for j, line in enumerate(lines) if j >= at[0]]
 
 
 def _longest_shared_call(lines: list[str], scalars: set[str]) -> tuple[str | None, list[int]]:
