@@ -49,3 +49,19 @@ def test_performers_backward_has_no_multiplication_by_one_and_the_statements_gra
         got = rec.vjp(x, up, form=form, backend="c", dims=dims)
         for name, g in want.grads.items():
             assert np.abs(got.grads[name] - g).max() <= 1e-9 * np.abs(g).max(), (form, name)
+
+
+def test_a_factor_left_of_one_stays_a_factor_where_code_pastes_it_beside_a_product():
+    """A fuzz finding (seed 50): the key (1 − sigmoid(c))·φ(k) of a stabilized state, c a constant, whose factor
+    the chain of products held as (1 − sigmoid(c))·1; printed without the ·1 as a bare sum, derived.write_key
+    pasted it before `* np.exp(α − M)` — 1 − sigmoid(c)·exp(…) — and every form but the definition was 4.6 off.
+    The factor keeps its parentheses."""
+    rec = linrec.compile("recurrence f(dk = 5, dv = 3)\ninput q[dk], k[dk]\nphi(x) = exp(x - norm(x)^2/2)\n"
+                         "c = exp(-1)\nstate z[dk]\nz = sigmoid(c)·z + (1 - sigmoid(c))·phi(k)\n"
+                         "output o = q·z\n", "f.lin")
+    assert "(1.0 - sigmoid(c_)) * np.exp(" in rec.emit("parallel", "numpy")
+    x = rec.random_inputs(batch=2, tokens=12, heads=2, seed=3)
+    want = rec.run(x, form="definition").outputs["o"]
+    for form in rec.forms:
+        got = rec.run(x, form=form).outputs["o"]
+        assert np.abs(got - want).max() <= 1e-9 * np.abs(want).max(), form

@@ -104,8 +104,10 @@ class NumpyPrinter:
             one = next((x for x in (e.left, e.right) if _is_one(x)), None)
             if one is not None and len((other := e.right if one is e.left else e.left).shape) == rank:
                 # × 1 (the chain rule's way of giving a product its shape, compiler.adjoint._product): the same
-                # values bit for bit and, a scalar broadcasting nothing in NumPy, the same shape — one pass less
-                return self._p(other)
+                # values bit for bit and, a scalar broadcasting nothing in NumPy, the same shape — one pass less.
+                # Printed as the product was, a factor (a sum in parentheses): code that pastes it beside a `*`
+                # (derived.write_key's c of c·exp(α)) reads it as the factor it was
+                return self._wrap(other, PRODUCT), PRODUCT
             if isinstance(e.right, ir.Arith) and e.right.op == "div" and _is_one(e.right.left) \
                     and self._expand(e.right, rank) is None:
                 # x·(1/c), printed x * 1.0 / c (which Python reads as (x·1)/c): x / c, the same values bit for
