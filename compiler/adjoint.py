@@ -268,9 +268,13 @@ def _sum(terms: list[ir.Expr]) -> ir.Expr:
 def _fit(g: ir.Expr, shape: ir.Shape) -> ir.Expr:
     """The gradient of an operand that broadcast: a scalar operand of a vector operation gets the sum. The sum
     of a product is a contraction of its last two vector factors, the scalar factors outside it
-    (Σ_i s·a_i·b_i = s·(a·b)): over [B, T, H, d] arrays the sum then makes no product array of its own."""
+    (Σ_i s·a_i·b_i = s·(a·b)): over [B, T, H, d] arrays the sum then makes no product array of its own; the sum of
+    a negated array is the negated sum, the same values bit for bit (negation is exact, the order of the sum the
+    same)."""
     if g.shape == shape:
         return g
+    if not shape and isinstance(g, ir.Neg):  # (−Σ g, not Σ −g: a pass over [B, T, H] rather than [B, T, H, d])
+        return _neg(_fit(g.operand, shape))
     if not shape:
         letters = _LETTERS[:len(g.shape)]
         factors = product_factors(g)
