@@ -13,3 +13,12 @@ def rel_err(actual, expected, floor: float = 1e-300) -> float:
     if not expected.size:
         return 0.0
     return float(np.max(np.abs(actual - expected))) / max(float(np.max(np.abs(expected))), floor)
+
+
+def worst_gradient_error(rec, inputs: dict, upstream: dict, forms, backends, dims: dict | None = None) -> float:
+    """The largest rel_err of any gradient of `rec.vjp` in these forms on these backends against NumPy's recurrent
+    backward, which runs the statements token by token (the reference the gradient forms agree with at 1e-9 in
+    float64)."""
+    want = rec.vjp(inputs, upstream, form="recurrent", backend="numpy", dims=dims).grads
+    return max(rel_err(rec.vjp(inputs, upstream, form=form, backend=backend, dims=dims).grads[name], g)
+               for form in forms for backend in backends for name, g in want.items())
