@@ -119,11 +119,10 @@ class Recurrence:
             raise RuntimeInputError(f"dims must be a dict of dimension name → size, got a {type(dims).__name__}")
         if not dims:
             return chosen.emit(self.compiled, form)
-        if not getattr(chosen, "compiles_sizes", False):
+        if not chosen.compiles_sizes:
             raise LinrecError(f"the {backend} backend's source takes its sizes when it runs (`dims` of run), not "
                               f"when it is generated: leave out dims, or emit the C kernels (backend='c') at them")
-        sizes = {d.name: d.default for d in self.program.dims} | arrays.checked_sizes(self.program, dims)
-        return chosen.emit(self.compiled, form, dims=sizes)
+        return chosen.emit(self.compiled, form, dims=arrays.checked_sizes(self.program, dims))  # (others: the file's)
 
     def module(self, form: str = "recurrent", backend: str = "numpy") -> FormModule:
         key = (backend, form)

@@ -269,7 +269,7 @@ def write_key(mod: Module, lay: Layout, key: ir.Expr, scale: Scale | None) -> st
         return mod.per_token(key, lay.rows)
     c, alpha = split_exp(key)
     shifted = shifted_exp(mod.stable.exponents[alpha], scale.running, alpha, key)
-    return bind(mod, per_token(f"{factor(mod.code(c), c, alpha)} * {shifted}", lay.rows, not key.shape),
+    return bind(mod, per_token(f"{factor(mod, c, alpha)} * {shifted}", lay.rows, not key.shape),
                 "stable_key")
 
 
@@ -298,12 +298,13 @@ def running_max(mod: Module, lay: Layout) -> Scale:
     return scale
 
 
-def factor(code: str, c: ir.Expr, alpha: ir.Expr) -> str:
+def factor(mod: Module, c: ir.Expr, alpha: ir.Expr) -> str:
     """The factor c of a key or query c·exp(α), shaped to multiply exp(α − M): a scalar c that varies per
-    token or head ([B, T, H] or [H]) against a vector α takes α's axis."""
+    token or head ([B, T, H] or [H]) against a vector α takes α's axis; any other c is printed as a factor (a
+    sum such as 1 − sigmoid(a) in parentheses: the caller writes `{factor} * exp(…)`)."""
     if not c.shape and alpha.shape and variance(c) != "const":
-        return f"({code})[..., None]"
-    return code
+        return f"({mod.code(c)})[..., None]"
+    return mod.base.factor(mod.em.refold(c))
 
 
 def shifted_exp(exponent: str, shift: str, alpha: ir.Expr, product: ir.Expr) -> str:
@@ -359,7 +360,7 @@ def scaled_query(mod: Module, lay: Layout, query: ir.Expr) -> tuple[str, str] | 
                                                            else stable.exponents[beta]))
     mu = stable.query_max[beta]
     shifted = shifted_exp(stable.exponents[beta], mu, beta, query)
-    return bind(mod, per_token(f"{factor(mod.code(c), c, beta)} * {shifted}", lay.rows, not query.shape),
+    return bind(mod, per_token(f"{factor(mod, c, beta)} * {shifted}", lay.rows, not query.shape),
                 "stable_query"), mu
 
 

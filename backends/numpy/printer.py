@@ -82,6 +82,11 @@ class NumpyPrinter:
             raise TypeError("random defaults are printed by the parameter printer")
         raise TypeError(f"cannot print {type(e).__name__}")
 
+    def factor(self, e: ir.Expr) -> str:
+        """e's code as a factor of a product, for code that writes `… * factor` itself (in parentheses where e's top
+        operator binds less tightly than a product: a sum)."""
+        return self._wrap(e, PRODUCT)
+
     def _wrap(self, e: ir.Expr, max_prec: int) -> str:
         code, prec = self._p(e)
         return f"({code})" if prec > max_prec else code
@@ -104,9 +109,8 @@ class NumpyPrinter:
             one = next((x for x in (e.left, e.right) if _is_one(x)), None)
             if one is not None and len((other := e.right if one is e.left else e.left).shape) == rank:
                 # × 1 (the chain rule's way of giving a product its shape, compiler.adjoint._product): the same
-                # values bit for bit and, a scalar broadcasting nothing in NumPy, the same shape — one pass less.
-                # Printed as the product was, a factor (a sum in parentheses): code that pastes it beside a `*`
-                # (derived.write_key's c of c·exp(α)) reads it as the factor it was
+                # values bit for bit and, a scalar broadcasting nothing in NumPy, the same shape — one pass less;
+                # still printed as a product (a sum in parentheses), as it was with its `* 1.0`
                 return self._wrap(other, PRODUCT), PRODUCT
             if isinstance(e.right, ir.Arith) and e.right.op == "div" and _is_one(e.right.left) \
                     and self._expand(e.right, rank) is None:

@@ -47,9 +47,7 @@ def shared_per_token(lines: list[str]) -> list[str]:
     for j, line in enumerate(lines):
         for call in _computing_calls(line):
             uses.setdefault(call, []).append(j)
-    shared = {call: at for call, at in uses.items()
-              if len(at) > 1 and all(_outer(lines[j]) for j in at)
-              and not _names_read(call) & set().union(*(_names_assigned(lines[j]) for j in range(at[0], at[-1] + 1)))}
+    shared = {call: at for call, at in uses.items() if _one_value(call, at, lines)}
     if not shared:
         return list(lines)
     taken = set(re.findall(r"[A-Za-z_]\w*", "\n".join(lines)))
@@ -76,6 +74,13 @@ def _replaced(line: str, call: str, name: str) -> str:
     indent = line[:len(line) - len(line.lstrip())]
     code, comment = split_comment(line.strip())
     return indent + re.sub(rf"(?<![\w.]){re.escape(call)}", lambda _: name, code) + comment
+
+
+def _one_value(call: str, at: list[int], lines: list[str]) -> bool:
+    """Whether a call's text that appears on lines `at` (more than once) is one value: every line at the body's
+    outer level, and no line from the first to the last assigns a name the call reads."""
+    return len(at) > 1 and all(_outer(lines[j]) for j in at) and not _names_read(call) & set().union(
+        *(_names_assigned(lines[j]) for j in range(at[0], at[-1] + 1)))
 
 
 def _outer(line: str) -> bool:
@@ -164,11 +169,8 @@ def _longest_shared_call(lines: list[str], scalars: set[str]) -> tuple[str | Non
         for call, operand in _pure_calls(line):
             (uses.setdefault(call, []).append(j) if operand else others.add(call))
     for call in sorted(uses, key=len, reverse=True):
-        at, reads = uses[call], _names_read(call)
-        if len(at) > 1 and call not in others and _operand_names(call) - scalars \
-                and all(_outer(lines[j]) for j in at) \
-                and not reads & set().union(*(_names_assigned(lines[j]) for j in range(at[0], at[-1] + 1))):
-            return call, at
+        if call not in others and _operand_names(call) - scalars and _one_value(call, uses[call], lines):
+            return call, uses[call]
     return None, []
 
 
