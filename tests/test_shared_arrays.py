@@ -95,11 +95,13 @@ def test_what_shared_calls_leaves_alone():
 
 def test_a_shared_call_is_not_read_inside_a_longer_name():
     """sigmoid(beta) shared, logsigmoid(beta) kept: the text replaced only where it is the call (a fuzz finding:
-    a NameError for 'logsigmoid_beta' in the NumPy parallel and chunkwise forms)."""
-    lines = ["a = 1.0 - sigmoid(beta)", "b = per_token(logsigmoid(beta), shape)", "c = (1.0 - sigmoid(beta)) * x"]
+    a NameError for 'logsigmoid_beta' in the NumPy parallel and chunkwise forms) — also on a line that has both
+    (on a line with logsigmoid alone nothing is replaced at all: the call was not found there)."""
+    lines = ["a = 1.0 - sigmoid(beta)", "b = per_token(logsigmoid(beta), shape)", "c = (1.0 - sigmoid(beta)) * x",
+             "d = sigmoid(beta) * logsigmoid(beta)"]
     assert shared_calls(lines) == [
         "sigmoid_beta = sigmoid(beta)  # (read more than once below: computed once)", "a = 1.0 - sigmoid_beta",
-        "b = per_token(logsigmoid(beta), shape)", "c = (1.0 - sigmoid_beta) * x"]
+        "b = per_token(logsigmoid(beta), shape)", "c = (1.0 - sigmoid_beta) * x", "d = sigmoid_beta * logsigmoid(beta)"]
     rec = linrec.compile(
         "recurrence fz(dk = 2, dv = 1)\ninput k[dk], v[dv]\ninput beta <= 0\nstate S[dk, dv], z[dk]\n"
         "S = (1 − sigmoid(beta))·S + beta·k⊗v\nz = sigmoid(beta)·z + (1 − sigmoid(beta))·k\n"
