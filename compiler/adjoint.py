@@ -609,13 +609,17 @@ def constant_factor(query: ir.Expr) -> tuple[ir.Expr | None, ir.Expr]:
 
 
 def derive_decomposed(compiled: Compiled, refold=lambda e: e, query_of=None,
-                      factors_of=lambda t: None) -> DecomposedAdjoint:
+                      factors_of=lambda t: None, decay_of=lambda t: None) -> DecomposedAdjoint:
     """The adjoint of a program's outputs over its readouts, and of its decomposition's per-token arrays (see
     why_no_decomposed_adjoint). `refold`: the backend's folding of inlined named values back to their names;
     `query_of`: the expression of a readout's query array (None: its query; a backend whose kernel applies a
     constant factor itself gives the rest, constant_factor); `factors_of`: a transition's key-side vectors as
     its backward takes them, factored (compiler.key_factors.KeyFactors), or None: each slot's own array. A
-    factored slot's arrays are labelled "<slot>.scale" (where it has a scalar) and "<slot>.base" (its owner)."""
+    factored slot's arrays are labelled "<slot>.scale" (where it has a scalar) and "<slot>.base" (its owner).
+    `decay_of`: a transition's elementwise log-decay as its backward takes it, factored
+    (compiler.decay_factors.DecayFactors), or None: one array; a factored one's arrays are labelled
+    "<state>.log_decay.rate" (the same for every token: its gradient comes summed over them) and
+    "<state>.log_decay.step"."""
     program, d = compiled.program, compiled.decomposition
     lets = program.lets
     hoisted = frozenset(n for n, v in lets.items() if not states_in(inline_lets(v, lets)))
@@ -636,7 +640,12 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e, query_of=None,
         if slot.owner:
             quantity(f"{label}.base", bases[slot.base])
     for t in d.transitions:
-        quantity(f"{t.state}.log_decay", t.log_decay)
+        decay = decay_of(t)
+        if decay is None:
+            quantity(f"{t.state}.log_decay", t.log_decay)
+        else:
+            quantity(f"{t.state}.log_decay.rate", decay.rate)
+            quantity(f"{t.state}.log_decay.step", decay.step)
         quantity(f"{t.state}.value_log_decay", t.value_log_decay)  # (S·diag(e^m); None: the columns do not decay)
         f = factors_of(t)
         bases = f.bases if f else ()

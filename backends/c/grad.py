@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..compiler import Compiled
 from ..compiler.adjoint import constant_factor, why_no_gradient
+from ..compiler.decay_factors import decay_factors
 from ..compiler.key_factors import key_factors
 from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
@@ -96,7 +97,8 @@ class _CEmitter(DecomposedEmitter):
     (which take the NumPy scans' arguments and give their results)."""
 
     # (rows' helpers first; `scaled`: factored key-side slots, c.scaled_keys)
-    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS | {SEGMENT, "scaled"}}
+    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS | {SEGMENT, "scaled",
+                                                                                         "factored_decay"}}
     scans = SCANS
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
@@ -123,6 +125,11 @@ class _CEmitter(DecomposedEmitter):
     # (factored_keys); the backward without them (two passes) takes each slot's array.
     def key_factors(self, t):
         return factored_keys(self.c, t) if t.corrections else None
+
+    # An elementwise log-decay that is a token-free rate times a step per token (Mamba-1's A·diag(Δ)) goes to
+    # c.grad_elementwise's kernels as its two factors (c.factored_decay), which make no [B, T, H, K, V] array.
+    def decay_factors(self, t):
+        return decay_factors(t, self.c.program.lets)
 
     def chunk_code(self) -> str:
         if not self.forward_fused():  # (each state's kernel picks its own segment)

@@ -119,15 +119,21 @@ def forward(c: Call, k, function: str, read_widths, chunk, num_threads):
     return outs, final, checkpoints
 
 
-def backward(c: Call, k, function: str, read_widths, checkpoints, chunk, grad_readouts, grad_final, num_threads):
+def backward(c: Call, k, function: str, read_widths, checkpoints, chunk, grad_readouts, grad_final, num_threads,
+             given_outs=None):
     """A kernel's backward over a call: (the gradients of c.ops, in their order, and
-    the initial state's)."""
+    the initial state's). given_outs: {index of an op: the array its gradient goes to} where that is not
+    [B, T, H, n] per token (c.factored_decay's rate: [B, H, K·V], summed over the tokens)."""
     batch, tokens, heads = c.lead
     dtype = c.state.dtype
     seg, _ = c.segments(chunk)
     grads = [operand(g, dtype, c.lead + (n,), f"the gradient of readout {i}")
              for i, (g, n) in enumerate(zip(grad_readouts, read_widths))]
-    outs = gradient_arrays(c.lead, c.structure.widths, dtype, c.unwritten)  # (aligned: the kernel streams rows)
+    given_outs = given_outs or {}
+    # (aligned: the kernel streams rows)
+    outs = gradient_arrays(c.lead, c.structure.widths, dtype, c.unwritten | frozenset(given_outs))
+    for i, array in given_outs.items():
+        outs[i] = array
     final = np.zeros_like(c.state) if grad_final is None else np.ascontiguousarray(grad_final, dtype=dtype)
     if batch * heads == 0 or tokens == 0:
         for o in outs:

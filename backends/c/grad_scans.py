@@ -5,8 +5,8 @@ the arrays, as decay_scan does:
 
     a decay of the value axis or corrections on the value side     → c.grad_value_side (row by row; key-side
                                                                       corrections beside a value-axis decay too)
-    an elementwise decay (a log-decay [B, T, H, K, V]) or a state read as it is (a query None: a vector
-    state an output uses as a value)                                → c.grad_elementwise (every element its own
+    an elementwise decay (a log-decay [B, T, H, K, V], or factored: c.factored_decay) or a state read as it
+    is (a query None: a vector state an output uses as a value)     → c.grad_elementwise (every element its own
                                                                       recurrence)
     else: a decay of the rows, rank-one corrections and writes, readouts q·S   → c.grad_kernels
 
@@ -39,13 +39,15 @@ import numpy as np
 from ..dsl.errors import LinrecError
 from ..numpy.adjoint_scan import ScanGrads
 from . import grad_calls, grad_elementwise, grad_kernels, grad_value_side, scaled_keys, small_decays
+from .factored_decay import FactoredDecay, factored_decay  # noqa: F401  (factored_decay: the module's helper)
 from .scaled_keys import scaled  # noqa: F401  (the generated module's helper: c.grad imports it from here)
 
 
 def _kernel(log_decay, queries, corrections, value_log_decay, value_corrections) -> str:
     """The kernels that run a state's scans: "value_side", "elementwise" or "rows" (c.grad_kernels)."""
     value_side = value_log_decay is not None or bool(value_corrections)
-    elementwise = np.ndim(log_decay) == 5 or any(q is None for q, _ in queries)
+    elementwise = isinstance(log_decay, FactoredDecay) or np.ndim(log_decay) == 5 or \
+        any(q is None for q, _ in queries)
     if corrections and (elementwise or value_corrections):  # (c.grad refuses such programs; a direct caller: why)
         raise LinrecError("rank-one corrections on the key side beside value-side ones, an elementwise decay or a "
                           "read of the state as it is: the C backward does not take them")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from ..compiler import Compiled, ir
 from ..compiler.adjoint import Accumulate, GradRef, derive_decomposed
 from ..compiler.analysis import walk
+from ..compiler.decay_factors import DecayFactors
 from ..compiler.key_factors import KeyFactors
 from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
 from .adjoint_in_place import in_place_products
@@ -69,7 +70,8 @@ class DecomposedEmitter(BackwardEmitter):
     def __init__(self, compiled: Compiled, form: str):
         super().__init__(compiled)
         self.form = form
-        self.decomposed = derive_decomposed(compiled, self.em.refold, self.readout_query, self.key_factors)
+        self.decomposed = derive_decomposed(compiled, self.em.refold, self.readout_query, self.key_factors,
+                                            self.decay_factors)
         em, n = self.em, self.em.name
         self.readout_vars = {r.index: em.fresh(f"r{r.index}") for r in compiled.decomposition.readouts}
         for i, var in self.readout_vars.items():
@@ -100,6 +102,12 @@ class DecomposedEmitter(BackwardEmitter):
     def key_factors(self, t) -> KeyFactors | None:
         """The transition's key-side vectors as the scans take them, factored into per-token scalars times the
         vectors they share (compiler.key_factors), or None: each slot its own array (the NumPy scans')."""
+        return None
+
+    def decay_factors(self, t) -> DecayFactors | None:
+        """The transition's elementwise log-decay as the scans take it, factored into a rate the same for every
+        token and a step per token (compiler.decay_factors), or None: one array [B, T, H, rows, cols] (the NumPy
+        scans')."""
         return None
 
     def printer(self, token_index):
@@ -209,8 +217,14 @@ class DecomposedEmitter(BackwardEmitter):
         shape = tuple(reversed(st.shape)) if st.name in self.c.decomposition.transposed else st.shape
         rows, cols = n(shape[0]), ("1" if len(shape) == 1 else n(shape[1]))
         lines = ["", f"# {st.name}: {t.kind}", f"#   {st.name}_t = {canonical_text(t)}"]
+        factored = self.decay_factors(t)
         if t.log_decay is None:
             lines.append(f"{decay} = {self.no_decay}")
+        elif factored:  # (rate·diag(step) or diag(step)·rate: the rate [H, rows, cols], the step per token)
+            self.helpers.add("factored_decay")
+            step = per_token(prelude(em.refold(factored.step)), rows if factored.rows else cols, False)
+            lines.append(f"{decay} = factored_decay({prelude(em.refold(factored.rate))}, {step}, (heads, {rows}, "
+                         f"{cols}), rows={factored.rows})")
         else:
             # (an elementwise decay: one log-decay per element, [B, T, H, rows, cols])
             width = f"{rows}, {cols}" if t.elementwise else rows if t.log_decay.shape else "1"
@@ -389,7 +403,10 @@ class DecomposedEmitter(BackwardEmitter):
             self.helpers.add("value_signed_grads")
             lines.append(f"{g} = value_signed_grads({g}, {a.value_signs[0]}, {a.value_signs[1]})  # (the same: "
                          f"before with_value_signs)")
-        if t.log_decay is not None:
+        if self.decay_factors(t):  # (the rate's gradient summed over the batch rows and tokens: [H, rows, cols])
+            self.seeds[f"{st.name}.log_decay.rate"] = f"{g}.log_decay.rate"
+            self.seeds[f"{st.name}.log_decay.step"] = f"{g}.log_decay.step"
+        elif t.log_decay is not None:
             self.seeds[f"{st.name}.log_decay"] = f"{g}.log_decay" + ("" if t.log_decay.shape else "[..., 0]")
         if t.value_log_decay is not None:
             self.seeds[f"{st.name}.value_log_decay"] = f"{g}.value_log_decay" + \
