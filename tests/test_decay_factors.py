@@ -5,7 +5,8 @@ programs with a step along the columns (Mamba-1's A·diag(Δ)) and along the row
 by the heads, a rate computed from a param, against the NumPy recurrent backward (which takes the log-decay as
 one array) at 1e-9 in float64 and 5e-4 in float32 — several batch rows (the rate's gradient summed over them),
 sizes that are not whole registers, segments that do not divide T, an initial state and a final state's
-gradient."""
+gradient; variants of the rate and the step (a per-head scalar times a shared matrix, named values, a second
+write, a readout before the update)."""
 from __future__ import annotations
 
 import numpy as np
@@ -109,3 +110,29 @@ def test_the_rate_is_checked():
     with pytest.raises(RuntimeInputError, match=r"rate of a factored log-decay should have shape \[2, 3, 4\]"):
         grad_elementwise.elementwise_checkpoints(s0, decay, [(np.zeros((1, 5, 2, 3)), np.zeros((1, 5, 2, 4)))],
                                                  [(np.zeros((1, 5, 2, 3)), False)], None)
+
+
+VARIANTS_HEAD = """recurrence variant(dk = 5, dv = 4)
+input q[dk], k[dk], v[dv], z[dv], w[dk]
+param A[dk, dv] per head = −uniform(1, 4, seed=0)
+param P[dk, dv] = uniform(0.5, 2, seed=2)
+param c per head = uniform(0.5, 1, seed=3)
+state S[dk, dv]
+"""
+
+VARIANTS = {  # body → the factors found
+    # a per-head scalar times a matrix the heads share: the rate's gradient [H, dk, dv] times c [H]
+    "S = exp((−c·P)·diag(softplus(z)))*S + k⊗v\noutput o = q·S": ("−c·P", "softplus(z)", False),
+    # the step a named value, which the write reads too
+    "s = softplus(z)\nS = exp(A·diag(s))*S + k⊗(s*v)\noutput o = q·S": ("A", "softplus(z)", False),
+    # along the rows, from a named value an output reads too; a second write, a readout before the update
+    "r = sigmoid(w)\noutput e = q·S\nS = exp(diag(r)·A)*S + k⊗v + w⊗z\noutput o = q·S + r·k": ("A", "sigmoid(w)", True),
+}
+
+
+@pytest.mark.parametrize("body", list(VARIANTS))
+def test_variants(body):
+    rec = linrec.compile(VARIANTS_HEAD + body + "\n", "variant.lin")
+    assert _factors(rec) == VARIANTS[body]
+    assert "factored_decay(" in rec.emit_gradient("recurrent", "c")
+    _check(rec, {"dk": 6, "dv": 17}, 21, 4)
