@@ -60,6 +60,18 @@ S = exp(g)·S + beta·kn⊗(v − kn·S) + 0.01·z⊗v
 output o = q·S + p
 output r = z*sigmoid(q)
 """,
+    # a scalar times a correction of the state, exp(g)·(I − beta·kz⊗kz)·S, whose key reads a state that reads
+    # this one back (a cycle: no stages)
+    "scaled": """\
+recurrence scaled(dk = 6, dv = 7)
+input q[dk], k[dk], v[dv]
+input g <= 0, beta in (0, 1)
+state S[dk, dv], z[dk]
+kz = l2norm(k + 0.1*z)
+S = exp(g)·(I − beta·kz⊗kz)·S + beta·kz⊗v
+z = exp(g)*z + 0.1*tanh(S·v)
+output o = q·S
+""",
     # every output reads the final state
     "encoder": """\
 recurrence encoder(dk = 4, dv = 3) noncausal
@@ -138,9 +150,12 @@ def test_steps_chained_equal_prefill(linrec, monkeypatch, name, dtype):
 
 
 def test_products_follow_their_structure(linrec):
-    """A delta rule between two diagonal decays costs vector products (k·S), never a matrix product;
-    two dense matrices meet in one (the product loop over k)."""
+    """A delta rule between two diagonal decays, or behind a scalar (exp(g)·(I − beta·k⊗k)·S: the scalar taken
+    out of the product), costs vector products (k·S), never a matrix product; two dense matrices meet in one
+    (the product loop over k)."""
     assert "a_ik" not in rec_for(linrec, "gates").emit("recurrent", backend="c")
+    scaled = rec_for(linrec, "scaled").emit("recurrent", backend="c")
+    assert "a_ik" not in scaled and "/* kz·S */" in scaled
     assert "a_ik" in rec_for(linrec, "dense").emit("recurrent", backend="c")
 
 

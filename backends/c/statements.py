@@ -178,6 +178,9 @@ class StatementPrinter(CPrinter):
                 return self._binary(side.op, self.melem(with_(side.left), i, j), self.scalar(side.right), side.right)
             if isinstance(side, ir.Arith) and side.op == "mul" and not side.left.shape:
                 return f"({self.scalar(side.left)} * {self.melem(with_(side.right), i, j)})"
+            if isinstance(side, ir.Dot) and (not side.left.shape or not side.right.shape):  # (s·B)·X = s·(B·X)
+                scalar, matrix = (side.left, side.right) if not side.left.shape else (side.right, side.left)
+                return f"({self.scalar(scalar)} * {self.melem(with_(matrix), i, j)})"
         if isinstance(a, ir.Dot) and _rank(a.left) == 2 and _rank(a.right) == 2:  # (A·B)·b = A·(B·b)
             return self.melem(ir.Dot(e.shape, a.left, ir.Dot((a.right.shape[0], b.shape[1]), a.right, b)), i, j)
         if e not in self._matrices:  # two matrices with no structure to use: their product, computed whole
