@@ -172,6 +172,7 @@ def describe(rec, path: str) -> dict:
         entry["refused"] = {} if why else {b: str(registry.backend(b).why_not(rec.compiled, form))
                                            for b in _backend_names() if b not in entry["backends"]}
         if form == "recurrent" and "c" in entry["backends"] and d.sequence is None:
+            entry["c_sequences_in_stages"] = registry.backend("c").sequences_in_stages(rec.compiled)
             entry["c_kernel"] = registry.backend("c").recurrent_kernel(rec.compiled)
         info["forms"].append(entry)
     for form in _form_names():  # the backward of each form (docs/gradients.md)
@@ -261,7 +262,9 @@ def format_check(info: dict) -> str:
         if f["available"]:
             where = (f"backends: {', '.join(f['backends'])}" if f["backends"]
                      else "no backend generates it yet")
-            if f.get("c_kernel") == STATEMENTS:
+            if f.get("c_sequences_in_stages"):
+                where += "; C runs a fused kernel per stage"
+            elif f.get("c_kernel") == STATEMENTS:
                 where += "; C runs its statements one by one"
             out.append(f"  {f['form']:<10}  available ({where})")
             out += _refusals(f["refused"])

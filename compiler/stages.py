@@ -73,6 +73,21 @@ class Stage:
     def forms(self) -> tuple[str, ...]:
         return self.decomposition.forms
 
+    def header(self) -> str:
+        """The stage as its generated source's header names it: its states, what it takes and hands on."""
+        takes = f"; takes {', '.join(self.takes)}" if self.takes else ""
+        hands = f"; hands on {'; '.join(h.text() for h in self.hands)}" if self.hands else ""
+        return f"stage {self.number}: state(s) {', '.join(self.states)}{takes}{hands}"
+
+    def arguments(self, values: dict, params: dict, initial_state: dict | None) -> tuple[dict, dict, dict | None]:
+        """The stage's inputs (taken from `values`: the program's inputs and what earlier stages handed on),
+        params and initial states (None: none given), by name."""
+        program = self.program
+        state0 = None if initial_state is None else \
+            {s.name: initial_state[s.name] for s in program.states if s.name in initial_state}
+        return ({x.name: values[x.name] for x in program.inputs},
+                {p.name: params[p.name] for p in program.params if p.name in params}, state0)
+
 
 class _NoStages(Exception):
     """The program does not split into stages (the message says why, for check's reason)."""

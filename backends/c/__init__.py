@@ -31,7 +31,7 @@ from __future__ import annotations
 from ..compiler import Compiled
 from ..compiler.adjoint import why_no_gradient
 from ..interface import Refusal
-from . import attention_backward, backend, grad, grad_chunk
+from . import attention_backward, backend, grad, grad_chunk, staged_recurrent
 
 
 class CBackend:
@@ -55,6 +55,11 @@ class CBackend:
 
     def recurrent_kernel(self, compiled: Compiled) -> str:
         return backend.recurrent_kernel(compiled)
+
+    def sequences_in_stages(self, compiled: Compiled) -> bool:
+        """Whether the recurrent form's sequences run stage by stage, a fused kernel each, while its decode
+        step runs the program as written (c.staged_recurrent)."""
+        return staged_recurrent.sequence_stages(compiled) is not None
 
     # ---- gradients (docs/gradients.md): the adjoint recurrences in C (c.grad, c.grad_chunk) ----
     def gradient_why_not(self, compiled: Compiled, form: str) -> Refusal | None:

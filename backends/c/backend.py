@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..compiler import Compiled
+from ..compiler import Compiled, stage_compiled
 from ..dsl.errors import LinrecError, RuntimeInputError
 from ..templating import c_comment_text
 
@@ -32,6 +32,7 @@ from . import attention as c_attention
 from . import build as c_build
 from . import fork
 from . import scan as c_scan
+from . import staged_recurrent
 from . import support
 from . import value_split
 from .buffers import C_INT_MAX, RecycledArrays, aligned_copy, aligned_zeros, checked, require_c_int_sizes
@@ -109,9 +110,15 @@ class CRecurrent:
         _require(compiled, "recurrent")
         self.compiled = compiled
         self.program = compiled.program
+        # a program the fused kernel takes only stage by stage runs its sequences so (c.staged_recurrent); its
+        # decode step stays the statement kernel of the program as written
+        stages = staged_recurrent.sequence_stages(compiled)
+        self._staged = None if stages is None else staged_recurrent.StagedSequence(compiled, stages, CRecurrent)
         # the fused kernel writes the states asked for (checkpoints, the last K) as it passes them
         fused = support.fused_refusal(compiled) is None
-        self.capabilities = replace(CRecurrent.capabilities, snapshots=fused,
+        self.capabilities = replace(CRecurrent.capabilities, snapshots=fused or stages is not None,
+                                    checks_ranges=stages is None or staged_recurrent.checks_every_range(compiled,
+                                                                                                       stages),
                                     steps_slots=fused and compiled.program.causal,
                                     bfloat16_steps=fused and compiled.program.causal)
         self._kernels: dict[tuple, Kernel] = {}
@@ -190,6 +197,8 @@ class CRecurrent:
         """Inputs [B, T, H, *], params as from default_params, initial states [B, H, *] (not modified).
         Returns (outputs [B, T, H, *], final states [B, H, *]). `out` may hold preallocated output arrays
         (C-contiguous, right shape and dtype) to write into: a new array's first touch costs page faults."""
+        if self._staged is not None:
+            return self._staged.forward(inputs, params, initial_state, dims, num_threads, out)
         outputs, finals, _ = self._run(inputs, params, initial_state, dims, num_threads, out, None)
         return outputs, finals
 
@@ -201,6 +210,8 @@ class CRecurrent:
         instead, by name, each C-contiguous [B, H, len(stops) + 1, *] in the inputs' dtype — the state after
         stops[i] at [:, :, i + 1] (index 0 the caller's: the chunk backward puts the initial state there) —
         whose snapshots are then those arrays' [:, :, 1:]."""
+        if self._staged is not None:
+            return self._staged.forward_snapshots(inputs, params, initial_state, dims, stops, num_threads, into)
         return self._run(inputs, params, initial_state, dims, num_threads, None, stops, into or {})
 
     def _run(self, inputs, params, initial_state, dims, num_threads, out, stops, into=None):
@@ -302,7 +313,16 @@ def emit_recurrent(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | 
     _require(compiled, "recurrent")
     sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
     target = Target(CTYPES[np.dtype(dtype)], c_build.vector_bytes())
-    return recurrent_source(compiled, sizes, target).source()
+    whole = recurrent_source(compiled, sizes, target).source()
+    stages = staged_recurrent.sequence_stages(compiled)
+    if stages is None:
+        return whole
+    # (sequences stage by stage, each stage's fused kernel; the decode step the program's statements)
+    parts = [f"/* ==== {stage.header()}: its sequences' fused kernel ==== */\n"
+             + recurrent_source(stage_compiled(compiled, stage), sizes, target).source() for stage in stages]
+    parts.append("/* ==== the decode step (lr_step): the program as written, its statements one by one ==== */\n"
+                 + whole)
+    return "\n\n".join(parts)
 
 
 def _require(compiled: Compiled, form: str) -> None:
