@@ -30,6 +30,8 @@ from linrec.c import elementwise as c_elementwise
 from linrec.c import grad_chunk_kernels as c_grad_chunk_kernels
 from linrec.c import grad_kernels as c_grad_kernels
 from linrec.c import scan as c_scan
+from linrec.c import staged_recurrent
+from linrec.compiler import stage_compiled
 from linrec.c import values as c_values
 from linrec.numpy import sequence as numpy_sequence
 
@@ -127,6 +129,9 @@ def _kernel_sources() -> list[tuple[str, str]]:
                 continue
             if c_backend.why_not(compiled, "recurrent") is None and c_backend.recurrent_kernel(compiled) != "scan":
                 out.append((f"{stem} recurrent {dtype.__name__}", c_backend.emit_recurrent(compiled, dtype)))
+                for stage in staged_recurrent.sequence_stages(compiled) or ():  # (its sequences' kernels)
+                    out.append((f"{stem} recurrent {dtype.__name__}, stage {stage.number}",
+                                c_backend.emit_recurrent(stage_compiled(compiled, stage), dtype)))
             if c_backend.why_not(compiled, "chunkwise") is None:
                 for state, s in c_scan.structures(compiled, dtype):
                     render = c_values.render if isinstance(s, c_values.Structure) else \

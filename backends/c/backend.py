@@ -313,13 +313,19 @@ def emit_recurrent(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | 
     _require(compiled, "recurrent")
     sizes = {d.name: d.default for d in compiled.program.dims} | dict(dims or {})
     target = Target(CTYPES[np.dtype(dtype)], c_build.vector_bytes())
-    whole = recurrent_source(compiled, sizes, target).source()
+    return recurrent_source(compiled, sizes, target).source()
+
+
+def emit_recurrent_form(compiled: Compiled, dtype=np.float32, dims: dict[str, int] | None = None) -> str:
+    """What the recurrent form runs on C, to read: its kernel; or, where its sequences run stage by stage
+    (c.staged_recurrent), each stage's fused kernel and then the program's own, which the decode step runs
+    (each a compilation unit of its own: they define the same entry points)."""
     stages = staged_recurrent.sequence_stages(compiled)
+    whole = emit_recurrent(compiled, dtype, dims)
     if stages is None:
         return whole
-    # (sequences stage by stage, each stage's fused kernel; the decode step the program's statements)
     parts = [f"/* ==== {stage.header()}: its sequences' fused kernel ==== */\n"
-             + recurrent_source(stage_compiled(compiled, stage), sizes, target).source() for stage in stages]
+             + emit_recurrent(stage_compiled(compiled, stage), dtype, dims) for stage in stages]
     parts.append("/* ==== the decode step (lr_step): the program as written, its statements one by one ==== */\n"
                  + whole)
     return "\n\n".join(parts)
@@ -381,7 +387,7 @@ def emit(compiled: Compiled, form: str, **options) -> str:
         return _sequence_source(compiled, form, **options)
     if _scan_form(compiled, form):
         return c_scan.emit(compiled, "chunkwise" if form == "recurrent" else form, **options)
-    return emit_recurrent(compiled, **options)
+    return emit_recurrent_form(compiled, **options)
 
 
 def load(compiled: Compiled, form: str):
