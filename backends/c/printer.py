@@ -36,9 +36,11 @@ _ELEMENTWISE = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logs
                 "cos": "lr_cos", "sin": "lr_sin"}
 # elementwise builtins with a helper over a whole row (whole registers at a time, see c_common.h.j2): used
 # for vectors, where the scalar helper in a vectorized loop costs about twice the instructions
-_ROWS = {"exp": "lr_exp_row", "sigmoid": "lr_sigmoid_row", "silu": "lr_silu_row"}
+_ROWS = {"exp": "lr_exp_row", "sigmoid": "lr_sigmoid_row", "silu": "lr_silu_row", "log": "lr_log_row",
+         "softplus": "lr_softplus_row", "logsigmoid": "lr_logsigmoid_row"}
 # … and over one register (c_printer.lanes)
-_REGISTER = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v"}
+_REGISTER = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v", "log": "lr_log_v",
+             "softplus": "lr_softplus_v", "logsigmoid": "lr_logsigmoid_v"}
 _VECTOR = {"l2norm", "groupnorm", "rmsnorm", "softmax"}
 _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
