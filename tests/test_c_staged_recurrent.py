@@ -16,9 +16,10 @@ import pytest
 import linrec
 from linrec import registry
 from compare import rel_err
+from test_stages import ATTEND, PRECONDITIONED, assert_close, preconditioned_case  # (ATTEND: stage 2's key a
+# softmax over stage 1's readout q·U)
 
 ROOT = Path(__file__).resolve().parent.parent
-PRECONDITIONED = linrec.load(ROOT / "examples" / "preconditioned_deltanet.lin")
 DIMS = {"dk": 7, "dv": 5}  # (odd sizes: no whole register)
 
 # a combination no example has: a vector state of key energy whose value sets the delta rule's writing
@@ -35,36 +36,10 @@ output o = dk^(−1/2)·q·S
 output energy = n
 """)
 
-# stage 2's write key is a softmax over stage 1's readout q·U
-ATTEND = linrec.compile("""
-recurrence attend_memory(dk = 6, dv = 5)
-input q[dk], k[dk], v[dv], p[dv], a <= 0
-state U[dk, dv], S[dv, dv]
-U = exp(a)·U + k⊗v
-w = softmax(q·U)
-S = S + w⊗v
-output o = p·S
-""")
 
-
-def preconditioned_inputs(B=2, T=37, H=3, dims=DIMS, seed=0, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    dk, dv = dims["dk"], dims["dv"]
-    x = {"q": rng.standard_normal((B, T, H, dk)), "k": rng.standard_normal((B, T, H, dk)),
-         "v": rng.standard_normal((B, T, H, dv)), "beta": rng.uniform(0.05, 0.95, (B, T, H)),
-         "g": -0.3 * np.abs(rng.standard_normal((B, T, H))), "gA": -0.3 * np.abs(rng.standard_normal((B, T, H, dk))),
-         "betaA": rng.uniform(0.05, 0.95, (B, T, H))}
-    s0 = {"A": rng.uniform(0.0, 0.2, (B, H, dk)), "S": rng.standard_normal((B, H, dk, dv))}
+def preconditioned_inputs(B=2, T=37, H=3, seed=0, dtype=np.float64):
+    x, s0 = preconditioned_case(B=B, T=T, H=H, dk=DIMS["dk"], dv=DIMS["dv"], seed=seed)
     return {k: v.astype(dtype) for k, v in x.items()}, {k: v.astype(dtype) for k, v in s0.items()}
-
-
-def assert_close(got, want, rtol):
-    for kind in ("outputs", "final_state"):
-        a, b = getattr(got, kind), getattr(want, kind)
-        assert set(a) == set(b), kind
-        for name in b:
-            err = rel_err(a[name], b[name])
-            assert err <= rtol, f"{kind} '{name}': relative error {err:.3g} > {rtol:g}"
 
 
 def test_the_sequences_run_stage_by_stage_only_where_the_fused_kernel_takes_every_stage_and_not_the_whole():
