@@ -16,8 +16,8 @@ import pytest
 import linrec
 from linrec import registry
 from compare import rel_err
-from test_stages import ATTEND, PRECONDITIONED, assert_close, preconditioned_case  # (ATTEND: stage 2's key a
-# softmax over stage 1's readout q·U)
+from test_stages import (ATTEND, CYCLE, DECAYED_BY_A_STATE, PRECONDITIONED,  # (ATTEND: stage 2's key a softmax
+                         assert_close, preconditioned_case)                # over stage 1's readout q·U)
 
 ROOT = Path(__file__).resolve().parent.parent
 DIMS = {"dk": 7, "dv": 5}  # (odd sizes: no whole register)
@@ -48,23 +48,8 @@ def test_the_sequences_run_stage_by_stage_only_where_the_fused_kernel_takes_ever
     assert c.sequences_in_stages(ENERGY_GATED.compiled) and c.sequences_in_stages(ATTEND.compiled)
     gla = linrec.load(ROOT / "examples" / "gla.lin")  # (fused as a whole: one kernel)
     assert not c.sequences_in_stages(gla.compiled)
-    cycle = linrec.compile("""
-recurrence cycle(d = 4)
-input k[d], v[d], g[d] <= 0
-state A[d], B[d]
-A = exp(g)*A + k*tanh(B)
-B = exp(g)*B + v*sigmoid(A)
-output o = A + B
-""")  # (no stages: the states read each other)
-    assert not c.sequences_in_stages(cycle.compiled)
-    elementwise = linrec.compile("""
-recurrence decayed_by_a_state(dk = 4, dv = 4)
-input q[dk], k[dk], v[dv], g[dk] <= 0, w[dv] > 0
-state A[dk], S[dk, dv]
-A = exp(g)*A + k*k
-S = (A⊗w)*S + k⊗v
-output o = q·S
-""")  # (stage 2 decays elementwise, which the fused kernel does not take: the statements as written)
+    assert not c.sequences_in_stages(CYCLE.compiled)  # (no stages: the states read each other)
+    elementwise = DECAYED_BY_A_STATE  # (stage 2 decays elementwise, which the fused kernel does not take)
     assert len(elementwise.decomposition.stages) == 2 and not c.sequences_in_stages(elementwise.compiled)
     module = PRECONDITIONED.module("recurrent", "c")
     assert module.capabilities.snapshots and module.capabilities.checks_ranges

@@ -50,6 +50,16 @@ output o = A + B
 """)
 
 
+# stage 2 decays elementwise by A_t⊗w, A_t a state of stage 1
+DECAYED_BY_A_STATE = linrec.compile("""
+recurrence decayed_by_a_state(dk = 4, dv = 4)
+input q[dk], k[dk], v[dv], g[dk] <= 0, w[dv] > 0
+state A[dk], S[dk, dv]
+A = exp(g)*A + k*k
+S = (A⊗w)*S + k⊗v
+output o = q·S
+""")
+
 def assert_close(got, want, rtol=RTOL):
     for kind in ("outputs", "final_state"):
         a, b = getattr(got, kind), getattr(want, kind)
@@ -263,14 +273,7 @@ def test_a_stage_without_a_form_gives_the_program_its_reason():
     """S decays elementwise by A_t⊗w, A_t a state: no symbolic logarithm, and nothing bounds it above 0 (an
     elementwise decay is not taken with its signs). Stage 1 has every form, stage 2 the recurrent one: so has
     the program, with stage 2's reason (naming what A_t is)."""
-    rec = linrec.compile("""
-recurrence decayed_by_a_state(dk = 4, dv = 4)
-input q[dk], k[dk], v[dv], g[dk] <= 0, w[dv] > 0
-state A[dk], S[dk, dv]
-A = exp(g)*A + k*k
-S = (A⊗w)*S + k⊗v
-output o = q·S
-""")
+    rec = DECAYED_BY_A_STATE
     first, second = rec.decomposition.stages
     assert first.forms == ("recurrent", "parallel", "chunkwise") and second.forms == ("recurrent",)
     assert rec.forms == ("recurrent",)
