@@ -156,6 +156,16 @@ def test_products_follow_their_structure(linrec):
     assert "a_ik" not in rec_for(linrec, "gates").emit("recurrent", backend="c")
     scaled = rec_for(linrec, "scaled").emit("recurrent", backend="c")
     assert "a_ik" not in scaled and "/* kz·S */" in scaled
+
+
+def test_an_elementwise_decay_takes_its_exponentials_a_row_at_a_time(linrec):
+    """exp(A⊗dt), a matrix per token, goes row by row into a buffer through the row helper (lr_exp_v's one
+    vscalefps a register, where GCC's vectorized scalar lr_exp scales in two halves) before the update reads it;
+    the values: test_matches_numpy and test_steps_chained_equal_prefill on the same program."""
+    source = rec_for(linrec, "selective").emit("recurrent", backend="c")
+    update = source[source.index("/* S = exp(A⊗dt)*S + B⊗(dt*x)"):]
+    update = update[:update.index("/* output")]
+    assert "lr_exp_row(r" in update and "lr_exp(" not in update
     assert "a_ik" in rec_for(linrec, "dense").emit("recurrent", backend="c")
 
 
