@@ -72,6 +72,17 @@ S = exp(g)·(I − beta·kz⊗kz)·S + beta·kz⊗v
 z = exp(g)*z + 0.1*tanh(S·v)
 output o = q·S
 """,
+    # an elementwise exponential in a product's right factor (fuzz seed 59): the vector product q·(E*S) is
+    # printed before the update's loop, so the exponential there is no row of that loop's (it was: 'r6'
+    # undeclared), and a row of it in the update
+    "rowed": """\
+recurrence rowed(dk = 5, dv = 18)
+input q[dk], k[dk], v[dv]
+input beta in (0, 1)
+state S[dk, dv]
+S = (I − beta·q⊗q)·(exp(−(abs(k)⊗abs(v)))*S) + beta·q⊗v
+output o = l2norm(k)·S
+""",
     # every output reads the final state
     "encoder": """\
 recurrence encoder(dk = 4, dv = 3) noncausal

@@ -80,7 +80,8 @@ class StatementPrinter(CPrinter):
         lr_exp, but with its two-halves scaling where lr_exp_v has one vscalefps (Mamba-1's update, dk = dv = 64:
         1.78 against 1.10 µs a token and head, measured alone). The argument may read the state being written
         only at (i, j), as every element code of an update does, so row i is read before it is written. None
-        where there is no such row (an index other than i, j: a product's inner loop)."""
+        where there is no such row: outside matrix_store's element, or in what it prints before its loop (a vector
+        product's or a product's own loops: _product_into, _materialize_product)."""
         if self._row_prologue is None or (i, j) != ("i", "j") or e.function not in _ROWS or not token_variant(e):
             return None
         cols = self.cols(e)
@@ -118,6 +119,15 @@ class StatementPrinter(CPrinter):
         return self._product_into(e, target)
 
     def _product_into(self, e: ir.Dot, target: str) -> list[str]:
+        # (printed before the loop that needs it, so none of its elements may be a row of that loop's: its
+        # loops over i and j are its own)
+        outer, self._row_prologue = self._row_prologue, None
+        try:
+            return self._vector_product(e, target)
+        finally:
+            self._row_prologue = outer
+
+    def _vector_product(self, e: ir.Dot, target: str) -> list[str]:
         n = self.size(e.shape[0])
         a, b = e.left, e.right
         if _rank(a) == 1:  # a·M: r_j = Σ_i a_i M_ij, row after row of M
@@ -228,7 +238,11 @@ class StatementPrinter(CPrinter):
     def _materialize_product(self, e: ir.Dot) -> None:
         a, b = e.left, e.right
         rows, inner, cols = self.size(a.shape[0]), self.size(a.shape[1]), self.size(b.shape[1])
-        aik, bkj = self.melem(a, "i", "k"), self.melem(b, "k", "j")
+        outer, self._row_prologue = self._row_prologue, None  # (as _product_into: printed before the loop)
+        try:
+            aik, bkj = self.melem(a, "i", "k"), self.melem(b, "k", "j")
+        finally:
+            self._row_prologue = outer
         name = self._scratch_matrix(e)
         self._sink(e).extend([
             f"for (int i = 0; i < {rows}; ++i) {{",
