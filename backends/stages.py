@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .compiler import Compiled, stage_compiled
+from .compiler.stages import run_in_order
 from .dsl.errors import LinrecError
 from .interface import Backend, Capabilities, Refusal
 from .numpy import BACKEND as NUMPY
@@ -168,14 +169,9 @@ class StagedModule:
 
     def forward(self, inputs: dict, params: dict, initial_state: dict | None, dims: dict[str, int],
                 chunk_size: int | None = None) -> tuple[dict, dict]:
-        values = dict(inputs)
-        outputs, final = {}, {}
-        for stage, module in zip(self.stages, self.modules):
-            given, used, state0 = stage.arguments(values, params, initial_state)
-            out, ends = module.forward(given, used, state0, dims, chunk_size=chunk_size)
-            values.update((h.name, out[h.name]) for h in stage.hands)
-            outputs.update((name, out[name]) for name in stage.outputs)
-            final.update((s.name, ends[s.name]) for s in stage.program.states)
+        outputs, final, _ = run_in_order(self.stages, inputs, params, initial_state, lambda stage, *arguments:
+                                         self.modules[stage.number - 1].forward(*arguments, dims,
+                                                                                chunk_size=chunk_size))
         return {name: outputs[name] for name in self.output_names}, final
 
 
@@ -197,11 +193,9 @@ class StagedGradient:
 
     def backward(self, inputs: dict, params: dict, initial_state: dict, dims: dict[str, int], grad_outputs: dict,
                  grad_final_state: dict, derived_params=(), chunk_size: int | None = None):
-        values = dict(inputs)  # the program's inputs and the values the stages hand on
-        for stage, module in zip(self.stages, self.forwards):
-            out, _ = module.forward(*stage.arguments(values, params, initial_state), dims,
-                                    chunk_size=chunk_size)
-            values.update((h.name, out[h.name]) for h in stage.hands)
+        # the stages but the last, for the values they hand on (values: the inputs and those)
+        _, _, values = run_in_order(self.stages[:-1], inputs, params, initial_state, lambda stage, *arguments:
+                                    self.forwards[stage.number - 1].forward(*arguments, dims, chunk_size=chunk_size))
         upstream = dict(grad_outputs)  # the program's outputs' gradients, and those of the values handed on
         outputs, final, grads = {}, {}, {}
         for stage, module in zip(reversed(self.stages), reversed(self.backwards)):

@@ -89,6 +89,21 @@ class Stage:
                 {p.name: params[p.name] for p in program.params if p.name in params}, state0)
 
 
+def run_in_order(stages, inputs: dict, params: dict, initial_state: dict | None, run) -> tuple[dict, dict, dict]:
+    """The stages run one after another, each given the program's inputs it reads and the values the stages
+    before it handed on: run(stage, inputs, params, initial states) → (its outputs, its final states), its
+    arguments from Stage.arguments. Returns (the program's outputs the stages computed, every stage's final
+    states, the inputs with every value handed on)."""
+    values = dict(inputs)
+    outputs, final = {}, {}
+    for stage in stages:
+        out, ends = run(stage, *stage.arguments(values, params, initial_state))
+        values.update((h.name, out[h.name]) for h in stage.hands)
+        outputs.update((name, out[name]) for name in stage.outputs)
+        final.update((s.name, ends[s.name]) for s in stage.program.states)
+    return outputs, final, values
+
+
 class _NoStages(Exception):
     """The program does not split into stages (the message says why, for check's reason)."""
 

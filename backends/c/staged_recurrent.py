@@ -22,6 +22,7 @@ small updates, which the stages would split into two calls and an array per hand
 from __future__ import annotations
 
 from ..compiler import Compiled, stage_compiled
+from ..compiler.stages import run_in_order
 from . import support
 from .stabilize import Scales
 
@@ -54,7 +55,8 @@ class StagedSequence:
 
     def __init__(self, compiled: Compiled, stages: tuple, recurrent):
         # (recurrent: CRecurrent, passed in — this module is one that c.backend imports)
-        self.stages = tuple((stage, recurrent(stage_compiled(compiled, stage))) for stage in stages)
+        self.stages = stages
+        self.modules = tuple(recurrent(stage_compiled(compiled, stage)) for stage in stages)
         self.output_names = tuple(o.name for o in compiled.program.outputs)
 
     def forward(self, inputs, params, initial_state, dims, num_threads=None, out=None):
@@ -67,19 +69,17 @@ class StagedSequence:
         return self._run(inputs, params, initial_state, dims, num_threads, None, stops, into or {})
 
     def _run(self, inputs, params, initial_state, dims, num_threads, out, stops, into):
-        values = dict(inputs)
-        outputs, finals, snapshots = {}, {}, {}
-        for stage, module in self.stages:
-            given, used, state0 = stage.arguments(values, params, initial_state)
-            wanted = {name: out[name] for name in stage.outputs if out and name in out} or None
+        snapshots = {}
+
+        def run(stage, given, used, state0):
+            module = self.modules[stage.number - 1]
             if stops is None:
-                got, ends = module.forward(given, used, state0, dims, num_threads=num_threads, out=wanted)
-            else:
-                mine = {name: into[name] for name in stage.states if name in into}
-                got, ends, kept = module.forward_snapshots(given, used, state0, dims, stops, num_threads=num_threads,
-                                                           into=mine)
-                snapshots.update(kept)
-            values.update((h.name, got[h.name]) for h in stage.hands)
-            outputs.update((name, got[name]) for name in stage.outputs)
-            finals.update(ends)
+                wanted = {name: out[name] for name in stage.outputs if out and name in out} or None
+                return module.forward(given, used, state0, dims, num_threads=num_threads, out=wanted)
+            mine = {name: into[name] for name in stage.states if name in into}
+            got, ends, kept = module.forward_snapshots(given, used, state0, dims, stops, num_threads=num_threads,
+                                                       into=mine)
+            snapshots.update(kept)
+            return got, ends
+        outputs, finals, _ = run_in_order(self.stages, inputs, params, initial_state, run)
         return {name: outputs[name] for name in self.output_names}, finals, snapshots

@@ -20,6 +20,8 @@ state-free ones are inlined, so that what they share is computed once (CPrinter'
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from ..compiler import Compiled, ir
 from ..compiler.analysis import to_text, walk
 from ..dsl.errors import LinrecError
@@ -33,6 +35,15 @@ from ..version import VERSION
 
 def _rank(e: ir.Expr) -> int:
     return len(e.shape)
+
+
+def _scalar_times(e: ir.Expr) -> tuple[ir.Expr, ir.Expr] | None:
+    """(s, B) for a scalar times a matrix written s*B, s·B or B·s; else None."""
+    if isinstance(e, ir.Arith) and e.op == "mul" and not e.left.shape:
+        return e.left, e.right
+    if isinstance(e, ir.Dot) and not (e.left.shape and e.right.shape):
+        return (e.left, e.right) if not e.left.shape else (e.right, e.left)
+    return None
 
 
 def _costly(e: ir.Expr) -> bool:
@@ -62,15 +73,32 @@ class StatementPrinter(CPrinter):
         self.scratch += -(-n // 16) * 16
         return offset
 
+    @contextmanager
+    def _loop(self, prologue: list[str] | None):
+        """Around the printing of the element code of one loop over (i, j): the lines its loop over the rows runs
+        before each row (matrix_store's), or None (a loop printed before the one that needs it: a vector
+        product's, a product's — it has no rows of that loop's). Every loop over (i, j) this printer prints
+        enters it, so that _row_builtin's rows go to the loop that reads them."""
+        outer, self._row_prologue = self._row_prologue, prologue
+        try:
+            yield
+        finally:
+            self._row_prologue = outer
+
     def matrix_store(self, target: str, rows: int, cols: int, element) -> list[str]:
         """target[i, j] = element("i", "j") for every element, rows of `cols`. A builtin with a row helper of a
         token's matrix (Mamba-1's exp(A·diag(dt))) goes a row at a time into a buffer first (_row_builtin)."""
-        outer, self._row_prologue = self._row_prologue, []
-        try:
+        return self._matrix_loop(target, rows, cols, *self._element_by_rows(element))
+
+    def _element_by_rows(self, element) -> tuple[str, list[str]]:
+        """element("i", "j") printed, and what the loop over the rows must run before each row."""
+        prologue: list[str] = []
+        with self._loop(prologue):
             code = element("i", "j")
-            prologue = self._row_prologue
-        finally:
-            self._row_prologue = outer
+        return code, prologue
+
+    @staticmethod
+    def _matrix_loop(target: str, rows: int, cols: int, code: str, prologue: list[str]) -> list[str]:
         return [f"for (int i = 0; i < {rows}; ++i) {{", *(f"    {line}" for line in prologue), "    #pragma omp simd",
                 f"    for (int j = 0; j < {cols}; ++j) {target}[i * {cols} + j] = {code};", "}"]
 
@@ -80,8 +108,7 @@ class StatementPrinter(CPrinter):
         lr_exp, but with its two-halves scaling where lr_exp_v has one vscalefps (Mamba-1's update, dk = dv = 64:
         1.78 against 1.10 µs a token and head, measured alone). The argument may read the state being written
         only at (i, j), as every element code of an update does, so row i is read before it is written. None
-        where there is no such row: outside matrix_store's element, or in what it prints before its loop (a vector
-        product's or a product's own loops: _product_into, _materialize_product)."""
+        where there is no such row: outside matrix_store's element, or in a loop it prints before its own (_loop)."""
         if self._row_prologue is None or (i, j) != ("i", "j") or e.function not in _ROWS or not token_variant(e):
             return None
         cols = self.cols(e)
@@ -119,13 +146,8 @@ class StatementPrinter(CPrinter):
         return self._product_into(e, target)
 
     def _product_into(self, e: ir.Dot, target: str) -> list[str]:
-        # (printed before the loop that needs it, so none of its elements may be a row of that loop's: its
-        # loops over i and j are its own)
-        outer, self._row_prologue = self._row_prologue, None
-        try:
+        with self._loop(None):  # (printed before the loop that reads it)
             return self._vector_product(e, target)
-        finally:
-            self._row_prologue = outer
 
     def _vector_product(self, e: ir.Dot, target: str) -> list[str]:
         n = self.size(e.shape[0])
@@ -211,11 +233,9 @@ class StatementPrinter(CPrinter):
                 return f"({self.melem(with_(side.left), i, j)} {sym} {self.melem(with_(side.right), i, j)})"
             if isinstance(side, ir.Arith) and side.op in ("mul", "div") and not side.right.shape:
                 return self._binary(side.op, self.melem(with_(side.left), i, j), self.scalar(side.right), side.right)
-            if isinstance(side, ir.Arith) and side.op == "mul" and not side.left.shape:
-                return f"({self.scalar(side.left)} * {self.melem(with_(side.right), i, j)})"
-            if isinstance(side, ir.Dot) and (not side.left.shape or not side.right.shape):  # (s·B)·X = s·(B·X)
-                scalar, matrix = (side.left, side.right) if not side.left.shape else (side.right, side.left)
-                return f"({self.scalar(scalar)} * {self.melem(with_(matrix), i, j)})"
+            scaled = _scalar_times(side)  # (s*B)·X = (s·B)·X = s·(B·X)
+            if scaled:
+                return f"({self.scalar(scaled[0])} * {self.melem(with_(scaled[1]), i, j)})"
         if isinstance(a, ir.Dot) and _rank(a.left) == 2 and _rank(a.right) == 2:  # (A·B)·b = A·(B·b)
             return self.melem(ir.Dot(e.shape, a.left, ir.Dot((a.right.shape[0], b.shape[1]), a.right, b)), i, j)
         if e not in self._matrices:  # two matrices with no structure to use: their product, computed whole
@@ -231,18 +251,15 @@ class StatementPrinter(CPrinter):
         return name
 
     def _materialize(self, e: ir.Expr, element) -> None:
-        loop = self.matrix_store("{target}", *(self.size(d) for d in e.shape), element)
+        code, prologue = self._element_by_rows(element)
         name = self._scratch_matrix(e)
-        self._sink(e).extend(line.replace("{target}", name) for line in loop)
+        self._sink(e).extend(self._matrix_loop(name, *(self.size(d) for d in e.shape), code, prologue))
 
     def _materialize_product(self, e: ir.Dot) -> None:
         a, b = e.left, e.right
         rows, inner, cols = self.size(a.shape[0]), self.size(a.shape[1]), self.size(b.shape[1])
-        outer, self._row_prologue = self._row_prologue, None  # (as _product_into: printed before the loop)
-        try:
+        with self._loop(None):  # (printed before the loop that reads it)
             aik, bkj = self.melem(a, "i", "k"), self.melem(b, "k", "j")
-        finally:
-            self._row_prologue = outer
         name = self._scratch_matrix(e)
         self._sink(e).extend([
             f"for (int i = 0; i < {rows}; ++i) {{",
