@@ -41,6 +41,9 @@ _ROWS = {"exp": "lr_exp_row", "sigmoid": "lr_sigmoid_row", "silu": "lr_silu_row"
 # … and over one register (c_printer.lanes)
 _REGISTER = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v", "log": "lr_log_v",
              "softplus": "lr_softplus_v", "logsigmoid": "lr_logsigmoid_v"}
+# x^y with these constant exponents, written out (y any other: lr_pow, lr_pow_v)
+_POWERS = {1.0: "{a}", 2.0: "({a} * {a})", 3.0: "({a} * {a} * {a})", 0.5: "lr_sqrt({a})",
+           -0.5: "(1 / lr_sqrt({a}))", -1.0: "(1 / {a})", 0.0: "((T)1)"}
 _VECTOR = {"l2norm", "groupnorm", "rmsnorm", "softmax"}
 _REDUCE = {"sum", "mean", "norm"}
 _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Local)
@@ -204,7 +207,7 @@ class CPrinter:
             return f"{self._cache[e]}[{i}]"
         if isinstance(e, _LEAVES):
             return f"{self.ref(e)}[{i}]"
-        if isinstance(e, ir.Apply) or (self._uses[e] > 1 and not isinstance(e, ir.Neg)):
+        if isinstance(e, ir.Apply) or self._general_pow(e) or (self._uses[e] > 1 and not isinstance(e, ir.Neg)):
             return f"{self.array(e)}[{i}]"
         return self._elem(e, i)
 
@@ -233,6 +236,8 @@ class CPrinter:
                 self._cache[partner] = other
         elif self._row_call(e, name, n, check=True):
             lines = [f"T {name}[{n}];{self._comment(e)}", self._row_call(e, name, n)]
+        elif self._general_pow(e):
+            lines = [f"T {name}[{n}];{self._comment(e)}"] + self._pow_by_registers(e, name, n)
         elif isinstance(e, ir.Apply):
             lines = [f"T {name}[{n}];{self._comment(e)}", "#pragma omp simd",
                      f"for (int i = 0; i < {n}; ++i) {name}[i] = {self._apply_elementwise(e, 'i')};"]
@@ -316,10 +321,8 @@ class CPrinter:
     def _binary(self, op: str, a: str, b: str, right: ir.Expr) -> str:
         if op == "pow":
             exponent = fold(right, self.dims)
-            special = {1.0: "{a}", 2.0: "({a} * {a})", 3.0: "({a} * {a} * {a})", 0.5: "lr_sqrt({a})",
-                       -0.5: "(1 / lr_sqrt({a}))", -1.0: "(1 / {a})", 0.0: "((T)1)"}
-            if exponent in special:
-                return special[exponent].format(a=a)
+            if exponent in _POWERS:
+                return _POWERS[exponent].format(a=a)
             return f"lr_pow({a}, {b})"
         sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[op]
         return f"({a} {sym} {b})"
@@ -393,6 +396,8 @@ class CPrinter:
         if isinstance(e, ir.Apply):
             helper = _REGISTER[e.function] if whole else _ELEMENTWISE[e.function]
             return f"{helper}({self.lanes(e.args[0], i, whole)})"
+        if self._general_pow(e):
+            return self._pow_lanes(e, i, whole)
         if isinstance(e, ir.Arith):
             sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[e.op]
             return f"({self.lanes(e.left, i, whole)} {sym} {self.lanes(e.right, i, whole)})"
@@ -417,7 +422,7 @@ class CPrinter:
         if isinstance(e, ir.Apply):
             return e.function in _REGISTER and self.has_lanes(e.args[0])
         if isinstance(e, ir.Arith):
-            return e.op != "pow" and self.has_lanes(e.left) and self.has_lanes(e.right)
+            return (e.op != "pow" or self._general_pow(e)) and self.has_lanes(e.left) and self.has_lanes(e.right)
         if isinstance(e, ir.Dot):
             a, b = (x.operand if isinstance(x, ir.Diag) else x for x in (e.left, e.right))
             if isinstance(a, ir.Identity) or isinstance(b, ir.Identity):
@@ -425,6 +430,30 @@ class CPrinter:
             diag = isinstance(e.left, ir.Diag) or isinstance(e.right, ir.Diag)
             return (diag or not (a.shape and b.shape)) and self.has_lanes(a) and self.has_lanes(b)
         return False
+
+    def _general_pow(self, e: ir.Expr) -> bool:
+        """e is a vector x^y whose exponent is not one of the powers written out as products (_POWERS): it goes
+        a register at a time through lr_pow_v (powf, a call per element, vectorizes in no loop)."""
+        return (isinstance(e, ir.Arith) and e.op == "pow" and len(e.shape) == 1
+                and fold(e.right, self.dims) not in _POWERS)
+
+    def _pow_by_registers(self, e: ir.Expr, target: str, n: int) -> list[str]:
+        """Statements that store e, a general x^y (_general_pow), into target a register at a time, its operands
+        that have no register form (lanes()) computed into rows first; the elements past the last whole register
+        one by one (lr_pow: the same arithmetic)."""
+        for x in (e.left, e.right):
+            if x.shape and not self.has_lanes(x):
+                self.array(x)
+        return ["{", "    int i = 0;",
+                f"    for (; i + VW <= {n}; i += VW) lr_store({target} + i, {self._pow_lanes(e, 'i', True)});",
+                f"    for (; i < {n}; ++i) {target}[i] = {self._pow_lanes(e, 'i', False)};", "}"]
+
+    def _pow_lanes(self, e: ir.Arith, i: str, whole: bool) -> str:
+        """lanes() of a general x^y (_general_pow): lr_pow_v of its operands' registers, a scalar in every lane"""
+        if not whole:
+            return f"lr_pow({self.lanes(e.left, i, False)}, {self.lanes(e.right, i, False)})"
+        a, b = (self.lanes(x, i) if x.shape else f"lr_splat({self.scalar(x)})" for x in (e.left, e.right))
+        return f"lr_pow_v({a}, {b})"
 
     def _shared(self, e: ir.Expr) -> bool:
         return self._uses[e] > 1 and not isinstance(e, ir.Neg)
