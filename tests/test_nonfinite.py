@@ -258,15 +258,18 @@ def test_a_param_that_resets_every_token():
 # ---- the C helpers --------------------------------------------------------------------------------------
 SCALAR_HELPERS = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logsigmoid": "lr_logsigmoid",
                   "softplus": "lr_softplus", "relu": "lr_relu", "elu": "lr_elu", "silu": "lr_silu",
-                  "tanh": "lr_tanh", "sqrt": "lr_sqrt", "abs": "lr_abs", "elu_plus_one": "lr_elu_plus_one"}
-REGISTER_HELPERS = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v",
-                    "elu_plus_one": "lr_elu_plus_one_v"}
-ROW_HELPERS = {"exp": "lr_exp_row", "sigmoid": "lr_sigmoid_row", "silu": "lr_silu_row",
-               "elu_plus_one": "lr_elu_plus_one_row"}
-NUMPY_HELPERS = {"exp": np.exp, "log": np.log, "tanh": np.tanh, "sqrt": np.sqrt, "abs": np.abs,
+                  "tanh": "lr_tanh", "sqrt": "lr_sqrt", "abs": "lr_abs", "elu_plus_one": "lr_elu_plus_one",
+                  "cos": "lr_cos", "sin": "lr_sin"}
+# (the register and row helpers of the printer's tables, c.printer._REGISTER and _ROWS)
+REGISTER_HELPERS = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v", "log": "lr_log_v",
+                    "softplus": "lr_softplus_v", "logsigmoid": "lr_logsigmoid_v", "tanh": "lr_tanh_v",
+                    "elu": "lr_elu_v", "sin": "lr_sin_v", "cos": "lr_cos_v", "elu_plus_one": "lr_elu_plus_one_v"}
+ROW_HELPERS = {name: helper[:-2] + "_row" for name, helper in REGISTER_HELPERS.items()}
+NUMPY_HELPERS = {"exp": np.exp, "log": np.log, "tanh": np.tanh, "sqrt": np.sqrt, "abs": np.abs, "cos": np.cos,
+                 "sin": np.sin,
                  **{n: getattr(runtime, n) for n in ("sigmoid", "logsigmoid", "softplus", "relu", "elu", "silu",
                                                      "elu_plus_one")}}
-SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.5, -2.5]
+SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 0.3, -0.7, 50.0, 9000.0, -9000.0]
 
 
 def helper_kernel(ctype: str):

@@ -37,10 +37,12 @@ _ELEMENTWISE = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "logs
 # elementwise builtins with a helper over a whole row (whole registers at a time, see c_common.h.j2): used
 # for vectors, where the scalar helper in a vectorized loop costs about twice the instructions
 _ROWS = {"exp": "lr_exp_row", "sigmoid": "lr_sigmoid_row", "silu": "lr_silu_row", "log": "lr_log_row",
-         "softplus": "lr_softplus_row", "logsigmoid": "lr_logsigmoid_row"}
+         "softplus": "lr_softplus_row", "logsigmoid": "lr_logsigmoid_row", "tanh": "lr_tanh_row", "elu": "lr_elu_row",
+         "sin": "lr_sin_row", "cos": "lr_cos_row"}
 # … and over one register (c_printer.lanes)
 _REGISTER = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v", "log": "lr_log_v",
-             "softplus": "lr_softplus_v", "logsigmoid": "lr_logsigmoid_v"}
+             "softplus": "lr_softplus_v", "logsigmoid": "lr_logsigmoid_v", "tanh": "lr_tanh_v", "elu": "lr_elu_v",
+             "sin": "lr_sin_v", "cos": "lr_cos_v"}
 # x^y with these constant exponents, written out (y any other: lr_pow, lr_pow_v)
 _POWERS = {1.0: "{a}", 2.0: "({a} * {a})", 3.0: "({a} * {a} * {a})", 0.5: "lr_sqrt({a})",
            -0.5: "(1 / lr_sqrt({a}))", -1.0: "(1 / {a})", 0.0: "((T)1)"}
