@@ -24,6 +24,16 @@ S = exp(A⊗dt) * S + B⊗(dt*x)
 output y = C·S
 output s = sum(S·dt)
 """,
+    # gated slot attention: a softmax over one state's reads weighting the rows of another (18 slots: a whole
+    # register of rows and a tail for lr_matvec's 16 at a time)
+    "slots": """\
+recurrence slots(dk = 7, dv = 5, m = 18)
+input q[dk], k[dk], v[dv], a[m] in (0, 1)
+state K[m, dk], V[m, dv]
+K = diag(a)·K + (1 − a)⊗k
+V = diag(a)·V + (1 − a)⊗v
+output o = softmax(K·q)·V
+""",
     # decays on both sides of a delta rule
     "gates": """\
 recurrence gates(dk = 7, dv = 18)
@@ -167,6 +177,19 @@ def test_products_follow_their_structure(linrec):
     assert "a_ik" not in rec_for(linrec, "gates").emit("recurrent", backend="c")
     scaled = rec_for(linrec, "scaled").emit("recurrent", backend="c")
     assert "a_ik" not in scaled and "/* kz·S */" in scaled
+
+
+def test_a_state_in_memory_meets_vectors_through_the_matrix_helpers(linrec):
+    """K·q and p·V of states as they are in memory go through lr_matvec and lr_vecmat (registers of sums kept
+    across the rows, where a loop summed each row's lanes on its own), and the softmax between them through
+    loops that vectorize (lr_max_row, lr_exp_row, a sum of lanes); the values: test_matches_numpy and
+    test_steps_chained_equal_prefill on the same program."""
+    source = rec_for(linrec, "slots").emit("recurrent", backend="c")
+    readout = source[source.index("/* output o = softmax(K·q)·V */"):]
+    readout = readout[:readout.index("}")]
+    for helper in ("lr_matvec(", "lr_max_row(", "lr_exp_row(", "lr_vecmat("):
+        assert helper in readout, helper
+    assert "lr_exp(" not in readout
 
 
 def test_an_elementwise_decay_takes_its_exponentials_a_row_at_a_time(linrec):

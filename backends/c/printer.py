@@ -520,10 +520,13 @@ class CPrinter:
                       f"const T {name}_inv = 1 / lr_sqrt({name}_var / {nn} + {eps});", "#pragma omp simd",
                       f"for (int i = 0; i < {n}; ++i) {name}[i] *= {name}_inv;"]
         elif e.function == "softmax":  # shifted by the maximum: every exponent ≤ 0, the sum ≥ 1
-            lines += [f"T {name}_max = {x}[0];",
-                      f"for (int i = 1; i < {n}; ++i) {name}_max = {x}[i] > {name}_max ? {x}[i] : {name}_max;",
-                      f"T {s} = 0;",
-                      f"for (int i = 0; i < {n}; ++i) {{ {name}[i] = lr_exp({x}[i] - {name}_max); {s} += {name}[i]; }}",
+            # (each step a loop that vectorizes: the exponentials by the row helper, a register at a time; a NaN
+            # makes the maximum NaN and so every weight, as NumPy's)
+            lines += [f"const T {name}_max = lr_max_row({x}, {n});", "#pragma omp simd",
+                      f"for (int i = 0; i < {n}; ++i) {name}[i] = {x}[i] - {name}_max;",
+                      f"lr_exp_row({name}, {name}, {n});",
+                      f"T {s} = 0;", f"#pragma omp simd reduction(+:{s})",
+                      f"for (int i = 0; i < {n}; ++i) {s} += {name}[i];",
                       f"const T {name}_inv = 1 / {s};", "#pragma omp simd",
                       f"for (int i = 0; i < {n}; ++i) {name}[i] *= {name}_inv;"]
         else:

@@ -152,6 +152,12 @@ class StatementPrinter(CPrinter):
     def _vector_product(self, e: ir.Dot, target: str) -> list[str]:
         n = self.size(e.shape[0])
         a, b = e.left, e.right
+        # a matrix as it is in memory (a state, a param): the helpers that keep registers of sums across its rows
+        # (lr_matvec: 16 rows' sums at once, where a loop over the rows sums each row's lanes on its own)
+        if _rank(a) == 1 and isinstance(b, MATRIX_LEAVES):
+            return [f"lr_vecmat({target}, {self.array(a)}, {self.ref(b)}, {self.size(b.shape[0])}, {n});"]
+        if _rank(b) == 1 and isinstance(a, MATRIX_LEAVES):
+            return [f"lr_matvec({target}, {self.ref(a)}, {self.array(b)}, {n}, {self.cols(a)});"]
         if _rank(a) == 1:  # a·M: r_j = Σ_i a_i M_ij, row after row of M
             ai, m = self.elem(a, "i"), self.melem(b, "i", "j")
             return [f"for (int j = 0; j < {n}; ++j) {target}[j] = 0;",
