@@ -40,16 +40,23 @@ def test_the_kernel_computes_them_a_register_at_a_time():
         assert helper in source, helper
 
 
-@pytest.mark.parametrize("dtype,rtol", [(np.float32, 4e-7), (np.float64, 1e-15)], ids=["f32", "f64"])
-def test_log_softplus_and_logsigmoid_agree_with_numpy_element_by_element(dtype, rtol):
-    x = inputs(dtype)
-    want = LOGS.run({k: v.astype(np.float64) for k, v in x.items()}, form="recurrent", backend="numpy").outputs
-    got = LOGS.run(x, form="recurrent", backend="c").outputs
-    for name in ("p", "l", "m"):
+def agree_element_by_element(rec, x: dict, names, rtol: float) -> None:
+    """rec's C recurrent outputs `names` within rtol of each element's value, against NumPy's float64 recurrent
+    form on the same inputs (x, of one dtype), and its output o within the forms' tolerance of its largest."""
+    dtype = next(iter(x.values())).dtype
+    want = rec.run({k: v.astype(np.float64) for k, v in x.items()}, form="recurrent", backend="numpy").outputs
+    got = rec.run(x, form="recurrent", backend="c").outputs
+    for name in names:
         w, g = want[name], got[name].astype(np.float64)
         assert np.all(np.isfinite(g)), name
         err = np.max(np.abs(g - w) / np.maximum(np.abs(w), np.finfo(dtype).tiny))
         assert err <= rtol, f"{name}: {err:.3g}"
-    w = want["o"]  # (the state: its decay is exp(logsigmoid(b)), its keys log(a)·k)
+    w = want["o"]
     tol = 1e-4 if dtype == np.float32 else 1e-12
     assert np.max(np.abs(got["o"] - w)) <= tol * np.max(np.abs(w))
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float32, 4e-7), (np.float64, 1e-15)], ids=["f32", "f64"])
+def test_log_softplus_and_logsigmoid_agree_with_numpy_element_by_element(dtype, rtol):
+    # (o: the state's decay is exp(logsigmoid(b)), its keys log(a)·k)
+    agree_element_by_element(LOGS, inputs(dtype), ("p", "l", "m"), rtol)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_c_logs import agree_element_by_element
 
 import linrec
 from linrec.c import build as c_build
@@ -50,17 +51,7 @@ def test_the_kernel_computes_a_vectors_powers_a_register_at_a_time():
 
 @pytest.mark.parametrize("dtype,rtol", [(np.float32, 6.1e-8), (np.float64, 1e-15)], ids=["f32", "f64"])
 def test_powers_agree_with_numpy_element_by_element(dtype, rtol):
-    x = inputs(dtype)
-    want = POWERS.run({k: v.astype(np.float64) for k, v in x.items()}, form="recurrent", backend="numpy").outputs
-    got = POWERS.run(x, form="recurrent", backend="c").outputs
-    for name in ("p", "r", "u"):
-        w, g = want[name], got[name].astype(np.float64)
-        assert np.all(np.isfinite(g)), name
-        err = np.max(np.abs(g - w) / np.abs(w))
-        assert err <= rtol, f"{name}: {err:.3g}"
-    w = want["o"]  # (the state's keys: 2^(b/(1 + |b|))·k)
-    tol = 1e-4 if dtype == np.float32 else 1e-12
-    assert np.max(np.abs(got["o"] - w)) <= tol * np.max(np.abs(w))
+    agree_element_by_element(POWERS, inputs(dtype), ("p", "r", "u"), rtol)  # (o: keys 2^(b/(1 + |b|))·k)
 
 
 def pow_kernel():
