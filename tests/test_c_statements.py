@@ -34,6 +34,16 @@ K = diag(a)·K + (1 − a)⊗k
 V = diag(a)·V + (1 − a)⊗v
 output o = softmax(K·q)·V
 """,
+    # a decay per element as a power with a per-token exponent, a^(|k|⊗dt): the rows of the power a register at a
+    # time (19 columns: a whole register and a tail)
+    "powered": """\
+recurrence powered(dk = 5, dv = 19)
+input q[dk], k[dk], v[dv], dt[dv] in (0, 1)
+param a[dk, dv] per head = uniform(0.5, 0.99, seed=2)
+state S[dk, dv]
+S = a^(abs(k)⊗dt) * S + k⊗v
+output o = q·S
+""",
     # decays on both sides of a delta rule
     "gates": """\
 recurrence gates(dk = 7, dv = 18)
@@ -190,6 +200,16 @@ def test_a_state_in_memory_meets_vectors_through_the_matrix_helpers(linrec):
     for helper in ("lr_matvec(", "lr_max_row(", "lr_exp_row(", "lr_vecmat("):
         assert helper in readout, helper
     assert "lr_exp(" not in readout
+
+
+def test_a_power_with_a_per_token_exponent_goes_a_row_at_a_time(linrec):
+    """a^(|k|⊗dt), a matrix per token: each row through lr_pow_v into a buffer before the update reads it (lr_pow in
+    the update's loop would be a call per element); the values: test_matches_numpy and
+    test_steps_chained_equal_prefill on the same program."""
+    source = rec_for(linrec, "powered").emit("recurrent", backend="c")
+    update = source[source.index("/* S = a^(abs(k)⊗dt)*S + k⊗v"):]
+    update = update[:update.index("/* output")]
+    assert "lr_pow_v(" in update and "] = lr_pow(" in update  # (the registers, then the tail)
 
 
 def test_an_elementwise_decay_takes_its_exponentials_a_row_at_a_time(linrec):

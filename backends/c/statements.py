@@ -28,7 +28,8 @@ from ..dsl.errors import LinrecError
 from ..templating import c_comment_text
 
 from .kernel_source import STEP_PARALLEL_THRESHOLD, KernelSource, Target
-from .printer import _ELEMENTWISE, _ROWS, MATRIX_LEAVES, CPrinter, elu_plus_one, token_variant, vector_product
+from .printer import (_ELEMENTWISE, _POWERS, _ROWS, MATRIX_LEAVES, CPrinter, elu_plus_one, fold, token_variant,
+                      vector_product)
 from .support import fused_refusal, printed_statements, statements_refusal
 from ..version import VERSION
 
@@ -119,6 +120,37 @@ class StatementPrinter(CPrinter):
                                f"{_ROWS[e.function]}({name}, {name}, {cols});"]
         return f"{name}[{j}]"
 
+    def _row_power(self, e: ir.Arith, i: str, j: str) -> str | None:
+        """Row i of x^y, a per-token matrix whose exponent is not one the printer writes as products, a register
+        at a time (lr_pow_v: lr_pow in a loop is a branch and a libm call apart, which no loop vectorizes) into a
+        buffer where matrix_store's loop over the rows prints it, its matrix operands' rows into buffers first;
+        None where there is no such row (as _row_builtin)."""
+        if self._row_prologue is None or (i, j) != ("i", "j") or not token_variant(e) \
+                or fold(e.right, self.dims) in _POWERS:
+            return None
+        cols = self.cols(e)
+        name = self._name(e, "r")
+        whole, tail = [], []
+        for x in (e.left, e.right):
+            if not x.shape:
+                code = self.scalar(x)
+                whole.append(f"lr_splat({code})")
+                tail.append(code)
+                continue
+            if isinstance(x, MATRIX_LEAVES):  # (its row where it lies)
+                row = f"({self.ref(x)} + i * {cols})"
+            else:
+                row = self._name(x, "r")
+                argument = self.melem(x, "i", "j")  # (its own row buffers, if any, are printed first)
+                self._row_prologue += [f"T {row}[{cols}];{self._comment(x)}", "#pragma omp simd",
+                                       f"for (int j = 0; j < {cols}; ++j) {row}[j] = {argument};"]
+            whole.append(f"lr_load({row} + jj)")
+            tail.append(f"{row}[jj]")
+        self._row_prologue += [f"T {name}[{cols}];{self._comment(e)}", "{", "    int jj = 0;",
+                               f"    for (; jj + VW <= {cols}; jj += VW) lr_store({name} + jj, lr_pow_v({', '.join(whole)}));",
+                               f"    for (; jj < {cols}; ++jj) {name}[jj] = lr_pow({', '.join(tail)});", "}"]
+        return f"{name}[{j}]"
+
     def _part(self, x: ir.Expr, i: str, j: str = "") -> str:
         if not j:
             return super()._part(x, i)
@@ -205,6 +237,10 @@ class StatementPrinter(CPrinter):
             x = elu_plus_one(e)
             if x is not None:  # elu(x) + 1 cancels to 0 for very negative x in low precision
                 return f"lr_elu_plus_one({self.melem(x, i, j)})"
+            if e.op == "pow":
+                row = self._row_power(e, i, j)
+                if row is not None:
+                    return row
             return self._binary(e.op, self._part(e.left, i, j), self._part(e.right, i, j), e.right)
         if isinstance(e, ir.Dot):
             return self._product(e, i, j)
