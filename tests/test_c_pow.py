@@ -75,7 +75,7 @@ void c_pow(const T *x, const T *y, T *z, int n) { for (int i = 0; i < n; ++i) z[
 
 @pytest.mark.parametrize("target", ["native", "avx2", "portable", "native, through memory"])
 def test_pow_helpers_special_values_as_powf_and_the_rest_within_half_an_ulp(target, monkeypatch):
-    """(through memory: the register's halves as GCC 9–11 take them, without __builtin_shufflevector)"""
+    """(through memory: the register's halves as a GCC before 12 takes them, without __builtin_shufflevector)"""
     if target == "avx2" and "avx2" not in c_build._cpu_flags():
         pytest.skip("needs AVX2")
     if target.endswith("through memory"):

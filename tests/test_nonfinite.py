@@ -292,7 +292,7 @@ def helper_kernel(ctype: str):
 @pytest.mark.parametrize("target", ["native", "avx2", "portable", "native, through memory"])
 @pytest.mark.parametrize("ctype", ["float", "double"])
 def test_c_helpers_give_numpys_values_for_nan_and_infinities(ctype, target, monkeypatch):
-    """(through memory: a register's halves as GCC 9–11 take them, without __builtin_shufflevector)"""
+    """(through memory: a register's halves as a GCC before 12 takes them, without __builtin_shufflevector)"""
     if target == "avx2" and "avx2" not in c_build._cpu_flags():
         pytest.skip("needs AVX2")
     if target.endswith("through memory"):
