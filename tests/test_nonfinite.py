@@ -20,6 +20,7 @@ import pytest
 import linrec
 from linrec import registry
 from linrec.c import build as c_build
+from linrec.c import printer as c_printer
 from linrec.c.kernel_source import Target, common_context
 from linrec.numpy import runtime
 from linrec.templating import environment
@@ -260,11 +261,9 @@ SCALAR_HELPERS = {"exp": "lr_exp", "log": "lr_log", "sigmoid": "lr_sigmoid", "lo
                   "softplus": "lr_softplus", "relu": "lr_relu", "elu": "lr_elu", "silu": "lr_silu",
                   "tanh": "lr_tanh", "sqrt": "lr_sqrt", "abs": "lr_abs", "elu_plus_one": "lr_elu_plus_one",
                   "cos": "lr_cos", "sin": "lr_sin"}
-# (the register and row helpers of the printer's tables, c.printer._REGISTER and _ROWS)
-REGISTER_HELPERS = {"exp": "lr_exp_v", "sigmoid": "lr_sigmoid_v", "silu": "lr_silu_v", "log": "lr_log_v",
-                    "softplus": "lr_softplus_v", "logsigmoid": "lr_logsigmoid_v", "tanh": "lr_tanh_v",
-                    "elu": "lr_elu_v", "sin": "lr_sin_v", "cos": "lr_cos_v", "elu_plus_one": "lr_elu_plus_one_v"}
-ROW_HELPERS = {name: helper[:-2] + "_row" for name, helper in REGISTER_HELPERS.items()}
+# every register and row helper the printer calls (its tables), and elu(x) + 1's, which it recognizes by shape
+REGISTER_HELPERS = {**c_printer._REGISTER, "elu_plus_one": "lr_elu_plus_one_v"}
+ROW_HELPERS = {**c_printer._ROWS, "elu_plus_one": "lr_elu_plus_one_row"}
 NUMPY_HELPERS = {"exp": np.exp, "log": np.log, "tanh": np.tanh, "sqrt": np.sqrt, "abs": np.abs, "cos": np.cos,
                  "sin": np.sin,
                  **{n: getattr(runtime, n) for n in ("sigmoid", "logsigmoid", "softplus", "relu", "elu", "silu",

@@ -53,6 +53,14 @@ _LEAVES = (ir.InputRef, ir.ParamRef, ir.ReadoutRef, ir.StateRef, ir.LetRef, Loca
 MATRIX_LEAVES = (ir.InputRef, ir.ParamRef, ir.StateRef, ir.LetRef)
 
 
+def by_registers(target: str, n: int, index: str, register: str, element: str) -> list[str]:
+    """Statements that store target[0 … n−1] a register at a time (register: C of type vec for the elements at
+    `index`), the elements past the last whole register one by one (element: the same arithmetic for one)."""
+    return ["{", f"    int {index} = 0;",
+            f"    for (; {index} + VW <= {n}; {index} += VW) lr_store({target} + {index}, {register});",
+            f"    for (; {index} < {n}; ++{index}) {target}[{index}] = {element};", "}"]
+
+
 class UnprintableError(Exception):
     """The printer met an expression it has no C for. linrec.c.support decides from the program's structure
     which kernel takes a program, with the printers' own dispatch and tables, before any code is generated:
@@ -433,22 +441,19 @@ class CPrinter:
             return (diag or not (a.shape and b.shape)) and self.has_lanes(a) and self.has_lanes(b)
         return False
 
-    def _general_pow(self, e: ir.Expr) -> bool:
-        """e is a vector x^y whose exponent is not one of the powers written out as products (_POWERS): it goes
-        a register at a time through lr_pow_v (powf, a call per element, vectorizes in no loop)."""
-        return (isinstance(e, ir.Arith) and e.op == "pow" and len(e.shape) == 1
+    def _general_pow(self, e: ir.Expr, rank: int = 1) -> bool:
+        """e is an x^y of `rank` axes whose exponent is not one of the powers written out as products (_POWERS):
+        it goes a register at a time through lr_pow_v (powf, a call per element, vectorizes in no loop)."""
+        return (isinstance(e, ir.Arith) and e.op == "pow" and len(e.shape) == rank
                 and fold(e.right, self.dims) not in _POWERS)
 
     def _pow_by_registers(self, e: ir.Expr, target: str, n: int) -> list[str]:
         """Statements that store e, a general x^y (_general_pow), into target a register at a time, its operands
-        that have no register form (lanes()) computed into rows first; the elements past the last whole register
-        one by one (lr_pow: the same arithmetic)."""
+        that have no register form (lanes()) computed into rows first."""
         for x in (e.left, e.right):
             if x.shape and not self.has_lanes(x):
                 self.array(x)
-        return ["{", "    int i = 0;",
-                f"    for (; i + VW <= {n}; i += VW) lr_store({target} + i, {self._pow_lanes(e, 'i', True)});",
-                f"    for (; i < {n}; ++i) {target}[i] = {self._pow_lanes(e, 'i', False)};", "}"]
+        return by_registers(target, n, "i", self._pow_lanes(e, "i", True), self._pow_lanes(e, "i", False))
 
     def _pow_lanes(self, e: ir.Arith, i: str, whole: bool) -> str:
         """lanes() of a general x^y (_general_pow): lr_pow_v of its operands' registers, a scalar in every lane"""

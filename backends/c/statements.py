@@ -28,7 +28,7 @@ from ..dsl.errors import LinrecError
 from ..templating import c_comment_text
 
 from .kernel_source import STEP_PARALLEL_THRESHOLD, KernelSource, Target
-from .printer import (_ELEMENTWISE, _POWERS, _ROWS, MATRIX_LEAVES, CPrinter, elu_plus_one, fold, token_variant,
+from .printer import (_ELEMENTWISE, _ROWS, MATRIX_LEAVES, CPrinter, by_registers, elu_plus_one, token_variant,
                       vector_product)
 from .support import fused_refusal, printed_statements, statements_refusal
 from ..version import VERSION
@@ -126,7 +126,7 @@ class StatementPrinter(CPrinter):
         buffer where matrix_store's loop over the rows prints it, its matrix operands' rows into buffers first;
         None where there is no such row (as _row_builtin)."""
         if self._row_prologue is None or (i, j) != ("i", "j") or not token_variant(e) \
-                or fold(e.right, self.dims) in _POWERS:
+                or not self._general_pow(e, rank=2):
             return None
         cols = self.cols(e)
         name = self._name(e, "r")
@@ -146,9 +146,9 @@ class StatementPrinter(CPrinter):
                                        f"for (int j = 0; j < {cols}; ++j) {row}[j] = {argument};"]
             whole.append(f"lr_load({row} + jj)")
             tail.append(f"{row}[jj]")
-        self._row_prologue += [f"T {name}[{cols}];{self._comment(e)}", "{", "    int jj = 0;",
-                               f"    for (; jj + VW <= {cols}; jj += VW) lr_store({name} + jj, lr_pow_v({', '.join(whole)}));",
-                               f"    for (; jj < {cols}; ++jj) {name}[jj] = lr_pow({', '.join(tail)});", "}"]
+        self._row_prologue += [f"T {name}[{cols}];{self._comment(e)}",
+                               *by_registers(name, cols, "jj", f"lr_pow_v({', '.join(whole)})",
+                                             f"lr_pow({', '.join(tail)})")]
         return f"{name}[{j}]"
 
     def _part(self, x: ir.Expr, i: str, j: str = "") -> str:
