@@ -73,12 +73,40 @@ def inputs_by_name(inputs, named: dict, program: ir.Program | None = None, metho
     return given | named
 
 
+# flash-linear-attention's options that linrec spells otherwise or does not need, with what to do instead: given
+# to run(), prefill() or linrec.torch.apply as a keyword, one of these is not an unknown input array but this advice
+# (a program's own input of that name is its input, as always)
+OTHER_LIBRARIES_OPTIONS = {
+    "output_final_state": "run() and prefill() always return the final states (result.final_state, by name); "
+                          "output_final_state is linrec.torch.apply's option",
+    "scale": "the scale is part of the program: write it in the readout, as examples/gla.lin does with "
+             "`output o = dk^(−1/2)·q·S`",
+    "head_first": "linrec's per-token arrays are [B, T, H, *] (flash-linear-attention's head_first=False); pass "
+                  "arrays laid out [B, H, T, *] as x.swapaxes(1, 2)",
+    "offsets": "the offsets of packed sequences are cu_seqlens=…",
+    "use_qk_l2norm_in_kernel": "normalize in the program, as examples/gated_deltanet.lin does with "
+                               "`qn = l2norm(q)` and `kn = l2norm(k)`",
+}
+
+
+def refuse_other_libraries_options(program: ir.Program, named: dict, call: str) -> None:
+    """A keyword of `call` (run, prefill, apply) that is none of the program's inputs but one of
+    OTHER_LIBRARIES_OPTIONS is an error with that advice, rather than an unknown input array."""
+    inputs = {x.name for x in program.inputs}
+    foreign = [n for n in named if n not in inputs and n in OTHER_LIBRARIES_OPTIONS]
+    if foreign:
+        raise RuntimeInputError(f"{call}() has no option {foreign[0]}=: {OTHER_LIBRARIES_OPTIONS[foreign[0]]} (a "
+                                f"keyword that is no option of {call}() is an input array, and the inputs of "
+                                f"'{program.name}' are {', '.join(x.name for x in program.inputs) or 'none'})")
+
+
 def keyword_options(method) -> list[str]:
     """The names of a function's keyword-only parameters: its options, as its signature says."""
     return [p.name for p in inspect.signature(method).parameters.values() if p.kind is p.KEYWORD_ONLY]
 
 
 def refuse_misspelt_options(program: ir.Program, named: dict, method) -> None:
+    refuse_other_libraries_options(program, named, method.__name__)
     inputs = [x.name for x in program.inputs]
     unknown = [n for n in named if n not in inputs]
     if not unknown:

@@ -321,6 +321,28 @@ def test_mistakes_found_by_a_new_user_get_clear_errors(tmp_path, capsys):
     assert main(["run", str(gla), "--cu-seqlens", "0,5,37,64", "--tokens", "64", "-q"]) == 0
 
 
+def test_options_of_flash_linear_attention_get_advice_not_unknown_input():
+    """flash-linear-attention's keywords that linrec spells otherwise or does not need — given to run() or
+    prefill() they were "unknown input array(s)" — say what to do instead; a program's own input of such a name
+    is still its input."""
+    rec = linrec.load(Path(__file__).resolve().parent.parent / "examples" / "gla.lin")
+    x = rec.random_inputs(1, 8, 2)
+    for option, said in (("output_final_state", "always return the final states (result.final_state"),
+                         ("scale", "the scale is part of the program: write it in the readout"),
+                         ("head_first", "[B, T, H, *] (flash-linear-attention's head_first=False)"),
+                         ("offsets", "packed sequences are cu_seqlens="),
+                         ("use_qk_l2norm_in_kernel", "`qn = l2norm(q)`")):
+        for call in (rec.run, rec.prefill):
+            with pytest.raises(linrec.RuntimeInputError,
+                               match=rf"^error: {call.__name__}\(\) has no option {option}=: .*{re.escape(said)}"):
+                call(x, **{option: True})
+    scaled = linrec.compile("recurrence scaled(dk = 2, dv = 2)\ninput q[dk], k[dk], v[dv], scale > 0\n"
+                            "state S[dk, dv]\nS = S + k⊗v\noutput o = scale·q·S\n", "scaled.lin")
+    y = scaled.random_inputs(1, 4, 1)
+    got = scaled.run({k: v for k, v in y.items() if k != "scale"}, scale=y["scale"]).outputs["o"]
+    np.testing.assert_array_equal(got, scaled.run(y).outputs["o"])
+
+
 def test_verify_keeps_to_the_longest_sequence_a_program_takes(tmp_path, capsys):
     """A Linformer with projections over T = 40 positions: every case of the battery stays within 40
     tokens (was: the 200- and 2048-token cases stopped verify with an error)."""

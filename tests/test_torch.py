@@ -259,6 +259,18 @@ def test_apply_refuses_an_initial_state_for_a_program_that_reads_the_sequence():
     assert (last - full[:, 7:8]).abs().max() <= EXACT
 
 
+def test_apply_gives_advice_for_the_options_it_spells_otherwise():
+    """flash-linear-attention's `scale=` and `head_first=` given to apply were taken for unknown inputs: the
+    error now says where linrec keeps the scale (the program) and which layout it takes."""
+    rec = rec_of("gla")
+    x = tensors(rec.random_inputs(1, 4, 2, seed=0))
+    with pytest.raises(linrec.RuntimeInputError, match=r"apply\(\) has no option scale=: the scale is part of the "
+                                                       r"program"):
+        lt.apply(rec, x, scale=0.125)
+    with pytest.raises(linrec.RuntimeInputError, match=r"apply\(\) has no option head_first=: .*\[B, T, H, \*\]"):
+        lt.apply(rec, x, head_first=False)
+
+
 def test_torch_compile_fullgraph():
     """A model around the op compiles whole (fullgraph=True fails on any graph break) and computes what the
     eager model computes."""

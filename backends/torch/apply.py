@@ -14,7 +14,8 @@ from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 
 from .. import serving
 from ..api import Recurrence
-from ..arrays import check_chunk_size, checked_sizes, keyword_options, refuse_given_twice, unknown_form
+from ..arrays import (check_chunk_size, checked_sizes, keyword_options, refuse_given_twice,
+                      refuse_other_libraries_options, unknown_form)
 from ..compiler import FORMS
 from ..decode import reads_the_sequence
 from ..dsl.errors import LinrecError, RuntimeInputError
@@ -61,6 +62,7 @@ def apply(rec: Recurrence, inputs: dict | None = None, *, initial_state: dict | 
                                 f"its outputs alone), or use linrec.torch.Layer, which keeps the cache")
     given = _by_name(inputs, "inputs", program.inputs)
     refuse_given_twice(given, named_inputs)
+    refuse_other_libraries_options(program, named_inputs, "apply")
     given |= named_inputs
     tensors = _named(program.inputs, given, "input", "inputs", required=True)
     states = _named(program.states, _by_name(initial_state, "initial_state", program.states), "initial state",
