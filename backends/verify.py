@@ -143,9 +143,9 @@ def _params_without_default(program, heads, dims, rng):
             for p in program.params if p.default is None}
 
 
-def difference(got, ref) -> tuple[float, float]:
+def difference(got, ref, floor: float = 0.0) -> tuple[float, float]:
     """(max abs, max rel) of `got` against the reference `ref`, the relative error normwise (max|got − ref| /
-    max|ref|) over the finite entries of ref. Where ref is NaN or ±∞, got must be the same (docs/guarantees.md,
+    max|ref|, max|ref| taken as at least `floor`) over the finite entries of ref. Where ref is NaN or ±∞, got must be the same (docs/guarantees.md,
     non-finite values: each form gives the reference's NaN, its infinities, its finite values); a shape that
     differs, or a non-finite value where ref has another value, is (inf, inf)."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
@@ -162,7 +162,7 @@ def difference(got, ref) -> tuple[float, float]:
     if not finite.any():
         return 0.0, 0.0
     err = float(np.max(np.abs(got[finite] - ref[finite])))
-    return err, err / max(float(np.max(np.abs(ref[finite]))), 1e-300)
+    return err, err / max(float(np.max(np.abs(ref[finite]))), floor, 1e-300)
 
 
 def _compare(result, reference) -> tuple[float, float]:
@@ -321,12 +321,13 @@ SERVING_CHUNKS = (4, 16)
 POOL_SLOTS, POOL_ROWS = 6, (4, 0, 2)    # requests at these slots of a pool of 6; the other slots stay
 
 
-def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None) -> list[Row]:
+def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None, floor: float = 0.0) -> list[Row]:
     """Rows for what a serving engine asks, each against the float64 reference form run on its own:
     `checkpoints` (state_every: each the reference state after its token), `last K` (keep_last: entry j − 1
     is running the prompt and j draft tokens alone), `cu_seqlens` (each packed sequence equals it run alone,
     with its own initial state; lengths 0, 1 and none a multiple of the chunk size), and `slot pool` (with
-    the decode step: the pool's rows equal per-request steps, the other rows bit-identical)."""
+    the decode step: the pool's rows equal per-request steps, the other rows bit-identical). `floor`: the
+    smallest scale an array's error is measured against (difference; 0: its own largest value)."""
     program = rec.program
     small = {d.name: min(d.default, 8) for d in program.dims if d.name != SEQ}
     dims = {d.name: d.default for d in program.dims} | small
@@ -377,10 +378,10 @@ def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None) -> list
         if stateful:
             res = rec.run(cast, initial_state=s0, state_every=SERVING_EVERY, **run)
             pairs = _result_pairs(res, whole) + _state_pairs(res.checkpoints, refs["checkpoints"])
-            rows.append(_serving_row(form, backend, dtype, "checkpoints", chunk, pairs))
+            rows.append(_serving_row(form, backend, dtype, "checkpoints", chunk, pairs, floor=floor))
             res = rec.run(cast, initial_state=s0, keep_last=SERVING_LAST, **run)
             pairs = _result_pairs(res, whole) + _state_pairs(res.last_states, refs["last K"])
-            rows.append(_serving_row(form, backend, dtype, "last K", chunk, pairs))
+            rows.append(_serving_row(form, backend, dtype, "last K", chunk, pairs, floor=floor))
         if packed:
             res = rec.run({k: v.astype(dtype) for k, v in row_inputs.items()},
                           initial_state={k: v.astype(dtype) for k, v in row_state0.items()},
@@ -395,12 +396,12 @@ def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None) -> list
                     pairs.append((np.array([np.inf]), np.array([1.0])))  # (a wrong count of checkpoints fails)
                 taken = {k: v[:, c0:c1] for k, v in res.checkpoints.items()}
                 pairs += _state_pairs(taken, checkpoints)
-            rows.append(_serving_row(form, backend, dtype, "cu_seqlens", chunk, pairs))
+            rows.append(_serving_row(form, backend, dtype, "cu_seqlens", chunk, pairs, floor=floor))
     if STEP in forms and stateful and program.causal:
         for backend in backends:
             if builds(rec, backend, STEP):
                 for dtype in dtypes:
-                    rows.append(_slot_pool_row(rec, backend, dtype, params, dims, seed))
+                    rows.append(_slot_pool_row(rec, backend, dtype, params, dims, seed, floor))
     return rows
 
 
@@ -422,20 +423,20 @@ def _state_pairs(taken: dict, references: list[dict]) -> list[tuple]:
     return pairs
 
 
-def _serving_row(form, backend, dtype, case, chunk, pairs, note="") -> Row:
+def _serving_row(form, backend, dtype, case, chunk, pairs, note="", floor: float = 0.0) -> Row:
     beyond = _beyond(dtype, [ref for _, ref in pairs])
     if beyond:  # (as the battery's rows: a float32 run must overflow where its reference passes float32's range)
         return Row(form, backend, dtype, case, chunk, float("nan"), float("nan"), TOLERANCE[dtype], True,
                    note=beyond, skipped=True)
     worst_abs, worst_rel = 0.0, 0.0
     for got, ref in pairs:
-        err, rel = difference(got, ref)
+        err, rel = difference(got, ref, floor)
         worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
     tol = TOLERANCE[dtype]
     return Row(form, backend, dtype, case, chunk, worst_abs, worst_rel, tol, bool(worst_rel <= tol), note)
 
 
-def _slot_pool_row(rec, backend, dtype, params, dims, seed) -> Row:
+def _slot_pool_row(rec, backend, dtype, params, dims, seed, floor: float = 0.0) -> Row:
     """One slot-pool step over a pool of POOL_SLOTS rows: the active rows against each request's float64
     step on NumPy, the other rows compared bit for bit (any change fails the row)."""
     rng = np.random.default_rng(seed + 2)
@@ -458,7 +459,7 @@ def _slot_pool_row(rec, backend, dtype, params, dims, seed) -> Row:
     others = [s for s in range(POOL_SLOTS) if s not in set(POOL_ROWS)]
     kept = all(np.array_equal(pool[k][others], before[k][others]) for k in before)
     row = _serving_row(STEP, backend, dtype, "slot pool", None, pairs,
-                       note="other slots bit-identical" if kept else "OTHER SLOTS CHANGED")
+                       note="other slots bit-identical" if kept else "OTHER SLOTS CHANGED", floor=floor)
     row.passed = row.passed and kept
     return row
 

@@ -66,6 +66,10 @@ def pytest_addoption(parser):
     group.addoption("--fuzz-grad-c", type=int, default=None, metavar="N",
                     help="of the C programs, how many with C gradient forms have them checked (default: "
                          "LINREC_FUZZ_GRAD_C, else the CI size)")
+    group.addoption("--fuzz-serving-every", type=int, default=None, metavar="N",
+                    help="what a serving engine asks (checkpoints, last states, cu_seqlens, the slot pool) of one "
+                         "program in N, on the backends it runs on (default: LINREC_FUZZ_SERVING_EVERY, else the CI "
+                         "size; 1: every program, 0: none)")
     group.addoption("--fuzz-seed", type=int, default=None, metavar="S",
                     help="the seed of the programs (default: LINREC_FUZZ_SEED, else 0: the same programs every "
                          "run)")

@@ -19,6 +19,10 @@ What `exercise` asserts of a program (each violation is a Failure with a class a
   gradient tolerance (1e-9), that reference agrees with central differences of the float64 forward
   (verify_grad.directional_errors, 1e-6), and every gradient form listed on another backend asked for agrees
   with NumPy's; a program whose gradient `check` refuses is refused by `vjp` with a LinrecError;
+* with `serving` (a sample): what a serving engine asks of a program (verify.serving_rows: the checkpoints of
+  state_every, the states of keep_last, packed sequences under cu_seqlens, the slot-pool decode step) agrees
+  with the float64 reference form run on its own, on every backend asked for and every form check lists there,
+  and nothing it needs is refused;
 * nothing takes longer than a time limit (signal.setitimer: a hang is a failure, not a stuck test run).
 
 Run it longer than the test suite does with `python -m pytest tests/test_fuzz.py --fuzz-programs 20000`
@@ -556,12 +560,13 @@ class Stats(Counter):
 
 def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, seconds: float = 20.0,
              scan_forms_on_c: int = 1, stats: Stats | None = None, command_line: bool = False,
-             gradients: tuple = ()) -> list[Failure]:
+             gradients: tuple = (), serving: tuple = ()) -> list[Failure]:
     """Every check listed in the module's docstring, for one program. `backends`: the backends whose listed
     forms run (C builds cost ~0.5 s each: on C the recurrent form, the decode step, form="auto" and
     `scan_forms_on_c` of the scan forms). command_line: also `linrec check FILE` and `linrec run FILE`, whose
     exit status must not be 2 (an internal error), and check's 0 or 1 must agree with the API's verdict.
-    gradients: the backends whose listed gradient forms are checked (see _gradients; () for none)."""
+    gradients: the backends whose listed gradient forms are checked (see _gradients; () for none). serving: the
+    backends on which what a serving engine asks is checked (see _serving; () for none)."""
     failures: list[Failure] = []
     stats = Stats() if stats is None else stats
     stats["programs"] += 1
@@ -572,7 +577,7 @@ def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, 
     try:  # (overflows and NaNs of odd programs are their own business: no warnings from them)
         with time_limit(seconds), warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            accepted = _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients)
+            accepted = _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients, serving)
             if command_line:
                 _command_line(source, accepted, fail, stats)
     except Timeout as err:
@@ -588,7 +593,7 @@ def _internal(fail, where: str, err: BaseException):
     fail(f"internal error: {where}", f"{type(err).__name__}: {err}{place}")
 
 
-def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=()) -> bool:
+def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=(), serving=()) -> bool:
     """Compile the program; one it accepts goes on to _run_forms. Returns whether it was accepted."""
     try:
         rec = linrec.compile(source, "fuzz.lin")
@@ -602,11 +607,11 @@ def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, grad
     except Exception as err:  # noqa: BLE001 - what the fuzzer looks for
         _internal(fail, "compile", err)
         return False
-    _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients)
+    _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients, serving)
     return True
 
 
-def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=()) -> None:
+def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=(), serving=()) -> None:
     """check's report, then every form it lists on each of `backends` against the reference."""
     try:
         info = cli.describe(rec, "fuzz.lin")
@@ -696,6 +701,41 @@ def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradie
         def redraw(draw: int):  # (the same call's inputs, another draw)
             return rec.random_inputs(batch, tokens, heads, dims, np.float64, seed=seed + 1000 * draw)
         _gradients(rec, info, gradients, inputs, state0, reference, comparable, seed, fail, stats, redraw)
+    if serving and comparable:
+        _serving(rec, listed, serving, seed, fail, stats)
+
+
+def _serving(rec, listed: dict, backends: tuple, seed: int, fail, stats) -> None:
+    """verify.serving_rows on `backends`, over every form check lists and the decode step: each row within
+    verify's float64 tolerance of the reference form run on its own, an array's error measured against at least
+    SCALE_FLOOR, as the forms' (a row whose reference passes float64's range is skipped there too), the pool's other slots untouched, and no refusal — serving is asked of every
+    program, form and backend (docs/serving.md). The program's own values overflowing at serving_rows' sizes
+    (a refusal with a place in the program) are counted, as for the forms."""
+    forms = [f for f in listed if any(b in listed[f] for b in backends)] + \
+        ([verify.STEP] if rec.program.causal and "recurrent" in listed else [])
+    try:
+        rows = verify.serving_rows(rec, backends, forms, ("float64",), seed=seed, floor=SCALE_FLOOR)
+    except Timeout:
+        raise
+    except RuntimeInputError as err:
+        if err.span is None:
+            fail("serving refused", str(err))
+        else:
+            stats["refused at these sizes"] += 1
+        return
+    except LinrecError as err:
+        fail("serving refused", str(err))
+        return
+    except Exception as err:  # noqa: BLE001
+        _internal(fail, "serving", err)
+        return
+    for row in rows:
+        stats[f"serving rows on {row.backend}"] += 1
+        if not row.passed and not row.skipped:
+            fail("serving disagrees", f"{row.case}: {row.form} on {row.backend}"
+                 + (f" (chunk {row.chunk_size})" if row.chunk_size else "")
+                 + f": relative error {row.max_rel:.3g} (tolerance {row.tolerance:g})"
+                 + (f"; {row.note}" if row.note else ""))
 
 
 # the central differences' steps at which a gradient must disagree with them to fail (the last on another draw
@@ -921,6 +961,9 @@ def main(argv=None) -> int:
                         help="the gradients of one program in N (default 1: every program; 0: none)")
     parser.add_argument("--grad-c", type=int, default=None,
                         help="of the C programs, how many check their gradients on C too (default: all)")
+    parser.add_argument("--serving-every", type=int, default=1,
+                        help="what a serving engine asks of one program in N, on the backends it runs on "
+                             "(default 1: every program; 0: none)")
     parser.add_argument("--show", type=int, default=3, help="failing programs to print per class")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="linrec-fuzz-cache-") as cache:
@@ -939,8 +982,10 @@ def _run(args) -> int:
             gradients = ("numpy",)
             if "c" in backends and (args.grad_c is None or c_gradients < args.grad_c):
                 gradients, c_gradients = backends, c_gradients + 1
+        serving = backends if args.serving_every and i % args.serving_every == 0 else ()
         failures += exercise(source, backends, seed=i, stats=stats, command_line=i % COMMAND_LINE_EVERY == 0,
-                             gradients=gradients, seconds=120 if "c" in backends else 20)  # (C builds: ~1 s each)
+                             gradients=gradients, serving=serving,
+                             seconds=120 if "c" in backends else 20)  # (C builds: ~1 s each)
     failed = len({f.source for f in failures})
     print(f"{args.count} programs in {time.perf_counter() - start:.1f} s: {failed} failed ({len(failures)} failures)")
     print(", ".join(f"{key}: {n}" for key, n in sorted(stats.items())))

@@ -3,7 +3,8 @@ mutations of the example files — each under a time limit, through `check`, eve
 NumPy (and, for a sample, on C: the recurrent form, the decode step, form="auto" and a scan form), against
 the float64 reference form within verify's tolerance; for one program in GRAD_EVERY (and the first GRAD_C of
 the C programs whose gradient C builds) every gradient form `check` lists as well, against the NumPy
-recurrent backward at 1e-9 and that against central differences at 1e-6 (fuzzing._gradients). A failure
+recurrent backward at 1e-9 and that against central differences at 1e-6 (fuzzing._gradients); for one in
+SERVING_EVERY (on C one in C_SERVING_EVERY) what a serving engine asks of it (fuzzing._serving). A failure
 lists each class of problem with the programs that show it.
 
 Default size (this CI run): DEFAULT_PROGRAMS programs on NumPy in batches of BATCH, DEFAULT_C of them also
@@ -26,6 +27,8 @@ DEFAULT_PROGRAMS = 2000
 DEFAULT_C = 30
 DEFAULT_GRAD_EVERY = 30  # gradients of one NumPy program in this many (~0.15 s each with finite differences)
 DEFAULT_GRAD_C = 2       # C programs whose C gradient forms are checked (a backward build costs ~1 s)
+DEFAULT_SERVING_EVERY = 20  # serving checked on one program in this many (~0.07 s each on NumPy, ~0.5 s on C)
+C_SERVING_EVERY = 10        # of the C programs, at most one in this many (their every form built on C)
 BATCH = 250
 SHOWN = 3  # failing programs printed per class
 
@@ -47,6 +50,9 @@ def pytest_generate_tests(metafunc):
     if "grad_every" in metafunc.fixturenames:
         every = _option(config, "--fuzz-grad-every", "LINREC_FUZZ_GRAD_EVERY", DEFAULT_GRAD_EVERY)
         metafunc.parametrize("grad_every", [every], ids=[f"grad1in{every}"])
+    if "serving_every" in metafunc.fixturenames:
+        every = _option(config, "--fuzz-serving-every", "LINREC_FUZZ_SERVING_EVERY", DEFAULT_SERVING_EVERY)
+        metafunc.parametrize("serving_every", [every], ids=[f"serving1in{every}"])
     if "c_batch" in metafunc.fixturenames:
         count = _option(config, "--fuzz-c", "LINREC_FUZZ_C", DEFAULT_C)
         seed = _option(config, "--fuzz-seed", "LINREC_FUZZ_SEED", 0)
@@ -64,37 +70,46 @@ def _report(failures, stats) -> str:
     return "\n".join(lines)
 
 
-def test_random_programs_on_numpy(numpy_batch, grad_every):
+def test_random_programs_on_numpy(numpy_batch, grad_every, serving_every):
     """A batch of programs through check and every form it lists on NumPy (T = 12, small sizes); one in
     COMMAND_LINE_EVERY through `linrec check` and `linrec run` as well, one in grad_every through every
-    gradient form it lists (0: none)."""
+    gradient form it lists, one in serving_every through what a serving engine asks of it (0: none)."""
     seed, count = numpy_batch
     failures, stats = [], Stats()
     for i, source in enumerate(programs(count, seed)):
         gradients = ("numpy",) if grad_every and i % grad_every == 0 else ()
+        serving = ("numpy",) if serving_every and i % serving_every == 0 else ()
         failures += exercise(source, ("numpy",), seed=i, seconds=20, stats=stats,
-                             command_line=i % COMMAND_LINE_EVERY == 0, gradients=gradients)
+                             command_line=i % COMMAND_LINE_EVERY == 0, gradients=gradients, serving=serving)
     assert stats["programs"] == count
     if grad_every and count >= 20 * grad_every:  # (enough programs that some have a gradient)
         assert stats["gradients"] > 0, stats
+    if serving_every and count >= 20 * serving_every:
+        assert stats["serving rows on numpy"] > 0, stats
     assert stats["accepted"] > count // 2, f"the generator should mostly write programs check accepts: {stats}"
     assert not failures, _report(failures, stats)
 
 
-def test_random_programs_on_c(c_batch):
+def test_random_programs_on_c(c_batch, serving_every):
     """Programs of their own seed through the C backend too: its recurrent form, decode step, form="auto"
     and one scan form, where check lists them (each build ~0.5 s: a time limit of 120 s per program); the
-    gradients of every program, on NumPy and C, until grad_c programs have had C gradient forms checked."""
+    gradients of every program, on NumPy and C, until grad_c programs have had C gradient forms checked; what a
+    serving engine asks, on C, of one program in C_SERVING_EVERY (every form it lists: more builds)."""
     seed, count, grad_c = c_batch
     if count == 0:
         pytest.skip("--fuzz-c 0")
     failures, stats, with_c_gradients = [], Stats(), 0
+    every = max(1, min(serving_every, C_SERVING_EVERY)) if serving_every else 0
     for i, source in enumerate(programs(count, seed)):
         before = stats["gradient runs on c"]
         gradients = ("numpy", "c") if with_c_gradients < grad_c else ()
-        failures += exercise(source, ("numpy", "c"), seed=i, seconds=120, stats=stats, gradients=gradients)
+        serving = ("c",) if every and i % every == 0 else ()
+        failures += exercise(source, ("numpy", "c"), seed=i, seconds=120, stats=stats, gradients=gradients,
+                             serving=serving)
         with_c_gradients += stats["gradient runs on c"] > before
     assert stats["runs on c"] > 0
+    if every and count >= 30:
+        assert stats["serving rows on c"] > 0, stats
     if grad_c and count >= 30:
         assert with_c_gradients > 0, stats
     assert not failures, _report(failures, stats)
