@@ -23,6 +23,9 @@ What `exercise` asserts of a program (each violation is a Failure with a class a
   state_every, the states of keep_last, packed sequences under cu_seqlens, the slot-pool decode step) agrees
   with the float64 reference form run on its own, on every backend asked for and every form check lists there,
   and nothing it needs is refused;
+* with `through_torch` (a sample, where torch is installed): linrec.torch.apply on each backend asked for gives
+  the reference form's outputs and final states, and autograd's gradients of a random weighting of them (with
+  respect to the inputs, the initial states and every param) are NumPy's `vjp` of the same weights;
 * nothing takes longer than a time limit (signal.setitimer: a hang is a failure, not a stuck test run).
 
 Run it longer than the test suite does with `python -m pytest tests/test_fuzz.py --fuzz-programs 20000`
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import os
 import random
@@ -53,6 +57,8 @@ import linrec
 from linrec import cli, decode, verify, verify_grad
 from linrec.c.buffers import aligned_empty
 from linrec.dsl.errors import LinrecError, RuntimeInputError
+
+TORCH = importlib.util.find_spec("torch") is not None  # (linrec[torch]: _through_torch runs only with it)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TOLERANCE = verify.TOLERANCE["float64"]
@@ -560,13 +566,14 @@ class Stats(Counter):
 
 def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, seconds: float = 20.0,
              scan_forms_on_c: int = 1, stats: Stats | None = None, command_line: bool = False,
-             gradients: tuple = (), serving: tuple = ()) -> list[Failure]:
+             gradients: tuple = (), serving: tuple = (), through_torch: tuple = ()) -> list[Failure]:
     """Every check listed in the module's docstring, for one program. `backends`: the backends whose listed
     forms run (C builds cost ~0.5 s each: on C the recurrent form, the decode step, form="auto" and
     `scan_forms_on_c` of the scan forms). command_line: also `linrec check FILE` and `linrec run FILE`, whose
     exit status must not be 2 (an internal error), and check's 0 or 1 must agree with the API's verdict.
     gradients: the backends whose listed gradient forms are checked (see _gradients; () for none). serving: the
-    backends on which what a serving engine asks is checked (see _serving; () for none)."""
+    backends on which what a serving engine asks is checked (see _serving; () for none). through_torch: the
+    backends linrec.torch.apply runs the program on (see _through_torch; () for none, as without torch)."""
     failures: list[Failure] = []
     stats = Stats() if stats is None else stats
     stats["programs"] += 1
@@ -577,7 +584,8 @@ def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, 
     try:  # (overflows and NaNs of odd programs are their own business: no warnings from them)
         with time_limit(seconds), warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            accepted = _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients, serving)
+            accepted = _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients, serving,
+                                 through_torch)
             if command_line:
                 _command_line(source, accepted, fail, stats)
     except Timeout as err:
@@ -593,7 +601,8 @@ def _internal(fail, where: str, err: BaseException):
     fail(f"internal error: {where}", f"{type(err).__name__}: {err}{place}")
 
 
-def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=(), serving=()) -> bool:
+def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=(), serving=(),
+              through_torch=()) -> bool:
     """Compile the program; one it accepts goes on to _run_forms. Returns whether it was accepted."""
     try:
         rec = linrec.compile(source, "fuzz.lin")
@@ -607,11 +616,12 @@ def _exercise(source, backends, tokens, seed, scan_forms_on_c, fail, stats, grad
     except Exception as err:  # noqa: BLE001 - what the fuzzer looks for
         _internal(fail, "compile", err)
         return False
-    _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients, serving)
+    _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients, serving, through_torch)
     return True
 
 
-def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=(), serving=()) -> None:
+def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradients=(), serving=(),
+               through_torch=()) -> None:
     """check's report, then every form it lists on each of `backends` against the reference."""
     try:
         info = cli.describe(rec, "fuzz.lin")
@@ -703,6 +713,77 @@ def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradie
         _gradients(rec, info, gradients, inputs, state0, reference, comparable, seed, fail, stats, redraw)
     if serving and comparable:
         _serving(rec, listed, serving, seed, fail, stats)
+    if through_torch and comparable and TORCH and not (state0 and decode.reads_the_sequence(rec)):
+        _through_torch(rec, info, listed, through_torch, inputs, state0, reference, seed, fail, stats)
+
+
+def _through_torch(rec, info, listed: dict, backends: tuple, inputs, state0, reference, seed, fail, stats) -> None:
+    """linrec.torch.apply on each of `backends` that builds a form of the program, float64 tensors of the
+    reference's arguments (its params, defaults too, as leaves): the outputs and final states within verify's
+    tolerance of the reference form's (_error), and autograd's gradients of Σ w·o + Σ w_S·S_T (random weights)
+    within verify_grad.FORM_TOLERANCE of NumPy's vjp of the same weights (_gradient_error) — where check lists
+    a gradient form and that vjp runs. Where it lists none, the backward is refused with a LinrecError."""
+    import torch
+
+    import linrec.torch as lt
+    rng = np.random.default_rng([seed, 3])
+    weights = {k: rng.standard_normal(v.shape) for k, v in reference.outputs.items()}
+    state_weights = {k: rng.standard_normal(v.shape) for k, v in reference.final_state.items()}
+    params = {k: np.array(v, dtype=np.float64) for k, v in reference.params.items()}
+    differentiable = any(g["available"] for g in info["gradients"])
+    want = None
+    if differentiable:
+        try:
+            want = rec.vjp(inputs, weights, grad_final_state=state_weights or None, initial_state=state0 or None,
+                           params=params, form=verify_grad.reference_form(rec)).grads
+        except LinrecError:
+            stats["gradient refused at these values"] += 1  # (torch's backward is then not compared)
+    for backend in [b for b in backends if any(b in built for built in listed.values())]:
+        leaves = {name: torch.tensor(v, requires_grad=True) for name, v in {**inputs, **state0, **params}.items()}
+        try:
+            o, final = lt.apply(rec, {x.name: leaves[x.name] for x in rec.program.inputs},
+                                initial_state={k: leaves[k] for k in state0} or None,
+                                params={k: leaves[k] for k in params} or None, output_final_state=True,
+                                backend=backend)
+        except Timeout:
+            raise
+        except LinrecError as err:
+            fail("torch refused", f"apply on {backend}: {err}")
+            continue
+        except Exception as err:  # noqa: BLE001
+            _internal(fail, f"torch apply on {backend}", err)
+            continue
+        stats[f"torch runs on {backend}"] += 1
+        outputs = o if isinstance(o, dict) else {rec.program.outputs[0].name: o}
+        got = linrec.Result(outputs={k: v.detach().numpy() for k, v in outputs.items()},
+                            final_state={k: v.detach().numpy() for k, v in final.items()})
+        error = _error(got, reference)
+        if not error <= TOLERANCE:
+            fail("torch disagrees", f"apply on {backend}: relative error {error:.3g} against the float64 reference "
+                                    f"form (tolerance {TOLERANCE:g})")
+        loss = sum((outputs[k] * torch.from_numpy(w)).sum() for k, w in weights.items()) + \
+            sum((final[k] * torch.from_numpy(w)).sum() for k, w in state_weights.items())
+        if not differentiable or not loss.requires_grad:
+            continue
+        try:
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        except Timeout:
+            raise
+        except LinrecError as err:
+            if want is not None:
+                fail("torch refused", f"backward on {backend}: {err}")
+            continue
+        except Exception as err:  # noqa: BLE001
+            _internal(fail, f"torch backward on {backend}", err)
+            continue
+        if want is None:
+            continue
+        stats[f"torch gradients on {backend}"] += 1
+        by_name = {k: (np.zeros(leaves[k].shape) if g is None else g.numpy()) for k, g in zip(leaves, grads)}
+        error, name = _gradient_error(by_name, {k: v for k, v in want.items() if k in by_name})
+        if not error <= verify_grad.FORM_TOLERANCE:
+            fail("torch disagrees", f"autograd through apply on {backend}: ∂{name} relative error {error:.3g} "
+                                    f"against NumPy's vjp (tolerance {verify_grad.FORM_TOLERANCE:g})")
 
 
 def _serving(rec, listed: dict, backends: tuple, seed: int, fail, stats) -> None:
@@ -964,6 +1045,9 @@ def main(argv=None) -> int:
     parser.add_argument("--serving-every", type=int, default=1,
                         help="what a serving engine asks of one program in N, on the backends it runs on "
                              "(default 1: every program; 0: none)")
+    parser.add_argument("--torch-every", type=int, default=10,
+                        help="linrec.torch.apply and autograd on one program in N, on the backends it runs on "
+                             "(default 10; 0: none; nothing without torch installed)")
     parser.add_argument("--show", type=int, default=3, help="failing programs to print per class")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="linrec-fuzz-cache-") as cache:
@@ -983,8 +1067,9 @@ def _run(args) -> int:
             if "c" in backends and (args.grad_c is None or c_gradients < args.grad_c):
                 gradients, c_gradients = backends, c_gradients + 1
         serving = backends if args.serving_every and i % args.serving_every == 0 else ()
+        through_torch = backends if args.torch_every and i % args.torch_every == 0 else ()
         failures += exercise(source, backends, seed=i, stats=stats, command_line=i % COMMAND_LINE_EVERY == 0,
-                             gradients=gradients, serving=serving,
+                             gradients=gradients, serving=serving, through_torch=through_torch,
                              seconds=120 if "c" in backends else 20)  # (C builds: ~1 s each)
     failed = len({f.source for f in failures})
     print(f"{args.count} programs in {time.perf_counter() - start:.1f} s: {failed} failed ({len(failures)} failures)")

@@ -4,8 +4,9 @@ NumPy (and, for a sample, on C: the recurrent form, the decode step, form="auto"
 the float64 reference form within verify's tolerance; for one program in GRAD_EVERY (and the first GRAD_C of
 the C programs whose gradient C builds) every gradient form `check` lists as well, against the NumPy
 recurrent backward at 1e-9 and that against central differences at 1e-6 (fuzzing._gradients); for one in
-SERVING_EVERY (on C one in C_SERVING_EVERY) what a serving engine asks of it (fuzzing._serving). A failure
-lists each class of problem with the programs that show it.
+SERVING_EVERY (on C one in C_SERVING_EVERY) what a serving engine asks of it (fuzzing._serving); for one in
+TORCH_EVERY, where torch is installed, linrec.torch.apply and autograd through it (fuzzing._through_torch). A
+failure lists each class of problem with the programs that show it.
 
 Default size (this CI run): DEFAULT_PROGRAMS programs on NumPy in batches of BATCH, DEFAULT_C of them also
 on C (a C kernel costs ~0.5 s to build). Longer runs:
@@ -21,7 +22,7 @@ import os
 
 import pytest
 
-from fuzzing import COMMAND_LINE_EVERY, Stats, exercise, programs, summarize
+from fuzzing import COMMAND_LINE_EVERY, TORCH, Stats, exercise, programs, summarize
 
 DEFAULT_PROGRAMS = 2000
 DEFAULT_C = 30
@@ -29,6 +30,7 @@ DEFAULT_GRAD_EVERY = 30  # gradients of one NumPy program in this many (~0.15 s 
 DEFAULT_GRAD_C = 2       # C programs whose C gradient forms are checked (a backward build costs ~1 s)
 DEFAULT_SERVING_EVERY = 20  # serving checked on one program in this many (~0.07 s each on NumPy, ~0.5 s on C)
 C_SERVING_EVERY = 10        # of the C programs, at most one in this many (their every form built on C)
+TORCH_EVERY = 40            # linrec.torch.apply and autograd on one NumPy program in this many (where torch is)
 BATCH = 250
 SHOWN = 3  # failing programs printed per class
 
@@ -79,13 +81,17 @@ def test_random_programs_on_numpy(numpy_batch, grad_every, serving_every):
     for i, source in enumerate(programs(count, seed)):
         gradients = ("numpy",) if grad_every and i % grad_every == 0 else ()
         serving = ("numpy",) if serving_every and i % serving_every == 0 else ()
+        through_torch = ("numpy",) if i % TORCH_EVERY == 0 else ()
         failures += exercise(source, ("numpy",), seed=i, seconds=20, stats=stats,
-                             command_line=i % COMMAND_LINE_EVERY == 0, gradients=gradients, serving=serving)
+                             command_line=i % COMMAND_LINE_EVERY == 0, gradients=gradients, serving=serving,
+                             through_torch=through_torch)
     assert stats["programs"] == count
     if grad_every and count >= 20 * grad_every:  # (enough programs that some have a gradient)
         assert stats["gradients"] > 0, stats
     if serving_every and count >= 20 * serving_every:
         assert stats["serving rows on numpy"] > 0, stats
+    if TORCH and count >= 10 * TORCH_EVERY:
+        assert stats["torch gradients on numpy"] > 0, stats
     assert stats["accepted"] > count // 2, f"the generator should mostly write programs check accepts: {stats}"
     assert not failures, _report(failures, stats)
 
