@@ -145,9 +145,9 @@ def _params_without_default(program, heads, dims, rng):
 
 def difference(got, ref, floor: float = 0.0) -> tuple[float, float]:
     """(max abs, max rel) of `got` against the reference `ref`, the relative error normwise (max|got − ref| /
-    max|ref|, max|ref| taken as at least `floor`) over the finite entries of ref. Where ref is NaN or ±∞, got must be the same (docs/guarantees.md,
-    non-finite values: each form gives the reference's NaN, its infinities, its finite values); a shape that
-    differs, or a non-finite value where ref has another value, is (inf, inf)."""
+    max|ref|, that scale at least `floor`) over the finite entries of ref. Where ref is NaN or ±∞, got must be
+    the same (docs/guarantees.md, non-finite values: each form gives the reference's NaN, its infinities, its
+    finite values); a shape that differs, or a non-finite value where ref has another value, is (inf, inf)."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     if got.shape != ref.shape:
         return float("inf"), float("inf")

@@ -789,9 +789,10 @@ def _through_torch(rec, info, listed: dict, backends: tuple, inputs, state0, ref
 def _serving(rec, listed: dict, backends: tuple, seed: int, fail, stats) -> None:
     """verify.serving_rows on `backends`, over every form check lists and the decode step: each row within
     verify's float64 tolerance of the reference form run on its own, an array's error measured against at least
-    SCALE_FLOOR, as the forms' (a row whose reference passes float64's range is skipped there too), the pool's other slots untouched, and no refusal — serving is asked of every
-    program, form and backend (docs/serving.md). The program's own values overflowing at serving_rows' sizes
-    (a refusal with a place in the program) are counted, as for the forms."""
+    SCALE_FLOOR, as the forms' (a row whose reference passes float64's range is skipped there too), the pool's
+    other slots untouched, and no refusal — serving is asked of every program, form and backend
+    (docs/serving.md). The program's own values overflowing at serving_rows' sizes (a refusal with a place in
+    the program) are counted, as for the forms."""
     forms = [f for f in listed if any(b in listed[f] for b in backends)] + \
         ([verify.STEP] if rec.program.causal and "recurrent" in listed else [])
     try:
