@@ -1,10 +1,12 @@
 """The key-side vectors of an update factored into per-token scalars times the vectors they share
-(compiler.key_factors), as the C backward takes them (linrec.c.scaled_keys): the recurrent one with corrections
-(templates/c_grad.c.j2: the written slots by the vectors they share, lr_put_keys) and the chunkwise and parallel
-ones (c_grad_chunk.c.j2, the same groups). What the factoring finds in the expressions, and the C backward in every form on programs
+(compiler.key_factors), as the C backward takes them (linrec.c.scaled_keys): the recurrent one
+(templates/c_grad.c.j2: with corrections the written slots by the vectors they share, lr_put_keys; without, its
+two passes, lr_fill_token and lr_factored_key_grads) and the chunkwise and parallel ones (c_grad_chunk.c.j2, the
+same groups). What the factoring finds in the expressions, and the C backward in every form on programs
 whose slots share vectors in every way the kernels distinguish — a scaled owner, an unscaled owner, a write's
 key as the only slot of its vector, two corrections on two vectors, a constant scalar, a scalar of zero, a
-scaled key without corrections — against the NumPy recurrent backward at 1e-9 in float64 and 5e-4 in float32
+scaled key without corrections, keys sharing a vector without corrections (under mild and strong decays) —
+against the NumPy recurrent backward at 1e-9 in float64 and 5e-4 in float32
 (sizes that are not whole registers), and the expansion the other kernels take (scaled_keys.expand, fold)
 against the plain arrays."""
 from __future__ import annotations
@@ -71,11 +73,26 @@ S = exp(g)·(I + k⊗(−beta·k))·S + sigmoid(q)⊗v
 output o = q·S
 """,
     # a constant scalar (−1) and a scalar that is zero at some tokens
-    # a scaled key and no corrections (Mamba-2's dt·B): the chunk kernels take it factored, the recurrent one not
+    # a scaled key and no corrections (Mamba-2's dt·B): every kernel takes it factored (the recurrent one in its two
+    # passes, and for pairs of strong decays in its states' way)
     "scaled key": """recurrence scaled_key(dk = 4, dv = 3)
 input q[dk], k[dk], v[dv], dt > 0
 state S[dk, dv]
 S = exp(−dt)·S + (dt·k)⊗v
+output o = q·S
+""",
+    # writes whose keys share a vector, two scaled and one not, without corrections: the two passes, and with decays
+    # strong enough (a mean log-decay below −1) the states' way
+    "shared keys": """recurrence shared_keys(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], w[dv], a, b, g <= 0
+state S[dk, dv]
+S = exp(g)·S + (a·k)⊗v + (b·k)⊗w + k⊗v
+output o = q·S
+""",
+    "shared keys, strong decay": """recurrence shared_strong(dk = 4, dv = 3)
+input q[dk], k[dk], v[dv], w[dv], a, b, g <= 0
+state S[dk, dv]
+S = exp(8·g − 2)·S + (a·k)⊗v + (b·k)⊗w + k⊗v
 output o = q·S
 """,
     "constant and zero": """recurrence constant(dk = 4, dv = 3)
@@ -124,11 +141,10 @@ def test_the_c_backward_of_factored_slots(name, form):
                         chunk_size=chunk)
         assert all(g.dtype == np.float32 for g in got32.grads.values())
         assert worst_error(got32.grads, want.grads) <= 5e-4, (name, i)
-    # (kernels that take the slots factored ran, in both precisions — the recurrent one only with corrections)
+    # (kernels that take the slots factored ran, in both precisions)
     chunk_kernel = form != "recurrent"
-    if chunk_kernel or rec.compiled.decomposition.transition("S").corrections:
-        assert {s.ctype for s in _factored_kernels() if s.dk == DIMS["dk"]
-                and isinstance(s, grad_chunk_kernels.Structure) == chunk_kernel} == {"float", "double"}
+    assert {s.ctype for s in _factored_kernels() if s.dk == DIMS["dk"]
+            and isinstance(s, grad_chunk_kernels.Structure) == chunk_kernel} == {"float", "double"}
 
 
 def test_expanded_slots_give_the_same_gradients():

@@ -121,10 +121,10 @@ class _CEmitter(DecomposedEmitter):
     def fused_fits(self) -> bool:
         return super().fused_fits() and grad_forward.fits(self.c)
 
-    # The backward of a state with corrections (c.grad_kernels' stored one) takes its key-side vectors factored
-    # (factored_keys); the backward without them (two passes) takes each slot's array.
+    # c.grad_kernels' backward takes the key-side vectors factored (factored_keys): with corrections (its stored
+    # way) and without (its two passes: Mamba-2's key dt·B read as B and dt, its gradients ∂B and ∂dt given).
     def key_factors(self, t):
-        return factored_keys(self.c, t) if t.corrections else None
+        return factored_keys(self.c, t)
 
     # An elementwise log-decay that is a token-free rate times a step per token (Mamba-1's A·diag(Δ)) goes to
     # c.grad_elementwise's kernels as its two factors (c.factored_decay), which make no [B, T, H, K, V] array.

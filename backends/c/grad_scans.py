@@ -114,10 +114,10 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
                       value_log_decay=None, value_corrections=(), decays_as_values=False):
     """The adjoint recurrence, from the last segment (see the module's docstring). decays_as_values: the
     log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays). Factored
-    key-side slots (c.scaled_keys) go to the stored backward of c.grad_kernels as they are; for the other
-    kernels they are expanded, and their gradients folded back."""
+    key-side slots (c.scaled_keys) go to c.grad_kernels' backward as they are; for the other kernels they are
+    expanded, and their gradients folded back."""
     given_queries, (queries, factors) = queries, query_factors(queries)
-    if scaled_keys.any_scaled(corrections, writes) and (decays_as_values or not corrections or _kernel(
+    if scaled_keys.any_scaled(corrections, writes) and (decays_as_values or _kernel(
             log_decay, queries, corrections, value_log_decay, value_corrections) != "rows"):
         plain_corrections, plain_writes = scaled_keys.expand(corrections, writes)
         grads = adjoint_recurrent(s0, log_decay, plain_writes, given_queries, checkpoints, chunk, grad_readouts,

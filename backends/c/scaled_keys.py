@@ -6,9 +6,9 @@ token [B, T, H, 1] (None: 1). Its gradient in the scan's results is a ScaledGrad
 H, 1] (None without one), and `.base`, the shared vector's summed over all its slots — given with the first of
 them in the kernels' order (each correction's u, w, then each write's key), None with the others.
 
-The recurrent backward with corrections (c.grad_kernels' stored one) and the chunk kernels (c.grad_chunk_kernels)
-take them so; for any other kernel, and for every forward, expand() gives each slot its own array and fold()
-takes their gradients back to this form.
+The recurrent backward of c.grad_kernels (with corrections and without) and the chunk kernels
+(c.grad_chunk_kernels) take them so; for any other kernel, and for every forward, expand() gives each slot its
+own array and fold() takes their gradients back to this form.
 """
 from __future__ import annotations
 
