@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from ..compiler import Compiled
 from ..compiler.adjoint import constant_factor, why_no_gradient
+from ..compiler.analysis import variance
 from ..compiler.decay_factors import decay_factors
-from ..compiler.key_factors import key_factors
+from ..compiler.key_factors import KeyFactors, key_factors
 from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
@@ -92,6 +93,15 @@ def factored_keys(compiled: Compiled, t):
     return key_factors(t)
 
 
+def _factoring_gains(factors: KeyFactors, lets: dict) -> bool:
+    """Whether a state's key-side vectors taken factored spare the backward arrays: a slot's scalar varies by
+    token (its product with the vector is then a [B, T, H, dk] array made and taken apart again), or two slots
+    share a vector (read once)."""
+    slots = [s for pair in factors.corrections for s in pair] + list(factors.writes)
+    return any(s.scale is not None and variance(s.scale, lets) == "token" for s in slots) or \
+        len(factors.bases) < len(slots)
+
+
 class _CEmitter(DecomposedEmitter):
     """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
     (which take the NumPy scans' arguments and give their results)."""
@@ -122,9 +132,15 @@ class _CEmitter(DecomposedEmitter):
         return super().fused_fits() and grad_forward.fits(self.c)
 
     # c.grad_kernels' backward takes the key-side vectors factored (factored_keys): with corrections (its stored
-    # way) and without (its two passes: Mamba-2's key dt·B read as B and dt, its gradients ∂B and ∂dt given).
+    # way) and without (its two passes: Mamba-2's key dt·B read as B and dt, its gradients ∂B and ∂dt given) where
+    # that gains something — a scalar that varies by token, or writes that share a vector. A lone key times a
+    # constant (Performer's exp(…)/√m) stays one array: factored, the kernel would give the constant's gradient for
+    # nothing, and the chain rule would take the exp of the features a second time.
     def key_factors(self, t):
-        return factored_keys(self.c, t)
+        factors = factored_keys(self.c, t)
+        if factors is None or t.corrections or _factoring_gains(factors, self.c.program.lets):
+            return factors
+        return None
 
     # An elementwise log-decay that is a token-free rate times a step per token (Mamba-1's A·diag(Δ)) goes to
     # c.grad_elementwise's kernels as its two factors (c.factored_decay), which make no [B, T, H, K, V] array.
