@@ -593,6 +593,20 @@ def exercise(source: str, backends=("numpy",), tokens: int = 12, seed: int = 0, 
     return failures
 
 
+def _guarded(fail, refused: str, what: str, where: str, run):
+    """run()'s result, or None after a failure: a LinrecError is the failure class `refused` ("{what}: the
+    error"), any other exception but a Timeout an internal error at `where`."""
+    try:
+        return run()
+    except Timeout:
+        raise
+    except LinrecError as err:
+        fail(refused, f"{what}: {err}")
+    except Exception as err:  # noqa: BLE001 - what the fuzzer looks for
+        _internal(fail, where, err)
+    return None
+
+
 def _internal(fail, where: str, err: BaseException):
     frames = traceback.extract_tb(err.__traceback__)
     last = next((f for f in reversed(frames) if "linrec" in f.filename or "backends" in f.filename), frames[-1]
@@ -667,15 +681,8 @@ def _run_forms(rec, backends, tokens, seed, scan_forms_on_c, fail, stats, gradie
     comparable = _comparable(reference)
 
     def attempt(what: str, run):
-        try:
-            result = run()
-        except Timeout:
-            raise
-        except LinrecError as err:
-            fail("listed form refused", f"{what}: {err}")
-            return
-        except Exception as err:  # noqa: BLE001
-            _internal(fail, f"run {what}", err)
+        result = _guarded(fail, "listed form refused", what, f"run {what}", run)
+        if result is None:
             return
         stats[f"runs on {backend}"] += 1  # (the loop's backend below: attempt runs inside it)
         if comparable:
@@ -722,7 +729,8 @@ def _through_torch(rec, info, listed: dict, backends: tuple, inputs, state0, ref
     reference's arguments (its params, defaults too, as leaves): the outputs and final states within verify's
     tolerance of the reference form's (_error), and autograd's gradients of Σ w·o + Σ w_S·S_T (random weights)
     within verify_grad.FORM_TOLERANCE of NumPy's vjp of the same weights (_gradient_error) — where check lists
-    a gradient form and that vjp runs. Where it lists none, the backward is refused with a LinrecError."""
+    a gradient form and that vjp runs. Where it lists none, the forward runs on tensors that ask for no
+    gradient."""
     import torch
 
     import linrec.torch as lt
@@ -739,20 +747,17 @@ def _through_torch(rec, info, listed: dict, backends: tuple, inputs, state0, ref
         except LinrecError:
             stats["gradient refused at these values"] += 1  # (torch's backward is then not compared)
     for backend in [b for b in backends if any(b in built for built in listed.values())]:
-        leaves = {name: torch.tensor(v, requires_grad=True) for name, v in {**inputs, **state0, **params}.items()}
-        try:
-            o, final = lt.apply(rec, {x.name: leaves[x.name] for x in rec.program.inputs},
-                                initial_state={k: leaves[k] for k in state0} or None,
-                                params={k: leaves[k] for k in params} or None, output_final_state=True,
-                                backend=backend)
-        except Timeout:
-            raise
-        except LinrecError as err:
-            fail("torch refused", f"apply on {backend}: {err}")
+        # (a program with no gradient form: tensors that ask for none, or apply refuses it up front, as it should)
+        leaves = {name: torch.tensor(v, requires_grad=differentiable)
+                  for name, v in {**inputs, **state0, **params}.items()}
+        applied = _guarded(fail, "torch refused", f"apply on {backend}", f"torch apply on {backend}",
+                           lambda b=backend: lt.apply(rec, {x.name: leaves[x.name] for x in rec.program.inputs},
+                                                      initial_state={k: leaves[k] for k in state0} or None,
+                                                      params={k: leaves[k] for k in params} or None,
+                                                      output_final_state=True, backend=b))
+        if applied is None:
             continue
-        except Exception as err:  # noqa: BLE001
-            _internal(fail, f"torch apply on {backend}", err)
-            continue
+        o, final = applied
         stats[f"torch runs on {backend}"] += 1
         outputs = o if isinstance(o, dict) else {rec.program.outputs[0].name: o}
         got = linrec.Result(outputs={k: v.detach().numpy() for k, v in outputs.items()},
