@@ -95,9 +95,14 @@ def refuse_other_libraries_options(program: ir.Program, named: dict, call: str) 
     inputs = {x.name for x in program.inputs}
     foreign = [n for n in named if n not in inputs and n in OTHER_LIBRARIES_OPTIONS]
     if foreign:
-        raise RuntimeInputError(f"{call}() has no option {foreign[0]}=: {OTHER_LIBRARIES_OPTIONS[foreign[0]]} (a "
-                                f"keyword that is no option of {call}() is an input array, and the inputs of "
-                                f"'{program.name}' are {', '.join(x.name for x in program.inputs) or 'none'})")
+        raise RuntimeInputError(f"{call}() has no option {foreign[0]}=: {OTHER_LIBRARIES_OPTIONS[foreign[0]]} "
+                                f"{_keywords_are_inputs(program, call)}")
+
+
+def _keywords_are_inputs(program: ir.Program, call: str) -> str:
+    """The reminder after an option refused: what a keyword of `call` that is no option is taken for."""
+    return (f"(a keyword that is no option of {call}() is an input array, and the inputs of '{program.name}' are "
+            f"{', '.join(x.name for x in program.inputs) or 'none'})")
 
 
 def keyword_options(method) -> list[str]:
@@ -115,9 +120,8 @@ def refuse_misspelt_options(program: ir.Program, named: dict, method) -> None:
     for name in unknown:
         close = difflib.get_close_matches(name, options, n=1, cutoff=0.7)
         if close:
-            raise RuntimeInputError(f"unknown input '{name}': did you mean the option {close[0]}=? (a keyword "
-                                    f"that is no option of {method.__name__}() is an input array, and the inputs "
-                                    f"of '{program.name}' are {', '.join(inputs) or 'none'})")
+            raise RuntimeInputError(f"unknown input '{name}': did you mean the option {close[0]}=? "
+                                    f"{_keywords_are_inputs(program, method.__name__)}")
 
 
 def refuse_given_twice(given: dict, named: dict) -> None:

@@ -1,6 +1,7 @@
 """A state's key-side vectors as per-token scalars times the vectors they share.
 
     factors = key_factors(t)     # KeyFactors, or None where factoring gains nothing
+    spares_arrays(factors, lets) # whether a backward without corrections gains by them (a scalar of the token)
 
 The key-side vectors of a decomposed update (compiler.transitions) — each correction's u and w, each write's key
 — are often one vector times scalars of the token: the delta rule's u = −β·k̂, w = k̂ and key = β·k̂ (gated
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import ir
+from .analysis import variance
 from .linearity import ONE, split_scalar
 from .transitions import Transition
 
@@ -59,3 +61,12 @@ def key_factors(t: Transition) -> KeyFactors | None:
         return None
     n = 2 * len(t.corrections)
     return KeyFactors(tuple(bases), tuple(zip(slots[0:n:2], slots[1:n:2])), tuple(slots[n:]))
+
+
+def spares_arrays(factors: KeyFactors, lets: dict[str, ir.Expr]) -> bool:
+    """Whether taking the slots factored spares a backward arrays: a slot's scalar varies by token (its product
+    with the vector is otherwise a [B, T, H, dk] array made, and its gradient one taken apart again), or two slots
+    share a vector (read once). A lone vector times a constant (Performer's exp(…)/√m) spares none."""
+    slots = [s for pair in factors.corrections for s in pair] + list(factors.writes)
+    return any(s.scale is not None and variance(s.scale, lets) == "token" for s in slots) or \
+        len(factors.bases) < len(slots)

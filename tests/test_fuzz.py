@@ -88,9 +88,9 @@ def test_random_programs_on_numpy(numpy_batch, grad_every, serving_every):
     assert stats["programs"] == count
     if grad_every and count >= 20 * grad_every:  # (enough programs that some have a gradient)
         assert stats["gradients"] > 0, stats
-    if serving_every and count >= 20 * serving_every:
+    if serving_every and count >= 5 * serving_every:  # (a batch of 250 samples 13 programs, most of them accepted)
         assert stats["serving rows on numpy"] > 0, stats
-    if TORCH and count >= 10 * TORCH_EVERY:
+    if TORCH and count >= 5 * TORCH_EVERY:
         assert stats["torch gradients on numpy"] > 0, stats
     assert stats["accepted"] > count // 2, f"the generator should mostly write programs check accepts: {stats}"
     assert not failures, _report(failures, stats)

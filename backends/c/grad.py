@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from ..compiler import Compiled
 from ..compiler.adjoint import constant_factor, why_no_gradient
-from ..compiler.analysis import variance
 from ..compiler.decay_factors import decay_factors
-from ..compiler.key_factors import KeyFactors, key_factors
+from ..compiler.key_factors import key_factors, spares_arrays
 from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
@@ -93,15 +92,6 @@ def factored_keys(compiled: Compiled, t):
     return key_factors(t)
 
 
-def _factoring_gains(factors: KeyFactors, lets: dict) -> bool:
-    """Whether a state's key-side vectors taken factored spare the backward arrays: a slot's scalar varies by
-    token (its product with the vector is then a [B, T, H, dk] array made and taken apart again), or two slots
-    share a vector (read once)."""
-    slots = [s for pair in factors.corrections for s in pair] + list(factors.writes)
-    return any(s.scale is not None and variance(s.scale, lets) == "token" for s in slots) or \
-        len(factors.bases) < len(slots)
-
-
 class _CEmitter(DecomposedEmitter):
     """The recurrent backward's module on C: the decomposed backward's, with each state's scans the C kernels'
     (which take the NumPy scans' arguments and give their results)."""
@@ -138,7 +128,7 @@ class _CEmitter(DecomposedEmitter):
     # nothing, and the chain rule would take the exp of the features a second time.
     def key_factors(self, t):
         factors = factored_keys(self.c, t)
-        if factors is None or t.corrections or _factoring_gains(factors, self.c.program.lets):
+        if factors is None or t.corrections or spares_arrays(factors, self.c.program.lets):
             return factors
         return None
 
