@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 import linrec
+import test_c_grad
+from linrec import verify_grad
 from linrec.numpy.adjoint_derived import emit_decomposed_backward
 from linrec.numpy.adjoint_in_place import in_place_products
 from linrec.c import rows
-from linrec.numpy.vjp import in_place, negated, vjp_l2norm
+from linrec.numpy.vjp import READ, in_place, negated, own_array, vjp_l2norm
 
 OWNED = ("S_grads.",)
 
@@ -137,3 +139,45 @@ def test_vjp_l2norm_into_its_gradient_gives_the_same_values(dtype):
         assert got is into and np.array_equal(got, want)
         other = np.zeros((2, 5, 3, 8), np.float16)  # (does not fit: a new array, `out` untouched)
         assert np.array_equal(f(x, g, out=other), want) and not other.any()
+
+
+def _view(array: np.ndarray) -> np.ndarray:
+    """array's values in a read-only view of a larger array (as linrec.torch hands over autograd's gradients:
+    views of the tensors' memory; read-only here, so that a write into it raises)."""
+    whole = np.empty((2,) + array.shape, array.dtype)
+    whole[1] = array
+    view = whole[1]
+    view.flags.writeable = False
+    return view
+
+
+@pytest.mark.parametrize("name", test_c_grad.EXAMPLES)
+def test_an_upstream_gradient_given_as_a_view_is_read_in_place_and_left_as_it_is(name):
+    """The upstream gradients a backward only reads (own_array(…, READ)) are read where they lie, a view of the
+    caller's memory too: every gradient form on both backends gives the same gradients, bit for bit, as from
+    arrays of their own, changes none of the views, and hands back no gradient that shares their memory."""
+    rec = linrec.load(f"examples/{name}.lin")
+    x, up, states, final = test_c_grad._call(rec, 1, 19, 2, seed=3)
+    for form, backend in verify_grad.gradient_forms(rec, ["numpy", "c"]):
+        views = {k: _view(v) for k, v in up.items()}
+        call = dict(form=form, backend=backend, initial_state=states, grad_final_state=final, dims=test_c_grad.DIMS)
+        got = rec.vjp(x, views, **call)
+        want = rec.vjp(x, {k: v.copy() for k, v in up.items()}, **call)
+        assert all(np.array_equal(views[k], up[k]) for k in up), (form, backend)
+        for k, g in want.grads.items():
+            assert np.array_equal(got.grads[k], g), (form, backend, k)
+            assert not any(np.shares_memory(got.grads[k], v) for v in views.values()), (form, backend, k)
+
+
+def test_own_array_keeps_a_view_only_where_the_code_only_reads_it():
+    whole = np.arange(24.0).reshape(2, 3, 4)
+    view, strided = whole[1], whole[:, 1]
+    assert own_array(view, (3, 4), np.float64, READ) is view  # (read where it lies: no copy)
+    for keep in (True, False):  # (one the code may change or hand back: its own array)
+        kept = own_array(view, (3, 4), np.float64, keep)
+        assert kept is not view and not np.shares_memory(kept, whole) and np.array_equal(kept, view)
+    copied = own_array(strided, (2, 4), np.float64, READ)  # (not C-contiguous, as the kernels read it: a copy)
+    assert copied.flags.c_contiguous and np.array_equal(copied, strided)
+    assert own_array(view, (3, 4), np.float32, READ).dtype == np.float32  # (another dtype: converted)
+    emitted = linrec.load("examples/gla.lin").emit_gradient("recurrent", "c")
+    assert "d_r0 = own_array(d_o, (batch, tokens, heads, dv), dtype, 'read')" in emitted

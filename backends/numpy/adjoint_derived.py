@@ -21,6 +21,7 @@ from ..compiler.analysis import walk
 from ..compiler.decay_factors import DecayFactors
 from ..compiler.key_factors import KeyFactors
 from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
+from .vjp import READ
 from .adjoint_in_place import in_place_products
 from .derived import canonical_text, per_token, running_signs_lines
 from .shared_arrays import shared_calls, shared_per_token
@@ -485,7 +486,10 @@ def first_contributions(lines: list[str], owned: tuple[str, ...] = ()) -> list[s
                             or (x.startswith("grads = ") and word.search(x)) for x in lines[j + 1:])
         read_once = value.startswith(owned) and sum(value in x for x in lines) == 1 if owned else False
         out[i] = None
-        out[j] = f"{var} = own_array({value}, {shape}, {dtype}, {_fresh(value) or only_read or read_once})"
+        # (only read and not an array of its own — the caller's upstream gradient, say: "read", the array itself
+        # even where it is a view, as linrec.torch hands them over; own_array copies it otherwise)
+        keep = repr(READ) if only_read and not (_fresh(value) or read_once) else _fresh(value) or read_once
+        out[j] = f"{var} = own_array({value}, {shape}, {dtype}, {keep})"
         scaled = _in_place(value, owned, lines)
         if scaled:  # (a scan's gradient times a factor: the factor applied in its array, no new one)
             array, op, factor = scaled
