@@ -709,15 +709,15 @@ def test_performer_gradients_that_fail_alone_are_refused():
 def test_first_contributions_make_the_adjoint_from_its_value():
     """linrec.numpy.adjoint_derived.first_contributions: zeros plus a first add become own_array of the value —
     kept as it is only where the code made it or only reads the adjoint (and the array the value names) from then
-    on (an array added to later, or handed back, is copied) — and an adjoint whose first use reads it stays
-    zeros."""
+    on (an array added to later, or handed back, is copied; one only read is READ: even a view of it is read
+    where it lies) — and an adjoint whose first use reads it stays zeros."""
     lines = ["d_a = np.zeros_like(a)", "d_b = np.zeros((batch, n), dtype)", "d_c = np.zeros_like(c)",
              "d_e = np.zeros_like(e)", "# adjoint of d_a in a comment", "d_a += d_o",
              "d_b += x * 2", "d_c += d_c.sum()", "d_e += d_o", "d_e += y", "f(d_a)", "grads = {\"e\": d_e}",
              "d_f = np.zeros_like(f)", "d_f += d_g.x", "d_g += z", "f(d_f)"]
     got = first_contributions(lines)
     assert got == ["d_c = np.zeros_like(c)", "# adjoint of d_a in a comment",
-                   "d_a = own_array(d_o, a.shape, a.dtype, True)",
+                   "d_a = own_array(d_o, a.shape, a.dtype, 'read')",
                    "d_b = own_array(x * 2, (batch, n), dtype, True)", "d_c += d_c.sum()",
                    "d_e = own_array(d_o, e.shape, e.dtype, False)", "d_e += y", "f(d_a)", "grads = {\"e\": d_e}",
                    "d_f = own_array(d_g.x, f.shape, f.dtype, False)", "d_g += z", "f(d_f)"]
