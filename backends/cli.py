@@ -40,6 +40,7 @@ from .c import cache as c_cache
 from .c import standalone as c_standalone
 from .compiler import ir
 from .compiler.analysis import inline_lets, to_text, walk
+from .compiler.builtins import SEQ
 from .compiler.resolve import SIZE_LIMIT, too_large
 from .compiler.steps import composed_update
 from .arrays import BFLOAT16, BFLOAT16_BITS, CHUNK_SIZE_RULE, FLOAT_DTYPES, check_chunk_size, from_bfloat16
@@ -1024,10 +1025,15 @@ def _add_verify(parser: argparse.ArgumentParser):
     parser.add_argument("--grad", action="store_true",
                         help="instead: the gradient forms: the recurrent one against central finite differences "
                              "of the float64 forward, the others against it (docs/gradients.md)")
+    parser.add_argument("--dim", dest="dims", action=_DimOnce, type=_dim, metavar="NAME=SIZE",
+                        help="a dimension's size in every case (repeatable; default: small and odd sizes) — "
+                             "the head sizes a model uses, at which the C kernels tile, block and split as "
+                             "they will run")
     parser.epilog = """\
 examples:
   linrec verify examples/performer.lin --against examples/softmax.lin
   linrec verify examples/gla.lin --grad --quick
+  linrec verify examples/gla.lin --backend c --dim dk=128 --dim dv=128 --quick
   linrec verify examples/gated_deltanet.lin --form step --state-dtype bfloat16
   linrec verify examples/gla.lin
   linrec verify examples/deltanet.lin --quick --json > deltanet.json
@@ -1080,10 +1086,10 @@ def _verify_gradients(rec, args) -> int:
     if not args.json:
         first = verify_grad.reference_form(rec)
         print(f"{rec.name}: the {first} gradient against central finite differences of the float64 {first} "
-              f"forward, the other gradient forms against it")
+              f"forward, the other gradient forms against it{_sizes_said(args.sizes)}")
         print(verify.HEADER)
     rows = verify_grad.run(rec, backends=backends, dtypes=tuple(args.dtype or ("float64", "float32")),
-                           quick=args.quick, seed=args.seed, forms=args.form,
+                           quick=args.quick, seed=args.seed, forms=args.form, sizes=args.sizes,
                            on_row=None if args.json else lambda r: print(verify.format_row(r), flush=True))
     failed = [r for r in rows if not r.passed]
     absent = verify_grad.missing(rec, backends)
@@ -1096,6 +1102,22 @@ def _verify_gradients(rec, args) -> int:
     else:
         print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
+
+
+def _sizes_said(sizes: dict | None) -> str:
+    return "" if not sizes else "; in every case " + ", ".join(f"{name} = {size}" for name, size in sizes.items())
+
+
+def _verify_sizes(rec, dims) -> dict | None:
+    """verify --dim: the sizes for every case (a dimension the file lacks, or too large: an error). The
+    sequence's bound (a header's `T = …`) is not one of them: each case has its own length."""
+    if not dims:
+        return None
+    dims_with_overrides(rec.program, dims)
+    if any(name == SEQ for name, _ in dims):
+        raise LinrecError(f"--dim {SEQ}=…: verify runs each case at its own sequence length (T = 1 up to a long "
+                          f"one, within the file's bound); leave it out, or change the bound in the file")
+    return dict(dims)
 
 
 def cmd_verify(args) -> int:
@@ -1118,7 +1140,7 @@ def cmd_verify(args) -> int:
                           "program's): run them one at a time")
     ignored = [option for option, given in (("--quick", args.quick), ("--form", args.form), ("--backend", args.backend),
                                             ("--dtype", args.dtype), ("--state-dtype", args.state_dtype),
-                                            ("--seed", args.seed != 0)) if given]
+                                            ("--seed", args.seed != 0), ("--dim", args.dims)) if given]
     if args.against and ignored:  # (found by probing: they were silently ignored; --seed read as a change)
         raise LinrecError(f"--against compares the outputs on its own inputs (every feature count, --seeds "
                           f"seeds, float64 NumPy), which {', '.join(ignored)} would not change: leave "
@@ -1133,6 +1155,7 @@ def cmd_verify(args) -> int:
                           "--dtype float32 and --form step, or leave them out")
     if args.against:
         return _verify_against(rec, _load(args.against), args)
+    args.sizes = _verify_sizes(rec, args.dims)
     if args.grad:
         return _verify_gradients(rec, args)
     backends = args.backend or _backend_names()
@@ -1150,7 +1173,7 @@ def cmd_verify(args) -> int:
         if not printed_header:
             ref = verify.reference_form(rec)
             ref = "recurrent form as written (not stabilized)" if ref == DEFINITION else f"{ref} form"
-            print(f"{rec.name}: every form against the float64 {ref} (numpy)")
+            print(f"{rec.name}: every form against the float64 {ref} (numpy){_sizes_said(args.sizes)}")
             print(verify.HEADER)
             printed_header = True
         print(verify.format_row(row), flush=True)
@@ -1158,7 +1181,7 @@ def cmd_verify(args) -> int:
     progress = verify.progress_to_stderr if (args.json or sys.stderr.isatty()) else None
     rows = verify.run(rec, backends=backends, forms=forms, dtypes=tuple(args.dtype or ("float64", "float32")),
                       quick=args.quick, seed=args.seed, on_row=on_row, on_progress=progress,
-                      state_bf16=args.state_dtype == BFLOAT16, notes=(notes := []))
+                      state_bf16=args.state_dtype == BFLOAT16, notes=(notes := []), sizes=args.sizes)
     if not rows:  # (a pass that checked nothing would read as a pass)
         raise LinrecError(f"nothing to check: with these options the only row would be the reference itself "
                           f"(the float64 {verify.reference_form(rec)} form on numpy); add a backend, a dtype or "

@@ -79,10 +79,13 @@ def reference_form(rec) -> str:
     return DEFINITION if stabilized_states(rec.compiled) else "recurrent"
 
 
-def battery(program, quick: bool = False) -> list[Case]:
+def battery(program, quick: bool = False, sizes: dict | None = None) -> list[Case]:
+    """The cases, at small and odd sizes — or at `sizes` (verify --dim: the head sizes a model uses, whose C
+    kernels tile, block and split otherwise) for the dimensions it names, in every case but the size-1 axis's
+    own."""
     sized = [d for d in program.dims if d.name != SEQ]  # the maximum length stays as declared
-    small = {d.name: min(d.default, 8) for d in sized}
-    odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)}
+    small = {d.name: min(d.default, 8) for d in sized} | (sizes or {})
+    odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)} | (sizes or {})
     cases = [
         Case("T=1", 2, 1, 2, small, chunk_sizes=(64,)),
         Case("ragged T", 2, 37, 3, small, chunk_sizes=(16, 64)),
@@ -227,14 +230,16 @@ def _beyond(dtype: str, reference_arrays) -> str | None:
 
 
 def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), quick=False, seed=0,
-        on_row=None, on_progress=None, state_bf16: bool = False, notes: list | None = None) -> list[Row]:
+        on_row=None, on_progress=None, state_bf16: bool = False, notes: list | None = None,
+        sizes: dict | None = None) -> list[Row]:
     """Every (form, backend, dtype, case, chunk size) against the float64 NumPy recurrent form; by default
     the decode step too (outputs and final states of the tokens run one at a time). state_bf16: also the
     decode step with its state kept in bfloat16 (rows BF16_STATE, float32 tokens, TOLERANCE_BF16_STATE).
-    `notes`: a list that gets what the report should say once (a reference with NaN: nan_in_reference)."""
+    `notes`: a list that gets what the report should say once (a reference with NaN: nan_in_reference).
+    `sizes`: dimensions' sizes for every case and the serving rows (battery)."""
     forms = list(forms or list(rec.forms) + decode_forms(rec))
     rows = []
-    cases = battery(rec.program, quick)
+    cases = battery(rec.program, quick, sizes)
     plan = []
     for case in cases:
         for form in forms:
@@ -305,7 +310,7 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
         rows.append(row)
         if on_row:
             on_row(row)
-    for row in serving_rows(rec, backends, forms, dtypes, seed, on_progress):
+    for row in serving_rows(rec, backends, forms, dtypes, seed, on_progress, sizes=sizes):
         rows.append(row)
         if row.skipped:
             _note_skip(notes, f"case '{row.case}', {row.dtype}", row.note)
@@ -321,15 +326,17 @@ SERVING_CHUNKS = (4, 16)
 POOL_SLOTS, POOL_ROWS = 6, (4, 0, 2)    # requests at these slots of a pool of 6; the other slots stay
 
 
-def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None, floor: float = 0.0) -> list[Row]:
+def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None, floor: float = 0.0,
+                 sizes: dict | None = None) -> list[Row]:
     """Rows for what a serving engine asks, each against the float64 reference form run on its own:
     `checkpoints` (state_every: each the reference state after its token), `last K` (keep_last: entry j − 1
     is running the prompt and j draft tokens alone), `cu_seqlens` (each packed sequence equals it run alone,
     with its own initial state; lengths 0, 1 and none a multiple of the chunk size), and `slot pool` (with
     the decode step: the pool's rows equal per-request steps, the other rows bit-identical). `floor`: the
-    smallest scale an array's error is measured against (difference; 0: its own largest value)."""
+    smallest scale an array's error is measured against (difference; 0: its own largest value). `sizes`:
+    dimensions' sizes instead of small ones (battery)."""
     program = rec.program
-    small = {d.name: min(d.default, 8) for d in program.dims if d.name != SEQ}
+    small = {d.name: min(d.default, 8) for d in program.dims if d.name != SEQ} | (sizes or {})
     dims = {d.name: d.default for d in program.dims} | small
     rng = np.random.default_rng(seed)
     ref_form = reference_form(rec)

@@ -38,10 +38,11 @@ Case = verify.Case
 EVERY_SQRT_T = (None,)
 
 
-def battery(program, quick: bool = False) -> list[Case]:
+def battery(program, quick: bool = False, sizes: dict | None = None) -> list[Case]:
+    """The gradient cases, at small and odd sizes, or at `sizes` for the dimensions it names (verify.battery)."""
     sized = [d for d in program.dims if d.name != SEQ]
-    small = {d.name: min(d.default, 6) for d in sized}
-    odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)}
+    small = {d.name: min(d.default, 6) for d in sized} | (sizes or {})
+    odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)} | (sizes or {})
     cases = [Case("T=1", 2, 1, 2, small, chunk_sizes=EVERY_SQRT_T),
              Case("ragged T", 2, 13, 3, small, chunk_sizes=(None, 4)),
              Case("odd dims", 1, 9, 2, odd, chunk_sizes=(2,)),
@@ -124,17 +125,17 @@ def _case_arrays(rec, case: Case, seed: int):
 
 
 def run(rec, backends=("numpy",), dtypes=("float64", "float32"), quick: bool = False, seed: int = 0,
-        on_row=None, forms=None) -> list[Row]:
+        on_row=None, forms=None, sizes: dict | None = None) -> list[Row]:
     """The recurrent gradient in float64 against finite differences; every other gradient form in float64
     against it (1e-9, the forms' tolerance); float32 gradients against the float64 recurrent one (5e-4).
     `forms`: only the rows of these gradient forms (None: every one built); the reference is computed all
-    the same."""
+    the same. `sizes`: dimensions' sizes for every case (battery)."""
     rows = []
     plan = gradient_forms(rec, backends)
     plan.sort(key=lambda fb: fb[0] != "recurrent")  # (the recurrent gradient first: the others' reference)
     asked = [fb for fb in plan if forms is None or fb[0] in forms]
     per_token = frozenset(x.name for x in rec.program.inputs)  # (the gradients of one token's values)
-    for case in battery(rec.program, quick):
+    for case in battery(rec.program, quick, sizes):
         if not asked:
             break
         inputs, params, state0, g_out, g_state = _case_arrays(rec, case, seed)

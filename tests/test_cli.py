@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import linrec
+from linrec import verify, verify_grad
 from linrec.cli import main
 
 EXAMPLES = sorted(Path(__file__).resolve().parent.parent.joinpath("examples").glob("*.lin"))
@@ -161,6 +162,38 @@ def test_verify_refuses_what_it_would_ignore_or_check_nothing(capsys):
     assert main(["verify", gla, "--grad", "--quick", "--form", "parallel", "--backend", "numpy", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows and {r["form"] for r in rows} == {"parallel"}
+
+
+def test_verify_dim_runs_every_case_at_the_given_sizes(capsys, monkeypatch):
+    """verify --dim: the head sizes a model uses in every case (the C kernels tile, block and split by them),
+    for the forms and the gradient forms alike; the size-1 axis case keeps its axis of one."""
+    gla, linformer = (str(next(p for p in EXAMPLES if p.stem == name)) for name in ("gla", "linformer"))
+    program = linrec.load(gla).program
+    for battery in (verify.battery, verify_grad.battery):
+        cases = battery(program, quick=True, sizes={"dv": 12})
+        assert all(c.dims["dv"] == 12 for c in cases) and any(c.dims["dk"] != 12 for c in cases)
+    size_one = next(c for c in verify.battery(program, sizes={"dk": 40}) if c.name == "size-1 axis")
+    assert size_one.dims["dk"] == 1
+    seen = []
+    for module in (verify, verify_grad):
+        real = module.battery
+        monkeypatch.setattr(module, "battery", lambda *a, real=real, **k: seen.append(a[2:]) or real(*a, **k))
+    for extra in ([], ["--grad"]):
+        argv = ["verify", gla, "--quick", "--backend", "numpy", "--form", "chunkwise", "--dim", "dk=7",
+                "--dim", "dv=3", *extra]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "in every case dk = 7, dv = 3" in out.splitlines()[0] and "0 failed" in out
+    assert seen == [({"dk": 7, "dv": 3},)] * 2
+    for argv, message in ((["--dim", "dq=3"], "'gla' has no dimension 'dq'; its dimensions are dk, dv"),
+                          (["--against", gla, "--dim", "dk=4"], "which --dim would not change")):
+        assert main(["verify", gla, *argv]) == 1
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (a usage error, as every command's --dim)
+        main(["verify", gla, "--dim", "dk=0"])
+    assert "argument --dim: expected a positive integer, got '0'" in capsys.readouterr().err
+    assert main(["verify", linformer, "--dim", "T=64"]) == 1
+    assert "verify runs each case at its own sequence length" in capsys.readouterr().err
 
 
 def test_run_npz_round_trip(tmp_path, capsys):
