@@ -28,6 +28,10 @@ What `exercise` asserts of a program (each violation is a Failure with a class a
   respect to the inputs, the initial states and every param) are NumPy's `vjp` of the same weights;
 * nothing takes longer than a time limit (signal.setitimer: a hang is a failure, not a stuck test run).
 
+The programs are small (dk ≤ 5, dv ≤ 4, the examples' 16 in mutants), where every C kernel is a partial
+register; `--model-sizes-every N` runs one C program in N at a model's head sizes instead (at_model_sizes:
+dk, dv from 64 to 200), where the kernels tile, block and split the state as they will in a model.
+
 Run it longer than the test suite does with `python -m pytest tests/test_fuzz.py --fuzz-programs 20000`
 (see tests/README.md), or from here: `python tests/fuzzing.py 20000 --c 200` prints the failure classes
 (gradients of every program there, on C of every C one: --grad-every, --grad-c to thin them).
@@ -800,8 +804,11 @@ def _serving(rec, listed: dict, backends: tuple, seed: int, fail, stats) -> None
     the program) are counted, as for the forms."""
     forms = [f for f in listed if any(b in listed[f] for b in backends)] + \
         ([verify.STEP] if rec.program.causal and "recurrent" in listed else [])
+    # (serving_rows' sizes are at most 8, but a program at a model's head sizes is checked at them)
+    model = {d.name: d.default for d in rec.program.dims if d.name in ("dk", "dv") and d.default >= MODEL_SIZE}
     try:
-        rows = verify.serving_rows(rec, backends, forms, ("float64",), seed=seed, floor=SCALE_FLOOR)
+        rows = verify.serving_rows(rec, backends, forms, ("float64",), seed=seed, floor=SCALE_FLOOR,
+                                   sizes=model or None)
     except Timeout:
         raise
     except RuntimeInputError as err:
@@ -1018,6 +1025,22 @@ def _command_line(source: str, accepted: bool, fail, stats) -> None:
 COMMAND_LINE_EVERY = 10  # programs of a run that also go through `linrec check` and `linrec run`
 
 
+# (dk, dv) of at_model_sizes: whole registers and key blocks, partial ones, dk ≠ dv both ways
+MODEL_SIZES = ((64, 64), (128, 128), (96, 80), (200, 72), (72, 136))
+MODEL_SIZE = min(min(pair) for pair in MODEL_SIZES)  # (a size from which _serving keeps a program's own)
+
+
+def at_model_sizes(source: str, index: int) -> str:
+    """The program with the sizes of dk and dv in its header at a model's (MODEL_SIZES, by `index`); its other
+    sizes as they are."""
+    dk, dv = MODEL_SIZES[index % len(MODEL_SIZES)]
+    sizes = {"dk": dk, "dv": dv}
+
+    def header(line: re.Match) -> str:
+        return re.sub(r"\b(dk|dv)(\s*=\s*)\d+", lambda m: f"{m.group(1)}{m.group(2)}{sizes[m.group(1)]}", line.group(0))
+    return re.sub(r"^recurrence\b.*$", header, source, count=1, flags=re.MULTILINE)
+
+
 def programs(count: int, seed: int, mutants: float = 0.25):
     """`count` programs of one seed: generated ones and, a `mutants` fraction, mutated examples."""
     gen = ProgramGenerator(seed)
@@ -1054,6 +1077,9 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-every", type=int, default=10,
                         help="linrec.torch.apply and autograd on one program in N, on the backends it runs on "
                              "(default 10; 0: none; nothing without torch installed)")
+    parser.add_argument("--model-sizes-every", type=int, default=0,
+                        help="one C program in N at a model's head sizes (dk, dv from 64 to 200: at_model_sizes) "
+                             "instead of its own small ones (default 0: none)")
     parser.add_argument("--show", type=int, default=3, help="failing programs to print per class")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="linrec-fuzz-cache-") as cache:
@@ -1067,6 +1093,9 @@ def _run(args) -> int:
     c_gradients = 0  # C programs whose gradients ran (on C where it builds them)
     for i, source in enumerate(programs(args.count, args.seed)):
         backends = ("numpy", "c") if every and i % every == 0 else ("numpy",)
+        if "c" in backends and args.model_sizes_every and (i // every) % args.model_sizes_every == 0:
+            source = at_model_sizes(source, i // every // args.model_sizes_every)
+            stats["at a model's sizes"] += 1
         gradients = ()
         if args.grad_every and i % args.grad_every == 0:
             gradients = ("numpy",)

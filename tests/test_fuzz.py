@@ -5,8 +5,9 @@ the float64 reference form within verify's tolerance; for one program in GRAD_EV
 the C programs whose gradient C builds) every gradient form `check` lists as well, against the NumPy
 recurrent backward at 1e-9 and that against central differences at 1e-6 (fuzzing._gradients); for one in
 SERVING_EVERY (on C one in C_SERVING_EVERY) what a serving engine asks of it (fuzzing._serving); for one in
-TORCH_EVERY, where torch is installed, linrec.torch.apply and autograd through it (fuzzing._through_torch). A
-failure lists each class of problem with the programs that show it.
+TORCH_EVERY, where torch is installed, linrec.torch.apply and autograd through it (fuzzing._through_torch); one
+C program in C_MODEL_SIZES_EVERY at a model's head sizes (fuzzing.at_model_sizes). A failure lists each class
+of problem with the programs that show it.
 
 Default size (this CI run): DEFAULT_PROGRAMS programs on NumPy in batches of BATCH, DEFAULT_C of them also
 on C (a C kernel costs ~0.5 s to build). Longer runs:
@@ -22,7 +23,7 @@ import os
 
 import pytest
 
-from fuzzing import COMMAND_LINE_EVERY, TORCH, Stats, exercise, programs, summarize
+from fuzzing import COMMAND_LINE_EVERY, TORCH, Stats, at_model_sizes, exercise, programs, summarize
 
 DEFAULT_PROGRAMS = 2000
 DEFAULT_C = 30
@@ -31,6 +32,7 @@ DEFAULT_GRAD_C = 2       # C programs whose C gradient forms are checked (a back
 DEFAULT_SERVING_EVERY = 20  # serving checked on one program in this many (~0.07 s each on NumPy, ~0.5 s on C)
 C_SERVING_EVERY = 10        # of the C programs, at most one in this many (their every form built on C)
 TORCH_EVERY = 40            # linrec.torch.apply and autograd on one NumPy program in this many (where torch is)
+C_MODEL_SIZES_EVERY = 15    # of the C programs, one in this many at a model's head sizes (dk, dv from 64 to 200)
 BATCH = 250
 SHOWN = 3  # failing programs printed per class
 
@@ -100,7 +102,8 @@ def test_random_programs_on_c(c_batch, serving_every):
     """Programs of their own seed through the C backend too: its recurrent form, decode step, form="auto"
     and one scan form, where check lists them (each build ~0.5 s: a time limit of 120 s per program); the
     gradients of every program, on NumPy and C, until grad_c programs have had C gradient forms checked; what a
-    serving engine asks, on C, of one program in C_SERVING_EVERY (every form it lists: more builds)."""
+    serving engine asks, on C, of one program in C_SERVING_EVERY (every form it lists: more builds); one
+    program in C_MODEL_SIZES_EVERY at a model's head sizes, where the kernels tile, block and split the state."""
     seed, count, grad_c = c_batch
     if count == 0:
         pytest.skip("--fuzz-c 0")
@@ -110,6 +113,9 @@ def test_random_programs_on_c(c_batch, serving_every):
         before = stats["gradient runs on c"]
         gradients = ("numpy", "c") if with_c_gradients < grad_c else ()
         serving = ("c",) if every and i % every == 0 else ()
+        if i % C_MODEL_SIZES_EVERY == C_MODEL_SIZES_EVERY - 1:
+            source = at_model_sizes(source, i // C_MODEL_SIZES_EVERY)
+            gradients = ("numpy", "c")  # (every such program's, on C too)
         failures += exercise(source, ("numpy", "c"), seed=i, seconds=120, stats=stats, gradients=gradients,
                              serving=serving)
         with_c_gradients += stats["gradient runs on c"] > before
