@@ -21,10 +21,10 @@ from ..compiler.analysis import walk
 from ..compiler.decay_factors import DecayFactors
 from ..compiler.key_factors import KeyFactors
 from .adjoint import ADJOINT_SCANS, AdjointPrinter, BackwardEmitter
-from .vjp import READ
 from .adjoint_in_place import in_place_products
 from .derived import canonical_text, per_token, running_signs_lines
 from .shared_arrays import shared_calls, shared_per_token
+from .vjp import READ
 
 DEFAULT_CHUNK = 64
 
