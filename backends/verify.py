@@ -79,13 +79,19 @@ def reference_form(rec) -> str:
     return DEFINITION if stabilized_states(rec.compiled) else "recurrent"
 
 
-def battery(program, quick: bool = False, sizes: dict | None = None) -> list[Case]:
-    """The cases, at small and odd sizes — or at `sizes` (verify --dim: the head sizes a model uses, whose C
-    kernels tile, block and split otherwise) for the dimensions it names, in every case but the size-1 axis's
-    own."""
-    sized = [d for d in program.dims if d.name != SEQ]  # the maximum length stays as declared
-    small = {d.name: min(d.default, 8) for d in sized} | (sizes or {})
+def case_sizes(program, largest: int, sizes: dict | None = None) -> tuple[list, dict, dict]:
+    """A battery's sized dimensions (every one but the sequence's bound, which stays as declared), their small
+    sizes (the file's, at most `largest`) and odd ones — each replaced by `sizes` where it names the dimension
+    (verify --dim: the head sizes a model uses, at which the C kernels tile, block and split otherwise)."""
+    sized = [d for d in program.dims if d.name != SEQ]
+    small = {d.name: min(d.default, largest) for d in sized} | (sizes or {})
     odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)} | (sizes or {})
+    return sized, small, odd
+
+
+def battery(program, quick: bool = False, sizes: dict | None = None) -> list[Case]:
+    """The cases, at small and odd sizes, or at `sizes` (case_sizes) in every case but the size-1 axis's own."""
+    sized, small, odd = case_sizes(program, 8, sizes)
     cases = [
         Case("T=1", 2, 1, 2, small, chunk_sizes=(64,)),
         Case("ragged T", 2, 37, 3, small, chunk_sizes=(16, 64)),
@@ -336,7 +342,7 @@ def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None, floor: 
     smallest scale an array's error is measured against (difference; 0: its own largest value). `sizes`:
     dimensions' sizes instead of small ones (battery)."""
     program = rec.program
-    small = {d.name: min(d.default, 8) for d in program.dims if d.name != SEQ} | (sizes or {})
+    _, small, _ = case_sizes(program, 8, sizes)
     dims = {d.name: d.default for d in program.dims} | small
     rng = np.random.default_rng(seed)
     ref_form = reference_form(rec)

@@ -21,7 +21,6 @@ import numpy as np
 
 from . import gradients, verify
 from .compiler import FORMS
-from .compiler.builtins import SEQ
 from .dsl.errors import LinrecError
 from .verify import Row, _initial_state, _params_without_default
 
@@ -39,10 +38,8 @@ EVERY_SQRT_T = (None,)
 
 
 def battery(program, quick: bool = False, sizes: dict | None = None) -> list[Case]:
-    """The gradient cases, at small and odd sizes, or at `sizes` for the dimensions it names (verify.battery)."""
-    sized = [d for d in program.dims if d.name != SEQ]
-    small = {d.name: min(d.default, 6) for d in sized} | (sizes or {})
-    odd = {d.name: (5 + 2 * i) for i, d in enumerate(sized)} | (sizes or {})
+    """The gradient cases, at small and odd sizes, or at `sizes` for the dimensions it names (verify.case_sizes)."""
+    _, small, odd = verify.case_sizes(program, 6, sizes)
     cases = [Case("T=1", 2, 1, 2, small, chunk_sizes=EVERY_SQRT_T),
              Case("ragged T", 2, 13, 3, small, chunk_sizes=(None, 4)),
              Case("odd dims", 1, 9, 2, odd, chunk_sizes=(2,)),
