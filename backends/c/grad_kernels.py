@@ -219,7 +219,7 @@ def render(s: Structure) -> str:
         dk=s.dk, dv=s.dv, dvp=-(-s.dv // lanes) * lanes, dkp=-(-s.dk // lanes) * lanes, decay=DECAYS.index(s.decay),
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),
-        read_scales=", ".join(map(repr, s.factors)),
+        read_scales=", ".join(map(repr, s.factors)), split_terms=s.decay != "none" and not any(s.before),
         n_inputs=len(s.widths), **factoring(s))
 
 
