@@ -99,6 +99,24 @@ def test_strong_decay_reaches_minus_twenty():
     assert inputs["g"].min() < -20
 
 
+def test_finite_differences_stay_inside_declared_ranges():
+    """A random direction's steps (±ε, ±2ε) would carry an input drawn within 2ε of its declared bound out of
+    it, and the forward refuses such an input — a battery at dk = 128 met one (`linrec verify --grad --dim`).
+    Along the direction with those elements left out, the check runs and still catches a wrong gradient."""
+    rec = example("gated_deltanet")
+    dims = {"dk": 5, "dv": 4}
+    inputs, params, state0, g_out, g_state = arrays_for(rec, 2, 7, 2, dims, seed=5)
+    inputs["g"][0, :3, 0] = [-1e-7, 0.0, -1.5e-5]  # (log-decays: g <= 0)
+    inputs["beta"][1, 2:4, 1] = [1e-6, 1 - 1e-6]  # (beta in (0, 1))
+    result = rec.vjp(inputs, g_out, grad_final_state=g_state, initial_state=state0, params=params, dims=dims)
+    errors = verify_grad.directional_errors(rec, inputs, params, state0, g_out, g_state, result.grads, dims)
+    assert max(rel for _, rel in errors.values()) < 1e-8
+    for name in ("g", "beta"):
+        wrong = dict(result.grads, **{name: result.grads[name] * (1 + 1e-5)})
+        errors = verify_grad.directional_errors(rec, inputs, params, state0, g_out, g_state, wrong, dims)
+        assert errors[name][1] > FD_TOLERANCE
+
+
 def test_checker_catches_a_wrong_gradient():
     rec = example("gated_deltanet")
     inputs, params, state0, g_out, g_state = arrays_for(rec, 2, 7, 2, {"dk": 5, "dv": 4}, seed=5)
