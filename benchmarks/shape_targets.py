@@ -18,7 +18,10 @@ back, and each figure is computed inside its round:
     grad      per program and d, the fastest forward (the C recurrent form) and each gradient form's
               Recurrence.vjp (which runs its forward too) at B = 1, H = 8, T = --tokens (4096) on 2 threads: the fastest
               backward over the fastest forward (target ≤ 3×); and the backward alone, from the forward kept for
-              it as a training step through linrec.torch runs it (gradients.saved_forward, vjp(saved=…)).
+              it as a training step through linrec.torch runs it (gradients.saved_forward, vjp(saved=…)); and
+              that ratio for the fastest such backward timed in pairs — a forward, then the backward, PAIRS
+              times — as the median of the pairs' ratios: the two calls of a pair, tens of milliseconds apart,
+              see the same spell of a machine whose speed drifts by a fifth over seconds.
 
 The report gives the median over rounds and the range (min–max); --json the rounds too. Float32 throughout.
 """
@@ -28,6 +31,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +39,7 @@ import numpy as np
 import linrec
 from fma_peak import fma_peak_gflops  # (benchmarks/, the script's own folder)
 from linrec import bench, bench_grad, gradients
+from linrec.c import build as c_build
 from targets import median_ms, run_ms
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the example programs
@@ -42,6 +47,7 @@ B, H, T = bench.BATCH, bench.HEADS, 4096  # (bench_grad.upstream_gradients' B an
 PREFILL = {"programs": ["gla", "gated_deltanet", "gdn2"], "dims": [64, 128, 256],
            "target": {"gla": 0.80, "gated_deltanet": 0.75, "gdn2": 0.75}}
 GRAD = {"programs": ["gla", "gated_deltanet", "mamba2"], "dims": [64, 128], "target": 3.0}
+PAIRS = 5  # forward–backward pairs per round (measure_grad)
 
 
 def _load(name: str):
@@ -124,12 +130,36 @@ def measure_grad(rounds: int, progress, tokens: int = T) -> dict:
                         rec, x, grads, form=f, backend="c", grad_final_state=None, initial_state=None, params=None,
                         dims=None, chunk_size=None, missing="error", saved=s), 2)
             fastest_kept = min(kept, key=kept.get) if kept else None
+            paired = None
+            if kept:
+                saved = gradients.saved_forward(rec, x, form=fastest_kept, backend="c", initial_state=None,
+                                                params=None, dims=None, chunk_size=None)
+                paired = paired_ratio(lambda: rec.run(x, form="recurrent", backend="c"), lambda: gradients.vjp(
+                    rec, x, grads, form=fastest_kept, backend="c", grad_final_state=None, initial_state=None,
+                    params=None, dims=None, chunk_size=None, missing="error", saved=saved), 2)
             rows[f"{name} d={d}"] = {"forward_ms": forward, "vjp_ms": vjp, "fastest": fastest,
                                      "ratio": vjp[fastest] / forward, "kept_ms": kept,
                                      "kept_fastest": fastest_kept,
-                                     "kept_ratio": kept[fastest_kept] / forward if kept else None}
+                                     "kept_ratio": kept[fastest_kept] / forward if kept else None,
+                                     "paired_ratio": paired}
         out.append({"rows": rows})
     return {"rounds": out}
+
+
+def paired_ratio(forward, backward, threads: int, pairs: int = PAIRS) -> float:
+    """The median over `pairs` of (backward's time / forward's time), each pair timed back to back on `threads`
+    threads, after a warm-up call of each."""
+    with c_build.threads(threads):
+        forward()
+        backward()
+        ratios = []
+        for _ in range(pairs):
+            t0 = time.perf_counter()
+            forward()
+            t1 = time.perf_counter()
+            backward()
+            ratios.append((time.perf_counter() - t1) / (t1 - t0))
+    return statistics.median(ratios)
 
 
 def summarize_grad(res: dict) -> dict:
@@ -142,27 +172,29 @@ def summarize_grad(res: dict) -> dict:
                      "fastest": [p["fastest"] for p in per], "ratio": _span([p["ratio"] for p in per]),
                      "kept_ms": {f: _span([p["kept_ms"][f] for p in per]) for f in per[0]["kept_ms"]},
                      "kept_fastest": [p["kept_fastest"] for p in per],
-                     "kept_ratio": _span([p["kept_ratio"] for p in per]) if per[0]["kept_ms"] else None}
+                     "kept_ratio": _span([p["kept_ratio"] for p in per]) if per[0]["kept_ms"] else None,
+                     "paired_ratio": _span([p["paired_ratio"] for p in per]) if per[0]["kept_ms"] else None}
     return {"rows": rows}
 
 
 def report_grad(s: dict, rounds: int, tokens: int = T) -> str:
     lines = [f"{rounds} rounds; B = {B}, H = {H}, T = {tokens}, float32, 2 threads, C; the fastest vjp (which runs its "
              f"forward too) over the fastest forward (the recurrent form), and the fastest backward alone (from the "
-             f"forward kept for it, as in a training step), median (min–max over rounds)", "",
+             f"forward kept for it, as in a training step), and that ratio timed in pairs (a forward, then the "
+             f"backward, {PAIRS} times: the median of the pairs' ratios), median (min–max over rounds)", "",
              "| program | d | forward ms | vjp ms per form | fastest | × forward | backward alone ms per form | "
-             "× forward | target |", "|---|---|---|---|---|---|---|---|---|"]
+             "× forward | × forward, in pairs | target |", "|---|---|---|---|---|---|---|---|---|---|"]
     for key, row in s["rows"].items():
         name, d = key.split(" d=")
         forms = ", ".join(f"{f} {v['median']:.1f}" for f, v in row["vjp_ms"].items())
         kept = ", ".join(f"{f} {v['median']:.1f}" for f, v in row["kept_ms"].items()) or "-"
         fastest = max(set(row["fastest"]), key=row["fastest"].count)
         ratio, kept_ratio = row["ratio"], row["kept_ratio"]
-        alone = "-" if kept_ratio is None else \
-            f"{kept_ratio['median']:.1f}× ({kept_ratio['min']:.1f}–{kept_ratio['max']:.1f})"
+        alone, paired = ("-" if r is None else f"{r['median']:.1f}× ({r['min']:.1f}–{r['max']:.1f})"
+                         for r in (kept_ratio, row["paired_ratio"]))
         lines.append(f"| {name} | {d} | {row['forward_ms']['median']:.2f} | {forms} | {fastest} | "
                      f"{ratio['median']:.1f}× ({ratio['min']:.1f}–{ratio['max']:.1f}) | {kept} | {alone} | "
-                     f"≤ {GRAD['target']:.0f}× |")
+                     f"{paired} | ≤ {GRAD['target']:.0f}× |")
     return "\n".join(lines)
 
 
