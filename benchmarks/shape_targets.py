@@ -118,25 +118,14 @@ def measure_grad(rounds: int, progress, tokens: int = T) -> dict:
         progress(f"grad: round {r + 1}/{rounds} …")
         rows = {}
         for name, d, rec, x, grads, forms in cases:
-            forward = run_ms(rec, x, 2)
+            forward_call = lambda: rec.run(x, form="recurrent", backend="c")  # noqa: E731
+            forward = median_ms(forward_call, 2)
             vjp = {form: median_ms(lambda f=form: rec.vjp(x, grads, form=f, backend="c"), 2) for form in forms}
             fastest = min(vjp, key=vjp.get)
-            kept = {}
-            for form in forms:
-                saved = gradients.saved_forward(rec, x, form=form, backend="c", initial_state=None, params=None,
-                                                dims=None, chunk_size=None)
-                if saved is not None:
-                    kept[form] = median_ms(lambda f=form, s=saved: gradients.vjp(
-                        rec, x, grads, form=f, backend="c", grad_final_state=None, initial_state=None, params=None,
-                        dims=None, chunk_size=None, missing="error", saved=s), 2)
+            backwards = {form: call for form in forms if (call := _kept_backward(rec, x, grads, form)) is not None}
+            kept = {form: median_ms(call, 2) for form, call in backwards.items()}
             fastest_kept = min(kept, key=kept.get) if kept else None
-            paired = None
-            if kept:
-                saved = gradients.saved_forward(rec, x, form=fastest_kept, backend="c", initial_state=None,
-                                                params=None, dims=None, chunk_size=None)
-                paired = paired_ratio(lambda: rec.run(x, form="recurrent", backend="c"), lambda: gradients.vjp(
-                    rec, x, grads, form=fastest_kept, backend="c", grad_final_state=None, initial_state=None,
-                    params=None, dims=None, chunk_size=None, missing="error", saved=saved), 2)
+            paired = paired_ratio(forward_call, backwards[fastest_kept], 2) if kept else None
             rows[f"{name} d={d}"] = {"forward_ms": forward, "vjp_ms": vjp, "fastest": fastest,
                                      "ratio": vjp[fastest] / forward, "kept_ms": kept,
                                      "kept_fastest": fastest_kept,
@@ -144,6 +133,17 @@ def measure_grad(rounds: int, progress, tokens: int = T) -> dict:
                                      "paired_ratio": paired}
         out.append({"rows": rows})
     return {"rounds": out}
+
+
+def _kept_backward(rec, x, grads, form: str):
+    """The backward alone of `form` on C, from the forward kept for it (gradients.saved_forward, run once here),
+    as a call; None where the form keeps no forward."""
+    saved = gradients.saved_forward(rec, x, form=form, backend="c", initial_state=None, params=None, dims=None,
+                                    chunk_size=None)
+    if saved is None:
+        return None
+    return lambda: gradients.vjp(rec, x, grads, form=form, backend="c", grad_final_state=None, initial_state=None,
+                                 params=None, dims=None, chunk_size=None, missing="error", saved=saved)
 
 
 def paired_ratio(forward, backward, threads: int, pairs: int = PAIRS) -> float:
