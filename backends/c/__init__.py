@@ -10,6 +10,8 @@ cached on disk.
                    (c_grad_chunk.c.j2), its forward the fused kernel keeping each chunk's state (grad_forward.py)
     rows.py        l2norm, rmsnorm, groupnorm and their vector–Jacobian products in one pass (c_rows.c.j2), for the
                    backward modules
+    chain_rows.py  the recurrent backward's chain rule: runs of arithmetic on the tokens' rows in one pass
+                   (c_chain_rows.c.j2), NumPy's statements where it does not take them
     fused.py       the fused recurrent kernel and decode step of a factorable recurrence (c_fused.c.j2),
                    planned by state_terms.py, block_region.py, step_region.py and passes.py as the records
                    of fused_plan.py; kernel_source.py: what it shares with statements.py

@@ -12,7 +12,8 @@ for all the states (c.grad_scans.common_segment). A non-causal program's readout
 the final state by the module itself (as the NumPy one does); a program derived in stages runs each stage's such module, from the last
 (linrec.stages.Staged: CBackend.staged_gradient_forms). The chain
 rule from the outputs to the readouts and from the per-token arrays to the inputs and params
-(compiler.adjoint.derive_decomposed) stays NumPy: O(T·d) work beside the kernels' O(T·dk·dv).
+(compiler.adjoint.derive_decomposed) is the NumPy module's, O(T·d) work beside the kernels' O(T·dk·dv); its runs
+of arithmetic on the tokens' rows go to C in one pass each (c.chain_rows).
 
     why_not(compiled)          None when the C backend builds the recurrent backward, else why not
     emit(compiled)             the generated backward module's source
@@ -28,7 +29,7 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad_forward, grad_scans, rows
+from . import chain_rows, grad_forward, grad_scans, rows
 
 SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
 SEGMENT = "common_segment"  # (the one segment of every state, where the forward is the fused kernel's)
@@ -97,8 +98,8 @@ class _CEmitter(DecomposedEmitter):
     (which take the NumPy scans' arguments and give their results)."""
 
     # (rows' helpers first; `scaled`: factored key-side slots, c.scaled_keys)
-    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_scans.__name__: SCANS | {SEGMENT, "scaled",
-                                                                                         "factored_decay"}}
+    modules = {rows.__name__: rows.HELPERS, chain_rows.__name__: frozenset({"chain_rows"})} | MODULES | \
+        {grad_scans.__name__: SCANS | {SEGMENT, "scaled", "factored_decay"}}
     scans = SCANS
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
@@ -111,6 +112,13 @@ class _CEmitter(DecomposedEmitter):
 
     def __init__(self, compiled: Compiled):
         super().__init__(compiled, "recurrent")
+
+    def body(self) -> list[str]:
+        # the chain rule's runs of arithmetic on the tokens' rows in one pass of C each (c.chain_rows)
+        lines = chain_rows.fused_lines(super().body())
+        if any("chain_rows(" in x for x in lines):
+            self.helpers.add("chain_rows")
+        return lines
 
     def readout_query(self, r):
         return split_readout(self.c, r)[1]
