@@ -3,8 +3,8 @@ module that each make or add to a [B, T, H, *] array (or a param's gradient, sum
 arithmetic on arrays, run as one loop over the (batch row, token, head) rows instead of NumPy's pass and array per
 operation (docs/gradients.md, "Beyond the kernels").
 
-    fused_lines(lines)                the module's lines with such runs of statements as chain_rows calls
-    chain_rows(source, scope, glob)   runs them: their new bindings, in the order of chain_targets(source)
+    fused_lines(lines)                  the module's lines with such runs of statements as chain_rows calls
+    chain_rows(source, scope, helpers)  runs them: their new bindings, in the order of chain_targets(source)
 
 A run is found in the module's text (as numpy.adjoint_in_place finds its products), so it is the generated
 NumPy statements themselves, written once, that the module hands over:
@@ -12,7 +12,7 @@ NumPy statements themselves, written once, that the module hands over:
     d_D, d_x = chain_rows('''
         d_D += unbroadcast(np.einsum('...i,...i->...', d_y, x), d_D.shape)
         d_x = own_array(d_y * D[..., None], x.shape, x.dtype, True)
-    ''', locals(), globals())
+    ''', locals(), {"own_array": own_array, "unbroadcast": unbroadcast, "np": np})
 
 chain_rows parses them once (a Program), evaluates their operands (`leaves`: names, attributes, calls that write
 nothing — a NumPy pass each, as before), infers every value's shape as NumPy would broadcast it, and runs a C
@@ -36,6 +36,7 @@ the threads (c.build.num_threads(), one below ROWS_PER_THREAD rows a thread).
 from __future__ import annotations
 
 import ast
+import builtins
 import textwrap
 from dataclasses import dataclass
 
@@ -274,6 +275,16 @@ def _names(code: str) -> set[str]:
     return {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
 
 
+def _helpers(source: str) -> list[str]:
+    """The module's names the statements call (and `np`): handed to chain_rows by name, so that what reads the
+    module's code (the merging of a staged program's modules, which keeps and renames its imports) sees them."""
+    tree = ast.parse(textwrap.dedent(source))
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    numpy = any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "np"
+                for n in ast.walk(tree))
+    return sorted(called - set(dir(builtins))) + (["np"] if numpy else [])
+
+
 def _movable(code: str, parser: _Parser, reads: set[str]) -> bool:
     """Whether a line may run before the run's statements so far: it changes no array in place (no in_place,
     negated, out=, augmented assignment), names nothing the run writes, binds nothing the run reads, and the run
@@ -310,7 +321,7 @@ def fused_lines(lines: list[str]) -> list[str]:
             targets = chain_targets("\n".join(run))
             out.append(", ".join(targets) + ("," if len(targets) == 1 else "") + ' = chain_rows("""')
             out.extend("    " + x if x.strip() else "" for x in run)
-            out.append('""", locals(), globals())')
+            out.append('""", locals(), {' + ", ".join(f'"{h}": {h}' for h in _helpers("\n".join(run))) + "})")
         run, moved, parser, reads = [], [], _Parser(), set()
 
     for line in lines:
@@ -396,7 +407,7 @@ def _program(source: str) -> _Program:
 
 def chain_rows(source: str, scope: dict, glob: dict) -> tuple:
     """The run's statements (see the module's docstring) on the arrays of `scope` (the module's locals) and `glob`
-    (its globals): the values of the names they bind, in their order (chain_targets)."""
+    (the module's helpers they call, by name): the values of the names they bind, in their order (chain_targets)."""
     p = _program(source)
     try:
         if not p.statements:
