@@ -59,6 +59,7 @@ import numpy as np
 
 import linrec
 from linrec import cli, decode, verify, verify_grad
+from linrec.c import chain_rows
 from linrec.c.buffers import aligned_empty
 from linrec.dsl.errors import LinrecError, RuntimeInputError
 
@@ -1079,6 +1080,9 @@ def main(argv=None) -> int:
                              "instead of its own small ones (default 0: none)")
     parser.add_argument("--show", type=int, default=3, help="failing programs to print per class")
     args = parser.parse_args(argv)
+    # the C backward's runs of the chain rule in C at the fuzzer's small sizes too, where a call gives them to NumPy
+    # below c.chain_rows.MIN_ROW_VALUES: the random programs' chain rules then meet the kernel
+    chain_rows.MIN_ROW_VALUES = 0
     with tempfile.TemporaryDirectory(prefix="linrec-fuzz-cache-") as cache:
         os.environ.setdefault("LINREC_CACHE_DIR", cache)  # (kernels built here go away with the run)
         return _run(args)

@@ -200,3 +200,22 @@ def test_c_backward_with_its_runs_in_c_matches_numpy(program, dtype, every_size,
         assert float(np.max(np.abs(a - b))) <= tol * max(1.0, float(np.max(np.abs(b)))), name
     if program in ("mamba2", "comba", "gdn2", "gated_oja", "performer"):
         assert kernel_runs, "no run went to the kernel"
+
+
+@pytest.mark.parametrize("program", ["mamba2", "gdn2", "comba"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_chunkwise_c_backward_runs_them_too(program, dtype, every_size, kernel_runs):
+    """The C chunkwise backward's module (c.grad_chunk) hands over the same runs; against the NumPy recurrent
+    backward at the forms' tolerances."""
+    rec = linrec.load(f"{EXAMPLES}/{program}.lin")
+    dims = {"dk": 8, "dv": 12}
+    x = rec.random_inputs(2, 37, 3, dims=dims, dtype=dtype, seed=4)
+    out = rec.run(x, backend="numpy", dims=dims).outputs
+    g = {k: np.random.default_rng(5).standard_normal(v.shape).astype(dtype) for k, v in out.items()}
+    ours = rec.vjp(x, g, form="chunkwise", backend="c", dims=dims, chunk_size=8)
+    want = rec.vjp(x, g, form="recurrent", backend="numpy", dims=dims)
+    tol = 1e-9 if dtype == np.float64 else 5e-4
+    for name, b in want.grads.items():
+        a, b = np.asarray(ours.grads[name]), np.asarray(b)
+        assert float(np.max(np.abs(a - b))) <= tol * max(1.0, float(np.max(np.abs(b)))), name
+    assert kernel_runs, "no run went to the kernel"

@@ -303,6 +303,18 @@ def _movable(code: str, parser: _Parser, reads: set[str]) -> bool:
     return not (_names(code) & parser.written) and not (assigned_names(stmt) & reads)
 
 
+HELPERS = frozenset({"chain_rows"})  # (what a module that calls it imports from here)
+
+
+def fused_body(emitter, lines: list[str]) -> list[str]:
+    """A C backward emitter's body with its runs as chain_rows calls (fused_lines), and chain_rows among the
+    helpers the module imports where it calls it."""
+    lines = fused_lines(lines)
+    if any(' = chain_rows("""' in x for x in lines):
+        emitter.helpers |= HELPERS
+    return lines
+
+
 def fused_lines(lines: list[str]) -> list[str]:
     """The module's lines with each run of statements chain_rows takes as one chain_rows call. A run goes on past
     a line it does not take where that line may run before it (_movable: the kernel's call between the outputs'

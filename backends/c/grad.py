@@ -98,7 +98,7 @@ class _CEmitter(DecomposedEmitter):
     (which take the NumPy scans' arguments and give their results)."""
 
     # (rows' helpers first; `scaled`: factored key-side slots, c.scaled_keys)
-    modules = {rows.__name__: rows.HELPERS, chain_rows.__name__: frozenset({"chain_rows"})} | MODULES | \
+    modules = {rows.__name__: rows.HELPERS, chain_rows.__name__: chain_rows.HELPERS} | MODULES | \
         {grad_scans.__name__: SCANS | {SEGMENT, "scaled", "factored_decay"}}
     scans = SCANS
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
@@ -113,12 +113,8 @@ class _CEmitter(DecomposedEmitter):
     def __init__(self, compiled: Compiled):
         super().__init__(compiled, "recurrent")
 
-    def body(self) -> list[str]:
-        # the chain rule's runs of arithmetic on the tokens' rows in one pass of C each (c.chain_rows)
-        lines = chain_rows.fused_lines(super().body())
-        if any("chain_rows(" in x for x in lines):
-            self.helpers.add("chain_rows")
-        return lines
+    def body(self) -> list[str]:  # (the chain rule's runs of arithmetic on the rows in one pass of C each)
+        return chain_rows.fused_body(self, super().body())
 
     def readout_query(self, r):
         return split_readout(self.c, r)[1]

@@ -19,7 +19,7 @@ from ..dsl.errors import LinrecError
 from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
-from . import grad, grad_chunk_scans, grad_forward, rows
+from . import chain_rows, grad, grad_chunk_scans, grad_forward, rows
 
 FORMS = ("parallel", "chunkwise")
 SCANS = frozenset({"chunk_checkpoints", "adjoint_chunkwise"})
@@ -38,7 +38,8 @@ class _ChunkEmitter(DecomposedEmitter):
     """The decomposed backward's module, its scans the C kernels' (c.grad_chunk_scans, which take the NumPy
     scans' arguments and give their results)."""
 
-    modules = {rows.__name__: rows.HELPERS} | MODULES | {grad_chunk_scans.__name__: SCANS | {"scaled"}}  # (rows: first)
+    modules = {rows.__name__: rows.HELPERS, chain_rows.__name__: chain_rows.HELPERS} | MODULES | \
+        {grad_chunk_scans.__name__: SCANS | {"scaled"}}  # (rows: first)
     scans = SCANS
     forward_scan, backward_scan = "chunk_checkpoints", "adjoint_chunkwise"
     backward_comment = "the transposed recurrence in C, from the last chunk"
@@ -48,6 +49,9 @@ class _ChunkEmitter(DecomposedEmitter):
 
     def fused_fits(self) -> bool:
         return super().fused_fits() and grad_forward.fits(self.c)
+
+    def body(self) -> list[str]:  # (the chain rule's runs of arithmetic on the rows in one pass of C each)
+        return chain_rows.fused_body(self, super().body())
 
     def key_factors(self, t):  # (the chunk kernels take them factored: c.grad.factored_keys)
         return grad.factored_keys(self.c, t)
