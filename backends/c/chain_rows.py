@@ -286,15 +286,16 @@ def _helpers(source: str) -> list[str]:
 
 
 def _movable(code: str, parser: _Parser, reads: set[str]) -> bool:
-    """Whether a line may run before the run's statements so far: it changes no array in place (no in_place,
-    negated, out=, augmented assignment), names nothing the run writes, binds nothing the run reads, and the run
-    has changed in place no array made before it (which the line may read under another name) — a param's
-    gradient aside, the module's own zeros that only its name reaches."""
+    """Whether a line may run before the run's statements so far: an assignment that changes no array in place
+    (no in_place, negated, out=), names nothing the run writes, binds nothing the run reads, and the run has
+    changed in place no array made before it (which the line may read under another name) — a param's gradient
+    aside, the module's own zeros that only its name reaches. (The module's other calls write into no argument:
+    the kernels' take their inputs and give new arrays.)"""
     try:
         stmt = ast.parse(code).body[0]
     except SyntaxError:
         return False
-    if not isinstance(stmt, (ast.Assign, ast.Expr)) or parser.changed_in_place:
+    if not isinstance(stmt, ast.Assign) or parser.changed_in_place:  # (a bare call may write into its arguments)
         return False
     for n in ast.walk(stmt):
         if isinstance(n, ast.Call) and (ast.unparse(n.func) in ("in_place", "negated")
