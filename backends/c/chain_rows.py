@@ -31,7 +31,7 @@ the same row, as it reads it after NumPy's whole pass.
 
 The kernel (templates/c_chain_rows.c.j2) takes each operand as a pointer with its strides over (batch row,
 token, head) and one over the row's values, 0 (broadcast) or 1, built into the kernel; the rows are split over
-the threads (c.build.num_threads(), one below ROWS_PER_THREAD rows a thread).
+the threads as linrec.c.rows splits its rows (rows.row_threads).
 """
 from __future__ import annotations
 
@@ -43,24 +43,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..numpy.adjoint_in_place import assigned_names, split_comment
-from ..numpy.vjp import hand_over
 from ..templating import environment
 from ..version import VERSION
-from . import build as c_build, fork
-from .buffers import RecycledArrays
+from . import fork
 from .build import CTYPES
+from .grad_calls import gradient_array
+from .rows import row_threads
 from .scan_kernels import cached_kernel
 
-ROWS_PER_THREAD = 4096  # rows below which a second thread costs more than it saves (as linrec.c.rows')
 # A run whose widest statement has fewer values than this (rows × the row's values) runs in NumPy: the kernel's
 # call costs ~0.1 ms of Python, about what a few NumPy passes over [B, T, H] numbers take (gated DeltaNet's
 # scalars per token at T = 4096, H = 8: 32K values; Mamba-2's rows at d = 64: 2M)
 MIN_ROW_VALUES = 1 << 18
 LAYOUTS = 64  # the layouts a run keeps (one per shapes and strides of its arrays: a training run has a few)
-# The new arrays a run makes are recycled once their holders have dropped them (buffers.RecycledArrays), as the
-# backward kernels' gradients are: a fresh [B, T, H, d] array pays a page fault per 4 KiB page at first touch.
-NEW_ARRAYS = 8
-_new_arrays = RecycledArrays(keep=NEW_ARRAYS)
 
 # the calls a value is made of (the rest of a value are operands, evaluated as they are)
 _STRUCTURE = {"own_array", "unbroadcast", "in_place", "negated", "np.einsum"}
@@ -122,16 +117,18 @@ class NotTaken(Exception):
     """A statement (or at run time, its arrays) that a run does not take."""
 
 
+def _writes_into_an_array(e: ast.AST) -> bool:
+    """Whether evaluating e may write into an array it reads: in_place, negated, or a call given out=."""
+    return any(isinstance(n, ast.Call) and (ast.unparse(n.func) in ("in_place", "negated")
+                                            or any(k.arg == "out" for k in n.keywords)) for n in ast.walk(e))
+
+
 def _writes_nothing(e: ast.AST) -> bool:
-    """Whether evaluating e writes into no array: no call that may (in_place, negated, a keyword out=), and none
-    of the calls a value's structure is made of."""
-    for n in ast.walk(e):
-        if isinstance(n, ast.Call):
-            if ast.unparse(n.func) in _STRUCTURE or any(k.arg == "out" for k in n.keywords):
-                return False
-        elif isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Yield, ast.Await, ast.comprehension)):
-            return False
-    return True
+    """Whether e is an operand's code as it is: it writes into no array, and calls none of the calls a value's
+    structure is made of."""
+    return not _writes_into_an_array(e) and not any(
+        isinstance(n, ast.Call) and ast.unparse(n.func) in _STRUCTURE
+        or isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Yield, ast.Await, ast.comprehension)) for n in ast.walk(e))
 
 
 def _is_none_axis(s: ast.AST) -> bool:
@@ -265,11 +262,6 @@ def chain_targets(source: str) -> list[str]:
     return list(dict.fromkeys(s.target for s in _statements(source)))
 
 
-def assigned_in(source: str) -> list[str]:
-    """The names the statements of `source` bind, in order (of a run or not)."""
-    return list(dict.fromkeys(n for stmt in ast.parse(textwrap.dedent(source)).body for n in sorted(assigned_names(stmt))))
-
-
 # ---- the module's lines ---------------------------------------------------------------------------------------
 def _names(code: str) -> set[str]:
     return {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
@@ -295,12 +287,8 @@ def _movable(code: str, parser: _Parser, reads: set[str]) -> bool:
         stmt = ast.parse(code).body[0]
     except SyntaxError:
         return False
-    if not isinstance(stmt, ast.Assign) or parser.changed_in_place:  # (a bare call may write into its arguments)
-        return False
-    for n in ast.walk(stmt):
-        if isinstance(n, ast.Call) and (ast.unparse(n.func) in ("in_place", "negated")
-                                        or any(k.arg == "out" for k in n.keywords)):
-            return False
+    if not isinstance(stmt, ast.Assign) or parser.changed_in_place or _writes_into_an_array(stmt):
+        return False  # (a bare call may write into its arguments)
     return not (_names(code) & parser.written) and not (assigned_names(stmt) & reads)
 
 
@@ -371,10 +359,7 @@ class _Program:
     def __init__(self, source: str):
         self.source = textwrap.dedent(source)
         self.code = compile(self.source, "<chain_rows>", "exec")
-        try:
-            self.statements = _statements(self.source)
-        except NotTaken:  # (not a run fused_lines would make: NumPy runs it)
-            self.statements = []
+        self.statements = _statements(self.source)
         self.targets = list(dict.fromkeys(s.target for s in self.statements))
         self.leaves: list[str] = []  # the operands' code, each once
         for s in self.statements:
@@ -389,7 +374,7 @@ class _Program:
     def numpy(self, scope: dict, glob: dict) -> tuple:
         env = dict(scope)
         exec(self.code, glob, env)
-        return tuple(env[t] for t in self.targets or assigned_in(self.source))
+        return tuple(env[t] for t in self.targets)
 
 
 def _leaves(node):
@@ -423,8 +408,6 @@ def chain_rows(source: str, scope: dict, glob: dict) -> tuple:
     (the module's helpers they call, by name): the values of the names they bind, in their order (chain_targets)."""
     p = _program(source)
     try:
-        if not p.statements:
-            raise NotTaken("not a run")
         plan = _Plan(p, scope, glob)
     except NotTaken:
         return p.numpy(scope, glob)
@@ -486,8 +469,6 @@ class _Plan:
             v = _shape(s.value, values, shapes)
             if s.kind == "new":
                 shape = made[s.target][0] if s.target in made else v
-                if made.get(s.target, (None, dtype))[1] != dtype:
-                    raise NotTaken("a new array of another dtype")
                 frame = _frame(shape, lead)
                 if _broadcast(v, shape) != shape:
                     raise NotTaken("a value that does not broadcast to its array")
@@ -520,28 +501,26 @@ class _Plan:
         arrays = {}
         for s in p.statements:
             if s.kind == "new" and s.target not in arrays:
-                arrays[s.target] = hand_over(_new_arrays.take(self.shapes[s.target], self.dtype))
+                arrays[s.target] = gradient_array(self.shapes[s.target], self.dtype)  # (recycled, as the kernels')
         for name, t in self.targets.items():
             arrays.setdefault(name, t)
         k, t = lay.kernel, CTYPES[self.dtype]
         ptr = k.ffi.new(f"{t} *[]", max(1, len(lay.pointers)))
-        held = [arrays[key] if kind == "target" else self.values[key] for kind, key in lay.pointers]
-        for i, a in enumerate(held):  # (by address: an operand may be a strided or broadcast view)
+        for i, (kind, key) in enumerate(lay.pointers):  # (by address: an operand may be a strided or broadcast view)
+            a = arrays[key] if kind == "target" else self.values[key]
             ptr[i] = k.ffi.cast(f"{t} *", a.__array_interface__["data"][0])
-        rows = int(np.prod(self.lead))
-        threads = max(1, min(c_build.num_threads(), rows // ROWS_PER_THREAD))
+        threads = row_threads(int(np.prod(self.lead)))
         sums = np.zeros((threads, max(1, lay.sum_size)), np.float64)
         B, T, H = self.lead
         k.lib.lr_chain_rows(ptr, k.ffi.from_buffer("int64_t *", lay.strides), k.ffi.from_buffer("double *", sums),
                             k.ffi.from_buffer("int64_t *", lay.widths), B, T, H, threads, sums.shape[1])
-        del held  # (the operands stay alive through the call)
         total = sums.sum(axis=0)
         for s, (start, shape) in lay.param_sums.items():
             part = total[start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
             t = arrays[s]
             with np.errstate(over="ignore"):
                 t += part.astype(t.dtype)
-        return tuple(arrays[name] if name in arrays else self.targets[name] for name in p.targets)
+        return tuple(arrays[name] for name in p.targets)
 
 
 def _rows(shape, dtype, dtype0, lead0):
@@ -616,23 +595,21 @@ class _Layout:
         plan = self.plan
         item = plan.dtype.itemsize
         if kind == "target":
-            shape = plan.shapes.get(key) or plan.targets[key].shape
-            steps = _steps(shape, _contiguous_strides(shape), frame)
+            steps = _contiguous_steps(plan.shapes.get(key) or plan.targets[key].shape, frame)
         else:
             a = plan.values[key]
             if any(x % item for x in a.strides):
                 raise NotTaken("an operand not aligned to its elements")
             steps = _steps(a.shape, [x // item for x in a.strides], frame)
-        steps = list(steps) + ([0] if len(frame) == 3 else [])
         inner = steps[3] if len(frame) == 4 and frame[3] > 1 else 0
         if inner not in (0, 1):
             raise NotTaken("an operand whose row is not contiguous")
-        ident = (kind, key, tuple(steps[:3]), inner)
+        ident = (kind, key, steps[:3], inner)
         i = self._index.get(ident)
         if i is None:
             i = self._index[ident] = len(self.pointers)
             self.pointers.append((kind, key))
-            self.strides += steps[:3] + [inner]
+            self.strides += [*steps[:3], inner]
         return i, inner == 1
 
     def expr(self, node, frame: tuple, var: str | None) -> str:
@@ -692,7 +669,7 @@ class _Layout:
             start = self.param_sums.setdefault(s.target, (self.sum_size, t.shape))[0]
             if start == self.sum_size:
                 self.sum_size += t.size
-            steps = list(_steps(t.shape, _contiguous_strides(t.shape), frame)) + ([] if wide else [0])
+            steps = _contiguous_steps(t.shape, frame)
             at = " + ".join([str(start)] + [v if x == 1 else f"{v} * {x}" for v, x in zip(("b", "t", "h", "i"), steps)
                                             if x])
             store = f"sum[{at}] {s.sign}= (double){e};"
@@ -728,7 +705,8 @@ def _kernel(source: str, cdef: str):
 
 def _steps(shape, strides, frame) -> tuple:
     """The steps (in elements) of an array of `shape` and `strides` read broadcast over `frame` (NumPy's rule:
-    axes aligned from the right, an axis of 1 or a missing one repeated)."""
+    axes aligned from the right, an axis of 1 or a missing one repeated): four, over (batch row, token, head, the
+    row's values), the last 0 for a frame of one value per row."""
     shape, frame = tuple(shape), tuple(frame)
     if len(shape) > len(frame):
         raise NotTaken("an operand of more axes than its value")
@@ -740,12 +718,9 @@ def _steps(shape, strides, frame) -> tuple:
             out.append(int(strides[-k]))
         else:
             raise NotTaken("shapes that do not broadcast")
-    return tuple(reversed(out))
+    return tuple(reversed(out)) + ((0,) if len(frame) == 3 else ())
 
 
-def _contiguous_strides(shape, item=1) -> tuple:
-    out, step = [], item
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
+def _contiguous_steps(shape, frame) -> tuple:
+    """_steps of a C-contiguous array of `shape` (a target: made by the run, or checked contiguous)."""
+    return _steps(shape, np.cumprod((1,) + tuple(shape)[:0:-1])[::-1], frame)

@@ -45,7 +45,12 @@ def gradient_arrays(lead: tuple[int, int, int], widths, dtype, unwritten=frozens
     the indices in `unwritten`): recycled (_gradients), cache-line aligned, and handed over — the module's own to
     keep and write into, never the caller's, who gets them back only from this call. The kernel writes every
     value."""
-    return [None if i in unwritten else hand_over(_gradients.take(lead + (n,), dtype)) for i, n in enumerate(widths)]
+    return [None if i in unwritten else gradient_array(lead + (n,), dtype) for i, n in enumerate(widths)]
+
+
+def gradient_array(shape: tuple, dtype) -> np.ndarray:
+    """One such array, of any shape (linrec.c.chain_rows' new arrays too): recycled, aligned and handed over."""
+    return hand_over(_gradients.take(tuple(shape), dtype))
 
 
 def default_segment(tokens: int, state_bytes: int) -> int:

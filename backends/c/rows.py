@@ -49,7 +49,8 @@ def _rows(*arrays: np.ndarray) -> bool:
             and all(b.shape == a.shape and b.dtype == a.dtype and b.flags.c_contiguous for b in arrays))
 
 
-def _threads(rows: int) -> int:
+def row_threads(rows: int) -> int:
+    """The threads for a pass over `rows` rows (linrec.c.chain_rows' too)."""
     return max(1, min(c_build.num_threads(), rows // ROWS_PER_THREAD))
 
 
@@ -62,7 +63,7 @@ def _row_builtin(builtin: str, x, eps: float) -> np.ndarray:
     out = _results.take(x.shape, x.dtype)
     rows, n = x.size // x.shape[-1], x.shape[-1]
     getattr(k.lib, f"lr_{builtin}_{t}")(k.ffi.from_buffer(t + " *", x), k.ffi.from_buffer(t + " *", out), rows, n,
-                                        float(eps), _threads(rows))
+                                        float(eps), row_threads(rows))
     return out
 
 
@@ -78,7 +79,7 @@ def _row_vjp(builtin: str, x, g, eps: float, out=None) -> np.ndarray:
     rows, n = x.size // x.shape[-1], x.shape[-1]
     ptr = t + " *"
     getattr(k.lib, f"lr_vjp_{builtin}_{t}")(k.ffi.from_buffer(ptr, x), k.ffi.from_buffer(ptr, g),
-                                            k.ffi.from_buffer(ptr, out), rows, n, float(eps), _threads(rows))
+                                            k.ffi.from_buffer(ptr, out), rows, n, float(eps), row_threads(rows))
     return out
 
 
