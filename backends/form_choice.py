@@ -39,7 +39,7 @@ CALIBRATION_TOKENS = 128
 # calls this short run the recurrent form without measuring (the measurement would cost more than the call)
 SHORT = 16
 
-_measured: dict[tuple, dict[str, float]] = {}
+_measured: dict[tuple, dict[str, float] | None] = {}
 
 # the grid's measured times (benchmarks/form_table.py writes it; docs/benchmarks.md says how)
 FORM_TABLE = Path(__file__).resolve().parent / "form_table.json"
@@ -123,6 +123,10 @@ def choose(rec, backend: str, tokens: int, heads: int = 8, batch: int = 1,
     if "chunkwise" not in built or tokens <= SHORT:
         return "recurrent", f"T ≤ {SHORT} (or no chunkwise form): a few steps, nothing to amortize"
     costs = per_token_cost(rec, backend, heads, batch, sizes, dtype)
+    if costs is None:
+        return "chunkwise", ("not measured: the calibration runs the file's params, and a param has no default; "
+                             "the chunkwise form, which pays its overhead per chunk where the recurrent one pays "
+                             "it per token")
     best = min(costs, key=costs.get)
     told = ", ".join(f"{f} {c:.0f} µs/token" for f, c in sorted(costs.items(), key=lambda fc: fc[1]))
     return best, f"measured on {CALIBRATION_TOKENS} tokens ({told}); both forms are linear in T"
@@ -137,10 +141,14 @@ def why_nothing_to_choose(rec, backend: str) -> str | None:
            f"{registry.refusal(rec.compiled, backend, rec.forms[0])}"
 
 
-def per_token_cost(rec, backend: str, heads: int, batch: int, sizes: dict[str, int], dtype) -> dict[str, float]:
+def per_token_cost(rec, backend: str, heads: int, batch: int, sizes: dict[str, int], dtype) -> dict[str, float] | None:
     """µs per token of the recurrent and chunkwise forms for these heads, sizes and dtype: the better of
-    two timed runs after a warm-up, measured once per process."""
+    two timed runs after a warm-up, measured once per process. None for a program with a param without a
+    default: the calibration runs the file's params, and the caller's values are not its to guess (the
+    measuring run then asked the caller for a param the caller had passed)."""
     key = (rec.compiled.source, backend, heads, min(batch, 4), tuple(sorted(sizes.items())), np.dtype(dtype).str)
+    if key not in _measured and any(v is None for v in rec.default_params(heads, sizes).values()):
+        _measured[key] = None
     if key not in _measured:
         inputs = rec.random_inputs(batch=min(batch, 4), tokens=CALIBRATION_TOKENS, heads=heads, dims=sizes,
                                    dtype=dtype, seed=0)

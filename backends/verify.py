@@ -27,6 +27,13 @@ from .registry import STEP, refusal
 from .serving import why_not_packed
 
 TOLERANCE = {"float64": 1e-9, "float32": 5e-4}
+
+
+def underflow_floor(dtype: str, tolerance: float) -> float:
+    """The least scale of a row's relative errors in `dtype`: a result resolves nothing below the dtype's smallest
+    normal number (the kernels' exponentials give 0 there, and a value decayed past it may be flushed), so an
+    error of that size passes — a float32 state that float64 decays to 1e-39 or 1e-60 is 0 in float32."""
+    return float(np.finfo(dtype).tiny) / tolerance
 # The decode step with its state kept in bfloat16 between tokens (state_dtype="bfloat16", float32 inputs): the
 # row's dtype label, and its tolerance. Each token rounds the state once to bfloat16's 8-bit mantissa, a relative
 # error of at most 2⁻⁹ per element; independent roundings add like a random walk, so over the battery's ≤ 256
@@ -174,11 +181,11 @@ def difference(got, ref, floor: float = 0.0) -> tuple[float, float]:
     return err, err / max(float(np.max(np.abs(ref[finite]))), floor, 1e-300)
 
 
-def _compare(result, reference) -> tuple[float, float]:
+def _compare(result, reference, floor: float = 0.0) -> tuple[float, float]:
     worst_abs, worst_rel = 0.0, 0.0
     for group in ("outputs", "final_state"):
         for name, ref in getattr(reference, group).items():
-            err, rel = difference(getattr(result, group)[name], ref)
+            err, rel = difference(getattr(result, group)[name], ref, floor)
             worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
     return worst_abs, worst_rel
 
@@ -310,7 +317,7 @@ def run(rec, backends=("numpy",), forms=None, dtypes=("float64", "float32"), qui
         else:
             result = rec.run(cast, form=form, backend=backend, initial_state=s0, params=params, chunk_size=chunk)
         elapsed = time.perf_counter() - start
-        max_abs, max_rel = _compare(result, reference)
+        max_abs, max_rel = _compare(result, reference, underflow_floor(dtype_run, tol))
         row = Row(form, backend, dtype, case.name, chunk, max_abs, max_rel, tol, bool(max_rel <= tol),
                   note=f"{elapsed * 1e3:.0f} ms")
         rows.append(row)
@@ -442,10 +449,10 @@ def _serving_row(form, backend, dtype, case, chunk, pairs, note="", floor: float
         return Row(form, backend, dtype, case, chunk, float("nan"), float("nan"), TOLERANCE[dtype], True,
                    note=beyond, skipped=True)
     worst_abs, worst_rel = 0.0, 0.0
-    for got, ref in pairs:
-        err, rel = difference(got, ref, floor)
-        worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
     tol = TOLERANCE[dtype]
+    for got, ref in pairs:
+        err, rel = difference(got, ref, max(floor, underflow_floor(dtype, tol)))
+        worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
     return Row(form, backend, dtype, case, chunk, worst_abs, worst_rel, tol, bool(worst_rel <= tol), note)
 
 

@@ -35,6 +35,27 @@ def test_auto_runs_the_chosen_form():
     np.testing.assert_array_equal(auto.outputs["o"], chosen.outputs["o"])
 
 
+def test_a_param_without_a_default_is_not_guessed_for_the_calibration():
+    """The calibration runs the forms on the file's params: with a param that has none (the caller passes it)
+    auto does not measure — it once ran the forms without the caller's params, and the call the caller made
+    with every param failed asking for one — and takes the chunkwise form, saying why."""
+    rec = linrec.compile("""recurrence projected(dk = 8, dv = 8)
+input q[dk], k[dk], v[dv]
+param M[dk, dk]
+state S[dk, dv]
+S = 0.9·S + (M·k)⊗v
+output o = q·S
+""", "projected.lin")
+    form, why = rec.choose_form("numpy", 500, heads=2, batch=1, dims=DIMS, dtype=np.float64)
+    assert form == "chunkwise" and "not measured" in why and "no default" in why
+    assert form_choice.per_token_cost(rec, "numpy", 2, 1, DIMS, np.float64) is None
+    inputs = rec.random_inputs(batch=1, tokens=100, heads=2, dims=DIMS)
+    params = {"M": np.random.default_rng(0).standard_normal((8, 8))}
+    auto = rec.run(inputs, backend="numpy", params=params)
+    chunkwise = rec.run(inputs, form="chunkwise", backend="numpy", params=params)
+    np.testing.assert_array_equal(auto.outputs["o"], chunkwise.outputs["o"])
+
+
 def test_short_sequences_and_compiled_code_take_the_recurrent_form():
     rec = linrec.load(EXAMPLES / "retnet.lin")
     assert rec.choose_form("numpy", form_choice.SHORT)[0] == "recurrent"

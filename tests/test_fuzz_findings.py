@@ -762,3 +762,37 @@ def test_an_overflowing_delta_rule_runs_every_form():
         for form in rec.forms:
             for chunk in (None, 5):
                 assert rec.run(x, form=form, chunk_size=chunk).outputs["o"].shape == (2, 12, 2, 2)
+
+
+def test_a_groupnorm_of_one_value_is_zero_on_c():
+    """groupnorm over one value (or equal ones) is 0 — x − mean(x) — where C gave 1e-13 in float64 and 1e-5 in
+    float32 (fuzzer, seed 85): the value a product, GCC made x − mean one multiply-add of the unrounded product,
+    whose difference from the mean of the rounded one is the product's rounding, divided by √eps. Every form
+    and the decode step against NumPy's exact zeros, in both dtypes."""
+    rec = linrec.compile("recurrence t(dk = 3, dv = 1)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                         "S = 0.5·S + k⊗v\noutput o = groupnorm((q·S)*sigmoid(v))\n", FILE)
+    for dtype in (np.float64, np.float32):
+        x = rec.random_inputs(batch=2, tokens=20, heads=2, seed=3, dtype=dtype)
+        assert not rec.run(x, form="recurrent", backend="numpy").outputs["o"].any()
+        for form in rec.forms:
+            assert not rec.run(x, form=form, backend="c").outputs["o"].any(), (form, dtype)
+        steps = run_by_steps(rec, x, backend="c")
+        assert not steps.outputs["o"].any(), dtype
+
+
+def test_verify_takes_a_state_decayed_below_float32s_range_as_zero(tmp_path, capsys):
+    """A state halved every token is 1e-60 after 200 tokens in the float64 reference and 0 in float32, which
+    resolves nothing below its smallest normal number (1.2e-38): verify's float32 rows failed it as a relative
+    error of 1 (fuzzer, seed 85). Their errors now scale from that floor over the tolerance; an error above it
+    still fails."""
+    from linrec import verify
+    from linrec.cli import main
+    path = tmp_path / "halved.lin"
+    path.write_text("recurrence halved(dk = 2, dv = 2)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv], z[dk]\n"
+                    "S = 0.9·S + k⊗v\nz = 0.5·z\noutput o = q·S + z·q\n")
+    assert main(["verify", str(path), "--backend", "c", "--dtype", "float32", "--form", "recurrent"]) == 0
+    assert "0 failed" in capsys.readouterr().out
+    floor = verify.underflow_floor("float32", verify.TOLERANCE["float32"])
+    ref = np.array([1e-60, 0.0])
+    assert verify.difference(np.zeros(2, np.float32), ref, floor)[1] <= verify.TOLERANCE["float32"]
+    assert verify.difference(np.array([1e-33, 0.0], np.float32), ref, floor)[1] > verify.TOLERANCE["float32"]

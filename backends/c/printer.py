@@ -516,11 +516,18 @@ class CPrinter:
                       f"const T {name}_inv = 1 / lr_sqrt({s} / {nn} + {eps});", "#pragma omp simd",
                       f"for (int i = 0; i < {n}; ++i) {name}[i] = {x}[i] * {name}_inv;"]
         elif e.function == "groupnorm":
-            lines += [f"T {s} = 0;", f"#pragma omp simd reduction(+:{s})",
-                      f"for (int i = 0; i < {n}; ++i) {s} += {x}[i];",
+            # x read back through a pointer the compiler cannot see through, once it is stored: where x is a
+            # product, GCC (-ffp-contract=fast) makes x − mean one multiply-add of the unrounded product, whose
+            # difference from the mean of the rounded one is the product's rounding — not the 0 of one element
+            # (or of equal ones), and 1/√eps times that after the division (1e-13 in float64, 1e-5 in float32)
+            xs = f"{name}_x"
+            lines += [f"const T *{xs} = {x};  /* (read back as stored: no x − mean contracted into a multiply-add) */",
+                      f'__asm__("" : "+r"({xs}) : : "memory");',
+                      f"T {s} = 0;", f"#pragma omp simd reduction(+:{s})",
+                      f"for (int i = 0; i < {n}; ++i) {s} += {xs}[i];",
                       f"const T {name}_mean = {s} / {nn};", f"T {name}_var = 0;",
                       f"#pragma omp simd reduction(+:{name}_var)",
-                      f"for (int i = 0; i < {n}; ++i) {{ const T c = {x}[i] - {name}_mean; "
+                      f"for (int i = 0; i < {n}; ++i) {{ const T c = {xs}[i] - {name}_mean; "
                       f"{name}[i] = c; {name}_var += c * c; }}",
                       f"const T {name}_inv = 1 / lr_sqrt({name}_var / {nn} + {eps});", "#pragma omp simd",
                       f"for (int i = 0; i < {n}; ++i) {name}[i] *= {name}_inv;"]
