@@ -799,7 +799,8 @@ def _through_torch(rec, info, listed: dict, backends: tuple, inputs, state0, ref
 def _serving(rec, listed: dict, backends: tuple, seed: int, fail, stats) -> None:
     """verify.serving_rows on `backends`, over every form check lists and the decode step: each row within
     verify's float64 tolerance of the reference form run on its own, an array's error measured against at least
-    SCALE_FLOOR, as the forms' (a row whose reference passes float64's range is skipped there too), the pool's
+    SCALE_FLOOR, as the forms' (a row whose reference passes float64's range is skipped there too; none where the
+    reference grows past GROWTH_LIMIT at serving_rows' sizes, as the forms are not compared then), the pool's
     other slots untouched, and no refusal — serving is asked of every program, form and backend
     (docs/serving.md). The program's own values overflowing at serving_rows' sizes (a refusal with a place in
     the program) are counted, as for the forms."""
@@ -809,7 +810,7 @@ def _serving(rec, listed: dict, backends: tuple, seed: int, fail, stats) -> None
     model = {d.name: d.default for d in rec.program.dims if d.name in ("dk", "dv") and d.default >= MODEL_SIZE}
     try:
         rows = verify.serving_rows(rec, backends, forms, ("float64",), seed=seed, floor=SCALE_FLOOR,
-                                   sizes=model or None)
+                                   sizes=model or None, growth_limit=GROWTH_LIMIT)
     except Timeout:
         raise
     except RuntimeInputError as err:
@@ -824,6 +825,8 @@ def _serving(rec, listed: dict, backends: tuple, seed: int, fail, stats) -> None
     except Exception as err:  # noqa: BLE001
         _internal(fail, "serving", err)
         return
+    if not rows:  # (its reference grows past GROWTH_LIMIT at serving_rows' sizes: an expanding transition)
+        stats["serving not compared"] += 1
     for row in rows:
         stats[f"serving rows on {row.backend}"] += 1
         if not row.passed and not row.skipped:

@@ -454,6 +454,20 @@ def test_verify_checks_what_a_server_asks():
     assert max(r.max_rel for r in rows) < 1e-12
 
 
+def test_serving_rows_of_an_expanding_transition_are_left_out_under_a_growth_limit():
+    """The fuzzer compares no forms of a program whose reference grows past its limit (the forms round apart by
+    ε times the growth); serving_rows(growth_limit=…) leaves such a program's rows out too — the delta rule at
+    dk = 96 with β·‖k‖² ≈ 48 grew to 1e10–1e23 at serving_rows' sizes (fuzzer, seed 86) — and a stable one's in."""
+    expanding = linrec.compile("recurrence grows(dk = 96, dv = 8)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
+                               "S = (I − 0.5·k⊗k)·S + 0.5·k⊗v\noutput o = q·S\n", "grows.lin")
+    forms = list(expanding.forms)
+    assert verify.serving_rows(expanding, ("numpy",), forms, ("float64",), growth_limit=1e6) == []
+    assert verify.serving_rows(expanding, ("numpy",), forms, ("float64",))  # (rows without the limit)
+    rows = verify.serving_rows(PROGRAMS["gla"], ("numpy",), list(PROGRAMS["gla"].forms), ("float64",),
+                               growth_limit=1e6)
+    assert rows and all(r.passed for r in rows)
+
+
 def test_run_command_writes_checkpoints_and_last_states(tmp_path, capsys):
     out = tmp_path / "out.npz"
     assert main(["run", str(EXAMPLES / "gla.lin"), "--cu-seqlens", "0,5,37,64", "--state-every", "16",
