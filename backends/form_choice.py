@@ -144,8 +144,7 @@ def why_nothing_to_choose(rec, backend: str) -> str | None:
 def per_token_cost(rec, backend: str, heads: int, batch: int, sizes: dict[str, int], dtype) -> dict[str, float] | None:
     """µs per token of the recurrent and chunkwise forms for these heads, sizes and dtype: the better of
     two timed runs after a warm-up, measured once per process. None for a program with a param without a
-    default: the calibration runs the file's params, and the caller's values are not its to guess (the
-    measuring run then asked the caller for a param the caller had passed)."""
+    default: the calibration runs the file's params, and the caller's values are not its to guess."""
     key = (rec.compiled.source, backend, heads, min(batch, 4), tuple(sorted(sizes.items())), np.dtype(dtype).str)
     if key not in _measured and any(v is None for v in rec.default_params(heads, sizes).values()):
         _measured[key] = None

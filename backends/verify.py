@@ -28,12 +28,6 @@ from .serving import why_not_packed
 
 TOLERANCE = {"float64": 1e-9, "float32": 5e-4}
 
-
-def underflow_floor(dtype: str, tolerance: float) -> float:
-    """The least scale of a row's relative errors in `dtype`: a result resolves nothing below the dtype's smallest
-    normal number (the kernels' exponentials give 0 there, and a value decayed past it may be flushed), so an
-    error of that size passes — a float32 state that float64 decays to 1e-39 or 1e-60 is 0 in float32."""
-    return float(np.finfo(dtype).tiny) / tolerance
 # The decode step with its state kept in bfloat16 between tokens (state_dtype="bfloat16", float32 inputs): the
 # row's dtype label, and its tolerance. Each token rounds the state once to bfloat16's 8-bit mantissa, a relative
 # error of at most 2⁻⁹ per element; independent roundings add like a random walk, so over the battery's ≤ 256
@@ -157,6 +151,13 @@ def _params_without_default(program, heads, dims, rng):
     the forms must agree whatever the values."""
     return {p.name: rng.standard_normal(((heads,) if p.per_head else ()) + tuple(dims[d] for d in p.shape)) * 0.5
             for p in program.params if p.default is None}
+
+
+def underflow_floor(dtype: str, tolerance: float) -> float:
+    """The least scale of a row's relative errors in `dtype`: a result resolves nothing below the dtype's smallest
+    normal number (the kernels' exponentials give 0 there, and a value decayed past it may be flushed), so an
+    error of that size passes — a float32 state that float64 decays to 1e-39 or 1e-60 is 0 in float32."""
+    return float(np.finfo(dtype).tiny) / tolerance
 
 
 def difference(got, ref, floor: float = 0.0) -> tuple[float, float]:
@@ -348,8 +349,8 @@ def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None, floor: 
     the decode step: the pool's rows equal per-request steps, the other rows bit-identical). `floor`: the
     smallest scale an array's error is measured against (difference; 0: its own largest value). `sizes`:
     dimensions' sizes instead of small ones (battery). `growth_limit`: no rows (an empty list) where the
-    reference's outputs or final states pass it (or are not finite) — an expanding transition, whose forms round apart by up to ε
-    times the growth (tests/fuzzing.py's rule for comparing forms at all)."""
+    reference's outputs or final states pass it (or are not finite) — an expanding transition, whose forms round
+    apart by up to ε times the growth (tests/fuzzing.py's rule for comparing forms at all)."""
     program = rec.program
     _, small, _ = case_sizes(program, 8, sizes)
     dims = {d.name: d.default for d in program.dims} | small
