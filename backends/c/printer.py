@@ -519,7 +519,7 @@ class CPrinter:
             # x read back through a pointer the compiler cannot see through, once it is stored: where x is a
             # product, GCC (-ffp-contract=fast) makes x − mean one multiply-add of the unrounded product, whose
             # difference from the mean of the rounded one is the product's rounding — not the 0 of one element
-            # (or of equal ones), and 1/√eps times that after the division (1e-13 in float64, 1e-5 in float32)
+            # (or of equal ones), and 1/√eps times that after the division (1e-13 in float64, up to 1e-4 in float32)
             xs = f"{name}_x"
             lines += [f"const T *{xs} = {x};  /* (read back as stored: no x − mean contracted into a multiply-add) */",
                       f'__asm__("" : "+r"({xs}) : : "memory");',
