@@ -766,9 +766,9 @@ def test_an_overflowing_delta_rule_runs_every_form():
 
 def test_a_groupnorm_of_one_value_is_zero_on_c():
     """groupnorm over one value (or equal ones) is 0 — x − mean(x) — where C gave 1e-13 in float64 and up to
-    1e-4 in float32 (fuzzer, seed 85): the value a product, GCC made x − mean one multiply-add of the unrounded product,
-    whose difference from the mean of the rounded one is the product's rounding, divided by √eps. Every form
-    and the decode step against NumPy's exact zeros, in both dtypes."""
+    1e-4 in float32 (fuzzer, seed 85): the value a product, GCC made x − mean one multiply-add of the unrounded
+    product, whose difference from the mean of the rounded one is the product's rounding, divided by √eps.
+    Every form and the decode step against NumPy's exact zeros, in both dtypes."""
     rec = linrec.compile("recurrence t(dk = 3, dv = 1)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
                          "S = 0.5·S + k⊗v\noutput o = groupnorm((q·S)*sigmoid(v))\n", FILE)
     for dtype in (np.float64, np.float32):
