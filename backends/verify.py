@@ -341,16 +341,16 @@ POOL_SLOTS, POOL_ROWS = 6, (4, 0, 2)    # requests at these slots of a pool of 6
 
 
 def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None, floor: float = 0.0,
-                 sizes: dict | None = None, growth_limit: float | None = None) -> list[Row]:
+                 sizes: dict | None = None, comparable=None) -> list[Row]:
     """Rows for what a serving engine asks, each against the float64 reference form run on its own:
     `checkpoints` (state_every: each the reference state after its token), `last K` (keep_last: entry j − 1
     is running the prompt and j draft tokens alone), `cu_seqlens` (each packed sequence equals it run alone,
     with its own initial state; lengths 0, 1 and none a multiple of the chunk size), and `slot pool` (with
     the decode step: the pool's rows equal per-request steps, the other rows bit-identical). `floor`: the
     smallest scale an array's error is measured against (difference; 0: its own largest value). `sizes`:
-    dimensions' sizes instead of small ones (battery). `growth_limit`: no rows (an empty list) where the
-    reference's outputs or final states pass it (or are not finite) — an expanding transition, whose forms round
-    apart by up to ε times the growth (tests/fuzzing.py's rule for comparing forms at all)."""
+    dimensions' sizes instead of small ones (battery). `comparable`: a test of the reference run whole (a
+    Result), no rows (an empty list) where it fails — tests/fuzzing.py's rule for comparing forms at all, which
+    leaves out an expanding transition, whose forms round apart by up to ε times the growth."""
     program = rec.program
     _, small, _ = case_sizes(program, 8, sizes)
     dims = {d.name: d.default for d in program.dims} | small
@@ -364,9 +364,7 @@ def serving_rows(rec, backends, forms, dtypes, seed=0, on_progress=None, floor: 
     drawn = _params_without_default(program, 2, dims, rng) or None
     whole = rec.run(inputs, form=ref_form, initial_state=state0, params=drawn)
     params = whole.params
-    if growth_limit is not None and not all(np.all(np.abs(v) <= growth_limit) for group in (whole.outputs,
-                                                                                            whole.final_state)
-                                            for v in group.values()):
+    if comparable is not None and not comparable(whole):
         return []
 
     def prefix_states(ends, source=inputs, start=state0):

@@ -810,7 +810,7 @@ def _serving(rec, listed: dict, backends: tuple, seed: int, fail, stats) -> None
     model = {d.name: d.default for d in rec.program.dims if d.name in ("dk", "dv") and d.default >= MODEL_SIZE}
     try:
         rows = verify.serving_rows(rec, backends, forms, ("float64",), seed=seed, floor=SCALE_FLOOR,
-                                   sizes=model or None, growth_limit=GROWTH_LIMIT)
+                                   sizes=model or None, comparable=_comparable)
     except Timeout:
         raise
     except RuntimeInputError as err:

@@ -456,15 +456,17 @@ def test_verify_checks_what_a_server_asks():
 
 def test_serving_rows_of_an_expanding_transition_are_left_out_under_a_growth_limit():
     """The fuzzer compares no forms of a program whose reference grows past its limit (the forms round apart by
-    ε times the growth); serving_rows(growth_limit=…) leaves such a program's rows out too — the delta rule at
-    dk = 96 with β·‖k‖² ≈ 48 grew to 1e10–1e23 at serving_rows' sizes (fuzzer, seed 86) — and a stable one's in."""
+    ε times the growth); serving_rows(comparable=…), given that test, leaves such a program's rows out too — the
+    delta rule at dk = 96 with β·‖k‖² ≈ 48 grew to 1e10–1e23 at serving_rows' sizes (fuzzer, seed 86) — and a
+    stable one's in."""
+    from fuzzing import _comparable  # (the fuzzer's rule: finite, and within its GROWTH_LIMIT)
     expanding = linrec.compile("recurrence grows(dk = 96, dv = 8)\ninput q[dk], k[dk], v[dv]\nstate S[dk, dv]\n"
                                "S = (I − 0.5·k⊗k)·S + 0.5·k⊗v\noutput o = q·S\n", "grows.lin")
     forms = list(expanding.forms)
-    assert verify.serving_rows(expanding, ("numpy",), forms, ("float64",), growth_limit=1e6) == []
+    assert verify.serving_rows(expanding, ("numpy",), forms, ("float64",), comparable=_comparable) == []
     assert verify.serving_rows(expanding, ("numpy",), forms, ("float64",))  # (rows without the limit)
     rows = verify.serving_rows(PROGRAMS["gla"], ("numpy",), list(PROGRAMS["gla"].forms), ("float64",),
-                               growth_limit=1e6)
+                               comparable=_comparable)
     assert rows and all(r.passed for r in rows)
 
 
