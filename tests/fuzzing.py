@@ -825,8 +825,8 @@ def _serving(rec, listed: dict, backends: tuple, seed: int, fail, stats) -> None
     except Exception as err:  # noqa: BLE001
         _internal(fail, "serving", err)
         return
-    if not rows:  # (its reference grows past GROWTH_LIMIT at serving_rows' sizes: an expanding transition)
-        stats["serving not compared"] += 1
+    if not rows:  # (an expanding transition, whose reference _comparable refuses; or nothing to serve: non-causal)
+        stats["serving: no rows"] += 1
     for row in rows:
         stats[f"serving rows on {row.backend}"] += 1
         if not row.passed and not row.skipped:
