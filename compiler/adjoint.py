@@ -661,7 +661,15 @@ def derive_decomposed(compiled: Compiled, refold=lambda e: e, query_of=None,
     for r in d.readouts:
         quantity(f"r{r.index}", r.query if query_of is None else query_of(r))
     outputs, quantities = derive_over_readouts(compiled, d.outputs, labelled, refold)
-    top = [sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step)
-           for step in reversed(program.steps) if isinstance(step, ir.Let) and step.name in hoisted]
+    # (a named value nothing differentiates through has no adjoint to carry: one whose every use is taken as
+    # another array by the backend's scans — the C backward's kernel normalizing l2norm(x) itself, say — gets none)
+    reached = {s.target.name for adj in (*outputs, *quantities) for s in adj.statements
+               if isinstance(s, Accumulate) and s.target.kind == "let"}
+    top = []
+    for step in reversed(program.steps):  # (a later value's adjoint reaches the earlier ones it reads)
+        if isinstance(step, ir.Let) and step.name in hoisted and step.name in reached:
+            top.append(sweep(step.value, GradRef(step.value.shape, step.name, kind="let"), live, site, step))
+            reached |= {s.target.name for s in top[-1].statements
+                        if isinstance(s, Accumulate) and s.target.kind == "let"}
     chained = derive(program, compiled.source, compiled.filename).params
     return DecomposedAdjoint(outputs, quantities, tuple(top), chained, hoisted)

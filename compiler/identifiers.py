@@ -43,7 +43,7 @@ INTERNAL |= {"backward", "grad_outputs", "grad_final_state", "derived_params", "
              "vjp_pow", "vjp_pow_exponent", "decay_scan", "decay_scan_backward", "adjoint_checkpoints", "adjoint_recurrent",
              "chunk_checkpoints", "adjoint_chunkwise", "flash_attention", "flash_attention_backward", "parallel_attention",
              "parallel_attention_backward", "pad_to",
-             "vjp_lsh_attention", "vjp_lsh_attention_bucketed", "fused_forward", "common_segment", "scaled",
+             "vjp_lsh_attention", "vjp_lsh_attention_bucketed", "fused_forward", "common_segment", "scaled", "normalized",
              "factored_decay", "chain_rows", "locals", "globals"}
 INTERNAL |= {f"vjp_{name}" for name in BUILTINS}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

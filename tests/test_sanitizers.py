@@ -147,7 +147,7 @@ def _backward_sources(label: str, s) -> list[tuple[str, str]]:
     if not isinstance(s, c_scan.Structure) or not s.causal:
         return []
     fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(c_grad_kernels.Structure)
-              if f.name not in ("read_scales", "sources", "scaled")}
+              if f.name not in ("read_scales", "sources", "scaled", "normalized", "norm_eps")}
     out = [(f"{label} recurrent backward", c_grad_kernels.render(c_grad_kernels.Structure(**fields))),
            (f"{label} chunkwise backward", c_grad_chunk_kernels.render(c_grad_chunk_kernels.Structure(**fields)))]
     # (and with the key-side slots factored: all on the first slot's vector, each u and κ scaled; the recurrent
@@ -160,6 +160,14 @@ def _backward_sources(label: str, s) -> list[tuple[str, str]]:
     if s.corrections:
         out.append((f"{label} recurrent backward, factored",
                     c_grad_kernels.render(c_grad_kernels.Structure(**fields, **factored))))
+        # (and normalizing the slots' vector and the queries itself, c.normalized_rows: one buffer each)
+        plain = c_grad_kernels.Structure(**fields, **factored)
+        kinds = ["decay"] * (s.decay != "none") + ["key", "key"] * s.corrections + ["key", "value"] * s.writes + \
+            ["query"] * len(s.before) + ["scale"] * sum(plain.scaled)
+        normalized = tuple({"key": 0, "query": 1}.get(k, -1) for k in kinds)
+        eps = (1e-6, 0.5) if s.before else (1e-6,)
+        out.append((f"{label} recurrent backward, factored and normalized", c_grad_kernels.render(
+            c_grad_kernels.Structure(**fields, **factored, normalized=normalized, norm_eps=eps))))
     return out
 
 

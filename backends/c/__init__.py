@@ -5,7 +5,9 @@ cached on disk.
     grad.py        the recurrent backward (Recurrence.vjp): its generated module, whose adjoint recurrence
                    runs in grad_kernels.py's kernels (c_grad.c.j2), grad_elementwise.py's (elementwise decays,
                    vector states read as values) or grad_value_side.py's (the value side), as grad_scans.py picks;
-                   its forward, where the program fits, the fused kernel keeping each segment's state (grad_forward.py)
+                   its forward, where the program fits, the fused kernel keeping each segment's state (grad_forward.py);
+                   scaled_keys.py and normalized_rows.py: the key-side vectors and queries as its kernels take them
+                   (factored, and normalized by the kernel with corrections)
     grad_chunk.py  the parallel and chunkwise backward: the same module with grad_chunk_kernels.py's kernels
                    (c_grad_chunk.c.j2), its forward the fused kernel keeping each chunk's state (grad_forward.py)
     rows.py        l2norm, rmsnorm, groupnorm and their vector–Jacobian products in one pass (c_rows.c.j2), for the

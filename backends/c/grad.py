@@ -21,6 +21,8 @@ of arithmetic on the tokens' rows go to C in one pass each (c.chain_rows).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..compiler import Compiled
 from ..compiler.adjoint import constant_factor, why_no_gradient
 from ..compiler.decay_factors import decay_factors
@@ -30,6 +32,7 @@ from ..numpy import backend as numpy_backend
 from ..numpy.adjoint import MODULES
 from ..numpy.adjoint_derived import DecomposedEmitter
 from . import chain_rows, grad_forward, grad_scans, rows
+from .normalized_rows import l2norm_argument
 
 SCANS = frozenset({"adjoint_checkpoints", "adjoint_recurrent"})
 SEGMENT = "common_segment"  # (the one segment of every state, where the forward is the fused kernel's)
@@ -99,7 +102,7 @@ class _CEmitter(DecomposedEmitter):
 
     # (rows' helpers first; `scaled`: factored key-side slots, c.scaled_keys)
     modules = {rows.__name__: rows.HELPERS, chain_rows.__name__: chain_rows.HELPERS} | MODULES | \
-        {grad_scans.__name__: SCANS | {SEGMENT, "scaled", "factored_decay"}}
+        {grad_scans.__name__: SCANS | {SEGMENT, "scaled", "normalized", "factored_decay"}}
     scans = SCANS
     forward_scan, backward_scan = "adjoint_checkpoints", "adjoint_recurrent"  # (each state's kernel: c.grad_scans)
     backward_comment = "the transposed recurrence in C, from the last segment"
@@ -117,7 +120,8 @@ class _CEmitter(DecomposedEmitter):
         return chain_rows.fused_body(self, super().body())
 
     def readout_query(self, r):
-        return split_readout(self.c, r)[1]
+        found = self._normalized_query(r)
+        return split_readout(self.c, r)[1] if found is None else found[0]
 
     def readout_scale(self, r):
         return split_readout(self.c, r)[0]
@@ -132,9 +136,37 @@ class _CEmitter(DecomposedEmitter):
     # nothing, and the chain rule would take the exp of the features a second time.
     def key_factors(self, t):
         factors = factored_keys(self.c, t)
+        if factors is not None and self.normalizes(t):  # (an l2norm(x) base: x, normalized by the kernel)
+            return dataclasses.replace(factors, bases=tuple(_unwrapped(b) for b in factors.bases))
         if factors is None or t.corrections or spares_arrays(factors, self.c.program.lets):
             return factors
         return None
+
+    # The backward with corrections normalizes a factored vector or a query that is l2norm(x) itself
+    # (c.normalized_rows): the module gives it x as `normalized(x, eps)`, and the derivation takes its gradient as
+    # x's — no array of l2norm(x) made for the kernel, nor of its gradient after it.
+    def normalizes(self, t) -> bool:
+        """Whether the state's backward takes its l2norm(x) vectors and queries as x (the kernel with corrections,
+        its key-side vectors factored, in a causal program: a non-causal one's module reads the queries itself)."""
+        return bool(t.corrections) and self.c.program.causal and factored_keys(self.c, t) is not None
+
+    def base_array(self, t, i, code):
+        return self._normalized(code, l2norm_argument(factored_keys(self.c, t).bases[i]) if self.normalizes(t) else None)
+
+    def query_array(self, r, code):
+        return self._normalized(code, self._normalized_query(r))
+
+    def _normalized(self, code: str, found) -> str:
+        if found is None:
+            return code
+        self.helpers.add("normalized")
+        return f"normalized({code}, eps={found[1]!r})"
+
+    def _normalized_query(self, r):
+        """(x, eps) where readout r's query (its constant factor apart) is l2norm(x) and the kernel normalizes it."""
+        if r.is_value or not self.normalizes(self.c.decomposition.transition(r.state)):
+            return None
+        return l2norm_argument(split_readout(self.c, r)[1])
 
     # An elementwise log-decay that is a token-free rate times a step per token (Mamba-1's A·diag(Δ)) goes to
     # c.grad_elementwise's kernels as its two factors (c.factored_decay), which make no [B, T, H, K, V] array.
@@ -149,6 +181,12 @@ class _CEmitter(DecomposedEmitter):
         self.helpers.add(SEGMENT)
         states = ", ".join(f"initial_state[\"{st.name}\"]" for st in self.p.states)
         return f"chunk_size or {SEGMENT}(tokens, [{states}])  # tokens per checkpoint, the same for every state"
+
+
+def _unwrapped(base):
+    """A factored base as the backward that normalizes takes it: x for l2norm(x)."""
+    found = l2norm_argument(base)
+    return base if found is None else found[0]
 
 
 def emit(compiled: Compiled) -> str:

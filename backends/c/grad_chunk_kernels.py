@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..dsl.errors import RuntimeInputError
+from ..dsl.errors import LinrecError, RuntimeInputError
 from ..numpy.adjoint_scan import ScanGrads
 from ..numpy.scan import raise_to_reset
 from ..templating import environment
@@ -93,6 +93,8 @@ def adjoint_chunkwise(s0, log_decay, writes, queries, starts, chunk, grad_readou
     grad_kernels.adjoint_recurrent's)."""
     given, log_decay = log_decay, raise_to_reset(log_decay)
     c = grad_kernels._prepare(s0, log_decay, corrections, writes, queries, read_scales)
+    if c.structure.normalized:  # (c.normalized_rows: only the recurrent backward with corrections takes them)
+        raise LinrecError("the chunk kernels do not normalize rows themselves: give them l2norm's arrays")
     s = Structure(**{f.name: getattr(c.structure, f.name) for f in dataclasses.fields(grad_kernels.Structure)})
     batch, tokens, heads = c.lead
     dtype = c.state.dtype

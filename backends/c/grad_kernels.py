@@ -12,7 +12,9 @@ and its readouts q·S; the arrays here are those of the decomposition, per token
 s0 [B, H, K, V] (a vector state: one column, V = 1); log_decay None or [B, T, H, 1 | K]; corrections
 [(u, w)] and writes [(key, value)] per token — in the backward with corrections (and the chunk kernels'), a
 u, w or key may be factored, c.scaled_keys.Scaled (a vector several slots share times a scalar per token: its gradient a
-ScaledGrad); queries [(q, before_update)]. adjoint_checkpoints runs the
+ScaledGrad), and in the backward with corrections an array — a factored vector, a query — may be
+c.normalized_rows.Normalized (l2norm(x), taken as x and normalized by the kernel: its gradient x's); queries
+[(q, before_update)]. adjoint_checkpoints runs the
 forward token by token, keeping the state before every `chunk` tokens (the checkpoints; None: about √T,
 see c.grad_calls.default_segment); adjoint_recurrent
 runs the adjoint recurrence in reverse, segment by segment from the last, the segment's states recomputed
@@ -30,13 +32,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..dsl.errors import LinrecError
 from ..templating import environment
 from ..version import VERSION
 from . import build as c_build
 from ..numpy.adjoint_scan import ScanGrads
 from .build import CTYPE_BYTES, CTYPES
 from .kernel_source import Target, common_context
-from . import grad_calls, scaled_keys
+from . import grad_calls, normalized_rows, scaled_keys
 from .scan_kernels import cached_kernel, operand
 
 DECAYS = ("none", "token", "row")
@@ -62,6 +65,11 @@ class Structure:
     # per token (the scalars' arrays follow the queries, in the slots' order); () for none factored
     sources: tuple[int, ...] = ()
     scaled: tuple[bool, ...] = ()
+    # the rows the backward with corrections normalizes itself (c.normalized_rows): per per-token array, the buffer
+    # of its normalized row (arrays of one vector share one), −1 for a row taken as it is; and each buffer's eps;
+    # () for none
+    normalized: tuple[int, ...] = ()
+    norm_eps: tuple[float, ...] = ()
 
     @property
     def lanes(self) -> int:
@@ -84,8 +92,10 @@ class Structure:
         factored = "; key slots: " + ", ".join(
             f"{name} " + ("a scalar × " if sc else "") + ("its own vector" if src == i else f"{slots[src]}'s vector")
             for i, (name, src, sc) in enumerate(zip(slots, self.sources, self.scaled))) if self.sources else ""
+        norms = "; l2norm taken in the kernel of arrays " + ", ".join(
+            str(a) for a, n in enumerate(self.normalized) if n >= 0) if self.normalized else ""
         return (f"{decay[self.decay]}; {self.corrections} correction(s); {self.writes} write(s); readouts: "
-                f"{reads}{scales}{factored}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
+                f"{reads}{scales}{factored}{norms}; dk = {self.dk}, dv = {self.dv}, {self.ctype}")
 
     def slot_input(self, i: int) -> int:
         """The index among the per-token arrays of key-side slot i (u_0, w_0, …, κ_0, …; I_SLOT in the
@@ -220,7 +230,17 @@ def render(s: Structure) -> str:
         db=s.dk if s.decay == "row" else 1, corrections=s.corrections, writes=s.writes, readouts=len(s.before),
         before=", ".join("1" if b else "0" for b in s.before), widths=", ".join(map(str, s.widths)),
         read_scales=", ".join(map(repr, s.factors)), split_terms=s.decay != "none" and not any(s.before),
-        n_inputs=len(s.widths), **factoring(s))
+        n_inputs=len(s.widths), **factoring(s), **normalizing(s))
+
+
+def normalizing(s: Structure) -> dict:
+    """c_grad.c.j2's variables of the rows it normalizes (NNORM, NORM_OF, NORM_SRC: each buffer's first array,
+    NORM_EPS)."""
+    if s.normalized and len(s.normalized) != len(s.widths):
+        raise ValueError(f"normalized: {len(s.normalized)} entries for {len(s.widths)} per-token arrays")
+    sources = [s.normalized.index(n) for n in range(len(s.norm_eps))]
+    return dict(n_norms=len(s.norm_eps), norm_of=", ".join(map(str, s.normalized)),
+                norm_src=", ".join(map(str, sources)), norm_eps=", ".join(map(repr, s.norm_eps)))
 
 
 def factoring(s: Structure) -> dict:
@@ -270,18 +290,31 @@ def _prepare(s0, log_decay, corrections, writes, queries, read_scales=()) -> gra
     scaled = tuple(isinstance(x, scaled_keys.Scaled) and x.scale is not None for x in slots) if factored else ()
     corrections, writes = scaled_keys.rebuilt(corrections, writes, [
         x.base if isinstance(x, scaled_keys.Scaled) else x for x in slots])  # (a shared vector: one array object)
-    per_token = [a for pair in list(corrections) + list(writes) for a in pair] + [q for q, _ in queries] + \
-        ([] if log_decay is None else [log_decay])
+    arrays = ([] if log_decay is None else [log_decay]) + [a for pair in list(corrections) + list(writes)
+                                                           for a in pair] + [q for q, _ in queries] + \
+        [x.scale for x in factored if x.scale is not None]
+    # (a row the kernel normalizes, c.normalized_rows: its buffer, one per Normalized object, and its raw array)
+    buffers: dict[int, normalized_rows.Normalized] = {}
+    for a in arrays:
+        if isinstance(a, normalized_rows.Normalized):
+            buffers.setdefault(id(a), a)
+    if buffers and not corrections:
+        raise LinrecError("rows to normalize in the kernel without corrections: only the backward with corrections "
+                          "takes them (c.grad_scans gives the others l2norm's arrays)")
+    order = list(buffers)
+    normalized = tuple(order.index(id(a)) if id(a) in buffers else -1 for a in arrays) if buffers else ()
+    norm_eps = tuple(buffers[i].eps for i in order)
+    arrays = [a.array if isinstance(a, normalized_rows.Normalized) else a for a in arrays]
+    raw = {id(n): n.array for n in buffers.values()}
+    per_token = [raw.get(id(a), a) for pair in list(corrections) + list(writes) for a in pair] + \
+        [raw.get(id(q), q) for q, _ in queries] + ([] if log_decay is None else [log_decay])
     state, lead = grad_calls.lead_and_state(s0, per_token)
     dtype = state.dtype
     dk, dv = int(state.shape[2]), int(state.shape[3])
     decay = "none" if log_decay is None else ("token" if np.shape(log_decay)[-1] == 1 else "row")
     scales = tuple(float(f) for f in read_scales) if any(f != 1.0 for f in read_scales) else ()
     s = Structure(decay, len(corrections), len(writes), tuple(bool(b) for _, b in queries), dk, dv,
-                  CTYPES[dtype], c_build.vector_bytes(), scales, sources, scaled)
-    arrays = ([] if log_decay is None else [log_decay]) + [a for pair in list(corrections) + list(writes)
-                                                           for a in pair] + [q for q, _ in queries] + \
-        [x.scale for x in factored if x.scale is not None]
+                  CTYPES[dtype], c_build.vector_bytes(), scales, sources, scaled, normalized, norm_eps)
     made: dict[int, np.ndarray] = {}  # (a vector several slots share: checked and converted once)
     for a, n in zip(arrays, s.widths):
         if id(a) not in made:
@@ -297,6 +330,8 @@ def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), n
     """The forward of the recurrent backward: ([readout [B, T, H, V]], final state [B, H, K, V], the state
     before every chunk [B, H, ⌈T/chunk⌉, K, V]) — linrec.numpy.adjoint_scan.decay_scan's arguments and
     results (log_decay None: no decay), the states kept every `chunk` tokens (None: grad_calls.default_segment)."""
+    if normalized_rows.any_normalized(corrections, writes, queries):  # (and l2norm's arrays, made once)
+        corrections, writes, queries = normalized_rows.plain(corrections, writes, queries)
     if scaled_keys.any_scaled(corrections, writes):  # (the forward takes each slot's own array)
         corrections, writes = scaled_keys.expand(corrections, writes)
     c = _prepare(s0, log_decay, corrections, writes, queries)

@@ -38,8 +38,9 @@ import numpy as np
 
 from ..dsl.errors import LinrecError
 from ..numpy.adjoint_scan import ScanGrads
-from . import grad_calls, grad_elementwise, grad_kernels, grad_value_side, scaled_keys, small_decays
+from . import grad_calls, grad_elementwise, grad_kernels, grad_value_side, normalized_rows, scaled_keys, small_decays
 from .factored_decay import FactoredDecay, factored_decay  # noqa: F401  (factored_decay: the module's helper)
+from .normalized_rows import normalized  # noqa: F401  (the generated module's helper, as scaled)
 from .scaled_keys import scaled  # noqa: F401  (the generated module's helper: c.grad imports it from here)
 
 
@@ -85,6 +86,8 @@ def scaled_queries(queries: list, factors: tuple[float, ...]) -> list:
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
                         value_corrections=()):
     """The forward of the recurrent backward (see the module's docstring)."""
+    if normalized_rows.any_normalized(corrections, writes, queries):  # (every forward takes l2norm(x) itself)
+        corrections, writes, queries = normalized_rows.plain(corrections, writes, queries)
     queries, factors = query_factors(queries)
     if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):
         state = np.array(s0, dtype=np.float32 if np.asarray(s0).dtype == np.float32 else np.float64)
@@ -115,7 +118,15 @@ def adjoint_recurrent(s0, log_decay, writes, queries, checkpoints, chunk, grad_r
     """The adjoint recurrence, from the last segment (see the module's docstring). decays_as_values: the
     log-decays are logs of values whose gradients the chain rule divides by them (c.small_decays). Factored
     key-side slots (c.scaled_keys) go to c.grad_kernels' backward as they are; for the other kernels they are
-    expanded, and their gradients folded back."""
+    expanded, and their gradients folded back; so are the vectors it normalizes itself (c.normalized_rows), which
+    only its backward with corrections takes as they are."""
+    if normalized_rows.any_normalized(corrections, writes, queries) and (
+            decays_as_values or not corrections or _kernel(log_decay, query_factors(queries)[0], corrections,
+                                                           value_log_decay, value_corrections) != "rows"):
+        plain_corrections, plain_writes, plain_queries = normalized_rows.plain(corrections, writes, queries)
+        grads = adjoint_recurrent(s0, log_decay, plain_writes, plain_queries, checkpoints, chunk, grad_readouts,
+                                  grad_final, plain_corrections, value_log_decay, value_corrections, decays_as_values)
+        return normalized_rows.fold(grads, corrections, writes, queries)
     given_queries, (queries, factors) = queries, query_factors(queries)
     if scaled_keys.any_scaled(corrections, writes) and (decays_as_values or _kernel(
             log_decay, queries, corrections, value_log_decay, value_corrections) != "rows"):

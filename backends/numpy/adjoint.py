@@ -195,8 +195,9 @@ class BackwardEmitter:
             body.append(f"{self.d[('input', x.name)]} = np.zeros_like({n(x.name)})")
         for prm in p.params:
             body.append(f"{self.d[('param', prm.name)]} = np.zeros(np.shape({n(prm.name)}), dtype)")
+        swept = {adj.step.name for adj in self.adjoint.hoisted}  # (a value nothing differentiates through: none)
         for name in p.lets:
-            if name in self.adjoint.hoisted_lets:
+            if name in self.adjoint.hoisted_lets and name in swept:
                 shape = f"np.shape({n(name)})" if name not in self.per_token_lets else \
                     "(batch, tokens, heads" + "".join(", " + n(d) for d in p.lets[name].shape) + ")"
                 body.append(f"{self.d[('let', name)]} = np.zeros({shape}, dtype)")

@@ -12,6 +12,7 @@ read no state and the params, as the recurrent backward ends.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from dataclasses import dataclass, fields
 
@@ -73,6 +74,9 @@ class DecomposedEmitter(BackwardEmitter):
         self.form = form
         self.decomposed = derive_decomposed(compiled, self.em.refold, self.readout_query, self.key_factors,
                                             self.decay_factors)
+        # (the named values' adjoints as the decomposition reaches them: a value the scans take as another array —
+        # the C backward's normalized rows — has none to carry)
+        self.adjoint = dataclasses.replace(self.adjoint, hoisted=self.decomposed.hoisted)
         em, n = self.em, self.em.name
         self.readout_vars = {r.index: em.fresh(f"r{r.index}") for r in compiled.decomposition.readouts}
         for i, var in self.readout_vars.items():
@@ -105,6 +109,15 @@ class DecomposedEmitter(BackwardEmitter):
         vectors they share (compiler.key_factors), or None: each slot its own array (the NumPy scans')."""
         return None
 
+    def base_array(self, t, i: int, code: str) -> str:
+        """The code of factored base i of the transition as the scans take it: its array (the C backward's may wrap
+        it, c.normalized_rows)."""
+        return code
+
+    def query_array(self, r, code: str) -> str:
+        """The code of readout r's query array as the scans take it (see base_array)."""
+        return code
+
     def decay_factors(self, t) -> DecayFactors | None:
         """The transition's elementwise log-decay as the scans take it, factored into a rate the same for every
         token and a step per token (compiler.decay_factors), or None: one array [B, T, H, rows, cols] (the NumPy
@@ -129,7 +142,7 @@ class DecomposedEmitter(BackwardEmitter):
         em, p, n, d = self.em, self.p, self.em.name, self.c.decomposition
         prelude = self.printer(None)
         body = em.prologue()
-        body += em.hoisted_lets(prelude, "values that do not depend on a state, for all tokens at once")
+        body += em.hoisted_lets(prelude, HOISTED)
         body += ["", f"{self.chunk} = {self.chunk_code()}"]
         self.helpers |= {"per_token"} | self.scans
         self.helpers.add("own_array")
@@ -160,8 +173,14 @@ class DecomposedEmitter(BackwardEmitter):
         self.helpers |= prelude.helpers
         owned = tuple(f"{a.grads}." for a in self.arrays.values()) if self.scan_grads_owned else ()
         lines = in_place_products(first_contributions(shared_calls(shared_per_token(body + adjoint)), owned), owned)
-        self.helpers |= {h for h in ("in_place", "negated") if any(f"{h}(" in x for x in lines)}
-        return lines
+        kept = unread_values_dropped(lines, [em.name(s.name) for s in p.steps
+                                             if isinstance(s, ir.Let) and s.name in em.hoisted], HOISTED)
+        # (a helper only a dropped value called is not imported: l2norm where the kernel normalizes itself)
+        read = [x for x in kept if not x.lstrip().startswith("#")]
+        self.helpers -= {h for h in self.helpers if any(re.search(rf"\b{h}\(", x) for x in lines if x not in kept)
+                         and not any(re.search(rf"\b{h}\b", x) for x in read)}
+        self.helpers |= {h for h in ("in_place", "negated") if any(f"{h}(" in x for x in kept)}
+        return kept
 
     def forward_fused(self) -> bool:
         """Whether the module calls fused_forward (falling back on the states' forward scans when it gives None)."""
@@ -239,8 +258,8 @@ class DecomposedEmitter(BackwardEmitter):
         if factors:  # (the vectors the key-side slots share, each computed once)
             lines.append(f"# the vectors {st.name}'s key-side slots (u, w, keys) share: a slot is scaled(vector, its "
                          f"scalar per token or None), as the kernels take it")
-            lines.append(f"{a.bases} = [" + ", ".join(per_token(prelude(em.refold(b)), rows, False)
-                                                     for b in factors.bases) + "]")
+            lines.append(f"{a.bases} = [" + ", ".join(self.base_array(t, i, per_token(prelude(em.refold(b)), rows, False))
+                                                     for i, b in enumerate(factors.bases)) + "]")
             self.helpers.add("scaled")
 
         def key_side(x, slot):  # a key-side vector: its array, or (factored) its base and its scalar
@@ -271,7 +290,7 @@ class DecomposedEmitter(BackwardEmitter):
             if r.is_value:
                 return f"(None, {r.before_update})"
             q, scale = self.readout_query(r), self.readout_scale(r)
-            return f"({per_token(prelude(em.refold(q)), rows, not q.shape)}, {r.before_update}" + \
+            return f"({self.query_array(r, per_token(prelude(em.refold(q)), rows, not q.shape))}, {r.before_update}" + \
                 ("" if scale is None else f", {prelude(scale)}") + ")"
         lines.append(f"{queries} = [" + ", ".join(query(r) for r in reads) + "]")
         if t.signed:  # (the scans carry S̃ = σ ⊙ S, whose decay is |D|; the readouts of a non-causal program are
@@ -440,6 +459,33 @@ class DecomposedEmitter(BackwardEmitter):
             if not r.is_value:  # (a state read as it is has no query)
                 self.seeds[f"r{r.index}"] = seed(read_grads.get(i, f"{g}.queries[{i}]"), self.readout_query(r))
         return lines
+
+
+HOISTED = "values that do not depend on a state, for all tokens at once"  # (their lines' heading)
+
+
+def unread_values_dropped(lines: list[str], names: list[str], heading: str) -> list[str]:
+    """The module's lines without the assignments `name = …` of those named values (computed for all tokens at
+    once, under `# heading`) that no other line of code reads — the C backward's l2norm(x), say, where its kernel
+    takes x and normalizes it itself — until none is left unread (a value read only by a dropped one goes too),
+    and without the heading and the blank line before it where no value is left under it. Comments do not count
+    as reads."""
+    def code(line: str) -> str:
+        return "" if line.lstrip().startswith("#") else line.split("  # ")[0]
+    dropped = False
+    while True:
+        unread = [n for n in names if any(x.startswith(f"{n} = ") for x in lines) and not any(
+            re.search(rf"\b{re.escape(n)}\b", code(x)) for x in lines if not x.startswith(f"{n} = "))]
+        if not unread:
+            break
+        lines = [x for x in lines if not any(x.startswith(f"{n} = ") for n in unread)]
+        names = [n for n in names if n not in unread]
+        dropped = True
+    if dropped and f"# {heading}" in lines:
+        at = lines.index(f"# {heading}")
+        if at + 1 == len(lines) or not lines[at + 1].strip():
+            lines = lines[:at - 1 if at and not lines[at - 1].strip() else at] + lines[at + 1:]
+    return lines
 
 
 _ZEROS = re.compile(r"^(\w+) = np\.zeros_like\((\w+)\)$|^(\w+) = np\.zeros\((.+), dtype\)$")
