@@ -91,7 +91,8 @@ def test_c_backward_matches_numpy(name, dtype, tolerance):
 def _arrays(dtype, dk=11, dv=6, lead=(2, 23, 3)):
     rng = np.random.default_rng(7)
     a = lambda n: rng.standard_normal(lead + (n,)).astype(dtype)  # noqa: E731
-    return dict(s0=rng.standard_normal((lead[0], lead[2], dk, dv)).astype(dtype), l=-rng.random(lead + (1,)).astype(dtype),
+    return dict(s0=rng.standard_normal((lead[0], lead[2], dk, dv)).astype(dtype),
+                l=-rng.random(lead + (1,)).astype(dtype),
                 u=a(dk), w=a(dk), k=a(dk), v=a(dv), q=a(dk), dy=a(dv)), dk
 
 
@@ -100,7 +101,8 @@ def test_kernels_normalize_slot_by_slot(dtype, tolerance):
     """Unfactored slots, each its own Normalized (eps 1e-6, 0.5, 2): the kernel's own forward (which normalizes
     through its Rows) and its backward, against the same kernels on l2norm's arrays with vjp_l2norm after."""
     a, dk = _arrays(dtype)
-    nu, nw, nk, nq = Normalized(a["u"], 1e-6), Normalized(a["w"], 0.5), Normalized(a["k"], 2.0), Normalized(a["q"], 1e-6)
+    nu, nw = Normalized(a["u"], 1e-6), Normalized(a["w"], 0.5)
+    nk, nq = Normalized(a["k"], 2.0), Normalized(a["q"], 1e-6)
     normal = lambda n: rows.l2norm(n.array, n.eps)  # noqa: E731
     plain = dict(corrections=[(normal(nu), normal(nw))], writes=[(normal(nk), a["v"])], queries=[(normal(nq), False)])
     c = grad_kernels._prepare(a["s0"], a["l"], [(nu, nw)], [(nk, a["v"])], [(nq, False)])

@@ -151,7 +151,8 @@ class _CEmitter(DecomposedEmitter):
         return bool(t.corrections) and self.c.program.causal and factored_keys(self.c, t) is not None
 
     def base_array(self, t, i, code):
-        return self._normalized(code, l2norm_argument(factored_keys(self.c, t).bases[i]) if self.normalizes(t) else None)
+        found = l2norm_argument(factored_keys(self.c, t).bases[i]) if self.normalizes(t) else None
+        return self._normalized(code, found)
 
     def query_array(self, r, code):
         return self._normalized(code, self._normalized_query(r))

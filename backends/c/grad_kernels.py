@@ -39,6 +39,7 @@ from . import build as c_build
 from ..numpy.adjoint_scan import ScanGrads
 from .build import CTYPE_BYTES, CTYPES
 from .kernel_source import Target, common_context
+from .printer import c_literal
 from . import grad_calls, normalized_rows, scaled_keys
 from .scan_kernels import cached_kernel, operand
 
@@ -240,7 +241,7 @@ def normalizing(s: Structure) -> dict:
         raise ValueError(f"normalized: {len(s.normalized)} entries for {len(s.widths)} per-token arrays")
     sources = [s.normalized.index(n) for n in range(len(s.norm_eps))]
     return dict(n_norms=len(s.norm_eps), norm_of=", ".join(map(str, s.normalized)),
-                norm_src=", ".join(map(str, sources)), norm_eps=", ".join(map(repr, s.norm_eps)))
+                norm_src=", ".join(map(str, sources)), norm_eps=", ".join(c_literal(e, s.ctype) for e in s.norm_eps))
 
 
 def factoring(s: Structure) -> dict:

@@ -21,6 +21,18 @@ from ..compiler.analysis import children, rebuild, to_text, walk
 from ..templating import c_comment_text
 
 
+def c_literal(v: float, ctype: str) -> str:
+    """A number as a C expression of type T (ctype "float" or "double"): NaN and the infinities by name (a repr of
+    them, "inf", is no C), a negative one in parentheses."""
+    if math.isnan(v):
+        return "((T)NAN)"
+    if math.isinf(v):
+        return "((T)INFINITY)" if v > 0 else "(-(T)INFINITY)"
+    text = repr(float(v))
+    text = text if ctype == "double" else text + "f"
+    return text if v >= 0 else f"({text})"
+
+
 @dataclass(frozen=True)
 class Local(ir.Expr):
     """A value the kernel itself computed before this expression runs (e.g. p = wᵀS): a C local of this
@@ -167,13 +179,7 @@ class CPrinter:
         return self.dims[dim]
 
     def literal(self, v: float) -> str:
-        if math.isnan(v):
-            return "((T)NAN)"
-        if math.isinf(v):
-            return "((T)INFINITY)" if v > 0 else "(-(T)INFINITY)"
-        text = repr(float(v))
-        text = text if self.ctype == "double" else text + "f"
-        return text if v >= 0 else f"({text})"
+        return c_literal(v, self.ctype)
 
     def _name(self, e: ir.Expr, prefix: str) -> str:
         self._count += 1

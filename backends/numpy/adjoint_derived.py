@@ -258,8 +258,9 @@ class DecomposedEmitter(BackwardEmitter):
         if factors:  # (the vectors the key-side slots share, each computed once)
             lines.append(f"# the vectors {st.name}'s key-side slots (u, w, keys) share: a slot is scaled(vector, its "
                          f"scalar per token or None), as the kernels take it")
-            lines.append(f"{a.bases} = [" + ", ".join(self.base_array(t, i, per_token(prelude(em.refold(b)), rows, False))
-                                                     for i, b in enumerate(factors.bases)) + "]")
+            arrays = [self.base_array(t, i, per_token(prelude(em.refold(b)), rows, False))
+                      for i, b in enumerate(factors.bases)]
+            lines.append(f"{a.bases} = [" + ", ".join(arrays) + "]")
             self.helpers.add("scaled")
 
         def key_side(x, slot):  # a key-side vector: its array, or (factored) its base and its scalar
@@ -290,7 +291,8 @@ class DecomposedEmitter(BackwardEmitter):
             if r.is_value:
                 return f"(None, {r.before_update})"
             q, scale = self.readout_query(r), self.readout_scale(r)
-            return f"({self.query_array(r, per_token(prelude(em.refold(q)), rows, not q.shape))}, {r.before_update}" + \
+            array = self.query_array(r, per_token(prelude(em.refold(q)), rows, not q.shape))
+            return f"({array}, {r.before_update}" + \
                 ("" if scale is None else f", {prelude(scale)}") + ")"
         lines.append(f"{queries} = [" + ", ".join(query(r) for r in reads) + "]")
         if t.signed:  # (the scans carry S̃ = σ ⊙ S, whose decay is |D|; the readouts of a non-causal program are
