@@ -294,21 +294,14 @@ def _prepare(s0, log_decay, corrections, writes, queries, read_scales=()) -> gra
     arrays = ([] if log_decay is None else [log_decay]) + [a for pair in list(corrections) + list(writes)
                                                            for a in pair] + [q for q, _ in queries] + \
         [x.scale for x in factored if x.scale is not None]
-    # (a row the kernel normalizes, c.normalized_rows: its buffer, one per Normalized object, and its raw array)
-    buffers: dict[int, normalized_rows.Normalized] = {}
-    for a in arrays:
-        if isinstance(a, normalized_rows.Normalized):
-            buffers.setdefault(id(a), a)
-    if buffers and not corrections:
+    normalized, norm_eps = normalized_rows.buffers(arrays)  # (the rows the kernel normalizes; it reads them raw)
+    if normalized and not corrections:
         raise LinrecError("rows to normalize in the kernel without corrections: only the backward with corrections "
                           "takes them (c.grad_scans gives the others l2norm's arrays)")
-    order = list(buffers)
-    normalized = tuple(order.index(id(a)) if id(a) in buffers else -1 for a in arrays) if buffers else ()
-    norm_eps = tuple(buffers[i].eps for i in order)
-    arrays = [a.array if isinstance(a, normalized_rows.Normalized) else a for a in arrays]
-    raw = {id(n): n.array for n in buffers.values()}
-    per_token = [raw.get(id(a), a) for pair in list(corrections) + list(writes) for a in pair] + \
-        [raw.get(id(q), q) for q, _ in queries] + ([] if log_decay is None else [log_decay])
+    raw = normalized_rows.raw
+    arrays = [raw(a) for a in arrays]
+    per_token = [raw(a) for pair in list(corrections) + list(writes) for a in pair] + [raw(q) for q, _ in queries] + \
+        ([] if log_decay is None else [log_decay])
     state, lead = grad_calls.lead_and_state(s0, per_token)
     dtype = state.dtype
     dk, dv = int(state.shape[2]), int(state.shape[3])

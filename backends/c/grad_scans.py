@@ -86,7 +86,7 @@ def scaled_queries(queries: list, factors: tuple[float, ...]) -> list:
 def adjoint_checkpoints(s0, log_decay, writes, queries, chunk, corrections=(), value_log_decay=None,
                         value_corrections=()):
     """The forward of the recurrent backward (see the module's docstring)."""
-    if normalized_rows.any_normalized(corrections, writes, queries):  # (every forward takes l2norm(x) itself)
+    if normalized_rows.any_normalized(corrections, writes, queries):  # (every forward takes l2norm's arrays)
         corrections, writes, queries = normalized_rows.plain(corrections, writes, queries)
     queries, factors = query_factors(queries)
     if unchanging(log_decay, writes, queries, corrections, value_log_decay, value_corrections):

@@ -4,6 +4,7 @@ kernel takes x raw, normalizes each token's row as it reads it, and gives the gr
 
     l2norm_argument(expr)            (x, eps) where the expression is l2norm(x), else None   (c.grad's module)
     normalized(x, eps)               the generated module's helper: a Normalized, as the scans take it
+    buffers(arrays), raw(x)          a kernel's normalized rows (c.grad_kernels' Structure), the arrays it reads
     any_normalized(corrections, writes, queries)
     plain(corrections, writes, queries)          every Normalized made its array l2norm(x)
     fold(grads, corrections, writes, queries)    the gradients of plain()'s arrays taken back to x
@@ -21,7 +22,6 @@ from typing import NamedTuple
 import numpy as np
 
 from ..compiler import ir
-from ..compiler.builtins import BUILTINS
 from . import rows, scaled_keys
 
 
@@ -38,11 +38,27 @@ def normalized(x, eps: float) -> Normalized:
 
 
 def l2norm_argument(expr: ir.Expr) -> tuple[ir.Expr, float] | None:
-    """(x, eps) where the expression is l2norm(x) over a vector, else None."""
+    """(x, eps) where the expression is l2norm(x) over a vector, else None (its options are resolved: eps is
+    there, the default where the program gives none, as the C printer reads it)."""
     if not (isinstance(expr, ir.Apply) and expr.function == "l2norm" and len(expr.args) == 1):
         return None
-    eps = dict(BUILTINS["l2norm"].options) | dict(expr.options)
-    return expr.args[0], float(eps["eps"])
+    return expr.args[0], float(dict(expr.options)["eps"])
+
+
+def raw(x):
+    """The array a kernel reads for x: a Normalized's own, else x."""
+    return x.array if isinstance(x, Normalized) else x
+
+
+def buffers(arrays: list) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """For a kernel's per-token arrays in its order: per array the buffer of its normalized row (one per Normalized
+    object, so slots that share a vector share one), −1 for a row taken as it is; and each buffer's eps (grad_kernels'
+    Structure.normalized and norm_eps). ((), ()) where none is normalized."""
+    given = {id(a): a for a in arrays if isinstance(a, Normalized)}
+    order = list(given)
+    if not order:
+        return (), ()
+    return tuple(order.index(id(a)) if id(a) in given else -1 for a in arrays), tuple(given[i].eps for i in order)
 
 
 def _bases(corrections, writes) -> list:
